@@ -1,0 +1,33 @@
+"""Shared fixtures: generated IN-9-shaped data and hand-built models, all in tmp_path."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tools import synthetic
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory):
+    """A small generated dataset (4 images per class) in the release's layout."""
+    return synthetic.generate(tmp_path_factory.mktemp("data") / "bg_challenge", per_class=4, seed=1)
+
+
+def save_torchscript(model: torch.nn.Module, path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.trace(model.eval(), torch.zeros(2, 3, 224, 224)), str(path))
+
+
+@pytest.fixture(scope="session")
+def color_ts(tmp_path_factory):
+    """TorchScript files of the hand-built colour model: {9: path, 1000: path}."""
+    folder = tmp_path_factory.mktemp("models")
+    paths = {}
+    for n in (9, 1000):
+        paths[n] = folder / f"color{n}.ts"
+        save_torchscript(synthetic.ColorEvidenceModel(n), paths[n])
+    return paths

@@ -1,0 +1,187 @@
+"""Accuracy on IN-9 variations: decode every image once, batch to the device, predict and map there."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from tools import datasets
+from tools.errors import UserError
+from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, Variation, PredictionMap, class_names
+from tools.models import LoadedModel
+from tools.provenance import write_json_atomic
+from tools.runtime import Forward, Runtime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VariationResult:
+    """One variation's predictions, and the figures derived from them."""
+
+    name: str
+    relpaths: list[str]
+    labels: np.ndarray  # int64 (N,)
+    predictions: np.ndarray  # int64 (N,), IN-9 index or -1
+
+    @property
+    def correct(self) -> int:
+        return int((self.predictions == self.labels).sum())
+
+    @property
+    def total(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def accuracy(self) -> float:
+        return 100.0 * self.correct / self.total
+
+    def confusion(self) -> np.ndarray:
+        """9x9 counts, rows true class, columns predicted class (predictions of -1 are not in it)."""
+        matrix = np.zeros((NUM_IN9_CLASSES, NUM_IN9_CLASSES), dtype=np.int64)
+        mapped = self.predictions != UNMAPPED
+        np.add.at(matrix, (self.labels[mapped], self.predictions[mapped]), 1)
+        return matrix
+
+    def to_json(self) -> dict:
+        names = class_names()
+        per_class = {}
+        for k, name in enumerate(names):
+            rows = self.labels == k
+            total, correct = int(rows.sum()), int((self.predictions[rows] == k).sum())
+            per_class[name] = {"correct": correct, "total": total,
+                               "accuracy": round(100.0 * correct / total, 4) if total else None,
+                               "unmapped": int((self.predictions[rows] == UNMAPPED).sum())}
+        return {"accuracy": round(self.accuracy, 4), "correct": self.correct, "total": self.total,
+                "per_class": per_class, "confusion": self.confusion().tolist()}
+
+
+def bg_gap(results: dict[str, VariationResult]) -> float | None:
+    """accuracy(mixed_same) - accuracy(mixed_rand), in points; None unless both were evaluated."""
+    same, rand = results.get(Variation.MIXED_SAME.value), results.get(Variation.MIXED_RAND.value)
+    if same is None or rand is None:
+        return None
+    return same.accuracy - rand.accuracy
+
+
+def accuracy_line(result: VariationResult) -> str:
+    """The original script's line, kept exactly."""
+    return f"Accuracy on {result.name} is {result.accuracy:.2f}%"
+
+
+class _Resume:
+    """Finished variations saved under --output-dir, so an interrupted `all` run picks up where it stopped."""
+
+    def __init__(self, path: Path | None, key: dict, resume: bool):
+        self.path, self.key = path, key
+        self.done: dict[str, list[int]] = {}
+        if path is not None and resume and path.is_file():
+            import json  # noqa: PLC0415
+            saved = json.loads(path.read_text())
+            if saved.get("key") != key:
+                raise UserError(f"{path} was written for another model, data or setting; rerun without --resume "
+                                f"or use another --output-dir")
+            self.done = saved["done"]
+            log.info("resuming: %s already evaluated", ", ".join(self.done) or "nothing")
+
+    def save(self, name: str, predictions: np.ndarray) -> None:
+        if self.path is None:
+            return
+        self.done[name] = predictions.tolist()
+        write_json_atomic(self.path, {"key": self.key, "done": self.done})
+
+
+def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names: Sequence[str], batch_size: int,
+                        workers: int, state_path: Path | None = None, resume: bool = False,
+                        state_key: dict | None = None, progress: bool = True) -> dict[str, VariationResult]:
+    """Predict every image of the named variations in one stream of batches; results keyed by variation."""
+    root = Path(root)
+    listings = {name: datasets.list_variation(root, name) for name in names}
+    resumer = _Resume(state_path, state_key or {}, resume)
+    results: dict[str, VariationResult] = {}
+    todo = []
+    for name in names:
+        records = listings[name]
+        labels = np.array([r.label for r in records], dtype=np.int64)
+        relpaths = [r.relpath for r in records]
+        if name in resumer.done:
+            results[name] = VariationResult(name, relpaths, labels, np.array(resumer.done[name], dtype=np.int64))
+        else:
+            todo.append((name, relpaths, labels))
+    if not todo:
+        return {name: results[name] for name in names}
+
+    model = runtime.prepare(loaded.model)
+    forward = Forward(model, runtime, batch_size)
+    to_in9 = PredictionMap(loaded.num_classes)
+    all_paths = [p for _, relpaths, _ in todo for p in relpaths]
+    bounds = np.cumsum([0] + [len(relpaths) for _, relpaths, _ in todo])
+    pieces: list[torch.Tensor] = []  # predictions on the device for images buffer_start..end-1
+    buffer_start = finished = 0
+    bar = tqdm(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
+    with bar:
+        for start, batch in datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin()):
+            pieces.append(to_in9(forward(runtime.to_device(batch))))
+            bar.update(batch.shape[0])
+            end = start + batch.shape[0]
+            while finished < len(todo) and end >= bounds[finished + 1]:
+                buffered = torch.cat(pieces)
+                lo, hi = bounds[finished] - buffer_start, bounds[finished + 1] - buffer_start
+                name, relpaths, labels = todo[finished]
+                preds = buffered[lo:hi].cpu().numpy().astype(np.int64)
+                results[name] = VariationResult(name, relpaths, labels, preds)
+                resumer.save(name, preds)
+                pieces, buffer_start = [buffered[hi:]], bounds[finished + 1]
+                finished += 1
+    return {name: results[name] for name in names}
+
+
+@dataclass
+class In9Run:
+    """A finished in9_eval run: per-variation results, the BG-gap and provenance."""
+
+    results: dict[str, VariationResult]
+    provenance: dict
+
+    @property
+    def bg_gap(self) -> float | None:
+        return bg_gap(self.results)
+
+    def to_json(self) -> dict:
+        payload: dict = {name: result.to_json() for name, result in self.results.items()}
+        gap = self.bg_gap
+        payload["bg_gap"] = None if gap is None else round(gap, 4)
+        payload["provenance"] = self.provenance
+        return payload
+
+    def lines(self) -> list[str]:
+        """The original's accuracy line per variation; with several, a table and the BG-gap too."""
+        out = [accuracy_line(r) for r in self.results.values()]
+        if len(self.results) > 1:
+            out += ["", f"{'variation':<12} {'accuracy':>9} {'correct/total':>14}"]
+            out += [f"{r.name:<12} {r.accuracy:>8.2f}% {f'{r.correct}/{r.total}':>14}" for r in self.results.values()]
+        gap = self.bg_gap
+        if gap is not None:
+            out.append(f"BG-gap (mixed_same - mixed_rand): {gap:.2f} points")
+        return out
+
+
+def run_in9(loaded: LoadedModel, runtime: Runtime, root: Path, names: Sequence[str], batch_size: int, workers: int,
+            output_dir: Path | None = None, resume: bool = False, progress: bool = True) -> In9Run:
+    """Evaluate the variations and gather the provenance a results file cites."""
+    from tools.provenance import provenance  # noqa: PLC0415
+
+    root = datasets.check_data_root(root)
+    relpaths = [r.relpath for name in names for r in datasets.list_variation(root, name)]
+    data_info = datasets.fingerprint(root, relpaths)
+    key = {"data": data_info, "model_sha256": loaded.sha256, "normalization": loaded.normalization,
+           "precision": runtime.precision.value, "num_classes": loaded.num_classes}
+    state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
+    results = evaluate_variations(loaded, runtime, root, names, batch_size, workers, state_path, resume, key, progress)
+    return In9Run(results, provenance(runtime.describe(), loaded.describe(), data_info))

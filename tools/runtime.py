@@ -1,0 +1,165 @@
+"""Device, precision and batch sizing, resolved once into one `Runtime`."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from tools.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class Precision(str, enum.Enum):
+    """fp32 is exact; the others are opt-in speed that may change a near-tie prediction."""
+
+    FP32 = "fp32"
+    TF32 = "tf32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+def _mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The device asked for, checked to exist; by default the best one here, with a notice for the CPU."""
+    if name is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if _mps_available():
+            return torch.device("mps")
+        log.warning("no GPU found: running on the CPU (pass --device to choose)")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"unknown device {name!r}; use cuda, cuda:N, mps or cpu") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {name} is not available: this machine has no CUDA GPU (use --device cpu)")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise UserError(f"device {name} is not available: this machine has {torch.cuda.device_count()} CUDA "
+                            f"device(s), cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    elif device.type == "mps":
+        if not _mps_available():
+            raise UserError(f"device {name} is not available: no Apple MPS device here (use --device cpu)")
+    elif device.type != "cpu":
+        raise UserError(f"unsupported device {name!r}; use cuda, cuda:N, mps or cpu")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Runtime:
+    """Where and how the model runs: device, precision (an autocast context) and memory format."""
+
+    device: torch.device
+    precision: Precision = Precision.FP32
+    channels_last: bool = False
+    compile: bool = False
+    _notices: set = field(default_factory=set)
+
+    def __post_init__(self):
+        if self.device.type == "cuda":
+            tf32 = self.precision is Precision.TF32
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
+            torch.backends.cudnn.benchmark = True
+        if self.precision is Precision.FP16 and self.device.type == "cpu":
+            log.warning("fp16 on the CPU is slow and no more exact than bf16; consider --precision bf16")
+
+    @property
+    def exact(self) -> bool:
+        return self.precision is Precision.FP32
+
+    def autocast(self):
+        dtype = AUTOCAST_DTYPES.get(self.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(self.device).eval()
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if self.compile:
+            model = torch.compile(model)
+        return model
+
+    def to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        batch = batch.to(self.device, non_blocking=True)
+        return batch.contiguous(memory_format=memory_format)
+
+    def pin(self) -> bool:
+        return self.device.type == "cuda"
+
+    def notice_once(self, key: str, message: str, *args) -> None:
+        if key not in self._notices:
+            self._notices.add(key)
+            log.warning(message, *args)
+
+    def describe(self) -> dict:
+        name = str(self.device)
+        if self.device.type == "cuda":
+            name += f" ({torch.cuda.get_device_name(self.device)})"
+        return {"device": name, "precision": self.precision.value, "channels_last": self.channels_last,
+                "compile": self.compile}
+
+
+def default_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def default_batch_size(device: torch.device) -> int:
+    return 256 if device.type == "cuda" else 64
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+class Forward:
+    """Runs a model over a batch in chunks of at most `chunk`, halving the chunk on out-of-memory (once said)."""
+
+    def __init__(self, model: Callable, runtime: Runtime, chunk: int):
+        self.model, self.runtime, self.chunk = model, runtime, max(1, chunk)
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        outputs, start = [], 0
+        while start < batch.shape[0]:
+            piece = batch[start:start + self.chunk]
+            try:
+                with torch.inference_mode(), self.runtime.autocast():
+                    outputs.append(self.model(piece))
+            except Exception as exc:  # noqa: BLE001 (only out-of-memory is handled; the rest re-raise)
+                if not _is_oom(exc) or self.chunk == 1:
+                    raise
+                self.chunk //= 2
+                if self.runtime.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                log.warning("out of memory: batch size lowered to %d", self.chunk)
+                continue
+            start += piece.shape[0]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
