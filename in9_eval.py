@@ -5,17 +5,30 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pathlib import Path
+
 from tools import cli
+from tools.analysis import format_categories, prediction_categories
+from tools.report import write_report
 from tools.evaluate import run_in9
-from tools.in9 import VARIATIONS
+from tools.in9 import VARIATIONS, Variation
 from tools.provenance import write_json_atomic
 from tools.runtime import default_batch_size
+
+
+# full image, foreground on a random background, background alone: the paper's Table 3 inputs
+CATEGORY_VARIATIONS = (Variation.ORIGINAL.value, Variation.MIXED_RAND.value, Variation.ONLY_BG_T.value)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--eval-dataset", default="original", choices=[*VARIATIONS, "all"], metavar="NAME",
                         help=f"variation to evaluate, one of {', '.join(VARIATIONS)}, or all (default: original)")
+    parser.add_argument("--categories", action="store_true",
+                        help="also count the paper's prediction categories (BG Irrelevant, BG Required, ...) from "
+                             "original, mixed_rand and only_bg_t, evaluating those three as needed (default: off)")
+    parser.add_argument("--report", type=Path, default=None, metavar="PATH",
+                        help="write a Markdown report of the results (default: none)")
     cli.add_common_arguments(parser)
     return parser
 
@@ -23,12 +36,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     runtime = cli.runtime_from_args(args)
     loaded = cli.model_from_args(args)
-    names = VARIATIONS if args.eval_dataset == "all" else (args.eval_dataset,)
+    names = list(VARIATIONS if args.eval_dataset == "all" else (args.eval_dataset,))
+    if args.categories:
+        names += [v for v in CATEGORY_VARIATIONS if v not in names]
     run = run_in9(loaded, runtime, args.data_path, names, args.batch_size or default_batch_size(runtime.device),
                   args.workers, args.output_dir, args.resume, not args.no_progress)
     print("\n".join(run.lines()))
+    payload = run.to_json()
+    if args.categories:
+        categories = prediction_categories(*(run.results[v] for v in CATEGORY_VARIATIONS))
+        print(format_categories(categories))
+        payload["categories"] = categories
     if args.results_file is not None:
-        write_json_atomic(args.results_file, run.to_json())
+        write_json_atomic(args.results_file, payload)
+    if args.report is not None:
+        write_report(args.report, in9=payload, categories=payload.get("categories"))
     return 0
 
 

@@ -1,0 +1,185 @@
+"""Benchmark of the challenge engine: throughput against the model's own, work against the minimum, and
+end-to-end time against a per-foreground loop that streams backgrounds from disk as the original does.
+
+    python bench/bench_challenge.py --device cpu --per-class 30
+    python bench/bench_challenge.py --device cuda --arch resnet50 --per-class 450 --precision bf16 --skip-baseline
+
+Prints its figures; record them in bench/RESULTS.md with the machine they came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import functional as TF
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools import challenge, synthetic  # noqa: E402
+from tools.challenge import ChallengeConfig, Criterion, run_challenge  # noqa: E402
+from tools.in9 import PredictionMap  # noqa: E402
+from tools.models import LoadedModel, PixelModel  # noqa: E402
+from tools.runtime import Forward, Precision, Runtime, default_batch_size  # noqa: E402
+from tools.in9 import statistics_for, Normalization  # noqa: E402
+
+
+def machine(device: torch.device) -> str:
+    cpu = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+    if device.type == "cuda":
+        text = f"{torch.cuda.get_device_name(device)}; " + text
+    return text
+
+
+def make_model(args) -> tuple[torch.nn.Module, int]:
+    if args.model == "color":
+        return synthetic.ColorEvidenceModel(9, trunk_width=args.trunk_width, trunk_scale=1e-3), 9
+    import torchvision  # noqa: PLC0415
+    torch.manual_seed(0)
+    return torchvision.models.get_model(args.model, weights=None, num_classes=9), 9
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def forward_throughput(model: torch.nn.Module, runtime: Runtime, batch: int, seconds: float) -> float:
+    """Images/s of the wrapped model alone on random uint8 input at the engine's batch size."""
+    prepared = runtime.prepare(model)
+    forward = Forward(prepared, runtime, batch)
+    x = runtime.to_device(torch.randint(0, 256, (batch, 3, 224, 224), dtype=torch.uint8))
+    for _ in range(3):
+        forward(x)
+    sync(runtime.device)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        out = forward(x).argmax(1)
+        n += batch
+    out.cpu()
+    sync(runtime.device)
+    return n / (time.perf_counter() - start)
+
+
+class _Backgrounds(Dataset):
+    """only_bg_t as the original reads it: ImageFolder order, PIL, ToTensor, decoded per request."""
+
+    def __init__(self, root: Path):
+        folder = root / "only_bg_t" / "val"
+        self.items = [(folder / c / f, i) for i, c in enumerate(sorted(os.listdir(folder)))
+                      for f in sorted(os.listdir(folder / c))]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        path, label = self.items[i]
+        return TF.to_tensor(Image.open(path).convert("RGB")), label
+
+
+def baseline(root: Path, data: challenge.ChallengeData, model: torch.nn.Module, num_classes: int,
+             runtime: Runtime, workers: int) -> tuple[np.ndarray, float, int]:
+    """Per foreground, stream every background from disk in batches of 32 until one fools it."""
+    start = time.perf_counter()
+    mean, std = statistics_for(Normalization.AUTO, num_classes)
+    mean, std = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+    prepared = runtime.prepare(model)
+    to_in9 = PredictionMap(num_classes)
+    loader = DataLoader(_Backgrounds(root), batch_size=32, shuffle=False, num_workers=workers)
+    vulnerable = np.zeros(len(data.foregrounds), dtype=bool)
+    evaluated = 0
+    for i, rec in enumerate(data.foregrounds):
+        fg = TF.to_tensor(Image.open(root / rec.image_relpath).convert("RGB")).unsqueeze(0)
+        mask = torch.from_numpy(np.load(root / rec.mask_relpath).astype(np.uint8)).float()[None, None]
+        for bgs, _ in loader:
+            composite = bgs * (1 - mask) + fg * mask
+            with torch.inference_mode(), runtime.autocast():
+                preds = to_in9(prepared(((composite - mean) / std).to(runtime.device))).cpu()
+            evaluated += len(bgs)
+            if (preds != rec.label).any():
+                vulnerable[i] = True
+                break
+    return vulnerable, time.perf_counter() - start, evaluated
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", type=Precision, default=Precision.FP32)
+    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--model", default="color", help="color (hand-built, with --trunk-width) or a torchvision name")
+    parser.add_argument("--trunk-width", type=int, default=0, help="conv trunk width of the colour model")
+    parser.add_argument("--per-class", type=int, default=30, help="images per class of the generated data")
+    parser.add_argument("--data-path", type=Path, default=None, help="use this data instead of generating it")
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--full", action="store_true", help="also time --full (every pair)")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    runtime = Runtime(device, args.precision, args.channels_last)
+    batch = args.batch_size or default_batch_size(device)
+    module, num_classes = make_model(args)
+    mean, std = statistics_for(Normalization.AUTO, num_classes)
+    loaded = LoadedModel(PixelModel(module, mean, std).eval(), num_classes, args.model, None, None, "bench", "bench",
+                         "auto")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.data_path or synthetic.generate(Path(tmp) / "bg", per_class=args.per_class, seed=0).root
+        print(f"machine: {machine(device)}")
+        print(f"model: {args.model}{f' (trunk {args.trunk_width})' if args.model == 'color' else ''}, "
+              f"device {device}, precision {args.precision.value}, batch {batch}")
+        fwd = forward_throughput(loaded.model, runtime, batch, seconds=5.0 if device.type == "cpu" else 10.0)
+        print(f"(1) model forward throughput: {fwd:,.0f} images/s")
+
+        t0 = time.perf_counter()
+        config = ChallengeConfig(batch_size=batch, progress=False, criterion=Criterion.ANY)
+        result = run_challenge(loaded, runtime, root, config, output_dir=Path(tmp) / "out", workers=args.workers)
+        engine_time = time.perf_counter() - t0
+        s = result.state
+        rate = s.evaluated / s.elapsed
+        n_bg = len(result.data.backgrounds)
+        robust = int((s.verdict == challenge.ROBUST).sum())
+        minimum = robust * n_bg + result.vulnerable
+        print(f"data: {result.total} foregrounds x {n_bg} backgrounds; {result.vulnerable} vulnerable, {robust} robust")
+        print(f"(2) engine: {rate:,.0f} composites/s in the search; ratio to (1): {rate / fwd:.3f}")
+        print(f"(3) composites evaluated {s.evaluated:,} / necessary minimum {minimum:,} = {s.evaluated / minimum:.3f}")
+        print(f"    end to end (decode, predict backgrounds, search): {engine_time:.2f} s")
+        if args.full:
+            full = run_challenge(loaded, runtime, root, ChallengeConfig(batch_size=batch, progress=False, full=True),
+                                 output_dir=Path(tmp) / "full", workers=args.workers)
+            full_rate = full.state.evaluated / full.state.elapsed
+            print(f"    --full: {full_rate:,.0f} composites/s, ratio to (1): {full_rate / fwd:.3f}; verdicts equal: "
+                  f"{np.array_equal(full.state.verdict, s.verdict)}")
+        if not args.skip_baseline:
+            vulnerable, base_time, base_evaluated = baseline(Path(root), result.data, module, num_classes, runtime,
+                                                             args.workers)
+            same = np.array_equal(vulnerable, s.verdict == challenge.VULNERABLE)
+            print(f"(4) per-foreground loop from disk: {base_time:.2f} s ({base_evaluated:,} composites); engine "
+                  f"{engine_time:.2f} s; speed-up {base_time / engine_time:.1f}x; verdicts equal: {same}")
+        if device.type == "cuda" and s.elapsed > 0:
+            full_pairs = 4050 * 4050
+            print(f"projection for the full release (4050 x 4050, same vulnerable share): search "
+                  f"{(robust / result.total * full_pairs + result.vulnerable / result.total * 4050) / rate / 60:.1f} "
+                  f"min, --full {full_pairs / rate / 60:.1f} min at this rate")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""The challenge engine against the brute-force reference, under every mode, order and interruption."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.challenge_reference import reference_matrix, reference_verdicts
+import challenge_eval
+from tests.conftest import save_torchscript
+from tools import challenge, cli, synthetic
+from tools.challenge import ChallengeConfig, Criterion, Search, run_challenge
+from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD
+from tools.models import load_model
+from tools.runtime import Runtime
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = Runtime(torch.device("cpu"))
+
+
+class TinyCNN(torch.nn.Module):
+    """A random convolutional classifier whose predictions vary from image to image."""
+
+    def __init__(self, num_classes: int, seed: int):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.conv = torch.nn.Conv2d(3, 8, 5, stride=4)
+        self.fc = torch.nn.Linear(8, num_classes)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+
+
+MODELS = {
+    "color9": lambda: synthetic.ColorEvidenceModel(9),
+    "color1000": lambda: synthetic.ColorEvidenceModel(1000, unmapped_score=0.3),
+    "cnn9": lambda: TinyCNN(9, seed=3),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return synthetic.generate(tmp_path_factory.mktemp("chal") / "bg", per_class=3, seed=5).root
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("chal-models")
+    out = {}
+    for name, make in MODELS.items():
+        module = make().eval()
+        path = folder / f"{name}.ts"
+        save_torchscript(module, path)
+        out[name] = (module, path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(data, models):
+    out = {}
+    for name, (module, _) in models.items():
+        nine = name.endswith("9")
+        out[name] = reference_matrix(data, module, *((IN9_MEAN, IN9_STD) if nine else (IMAGENET_MEAN, IMAGENET_STD)))
+    return out
+
+
+def engine(path, data, tmp_path, **config):
+    loaded = load_model(checkpoint=path)
+    cfg = ChallengeConfig(batch_size=config.pop("batch_size", 7), progress=False, **config)
+    return run_challenge(loaded, CPU, data, cfg, output_dir=tmp_path, workers=2)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("criterion", list(Criterion))
+def test_verdicts_equal_brute_force(name, criterion, data, models, references, tmp_path):
+    matrix, fg_labels, bg_labels = references[name]
+    expected = reference_verdicts(matrix, fg_labels, bg_labels, criterion.value)
+    result = engine(models[name][1], data, tmp_path, criterion=criterion)
+    got = result.state.verdict == challenge.VULNERABLE
+    assert got.tolist() == expected.tolist()
+    assert 0 < expected.sum() < len(expected) or name == "cnn9"  # the colour models give both kinds
+    # each reported fooling background really fools, by the reference matrix
+    for i in np.nonzero(got)[0]:
+        b = result.state.fool_bg[i]
+        assert matrix[i, b] == result.state.fool_pred[i]
+        if criterion is Criterion.ANY:
+            assert matrix[i, b] != fg_labels[i]
+        else:
+            assert matrix[i, b] == bg_labels[b] != fg_labels[i]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_full_matrix_equals_reference(name, data, models, references, tmp_path):
+    matrix, fg_labels, bg_labels = references[name]
+    result = engine(models[name][1], data, tmp_path, full=True, batch_size=10)
+    assert np.array_equal(result.state.matrix.astype(np.int64), matrix)
+    assert result.state.evaluated == matrix.size
+    expected = reference_verdicts(matrix, fg_labels, bg_labels, "any")
+    assert (result.state.verdict == challenge.VULNERABLE).tolist() == expected.tolist()
+    result.write_full_outputs(tmp_path / "full", data, 9)
+    assert np.array_equal(np.load(tmp_path / "full" / "predictions.npy"), matrix.astype(np.int8))
+
+
+def test_unmapped_predictions_are_wrong(references):
+    matrix, _, _ = references["color1000"]
+    assert (matrix == -1).any(), "the 1000-class model should sometimes predict outside IN-9"
+
+
+def test_search_does_little_more_than_the_minimum(data, models, references, tmp_path):
+    matrix, fg_labels, bg_labels = references["color9"]
+    vulnerable = reference_verdicts(matrix, fg_labels, bg_labels, "any")
+    result = engine(models["color9"][1], data, tmp_path, batch_size=4)
+    minimum = (~vulnerable).sum() * matrix.shape[1] + vulnerable.sum()
+    assert minimum <= result.state.evaluated <= 1.3 * minimum
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_verdicts_do_not_depend_on_background_order(seed, data, models, references, tmp_path, monkeypatch):
+    matrix, fg_labels, bg_labels = references["color9"]
+    expected = reference_verdicts(matrix, fg_labels, bg_labels, "any")
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(Search, "_scores", lambda self: rng.random((9, self.n_bg)))
+    result = engine(models["color9"][1], data, tmp_path, batch_size=5)
+    assert (result.state.verdict == challenge.VULNERABLE).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_resume_after_interruption_gives_the_uninterrupted_result(full, data, models, tmp_path, monkeypatch):
+    path = models["color9"][1]
+    whole = engine(path, data, tmp_path / "whole", full=full, batch_size=6)
+
+    calls = {"n": 0}
+    original = challenge.CompositePredictor.predict_pairs
+
+    def interrupted(self, pairs):
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise KeyboardInterrupt
+        return original(self, pairs)
+
+    monkeypatch.setattr(challenge.CompositePredictor, "predict_pairs", interrupted)
+    cfg = ChallengeConfig(batch_size=6, progress=False, full=full, save_every=0.0)
+    with pytest.raises(KeyboardInterrupt):
+        run_challenge(load_model(checkpoint=path), CPU, data, cfg, output_dir=tmp_path / "part", workers=2)
+    monkeypatch.setattr(challenge.CompositePredictor, "predict_pairs", original)
+    resumed = run_challenge(load_model(checkpoint=path), CPU, data, cfg, output_dir=tmp_path / "part", resume=True,
+                            workers=2)
+    assert resumed.state.verdict.tolist() == whole.state.verdict.tolist()
+    assert resumed.state.fool_bg.tolist() == whole.state.fool_bg.tolist()
+    assert resumed.state.evaluated == whole.state.evaluated
+    if full:
+        assert np.array_equal(resumed.state.matrix, whole.state.matrix)
+
+
+def test_resume_refuses_another_runs_state(data, models, tmp_path):
+    engine(models["color9"][1], data, tmp_path)
+    loaded = load_model(checkpoint=models["cnn9"][1])
+    with pytest.raises(Exception, match="belongs to another run"):
+        run_challenge(loaded, CPU, data, ChallengeConfig(progress=False), output_dir=tmp_path, resume=True)
+
+
+def _summary(stdout: str) -> tuple[int, int]:
+    match = re.search(r"Summary: (\d+)/(\d+) \(([\d.]+)%\) are vulnerable foregrounds\.", stdout)
+    assert match, stdout
+    assert re.search(r"^Challenge accuracy: [\d.]+%$", stdout, re.M)
+    return int(match.group(1)), int(match.group(2))
+
+
+@pytest.mark.parametrize("name", ["color9", "color1000"])
+def test_command_line_prints_the_original_summary(name, data, models, references, tmp_path):
+    matrix, fg_labels, bg_labels = references[name]
+    expected = reference_verdicts(matrix, fg_labels, bg_labels, "any")
+    args = [sys.executable, "challenge_eval.py", "--data-path", str(data), "--checkpoint", str(models[name][1]),
+            "--device", "cpu", "--output-dir", str(tmp_path), "--no-progress", "--cache-dir", str(tmp_path / "cache"),
+            "--results-file", str(tmp_path / "r.json"), "--per-foreground-csv", str(tmp_path / "fg.csv")]
+    if name == "color9":
+        args.append("--in9")
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, check=True)
+    vulnerable, total = _summary(out.stdout)
+    assert (vulnerable, total) == (int(expected.sum()), len(expected))
+    pct = 100 * expected.sum() / len(expected)
+    assert f"({pct:.2f}%)" in out.stdout and f"Challenge accuracy: {100 - pct:.2f}%" in out.stdout
+    rows = (tmp_path / "fg.csv").read_text().splitlines()
+    assert len(rows) == 1 + len(expected)
+    # second run reads the decoded-data cache and agrees
+    again = subprocess.run(args, cwd=REPO, capture_output=True, text=True, check=True)
+    assert "from the cache" in again.stderr and _summary(again.stdout) == (vulnerable, total)
+
+
+def test_kill_9_then_resume(data, tmp_path):
+    """A real process killed with SIGKILL mid-run resumes to the uninterrupted result."""
+    slow = tmp_path / "slow.ts"
+    save_torchscript(synthetic.ColorEvidenceModel(9, trunk_width=24, trunk_scale=1e-4), slow)
+    base = [sys.executable, "challenge_eval.py", "--data-path", str(data), "--checkpoint", str(slow), "--device", "cpu",
+            "--no-progress", "--no-cache", "--batch-size", "4", "--save-every", "0", "--workers", "1"]
+    whole = subprocess.run(base + ["--output-dir", str(tmp_path / "whole"), "--per-foreground-csv",
+                                   str(tmp_path / "whole.csv")], cwd=REPO, capture_output=True, text=True, check=True)
+    state = tmp_path / "killed" / challenge.STATE_NAME
+    proc = subprocess.Popen(base + ["--output-dir", str(tmp_path / "killed")], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not state.exists() and time.time() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run finished before it could be killed; use a slower model"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(base + ["--output-dir", str(tmp_path / "killed"), "--resume", "--per-foreground-csv",
+                                     str(tmp_path / "resumed.csv")], cwd=REPO, capture_output=True, text=True,
+                             check=True)
+    assert "resuming from" in resumed.stderr
+    assert _summary(resumed.stdout) == _summary(whole.stdout)
+    assert (tmp_path / "resumed.csv").read_text() == (tmp_path / "whole.csv").read_text()
+
+
+def _break(data: Path, tmp_path: Path) -> Path:
+    broken = tmp_path / "broken"
+    shutil.copytree(data, broken)
+    return broken
+
+
+class _Finished:
+    def __init__(self, returncode: int, stderr: str):
+        self.returncode, self.stderr = returncode, stderr
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """challenge_eval's main, in process (a subprocess per error case would cost seconds each)."""
+
+    def run(data: Path, model: Path, tmp_path: Path) -> _Finished:
+        argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", "--no-cache",
+                "--output-dir", str(tmp_path / "out")]
+        code = cli.run_main(challenge_eval.build_parser(), challenge_eval.main, argv)
+        return _Finished(code, capsys.readouterr().err)
+
+    return run
+
+
+def _assert_one_line_error(proc, pattern: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    assert re.search(pattern, errors[0]), errors[0]
+
+
+def test_mask_without_image(data, models, tmp_path, run_cli):
+    broken = _break(data, tmp_path)
+    victim = sorted((broken / "original" / "val" / "02_vehicle").iterdir())[0]
+    victim.unlink()
+    _assert_one_line_error(run_cli(broken, models["color9"][1], tmp_path), rf"mask .*{victim.stem}\.npy has no image")
+
+
+def test_image_without_mask(data, models, tmp_path, run_cli):
+    broken = _break(data, tmp_path)
+    victim = sorted((broken / "fg_mask" / "val" / "04_carnivore").iterdir())[0]
+    victim.unlink()
+    _assert_one_line_error(run_cli(broken, models["color9"][1], tmp_path), rf"image .*{victim.stem}.* has no mask")
+
+
+def test_mask_of_the_wrong_shape(data, models, tmp_path, run_cli):
+    broken = _break(data, tmp_path)
+    victim = sorted((broken / "fg_mask" / "val" / "01_bird").iterdir())[0]
+    np.save(victim, np.ones((100, 224), dtype=bool))
+    _assert_one_line_error(run_cli(broken, models["color9"][1], tmp_path),
+                           rf"mask .*{victim.name} has shape \(100, 224\), expected \(224, 224\)")
+
+
+def test_mask_of_the_wrong_type(data, models, tmp_path, run_cli):
+    broken = _break(data, tmp_path)
+    victim = sorted((broken / "fg_mask" / "val" / "01_bird").iterdir())[0]
+    np.save(victim, np.full((224, 224), "a"))
+    _assert_one_line_error(run_cli(broken, models["color9"][1], tmp_path), rf"mask .*{victim.name} has dtype")
+
+
+def test_no_backgrounds(data, models, tmp_path, run_cli):
+    broken = _break(data, tmp_path)
+    shutil.rmtree(broken / "only_bg_t")
+    _assert_one_line_error(run_cli(broken, models["color9"][1], tmp_path), r"only_bg_t is missing")
+
+
+def test_empty_background_class(data, models, tmp_path, run_cli):
+    broken = _break(data, tmp_path)
+    for f in (broken / "only_bg_t" / "val" / "03_reptile").iterdir():
+        f.unlink()
+    _assert_one_line_error(run_cli(broken, models["color9"][1], tmp_path), r"03_reptile holds no images")
+
+
+def test_non_binary_masks_warn_once_and_follow_the_uint8_rule(data, models, references, tmp_path, caplog):
+    broken = _break(data, tmp_path)
+    for mask_path in sorted((broken / "fg_mask" / "val").rglob("*.npy")):
+        m = np.load(mask_path)
+        np.save(mask_path, np.where(m, 1.7, 0.4))  # uint8 cast: 1.7 -> 1 (foreground), 0.4 -> 0 (background)
+    challenge_data = challenge.load_challenge_data(broken, workers=1, progress=False)
+    original = challenge.load_challenge_data(data, workers=1, progress=False)
+    assert torch.equal(challenge_data.masks, original.masks)
+    assert sum("values other than 0 and 1" in r.message for r in caplog.records) <= 1

@@ -1,0 +1,192 @@
+"""The Markdown report: every section from results computed on generated data, and absent sections."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tools import analysis, datasets, report, synthetic
+from tools.evaluate import run_in9
+from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS, class_names
+from tools.models import LoadedModel, PixelModel
+from tools.runtime import Runtime
+
+NAMES = class_names()
+
+
+class GridColourModel(torch.nn.Module):
+    """tools.synthetic's colour-evidence classifier on every fourth pixel: the same kind of answers, quicker."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = synthetic.ColorEvidenceModel(9)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x[:, :, ::4, ::4])
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """The hand-built model in the toolkit's pixel wrapper, described as a loaded checkpoint."""
+    return LoadedModel(PixelModel(GridColourModel().eval(), IN9_MEAN, IN9_STD), num_classes=9,
+                       arch="color-evidence", weights=None, source="color9.pt", sha256="ab" * 32,
+                       checkpoint_format="module", normalization="in9")
+
+
+@pytest.fixture(scope="module")
+def in9_results(loaded, dataset):
+    """in9_eval's results JSON for all eight variations, and the prediction categories from the same run."""
+    run = run_in9(loaded, Runtime(torch.device("cpu")), dataset.root, VARIATIONS, batch_size=64, workers=1,
+                  progress=False)
+    categories = analysis.prediction_categories(run.results["original"], run.results["mixed_rand"],
+                                                run.results["only_bg_t"])
+    return run, run.to_json(), categories
+
+
+def _first_per_class(records: list, n: int) -> list:
+    kept, seen = [], {}
+    for record in records:
+        seen[record.label] = seen.get(record.label, 0) + 1
+        if seen[record.label] <= n:
+            kept.append(record)
+    return kept
+
+
+@pytest.fixture(scope="module")
+def challenge_results(loaded, dataset, tmp_path_factory):
+    """A brute-force full challenge on 9 foregrounds x 18 backgrounds, saved as challenge_eval.py --full saves
+    it, analysed; and the challenge results JSON (criterion any) computed from the same matrix."""
+    root = dataset.root
+    fgs = _first_per_class(datasets.list_foregrounds(root), 1)
+    bgs = _first_per_class(datasets.list_variation(root, "only_bg_t"), 2)
+    bg_images = np.stack([datasets.decode_rgb(root / r.relpath) for r in bgs])
+    P = np.zeros((len(fgs), len(bgs)), dtype=np.int8)
+    with torch.inference_mode():
+        for i, r in enumerate(fgs):
+            fg, mask = datasets.decode_rgb(root / r.image_relpath), np.load(root / r.mask_relpath)
+            composites = np.where(mask[None, ..., None], fg[None], bg_images)
+            P[i] = loaded.model(torch.from_numpy(composites).permute(0, 3, 1, 2)).argmax(dim=1).numpy()
+    out = tmp_path_factory.mktemp("challenge")
+    np.save(out / "predictions.npy", P)
+    with open(out / "foregrounds.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows([["index", "stem", "label", "image", "mask"]] +
+                                 [[i, r.stem, r.label, r.image_relpath, r.mask_relpath] for i, r in enumerate(fgs)])
+    with open(out / "backgrounds.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows([["index", "stem", "label", "image"]] +
+                                 [[j, r.stem, r.label, r.relpath] for j, r in enumerate(bgs)])
+    provenance = {"toolkit_version": "0.1.0", "device": "cpu", "precision": "fp32", "arch": None,
+                  "sha256": loaded.sha256, "data": {"files": 27, "sha256": "c" * 64}}
+    (out / "challenge_meta.json").write_text(json.dumps({"data_path": str(root), "criterion": "any",
+                                                         "num_classes": 9, "provenance": provenance}))
+    summary = analysis.write_analysis(out, top_k=2)
+    labels = np.array([r.label for r in fgs])
+    vulnerable = (P != labels[:, None]).any(axis=1)
+    challenge = {"vulnerable": int(vulnerable.sum()), "total": len(fgs),
+                 "vulnerable_percent": round(100 * vulnerable.mean(), 4),
+                 "challenge_accuracy": round(100 - 100 * vulnerable.mean(), 4), "criterion": "any",
+                 "per_class": {name: {"vulnerable": int(vulnerable[labels == c].sum()),
+                                      "total": int((labels == c).sum())} for c, name in enumerate(NAMES)},
+                 "composites_evaluated": int(P.size), "wall_time_s": 1.5, "composites_per_s": P.size / 1.5,
+                 "provenance": provenance}
+    return out, challenge, summary
+
+
+def test_every_section_renders_from_generated_results(in9_results, challenge_results, tmp_path):
+    run, in9, categories = in9_results
+    out, challenge, summary = challenge_results
+    path = tmp_path / "paper" / "report.md"
+    text = report.write_report(path, in9=in9, challenge=challenge, analysis=summary, categories=categories)
+    assert path.read_text(encoding="utf-8") == text
+    for heading in ("# Backgrounds Challenge report", "## IN-9 accuracy", "## Backgrounds Challenge",
+                    "## Adversarial backgrounds", "## Prediction categories", "## Provenance"):
+        assert f"\n{heading}\n" in "\n" + text
+    assert "Not run." not in text and "not run" not in text
+    for name, result in run.results.items():
+        assert f"| `{name}` | {result.accuracy:.2f}% | {result.correct} / {result.total} |" in text
+    assert f"**{run.bg_gap:.2f} points**" in text
+    assert f"**Challenge accuracy: {challenge['challenge_accuracy']:.2f}%.** {challenge['vulnerable']} of 9" in text
+    assert "`any` criterion" in text and "Cost: 162 composites evaluated in 1.5 s (108 composites/s)." in text
+    for name, info in summary["per_class"].items():
+        start = f"| {name} | {100 * info['fool_rate']:.1f}% |"
+        row = next(line for line in text.splitlines() if line.startswith(start))
+        assert all(f"`{e['stem']}` {100 * e['asr']:.1f}%" in row for e in info["top_backgrounds"])
+    link = re.search(r"!\[Top-2 backgrounds per class\]\(([^)]+)\)", text).group(1)
+    assert not Path(link).is_absolute() and (path.parent / link).resolve() == (out / "top_backgrounds.png").resolve()
+    overall = categories["overall"]
+    cells = " | ".join(f"{overall['percent'][c.value]:.1f}% ({overall['counts'][c.value]})" for c in analysis.Category)
+    assert f"| **all** | {overall['images']} | {cells} |" in text
+    provenance = in9["provenance"]
+    assert provenance["toolkit_version"] in text and provenance["data"]["sha256"] in text
+    assert f"`{provenance['sha256']}`" in text  # the checkpoint's hash
+    header = next(line for line in text.splitlines() if line.startswith("|  | IN-9 evaluation"))
+    assert header == "|  | IN-9 evaluation | challenge, analysis |"  # identical provenance shares a column
+
+
+def test_absent_sections_say_not_run(challenge_results, tmp_path):
+    _, challenge, _ = challenge_results
+    text = report.write_report(tmp_path / "r.md", challenge=challenge)
+    for heading in ("IN-9 accuracy", "Adversarial backgrounds", "Prediction categories"):
+        assert f"## {heading}\n\nNot run.\n" in text
+    assert text.count("Not run.") == 3
+    assert "Challenge accuracy" in text and "![" not in text
+    empty = report.write_report(tmp_path / "empty.md")
+    assert empty.count("Not run.") == 4 and "No provenance recorded." in empty
+
+
+def test_partial_in9_marks_missing_variations(in9_results, tmp_path):
+    run, in9, _ = in9_results
+    only_original = {"original": in9["original"], "bg_gap": None, "provenance": in9["provenance"]}
+    text = report.write_report(tmp_path / "r.md", in9=only_original)
+    assert "| `mixed_rand` | not run |  |" in text and "not run (needs both variations)" in text
+    assert f"| `original` | {run.results['original'].accuracy:.2f}% |" in text
+
+
+def test_sparkline():
+    assert report.sparkline([0, 1, 2, 8]) == "·▁▂█"
+    assert report.sparkline([0, 0]) == "··"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+
+def test_command_line_merges_json_files(in9_results, challenge_results, tmp_path, capsys):
+    _, in9, categories = in9_results
+    out, challenge, summary = challenge_results
+    (tmp_path / "in9.json").write_text(json.dumps(in9))
+    (tmp_path / "challenge.json").write_text(json.dumps(challenge))
+    (tmp_path / "categories.json").write_text(json.dumps(categories))
+    target = tmp_path / "report.md"
+    assert report.main(["--in9", str(tmp_path / "in9.json"), "--challenge", str(tmp_path / "challenge.json"),
+                        "--analysis-dir", str(out), "--categories", str(tmp_path / "categories.json"),
+                        "--output", str(target)]) == 0
+    assert str(target) in capsys.readouterr().out
+    expected = report.render_report(in9, challenge, summary, categories, report_dir=tmp_path)
+    assert target.read_text(encoding="utf-8") == expected
+    # categories carried inside the IN-9 results file are used when --categories is not given
+    (tmp_path / "in9_with_categories.json").write_text(json.dumps({**in9, "categories": categories}))
+    assert report.main(["--in9", str(tmp_path / "in9_with_categories.json"), "--output", str(target)]) == 0
+    assert "| **all** |" in target.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "nothing to report: pass at least one of --in9"),
+    (["--in9", "{tmp}/absent.json"],
+     "IN-9 file {tmp}/absent.json does not exist; pass the --results-file of in9_eval.py"),
+    (["--in9", "{tmp}/challenge.json"], "{tmp}/challenge.json is not IN-9 results (no 'provenance' key)"),
+    (["--challenge", "{tmp}/broken.json"], "cannot read challenge file {tmp}/broken.json"),
+    (["--analysis-dir", "{tmp}"], "run `python -m tools.analysis {tmp}` first"),
+])
+def test_command_line_errors_are_one_line(args, message, tmp_path, capsys):
+    (tmp_path / "challenge.json").write_text(json.dumps({"challenge_accuracy": 50.0}))
+    (tmp_path / "broken.json").write_text("{not json")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args] + ["--output", str(tmp_path / "r.md")]
+    assert report.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and message.replace("{tmp}", str(tmp_path)) in err
+    assert not (tmp_path / "r.md").exists()

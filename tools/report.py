@@ -1,0 +1,302 @@
+"""A Markdown report of the results files, for a paper appendix or a leaderboard pull request.
+
+Any subset of the inputs works; a section whose results are absent says "Not run."
+
+    python -m tools.report --in9 in9.json --challenge challenge.json --analysis-dir bg_results \\
+        --categories categories.json --output report.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+from tools import __version__
+from tools.analysis import CATEGORY_TITLES, FIGURE_FILE, SUMMARY_FILE, Category
+from tools.cli import EXIT_USER_ERROR
+from tools.errors import UserError
+from tools.in9 import VARIATIONS, class_names
+
+NOT_RUN = "Not run."
+CRITERIA = {
+    "any": "a foreground is vulnerable when some background makes the prediction wrong",
+    "bg-class": "a foreground is vulnerable when some background of another class makes the model predict "
+                "that background's class",
+}
+BARS = "▁▂▃▄▅▆▇█"
+
+# Provenance rows: (label, key); keys not listed here follow under their own names.
+PROVENANCE_ROWS = [
+    ("Toolkit version", "toolkit_version"), ("torch", "torch"), ("torchvision", "torchvision"), ("Python", "python"),
+    ("Device", "device"), ("Precision", "precision"), ("Channels last", "channels_last"), ("Compiled", "compile"),
+    ("Architecture", "arch"), ("Weights", "weights"), ("Checkpoint", "checkpoint"),
+    ("Checkpoint format", "checkpoint_format"), ("Checkpoint SHA-256", "sha256"), ("Classes", "num_classes"),
+    ("Normalisation", "normalization"), ("Data fingerprint", "data"),
+]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Formatting helpers
+
+def _cell(value) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list], align: str) -> list[str]:
+    """A Markdown table; `align` holds one character per column, l or r."""
+    rule = ["---:" if a == "r" else "---" for a in align]
+    return ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |",
+            *("| " + " | ".join(_cell(v) for v in row) + " |" for row in rows)]
+
+
+def _pct(value, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}%"
+
+
+def _fraction_pct(value, digits: int = 1) -> str:
+    return "–" if value is None else f"{100 * value:.{digits}f}%"
+
+
+def sparkline(counts: list[int]) -> str:
+    """One character per bin, its height scaled to the largest count; empty bins are dots."""
+    top = max(counts, default=0)
+    if top == 0:
+        return "·" * len(counts)
+    return "".join("·" if n == 0 else BARS[math.ceil(n / top * len(BARS)) - 1] for n in counts)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sections
+
+def in9_section(in9: dict | None) -> list[str]:
+    out = ["## IN-9 accuracy", ""]
+    if not in9:
+        return out + [NOT_RUN, ""]
+    rows = []
+    for name in VARIATIONS:
+        result = in9.get(name)
+        if result is None:
+            rows.append([f"`{name}`", "not run", ""])
+        else:
+            rows.append([f"`{name}`", _pct(result["accuracy"]), f"{result['correct']} / {result['total']}"])
+    out += _table(["Variation", "Accuracy", "Correct / total"], rows, "lrr") + [""]
+    gap = in9.get("bg_gap")
+    if gap is None:
+        out.append("**BG-gap** (accuracy on `mixed_same` − `mixed_rand`): not run (needs both variations).")
+    else:
+        out.append(f"**BG-gap** (accuracy on `mixed_same` − `mixed_rand`): **{gap:.2f} points**.")
+    return out + [""]
+
+
+def challenge_section(challenge: dict | None) -> list[str]:
+    out = ["## Backgrounds Challenge", ""]
+    if not challenge:
+        return out + [NOT_RUN, ""]
+    criterion = challenge.get("criterion", "any")
+    out.append(f"**Challenge accuracy: {challenge['challenge_accuracy']:.2f}%.** {challenge['vulnerable']} of "
+               f"{challenge['total']} foregrounds ({challenge['vulnerable_percent']:.2f}%) are vulnerable under the "
+               f"`{criterion}` criterion: {CRITERIA.get(criterion, 'as the challenge run defined it')}.")
+    out.append("")
+    rows = []
+    for name, entry in challenge.get("per_class", {}).items():
+        total, vulnerable = entry["total"], entry["vulnerable"]
+        rows.append([name, vulnerable, total, _pct(100.0 * (total - vulnerable) / total) if total else "–"])
+    if rows:
+        out += _table(["Class", "Vulnerable", "Foregrounds", "Challenge accuracy"], rows, "lrrr") + [""]
+    facts = []
+    if challenge.get("composites_evaluated") is not None:
+        facts.append(f"{challenge['composites_evaluated']:,} composites evaluated")
+    if challenge.get("wall_time_s") is not None:
+        facts.append(f"in {challenge['wall_time_s']:.1f} s")
+    if challenge.get("composites_per_s") is not None:
+        facts.append(f"({challenge['composites_per_s']:,.0f} composites/s)")
+    if facts:
+        out += ["Cost: " + " ".join(facts) + ".", ""]
+    return out
+
+
+def analysis_section(analysis: dict | None, report_dir: Path) -> list[str]:
+    out = ["## Adversarial backgrounds", ""]
+    if not analysis:
+        return out + [NOT_RUN, ""]
+    out.append("The **ASR** (attack success rate) of a background of class *c* is the share of the other classes' "
+               "foregrounds that the model predicts as *c* when pasted on it. The **fool rate** of *c* is the share "
+               "of the other classes' foregrounds that at least one background of *c* turns into *c*. "
+               f"Over {analysis['foregrounds']} foregrounds × {analysis['backgrounds']} backgrounds.")
+    out.append("")
+    rows = []
+    for name, info in analysis["per_class"].items():
+        tops = ", ".join(f"`{e['stem']}` {_fraction_pct(e['asr'])}" for e in info["top_backgrounds"])
+        rows.append([name, _fraction_pct(info["fool_rate"]), info["backgrounds"], _fraction_pct(info["mean_asr"]),
+                     _fraction_pct(info["max_asr"]), f"`{sparkline(info['asr_histogram'])}`", tops or "–"])
+    out += _table(["Class", "Fool rate", "Backgrounds", "Mean ASR", "Max ASR", "ASR histogram (0 → 100%)",
+                   f"Top-{analysis['top_k']} backgrounds (ASR)"], rows, "lrrrrll") + [""]
+    rate = analysis.get("fooled_into_bg_class_rate")
+    if rate is not None:
+        out += [f"{analysis['fooled_into_bg_class']} of {analysis['foregrounds']} foregrounds "
+                f"({_fraction_pct(rate, 2)}) are turned into another class by some background of that class.", ""]
+    figure = analysis.get("files", {}).get("figure", FIGURE_FILE)
+    if analysis.get("output_dir"):
+        figure = Path(os.path.relpath(Path(analysis["output_dir"]) / figure, report_dir)).as_posix()
+    out += [f"![Top-{analysis['top_k']} backgrounds per class]({figure})", ""]
+    return out
+
+
+def categories_section(categories: dict | None) -> list[str]:
+    out = ["## Prediction categories", ""]
+    if not categories:
+        return out + [NOT_RUN, ""]
+    v = categories["variations"]
+    out.append(f"Each image by how its prediction depends on the background (the paper's Table 3): full image "
+               f"`{v['full']}`, foreground on a random background `{v['foreground']}`, background alone "
+               f"`{v['background']}`. Percent of the class's images (count).")
+    out.append("")
+    rows = []
+    for name, entry in [("**all**", categories["overall"]), *categories["per_class"].items()]:
+        cells = [f"{_pct(entry['percent'][cat.value], 1)} ({entry['counts'][cat.value]})" for cat in Category]
+        rows.append([name, entry["images"], *cells])
+    out += _table(["Class", "Images", *(CATEGORY_TITLES[cat] for cat in Category)], rows, "lrrrrrr") + [""]
+    return out
+
+
+def _provenance_value(key: str, value) -> str:
+    if value is None:
+        return "–"
+    if key == "data" and isinstance(value, dict):
+        return f"{value.get('files', '?')} files, SHA-256 `{value.get('sha256', '?')}`"
+    if key == "sha256":
+        return f"`{value}`"
+    if isinstance(value, (dict, list)):
+        return f"`{json.dumps(value, sort_keys=True)}`"
+    return str(value)
+
+
+def provenance_section(sources: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Provenance", ""]
+    groups: list[tuple[list[str], dict]] = []  # identical provenance from several results shares a column
+    for label, prov in sources:
+        if not prov:
+            continue
+        for labels, seen in groups:
+            if seen == prov:
+                labels.append(label)
+                break
+        else:
+            groups.append(([label], prov))
+    if not groups:
+        return out + ["No provenance recorded.", ""]
+    keys = [(label, key) for label, key in PROVENANCE_ROWS if any(key in prov for _, prov in groups)]
+    known = {key for _, key in PROVENANCE_ROWS}
+    extra = sorted({key for _, prov in groups for key in prov} - known)
+    rows = [[label, *(_provenance_value(key, prov.get(key)) for _, prov in groups)]
+            for label, key in keys + [(key, key) for key in extra]]
+    header = ["", *(", ".join(labels) for labels, _ in groups)]
+    return out + _table(header, rows, "l" * len(header)) + [""]
+
+
+def render_report(in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
+                  categories: dict | None = None, report_dir: Path | str = ".") -> str:
+    """The report as Markdown text; `report_dir` is where it will live (for the figure's relative link)."""
+    names = ", ".join(class_names())
+    out = ["# Backgrounds Challenge report", "",
+           f"Written by bg-challenge-toolkit {__version__} from its results files. IN-9 classes: {names}.", ""]
+    out += in9_section(in9)
+    out += challenge_section(challenge)
+    out += analysis_section(analysis, Path(report_dir))
+    out += categories_section(categories)
+    sources = [("IN-9 evaluation", (in9 or {}).get("provenance")), ("challenge", (challenge or {}).get("provenance")),
+               ("analysis", (analysis or {}).get("provenance")), ("categories", (categories or {}).get("provenance"))]
+    out += provenance_section(sources)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def write_report(path: Path | str, in9: dict | None = None, challenge: dict | None = None,
+                 analysis: dict | None = None, categories: dict | None = None) -> str:
+    """Write the Markdown report to `path` and return its text."""
+    path = Path(path)
+    text = render_report(in9, challenge, analysis, categories, report_dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot write the report {path}: {exc}") from None
+    return text
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+
+def _read_json(path: Path, what: str, needs: str, how: str) -> dict:
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{what} file {path} does not exist; {how}") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {what} file {path}: {exc}") from None
+    if not isinstance(payload, dict) or needs not in payload:
+        raise UserError(f"{path} is not {what} results (no {needs!r} key); {how}")
+    return payload
+
+
+def load_inputs(in9: Path | None = None, challenge: Path | None = None, analysis_dir: Path | None = None,
+                categories: Path | None = None) -> dict:
+    """Read the results files named on the command line into write_report's keyword arguments."""
+    if not any((in9, challenge, analysis_dir, categories)):
+        raise UserError("nothing to report: pass at least one of --in9, --challenge, --analysis-dir, --categories")
+    inputs: dict = {"in9": None, "challenge": None, "analysis": None, "categories": None}
+    if in9 is not None:
+        inputs["in9"] = _read_json(in9, "IN-9", "provenance", "pass the --results-file of in9_eval.py")
+        inputs["categories"] = inputs["in9"].get("categories")
+    if challenge is not None:
+        inputs["challenge"] = _read_json(challenge, "challenge", "challenge_accuracy",
+                                         "pass the --results-file of challenge_eval.py")
+    if analysis_dir is not None:
+        summary = Path(analysis_dir) / SUMMARY_FILE
+        inputs["analysis"] = _read_json(summary, "analysis", "per_class",
+                                        f"run `python -m tools.analysis {analysis_dir}` first")
+        inputs["analysis"]["output_dir"] = str(Path(analysis_dir).resolve())  # where the figure is now
+    if categories is not None:
+        inputs["categories"] = _read_json(categories, "prediction categories", "overall",
+                                          "pass the categories file of in9_eval.py --categories")
+    return inputs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tools.report",
+                                     description="Merge results files into one Markdown report.")
+    parser.add_argument("--in9", type=Path, default=None, metavar="PATH",
+                        help="results JSON of in9_eval.py --results-file (default: none)")
+    parser.add_argument("--challenge", type=Path, default=None, metavar="PATH",
+                        help="results JSON of challenge_eval.py --results-file (default: none)")
+    parser.add_argument("--analysis-dir", type=Path, default=None, metavar="DIR",
+                        help=f"folder holding {SUMMARY_FILE} and {FIGURE_FILE} from tools.analysis (default: none)")
+    parser.add_argument("--categories", type=Path, default=None, metavar="PATH",
+                        help="prediction-categories JSON (default: the 'categories' entry of --in9, if any)")
+    parser.add_argument("--output", type=Path, default=Path("report.md"), metavar="PATH",
+                        help="the Markdown file to write (default: report.md)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging detail (default: INFO)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s: %(message)s",
+                        stream=sys.stderr, force=True)
+    try:
+        inputs = load_inputs(args.in9, args.challenge, args.analysis_dir, args.categories)
+        write_report(args.output, **inputs)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(f"Wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
