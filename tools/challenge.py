@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from tools import datasets
+from tools.data import quick_check
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, PredictionMap, Variation, class_names
 from tools.models import LoadedModel
@@ -80,7 +81,8 @@ class ChallengeData:
 
 
 def list_challenge_files(root: Path) -> tuple[list[datasets.ForegroundRecord], list[datasets.ImageRecord], dict]:
-    root = datasets.check_data_root(root)
+    quick_check(root, [Variation.ONLY_BG_T.value], need_masks=True)
+    root = Path(root)
     foregrounds = datasets.list_foregrounds(root)
     backgrounds = datasets.list_variation(root, Variation.ONLY_BG_T.value)
     if not backgrounds:
@@ -390,20 +392,20 @@ class Search:
         s.evaluated += len(pairs)
         np.add.at(s.trials, (labels, b), 1)
         np.add.at(s.successes, (labels[fooled], b[fooled]), 1)
-        if s.matrix is not None:
-            s.matrix[f, b] = preds
         if margins is not None:
             open_rows = s.verdict[f] == UNKNOWN
             np.minimum.at(s.min_margin, f[open_rows & ~fooled], margins[open_rows & ~fooled])
-        resolved = 0
-        for i in np.nonzero(fooled)[0]:  # few per batch: the first fooling pair of each foreground wins
-            fg = f[i]
-            if s.verdict[fg] == UNKNOWN and s.matrix is None:
-                s.verdict[fg], s.fool_bg[fg], s.fool_pred[fg] = VULNERABLE, b[i], preds[i]
-                if margins is not None:
-                    s.min_margin[fg] = margins[i]
-                resolved += 1
-        return resolved
+        if s.matrix is not None:  # --full: verdicts come from the whole matrix at the end
+            s.matrix[f, b] = preds
+            return 0
+        hits = np.nonzero(fooled)[0]
+        _, first = np.unique(f[hits], return_index=True)  # each foreground's first fooling pair in the batch
+        won = hits[first]
+        won = won[s.verdict[f[won]] == UNKNOWN]
+        s.verdict[f[won]], s.fool_bg[f[won]], s.fool_pred[f[won]] = VULNERABLE, b[won], preds[won]
+        if margins is not None:
+            s.min_margin[f[won]] = margins[won]
+        return len(won)
 
     def _launch(self, pairs: np.ndarray):
         preds, margins = self.p.predict_pairs(pairs)

@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from tools import datasets
+from tools.data import quick_check
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, Variation, PredictionMap, class_names
 from tools.models import LoadedModel
@@ -177,7 +178,8 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, root: Path, names: Sequence[s
     """Evaluate the variations and gather the provenance a results file cites."""
     from tools.provenance import provenance  # noqa: PLC0415
 
-    root = datasets.check_data_root(root)
+    quick_check(root, names)
+    root = Path(root)
     relpaths = [r.relpath for name in names for r in datasets.list_variation(root, name)]
     data_info = datasets.fingerprint(root, relpaths)
     key = {"data": data_info, "model_sha256": loaded.sha256, "normalization": loaded.normalization,

@@ -16,7 +16,9 @@ import hashlib
 import logging
 import os
 import pickle
+import re
 import urllib.error
+import warnings
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -113,11 +115,15 @@ def build_architecture(arch: str, num_classes: int) -> nn.Module:
         if name not in timm.list_models():
             raise UserError(f"unknown timm architecture {name!r}{_close(name, timm.list_models())}")
         return timm.create_model(name, pretrained=False, num_classes=num_classes)
+    _check_torchvision_architecture(arch)
+    return _torchvision().models.get_model(arch, weights=None, num_classes=num_classes)
+
+
+def _check_torchvision_architecture(arch: str) -> None:
     names = torchvision_architectures()
     if arch not in names:
         raise UserError(f"unknown architecture {arch!r}{_close(arch, names)}; --arch takes a torchvision "
                         f"classification model name, or timm:NAME with timm installed")
-    return _torchvision().models.get_model(arch, weights=None, num_classes=num_classes)
 
 
 def _classifier_keys(arch: str) -> list[str]:
@@ -133,6 +139,7 @@ def resolve_weights(arch: str, name: str | None):
     if arch.startswith(TIMM_PREFIX):
         raise UserError("pretrained timm weights are not downloaded by this toolkit; pass --checkpoint with the "
                         "weights file of the timm model")
+    _check_torchvision_architecture(arch)
     tv = _torchvision()
     try:
         enum = tv.models.get_model_weights(arch)
@@ -175,22 +182,40 @@ def _archive_kind(path: Path) -> str:
     return "pickle"
 
 
+def _blocked_globals(path: Path, exc: Exception) -> list[str]:
+    """The globals a weights-only load refused: listed from a zip checkpoint, else read off the error."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # noqa: BLE001 (legacy, non-zip files: torch's message names the first one)
+        return re.findall(r"Unsupported global: GLOBAL (\S+)", str(exc))
+
+
+def _unpickling_problem(exc: Exception) -> str:
+    """The useful line of an unpickling error (torch wraps weights-only failures in paragraphs of advice)."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
 def _torch_load(path: Path, trust: bool):
     if trust:
         log.warning("loading %s with full unpickling (--trust-checkpoint): only do this for files you trust", path)
-        return torch.load(path, map_location="cpu", weights_only=False)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        try:
-            blocked = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except Exception:  # noqa: BLE001 (the list is a courtesy; the refusal stands without it)
-            blocked = []
-        names = ", ".join(blocked) if blocked else "unknown"
-        raise UserError(f"checkpoint {path} needs arbitrary unpickling (blocked globals: {names}); if you trust "
-                        f"the file, rerun with --trust-checkpoint") from None
+        return torch.load(path, map_location="cpu", weights_only=not trust)
+    except pickle.UnpicklingError as exc:
+        blocked = [] if trust else _blocked_globals(path, exc)
+        if blocked:
+            raise UserError(f"checkpoint {path} needs arbitrary unpickling (blocked globals: {', '.join(blocked)}); "
+                            f"if you trust the file, rerun with --trust-checkpoint") from None
+        raise UserError(f"cannot read checkpoint {path}: it does not unpickle ({_unpickling_problem(exc)}); "
+                        f"is it a PyTorch file?") from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise UserError(f"cannot read checkpoint {path}: {str(exc).splitlines()[0]}; is it a PyTorch file?") from None
+    except (ImportError, AttributeError) as exc:  # only with --trust-checkpoint: a class the file needs is missing
+        raise UserError(f"cannot unpickle checkpoint {path}: {exc}; install the code that defines its classes, "
+                        f"or save a state dict instead") from None
 
 
 def _is_tensor_dict(obj) -> bool:
@@ -264,6 +289,23 @@ def _key_list(keys, limit: int = 8) -> str:
     return ", ".join(keys[:limit]) + more
 
 
+def _check_fits(state: Mapping, expected: Mapping, what: str) -> None:
+    """Strict loading, checked first so that every problem is named (load_state_dict stops at a shape)."""
+    problems = []
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    mismatched = [f"{k} {tuple(state[k].shape)} (the architecture has {tuple(v.shape)})"
+                  for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    if missing:
+        problems.append(f"missing keys: {_key_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_key_list(unexpected)}")
+    if mismatched:
+        problems.append(f"shapes that differ: {_key_list(mismatched, limit=3)}")
+    if problems:
+        raise UserError(f"{what}: {'; '.join(problems)}")
+
+
 def _check_class_count(num_classes: int, in9: bool | None, what: str) -> None:
     if num_classes not in SUPPORTED_CLASS_COUNTS:
         raise UserError(f"{what} has {num_classes} classes; the toolkit evaluates 9-class (IN-9) or 1000-class "
@@ -273,23 +315,44 @@ def _check_class_count(num_classes: int, in9: bool | None, what: str) -> None:
                         f"the 9-class checkpoint")
 
 
-def _probe_classes(classifier: nn.Module, path: Path) -> int:
+def _probe_classes(classifier: nn.Module, path: Path, kind: str) -> int:
+    """The class count, from a forward pass on a batch of 3 (which also finds programs fixed to one batch size)."""
     try:
         with torch.inference_mode():
-            out = classifier(torch.zeros(1, 3, IMAGE_SIZE, IMAGE_SIZE))
+            out = classifier(torch.zeros(3, 3, IMAGE_SIZE, IMAGE_SIZE))
     except Exception as exc:  # noqa: BLE001 (any failure of a foreign program is the user's file)
-        raise UserError(f"the model in {path} fails on a 1x3x{IMAGE_SIZE}x{IMAGE_SIZE} input: "
-                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        hint = ("; export it with a dynamic batch dimension (dynamic_shapes with torch.export.Dim) or save it as "
+                "TorchScript/state dict") if kind == "export" else ""
+        raise UserError(f"the model in {path} fails on a 3x3x{IMAGE_SIZE}x{IMAGE_SIZE} input: "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}{hint}") from None
     if not isinstance(out, torch.Tensor) or out.ndim != 2:
         raise UserError(f"the model in {path} does not return a (batch, classes) tensor of logits")
     return int(out.shape[1])
 
 
+class ExportedModule(nn.Module):
+    """A torch.export program as a module. Its mode was fixed when it was exported and the program refuses
+    train()/eval(), so those set this wrapper's flag and do not reach into it."""
+
+    def __init__(self, program: nn.Module):
+        super().__init__()
+        self.program = program
+
+    def train(self, mode: bool = True) -> "ExportedModule":
+        self.training = mode
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.program(x)
+
+
 def _load_program(path: Path, kind: str) -> nn.Module:
     try:
         if kind == "torchscript":
-            return torch.jit.load(str(path), map_location="cpu")
-        return torch.export.load(str(path)).module()
+            with warnings.catch_warnings():  # TorchScript is deprecated upstream, yet users' files are TorchScript
+                warnings.simplefilter("ignore", FutureWarning)
+                return torch.jit.load(str(path), map_location="cpu")
+        return ExportedModule(torch.export.load(str(path)).module())
     except Exception as exc:  # noqa: BLE001 (a broken archive is the user's file)
         raise UserError(f"cannot load the {kind} program {path}: {str(exc).splitlines()[0]}") from None
 
@@ -311,7 +374,7 @@ def load_model(arch: str = "resnet50", weights: str | None = None, checkpoint: P
         kind = _archive_kind(path)
         if kind in ("torchscript", "export"):
             classifier = _load_program(path, kind)
-            num_classes = _probe_classes(classifier, path)
+            num_classes = _probe_classes(classifier, path, kind)
             _check_class_count(num_classes, in9, f"the model in {path}")
             layout, arch_name = ("TorchScript" if kind == "torchscript" else "torch.export"), None
         else:
@@ -325,14 +388,8 @@ def load_model(arch: str = "resnet50", weights: str | None = None, checkpoint: P
             num_classes = int(state.state_dict[present[0]].shape[0])
             _check_class_count(num_classes, in9, f"checkpoint {path}")
             classifier = build_architecture(arch, num_classes)
-            result = classifier.load_state_dict(state.state_dict, strict=False)
-            problems = []
-            if result.missing_keys:
-                problems.append(f"missing keys: {_key_list(result.missing_keys)}")
-            if result.unexpected_keys:
-                problems.append(f"unexpected keys: {_key_list(result.unexpected_keys)}")
-            if problems:
-                raise UserError(f"checkpoint {path} does not fit --arch {arch}: {'; '.join(problems)}")
+            _check_fits(state.state_dict, classifier.state_dict(), f"checkpoint {path} does not fit --arch {arch}")
+            classifier.load_state_dict(state.state_dict, strict=True)
         source, digest, weights_name = str(path), sha256_file(path), None
     else:
         if in9:

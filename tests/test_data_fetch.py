@@ -1,0 +1,323 @@
+"""`python -m tools.data fetch`: download from a local HTTP server, resume, hash check, safe extraction, offline."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import logging
+import re
+import socket
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from tools import data, synthetic
+from tools.datasets import list_foregrounds, list_variation
+from tools.errors import UserError
+from tools.in9 import MASK_FOLDER, VARIATIONS
+
+ARCHIVE_PATH = "/release/" + data.ARCHIVE_NAME
+
+
+def _tar_gz(add_members) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        add_members(tar)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """(archive bytes, sha256): a generated dataset tarred under a bg_challenge/ top folder, like the release."""
+    source = tmp_path_factory.mktemp("release") / "bg_challenge"
+    synthetic.generate(source, per_class=1, seed=3)
+    payload = _tar_gz(lambda tar: tar.add(source, arcname="bg_challenge"))
+    return payload, hashlib.sha256(payload).hexdigest()
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Serves the server's `files`; honours `Range: bytes=N-` unless the server says not to."""
+
+    def do_GET(self):  # noqa: N802 (the http.server API)
+        server = self.server
+        requested_range = self.headers.get("Range")
+        server.requests.append((self.path, requested_range))
+        body = server.files.get(self.path)
+        if body is None:
+            self.send_error(404)
+            return
+        start = 0
+        if requested_range and server.honour_range:
+            start = int(re.fullmatch(r"bytes=(\d+)-", requested_range).group(1))
+            if start >= len(body):
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{len(body)}")
+                self.end_headers()
+                return
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(body) - start))
+        self.end_headers()
+        payload = body[start:]
+        if server.cut_after is not None:  # announce everything, send a part, hang up
+            payload = payload[:server.cut_after]
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    """A threaded HTTP server on 127.0.0.1 (a free port), stopped at the end of the test."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    httpd.files, httpd.requests, httpd.honour_range, httpd.cut_after = {}, [], True, None
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    httpd.url = lambda path: f"http://127.0.0.1:{httpd.server_address[1]}{path}"
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout=5)
+
+
+def _run_cli(argv, capsys):
+    """Run `python -m tools.data` in-process; (exit code, stdout, stderr). Restores the logging setup."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        code = data.main(argv)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _assert_release_layout(root: Path, per_class: int = 1):
+    for name in VARIATIONS:
+        records = list_variation(root, name)
+        assert len(records) == 9 * per_class
+        assert sorted({r.label for r in records}) == list(range(9))
+    assert len(list_foregrounds(root)) == 9 * per_class
+    assert not (root / "bg_challenge").exists()
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def test_download_checks_hash_and_extracts_the_layout(server, release, tmp_path):
+    payload, sha = release
+    server.files[ARCHIVE_PATH] = payload
+    root = tmp_path / "data"
+    result = data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
+    _assert_release_layout(root)
+    assert result.verified and result.sha256 == sha
+    assert result.downloaded_bytes == len(payload) and not result.resumed
+    assert result.counts == {**{name: 9 for name in VARIATIONS}, MASK_FOLDER: 9}
+    assert result.files == 9 * 8 + 9 + 1  # images, masks and the generator's manifest
+    assert _leftovers(root) == sorted([*VARIATIONS, MASK_FOLDER, synthetic.MANIFEST_NAME])  # archive deleted
+    assert server.requests == [(ARCHIVE_PATH, None)]
+
+
+def test_cli_keeps_the_archive_when_asked(server, release, tmp_path, capsys):
+    payload, sha = release
+    server.files[ARCHIVE_PATH] = payload
+    root = tmp_path / "data"
+    code, out, err = _run_cli(["fetch", "--data-path", str(root), "--url", server.url(ARCHIVE_PATH), "--sha256", sha,
+                               "--keep-archive", "--no-progress"], capsys)
+    assert code == 0, err
+    assert f"sha256: {sha} verified" in out and "archive kept at" in out
+    assert data.sha256_file(root / data.ARCHIVE_NAME) == sha
+    _assert_release_layout(root)
+    # a second run finds the data in place and downloads nothing
+    code, out, _ = _run_cli(["fetch", "--data-path", str(root), "--url", server.url(ARCHIVE_PATH), "--no-progress"],
+                            capsys)
+    assert code == 0 and "nothing fetched" in out and len(server.requests) == 1
+
+
+def test_resumes_a_partial_download_with_a_range_request(server, release, tmp_path):
+    payload, sha = release
+    server.files[ARCHIVE_PATH] = payload
+    root = tmp_path / "data"
+    root.mkdir()
+    half = len(payload) // 2
+    (root / (data.ARCHIVE_NAME + data.PART_SUFFIX)).write_bytes(payload[:half])
+    result = data.fetch(root, server.url(ARCHIVE_PATH), sha, keep_archive=True, progress=False)
+    assert server.requests == [(ARCHIVE_PATH, f"bytes={half}-")]
+    assert result.resumed and result.downloaded_bytes == len(payload) - half
+    assert data.sha256_file(root / data.ARCHIVE_NAME) == sha
+    _assert_release_layout(root)
+
+
+def test_a_part_that_is_already_whole_is_not_downloaded_again(server, release, tmp_path):
+    payload, sha = release
+    server.files[ARCHIVE_PATH] = payload
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / (data.ARCHIVE_NAME + data.PART_SUFFIX)).write_bytes(payload)
+    result = data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)  # the server answers 416
+    assert server.requests == [(ARCHIVE_PATH, f"bytes={len(payload)}-")]
+    assert result.downloaded_bytes == 0 and result.verified
+    _assert_release_layout(root)
+
+
+def test_restarts_when_the_server_ignores_range(server, release, tmp_path, caplog):
+    payload, sha = release
+    server.files[ARCHIVE_PATH] = payload
+    server.honour_range = False
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / (data.ARCHIVE_NAME + data.PART_SUFFIX)).write_bytes(payload[:1000])
+    with caplog.at_level(logging.WARNING, logger="tools.data"):
+        result = data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
+    assert server.requests == [(ARCHIVE_PATH, "bytes=1000-")]
+    assert "ignored the request to resume" in caplog.text
+    assert not result.resumed and result.downloaded_bytes == len(payload) and result.sha256 == sha
+    _assert_release_layout(root)
+
+
+def test_a_dropped_connection_keeps_the_part_for_the_next_run(server, release, tmp_path):
+    payload, sha = release
+    server.files[ARCHIVE_PATH] = payload
+    server.cut_after = 5000
+    root = tmp_path / "data"
+    with pytest.raises(UserError, match=r"stopped after 5,000 of [\d,]+ bytes .*rerun the same command to resume"):
+        data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
+    part = root / (data.ARCHIVE_NAME + data.PART_SUFFIX)
+    assert part.read_bytes() == payload[:5000]
+    server.cut_after = None
+    result = data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
+    assert server.requests[-1] == (ARCHIVE_PATH, "bytes=5000-") and result.resumed
+    _assert_release_layout(root)
+
+
+def test_sha256_mismatch_is_one_error_and_the_file_is_moved_aside(server, release, tmp_path, capsys):
+    payload, sha = release
+    server.files[ARCHIVE_PATH] = payload
+    root = tmp_path / "data"
+    code, out, err = _run_cli(["fetch", "--data-path", str(root), "--url", server.url(ARCHIVE_PATH),
+                               "--sha256", "0" * 64, "--no-progress"], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: SHA-256 mismatch") and "Traceback" not in err
+    assert f"got {sha}, expected {'0' * 64}" in err and "moved aside" in err
+    bad = root / (data.ARCHIVE_NAME + data.BAD_SUFFIX)
+    assert str(bad) in err and bad.read_bytes() == payload
+    assert _leftovers(root) == [bad.name]  # no .part, no archive, nothing extracted
+
+
+def test_a_url_without_sha256_is_not_checked_but_reported(server, release, tmp_path, caplog):
+    payload, sha = release
+    server.files[ARCHIVE_PATH] = payload
+    with caplog.at_level(logging.WARNING, logger="tools.data"):
+        result = data.fetch(tmp_path / "data", server.url(ARCHIVE_PATH), progress=False)
+    assert not result.verified and result.sha256 == sha
+    assert f"not checking the SHA-256" in caplog.text and sha in caplog.text
+    assert "NOT verified" in "\n".join(result.lines())
+
+
+def test_the_release_url_is_checked_against_the_release_hash():
+    assert data.RELEASE_URL.endswith("/" + data.ARCHIVE_NAME)
+    assert data.RELEASE_SIZE == 279_581_133
+    assert re.fullmatch(r"[0-9a-f]{64}", data.RELEASE_SHA256)
+
+
+def test_an_already_downloaded_archive_is_extracted(release, tmp_path):
+    payload, sha = release
+    archive = tmp_path / "download" / "anything.tar.gz"
+    archive.parent.mkdir()
+    archive.write_bytes(payload)
+    with pytest.raises(UserError, match="SHA-256 mismatch .*left in place"):  # checked against the release's hash
+        data.fetch(tmp_path / "data", archive=archive, progress=False)
+    assert archive.exists()
+    result = data.fetch(tmp_path / "data", archive=archive, sha256=sha, progress=False)
+    assert result.verified and archive.read_bytes() == payload  # the user's file is left alone
+    _assert_release_layout(tmp_path / "data")
+
+
+def test_an_archive_placed_where_fetch_would_download_it_is_used(server, release, tmp_path):
+    payload, sha = release
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / data.ARCHIVE_NAME).write_bytes(payload)
+    result = data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)  # the server has no such file
+    assert server.requests == [] and result.downloaded_bytes == 0
+    _assert_release_layout(root)
+
+
+def test_offline_is_one_line_saying_what_to_download_and_where(tmp_path, capsys):
+    with socket.socket() as sock:  # a port that was free a moment ago and now has no listener
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/release/{data.ARCHIVE_NAME}"
+    root = tmp_path / "data"
+    code, out, err = _run_cli(["fetch", "--data-path", str(root), "--url", url, "--sha256", "a" * 64, "--no-progress",
+                               "--timeout", "5"], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"error: cannot download {url}")
+    assert str(root / data.ARCHIVE_NAME) in err and data.PART_SUFFIX in err
+    assert "verifies and extracts" in err and "--archive" in err
+
+
+def test_http_errors_are_user_errors(server, tmp_path):
+    with pytest.raises(UserError, match="HTTP 404"):
+        data.fetch(tmp_path / "data", server.url("/missing.tar.gz"), "a" * 64, progress=False)
+
+
+def _evil_members(kind: str, outside: Path):
+    def add(tar: tarfile.TarFile):
+        def file(name: str, content: bytes = b"evil"):
+            info = tarfile.TarInfo(name)
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
+
+        file("bg_challenge/original/val/00_dog/fine.JPEG", b"fine")
+        if kind == "dotdot":
+            file("bg_challenge/../../outside/evil.txt")
+        elif kind == "absolute":
+            file(str(outside / "evil.txt"))
+        elif kind in ("symlink", "hardlink"):
+            link = tarfile.TarInfo("bg_challenge/original/val/link")
+            link.type = tarfile.SYMTYPE if kind == "symlink" else tarfile.LNKTYPE
+            link.linkname = str(outside)
+            tar.addfile(link)
+            file("bg_challenge/original/val/link/evil.txt")
+        elif kind == "device":
+            device = tarfile.TarInfo("bg_challenge/original/val/tty")
+            device.type = tarfile.CHRTYPE
+            tar.addfile(device)
+    return add
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink", "hardlink", "device"])
+def test_an_unsafe_archive_is_refused_and_nothing_is_written(server, tmp_path, kind):
+    outside = tmp_path / "outside"
+    payload = _tar_gz(_evil_members(kind, outside))
+    server.files[ARCHIVE_PATH] = payload
+    root = tmp_path / "data"
+    with pytest.raises(UserError, match=r"refusing to extract .*unsafe member.*nothing was extracted"):
+        data.fetch(root, server.url(ARCHIVE_PATH), hashlib.sha256(payload).hexdigest(), progress=False)
+    assert not outside.exists()
+    assert _leftovers(root) == [data.ARCHIVE_NAME]  # only the verified download: no folders, no temporary files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_an_archive_that_is_not_a_tar_is_a_user_error(tmp_path):
+    junk = tmp_path / "junk.tar.gz"
+    junk.write_bytes(b"not an archive at all")
+    with pytest.raises(UserError, match="cannot read archive .*not a tar archive"):
+        data.fetch(tmp_path / "data", archive=junk, sha256=hashlib.sha256(b"not an archive at all").hexdigest(),
+                   progress=False)
+
+
+def test_a_folder_with_part_of_a_dataset_is_refused(tmp_path):
+    root = tmp_path / "data"
+    (root / "original").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"already holds part of a dataset \(original\)"):
+        data.fetch(root, progress=False)

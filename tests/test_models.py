@@ -1,0 +1,269 @@
+"""Checkpoint reading: every format the loader accepts round-trips to the same logits; strictness,
+class-count inference, the normalisation rule and the pixel wrapper."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from PIL import Image
+from torch import nn
+from torchvision.transforms import Normalize
+from torchvision.transforms.functional import to_tensor
+
+from conftest import save_torchscript
+from tools.errors import UserError
+from tools.in9 import Normalization
+from tools.models import PixelModel, load_model
+
+# The figures of the reference README, written out: the toolkit's constants are checked against these.
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+IN9_MEAN, IN9_STD = (0.4717, 0.4499, 0.3837), (0.2600, 0.2516, 0.2575)
+ROBUST_MEAN, ROBUST_STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)  # a robustness-library normaliser unlike both
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: small forwards, and on a busy machine extra threads only wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def resnet18(num_classes: int, seed: int = 0) -> nn.Module:
+    """A random resnet18 whose batch-norm statistics are not the defaults, so a lost buffer shows."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = torchvision.models.resnet18(num_classes=num_classes)
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.1, 0.1)
+                module.running_var.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def net9() -> nn.Module:
+    return resnet18(9)
+
+
+@pytest.fixture(scope="module")
+def pixels() -> torch.Tensor:
+    """Small images: the resnets pool adaptively, and small forwards keep the tests fast."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8, generator=gen)
+
+
+@pytest.fixture(scope="module")
+def pixels224() -> torch.Tensor:
+    """Full-size images, for a torch.export program (its spatial size is fixed when it is exported)."""
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8, generator=gen)
+
+
+def expected_logits(module: nn.Module, pixels: torch.Tensor, stats) -> torch.Tensor:
+    """The module on ToTensor-scaled, normalised pixels, computed here by hand."""
+    x = pixels.float().div(255)
+    if stats is not None:
+        mean, std = (torch.tensor(s, dtype=torch.float32).view(1, 3, 1, 1) for s in stats)
+        x = (x - mean) / std
+    with torch.inference_mode():
+        return module(x)
+
+
+def logits_of(loaded, pixels: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return loaded.model(pixels)
+
+
+def prefixed(state: dict, prefix: str) -> dict:
+    return {prefix + k: v for k, v in state.items()}
+
+
+def robustness_checkpoint(module: nn.Module) -> dict:
+    """The robustness library's layout: AttackerModel(normalizer, model, attacker(normalizer, model))
+    under DataParallel, saved with the optimizer and the epoch."""
+    state = module.state_dict()
+    mean, std = (torch.tensor(s).view(3, 1, 1) for s in (ROBUST_MEAN, ROBUST_STD))
+    model_state = {"module.normalizer.new_mean": mean, "module.normalizer.new_std": std,
+                   **prefixed(state, "module.model."),
+                   "module.attacker.normalizer.new_mean": mean.clone(),
+                   "module.attacker.normalizer.new_std": std.clone(),
+                   **prefixed({k: v.clone() for k, v in state.items()}, "module.attacker.model.")}
+    return {"model": model_state, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]},
+            "schedule": None, "epoch": 90}
+
+
+STATE_DICT_LAYOUTS = {
+    "plain": lambda sd: sd,
+    "model": lambda sd: {"model": sd, "epoch": 3},
+    "state_dict": lambda sd: {"state_dict": sd, "optimizer": {"lr": 0.1}, "arch": "resnet18"},
+    "state_dict_ema": lambda sd: {"state_dict_ema": sd, "epoch": 7},
+    "module.": lambda sd: prefixed(sd, "module."),
+    "_orig_mod.": lambda sd: prefixed(sd, "_orig_mod."),
+    "module._orig_mod.": lambda sd: prefixed(sd, "module._orig_mod."),
+    "model+module.": lambda sd: {"model": prefixed(sd, "module.")},
+}
+
+
+@pytest.mark.parametrize("layout", list(STATE_DICT_LAYOUTS))
+def test_state_dict_layouts_round_trip(layout, net9, pixels, tmp_path):
+    path = tmp_path / "ckpt.pth"
+    torch.save(STATE_DICT_LAYOUTS[layout](net9.state_dict()), path)
+    loaded = load_model("resnet18", checkpoint=path)
+    assert loaded.num_classes == 9
+    assert torch.equal(logits_of(loaded, pixels), expected_logits(net9, pixels, (IN9_MEAN, IN9_STD)))
+    key = layout.split("+")[0]
+    if key in ("model", "state_dict", "state_dict_ema"):
+        assert f"key {key!r}" in loaded.checkpoint_format
+    else:
+        assert "the top level" in loaded.checkpoint_format
+
+
+def test_state_dict_key_priority_and_checkpoint_key(net9, pixels, tmp_path):
+    other = resnet18(9, seed=1)
+    path = tmp_path / "both.pth"
+    torch.save({"state_dict_ema": other.state_dict(), "model": net9.state_dict()}, path)
+    stats = (IN9_MEAN, IN9_STD)
+    first = load_model("resnet18", checkpoint=path)  # `model` comes first in the fixed priority
+    assert torch.equal(logits_of(first, pixels), expected_logits(net9, pixels, stats))
+    chosen = load_model("resnet18", checkpoint=path, checkpoint_key="state_dict_ema")
+    assert torch.equal(logits_of(chosen, pixels), expected_logits(other, pixels, stats))
+    with pytest.raises(UserError, match=r"--checkpoint-key 'ema' is not in the checkpoint \(it has: "
+                                        r"state_dict_ema, model\)"):
+        load_model("resnet18", checkpoint=path, checkpoint_key="ema")
+
+
+@pytest.mark.parametrize("normalize,stats", [
+    (Normalization.AUTO, (ROBUST_MEAN, ROBUST_STD)),  # the checkpoint's normaliser wins over the rule
+    (Normalization.IN9, (IN9_MEAN, IN9_STD)),  # --normalize overrides it
+    (Normalization.IMAGENET, (IMAGENET_MEAN, IMAGENET_STD)),
+    (Normalization.NONE, None),
+])
+def test_robustness_library_layout(normalize, stats, net9, pixels, tmp_path):
+    path = tmp_path / "robust.pt"
+    torch.save(robustness_checkpoint(net9), path)
+    loaded = load_model("resnet18", checkpoint=path, normalize=normalize)
+    assert loaded.num_classes == 9
+    assert "robustness library" in loaded.checkpoint_format
+    assert torch.equal(logits_of(loaded, pixels), expected_logits(net9, pixels, stats))
+
+
+def test_robustness_layout_is_known_by_its_keys_not_its_name(net9, pixels, tmp_path):
+    path = tmp_path / "plain_name.pth"  # nothing in the name says robustness library
+    torch.save(robustness_checkpoint(net9)["model"], path)
+    loaded = load_model("resnet18", checkpoint=path)
+    assert loaded.model.mean.flatten().tolist() == pytest.approx(ROBUST_MEAN)
+    assert torch.equal(logits_of(loaded, pixels), expected_logits(net9, pixels, (ROBUST_MEAN, ROBUST_STD)))
+
+
+def test_torchscript_round_trips(net9, pixels, tmp_path):
+    path = tmp_path / "model.ts"
+    save_torchscript(net9, path)
+    loaded = load_model(checkpoint=path)
+    assert (loaded.num_classes, loaded.checkpoint_format, loaded.arch) == (9, "TorchScript", None)
+    assert torch.equal(logits_of(loaded, pixels), expected_logits(net9, pixels, (IN9_MEAN, IN9_STD)))
+
+
+def test_torch_export_round_trips(net9, pixels224, tmp_path):
+    path = tmp_path / "model.pt2"
+    program = torch.export.export(net9, (torch.zeros(2, 3, 224, 224),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch")},))
+    torch.export.save(program, path)
+    loaded = load_model(checkpoint=path)
+    assert (loaded.num_classes, loaded.checkpoint_format) == (9, "torch.export")
+    assert torch.equal(logits_of(loaded, pixels224), expected_logits(net9, pixels224, (IN9_MEAN, IN9_STD)))
+    # the wrapper can be put in eval mode and moved like any module (the program itself refuses eval())
+    loaded.model.eval().to("cpu")
+
+
+def test_pickled_module_needs_trust(net9, pixels, tmp_path):
+    path = tmp_path / "whole_model.pth"
+    torch.save(net9, path)
+    with pytest.raises(UserError, match=r"blocked globals: .*torchvision\.models\.resnet\.ResNet.*"
+                                        r"rerun with --trust-checkpoint") as info:
+        load_model("resnet18", checkpoint=path)
+    assert "\n" not in str(info.value)
+    loaded = load_model("resnet18", checkpoint=path, trust=True)
+    assert torch.equal(logits_of(loaded, pixels), expected_logits(net9, pixels, (IN9_MEAN, IN9_STD)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Strict loading
+
+def test_missing_keys_are_named(net9, tmp_path):
+    state = net9.state_dict()
+    del state["layer1.0.conv1.weight"], state["bn1.running_var"]
+    path = tmp_path / "missing.pth"
+    torch.save(state, path)
+    with pytest.raises(UserError, match=r"does not fit --arch resnet18: missing keys: "
+                                        r"(bn1\.running_var, layer1\.0\.conv1\.weight|"
+                                        r"layer1\.0\.conv1\.weight, bn1\.running_var)$"):
+        load_model("resnet18", checkpoint=path)
+
+
+def test_unexpected_keys_are_named(net9, tmp_path):
+    state = {**net9.state_dict(), "extra.weight": torch.zeros(3)}
+    path = tmp_path / "unexpected.pth"
+    torch.save(state, path)
+    with pytest.raises(UserError, match=r"unexpected keys: extra\.weight$"):
+        load_model("resnet18", checkpoint=path)
+
+
+def test_prefix_on_some_keys_only_is_not_stripped(net9, tmp_path):
+    """A prefix is stripped only where every key has it; otherwise the load fails, naming the keys."""
+    state = net9.state_dict()
+    state = {("module." + k if k.startswith("fc.") else k): v for k, v in state.items()}
+    path = tmp_path / "partial_prefix.pth"
+    torch.save(state, path)
+    with pytest.raises(UserError, match=r"has no classifier keys of resnet18 \(fc\.weight, fc\.bias\)"):
+        load_model("resnet18", checkpoint=path)
+    state = {("module." + k if k.startswith("layer4.") else k): v for k, v in net9.state_dict().items()}
+    torch.save(state, path)
+    with pytest.raises(UserError, match=r"missing keys: layer4\.0\.conv1\.weight.*; "
+                                        r"unexpected keys: module\.layer4\.0\.conv1\.weight"):
+        load_model("resnet18", checkpoint=path)
+
+
+def test_wrong_arch_is_named(net9, tmp_path):
+    path = tmp_path / "r18.pth"
+    torch.save(net9.state_dict(), path)
+    with pytest.raises(UserError, match=r"does not fit --arch resnet34: missing keys: layer1\.2\."):
+        load_model("resnet34", checkpoint=path)
+    # same names, other shapes: named too, not a traceback from load_state_dict
+    with pytest.raises(UserError, match=r"does not fit --arch resnet50: missing keys: .*; shapes that differ: "
+                                        r"layer1\.0\.conv1\.weight \(64, 64, 3, 3\) \(the architecture has "
+                                        r"\(64, 64, 1, 1\)\)"):
+        load_model("resnet50", checkpoint=path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Class count and normalisation
+
+def test_class_count_and_normalisation_rule(net9, tmp_path):
+    net1000 = resnet18(1000)
+    for module, count, mean, std, rule in ((net9, 9, IN9_MEAN, IN9_STD, "in9"),
+                                           (net1000, 1000, IMAGENET_MEAN, IMAGENET_STD, "imagenet")):
+        path = tmp_path / f"r18_{count}.pth"
+        torch.save(module.state_dict(), path)
+        loaded = load_model("resnet18", checkpoint=path)
+        assert loaded.num_classes == count
+        assert loaded.normalization.startswith(rule)
+        assert torch.equal(loaded.model.mean, torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1))
+        assert torch.equal(loaded.model.std, torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1))
+    assert load_model("resnet18", checkpoint=tmp_path / "r18_9.pth", in9=True).num_classes == 9
+
+
+def test_pixel_model_matches_to_tensor_and_normalize(dataset):
+    paths = sorted(dataset.root.glob("original/val/*/*.JPEG"))[:6]
+    images = [Image.open(p).convert("RGB") for p in paths]
+    for mean, std in ((IN9_MEAN, IN9_STD), (IMAGENET_MEAN, IMAGENET_STD)):
+        expected = torch.stack([Normalize(mean, std)(to_tensor(img)) for img in images])
+        batch = torch.from_numpy(np.stack([np.asarray(img) for img in images])).permute(0, 3, 1, 2)
+        wrapper = PixelModel(nn.Identity(), mean, std).eval()
+        assert torch.equal(wrapper(batch), expected)
+        assert torch.equal(wrapper(batch.contiguous()), expected)
+        assert torch.equal(wrapper(batch.float().div(255)), expected)  # [0,1] floats are taken as they are
+    assert torch.equal(PixelModel(nn.Identity())(batch), batch.float().div(255))  # no normalisation

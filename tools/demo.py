@@ -1,0 +1,58 @@
+"""An offline demonstration: generate IN-9-shaped data and a hand-built model, then run both scripts on them.
+
+    python -m tools.demo [--out demo] [--per-class 10]
+
+Needs no download: the data come from tools.synthetic and the model is its ColorEvidenceModel saved as
+TorchScript, so the printed numbers are those of a toy model, not of any published result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from tools import synthetic
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("demo"), metavar="DIR",
+                        help="where the data, model and results go (default: demo)")
+    parser.add_argument("--per-class", type=int, default=10, metavar="N", help="images per class (default: 10)")
+    args = parser.parse_args(argv)
+
+    data = args.out / "bg_challenge"
+    model = args.out / "color9.ts"
+    print(f"generating {9 * args.per_class} images per variation under {data} ...", flush=True)
+    synthetic.generate(data, per_class=args.per_class, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.trace(synthetic.ColorEvidenceModel(9).eval(), torch.zeros(1, 3, 224, 224)),
+                       str(model))
+    common = ["--data-path", str(data), "--checkpoint", str(model), "--in9", "--device", "cpu",
+              "--output-dir", str(args.out / "results"), "--log-level", "WARNING"]
+    commands = [
+        [sys.executable, str(ROOT / "in9_eval.py"), "--eval-dataset", "all", "--categories",
+         "--results-file", str(args.out / "in9.json"), *common],
+        [sys.executable, str(ROOT / "challenge_eval.py"), "--full", "--analysis", "--no-cache",
+         "--results-file", str(args.out / "challenge.json"), "--report", str(args.out / "report.md"), *common],
+    ]
+    for command in commands:
+        print("\n$ " + " ".join(Path(c).name if c == sys.executable else c for c in command), flush=True)
+        code = subprocess.call(command)
+        if code:
+            return code
+    print(f"\nresults: {args.out}/in9.json, {args.out}/challenge.json, {args.out}/report.md, "
+          f"{args.out}/results/top_backgrounds.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
