@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="{" + ",".join(p.value for p in Precision) + "}",
                         help="fp32 is exact; tf32, bf16 and fp16 are faster (default: fp32)")
     parser.add_argument("--batch-size", type=int, default=None, metavar="N",
-                        help="images per forward pass (default: 256 on a GPU, 64 on the CPU)")
+                        help="images per forward pass (default: 256 on a GPU, 16 on the CPU, where smaller batches stay in cache)")
     parser.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                         help=f"image-decoding threads (default: {default_workers()})")
     parser.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -31,3 +32,25 @@ def color_ts(tmp_path_factory):
         paths[n] = folder / f"color{n}.ts"
         save_torchscript(synthetic.ColorEvidenceModel(n), paths[n])
     return paths
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: these models are tiny, and on a busy machine extra threads only wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_in_process(main, argv, capsys):
+    """Run a command's `main(argv)` in this process; (exit code, stdout, stderr). Restores the logging setup."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        code = main(argv)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out, err = capsys.readouterr()
+    return code, out, err

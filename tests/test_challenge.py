@@ -309,4 +309,5 @@ def test_non_binary_masks_warn_once_and_follow_the_uint8_rule(data, models, refe
     challenge_data = challenge.load_challenge_data(broken, workers=1, progress=False)
     original = challenge.load_challenge_data(data, workers=1, progress=False)
     assert torch.equal(challenge_data.masks, original.masks)
+    assert set(original.masks.unique().tolist()) == {0, 255}
     assert sum("values other than 0 and 1" in r.message for r in caplog.records) <= 1

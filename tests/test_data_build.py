@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 from torchvision import transforms
 
+from tests.conftest import run_in_process
 from tools import boxes, data, synthetic
 from tools.datasets import list_foregrounds, list_variation
 from tools.errors import UserError
@@ -154,15 +155,7 @@ def _expected_variation(inputs: Inputs, summary_row: dict, name: str) -> np.ndar
 
 
 def _run_cli(argv, capsys):
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        code = data.main(argv)
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_in_process(data.main, argv, capsys)
 
 
 def test_crop_geometry_matches_torchvision_resize_and_center_crop(tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_in_process
 from tools import data, synthetic
 from tools.datasets import list_foregrounds, list_variation
 from tools.errors import UserError
@@ -87,16 +88,7 @@ def server():
 
 
 def _run_cli(argv, capsys):
-    """Run `python -m tools.data` in-process; (exit code, stdout, stderr). Restores the logging setup."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        code = data.main(argv)
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_in_process(data.main, argv, capsys)
 
 
 def _assert_release_layout(root: Path, per_class: int = 1):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.conftest import run_in_process
 from tools import data, synthetic
 from tools.errors import UserError
 from tools.in9 import MASK_FOLDER, VARIATIONS
@@ -24,15 +25,7 @@ def fresh(tmp_path):
 
 
 def _run_cli(argv, capsys):
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        code = data.main(argv)
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_in_process(data.main, argv, capsys)
 
 
 def test_a_good_dataset_passes_with_its_counts(dataset, capsys):

@@ -119,13 +119,7 @@ def references(models, dataset):
     return get
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: these models are tiny, and on a busy machine extra threads only wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def start_script(args) -> subprocess.Popen:

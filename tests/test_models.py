@@ -23,13 +23,7 @@ IN9_MEAN, IN9_STD = (0.4717, 0.4499, 0.3837), (0.2600, 0.2516, 0.2575)
 ROBUST_MEAN, ROBUST_STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)  # a robustness-library normaliser unlike both
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: small forwards, and on a busy machine extra threads only wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def resnet18(num_classes: int, seed: int = 0) -> nn.Module:

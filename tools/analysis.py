@@ -572,18 +572,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s: %(message)s",
-                        stream=sys.stderr, force=True)
-    try:
-        summary = write_analysis(args.output_dir, args.data_path, args.top_k)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+def _main(args: argparse.Namespace) -> int:
+    summary = write_analysis(args.output_dir, args.data_path, args.top_k)
     print("\n".join(summary_lines(summary)))
     print(f"Wrote {', '.join(summary['files'].values())} and {SUMMARY_FILE} to {args.output_dir}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tools.cli import run_main  # noqa: PLC0415 (the command line only)
+    return run_main(build_parser(), _main, argv, on_interrupt="rerun the same command")
 
 
 if __name__ == "__main__":

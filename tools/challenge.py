@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 UNKNOWN, ROBUST, VULNERABLE = -1, 0, 1
 STATE_NAME = "challenge_state.npz"
 MATRIX_NAME = "predictions.npy"
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 class Criterion(str, enum.Enum):
@@ -63,7 +63,7 @@ class ChallengeData:
     foregrounds: list[datasets.ForegroundRecord]
     backgrounds: list[datasets.ImageRecord]
     fg_images: torch.Tensor  # uint8 (F, 3, H, W)
-    masks: torch.Tensor  # bool (F, 1, H, W)
+    masks: torch.Tensor  # uint8 (F, 3, H, W): 255 on the foreground, 0 elsewhere (for bitwise compositing)
     bg_images: torch.Tensor  # uint8 (B, 3, H, W)
     fingerprint: dict
 
@@ -92,7 +92,7 @@ def list_challenge_files(root: Path) -> tuple[list[datasets.ForegroundRecord], l
 
 
 def _decode_all(root: Path, relpaths: list[str], workers: int, desc: str, progress: bool) -> torch.Tensor:
-    out = torch.empty((len(relpaths), 3, 224, 224), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    out = torch.empty((len(relpaths), 3, 224, 224), dtype=torch.uint8)
     with tqdm(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
         for start, batch in datasets.iter_decoded_batches(root, relpaths, 64, workers):
             out[start:start + batch.shape[0]] = batch
@@ -100,11 +100,16 @@ def _decode_all(root: Path, relpaths: list[str], workers: int, desc: str, progre
     return out
 
 
-def _load_masks(root: Path, records: list[datasets.ForegroundRecord]) -> torch.Tensor:
-    masks = np.empty((len(records), 1, 224, 224), dtype=bool)
+def _load_masks(root: Path, records: list[datasets.ForegroundRecord]) -> np.ndarray:
+    masks = np.empty((len(records), 224, 224), dtype=bool)
     for i, rec in enumerate(records):
-        masks[i, 0] = datasets.load_mask(Path(root) / rec.mask_relpath)
-    return torch.from_numpy(masks)
+        masks[i] = datasets.load_mask(Path(root) / rec.mask_relpath)
+    return masks
+
+
+def _byte_masks(masks: np.ndarray) -> torch.Tensor:
+    """(F, H, W) bool -> (F, 3, H, W) uint8, 255 on the foreground: `(fg & m) | (bg & ~m)` then composites."""
+    return torch.from_numpy(masks).to(torch.uint8).mul_(255).unsqueeze(1).expand(-1, 3, -1, -1).contiguous()
 
 
 def load_challenge_data(root: Path, workers: int, cache_dir: Path | None = None,
@@ -117,29 +122,28 @@ def load_challenge_data(root: Path, workers: int, cache_dir: Path | None = None,
             meta = json.loads((cache / "meta.json").read_text())
             if meta.get("fingerprint") == fp:
                 log.info("decoded data read from the cache %s", cache)
-                fg = torch.from_numpy(np.load(cache / "fg.npy")).permute(0, 3, 1, 2)
-                bg = torch.from_numpy(np.load(cache / "bg.npy")).permute(0, 3, 1, 2)
-                masks = torch.from_numpy(np.unpackbits(np.load(cache / "masks.npy"), axis=1)[:, :224 * 224]
-                                         .reshape(-1, 1, 224, 224).astype(bool))
-                return ChallengeData(foregrounds, backgrounds, fg, masks, bg, fp)
+                fg = torch.from_numpy(np.load(cache / "fg.npy"))
+                bg = torch.from_numpy(np.load(cache / "bg.npy"))
+                masks = np.unpackbits(np.load(cache / "masks.npy"), axis=1)[:, :224 * 224].reshape(-1, 224, 224)
+                return ChallengeData(foregrounds, backgrounds, fg, _byte_masks(masks.astype(bool)), bg, fp)
         except (OSError, ValueError, KeyError) as exc:
             log.warning("ignoring an unreadable cache at %s (%s)", cache, exc)
     fg = _decode_all(root, [r.image_relpath for r in foregrounds], workers, "decoding foregrounds", progress)
     masks = _load_masks(root, foregrounds)
     bg = _decode_all(root, [r.relpath for r in backgrounds], workers, "decoding backgrounds", progress)
-    data = ChallengeData(foregrounds, backgrounds, fg, masks, bg, fp)
+    data = ChallengeData(foregrounds, backgrounds, fg, _byte_masks(masks), bg, fp)
     if cache is not None:
-        _write_cache(cache, data)
+        _write_cache(cache, data, masks)
     return data
 
 
-def _write_cache(cache: Path, data: ChallengeData) -> None:
+def _write_cache(cache: Path, data: ChallengeData, masks: np.ndarray) -> None:
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".tmp-"))
-        np.save(tmp / "fg.npy", data.fg_images.permute(0, 2, 3, 1).numpy())
-        np.save(tmp / "bg.npy", data.bg_images.permute(0, 2, 3, 1).numpy())
-        np.save(tmp / "masks.npy", np.packbits(data.masks.reshape(len(data.masks), -1).numpy(), axis=1))
+        np.save(tmp / "fg.npy", data.fg_images.numpy())
+        np.save(tmp / "bg.npy", data.bg_images.numpy())
+        np.save(tmp / "masks.npy", np.packbits(masks.reshape(len(masks), -1), axis=1))
         (tmp / "meta.json").write_text(json.dumps({"fingerprint": data.fingerprint}))
         if cache.exists():
             shutil.rmtree(cache)
@@ -169,8 +173,12 @@ class CompositePredictor:
         self.rechecked = self.recheck_changed = 0
 
     def composite(self, fg_idx: torch.Tensor, bg_idx: torch.Tensor) -> torch.Tensor:
+        """fg where the mask is set, bg elsewhere, as bytes: (fg & m) | (bg & ~m) with m = 255 or 0 is exactly
+        `bg * (1 - m) + fg * m` for a 0/1 mask, and several times faster on a CPU than `where`."""
         d = self.data
-        batch = torch.where(d.masks[fg_idx], d.fg_images[fg_idx], d.bg_images[bg_idx])
+        mask = d.masks.index_select(0, fg_idx)
+        batch = d.fg_images.index_select(0, fg_idx).bitwise_and_(mask)
+        batch.bitwise_or_(d.bg_images.index_select(0, bg_idx).bitwise_and_(mask.bitwise_not_()))
         return self.runtime.to_device(batch)
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:

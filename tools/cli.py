@@ -48,7 +48,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
     run = parser.add_argument_group("running")
     run.add_argument("--batch-size", type=int, default=None, metavar="N",
-                     help="images per forward pass (default: 256 on a GPU, 64 on the CPU; halved on out-of-memory)")
+                     help="images per forward pass (default: 256 on a GPU, 16 on the CPU, where smaller batches stay in cache; halved on out-of-memory)")
     run.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                      help=f"image-decoding threads (default: {default_workers()})")
     run.add_argument("--device", default=None, metavar="DEV",
@@ -90,11 +90,14 @@ def model_from_args(args: argparse.Namespace) -> LoadedModel:
 
 
 def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace], int | None],
-             argv: list[str] | None = None) -> int:
-    """Parse, set up logging once, run; a user error is one line on stderr and exit code 2."""
+             argv: list[str] | None = None, on_interrupt: str | None = None) -> int:
+    """Parse, set up logging once, run; a user error is one line on stderr and exit code 2.
+
+    `on_interrupt` says what to do after Ctrl-C (default: resume from --output-dir where there is one).
+    """
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s: %(message)s",
-                        stream=sys.stderr, force=True)
+    logging.basicConfig(level=getattr(logging, getattr(args, "log_level", "INFO")),
+                        format="%(levelname)s: %(message)s", stream=sys.stderr, force=True)
     try:
         from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: PLC0415
         with logging_redirect_tqdm():
@@ -103,6 +106,8 @@ def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print(f"interrupted: progress so far is saved under {args.output_dir}; rerun with --resume to continue",
-              file=sys.stderr)
+        if on_interrupt is None:
+            on_interrupt = (f"progress so far is saved under {args.output_dir}; rerun with --resume to continue"
+                            if getattr(args, "output_dir", None) is not None else "rerun the same command")
+        print(f"interrupted: {on_interrupt}", file=sys.stderr)
         return EXIT_INTERRUPTED

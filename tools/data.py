@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from tools import __version__, boxes as boxes_mod, grabcut, variations
 from tools.datasets import IMAGE_EXTENSIONS, MASK_EXTENSION, check_data_root
+from tools.cli import run_main
 from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation
 from tools.provenance import write_json_atomic
@@ -1085,21 +1086,10 @@ def _run_build(args: argparse.Namespace) -> int:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    """Parse, set up logging once, run one command; a user error is one line on stderr and exit code 2."""
-    args = build_parser().parse_args(None if argv is None else list(argv))
-    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s: %(message)s",
-                        stream=sys.stderr, force=True)
-    try:
-        from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: PLC0415
-        with logging_redirect_tqdm():
-            return int(args.handler(args) or 0)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print("interrupted: rerun the same command (fetch resumes its partial download; build needs an empty --out)",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
+    """Run one command; a user error is one line on stderr and exit code 2."""
+    return run_main(build_parser(), lambda args: args.handler(args), None if argv is None else list(argv),
+                    on_interrupt="rerun the same command (fetch resumes its partial download; build needs an "
+                                 "empty --out)")
 
 
 if __name__ == "__main__":

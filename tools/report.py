@@ -284,18 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s: %(message)s",
-                        stream=sys.stderr, force=True)
-    try:
-        inputs = load_inputs(args.in9, args.challenge, args.analysis_dir, args.categories)
-        write_report(args.output, **inputs)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+def _main(args: argparse.Namespace) -> int:
+    write_report(args.output, **load_inputs(args.in9, args.challenge, args.analysis_dir, args.categories))
     print(f"Wrote {args.output}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tools.cli import run_main  # noqa: PLC0415 (the command line only)
+    return run_main(build_parser(), _main, argv, on_interrupt="rerun the same command")
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def default_workers() -> int:
 
 
 def default_batch_size(device: torch.device) -> int:
-    return 256 if device.type == "cuda" else 64
+    return 256 if device.type == "cuda" else 16
 
 
 def _is_oom(exc: BaseException) -> bool:

@@ -194,7 +194,7 @@ class ColorEvidenceModel(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 
     def in9_scores(self, x: torch.Tensor) -> torch.Tensor:
-        pixels = nn.functional.avg_pool2d((x * self.std + self.mean).float(), 4)  # 56x56 colour samples
+        pixels = nn.functional.avg_pool2d(x.float(), 4) * self.std + self.mean  # 56x56 colour samples
         # |p - c|^2 = |p|^2 - 2 p.c + |c|^2, for the 18 palette colours at once
         dist = (pixels ** 2).sum(dim=1, keepdim=True) - 2 * nn.functional.conv2d(pixels, self.palette) + self.palette_sq
         evidence = torch.exp(-dist * self.inv_two_sigma_sq).mean(dim=(2, 3)) * self.weights
