@@ -49,8 +49,9 @@ def machine(device: torch.device) -> str:
 
 
 def make_model(args) -> tuple[torch.nn.Module, int]:
-    if args.model == "color":
-        return synthetic.ColorEvidenceModel(9, trunk_width=args.trunk_width, trunk_scale=1e-3), 9
+    if args.model in ("color", "color-stride"):
+        sampling = "stride" if args.model == "color-stride" else "pool"
+        return synthetic.ColorEvidenceModel(9, trunk_width=args.trunk_width, trunk_scale=1e-3, sampling=sampling), 9
     import torchvision  # noqa: PLC0415
     torch.manual_seed(0)
     return torchvision.models.get_model(args.model, weights=None, num_classes=9), 9
@@ -131,7 +132,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", type=Precision, default=Precision.FP32)
     parser.add_argument("--channels-last", action="store_true")
-    parser.add_argument("--model", default="color", help="color (hand-built, with --trunk-width) or a torchvision name")
+    parser.add_argument("--model", default="color",
+                        help="color (hand-built, with --trunk-width), color-stride (the same reading every eighth "
+                             "pixel: nearly free) or a torchvision name")
     parser.add_argument("--trunk-width", type=int, default=0, help="conv trunk width of the colour model")
     parser.add_argument("--per-class", type=int, default=30, help="images per class of the generated data")
     parser.add_argument("--data-path", type=Path, default=None, help="use this data instead of generating it")
@@ -151,7 +154,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = args.data_path or synthetic.generate(Path(tmp) / "bg", per_class=args.per_class, seed=0).root
         print(f"machine: {machine(device)}")
-        print(f"model: {args.model}{f' (trunk {args.trunk_width})' if args.model == 'color' else ''}, "
+        print(f"model: {args.model}{f' (trunk {args.trunk_width})' if args.model.startswith('color') else ''}, "
               f"device {device}, precision {args.precision.value}, batch {batch}")
         window = 6.0 if device.type == "cpu" else 10.0
         fwd_before = forward_throughput(loaded.model, runtime, batch, seconds=window)

@@ -48,6 +48,7 @@ MODELS = {
     "color9": lambda: synthetic.ColorEvidenceModel(9),
     "color1000": lambda: synthetic.ColorEvidenceModel(1000, unmapped_score=0.3),
     "cnn9": lambda: TinyCNN(9, seed=3),
+    "stride9": lambda: synthetic.ColorEvidenceModel(9, sampling="stride"),
 }
 
 
