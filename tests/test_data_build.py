@@ -417,3 +417,34 @@ def test_a_build_with_grabcut_and_voc_boxes_passes_verify(tmp_path, capsys):
     for record in list_foregrounds(out):
         expected = geometry.mask(discs[record.stem])
         assert _iou(np.load(out / record.mask_relpath), expected) > 0.8, record.stem
+
+
+def test_a_built_dataset_runs_through_both_scripts(inputs, tmp_path, capsys, color_ts):
+    """The build's output feeds in9_eval.py and challenge_eval.py unchanged, with the reference's numbers."""
+    import challenge_eval  # noqa: PLC0415 (the scripts live at the repository root)
+    import in9_eval  # noqa: PLC0415
+
+    from tests.challenge_reference import reference_matrix, reference_verdicts  # noqa: PLC0415
+    from tests.reference import evaluate as reference_evaluate  # noqa: PLC0415
+    from tools import cli  # noqa: PLC0415
+    from tools.in9 import IN9_MEAN, IN9_STD  # noqa: PLC0415
+
+    out = tmp_path / "built"
+    code, _, err = _run_cli(["build", "--images", str(inputs.images), "--boxes", str(inputs.boxes), "--out", str(out),
+                             "--masks", str(inputs.masks), "--no-progress"], capsys)
+    assert code == 0, err
+    model = synthetic.ColorEvidenceModel(9).eval()  # what color_ts[9] holds
+    common = ["--data-path", str(out), "--checkpoint", str(color_ts[9]), "--device", "cpu", "--no-progress",
+              "--output-dir", str(tmp_path / "runs")]
+    code = cli.run_main(in9_eval.build_parser(), in9_eval.main, ["--eval-dataset", "all", *common])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    for name in VARIATIONS:
+        expected = reference_evaluate(model, out, name, 9)
+        assert f"Accuracy on {name} is {100 * expected.correct / expected.total:.2f}%" in stdout
+    code = cli.run_main(challenge_eval.build_parser(), challenge_eval.main, [*common, "--no-cache"])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    matrix, fg_labels, bg_labels = reference_matrix(out, model, IN9_MEAN, IN9_STD)
+    vulnerable = reference_verdicts(matrix, fg_labels, bg_labels, "any")
+    assert f"Summary: {vulnerable.sum()}/{len(vulnerable)} " in stdout
