@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path

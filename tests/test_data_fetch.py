@@ -210,7 +210,7 @@ def test_a_url_without_sha256_is_not_checked_but_reported(server, release, tmp_p
     with caplog.at_level(logging.WARNING, logger="tools.data"):
         result = data.fetch(tmp_path / "data", server.url(ARCHIVE_PATH), progress=False)
     assert not result.verified and result.sha256 == sha
-    assert f"not checking the SHA-256" in caplog.text and sha in caplog.text
+    assert "not checking the SHA-256" in caplog.text and sha in caplog.text
     assert "NOT verified" in "\n".join(result.lines())
 
 

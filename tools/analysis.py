@@ -27,7 +27,6 @@ from typing import Protocol, Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
 
-from tools.cli import EXIT_USER_ERROR
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, Variation, class_names
 from tools.provenance import write_json_atomic

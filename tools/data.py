@@ -45,8 +45,6 @@ from tools.provenance import write_json_atomic
 
 log = logging.getLogger(__name__)
 
-EXIT_USER_ERROR = 2  # the contract of tools.cli.run_main: a user error is one line and exit code 2
-EXIT_INTERRUPTED = 130
 LAYOUT_NAMES: tuple[str, ...] = (*VARIATIONS, MASK_FOLDER)
 MIXED = (Variation.MIXED_SAME.value, Variation.MIXED_RAND.value, Variation.MIXED_NEXT.value)
 

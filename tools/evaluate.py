@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +84,6 @@ class _Resume:
         self.path, self.key = path, key
         self.done: dict[str, list[int]] = {}
         if path is not None and resume and path.is_file():
-            import json  # noqa: PLC0415
             saved = json.loads(path.read_text())
             if saved.get("key") != key:
                 raise UserError(f"{path} was written for another model, data or setting; rerun without --resume "
@@ -100,10 +100,14 @@ class _Resume:
 
 def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names: Sequence[str], batch_size: int,
                         workers: int, state_path: Path | None = None, resume: bool = False,
-                        state_key: dict | None = None, progress: bool = True) -> dict[str, VariationResult]:
-    """Predict every image of the named variations in one stream of batches; results keyed by variation."""
+                        state_key: dict | None = None, progress: bool = True,
+                        listings: dict[str, list[datasets.ImageRecord]] | None = None) -> dict[str, VariationResult]:
+    """Predict every image of the named variations in one stream of batches; results keyed by variation.
+
+    `listings` are the variations' records when the caller has already listed them."""
     root = Path(root)
-    listings = {name: datasets.list_variation(root, name) for name in names}
+    if listings is None:
+        listings = {name: datasets.list_variation(root, name) for name in names}
     resumer = _Resume(state_path, state_key or {}, resume)
     results: dict[str, VariationResult] = {}
     todo = []
@@ -180,10 +184,11 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, root: Path, names: Sequence[s
 
     quick_check(root, names)
     root = Path(root)
-    relpaths = [r.relpath for name in names for r in datasets.list_variation(root, name)]
-    data_info = datasets.fingerprint(root, relpaths)
+    listings = {name: datasets.list_variation(root, name) for name in names}
+    data_info = datasets.fingerprint(root, [r.relpath for name in names for r in listings[name]])
     key = {"data": data_info, "model_sha256": loaded.sha256, "normalization": loaded.normalization,
            "precision": runtime.precision.value, "num_classes": loaded.num_classes}
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
-    results = evaluate_variations(loaded, runtime, root, names, batch_size, workers, state_path, resume, key, progress)
+    results = evaluate_variations(loaded, runtime, root, names, batch_size, workers, state_path, resume, key, progress,
+                                  listings)
     return In9Run(results, provenance(runtime.describe(), loaded.describe(), data_info))

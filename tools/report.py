@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import sys
@@ -18,7 +17,6 @@ from pathlib import Path
 
 from tools import __version__
 from tools.analysis import CATEGORY_TITLES, FIGURE_FILE, SUMMARY_FILE, Category
-from tools.cli import EXIT_USER_ERROR
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, class_names
 
