@@ -135,19 +135,20 @@ def default_batch_size(device: torch.device) -> int:
 
 
 def _is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError):
+    if isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
 class Forward:
-    """Runs a model over a batch in chunks of at most `chunk`, halving the chunk on out-of-memory (once said)."""
+    """Runs a model over a batch in chunks of at most `chunk`, halving the chunk on out-of-memory until it fits,
+    and saying so in one line; later batches keep the size that fitted."""
 
     def __init__(self, model: Callable, runtime: Runtime, chunk: int):
         self.model, self.runtime, self.chunk = model, runtime, max(1, chunk)
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
-        outputs, start = [], 0
+        outputs, start, chunk_before = [], 0, self.chunk
         while start < batch.shape[0]:
             piece = batch[start:start + self.chunk]
             try:
@@ -159,7 +160,8 @@ class Forward:
                 self.chunk //= 2
                 if self.runtime.device.type == "cuda":
                     torch.cuda.empty_cache()
-                log.warning("out of memory: batch size lowered to %d", self.chunk)
                 continue
             start += piece.shape[0]
+        if self.chunk != chunk_before:
+            log.warning("out of memory: batch size lowered from %d to %d", chunk_before, self.chunk)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
