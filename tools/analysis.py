@@ -27,6 +27,7 @@ from typing import Protocol, Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
 
+from tools.cli import add_log_level_argument, run_main
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, Variation, class_names
 from tools.provenance import write_json_atomic
@@ -566,8 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "challenge run recorded)")
     parser.add_argument("--top-k", type=_positive, default=DEFAULT_TOP_K, metavar="K",
                         help=f"backgrounds per class in the top lists and the figure (default: {DEFAULT_TOP_K})")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="logging detail (default: INFO)")
+    add_log_level_argument(parser)
     return parser
 
 
@@ -579,7 +579,6 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tools.cli import run_main  # noqa: PLC0415 (the command line only)
     return run_main(build_parser(), _main, argv, on_interrupt="rerun the same command")
 
 

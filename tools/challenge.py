@@ -181,12 +181,9 @@ class CompositePredictor:
         batch.bitwise_or_(d.bg_images.index_select(0, bg_idx).bitwise_and_(mask.bitwise_not_()))
         return self.runtime.to_device(batch)
 
-    def logits(self, images: torch.Tensor) -> torch.Tensor:
-        return self.forward(images)
-
     def predict_images(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(predictions, top-two margins or None) on the device, without waiting for them."""
-        logits = self.logits(images)
+        logits = self.forward(images)
         preds = self.to_in9(logits)
         if self.runtime.exact:
             return preds, None
@@ -420,9 +417,12 @@ class Search:
         return pairs, preds, margins
 
     def _finish(self, launched) -> int:
+        """Wait for a launched batch and record it; returns the progress it made (foregrounds resolved, or
+        pairs done with --full)."""
         pairs, preds, margins = launched
-        return self._record(pairs, preds.cpu().numpy().astype(np.int64),
-                            None if margins is None else margins.float().cpu().numpy())
+        resolved = self._record(pairs, preds.cpu().numpy().astype(np.int64),
+                                None if margins is None else margins.float().cpu().numpy())
+        return len(pairs) if self.state.matrix is not None else resolved
 
     # -- the loop --------------------------------------------------------------------------------------------
     def run(self) -> SearchState:
@@ -440,7 +440,7 @@ class Search:
                 pairs = self._next_batch()
                 if pairs is None:
                     if pending is not None:  # finish the round before planning the next
-                        bar.update(self._progress(self._finish(pending), pending[0]))
+                        bar.update(self._finish(pending))
                         pending, s.pending = None, np.zeros((0, 2), np.int64)
                         continue
                     if s.matrix is not None:
@@ -452,7 +452,7 @@ class Search:
                     continue
                 launched = self._launch(pairs)
                 if pending is not None:
-                    bar.update(self._progress(self._finish(pending), pending[0]))
+                    bar.update(self._finish(pending))
                 pending, s.pending = launched, launched[0]
                 now = time.monotonic()
                 rate = (s.evaluated - evaluated0) / max(now - start, 1e-9)
@@ -467,9 +467,6 @@ class Search:
         if self.state_path is not None:
             s.save(self.state_path, self.key)
         return s
-
-    def _progress(self, resolved: int, pairs: np.ndarray) -> int:
-        return len(pairs) if self.state.matrix is not None else resolved
 
     def _verdicts_from_matrix(self) -> None:
         s = self.state

@@ -68,8 +68,13 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--resume", action="store_true",
                      help="continue an interrupted run from the state in --output-dir (default: start afresh)")
     out.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
-    out.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                     help="logging detail (default: INFO)")
+    add_log_level_argument(out)
+
+
+def add_log_level_argument(parser) -> None:
+    """The --log-level flag every command line of the toolkit takes."""
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging detail (default: INFO)")
 
 
 def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtime:

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from tools import __version__, boxes as boxes_mod, grabcut, variations
 from tools.datasets import IMAGE_EXTENSIONS, MASK_EXTENSION, check_data_root
-from tools.cli import run_main
+from tools.cli import add_log_level_argument, run_main
 from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation
 from tools.provenance import write_json_atomic
@@ -991,8 +991,7 @@ def _sha256_arg(value: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
-    common.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="logging detail (default: INFO)")
+    add_log_level_argument(common)
     parser = argparse.ArgumentParser(prog="python -m tools.data", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="{fetch,verify,build}")

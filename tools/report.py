@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tools import __version__
 from tools.analysis import CATEGORY_TITLES, FIGURE_FILE, SUMMARY_FILE, Category
+from tools.cli import add_log_level_argument, run_main
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, class_names
 
@@ -277,8 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prediction-categories JSON (default: the 'categories' entry of --in9, if any)")
     parser.add_argument("--output", type=Path, default=Path("report.md"), metavar="PATH",
                         help="the Markdown file to write (default: report.md)")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="logging detail (default: INFO)")
+    add_log_level_argument(parser)
     return parser
 
 
@@ -289,7 +289,6 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tools.cli import run_main  # noqa: PLC0415 (the command line only)
     return run_main(build_parser(), _main, argv, on_interrupt="rerun the same command")
 
 

@@ -7,7 +7,7 @@ import enum
 import logging
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -76,7 +76,6 @@ class Runtime:
     precision: Precision = Precision.FP32
     channels_last: bool = False
     compile: bool = False
-    _notices: set = field(default_factory=set)
 
     def __post_init__(self):
         if self.device.type == "cuda":
@@ -112,11 +111,6 @@ class Runtime:
 
     def pin(self) -> bool:
         return self.device.type == "cuda"
-
-    def notice_once(self, key: str, message: str, *args) -> None:
-        if key not in self._notices:
-            self._notices.add(key)
-            log.warning(message, *args)
 
     def describe(self) -> dict:
         name = str(self.device)
