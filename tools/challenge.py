@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from tools import datasets
+from tools.compositing import byte_masks, composite
 from tools.data import quick_check
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, PredictionMap, Variation, class_names
@@ -107,11 +108,6 @@ def _load_masks(root: Path, records: list[datasets.ForegroundRecord]) -> np.ndar
     return masks
 
 
-def _byte_masks(masks: np.ndarray) -> torch.Tensor:
-    """(F, H, W) bool -> (F, 3, H, W) uint8, 255 on the foreground: `(fg & m) | (bg & ~m)` then composites."""
-    return torch.from_numpy(masks).to(torch.uint8).mul_(255).unsqueeze(1).expand(-1, 3, -1, -1).contiguous()
-
-
 def load_challenge_data(root: Path, workers: int, cache_dir: Path | None = None,
                         progress: bool = True) -> ChallengeData:
     """Decode foregrounds, masks and backgrounds once; reuse a decoded copy from `cache_dir` when the data matches."""
@@ -125,13 +121,13 @@ def load_challenge_data(root: Path, workers: int, cache_dir: Path | None = None,
                 fg = torch.from_numpy(np.load(cache / "fg.npy"))
                 bg = torch.from_numpy(np.load(cache / "bg.npy"))
                 masks = np.unpackbits(np.load(cache / "masks.npy"), axis=1)[:, :224 * 224].reshape(-1, 224, 224)
-                return ChallengeData(foregrounds, backgrounds, fg, _byte_masks(masks.astype(bool)), bg, fp)
+                return ChallengeData(foregrounds, backgrounds, fg, byte_masks(masks.astype(bool)), bg, fp)
         except (OSError, ValueError, KeyError) as exc:
             log.warning("ignoring an unreadable cache at %s (%s)", cache, exc)
     fg = _decode_all(root, [r.image_relpath for r in foregrounds], workers, "decoding foregrounds", progress)
     masks = _load_masks(root, foregrounds)
     bg = _decode_all(root, [r.relpath for r in backgrounds], workers, "decoding backgrounds", progress)
-    data = ChallengeData(foregrounds, backgrounds, fg, _byte_masks(masks), bg, fp)
+    data = ChallengeData(foregrounds, backgrounds, fg, byte_masks(masks), bg, fp)
     if cache is not None:
         _write_cache(cache, data, masks)
     return data
@@ -173,12 +169,10 @@ class CompositePredictor:
         self.rechecked = self.recheck_changed = 0
 
     def composite(self, fg_idx: torch.Tensor, bg_idx: torch.Tensor) -> torch.Tensor:
-        """fg where the mask is set, bg elsewhere, as bytes: (fg & m) | (bg & ~m) with m = 255 or 0 is exactly
-        `bg * (1 - m) + fg * m` for a 0/1 mask, and several times faster on a CPU than `where`."""
+        """fg where the mask is set, bg elsewhere (see tools.compositing)."""
         d = self.data
-        mask = d.masks.index_select(0, fg_idx)
-        batch = d.fg_images.index_select(0, fg_idx).bitwise_and_(mask)
-        batch.bitwise_or_(d.bg_images.index_select(0, bg_idx).bitwise_and_(mask.bitwise_not_()))
+        batch = composite(d.fg_images.index_select(0, fg_idx), d.bg_images.index_select(0, bg_idx),
+                          d.masks.index_select(0, fg_idx))
         return self.runtime.to_device(batch)
 
     def predict_images(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

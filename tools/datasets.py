@@ -58,15 +58,15 @@ def check_data_root(root: Path) -> Path:
     return root
 
 
-def variation_dir(root: Path, name: str) -> Path:
-    return Path(root) / name / SPLIT
+def variation_dir(root: Path, name: str, split: str = SPLIT) -> Path:
+    return Path(root) / name / split
 
 
-def class_folders(folder: Path, what: str) -> list[str]:
+def class_folders(folder: Path, what: str, split: str = SPLIT) -> list[str]:
     """The sorted class folder names under `folder`, checked to be nine; the index is the position."""
     if not folder.is_dir():
         raise UserError(
-            f"{what} is missing: no folder {folder}; the release has <data>/{what}/{SPLIT}/<class>/ "
+            f"{what} is missing: no folder {folder}; the layout is <data>/{what}/{split}/<class>/ "
             f"(check --data-path, or regenerate the data)"
         )
     names = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir() and not entry.name.startswith("."))
@@ -82,12 +82,12 @@ def _sorted_files(folder: Path) -> list[str]:
     return sorted(entry.name for entry in os.scandir(folder) if entry.is_file() and not entry.name.startswith("."))
 
 
-def list_variation(root: Path, name: str) -> list[ImageRecord]:
+def list_variation(root: Path, name: str, split: str = SPLIT) -> list[ImageRecord]:
     """Every image of a variation in ImageFolder order (sorted classes, sorted files), checked non-empty."""
     root = check_data_root(root)
-    folder = variation_dir(root, name)
+    folder = variation_dir(root, name, split)
     records: list[ImageRecord] = []
-    for label, cls in enumerate(class_folders(folder, name)):
+    for label, cls in enumerate(class_folders(folder, name, split)):
         files = _sorted_files(folder / cls)
         images = [f for f in files if f.lower().endswith(IMAGE_EXTENSIONS)]
         skipped = len(files) - len(images)
@@ -96,17 +96,17 @@ def list_variation(root: Path, name: str) -> list[ImageRecord]:
                         folder / cls, skipped)
         if not images:
             raise UserError(f"class folder {folder / cls} holds no images; every class needs at least one image")
-        records.extend(ImageRecord(f"{name}/{SPLIT}/{cls}/{f}", label) for f in images)
+        records.extend(ImageRecord(f"{name}/{split}/{cls}/{f}", label) for f in images)
     return records
 
 
-def list_foregrounds(root: Path) -> list[ForegroundRecord]:
-    """Every mask in fg_mask/val/<class>/<stem>.npy paired with original/val/<class>/<stem>.<ext>."""
+def list_foregrounds(root: Path, split: str = SPLIT) -> list[ForegroundRecord]:
+    """Every mask in fg_mask/<split>/<class>/<stem>.npy paired with original/<split>/<class>/<stem>.<ext>."""
     root = check_data_root(root)
-    mask_dir = variation_dir(root, MASK_FOLDER)
-    image_dir = variation_dir(root, Variation.ORIGINAL.value)
-    mask_classes = class_folders(mask_dir, MASK_FOLDER)
-    image_classes = class_folders(image_dir, Variation.ORIGINAL.value)
+    mask_dir = variation_dir(root, MASK_FOLDER, split)
+    image_dir = variation_dir(root, Variation.ORIGINAL.value, split)
+    mask_classes = class_folders(mask_dir, MASK_FOLDER, split)
+    image_classes = class_folders(image_dir, Variation.ORIGINAL.value, split)
     if mask_classes != image_classes:
         raise UserError(f"the class folders of {mask_dir} ({', '.join(mask_classes)}) differ from those of "
                         f"{image_dir} ({', '.join(image_classes)}); both need the same nine names")
@@ -127,8 +127,8 @@ def list_foregrounds(root: Path) -> list[ForegroundRecord]:
         if not masks:
             raise UserError(f"class folder {mask_dir / cls} holds no masks; every class needs foregrounds")
         for stem in sorted(masks):
-            records.append(ForegroundRecord(stem, label, f"{Variation.ORIGINAL.value}/{SPLIT}/{cls}/{images[stem]}",
-                                            f"{MASK_FOLDER}/{SPLIT}/{cls}/{masks[stem]}"))
+            records.append(ForegroundRecord(stem, label, f"{Variation.ORIGINAL.value}/{split}/{cls}/{images[stem]}",
+                                            f"{MASK_FOLDER}/{split}/{cls}/{masks[stem]}"))
     return records
 
 

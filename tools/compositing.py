@@ -1,0 +1,46 @@
+"""Pasting foregrounds onto backgrounds: the one definition the challenge and training share.
+
+Two arithmetics, both on uint8 NCHW images:
+- `composite`: the byte path for 0/1 masks, `(fg & m) | (bg & ~m)` with m = 255 on the foreground,
+  which equals the original's `bg * (1 - m) + fg * m` exactly and stays in uint8;
+- `blend`: the original's float arithmetic for any mask values (`--mask-arithmetic original`): the weight
+  is `uint8(mask) * 255` wrapped in uint8, then divided by 255, and the result is `bg * (1 - w) + fg * w`
+  in float32 on the [0, 1] scale, as the original computes it after ToTensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def byte_masks(masks: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """(N, H, W) bool -> (N, 3, H, W) uint8: 255 on the foreground, 0 elsewhere."""
+    masks = torch.as_tensor(masks)
+    return masks.to(torch.uint8).mul_(255).unsqueeze(1).expand(-1, 3, -1, -1).contiguous()
+
+
+def composite(fg: torch.Tensor, bg: torch.Tensor, byte_mask: torch.Tensor) -> torch.Tensor:
+    """uint8 foregrounds where `byte_mask` is 255, backgrounds elsewhere; all three (N, 3, H, W) uint8.
+
+    Bitwise on bytes: several times faster on a CPU than `torch.where`, and exact. All three are
+    overwritten in place (pass fresh gathers such as `index_select`, or clones); the result is `fg`'s storage.
+    """
+    out = fg.bitwise_and_(byte_mask)
+    return out.bitwise_or_(bg.bitwise_and_(byte_mask.bitwise_not_()))
+
+
+def original_weights(raw: np.ndarray) -> np.ndarray:
+    """The original's mask weight numerators: `uint8(mask) * 255` with uint8 wrap-around, (H, W) uint8.
+
+    A 0/1 mask gives 0/255 (a clean cut-out); 255 gives 1 (weight 1/255); 128 gives 128 (about half)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return raw.astype(np.uint8) * np.uint8(255)
+
+
+def blend(fg: torch.Tensor, bg: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The original's float composite `bg * (1 - w) + fg * w`, w = weights / 255, on the [0, 1] scale.
+
+    fg, bg: uint8 (N, 3, H, W); weights: uint8 (N, 1, H, W) from `original_weights`. Returns float32."""
+    w = weights.float().div_(255)
+    return bg.float().div_(255).mul_(1 - w).add_(fg.float().div_(255).mul_(w))
