@@ -14,9 +14,9 @@ from tools import cli
 from tools.analysis import summary_lines, write_analysis
 from tools.errors import UserError
 from tools.report import write_report
-from tools.challenge import ChallengeConfig, Criterion, run_challenge
+from tools.challenge import ChallengeConfig, Criterion, list_challenge_files, load_challenge_data, run_challenge
+from tools.compositing import MaskArithmetic
 from tools.provenance import write_json_atomic
-from tools.runtime import default_batch_size
 
 
 def default_cache_dir() -> Path:
@@ -47,8 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "prediction it caused (default: none)")
     group.add_argument("--compile", action="store_true", help="torch.compile the model (default: off)")
     group.add_argument("--recheck-margin", type=float, default=None, metavar="M",
-                       help="in bf16/fp16/tf32, re-run in fp32 every composite whose top-two logit margin is below "
-                            "M, so the verdicts are fp32's (default: 1.0 in reduced precision; 0 turns it off)")
+                       help="in bf16/fp16/tf32, re-run every composite whose top-two logit margin is below M in true "
+                            "fp32 (autocast and TF32 off for that pass), so near ties get fp32's verdict (default: "
+                            "1.0 in reduced precision; 0 turns it off)")
+    group.add_argument("--mask-arithmetic", type=MaskArithmetic, choices=list(MaskArithmetic),
+                       default=MaskArithmetic.BINARY,
+                       metavar="{" + ",".join(m.value for m in MaskArithmetic) + "}",
+                       help="binary: masks must hold 0/1 (or booleans) and are composited exactly on bytes; masks "
+                            "with other values are refused. original: the original script's arithmetic for any "
+                            "values, weight = (uint8(mask) * 255 mod 256) / 255 blended in float, to reproduce "
+                            "its numbers on such masks (default: binary)")
     group.add_argument("--cache-dir", type=Path, default=default_cache_dir(), metavar="DIR",
                        help=f"decoded-data cache, keyed by the data fingerprint (default: {default_cache_dir()})")
     group.add_argument("--no-cache", action="store_true", help="neither read nor write the decoded-data cache")
@@ -63,13 +71,16 @@ def main(args: argparse.Namespace) -> int:
     if args.top_k < 1:
         raise UserError(f"--top-k must be at least 1, not {args.top_k}")
     runtime = cli.runtime_from_args(args, compile=args.compile)
+    # the data is checked, listed, hashed and decoded (or read from the cache) before any model is built
+    data = load_challenge_data(list_challenge_files(args.data_path, args.workers), args.workers,
+                               None if args.no_cache else args.cache_dir, not args.no_progress,
+                               args.mask_arithmetic)
     loaded = cli.model_from_args(args)
     recheck = args.recheck_margin if args.recheck_margin is not None else (0.0 if runtime.exact else 1.0)
     config = ChallengeConfig(criterion=args.criterion, full=args.full,
-                             batch_size=args.batch_size or default_batch_size(runtime.device),
+                             batch_size=args.batch_size,
                              save_every=args.save_every, recheck_margin=recheck, progress=not args.no_progress)
-    result = run_challenge(loaded, runtime, args.data_path, config, args.output_dir, args.resume, args.workers,
-                           None if args.no_cache else args.cache_dir)
+    result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume)
     print("\n".join(result.lines()))
     analysis = None
     if args.full:

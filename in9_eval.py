@@ -10,7 +10,7 @@ from pathlib import Path
 from tools import cli
 from tools.analysis import format_categories, prediction_categories
 from tools.report import write_report
-from tools.evaluate import run_in9
+from tools.evaluate import list_in9_files, run_in9
 from tools.in9 import VARIATIONS, Variation
 from tools.provenance import write_json_atomic
 from tools.runtime import default_batch_size
@@ -35,11 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     runtime = cli.runtime_from_args(args)
-    loaded = cli.model_from_args(args)
     names = list(VARIATIONS if args.eval_dataset == "all" else (args.eval_dataset,))
     if args.categories:
         names += [v for v in CATEGORY_VARIATIONS if v not in names]
-    run = run_in9(loaded, runtime, args.data_path, names, args.batch_size or default_batch_size(runtime.device),
+    files = list_in9_files(args.data_path, names, args.workers)  # every data check before any model is built
+    loaded = cli.model_from_args(args)
+    run = run_in9(loaded, runtime, files, names, args.batch_size or default_batch_size(runtime.device),
                   args.workers, args.output_dir, args.resume, not args.no_progress)
     print("\n".join(run.lines()))
     payload = run.to_json()

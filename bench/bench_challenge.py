@@ -4,14 +4,22 @@ end-to-end time against a per-foreground loop that streams backgrounds from disk
     python bench/bench_challenge.py --device cpu --per-class 30
     python bench/bench_challenge.py --device cuda --arch resnet50 --per-class 450 --precision bf16 --skip-baseline
 
+--end-to-end times `python challenge_eval.py` itself, from process start to its summary line, against
+(composites evaluated + background predictions) / (the model's own forward throughput at its best batch
+size, each batch size measured in a fresh process, with and without the toolkit's CPU allocator tuning):
+
+    python bench/bench_challenge.py --end-to-end --model timm:efficientnet_lite0 --per-class 10
+
 Prints its figures; record them in bench/RESULTS.md with the machine they came from.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,12 +31,13 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import functional as TF
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from tools import challenge, synthetic  # noqa: E402
 from tools.challenge import ChallengeConfig, Criterion, run_challenge  # noqa: E402
 from tools.in9 import PredictionMap  # noqa: E402
-from tools.models import LoadedModel, PixelModel  # noqa: E402
+from tools.models import LoadedModel, PixelModel, build_architecture  # noqa: E402
 from tools.runtime import Forward, Precision, Runtime, default_batch_size  # noqa: E402
 from tools.in9 import statistics_for, Normalization  # noqa: E402
 
@@ -127,6 +136,74 @@ def baseline(root: Path, data: challenge.ChallengeData, model: torch.nn.Module, 
     return vulnerable, time.perf_counter() - start, evaluated
 
 
+FORWARD_PROBE = """
+import sys, time, torch
+from tools.models import load_model
+from tools.runtime import Forward, Runtime, tune_cpu_allocator
+arch, checkpoint, batch, tuned, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", float(sys.argv[5])
+if tuned:
+    tune_cpu_allocator()
+model = load_model(arch, checkpoint=checkpoint).model.eval()
+x = torch.randint(0, 256, (batch, 3, 224, 224), dtype=torch.uint8)
+with torch.inference_mode():
+    for _ in range(2):
+        model(x)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        model(x).argmax(1)
+        n += batch
+print(n / (time.perf_counter() - start))
+"""
+
+
+def fresh_process_throughput(arch: str, checkpoint: Path, batch: int, tuned: bool, seconds: float) -> float:
+    """Images/s of the model alone (PixelModel, uint8 input) in a new CPU process, after two warm-up passes."""
+    out = subprocess.run([sys.executable, "-c", FORWARD_PROBE, arch, str(checkpoint), str(batch), str(int(tuned)),
+                          str(seconds)], capture_output=True, text=True, check=True, cwd=REPO)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def end_to_end(args) -> None:
+    """challenge_eval.py as a user runs it on the CPU, process start to summary line, against the model's speed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        root = args.data_path or synthetic.generate(tmp / "bg", per_class=args.per_class, seed=0).root
+        checkpoint = tmp / "model.pt"
+        torch.manual_seed(0)
+        torch.save(build_architecture(args.model, 9).state_dict(), checkpoint)
+        print(f"machine: {machine(torch.device('cpu'))}")
+        command = [sys.executable, str(REPO / "challenge_eval.py"), "--data-path", str(root), "--arch", args.model,
+                   "--checkpoint", str(checkpoint), "--device", "cpu", "--no-cache", "--no-progress",
+                   "--output-dir", str(tmp / "out"), "--results-file", str(tmp / "r.json")]
+        if args.batch_size:
+            command += ["--batch-size", str(args.batch_size)]
+        began = time.perf_counter()
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
+        summary_at = None
+        for line in proc.stdout:
+            if line.startswith("Summary:") and summary_at is None:
+                summary_at = time.perf_counter() - began
+                print(line.rstrip())
+        if proc.wait() != 0:
+            raise SystemExit(proc.stderr.read())
+        result = json.loads((tmp / "r.json").read_text())
+        composites, backgrounds = result["composites_evaluated"], result["background_predictions"]
+        robust = result["total"] - result["vulnerable"]
+        minimum = robust * backgrounds + result["vulnerable"]
+        print(f"model {args.model}, 9 classes; {result['total']} foregrounds x {backgrounds} backgrounds; batch "
+              f"{result['provenance']['batch_size']} (chosen by the run)")
+        print(f"end to end: {summary_at:.2f} s to the summary line; search {result['wall_time_s']:.2f} s")
+        print(f"(3) composites evaluated {composites:,} / necessary minimum {minimum:,} = {composites / minimum:.3f}")
+        for tuned in (False, True):
+            rates = {b: fresh_process_throughput(args.model, checkpoint, b, tuned, args.window)
+                     for b in (4, 8, 16, 32)}
+            best = max(rates, key=rates.get)
+            ideal = (composites + backgrounds) / rates[best]
+            print(f"model alone, {'with' if tuned else 'without'} the allocator tuning: "
+                  + ", ".join(f"batch {b}: {r:.1f}" for b, r in rates.items())
+                  + f" images/s; best {best}; ideal {ideal:.2f} s; end to end / ideal = {summary_at / ideal:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -142,7 +219,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--full", action="store_true", help="also time --full (every pair)")
+    parser.add_argument("--end-to-end", action="store_true",
+                        help="time challenge_eval.py from process start to summary line on the CPU; --model is then "
+                             "an architecture name (torchvision, or timm:NAME) built with random weights")
+    parser.add_argument("--window", type=float, default=4.0, help="seconds per forward-throughput measurement")
     args = parser.parse_args()
+    if args.end_to_end:
+        end_to_end(args)
+        return
 
     device = torch.device(args.device)
     runtime = Runtime(device, args.precision, args.channels_last)

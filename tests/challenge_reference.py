@@ -22,8 +22,21 @@ def _load(path: Path) -> torch.Tensor:
     return TF.to_tensor(Image.open(path).convert("RGB"))
 
 
-def reference_matrix(root: Path, classifier: torch.nn.Module, mean, std):
-    """Predictions of every composite: (matrix (F, B), foreground labels, background labels)."""
+def original_weight(raw: np.ndarray) -> torch.Tensor:
+    """The original script's mask pipeline, step by step: tile to 3 channels, uint8, times 255 (in uint8),
+    a PIL image, ToTensor."""
+    tiled = np.tile(raw[:, :, np.newaxis], [1, 1, 3]).astype("uint8")
+    return TF.to_tensor(Image.fromarray(tiled * 255))
+
+
+def binary_weight(raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(raw.astype(np.uint8)).float().unsqueeze(0)
+
+
+def reference_matrix(root: Path, classifier: torch.nn.Module, mean, std, weight=binary_weight):
+    """Predictions of every composite: (matrix (F, B), foreground labels, background labels).
+
+    `weight` turns a mask's raw array into the compositing weight (binary_weight, or original_weight)."""
     root = Path(root)
     table = {int(k): v for k, v in json.loads(IN_TO_IN9.read_text()).items()}
     foregrounds, fg_labels = [], []
@@ -31,7 +44,7 @@ def reference_matrix(root: Path, classifier: torch.nn.Module, mean, std):
     for label, cls in enumerate(_folders(mask_root)):
         for name in sorted(os.listdir(mask_root / cls)):
             stem = name[:-len(".npy")]
-            mask = torch.from_numpy(np.load(mask_root / cls / name).astype(np.uint8)).float()
+            mask = weight(np.load(mask_root / cls / name))
             foregrounds.append((_load(image_root / cls / f"{stem}.JPEG"), mask))
             fg_labels.append(label)
     backgrounds, bg_labels = [], []
@@ -46,8 +59,7 @@ def reference_matrix(root: Path, classifier: torch.nn.Module, mean, std):
     with torch.no_grad():
         for i, (fg, mask) in enumerate(foregrounds):
             for j, bg in enumerate(backgrounds):
-                m = mask.unsqueeze(0)
-                composite = bg * (1 - m) + fg * m
+                composite = bg * (1 - mask) + fg * mask
                 logits = classifier(((composite - mean) / std).unsqueeze(0))[0]
                 top = int(logits.argmax())
                 matrix[i, j] = top if logits.numel() == 9 else table[top]

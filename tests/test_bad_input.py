@@ -293,3 +293,95 @@ def test_unavailable_device(device, message, run, dataset, color_ts):
 def test_non_positive_counts(flag, run, dataset, color_ts):
     line = run("--data-path", dataset.root, "--checkpoint", color_ts[9], flag, "0")
     assert line == f"error: {flag} must be at least 1, not 0"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# First contact: the data path's default, and the data checked before any model is built
+
+def test_data_path_defaults_to_the_environment_then_data_bg_challenge(run, dataset, color_ts, tmp_path, monkeypatch,
+                                                                      capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BG_CHALLENGE_DATA", raising=False)
+    line = run("--checkpoint", color_ts[9])
+    assert mentions(line, "data/bg_challenge", "$BG_CHALLENGE_DATA", "--data-path",
+                    "python -m tools.data fetch --data-path data/bg_challenge")
+    monkeypatch.setenv("BG_CHALLENGE_DATA", str(dataset.root))
+    argv = ["--checkpoint", str(color_ts[9]), "--device", "cpu", "--output-dir", str(tmp_path / "o"),
+            "--no-progress", "--log-level", "WARNING"]
+    assert cli.run_main(in9_eval.build_parser(), in9_eval.main, argv) == 0
+    assert capsys.readouterr().out.startswith("Accuracy on original is ")
+    monkeypatch.delenv("BG_CHALLENGE_DATA")
+    (tmp_path / "data").mkdir()
+    shutil.copytree(dataset.root, tmp_path / "data" / "bg_challenge")
+    assert cli.run_main(in9_eval.build_parser(), in9_eval.main, argv) == 0
+
+
+@pytest.mark.parametrize("script", ["in9_eval", "challenge_eval"])
+@pytest.mark.parametrize("breakage", ["no folder", "missing variation", "unreadable image"])
+def test_bad_data_is_reported_before_any_model_is_built(script, breakage, data, color_ts, tmp_path, monkeypatch,
+                                                        capsys):
+    import challenge_eval  # noqa: PLC0415
+    from tools import models  # noqa: PLC0415
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built before the data was checked")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    monkeypatch.setattr(cli, "load_model", no_model)
+    root = data
+    if breakage == "no folder":
+        root = tmp_path / "nowhere"
+    elif breakage == "missing variation":
+        shutil.rmtree(data / "only_bg_t")
+    else:
+        # the first image of a class: the quick check reads its header (in9 finds a later one as it decodes)
+        (data / "only_bg_t" / "val" / "00_dog" / "synth0_00000.JPEG").write_bytes(b"not an image")
+    module = in9_eval if script == "in9_eval" else challenge_eval
+    argv = ["--data-path", str(root), "--arch", "resnet18", "--device", "cpu", "--output-dir", str(tmp_path / "o"),
+            "--no-progress", "--log-level", "WARNING", "--no-cache" if script == "challenge_eval" else "--categories"]
+    if script == "in9_eval":
+        argv += ["--eval-dataset", "all"]
+    code = cli.run_main(module.build_parser(), module.main, argv)
+    out, err = capsys.readouterr()
+    line = check_error(code, out, err)
+    assert mentions(line, "nowhere" if breakage == "no folder" else "only_bg_t")
+
+
+def test_results_files_follow_the_umask(dataset, color_ts, tmp_path, capsys):
+    previous = os.umask(0o022)
+    try:
+        argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--device", "cpu",
+                "--output-dir", str(tmp_path / "o"), "--results-file", str(tmp_path / "r.json"), "--no-progress",
+                "--log-level", "WARNING"]
+        assert cli.run_main(in9_eval.build_parser(), in9_eval.main, argv) == 0
+    finally:
+        os.umask(previous)
+    capsys.readouterr()
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_arch_ignored_for_a_torchscript_file_is_said_once(dataset, color_ts, tmp_path, capsys):
+    argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--arch", "resnet18", "--device",
+            "cpu", "--output-dir", str(tmp_path / "o"), "--no-progress", "--log-level", "WARNING"]
+    assert cli.run_main(in9_eval.build_parser(), in9_eval.main, argv) == 0
+    err = capsys.readouterr().err
+    assert sum("--arch resnet18 is ignored" in line for line in err.splitlines()) == 1
+
+
+def test_no_in9_contradicting_a_nine_class_checkpoint(run, dataset, color_ts):
+    line = run("--data-path", dataset.root, "--checkpoint", color_ts[9], "--no-in9")
+    assert mentions(line, "--no-in9 says a 1000-class ImageNet model", "9 classes")
+
+
+def test_lonely_mask_names_the_image_extension_in_use(tmp_path):
+    from tools import datasets, synthetic  # noqa: PLC0415
+
+    root = synthetic.generate(tmp_path / "bg", per_class=2, seed=3).root
+    for path in sorted((root / "original").rglob("*.JPEG")):  # data built with --image-format png
+        with Image.open(path) as img:
+            img.convert("RGB").save(path.with_suffix(".png"))
+        path.unlink()
+    victim = sorted((root / "original" / "val" / "01_bird").iterdir())[0]
+    victim.unlink()
+    with pytest.raises(datasets.UserError, match=rf"has no image \S*{victim.stem}\.png "):
+        datasets.list_foregrounds(root)

@@ -284,11 +284,13 @@ def test_results_json_fields(script_runs, models, dataset):
     assert provenance["num_classes"] == 9
     assert provenance["checkpoint_format"] == "TorchScript"
     assert provenance["normalization"].startswith("in9")
-    # the data fingerprint: every image read, and a SHA-256 over sorted relative paths and sizes
+    # the data fingerprint: every image read, by content: a SHA-256 over sorted (relative path, file SHA-256)
     root = dataset.root
     relpaths = sorted(str(p.relative_to(root)) for v in VARIATIONS for p in (root / v).rglob("*.JPEG"))
-    lines = "".join(f"{rel}\t{os.path.getsize(root / rel)}\n" for rel in relpaths)
-    assert provenance["data"] == {"files": 8 * 36, "sha256": hashlib.sha256(lines.encode()).hexdigest()}
+    lines = "".join(f"{rel}\t{hashlib.sha256((root / rel).read_bytes()).hexdigest()}\n" for rel in relpaths)
+    data = provenance["data"]
+    assert data["files"] == 8 * 36 and data["sha256"] == hashlib.sha256(lines.encode()).hexdigest()
+    assert data["bytes"] == sum(os.path.getsize(root / rel) for rel in relpaths) and "content" in data["method"]
 
 
 def test_two_runs_give_identical_results(script_runs, tmp_path):

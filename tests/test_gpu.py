@@ -43,7 +43,7 @@ def test_challenge_verdicts_match_the_cpu(dataset, model_path, tmp_path):
     assert cpu.state.verdict.tolist() == gpu.state.verdict.tolist()
 
 
-@pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP16])
+@pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP16, Precision.TF32])
 def test_reduced_precision_with_recheck_gives_fp32_verdicts(dataset, model_path, tmp_path, precision):
     exact = run_challenge(load_model(checkpoint=model_path), Runtime(torch.device("cuda")), dataset.root,
                           ChallengeConfig(batch_size=32, progress=False, full=True), output_dir=tmp_path / "fp32")
@@ -52,3 +52,20 @@ def test_reduced_precision_with_recheck_gives_fp32_verdicts(dataset, model_path,
     assert fast.state.verdict.tolist() == exact.state.verdict.tolist()
     assert fast.unsure == 0
     assert (exact.state.verdict == challenge.VULNERABLE).any()
+
+
+def test_fp32_repeats_bit_for_bit(dataset, model_path):
+    """Two fp32 runs on one GPU give identical logits (no autotuning in fp32), including a resnet's convolutions."""
+    import torchvision  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    net = torchvision.models.resnet18(num_classes=9).eval()
+    x = torch.randint(0, 256, (24, 3, 224, 224), dtype=torch.uint8)
+    outputs = []
+    for _ in range(2):
+        runtime = Runtime(torch.device("cuda"))
+        model = runtime.prepare(torch.nn.Sequential(net))
+        with torch.inference_mode():
+            outputs.append(model(runtime.to_device(x).float().div_(255)).cpu())
+    assert torch.equal(outputs[0], outputs[1])
+    assert not torch.backends.cudnn.benchmark

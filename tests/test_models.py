@@ -153,6 +153,20 @@ def test_robustness_layout_is_known_by_its_keys_not_its_name(net9, pixels, tmp_p
     assert torch.equal(logits_of(loaded, pixels), expected_logits(net9, pixels, (ROBUST_MEAN, ROBUST_STD)))
 
 
+def test_robustness_normaliser_under_other_names(net9, pixels, tmp_path):
+    checkpoint = robustness_checkpoint(net9)
+    state = checkpoint["model"]
+    for key in [k for k in state if k.endswith("normalizer.new_mean") or k.endswith("normalizer.new_std")]:
+        state[key.replace("new_", "")] = state.pop(key)
+    path = tmp_path / "renamed.pt"
+    torch.save(checkpoint, path)
+    with pytest.raises(UserError, match=r"normaliser buffers are not normalizer.new_mean/new_std \(it has: "
+                                        r"normalizer.mean, normalizer.std\); pass --normalize"):
+        load_model("resnet18", checkpoint=path)
+    loaded = load_model("resnet18", checkpoint=path, normalize=Normalization.IMAGENET)
+    assert torch.equal(logits_of(loaded, pixels), expected_logits(net9, pixels, (IMAGENET_MEAN, IMAGENET_STD)))
+
+
 def test_torchscript_round_trips(net9, pixels, tmp_path):
     path = tmp_path / "model.ts"
     save_torchscript(net9, path)

@@ -66,3 +66,54 @@ def test_fp32_runs_without_autocast_and_bf16_with_it():
     with Runtime(torch.device("cpu"), Precision.BF16).autocast():
         assert layer(x).dtype == torch.bfloat16
     assert Runtime(torch.device("cpu")).exact and not Runtime(torch.device("cpu"), Precision.BF16).exact
+
+
+class RecordsItsMath(torch.nn.Module):
+    """A 9-class model whose logits are near ties, recording the TF32 flags and autocast state of every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 9)
+        self.calls: list[tuple[bool, bool, bool]] = []
+
+    def forward(self, x):
+        self.calls.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+                           torch.is_autocast_enabled("cpu")))
+        return self.linear(x.mean(dim=(2, 3))) * 1e-3
+
+
+@pytest.mark.parametrize("precision", [Precision.TF32, Precision.BF16])
+def test_the_recheck_runs_in_true_fp32_and_restores_the_flags(precision, dataset):
+    from tools.challenge import ChallengeConfig, run_challenge  # noqa: PLC0415
+    from tools.models import LoadedModel, PixelModel  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    recorder = RecordsItsMath()
+    loaded = LoadedModel(PixelModel(recorder, (0.5,) * 3, (0.25,) * 3), 9, None, None, None, None, "test", "test")
+    runtime = Runtime(torch.device("cpu"), precision)
+    tf32 = precision is Precision.TF32
+    config = ChallengeConfig(batch_size=16, progress=False, recheck_margin=1e9)
+    result = run_challenge(loaded, runtime, dataset.root, config, workers=1)
+    assert result.rechecked > 0
+    fast = (tf32, tf32, precision is Precision.BF16)
+    exact = (False, False, False)
+    assert set(recorder.calls) == {fast, exact}
+    assert sum(call == exact for call in recorder.calls) >= 1
+    # the process-wide flags are as the precision set them, after every re-check
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (tf32, tf32)
+
+
+def test_autotuning_only_in_the_speed_modes():
+    Runtime(torch.device("cpu"), Precision.BF16)
+    assert torch.backends.cudnn.benchmark
+    Runtime(torch.device("cpu"))
+    assert not torch.backends.cudnn.benchmark
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback is what is checked")
+def test_no_gpu_is_an_informational_line(caplog):
+    with caplog.at_level(logging.INFO):
+        assert resolve_device(None) == torch.device("cpu")
+    records = [r for r in caplog.records if "no GPU found" in r.message]
+    assert len(records) == 1 and records[0].levelno == logging.INFO

@@ -21,8 +21,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,20 +30,21 @@ import torch
 from tqdm import tqdm
 
 from tools import datasets
-from tools.compositing import byte_masks, composite
+from tools.compositing import MaskArithmetic, blend, byte_masks, composite
+from tools.hashing import fingerprint
 from tools.data import quick_check
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, PredictionMap, Variation, class_names
 from tools.models import LoadedModel
-from tools.provenance import provenance, write_json_atomic
-from tools.runtime import Forward, Runtime
+from tools.provenance import atomic_write, provenance, write_json_atomic
+from tools.runtime import CPU_BATCH_CANDIDATES, Forward, Runtime, default_batch_size
 
 log = logging.getLogger(__name__)
 
 UNKNOWN, ROBUST, VULNERABLE = -1, 0, 1
 STATE_NAME = "challenge_state.npz"
 MATRIX_NAME = "predictions.npy"
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 class Criterion(str, enum.Enum):
@@ -60,13 +59,26 @@ class Criterion(str, enum.Enum):
 # Data: decoded once, cached on disk by fingerprint
 
 @dataclass
+class ChallengeFiles:
+    """What the challenge reads: foregrounds (image and mask), backgrounds, and their content fingerprint."""
+
+    root: Path
+    foregrounds: list[datasets.ForegroundRecord]
+    backgrounds: list[datasets.ImageRecord]
+    fingerprint: dict
+
+
+@dataclass
 class ChallengeData:
     foregrounds: list[datasets.ForegroundRecord]
     backgrounds: list[datasets.ImageRecord]
     fg_images: torch.Tensor  # uint8 (F, 3, H, W)
-    masks: torch.Tensor  # uint8 (F, 3, H, W): 255 on the foreground, 0 elsewhere (for bitwise compositing)
+    # binary: uint8 (F, 3, H, W), 255 on the foreground, 0 elsewhere (for bitwise compositing);
+    # original: uint8 (F, 1, H, W), the original's weight numerators (w = value / 255)
+    masks: torch.Tensor
     bg_images: torch.Tensor  # uint8 (B, 3, H, W)
     fingerprint: dict
+    arithmetic: MaskArithmetic = MaskArithmetic.BINARY
 
     @property
     def fg_labels(self) -> np.ndarray:
@@ -78,75 +90,41 @@ class ChallengeData:
 
     def to(self, device: torch.device) -> "ChallengeData":
         return ChallengeData(self.foregrounds, self.backgrounds, self.fg_images.to(device), self.masks.to(device),
-                             self.bg_images.to(device), self.fingerprint)
+                             self.bg_images.to(device), self.fingerprint, self.arithmetic)
 
 
-def list_challenge_files(root: Path) -> tuple[list[datasets.ForegroundRecord], list[datasets.ImageRecord], dict]:
+def list_challenge_files(root: Path, workers: int = 4) -> ChallengeFiles:
+    """Check and list the foregrounds and backgrounds, and hash their content: cheap, before any model is built."""
     quick_check(root, [Variation.ONLY_BG_T.value], need_masks=True)
     root = Path(root)
     foregrounds = datasets.list_foregrounds(root)
     backgrounds = datasets.list_variation(root, Variation.ONLY_BG_T.value)
-    if not backgrounds:
-        raise UserError(f"no backgrounds in {datasets.variation_dir(root, Variation.ONLY_BG_T.value)}")
     relpaths = [p for r in foregrounds for p in (r.image_relpath, r.mask_relpath)] + [r.relpath for r in backgrounds]
-    return foregrounds, backgrounds, datasets.fingerprint(root, relpaths)
+    return ChallengeFiles(root, foregrounds, backgrounds, fingerprint(root, relpaths, workers))
 
 
-def _decode_all(root: Path, relpaths: list[str], workers: int, desc: str, progress: bool) -> torch.Tensor:
-    out = torch.empty((len(relpaths), 3, 224, 224), dtype=torch.uint8)
-    with tqdm(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
-        for start, batch in datasets.iter_decoded_batches(root, relpaths, 64, workers):
-            out[start:start + batch.shape[0]] = batch
-            bar.update(batch.shape[0])
-    return out
-
-
-def _load_masks(root: Path, records: list[datasets.ForegroundRecord]) -> np.ndarray:
-    masks = np.empty((len(records), 224, 224), dtype=bool)
-    for i, rec in enumerate(records):
-        masks[i] = datasets.load_mask(Path(root) / rec.mask_relpath)
-    return masks
-
-
-def load_challenge_data(root: Path, workers: int, cache_dir: Path | None = None,
-                        progress: bool = True) -> ChallengeData:
-    """Decode foregrounds, masks and backgrounds once; reuse a decoded copy from `cache_dir` when the data matches."""
-    foregrounds, backgrounds, fp = list_challenge_files(root)
-    cache = Path(cache_dir) / f"{fp['sha256'][:24]}-v{CACHE_VERSION}" if cache_dir is not None else None
-    if cache is not None and (cache / "meta.json").is_file():
-        try:
-            meta = json.loads((cache / "meta.json").read_text())
-            if meta.get("fingerprint") == fp:
-                log.info("decoded data read from the cache %s", cache)
-                fg = torch.from_numpy(np.load(cache / "fg.npy"))
-                bg = torch.from_numpy(np.load(cache / "bg.npy"))
-                masks = np.unpackbits(np.load(cache / "masks.npy"), axis=1)[:, :224 * 224].reshape(-1, 224, 224)
-                return ChallengeData(foregrounds, backgrounds, fg, byte_masks(masks.astype(bool)), bg, fp)
-        except (OSError, ValueError, KeyError) as exc:
-            log.warning("ignoring an unreadable cache at %s (%s)", cache, exc)
-    fg = _decode_all(root, [r.image_relpath for r in foregrounds], workers, "decoding foregrounds", progress)
-    masks = _load_masks(root, foregrounds)
-    bg = _decode_all(root, [r.relpath for r in backgrounds], workers, "decoding backgrounds", progress)
-    data = ChallengeData(foregrounds, backgrounds, fg, byte_masks(masks), bg, fp)
-    if cache is not None:
-        _write_cache(cache, data, masks)
-    return data
-
-
-def _write_cache(cache: Path, data: ChallengeData, masks: np.ndarray) -> None:
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".tmp-"))
-        np.save(tmp / "fg.npy", data.fg_images.numpy())
-        np.save(tmp / "bg.npy", data.bg_images.numpy())
-        np.save(tmp / "masks.npy", np.packbits(masks.reshape(len(masks), -1), axis=1))
-        (tmp / "meta.json").write_text(json.dumps({"fingerprint": data.fingerprint}))
-        if cache.exists():
-            shutil.rmtree(cache)
-        os.replace(tmp, cache)
-        log.info("decoded data cached at %s", cache)
-    except OSError as exc:
-        log.warning("could not write the decoded-data cache at %s (%s); continuing without it", cache, exc)
+def load_challenge_data(files: ChallengeFiles | Path, workers: int, cache_dir: Path | None = None,
+                        progress: bool = True, arithmetic: MaskArithmetic = MaskArithmetic.BINARY) -> ChallengeData:
+    """Decode foregrounds, masks and backgrounds once; reuse a decoded copy from `cache_dir` when the content
+    fingerprint (and the mask arithmetic) match."""
+    if not isinstance(files, ChallengeFiles):
+        files = list_challenge_files(files, workers)
+    root, fp = files.root, files.fingerprint
+    cache = datasets.DecodedCache(cache_dir, f"{fp['sha256'][:24]}-{arithmetic.value}-v{CACHE_VERSION}",
+                                  {"fingerprint": fp, "mask_arithmetic": arithmetic.value})
+    cached = cache.load(("fg", "bg", "masks"))
+    if cached is not None:
+        fg, bg, masks = (torch.from_numpy(cached[name]) for name in ("fg", "bg", "masks"))
+    else:
+        masks_np = datasets.load_masks(root, [r.mask_relpath for r in files.foregrounds], arithmetic)
+        fg = datasets.decode_images(root, [r.image_relpath for r in files.foregrounds], workers, progress,
+                                    "decoding foregrounds")
+        bg = datasets.decode_images(root, [r.relpath for r in files.backgrounds], workers, progress,
+                                    "decoding backgrounds")
+        masks = torch.from_numpy(masks_np)
+        cache.save({"fg": fg.numpy(), "bg": bg.numpy(), "masks": masks_np})
+    masks = byte_masks(masks) if arithmetic is MaskArithmetic.BINARY else masks.unsqueeze(1).contiguous()
+    return ChallengeData(files.foregrounds, files.backgrounds, fg, masks, bg, fp, arithmetic)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -155,24 +133,27 @@ def _write_cache(cache: Path, data: ChallengeData, masks: np.ndarray) -> None:
 class CompositePredictor:
     """IN-9 predictions for (foreground, background) index pairs, composited on the device.
 
-    In reduced precision, composites whose top-two logit margin is below `recheck_margin` are run again
-    in fp32, so the fast mode gives the fp32 prediction wherever a near tie could flip it.
+    In reduced precision (bf16, fp16, tf32), composites whose top-two logit margin is below `recheck_margin`
+    are run again in true fp32 (`Runtime.fp32_math`: no autocast, TF32 off), so the fast mode gives the
+    fp32 prediction wherever a near tie could flip it.
     """
 
-    def __init__(self, loaded: LoadedModel, runtime: Runtime, data: ChallengeData, batch_size: int,
+    def __init__(self, loaded: LoadedModel, runtime: Runtime, data: ChallengeData, batch_size: int | None,
                  recheck_margin: float = 0.0):
         self.runtime, self.data = runtime, data
         self.model = runtime.prepare(loaded.model)
-        self.forward = Forward(self.model, runtime, batch_size)
+        self.forward = Forward(self.model, runtime, batch_size or default_batch_size(runtime.device))
         self.to_in9 = PredictionMap(loaded.num_classes)
         self.recheck_margin = recheck_margin if not runtime.exact else 0.0
         self.rechecked = self.recheck_changed = 0
 
     def composite(self, fg_idx: torch.Tensor, bg_idx: torch.Tensor) -> torch.Tensor:
-        """fg where the mask is set, bg elsewhere (see tools.compositing)."""
+        """The composites of the pairs, on the device: uint8 on the byte path, float in [0, 1] with the
+        original's arithmetic (see tools.compositing)."""
         d = self.data
-        batch = composite(d.fg_images.index_select(0, fg_idx), d.bg_images.index_select(0, bg_idx),
-                          d.masks.index_select(0, fg_idx))
+        join = composite if d.arithmetic is MaskArithmetic.BINARY else blend
+        batch = join(d.fg_images.index_select(0, fg_idx), d.bg_images.index_select(0, bg_idx),
+                     d.masks.index_select(0, fg_idx))
         return self.runtime.to_device(batch)
 
     def predict_images(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -188,7 +169,7 @@ class CompositePredictor:
             # one synchronisation per batch in reduced precision: the price of fp32 verdicts
             idx = close.nonzero().flatten()
             if idx.numel():
-                with torch.inference_mode():
+                with torch.inference_mode(), self.runtime.fp32_math():
                     exact_logits = self.model(images[idx])
                 exact = self.to_in9(exact_logits.float())
                 self.rechecked += int(idx.numel())
@@ -204,11 +185,29 @@ class CompositePredictor:
         idx = torch.from_numpy(pairs).to(device)
         return self.predict_images(self.composite(idx[:, 0], idx[:, 1]))
 
-    def predict_backgrounds(self, batch_size: int) -> np.ndarray:
-        preds = []
-        for start in range(0, len(self.data.bg_images), batch_size):
-            p, _ = self.predict_images(self.runtime.to_device(self.data.bg_images[start:start + batch_size]))
-            preds.append(p)
+    def predict_backgrounds(self, measure: bool = False) -> np.ndarray:
+        """The model's prediction on every background alone, in batches of the search's size.
+
+        measure: choose the search's batch size here (the CPU default): each of CPU_BATCH_CANDIDATES runs
+        twice on backgrounds that need predicting anyway, the first run warming it up, and the size with
+        the shortest time per image in the second run is kept."""
+        images, preds, start = self.data.bg_images, [], 0
+        timings: dict[int, float] = {}
+        for size in (s for s in CPU_BATCH_CANDIDATES for _ in range(2)) if measure else ():
+            if start + size > len(images):
+                break
+            self.forward.chunk = size
+            began = time.perf_counter()
+            preds.append(self.predict_images(self.runtime.to_device(images[start:start + size]))[0])
+            timings[size] = (time.perf_counter() - began) / size
+            start += size
+        if timings:
+            self.forward.chunk = min(timings, key=timings.get)
+            log.info("batch size %d chosen by timing %s", self.forward.chunk,
+                     ", ".join(f"{k}: {1e3 * v:.1f} ms/image" for k, v in timings.items()))
+        size = self.forward.chunk
+        for begin in range(start, len(images), size):
+            preds.append(self.predict_images(self.runtime.to_device(images[begin:begin + size]))[0])
         return torch.cat(preds).cpu().numpy().astype(np.int64)
 
 
@@ -254,17 +253,8 @@ class SearchState:
         arrays["key"] = np.frombuffer(key.encode(), np.uint8)
         if self.matrix is not None:
             arrays["matrix"] = self.matrix
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                np.savez(fh, **arrays)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_write(path, "wb") as fh:
+            np.savez(fh, **arrays)
 
     @classmethod
     def load(cls, path: Path, key: str) -> "SearchState":
@@ -293,11 +283,12 @@ class SearchState:
 class ChallengeConfig:
     criterion: Criterion = Criterion.ANY
     full: bool = False
-    batch_size: int = 64
+    batch_size: int | None = 64  # None: 256 on a GPU; on the CPU, measured at start-up (CPU_BATCH_CANDIDATES)
     first_k: int = 1  # backgrounds offered to each open foreground in the first round; doubles each round
     save_every: float = 5.0  # seconds between state saves
     recheck_margin: float = 0.0
     progress: bool = True
+    mask_arithmetic: MaskArithmetic = MaskArithmetic.BINARY
 
 
 class Search:
@@ -564,16 +555,22 @@ class ChallengeResult:
 
 
 def _run_key(data: ChallengeData, loaded: LoadedModel, runtime: Runtime, config: ChallengeConfig) -> str:
-    parts = [data.fingerprint["sha256"], loaded.sha256 or "", loaded.normalization, runtime.precision.value,
-             config.criterion.value, str(config.full), str(config.first_k), str(config.recheck_margin)]
+    parts = [data.fingerprint["sha256"], data.arithmetic.value, loaded.sha256 or "", loaded.normalization,
+             runtime.precision.value, config.criterion.value, str(config.full), str(config.first_k),
+             str(config.recheck_margin)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
-def run_challenge(loaded: LoadedModel, runtime: Runtime, root: Path, config: ChallengeConfig,
-                  output_dir: Path | None = None, resume: bool = False, workers: int = 4,
+def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | ChallengeFiles | Path,
+                  config: ChallengeConfig, output_dir: Path | None = None, resume: bool = False, workers: int = 4,
                   cache_dir: Path | None = None, sure_margin: float = 1.0) -> ChallengeResult:
-    """The challenge's verdict for every foreground, exactly as an exhaustive search would give it."""
-    data = load_challenge_data(root, workers, cache_dir, config.progress).to(runtime.device)
+    """The challenge's verdict for every foreground, exactly as an exhaustive search would give it.
+
+    `data`: decoded data (`load_challenge_data`), listed files, or the data folder (decoded here with
+    `config.mask_arithmetic`, through `cache_dir`)."""
+    if not isinstance(data, ChallengeData):
+        data = load_challenge_data(data, workers, cache_dir, config.progress, config.mask_arithmetic)
+    data = data.to(runtime.device)
     predictor = CompositePredictor(loaded, runtime, data, config.batch_size, config.recheck_margin)
     key = _run_key(data, loaded, runtime, config)
     state_path = Path(output_dir) / STATE_NAME if output_dir is not None else None
@@ -583,10 +580,12 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, root: Path, config: Cha
     else:
         if resume:
             log.warning("no saved state in %s: starting afresh", output_dir)
-        bg_pred = predictor.predict_backgrounds(config.batch_size)
+        bg_pred = predictor.predict_backgrounds(measure=config.batch_size is None and runtime.device.type == "cpu")
         state = SearchState.fresh(len(data.foregrounds), len(data.backgrounds), bg_pred, config.full)
     Search(predictor, data, config, state, state_path, key).run()
     info = provenance(runtime.describe(), loaded.describe(), data.fingerprint)
+    info["mask_arithmetic"] = data.arithmetic.value
+    info["batch_size"] = predictor.forward.chunk
     unsure = None
     if not runtime.exact:
         threshold = config.recheck_margin if config.recheck_margin > 0 else sure_margin

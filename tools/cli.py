@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
+from tools.datasets import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
-from tools.models import LoadedModel, load_model
+from tools.models import DEFAULT_ARCH, TIMM_PREFIX, LoadedModel, load_model, program_kind
 from tools.runtime import Precision, Runtime, default_workers, resolve_device, seed_everything
 
 log = logging.getLogger(__name__)
@@ -22,13 +25,14 @@ EXIT_INTERRUPTED = 130
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Data, model, device and output flags, the same names in both scripts."""
     data = parser.add_argument_group("data")
-    data.add_argument("--data-path", type=Path, required=True, metavar="DIR",
-                      help="folder holding original/, only_fg/, ..., fg_mask/ (the release's bg_challenge/)")
+    data.add_argument("--data-path", type=Path, default=None, metavar="DIR",
+                      help=f"folder holding original/, only_fg/, ..., fg_mask/ (the release's bg_challenge/) "
+                           f"(default: ${DATA_ENV} if set, else {DEFAULT_DATA_ROOT})")
 
     model = parser.add_argument_group("model")
-    model.add_argument("--arch", default="resnet50", metavar="NAME",
-                       help="torchvision classification builder name, or timm:NAME with timm installed "
-                            "(default: resnet50)")
+    model.add_argument("--arch", default=None, metavar="NAME",
+                       help=f"torchvision classification builder name, or timm:NAME with timm installed; a "
+                            f"TorchScript or export checkpoint carries its own (default: {DEFAULT_ARCH})")
     model.add_argument("--weights", default=None, metavar="NAME",
                        help="torchvision weights name such as IMAGENET1K_V2 (default: IMAGENET1K_V1, the weights "
                             "the published numbers used, where the architecture has them; else DEFAULT)")
@@ -37,8 +41,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default: none, use pretrained --weights)")
     model.add_argument("--checkpoint-key", default=None, metavar="KEY",
                        help="key holding the state dict (default: the first of model, state_dict, state_dict_ema)")
-    model.add_argument("--in9", action="store_true", default=None,
-                       help="a 9-class model trained on IN-9 (default: inferred from the checkpoint)")
+    model.add_argument("--in9", action=argparse.BooleanOptionalAction, default=None,
+                       help="a 9-class model trained on IN-9 (--in9) or a 1000-class ImageNet model (--no-in9), "
+                            "checked against the checkpoint (default: inferred from the checkpoint's class count)")
     model.add_argument("--normalize", type=Normalization, choices=list(Normalization), default=Normalization.AUTO,
                        metavar="{" + ",".join(n.value for n in Normalization) + "}",
                        help="normalisation inside the model: auto uses the checkpoint's normaliser buffers, else "
@@ -48,7 +53,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
     run = parser.add_argument_group("running")
     run.add_argument("--batch-size", type=int, default=None, metavar="N",
-                     help="images per forward pass (default: 256 on a GPU, 16 on the CPU, where smaller batches stay in cache; halved on out-of-memory)")
+                     help="images per forward pass, halved on out-of-memory (default: 256 on a GPU; on the CPU 16 "
+                          "for in9_eval, and for challenge_eval the fastest of 8, 16 and 32, timed on the first "
+                          "backgrounds and recorded in the results' provenance)")
     run.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                      help=f"image-decoding threads (default: {default_workers()})")
     run.add_argument("--device", default=None, metavar="DEV",
@@ -78,12 +85,36 @@ def add_log_level_argument(parser) -> None:
 
 
 def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtime:
+    """Check the cheap inputs (data folder, batch size, workers) and resolve the device, before any model."""
+    args.data_path = check_data_root(args.data_path)
     seed_everything(args.seed)
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, not {args.batch_size}")
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, not {args.workers}")
-    return Runtime(resolve_device(args.device), args.precision, args.channels_last, compile)
+    runtime = Runtime(resolve_device(args.device), args.precision, args.channels_last, compile)
+    preload_model_libraries(args.arch, args.checkpoint)
+    return runtime
+
+
+def preload_model_libraries(arch: str | None, checkpoint: Path | None) -> None:
+    """Import torchvision (and timm) in a background thread while the data is checked and decoded.
+
+    They take seconds to import (torchvision.ops pulls in torch._dynamo), and only model building needs
+    them; a TorchScript or export checkpoint needs neither. An import that fails here fails again, with its
+    proper message, where the model is built."""
+    if checkpoint is not None and Path(checkpoint).is_file() and program_kind(Path(checkpoint)) is not None:
+        return
+    names = ["torchvision"] + (["timm"] if (arch or "").startswith(TIMM_PREFIX) else [])
+
+    def work() -> None:
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 (reported where the model is built)
+                return
+
+    threading.Thread(target=work, name="preload", daemon=True).start()
 
 
 def model_from_args(args: argparse.Namespace) -> LoadedModel:

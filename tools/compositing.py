@@ -10,8 +10,18 @@ Two arithmetics, both on uint8 NCHW images:
 
 from __future__ import annotations
 
+import enum
+
 import numpy as np
 import torch
+
+
+class MaskArithmetic(str, enum.Enum):
+    """binary: 0/1 masks only, composited exactly on bytes (others are refused). original: the original
+    script's float arithmetic for any mask values, reproduced exactly."""
+
+    BINARY = "binary"
+    ORIGINAL = "original"
 
 
 def byte_masks(masks: torch.Tensor | np.ndarray) -> torch.Tensor:

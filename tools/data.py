@@ -14,7 +14,6 @@ import argparse
 import concurrent.futures
 import enum
 import gzip
-import hashlib
 import http.client
 import logging
 import os
@@ -40,6 +39,7 @@ from tools import __version__, boxes as boxes_mod, grabcut, variations
 from tools.datasets import IMAGE_EXTENSIONS, MASK_EXTENSION, check_data_root
 from tools.cli import add_log_level_argument, run_main
 from tools.errors import UserError
+from tools.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation
 from tools.provenance import write_json_atomic
 
@@ -88,14 +88,6 @@ class FetchResult:
         if self.archive_kept is not None:
             lines.append(f"archive kept at {self.archive_kept}")
         return lines
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(CHUNK_SIZE), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def archive_name(url: str) -> str:

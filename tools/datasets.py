@@ -1,13 +1,14 @@
-"""Reading the release's folder layout: listing, checking, decoding images and masks, fingerprints."""
+"""Reading the release's folder layout: listing, checking, decoding images and masks, the decoded-data cache."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import hashlib
+import json
 import logging
 import os
-import warnings
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -15,7 +16,9 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
+from tqdm import tqdm
 
+from tools.compositing import MaskArithmetic, original_weights
 from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, Variation
 
@@ -24,6 +27,9 @@ log = logging.getLogger(__name__)
 # The extensions torchvision's ImageFolder (and so the original scripts) accept, compared case-blind.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 MASK_EXTENSION = ".npy"
+DECODE_CHUNK = 64  # images per decoding job
+DATA_ENV = "BG_CHALLENGE_DATA"
+DEFAULT_DATA_ROOT = Path("data") / "bg_challenge"
 
 
 @dataclass(frozen=True)
@@ -48,12 +54,26 @@ class ForegroundRecord:
     mask_relpath: str
 
 
-def check_data_root(root: Path) -> Path:
+def default_data_root() -> Path:
+    """Where the data is when --data-path is not given: $BG_CHALLENGE_DATA, else data/bg_challenge (where the
+    README's `fetch` puts it)."""
+    return Path(os.environ.get(DATA_ENV) or DEFAULT_DATA_ROOT)
+
+
+def check_data_root(root: Path | None) -> Path:
+    """The data folder (`default_data_root()` when None), checked to exist."""
+    if root is None:
+        root = default_data_root()
+        if not root.is_dir():
+            raise UserError(
+                f"no data folder given and none at {root} (--data-path, else ${DATA_ENV}, else "
+                f"{DEFAULT_DATA_ROOT}); pass --data-path, set {DATA_ENV}, or download the release with "
+                f"`python -m tools.data fetch --data-path {DEFAULT_DATA_ROOT}`")
     root = Path(root)
     if not root.is_dir():
         raise UserError(
             f"data path {root} does not exist or is not a folder; pass --data-path the folder that holds "
-            f"original/, mixed_rand/, ... (e.g. data/bg_challenge; `python -m tools.data fetch` downloads it)"
+            f"original/, mixed_rand/, ... (e.g. {DEFAULT_DATA_ROOT}; `python -m tools.data fetch` downloads it)"
         )
     return root
 
@@ -116,8 +136,9 @@ def list_foregrounds(root: Path, split: str = SPLIT) -> list[ForegroundRecord]:
         images = {Path(f).stem: f for f in _sorted_files(image_dir / cls) if f.lower().endswith(IMAGE_EXTENSIONS)}
         lonely_masks = sorted(set(masks) - set(images))
         if lonely_masks:
+            extension = Path(next(iter(images.values()))).suffix if images else ".<image extension>"
             raise UserError(f"mask {mask_dir / cls / masks[lonely_masks[0]]} has no image {image_dir / cls}/"
-                            f"{lonely_masks[0]}.JPEG ({len(lonely_masks)} such mask(s)); restore the image or "
+                            f"{lonely_masks[0]}{extension} ({len(lonely_masks)} such mask(s)); restore the image or "
                             f"remove the mask")
         lonely_images = sorted(set(images) - set(masks))
         if lonely_images:
@@ -130,14 +151,6 @@ def list_foregrounds(root: Path, split: str = SPLIT) -> list[ForegroundRecord]:
             records.append(ForegroundRecord(stem, label, f"{Variation.ORIGINAL.value}/{split}/{cls}/{images[stem]}",
                                             f"{MASK_FOLDER}/{split}/{cls}/{masks[stem]}"))
     return records
-
-
-def fingerprint(root: Path, relpaths: Sequence[str]) -> dict:
-    """File count and a SHA-256 over the sorted relative paths and sizes: what a run read, cheaply."""
-    digest = hashlib.sha256()
-    for rel in sorted(relpaths):
-        digest.update(f"{rel}\t{os.path.getsize(Path(root) / rel)}\n".encode())
-    return {"files": len(relpaths), "sha256": digest.hexdigest()}
 
 
 def decode_rgb(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:
@@ -153,12 +166,8 @@ def decode_rgb(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:
     return np.asarray(rgb)
 
 
-_mask_value_warning_given = False
-
-
-def load_mask(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:
-    """A foreground mask as an HxW bool array: foreground where the value cast to uint8 is non-zero."""
-    global _mask_value_warning_given
+def read_mask(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:
+    """A foreground mask's raw values as an HxW array, checked for shape and a numeric dtype."""
     try:
         raw = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
@@ -170,15 +179,33 @@ def load_mask(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:
                         f"regenerate the mask at the image's size")
     if not (raw.dtype == np.bool_ or np.issubdtype(raw.dtype, np.integer) or np.issubdtype(raw.dtype, np.floating)):
         raise UserError(f"mask {path} has dtype {raw.dtype}; masks hold booleans or 0/1 numbers")
-    if raw.dtype != np.bool_ and not _mask_value_warning_given:
+    return raw
+
+
+def is_binary(raw: np.ndarray) -> bool:
+    return raw.dtype == np.bool_ or bool(((raw == 0) | (raw == 1)).all())
+
+
+def load_mask(path: Path, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, size: int = IMAGE_SIZE) -> np.ndarray:
+    """A foreground mask, ready for compositing.
+
+    binary: an HxW bool array; masks holding anything but booleans or 0/1 are refused, naming the values
+    and what the original would have computed. original: the original's uint8 weight numerators
+    (`compositing.original_weights`), whatever the values.
+    """
+    raw = read_mask(path, size)
+    if arithmetic is MaskArithmetic.ORIGINAL:
+        return original_weights(raw)
+    if not is_binary(raw):
         values = np.unique(raw)
-        if not np.isin(values, (0, 1)).all():
-            _mask_value_warning_given = True
-            log.warning("mask %s holds values other than 0 and 1 (%s); a pixel counts as foreground where its "
-                        "value cast to uint8 is non-zero, as in the original", path, values[:6])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the uint8 cast of out-of-range floats is the rule
-        return raw.astype(np.uint8) != 0
+        shown = ", ".join(f"{v:g}" for v in values[:6]) + (", ..." if len(values) > 6 else "")
+        raise UserError(
+            f"mask {path} holds values other than 0 and 1 ({shown}); the original script would blend "
+            f"bg * (1 - w) + fg * w with w = (uint8(value) * 255 mod 256) / 255, so 255 gives the foreground a "
+            f"weight of 1/255 and 128 about one half; convert the masks to 0/1 "
+            f"(np.save(path, np.load(path) > 0)), or pass --mask-arithmetic original to reproduce the "
+            f"original's numbers on them")
+    return raw.astype(bool, copy=False)
 
 
 def _decode_batch(root: Path, relpaths: Sequence[str]) -> torch.Tensor:
@@ -220,3 +247,64 @@ def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, w
         finally:
             for _, fut in pending:
                 fut.cancel()
+
+
+def decode_images(root: Path, relpaths: Sequence[str], workers: int, progress: bool = True,
+                  desc: str = "decoding") -> torch.Tensor:
+    """Every image as one uint8 (N, 3, H, W) tensor, decoded in `workers` threads, with a progress bar."""
+    out = torch.empty((len(relpaths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8)
+    with tqdm(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
+        for start, batch in iter_decoded_batches(root, relpaths, DECODE_CHUNK, workers):
+            out[start:start + batch.shape[0]] = batch
+            bar.update(batch.shape[0])
+    return out
+
+
+def load_masks(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic = MaskArithmetic.BINARY) -> np.ndarray:
+    """Every mask of `relpaths` stacked: (N, H, W) bool (binary) or the original's uint8 weights (original)."""
+    dtype = np.uint8 if arithmetic is MaskArithmetic.ORIGINAL else bool
+    masks = np.empty((len(relpaths), IMAGE_SIZE, IMAGE_SIZE), dtype=dtype)
+    for i, rel in enumerate(relpaths):
+        masks[i] = load_mask(Path(root) / rel, arithmetic)
+    return masks
+
+
+class DecodedCache:
+    """Decoded arrays on disk, in a folder named by a key derived from the data's content fingerprint.
+
+    `load` gives None on a miss, and on a broken or foreign entry (with a warning); `save` writes through a
+    temporary folder and a rename, so a crash never leaves half an entry.
+    """
+
+    def __init__(self, cache_dir: Path | None, key: str, meta: dict):
+        self.folder = Path(cache_dir) / key if cache_dir is not None else None
+        self.meta = meta
+
+    def load(self, names: Sequence[str]) -> dict[str, np.ndarray] | None:
+        if self.folder is None or not (self.folder / "meta.json").is_file():
+            return None
+        try:
+            if json.loads((self.folder / "meta.json").read_text()) != self.meta:
+                return None
+            arrays = {name: np.load(self.folder / f"{name}.npy", allow_pickle=False) for name in names}
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("ignoring an unreadable cache at %s (%s)", self.folder, exc)
+            return None
+        log.info("decoded data read from the cache %s", self.folder)
+        return arrays
+
+    def save(self, arrays: dict[str, np.ndarray]) -> None:
+        if self.folder is None:
+            return
+        try:
+            self.folder.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=self.folder.parent, prefix=".tmp-"))
+            for name, array in arrays.items():
+                np.save(tmp / f"{name}.npy", array)
+            (tmp / "meta.json").write_text(json.dumps(self.meta))
+            if self.folder.exists():
+                shutil.rmtree(self.folder)
+            os.replace(tmp, self.folder)
+            log.info("decoded data cached at %s", self.folder)
+        except OSError as exc:
+            log.warning("could not write the decoded-data cache at %s (%s); continuing without it", self.folder, exc)

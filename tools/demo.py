@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         [sys.executable, str(ROOT / "in9_eval.py"), "--eval-dataset", "all", "--categories",
          "--results-file", str(args.out / "in9.json"), *common],
         [sys.executable, str(ROOT / "challenge_eval.py"), "--full", "--analysis", "--no-cache",
-         "--results-file", str(args.out / "challenge.json"), "--report", str(args.out / "report.md"), *common],
+         "--results-file", str(args.out / "challenge.json"), *common],
+        [sys.executable, "-m", "tools.report", "--in9", str(args.out / "in9.json"), "--challenge",
+         str(args.out / "challenge.json"), "--analysis-dir", str(args.out / "results"), "--output",
+         str(args.out / "report.md")],
     ]
     for command in commands:
         print("\n$ " + " ".join(Path(c).name if c == sys.executable else c for c in command), flush=True)

@@ -17,7 +17,8 @@ from tools.data import quick_check
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, Variation, PredictionMap, class_names
 from tools.models import LoadedModel
-from tools.provenance import write_json_atomic
+from tools.hashing import fingerprint
+from tools.provenance import provenance, write_json_atomic
 from tools.runtime import Forward, Runtime
 
 log = logging.getLogger(__name__)
@@ -177,18 +178,31 @@ class In9Run:
         return out
 
 
-def run_in9(loaded: LoadedModel, runtime: Runtime, root: Path, names: Sequence[str], batch_size: int, workers: int,
-            output_dir: Path | None = None, resume: bool = False, progress: bool = True) -> In9Run:
-    """Evaluate the variations and gather the provenance a results file cites."""
-    from tools.provenance import provenance  # noqa: PLC0415
+@dataclass
+class In9Files:
+    """The images of the named variations, listed and checked, and their content fingerprint."""
 
+    root: Path
+    listings: dict[str, list[datasets.ImageRecord]]
+    fingerprint: dict
+
+
+def list_in9_files(root: Path, names: Sequence[str], workers: int = 4) -> In9Files:
+    """Check and list the variations and hash their content: cheap, before any model is built."""
     quick_check(root, names)
     root = Path(root)
     listings = {name: datasets.list_variation(root, name) for name in names}
-    data_info = datasets.fingerprint(root, [r.relpath for name in names for r in listings[name]])
-    key = {"data": data_info, "model_sha256": loaded.sha256, "normalization": loaded.normalization,
+    return In9Files(root, listings, fingerprint(root, [r.relpath for name in names for r in listings[name]], workers))
+
+
+def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, names: Sequence[str], batch_size: int,
+            workers: int, output_dir: Path | None = None, resume: bool = False, progress: bool = True) -> In9Run:
+    """Evaluate the variations and gather the provenance a results file cites (`files`: listed, or the folder)."""
+    if not isinstance(files, In9Files):
+        files = list_in9_files(files, names, workers)
+    key = {"data": files.fingerprint, "model_sha256": loaded.sha256, "normalization": loaded.normalization,
            "precision": runtime.precision.value, "num_classes": loaded.num_classes}
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
-    results = evaluate_variations(loaded, runtime, root, names, batch_size, workers, state_path, resume, key, progress,
-                                  listings)
-    return In9Run(results, provenance(runtime.describe(), loaded.describe(), data_info))
+    results = evaluate_variations(loaded, runtime, files.root, names, batch_size, workers, state_path, resume, key,
+                                  progress, files.listings)
+    return In9Run(results, provenance(runtime.describe(), loaded.describe(), files.fingerprint))

@@ -12,7 +12,6 @@ Checkpoint formats, told apart by the file's contents, never by its name:
 from __future__ import annotations
 
 import difflib
-import hashlib
 import logging
 import os
 import pickle
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from tools.errors import UserError
+from tools.hashing import sha256_file
 from tools.in9 import (IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization,
                        statistics_for)
 
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 TIMM_PREFIX = "timm:"
 STATE_DICT_KEYS = ("model", "state_dict", "state_dict_ema")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+DEFAULT_ARCH = "resnet50"
 PUBLISHED_WEIGHTS = "IMAGENET1K_V1"  # the weights the paper's numbers used, where an architecture has them
 
 
@@ -76,14 +77,6 @@ class LoadedModel:
         return {"arch": self.arch, "weights": self.weights, "checkpoint": self.source, "sha256": self.sha256,
                 "checkpoint_format": self.checkpoint_format, "num_classes": self.num_classes,
                 "normalization": self.normalization}
-
-
-def sha256_file(path: Path | str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -171,16 +164,17 @@ def _download_weights(weights) -> tuple[dict, str]:
 # ----------------------------------------------------------------------------------------------------------
 # Checkpoints
 
-def _archive_kind(path: Path) -> str:
+def program_kind(path: Path) -> str | None:
+    """"export" or "torchscript" when the file is such a program (read from its zip directory), else None."""
     if not zipfile.is_zipfile(path):
-        return "pickle"
+        return None
     with zipfile.ZipFile(path) as zf:
         names = zf.namelist()
     if any(n.endswith("/archive_format") for n in names):
         return "export"
     if any(n.endswith("/constants.pkl") for n in names) and any("/code/" in n for n in names):
         return "torchscript"
-    return "pickle"
+    return None
 
 
 def _blocked_globals(path: Path, exc: Exception) -> list[str]:
@@ -243,8 +237,10 @@ class CheckpointState:
     normalizer: tuple | None  # (mean, std) from the robustness library's normaliser
 
 
-def extract_state_dict(obj, key: str | None = None) -> CheckpointState:
-    """The model's state dict from a loaded checkpoint object, and its layout and normaliser if any."""
+def extract_state_dict(obj, key: str | None = None, ignore_normalizer: bool = False) -> CheckpointState:
+    """The model's state dict from a loaded checkpoint object, and its layout and normaliser if any.
+
+    ignore_normalizer: the statistics are given explicitly, so unreadable normaliser buffers are dropped."""
     if isinstance(obj, nn.Module):
         obj = obj.state_dict()
     where = "the top level"
@@ -269,7 +265,15 @@ def extract_state_dict(obj, key: str | None = None) -> CheckpointState:
     normalizer = None
     layout = f"state dict at {where}"
     if any(k.startswith("normalizer.") for k in state) and any(k.startswith("model.") for k in state):
-        normalizer = (state.pop("normalizer.new_mean").flatten(), state.pop("normalizer.new_std").flatten())
+        buffers = sorted(k for k in state if k.startswith("normalizer."))
+        if "normalizer.new_mean" in state and "normalizer.new_std" in state:
+            normalizer = (state.pop("normalizer.new_mean").flatten(), state.pop("normalizer.new_std").flatten())
+        elif not ignore_normalizer:
+            raise UserError(f"robustness-library checkpoint whose normaliser buffers are not normalizer.new_mean/"
+                            f"new_std (it has: {', '.join(buffers)}); pass --normalize imagenet, in9 or none to say "
+                            f"which statistics the model was trained with")
+        for k in buffers:
+            state.pop(k, None)
         attacker = [k for k in state if k.startswith("attacker.")]
         for k in attacker:
             del state[k]
@@ -314,6 +318,9 @@ def _check_class_count(num_classes: int, in9: bool | None, what: str) -> None:
     if in9 is True and num_classes != NUM_IN9_CLASSES:
         raise UserError(f"--in9 says a 9-class model, but {what} has {num_classes} classes; drop --in9 or pass "
                         f"the 9-class checkpoint")
+    if in9 is False and num_classes != NUM_IMAGENET_CLASSES:
+        raise UserError(f"--no-in9 says a 1000-class ImageNet model, but {what} has {num_classes} classes; drop "
+                        f"--no-in9 or pass the ImageNet checkpoint")
 
 
 def _probe_classes(classifier: nn.Module, path: Path, kind: str) -> int:
@@ -358,12 +365,13 @@ def _load_program(path: Path, kind: str) -> nn.Module:
         raise UserError(f"cannot load the {kind} program {path}: {str(exc).splitlines()[0]}") from None
 
 
-def load_model(arch: str = "resnet50", weights: str | None = None, checkpoint: Path | str | None = None,
+def load_model(arch: str | None = None, weights: str | None = None, checkpoint: Path | str | None = None,
                in9: bool | None = None, normalize: Normalization = Normalization.AUTO, trust: bool = False,
                checkpoint_key: str | None = None) -> LoadedModel:
     """Build the classifier the command line describes, wrapped to take pixels. Strict: no silent partial loads.
 
-    in9: True (--in9), or None to follow the checkpoint's class count.
+    arch: the architecture (default: resnet50); a TorchScript or export program carries its own.
+    in9: True (--in9), False (--no-in9), or None to follow the checkpoint's class count.
     """
     normalizer = None
     if checkpoint is not None:
@@ -372,14 +380,19 @@ def load_model(arch: str = "resnet50", weights: str | None = None, checkpoint: P
             raise UserError(f"checkpoint {path} does not exist; check --checkpoint")
         if weights is not None:
             raise UserError("--weights and --checkpoint both give the model's weights; pass one of them")
-        kind = _archive_kind(path)
-        if kind in ("torchscript", "export"):
+        kind = program_kind(path)
+        if kind is not None:
             classifier = _load_program(path, kind)
+            if arch is not None:
+                log.warning("--arch %s is ignored: %s is a %s program, which carries its own architecture", arch,
+                            path, kind)
             num_classes = _probe_classes(classifier, path, kind)
             _check_class_count(num_classes, in9, f"the model in {path}")
             layout, arch_name = ("TorchScript" if kind == "torchscript" else "torch.export"), None
         else:
-            state = extract_state_dict(_torch_load(path, trust), checkpoint_key)
+            arch = arch or DEFAULT_ARCH
+            state = extract_state_dict(_torch_load(path, trust), checkpoint_key,
+                                       ignore_normalizer=normalize is not Normalization.AUTO)
             layout, normalizer, arch_name = state.layout, state.normalizer, arch
             keys = _classifier_keys(arch)
             present = [k for k in keys if k in state.state_dict]
@@ -395,6 +408,7 @@ def load_model(arch: str = "resnet50", weights: str | None = None, checkpoint: P
     else:
         if in9:
             raise UserError("--in9 needs --checkpoint: there are no pretrained 9-class weights to download")
+        arch = arch or DEFAULT_ARCH
         member = resolve_weights(arch, weights)
         classifier = build_architecture(arch, NUM_IMAGENET_CLASSES)
         state, source = _download_weights(member)
