@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from tools import cli
+from tools import cli, options
 from tools.analysis import summary_lines, write_analysis
 from tools.errors import UserError
 from tools.report import write_report
@@ -26,7 +26,7 @@ def default_cache_dir() -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_common_arguments(parser)
+    options.add_common_arguments(parser)
     group = parser.add_argument_group("challenge")
     group.add_argument("--criterion", type=Criterion, choices=list(Criterion), default=Criterion.ANY,
                        metavar="{" + ",".join(c.value for c in Criterion) + "}",
@@ -70,12 +70,12 @@ def main(args: argparse.Namespace) -> int:
         raise UserError("--analysis needs the whole prediction matrix: add --full")
     if args.top_k < 1:
         raise UserError(f"--top-k must be at least 1, not {args.top_k}")
-    runtime = cli.runtime_from_args(args, compile=args.compile)
+    runtime = options.runtime_from_args(args, compile=args.compile)
     # the data is checked, listed, hashed and decoded (or read from the cache) before any model is built
     data = load_challenge_data(list_challenge_files(args.data_path, args.workers), args.workers,
                                None if args.no_cache else args.cache_dir, not args.no_progress,
                                args.mask_arithmetic)
-    loaded = cli.model_from_args(args)
+    loaded = options.model_from_args(args)
     recheck = args.recheck_margin if args.recheck_margin is not None else (0.0 if runtime.exact else 1.0)
     config = ChallengeConfig(criterion=args.criterion, full=args.full,
                              batch_size=args.batch_size,

@@ -7,17 +7,13 @@ import sys
 
 from pathlib import Path
 
-from tools import cli
-from tools.analysis import format_categories, prediction_categories
+from tools import cli, options
+from tools.categories import CATEGORY_VARIATIONS, format_categories, prediction_categories
 from tools.report import write_report
 from tools.evaluate import list_in9_files, run_in9
-from tools.in9 import VARIATIONS, Variation
+from tools.in9 import VARIATIONS
 from tools.provenance import write_json_atomic
 from tools.runtime import default_batch_size
-
-
-# full image, foreground on a random background, background alone: the paper's Table 3 inputs
-CATEGORY_VARIATIONS = (Variation.ORIGINAL.value, Variation.MIXED_RAND.value, Variation.ONLY_BG_T.value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,23 +25,23 @@ def build_parser() -> argparse.ArgumentParser:
                              "original, mixed_rand and only_bg_t, evaluating those three as needed (default: off)")
     parser.add_argument("--report", type=Path, default=None, metavar="PATH",
                         help="write a Markdown report of the results (default: none)")
-    cli.add_common_arguments(parser)
+    options.add_common_arguments(parser)
     return parser
 
 
 def main(args: argparse.Namespace) -> int:
-    runtime = cli.runtime_from_args(args)
+    runtime = options.runtime_from_args(args)
     names = list(VARIATIONS if args.eval_dataset == "all" else (args.eval_dataset,))
     if args.categories:
-        names += [v for v in CATEGORY_VARIATIONS if v not in names]
+        names += [v for v in CATEGORY_VARIATIONS.values() if v not in names]
     files = list_in9_files(args.data_path, names, args.workers)  # every data check before any model is built
-    loaded = cli.model_from_args(args)
+    loaded = options.model_from_args(args)
     run = run_in9(loaded, runtime, files, names, args.batch_size or default_batch_size(runtime.device),
                   args.workers, args.output_dir, args.resume, not args.no_progress)
     print("\n".join(run.lines()))
     payload = run.to_json()
     if args.categories:
-        categories = prediction_categories(*(run.results[v] for v in CATEGORY_VARIATIONS))
+        categories = prediction_categories(*(run.results[v] for v in CATEGORY_VARIATIONS.values()))
         print(format_categories(categories))
         payload["categories"] = categories
     if args.results_file is not None:

@@ -18,8 +18,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tools import analysis, datasets, synthetic
-from tools.analysis import Category
+from tools import analysis, categories, datasets, synthetic
+from tools.categories import Category
 from tools.errors import UserError
 from tools.evaluate import VariationResult
 from tools.in9 import IN9_MEAN, IN9_STD, NUM_IN9_CLASSES, class_names
@@ -443,7 +443,7 @@ def _case_results(cases=CASES, shuffle_seed: int = 0):
 
 
 def test_categories_have_the_known_counts():
-    result = analysis.prediction_categories(*_case_results())
+    result = categories.prediction_categories(*_case_results())
     expected = {cat.value: sum(1 for case in CASES if case[5] is cat) for cat in Category}
     assert expected == {"bg_irrelevant": 4, "bg_required": 2, "bg_fg_required": 3, "bg_fools": 2, "other": 3}
     assert result["overall"]["counts"] == expected and result["overall"]["images"] == 14
@@ -457,7 +457,7 @@ def test_categories_have_the_known_counts():
 
 
 def test_categories_table_text():
-    text = analysis.format_categories(analysis.prediction_categories(*_case_results()))
+    text = categories.format_categories(categories.prediction_categories(*_case_results()))
     lines = text.splitlines()
     assert all(title in lines[0] for title in ("BG Irrelevant", "BG Required", "BG+FG Required", "BG Fools", "Other"))
     assert lines[1].split()[:3] == ["all", "14", "28.6%"] and len(lines) == 1 + 1 + 9 + 1
@@ -468,10 +468,10 @@ def test_categories_refuse_mismatched_stems():
     short = _result("mixed_rand", [("zz9", 0, 0)] + [(s, lab, p) for s, lab, p, _, _, _ in CASES[2:]])
     with pytest.raises(UserError, match=r"2 stem\(s\) of original missing from mixed_rand \(a1, a2\); "
                                         r"1 stem\(s\) of mixed_rand not in original \(zz9\)"):
-        analysis.prediction_categories(full, short, bg)
+        categories.prediction_categories(full, short, bg)
     twice = _result("only_bg_t", [(s, lab, b) for s, lab, _, _, b, _ in CASES] + [("a1", 0, 0)])
     with pytest.raises(UserError, match="two images with the stem 'a1'"):
-        analysis.prediction_categories(full, fg, twice)
+        categories.prediction_categories(full, fg, twice)
     relabelled = _result("only_bg_t", [(s, (lab + 1) % 9 if s == "b1" else lab, b) for s, lab, _, _, b, _ in CASES])
     with pytest.raises(UserError, match=r"1 image\(s\) have another class in only_bg_t than in original \(b1\)"):
-        analysis.prediction_categories(full, fg, relabelled)
+        categories.prediction_categories(full, fg, relabelled)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tools import analysis, datasets, report, synthetic
+from tools.categories import Category, prediction_categories
 from tools.evaluate import run_in9
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS, class_names
 from tools.models import LoadedModel, PixelModel
@@ -44,9 +45,9 @@ def in9_results(loaded, dataset):
     """in9_eval's results JSON for all eight variations, and the prediction categories from the same run."""
     run = run_in9(loaded, Runtime(torch.device("cpu")), dataset.root, VARIATIONS, batch_size=64, workers=1,
                   progress=False)
-    categories = analysis.prediction_categories(run.results["original"], run.results["mixed_rand"],
-                                                run.results["only_bg_t"])
-    return run, run.to_json(), categories
+    counts = prediction_categories(run.results["original"], run.results["mixed_rand"],
+                                   run.results["only_bg_t"])
+    return run, run.to_json(), counts
 
 
 def _first_per_class(records: list, n: int) -> list:
@@ -119,7 +120,7 @@ def test_every_section_renders_from_generated_results(in9_results, challenge_res
     link = re.search(r"!\[Top-2 backgrounds per class\]\(([^)]+)\)", text).group(1)
     assert not Path(link).is_absolute() and (path.parent / link).resolve() == (out / "top_backgrounds.png").resolve()
     overall = categories["overall"]
-    cells = " | ".join(f"{overall['percent'][c.value]:.1f}% ({overall['counts'][c.value]})" for c in analysis.Category)
+    cells = " | ".join(f"{overall['percent'][c.value]:.1f}% ({overall['counts'][c.value]})" for c in Category)
     assert f"| **all** | {overall['images']} | {cells} |" in text
     provenance = in9["provenance"]
     assert provenance["toolkit_version"] in text and provenance["data"]["sha256"] in text

@@ -18,9 +18,7 @@ from __future__ import annotations
 import csv
 import enum
 import hashlib
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -1,20 +1,14 @@
-"""The command-line surface both scripts share: flags, logging, and turning user errors into one line."""
+"""The command-line surface every command shares: the --log-level flag, logging set up once, and turning
+user errors into one line. It loads neither torch nor any model code."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
-import threading
-from pathlib import Path
 from typing import Callable
 
-from tools.datasets import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
-from tools.in9 import Normalization
-from tools.models import DEFAULT_ARCH, TIMM_PREFIX, LoadedModel, load_model, program_kind
-from tools.runtime import Precision, Runtime, default_workers, resolve_device, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -22,107 +16,10 @@ EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 
 
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """Data, model, device and output flags, the same names in both scripts."""
-    data = parser.add_argument_group("data")
-    data.add_argument("--data-path", type=Path, default=None, metavar="DIR",
-                      help=f"folder holding original/, only_fg/, ..., fg_mask/ (the release's bg_challenge/) "
-                           f"(default: ${DATA_ENV} if set, else {DEFAULT_DATA_ROOT})")
-
-    model = parser.add_argument_group("model")
-    model.add_argument("--arch", default=None, metavar="NAME",
-                       help=f"torchvision classification builder name, or timm:NAME with timm installed; a "
-                            f"TorchScript or export checkpoint carries its own (default: {DEFAULT_ARCH})")
-    model.add_argument("--weights", default=None, metavar="NAME",
-                       help="torchvision weights name such as IMAGENET1K_V2 (default: IMAGENET1K_V1, the weights "
-                            "the published numbers used, where the architecture has them; else DEFAULT)")
-    model.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
-                       help="state dict, robustness-library checkpoint, TorchScript or torch.export file "
-                            "(default: none, use pretrained --weights)")
-    model.add_argument("--checkpoint-key", default=None, metavar="KEY",
-                       help="key holding the state dict (default: the first of model, state_dict, state_dict_ema)")
-    model.add_argument("--in9", action=argparse.BooleanOptionalAction, default=None,
-                       help="a 9-class model trained on IN-9 (--in9) or a 1000-class ImageNet model (--no-in9), "
-                            "checked against the checkpoint (default: inferred from the checkpoint's class count)")
-    model.add_argument("--normalize", type=Normalization, choices=list(Normalization), default=Normalization.AUTO,
-                       metavar="{" + ",".join(n.value for n in Normalization) + "}",
-                       help="normalisation inside the model: auto uses the checkpoint's normaliser buffers, else "
-                            "ImageNet statistics for 1000 classes and IN-9 statistics for 9 (default: auto)")
-    model.add_argument("--trust-checkpoint", action="store_true",
-                       help="allow full unpickling of a checkpoint you trust (default: off, weights_only loading)")
-
-    run = parser.add_argument_group("running")
-    run.add_argument("--batch-size", type=int, default=None, metavar="N",
-                     help="images per forward pass, halved on out-of-memory (default: 256 on a GPU; on the CPU 16 "
-                          "for in9_eval, and for challenge_eval the fastest of 8, 16 and 32, timed on the first "
-                          "backgrounds and recorded in the results' provenance)")
-    run.add_argument("--workers", type=int, default=default_workers(), metavar="N",
-                     help=f"image-decoding threads (default: {default_workers()})")
-    run.add_argument("--device", default=None, metavar="DEV",
-                     help="cuda, cuda:N, mps or cpu (default: the best available)")
-    run.add_argument("--precision", type=Precision, choices=list(Precision), default=Precision.FP32,
-                     metavar="{" + ",".join(p.value for p in Precision) + "}",
-                     help="fp32 is exact; tf32, bf16 and fp16 are faster and may change near-tie predictions "
-                          "(default: fp32)")
-    run.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
-    run.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
-
-    out = parser.add_argument_group("output")
-    out.add_argument("--results-file", type=Path, default=None, metavar="PATH",
-                     help="write the results and their provenance as JSON (default: none)")
-    out.add_argument("--output-dir", type=Path, default=Path("bg_results"), metavar="DIR",
-                     help="where progress state (for --resume) and larger outputs go (default: bg_results)")
-    out.add_argument("--resume", action="store_true",
-                     help="continue an interrupted run from the state in --output-dir (default: start afresh)")
-    out.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
-    add_log_level_argument(out)
-
-
 def add_log_level_argument(parser) -> None:
     """The --log-level flag every command line of the toolkit takes."""
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging detail (default: INFO)")
-
-
-def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtime:
-    """Check the cheap inputs (data folder, batch size, workers) and resolve the device, before any model."""
-    args.data_path = check_data_root(args.data_path)
-    seed_everything(args.seed)
-    if args.batch_size is not None and args.batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, not {args.batch_size}")
-    if args.workers < 1:
-        raise UserError(f"--workers must be at least 1, not {args.workers}")
-    runtime = Runtime(resolve_device(args.device), args.precision, args.channels_last, compile)
-    preload_model_libraries(args.arch, args.checkpoint)
-    return runtime
-
-
-def preload_model_libraries(arch: str | None, checkpoint: Path | None) -> None:
-    """Import torchvision (and timm) in a background thread while the data is checked and decoded.
-
-    They take seconds to import (torchvision.ops pulls in torch._dynamo), and only model building needs
-    them; a TorchScript or export checkpoint needs neither. An import that fails here fails again, with its
-    proper message, where the model is built."""
-    if checkpoint is not None and Path(checkpoint).is_file() and program_kind(Path(checkpoint)) is not None:
-        return
-    names = ["torchvision"] + (["timm"] if (arch or "").startswith(TIMM_PREFIX) else [])
-
-    def work() -> None:
-        for name in names:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 (reported where the model is built)
-                return
-
-    threading.Thread(target=work, name="preload", daemon=True).start()
-
-
-def model_from_args(args: argparse.Namespace) -> LoadedModel:
-    loaded = load_model(args.arch, args.weights, args.checkpoint, args.in9, args.normalize, args.trust_checkpoint,
-                        args.checkpoint_key)
-    log.info("model: %s, %d classes, normalisation %s", loaded.checkpoint_format, loaded.num_classes,
-             loaded.normalization)
-    return loaded
 
 
 def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace], int | None],

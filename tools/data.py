@@ -11,7 +11,6 @@ build   makes the eight variations and fg_mask from labelled images with one bou
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import enum
 import gzip
 import http.client
@@ -29,7 +28,7 @@ import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -38,6 +37,7 @@ from tqdm import tqdm
 from tools import __version__, boxes as boxes_mod, grabcut, variations
 from tools.datasets import IMAGE_EXTENSIONS, MASK_EXTENSION, check_data_root
 from tools.cli import add_log_level_argument, run_main
+from tools.threads import default_workers, map_in_threads
 from tools.errors import UserError
 from tools.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation
@@ -459,19 +459,6 @@ def _is_listed(folder_name: str, file_name: str) -> bool:
     return file_name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def map_in_threads(fn: Callable, items: Sequence, workers: int, progress: bool, desc: str) -> Iterator:
-    """fn over items in `workers` threads, results in order, with a progress bar.
-
-    Pillow, NumPy's file reading and OpenCV release the GIL, so threads decode and segment in
-    parallel. On an error or an interrupt, work not yet started is cancelled.
-    """
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="data")
-    try:
-        yield from tqdm(pool.map(fn, items), total=len(items), desc=desc, disable=not progress, leave=False)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
 def _run_checks(check, paths: list[Path], workers: int, progress: bool, desc: str) -> list[tuple[Path, tuple]]:
     results = map_in_threads(check, paths, workers, progress, desc)
     return [(path, result) for path, result in zip(paths, results) if result is not None]
@@ -564,10 +551,6 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
     counts = {name: {cls: len(files) for cls, files in per.items()} for name, per in listings.items()}
     return VerifyReport(root, reference, counts, problems.lines(), notes, len(image_paths), decode,
                         len(mask_paths) if load_masks else 0)
-
-
-def default_workers() -> int:
-    return min(8, os.cpu_count() or 1)
 
 
 def verify_layout(root: Path, full: bool = False, workers: int | None = None, progress: bool = False) -> VerifyReport:

@@ -24,7 +24,7 @@ from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, Variation
 
 log = logging.getLogger(__name__)
 
-# The extensions torchvision's ImageFolder (and so the original scripts) accept, compared case-blind.
+# Image extensions read, compared case-blind: torchvision.datasets.folder.IMG_EXTENSIONS as of torchvision 0.20+.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 MASK_EXTENSION = ".npy"
 DECODE_CHUNK = 64  # images per decoding job

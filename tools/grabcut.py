@@ -11,14 +11,6 @@ DEFAULT_ITERATIONS = 5
 INSTALL_HINT = "pip install opencv-python-headless (or the toolkit's extra: pip install 'bg-challenge-toolkit[opencv]')"
 
 
-def opencv_available() -> bool:
-    try:
-        import cv2  # noqa: F401, PLC0415
-    except ImportError:
-        return False
-    return True
-
-
 def require_opencv():
     """The cv2 module, or a UserError saying how to install it or what to pass instead."""
     try:

@@ -26,10 +26,8 @@ def sha256_file(path: Path | str) -> str:
     """The SHA-256 of a file's bytes, read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with open(path, "rb", buffering=0) as fh:
-        buffer = bytearray(CHUNK_BYTES)
-        view = memoryview(buffer)
-        while n := fh.readinto(buffer):
-            digest.update(view[:n])
+        while chunk := fh.read(CHUNK_BYTES):
+            digest.update(chunk)
     return digest.hexdigest()
 
 

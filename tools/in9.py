@@ -6,8 +6,10 @@ import enum
 import functools
 import json
 from importlib import resources
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is made, so the registry itself loads without it
+    import torch
 
 NUM_IN9_CLASSES = 9
 NUM_IMAGENET_CLASSES = 1000
@@ -85,6 +87,7 @@ def _in_to_in9_list() -> tuple[int, ...]:
 
 def in_to_in9_table(device: torch.device | str = "cpu") -> torch.Tensor:
     """A 1000-long int64 lookup tensor: ImageNet class index -> IN-9 class index or -1."""
+    import torch  # noqa: PLC0415
     return torch.tensor(_in_to_in9_list(), dtype=torch.int64, device=device)
 
 

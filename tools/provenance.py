@@ -10,13 +10,12 @@ import secrets
 from pathlib import Path
 from typing import IO, Iterator
 
-import torch
-
 from tools import __version__
 
 
 def provenance(runtime_info: dict, model_info: dict, data_info: dict) -> dict:
-    import torchvision  # noqa: PLC0415 (only here for its version)
+    import torch  # noqa: PLC0415 (only here for the versions: writing results needs neither)
+    import torchvision  # noqa: PLC0415
     return {
         "toolkit_version": __version__,
         "torch": torch.__version__,

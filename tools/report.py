@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from tools import __version__
-from tools.analysis import CATEGORY_TITLES, FIGURE_FILE, SUMMARY_FILE, Category
+from tools.analysis import FIGURE_FILE, SUMMARY_FILE
+from tools.categories import CATEGORY_TITLES, Category
 from tools.cli import add_log_level_argument, run_main
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, class_names

@@ -6,7 +6,6 @@ import contextlib
 import ctypes
 import enum
 import logging
-import os
 import platform
 import random
 from dataclasses import dataclass
@@ -136,10 +135,6 @@ class Runtime:
             name += f" ({torch.cuda.get_device_name(self.device)})"
         return {"device": name, "precision": self.precision.value, "channels_last": self.channels_last,
                 "compile": self.compile}
-
-
-def default_workers() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 CPU_BATCH_CANDIDATES = (8, 16, 32)  # timed at start-up where a batch size is chosen by measurement
