@@ -19,7 +19,7 @@ from tests.challenge_reference import reference_matrix, reference_verdicts
 import challenge_eval
 from tests.conftest import save_torchscript
 from tools import challenge, cli, synthetic
-from tools.challenge import ChallengeConfig, Criterion, Search, run_challenge
+from tools.challenge import ChallengeConfig, Criterion, Scheduler, run_challenge
 from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD
 from tools.models import load_model
 from tools.runtime import Runtime
@@ -133,7 +133,7 @@ def test_verdicts_do_not_depend_on_background_order(seed, data, models, referenc
     matrix, fg_labels, bg_labels = references["color9"]
     expected = reference_verdicts(matrix, fg_labels, bg_labels, "any")
     rng = np.random.default_rng(seed)
-    monkeypatch.setattr(Search, "_scores", lambda self: rng.random((9, self.n_bg)))
+    monkeypatch.setattr(Scheduler, "scores", lambda self: rng.random((9, self.n_bg)))
     result = engine(models["color9"][1], data, tmp_path, batch_size=5)
     assert (result.state.verdict == challenge.VULNERABLE).tolist() == expected.tolist()
 

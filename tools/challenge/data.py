@@ -1,0 +1,87 @@
+"""What the challenge reads: foregrounds (image and mask) and backgrounds, listed, hashed by content, and
+decoded once (through the decoded-data cache) into uint8 tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tools import datasets
+from tools.compositing import MaskArithmetic, byte_masks
+from tools.data import quick_check
+from tools.hashing import fingerprint
+from tools.in9 import Variation
+
+CACHE_VERSION = 3
+
+
+@dataclass
+class ChallengeFiles:
+    """What the challenge reads: foregrounds (image and mask), backgrounds, and their content fingerprint."""
+
+    root: Path
+    foregrounds: list[datasets.ForegroundRecord]
+    backgrounds: list[datasets.ImageRecord]
+    fingerprint: dict
+
+
+@dataclass
+class ChallengeData:
+    foregrounds: list[datasets.ForegroundRecord]
+    backgrounds: list[datasets.ImageRecord]
+    fg_images: torch.Tensor  # uint8 (F, 3, H, W)
+    # binary: uint8 (F, 3, H, W), 255 on the foreground, 0 elsewhere (for bitwise compositing);
+    # original: uint8 (F, 1, H, W), the original's weight numerators (w = value / 255)
+    masks: torch.Tensor
+    bg_images: torch.Tensor  # uint8 (B, 3, H, W)
+    fingerprint: dict
+    arithmetic: MaskArithmetic = MaskArithmetic.BINARY
+
+    @property
+    def fg_labels(self) -> np.ndarray:
+        return np.array([r.label for r in self.foregrounds], dtype=np.int64)
+
+    @property
+    def bg_labels(self) -> np.ndarray:
+        return np.array([r.label for r in self.backgrounds], dtype=np.int64)
+
+    def to(self, device: torch.device) -> "ChallengeData":
+        return ChallengeData(self.foregrounds, self.backgrounds, self.fg_images.to(device), self.masks.to(device),
+                             self.bg_images.to(device), self.fingerprint, self.arithmetic)
+
+
+def list_challenge_files(root: Path, workers: int = 4) -> ChallengeFiles:
+    """Check and list the foregrounds and backgrounds, and hash their content: cheap, before any model is built."""
+    quick_check(root, [Variation.ONLY_BG_T.value], need_masks=True)
+    root = Path(root)
+    foregrounds = datasets.list_foregrounds(root)
+    backgrounds = datasets.list_variation(root, Variation.ONLY_BG_T.value)
+    relpaths = [p for r in foregrounds for p in (r.image_relpath, r.mask_relpath)] + [r.relpath for r in backgrounds]
+    return ChallengeFiles(root, foregrounds, backgrounds, fingerprint(root, relpaths, workers))
+
+
+def load_challenge_data(files: ChallengeFiles | Path, workers: int, cache_dir: Path | None = None,
+                        progress: bool = True, arithmetic: MaskArithmetic = MaskArithmetic.BINARY) -> ChallengeData:
+    """Decode foregrounds, masks and backgrounds once; reuse a decoded copy from `cache_dir` when the content
+    fingerprint (and the mask arithmetic) match."""
+    if not isinstance(files, ChallengeFiles):
+        files = list_challenge_files(files, workers)
+    root, fp = files.root, files.fingerprint
+    cache = datasets.DecodedCache(cache_dir, f"{fp['sha256'][:24]}-{arithmetic.value}-v{CACHE_VERSION}",
+                                  {"fingerprint": fp, "mask_arithmetic": arithmetic.value})
+    cached = cache.load(("fg", "bg", "masks"))
+    if cached is not None:
+        fg, bg, masks = (torch.from_numpy(cached[name]) for name in ("fg", "bg", "masks"))
+    else:
+        masks_np = datasets.load_masks(root, [r.mask_relpath for r in files.foregrounds], arithmetic)
+        fg = datasets.decode_images(root, [r.image_relpath for r in files.foregrounds], workers, progress,
+                                    "decoding foregrounds")
+        bg = datasets.decode_images(root, [r.relpath for r in files.backgrounds], workers, progress,
+                                    "decoding backgrounds")
+        masks = torch.from_numpy(masks_np)
+        cache.save({"fg": fg.numpy(), "bg": bg.numpy(), "masks": masks_np})
+    masks = byte_masks(masks) if arithmetic is MaskArithmetic.BINARY else masks.unsqueeze(1).contiguous()
+    return ChallengeData(files.foregrounds, files.backgrounds, fg, masks, bg, fp, arithmetic)

@@ -1,0 +1,178 @@
+"""Which pairs to test next, and what their predictions mean: scores, rounds, the next batch, recording
+results into the state, and the verdicts of a --full matrix. No model, no I/O: numpy over `SearchState`."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from tools.challenge.state import ROBUST, UNKNOWN, VULNERABLE, SearchState
+from tools.compositing import MaskArithmetic
+from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
+
+
+class Criterion(str, enum.Enum):
+    """`any`: some background changes the prediction (the leaderboard's). `bg-class`: some background of
+    another class makes the model predict that background's class (the paper's stricter reading)."""
+
+    ANY = "any"
+    BG_CLASS = "bg-class"
+
+
+@dataclass
+class ChallengeConfig:
+    criterion: Criterion = Criterion.ANY
+    full: bool = False
+    batch_size: int | None = 64  # None: 256 on a GPU; on the CPU, measured at start-up (CPU_BATCH_CANDIDATES)
+    first_k: int = 1  # backgrounds offered to each open foreground in the first round; doubles each round
+    save_every: float = 5.0  # seconds between state saves
+    recheck_margin: float = 0.0
+    progress: bool = True
+    mask_arithmetic: MaskArithmetic = MaskArithmetic.BINARY
+
+
+
+class Scheduler:
+    """Plans the pairs of a `SearchState` and folds their predictions back into it.
+
+    Each round offers every open foreground its next k untested eligible backgrounds, best score first
+    (k = first_k, doubling each round); a foreground found vulnerable leaves at once, and one with no
+    untested background left is robust. With --full, every pair in foreground-major order instead.
+    """
+
+    def __init__(self, state: SearchState, fg_labels: np.ndarray, bg_labels: np.ndarray, config: ChallengeConfig):
+        self.state, self.config = state, config
+        self.fg_labels, self.bg_labels = fg_labels, bg_labels
+        self.n_fg, self.n_bg = len(fg_labels), len(bg_labels)
+        # eligible[c, b]: may a background b count against a foreground of class c?
+        self.eligible = np.ones((NUM_IN9_CLASSES, self.n_bg), bool)
+        if config.criterion is Criterion.BG_CLASS:
+            self.eligible = self.bg_labels[None, :] != np.arange(NUM_IN9_CLASSES)[:, None]
+
+    @property
+    def full(self) -> bool:
+        return self.state.matrix is not None
+
+    def resolved(self) -> int:
+        """Progress so far: foregrounds with a verdict, or pairs evaluated with --full."""
+        return int(self.state.evaluated) if self.full else int((self.state.verdict != UNKNOWN).sum())
+
+    def total(self) -> int:
+        return self.n_fg * self.n_bg if self.full else self.n_fg
+
+    # -- planning ----------------------------------------------------------------------------------------------
+    def scores(self) -> np.ndarray:
+        """(9, B): how promising each background is against each class's foregrounds."""
+        s = self.state
+        c = np.arange(NUM_IN9_CLASSES)[:, None]
+        if self.config.criterion is Criterion.ANY:
+            prior = (s.bg_pred[None, :] != c).astype(np.float64)
+        else:
+            prior = np.broadcast_to((s.bg_pred == self.bg_labels).astype(np.float64)[None, :], (NUM_IN9_CLASSES, self.n_bg))
+        rate_class = (s.successes + prior) / (s.trials + 1.0)
+        rate_all = (s.successes.sum(0) + prior.mean(0)) / (s.trials.sum(0) + 1.0)
+        return rate_class + 0.5 * rate_all[None, :]
+
+    def new_round(self) -> bool:
+        """Plan the next round into the state; False when there is nothing left to test (or with --full)."""
+        if self.full:
+            return False
+        self.state.worklist, self.state.position = self._round_pairs(), 0
+        return len(self.state.worklist) > 0
+
+    def _round_pairs(self) -> np.ndarray:
+        """The next round's pairs: each open foreground's next k untested eligible backgrounds, rank-major."""
+        s = self.state
+        k = self.config.first_k << min(s.round, 40)
+        scores = self.scores()
+        open_fg = np.nonzero(s.verdict == UNKNOWN)[0]
+        fgs, bgs, ranks = [], [], []
+        for c in np.unique(self.fg_labels[open_fg]):
+            members = open_fg[self.fg_labels[open_fg] == c]
+            order = np.lexsort((np.arange(self.n_bg), -scores[c]))  # best first, ties by index
+            order = order[self.eligible[c, order]]
+            untested = ~s.tested[members][:, order]
+            exhausted = ~untested.any(axis=1)
+            s.verdict[members[exhausted]] = ROBUST
+            rank = np.cumsum(untested, axis=1)
+            rows, cols = np.nonzero(untested & (rank <= k))
+            fgs.append(members[rows])
+            bgs.append(order[cols])
+            ranks.append(rank[rows, cols])
+        s.round += 1
+        if not fgs:
+            return np.zeros((0, 2), np.int64)
+        fgs, bgs, ranks = np.concatenate(fgs), np.concatenate(bgs), np.concatenate(ranks)
+        order = np.lexsort((fgs, ranks))
+        return np.stack([fgs[order], bgs[order]], axis=1).astype(np.int32)
+
+    def next_batch(self, size: int) -> np.ndarray | None:
+        """Up to `size` next pairs of this round whose foreground is still open; None at the end of the round."""
+        s = self.state
+        if self.full:  # every pair in foreground-major order, implicit in the position
+            total = self.n_fg * self.n_bg
+            if s.position >= total:
+                return None
+            idx = np.arange(s.position, min(total, s.position + size), dtype=np.int64)
+            s.position += len(idx)
+            return np.stack([idx // self.n_bg, idx % self.n_bg], axis=1)
+        picked = []
+        count = 0
+        while s.position < len(s.worklist) and count < size:
+            chunk = s.worklist[s.position:s.position + (size - count) * 2]
+            keep = s.verdict[chunk[:, 0]] == UNKNOWN
+            taken = chunk[keep][:size - count].astype(np.int64)
+            # advance past what was taken, and past the skipped pairs before it
+            used = np.nonzero(keep)[0][len(taken) - 1] + 1 if len(taken) else len(chunk)
+            s.position += int(used)
+            picked.append(taken)
+            count += len(taken)
+        if count == 0:
+            return None
+        return np.concatenate(picked)
+
+    # -- results -----------------------------------------------------------------------------------------------
+    def record(self, pairs: np.ndarray, preds: np.ndarray, margins: np.ndarray | None) -> None:
+        """Fold one batch's predictions (and, in reduced precision, top-two margins) into the state."""
+        s = self.state
+        f, b = pairs[:, 0], pairs[:, 1]
+        labels = self.fg_labels[f]
+        if self.config.criterion is Criterion.ANY:
+            fooled = preds != labels
+        else:
+            fooled = (preds == self.bg_labels[b]) & (self.bg_labels[b] != labels)
+        s.tested[f, b] = True
+        s.evaluated += len(pairs)
+        np.add.at(s.trials, (labels, b), 1)
+        np.add.at(s.successes, (labels[fooled], b[fooled]), 1)
+        if margins is not None:
+            open_rows = s.verdict[f] == UNKNOWN
+            np.minimum.at(s.min_margin, f[open_rows & ~fooled], margins[open_rows & ~fooled])
+        if self.full:  # verdicts come from the whole matrix at the end
+            s.matrix[f, b] = preds
+            return
+        hits = np.nonzero(fooled)[0]
+        _, first = np.unique(f[hits], return_index=True)  # each foreground's first fooling pair in the batch
+        won = hits[first]
+        won = won[s.verdict[f[won]] == UNKNOWN]
+        s.verdict[f[won]], s.fool_bg[f[won]], s.fool_pred[f[won]] = VULNERABLE, b[won], preds[won]
+        if margins is not None:
+            s.min_margin[f[won]] = margins[won]
+
+    def finish(self) -> None:
+        """With --full, the verdicts from the whole matrix; otherwise the search already holds them."""
+        if not self.full:
+            return
+        s = self.state
+        m = s.matrix.astype(np.int64)
+        if self.config.criterion is Criterion.ANY:
+            fooled = m != self.fg_labels[:, None]
+        else:
+            fooled = (m == self.bg_labels[None, :]) & (self.bg_labels[None, :] != self.fg_labels[:, None])
+        vulnerable = fooled.any(axis=1)
+        s.verdict = np.where(vulnerable, VULNERABLE, ROBUST).astype(np.int8)
+        first = fooled.argmax(axis=1)
+        s.fool_bg = np.where(vulnerable, first, -1)
+        s.fool_pred = np.where(vulnerable, m[np.arange(len(m)), first], UNMAPPED)

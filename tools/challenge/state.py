@@ -1,0 +1,77 @@
+"""The search's state: everything needed to continue exactly where a run stopped, saved atomically."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tools.errors import UserError
+from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
+from tools.provenance import atomic_write
+
+UNKNOWN, ROBUST, VULNERABLE = -1, 0, 1
+STATE_NAME = "challenge_state.npz"
+
+
+@dataclass
+class SearchState:
+    """Everything the search needs to continue exactly where it stopped."""
+
+    verdict: np.ndarray  # int8 (F,): UNKNOWN / ROBUST / VULNERABLE
+    fool_bg: np.ndarray  # int64 (F,): the first fooling background found, or -1
+    fool_pred: np.ndarray  # int64 (F,): the prediction it caused
+    min_margin: np.ndarray  # float32 (F,): smallest top-two margin a verdict rests on (reduced precision)
+    tested: np.ndarray  # bool (F, B)
+    successes: np.ndarray  # int64 (9, B): fooling composites per foreground class and background
+    trials: np.ndarray  # int64 (9, B)
+    bg_pred: np.ndarray  # int64 (B,): the model's prediction on each background alone
+    worklist: np.ndarray  # int32 (N, 2): this round's pairs, rank-major (empty in --full mode)
+    position: int = 0  # next worklist entry to batch
+    pending: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # launched, unprocessed
+    round: int = 0
+    evaluated: int = 0
+    matrix: np.ndarray | None = None  # int8 (F, B) in --full mode
+    elapsed: float = 0.0
+
+    @classmethod
+    def fresh(cls, n_fg: int, n_bg: int, bg_pred: np.ndarray, full: bool) -> "SearchState":
+        return cls(verdict=np.full(n_fg, UNKNOWN, np.int8), fool_bg=np.full(n_fg, -1, np.int64),
+                   fool_pred=np.full(n_fg, UNMAPPED, np.int64), min_margin=np.full(n_fg, np.inf, np.float32),
+                   tested=np.zeros((n_fg, n_bg), bool), successes=np.zeros((NUM_IN9_CLASSES, n_bg), np.int64),
+                   trials=np.zeros((NUM_IN9_CLASSES, n_bg), np.int64), bg_pred=bg_pred,
+                   worklist=np.zeros((0, 2), np.int32),
+                   matrix=np.full((n_fg, n_bg), UNMAPPED, np.int8) if full else None)
+
+    def save(self, path: Path, key: str) -> None:
+        arrays = {name: getattr(self, name) for name in ("verdict", "fool_bg", "fool_pred", "min_margin", "successes",
+                                                         "trials", "bg_pred", "worklist", "pending")}
+        arrays["tested"] = np.packbits(self.tested, axis=1)
+        arrays["shape"] = np.array(self.tested.shape)
+        arrays["scalars"] = np.array([self.position, self.round, self.evaluated], np.int64)
+        arrays["elapsed"] = np.array(self.elapsed)
+        arrays["key"] = np.frombuffer(key.encode(), np.uint8)
+        if self.matrix is not None:
+            arrays["matrix"] = self.matrix
+        with atomic_write(path, "wb") as fh:
+            np.savez(fh, **arrays)
+
+    @classmethod
+    def load(cls, path: Path, key: str) -> "SearchState":
+        try:
+            with np.load(path) as z:
+                if bytes(z["key"]).decode() != key:
+                    raise UserError(f"{path} belongs to another run (model, data or settings differ); rerun without "
+                                    f"--resume, or pick another --output-dir")
+                shape = tuple(z["shape"])
+                position, round_, evaluated = (int(v) for v in z["scalars"])
+                return cls(verdict=z["verdict"], fool_bg=z["fool_bg"], fool_pred=z["fool_pred"],
+                           min_margin=z["min_margin"],
+                           tested=np.unpackbits(z["tested"], axis=1, count=shape[1]).astype(bool),
+                           successes=z["successes"], trials=z["trials"], bg_pred=z["bg_pred"],
+                           worklist=z["worklist"], position=position, pending=z["pending"], round=round_,
+                           evaluated=evaluated, matrix=z["matrix"] if "matrix" in z.files else None,
+                           elapsed=float(z["elapsed"]))
+        except (OSError, ValueError, KeyError) as exc:
+            raise UserError(f"cannot read the saved state {path} ({exc}); rerun without --resume") from None
