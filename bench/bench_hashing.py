@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools import datasets, synthetic  # noqa: E402
+from tools import datasets, layout, synthetic  # noqa: E402
 from tools.challenge import list_challenge_files  # noqa: E402
 from tools.hashing import fingerprint  # noqa: E402
 from tools.in9 import VARIATIONS  # noqa: E402
@@ -53,7 +53,7 @@ def main() -> None:
         print(f"challenge: {fp['files']:,} files, {fp['bytes'] / 1e6:,.0f} MB hashed in {hash_time:.2f} s "
               f"({fp['bytes'] / 1e6 / hash_time:,.0f} MB/s); decoding its {len(images):,} images takes "
               f"{decode_time:.2f} s: hashing is {100 * hash_time / decode_time:.0f}% of that")
-        in9 = [r.relpath for name in VARIATIONS for r in datasets.list_variation(root, name)]
+        in9 = [r.relpath for name in VARIATIONS for r in layout.list_variation(root, name)]
         for _ in range(2):
             fp, hash_time = timed(fingerprint, root, in9, args.workers)
         _, decode_time = timed(datasets.decode_images, root, in9, args.workers, False)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tools import analysis, categories, datasets, synthetic
+from tools import analysis, categories, layout, synthetic
 from tools.categories import Category
 from tools.errors import UserError
 from tools.evaluate import VariationResult
@@ -94,8 +94,8 @@ FG_PER_CLASS, BG_PER_CLASS = 2, 3  # 18 x 27 composites: a non-square matrix, qu
 def challenge_data(dataset):
     """The generated challenge: foreground records, background records, and the three models' matrices."""
     root = dataset.root
-    fgs = first_per_class(datasets.list_foregrounds(root), FG_PER_CLASS)
-    bgs = first_per_class(datasets.list_variation(root, "only_bg_t"), BG_PER_CLASS)
+    fgs = first_per_class(layout.list_foregrounds(root), FG_PER_CLASS)
+    bgs = first_per_class(layout.list_variation(root, "only_bg_t"), BG_PER_CLASS)
     fg_images = [read_rgb(root / r.image_relpath) for r in fgs]
     masks = [np.load(root / r.mask_relpath) for r in fgs]
     bg_images = np.stack([read_rgb(root / r.relpath) for r in bgs])
@@ -244,9 +244,9 @@ def test_random_matrix_with_ties_and_unmapped_matches_brute_force(seed, tmp_path
     fg_labels = rng.integers(0, NUM_IN9_CLASSES, size=30)
     bg_labels = rng.integers(0, NUM_IN9_CLASSES - 1, size=25)  # no background of class 8 (fish)
     P = rng.integers(-1, NUM_IN9_CLASSES, size=(30, 25))
-    fgs = [datasets.ForegroundRecord(f"fg{i}", int(c), f"original/val/x/fg{i}.JPEG", f"fg_mask/val/x/fg{i}.npy")
+    fgs = [layout.ForegroundRecord(f"fg{i}", int(c), f"original/val/x/fg{i}.JPEG", f"fg_mask/val/x/fg{i}.npy")
            for i, c in enumerate(fg_labels)]
-    bgs = [datasets.ImageRecord(f"only_bg_t/val/x/bg{j}.JPEG", int(c)) for j, c in enumerate(bg_labels)]
+    bgs = [layout.ImageRecord(f"only_bg_t/val/x/bg{j}.JPEG", int(c)) for j, c in enumerate(bg_labels)]
     out = save_challenge(tmp_path / "run", P, fgs, bgs, data_path=None)
     with caplog.at_level(logging.WARNING, logger="tools.analysis"):
         summary = analysis.write_analysis(out, top_k=4)
@@ -372,9 +372,9 @@ def test_bad_top_k_fails_at_parse_time(tmp_path):
 
 
 def _tiny_run(tmp_path: Path) -> tuple[Path, list, list]:
-    fgs = [datasets.ForegroundRecord(f"f{i}", i % 2, f"original/val/x/f{i}.JPEG", f"fg_mask/val/x/f{i}.npy")
+    fgs = [layout.ForegroundRecord(f"f{i}", i % 2, f"original/val/x/f{i}.JPEG", f"fg_mask/val/x/f{i}.npy")
            for i in range(4)]
-    bgs = [datasets.ImageRecord(f"only_bg_t/val/x/b{j}.JPEG", j % 3) for j in range(3)]
+    bgs = [layout.ImageRecord(f"only_bg_t/val/x/b{j}.JPEG", j % 3) for j in range(3)]
     return save_challenge(tmp_path / "run", np.zeros((4, 3), dtype=np.int8), fgs, bgs, None), fgs, bgs
 
 

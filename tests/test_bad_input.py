@@ -18,7 +18,7 @@ from torch import nn
 
 import in9_eval
 from conftest import save_torchscript
-from tools import cli
+from tools import cli, layout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -384,4 +384,4 @@ def test_lonely_mask_names_the_image_extension_in_use(tmp_path):
     victim = sorted((root / "original" / "val" / "01_bird").iterdir())[0]
     victim.unlink()
     with pytest.raises(datasets.UserError, match=rf"has no image \S*{victim.stem}\.png "):
-        datasets.list_foregrounds(root)
+        layout.list_foregrounds(root)

@@ -15,7 +15,9 @@ from torchvision import transforms
 
 from tests.conftest import run_in_process
 from tools import boxes, data, synthetic
-from tools.datasets import list_foregrounds, list_variation
+from tools.data import cli as data_cli
+from tools.data import builder as data_build
+from tools.layout import list_foregrounds, list_variation
 from tools.errors import UserError
 from tools.in9 import MASK_FOLDER, VARIATIONS
 
@@ -154,7 +156,7 @@ def _expected_variation(inputs: Inputs, summary_row: dict, name: str) -> np.ndar
 
 
 def _run_cli(argv, capsys):
-    return run_in_process(data.main, argv, capsys)
+    return run_in_process(data_cli.main, argv, capsys)
 
 
 def test_crop_geometry_matches_torchvision_resize_and_center_crop(tmp_path):
@@ -199,7 +201,7 @@ def test_variation_arrays_follow_the_definitions(inputs):
     e = next(iter(inputs.expected.values()))
     other = list(inputs.expected.values())[4]
     background = _tiled(other.crop, other.box)
-    arrays = data.variation_arrays(e.crop, e.box, e.mask, {"mixed_rand": background})
+    arrays = data_build.variation_arrays(e.crop, e.box, e.mask, {"mixed_rand": background})
     row = {"image": next(iter(inputs.expected)), "mixed_rand": list(inputs.expected)[4]}
     assert set(arrays) == {"original", "only_fg", "only_bg_b", "only_bg_t", "no_fg", "mixed_rand"}
     for name, array in arrays.items():
@@ -288,7 +290,7 @@ def test_filters_drop_what_the_paper_drops_and_count_it(tmp_path, capsys):
 def test_another_seed_picks_other_backgrounds(built_png):
     _, result = built_png
     other = copy.deepcopy(result)
-    data._choose_backgrounds(other, seed=6)
+    data_build._choose_backgrounds(other, seed=6)
     assert [k.backgrounds for k in other.kept] != [k.backgrounds for k in result.kept]
 
 

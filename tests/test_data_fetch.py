@@ -16,7 +16,9 @@ import pytest
 
 from tests.conftest import run_in_process
 from tools import data, synthetic
-from tools.datasets import list_foregrounds, list_variation
+from tools.data import cli as data_cli
+from tools.hashing import sha256_file
+from tools.layout import list_foregrounds, list_variation
 from tools.errors import UserError
 from tools.in9 import MASK_FOLDER, VARIATIONS
 
@@ -88,7 +90,7 @@ def server():
 
 
 def _run_cli(argv, capsys):
-    return run_in_process(data.main, argv, capsys)
+    return run_in_process(data_cli.main, argv, capsys)
 
 
 def _assert_release_layout(root: Path, per_class: int = 1):
@@ -126,7 +128,7 @@ def test_cli_keeps_the_archive_when_asked(server, release, tmp_path, capsys):
                                "--keep-archive", "--no-progress"], capsys)
     assert code == 0, err
     assert f"sha256: {sha} verified" in out and "archive kept at" in out
-    assert data.sha256_file(root / data.ARCHIVE_NAME) == sha
+    assert sha256_file(root / data.ARCHIVE_NAME) == sha
     _assert_release_layout(root)
     # a second run finds the data in place and downloads nothing
     code, out, _ = _run_cli(["fetch", "--data-path", str(root), "--url", server.url(ARCHIVE_PATH), "--no-progress"],
@@ -144,7 +146,7 @@ def test_resumes_a_partial_download_with_a_range_request(server, release, tmp_pa
     result = data.fetch(root, server.url(ARCHIVE_PATH), sha, keep_archive=True, progress=False)
     assert server.requests == [(ARCHIVE_PATH, f"bytes={half}-")]
     assert result.resumed and result.downloaded_bytes == len(payload) - half
-    assert data.sha256_file(root / data.ARCHIVE_NAME) == sha
+    assert sha256_file(root / data.ARCHIVE_NAME) == sha
     _assert_release_layout(root)
 
 

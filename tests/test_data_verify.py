@@ -11,6 +11,7 @@ from PIL import Image
 
 from tests.conftest import run_in_process
 from tools import data, synthetic
+from tools.data import cli as data_cli
 from tools.errors import UserError
 from tools.in9 import MASK_FOLDER, VARIATIONS
 
@@ -24,7 +25,7 @@ def fresh(tmp_path):
 
 
 def _run_cli(argv, capsys):
-    return run_in_process(data.main, argv, capsys)
+    return run_in_process(data_cli.main, argv, capsys)
 
 
 def test_a_good_dataset_passes_with_its_counts(dataset, capsys):

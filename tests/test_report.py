@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tools import analysis, datasets, report, synthetic
+from tools import analysis, datasets, layout, report, synthetic
 from tools.categories import Category, prediction_categories
 from tools.evaluate import run_in9
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS, class_names
@@ -64,8 +64,8 @@ def challenge_results(loaded, dataset, tmp_path_factory):
     """A brute-force full challenge on 9 foregrounds x 18 backgrounds, saved as challenge_eval.py --full saves
     it, analysed; and the challenge results JSON (criterion any) computed from the same matrix."""
     root = dataset.root
-    fgs = _first_per_class(datasets.list_foregrounds(root), 1)
-    bgs = _first_per_class(datasets.list_variation(root, "only_bg_t"), 2)
+    fgs = _first_per_class(layout.list_foregrounds(root), 1)
+    bgs = _first_per_class(layout.list_variation(root, "only_bg_t"), 2)
     bg_images = np.stack([datasets.decode_rgb(root / r.relpath) for r in bgs])
     P = np.zeros((len(fgs), len(bgs)), dtype=np.int8)
     with torch.inference_mode():

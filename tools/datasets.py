@@ -1,4 +1,5 @@
-"""Reading the release's folder layout: listing, checking, decoding images and masks, the decoded-data cache."""
+"""Decoding what the layout lists: images as uint8 tensors, masks checked and made ready for compositing, and
+the decoded-data cache keyed by content."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -20,137 +20,11 @@ from tqdm import tqdm
 
 from tools.compositing import MaskArithmetic, original_weights
 from tools.errors import UserError
-from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, Variation
+from tools.in9 import IMAGE_SIZE
 
 log = logging.getLogger(__name__)
 
-# Image extensions read, compared case-blind: torchvision.datasets.folder.IMG_EXTENSIONS as of torchvision 0.20+.
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-MASK_EXTENSION = ".npy"
 DECODE_CHUNK = 64  # images per decoding job
-DATA_ENV = "BG_CHALLENGE_DATA"
-DEFAULT_DATA_ROOT = Path("data") / "bg_challenge"
-
-
-@dataclass(frozen=True)
-class ImageRecord:
-    """One image of a variation: its path relative to the data root and its class index."""
-
-    relpath: str
-    label: int
-
-    @property
-    def stem(self) -> str:
-        return Path(self.relpath).stem
-
-
-@dataclass(frozen=True)
-class ForegroundRecord:
-    """One challenge foreground: the original image, its mask, and its class index."""
-
-    stem: str
-    label: int
-    image_relpath: str
-    mask_relpath: str
-
-
-def default_data_root() -> Path:
-    """Where the data is when --data-path is not given: $BG_CHALLENGE_DATA, else data/bg_challenge (where the
-    README's `fetch` puts it)."""
-    return Path(os.environ.get(DATA_ENV) or DEFAULT_DATA_ROOT)
-
-
-def check_data_root(root: Path | None) -> Path:
-    """The data folder (`default_data_root()` when None), checked to exist."""
-    if root is None:
-        root = default_data_root()
-        if not root.is_dir():
-            raise UserError(
-                f"no data folder given and none at {root} (--data-path, else ${DATA_ENV}, else "
-                f"{DEFAULT_DATA_ROOT}); pass --data-path, set {DATA_ENV}, or download the release with "
-                f"`python -m tools.data fetch --data-path {DEFAULT_DATA_ROOT}`")
-    root = Path(root)
-    if not root.is_dir():
-        raise UserError(
-            f"data path {root} does not exist or is not a folder; pass --data-path the folder that holds "
-            f"original/, mixed_rand/, ... (e.g. {DEFAULT_DATA_ROOT}; `python -m tools.data fetch` downloads it)"
-        )
-    return root
-
-
-def variation_dir(root: Path, name: str, split: str = SPLIT) -> Path:
-    return Path(root) / name / split
-
-
-def class_folders(folder: Path, what: str, split: str = SPLIT) -> list[str]:
-    """The sorted class folder names under `folder`, checked to be nine; the index is the position."""
-    if not folder.is_dir():
-        raise UserError(
-            f"{what} is missing: no folder {folder}; the layout is <data>/{what}/{split}/<class>/ "
-            f"(check --data-path, or regenerate the data)"
-        )
-    names = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir() and not entry.name.startswith("."))
-    if len(names) != NUM_IN9_CLASSES:
-        raise UserError(
-            f"{folder} has {len(names)} class folders, expected {NUM_IN9_CLASSES} "
-            f"(found: {', '.join(names) or 'none'}); every variation needs the nine IN-9 class folders"
-        )
-    return names
-
-
-def _sorted_files(folder: Path) -> list[str]:
-    return sorted(entry.name for entry in os.scandir(folder) if entry.is_file() and not entry.name.startswith("."))
-
-
-def list_variation(root: Path, name: str, split: str = SPLIT) -> list[ImageRecord]:
-    """Every image of a variation in ImageFolder order (sorted classes, sorted files), checked non-empty."""
-    root = check_data_root(root)
-    folder = variation_dir(root, name, split)
-    records: list[ImageRecord] = []
-    for label, cls in enumerate(class_folders(folder, name, split)):
-        files = _sorted_files(folder / cls)
-        images = [f for f in files if f.lower().endswith(IMAGE_EXTENSIONS)]
-        skipped = len(files) - len(images)
-        if skipped:
-            log.warning("%s: skipped %d file(s) that are not images by their extension, as the original does",
-                        folder / cls, skipped)
-        if not images:
-            raise UserError(f"class folder {folder / cls} holds no images; every class needs at least one image")
-        records.extend(ImageRecord(f"{name}/{split}/{cls}/{f}", label) for f in images)
-    return records
-
-
-def list_foregrounds(root: Path, split: str = SPLIT) -> list[ForegroundRecord]:
-    """Every mask in fg_mask/<split>/<class>/<stem>.npy paired with original/<split>/<class>/<stem>.<ext>."""
-    root = check_data_root(root)
-    mask_dir = variation_dir(root, MASK_FOLDER, split)
-    image_dir = variation_dir(root, Variation.ORIGINAL.value, split)
-    mask_classes = class_folders(mask_dir, MASK_FOLDER, split)
-    image_classes = class_folders(image_dir, Variation.ORIGINAL.value, split)
-    if mask_classes != image_classes:
-        raise UserError(f"the class folders of {mask_dir} ({', '.join(mask_classes)}) differ from those of "
-                        f"{image_dir} ({', '.join(image_classes)}); both need the same nine names")
-    records: list[ForegroundRecord] = []
-    for label, cls in enumerate(mask_classes):
-        masks = {Path(f).stem: f for f in _sorted_files(mask_dir / cls) if f.endswith(MASK_EXTENSION)}
-        images = {Path(f).stem: f for f in _sorted_files(image_dir / cls) if f.lower().endswith(IMAGE_EXTENSIONS)}
-        lonely_masks = sorted(set(masks) - set(images))
-        if lonely_masks:
-            extension = Path(next(iter(images.values()))).suffix if images else ".<image extension>"
-            raise UserError(f"mask {mask_dir / cls / masks[lonely_masks[0]]} has no image {image_dir / cls}/"
-                            f"{lonely_masks[0]}{extension} ({len(lonely_masks)} such mask(s)); restore the image or "
-                            f"remove the mask")
-        lonely_images = sorted(set(images) - set(masks))
-        if lonely_images:
-            raise UserError(f"image {image_dir / cls / images[lonely_images[0]]} has no mask {mask_dir / cls}/"
-                            f"{lonely_images[0]}.npy ({len(lonely_images)} such image(s)); every original image "
-                            f"needs its foreground mask")
-        if not masks:
-            raise UserError(f"class folder {mask_dir / cls} holds no masks; every class needs foregrounds")
-        for stem in sorted(masks):
-            records.append(ForegroundRecord(stem, label, f"{Variation.ORIGINAL.value}/{split}/{cls}/{images[stem]}",
-                                            f"{MASK_FOLDER}/{split}/{cls}/{masks[stem]}"))
-    return records
 
 
 def decode_rgb(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tools import datasets
+from tools import datasets, layout
 from tools.data import quick_check
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, Variation, PredictionMap, class_names
@@ -102,13 +102,13 @@ class _Resume:
 def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names: Sequence[str], batch_size: int,
                         workers: int, state_path: Path | None = None, resume: bool = False,
                         state_key: dict | None = None, progress: bool = True,
-                        listings: dict[str, list[datasets.ImageRecord]] | None = None) -> dict[str, VariationResult]:
+                        listings: dict[str, list[layout.ImageRecord]] | None = None) -> dict[str, VariationResult]:
     """Predict every image of the named variations in one stream of batches; results keyed by variation.
 
     `listings` are the variations' records when the caller has already listed them."""
     root = Path(root)
     if listings is None:
-        listings = {name: datasets.list_variation(root, name) for name in names}
+        listings = {name: layout.list_variation(root, name) for name in names}
     resumer = _Resume(state_path, state_key or {}, resume)
     results: dict[str, VariationResult] = {}
     todo = []
@@ -183,7 +183,7 @@ class In9Files:
     """The images of the named variations, listed and checked, and their content fingerprint."""
 
     root: Path
-    listings: dict[str, list[datasets.ImageRecord]]
+    listings: dict[str, list[layout.ImageRecord]]
     fingerprint: dict
 
 
@@ -191,7 +191,7 @@ def list_in9_files(root: Path, names: Sequence[str], workers: int = 4) -> In9Fil
     """Check and list the variations and hash their content: cheap, before any model is built."""
     quick_check(root, names)
     root = Path(root)
-    listings = {name: datasets.list_variation(root, name) for name in names}
+    listings = {name: layout.list_variation(root, name) for name in names}
     return In9Files(root, listings, fingerprint(root, [r.relpath for name in names for r in listings[name]], workers))
 
 

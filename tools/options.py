@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from tools.cli import add_log_level_argument
-from tools.datasets import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
+from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
 from tools.models import DEFAULT_ARCH, TIMM_PREFIX, LoadedModel, load_model, program_kind

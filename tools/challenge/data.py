@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tools import datasets
+from tools import datasets, layout
 from tools.compositing import MaskArithmetic, byte_masks
 from tools.data import quick_check
 from tools.hashing import fingerprint
@@ -23,15 +23,15 @@ class ChallengeFiles:
     """What the challenge reads: foregrounds (image and mask), backgrounds, and their content fingerprint."""
 
     root: Path
-    foregrounds: list[datasets.ForegroundRecord]
-    backgrounds: list[datasets.ImageRecord]
+    foregrounds: list[layout.ForegroundRecord]
+    backgrounds: list[layout.ImageRecord]
     fingerprint: dict
 
 
 @dataclass
 class ChallengeData:
-    foregrounds: list[datasets.ForegroundRecord]
-    backgrounds: list[datasets.ImageRecord]
+    foregrounds: list[layout.ForegroundRecord]
+    backgrounds: list[layout.ImageRecord]
     fg_images: torch.Tensor  # uint8 (F, 3, H, W)
     # binary: uint8 (F, 3, H, W), 255 on the foreground, 0 elsewhere (for bitwise compositing);
     # original: uint8 (F, 1, H, W), the original's weight numerators (w = value / 255)
@@ -57,8 +57,8 @@ def list_challenge_files(root: Path, workers: int = 4) -> ChallengeFiles:
     """Check and list the foregrounds and backgrounds, and hash their content: cheap, before any model is built."""
     quick_check(root, [Variation.ONLY_BG_T.value], need_masks=True)
     root = Path(root)
-    foregrounds = datasets.list_foregrounds(root)
-    backgrounds = datasets.list_variation(root, Variation.ONLY_BG_T.value)
+    foregrounds = layout.list_foregrounds(root)
+    backgrounds = layout.list_variation(root, Variation.ONLY_BG_T.value)
     relpaths = [p for r in foregrounds for p in (r.image_relpath, r.mask_relpath)] + [r.relpath for r in backgrounds]
     return ChallengeFiles(root, foregrounds, backgrounds, fingerprint(root, relpaths, workers))
 

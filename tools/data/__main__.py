@@ -1,0 +1,7 @@
+"""`python -m tools.data`: see tools.data.cli."""
+
+import sys
+
+from tools.data.cli import main
+
+sys.exit(main())

@@ -1,0 +1,135 @@
+"""The command line of `python -m tools.data {fetch,verify,build}`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Iterable
+
+
+from tools import grabcut
+from tools.cli import add_log_level_argument, run_main
+from tools.threads import default_workers
+from tools.errors import UserError
+from tools import data as data_package
+from tools.data.builder import DEFAULT_JPEG_QUALITY, ImageFormat, build
+from tools.data.download import DEFAULT_TIMEOUT_S, RELEASE_URL, fetch
+from tools.data.check import verify_layout
+from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root, default_data_root
+
+log = logging.getLogger(__name__)
+
+def _sha256_arg(value: str) -> str:
+    if not re.fullmatch(r"[0-9a-fA-F]{64}", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a SHA-256 (64 hexadecimal digits)")
+    return value.lower()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
+    add_log_level_argument(common)
+    parser = argparse.ArgumentParser(prog="python -m tools.data", description=data_package.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{fetch,verify,build}")
+
+    fetch_p = commands.add_parser("fetch", parents=[common], help="download, check and extract the IN-9 test release",
+                                  description="Download the release archive (resuming a partial download), check "
+                                              "its SHA-256 and extract it safely into --data-path.")
+    fetch_p.add_argument("--data-path", type=Path, default=None, metavar="DIR",
+                         help=f"folder to hold original/, ..., fg_mask/, created if missing (default: ${DATA_ENV} if "
+                              f"set, else {DEFAULT_DATA_ROOT}, where the evaluation scripts look)")
+    fetch_p.add_argument("--url", default=RELEASE_URL, metavar="URL",
+                         help=f"archive to download (default: {RELEASE_URL})")
+    fetch_p.add_argument("--sha256", type=_sha256_arg, default=None, metavar="HEX",
+                         help="expected SHA-256 of the archive (default: the release's, unless --url names another "
+                              "source, when the check is skipped with a warning)")
+    fetch_p.add_argument("--archive", type=Path, default=None, metavar="FILE",
+                         help="extract this already downloaded archive instead of downloading (default: download)")
+    fetch_p.add_argument("--keep-archive", action="store_true",
+                         help="keep the downloaded archive in --data-path after extracting it (default: delete it)")
+    fetch_p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                         help=f"network timeout (default: {DEFAULT_TIMEOUT_S:g})")
+    fetch_p.set_defaults(handler=_run_fetch)
+
+    verify_p = commands.add_parser("verify", parents=[common], help="check a data folder and count its images",
+                                   description="Check the layout both scripts read; print a variation x class table "
+                                               "and every problem; exit 2 if there is any.")
+    verify_p.add_argument("--data-path", type=Path, default=None, metavar="DIR",
+                          help=f"folder holding original/, ..., fg_mask/ (default: ${DATA_ENV} if set, else "
+                               f"{DEFAULT_DATA_ROOT})")
+    verify_p.add_argument("--full", action="store_true",
+                          help="decode every image (default: read image headers only, which finds wrong sizes and "
+                               "non-images but not truncated files)")
+    verify_p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
+                          help=f"threads reading files (default: {default_workers()})")
+    verify_p.set_defaults(handler=_run_verify)
+
+    build_p = commands.add_parser("build", parents=[common], help="make the variations from images with boxes",
+                                  description="Make the eight variations and fg_mask from labelled images with one "
+                                              "bounding box each, as in the paper's Appendix A.")
+    build_p.add_argument("--images", type=Path, required=True, metavar="DIR",
+                         help="folder with one sub-folder per IN-9 class (sorted order = class index)")
+    build_p.add_argument("--boxes", type=Path, required=True, metavar="PATH",
+                         help="folder of Pascal VOC .xml files (1-based inclusive coordinates) or a CSV file "
+                              "image,xmin,ymin,xmax,ymax (0-based pixels, xmax/ymax exclusive)")
+    build_p.add_argument("--out", type=Path, required=True, metavar="DIR", help="new or empty output folder")
+    build_p.add_argument("--masks", type=Path, default=None, metavar="DIR",
+                         help="your own foreground masks <stem>.npy or <stem>.png, at the original image's size or "
+                              "224x224 (default: GrabCut from the box, which needs OpenCV)")
+    build_p.add_argument("--seed", type=int, default=0, metavar="N",
+                         help="seed for the mixed backgrounds and GrabCut (default: 0)")
+    build_p.add_argument("--jpeg-quality", type=int, default=DEFAULT_JPEG_QUALITY, metavar="Q",
+                         help=f"JPEG quality 1-100 (default: {DEFAULT_JPEG_QUALITY})")
+    build_p.add_argument("--image-format", type=ImageFormat, choices=list(ImageFormat), default=ImageFormat.JPEG,
+                         metavar="{" + ",".join(f.value for f in ImageFormat) + "}",
+                         help="jpeg writes <stem>.JPEG as the release; png is lossless (default: jpeg)")
+    build_p.add_argument("--grabcut-iterations", type=int, default=grabcut.DEFAULT_ITERATIONS, metavar="N",
+                         help=f"GrabCut iterations (default: {grabcut.DEFAULT_ITERATIONS})")
+    build_p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
+                         help=f"threads decoding, segmenting and writing images (default: {default_workers()})")
+    build_p.set_defaults(handler=_run_build)
+    return parser
+
+
+def _run_fetch(args: argparse.Namespace) -> int:
+    if args.url != RELEASE_URL and args.sha256 is None and args.archive is None:
+        log.warning("--url without --sha256: the download's SHA-256 will be reported but not checked")
+    result = fetch(args.data_path or default_data_root(), args.url, args.sha256, args.keep_archive, args.archive, not args.no_progress,
+                   args.timeout)
+    print("\n".join(result.lines()))
+    return 0
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise UserError(f"--workers must be at least 1, not {args.workers}")
+    report = verify_layout(check_data_root(args.data_path), args.full, args.workers, not args.no_progress)
+    print("\n".join(report.lines()))
+    if report.problems:
+        raise UserError(f"{len(report.problems)} problem(s) in {report.root}, listed above; fix them or rerun "
+                        f"`python -m tools.data fetch` / `build`")
+    return 0
+
+
+def _run_build(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise UserError(f"--workers must be at least 1, not {args.workers}")
+    result = build(args.images, args.boxes, args.out, args.masks, args.seed, args.jpeg_quality, args.image_format,
+                   args.grabcut_iterations, args.workers, not args.no_progress)
+    print("\n".join(result.lines()))
+    return 0
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """Run one command; a user error is one line on stderr and exit code 2."""
+    return run_main(build_parser(), lambda args: args.handler(args), None if argv is None else list(argv),
+                    on_interrupt="rerun the same command (fetch resumes its partial download; build needs an "
+                                 "empty --out)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

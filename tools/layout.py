@@ -1,0 +1,158 @@
+"""The release's folder layout, walked in one place: `<data>/<variation>/<split>/<class>/<file>` and
+`<data>/fg_mask/<split>/<class>/<stem>.npy`, where the split is `val` for the test release and `train` for
+training data. Listings are sorted (ImageFolder order); the class index is the class folder's position."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.errors import UserError
+from tools.in9 import MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation
+
+log = logging.getLogger(__name__)
+
+# Image extensions read, compared case-blind: torchvision.datasets.folder.IMG_EXTENSIONS as of torchvision 0.20+.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+MASK_EXTENSION = ".npy"
+DATA_ENV = "BG_CHALLENGE_DATA"
+DEFAULT_DATA_ROOT = Path("data") / "bg_challenge"
+LAYOUT_NAMES: tuple[str, ...] = (*VARIATIONS, MASK_FOLDER)  # every top-level folder of a data root
+MIXED = (Variation.MIXED_SAME.value, Variation.MIXED_RAND.value, Variation.MIXED_NEXT.value)
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """One image of a variation: its path relative to the data root and its class index."""
+
+    relpath: str
+    label: int
+
+    @property
+    def stem(self) -> str:
+        return Path(self.relpath).stem
+
+
+@dataclass(frozen=True)
+class ForegroundRecord:
+    """One challenge foreground: the original image, its mask, and its class index."""
+
+    stem: str
+    label: int
+    image_relpath: str
+    mask_relpath: str
+
+
+def default_data_root() -> Path:
+    """Where the data is when --data-path is not given: $BG_CHALLENGE_DATA, else data/bg_challenge (where the
+    README's `fetch` puts it)."""
+    return Path(os.environ.get(DATA_ENV) or DEFAULT_DATA_ROOT)
+
+
+def check_data_root(root: Path | None) -> Path:
+    """The data folder (`default_data_root()` when None), checked to exist."""
+    if root is None:
+        root = default_data_root()
+        if not root.is_dir():
+            raise UserError(
+                f"no data folder given and none at {root} (--data-path, else ${DATA_ENV}, else "
+                f"{DEFAULT_DATA_ROOT}); pass --data-path, set {DATA_ENV}, or download the release with "
+                f"`python -m tools.data fetch --data-path {DEFAULT_DATA_ROOT}`")
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(
+            f"data path {root} does not exist or is not a folder; pass --data-path the folder that holds "
+            f"original/, mixed_rand/, ... (e.g. {DEFAULT_DATA_ROOT}; `python -m tools.data fetch` downloads it)"
+        )
+    return root
+
+
+def variation_dir(root: Path, name: str, split: str = SPLIT) -> Path:
+    return Path(root) / name / split
+
+
+def class_folders(folder: Path, what: str, split: str = SPLIT) -> list[str]:
+    """The sorted class folder names under `folder`, checked to be nine; the index is the position."""
+    if not folder.is_dir():
+        raise UserError(
+            f"{what} is missing: no folder {folder}; the layout is <data>/{what}/{split}/<class>/ "
+            f"(check --data-path, or regenerate the data)"
+        )
+    names = list_folder(folder)[0]
+    if len(names) != NUM_IN9_CLASSES:
+        raise UserError(
+            f"{folder} has {len(names)} class folders, expected {NUM_IN9_CLASSES} "
+            f"(found: {', '.join(names) or 'none'}); every variation needs the nine IN-9 class folders"
+        )
+    return names
+
+
+def list_folder(folder: Path) -> tuple[list[str], list[str]]:
+    """(sorted sub-folder names, sorted file names) of a folder, hidden entries left out: the one listing of
+    the layout, used by the scripts and by `tools.data verify` alike."""
+    dirs, files = [], []
+    with os.scandir(folder) as it:
+        for entry in it:
+            if not entry.name.startswith("."):
+                (dirs if entry.is_dir() else files).append(entry.name)
+    return sorted(dirs), sorted(files)
+
+
+def is_listed(folder_name: str, file_name: str) -> bool:
+    """Whether the scripts read the file: .npy in fg_mask, an image extension (any case) elsewhere."""
+    if folder_name == MASK_FOLDER:
+        return file_name.endswith(MASK_EXTENSION)
+    return file_name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def list_variation(root: Path, name: str, split: str = SPLIT) -> list[ImageRecord]:
+    """Every image of a variation in ImageFolder order (sorted classes, sorted files), checked non-empty."""
+    root = check_data_root(root)
+    folder = variation_dir(root, name, split)
+    records: list[ImageRecord] = []
+    for label, cls in enumerate(class_folders(folder, name, split)):
+        files = list_folder(folder / cls)[1]
+        images = [f for f in files if is_listed(name, f)]
+        skipped = len(files) - len(images)
+        if skipped:
+            log.warning("%s: skipped %d file(s) that are not images by their extension, as the original does",
+                        folder / cls, skipped)
+        if not images:
+            raise UserError(f"class folder {folder / cls} holds no images; every class needs at least one image")
+        records.extend(ImageRecord(f"{name}/{split}/{cls}/{f}", label) for f in images)
+    return records
+
+
+def list_foregrounds(root: Path, split: str = SPLIT) -> list[ForegroundRecord]:
+    """Every mask in fg_mask/<split>/<class>/<stem>.npy paired with original/<split>/<class>/<stem>.<ext>."""
+    root = check_data_root(root)
+    mask_dir = variation_dir(root, MASK_FOLDER, split)
+    image_dir = variation_dir(root, Variation.ORIGINAL.value, split)
+    mask_classes = class_folders(mask_dir, MASK_FOLDER, split)
+    image_classes = class_folders(image_dir, Variation.ORIGINAL.value, split)
+    if mask_classes != image_classes:
+        raise UserError(f"the class folders of {mask_dir} ({', '.join(mask_classes)}) differ from those of "
+                        f"{image_dir} ({', '.join(image_classes)}); both need the same nine names")
+    records: list[ForegroundRecord] = []
+    for label, cls in enumerate(mask_classes):
+        masks = {Path(f).stem: f for f in list_folder(mask_dir / cls)[1] if is_listed(MASK_FOLDER, f)}
+        images = {Path(f).stem: f for f in list_folder(image_dir / cls)[1] if is_listed(Variation.ORIGINAL.value, f)}
+        lonely_masks = sorted(set(masks) - set(images))
+        if lonely_masks:
+            extension = Path(next(iter(images.values()))).suffix if images else ".<image extension>"
+            raise UserError(f"mask {mask_dir / cls / masks[lonely_masks[0]]} has no image {image_dir / cls}/"
+                            f"{lonely_masks[0]}{extension} ({len(lonely_masks)} such mask(s)); restore the image or "
+                            f"remove the mask")
+        lonely_images = sorted(set(images) - set(masks))
+        if lonely_images:
+            raise UserError(f"image {image_dir / cls / images[lonely_images[0]]} has no mask {mask_dir / cls}/"
+                            f"{lonely_images[0]}.npy ({len(lonely_images)} such image(s)); every original image "
+                            f"needs its foreground mask")
+        if not masks:
+            raise UserError(f"class folder {mask_dir / cls} holds no masks; every class needs foregrounds")
+        for stem in sorted(masks):
+            records.append(ForegroundRecord(stem, label, f"{Variation.ORIGINAL.value}/{split}/{cls}/{images[stem]}",
+                                            f"{MASK_FOLDER}/{split}/{cls}/{masks[stem]}"))
+    return records
