@@ -138,7 +138,7 @@ def baseline(root: Path, data: challenge.ChallengeData, model: torch.nn.Module, 
 
 FORWARD_PROBE = """
 import sys, time, torch
-from tools.models import load_model
+from tools.sources import load_model
 from tools.runtime import Forward, Runtime, tune_cpu_allocator
 arch, checkpoint, batch, tuned, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", float(sys.argv[5])
 if tuned:

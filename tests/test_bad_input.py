@@ -321,12 +321,12 @@ def test_data_path_defaults_to_the_environment_then_data_bg_challenge(run, datas
 def test_bad_data_is_reported_before_any_model_is_built(script, breakage, data, color_ts, tmp_path, monkeypatch,
                                                         capsys):
     import challenge_eval  # noqa: PLC0415
-    from tools import models, options  # noqa: PLC0415
+    from tools import options, sources  # noqa: PLC0415
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the data was checked")
 
-    monkeypatch.setattr(models, "load_model", no_model)
+    monkeypatch.setattr(sources, "load_model", no_model)
     monkeypatch.setattr(options, "load_model", no_model)
     root = data
     if breakage == "no folder":

@@ -21,7 +21,7 @@ from tests.conftest import save_torchscript
 from tools import challenge, cli, synthetic
 from tools.challenge import ChallengeConfig, Criterion, Scheduler, run_challenge
 from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD
-from tools.models import load_model
+from tools.sources import load_model
 from tools.runtime import Runtime
 
 REPO = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ from conftest import save_torchscript
 from tools import __version__, cli, synthetic
 from tools.evaluate import evaluate_variations
 from tools.in9 import VARIATIONS, class_names
-from tools.models import load_model
+from tools.sources import load_model
 from tools.runtime import Runtime
 
 REPO = Path(__file__).resolve().parents[1]

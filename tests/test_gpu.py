@@ -11,7 +11,7 @@ from tools import challenge, synthetic
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.evaluate import evaluate_variations
 from tools.in9 import VARIATIONS
-from tools.models import load_model
+from tools.sources import load_model
 from tools.runtime import Precision, Runtime
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

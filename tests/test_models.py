@@ -15,7 +15,8 @@ from torchvision.transforms.functional import to_tensor
 from conftest import save_torchscript
 from tools.errors import UserError
 from tools.in9 import Normalization
-from tools.models import PixelModel, load_model
+from tools.models import PixelModel
+from tools.sources import load_model
 
 # The figures of the reference README, written out: the toolkit's constants are checked against these.
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -275,3 +276,41 @@ def test_pixel_model_matches_to_tensor_and_normalize(dataset):
         assert torch.equal(wrapper(batch.contiguous()), expected)
         assert torch.equal(wrapper(batch.float().div(255)), expected)  # [0,1] floats are taken as they are
     assert torch.equal(PixelModel(nn.Identity())(batch), batch.float().div(255))  # no normalisation
+
+
+def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
+    """A source is one function and one registration; its own statistics go inside the model."""
+    import in9_eval  # noqa: PLC0415
+    from tests.conftest import run_in_process  # noqa: PLC0415
+    from tools import cli, synthetic  # noqa: PLC0415
+    from tools.evaluate import evaluate_variations  # noqa: PLC0415
+    from tools.models import wrap  # noqa: PLC0415
+    from tools.runtime import Runtime  # noqa: PLC0415
+    from tools.sources import SOURCES, register_source  # noqa: PLC0415
+
+    stats = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    built = []
+
+    @register_source("toy:")
+    def toy(name, options):
+        built.append(name)
+        return wrap(synthetic.ColorEvidenceModel(9), 9, options.normalize, stats, "toy statistics", f"toy:{name}",
+                    None, None, None, "toy source")
+
+    try:
+        argv = ["--data-path", str(dataset.root), "--arch", "toy:colour", "--device", "cpu", "--eval-dataset",
+                "mixed_rand", "--output-dir", str(tmp_path / "o"), "--results-file", str(tmp_path / "r.json"),
+                "--no-progress", "--log-level", "WARNING"]
+        code, out, err = run_in_process(lambda a: cli.run_main(in9_eval.build_parser(), in9_eval.main, a), argv, capsys)
+    finally:
+        SOURCES.pop("toy:")
+    assert code == 0, err
+    assert built == ["colour"]
+    same_model = wrap(synthetic.ColorEvidenceModel(9), 9, Normalization.AUTO, stats, "toy statistics", None, None,
+                      None, None, "toy")
+    expected = evaluate_variations(same_model, Runtime(torch.device("cpu")), dataset.root, ["mixed_rand"], 16, 1,
+                                   progress=False)
+    assert out.splitlines()[0] == f"Accuracy on mixed_rand is {expected['mixed_rand'].accuracy:.2f}%"
+    import json  # noqa: PLC0415
+    provenance = json.loads((tmp_path / "r.json").read_text())["provenance"]
+    assert provenance["arch"] == "toy:colour" and provenance["normalization"].startswith("toy statistics (mean [0.5")

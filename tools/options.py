@@ -13,7 +13,9 @@ from tools.cli import add_log_level_argument
 from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
-from tools.models import DEFAULT_ARCH, TIMM_PREFIX, LoadedModel, load_model, program_kind
+from tools.checkpoints import program_kind
+from tools.models import DEFAULT_ARCH, LoadedModel, TIMM_PREFIX
+from tools.sources import load_model
 from tools.runtime import Precision, Runtime, resolve_device, seed_everything
 from tools.threads import default_workers
 

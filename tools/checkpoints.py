@@ -1,0 +1,278 @@
+"""Reading a checkpoint file into a classifier, strictly: no silent partial loads.
+
+Checkpoint formats, told apart by the file's contents, never by its name:
+- a TorchScript archive (`torch.jit.save`) or a `torch.export` program (`torch.export.save`, .pt2):
+  used as the classifier as it is;
+- a pickle read by `torch.load(weights_only=True)`: a state dict, directly or under `model`,
+  `state_dict` or `state_dict_ema` (that priority, or `--checkpoint-key`), with `module.` /
+  `_orig_mod.` wrapper prefixes, or the robustness library's layout (`normalizer.new_mean/new_std`,
+  `model.<arch keys>`, a duplicate `attacker.*` copy that is dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import re
+import warnings
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tools.errors import UserError
+from tools.models import DEFAULT_ARCH, build_architecture, classifier_keys
+from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
+
+log = logging.getLogger(__name__)
+
+STATE_DICT_KEYS = ("model", "state_dict", "state_dict_ema")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def program_kind(path: Path) -> str | None:
+    """"export" or "torchscript" when the file is such a program (read from its zip directory), else None."""
+    if not zipfile.is_zipfile(path):
+        return None
+    with zipfile.ZipFile(path) as zf:
+        names = zf.namelist()
+    if any(n.endswith("/archive_format") for n in names):
+        return "export"
+    if any(n.endswith("/constants.pkl") for n in names) and any("/code/" in n for n in names):
+        return "torchscript"
+    return None
+
+
+def _blocked_globals(path: Path, exc: Exception) -> list[str]:
+    """The globals a weights-only load refused: listed from a zip checkpoint, else read off the error."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # noqa: BLE001 (legacy, non-zip files: torch's message names the first one)
+        return re.findall(r"Unsupported global: GLOBAL (\S+)", str(exc))
+
+
+def _unpickling_problem(exc: Exception) -> str:
+    """The useful line of an unpickling error (torch wraps weights-only failures in paragraphs of advice)."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _torch_load(path: Path, trust: bool):
+    if trust:
+        log.warning("loading %s with full unpickling (--trust-checkpoint): only do this for files you trust", path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trust)
+    except pickle.UnpicklingError as exc:
+        blocked = [] if trust else _blocked_globals(path, exc)
+        if blocked:
+            raise UserError(f"checkpoint {path} needs arbitrary unpickling (blocked globals: {', '.join(blocked)}); "
+                            f"if you trust the file, rerun with --trust-checkpoint") from None
+        raise UserError(f"cannot read checkpoint {path}: it does not unpickle ({_unpickling_problem(exc)}); "
+                        f"is it a PyTorch file?") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise UserError(f"cannot read checkpoint {path}: {str(exc).splitlines()[0]}; is it a PyTorch file?") from None
+    except (ImportError, AttributeError) as exc:  # only with --trust-checkpoint: a class the file needs is missing
+        raise UserError(f"cannot unpickle checkpoint {path}: {exc}; install the code that defines its classes, "
+                        f"or save a state dict instead") from None
+
+
+def _is_tensor_dict(obj) -> bool:
+    return isinstance(obj, Mapping) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def _strip_prefixes(state: dict) -> dict:
+    """Remove wrapper prefixes that every key carries (DataParallel/DDP, torch.compile), repeatedly."""
+    changed = True
+    while changed and state:
+        changed = False
+        for prefix in WRAPPER_PREFIXES:
+            if all(k.startswith(prefix) for k in state):
+                state = {k[len(prefix):]: v for k, v in state.items()}
+                log.info("stripped the wrapper prefix %r from every key", prefix)
+                changed = True
+    return state
+
+
+@dataclass
+class CheckpointState:
+    state_dict: dict
+    layout: str
+    normalizer: tuple | None  # (mean, std) from the robustness library's normaliser
+
+
+def extract_state_dict(obj, key: str | None = None, ignore_normalizer: bool = False) -> CheckpointState:
+    """The model's state dict from a loaded checkpoint object, and its layout and normaliser if any.
+
+    ignore_normalizer: the statistics are given explicitly, so unreadable normaliser buffers are dropped."""
+    if isinstance(obj, nn.Module):
+        obj = obj.state_dict()
+    where = "the top level"
+    if key is not None:
+        if not isinstance(obj, Mapping) or key not in obj:
+            found = ", ".join(map(str, obj.keys())) if isinstance(obj, Mapping) else type(obj).__name__
+            raise UserError(f"--checkpoint-key {key!r} is not in the checkpoint (it has: {found})")
+        obj, where = obj[key], f"key {key!r}"
+    elif not _is_tensor_dict(obj) and isinstance(obj, Mapping):
+        for candidate in STATE_DICT_KEYS:
+            if candidate in obj and isinstance(obj[candidate], (Mapping, nn.Module)):
+                obj, where = obj[candidate], f"key {candidate!r}"
+                break
+    if isinstance(obj, nn.Module):
+        obj = obj.state_dict()
+    if not _is_tensor_dict(obj):
+        found = ", ".join(map(str, obj.keys())) if isinstance(obj, Mapping) else type(obj).__name__
+        raise UserError(f"found no state dict in the checkpoint (top-level keys: {found}); pass "
+                        f"--checkpoint-key with the key that holds the weights")
+    log.info("reading the state dict at %s", where)
+    state = _strip_prefixes(dict(obj))
+    normalizer = None
+    layout = f"state dict at {where}"
+    if any(k.startswith("normalizer.") for k in state) and any(k.startswith("model.") for k in state):
+        buffers = sorted(k for k in state if k.startswith("normalizer."))
+        if "normalizer.new_mean" in state and "normalizer.new_std" in state:
+            normalizer = (state.pop("normalizer.new_mean").flatten(), state.pop("normalizer.new_std").flatten())
+        elif not ignore_normalizer:
+            raise UserError(f"robustness-library checkpoint whose normaliser buffers are not normalizer.new_mean/"
+                            f"new_std (it has: {', '.join(buffers)}); pass --normalize imagenet, in9 or none to say "
+                            f"which statistics the model was trained with")
+        for k in buffers:
+            state.pop(k, None)
+        attacker = [k for k in state if k.startswith("attacker.")]
+        for k in attacker:
+            del state[k]
+        log.info("robustness-library layout: normaliser buffers read, %d duplicate attacker.* keys dropped",
+                 len(attacker))
+        rest = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        others = [k for k in state if not k.startswith("model.")]
+        if others:
+            raise UserError(f"unexpected keys in the robustness-library checkpoint: {', '.join(others[:8])}")
+        state = _strip_prefixes(rest)
+        layout = f"robustness library (at {where})"
+    return CheckpointState(state, layout, normalizer)
+
+
+def _key_list(keys, limit: int = 8) -> str:
+    keys = list(keys)
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def _check_fits(state: Mapping, expected: Mapping, what: str) -> None:
+    """Strict loading, checked first so that every problem is named (load_state_dict stops at a shape)."""
+    problems = []
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    mismatched = [f"{k} {tuple(state[k].shape)} (the architecture has {tuple(v.shape)})"
+                  for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    if missing:
+        problems.append(f"missing keys: {_key_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_key_list(unexpected)}")
+    if mismatched:
+        problems.append(f"shapes that differ: {_key_list(mismatched, limit=3)}")
+    if problems:
+        raise UserError(f"{what}: {'; '.join(problems)}")
+
+
+def check_class_count(num_classes: int, in9: bool | None, what: str) -> None:
+    if num_classes not in SUPPORTED_CLASS_COUNTS:
+        raise UserError(f"{what} has {num_classes} classes; the toolkit evaluates 9-class (IN-9) or 1000-class "
+                        f"(ImageNet) models")
+    if in9 is True and num_classes != NUM_IN9_CLASSES:
+        raise UserError(f"--in9 says a 9-class model, but {what} has {num_classes} classes; drop --in9 or pass "
+                        f"the 9-class checkpoint")
+    if in9 is False and num_classes != NUM_IMAGENET_CLASSES:
+        raise UserError(f"--no-in9 says a 1000-class ImageNet model, but {what} has {num_classes} classes; drop "
+                        f"--no-in9 or pass the ImageNet checkpoint")
+
+
+def _probe_classes(classifier: nn.Module, path: Path, kind: str) -> int:
+    """The class count, from a forward pass on a batch of 3 (which also finds programs fixed to one batch size)."""
+    try:
+        with torch.inference_mode():
+            out = classifier(torch.zeros(3, 3, IMAGE_SIZE, IMAGE_SIZE))
+    except Exception as exc:  # noqa: BLE001 (any failure of a foreign program is the user's file)
+        hint = ("; export it with a dynamic batch dimension (dynamic_shapes with torch.export.Dim) or save it as "
+                "TorchScript/state dict") if kind == "export" else ""
+        raise UserError(f"the model in {path} fails on a 3x3x{IMAGE_SIZE}x{IMAGE_SIZE} input: "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}{hint}") from None
+    if not isinstance(out, torch.Tensor) or out.ndim != 2:
+        raise UserError(f"the model in {path} does not return a (batch, classes) tensor of logits")
+    return int(out.shape[1])
+
+
+class ExportedModule(nn.Module):
+    """A torch.export program as a module. Its mode was fixed when it was exported and the program refuses
+    train()/eval(), so those set this wrapper's flag and do not reach into it."""
+
+    def __init__(self, program: nn.Module):
+        super().__init__()
+        self.program = program
+
+    def train(self, mode: bool = True) -> "ExportedModule":
+        self.training = mode
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.program(x)
+
+
+def _load_program(path: Path, kind: str) -> nn.Module:
+    try:
+        if kind == "torchscript":
+            with warnings.catch_warnings():  # TorchScript is deprecated upstream, yet users' files are TorchScript
+                warnings.simplefilter("ignore", FutureWarning)
+                return torch.jit.load(str(path), map_location="cpu")
+        return ExportedModule(torch.export.load(str(path)).module())
+    except Exception as exc:  # noqa: BLE001 (a broken archive is the user's file)
+        raise UserError(f"cannot load the {kind} program {path}: {str(exc).splitlines()[0]}") from None
+
+
+
+
+@dataclass
+class ReadCheckpoint:
+    """A classifier read from a checkpoint file, and what the file said about it."""
+
+    classifier: nn.Module
+    num_classes: int
+    arch: str | None  # None for a program, which carries its own
+    normalizer: tuple | None  # (mean, std) from the file, if it has them
+    layout: str
+
+
+def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: Normalization, trust: bool,
+                    checkpoint_key: str | None) -> ReadCheckpoint:
+    """The classifier in a checkpoint file, told apart by the file's contents: a TorchScript or export program
+    as it is, else a state dict loaded strictly into `arch` (default: resnet50)."""
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist; check --checkpoint")
+    kind = program_kind(path)
+    if kind is not None:
+        classifier = _load_program(path, kind)
+        if arch is not None:
+            log.warning("--arch %s is ignored: %s is a %s program, which carries its own architecture", arch, path,
+                        kind)
+        num_classes = _probe_classes(classifier, path, kind)
+        check_class_count(num_classes, in9, f"the model in {path}")
+        return ReadCheckpoint(classifier, num_classes, None, None,
+                              "TorchScript" if kind == "torchscript" else "torch.export")
+    arch = arch or DEFAULT_ARCH
+    state = extract_state_dict(_torch_load(path, trust), checkpoint_key,
+                               ignore_normalizer=normalize is not Normalization.AUTO)
+    keys = classifier_keys(arch)
+    present = [k for k in keys if k in state.state_dict]
+    if not present:
+        raise UserError(f"checkpoint {path} has no classifier keys of {arch} ({_key_list(keys)}); is --arch right?")
+    num_classes = int(state.state_dict[present[0]].shape[0])
+    check_class_count(num_classes, in9, f"checkpoint {path}")
+    classifier = build_architecture(arch, num_classes)
+    _check_fits(state.state_dict, classifier.state_dict(), f"checkpoint {path} does not fit --arch {arch}")
+    classifier.load_state_dict(state.state_dict, strict=True)
+    return ReadCheckpoint(classifier, num_classes, arch, state.normalizer, state.layout)

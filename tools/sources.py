@@ -1,0 +1,146 @@
+"""Where models come from: a registry of sources chosen by a name prefix.
+
+A source is one function `(name, options) -> LoadedModel`, registered with `@register_source("prefix:")`:
+`resnet50` (no prefix: a torchvision architecture with its pretrained weights), `timm:NAME`, and
+`file:PATH` (a checkpoint file; `--checkpoint PATH` is the same source). With `--checkpoint`, the
+architecture named by `--arch` is built and the file's weights loaded into it. Adding a source (CLIP
+zero-shot, a model hub) is one function and its registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import urllib.error
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tools import checkpoints
+from tools.errors import UserError
+from tools.hashing import sha256_file
+from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
+from tools.models import DEFAULT_ARCH, LoadedModel, TIMM_PREFIX, build_architecture, check_torchvision_architecture, close_matches, torchvision_module, wrap
+
+log = logging.getLogger(__name__)
+
+FILE_PREFIX = "file:"
+PUBLISHED_WEIGHTS = "IMAGENET1K_V1"  # the weights the paper's numbers used, where an architecture has them
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """What the command line says about the model besides its name."""
+
+    weights: str | None = None
+    checkpoint: Path | None = None
+    in9: bool | None = None
+    normalize: Normalization = Normalization.AUTO
+    trust: bool = False
+    checkpoint_key: str | None = None
+    arch: str | None = None  # the architecture a checkpoint's weights go into
+
+
+Source = Callable[[str, ModelOptions], LoadedModel]
+SOURCES: dict[str, Source] = {}
+
+
+def register_source(prefix: str) -> Callable[[Source], Source]:
+    """Register `fn(name, options) -> LoadedModel` for model names starting with `prefix` ("" for none)."""
+    def register(fn: Source) -> Source:
+        SOURCES[prefix] = fn
+        return fn
+    return register
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """(prefix, rest) of a model name, the prefix being a registered one ("" when none matches)."""
+    for prefix in sorted(SOURCES, key=len, reverse=True):
+        if prefix and name.startswith(prefix):
+            return prefix, name[len(prefix):]
+    return "", name
+
+
+def load_model(arch: str | None = None, weights: str | None = None, checkpoint: Path | str | None = None,
+               in9: bool | None = None, normalize: Normalization = Normalization.AUTO, trust: bool = False,
+               checkpoint_key: str | None = None) -> LoadedModel:
+    """The model the command line describes, wrapped to take pixels.
+
+    arch: a model name (default: resnet50); with `checkpoint`, the architecture its weights go into (a
+    TorchScript or export program carries its own). in9: True (--in9), False (--no-in9), or None to follow
+    the model's class count.
+    """
+    options = ModelOptions(weights, Path(checkpoint) if checkpoint is not None else None, in9, normalize, trust,
+                           checkpoint_key, arch)
+    if checkpoint is not None:
+        return SOURCES[FILE_PREFIX](str(checkpoint), options)
+    prefix, name = split_name(arch or DEFAULT_ARCH)
+    return SOURCES[prefix](name, options)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The sources
+
+def resolve_weights(arch: str, name: str | None):
+    """The torchvision weights enum member for `--weights` (default: the published IMAGENET1K_V1)."""
+    check_torchvision_architecture(arch)
+    tv = torchvision_module()
+    try:
+        enum = tv.models.get_model_weights(arch)
+    except (ValueError, KeyError):
+        raise UserError(f"architecture {arch!r} has no torchvision pretrained weights; pass --checkpoint") from None
+    members = [m for m in enum.__members__ if m != "DEFAULT"]
+    if name is None:
+        name = PUBLISHED_WEIGHTS if PUBLISHED_WEIGHTS in members else "DEFAULT"
+        log.info("using %s weights %s (the published numbers used IMAGENET1K_V1)", arch, name)
+    short = name.split(".")[-1]
+    if short != "DEFAULT" and short not in members:
+        raise UserError(f"unknown weights {name!r} for {arch}{close_matches(short, members)}; "
+                        f"valid: {', '.join(members + ['DEFAULT'])}")
+    return enum[short]
+
+
+def _download_weights(weights) -> tuple[dict, str]:
+    url = weights.url
+    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
+    try:
+        state = weights.get_state_dict(progress=True, check_hash=True)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+        raise UserError(f"cannot download {url} ({getattr(exc, 'reason', exc)}); offline, fetch that file "
+                        f"elsewhere and put it at {path} (set TORCH_HOME to move {path.parent.parent.parent})") from None
+    return state, str(path)
+
+
+@register_source("")
+def torchvision_pretrained(name: str, options: ModelOptions) -> LoadedModel:
+    """A torchvision architecture with its pretrained ImageNet weights (default: the published IMAGENET1K_V1)."""
+    if options.in9:
+        raise UserError("--in9 needs --checkpoint: there are no pretrained 9-class weights to download")
+    member = resolve_weights(name, options.weights)
+    classifier = build_architecture(name, NUM_IMAGENET_CLASSES)
+    state, source = _download_weights(member)
+    classifier.load_state_dict(state, strict=True)
+    checkpoints.check_class_count(NUM_IMAGENET_CLASSES, options.in9, f"{name} with its pretrained weights")
+    return wrap(classifier, NUM_IMAGENET_CLASSES, options.normalize, None, "", name,
+                f"{type(member).__name__}.{member.name}", source, sha256_file(source), "torchvision weights")
+
+
+@register_source(TIMM_PREFIX)
+def timm_pretrained(name: str, options: ModelOptions) -> LoadedModel:
+    raise UserError("pretrained timm weights are not downloaded by this toolkit; pass --checkpoint with the "
+                    "weights file of the timm model")
+
+
+@register_source(FILE_PREFIX)
+def checkpoint_file(path: str, options: ModelOptions) -> LoadedModel:
+    """A checkpoint file: a TorchScript or export program as it is, or a state dict loaded into --arch."""
+    if options.weights is not None:
+        raise UserError("--weights and --checkpoint both give the model's weights; pass one of them")
+    loaded = checkpoints.read_checkpoint(Path(path), options.arch, options.in9, options.normalize, options.trust,
+                                         options.checkpoint_key)
+    if options.in9 is None and loaded.num_classes == NUM_IN9_CLASSES:
+        log.info("the checkpoint has 9 classes: evaluating as an IN-9 model (as with --in9)")
+    return wrap(loaded.classifier, loaded.num_classes, options.normalize, loaded.normalizer,
+                "checkpoint normaliser", loaded.arch, None, str(path), sha256_file(path), loaded.layout)
