@@ -182,3 +182,24 @@ class DecodedCache:
             log.info("decoded data cached at %s", self.folder)
         except OSError as exc:
             log.warning("could not write the decoded-data cache at %s (%s); continuing without it", self.folder, exc)
+
+
+CACHE_VERSION = 3
+
+
+def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], fingerprint: dict,
+                  cache_dir: Path | None, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4,
+                  progress: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Named groups of images as uint8 (N, 3, H, W) tensors and the masks (`load_masks`), decoded once and
+    reused from `cache_dir` when the content fingerprint and the mask arithmetic match: the one place that
+    turns listed files into tensors for the challenge and for training."""
+    cache = DecodedCache(cache_dir, f"{fingerprint['sha256'][:24]}-{arithmetic.value}-v{CACHE_VERSION}",
+                         {"fingerprint": fingerprint, "mask_arithmetic": arithmetic.value, "groups": list(images)})
+    cached = cache.load([*images, "masks"])
+    if cached is not None:
+        return {name: torch.from_numpy(cached[name]) for name in images}, torch.from_numpy(cached["masks"])
+    mask_array = load_masks(root, masks, arithmetic)  # first: a refused mask stops the run before any decoding
+    decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}")
+               for name, relpaths in images.items()}
+    cache.save({**{name: tensor.numpy() for name, tensor in decoded.items()}, "masks": mask_array})
+    return decoded, torch.from_numpy(mask_array)

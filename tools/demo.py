@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from tools import synthetic
+from tools.in9 import IMAGE_SIZE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     synthetic.generate(data, per_class=args.per_class, seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.jit.save(torch.jit.trace(synthetic.ColorEvidenceModel(9).eval(), torch.zeros(1, 3, 224, 224)),
+        torch.jit.save(torch.jit.trace(synthetic.ColorEvidenceModel(9).eval(), torch.zeros(1, 3, IMAGE_SIZE, IMAGE_SIZE)),
                        str(model))
     common = ["--data-path", str(data), "--checkpoint", str(model), "--in9", "--device", "cpu",
               "--output-dir", str(args.out / "results"), "--log-level", "WARNING"]

@@ -15,8 +15,6 @@ from tools.data import quick_check
 from tools.hashing import fingerprint
 from tools.in9 import Variation
 
-CACHE_VERSION = 3
-
 
 @dataclass
 class ChallengeFiles:
@@ -69,19 +67,10 @@ def load_challenge_data(files: ChallengeFiles | Path, workers: int, cache_dir: P
     fingerprint (and the mask arithmetic) match."""
     if not isinstance(files, ChallengeFiles):
         files = list_challenge_files(files, workers)
-    root, fp = files.root, files.fingerprint
-    cache = datasets.DecodedCache(cache_dir, f"{fp['sha256'][:24]}-{arithmetic.value}-v{CACHE_VERSION}",
-                                  {"fingerprint": fp, "mask_arithmetic": arithmetic.value})
-    cached = cache.load(("fg", "bg", "masks"))
-    if cached is not None:
-        fg, bg, masks = (torch.from_numpy(cached[name]) for name in ("fg", "bg", "masks"))
-    else:
-        masks_np = datasets.load_masks(root, [r.mask_relpath for r in files.foregrounds], arithmetic)
-        fg = datasets.decode_images(root, [r.image_relpath for r in files.foregrounds], workers, progress,
-                                    "decoding foregrounds")
-        bg = datasets.decode_images(root, [r.relpath for r in files.backgrounds], workers, progress,
-                                    "decoding backgrounds")
-        masks = torch.from_numpy(masks_np)
-        cache.save({"fg": fg.numpy(), "bg": bg.numpy(), "masks": masks_np})
+    images, masks = datasets.decode_cached(
+        files.root, {"foregrounds": [r.image_relpath for r in files.foregrounds],
+                     "backgrounds": [r.relpath for r in files.backgrounds]},
+        [r.mask_relpath for r in files.foregrounds], files.fingerprint, cache_dir, arithmetic, workers, progress)
+    fg, bg = images["foregrounds"], images["backgrounds"]
     masks = byte_masks(masks) if arithmetic is MaskArithmetic.BINARY else masks.unsqueeze(1).contiguous()
-    return ChallengeData(files.foregrounds, files.backgrounds, fg, masks, bg, fp, arithmetic)
+    return ChallengeData(files.foregrounds, files.backgrounds, fg, masks, bg, files.fingerprint, arithmetic)
