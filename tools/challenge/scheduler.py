@@ -76,11 +76,35 @@ class Scheduler:
         return rate_class + 0.5 * rate_all[None, :]
 
     def new_round(self) -> bool:
-        """Plan the next round into the state; False when there is nothing left to test (or with --full)."""
+        """Close the round that ended (its statistics) and plan the next into the state; False when there is
+        nothing left to test (or with --full)."""
         if self.full:
             return False
+        self._commit_round()
         self.state.worklist, self.state.position = self._round_pairs(), 0
         return len(self.state.worklist) > 0
+
+    def _commit_round(self) -> None:
+        """Add the ended round to the per-class statistics the scores learn from, as if each foreground's pairs
+        had been tested one by one in rank order: every pair up to and including its first fooling one (all of
+        them when none fooled it). So the statistics, and the next rounds, depend on the round's plan and
+        outcomes alone, not on how pairs were batched or shared between processes."""
+        s = self.state
+        pairs = s.worklist.astype(np.int64)
+        if not len(pairs):
+            return
+        f, b = pairs[:, 0], pairs[:, 1]
+        order = np.argsort(f, kind="stable")  # each foreground's pairs, in rank order
+        position = np.empty(len(f), np.int64)
+        starts = np.r_[0, np.flatnonzero(np.diff(f[order])) + 1]
+        position[order] = np.arange(len(f)) - np.repeat(starts, np.diff(np.r_[starts, len(f)]))
+        fooled_here = (s.verdict[f] == VULNERABLE) & (s.fool_bg[f] == b)
+        cutoff = np.full(self.n_fg, np.iinfo(np.int64).max)
+        cutoff[f[fooled_here]] = position[fooled_here]
+        counted = position <= cutoff[f]
+        labels = self.fg_labels[f]
+        np.add.at(s.trials, (labels[counted], b[counted]), 1)
+        np.add.at(s.successes, (labels[fooled_here], b[fooled_here]), 1)
 
     def _round_pairs(self) -> np.ndarray:
         """The next round's pairs: each open foreground's next k untested eligible backgrounds, rank-major."""
@@ -145,8 +169,6 @@ class Scheduler:
             fooled = (preds == self.bg_labels[b]) & (self.bg_labels[b] != labels)
         s.tested[f, b] = True
         s.evaluated += len(pairs)
-        np.add.at(s.trials, (labels, b), 1)
-        np.add.at(s.successes, (labels[fooled], b[fooled]), 1)
         if margins is not None:
             open_rows = s.verdict[f] == UNKNOWN
             np.minimum.at(s.min_margin, f[open_rows & ~fooled], margins[open_rows & ~fooled])

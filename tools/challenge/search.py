@@ -21,6 +21,8 @@ from tools.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
+STATE_FORMAT = "state-2"  # statistics closed per round (a state saved by an earlier version is not resumed)
+
 
 class Search:
     """The loop: batches from a `Scheduler`, predicted by a `CompositePredictor` one batch ahead (so the
@@ -82,7 +84,7 @@ class Search:
 
 
 def _run_key(data: ChallengeData, loaded: LoadedModel, runtime: Runtime, config: ChallengeConfig) -> str:
-    parts = [data.fingerprint["sha256"], data.arithmetic.value, loaded.sha256 or "", loaded.normalization,
+    parts = [STATE_FORMAT, data.fingerprint["sha256"], data.arithmetic.value, loaded.sha256 or "", loaded.normalization,
              runtime.precision.value, config.criterion.value, str(config.full), str(config.first_k),
              str(config.recheck_margin)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()

@@ -24,8 +24,9 @@ class SearchState:
     fool_pred: np.ndarray  # int64 (F,): the prediction it caused
     min_margin: np.ndarray  # float32 (F,): smallest top-two margin a verdict rests on (reduced precision)
     tested: np.ndarray  # bool (F, B)
-    successes: np.ndarray  # int64 (9, B): fooling composites per foreground class and background
-    trials: np.ndarray  # int64 (9, B)
+    # per foreground class and background, over the rounds closed so far (Scheduler._commit_round):
+    successes: np.ndarray  # int64 (9, B): foregrounds fooled first by the background
+    trials: np.ndarray  # int64 (9, B): pairs tested up to each foreground's first fooling one
     bg_pred: np.ndarray  # int64 (B,): the model's prediction on each background alone
     worklist: np.ndarray  # int32 (N, 2): this round's pairs, rank-major (empty in --full mode)
     position: int = 0  # next worklist entry to batch
