@@ -34,6 +34,7 @@ from tools.in9 import (IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPOR
 log = logging.getLogger(__name__)
 
 TIMM_PREFIX = "timm:"
+CLIP_PREFIX = "clip:"
 STATE_DICT_KEYS = ("model", "state_dict", "state_dict_ema")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 PUBLISHED_WEIGHTS = "IMAGENET1K_V1"  # the weights the paper's numbers used, where an architecture has them
@@ -358,13 +359,30 @@ def _load_program(path: Path, kind: str) -> nn.Module:
         raise UserError(f"cannot load the {kind} program {path}: {str(exc).splitlines()[0]}") from None
 
 
-def load_model(arch: str = "resnet50", weights: str | None = None, checkpoint: Path | str | None = None,
+def _recorded_arch(obj, path: Path) -> str:
+    """The architecture a checkpoint records under its "arch" key."""
+    arch = obj.get("arch") if isinstance(obj, Mapping) else None
+    if not isinstance(arch, str) or not arch:
+        raise UserError(f"checkpoint {path} does not record its architecture; name it (--arch NAME, or NAME@file:PATH "
+                        f"in the zoo)")
+    log.info("architecture %s, as the checkpoint records", arch)
+    return arch
+
+
+def load_model(arch: str | None = "resnet50", weights: str | None = None, checkpoint: Path | str | None = None,
                in9: bool | None = None, normalize: Normalization = Normalization.AUTO, trust: bool = False,
                checkpoint_key: str | None = None) -> LoadedModel:
     """Build the classifier the command line describes, wrapped to take pixels. Strict: no silent partial loads.
 
-    in9: True (--in9), or None to follow the checkpoint's class count.
+    in9: True (--in9), or None to follow the checkpoint's class count. arch None: the architecture the
+    checkpoint records under "arch" (TorchScript and torch.export files need none).
     """
+    if arch is not None and arch.startswith(CLIP_PREFIX):  # a zero-shot source of its own (tools.clip_zero_shot)
+        if checkpoint is not None or weights is not None or normalize is not Normalization.AUTO:
+            raise UserError(f"--arch {arch} takes its weights and normalisation from open_clip: drop --checkpoint, "
+                            f"--weights and --normalize")
+        from tools.clip_zero_shot import load_clip  # noqa: PLC0415 (needs the optional open_clip_torch)
+        return load_clip(arch[len(CLIP_PREFIX):])
     normalizer = None
     if checkpoint is not None:
         path = Path(checkpoint)
@@ -379,7 +397,9 @@ def load_model(arch: str = "resnet50", weights: str | None = None, checkpoint: P
             _check_class_count(num_classes, in9, f"the model in {path}")
             layout, arch_name = ("TorchScript" if kind == "torchscript" else "torch.export"), None
         else:
-            state = extract_state_dict(_torch_load(path, trust), checkpoint_key)
+            obj = _torch_load(path, trust)
+            arch = arch or _recorded_arch(obj, path)
+            state = extract_state_dict(obj, checkpoint_key)
             layout, normalizer, arch_name = state.layout, state.normalizer, arch
             keys = _classifier_keys(arch)
             present = [k for k in keys if k in state.state_dict]
@@ -395,6 +415,8 @@ def load_model(arch: str = "resnet50", weights: str | None = None, checkpoint: P
     else:
         if in9:
             raise UserError("--in9 needs --checkpoint: there are no pretrained 9-class weights to download")
+        if arch is None:
+            raise UserError("no architecture given: pass --arch NAME")
         member = resolve_weights(arch, weights)
         classifier = build_architecture(arch, NUM_IMAGENET_CLASSES)
         state, source = _download_weights(member)
