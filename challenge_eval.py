@@ -6,7 +6,6 @@ Prints the original challenge_eval.py's summary lines; the verdicts equal an exh
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -14,24 +13,15 @@ from tools import cli
 from tools.analysis import summary_lines, write_analysis
 from tools.errors import UserError
 from tools.report import write_report
-from tools.challenge import ChallengeConfig, Criterion, run_challenge
+from tools.challenge import run_challenge
 from tools.provenance import write_json_atomic
-from tools.runtime import default_batch_size
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "bg-challenge-toolkit"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_common_arguments(parser)
     group = parser.add_argument_group("challenge")
-    group.add_argument("--criterion", type=Criterion, choices=list(Criterion), default=Criterion.ANY,
-                       metavar="{" + ",".join(c.value for c in Criterion) + "}",
-                       help="any: some background changes the prediction (the leaderboard's); bg-class: some "
-                            "background of another class makes the model predict that class (default: any)")
+    cli.add_search_arguments(group)
     group.add_argument("--full", action="store_true",
                        help="no early exit: evaluate every pair and save the foreground x background prediction "
                             "matrix under --output-dir (default: off)")
@@ -45,15 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--per-foreground-csv", type=Path, default=None, metavar="PATH",
                        help="one row per foreground: stem, class, vulnerable, first fooling background found, the "
                             "prediction it caused (default: none)")
-    group.add_argument("--compile", action="store_true", help="torch.compile the model (default: off)")
-    group.add_argument("--recheck-margin", type=float, default=None, metavar="M",
-                       help="in bf16/fp16/tf32, re-run in fp32 every composite whose top-two logit margin is below "
-                            "M, so the verdicts are fp32's (default: 1.0 in reduced precision; 0 turns it off)")
-    group.add_argument("--cache-dir", type=Path, default=default_cache_dir(), metavar="DIR",
-                       help=f"decoded-data cache, keyed by the data fingerprint (default: {default_cache_dir()})")
-    group.add_argument("--no-cache", action="store_true", help="neither read nor write the decoded-data cache")
-    group.add_argument("--save-every", type=float, default=5.0, metavar="SECONDS",
-                       help="seconds between saves of the search state (default: 5)")
     return parser
 
 
@@ -64,12 +45,9 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"--top-k must be at least 1, not {args.top_k}")
     runtime = cli.runtime_from_args(args, compile=args.compile)
     loaded = cli.model_from_args(args)
-    recheck = args.recheck_margin if args.recheck_margin is not None else (0.0 if runtime.exact else 1.0)
-    config = ChallengeConfig(criterion=args.criterion, full=args.full,
-                             batch_size=args.batch_size or default_batch_size(runtime.device),
-                             save_every=args.save_every, recheck_margin=recheck, progress=not args.no_progress)
+    config = cli.challenge_config_from_args(args, runtime, full=args.full)
     result = run_challenge(loaded, runtime, args.data_path, config, args.output_dir, args.resume, args.workers,
-                           None if args.no_cache else args.cache_dir)
+                           cli.cache_dir_from_args(args))
     print("\n".join(result.lines()))
     analysis = None
     if args.full:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -11,7 +12,7 @@ from typing import Callable
 from tools.errors import UserError
 from tools.in9 import Normalization
 from tools.models import LoadedModel, load_model
-from tools.runtime import Precision, Runtime, default_workers, resolve_device, seed_everything
+from tools.runtime import Precision, Runtime, default_batch_size, default_workers, resolve_device, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -21,14 +22,24 @@ EXIT_INTERRUPTED = 130
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Data, model, device and output flags, the same names in both scripts."""
-    data = parser.add_argument_group("data")
-    data.add_argument("--data-path", type=Path, required=True, metavar="DIR",
-                      help="folder holding original/, only_fg/, ..., fg_mask/ (the release's bg_challenge/)")
+    add_data_arguments(parser)
+    add_model_arguments(parser)
+    add_running_arguments(parser)
+    add_output_arguments(parser)
 
+
+def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    data = parser.add_argument_group("data")
+    data.add_argument("--data-path", type=Path, required=required, default=None, metavar="DIR",
+                      help="folder holding original/, only_fg/, ..., fg_mask/ (the release's bg_challenge/)"
+                           + ("" if required else " (default: none)"))
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--arch", default="resnet50", metavar="NAME",
-                       help="torchvision classification builder name, or timm:NAME with timm installed "
-                            "(default: resnet50)")
+                       help="torchvision classification builder name, timm:NAME with timm installed, or "
+                            "clip:ARCH/PRETRAINED (CLIP zero-shot) with open_clip_torch installed (default: resnet50)")
     model.add_argument("--weights", default=None, metavar="NAME",
                        help="torchvision weights name such as IMAGENET1K_V2 (default: IMAGENET1K_V1, the weights "
                             "the published numbers used, where the architecture has them; else DEFAULT)")
@@ -43,9 +54,15 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="{" + ",".join(n.value for n in Normalization) + "}",
                        help="normalisation inside the model: auto uses the checkpoint's normaliser buffers, else "
                             "ImageNet statistics for 1000 classes and IN-9 statistics for 9 (default: auto)")
-    model.add_argument("--trust-checkpoint", action="store_true",
+    add_trust_argument(model)
+
+
+def add_trust_argument(group) -> None:
+    group.add_argument("--trust-checkpoint", action="store_true",
                        help="allow full unpickling of a checkpoint you trust (default: off, weights_only loading)")
 
+
+def add_running_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("running")
     run.add_argument("--batch-size", type=int, default=None, metavar="N",
                      help="images per forward pass (default: 256 on a GPU, 16 on the CPU, where smaller batches stay in cache; halved on out-of-memory)")
@@ -59,7 +76,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                           "(default: fp32)")
     run.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
     run.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    run.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
 
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--results-file", type=Path, default=None, metavar="PATH",
                      help="write the results and their provenance as JSON (default: none)")
@@ -67,8 +87,43 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                      help="where progress state (for --resume) and larger outputs go (default: bg_results)")
     out.add_argument("--resume", action="store_true",
                      help="continue an interrupted run from the state in --output-dir (default: start afresh)")
-    out.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
     add_log_level_argument(out)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "bg-challenge-toolkit"
+
+
+def add_search_arguments(group) -> None:
+    """The challenge search's flags (challenge_eval.py and the zoo)."""
+    from tools.challenge import Criterion  # noqa: PLC0415 (tools.challenge imports tools.data, which imports cli)
+    group.add_argument("--criterion", type=Criterion, choices=list(Criterion), default=Criterion.ANY,
+                       metavar="{" + ",".join(c.value for c in Criterion) + "}",
+                       help="any: some background changes the prediction (the leaderboard's); bg-class: some "
+                            "background of another class makes the model predict that class (default: any)")
+    group.add_argument("--compile", action="store_true", help="torch.compile the model (default: off)")
+    group.add_argument("--recheck-margin", type=float, default=None, metavar="M",
+                       help="in bf16/fp16/tf32, re-run in fp32 every composite whose top-two logit margin is below "
+                            "M, so the verdicts are fp32's (default: 1.0 in reduced precision; 0 turns it off)")
+    group.add_argument("--cache-dir", type=Path, default=default_cache_dir(), metavar="DIR",
+                       help=f"decoded-data cache, keyed by the data fingerprint (default: {default_cache_dir()})")
+    group.add_argument("--no-cache", action="store_true", help="neither read nor write the decoded-data cache")
+    group.add_argument("--save-every", type=float, default=5.0, metavar="SECONDS",
+                       help="seconds between saves of the search state (default: 5)")
+
+
+def challenge_config_from_args(args: argparse.Namespace, runtime: Runtime, full: bool = False):
+    """The ChallengeConfig the search flags describe."""
+    from tools.challenge import ChallengeConfig  # noqa: PLC0415 (see add_search_arguments)
+    recheck = args.recheck_margin if args.recheck_margin is not None else (0.0 if runtime.exact else 1.0)
+    return ChallengeConfig(criterion=args.criterion, full=full,
+                           batch_size=args.batch_size or default_batch_size(runtime.device),
+                           save_every=args.save_every, recheck_margin=recheck, progress=not args.no_progress)
+
+
+def cache_dir_from_args(args: argparse.Namespace) -> Path | None:
+    return None if args.no_cache else args.cache_dir
 
 
 def add_log_level_argument(parser) -> None:

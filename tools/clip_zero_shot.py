@@ -110,14 +110,24 @@ def _state_digest(module: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def _quiet(logger_name: str):
+def _quiet(logger_name: str | None = None, level: int = logging.ERROR):
+    """Messages below `level` from a logger are dropped for a while (open_clip logs its steps on the root
+    logger at INFO; huggingface_hub logs each retry of a failing download)."""
+    if logger_name is None:  # the root logger: its records come from open_clip's module-level logging calls
+        previous = logging.root.manager.disable
+        logging.disable(level - 1)
+        try:
+            yield
+        finally:
+            logging.disable(previous)
+        return
     logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    previous = logger.level
+    logger.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(previous)
 
 
 def _create(open_clip, arch: str, pretrained: str | None) -> tuple[nn.Module, str | None]:
@@ -159,12 +169,14 @@ def load_clip(spec: str, templates: str = "openai") -> LoadedModel:
     sets = template_sets()
     if templates not in sets:
         raise UserError(f"unknown prompt template set {templates!r}; valid: {', '.join(sets)}")
-    clip_model, weights_file = _create(open_clip, arch, pretrained)
+    with _quiet(level=logging.WARNING):
+        clip_model, weights_file = _create(open_clip, arch, pretrained)
+        tokenizer = open_clip.get_tokenizer(arch)
     clip_model.eval()
     names = class_names()
     log.info("building the zero-shot head of clip:%s from %d prompts (%s templates)", spec,
              len(names) * len(sets[templates]), templates)
-    head = zero_shot_head(clip_model, open_clip.get_tokenizer(arch), names, sets[templates])
+    head = zero_shot_head(clip_model, tokenizer, names, sets[templates])
     preprocess = open_clip.get_model_preprocess_cfg(clip_model)
     image_size = _image_size(preprocess.get("size", IMAGE_SIZE))
     if image_size != (IMAGE_SIZE, IMAGE_SIZE):
