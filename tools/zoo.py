@@ -252,7 +252,7 @@ def _outcome_line(outcome: Outcome) -> str:
             f"challenge accuracy {s['challenge_accuracy']:.2f}%")
 
 
-def main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace) -> int:
     if args.leaderboard_only is not None:
         rows = build_leaderboard(args.leaderboard_only, not args.no_published)
         print(f"Leaderboard of {len(rows)} rows: {Path(args.leaderboard_only) / MARKDOWN_FILE}")
@@ -275,6 +275,10 @@ def main(args: argparse.Namespace) -> int:
     return EXIT_SOME_FAILED if failed else 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    return cli.run_main(build_parser(), _main, argv, on_interrupt="rerun the same command: finished models are "
+                                                                  "skipped and the current one resumes")
+
+
 if __name__ == "__main__":
-    sys.exit(cli.run_main(build_parser(), main, on_interrupt="rerun the same command: finished models are "
-                                                              "skipped and the current one resumes"))
+    sys.exit(main())
