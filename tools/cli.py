@@ -108,7 +108,7 @@ def add_search_arguments(group) -> None:
                             "M, so the verdicts are fp32's (default: 1.0 in reduced precision; 0 turns it off)")
     group.add_argument("--cache-dir", type=Path, default=default_cache_dir(), metavar="DIR",
                        help=f"decoded-data cache, keyed by the data fingerprint (default: {default_cache_dir()})")
-    group.add_argument("--no-cache", action="store_true", help="neither read nor write the decoded-data cache")
+    group.add_argument("--no-cache", action="store_true", help="neither read nor write the decoded-data cache (default: off)")
     group.add_argument("--save-every", type=float, default=5.0, metavar="SECONDS",
                        help="seconds between saves of the search state (default: 5)")
 

@@ -12,7 +12,8 @@ Model specs:
 
 Each model writes OUTPUT/models/<name>.json when both of its runs are done; a model whose file exists
 is skipped. Its runs keep their resumable state in OUTPUT/runs/<name>/. A model that fails is reported
-in one line and the others go on; the exit code is 0 when all succeeded, 1 when some failed.
+in one line and the others go on; the exit code is 0 when all succeeded, 1 when some failed, 2 for bad
+input to the command itself.
 """
 
 from __future__ import annotations
