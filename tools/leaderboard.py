@@ -20,7 +20,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from tools.analysis import _font
+from tools.analysis import default_font
 from tools.errors import UserError
 from tools.in9 import Variation
 
@@ -47,6 +47,7 @@ class Row:
     kind: str  # measured or published
     reference: str | None = None  # where a published row is quoted from
     data_sha256: str | None = None  # the data fingerprint a measured row was computed on
+    criterion: str | None = "any"  # the challenge's criterion
 
 
 COLUMNS = [f.name for f in fields(Row)]
@@ -69,7 +70,8 @@ def measured_row(payload: dict) -> Row:
     data = (in9.get("provenance") or challenge.get("provenance") or {}).get("data") or {}
     return Row(payload["model"], payload["source"], payload.get("weights"), _accuracy(in9, Variation.ORIGINAL),
                _accuracy(in9, Variation.MIXED_SAME), _accuracy(in9, Variation.MIXED_RAND), in9.get("bg_gap"),
-               challenge.get("challenge_accuracy"), provenance_hash(payload), MEASURED, None, data.get("sha256"))
+               challenge.get("challenge_accuracy"), provenance_hash(payload), MEASURED, None, data.get("sha256"),
+               challenge.get("criterion"))
 
 
 def published_rows() -> list[Row]:
@@ -113,8 +115,7 @@ def _number(value) -> str:
 
 def render_markdown(rows: list[Row]) -> str:
     out = ["# Backgrounds Challenge leaderboard", "",
-           "Accuracies in percent on the IN-9 variations and the challenge (`any` criterion unless the results "
-           "say otherwise); BG-gap = mixed_same − mixed_rand in points. Sorted by challenge accuracy; rows "
+           "Accuracies in percent on the IN-9 variations and the challenge (`any` criterion); BG-gap = mixed_same − mixed_rand in points. Sorted by challenge accuracy; rows "
            "without a challenge number come last. **published** rows are quoted from their sources, "
            "**measured** rows were computed by this toolkit (provenance: a hash of the results file's "
            "provenance).", "",
@@ -132,6 +133,10 @@ def render_markdown(rows: list[Row]) -> str:
         out += ["", "Measured on data with SHA-256 fingerprint " + ", ".join(f"`{f}`" for f in fingerprints) + "."]
         if len(fingerprints) > 1:
             out.append("**The measured rows come from different data: they are not comparable.**")
+    others = sorted({row.criterion for row in rows if row.criterion not in (None, "any")})
+    if others:
+        out += ["", f"**Some measured rows use the challenge criterion {', '.join(others)}, not `any`: their challenge "
+                f"accuracy is not comparable** (see the `criterion` column of {CSV_FILE})."]
     out += ["", f"![BG-gap against challenge accuracy]({PLOT_FILE})", ""]
     return "\n".join(out)
 
@@ -177,17 +182,30 @@ def _marker(draw: ImageDraw.ImageDraw, x: float, y: float, kind: str) -> None:
     shape([x - 5, y - 5, x + 5, y + 5], fill=COLORS[kind])
 
 
-def _free_label_box(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str,
-                    taken: list) -> tuple[float, float]:
-    """Where to put a label near `at` so that it overlaps no earlier label: moved down in steps if need be."""
-    x, y = at
+def _text_box(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str) -> tuple:
+    """The (x, y) to draw `text` at so that its box sits at `at` as `anchor` says (l/m/r then t/m/b, like
+    Pillow's anchors, which bitmap fonts lack), and that box."""
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    w, h = right - left, bottom - top
+    x = at[0] - {"l": 0, "m": w / 2, "r": w}[anchor[0]] - left
+    y = at[1] - {"t": 0, "m": h / 2, "b": h}[anchor[1]] - top
+    return (x, y), (x + left, y + top, x + right, y + bottom)
+
+
+def _text(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str) -> None:
+    draw.text(_text_box(draw, at, text, font, anchor)[0], text, font=font, fill=TEXT)
+
+
+def _free_label_position(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str,
+                         taken: list) -> tuple[float, float]:
+    """Where to draw a label near `at` so that it overlaps no earlier label: moved up or down in steps if need be."""
     for step in range(12):
-        candidate = y + 14 * ((step + 1) // 2) * (1 if step % 2 else -1)
-        box = draw.textbbox((x, candidate), text, font=font, anchor=anchor)
+        shifted = (at[0], at[1] + 14 * ((step + 1) // 2) * (1 if step % 2 else -1))
+        position, box = _text_box(draw, shifted, text, font, anchor)
         if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in taken):
             break
     taken.append(box)
-    return x, candidate
+    return position
 
 
 def draw_plot(rows: list[Row], path: Path | str) -> list[Row]:
@@ -197,7 +215,7 @@ def draw_plot(rows: list[Row], path: Path | str) -> list[Row]:
     left, top, right, bottom = MARGIN
     canvas = Image.new("RGB", PLOT_SIZE, "white")
     draw = ImageDraw.Draw(canvas)
-    font, small = _font(14), _font(12)
+    font, small = default_font(14), default_font(12)
     xs = [r.bg_gap for r in points] or [0.0, 10.0]
     ys = [r.challenge_accuracy for r in points] or [0.0, 100.0]
     x_ticks = nice_ticks(min(0.0, min(xs)), max(xs))
@@ -211,18 +229,16 @@ def draw_plot(rows: list[Row], path: Path | str) -> list[Row]:
     for x in x_ticks:
         px, _ = to_pixel(x, y0)
         draw.line([(px, top), (px, height - bottom)], fill=GRID)
-        draw.text((px, height - bottom + 6), f"{x:g}", font=small, fill=TEXT, anchor="mt")
+        _text(draw, (px, height - bottom + 6), f"{x:g}", small, "mt")
     for y in y_ticks:
         _, py = to_pixel(x0, y)
         draw.line([(left, py), (width - right, py)], fill=GRID)
-        draw.text((left - 6, py), f"{y:g}", font=small, fill=TEXT, anchor="rm")
+        _text(draw, (left - 6, py), f"{y:g}", small, "rm")
     draw.rectangle([left, top, width - right, height - bottom], outline=AXIS)
-    draw.text(((left + width - right) / 2, height - 22), "BG-gap (mixed_same - mixed_rand, points)", font=font,
-              fill=TEXT, anchor="mm")
-    draw.text((width / 2, 20), "Backgrounds Challenge: BG-gap against challenge accuracy", font=font, fill=TEXT,
-              anchor="mm")
+    _text(draw, ((left + width - right) / 2, height - 22), "BG-gap (mixed_same - mixed_rand, points)", font, "mm")
+    _text(draw, (width / 2, 20), "Backgrounds Challenge: BG-gap against challenge accuracy", font, "mm")
     label = Image.new("RGB", (height - top - bottom, 20), "white")
-    ImageDraw.Draw(label).text((label.width / 2, 10), "challenge accuracy (%)", font=font, fill=TEXT, anchor="mm")
+    _text(ImageDraw.Draw(label), (label.width / 2, 10), "challenge accuracy (%)", font, "mm")
     rotated = label.rotate(90, expand=True)
     canvas.paste(rotated, (8, top))
     taken: list[tuple[float, float, float, float]] = []
@@ -230,13 +246,14 @@ def draw_plot(rows: list[Row], path: Path | str) -> list[Row]:
         px, py = to_pixel(row.bg_gap, row.challenge_accuracy)
         _marker(draw, px, py, row.kind)
         anchor = "rm" if px > width - right - 200 else "lm"
-        box = _free_label_box(draw, (px - 9 if anchor == "rm" else px + 9, py), row.model[:40], small, anchor, taken)
-        draw.text(box[:2], row.model[:40], font=small, fill=TEXT, anchor=anchor)
+        position = _free_label_position(draw, (px - 9 if anchor == "rm" else px + 9, py), row.model[:40], small,
+                                        anchor, taken)
+        draw.text(position, row.model[:40], font=small, fill=TEXT)
     legend_x = left + 12
     for i, kind in enumerate((MEASURED, PUBLISHED)):
         ly = top + 14 + 18 * i
         _marker(draw, legend_x + 5, ly, kind)
-        draw.text((legend_x + 16, ly), kind, font=small, fill=TEXT, anchor="lm")
+        _text(draw, (legend_x + 16, ly), kind, small, "lm")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     canvas.save(path, format="PNG")
