@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     runtime = options.runtime_from_args(args)
+    options.preload_model_libraries(args.arch, args.checkpoint)  # imports while the data is checked
     names = list(VARIATIONS if args.eval_dataset == "all" else (args.eval_dataset,))
     if args.categories:
         names += [v for v in CATEGORY_VARIATIONS.values() if v not in names]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 
@@ -54,3 +55,20 @@ def run_in_process(main, argv, capsys):
         root.setLevel(level)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+TINY_CLIP = "bgc-tiny-clip"
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tmp_path_factory):
+    """A tiny open_clip architecture registered under TINY_CLIP (32x32 images, so the 224x224 inputs are
+    resized inside the model); the spec of its random initialisation. Skips without open_clip_torch."""
+    open_clip = pytest.importorskip("open_clip")
+    config = {"embed_dim": 16,
+              "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
+              "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+    path = tmp_path_factory.mktemp("clip") / f"{TINY_CLIP}.json"
+    path.write_text(json.dumps(config))
+    open_clip.add_model_config(path)
+    return f"clip:{TINY_CLIP}/none"

@@ -290,7 +290,8 @@ TEXT = (20, 20, 20)
 MUTED = (100, 100, 100)
 
 
-def _font(size: int):
+def default_font(size: int):
+    """Pillow's default font at `size` points (the bitmap font on old Pillow)."""
     try:
         return ImageFont.load_default(size=size)
     except TypeError:  # Pillow before 10.1 has one fixed-size bitmap font
@@ -321,7 +322,7 @@ def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str
     layout = FigureLayout(rows=len(names), cols=k)
     canvas = Image.new("RGB", layout.size, CANVAS)
     draw = ImageDraw.Draw(canvas)
-    title_font, name_font, small_font = _font(17), _font(16), _font(13)
+    title_font, name_font, small_font = default_font(17), default_font(16), default_font(13)
     draw.text((layout.margin, layout.margin - 2), f"Top-{k} backgrounds per class by attack success rate (ASR)",
               font=title_font, fill=TEXT)
     draw.text((layout.margin, layout.margin + 19), "ASR: share of other classes' foregrounds predicted as the row's "

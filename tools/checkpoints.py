@@ -236,6 +236,18 @@ def _load_program(path: Path, kind: str) -> nn.Module:
 
 
 
+def _architecture(obj, arch: str | None, path: Path) -> str:
+    """--arch, else the architecture the checkpoint records under "arch" (train.py and the zoo write it), else
+    resnet50; a recorded one that --arch contradicts is an error."""
+    recorded = obj.get("arch") if isinstance(obj, Mapping) and isinstance(obj.get("arch"), str) else None
+    if arch is not None and recorded is not None and arch != recorded:
+        raise UserError(f"--arch {arch} contradicts checkpoint {path}, which records architecture {recorded}; drop "
+                        f"--arch or pass the right checkpoint")
+    if arch is None and recorded is not None:
+        log.info("architecture %s, as the checkpoint records", recorded)
+    return arch or recorded or DEFAULT_ARCH
+
+
 @dataclass
 class ReadCheckpoint:
     """A classifier read from a checkpoint file, and what the file said about it."""
@@ -263,13 +275,16 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
         check_class_count(num_classes, in9, f"the model in {path}")
         return ReadCheckpoint(classifier, num_classes, None, None,
                               "TorchScript" if kind == "torchscript" else "torch.export")
-    arch = arch or DEFAULT_ARCH
-    state = extract_state_dict(_torch_load(path, trust), checkpoint_key,
-                               ignore_normalizer=normalize is not Normalization.AUTO)
+    obj = _torch_load(path, trust)
+    named = arch is not None or (isinstance(obj, Mapping) and isinstance(obj.get("arch"), str))
+    arch = _architecture(obj, arch, path)
+    state = extract_state_dict(obj, checkpoint_key, ignore_normalizer=normalize is not Normalization.AUTO)
     keys = classifier_keys(arch)
     present = [k for k in keys if k in state.state_dict]
     if not present:
-        raise UserError(f"checkpoint {path} has no classifier keys of {arch} ({_key_list(keys)}); is --arch right?")
+        hint = ("is --arch right?" if named else "the checkpoint does not record its architecture, so resnet50 was "
+                "tried; name it with --arch NAME (NAME@file:PATH in the zoo)")
+        raise UserError(f"checkpoint {path} has no classifier keys of {arch} ({_key_list(keys)}); {hint}")
     num_classes = int(state.state_dict[present[0]].shape[0])
     check_class_count(num_classes, in9, f"checkpoint {path}")
     classifier = build_architecture(arch, num_classes)

@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import threading
 from pathlib import Path
 
+from tools.challenge import ChallengeConfig, Criterion
 from tools.cli import add_log_level_argument
+from tools.compositing import MaskArithmetic
 from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
@@ -23,16 +26,27 @@ log = logging.getLogger(__name__)
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """Data, model, device and output flags, the same names in both scripts."""
+    """Data, model, device and output flags, the same names in both scripts (and the zoo)."""
+    add_data_arguments(parser)
+    add_model_arguments(parser)
+    add_running_arguments(parser)
+    add_output_arguments(parser)
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", type=Path, default=None, metavar="DIR",
                       help=f"folder holding original/, only_fg/, ..., fg_mask/ (the release's bg_challenge/) "
                            f"(default: ${DATA_ENV} if set, else {DEFAULT_DATA_ROOT})")
 
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--arch", default=None, metavar="NAME",
-                       help=f"torchvision classification builder name, or timm:NAME with timm installed; a "
-                            f"TorchScript or export checkpoint carries its own (default: {DEFAULT_ARCH})")
+                       help=f"torchvision classification builder name, timm:NAME with timm installed, or "
+                            f"clip:ARCH/PRETRAINED (CLIP zero-shot) with open_clip_torch installed; a TorchScript or "
+                            f"export checkpoint carries its own, and so does one written by train.py "
+                            f"(default: {DEFAULT_ARCH})")
     model.add_argument("--weights", default=None, metavar="NAME",
                        help="torchvision weights name such as IMAGENET1K_V2 (default: IMAGENET1K_V1, the weights "
                             "the published numbers used, where the architecture has them; else DEFAULT)")
@@ -48,9 +62,15 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="{" + ",".join(n.value for n in Normalization) + "}",
                        help="normalisation inside the model: auto uses the checkpoint's normaliser buffers, else "
                             "ImageNet statistics for 1000 classes and IN-9 statistics for 9 (default: auto)")
-    model.add_argument("--trust-checkpoint", action="store_true",
+    add_trust_argument(model)
+
+
+def add_trust_argument(group) -> None:
+    group.add_argument("--trust-checkpoint", action="store_true",
                        help="allow full unpickling of a checkpoint you trust (default: off, weights_only loading)")
 
+
+def add_running_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("running")
     run.add_argument("--batch-size", type=int, default=None, metavar="N",
                      help="images per forward pass, halved on out-of-memory (default: 256 on a GPU; on the CPU 16 "
@@ -59,14 +79,18 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                      help=f"image-decoding threads (default: {default_workers()})")
     run.add_argument("--device", default=None, metavar="DEV",
-                     help="cuda, cuda:N, mps or cpu (default: the best available)")
+                     help="cuda, cuda:N, mps or cpu; under torchrun, each process takes the GPU of its LOCAL_RANK "
+                          "(default: the best available)")
     run.add_argument("--precision", type=Precision, choices=list(Precision), default=Precision.FP32,
                      metavar="{" + ",".join(p.value for p in Precision) + "}",
                      help="fp32 is exact; tf32, bf16 and fp16 are faster and may change near-tie predictions "
                           "(default: fp32)")
     run.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
     run.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    run.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
 
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--results-file", type=Path, default=None, metavar="PATH",
                      help="write the results and their provenance as JSON (default: none)")
@@ -74,8 +98,51 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                      help="where progress state (for --resume) and larger outputs go (default: bg_results)")
     out.add_argument("--resume", action="store_true",
                      help="continue an interrupted run from the state in --output-dir (default: start afresh)")
-    out.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
     add_log_level_argument(out)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "bg-challenge-toolkit"
+
+
+def add_search_arguments(group) -> None:
+    """The challenge search's flags (challenge_eval.py and the zoo)."""
+    group.add_argument("--criterion", type=Criterion, choices=list(Criterion), default=Criterion.ANY,
+                       metavar="{" + ",".join(c.value for c in Criterion) + "}",
+                       help="any: some background changes the prediction (the leaderboard's); bg-class: some "
+                            "background of another class makes the model predict that class (default: any)")
+    group.add_argument("--compile", action="store_true", help="torch.compile the model (default: off)")
+    group.add_argument("--recheck-margin", type=float, default=None, metavar="M",
+                       help="in bf16/fp16/tf32, re-run every composite whose top-two logit margin is below M in true "
+                            "fp32 (autocast and TF32 off for that pass), so near ties get fp32's verdict (default: "
+                            "1.0 in reduced precision; 0 turns it off)")
+    group.add_argument("--mask-arithmetic", type=MaskArithmetic, choices=list(MaskArithmetic),
+                       default=MaskArithmetic.BINARY,
+                       metavar="{" + ",".join(m.value for m in MaskArithmetic) + "}",
+                       help="binary: masks must hold 0/1 (or booleans) and are composited exactly on bytes; masks "
+                            "with other values are refused. original: the original script's arithmetic for any "
+                            "values, weight = (uint8(mask) * 255 mod 256) / 255 blended in float, to reproduce "
+                            "its numbers on such masks (default: binary)")
+    group.add_argument("--cache-dir", type=Path, default=default_cache_dir(), metavar="DIR",
+                       help=f"decoded-data cache, keyed by the data's content fingerprint (default: "
+                            f"{default_cache_dir()})")
+    group.add_argument("--no-cache", action="store_true",
+                       help="neither read nor write the decoded-data cache (default: off)")
+    group.add_argument("--save-every", type=float, default=5.0, metavar="SECONDS",
+                       help="seconds between saves of the search state (default: 5)")
+
+
+def challenge_config_from_args(args: argparse.Namespace, runtime: Runtime, full: bool = False) -> ChallengeConfig:
+    """The ChallengeConfig the search flags describe."""
+    recheck = args.recheck_margin if args.recheck_margin is not None else (0.0 if runtime.exact else 1.0)
+    return ChallengeConfig(criterion=args.criterion, full=full, batch_size=args.batch_size,
+                           save_every=args.save_every, recheck_margin=recheck, progress=not args.no_progress,
+                           mask_arithmetic=args.mask_arithmetic)
+
+
+def cache_dir_from_args(args: argparse.Namespace) -> Path | None:
+    return None if args.no_cache else args.cache_dir
 
 
 def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtime:
@@ -86,9 +153,7 @@ def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtim
         raise UserError(f"--batch-size must be at least 1, not {args.batch_size}")
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, not {args.workers}")
-    runtime = Runtime(resolve_device(args.device), args.precision, args.channels_last, compile)
-    preload_model_libraries(args.arch, args.checkpoint)
-    return runtime
+    return Runtime(resolve_device(args.device), args.precision, args.channels_last, compile)
 
 
 def preload_model_libraries(arch: str | None, checkpoint: Path | None) -> None:

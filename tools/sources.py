@@ -2,7 +2,8 @@
 
 A source is one function `(name, options) -> LoadedModel`, registered with `@register_source("prefix:")`:
 `resnet50` (no prefix: a torchvision architecture with its pretrained weights), `timm:NAME`, and
-`file:PATH` (a checkpoint file; `--checkpoint PATH` is the same source). With `--checkpoint`, the
+`file:PATH` (a checkpoint file; `--checkpoint PATH` is the same source), and `clip:ARCH/PRETRAINED`
+(CLIP zero-shot over the nine class names). With `--checkpoint`, the
 architecture named by `--arch` is built and the file's weights loaded into it. Adding a source (CLIP
 zero-shot, a model hub) is one function and its registration.
 """
@@ -27,6 +28,8 @@ from tools.models import DEFAULT_ARCH, LoadedModel, TIMM_PREFIX, build_architect
 log = logging.getLogger(__name__)
 
 FILE_PREFIX = "file:"
+CLIP_PREFIX = "clip:"
+ARCHITECTURE_PREFIXES = ("", TIMM_PREFIX)  # names of architectures that a checkpoint's weights can go into
 PUBLISHED_WEIGHTS = "IMAGENET1K_V1"  # the weights the paper's numbers used, where an architecture has them
 
 
@@ -74,9 +77,9 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     """
     options = ModelOptions(weights, Path(checkpoint) if checkpoint is not None else None, in9, normalize, trust,
                            checkpoint_key, arch)
-    if checkpoint is not None:
-        return SOURCES[FILE_PREFIX](str(checkpoint), options)
     prefix, name = split_name(arch or DEFAULT_ARCH)
+    if checkpoint is not None and prefix in ARCHITECTURE_PREFIXES:
+        return SOURCES[FILE_PREFIX](str(checkpoint), options)
     return SOURCES[prefix](name, options)
 
 
@@ -144,3 +147,15 @@ def checkpoint_file(path: str, options: ModelOptions) -> LoadedModel:
         log.info("the checkpoint has 9 classes: evaluating as an IN-9 model (as with --in9)")
     return wrap(loaded.classifier, loaded.num_classes, options.normalize, loaded.normalizer,
                 "checkpoint normaliser", loaded.arch, None, str(path), sha256_file(path), loaded.layout)
+
+
+@register_source(CLIP_PREFIX)
+def clip_zero_shot(spec: str, options: ModelOptions) -> LoadedModel:
+    """CLIP zero-shot over the nine IN-9 class names (tools.clip_zero_shot; needs open_clip_torch)."""
+    if options.checkpoint is not None or options.weights is not None or options.normalize is not Normalization.AUTO:
+        raise UserError(f"--arch {CLIP_PREFIX}{spec} takes its weights and normalisation from open_clip: drop "
+                        f"--checkpoint, --weights and --normalize")
+    from tools.clip_zero_shot import load_clip  # noqa: PLC0415 (the optional extra is imported only here)
+    loaded = load_clip(spec)
+    checkpoints.check_class_count(loaded.num_classes, options.in9, f"{CLIP_PREFIX}{spec}")
+    return loaded

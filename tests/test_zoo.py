@@ -1,0 +1,254 @@
+"""python -m tools.zoo on generated data with three models (a TorchScript checkpoint of the hand-built colour
+model, a plain state dict named by its architecture, a random tiny CLIP) and two that fail: each results
+file equals what in9_eval.py and challenge_eval.py compute for the same model; the leaderboard's rows,
+order and plot; skipping finished models; resuming a model's runs; one failure not stopping the others."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+from PIL import Image
+
+import challenge_eval
+import in9_eval
+from conftest import run_in_process, save_torchscript
+from tools import challenge, cli, evaluate, synthetic, zoo
+from tools.errors import UserError
+from tools.leaderboard import (CSV_FILE, MARKDOWN_FILE, MEASURED, PLOT_FILE, PLOT_SIZE, PUBLISHED, nice_ticks,
+                               published_rows)
+
+TIMING_KEYS = {"wall_time_s", "composites_per_s"}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return synthetic.generate(tmp_path_factory.mktemp("zoodata") / "bg_challenge", per_class=2, seed=5).root
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("zoomodels")
+    save_torchscript(synthetic.ColorEvidenceModel(9), folder / "color.ts")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        torch.save(torchvision.models.mobilenet_v3_small(num_classes=9).state_dict(), folder / "mobilenet.pt")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def specs(checkpoints, tiny_clip):
+    """(spec, script arguments for the same model) for the models that work."""
+    return {f"file:{checkpoints / 'color.ts'}": ["--checkpoint", str(checkpoints / "color.ts")],
+            f"mobilenet_v3_small@file:{checkpoints / 'mobilenet.pt'}":
+                ["--arch", "mobilenet_v3_small", "--checkpoint", str(checkpoints / "mobilenet.pt")],
+            tiny_clip: ["--arch", tiny_clip]}
+
+
+@pytest.fixture(scope="module")
+def failing(checkpoints):
+    """Specs that fail: a missing file, and a plain state dict that does not say its architecture."""
+    return [f"file:{checkpoints / 'missing.pt'}", f"file:{checkpoints / 'mobilenet.pt'}"]
+
+
+def run_zoo_cli(argv, capsys):
+    return run_in_process(zoo.main, argv, capsys)
+
+
+def zoo_args(data, output, models):
+    return ["--data-path", str(data), "--models", ",".join(models), "--output-dir", str(output), "--device", "cpu",
+            "--no-progress", "--no-cache"]
+
+
+@pytest.fixture(scope="module")
+def first_run(data, specs, failing, tmp_path_factory):
+    """The zoo on the failing and working models, run once: (output folder, exit code, stdout, stderr)."""
+    output = tmp_path_factory.mktemp("zoo")
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level, threads = root.handlers[:], root.level, torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = zoo.main(zoo_args(data, output, [failing[0], *specs, failing[1]]))
+    finally:
+        torch.set_num_threads(threads)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return output, code, out.getvalue(), err.getvalue()
+
+
+def results_file(output: Path, spec: str) -> Path:
+    return zoo.results_path(output, zoo.parse_model_spec(spec))
+
+
+def test_failing_models_do_not_stop_the_others(first_run, specs, failing):
+    output, code, out, err = first_run
+    assert code == zoo.EXIT_SOME_FAILED
+    for spec in specs:
+        assert results_file(output, spec).is_file()
+        assert f"{spec}: done: original " in out
+    for spec in failing:
+        assert not results_file(output, spec).exists()
+        assert f"{spec}: failed" in out
+    assert f"3 of 5 models done; failed: {', '.join(failing)}" in out
+    errors = [line for line in err.splitlines() if line.startswith("ERROR:")]
+    assert len(errors) == 2 and "Traceback" not in err
+    assert "missing.pt does not exist" in errors[0]
+    assert "does not record its architecture" in errors[1] and "NAME@file:PATH" in errors[1]  # resnet50 was tried
+
+
+def test_results_equal_the_scripts(first_run, specs, data, tmp_path, capsys, one_thread):
+    output = first_run[0]
+    common = ["--data-path", str(data), "--device", "cpu", "--no-progress"]
+    for i, (spec, model_args) in enumerate(specs.items()):
+        payload = json.loads(results_file(output, spec).read_text())
+        in9_file, challenge_file = tmp_path / f"in9-{i}.json", tmp_path / f"challenge-{i}.json"
+        code, _, err = run_in_process(lambda a: cli.run_main(in9_eval.build_parser(), in9_eval.main, a),
+                                      [*common, *model_args, "--eval-dataset", "all", "--results-file", str(in9_file),
+                                       "--output-dir", str(tmp_path / f"in9-{i}")], capsys)
+        assert code == 0, err
+        code, _, err = run_in_process(lambda a: cli.run_main(challenge_eval.build_parser(), challenge_eval.main, a),
+                                      [*common, *model_args, "--no-cache", "--results-file", str(challenge_file),
+                                       "--output-dir", str(tmp_path / f"challenge-{i}")], capsys)
+        assert code == 0, err
+        assert payload["in9"] == json.loads(in9_file.read_text())
+        script = json.loads(challenge_file.read_text())
+        assert {k: v for k, v in payload["challenge"].items() if k not in TIMING_KEYS} == \
+            {k: v for k, v in script.items() if k not in TIMING_KEYS}
+        assert payload["model"] == spec
+
+
+def test_leaderboard_rows_and_order(first_run, specs):
+    output = first_run[0]
+    with open(output / CSV_FILE, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    measured = [r for r in rows if r["kind"] == MEASURED]
+    published = [r for r in rows if r["kind"] == PUBLISHED]
+    assert sorted(r["model"] for r in measured) == sorted(specs)
+    assert len(published) == len(published_rows()) == 7
+    assert {r["model"] for r in published} >= {"ResNet-50", "ResNet-152", "VGG16-BN", "ResNet-50 (IN-9L)",
+                                                  "ResNet-50 (Mixed-Rand)", "ViT-L/16", "BiT-M R101x3"}
+    resnet50 = next(r for r in published if r["model"] == "ResNet-50")
+    assert (resnet50["original"], resnet50["bg_gap"], resnet50["challenge_accuracy"]) == ("95.6", "7.3", "22.3")
+    assert not resnet50["provenance_sha256"] and resnet50["reference"]
+    for row in measured:
+        payload = json.loads(results_file(output, row["model"]).read_text())
+        assert float(row["original"]) == payload["in9"]["original"]["accuracy"]
+        assert float(row["mixed_same"]) == payload["in9"]["mixed_same"]["accuracy"]
+        assert float(row["mixed_rand"]) == payload["in9"]["mixed_rand"]["accuracy"]
+        assert float(row["bg_gap"]) == payload["in9"]["bg_gap"]
+        assert float(row["challenge_accuracy"]) == payload["challenge"]["challenge_accuracy"]
+        assert len(row["provenance_sha256"]) == 12 and row["data_sha256"]
+    # sorted by challenge accuracy, best first; the rows without one last
+    values = [float(r["challenge_accuracy"]) if r["challenge_accuracy"] else None for r in rows]
+    numbers = [v for v in values if v is not None]
+    assert numbers == sorted(numbers, reverse=True)
+    assert values[len(numbers):] == [None] * (len(values) - len(numbers)) and len(numbers) < len(values)
+    markdown = (output / MARKDOWN_FILE).read_text()
+    positions = [markdown.index(f"| {r['model']} |") for r in rows]
+    assert positions == sorted(positions)
+    assert f"![BG-gap against challenge accuracy]({PLOT_FILE})" in markdown
+
+
+def test_plot_is_a_png_of_the_stated_size(first_run):
+    with Image.open(first_run[0] / PLOT_FILE) as image:
+        assert image.format == "PNG" and image.size == PLOT_SIZE
+        image.load()
+
+
+def test_second_run_does_no_work(first_run, data, specs, capsys, monkeypatch):
+    output = first_run[0]
+    mtimes = {spec: results_file(output, spec).stat().st_mtime_ns for spec in specs}
+    calls = []
+    monkeypatch.setattr(zoo, "evaluate_model", lambda *a, **k: calls.append(a) or {})
+    code, out, err = run_zoo_cli(zoo_args(data, output, list(specs)), capsys)
+    assert code == 0, err
+    assert calls == []
+    assert all(f"{spec}: skipped: original " in out for spec in specs)
+    assert {spec: results_file(output, spec).stat().st_mtime_ns for spec in specs} == mtimes
+
+
+def test_a_models_runs_resume_from_their_state(first_run, data, specs, tmp_path, capsys, monkeypatch):
+    """With the results file gone but the run state kept, the model is rebuilt from its state: no forward passes."""
+    output = tmp_path / "copy"
+    shutil.copytree(first_run[0], output)
+    spec = next(iter(specs))
+    path = results_file(output, spec)
+    before = json.loads(path.read_text())
+    path.unlink()
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward pass despite the saved state")
+
+    monkeypatch.setattr(evaluate, "Forward", no_forward)
+    monkeypatch.setattr(challenge.CompositePredictor, "predict_pairs", no_forward)
+    monkeypatch.setattr(challenge.CompositePredictor, "predict_backgrounds", no_forward)
+    code, out, err = run_zoo_cli(zoo_args(data, output, [spec]), capsys)
+    assert code == 0, err
+    after = json.loads(path.read_text())
+    assert after["in9"] == before["in9"]
+    assert after["challenge"]["vulnerable"] == before["challenge"]["vulnerable"]
+    assert after["challenge"]["composites_evaluated"] == before["challenge"]["composites_evaluated"]
+
+
+def test_other_settings_are_refused_per_model(first_run, data, specs, capsys):
+    code, out, err = run_zoo_cli([*zoo_args(data, first_run[0], list(specs)), "--criterion", "bg-class",
+                                  "--no-leaderboard"], capsys)
+    assert code == zoo.EXIT_SOME_FAILED
+    assert err.count("was made with other settings") == len(specs)
+
+
+def test_leaderboard_only_rebuilds_the_files(first_run, tmp_path, capsys):
+    output = tmp_path / "copy"
+    shutil.copytree(first_run[0], output, ignore=shutil.ignore_patterns("leaderboard.*", "runs"))
+    code, out, err = run_zoo_cli(["--leaderboard-only", str(output)], capsys)
+    assert code == 0, err
+    assert (output / CSV_FILE).read_text() == (first_run[0] / CSV_FILE).read_text()
+    assert (output / MARKDOWN_FILE).read_text() == (first_run[0] / MARKDOWN_FILE).read_text()
+    code, out, err = run_zoo_cli(["--leaderboard-only", str(tmp_path / "nothing")], capsys)
+    assert code == 2 and err.startswith("error: ") and "no zoo results" in err
+
+
+@pytest.mark.parametrize("text, source, arch, path", [
+    ("resnet50", "torchvision", "resnet50", None),
+    ("timm:convnext_tiny", "timm", "timm:convnext_tiny", None),
+    ("clip:ViT-B-32/openai", "clip", "clip:ViT-B-32/openai", None),
+    ("file:my.pt", "file", None, Path("my.pt")),
+    ("resnet18@file:dir/sd.pt", "file", "resnet18", Path("dir/sd.pt")),
+    ("timm:vit_tiny_patch16_224@file:a@b.pt", "file", "timm:vit_tiny_patch16_224", Path("a@b.pt")),
+])
+def test_model_specs(text, source, arch, path):
+    spec = zoo.parse_model_spec(text)
+    assert (spec.source, spec.arch, spec.path) == (source, arch, path)
+
+
+def test_bad_model_lists(tmp_path, data, capsys):
+    with pytest.raises(UserError, match="ARCH@ must be followed by file:PATH"):
+        zoo.parse_model_spec("resnet18@sd.pt")
+    with pytest.raises(UserError, match="listed twice: resnet50"):
+        zoo.parse_model_specs(["resnet50", "vgg16", "resnet50"])
+    listing = tmp_path / "models.txt"
+    listing.write_text("# a zoo\nresnet50  # the paper's\n\n   \nfile:my.pt\n")
+    assert zoo.read_models_file(listing) == ["resnet50", "file:my.pt"]
+    code, out, err = run_zoo_cli(["--data-path", str(data), "--output-dir", str(tmp_path / "z")], capsys)
+    assert code == 2 and err.strip() == "error: no models: pass --models or --models-file"
+
+
+def test_slugs_are_distinct_file_names():
+    a, b = zoo.parse_model_spec("file:a/b.pt"), zoo.parse_model_spec("file:a_b.pt")
+    assert a.slug != b.slug and "/" not in a.slug
+
+
+def test_nice_ticks_cover_the_range():
+    assert nice_ticks(0, 22.3) == [0, 5, 10, 15, 20, 25]
+    ticks = nice_ticks(-7.4, 48.1)
+    assert ticks[0] <= -7.4 and ticks[-1] >= 48.1

@@ -1,0 +1,282 @@
+"""The leaderboard: one row per model from the zoo's results files, plus the published rows, as Markdown,
+CSV and a PNG plot of BG-gap against challenge accuracy (drawn with Pillow).
+
+Rows are sorted by challenge accuracy, best first; rows without one come last. Published rows
+(tools/resources/published.json) are quoted from their sources and marked `published`; rows computed
+from results files are `measured`.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass, fields
+from importlib import resources
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+from tools.analysis import default_font
+from tools.errors import UserError
+from tools.in9 import Variation
+
+log = logging.getLogger(__name__)
+
+MEASURED, PUBLISHED = "measured", "published"
+MODELS_FOLDER = "models"
+MARKDOWN_FILE, CSV_FILE, PLOT_FILE = "leaderboard.md", "leaderboard.csv", "leaderboard.png"
+PLOT_SIZE = (960, 640)
+HASH_CHARS = 12
+
+
+@dataclass
+class Row:
+    model: str
+    source: str
+    weights: str | None
+    original: float | None
+    mixed_same: float | None
+    mixed_rand: float | None
+    bg_gap: float | None
+    challenge_accuracy: float | None
+    provenance_sha256: str | None
+    kind: str  # measured or published
+    reference: str | None = None  # where a published row is quoted from
+    data_sha256: str | None = None  # the data fingerprint a measured row was computed on
+    criterion: str | None = "any"  # the challenge's criterion
+
+
+COLUMNS = [f.name for f in fields(Row)]
+
+
+def provenance_hash(payload: dict) -> str:
+    """A short SHA-256 of a results file's provenance (both runs), canonical JSON."""
+    prov = {"in9": payload.get("in9", {}).get("provenance"), "challenge": payload.get("challenge", {}).get("provenance")}
+    return hashlib.sha256(json.dumps(prov, sort_keys=True).encode()).hexdigest()[:HASH_CHARS]
+
+
+def _accuracy(in9: dict, variation: Variation) -> float | None:
+    entry = in9.get(variation.value)
+    return None if entry is None else entry["accuracy"]
+
+
+def measured_row(payload: dict) -> Row:
+    """The leaderboard row of one zoo results file."""
+    in9, challenge = payload.get("in9") or {}, payload.get("challenge") or {}
+    data = (in9.get("provenance") or challenge.get("provenance") or {}).get("data") or {}
+    return Row(payload["model"], payload["source"], payload.get("weights"), _accuracy(in9, Variation.ORIGINAL),
+               _accuracy(in9, Variation.MIXED_SAME), _accuracy(in9, Variation.MIXED_RAND), in9.get("bg_gap"),
+               challenge.get("challenge_accuracy"), provenance_hash(payload), MEASURED, None, data.get("sha256"),
+               challenge.get("criterion"))
+
+
+def published_rows() -> list[Row]:
+    """The published reference rows shipped with the package."""
+    text = resources.files("tools.resources").joinpath("published.json").read_text(encoding="utf-8")
+    return [Row(**entry, provenance_sha256=None, kind=PUBLISHED) for entry in json.loads(text)["rows"]]
+
+
+def read_results(output_dir: Path) -> list[dict]:
+    """Every per-model results file under output_dir/models, sorted by file name."""
+    folder = Path(output_dir) / MODELS_FOLDER
+    if not folder.is_dir():
+        raise UserError(f"{output_dir} holds no zoo results (no {MODELS_FOLDER}/ folder); pass the --output-dir of "
+                        f"a `python -m tools.zoo` run")
+    payloads = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UserError(f"cannot read the results file {path}: {exc}; delete it and rerun its model") from None
+        if not isinstance(payload, dict) or "model" not in payload:
+            raise UserError(f"{path} is not a zoo results file (no 'model' key); move it out of {folder}")
+        payloads.append(payload)
+    return payloads
+
+
+def sort_rows(rows: list[Row]) -> list[Row]:
+    """Best challenge accuracy first; rows without one last, then by original accuracy; ties by name."""
+    def key(row: Row):
+        return (row.challenge_accuracy is None, -(row.challenge_accuracy or 0.0),
+                row.original is None, -(row.original or 0.0), row.model)
+    return sorted(rows, key=key)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tables
+
+def _number(value) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def render_markdown(rows: list[Row]) -> str:
+    out = ["# Backgrounds Challenge leaderboard", "",
+           "Accuracies in percent on the IN-9 variations and the challenge (`any` criterion); BG-gap = mixed_same − mixed_rand in points. Sorted by challenge accuracy; rows "
+           "without a challenge number come last. **published** rows are quoted from their sources, "
+           "**measured** rows were computed by this toolkit (provenance: a hash of the results file's "
+           "provenance).", "",
+           "| # | Model | Source | Weights | Original | Mixed-Same | Mixed-Rand | BG-gap | Challenge | Kind | "
+           "Provenance |",
+           "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for rank, row in enumerate(rows, 1):
+        provenance = f"`{row.provenance_sha256}`" if row.provenance_sha256 else (row.reference or "–")
+        cells = [str(rank), row.model, row.source, row.weights or "–", _number(row.original),
+                 _number(row.mixed_same), _number(row.mixed_rand), _number(row.bg_gap),
+                 _number(row.challenge_accuracy), row.kind, provenance]
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    fingerprints = sorted({row.data_sha256 for row in rows if row.kind == MEASURED and row.data_sha256})
+    if fingerprints:
+        out += ["", "Measured on data with SHA-256 fingerprint " + ", ".join(f"`{f}`" for f in fingerprints) + "."]
+        if len(fingerprints) > 1:
+            out.append("**The measured rows come from different data: they are not comparable.**")
+    others = sorted({row.criterion for row in rows if row.criterion not in (None, "any")})
+    if others:
+        out += ["", f"**Some measured rows use the challenge criterion {', '.join(others)}, not `any`: their challenge "
+                f"accuracy is not comparable** (see the `criterion` column of {CSV_FILE})."]
+    out += ["", f"![BG-gap against challenge accuracy]({PLOT_FILE})", ""]
+    return "\n".join(out)
+
+
+def render_csv(rows: list[Row]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if v is None else v) for k, v in asdict(row).items()})
+    return buffer.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The plot
+
+COLORS = {MEASURED: (31, 100, 180), PUBLISHED: (220, 110, 20)}
+AXIS, GRID, TEXT = (40, 40, 40), (225, 225, 225), (20, 20, 20)
+MARGIN = (80, 50, 40, 70)  # left, top, right, bottom
+
+
+def nice_ticks(low: float, high: float, count: int = 8) -> list[float]:
+    """Round tick values (steps of 1, 2 or 5 times a power of ten) covering [low, high]."""
+    if high <= low:
+        high = low + 1.0
+    raw = (high - low) / max(count - 1, 1)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    ticks = [round(math.floor(low / step) * step, 10)]
+    while ticks[-1] < high:
+        ticks.append(round(ticks[-1] + step, 10))
+    return ticks
+
+
+def plotted(rows: list[Row]) -> list[Row]:
+    """The rows with both coordinates."""
+    return [r for r in rows if r.bg_gap is not None and r.challenge_accuracy is not None]
+
+
+def _marker(draw: ImageDraw.ImageDraw, x: float, y: float, kind: str) -> None:
+    """A disc for a measured row, a square for a published one."""
+    shape = draw.rectangle if kind == PUBLISHED else draw.ellipse
+    shape([x - 5, y - 5, x + 5, y + 5], fill=COLORS[kind])
+
+
+def _text_box(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str) -> tuple:
+    """The (x, y) to draw `text` at so that its box sits at `at` as `anchor` says (l/m/r then t/m/b, like
+    Pillow's anchors, which bitmap fonts lack), and that box."""
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    w, h = right - left, bottom - top
+    x = at[0] - {"l": 0, "m": w / 2, "r": w}[anchor[0]] - left
+    y = at[1] - {"t": 0, "m": h / 2, "b": h}[anchor[1]] - top
+    return (x, y), (x + left, y + top, x + right, y + bottom)
+
+
+def _text(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str) -> None:
+    draw.text(_text_box(draw, at, text, font, anchor)[0], text, font=font, fill=TEXT)
+
+
+def _free_label_position(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str,
+                         taken: list) -> tuple[float, float]:
+    """Where to draw a label near `at` so that it overlaps no earlier label: moved up or down in steps if need be."""
+    for step in range(12):
+        shifted = (at[0], at[1] + 14 * ((step + 1) // 2) * (1 if step % 2 else -1))
+        position, box = _text_box(draw, shifted, text, font, anchor)
+        if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in taken):
+            break
+    taken.append(box)
+    return position
+
+
+def draw_plot(rows: list[Row], path: Path | str) -> list[Row]:
+    """BG-gap (x) against challenge accuracy (y), one labelled point per row that has both; returns those rows."""
+    points = plotted(rows)
+    width, height = PLOT_SIZE
+    left, top, right, bottom = MARGIN
+    canvas = Image.new("RGB", PLOT_SIZE, "white")
+    draw = ImageDraw.Draw(canvas)
+    font, small = default_font(14), default_font(12)
+    xs = [r.bg_gap for r in points] or [0.0, 10.0]
+    ys = [r.challenge_accuracy for r in points] or [0.0, 100.0]
+    x_ticks = nice_ticks(min(0.0, min(xs)), max(xs))
+    y_ticks = nice_ticks(0.0, max(ys))
+    x0, x1, y0, y1 = x_ticks[0], x_ticks[-1], y_ticks[0], y_ticks[-1]
+
+    def to_pixel(x: float, y: float) -> tuple[float, float]:
+        return (left + (x - x0) / (x1 - x0) * (width - left - right),
+                height - bottom - (y - y0) / (y1 - y0) * (height - top - bottom))
+
+    for x in x_ticks:
+        px, _ = to_pixel(x, y0)
+        draw.line([(px, top), (px, height - bottom)], fill=GRID)
+        _text(draw, (px, height - bottom + 6), f"{x:g}", small, "mt")
+    for y in y_ticks:
+        _, py = to_pixel(x0, y)
+        draw.line([(left, py), (width - right, py)], fill=GRID)
+        _text(draw, (left - 6, py), f"{y:g}", small, "rm")
+    draw.rectangle([left, top, width - right, height - bottom], outline=AXIS)
+    _text(draw, ((left + width - right) / 2, height - 22), "BG-gap (mixed_same - mixed_rand, points)", font, "mm")
+    _text(draw, (width / 2, 20), "Backgrounds Challenge: BG-gap against challenge accuracy", font, "mm")
+    label = Image.new("RGB", (height - top - bottom, 20), "white")
+    _text(ImageDraw.Draw(label), (label.width / 2, 10), "challenge accuracy (%)", font, "mm")
+    rotated = label.rotate(90, expand=True)
+    canvas.paste(rotated, (8, top))
+    taken: list[tuple[float, float, float, float]] = []
+    for row in points:
+        px, py = to_pixel(row.bg_gap, row.challenge_accuracy)
+        _marker(draw, px, py, row.kind)
+        anchor = "rm" if px > width - right - 200 else "lm"
+        position = _free_label_position(draw, (px - 9 if anchor == "rm" else px + 9, py), row.model[:40], small,
+                                        anchor, taken)
+        draw.text(position, row.model[:40], font=small, fill=TEXT)
+    legend_x = left + 12
+    for i, kind in enumerate((MEASURED, PUBLISHED)):
+        ly = top + 14 + 18 * i
+        _marker(draw, legend_x + 5, ly, kind)
+        _text(draw, (legend_x + 16, ly), kind, small, "lm")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    canvas.save(path, format="PNG")
+    return points
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def build_leaderboard(output_dir: Path | str, include_published: bool = True) -> list[Row]:
+    """Rebuild leaderboard.md, leaderboard.csv and leaderboard.png in output_dir from its results files."""
+    output_dir = Path(output_dir)
+    rows = [measured_row(payload) for payload in read_results(output_dir)]
+    if include_published:
+        rows += published_rows()
+    rows = sort_rows(rows)
+    _write_text(output_dir / MARKDOWN_FILE, render_markdown(rows))
+    _write_text(output_dir / CSV_FILE, render_csv(rows))
+    draw_plot(rows, output_dir / PLOT_FILE)
+    log.info("leaderboard of %d rows written to %s", len(rows), output_dir / MARKDOWN_FILE)
+    return rows
