@@ -51,6 +51,8 @@ def main(args: argparse.Namespace) -> int:
                                options.cache_dir_from_args(args), config.progress, config.mask_arithmetic)
     loaded = options.model_from_args(args)
     result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume)
+    if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
+        return 0
     print("\n".join(result.lines()))
     analysis = None
     if args.full:

@@ -39,6 +39,8 @@ def main(args: argparse.Namespace) -> int:
     loaded = options.model_from_args(args)
     run = run_in9(loaded, runtime, files, names, args.batch_size or default_batch_size(runtime.device),
                   args.workers, args.output_dir, args.resume, not args.no_progress)
+    if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
+        return 0
     print("\n".join(run.lines()))
     payload = run.to_json()
     if args.categories:

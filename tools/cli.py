@@ -44,3 +44,7 @@ def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
                             if getattr(args, "output_dir", None) is not None else "rerun the same command")
         print(f"interrupted: {on_interrupt}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        distributed = sys.modules.get("tools.distributed")  # loaded (with torch) only by commands that use it
+        if distributed is not None:
+            distributed.cleanup()

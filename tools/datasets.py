@@ -91,13 +91,15 @@ def _decode_batch(root: Path, relpaths: Sequence[str]) -> torch.Tensor:
 
 
 def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, workers: int,
-                         pin_memory: bool = False) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (start index, uint8 Nx3xHxW batch) in order, decoding ahead in `workers` threads.
+                         pin_memory: bool = False, starts: Sequence[int] | None = None
+                         ) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (start index, uint8 Nx3xHxW batch) in order, decoding ahead in `workers` threads (every batch, or
+    those beginning at `starts`).
 
     Pillow releases the GIL while it decodes, so threads decode in parallel without pickling batches
     between processes; errors (unreadable files, wrong sizes) surface as they are, naming the file.
     """
-    starts = range(0, len(relpaths), batch_size)
+    starts = range(0, len(relpaths), batch_size) if starts is None else starts
     workers = max(1, workers)
 
     def job(start: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -68,12 +69,28 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce(array: "np.ndarray", op: str = "sum", device: torch.device | None = None) -> "np.ndarray":
+def all_reduce(array: np.ndarray, op: str = "sum", device: torch.device | None = None) -> np.ndarray:
     """An element-wise reduction of a numpy array over the process group ("sum", "min" or "max"), through a
     tensor on `device` (the GPU for NCCL); the array itself when there is no group."""
-    import numpy as np  # noqa: PLC0415
     if not (dist.is_available() and dist.is_initialized()):
         return array
     tensor = torch.from_numpy(np.ascontiguousarray(array)).to(device or torch.device("cpu"))
     dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
     return tensor.cpu().numpy()
+
+
+def broadcast(array: np.ndarray, group: ProcessGroup, device: torch.device | None = None) -> np.ndarray:
+    """Rank 0's copy of an array (int or float), in every process."""
+    if not group.distributed:
+        return array
+    mine = array if group.is_main else np.zeros_like(array)
+    return all_reduce(mine, "sum", device).astype(array.dtype)
+
+
+def all_gather_floats(value: float, device: torch.device | None = None) -> list[float]:
+    """One number from every process, in rank order; [value] when there is no group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([value], dtype=torch.float64, device=device))
+    return [float(t.item()) for t in out]

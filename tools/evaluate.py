@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tools import datasets, layout
+from tools import datasets, distributed, layout
 from tools.data import quick_check
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, Variation, PredictionMap, class_names
@@ -128,6 +128,13 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     to_in9 = PredictionMap(loaded.num_classes)
     all_paths = [p for _, relpaths, _ in todo for p in relpaths]
     bounds = np.cumsum([0] + [len(relpaths) for _, relpaths, _ in todo])
+    if runtime.group.distributed:
+        predictions = _predict_shared(root, all_paths, batch_size, workers, runtime, forward, to_in9, progress)
+        for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:]):
+            results[name] = VariationResult(name, relpaths, labels, predictions[lo:hi])
+            if runtime.group.is_main:
+                resumer.save(name, predictions[lo:hi])
+        return {name: results[name] for name in names}
     pieces: list[torch.Tensor] = []  # predictions on the device for images buffer_start..end-1
     buffer_start = finished = 0
     bar = tqdm(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
@@ -146,6 +153,21 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                 pieces, buffer_start = [buffered[hi:]], bounds[finished + 1]
                 finished += 1
     return {name: results[name] for name in names}
+
+
+def _predict_shared(root: Path, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
+                    forward: Forward, to_in9: PredictionMap, progress: bool) -> np.ndarray:
+    """Under torchrun: the stream's batches dealt out in turn (batch i to rank i mod N), each image predicted in
+    the very batch one process would put it in, and every prediction gathered into every process."""
+    group = runtime.group
+    starts = list(range(0, len(relpaths), batch_size))[group.rank::group.world_size]
+    encoded = np.zeros(len(relpaths), np.int64)  # prediction + 2 where this process predicted, else 0
+    with tqdm(total=len(relpaths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True) as bar:
+        for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(), starts):
+            encoded[start:start + batch.shape[0]] = to_in9(forward(runtime.to_device(batch))).cpu().numpy() + 2
+            bar.update(batch.shape[0] * group.world_size)
+    device = runtime.device if runtime.device.type == "cuda" else None
+    return distributed.all_reduce(encoded, "sum", device) - 2
 
 
 @dataclass

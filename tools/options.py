@@ -10,6 +10,7 @@ import os
 import threading
 from pathlib import Path
 
+from tools import distributed
 from tools.challenge import ChallengeConfig, Criterion
 from tools.cli import add_log_level_argument
 from tools.compositing import MaskArithmetic
@@ -153,7 +154,16 @@ def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtim
         raise UserError(f"--batch-size must be at least 1, not {args.batch_size}")
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, not {args.workers}")
-    return Runtime(resolve_device(args.device), args.precision, args.channels_last, compile)
+    group = distributed.from_environment()
+    device = resolve_device(args.device)
+    if group.distributed:
+        device = group.device(device)
+        distributed.setup(device)
+        if not group.is_main:  # only rank 0 prints and writes; the others say only what goes wrong
+            logging.getLogger().setLevel(logging.ERROR)
+            args.no_progress = True
+        log.info("%d processes share the work (this is rank %d, on %s)", group.world_size, group.rank, device)
+    return Runtime(device, args.precision, args.channels_last, compile, group)
 
 
 def preload_model_libraries(arch: str | None, checkpoint: Path | None) -> None:

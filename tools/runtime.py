@@ -8,12 +8,13 @@ import enum
 import logging
 import platform
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 
+from tools.distributed import ProcessGroup
 from tools.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -71,12 +72,14 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class Runtime:
-    """Where and how the model runs: device, precision (an autocast context) and memory format."""
+    """Where and how the model runs: device, precision (an autocast context), memory format, and the process
+    group it shares the work with (a single process unless under torchrun)."""
 
     device: torch.device
     precision: Precision = Precision.FP32
     channels_last: bool = False
     compile: bool = False
+    group: ProcessGroup = field(default_factory=ProcessGroup)  # torchrun's processes sharing the work
 
     def __post_init__(self):
         # Process-wide flags, set on every device (they only act on CUDA): TF32 only when asked for, and

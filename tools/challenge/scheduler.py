@@ -142,20 +142,25 @@ class Scheduler:
             idx = np.arange(s.position, min(total, s.position + size), dtype=np.int64)
             s.position += len(idx)
             return np.stack([idx // self.n_bg, idx % self.n_bg], axis=1)
+        batch, s.position = self.take_open(s.worklist, s.position, size)
+        return batch
+
+    def take_open(self, pairs: np.ndarray, position: int, size: int) -> tuple[np.ndarray | None, int]:
+        """Up to `size` pairs of `pairs` from `position` on whose foreground is still open, and the position
+        after them (past the skipped pairs too); None when none is left."""
+        verdict = self.state.verdict
         picked = []
         count = 0
-        while s.position < len(s.worklist) and count < size:
-            chunk = s.worklist[s.position:s.position + (size - count) * 2]
-            keep = s.verdict[chunk[:, 0]] == UNKNOWN
+        while position < len(pairs) and count < size:
+            chunk = pairs[position:position + (size - count) * 2]
+            keep = verdict[chunk[:, 0]] == UNKNOWN
             taken = chunk[keep][:size - count].astype(np.int64)
             # advance past what was taken, and past the skipped pairs before it
             used = np.nonzero(keep)[0][len(taken) - 1] + 1 if len(taken) else len(chunk)
-            s.position += int(used)
+            position += int(used)
             picked.append(taken)
             count += len(taken)
-        if count == 0:
-            return None
-        return np.concatenate(picked)
+        return (np.concatenate(picked) if count else None), position
 
     # -- results -----------------------------------------------------------------------------------------------
     def record(self, pairs: np.ndarray, preds: np.ndarray, margins: np.ndarray | None) -> None:
