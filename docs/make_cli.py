@@ -25,9 +25,9 @@ REGENERATE = "python docs/make_cli.py"
 COMMANDS = (
     ("python in9_eval.py", "in9_eval:build_parser", None),
     ("python challenge_eval.py", "challenge_eval:build_parser", None),
-    ("python -m tools.data fetch", "tools.data:build_parser", "fetch"),
-    ("python -m tools.data verify", "tools.data:build_parser", "verify"),
-    ("python -m tools.data build", "tools.data:build_parser", "build"),
+    ("python -m tools.data fetch", "tools.data.cli:build_parser", "fetch"),
+    ("python -m tools.data verify", "tools.data.cli:build_parser", "verify"),
+    ("python -m tools.data build", "tools.data.cli:build_parser", "build"),
     ("python -m tools.analysis", "tools.analysis:build_parser", None),
     ("python -m tools.report", "tools.report:build_parser", None),
 )
