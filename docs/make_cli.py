@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,15 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "docs" / "cli.md"
 REGENERATE = "python docs/make_cli.py"
 
-# (how the command is typed, "module:function building its parser", sub-command or None). One line per command.
+# (how the command is typed, "module:function that builds its parser"), one line per command; a parser with
+# sub-commands gets one section per sub-command. A module that does not exist yet is listed with a note.
 COMMANDS = (
-    ("python in9_eval.py", "in9_eval:build_parser", None),
-    ("python challenge_eval.py", "challenge_eval:build_parser", None),
-    ("python -m tools.data fetch", "tools.data.cli:build_parser", "fetch"),
-    ("python -m tools.data verify", "tools.data.cli:build_parser", "verify"),
-    ("python -m tools.data build", "tools.data.cli:build_parser", "build"),
-    ("python -m tools.analysis", "tools.analysis:build_parser", None),
-    ("python -m tools.report", "tools.report:build_parser", None),
+    ("python in9_eval.py", "in9_eval:build_parser"),
+    ("python challenge_eval.py", "challenge_eval:build_parser"),
+    ("python -m tools.data", "tools.data.cli:build_parser"),
+    ("python -m tools.analysis", "tools.analysis:build_parser"),
+    ("python -m tools.report", "tools.report:build_parser"),
+    ("python train.py", "train:build_parser"),
+    ("python -m tools.zoo", "tools.zoo:build_parser"),
 )
 
 # Flags whose default is computed on the machine that builds the parser: the rule, written instead of the value.
@@ -48,21 +50,33 @@ class Command:
     missing: str = ""
 
 
-def load_command(name: str, target: str, subcommand: str | None) -> Command:
-    """Import the parser builder lazily; only a module that does not exist at all is skipped, with a note."""
+def load_command(name: str, target: str) -> list[Command]:
+    """Import the parser builder lazily; only a module that does not exist at all is skipped, with a note.
+
+    A parser with sub-commands gives one `Command` per sub-command (and one for its own flags, if any)."""
     module_name, function = target.split(":")
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise  # the module exists but something it imports is missing: a real error
-        return Command(name, None, missing=module_name)
+    if not in_this_checkout(module_name):
+        return [Command(name, None, missing=module_name)]
+    module = importlib.import_module(module_name)  # a missing import inside it is a real error, raised
     parser = getattr(module, function)()
-    if subcommand is not None:
-        parser = subparsers_of(parser)[subcommand]
-    return Command(name, parser)
+    subcommands = subparsers_of(parser)
+    if not subcommands:
+        return [Command(name, parser)]
+    own = [Command(name, parser)] if documented_actions(parser) else []
+    return own + [Command(f"{name} {sub}", subparser) for sub, subparser in subcommands.items()]
+
+
+def in_this_checkout(module_name: str) -> bool:
+    """Whether the module exists in this checkout (not merely in another installed copy of the toolkit)."""
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except ModuleNotFoundError as exc:  # a parent package is missing
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            return False
+        raise
+    return spec is not None and spec.origin is not None and Path(spec.origin).resolve().is_relative_to(ROOT)
 
 
 def subparsers_of(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -73,7 +87,7 @@ def subparsers_of(parser: argparse.ArgumentParser) -> dict[str, argparse.Argumen
 
 
 def load_commands(commands=COMMANDS) -> list[Command]:
-    return [load_command(*spec) for spec in commands]
+    return [command for spec in commands for command in load_command(*spec)]
 
 
 def documented_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -120,7 +134,7 @@ def describe(parser: argparse.ArgumentParser) -> list[str]:
 def render_command(command: Command) -> list[str]:
     lines = [f"## `{command.name}`", ""]
     if command.parser is None:
-        return lines + [f"Not documented yet: the module `{command.missing}` does not exist in this checkout.", ""]
+        return lines + [f"Not documented yet: the module `{command.missing}` is not in this checkout.", ""]
     parser = command.parser
     lines += describe(parser)
     actions = set(documented_actions(parser))

@@ -69,15 +69,30 @@ def test_check_fails_on_a_stale_page_and_passes_on_a_fresh_one(make_cli, tmp_pat
     assert page.read_text(encoding="utf-8") == make_cli.OUTPUT.read_text(encoding="utf-8")
 
 
+def test_sub_commands_get_one_section_each(make_cli):
+    names = [c.name for c in make_cli.load_command("python -m tools.data", "tools.data.cli:build_parser")]
+    assert names == ["python -m tools.data fetch", "python -m tools.data verify", "python -m tools.data build"]
+
+
 def test_a_command_whose_module_does_not_exist_is_skipped_with_a_note(make_cli):
-    command = make_cli.load_command("python -m tools.not_written_yet", "tools.not_written_yet:build_parser", None)
+    [command] = make_cli.load_command("python -m tools.not_written_yet", "tools.not_written_yet:build_parser")
     assert command.parser is None
-    assert "`tools.not_written_yet` does not exist" in "\n".join(make_cli.render_command(command))
+    assert "`tools.not_written_yet` is not in this checkout" in "\n".join(make_cli.render_command(command))
 
 
 def test_a_module_with_a_missing_import_is_an_error_not_a_skip(make_cli, tmp_path, monkeypatch):
     (tmp_path / "broken_cli_module.py").write_text("import no_such_dependency_anywhere\n", encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(make_cli, "ROOT", tmp_path)  # the module is part of "this checkout"
     with pytest.raises(ModuleNotFoundError, match="no_such_dependency_anywhere"):
-        make_cli.load_command("python -m broken_cli_module", "broken_cli_module:build_parser", None)
+        make_cli.load_command("python -m broken_cli_module", "broken_cli_module:build_parser")
     sys.modules.pop("broken_cli_module", None)
+
+
+def test_a_module_found_only_outside_this_checkout_is_skipped(make_cli, tmp_path, monkeypatch):
+    """As when the toolkit is also installed (editable) from another checkout that has the module."""
+    (tmp_path / "elsewhere_cli_module.py").write_text("raise AssertionError('must not be imported')\n",
+                                                      encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    [command] = make_cli.load_command("python -m elsewhere_cli_module", "elsewhere_cli_module:build_parser")
+    assert command.parser is None and command.missing == "elsewhere_cli_module"
