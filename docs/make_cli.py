@@ -1,0 +1,193 @@
+"""Write docs/cli.md, the reference of every command line, from the argparse parsers themselves.
+
+    python docs/make_cli.py            # rewrite docs/cli.md
+    python docs/make_cli.py --check    # exit 1 if docs/cli.md differs from what the parsers say
+
+The parsers are read through their objects (groups, actions, sub-commands), never through --help text, so
+the page shows exactly the flags, metavars, choices and help strings the commands accept. Defaults that
+depend on the machine (CPU count, home folder) are written as the rule that computes them, so the page is
+the same wherever it is generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTPUT = ROOT / "docs" / "cli.md"
+REGENERATE = "python docs/make_cli.py"
+
+# (how the command is typed, "module:function that builds its parser"), one line per command; a parser with
+# sub-commands gets one section per sub-command. A module that does not exist yet is listed with a note.
+COMMANDS = (
+    ("python in9_eval.py", "in9_eval:build_parser"),
+    ("python challenge_eval.py", "challenge_eval:build_parser"),
+    ("python -m tools.data", "tools.data.cli:build_parser"),
+    ("python -m tools.analysis", "tools.analysis:build_parser"),
+    ("python -m tools.report", "tools.report:build_parser"),
+    ("python train.py", "train:build_parser"),
+    ("python -m tools.zoo", "tools.zoo:build_parser"),
+)
+
+# Flags whose default is computed on the machine that builds the parser: the rule, written instead of the value.
+MACHINE_DEFAULTS = {
+    "workers": "min(8, CPUs)",
+    "cache_dir": "$XDG_CACHE_HOME/bg-challenge-toolkit, else ~/.cache/bg-challenge-toolkit",
+}
+
+HELP_FLAGS = {"-h", "--help"}
+
+
+@dataclass
+class Command:
+    name: str
+    parser: argparse.ArgumentParser | None  # None: its module does not exist (yet)
+    missing: str = ""
+
+
+def load_command(name: str, target: str) -> list[Command]:
+    """Import the parser builder lazily; only a module that does not exist at all is skipped, with a note.
+
+    A parser with sub-commands gives one `Command` per sub-command (and one for its own flags, if any)."""
+    module_name, function = target.split(":")
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    if not in_this_checkout(module_name):
+        return [Command(name, None, missing=module_name)]
+    module = importlib.import_module(module_name)  # a missing import inside it is a real error, raised
+    parser = getattr(module, function)()
+    subcommands = subparsers_of(parser)
+    if not subcommands:
+        return [Command(name, parser)]
+    own = [Command(name, parser)] if documented_actions(parser) else []
+    return own + [Command(f"{name} {sub}", subparser) for sub, subparser in subcommands.items()]
+
+
+def in_this_checkout(module_name: str) -> bool:
+    """Whether the module exists in this checkout (not merely in another installed copy of the toolkit)."""
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except ModuleNotFoundError as exc:  # a parent package is missing
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            return False
+        raise
+    return spec is not None and spec.origin is not None and Path(spec.origin).resolve().is_relative_to(ROOT)
+
+
+def subparsers_of(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def load_commands(commands=COMMANDS) -> list[Command]:
+    return [command for spec in commands for command in load_command(*spec)]
+
+
+def documented_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Every argument a user can pass, in the parser's order (-h/--help and sub-command choosers aside)."""
+    return [a for a in parser._actions
+            if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
+            and not HELP_FLAGS.intersection(a.option_strings)]
+
+
+def metavar(action: argparse.Action) -> str:
+    if action.nargs == 0:
+        return ""
+    if action.metavar is not None:
+        return " ".join(action.metavar) if isinstance(action.metavar, tuple) else action.metavar
+    if action.choices is not None:
+        return "{" + ",".join(str(c) for c in action.choices) + "}"
+    return action.dest.upper() if action.option_strings else action.dest
+
+
+def help_text(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    text = action.help or ""
+    if "%" in text:
+        text = parser._get_formatter()._expand_help(action)
+    rule = MACHINE_DEFAULTS.get(action.dest)
+    if rule is not None:
+        text = text.replace(f"(default: {action.default})", f"(default: {rule})")
+    return " ".join(text.split())
+
+
+def escape(text: str) -> str:
+    """Table-cell safe: no pipes breaking the row, no <word> swallowed as an HTML tag."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def describe(parser: argparse.ArgumentParser) -> list[str]:
+    text = (parser.description or "").strip("\n")
+    if not text:
+        return []
+    if issubclass(parser.formatter_class, argparse.RawDescriptionHelpFormatter):
+        return ["```text", text.rstrip(), "```", ""]
+    return [escape(" ".join(text.split())), ""]
+
+
+def render_command(command: Command) -> list[str]:
+    lines = [f"## `{command.name}`", ""]
+    if command.parser is None:
+        return lines + [f"Not documented yet: the module `{command.missing}` is not in this checkout.", ""]
+    parser = command.parser
+    lines += describe(parser)
+    actions = set(documented_actions(parser))
+    for group in parser._action_groups:
+        rows = [a for a in group._group_actions if a in actions]
+        if not rows:
+            continue
+        lines += [f"**{group.title}**", "", "| flag | value | meaning |", "| --- | --- | --- |"]
+        for action in rows:
+            flags = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{metavar(action)}` (positional)"
+            value = f"`{metavar(action)}`" if metavar(action) and action.option_strings else ""
+            lines.append(f"| {flags} | {value} | {escape(help_text(parser, action))} |")
+        lines.append("")
+    return lines
+
+
+def render(commands=COMMANDS) -> str:
+    loaded = load_commands(commands)
+    lines = ["# Command-line reference", "",
+             f"Generated from the argparse parsers by `{REGENERATE}`; do not edit by hand "
+             "(`tests/test_docs.py` fails when this page is out of date). Every command also takes `-h`/`--help`.",
+             "", "Commands:", ""]
+    lines += [f"- [`{c.name}`](#{anchor(c.name)})" for c in loaded]
+    lines.append("")
+    for command in loaded:
+        lines += render_command(command)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def anchor(title: str) -> str:
+    """GitHub's heading anchor for a heading `title` in backticks."""
+    kept = "".join(ch for ch in title.lower() if ch.isalnum() or ch in " -_")
+    return kept.replace(" ", "-")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true",
+                        help="compare instead of writing; exit 1 when the file is out of date (default: write)")
+    parser.add_argument("--output", type=Path, default=OUTPUT, metavar="PATH",
+                        help="the Markdown file (default: docs/cli.md)")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = args.output.read_text(encoding="utf-8") if args.output.is_file() else None
+        if current != text:
+            print(f"{args.output} is out of date: run `{REGENERATE}`", file=sys.stderr)
+            return 1
+        return 0
+    args.output.write_text(text, encoding="utf-8")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
