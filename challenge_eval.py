@@ -10,11 +10,9 @@ import sys
 from pathlib import Path
 
 from tools import cli, options
-from tools.analysis import summary_lines, write_analysis
 from tools.errors import UserError
-from tools.report import write_report
+from tools.shards import write_challenge_shard
 from tools.challenge import list_challenge_files, load_challenge_data, run_challenge
-from tools.provenance import write_json_atomic
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,22 +48,16 @@ def main(args: argparse.Namespace) -> int:
     data = load_challenge_data(list_challenge_files(args.data_path, args.workers), args.workers,
                                options.cache_dir_from_args(args), config.progress, config.mask_arithmetic)
     loaded = options.model_from_args(args)
-    result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume)
+    result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume, shard=args.shard)
+    if args.shard is not None:
+        path = write_challenge_shard(args.output_dir, args.shard, result.key, result,
+                                     args.shard.take(len(data.foregrounds)), data, args.data_path, loaded.num_classes)
+        print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")
+        return 0
     if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
         return 0
-    print("\n".join(result.lines()))
-    analysis = None
-    if args.full:
-        result.write_full_outputs(args.output_dir, args.data_path, loaded.num_classes)
-        if args.analysis:
-            analysis = write_analysis(args.output_dir, args.data_path, args.top_k)
-            print("\n".join(summary_lines(analysis)))
-    if args.per_foreground_csv is not None:
-        result.write_per_foreground_csv(args.per_foreground_csv)
-    if args.results_file is not None:
-        write_json_atomic(args.results_file, result.to_json())
-    if args.report is not None:
-        write_report(args.report, challenge=result.to_json(), analysis=analysis)
+    print("\n".join(result.publish(args.output_dir, args.data_path, loaded.num_classes, args.analysis, args.top_k,
+                                   args.per_foreground_csv, args.results_file, args.report)))
     return 0
 
 

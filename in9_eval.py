@@ -8,12 +8,11 @@ import sys
 from pathlib import Path
 
 from tools import cli, options
-from tools.categories import CATEGORY_VARIATIONS, format_categories, prediction_categories
-from tools.report import write_report
+from tools.categories import CATEGORY_VARIATIONS
 from tools.evaluate import list_in9_files, run_in9
 from tools.in9 import VARIATIONS
-from tools.provenance import write_json_atomic
 from tools.runtime import default_batch_size
+from tools.shards import write_in9_shard
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,19 +37,15 @@ def main(args: argparse.Namespace) -> int:
     files = list_in9_files(args.data_path, names, args.workers)  # every data check before any model is built
     loaded = options.model_from_args(args)
     run = run_in9(loaded, runtime, files, names, args.batch_size or default_batch_size(runtime.device),
-                  args.workers, args.output_dir, args.resume, not args.no_progress)
+                  args.workers, args.output_dir, args.resume, not args.no_progress, args.shard)
+    if args.shard is not None:
+        path = write_in9_shard(args.output_dir, args.shard, run.key, run,
+                               {name: result.predictions for name, result in run.results.items()})
+        print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")
+        return 0
     if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
         return 0
-    print("\n".join(run.lines()))
-    payload = run.to_json()
-    if args.categories:
-        categories = prediction_categories(*(run.results[v] for v in CATEGORY_VARIATIONS.values()))
-        print(format_categories(categories))
-        payload["categories"] = categories
-    if args.results_file is not None:
-        write_json_atomic(args.results_file, payload)
-    if args.report is not None:
-        write_report(args.report, in9=payload, categories=payload.get("categories"))
+    print("\n".join(run.publish(args.categories, args.results_file, args.report)))
     return 0
 
 

@@ -32,6 +32,7 @@ COMMANDS = (
     ("python -m tools.report", "tools.report:build_parser"),
     ("python train.py", "train:build_parser"),
     ("python -m tools.zoo", "tools.zoo:build_parser"),
+    ("python -m tools.merge", "tools.merge:build_parser"),
 )
 
 # Flags whose default is computed on the machine that builds the parser: the rule, written instead of the value.

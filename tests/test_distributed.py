@@ -77,3 +77,22 @@ def test_in9_two_processes_equal_one(setup, tmp_path):
     two = run("in9_eval.py", tmp_path / "n2", 2, *args)
     assert one == two and one.startswith("Accuracy on original is ")
     assert results(tmp_path / "n1") == results(tmp_path / "n2")
+
+
+def test_zoo_two_processes_equal_one(setup, tmp_path):
+    data, models = setup
+    outputs = []
+    for n in (1, 2):
+        out = tmp_path / f"zoo{n}"
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+        command = [*(launcher if n > 1 else [sys.executable]), "-m", "tools.zoo", "--models",
+                   f"file:{models['color']}", "--data-path", str(data), "--device", "cpu", "--no-progress",
+                   "--no-cache", "--batch-size", "5", "--output-dir", str(out), "--log-level", "WARNING"]
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (path,) = (out / "models").glob("*.json")
+        payload = json.loads(path.read_text())
+        payload["challenge"] = {k: v for k, v in payload["challenge"].items() if k not in TIMING}
+        outputs.append(payload)
+    assert outputs[0] == outputs[1]

@@ -20,6 +20,7 @@ from tools.models import LoadedModel
 from tools.hashing import fingerprint
 from tools.provenance import provenance, write_json_atomic
 from tools.runtime import Forward, Runtime
+from tools.shards import Shard
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +103,15 @@ class _Resume:
 def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names: Sequence[str], batch_size: int,
                         workers: int, state_path: Path | None = None, resume: bool = False,
                         state_key: dict | None = None, progress: bool = True,
-                        listings: dict[str, list[layout.ImageRecord]] | None = None) -> dict[str, VariationResult]:
+                        listings: dict[str, list[layout.ImageRecord]] | None = None,
+                        shard: Shard | None = None) -> dict[str, VariationResult]:
     """Predict every image of the named variations in one stream of batches; results keyed by variation.
 
     `listings` are the variations' records when the caller has already listed them."""
     root = Path(root)
     if listings is None:
         listings = {name: layout.list_variation(root, name) for name in names}
-    resumer = _Resume(state_path, state_key or {}, resume)
+    resumer = _Resume(state_path if shard is None else None, state_key or {}, resume)
     results: dict[str, VariationResult] = {}
     todo = []
     for name in names:
@@ -128,8 +130,12 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     to_in9 = PredictionMap(loaded.num_classes)
     all_paths = [p for _, relpaths, _ in todo for p in relpaths]
     bounds = np.cumsum([0] + [len(relpaths) for _, relpaths, _ in todo])
-    if runtime.group.distributed:
-        predictions = _predict_shared(root, all_paths, batch_size, workers, runtime, forward, to_in9, progress)
+    if runtime.group.distributed or shard is not None:
+        share = shard or Shard(runtime.group.rank, runtime.group.world_size)
+        predictions = _predict_share(root, all_paths, batch_size, workers, runtime, forward, to_in9, progress, share)
+        if shard is not None:  # this shard's predictions alone, the others' left as -2: for tools.merge
+            return {name: VariationResult(name, relpaths, labels, predictions[lo:hi])
+                    for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:])}
         for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:]):
             results[name] = VariationResult(name, relpaths, labels, predictions[lo:hi])
             if runtime.group.is_main:
@@ -155,17 +161,17 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     return {name: results[name] for name in names}
 
 
-def _predict_shared(root: Path, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
-                    forward: Forward, to_in9: PredictionMap, progress: bool) -> np.ndarray:
-    """Under torchrun: the stream's batches dealt out in turn (batch i to rank i mod N), each image predicted in
-    the very batch one process would put it in, and every prediction gathered into every process."""
-    group = runtime.group
-    starts = list(range(0, len(relpaths), batch_size))[group.rank::group.world_size]
+def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
+                   forward: Forward, to_in9: PredictionMap, progress: bool, share: Shard) -> np.ndarray:
+    """The stream's batches dealt out in turn (batch i to share i mod N), each image predicted in the very batch
+    one process would put it in; under torchrun every prediction is then gathered into every process, and an
+    independent shard keeps -2 where others predict."""
+    starts = list(range(0, len(relpaths), batch_size))[share.index::share.count]
     encoded = np.zeros(len(relpaths), np.int64)  # prediction + 2 where this process predicted, else 0
     with tqdm(total=len(relpaths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True) as bar:
         for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(), starts):
             encoded[start:start + batch.shape[0]] = to_in9(forward(runtime.to_device(batch))).cpu().numpy() + 2
-            bar.update(batch.shape[0] * group.world_size)
+            bar.update(batch.shape[0] * share.count)
     device = runtime.device if runtime.device.type == "cuda" else None
     return distributed.all_reduce(encoded, "sum", device) - 2
 
@@ -176,6 +182,7 @@ class In9Run:
 
     results: dict[str, VariationResult]
     provenance: dict
+    key: dict | None = None  # the run's identity (data, model, settings): the same for every shard of one run
 
     @property
     def bg_gap(self) -> float | None:
@@ -187,6 +194,23 @@ class In9Run:
         payload["bg_gap"] = None if gap is None else round(gap, 4)
         payload["provenance"] = self.provenance
         return payload
+
+    def publish(self, categories: bool = False, results_file: Path | None = None,
+                report: Path | None = None) -> list[str]:
+        """Write what in9_eval.py writes (and tools.merge for shards); returns the lines to print."""
+        from tools.categories import CATEGORY_VARIATIONS, format_categories, prediction_categories  # noqa: PLC0415
+        from tools.report import write_report  # noqa: PLC0415
+        lines = self.lines()
+        payload = self.to_json()
+        if categories:
+            counts = prediction_categories(*(self.results[v] for v in CATEGORY_VARIATIONS.values()))
+            lines.append(format_categories(counts))
+            payload["categories"] = counts
+        if results_file is not None:
+            write_json_atomic(results_file, payload)
+        if report is not None:
+            write_report(report, in9=payload, categories=payload.get("categories"))
+        return lines
 
     def lines(self) -> list[str]:
         """The original's accuracy line per variation; with several, a table and the BG-gap too."""
@@ -218,13 +242,16 @@ def list_in9_files(root: Path, names: Sequence[str], workers: int = 4) -> In9Fil
 
 
 def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, names: Sequence[str], batch_size: int,
-            workers: int, output_dir: Path | None = None, resume: bool = False, progress: bool = True) -> In9Run:
-    """Evaluate the variations and gather the provenance a results file cites (`files`: listed, or the folder)."""
+            workers: int, output_dir: Path | None = None, resume: bool = False, progress: bool = True,
+            shard: Shard | None = None) -> In9Run:
+    """Evaluate the variations and gather the provenance a results file cites (`files`: listed, or the folder).
+
+    shard: predict only that share (tools.shards); the predictions of the others are -2, for tools.merge."""
     if not isinstance(files, In9Files):
         files = list_in9_files(files, names, workers)
     key = {"data": files.fingerprint, "model_sha256": loaded.sha256, "normalization": loaded.normalization,
            "precision": runtime.precision.value, "num_classes": loaded.num_classes}
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
     results = evaluate_variations(loaded, runtime, files.root, names, batch_size, workers, state_path, resume, key,
-                                  progress, files.listings)
-    return In9Run(results, provenance(runtime.describe(), loaded.describe(), files.fingerprint))
+                                  progress, files.listings, shard)
+    return In9Run(results, provenance(runtime.describe(), loaded.describe(), files.fingerprint), key)

@@ -20,6 +20,7 @@ from tools.in9 import Normalization
 from tools.checkpoints import program_kind
 from tools.models import DEFAULT_ARCH, LoadedModel, TIMM_PREFIX
 from tools.sources import load_model
+from tools.shards import shard_spec
 from tools.runtime import Precision, Runtime, resolve_device, seed_everything
 from tools.threads import default_workers
 
@@ -89,6 +90,10 @@ def add_running_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
     run.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
     run.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
+    run.add_argument("--shard", type=shard_spec, default=None, metavar="I/N",
+                     help="do share I of N (0-based) of the run, with no process group (a SLURM array, separate "
+                          "machines), and write shard results under --output-dir for `python -m tools.merge`; "
+                          "not under torchrun, which shares the work itself (default: the whole run)")
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,6 +160,9 @@ def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtim
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, not {args.workers}")
     group = distributed.from_environment()
+    if group.distributed and getattr(args, "shard", None) is not None:
+        raise UserError("--shard splits a run between separate launches; under torchrun the processes share the "
+                        "work already: drop --shard")
     device = resolve_device(args.device)
     if group.distributed:
         device = group.device(device)

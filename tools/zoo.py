@@ -191,7 +191,8 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
                 outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
                 continue
             payload = evaluate_model(spec, settings, runtime, output_dir, progress)
-            write_json_atomic(path, payload)
+            if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes
+                write_json_atomic(path, payload)
             outcomes.append(Outcome(spec.text, "done", path, summary=_summary(payload)))
         except UserError as exc:
             log.error("%s: %s", spec.text, exc)
@@ -258,16 +259,16 @@ def _main(args: argparse.Namespace) -> int:
         rows = build_leaderboard(args.leaderboard_only, not args.no_published)
         print(f"Leaderboard of {len(rows)} rows: {Path(args.leaderboard_only) / MARKDOWN_FILE}")
         return 0
-    if args.data_path is None:
-        raise UserError("--data-path is required (unless --leaderboard-only)")
     specs = specs_from_args(args)
     runtime = options.runtime_from_args(args, compile=args.compile)
     settings = ZooSettings(args.data_path, options.challenge_config_from_args(args, runtime),
                            args.batch_size or default_batch_size(runtime.device), args.workers,
                            options.cache_dir_from_args(args), args.trust_checkpoint)
     outcomes = run_zoo(specs, settings, runtime, args.output_dir, progress=not args.no_progress)
-    print("\n".join(_outcome_line(o) for o in outcomes))
     failed = [o.model for o in outcomes if o.status == "failed"]
+    if not runtime.group.is_main:
+        return EXIT_SOME_FAILED if failed else 0
+    print("\n".join(_outcome_line(o) for o in outcomes))
     print(f"{len(outcomes) - len(failed)} of {len(outcomes)} models done" +
           (f"; failed: {', '.join(failed)}" if failed else ""))
     if not args.no_leaderboard and (Path(args.output_dir) / MODELS_FOLDER).is_dir():

@@ -25,6 +25,14 @@ class ChallengeFiles:
     backgrounds: list[layout.ImageRecord]
     fingerprint: dict
 
+    @property
+    def fg_labels(self) -> np.ndarray:
+        return np.array([r.label for r in self.foregrounds], dtype=np.int64)
+
+    @property
+    def bg_labels(self) -> np.ndarray:
+        return np.array([r.label for r in self.backgrounds], dtype=np.int64)
+
 
 @dataclass
 class ChallengeData:
@@ -45,6 +53,13 @@ class ChallengeData:
     @property
     def bg_labels(self) -> np.ndarray:
         return np.array([r.label for r in self.backgrounds], dtype=np.int64)
+
+    def foreground_subset(self, indices: np.ndarray) -> "ChallengeData":
+        """The same data with only these foregrounds (a --shard's share), backgrounds unchanged."""
+        idx = torch.from_numpy(np.asarray(indices, dtype=np.int64))
+        return ChallengeData([self.foregrounds[i] for i in indices], self.backgrounds,
+                             self.fg_images.index_select(0, idx), self.masks.index_select(0, idx), self.bg_images,
+                             self.fingerprint, self.arithmetic)
 
     def to(self, device: torch.device) -> "ChallengeData":
         return ChallengeData(self.foregrounds, self.backgrounds, self.fg_images.to(device), self.masks.to(device),

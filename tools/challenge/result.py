@@ -10,23 +10,25 @@ from pathlib import Path
 import numpy as np
 
 from tools.analysis import (BACKGROUND_COLUMNS, BACKGROUNDS_FILE, FOREGROUND_COLUMNS, FOREGROUNDS_FILE, META_FILE,
-                            PREDICTIONS_FILE)
-from tools.challenge.data import ChallengeData
+                            PREDICTIONS_FILE, summary_lines, write_analysis)
+from tools.challenge.data import ChallengeData, ChallengeFiles
 from tools.challenge.scheduler import Criterion
 from tools.challenge.state import VULNERABLE, SearchState
 from tools.in9 import class_names
 from tools.provenance import write_json_atomic
+from tools.report import write_report
 
 
 @dataclass
 class ChallengeResult:
-    data: ChallengeData
+    data: ChallengeData | ChallengeFiles  # what was searched: its records and labels
     state: SearchState
     criterion: Criterion
     provenance: dict
     rechecked: int = 0
     recheck_changed: int = 0
     unsure: int | None = None  # verdicts resting on a margin below the sure threshold (reduced precision)
+    key: str = ""  # the run's identity (data, model, settings): the same for every shard of one run
 
     @property
     def vulnerable(self) -> int:
@@ -100,3 +102,22 @@ class ChallengeResult:
         write_json_atomic(output_dir / META_FILE,
                           {"data_path": str(Path(data_path).resolve()), "criterion": self.criterion.value,
                            "num_classes": num_classes, "provenance": self.provenance})
+
+    def publish(self, output_dir: Path, data_path: Path, num_classes: int, analysis: bool = False, top_k: int = 5,
+                per_foreground_csv: Path | None = None, results_file: Path | None = None,
+                report: Path | None = None) -> list[str]:
+        """Write what challenge_eval.py writes (and tools.merge for shards); returns the lines to print."""
+        lines = self.lines()
+        summary = None
+        if self.state.matrix is not None:
+            self.write_full_outputs(output_dir, data_path, num_classes)
+            if analysis:
+                summary = write_analysis(output_dir, data_path, top_k)
+                lines += summary_lines(summary)
+        if per_foreground_csv is not None:
+            self.write_per_foreground_csv(per_foreground_csv)
+        if results_file is not None:
+            write_json_atomic(results_file, self.to_json())
+        if report is not None:
+            write_report(report, challenge=self.to_json(), analysis=summary)
+        return lines

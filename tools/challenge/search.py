@@ -19,6 +19,7 @@ from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState
 from tools.models import LoadedModel
 from tools.provenance import provenance
 from tools.runtime import Runtime
+from tools.shards import Shard
 
 log = logging.getLogger(__name__)
 
@@ -233,17 +234,23 @@ def _run_key(data: ChallengeData, loaded: LoadedModel, runtime: Runtime, config:
 
 def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | ChallengeFiles | Path,
                   config: ChallengeConfig, output_dir: Path | None = None, resume: bool = False, workers: int = 4,
-                  cache_dir: Path | None = None, sure_margin: float = 1.0) -> ChallengeResult:
+                  cache_dir: Path | None = None, sure_margin: float = 1.0, shard: Shard | None = None
+                  ) -> ChallengeResult:
     """The challenge's verdict for every foreground, exactly as an exhaustive search would give it.
 
     `data`: decoded data (`load_challenge_data`), listed files, or the data folder (decoded here with
-    `config.mask_arithmetic`, through `cache_dir`)."""
+    `config.mask_arithmetic`, through `cache_dir`). `shard`: search only that share of the foregrounds
+    (tools.shards); the result then covers those alone."""
     if not isinstance(data, ChallengeData):
         data = load_challenge_data(data, workers, cache_dir, config.progress, config.mask_arithmetic)
+    key = _run_key(data, loaded, runtime, config)
+    state_name = STATE_NAME
+    if shard is not None:
+        data = data.foreground_subset(shard.take(len(data.foregrounds)))
+        state_name = f"{Path(STATE_NAME).stem}-shard-{shard.index}-of-{shard.count}.npz"
     data = data.to(runtime.device)
     predictor = CompositePredictor(loaded, runtime, data, config.batch_size, config.recheck_margin)
-    key = _run_key(data, loaded, runtime, config)
-    state_path = Path(output_dir) / STATE_NAME if output_dir is not None else None
+    state_path = Path(output_dir) / state_name if output_dir is not None else None
     if resume and state_path is not None and state_path.is_file():
         state = SearchState.load(state_path, key)
         log.info("resuming from %s: %d composites already evaluated", state_path, state.evaluated)
@@ -269,4 +276,5 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
     if not runtime.exact:
         threshold = config.recheck_margin if config.recheck_margin > 0 else sure_margin
         unsure = int((state.min_margin < threshold).sum())
-    return ChallengeResult(data, state, config.criterion, info, predictor.rechecked, predictor.recheck_changed, unsure)
+    return ChallengeResult(data, state, config.criterion, info, predictor.rechecked, predictor.recheck_changed, unsure,
+                           key)

@@ -1,0 +1,111 @@
+"""--shard I/N and `python -m tools.merge`: the merged shards give what one run gives."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import challenge_eval
+import in9_eval
+from tests.conftest import run_in_process, save_torchscript
+from tools import cli, merge, synthetic
+
+TIMING = ("wall_time_s", "composites_per_s", "composites_evaluated")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shards")
+    data = synthetic.generate(root / "bg", per_class=3, seed=5).root
+    model = root / "color.ts"
+    save_torchscript(synthetic.ColorEvidenceModel(9), model)
+    return data, model
+
+
+def script(module, capsys, *args):
+    argv = [str(a) for a in args] + ["--device", "cpu", "--no-progress", "--log-level", "WARNING"]
+    return run_in_process(lambda a: cli.run_main(module.build_parser(), module.main, a), argv, capsys)
+
+
+def results(path: Path) -> dict:
+    payload = json.loads(path.read_text())
+    return {k: v for k, v in payload.items() if k not in TIMING}
+
+
+def vulnerable_column(path: Path) -> list[tuple[str, str]]:
+    with open(path, newline="") as fh:
+        return [(row["stem"], row["vulnerable"]) for row in csv.DictReader(fh)]
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_merged_challenge_shards_equal_one_run(full, setup, tmp_path, capsys):
+    data, model = setup
+    common = ["--data-path", data, "--checkpoint", model, "--no-cache", "--batch-size", 5] + (["--full"] if full else [])
+    for index in range(3):
+        code, out, err = script(challenge_eval, capsys, *common, "--output-dir", tmp_path / "shards", "--shard",
+                                f"{index}/3")
+        assert code == 0, err
+        assert out.startswith(f"shard {index}/3 written to ")
+    extra = ["--analysis"] if full else []
+    code, merged_out, err = run_in_process(merge.main, [str(tmp_path / "shards"), "--results-file",
+                                                        str(tmp_path / "merged.json"), "--per-foreground-csv",
+                                                        str(tmp_path / "merged.csv"), *extra], capsys)
+    assert code == 0, err
+    code, one_out, err = script(challenge_eval, capsys, *common, "--output-dir", tmp_path / "one", "--results-file",
+                                tmp_path / "one.json", "--per-foreground-csv", tmp_path / "one.csv", *extra)
+    assert code == 0, err
+    assert merged_out == one_out and one_out.startswith("Summary: ")
+    merged, one = results(tmp_path / "merged.json"), results(tmp_path / "one.json")
+    if full:  # every pair: the same matrix, so the same everything
+        assert merged == one
+        assert (tmp_path / "merged.csv").read_text() == (tmp_path / "one.csv").read_text()
+        assert np.array_equal(np.load(tmp_path / "shards" / "predictions.npy"),
+                              np.load(tmp_path / "one" / "predictions.npy"))
+        for name in ("asr.csv", "top_backgrounds.csv", "asr_histogram.csv"):
+            assert (tmp_path / "shards" / name).read_text() == (tmp_path / "one" / name).read_text()
+    else:  # the verdicts and counts; the first fooling background found may differ (the search order)
+        assert merged == one
+        assert vulnerable_column(tmp_path / "merged.csv") == vulnerable_column(tmp_path / "one.csv")
+
+
+def test_merged_in9_shards_equal_one_run(setup, tmp_path, capsys):
+    data, model = setup
+    common = ["--data-path", data, "--checkpoint", model, "--eval-dataset", "all", "--batch-size", 5]
+    for index in range(2):
+        code, out, err = script(in9_eval, capsys, *common, "--output-dir", tmp_path / f"s{index}", "--shard",
+                                f"{index}/2")
+        assert code == 0, err
+    code, merged_out, err = run_in_process(merge.main, [str(tmp_path / "s0"), str(tmp_path / "s1"), "--categories",
+                                                        "--results-file", str(tmp_path / "merged.json")], capsys)
+    assert code == 0, err
+    code, one_out, err = script(in9_eval, capsys, *common, "--categories", "--output-dir", tmp_path / "one",
+                                "--results-file", tmp_path / "one.json")
+    assert code == 0, err
+    assert merged_out == one_out and one_out.startswith("Accuracy on original is ")
+    assert json.loads((tmp_path / "merged.json").read_text()) == json.loads((tmp_path / "one.json").read_text())
+
+
+def test_merge_refuses_incomplete_or_foreign_shards(setup, tmp_path, capsys):
+    data, model = setup
+    common = ["--data-path", data, "--checkpoint", model, "--eval-dataset", "only_fg"]
+    script(in9_eval, capsys, *common, "--output-dir", tmp_path / "a", "--shard", "0/2")
+    code, _, err = run_in_process(merge.main, [str(tmp_path / "a")], capsys)
+    assert code == 2 and err.splitlines()[-1].startswith("error: in9 shards of 2: missing shard(s) 1")
+    script(in9_eval, capsys, *common[:-1], "original", "--output-dir", tmp_path / "b", "--shard", "1/2")
+    code, _, err = run_in_process(merge.main, [str(tmp_path / "a"), str(tmp_path / "b")], capsys)
+    assert code == 2 and "come from different runs" in err.splitlines()[-1]
+    code, _, err = run_in_process(merge.main, [str(tmp_path / "nowhere")], capsys)
+    assert code == 2 and "is not a folder" in err
+
+
+def test_shard_is_refused_under_torchrun(setup, tmp_path, capsys, monkeypatch):
+    data, model = setup
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, _, err = script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--shard", "0/2",
+                          "--output-dir", tmp_path)
+    assert code == 2 and "drop --shard" in err.splitlines()[-1]

@@ -1,0 +1,114 @@
+"""`python -m tools.merge DIR...`: the shards of one run (`--shard I/N`, see tools.shards) merged into the
+outputs one process would have written: the summary lines, the results JSON, and for the challenge the
+per-foreground CSV and the --full matrix (with --analysis, its analysis); for in9 the prediction categories."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tools import layout
+from tools.challenge.data import ChallengeFiles
+from tools.challenge.result import ChallengeResult
+from tools.challenge.scheduler import Criterion
+from tools.challenge.state import SearchState
+from tools.cli import add_log_level_argument, run_main
+from tools.errors import UserError
+from tools.evaluate import In9Run, VariationResult
+from tools.shards import find_shards
+
+KINDS = ("challenge", "in9")
+
+
+def merge_challenge(shards: list[tuple[Path, dict]]) -> tuple[ChallengeResult, Path, int]:
+    """The whole run's result from its shards; with the data path and class count the outputs need."""
+    first = shards[0][1]
+    foregrounds = [layout.ForegroundRecord(stem, label, image, mask) for stem, label, image, mask in first["foregrounds"]]
+    backgrounds = [layout.ImageRecord(relpath, label) for relpath, label in first["backgrounds"]]
+    results = first["results"]
+    files = ChallengeFiles(Path(first["data_path"]), foregrounds, backgrounds, results["provenance"]["data"])
+    arrays = [np.load(path.with_suffix(".npz")) for path, _ in shards]
+    state = SearchState.fresh(len(foregrounds), len(backgrounds), arrays[0]["bg_pred"], bool(results["full"]))
+    for z in arrays:
+        rows = z["indices"]
+        state.verdict[rows], state.fool_bg[rows], state.fool_pred[rows] = z["verdict"], z["fool_bg"], z["fool_pred"]
+        state.min_margin[rows] = z["min_margin"]
+        if state.matrix is not None:
+            state.matrix[rows] = z["matrix"]
+    metas = [meta["results"] for _, meta in shards]
+    state.evaluated = sum(m["composites_evaluated"] for m in metas)
+    state.elapsed = max(m["wall_time_s"] for m in metas)
+    unsure = None if results["unsure_verdicts"] is None else sum(m["unsure_verdicts"] for m in metas)
+    result = ChallengeResult(files, state, Criterion(results["criterion"]), results["provenance"],
+                             sum(m["rechecked_fp32"] for m in metas), sum(m["recheck_changed"] for m in metas),
+                             unsure, first["key"])
+    return result, files.root, int(first["num_classes"])
+
+
+def merge_in9(shards: list[tuple[Path, dict]]) -> In9Run:
+    """The whole run's predictions from its shards: every image predicted by exactly one of them."""
+    first = shards[0][1]
+    results = {}
+    for name, variation in first["variations"].items():
+        encoded = np.zeros(len(variation["predictions"]), np.int64)
+        for _, meta in shards:
+            encoded += np.asarray(meta["variations"][name]["predictions"], np.int64) + 2
+        if (encoded < 0).any() or not np.isin(encoded, np.arange(1, 12)).all():
+            raise UserError(f"the in9 shards do not cover {name} exactly once; rerun them")
+        results[name] = VariationResult(name, variation["relpaths"], np.asarray(variation["labels"], np.int64),
+                                        encoded - 2)
+    return In9Run(results, first["provenance"], first["key"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tools.merge", description=__doc__)
+    parser.add_argument("folders", nargs="+", type=Path, metavar="DIR",
+                        help="the --output-dir of every shard (one folder may hold them all)")
+    parser.add_argument("--kind", choices=KINDS, default=None,
+                        help="which run to merge when the folders hold shards of both (default: the one found)")
+    parser.add_argument("--output-dir", type=Path, default=None, metavar="DIR",
+                        help="where the --full matrix and analysis go (default: the first DIR)")
+    parser.add_argument("--results-file", type=Path, default=None, metavar="PATH",
+                        help="write the merged results and their provenance as JSON (default: none)")
+    parser.add_argument("--report", type=Path, default=None, metavar="PATH",
+                        help="write a Markdown report of the results (default: none)")
+    parser.add_argument("--per-foreground-csv", type=Path, default=None, metavar="PATH",
+                        help="challenge: one row per foreground, as challenge_eval.py writes it (default: none)")
+    parser.add_argument("--analysis", action="store_true",
+                        help="challenge with --full: the adversarial-background analysis (default: off)")
+    parser.add_argument("--top-k", type=int, default=5, metavar="K",
+                        help="challenge: backgrounds listed and drawn per class by --analysis (default: 5)")
+    parser.add_argument("--categories", action="store_true",
+                        help="in9: the prediction categories, from original, mixed_rand and only_bg_t (default: off)")
+    add_log_level_argument(parser)
+    return parser
+
+
+def _main(args: argparse.Namespace) -> int:
+    found = find_shards(args.folders)
+    kind = args.kind or (next(iter(found)) if len(found) == 1 else None)
+    if kind is None:
+        raise UserError(f"the folders hold shards of both runs ({', '.join(sorted(found))}); pass --kind")
+    if kind not in found:
+        raise UserError(f"no {kind} shards in {', '.join(map(str, args.folders))}")
+    if kind == "challenge":
+        result, data_path, num_classes = merge_challenge(found[kind])
+        if args.analysis and result.state.matrix is None:
+            raise UserError("--analysis needs the whole prediction matrix: the shards ran without --full")
+        lines = result.publish(args.output_dir or args.folders[0], data_path, num_classes, args.analysis, args.top_k,
+                               args.per_foreground_csv, args.results_file, args.report)
+    else:
+        lines = merge_in9(found[kind]).publish(args.categories, args.results_file, args.report)
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(build_parser(), _main, argv, on_interrupt="rerun the same command")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

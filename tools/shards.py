@@ -1,0 +1,128 @@
+"""Independent shards (`--shard I/N`, no process group: a SLURM array, separate machines) and their merge.
+
+A challenge shard searches the foregrounds I, I+N, I+2N, ... against every background; an in9 shard
+predicts the batches I, I+N, ... of the single run's stream of batches (so every image is predicted in the
+batch one process would put it in). Each writes `challenge-shard-I-of-N.{json,npz}` or
+`in9-shard-I-of-N.json` under its --output-dir. `python -m tools.merge DIR...` (tools.merge) checks that
+the N shards belong to one run and are all there, and writes what one process would have written: the
+in9 results exactly; the challenge's verdicts, counts and --full matrix exactly, while the "first fooling
+background found" of a vulnerable foreground may differ, since each shard learns its search order from its
+own foregrounds only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tools.errors import UserError
+from tools.provenance import atomic_write, write_json_atomic
+
+CHALLENGE_PATTERN = "challenge-shard-{index}-of-{count}"
+IN9_PATTERN = "in9-shard-{index}-of-{count}.json"
+NAME = re.compile(r"^(challenge|in9)-shard-(\d+)-of-(\d+)\.json$")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This run's share: index I of N (0-based)."""
+
+    index: int
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    def take(self, items: int) -> np.ndarray:
+        """The positions of `items` things that fall to this shard: I, I+N, I+2N, ..."""
+        return np.arange(self.index, items, self.count)
+
+
+def shard_spec(text: str) -> Shard:
+    """argparse type for --shard I/N."""
+    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not match or not (0 <= int(match.group(1)) < int(match.group(2))):
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N with 0 <= I < N (e.g. 0/4 for the first of four)")
+    return Shard(int(match.group(1)), int(match.group(2)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writing a shard
+
+def write_challenge_shard(output_dir: Path, shard: Shard, key: str, result, indices: np.ndarray, files,
+                          data_path: Path, num_classes: int) -> Path:
+    """The shard's verdicts (by global foreground index) and what the merge needs to rebuild the whole run."""
+    s = result.state
+    stem = Path(output_dir) / CHALLENGE_PATTERN.format(index=shard.index, count=shard.count)
+    arrays = {"indices": indices, "verdict": s.verdict, "fool_bg": s.fool_bg, "fool_pred": s.fool_pred,
+              "min_margin": s.min_margin, "bg_pred": s.bg_pred}
+    if s.matrix is not None:
+        arrays["matrix"] = s.matrix
+    with atomic_write(stem.with_suffix(".npz"), "wb") as fh:
+        np.savez(fh, **arrays)
+    write_json_atomic(stem.with_suffix(".json"), {
+        "shard": [shard.index, shard.count], "key": key, "results": result.to_json(),
+        "num_classes": num_classes, "data_path": str(Path(data_path).resolve()),
+        "foregrounds": [[r.stem, r.label, r.image_relpath, r.mask_relpath] for r in files.foregrounds],
+        "backgrounds": [[r.relpath, r.label] for r in files.backgrounds]})
+    return stem.with_suffix(".json")
+
+
+def write_in9_shard(output_dir: Path, shard: Shard, key: dict, run, encoded: dict[str, np.ndarray]) -> Path:
+    """The shard's predictions (the others' left as -2) for every variation of the run."""
+    path = Path(output_dir) / IN9_PATTERN.format(index=shard.index, count=shard.count)
+    write_json_atomic(path, {
+        "shard": [shard.index, shard.count], "key": key, "provenance": run.provenance,
+        "variations": {name: {"relpaths": r.relpaths, "labels": r.labels.tolist(),
+                              "predictions": encoded[name].tolist()} for name, r in run.results.items()}})
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Finding and checking shards
+
+def find_shards(folders: list[Path]) -> dict[str, list[tuple[Path, dict]]]:
+    """Every shard file in the folders, by kind ("challenge", "in9"), read and checked to form whole runs."""
+    found: dict[str, list[tuple[Path, dict]]] = {}
+    for folder in folders:
+        if not Path(folder).is_dir():
+            raise UserError(f"{folder} is not a folder; pass the --output-dir of each --shard run")
+        for path in sorted(Path(folder).iterdir()):
+            match = NAME.match(path.name)
+            if match:
+                try:
+                    found.setdefault(match.group(1), []).append((path, json.loads(path.read_text())))
+                except (OSError, ValueError) as exc:
+                    raise UserError(f"cannot read shard file {path}: {exc}") from None
+    if not found:
+        raise UserError(f"no shard results (challenge-shard-I-of-N.json, in9-shard-I-of-N.json) in "
+                        f"{', '.join(map(str, folders))}; run the scripts with --shard I/N first")
+    for kind, shards in found.items():
+        _check_complete(kind, shards)
+    return found
+
+
+def _check_complete(kind: str, shards: list[tuple[Path, dict]]) -> None:
+    counts = {meta["shard"][1] for _, meta in shards}
+    if len(counts) != 1:
+        raise UserError(f"{kind} shards of different splits ({', '.join(f'N={n}' for n in sorted(counts))}); "
+                        f"merge the shards of one run")
+    count = counts.pop()
+    indices = sorted(meta["shard"][0] for _, meta in shards)
+    missing = sorted(set(range(count)) - set(indices))
+    twice = sorted({i for i in indices if indices.count(i) > 1})
+    if missing or twice:
+        problem = (f"missing shard(s) {', '.join(map(str, missing))}" if missing else "") + \
+                  ("; " if missing and twice else "") + \
+                  (f"shard(s) {', '.join(map(str, twice))} found twice" if twice else "")
+        raise UserError(f"{kind} shards of {count}: {problem}; run the missing ones (--shard I/{count}) or pass each "
+                        f"shard's folder once")
+    keys = {json.dumps(meta["key"], sort_keys=True) for _, meta in shards}
+    if len(keys) != 1:
+        raise UserError(f"the {kind} shards come from different runs (model, data or settings differ): "
+                        f"{', '.join(str(path) for path, _ in shards)}")
