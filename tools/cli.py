@@ -26,9 +26,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                       help="folder holding original/, only_fg/, ..., fg_mask/ (the release's bg_challenge/)")
 
     model = parser.add_argument_group("model")
-    model.add_argument("--arch", default="resnet50", metavar="NAME",
-                       help="torchvision classification builder name, or timm:NAME with timm installed "
-                            "(default: resnet50)")
+    model.add_argument("--arch", default=None, metavar="NAME",
+                       help="torchvision classification builder name, timm:NAME with timm installed, or "
+                            "toolkit:small_cnn (default: the architecture a trained checkpoint names, else resnet50)")
     model.add_argument("--weights", default=None, metavar="NAME",
                        help="torchvision weights name such as IMAGENET1K_V2 (default: IMAGENET1K_V1, the weights "
                             "the published numbers used, where the architecture has them; else DEFAULT)")

@@ -3,6 +3,8 @@
 Checkpoint formats, told apart by the file's contents, never by its name:
 - a TorchScript archive (`torch.jit.save`) or a `torch.export` program (`torch.export.save`, .pt2):
   used as the classifier as it is;
+- the toolkit's own trained checkpoint (`train.py`), recognised by its `format` key: the architecture and
+  the normaliser come from the file;
 - a pickle read by `torch.load(weights_only=True)`: a state dict, directly or under `model`,
   `state_dict` or `state_dict_ema` (that priority, or `--checkpoint-key`), with `module.` /
   `_orig_mod.` wrapper prefixes, or the robustness library's layout (`normalizer.new_mean/new_std`,
@@ -37,6 +39,9 @@ TIMM_PREFIX = "timm:"
 STATE_DICT_KEYS = ("model", "state_dict", "state_dict_ema")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 PUBLISHED_WEIGHTS = "IMAGENET1K_V1"  # the weights the paper's numbers used, where an architecture has them
+DEFAULT_ARCH = "resnet50"  # the paper's model, where neither --arch nor the checkpoint names one
+TRAINED_FORMAT = "bg-challenge-toolkit/1"  # the `format` value of the checkpoints train.py writes
+SMALL_CNN = "toolkit:small_cnn"  # a tiny BatchNorm-free CNN for tests, demos and smoke runs
 
 
 class PixelModel(nn.Module):
@@ -104,8 +109,28 @@ def _close(name: str, options) -> str:
     return f" (close matches: {', '.join(matches)})" if matches else ""
 
 
+class SmallCNN(nn.Module):
+    """Three strided convolutions, a 1x1 one, global average pooling and a linear head (`fc`); no BatchNorm, so one process
+    and several data-parallel ones train it to the same weights. About 10 MFLOPs per 224x224 image."""
+
+    def __init__(self, num_classes: int, width: int = 16):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 5, stride=4, padding=2), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))
+
+
 def build_architecture(arch: str, num_classes: int) -> nn.Module:
     """An untrained classifier of the architecture with `num_classes` outputs."""
+    if arch == SMALL_CNN:
+        return SmallCNN(num_classes)
     if arch.startswith(TIMM_PREFIX):
         try:
             import timm  # noqa: PLC0415 (an optional extra)
@@ -127,7 +152,7 @@ def _check_torchvision_architecture(arch: str) -> None:
                         f"classification model name, or timm:NAME with timm installed")
 
 
-def _classifier_keys(arch: str) -> list[str]:
+def classifier_keys(arch: str) -> list[str]:
     """State-dict keys whose shapes depend on the class count (the classifier), found by building both."""
     with torch.device("meta"):
         nine = build_architecture(arch, NUM_IN9_CLASSES).state_dict()
@@ -137,6 +162,8 @@ def _classifier_keys(arch: str) -> list[str]:
 
 def resolve_weights(arch: str, name: str | None):
     """The torchvision weights enum member for `--weights` (default: the published IMAGENET1K_V1)."""
+    if arch == SMALL_CNN:
+        raise UserError(f"{SMALL_CNN} has no pretrained weights; pass --checkpoint (or train it from scratch)")
     if arch.startswith(TIMM_PREFIX):
         raise UserError("pretrained timm weights are not downloaded by this toolkit; pass --checkpoint with the "
                         "weights file of the timm model")
@@ -170,6 +197,13 @@ def _download_weights(weights) -> tuple[dict, str]:
 
 # ----------------------------------------------------------------------------------------------------------
 # Checkpoints
+
+def trained_checkpoint_header(obj) -> dict | None:
+    """The toolkit's trained-checkpoint fields (arch, mean, std, ...) when `obj` is one, else None."""
+    if not isinstance(obj, Mapping) or obj.get("format") != TRAINED_FORMAT:
+        return None
+    return {k: v for k, v in obj.items() if k != "model"}
+
 
 def _archive_kind(path: Path) -> str:
     if not zipfile.is_zipfile(path):
@@ -358,11 +392,12 @@ def _load_program(path: Path, kind: str) -> nn.Module:
         raise UserError(f"cannot load the {kind} program {path}: {str(exc).splitlines()[0]}") from None
 
 
-def load_model(arch: str = "resnet50", weights: str | None = None, checkpoint: Path | str | None = None,
+def load_model(arch: str | None = None, weights: str | None = None, checkpoint: Path | str | None = None,
                in9: bool | None = None, normalize: Normalization = Normalization.AUTO, trust: bool = False,
                checkpoint_key: str | None = None) -> LoadedModel:
     """Build the classifier the command line describes, wrapped to take pixels. Strict: no silent partial loads.
 
+    arch: None means the checkpoint's own (a trained checkpoint names it), else resnet50.
     in9: True (--in9), or None to follow the checkpoint's class count.
     """
     normalizer = None
@@ -379,9 +414,22 @@ def load_model(arch: str = "resnet50", weights: str | None = None, checkpoint: P
             _check_class_count(num_classes, in9, f"the model in {path}")
             layout, arch_name = ("TorchScript" if kind == "torchscript" else "torch.export"), None
         else:
-            state = extract_state_dict(_torch_load(path, trust), checkpoint_key)
+            obj = _torch_load(path, trust)
+            header = trained_checkpoint_header(obj)
+            if header is not None:
+                if arch is not None and arch != header["arch"]:
+                    raise UserError(f"--arch {arch} contradicts checkpoint {path}, which holds a trained {header['arch']}; "
+                                    f"drop --arch")
+                arch = header["arch"]
+                log.info("trained checkpoint (%s, method %s): architecture and normaliser from the file",
+                         arch, header.get("method"))
+            arch = arch or DEFAULT_ARCH
+            state = extract_state_dict(obj, checkpoint_key)
             layout, normalizer, arch_name = state.layout, state.normalizer, arch
-            keys = _classifier_keys(arch)
+            if header is not None:
+                normalizer = (torch.tensor(header["mean"]), torch.tensor(header["std"]))
+                layout = f"trained checkpoint {TRAINED_FORMAT}"
+            keys = classifier_keys(arch)
             present = [k for k in keys if k in state.state_dict]
             if not present:
                 raise UserError(f"checkpoint {path} has no classifier keys of {arch} ({_key_list(keys)}); "
@@ -395,6 +443,7 @@ def load_model(arch: str = "resnet50", weights: str | None = None, checkpoint: P
     else:
         if in9:
             raise UserError("--in9 needs --checkpoint: there are no pretrained 9-class weights to download")
+        arch = arch or DEFAULT_ARCH
         member = resolve_weights(arch, weights)
         classifier = build_architecture(arch, NUM_IMAGENET_CLASSES)
         state, source = _download_weights(member)
