@@ -10,9 +10,13 @@ import argparse
 import sys
 
 from tools import cli, distributed
-from tools.training.config import build_parser, config_from_args
+from tools.training.config import build_parser as build_training_parser, config_from_args
 from tools.training.evaluation import evaluate_and_report
 from tools.training.loop import train
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return build_training_parser(__doc__)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -29,4 +33,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run_main(build_parser(__doc__), main))
+    sys.exit(cli.run_main(build_parser(), main))

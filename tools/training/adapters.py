@@ -80,7 +80,11 @@ def attach(model: nn.Module, config: TrainConfig, head_keys: list[str]) -> nn.Mo
                 raise UserError(f"--oft-block-size {config.oft_block_size} does not divide the input size {width} of "
                                 f"{name}; pick a divisor of it")
         adapter_config = peft.OFTConfig(oft_block_size=config.oft_block_size, target_modules=targets)
+    probe = _probe(config.seed, next(model.parameters()).device)
+    before = _logits(model, probe)
     wrapped = peft.get_peft_model(model, adapter_config)
+    _check_close(_logits(wrapped, probe), before, f"at initialisation the {config.peft.value} adapters change the "
+                                                  f"model's logits, though they start as the identity")
     for name, param in model.named_parameters():
         if name in head_keys:
             param.requires_grad_(True)
@@ -90,24 +94,34 @@ def attach(model: nn.Module, config: TrainConfig, head_keys: list[str]) -> nn.Mo
     return wrapped
 
 
+def _probe(seed: int, device: torch.device) -> torch.Tensor:
+    return torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _logits(model: nn.Module, probe: torch.Tensor) -> torch.Tensor:
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model(probe)
+    model.train(was_training)
+    return out
+
+
+def _check_close(got: torch.Tensor, expected: torch.Tensor, problem: str) -> None:
+    error = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
+    if error > MERGE_TOLERANCE:
+        raise UserError(f"{problem} ({error:.2g} relative): the installed peft computes OFT on convolutions larger "
+                        f"than 1x1 inconsistently with its merged weights; adapt 1x1 convolutions or linear modules, "
+                        f"or use --peft lora")
+
+
 def merged(model: nn.Module, config: TrainConfig) -> nn.Module:
     """The plain classifier to save: adapters merged into their modules (checked on a probe batch)."""
     if config.peft is None:
         return model
-    gen = torch.Generator().manual_seed(config.seed)
-    device = next(model.parameters()).device
-    probe = torch.randn(2, 3, 64, 64, generator=gen).to(device)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        adapted = model(probe)
-        plain = model.merge_and_unload()
-        after = plain(probe)
-    plain.train(was_training)
-    error = float((after - adapted).abs().max() / adapted.abs().max().clamp_min(1e-6))
-    if error > MERGE_TOLERANCE:
-        raise UserError(f"the merged {config.peft.value} weights compute logits {error:.2g} (relative) away from the "
-                        f"adapted model's, so the checkpoint would not be the model trained; the installed peft "
-                        f"computes OFT on convolutions larger than 1x1 inconsistently: adapt 1x1 convolutions or "
-                        f"linear modules, or use --peft lora")
+    probe = _probe(config.seed, next(model.parameters()).device)
+    adapted = _logits(model, probe)
+    plain = model.merge_and_unload()
+    _check_close(_logits(plain, probe), adapted, f"the merged {config.peft.value} weights compute other logits than "
+                                                 f"the adapted model")
     return plain

@@ -124,12 +124,13 @@ class JsonLog:
                 fh.write(json.dumps(record) + "\n")
 
 
-def _mean_across(group: distributed.ProcessGroup, *values: float) -> list[float]:
+def _sum_across(group: distributed.ProcessGroup, *values: float) -> list[float]:
+    """Per-process sums added over all processes (for the log: loss, correct answers, images)."""
     if not group.distributed:
         return list(values)
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor)
-    return (tensor / group.world_size).tolist()
+    return tensor.tolist()
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -209,14 +210,16 @@ def train(config: TrainConfig) -> TrainResult:
                 else:
                     schedule.step()
                 step += 1
-                accuracy = float((logits.argmax(1) == labels).float().mean())
-                loss_value, accuracy = _mean_across(group, loss.item(), accuracy)
-                images_seen += config.batch_size
+                local = labels.shape[0]
+                loss_sum, correct, images = _sum_across(group, loss.item() * local,
+                                                        float((logits.argmax(1) == labels).sum()), float(local))
+                loss_value, accuracy = loss_sum / images, correct / images
+                images_seen += int(images)
                 rate = images_seen / (time.perf_counter() - started)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{100 * accuracy:.1f}%", img_s=f"{rate:.1f}")
                 journal.write(step=step, epoch=epoch, loss=round(loss_value, 6), accuracy=round(accuracy, 6),
-                              lr=optimizer.param_groups[0]["lr"], images_per_s=round(rate, 2))
+                              lr=optimizer.param_groups[0]["lr"], images=int(images), images_per_s=round(rate, 2))
                 if step % config.save_every == 0 and step % steps_per_epoch:
                     save_state()
             if swa is not None and swa.active(epoch):
