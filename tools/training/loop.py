@@ -219,7 +219,8 @@ def train(config: TrainConfig) -> TrainResult:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{100 * accuracy:.1f}%", img_s=f"{rate:.1f}")
                 journal.write(step=step, epoch=epoch, loss=round(loss_value, 6), accuracy=round(accuracy, 6),
-                              lr=optimizer.param_groups[0]["lr"], images=int(images), images_per_s=round(rate, 2))
+                              lr=optimizer.param_groups[0]["lr"], images=int(images), images_per_s=round(rate, 2),
+                              time_s=round(time.perf_counter() - started, 4))
                 if step % config.save_every == 0 and step % steps_per_epoch:
                     save_state()
             if swa is not None and swa.active(epoch):
