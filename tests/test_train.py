@@ -196,3 +196,28 @@ def test_two_gloo_processes_equal_one(tiny, tmp_path):
     a, b = weights(single / CHECKPOINT_NAME), weights(double / CHECKPOINT_NAME)
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6)
+
+
+def test_ranks_share_out_exactly_the_one_process_batches():
+    from tools.training.data import StepSampler
+    whole = list(StepSampler(23, 6, seed=1, epoch=2))
+    assert len(whole) == 3 and all(len(b) == 6 for b in whole)  # 23 // 6 steps, the rest dropped
+    shards = [list(StepSampler(23, 6, seed=1, epoch=2, rank=r, world_size=3)) for r in range(3)]
+    for step, batch in enumerate(whole):
+        assert sorted(i for shard in shards for i in shard[step]) == sorted(batch)
+    assert list(StepSampler(23, 6, seed=1, epoch=2, start_step=1)) == whole[1:]  # resuming mid-epoch
+    assert list(StepSampler(23, 6, seed=1, epoch=3)) != whole  # a new order every epoch
+
+
+def test_process_group_from_torchrun_environment(monkeypatch):
+    from tools import distributed
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.from_environment() == distributed.ProcessGroup(0, 1, 0)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    group = distributed.from_environment()
+    assert (group.rank, group.world_size, group.local_rank, group.is_main, group.distributed) == (5, 8, 1, False, True)
+    assert group.device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert group.device(torch.device("cpu")) == torch.device("cpu")
