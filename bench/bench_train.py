@@ -35,7 +35,7 @@ from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.models import PixelModel, build_architecture  # noqa: E402
 from tools.runtime import Precision, Runtime, default_workers, resolve_device  # noqa: E402
 from tools.training.config import Method, TrainConfig  # noqa: E402
-from tools.training.loop import LOG_NAME, train  # noqa: E402
+from tools.training.loop import LOG_NAME, train, training_step  # noqa: E402
 
 log = logging.getLogger("bench_train")
 
@@ -79,12 +79,7 @@ def step_throughput(args: argparse.Namespace, runtime: Runtime) -> tuple[float, 
     labels = torch.randint(0, NUM_IN9_CLASSES, (args.batch_size,), generator=gen).to(runtime.device)
 
     def step() -> None:
-        with runtime.autocast():
-            logits = model(images)
-        loss = loss_fn(logits.float(), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        training_step(model, images, labels, loss_fn, optimizer, runtime)
 
     for _ in range(args.warmup):
         step()

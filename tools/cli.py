@@ -26,25 +26,13 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                       help="folder holding original/, only_fg/, ..., fg_mask/ (the release's bg_challenge/)")
 
     model = parser.add_argument_group("model")
-    model.add_argument("--arch", default=None, metavar="NAME",
-                       help="torchvision classification builder name, timm:NAME with timm installed, or "
-                            "toolkit:small_cnn (default: the architecture a trained checkpoint names, else resnet50)")
-    model.add_argument("--weights", default=None, metavar="NAME",
-                       help="torchvision weights name such as IMAGENET1K_V2 (default: IMAGENET1K_V1, the weights "
-                            "the published numbers used, where the architecture has them; else DEFAULT)")
-    model.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
-                       help="state dict, robustness-library checkpoint, TorchScript or torch.export file "
-                            "(default: none, use pretrained --weights)")
-    model.add_argument("--checkpoint-key", default=None, metavar="KEY",
-                       help="key holding the state dict (default: the first of model, state_dict, state_dict_ema)")
+    add_model_source_arguments(model)
     model.add_argument("--in9", action="store_true", default=None,
                        help="a 9-class model trained on IN-9 (default: inferred from the checkpoint)")
     model.add_argument("--normalize", type=Normalization, choices=list(Normalization), default=Normalization.AUTO,
                        metavar="{" + ",".join(n.value for n in Normalization) + "}",
                        help="normalisation inside the model: auto uses the checkpoint's normaliser buffers, else "
                             "ImageNet statistics for 1000 classes and IN-9 statistics for 9 (default: auto)")
-    model.add_argument("--trust-checkpoint", action="store_true",
-                       help="allow full unpickling of a checkpoint you trust (default: off, weights_only loading)")
 
     run = parser.add_argument_group("running")
     run.add_argument("--batch-size", type=int, default=None, metavar="N",
@@ -69,6 +57,26 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                      help="continue an interrupted run from the state in --output-dir (default: start afresh)")
     out.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
     add_log_level_argument(out)
+
+
+def add_model_source_arguments(group, random_init: bool = False) -> None:
+    """Where the model comes from: --arch, --weights, --checkpoint, --checkpoint-key, --trust-checkpoint.
+
+    random_init: --weights also takes `none` (train.py's random initialisation)."""
+    group.add_argument("--arch", default=None, metavar="NAME",
+                       help="torchvision classification builder name, timm:NAME with timm installed, or "
+                            "toolkit:small_cnn (default: the architecture a trained checkpoint names, else resnet50)")
+    none = ", or none for random initialisation" if random_init else ""
+    group.add_argument("--weights", default=None, metavar="NAME",
+                       help=f"torchvision weights name such as IMAGENET1K_V2{none} (default: IMAGENET1K_V1, the "
+                            f"weights the published numbers used, where the architecture has them; else DEFAULT)")
+    group.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
+                       help="state dict, trained checkpoint, robustness-library checkpoint, TorchScript or "
+                            "torch.export file (default: none, use pretrained --weights)")
+    group.add_argument("--checkpoint-key", default=None, metavar="KEY",
+                       help="key holding the state dict (default: the first of model, state_dict, state_dict_ema)")
+    group.add_argument("--trust-checkpoint", action="store_true",
+                       help="allow full unpickling of a checkpoint you trust (default: off, weights_only loading)")
 
 
 def add_log_level_argument(parser) -> None:

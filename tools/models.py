@@ -110,8 +110,8 @@ def _close(name: str, options) -> str:
 
 
 class SmallCNN(nn.Module):
-    """Three strided convolutions, a 1x1 one, global average pooling and a linear head (`fc`); no BatchNorm, so one process
-    and several data-parallel ones train it to the same weights. About 10 MFLOPs per 224x224 image."""
+    """Three strided convolutions, a 1x1 one, global average pooling and a linear head (`fc`). No BatchNorm,
+    so one process and several data-parallel ones train it to the same weights. About 10 MFLOPs per 224x224 image."""
 
     def __init__(self, num_classes: int, width: int = 16):
         super().__init__()
@@ -418,8 +418,8 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
             header = trained_checkpoint_header(obj)
             if header is not None:
                 if arch is not None and arch != header["arch"]:
-                    raise UserError(f"--arch {arch} contradicts checkpoint {path}, which holds a trained {header['arch']}; "
-                                    f"drop --arch")
+                    raise UserError(f"--arch {arch} contradicts checkpoint {path}, which holds a trained "
+                                    f"{header['arch']}; drop --arch")
                 arch = header["arch"]
                 log.info("trained checkpoint (%s, method %s): architecture and normaliser from the file",
                          arch, header.get("method"))

@@ -7,7 +7,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tools.cli import add_log_level_argument
+from tools.cli import add_log_level_argument, add_model_source_arguments
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, Variation
 from tools.runtime import Precision, default_workers
@@ -170,18 +170,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                       help="with --eval-data, also run the Backgrounds Challenge (default: off)")
 
     model = parser.add_argument_group("model")
-    model.add_argument("--arch", default=None, metavar="NAME",
-                       help="torchvision classification model, timm:NAME, or toolkit:small_cnn (default: the "
-                            "architecture a trained checkpoint names, else resnet50)")
-    model.add_argument("--weights", default=None, metavar="NAME",
-                       help="torchvision pretrained weights such as IMAGENET1K_V2, or none for random "
-                            "initialisation (default: IMAGENET1K_V1 where the architecture has it)")
-    model.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
-                       help="start from this state dict or trained checkpoint instead of --weights (default: none)")
-    model.add_argument("--checkpoint-key", default=None, metavar="KEY",
-                       help="key holding the state dict (default: the first of model, state_dict, state_dict_ema)")
-    model.add_argument("--trust-checkpoint", action="store_true",
-                       help="allow full unpickling of a checkpoint you trust (default: off, weights_only loading)")
+    add_model_source_arguments(model, random_init=True)
 
     method = parser.add_argument_group("method")
     method.add_argument("--method", nargs="+", type=Method, choices=list(Method), default=[Method.ERM],

@@ -104,6 +104,18 @@ def warmup_cosine(total_steps: int, warmup_steps: int):
     return factor
 
 
+def training_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, loss_fn: nn.Module,
+                  optimizer: torch.optim.Optimizer, runtime: Runtime) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward (autocast as the runtime says), loss in fp32, backward, optimiser step; (logits, loss)."""
+    with runtime.autocast():
+        logits = model(images)
+    loss = loss_fn(logits.float(), targets)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return logits, loss
+
+
 class JsonLog:
     """train_log.jsonl: one JSON object per step or event; on resume, lines past the resumed step are dropped."""
 
@@ -199,12 +211,7 @@ def train(config: TrainConfig) -> TrainResult:
                 targets = labels
                 if mixer is not None:
                     images, targets = mixer(images.float().div_(255), labels)
-                with runtime.autocast():
-                    logits = model(images)
-                loss = loss_fn(logits.float(), targets)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+                logits, loss = training_step(model, images, targets, loss_fn, optimizer, runtime)
                 if swa is not None and swa.active(epoch):
                     swa.step(optimizer)
                 else:
