@@ -138,7 +138,7 @@ def test_linear_probe_from_a_1000_class_model_trains_a_new_head_alone(tiny, imag
     out = tmp_path / "probe"
     code, stdout, err = run_train(["--data-path", tiny, "--checkpoint", imagenet_start, "--freeze", "backbone",
                                    "--epochs", 1, "--batch-size", 6, "--lr", 0.05, "--eval-data", tiny,
-                                   "--output-dir", out, *TINY], capsys)
+                                   "--eval-challenge", "--output-dir", out, *TINY], capsys)
     assert code == 0, err
     start, trained = torch.load(imagenet_start, weights_only=True), weights(out / CHECKPOINT_NAME)
     for key, value in trained.items():
@@ -150,6 +150,8 @@ def test_linear_probe_from_a_1000_class_model_trains_a_new_head_alone(tiny, imag
     assert saved["mean"] == pytest.approx([0.485, 0.456, 0.406])  # the starting point's ImageNet normalisation
     report = (out / "report.md").read_text()
     assert "Starting point" in report and "linear-probe" in report
+    challenge = json.loads((out / "eval_trained" / "challenge.json").read_text())
+    assert f"| {challenge['challenge_accuracy']:.2f}% |" in report.split("**Challenge accuracy**")[1].splitlines()[0]
     # the 1000-class start was evaluated too, through the ImageNet -> IN-9 map
     assert in9_results(out / "eval_start")["provenance"]["num_classes"] == 1000
 
@@ -194,7 +196,8 @@ def test_two_gloo_processes_equal_one(tiny, tmp_path):
     # SmallCNN has no BatchNorm, so the per-process batches see the same normalisation as the whole batch.
     common = ["--method", "bg-swap", "--epochs", "2", "--batch-size", "6", "--lr", "0.01"]
     single, double = tmp_path / "one", tmp_path / "two"
-    script = [str(REPO / "train.py"), "--data-path", str(tiny), "--weights", "none", *common, *TINY]
+    # one DataLoader worker per process: decoding in other processes must not change a batch either
+    script = [str(REPO / "train.py"), "--data-path", str(tiny), "--weights", "none", *common, *TINY, "--workers", "1"]
     subprocess.run([sys.executable, *script, "--output-dir", str(single)], env=_env(), check=True,
                    capture_output=True)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -231,3 +234,16 @@ def test_process_group_from_torchrun_environment(monkeypatch):
     assert (group.rank, group.world_size, group.local_rank, group.is_main, group.distributed) == (5, 8, 1, False, True)
     assert group.device(torch.device("cuda")) == torch.device("cuda", 1)
     assert group.device(torch.device("cpu")) == torch.device("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_channels_last_training_on_the_gpu_loads_on_the_cpu(tiny, tmp_path, capsys):
+    out = tmp_path / "gpu"
+    argv = ["--data-path", tiny, "--weights", "none", "--method", "bg-swap", "mixup", "--epochs", 2, "--batch-size", 6,
+            "--channels-last", "--output-dir", out, *TINY, "--device", "cuda"]
+    code, _, err = run_train(argv, capsys)
+    assert code == 0, err
+    saved = torch.load(out / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
+    assert saved["train_args"]["precision"] is None  # the default: bf16 autocast on CUDA
+    assert all(v.device.type == "cpu" and torch.isfinite(v).all() for v in saved["model"].values())
