@@ -68,7 +68,7 @@ def test_bg_swap_removes_the_background_reliance_erm_learns(tmp_path, capsys, on
     for method in ("erm", "bg-swap"):
         out = tmp_path / method
         code, _, err = run_train(["--data-path", root, "--method", method, "--weights", "none", "--epochs", 10,
-                                  "--batch-size", 16, "--lr", 3e-3, "--eval-data", root, "--output-dir", out, *TINY],
+                                  "--batch-size", 16, "--lr", 1e-2, "--eval-data", root, "--output-dir", out, *TINY],
                                  capsys)
         assert code == 0, err
         results[method] = in9_results(out / "eval_trained")
@@ -81,7 +81,7 @@ def test_bg_swap_removes_the_background_reliance_erm_learns(tmp_path, capsys, on
     assert erm["only_bg_t"]["accuracy"] > 60
     assert erm["bg_gap"] > 30
     # bg-swap: backgrounds alone are near chance (11.1%), and the gap is several times smaller
-    assert swap["only_bg_t"]["accuracy"] < 45
+    assert swap["only_bg_t"]["accuracy"] < 30
     assert abs(swap["bg_gap"]) * 4 < erm["bg_gap"]
     assert swap["mixed_rand"]["accuracy"] > erm["mixed_rand"]["accuracy"] + 30
 
