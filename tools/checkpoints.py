@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tools.errors import UserError
-from tools.models import DEFAULT_ARCH, build_architecture, classifier_keys
+from tools.models import DEFAULT_ARCH, TRAINED_FORMAT, build_architecture, classifier_keys, trained_checkpoint_header
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
 
 log = logging.getLogger(__name__)
@@ -279,6 +279,12 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     named = arch is not None or (isinstance(obj, Mapping) and isinstance(obj.get("arch"), str))
     arch = _architecture(obj, arch, path)
     state = extract_state_dict(obj, checkpoint_key, ignore_normalizer=normalize is not Normalization.AUTO)
+    header = trained_checkpoint_header(obj)
+    if header is not None:  # train.py's checkpoint: its architecture (above) and its normaliser
+        log.info("trained checkpoint (%s, method %s): architecture and normaliser from the file", arch,
+                 header.get("method"))
+        state.normalizer = (torch.tensor(header["mean"]), torch.tensor(header["std"]))
+        state.layout = f"trained checkpoint {TRAINED_FORMAT}"
     keys = classifier_keys(arch)
     present = [k for k in keys if k in state.state_dict]
     if not present:

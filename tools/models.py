@@ -16,7 +16,9 @@ from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, stat
 log = logging.getLogger(__name__)
 
 TIMM_PREFIX = "timm:"
-DEFAULT_ARCH = "resnet50"
+DEFAULT_ARCH = "resnet50"  # the paper's model, where neither --arch nor the checkpoint names one
+TRAINED_FORMAT = "bg-challenge-toolkit/1"  # the `format` value of the checkpoints train.py writes
+SMALL_CNN = "toolkit:small_cnn"  # a tiny BatchNorm-free CNN for tests, demos and smoke runs
 
 
 class PixelModel(nn.Module):
@@ -73,8 +75,28 @@ def close_matches(name: str, options) -> str:
     return f" (close matches: {', '.join(matches)})" if matches else ""
 
 
+class SmallCNN(nn.Module):
+    """Three strided convolutions, a 1x1 one, global average pooling and a linear head (`fc`). No BatchNorm,
+    so one process and several data-parallel ones train it to the same weights. About 10 MFLOPs per 224x224 image."""
+
+    def __init__(self, num_classes: int, width: int = 16):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 5, stride=4, padding=2), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))
+
+
 def build_architecture(arch: str, num_classes: int) -> nn.Module:
     """An untrained classifier of the architecture with `num_classes` outputs."""
+    if arch == SMALL_CNN:
+        return SmallCNN(num_classes)
     if arch.startswith(TIMM_PREFIX):
         try:
             import timm  # noqa: PLC0415 (an optional extra)
@@ -102,6 +124,13 @@ def classifier_keys(arch: str) -> list[str]:
         nine = build_architecture(arch, NUM_IN9_CLASSES).state_dict()
         full = build_architecture(arch, NUM_IMAGENET_CLASSES).state_dict()
     return [k for k in nine if nine[k].shape != full[k].shape]
+
+
+def trained_checkpoint_header(obj) -> dict | None:
+    """The toolkit's trained-checkpoint fields (arch, mean, std, method, ...) when `obj` is one, else None."""
+    if not isinstance(obj, dict) or obj.get("format") != TRAINED_FORMAT:
+        return None
+    return {k: v for k, v in obj.items() if k != "model"}
 
 
 def wrap(classifier: nn.Module, num_classes: int, normalize: Normalization, stats: tuple | None, stats_origin: str,

@@ -18,7 +18,7 @@ from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
 from tools.checkpoints import program_kind
-from tools.models import DEFAULT_ARCH, LoadedModel, TIMM_PREFIX
+from tools.models import DEFAULT_ARCH, SMALL_CNN, TIMM_PREFIX, LoadedModel
 from tools.sources import load_model
 from tools.shards import shard_spec
 from tools.runtime import Precision, Runtime, resolve_device, seed_everything
@@ -44,19 +44,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
-    model.add_argument("--arch", default=None, metavar="NAME",
-                       help=f"torchvision classification builder name, timm:NAME with timm installed, or "
-                            f"clip:ARCH/PRETRAINED (CLIP zero-shot) with open_clip_torch installed; a TorchScript or "
-                            f"export checkpoint carries its own, and so does one written by train.py "
-                            f"(default: {DEFAULT_ARCH})")
-    model.add_argument("--weights", default=None, metavar="NAME",
-                       help="torchvision weights name such as IMAGENET1K_V2 (default: IMAGENET1K_V1, the weights "
-                            "the published numbers used, where the architecture has them; else DEFAULT)")
-    model.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
-                       help="state dict, robustness-library checkpoint, TorchScript or torch.export file "
-                            "(default: none, use pretrained --weights)")
-    model.add_argument("--checkpoint-key", default=None, metavar="KEY",
-                       help="key holding the state dict (default: the first of model, state_dict, state_dict_ema)")
+    add_model_source_arguments(model)
     model.add_argument("--in9", action=argparse.BooleanOptionalAction, default=None,
                        help="a 9-class model trained on IN-9 (--in9) or a 1000-class ImageNet model (--no-in9), "
                             "checked against the checkpoint (default: inferred from the checkpoint's class count)")
@@ -64,7 +52,28 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="{" + ",".join(n.value for n in Normalization) + "}",
                        help="normalisation inside the model: auto uses the checkpoint's normaliser buffers, else "
                             "ImageNet statistics for 1000 classes and IN-9 statistics for 9 (default: auto)")
-    add_trust_argument(model)
+
+
+def add_model_source_arguments(group, random_init: bool = False) -> None:
+    """Where the model comes from: --arch, --weights, --checkpoint, --checkpoint-key, --trust-checkpoint (the
+    evaluation scripts and train.py).
+
+    random_init: --weights also takes `none` (train.py's random initialisation)."""
+    group.add_argument("--arch", default=None, metavar="NAME",
+                       help=f"torchvision classification builder name, timm:NAME with timm installed, "
+                            f"clip:ARCH/PRETRAINED (CLIP zero-shot) with open_clip_torch installed, or "
+                            f"{SMALL_CNN}; a TorchScript, export or trained checkpoint carries its own "
+                            f"(default: {DEFAULT_ARCH})")
+    none = ", or none for random initialisation" if random_init else ""
+    group.add_argument("--weights", default=None, metavar="NAME",
+                       help=f"torchvision weights name such as IMAGENET1K_V2{none} (default: IMAGENET1K_V1, the "
+                            f"weights the published numbers used, where the architecture has them; else DEFAULT)")
+    group.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
+                       help="state dict, trained checkpoint (train.py), robustness-library checkpoint, TorchScript "
+                            "or torch.export file (default: none, use pretrained --weights)")
+    group.add_argument("--checkpoint-key", default=None, metavar="KEY",
+                       help="key holding the state dict (default: the first of model, state_dict, state_dict_ema)")
+    add_trust_argument(group)
 
 
 def add_trust_argument(group) -> None:

@@ -23,7 +23,8 @@ from tools import checkpoints
 from tools.errors import UserError
 from tools.hashing import sha256_file
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
-from tools.models import DEFAULT_ARCH, LoadedModel, TIMM_PREFIX, build_architecture, check_torchvision_architecture, close_matches, torchvision_module, wrap
+from tools.models import (DEFAULT_ARCH, SMALL_CNN, TIMM_PREFIX, LoadedModel, build_architecture,
+                          check_torchvision_architecture, close_matches, torchvision_module, wrap)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
 
 def resolve_weights(arch: str, name: str | None):
     """The torchvision weights enum member for `--weights` (default: the published IMAGENET1K_V1)."""
+    if arch == SMALL_CNN:
+        raise UserError(f"{SMALL_CNN} has no pretrained weights; pass --checkpoint (or train it from scratch)")
     check_torchvision_architecture(arch)
     tv = torchvision_module()
     try:

@@ -86,12 +86,18 @@ def _save_jpeg(array: np.ndarray, path: Path, quality: int) -> None:
     Image.fromarray(array).save(path, format="JPEG", quality=quality)
 
 
+def manifest_name(split: str = SPLIT) -> str:
+    return MANIFEST_NAME if split == SPLIT else f"synthetic_{split}.json"
+
+
 def generate(root: Path, per_class: int = 4, seed: int = 0, size: int = IMAGE_SIZE, quality: int = 95,
-             min_side: int = 40, max_side: int = 150, classes: int = NUM_IN9_CLASSES) -> SyntheticDataset:
+             min_side: int = 40, max_side: int = 150, classes: int = NUM_IN9_CLASSES,
+             split: str = SPLIT) -> SyntheticDataset:
     """Write a dataset with `per_class` images per class in every variation plus fg_mask, and a manifest.
 
-    Deterministic for a given seed. The manifest (synthetic.json at the root, outside every variation)
-    records each image's box and which background each mixed image used.
+    Deterministic for a given seed. `split` names the layout's split folder (val, the release's test data;
+    train for a training set). The manifest (synthetic.json at the root for val, synthetic_<split>.json
+    otherwise, outside every variation) records each image's box and which background each mixed image used.
     """
     if per_class < 1:
         raise ValueError("per_class must be at least 1")
@@ -119,7 +125,7 @@ def generate(root: Path, per_class: int = 4, seed: int = 0, size: int = IMAGE_SI
         name = f"{rec.stem}.JPEG"
 
         def out(variation: Variation) -> Path:
-            return root / variation.value / SPLIT / folder / name
+            return root / variation.value / split / folder / name
 
         image, mask = originals[j], masks[j]
         _save_jpeg(image, out(Variation.ORIGINAL), quality)
@@ -137,13 +143,13 @@ def generate(root: Path, per_class: int = 4, seed: int = 0, size: int = IMAGE_SI
             k = int(pool[rng.integers(len(pool))])
             rec.mixed_bg[variation.value] = (records[k].stem, records[k].label)
             _save_jpeg(variations.composite(tiled[k], image, mask), out(variation), quality)
-        mask_path = root / MASK_FOLDER / SPLIT / folder / f"{rec.stem}.npy"
+        mask_path = root / MASK_FOLDER / split / folder / f"{rec.stem}.npy"
         mask_path.parent.mkdir(parents=True, exist_ok=True)
         np.save(mask_path, mask)
 
     manifest = {"seed": seed, "per_class": per_class,
                 "images": [{"stem": r.stem, "label": r.label, "box": r.box, "mixed_bg": r.mixed_bg} for r in records]}
-    (root / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
+    (root / manifest_name(split)).write_text(json.dumps(manifest, indent=1))
     return SyntheticDataset(root, records)
 
 

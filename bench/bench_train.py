@@ -1,0 +1,144 @@
+"""How close train.py's whole loop comes to the model's own training speed, for erm and bg-swap.
+
+Measures (a) images/s of the bare training step (forward, loss, backward, optimiser step) of the wrapped
+model on a uint8 batch already on the device, at the batch size, device and precision given, after a
+warm-up; and (b) images/s of whole train.py runs (tools.training.loop.train: DataLoader workers decoding,
+the background swap and the crops on the device, the step, logging, resume saves), read from the run's
+train_log.jsonl between its first and last step so that start-up is excluded. The target is (b)/(a) >= 0.85:
+the data pipeline, the swap included, must not starve the model.
+
+    python bench/bench_train.py --device cpu --arch resnet18 --per-class 20 --batch-size 16 --workers 1
+    python bench/bench_train.py --device cuda --arch resnet50 --per-class 200 --batch-size 128 --workers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    import tools  # noqa: F401
+except ImportError:  # run as `python bench/bench_train.py` from a checkout: the toolkit is one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_in9 import machine, synchronize  # noqa: E402
+from tools import synthetic  # noqa: E402
+from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for  # noqa: E402
+from tools.models import PixelModel, build_architecture  # noqa: E402
+from tools.runtime import Precision, Runtime, resolve_device  # noqa: E402
+from tools.threads import default_workers  # noqa: E402
+from tools.training.config import Method, TrainConfig  # noqa: E402
+from tools.training.loop import LOG_NAME, train, training_step  # noqa: E402
+
+log = logging.getLogger("bench_train")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-path", type=Path, default=None, metavar="DIR",
+                        help="an IN-9-style training folder to read instead of generating one (default: generate)")
+    parser.add_argument("--per-class", type=int, default=20, metavar="N",
+                        help="generated training images per class (default: 20)")
+    parser.add_argument("--arch", default="resnet18", metavar="NAME",
+                        help="architecture, random weights, 9 classes (default: resnet18)")
+    parser.add_argument("--device", default=None, metavar="DEV", help="cuda, cuda:N, mps or cpu (default: the best)")
+    parser.add_argument("--precision", type=Precision, choices=[Precision.FP32, Precision.BF16], default=None,
+                        metavar="{fp32,bf16}", help="(default: bf16 on CUDA, else fp32)")
+    parser.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
+    parser.add_argument("--batch-size", type=int, default=16, metavar="N", help="training batch size (default: 16)")
+    parser.add_argument("--workers", type=int, default=default_workers(), metavar="N",
+                        help=f"DataLoader workers (default: {default_workers()})")
+    parser.add_argument("--epochs", type=int, default=1, metavar="N", help="epochs of each timed run (default: 1)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps before (a) (default: 2)")
+    parser.add_argument("--iters", type=int, default=8, metavar="N", help="timed steps for (a) (default: 8)")
+    parser.add_argument("--methods", nargs="+", type=Method, choices=[Method.ERM, Method.BG_SWAP],
+                        default=[Method.ERM, Method.BG_SWAP], metavar="{erm,bg-swap}",
+                        help="methods timed in (b) (default: erm bg-swap)")
+    parser.add_argument("--results-file", type=Path, default=None, metavar="PATH",
+                        help="also write the figures as JSON (default: none)")
+    return parser
+
+
+def step_throughput(args: argparse.Namespace, runtime: Runtime) -> tuple[float, float]:
+    """(a): images/s of forward + loss + backward + AdamW step on a batch already on the device: from the
+    median step time (robust to a shared machine's bursts) and from the mean."""
+    mean, std = statistics_for(Normalization.IN9, NUM_IN9_CLASSES)
+    model = runtime.prepare(PixelModel(build_architecture(args.arch, NUM_IN9_CLASSES), mean, std)).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    gen = torch.Generator().manual_seed(0)
+    images = runtime.to_device(torch.randint(0, 256, (args.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8,
+                                             generator=gen))
+    labels = torch.randint(0, NUM_IN9_CLASSES, (args.batch_size,), generator=gen).to(runtime.device)
+
+    def step() -> None:
+        training_step(model, images, labels, loss_fn, optimizer, runtime)
+
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.iters):
+        synchronize(runtime.device)
+        start = time.perf_counter()
+        step()
+        synchronize(runtime.device)
+        times.append(time.perf_counter() - start)
+    return args.batch_size / statistics.median(times), args.batch_size * len(times) / sum(times)
+
+
+def loop_throughput(args: argparse.Namespace, data: Path, method: Method, out: Path) -> tuple[float, float]:
+    """(b): images/s of a whole training run after its first logged step: from the median step time and the mean."""
+    config = TrainConfig(data_path=data, output_dir=out, methods=[method], arch=args.arch, weights="none",
+                         epochs=args.epochs, batch_size=args.batch_size, device=args.device,
+                         precision=args.precision, channels_last=args.channels_last, workers=args.workers,
+                         progress=False, save_every=10**9)
+    train(config)
+    steps = [json.loads(line) for line in (out / LOG_NAME).read_text().splitlines() if '"loss"' in line]
+    if len(steps) < 3:
+        raise SystemExit(f"only {len(steps)} steps: raise --per-class or --epochs for a measurable run")
+    durations = [b["time_s"] - a["time_s"] for a, b in zip(steps, steps[1:])]
+    return args.batch_size / statistics.median(durations), args.batch_size * len(durations) / sum(durations)
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    device = resolve_device(args.device)
+    precision = args.precision or (Precision.BF16 if device.type == "cuda" else Precision.FP32)
+    runtime = Runtime(device, precision, args.channels_last)
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        data = args.data_path
+        if data is None:
+            data = Path(tmp) / "in9"
+            synthetic.generate(data, per_class=args.per_class, seed=0, split="train")
+        before = step_throughput(args, runtime)
+        loops = {m.value: loop_throughput(args, data, m, Path(tmp) / m.value) for m in args.methods}
+        after = step_throughput(args, runtime)
+    step_rate = [(b + a) / 2 for b, a in zip(before, after)]  # (median-based, mean-based)
+    results = {"machine": machine(), "arch": args.arch, "device": str(device), "precision": precision.value,
+               "batch_size": args.batch_size, "workers": args.workers,
+               "step_images_per_s": {"median_before": round(before[0], 2), "median_after": round(after[0], 2),
+                                     "median": round(step_rate[0], 2), "mean": round(step_rate[1], 2)},
+               "loop_images_per_s": {k: {"median": round(v[0], 2), "mean": round(v[1], 2)} for k, v in loops.items()},
+               "ratio": {k: {"median": round(v[0] / step_rate[0], 3), "mean": round(v[1] / step_rate[1], 3)}
+                         for k, v in loops.items()}}
+    print(f"(a) training step alone: {step_rate[0]:.1f} img/s from the median step (before {before[0]:.1f}, "
+          f"after {after[0]:.1f}); {step_rate[1]:.1f} from the mean")
+    for name, (median, mean) in loops.items():
+        print(f"(b) train.py {name}: {median:.1f} img/s from the median step, ratio {median / step_rate[0]:.2f} "
+              f"(target >= 0.85); from the mean {mean:.1f}, ratio {mean / step_rate[1]:.2f}")
+    if args.results_file is not None:
+        args.results_file.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

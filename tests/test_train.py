@@ -1,0 +1,249 @@
+"""train.py end to end on generated data: bg-swap measurably removes background reliance that erm learns;
+every method leaves a checkpoint both evaluation scripts load; kill -9 then --resume equals the uninterrupted
+run bit for bit; two torchrun processes on gloo equal one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import challenge_eval
+import in9_eval
+import train
+from conftest import run_in_process
+from tools import cli, synthetic
+from tools.models import SMALL_CNN, TRAINED_FORMAT, SmallCNN
+from tools.training.checkpoint import CHECKPOINT_NAME, STATE_NAME
+from tools.training.data import derived_seed
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--arch", SMALL_CNN, "--device", "cpu", "--no-progress", "--log-level", "WARNING", "--workers", "0"]
+
+
+def run_train(argv, capsys):
+    return run_in_process(lambda a: cli.run_main(train.build_parser(), train.main, a), [str(a) for a in argv], capsys)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Two images per class for training and two for testing, in one IN-9-style folder."""
+    root = tmp_path_factory.mktemp("tiny") / "in9"
+    synthetic.generate(root, per_class=2, seed=3, split="train")
+    synthetic.generate(root, per_class=2, seed=4)
+    return root
+
+
+@pytest.fixture(scope="module")
+def imagenet_start(tmp_path_factory):
+    """A 1000-class small CNN state dict: a stand-in for pretrained ImageNet weights."""
+    torch.manual_seed(5)
+    path = tmp_path_factory.mktemp("start") / "small_cnn_1000.pth"
+    torch.save(SmallCNN(1000).state_dict(), path)
+    return path
+
+
+def weights(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def in9_results(directory: Path) -> dict:
+    return json.loads((directory / "in9.json").read_text())
+
+
+def test_bg_swap_removes_the_background_reliance_erm_learns(tmp_path, capsys, one_thread):
+    # Every class has its own foreground colour and its own background colour: erm learns both cues,
+    # bg-swap (foregrounds pasted on random classes' backgrounds) can only learn the foreground.
+    root = tmp_path / "in9"
+    synthetic.generate(root, per_class=16, seed=0, split="train")
+    synthetic.generate(root, per_class=8, seed=1)
+    results = {}
+    for method in ("erm", "bg-swap"):
+        out = tmp_path / method
+        code, _, err = run_train(["--data-path", root, "--method", method, "--weights", "none", "--epochs", 10,
+                                  "--batch-size", 16, "--lr", 1e-2, "--eval-data", root, "--output-dir", out, *TINY],
+                                 capsys)
+        assert code == 0, err
+        results[method] = in9_results(out / "eval_trained")
+        report = (out / "report.md").read_text()
+        assert f"Method `{method}`" in report
+        assert f"| **BG-gap** (points) | – | {results[method]['bg_gap']:.2f} | – |" in report
+    erm, swap = results["erm"], results["bg-swap"]
+    assert erm["original"]["accuracy"] > 85 and swap["original"]["accuracy"] > 85
+    # erm: backgrounds alone are mostly enough, and a foreign background costs a lot
+    assert erm["only_bg_t"]["accuracy"] > 60
+    assert erm["bg_gap"] > 30
+    # bg-swap: backgrounds alone are near chance (11.1%), and the gap is several times smaller
+    assert swap["only_bg_t"]["accuracy"] < 30
+    assert abs(swap["bg_gap"]) * 4 < erm["bg_gap"]
+    assert swap["mixed_rand"]["accuracy"] > erm["mixed_rand"]["accuracy"] + 30
+
+
+METHODS = {
+    "mixup+cutmix": ["--method", "mixup", "cutmix"],
+    "bg-swap+cutmix+swa": ["--method", "bg-swap", "cutmix", "--swa", "--swa-start-epoch", "1",
+                           "--swap-same-class-prob", "0.5"],
+    "erm+lora": ["--peft", "lora", "--lora-rank", "2", "--peft-modules", "features.2", "features.6"],
+    "erm+oft": ["--peft", "oft", "--oft-block-size", "4", "--peft-modules", "features.6"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_each_method_leaves_a_checkpoint_both_scripts_load(name, tiny, tmp_path, capsys, one_thread):
+    if "lora" in name or "oft" in name:
+        pytest.importorskip("peft")
+    out = tmp_path / "run"
+    code, stdout, err = run_train(["--data-path", tiny, "--weights", "none", "--epochs", 2, "--batch-size", 6,
+                                   "--output-dir", out, *METHODS[name], *TINY], capsys)
+    assert code == 0, err
+    assert f"checkpoint: {out / CHECKPOINT_NAME}" in stdout
+    saved = torch.load(out / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
+    assert saved["format"] == TRAINED_FORMAT and saved["arch"] == SMALL_CNN and saved["num_classes"] == 9
+    assert saved["method"] == name
+    assert sorted(saved["model"]) == sorted(SmallCNN(9).state_dict())  # adapters merged: a plain state dict
+    if "lora" in name or "oft" in name:  # only the adapted modules and the head moved from the initial weights
+        torch.manual_seed(derived_seed(0, "init"))
+        initial = SmallCNN(9).state_dict()
+        adapted = {"features.2", "features.6"} if "lora" in name else {"features.6"}
+        should_move = {f"{module}.weight" for module in adapted} | {"fc.weight", "fc.bias"}  # adapters: no biases
+        moved = {key for key, value in saved["model"].items() if not torch.equal(value, initial[key])}
+        assert moved == should_move
+    assert saved["train_args"]["epochs"] == 2 and len(saved["data"]["sha256"]) == 64
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == list(range(1, 7))  # 18 images, batch 6: 3 steps x 2 epochs
+    # both evaluation scripts, with no model flags at all: architecture and normaliser come from the file
+    code, stdout, err = run_in_process(
+        lambda a: cli.run_main(in9_eval.build_parser(), in9_eval.main, a),
+        ["--data-path", str(tiny), "--checkpoint", str(out / CHECKPOINT_NAME), "--eval-dataset", "mixed_rand",
+         "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path / "e1")], capsys)
+    assert code == 0, err
+    assert stdout.startswith("Accuracy on mixed_rand is ")
+    code, stdout, err = run_in_process(
+        lambda a: cli.run_main(challenge_eval.build_parser(), challenge_eval.main, a),
+        ["--data-path", str(tiny), "--checkpoint", str(out / CHECKPOINT_NAME), "--device", "cpu", "--no-progress",
+         "--no-cache", "--output-dir", str(tmp_path / "e2")], capsys)
+    assert code == 0, err
+    assert "Challenge accuracy:" in stdout
+
+
+def test_linear_probe_from_a_1000_class_model_trains_a_new_head_alone(tiny, imagenet_start, tmp_path, capsys,
+                                                                      one_thread):
+    out = tmp_path / "probe"
+    code, stdout, err = run_train(["--data-path", tiny, "--checkpoint", imagenet_start, "--freeze", "backbone",
+                                   "--epochs", 1, "--batch-size", 6, "--lr", 0.05, "--eval-data", tiny,
+                                   "--eval-challenge", "--output-dir", out, *TINY], capsys)
+    assert code == 0, err
+    start, trained = torch.load(imagenet_start, weights_only=True), weights(out / CHECKPOINT_NAME)
+    for key, value in trained.items():
+        if key.startswith("fc."):
+            assert value.shape[0] == 9  # the new head
+        else:
+            assert torch.equal(value, start[key]), key  # the backbone is untouched
+    saved = torch.load(out / CHECKPOINT_NAME, weights_only=True)
+    assert saved["mean"] == pytest.approx([0.485, 0.456, 0.406])  # the starting point's ImageNet normalisation
+    report = (out / "report.md").read_text()
+    assert "Starting point" in report and "linear-probe" in report
+    challenge = json.loads((out / "eval_trained" / "challenge.json").read_text())
+    assert f"| {challenge['challenge_accuracy']:.2f}% |" in report.split("**Challenge accuracy**")[1].splitlines()[0]
+    # the 1000-class start was evaluated too, through the ImageNet -> IN-9 map
+    assert in9_results(out / "eval_start")["provenance"]["num_classes"] == 1000
+
+
+def _train_command(data: Path, out: Path, *extra) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), "--data-path", str(data), "--weights", "none", "--output-dir",
+            str(out), "--method", "bg-swap", "mixup", "--swa", "--swa-start-epoch", "2", "--epochs", "4",
+            "--batch-size", "2", *TINY, *extra]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def test_kill_9_then_resume_equals_the_uninterrupted_run(tiny, tmp_path):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    subprocess.run(_train_command(tiny, whole), env=_env(), check=True, capture_output=True)
+    process = subprocess.Popen(_train_command(tiny, killed, "--save-every", "1"), env=_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state, deadline = killed / STATE_NAME, time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:  # kill once a mid-run state exists (36 steps in all)
+            if state.is_file() and torch.load(state, weights_only=True)["step"] >= 5:
+                break
+            time.sleep(0.01)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert not (killed / CHECKPOINT_NAME).exists(), "the run finished before it was killed"
+    interrupted_at = torch.load(state, weights_only=True)["step"]
+    assert 5 <= interrupted_at < 36
+    subprocess.run(_train_command(tiny, killed, "--resume"), env=_env(), check=True, capture_output=True)
+    a, b = weights(whole / CHECKPOINT_NAME), weights(killed / CHECKPOINT_NAME)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(line)["step"] for line in (killed / "train_log.jsonl").read_text().splitlines()
+             if "loss" in line]
+    assert steps == list(range(1, 37))  # the log, too, reads as one run
+
+
+def test_two_gloo_processes_equal_one(tiny, tmp_path):
+    # SmallCNN has no BatchNorm, so the per-process batches see the same normalisation as the whole batch.
+    common = ["--method", "bg-swap", "--epochs", "2", "--batch-size", "6", "--lr", "0.01"]
+    single, double = tmp_path / "one", tmp_path / "two"
+    # one DataLoader worker per process: decoding in other processes must not change a batch either
+    script = [str(REPO / "train.py"), "--data-path", str(tiny), "--weights", "none", *common, *TINY, "--workers", "1"]
+    subprocess.run([sys.executable, *script, "--output-dir", str(single)], env=_env(), check=True,
+                   capture_output=True)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             *script, "--output-dir", str(double)], env=_env(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # each process took its half of every global batch: 3 + 3 images per step, 6 in all
+    log = [json.loads(line) for line in (double / "train_log.jsonl").read_text().splitlines() if "loss" in line]
+    assert [r["images"] for r in log] == [6] * 6
+    a, b = weights(single / CHECKPOINT_NAME), weights(double / CHECKPOINT_NAME)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6)
+
+
+def test_ranks_share_out_exactly_the_one_process_batches():
+    from tools.training.data import StepSampler
+    whole = list(StepSampler(23, 6, seed=1, epoch=2))
+    assert len(whole) == 3 and all(len(b) == 6 for b in whole)  # 23 // 6 steps, the rest dropped
+    shards = [list(StepSampler(23, 6, seed=1, epoch=2, rank=r, world_size=3)) for r in range(3)]
+    for step, batch in enumerate(whole):
+        assert sorted(i for shard in shards for i in shard[step]) == sorted(batch)
+    assert list(StepSampler(23, 6, seed=1, epoch=2, start_step=1)) == whole[1:]  # resuming mid-epoch
+    assert list(StepSampler(23, 6, seed=1, epoch=3)) != whole  # a new order every epoch
+
+
+def test_process_group_from_torchrun_environment(monkeypatch):
+    from tools import distributed
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.from_environment() == distributed.ProcessGroup(0, 1, 0)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    group = distributed.from_environment()
+    assert (group.rank, group.world_size, group.local_rank, group.is_main, group.distributed) == (5, 8, 1, False, True)
+    assert group.device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert group.device(torch.device("cpu")) == torch.device("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_channels_last_training_on_the_gpu_loads_on_the_cpu(tiny, tmp_path, capsys):
+    out = tmp_path / "gpu"
+    argv = ["--data-path", tiny, "--weights", "none", "--method", "bg-swap", "mixup", "--epochs", 2, "--batch-size", 6,
+            "--channels-last", "--output-dir", out, *TINY, "--device", "cuda"]
+    code, _, err = run_train(argv, capsys)
+    assert code == 0, err
+    saved = torch.load(out / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
+    assert saved["train_args"]["precision"] is None  # the default: bf16 autocast on CUDA
+    assert all(v.device.type == "cpu" and torch.isfinite(v).all() for v in saved["model"].values())

@@ -1,0 +1,120 @@
+"""train.py's bad input: one `error:` line that says what is wrong and what to do, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+import torch
+
+import in9_eval
+import train
+from conftest import run_in_process, save_torchscript
+from test_bad_input import check_error
+from tools import cli, synthetic
+from tools.models import SMALL_CNN, SmallCNN
+from tools.training.checkpoint import CHECKPOINT_NAME
+
+TINY = ["--device", "cpu", "--no-progress", "--log-level", "WARNING", "--workers", "0", "--epochs", "1",
+        "--batch-size", "6"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad") / "in9"
+    synthetic.generate(root, per_class=2, seed=7, split="train")
+    return root
+
+
+@pytest.fixture
+def copy(data, tmp_path):
+    target = tmp_path / "copy"
+    shutil.copytree(data, target)
+    return target
+
+
+@pytest.fixture
+def fails(capsys, tmp_path):
+    def go(*args) -> str:
+        argv = TINY + [str(a) for a in args]  # the test's own flags come last and win
+        if "--output-dir" not in argv:
+            argv += ["--output-dir", str(tmp_path / "out")]
+        code, out, err = run_in_process(lambda a: cli.run_main(train.build_parser(), train.main, a), argv, capsys)
+        return check_error(code, out, err, lines=None)
+    return go
+
+
+def test_bg_swap_without_masks(copy, fails):
+    shutil.rmtree(copy / "fg_mask")
+    line = fails("--data-path", copy, "--arch", SMALL_CNN, "--weights", "none", "--method", "bg-swap")
+    assert "bg-swap needs foreground masks" in line and "fg_mask is missing" in line
+
+
+def test_a_class_missing_from_the_training_folder(copy, fails):
+    shutil.rmtree(copy / "original" / "train" / "08_fish")
+    line = fails("--data-path", copy, "--arch", SMALL_CNN, "--weights", "none")
+    assert "has 8 class folders, expected 9" in line
+
+
+def test_a_head_that_does_not_fit(data, tmp_path, fails):
+    path = tmp_path / "ten.pth"
+    torch.save(SmallCNN(10).state_dict(), path)
+    line = fails("--data-path", data, "--arch", SMALL_CNN, "--checkpoint", path)
+    assert "has 10 classes" in line
+
+
+def test_an_unknown_module_for_lora(data, fails):
+    pytest.importorskip("peft")
+    line = fails("--data-path", data, "--arch", SMALL_CNN, "--weights", "none", "--peft", "lora",
+                 "--peft-modules", "layer4.*.conv2")
+    assert "'layer4.*.conv2' matches no module" in line and "features.0" in line
+
+
+def test_peft_not_installed(data, fails, monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
+    line = fails("--data-path", data, "--arch", SMALL_CNN, "--weights", "none", "--peft", "lora",
+                 "--peft-modules", "features.6")
+    assert "pip install peft" in line
+
+
+def test_oft_on_a_convolution_peft_gets_wrong_is_refused_before_training(data, fails, tmp_path):
+    peft = pytest.importorskip("peft")
+    line = fails("--data-path", data, "--arch", SMALL_CNN, "--weights", "none", "--peft", "oft",
+                 "--oft-block-size", "4", "--peft-modules", "features.2", "--output-dir", tmp_path / "oft")
+    if "at initialisation" not in line:  # a peft whose OFT is consistent on 3x3 convolutions would train fine
+        pytest.fail(f"unexpected error with peft {peft.__version__}: {line}")
+    assert not (tmp_path / "oft" / CHECKPOINT_NAME).exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--method", "erm", "mixup"], "combines with nothing"),
+    (["--batch-size", "64"], "fewer than --batch-size 64"),
+    (["--peft", "lora"], "needs --peft-modules"),
+    (["--freeze", "backbone", "--peft", "lora", "--peft-modules", "fc"], "pick one"),
+    (["--swap-prob", "1.5"], "probability in [0, 1]"),
+    (["--method", "bg-swap", "--train-variation", "mixed_rand"], "cannot be combined"),
+    (["--eval-challenge"], "add --eval-data"),
+])
+def test_contradictory_or_impossible_settings(args, words, data, fails):
+    line = fails("--data-path", data, "--arch", SMALL_CNN, "--weights", "none", *args)
+    assert words in line
+
+
+def test_a_torchscript_start_cannot_be_rebuilt(data, tmp_path, fails):
+    path = tmp_path / "model.ts"
+    save_torchscript(SmallCNN(9), path)
+    line = fails("--data-path", data, "--checkpoint", path)
+    assert "cannot be rebuilt for training" in line
+
+
+def test_evaluation_refuses_an_arch_that_contradicts_a_trained_checkpoint(data, tmp_path, capsys):
+    code, _, err = run_in_process(lambda a: cli.run_main(train.build_parser(), train.main, a),
+                                  ["--data-path", str(data), "--arch", SMALL_CNN, "--weights", "none",
+                                   "--output-dir", str(tmp_path / "run"), *TINY], capsys)
+    assert code == 0, err
+    code, out, err = run_in_process(
+        lambda a: cli.run_main(in9_eval.build_parser(), in9_eval.main, a),
+        ["--data-path", str(synthetic.generate(tmp_path / "test", per_class=1, seed=8).root), "--checkpoint",
+         str(tmp_path / "run" / CHECKPOINT_NAME), "--arch", "resnet18", "--device", "cpu", "--no-progress"], capsys)
+    assert "contradicts checkpoint" in check_error(code, out, err, lines=None)

@@ -1,0 +1,127 @@
+"""Which weights train: every one, the head alone (linear probe), or peft LoRA/OFT adapters plus the head.
+
+Adapters come from the optional `peft` package and are merged into plain weights before saving, after a
+check that the merged model computes what the adapted one did.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+
+import torch
+from torch import nn
+
+from tools.errors import UserError
+from tools.training.config import Adapter, Freeze, TrainConfig
+
+log = logging.getLogger(__name__)
+
+ADAPTABLE = (nn.Conv2d, nn.Linear)
+MERGE_TOLERANCE = 1e-3  # largest |merged - adapted| logit difference, relative to the logits' scale
+
+
+def _peft():
+    try:
+        import peft  # noqa: PLC0415 (an optional extra)
+    except ImportError:
+        raise UserError("--peft needs the peft package, which is not installed; run `pip install peft` (or "
+                        "install this project with the [peft] extra)") from None
+    return peft
+
+
+def match_modules(model: nn.Module, patterns: list[str], head: list[str]) -> list[str]:
+    """Names of the Conv2d/Linear modules matching the glob patterns; an unmatched pattern is an error."""
+    names = {name: module for name, module in model.named_modules() if name}
+    chosen: list[str] = []
+    for pattern in patterns:
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            adaptable = [n for n, m in names.items() if isinstance(m, ADAPTABLE)]
+            raise UserError(f"--peft-modules {pattern!r} matches no module of the model; its convolution and linear "
+                            f"modules are named like {', '.join(adaptable[:6])}")
+        wrong = [n for n in hits if not isinstance(names[n], ADAPTABLE)]
+        if wrong:
+            raise UserError(f"--peft-modules {pattern!r} matches {wrong[0]}, a {type(names[wrong[0]]).__name__}; "
+                            f"adapters go on Conv2d and Linear modules (e.g. {pattern}.conv2 or a narrower pattern)")
+        chosen += [n for n in hits if n not in chosen]
+    clash = [n for n in chosen if n in head]
+    if clash:
+        raise UserError(f"--peft-modules matches the classification head {clash[0]}, which trains fully anyway; "
+                        f"narrow the pattern")
+    return chosen
+
+
+def head_modules(model: nn.Module, head_keys: list[str]) -> list[str]:
+    """The modules that own the class-count-dependent parameters (the head)."""
+    return sorted({key.rsplit(".", 1)[0] for key in head_keys})
+
+
+def attach(model: nn.Module, config: TrainConfig, head_keys: list[str]) -> nn.Module:
+    """The model to train: with frozen backbone, or wrapped with adapters, or as it is."""
+    head = head_modules(model, head_keys)
+    if config.freeze is Freeze.BACKBONE:
+        for name, param in model.named_parameters():
+            param.requires_grad_(name in head_keys)
+        log.info("linear probe: training %s alone", ", ".join(head))
+        return model
+    if config.peft is None:
+        return model
+    peft = _peft()
+    targets = match_modules(model, config.peft_modules, head)
+    if config.peft is Adapter.LORA:
+        adapter_config = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_rank, target_modules=targets)
+    else:
+        for name in targets:
+            module = model.get_submodule(name)
+            width = module.in_features if isinstance(module, nn.Linear) else (
+                module.in_channels * module.kernel_size[0] * module.kernel_size[1] // module.groups)
+            if width % config.oft_block_size:
+                raise UserError(f"--oft-block-size {config.oft_block_size} does not divide the input size {width} of "
+                                f"{name}; pick a divisor of it")
+        adapter_config = peft.OFTConfig(oft_block_size=config.oft_block_size, target_modules=targets)
+    probe = _probe(config.seed, next(model.parameters()).device)
+    before = _logits(model, probe)
+    wrapped = peft.get_peft_model(model, adapter_config)
+    _check_close(_logits(wrapped, probe), before, f"at initialisation the {config.peft.value} adapters change the "
+                                                  f"model's logits, though they start as the identity")
+    for name, param in model.named_parameters():
+        if name in head_keys:
+            param.requires_grad_(True)
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    log.info("%s adapters on %d module(s) (%s); %d trainable parameters with the head", config.peft.value,
+             len(targets), ", ".join(targets[:4]) + (" ..." if len(targets) > 4 else ""), trainable)
+    return wrapped
+
+
+def _probe(seed: int, device: torch.device) -> torch.Tensor:
+    return torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _logits(model: nn.Module, probe: torch.Tensor) -> torch.Tensor:
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model(probe)
+    model.train(was_training)
+    return out
+
+
+def _check_close(got: torch.Tensor, expected: torch.Tensor, problem: str) -> None:
+    error = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
+    if error > MERGE_TOLERANCE:
+        raise UserError(f"{problem} ({error:.2g} relative): the installed peft computes OFT on convolutions larger "
+                        f"than 1x1 inconsistently with its merged weights; adapt 1x1 convolutions or linear modules, "
+                        f"or use --peft lora")
+
+
+def merged(model: nn.Module, config: TrainConfig) -> nn.Module:
+    """The plain classifier to save: adapters merged into their modules (checked on a probe batch)."""
+    if config.peft is None:
+        return model
+    probe = _probe(config.seed, next(model.parameters()).device)
+    adapted = _logits(model, probe)
+    plain = model.merge_and_unload()
+    _check_close(_logits(plain, probe), adapted, f"the merged {config.peft.value} weights compute other logits than "
+                                                 f"the adapted model")
+    return plain

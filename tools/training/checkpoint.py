@@ -1,0 +1,59 @@
+"""Files a training run writes: the trained checkpoint the evaluation scripts load, and the resume state.
+
+Both are written to a temporary file and renamed into place, so a kill at any moment leaves either the
+previous file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tools.errors import UserError
+from tools.in9 import NUM_IN9_CLASSES
+from tools.models import TRAINED_FORMAT
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "checkpoint.pt"
+STATE_NAME = "resume_state.pt"
+
+
+def save_atomic(payload, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def trained_checkpoint(classifier: nn.Module, arch: str, mean, std, method: str, data: dict, train_args: dict) -> dict:
+    """The toolkit's checkpoint format: a 9-class state dict with what is needed to rebuild and normalise it."""
+    return {"format": TRAINED_FORMAT, "arch": arch, "num_classes": NUM_IN9_CLASSES,
+            "mean": [float(v) for v in torch.as_tensor(mean).flatten()],
+            "std": [float(v) for v in torch.as_tensor(std).flatten()],
+            "model": {k: v.detach().cpu().clone() for k, v in classifier.state_dict().items()},
+            "method": method, "data": data, "train_args": train_args}
+
+
+def load_resume_state(output_dir: Path, run_key: dict) -> dict | None:
+    """The saved state of an interrupted run with the same settings, or None when there is none."""
+    path = Path(output_dir) / STATE_NAME
+    if not path.is_file():
+        log.warning("--resume: no saved state in %s, starting afresh", output_dir)
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("run_key") != run_key:
+        raise UserError(f"{path} was saved by a run with other settings or data; rerun without --resume, or with "
+                        f"another --output-dir")
+    return state

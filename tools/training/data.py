@@ -1,0 +1,170 @@
+"""Training batches: which images, in which order, with which background and crop, all from (seed, epoch, index).
+
+Workers only decode and draw each sample's random choices from its own seed, so a batch is the same with any
+number of workers, processes or restarts. The device then pastes each swapped foreground on its background
+(tools.compositing, the challenge's function) and applies the crop and flip to the composite: the label,
+the foreground and its mask stay aligned because the augmentation sees one finished image.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from tools import datasets, layout
+from tools.compositing import byte_masks, composite
+from tools.errors import UserError
+from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Variation
+from tools.training.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+TRAIN_SPLIT = "train"
+BACKGROUND_POOL = Variation.ONLY_BG_T.value  # the paper's Mixed-Rand backgrounds: tiled, no foreground left
+RATIO_RANGE = (3 / 4, 4 / 3)
+
+
+def derived_seed(*parts: int | str) -> int:
+    """A 63-bit seed from a tuple such as (seed, "order", epoch): independent streams, reproducible anywhere."""
+    words = [p if isinstance(p, int) else int.from_bytes(p.encode(), "little") for p in parts]
+    return int(np.random.SeedSequence(words).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+@dataclass
+class TrainingData:
+    """What a run trains on: image (or foreground) paths and labels, masks, and the background pool."""
+
+    root: Path
+    images: list[str]
+    labels: list[int]
+    masks: list[str] | None = None  # bg-swap: one mask per image
+    backgrounds: list[str] | None = None  # bg-swap: the only_bg_t pool
+    background_labels: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def relpaths(self) -> list[str]:
+        return self.images + (self.masks or []) + (self.backgrounds or [])
+
+
+def list_training_data(config: TrainConfig) -> TrainingData:
+    """The training folder's records for the configured variation and method, checked."""
+    root = layout.check_data_root(config.data_path)
+    if not config.swap:
+        records = layout.list_variation(root, config.train_variation, TRAIN_SPLIT)
+        return TrainingData(root, [r.relpath for r in records], [r.label for r in records])
+    if config.train_variation != Variation.ORIGINAL.value:
+        raise UserError(f"bg-swap pastes the foregrounds of original/ with their masks; --train-variation "
+                        f"{config.train_variation} cannot be combined with it (drop one of the two)")
+    try:
+        foregrounds = layout.list_foregrounds(root, TRAIN_SPLIT)
+        pool = layout.list_variation(root, BACKGROUND_POOL, TRAIN_SPLIT)
+    except UserError as exc:
+        raise UserError(f"bg-swap needs foreground masks and {BACKGROUND_POOL} backgrounds: {exc}") from None
+    return TrainingData(root, [f.image_relpath for f in foregrounds], [f.label for f in foregrounds],
+                        [f.mask_relpath for f in foregrounds], [r.relpath for r in pool], [r.label for r in pool])
+
+
+class StepSampler(Sampler):
+    """Yields, for each step from `start_step` to the epoch's end, this rank's share of the global batch.
+
+    The global batch of step s is positions s*B .. (s+1)*B-1 of the epoch's seeded permutation; rank r of W
+    takes every W-th of them from r, so W processes together see exactly the one-process batch."""
+
+    def __init__(self, size: int, batch_size: int, seed: int, epoch: int, start_step: int = 0, rank: int = 0,
+                 world_size: int = 1):
+        self.size, self.batch_size, self.seed, self.epoch = size, batch_size, seed, epoch
+        self.start_step, self.rank, self.world_size = start_step, rank, world_size
+
+    @staticmethod
+    def steps_per_epoch(size: int, batch_size: int) -> int:
+        return size // batch_size
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch(self.size, self.batch_size) - self.start_step
+
+    def __iter__(self):
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(
+            derived_seed(self.seed, "order", self.epoch))).tolist()
+        for step in range(self.start_step, self.steps_per_epoch(self.size, self.batch_size)):
+            batch = order[step * self.batch_size:(step + 1) * self.batch_size]
+            yield [(self.epoch, index) for index in batch[self.rank::self.world_size]]
+
+
+def crop_box(rng: torch.Generator, scale_min: float, size: int = IMAGE_SIZE) -> tuple[int, int, int, int]:
+    """A random resized crop's (top, left, height, width), drawn as torchvision's RandomResizedCrop draws it."""
+    from torchvision.transforms import RandomResizedCrop  # noqa: PLC0415
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(2**62, (1,), generator=rng)))
+        top, left, height, width = RandomResizedCrop.get_params(torch.empty(1, size, size), [scale_min, 1.0],
+                                                                list(RATIO_RANGE))
+    return top, left, height, width
+
+
+class TrainingSet(Dataset):
+    """Item (epoch, index) -> decoded image (and mask and background for a swap) plus its random choices."""
+
+    def __init__(self, data: TrainingData, config: TrainConfig):
+        self.data, self.config = data, config
+        if data.backgrounds is not None:
+            labels = np.asarray(data.background_labels)
+            self.pool_by_class = [np.flatnonzero(labels == k) for k in range(NUM_IN9_CLASSES)]
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def _decode(self, relpath: str) -> torch.Tensor:
+        return torch.from_numpy(datasets.decode_rgb(self.data.root / relpath).copy()).permute(2, 0, 1)
+
+    def _background(self, rng: np.random.Generator, label: int) -> int:
+        same = rng.random() < self.config.swap_same_class_prob
+        klass = label if same else int(rng.integers(NUM_IN9_CLASSES))
+        pool = self.pool_by_class[klass]
+        return int(pool[rng.integers(len(pool))])
+
+    def __getitem__(self, item: tuple[int, int]) -> dict:
+        epoch, index = item
+        label = self.data.labels[index]
+        sample = {"image": self._decode(self.data.images[index]), "label": label}
+        rng = np.random.default_rng(derived_seed(self.config.seed, "sample", epoch, index))
+        if self.data.masks is not None:
+            swap = bool(rng.random() < self.config.swap_prob)
+            background = self._background(rng, label) if swap else index
+            mask = datasets.load_mask(self.data.root / self.data.masks[index]) if swap else None
+            sample["swap"] = swap
+            sample["mask"] = torch.from_numpy(mask) if swap else torch.ones(IMAGE_SIZE, IMAGE_SIZE, dtype=torch.bool)
+            sample["background"] = (self._decode(self.data.backgrounds[background]) if swap
+                                    else sample["image"])
+        if self.config.augment:
+            gen = torch.Generator().manual_seed(derived_seed(self.config.seed, "crop", epoch, index))
+            sample["crop"] = torch.tensor(crop_box(gen, self.config.crop_scale))
+            sample["flip"] = bool(torch.rand((), generator=gen) < 0.5)
+        return sample
+
+
+def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, pin_memory: bool) -> DataLoader:
+    workers = config.workers
+    return DataLoader(TrainingSet(data, config), batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
+                      persistent_workers=False, prefetch_factor=4 if workers else None)
+
+
+def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 NCHW images on the device, swapped and augmented there, and their labels."""
+    images = batch["image"].to(device, non_blocking=True)
+    if "mask" in batch:
+        masks = batch["mask"].to(device, non_blocking=True)
+        images = composite(images, batch["background"].to(device, non_blocking=True), byte_masks(masks))
+    if augment:
+        from torchvision.transforms.v2 import functional as F  # noqa: PLC0415
+        out = torch.empty_like(images)
+        for i, (top, left, height, width) in enumerate(batch["crop"].tolist()):
+            out[i] = F.resized_crop(images[i], top, left, height, width, [IMAGE_SIZE, IMAGE_SIZE], antialias=True)
+        flips = batch["flip"].to(device)
+        images = torch.where(flips.view(-1, 1, 1, 1), out.flip(-1), out)
+    return images, batch["label"].to(device, non_blocking=True)

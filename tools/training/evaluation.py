@@ -1,0 +1,90 @@
+"""After training: the in9 `all` run (and optionally the challenge) for the trained model and its starting
+point, through the evaluation scripts' own functions, and a Markdown report comparing the two."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tools.challenge import ChallengeConfig, run_challenge
+from tools.errors import UserError
+from tools.evaluate import run_in9
+from tools.in9 import VARIATIONS
+from tools.models import LoadedModel
+from tools.sources import load_model
+from tools.provenance import write_json_atomic
+from tools.report import _pct, _table
+from tools.runtime import Runtime, default_batch_size, resolve_device
+from tools.training.config import TrainConfig
+from tools.training.loop import TrainResult
+
+log = logging.getLogger(__name__)
+
+REPORT_NAME = "report.md"
+
+
+def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir: Path) -> dict:
+    """{'in9': in9 payload, 'challenge': challenge payload or None}, also written as JSON under out_dir."""
+    batch = config.eval_batch_size or default_batch_size(runtime.device)
+    workers = max(1, config.workers)
+    in9 = run_in9(loaded, runtime, config.eval_data, list(VARIATIONS), batch, workers, out_dir, False,
+                  config.progress).to_json()
+    write_json_atomic(out_dir / "in9.json", in9)
+    challenge = None
+    if config.eval_challenge:
+        settings = ChallengeConfig(batch_size=batch, recheck_margin=0.0 if runtime.exact else 1.0,
+                                   progress=config.progress)
+        challenge = run_challenge(loaded, runtime, config.eval_data, settings, out_dir, False, workers).to_json()
+        write_json_atomic(out_dir / "challenge.json", challenge)
+    return {"in9": in9, "challenge": challenge}
+
+
+def _accuracy(results: dict | None, name: str):
+    entry = (results or {}).get("in9", {}).get(name)
+    return None if entry is None else entry["accuracy"]
+
+
+def _change(before, after) -> str:
+    return "–" if before is None or after is None else f"{after - before:+.2f}"
+
+
+def render_training_report(config: TrainConfig, result: TrainResult, trained: dict, start: dict | None) -> str:
+    rows = [[f"`{name}`", _pct(_accuracy(start, name)) if start else "–", _pct(_accuracy(trained, name)),
+             _change(_accuracy(start, name), _accuracy(trained, name))] for name in VARIATIONS]
+    gap_before = start["in9"].get("bg_gap") if start else None
+    gap_after = trained["in9"].get("bg_gap")
+    rows.append(["**BG-gap** (points)", "–" if gap_before is None else f"{gap_before:.2f}", f"{gap_after:.2f}",
+                 _change(gap_before, gap_after)])
+    if trained["challenge"] is not None:
+        before = start["challenge"]["challenge_accuracy"] if start else None
+        after = trained["challenge"]["challenge_accuracy"]
+        rows.append(["**Challenge accuracy**", _pct(before) if start else "–", _pct(after), _change(before, after)])
+    origin = "random initialisation" if result.start.source is None else (
+        result.start.source.source or result.start.source.weights or result.start.arch)
+    out = ["# Training report", "",
+           f"Method `{config.method_name}` on `{config.train_variation}` of {config.data_path} "
+           f"({result.data['files']} files, sha256 {result.data['sha256'][:12]}), architecture `{result.start.arch}` "
+           f"from {origin}; {config.epochs} epoch(s), {result.steps} steps of {config.batch_size} images, "
+           f"last loss {result.last_loss:.4f}, {result.images_per_s:.1f} images/s.", "",
+           f"Checkpoint: `{result.checkpoint}`. Test data: {config.eval_data}.", "",
+           "## IN-9 accuracy, starting point against trained model", ""]
+    out += _table(["", "Starting point", "Trained", "Change"], rows, "lrrr")
+    if start is None:
+        out += ["", "The starting point (random weights) was not evaluated."]
+    return "\n".join(out) + "\n"
+
+
+def evaluate_and_report(config: TrainConfig, result: TrainResult) -> Path:
+    """Evaluate the saved checkpoint as in9_eval.py loads it, and the starting point, and write report.md."""
+    runtime = Runtime(resolve_device(config.device))
+    out = Path(config.output_dir)
+    trained = evaluate(load_model(checkpoint=result.checkpoint), config, runtime, out / "eval_trained")
+    start = None
+    if result.start.source is not None:
+        try:
+            start = evaluate(result.start.source, config, runtime, out / "eval_start")
+        except UserError as exc:
+            log.warning("the starting point could not be evaluated: %s", exc)
+    path = out / REPORT_NAME
+    path.write_text(render_training_report(config, result, trained, start), encoding="utf-8")
+    return path

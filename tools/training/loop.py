@@ -1,0 +1,255 @@
+"""The training loop: starting model, optimiser and schedule, steps, saves for resuming, the final checkpoint.
+
+Every random choice is derived from (seed, epoch, step or sample index), and the resume state holds the
+model, optimiser, schedule, SWA average and step, so a resumed run replays the uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+from tools import distributed
+from tools.hashing import fingerprint as content_fingerprint
+from tools.errors import UserError
+from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
+from tools.models import DEFAULT_ARCH, LoadedModel, PixelModel, build_architecture, classifier_keys
+from tools.sources import load_model
+from tools.runtime import Precision, Runtime, resolve_device
+from tools.training import adapters
+from tools.training.checkpoint import (CHECKPOINT_NAME, STATE_NAME, load_resume_state, save_atomic,
+                                       trained_checkpoint)
+from tools.training.config import RANDOM_INIT, Optimizer, TrainConfig
+from tools.training.data import StepSampler, derived_seed, device_batch, list_training_data, make_loader
+from tools.training.methods import WeightAveraging, batch_mixer
+
+log = logging.getLogger(__name__)
+
+LOG_NAME = "train_log.jsonl"
+# Settings that do not change the weights a run produces, so a resumed run may differ in them.
+NOT_IN_RUN_KEY = ("output_dir", "resume", "progress", "workers", "save_every", "eval_data", "eval_challenge",
+                  "eval_batch_size", "device")
+
+
+@dataclass
+class StartingPoint:
+    """The 9-class classifier training starts from, its normalisation, and the model it came from."""
+
+    classifier: nn.Module
+    arch: str
+    mean: tuple
+    std: tuple
+    source: LoadedModel | None  # None for a random initialisation
+
+
+@dataclass
+class TrainResult:
+    checkpoint: Path
+    steps: int
+    images_per_s: float
+    last_loss: float
+    start: StartingPoint
+    data: dict
+
+
+def starting_point(config: TrainConfig) -> StartingPoint:
+    """The model to fine-tune, from the evaluation's model sources; a 1000-class model gets a new 9-class head."""
+    if config.weights is not None and config.weights.lower() == RANDOM_INIT:
+        if config.checkpoint is not None:
+            raise UserError("--weights none (random initialisation) and --checkpoint contradict; pass one of them")
+        arch = config.arch or DEFAULT_ARCH
+        mean, std = statistics_for(Normalization.IN9, NUM_IN9_CLASSES)
+        return StartingPoint(build_architecture(arch, NUM_IN9_CLASSES), arch, mean, std, None)
+    loaded = load_model(config.arch, config.weights, config.checkpoint, None, Normalization.AUTO,
+                        config.trust_checkpoint, config.checkpoint_key)
+    if loaded.arch is None:
+        raise UserError(f"{config.checkpoint} is a {loaded.checkpoint_format} program, which cannot be rebuilt for "
+                        f"training; start from its state dict with --arch")
+    wrapper = loaded.model
+    mean, std = ((wrapper.mean.flatten().tolist(), wrapper.std.flatten().tolist()) if wrapper.normalize
+                 else ([0.0] * 3, [1.0] * 3))
+    classifier = wrapper.classifier
+    if loaded.num_classes == NUM_IMAGENET_CLASSES:
+        head = set(classifier_keys(loaded.arch))
+        fresh = build_architecture(loaded.arch, NUM_IN9_CLASSES)
+        body = {k: v for k, v in classifier.state_dict().items() if k not in head}
+        missing, unexpected = fresh.load_state_dict(body, strict=False)
+        if set(missing) != head or unexpected:
+            raise UserError(f"cannot give {loaded.arch} a new 9-class head: missing {missing}, unexpected {unexpected}")
+        log.info("new 9-class head (%s) on the 1000-class %s", ", ".join(sorted(head)), loaded.arch)
+        classifier = fresh
+    return StartingPoint(classifier, loaded.arch, tuple(mean), tuple(std), loaded)
+
+
+def _optimizer(params, config: TrainConfig) -> torch.optim.Optimizer:
+    if config.optimizer is Optimizer.SGD:
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int):
+    """The learning-rate factor at a step: linear warm-up to 1, then cosine decay to 0 at the last step."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def training_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, loss_fn: nn.Module,
+                  optimizer: torch.optim.Optimizer, runtime: Runtime) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward (autocast as the runtime says), loss in fp32, backward, optimiser step; (logits, loss)."""
+    with runtime.autocast():
+        logits = model(images)
+    loss = loss_fn(logits.float(), targets)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return logits, loss
+
+
+class JsonLog:
+    """train_log.jsonl: one JSON object per step or event; on resume, lines past the resumed step are dropped."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        kept = []
+        if resume_step is not None and path.is_file():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, **record) -> None:
+        if self.enabled:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+
+def _sum_across(group: distributed.ProcessGroup, *values: float) -> list[float]:
+    """Per-process sums added over all processes (for the log: loss, correct answers, images)."""
+    if not group.distributed:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Train as configured and write checkpoint.pt (rank 0); returns where it is and how the run went."""
+    requested = resolve_device(config.device)
+    group = distributed.setup(requested)
+    device = group.device(requested)
+    precision = config.precision or (Precision.BF16 if device.type == "cuda" else Precision.FP32)
+    runtime = Runtime(device, precision, config.channels_last)
+    torch.manual_seed(derived_seed(config.seed, "init"))
+    start = starting_point(config)
+    data = list_training_data(config)
+    if config.batch_size % group.world_size:
+        raise UserError(f"--batch-size {config.batch_size} does not split evenly over {group.world_size} processes; "
+                        f"pick a multiple of {group.world_size}")
+    steps_per_epoch = StepSampler.steps_per_epoch(len(data), config.batch_size)
+    if steps_per_epoch == 0:
+        raise UserError(f"the training set has {len(data)} images, fewer than --batch-size {config.batch_size}; "
+                        f"lower the batch size")
+    total_steps = steps_per_epoch * config.epochs
+    fingerprint = content_fingerprint(data.root, data.relpaths(), config.workers or 1)
+
+    head_keys = classifier_keys(start.arch)
+    net = PixelModel(adapters.attach(start.classifier, config, head_keys), start.mean, start.std)
+    net = runtime.prepare(net).train()
+    optimizer = _optimizer([p for p in net.parameters() if p.requires_grad], config)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(total_steps, round(config.warmup_epochs * steps_per_epoch)))
+    swa = WeightAveraging(net, config, steps_per_epoch) if config.swa else None
+    model = (nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+             if group.distributed else net)
+    mixer = batch_mixer(config)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
+
+    record = config.to_record()
+    run_key = {"config": {k: v for k, v in record.items() if k not in NOT_IN_RUN_KEY}, "data": fingerprint}
+    step = 0
+    saved = load_resume_state(config.output_dir, run_key) if config.resume else None
+    if saved is not None:
+        net.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["schedule"])
+        if swa is not None:
+            swa.load_state_dict(saved["swa"], optimizer)
+        step = saved["step"]
+        log.info("resuming at step %d of %d", step, total_steps)
+    journal = JsonLog(config.output_dir / LOG_NAME, group.is_main, step if saved is not None else None)
+
+    def save_state() -> None:
+        if group.is_main:
+            save_atomic({"run_key": run_key, "step": step, "model": net.state_dict(),
+                         "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                         "swa": swa.state_dict() if swa is not None else None}, config.output_dir / STATE_NAME)
+
+    bar = tqdm(total=total_steps, initial=step, unit="step", desc="training", dynamic_ncols=True,
+               disable=not (config.progress and group.is_main))
+    images_seen, started, loss_value = 0, time.perf_counter(), float("nan")
+    with bar:
+        for epoch in range(step // steps_per_epoch, config.epochs):
+            sampler = StepSampler(len(data), config.batch_size, config.seed, epoch, step - epoch * steps_per_epoch,
+                                  group.rank, group.world_size)
+            for batch in make_loader(data, config, sampler, runtime.pin()):
+                torch.manual_seed(derived_seed(config.seed, "step", step))  # dropout, mixing: replayable
+                images, labels = device_batch(batch, device, config.augment)
+                images = runtime.to_device(images)
+                targets = labels
+                if mixer is not None:
+                    images, targets = mixer(images.float().div_(255), labels)
+                logits, loss = training_step(model, images, targets, loss_fn, optimizer, runtime)
+                if swa is not None and swa.active(epoch):
+                    swa.step(optimizer)
+                else:
+                    schedule.step()
+                step += 1
+                local = labels.shape[0]
+                loss_sum, correct, images = _sum_across(group, loss.item() * local,
+                                                        float((logits.argmax(1) == labels).sum()), float(local))
+                loss_value, accuracy = loss_sum / images, correct / images
+                images_seen += int(images)
+                rate = images_seen / (time.perf_counter() - started)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{100 * accuracy:.1f}%", img_s=f"{rate:.1f}")
+                journal.write(step=step, epoch=epoch, loss=round(loss_value, 6), accuracy=round(accuracy, 6),
+                              lr=optimizer.param_groups[0]["lr"], images=int(images), images_per_s=round(rate, 2),
+                              time_s=round(time.perf_counter() - started, 4))
+                if step % config.save_every == 0 and step % steps_per_epoch:
+                    save_state()
+            if swa is not None and swa.active(epoch):
+                swa.averaged.update_parameters(net)
+            save_state()
+            journal.write(step=step, event="epoch_end", epoch=epoch)
+
+    final = net
+    if swa is not None:
+        sampler = StepSampler(len(data), config.batch_size, config.seed, config.epochs, 0, group.rank, group.world_size)
+        batches = (runtime.to_device(device_batch(b, device, config.augment)[0]) for b in
+                   make_loader(data, config, sampler, runtime.pin()))
+        final = swa.finish(batches, device)
+    classifier = adapters.merged(final.classifier, config)
+    path = config.output_dir / CHECKPOINT_NAME
+    if group.is_main:
+        save_atomic(trained_checkpoint(classifier, start.arch, start.mean, start.std, config.method_name,
+                                       {"path": str(data.root), "train_variation": config.train_variation,
+                                        **fingerprint}, record), path)
+        log.info("wrote %s (%s, %d steps)", path, config.method_name, step)
+    group.barrier()
+    rate = images_seen / max(1e-9, time.perf_counter() - started)
+    return TrainResult(path, step, rate, loss_value, start, fingerprint)

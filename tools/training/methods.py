@@ -1,0 +1,75 @@
+"""Batch-level methods from torchvision and torch: MixUp/CutMix (transforms.v2) and weight averaging (swa_utils)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.optim import swa_utils
+
+from tools.in9 import NUM_IN9_CLASSES
+from tools.training.config import Method, TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def batch_mixer(config: TrainConfig):
+    """MixUp, CutMix, or one of the two per batch; None when neither is asked for. Takes float images."""
+    from torchvision.transforms import v2  # noqa: PLC0415
+    mixers = []
+    if Method.MIXUP in config.methods:
+        mixers.append(v2.MixUp(alpha=config.mixup_alpha, num_classes=NUM_IN9_CLASSES))
+    if Method.CUTMIX in config.methods:
+        mixers.append(v2.CutMix(alpha=config.cutmix_alpha, num_classes=NUM_IN9_CLASSES))
+    if not mixers:
+        return None
+    return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
+
+
+def has_batch_norm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+class WeightAveraging:
+    """SWA: an AveragedModel updated at each averaged epoch's end; SWALR's learning rate from the first averaged
+    step on (created then, since a scheduler sets the learning rate as soon as it exists)."""
+
+    def __init__(self, model: nn.Module, config: TrainConfig, steps_per_epoch: int):
+        self.start_epoch = config.swa_start()
+        self.averaged = swa_utils.AveragedModel(model)
+        self.swa_lr = config.swa_lr if config.swa_lr is not None else config.lr / 2
+        self.anneal_steps = max(1, steps_per_epoch // 4)
+        self.scheduler: swa_utils.SWALR | None = None
+
+    def active(self, epoch: int) -> bool:
+        return epoch >= self.start_epoch
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The learning-rate step of an averaged epoch."""
+        if self.scheduler is None:
+            self.scheduler = swa_utils.SWALR(optimizer, swa_lr=self.swa_lr, anneal_epochs=self.anneal_steps,
+                                             anneal_strategy="cos")
+        self.scheduler.step()
+
+    def state_dict(self) -> dict:
+        return {"averaged": self.averaged.state_dict(),
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
+        self.averaged.load_state_dict(state["averaged"])
+        if state["scheduler"] is not None:
+            lrs = [group["lr"] for group in optimizer.param_groups]
+            self.scheduler = swa_utils.SWALR(optimizer, swa_lr=self.swa_lr, anneal_epochs=self.anneal_steps,
+                                             anneal_strategy="cos")
+            self.scheduler.load_state_dict(state["scheduler"])
+            for group, lr in zip(optimizer.param_groups, lrs):  # creating it stepped the rate: put it back
+                group["lr"] = lr
+
+    def finish(self, loader_batches, device: torch.device) -> nn.Module:
+        """The averaged model, its BatchNorm statistics recomputed over the training batches when it has any."""
+        model = self.averaged.module
+        if has_batch_norm(model):
+            log.info("recomputing BatchNorm statistics of the averaged model over the training data")
+            swa_utils.update_bn(loader_batches, self.averaged, device=device)
+        return model
