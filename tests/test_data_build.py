@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +20,9 @@ from tools.data import cli as data_cli
 from tools.data import builder as data_build
 from tools.layout import list_foregrounds, list_variation
 from tools.errors import UserError
-from tools.in9 import MASK_FOLDER, VARIATIONS
+from tools.in9 import class_folder_names, MASK_FOLDER, VARIATIONS
 
-CLASSES = synthetic.class_folder_names()
+CLASSES = class_folder_names()
 
 # Three image sizes, each with a box in original pixels and that box in the 224 crop, worked out by hand
 # from Resize(256) + CenterCrop(224) (half-open boxes; a box edge off the pixel grid is rounded outwards).
@@ -449,3 +450,79 @@ def test_a_built_dataset_runs_through_both_scripts(inputs, tmp_path, capsys, col
     matrix, fg_labels, bg_labels = reference_matrix(out, model, IN9_MEAN, IN9_STD)
     vulnerable = reference_verdicts(matrix, fg_labels, bg_labels, "any")
     assert f"Summary: {vulnerable.sum()}/{len(vulnerable)} " in stdout
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training data: --split train, ImageNet-style folders, images without boxes
+
+def test_split_train_writes_the_training_layout_that_train_py_reads(inputs, tmp_path, capsys):
+    out = tmp_path / "train_set"
+    code, stdout, err = _run_cli(["build", "--images", str(inputs.images), "--boxes", str(inputs.boxes), "--out",
+                                  str(out), "--masks", str(inputs.masks), "--split", "train", "--image-format", "png",
+                                  "--no-progress"], capsys)
+    assert code == 0, err
+    assert not (out / "original" / "val").exists()
+    for name in VARIATIONS:
+        assert len(list_variation(out, name, "train")) == len(inputs.expected)
+    foregrounds = list_foregrounds(out, "train")
+    assert {f"{CLASSES[f.label]}/{f.stem}" for f in foregrounds} == set(inputs.expected)
+    e = inputs.expected[f"{CLASSES[foregrounds[0].label]}/{foregrounds[0].stem}"]
+    with Image.open(out / foregrounds[0].image_relpath) as img:  # the same pixels as the val build
+        np.testing.assert_array_equal(np.asarray(img), e.crop)
+    code, _, err = _run_cli(["build", "--images", str(inputs.images), "--boxes", str(inputs.boxes), "--out",
+                             str(tmp_path / "x"), "--masks", str(inputs.masks), "--keep-unboxed"], capsys)
+    assert code == 2 and "use it with --split train" in err.splitlines()[-1]
+
+
+def _imagenet_folder(inputs, root: Path) -> tuple[Path, dict[str, int]]:
+    """1000 WordNet-id folders (fake ids, sorted like ImageNet's); the inputs' images of IN-9 class c go into
+    the first ImageNet class that the map sends to c, and one image into a class of no IN-9 class."""
+    table = json.loads((Path(__file__).resolve().parents[1] / "tools" / "resources" / "in_to_in9.json").read_text())
+    wnids = [f"n{10000000 + 7 * i:08d}" for i in range(1000)]
+    first = {c: min(int(k) for k, v in table.items() if v == c) for c in range(9)}
+    outside = min(int(k) for k, v in table.items() if v == -1)
+    for wnid in wnids:
+        (root / wnid).mkdir(parents=True)
+    expected = {}
+    for key in inputs.expected:
+        cls, stem = key.split("/")
+        label = CLASSES.index(cls)
+        (source,) = (inputs.images / cls).glob(f"{stem}.*")
+        shutil.copy(source, root / wnids[first[label]] / source.name)
+        expected[stem] = label
+    stray = next((inputs.images / CLASSES[0]).iterdir())
+    shutil.copy(stray, root / wnids[outside] / f"outside{stray.suffix}")
+    return root, expected
+
+
+def test_an_imagenet_style_folder_is_grouped_into_the_nine_classes(inputs, tmp_path, capsys):
+    images, expected = _imagenet_folder(inputs, tmp_path / "imagenet")
+    out = tmp_path / "grouped"
+    code, _, err = _run_cli(["build", "--images", str(images), "--boxes", str(inputs.boxes), "--out", str(out),
+                             "--masks", str(inputs.masks), "--split", "train", "--no-progress"], capsys)
+    assert code == 0, err
+    records = list_variation(out, "original", "train")
+    assert {r.stem: r.label for r in records} == expected  # the image of no IN-9 class is left out
+    assert sorted(p.name for p in (out / "original" / "train").iterdir()) == class_folder_names()
+    shutil.rmtree(images / "n10006993")
+    code, _, err = _run_cli(["build", "--images", str(images), "--boxes", str(inputs.boxes), "--out",
+                             str(tmp_path / "y"), "--masks", str(inputs.masks)], capsys)
+    assert code == 2 and "needs all 1000 of ImageNet's" in err.splitlines()[-1]
+
+
+def test_keep_unboxed_puts_images_without_a_box_in_original_only(inputs, tmp_path, capsys):
+    rows = inputs.boxes.read_text().splitlines()
+    unboxed = rows[1].split(",")[0]
+    (tmp_path / "boxes.csv").write_text("\n".join([rows[0], *rows[2:]]) + "\n")
+    out = tmp_path / "in9l"
+    code, stdout, err = _run_cli(["build", "--images", str(inputs.images), "--boxes", str(tmp_path / "boxes.csv"),
+                                  "--out", str(out), "--masks", str(inputs.masks), "--split", "train",
+                                  "--keep-unboxed", "--no-progress"], capsys)
+    assert code == 0, err
+    stem = Path(unboxed).stem
+    assert stem in {r.stem for r in list_variation(out, "original", "train")}
+    assert stem not in {r.stem for r in list_variation(out, "only_fg", "train")}
+    assert not list((out / "fg_mask" / "train").rglob(f"{stem}.npy"))
+    summary = json.loads((out / data.SUMMARY_NAME).read_text())
+    assert len(summary["unboxed_in_original"]) == 1 and summary["dropped"]["no_box"] == 0
+    assert "without a box, in original/ only (--keep-unboxed): 1" in stdout

@@ -13,9 +13,9 @@ from tests.conftest import run_in_process
 from tools import data, synthetic
 from tools.data import cli as data_cli
 from tools.errors import UserError
-from tools.in9 import MASK_FOLDER, VARIATIONS
+from tools.in9 import class_folder_names, MASK_FOLDER, VARIATIONS
 
-CLASSES = synthetic.class_folder_names()
+CLASSES = class_folder_names()
 
 
 @pytest.fixture

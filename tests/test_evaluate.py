@@ -27,7 +27,7 @@ import reference
 from conftest import save_torchscript
 from tools import __version__, cli, synthetic
 from tools.evaluate import evaluate_variations
-from tools.in9 import VARIATIONS, class_names
+from tools.in9 import class_folder_names, VARIATIONS, class_names
 from tools.sources import load_model
 from tools.runtime import Runtime
 
@@ -406,7 +406,7 @@ def test_corner_model_answers_follow_from_the_manifest(dataset, tmp_path):
     assert 0 < correct["mixed_rand"] < 36  # the manifest has both kinds, so this says something
     assert correct["mixed_next"] == background_is_own_class("mixed_next") == 0
     # per image: a mixed image is predicted as the class of its background's source
-    folders = synthetic.class_folder_names()
+    folders = class_folder_names()
     state = json.loads((out_dir / STATE_FILE).read_text())["done"]
     order = sorted(images, key=lambda img: (folders[img["label"]], img["stem"]))
     for variation in ("mixed_rand", "mixed_next", "mixed_same"):

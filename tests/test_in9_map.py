@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tools import in9
-from tools.in9 import PredictionMap, class_names, in_to_in9_table
+from tools.in9 import PredictionMap, class_names, in_to_in9_list, in_to_in9_table
 
 RESOURCES = Path(in9.__file__).resolve().parent / "resources"
 # The facts the toolkit must agree with; set IN9_REFERENCE_DIR where they live elsewhere.
@@ -118,3 +118,20 @@ def test_nine_class_map_is_the_argmax():
 def test_other_class_counts_are_refused(num_classes):
     with pytest.raises(ValueError, match="num_classes must be 9 or 1000"):
         PredictionMap(num_classes)
+
+
+def test_the_map_agrees_with_imagenet_class_names():
+    """The map's index order is ImageNet's sorted WordNet ids: checked through torchvision's class names."""
+    import torchvision  # noqa: PLC0415
+
+    names = torchvision.models.ResNet50_Weights.IMAGENET1K_V1.meta["categories"]
+    table = in_to_in9_list()
+    expected = {"tench": "fish", "goldfish": "fish", "great white shark": "fish", "golden retriever": "dog",
+                "beagle": "dog", "goldfinch": "bird", "bald eagle": "bird", "mountain bike": "vehicle",
+                "sports car": "vehicle", "bicycle-built-for-two": "vehicle", "green mamba": "reptile",
+                "box turtle": "reptile", "tiger": "carnivore", "brown bear": "carnivore", "ladybug": "insect",
+                "monarch": "insect", "violin": "instrument", "grand piano": "instrument", "chimpanzee": "primate",
+                "gorilla": "primate", "pizza": None, "volcano": None}
+    for name, in9_class in expected.items():
+        label = table[names.index(name)]
+        assert (class_names()[label] if label >= 0 else None) == in9_class, name

@@ -33,7 +33,8 @@ class Variation(str, enum.Enum):
 
 VARIATIONS: tuple[str, ...] = tuple(v.value for v in Variation)
 MASK_FOLDER = "fg_mask"
-SPLIT = "val"
+SPLIT = "val"  # the test release's split folder
+TRAIN_SPLIT = "train"  # training data's (train.py, `tools.data build --split train`)
 
 
 class Normalization(str, enum.Enum):
@@ -76,8 +77,14 @@ def class_names() -> tuple[str, ...]:
     return tuple(parts[0].lower() for parts in lines)
 
 
+def class_folder_names() -> list[str]:
+    """Class folder names in index order, 00_dog ... 08_fish: their sorted order is the class index."""
+    return [f"{i:02d}_{name}" for i, name in enumerate(class_names())]
+
+
 @functools.lru_cache(maxsize=None)
-def _in_to_in9_list() -> tuple[int, ...]:
+def in_to_in9_list() -> tuple[int, ...]:
+    """The IN-9 class of each ImageNet class index (-1 for none), as a tuple."""
     raw = json.loads(_resource_text("in_to_in9.json"))
     table = [UNMAPPED] * NUM_IMAGENET_CLASSES
     for key, value in raw.items():
@@ -88,7 +95,7 @@ def _in_to_in9_list() -> tuple[int, ...]:
 def in_to_in9_table(device: torch.device | str = "cpu") -> torch.Tensor:
     """A 1000-long int64 lookup tensor: ImageNet class index -> IN-9 class index or -1."""
     import torch  # noqa: PLC0415
-    return torch.tensor(_in_to_in9_list(), dtype=torch.int64, device=device)
+    return torch.tensor(in_to_in9_list(), dtype=torch.int64, device=device)
 
 
 class PredictionMap:

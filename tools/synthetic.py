@@ -21,7 +21,7 @@ from torch import nn
 
 from tools import variations
 from tools.in9 import (IMAGE_SIZE, IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD, MASK_FOLDER, NUM_IMAGENET_CLASSES,
-                       NUM_IN9_CLASSES, SPLIT, UNMAPPED, Variation, class_names, in_to_in9_table)
+                       NUM_IN9_CLASSES, SPLIT, UNMAPPED, Variation, class_folder_names, in_to_in9_table)
 
 MANIFEST_NAME = "synthetic.json"
 
@@ -34,11 +34,6 @@ BG_COLORS = np.array([
     [90, 60, 40], [40, 90, 60], [50, 50, 100], [110, 110, 50], [100, 50, 90],
     [40, 100, 110], [130, 90, 90], [70, 70, 70], [20, 30, 20],
 ], dtype=np.float32) / 255
-
-
-def class_folder_names() -> list[str]:
-    """The release's folder names: 00_dog ... 08_fish."""
-    return [f"{i:02d}_{name}" for i, name in enumerate(class_names())]
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,8 @@ from tools.layout import IMAGE_EXTENSIONS, LAYOUT_NAMES, MASK_EXTENSION, MIXED, 
 
 from tools.threads import default_workers, map_in_threads
 from tools.errors import UserError
-from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, Variation
+from tools.in9 import (IMAGE_SIZE, MASK_FOLDER, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SPLIT, UNMAPPED, Variation,
+                       class_folder_names, in_to_in9_list)
 from tools.provenance import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,8 @@ MIN_BOX_INSIDE = 0.5  # of the resized box's area inside the crop
 MIN_FOREGROUND_FRACTION = 0.1  # of the box's area
 DEFAULT_JPEG_QUALITY = 95
 SUMMARY_NAME = "build_summary.json"
+WNID = re.compile(r"n\d{8}")
+
 
 
 class ImageFormat(str, enum.Enum):
@@ -93,6 +97,7 @@ class BuildResult:
     dropped: dict[DropReason, list[str]]
     boxes_rescaled: int = 0
     same_class_fallbacks: list[str] = field(default_factory=list)
+    unboxed: list[SourceImage] = field(default_factory=list)  # --keep-unboxed: in original/ only
 
     def background_of(self, image: BuiltImage, variation: str) -> BuiltImage:
         return self.kept[image.backgrounds[variation]]
@@ -105,6 +110,7 @@ class BuildResult:
             "dropped": {reason.value: len(self.dropped.get(reason, [])) for reason in DropReason},
             "kept_per_class": {cls: sum(1 for k in self.kept if k.source.folder == cls) for cls in self.classes},
             "boxes_rescaled": self.boxes_rescaled,
+            "unboxed_in_original": [source.key for source in self.unboxed],
             "mixed_same_fallbacks": self.same_class_fallbacks,
             "dropped_images": {reason.value: self.dropped[reason] for reason in DropReason if reason in self.dropped},
             "images": [{"image": k.source.key, "label": k.source.label, "box": list(k.box),
@@ -119,6 +125,8 @@ class BuildResult:
                      if self.dropped.get(reason))
         per_class = self.summary()["kept_per_class"]
         lines.append("  kept per class: " + ", ".join(f"{cls} {n}" for cls, n in per_class.items()))
+        if self.unboxed:
+            lines.append(f"  without a box, in original/ only (--keep-unboxed): {len(self.unboxed)}")
         if self.boxes_rescaled:
             lines.append(f"  boxes rescaled from the size their XML declares: {self.boxes_rescaled}")
         if self.same_class_fallbacks:
@@ -147,22 +155,47 @@ def variation_arrays(crop: np.ndarray, box: variations.Box, mask: np.ndarray,
     return out
 
 
+def imagenet_groups(folders: list[str]) -> dict[str, int] | None:
+    """For an ImageNet-style folder (its 1000 WordNet-id class folders), the IN-9 label of every folder that
+    belongs to an IN-9 class: the ImageNet class index is the folder's position in sorted order, mapped
+    through the ImageNet->IN-9 map. None when the folders are not WordNet ids."""
+    if not folders or not all(WNID.fullmatch(name) for name in folders):
+        return None
+    if len(folders) != NUM_IMAGENET_CLASSES:
+        raise UserError(f"--images holds {len(folders)} WordNet-id folders; an ImageNet-style folder needs all "
+                        f"{NUM_IMAGENET_CLASSES} of ImageNet's (the class index is the position among them in sorted "
+                        f"order), or pass nine IN-9 class folders instead")
+    table = in_to_in9_list()
+    return {name: table[index] for index, name in enumerate(sorted(folders)) if table[index] != UNMAPPED}
+
+
 def list_sources(images: Path) -> tuple[list[str], list[SourceImage]]:
-    """The nine class folders of --images (sorted: the order is the class index) and their images."""
+    """The nine class folders of --images (sorted: the order is the class index) and their images; or, for an
+    ImageNet-style folder, the 370 ImageNet classes of the IN-9 map grouped into the nine (named as the
+    release names its class folders)."""
     images = Path(images)
     if not images.is_dir():
         raise UserError(f"--images {images} is not a folder; pass the folder holding one sub-folder per IN-9 class")
-    classes, _ = list_folder(images)
-    if len(classes) != NUM_IN9_CLASSES:
-        raise UserError(f"--images {images} has {len(classes)} class folders, expected {NUM_IN9_CLASSES} "
-                        f"({', '.join(classes) or 'none'}); their sorted order gives the class index")
+    folders, _ = list_folder(images)
+    groups = imagenet_groups(folders)
+    if groups is not None:
+        classes = class_folder_names()
+        members = [(label, classes[label], folder) for folder, label in groups.items()]
+        log.info("ImageNet-style --images: %d of its classes grouped into the nine IN-9 classes", len(members))
+    elif len(folders) != NUM_IN9_CLASSES:
+        raise UserError(f"--images {images} has {len(folders)} class folders, expected {NUM_IN9_CLASSES} "
+                        f"({', '.join(folders) or 'none'}) or ImageNet's {NUM_IMAGENET_CLASSES} WordNet-id folders; "
+                        f"the sorted order of nine folders gives the class index")
+    else:
+        classes = folders
+        members = [(label, cls, cls) for label, cls in enumerate(classes)]
     sources, seen = [], {}
-    for label, cls in enumerate(classes):
-        _, files = list_folder(images / cls)
+    for label, cls, folder in sorted(members):
+        _, files = list_folder(images / folder)
         for name in files:
             if not name.lower().endswith(IMAGE_EXTENSIONS):
                 continue
-            source = SourceImage(images / cls / name, label, cls)
+            source = SourceImage(images / folder / name, label, cls)
             if source.stem in seen:
                 raise UserError(f"two images share the stem {source.stem}: {seen[source.stem]} and {source.path}; "
                                 f"boxes and masks are matched by stem, so rename one")
@@ -288,13 +321,18 @@ def _filter_and_mask(source: SourceImage, entry: boxes_mod.BoxEntry | None, user
 def build(images: Path, boxes: Path, out: Path, masks: Path | None = None, seed: int = 0,
           jpeg_quality: int = DEFAULT_JPEG_QUALITY, image_format: ImageFormat = ImageFormat.JPEG,
           grabcut_iterations: int = grabcut.DEFAULT_ITERATIONS, workers: int | None = None,
-          progress: bool = True) -> BuildResult:
+          progress: bool = True, split: str = SPLIT, keep_unboxed: bool = False) -> BuildResult:
     """Make the eight variations and fg_mask in the release's layout under `out` (see the module docstring).
 
     Nothing is written until every image has been through the filters and every class kept at least
     one image; `out` must be empty or new. `workers` threads (default: up to 8) decode, segment and write.
+    split: the layout's split folder (val, as the test release; train for training data). keep_unboxed
+    (train only): images without a box go to `original` alone (IN-9L-style, for erm/mixup/cutmix).
     """
     out = Path(out)
+    if keep_unboxed and split == SPLIT:
+        raise UserError(f"--keep-unboxed makes an IN-9L-style training set, whose original/ holds more images than "
+                        f"the other variations: use it with --split train, not {SPLIT}")
     workers = workers or default_workers()
     image_format = ImageFormat(image_format)
     if not 1 <= jpeg_quality <= 100:
@@ -317,8 +355,11 @@ def build(images: Path, boxes: Path, out: Path, masks: Path | None = None, seed:
 
     kept: list[BuiltImage] = []
     dropped: dict[DropReason, list[str]] = defaultdict(list)
+    unboxed: list[SourceImage] = []
     for source, outcome in zip(sources, map_in_threads(filter_and_mask, sources, workers, progress, "filter, mask")):
-        if isinstance(outcome, DropReason):
+        if keep_unboxed and outcome is DropReason.NO_BOX:
+            unboxed.append(source)
+        elif isinstance(outcome, DropReason):
             dropped[outcome].append(source.key)
         else:
             kept.append(outcome)
@@ -335,9 +376,10 @@ def build(images: Path, boxes: Path, out: Path, masks: Path | None = None, seed:
               "resize": boxes_mod.RESIZE_SIZE, "crop": IMAGE_SIZE, "max_box_fraction": MAX_BOX_FRACTION,
               "min_box_inside": MIN_BOX_INSIDE, "min_foreground_fraction": MIN_FOREGROUND_FRACTION}
     rescaled = sum(1 for k in kept if entries[k.source.stem].declared_size not in (None, k.source_size))
-    result = BuildResult(out, config, classes, len(sources), kept, dict(dropped), rescaled)
+    config.update(split=split, keep_unboxed=keep_unboxed)
+    result = BuildResult(out, config, classes, len(sources), kept, dict(dropped), rescaled, unboxed=unboxed)
     _choose_backgrounds(result, seed)
-    _write(result, image_format, jpeg_quality, workers, progress)
+    _write(result, image_format, jpeg_quality, workers, progress, split)
     write_json_atomic(out / SUMMARY_NAME, result.summary())
     return result
 
@@ -368,11 +410,18 @@ def _choose_backgrounds(result: BuildResult, seed: int) -> None:
                     len(result.same_class_fallbacks))
 
 
-def _write(result: BuildResult, image_format: ImageFormat, quality: int, workers: int, progress: bool) -> None:
+def _write(result: BuildResult, image_format: ImageFormat, quality: int, workers: int, progress: bool,
+           split: str = SPLIT) -> None:
     extension = EXTENSIONS[image_format]
     for name in LAYOUT_NAMES:
         for cls in result.classes:
-            (result.out / name / SPLIT / cls).mkdir(parents=True, exist_ok=True)
+            (result.out / name / split / cls).mkdir(parents=True, exist_ok=True)
+
+    def save(array: np.ndarray, target: Path) -> None:
+        if image_format is ImageFormat.JPEG:
+            Image.fromarray(array).save(target, format="JPEG", quality=quality)
+        else:
+            Image.fromarray(array).save(target, format="PNG", compress_level=1)  # lossless at any level
 
     def write_one(image: BuiltImage) -> None:
         # the crops are made again from the files rather than kept: memory stays flat for any number of images
@@ -382,12 +431,14 @@ def _write(result: BuildResult, image_format: ImageFormat, quality: int, workers
             other = result.background_of(image, variation)
             backgrounds[variation] = variations.only_bg_t(crop_image(other.source.path), other.box)
         for name, array in variation_arrays(crop, image.box, mask, backgrounds).items():
-            target = result.out / name / SPLIT / image.source.folder / f"{image.source.stem}{extension}"
-            if image_format is ImageFormat.JPEG:
-                Image.fromarray(array).save(target, format="JPEG", quality=quality)
-            else:
-                Image.fromarray(array).save(target, format="PNG", compress_level=1)  # lossless at any level
-        np.save(result.out / MASK_FOLDER / SPLIT / image.source.folder / f"{image.source.stem}{MASK_EXTENSION}", mask)
+            save(array, result.out / name / split / image.source.folder / f"{image.source.stem}{extension}")
+        np.save(result.out / MASK_FOLDER / split / image.source.folder / f"{image.source.stem}{MASK_EXTENSION}", mask)
+
+    def write_unboxed(source: SourceImage) -> None:
+        save(crop_image(source.path),
+             result.out / Variation.ORIGINAL.value / split / source.folder / f"{source.stem}{extension}")
 
     for _ in map_in_threads(write_one, result.kept, workers, progress, "write"):
+        pass
+    for _ in map_in_threads(write_unboxed, result.unboxed, workers, progress, "write unboxed"):
         pass

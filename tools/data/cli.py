@@ -18,6 +18,7 @@ from tools import data as data_package
 from tools.data.builder import DEFAULT_JPEG_QUALITY, ImageFormat, build
 from tools.data.download import DEFAULT_TIMEOUT_S, RELEASE_URL, fetch
 from tools.data.check import verify_layout
+from tools.in9 import SPLIT, TRAIN_SPLIT
 from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root, default_data_root
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Make the eight variations and fg_mask from labelled images with one "
                                               "bounding box each, as in the paper's Appendix A.")
     build_p.add_argument("--images", type=Path, required=True, metavar="DIR",
-                         help="folder with one sub-folder per IN-9 class (sorted order = class index)")
+                         help="folder with one sub-folder per IN-9 class (sorted order = class index), or an "
+                              "ImageNet-style folder with its 1000 WordNet-id sub-folders, whose 370 IN-9 classes are "
+                              "grouped into the nine by the ImageNet->IN-9 map")
     build_p.add_argument("--boxes", type=Path, required=True, metavar="PATH",
                          help="folder of Pascal VOC .xml files (1-based inclusive coordinates) or a CSV file "
                               "image,xmin,ymin,xmax,ymax (0-based pixels, xmax/ymax exclusive)")
@@ -89,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="jpeg writes <stem>.JPEG as the release; png is lossless (default: jpeg)")
     build_p.add_argument("--grabcut-iterations", type=int, default=grabcut.DEFAULT_ITERATIONS, metavar="N",
                          help=f"GrabCut iterations (default: {grabcut.DEFAULT_ITERATIONS})")
+    build_p.add_argument("--split", choices=(SPLIT, TRAIN_SPLIT), default=SPLIT,
+                         help=f"the split folder written, <variation>/<split>/<class>/: {SPLIT} as the test release, "
+                              f"{TRAIN_SPLIT} for train.py (default: {SPLIT})")
+    build_p.add_argument("--keep-unboxed", action="store_true",
+                         help=f"with --split {TRAIN_SPLIT}: images without a bounding box go to original/ alone "
+                              f"(IN-9L-style, usable by erm/mixup/cutmix, not by bg-swap) instead of being dropped "
+                              f"(default: off)")
     build_p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                          help=f"threads decoding, segmenting and writing images (default: {default_workers()})")
     build_p.set_defaults(handler=_run_build)
@@ -119,7 +129,7 @@ def _run_build(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, not {args.workers}")
     result = build(args.images, args.boxes, args.out, args.masks, args.seed, args.jpeg_quality, args.image_format,
-                   args.grabcut_iterations, args.workers, not args.no_progress)
+                   args.grabcut_iterations, args.workers, not args.no_progress, args.split, args.keep_unboxed)
     print("\n".join(result.lines()))
     return 0
 

@@ -19,12 +19,12 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tools import datasets, layout
 from tools.compositing import byte_masks, composite
 from tools.errors import UserError
-from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Variation
+from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, TRAIN_SPLIT, Variation
 from tools.training.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
-TRAIN_SPLIT = "train"
+
 BACKGROUND_POOL = Variation.ONLY_BG_T.value  # the paper's Mixed-Rand backgrounds: tiled, no foreground left
 RATIO_RANGE = (3 / 4, 4 / 3)
 
