@@ -81,7 +81,8 @@ def add_trust_argument(group) -> None:
                        help="allow full unpickling of a checkpoint you trust (default: off, weights_only loading)")
 
 
-def add_running_arguments(parser: argparse.ArgumentParser) -> None:
+def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True) -> None:
+    """Device, precision, batch and threads; `--shard` where a run can be split into independent shards."""
     run = parser.add_argument_group("running")
     run.add_argument("--batch-size", type=int, default=None, metavar="N",
                      help="images per forward pass, halved on out-of-memory (default: 256 on a GPU; on the CPU 16 "
@@ -99,6 +100,8 @@ def add_running_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
     run.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
     run.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
+    if not shard:
+        return
     run.add_argument("--shard", type=shard_spec, default=None, metavar="I/N",
                      help="do share I of N (0-based) of the run, with no process group (a SLURM array, separate "
                           "machines), and write shard results under --output-dir for `python -m tools.merge`; "

@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a file with one model spec per line, # comments allowed (default: none)")
     options.add_trust_argument(models)
     options.add_data_arguments(parser)
-    options.add_running_arguments(parser)
+    options.add_running_arguments(parser, shard=False)
     options.add_search_arguments(parser.add_argument_group("challenge"))
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", type=Path, default=Path("zoo_results"), metavar="DIR",
