@@ -18,7 +18,7 @@ from tools.challenge.state import SearchState
 from tools.cli import add_log_level_argument, run_main
 from tools.errors import UserError
 from tools.evaluate import In9Run, VariationResult
-from tools.shards import find_shards
+from tools.shards import NOT_MINE, find_shards
 
 KINDS = ("challenge", "in9")
 
@@ -29,7 +29,7 @@ def merge_challenge(shards: list[tuple[Path, dict]]) -> tuple[ChallengeResult, P
     foregrounds = [layout.ForegroundRecord(stem, label, image, mask) for stem, label, image, mask in first["foregrounds"]]
     backgrounds = [layout.ImageRecord(relpath, label) for relpath, label in first["backgrounds"]]
     results = first["results"]
-    files = ChallengeFiles(Path(first["data_path"]), foregrounds, backgrounds, results["provenance"]["data"])
+    files = ChallengeFiles(foregrounds, backgrounds, Path(first["data_path"]), results["provenance"]["data"])
     arrays = [np.load(path.with_suffix(".npz")) for path, _ in shards]
     state = SearchState.fresh(len(foregrounds), len(backgrounds), arrays[0]["bg_pred"], bool(results["full"]))
     for z in arrays:
@@ -53,13 +53,16 @@ def merge_in9(shards: list[tuple[Path, dict]]) -> In9Run:
     first = shards[0][1]
     results = {}
     for name, variation in first["variations"].items():
-        encoded = np.zeros(len(variation["predictions"]), np.int64)
+        predictions = np.full(len(variation["predictions"]), NOT_MINE, np.int64)
+        covered = np.zeros(len(predictions), np.int64)
         for _, meta in shards:
-            encoded += np.asarray(meta["variations"][name]["predictions"], np.int64) + 2
-        if (encoded < 0).any() or not np.isin(encoded, np.arange(1, 12)).all():
-            raise UserError(f"the in9 shards do not cover {name} exactly once; rerun them")
+            share = np.asarray(meta["variations"][name]["predictions"], np.int64)
+            mine = share != NOT_MINE
+            predictions[mine], covered = share[mine], covered + mine
+        if (covered != 1).any():
+            raise UserError(f"the in9 shards do not predict every image of {name} exactly once; rerun them")
         results[name] = VariationResult(name, variation["relpaths"], np.asarray(variation["labels"], np.int64),
-                                        encoded - 2)
+                                        predictions)
     return In9Run(results, first["provenance"], first["key"])
 
 

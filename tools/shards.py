@@ -25,6 +25,7 @@ from tools.provenance import atomic_write, write_json_atomic
 
 CHALLENGE_PATTERN = "challenge-shard-{index}-of-{count}"
 IN9_PATTERN = "in9-shard-{index}-of-{count}.json"
+NOT_MINE = -2  # an in9 shard's prediction for an image another shard predicts
 NAME = re.compile(r"^(challenge|in9)-shard-(\d+)-of-(\d+)\.json$")
 
 

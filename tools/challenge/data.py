@@ -17,13 +17,11 @@ from tools.in9 import Variation
 
 
 @dataclass
-class ChallengeFiles:
-    """What the challenge reads: foregrounds (image and mask), backgrounds, and their content fingerprint."""
+class Pairs:
+    """The two sides of the challenge's pairs: foregrounds (image and mask) and backgrounds, with labels."""
 
-    root: Path
     foregrounds: list[layout.ForegroundRecord]
     backgrounds: list[layout.ImageRecord]
-    fingerprint: dict
 
     @property
     def fg_labels(self) -> np.ndarray:
@@ -35,9 +33,17 @@ class ChallengeFiles:
 
 
 @dataclass
-class ChallengeData:
-    foregrounds: list[layout.ForegroundRecord]
-    backgrounds: list[layout.ImageRecord]
+class ChallengeFiles(Pairs):
+    """What the challenge reads, listed, and its content fingerprint."""
+
+    root: Path
+    fingerprint: dict
+
+
+@dataclass
+class ChallengeData(Pairs):
+    """What the challenge reads, decoded."""
+
     fg_images: torch.Tensor  # uint8 (F, 3, H, W)
     # binary: uint8 (F, 3, H, W), 255 on the foreground, 0 elsewhere (for bitwise compositing);
     # original: uint8 (F, 1, H, W), the original's weight numerators (w = value / 255)
@@ -45,14 +51,6 @@ class ChallengeData:
     bg_images: torch.Tensor  # uint8 (B, 3, H, W)
     fingerprint: dict
     arithmetic: MaskArithmetic = MaskArithmetic.BINARY
-
-    @property
-    def fg_labels(self) -> np.ndarray:
-        return np.array([r.label for r in self.foregrounds], dtype=np.int64)
-
-    @property
-    def bg_labels(self) -> np.ndarray:
-        return np.array([r.label for r in self.backgrounds], dtype=np.int64)
 
     def foreground_subset(self, indices: np.ndarray) -> "ChallengeData":
         """The same data with only these foregrounds (a --shard's share), backgrounds unchanged."""
@@ -73,7 +71,7 @@ def list_challenge_files(root: Path, workers: int = 4) -> ChallengeFiles:
     foregrounds = layout.list_foregrounds(root)
     backgrounds = layout.list_variation(root, Variation.ONLY_BG_T.value)
     relpaths = [p for r in foregrounds for p in (r.image_relpath, r.mask_relpath)] + [r.relpath for r in backgrounds]
-    return ChallengeFiles(root, foregrounds, backgrounds, fingerprint(root, relpaths, workers))
+    return ChallengeFiles(foregrounds, backgrounds, root, fingerprint(root, relpaths, workers))
 
 
 def load_challenge_data(files: ChallengeFiles | Path, workers: int, cache_dir: Path | None = None,

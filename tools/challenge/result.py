@@ -11,7 +11,7 @@ import numpy as np
 
 from tools.analysis import (BACKGROUND_COLUMNS, BACKGROUNDS_FILE, FOREGROUND_COLUMNS, FOREGROUNDS_FILE, META_FILE,
                             PREDICTIONS_FILE, summary_lines, write_analysis)
-from tools.challenge.data import ChallengeData, ChallengeFiles
+from tools.challenge.data import Pairs
 from tools.challenge.scheduler import Criterion
 from tools.challenge.state import VULNERABLE, SearchState
 from tools.in9 import class_names
@@ -21,7 +21,7 @@ from tools.report import write_report
 
 @dataclass
 class ChallengeResult:
-    data: ChallengeData | ChallengeFiles  # what was searched: its records and labels
+    data: Pairs  # what was searched: its records and labels
     state: SearchState
     criterion: Criterion
     provenance: dict
