@@ -94,3 +94,8 @@ def all_gather_floats(value: float, device: torch.device | None = None) -> list[
     out = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(out, torch.tensor([value], dtype=torch.float64, device=device))
     return [float(t.item()) for t in out]
+
+
+def reduction_device(device: torch.device) -> torch.device | None:
+    """Where collectives' tensors must live: this process's GPU under NCCL, the CPU (None) under gloo."""
+    return device if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else None

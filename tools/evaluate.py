@@ -172,8 +172,7 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
         for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(), starts):
             encoded[start:start + batch.shape[0]] = to_in9(forward(runtime.to_device(batch))).cpu().numpy() + 2
             bar.update(batch.shape[0] * share.count)
-    device = runtime.device if runtime.device.type == "cuda" else None
-    return distributed.all_reduce(encoded, "sum", device) - 2
+    return distributed.all_reduce(encoded, "sum", distributed.reduction_device(runtime.device)) - 2
 
 
 @dataclass

@@ -102,7 +102,7 @@ class ShardedSearch:
     def __init__(self, search: Search):
         self.search, self.state, self.plan = search, search.state, search.scheduler
         self.group = search.predictor.runtime.group
-        self.device = search.predictor.runtime.device if dist_backend_needs_device() else None
+        self.device = distributed.reduction_device(search.predictor.runtime.device)
         self.busy_s = 0.0  # this process's time testing pairs, for the balance figure
 
     def run(self) -> SearchState:
@@ -219,12 +219,6 @@ class ShardedSearch:
             self.state.save(self.search.state_path, self.search.key)
 
 
-def dist_backend_needs_device() -> bool:
-    """NCCL reduces tensors on the GPU; gloo on the CPU."""
-    import torch.distributed as dist  # noqa: PLC0415
-    return dist.is_initialized() and dist.get_backend() == "nccl"
-
-
 def _run_key(data: ChallengeData, loaded: LoadedModel, runtime: Runtime, config: ChallengeConfig) -> str:
     parts = [STATE_FORMAT, data.fingerprint["sha256"], data.arithmetic.value, loaded.sha256 or "", loaded.normalization,
              runtime.precision.value, config.criterion.value, str(config.full), str(config.first_k),
@@ -259,14 +253,14 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
             log.warning("no saved state in %s: starting afresh", output_dir)
         bg_pred = predictor.predict_backgrounds(measure=config.batch_size is None and runtime.device.type == "cpu")
         # every process plans from rank 0's background predictions (and batch size), so all plan alike
-        device = runtime.device if dist_backend_needs_device() else None
+        device = distributed.reduction_device(runtime.device)
         bg_pred = distributed.broadcast(bg_pred, runtime.group, device)
         predictor.forward.chunk = int(distributed.broadcast(np.array([predictor.forward.chunk]), runtime.group,
                                                             device)[0])
         state = SearchState.fresh(len(data.foregrounds), len(data.backgrounds), bg_pred, config.full)
     Search(predictor, data, config, state, state_path, key).run()
     if runtime.group.distributed:
-        device = runtime.device if dist_backend_needs_device() else None
+        device = distributed.reduction_device(runtime.device)
         predictor.rechecked, predictor.recheck_changed = (int(v) for v in distributed.all_reduce(
             np.array([predictor.rechecked, predictor.recheck_changed], np.int64), "sum", device))
     info = provenance(runtime.describe(), loaded.describe(), data.fingerprint)
