@@ -47,14 +47,14 @@ def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def _table(header: list[str], rows: list[list], align: str) -> list[str]:
+def markdown_table(header: list[str], rows: list[list], align: str) -> list[str]:
     """A Markdown table; `align` holds one character per column, l or r."""
     rule = ["---:" if a == "r" else "---" for a in align]
     return ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |",
             *("| " + " | ".join(_cell(v) for v in row) + " |" for row in rows)]
 
 
-def _pct(value, digits: int = 2) -> str:
+def percent(value, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}%"
 
 
@@ -83,8 +83,8 @@ def in9_section(in9: dict | None) -> list[str]:
         if result is None:
             rows.append([f"`{name}`", "not run", ""])
         else:
-            rows.append([f"`{name}`", _pct(result["accuracy"]), f"{result['correct']} / {result['total']}"])
-    out += _table(["Variation", "Accuracy", "Correct / total"], rows, "lrr") + [""]
+            rows.append([f"`{name}`", percent(result["accuracy"]), f"{result['correct']} / {result['total']}"])
+    out += markdown_table(["Variation", "Accuracy", "Correct / total"], rows, "lrr") + [""]
     gap = in9.get("bg_gap")
     if gap is None:
         out.append("**BG-gap** (accuracy on `mixed_same` − `mixed_rand`): not run (needs both variations).")
@@ -105,9 +105,9 @@ def challenge_section(challenge: dict | None) -> list[str]:
     rows = []
     for name, entry in challenge.get("per_class", {}).items():
         total, vulnerable = entry["total"], entry["vulnerable"]
-        rows.append([name, vulnerable, total, _pct(100.0 * (total - vulnerable) / total) if total else "–"])
+        rows.append([name, vulnerable, total, percent(100.0 * (total - vulnerable) / total) if total else "–"])
     if rows:
-        out += _table(["Class", "Vulnerable", "Foregrounds", "Challenge accuracy"], rows, "lrrr") + [""]
+        out += markdown_table(["Class", "Vulnerable", "Foregrounds", "Challenge accuracy"], rows, "lrrr") + [""]
     facts = []
     if challenge.get("composites_evaluated") is not None:
         facts.append(f"{challenge['composites_evaluated']:,} composites evaluated")
@@ -134,7 +134,7 @@ def analysis_section(analysis: dict | None, report_dir: Path) -> list[str]:
         tops = ", ".join(f"`{e['stem']}` {_fraction_pct(e['asr'])}" for e in info["top_backgrounds"])
         rows.append([name, _fraction_pct(info["fool_rate"]), info["backgrounds"], _fraction_pct(info["mean_asr"]),
                      _fraction_pct(info["max_asr"]), f"`{sparkline(info['asr_histogram'])}`", tops or "–"])
-    out += _table(["Class", "Fool rate", "Backgrounds", "Mean ASR", "Max ASR", "ASR histogram (0 → 100%)",
+    out += markdown_table(["Class", "Fool rate", "Backgrounds", "Mean ASR", "Max ASR", "ASR histogram (0 → 100%)",
                    f"Top-{analysis['top_k']} backgrounds (ASR)"], rows, "lrrrrll") + [""]
     rate = analysis.get("fooled_into_bg_class_rate")
     if rate is not None:
@@ -158,9 +158,9 @@ def categories_section(categories: dict | None) -> list[str]:
     out.append("")
     rows = []
     for name, entry in [("**all**", categories["overall"]), *categories["per_class"].items()]:
-        cells = [f"{_pct(entry['percent'][cat.value], 1)} ({entry['counts'][cat.value]})" for cat in Category]
+        cells = [f"{percent(entry['percent'][cat.value], 1)} ({entry['counts'][cat.value]})" for cat in Category]
         rows.append([name, entry["images"], *cells])
-    out += _table(["Class", "Images", *(CATEGORY_TITLES[cat] for cat in Category)], rows, "lrrrrrr") + [""]
+    out += markdown_table(["Class", "Images", *(CATEGORY_TITLES[cat] for cat in Category)], rows, "lrrrrrr") + [""]
     return out
 
 
@@ -196,7 +196,7 @@ def provenance_section(sources: list[tuple[str, dict]]) -> list[str]:
     rows = [[label, *(_provenance_value(key, prov.get(key)) for _, prov in groups)]
             for label, key in keys + [(key, key) for key in extra]]
     header = ["", *(", ".join(labels) for labels, _ in groups)]
-    return out + _table(header, rows, "l" * len(header)) + [""]
+    return out + markdown_table(header, rows, "l" * len(header)) + [""]
 
 
 def render_report(in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,

@@ -13,7 +13,7 @@ from tools.in9 import VARIATIONS
 from tools.models import LoadedModel
 from tools.sources import load_model
 from tools.provenance import write_json_atomic
-from tools.report import _pct, _table
+from tools.report import markdown_table, percent
 from tools.runtime import Runtime, default_batch_size, resolve_device
 from tools.training.config import TrainConfig
 from tools.training.loop import TrainResult
@@ -49,7 +49,7 @@ def _change(before, after) -> str:
 
 
 def render_training_report(config: TrainConfig, result: TrainResult, trained: dict, start: dict | None) -> str:
-    rows = [[f"`{name}`", _pct(_accuracy(start, name)) if start else "–", _pct(_accuracy(trained, name)),
+    rows = [[f"`{name}`", percent(_accuracy(start, name)) if start else "–", percent(_accuracy(trained, name)),
              _change(_accuracy(start, name), _accuracy(trained, name))] for name in VARIATIONS]
     gap_before = start["in9"].get("bg_gap") if start else None
     gap_after = trained["in9"].get("bg_gap")
@@ -58,7 +58,7 @@ def render_training_report(config: TrainConfig, result: TrainResult, trained: di
     if trained["challenge"] is not None:
         before = start["challenge"]["challenge_accuracy"] if start else None
         after = trained["challenge"]["challenge_accuracy"]
-        rows.append(["**Challenge accuracy**", _pct(before) if start else "–", _pct(after), _change(before, after)])
+        rows.append(["**Challenge accuracy**", percent(before) if start else "–", percent(after), _change(before, after)])
     origin = "random initialisation" if result.start.source is None else (
         result.start.source.source or result.start.source.weights or result.start.arch)
     out = ["# Training report", "",
@@ -68,7 +68,7 @@ def render_training_report(config: TrainConfig, result: TrainResult, trained: di
            f"last loss {result.last_loss:.4f}, {result.images_per_s:.1f} images/s.", "",
            f"Checkpoint: `{result.checkpoint}`. Test data: {config.eval_data}.", "",
            "## IN-9 accuracy, starting point against trained model", ""]
-    out += _table(["", "Starting point", "Trained", "Change"], rows, "lrrr")
+    out += markdown_table(["", "Starting point", "Trained", "Change"], rows, "lrrr")
     if start is None:
         out += ["", "The starting point (random weights) was not evaluated."]
     return "\n".join(out) + "\n"
