@@ -34,8 +34,8 @@ from tools import synthetic  # noqa: E402
 from tools.evaluate import run_in9  # noqa: E402
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, VARIATIONS, Normalization, statistics_for  # noqa: E402
 from tools.models import LoadedModel, PixelModel, build_architecture  # noqa: E402
-from tools.runtime import (Forward, Precision, Runtime, default_batch_size, default_workers,  # noqa: E402
-                           resolve_device, seed_everything)
+from tools.runtime import Forward, Precision, Runtime, default_batch_size, resolve_device, seed_everything  # noqa: E402
+from tools.threads import default_workers  # noqa: E402
 
 log = logging.getLogger("bench_in9")
 
