@@ -168,6 +168,17 @@ def test_robustness_normaliser_under_other_names(net9, pixels, tmp_path):
     assert torch.equal(logits_of(loaded, pixels), expected_logits(net9, pixels, (IMAGENET_MEAN, IMAGENET_STD)))
 
 
+def test_a_file_spec_is_the_checkpoint_source(net9, pixels, tmp_path, caplog):
+    """`--arch file:PATH` (the zoo's spelling) reads the file as `--checkpoint PATH` does."""
+    path = tmp_path / "model.ts"
+    save_torchscript(net9, path)
+    with caplog.at_level("WARNING"):
+        loaded = load_model(f"file:{path}")
+    assert (loaded.num_classes, loaded.checkpoint_format, loaded.source) == (9, "TorchScript", str(path))
+    assert torch.equal(logits_of(loaded, pixels), expected_logits(net9, pixels, (IN9_MEAN, IN9_STD)))
+    assert not [r for r in caplog.records if "is ignored" in r.message]
+
+
 def test_torchscript_round_trips(net9, pixels, tmp_path):
     path = tmp_path / "model.ts"
     save_torchscript(net9, path)

@@ -76,10 +76,11 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     TorchScript or export program carries its own). in9: True (--in9), False (--no-in9), or None to follow
     the model's class count.
     """
-    options = ModelOptions(weights, Path(checkpoint) if checkpoint is not None else None, in9, normalize, trust,
-                           checkpoint_key, arch)
     prefix, name = split_name(arch or DEFAULT_ARCH)
-    if checkpoint is not None and prefix in ARCHITECTURE_PREFIXES:
+    names_architecture = prefix in ARCHITECTURE_PREFIXES
+    options = ModelOptions(weights, Path(checkpoint) if checkpoint is not None else None, in9, normalize, trust,
+                           checkpoint_key, arch if names_architecture else None)
+    if checkpoint is not None and names_architecture:
         return SOURCES[FILE_PREFIX](str(checkpoint), options)
     return SOURCES[prefix](name, options)
 
@@ -128,7 +129,6 @@ def torchvision_pretrained(name: str, options: ModelOptions) -> LoadedModel:
     classifier = build_architecture(name, NUM_IMAGENET_CLASSES)
     state, source = _download_weights(member)
     classifier.load_state_dict(state, strict=True)
-    checkpoints.check_class_count(NUM_IMAGENET_CLASSES, options.in9, f"{name} with its pretrained weights")
     return wrap(classifier, NUM_IMAGENET_CLASSES, options.normalize, None, "", name,
                 f"{type(member).__name__}.{member.name}", source, sha256_file(source), "torchvision weights")
 
