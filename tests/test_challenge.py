@@ -166,6 +166,36 @@ def test_resume_after_interruption_gives_the_uninterrupted_result(full, data, mo
         assert np.array_equal(resumed.state.matrix, whole.state.matrix)
 
 
+def test_a_shared_full_run_resumes_a_single_process_state(data, models, tmp_path, monkeypatch):
+    """torchrun resuming an interrupted single-process --full run: its own block of rows, the batch that was in
+    flight included, equals the uninterrupted matrix. (Rank 0 of 2 without a real process group: the
+    gathering is then the identity, so this process's rows are exactly what it computed.)"""
+    from tools.distributed import ProcessGroup  # noqa: PLC0415
+
+    path = models["color9"][1]
+    whole = engine(path, data, tmp_path / "whole", full=True, batch_size=6)
+    calls = {"n": 0}
+    original = challenge.CompositePredictor.predict_pairs
+
+    def interrupted(self, pairs):
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise KeyboardInterrupt
+        return original(self, pairs)
+
+    monkeypatch.setattr(challenge.CompositePredictor, "predict_pairs", interrupted)
+    cfg = ChallengeConfig(batch_size=6, progress=False, full=True, save_every=0.0)
+    with pytest.raises(KeyboardInterrupt):
+        run_challenge(load_model(checkpoint=path), CPU, data, cfg, output_dir=tmp_path / "part", workers=2)
+    monkeypatch.setattr(challenge.CompositePredictor, "predict_pairs", original)
+    assert len(challenge.SearchState.load(tmp_path / "part" / challenge.STATE_NAME, whole.key).pending) == 6
+    shared = Runtime(torch.device("cpu"), group=ProcessGroup(rank=0, world_size=2))
+    resumed = run_challenge(load_model(checkpoint=path), shared, data, cfg, output_dir=tmp_path / "part",
+                            resume=True, workers=2)
+    rows = np.array_split(np.arange(len(whole.state.verdict)), 2)[0]
+    assert np.array_equal(resumed.state.matrix[rows], whole.state.matrix[rows])
+
+
 def test_resume_refuses_another_runs_state(data, models, tmp_path):
     engine(models["color9"][1], data, tmp_path)
     loaded = load_model(checkpoint=models["cnn9"][1])

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from tools import distributed
 from tools.challenge.data import ChallengeData, ChallengeFiles, load_challenge_data
 from tools.challenge.predictor import CompositePredictor
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import ChallengeConfig, Scheduler
-from tools import distributed
 from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState
 from tools.models import LoadedModel
 from tools.provenance import provenance
@@ -47,13 +47,17 @@ class Search:
         self.scheduler.record(pairs, preds.cpu().numpy().astype(np.int64),
                               None if margins is None else margins.float().cpu().numpy())
 
+    def progress_bar(self) -> tqdm:
+        plan = self.scheduler
+        return tqdm(total=plan.total(), initial=plan.resolved(), unit="pair" if plan.full else "fg",
+                    desc="all pairs" if plan.full else "searching", disable=not self.config.progress,
+                    dynamic_ncols=True, smoothing=0.05)
+
     def run(self) -> SearchState:
         if self.predictor.runtime.group.distributed:
             return ShardedSearch(self).run()
         s, plan = self.state, self.scheduler
-        bar = tqdm(total=plan.total(), initial=plan.resolved(), unit="pair" if plan.full else "fg",
-                   desc="all pairs" if plan.full else "searching", disable=not self.config.progress,
-                   dynamic_ncols=True, smoothing=0.05)
+        bar = self.progress_bar()
         start, last_save, evaluated0 = time.monotonic(), time.monotonic(), s.evaluated
         elapsed0 = s.elapsed
         pending = self._launch(s.pending) if len(s.pending) else None
@@ -106,12 +110,9 @@ class ShardedSearch:
         self.busy_s = 0.0  # this process's time testing pairs, for the balance figure
 
     def run(self) -> SearchState:
-        s, plan, search = self.state, self.plan, self.search
+        s, plan = self.state, self.plan
         started, elapsed0 = time.monotonic(), s.elapsed
-        bar = tqdm(total=plan.total(), initial=plan.resolved(), unit="pair" if plan.full else "fg",
-                   desc="all pairs" if plan.full else "searching", disable=not search.config.progress,
-                   dynamic_ncols=True, smoothing=0.05)
-        with bar:
+        with self.search.progress_bar() as bar:
             if plan.full:
                 self._full()
             else:
@@ -183,7 +184,11 @@ class ShardedSearch:
         s, plan = self.state, self.plan
         n_bg = plan.n_bg
         rows = np.array_split(np.arange(plan.n_fg), self.group.world_size)[self.group.rank]
-        begin = max(int(s.position), int(rows[0]) * n_bg) if len(rows) else 0
+        # pairs before `done` are in the matrix; a state saved by one process also holds the batch it had
+        # launched but not yet recorded, the pairs just before its position
+        done = int(s.position) - len(s.pending)
+        s.pending = np.zeros((0, 2), np.int64)
+        begin = max(done, int(rows[0]) * n_bg) if len(rows) else 0
         end = (int(rows[-1]) + 1) * n_bg if len(rows) else 0
         size = self.search.predictor.forward.chunk
         evaluated0 = s.evaluated
@@ -245,6 +250,7 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
     data = data.to(runtime.device)
     predictor = CompositePredictor(loaded, runtime, data, config.batch_size, config.recheck_margin)
     state_path = Path(output_dir) / state_name if output_dir is not None else None
+    device = distributed.reduction_device(runtime.device)  # where collectives' tensors live, if any
     if resume and state_path is not None and state_path.is_file():
         state = SearchState.load(state_path, key)
         log.info("resuming from %s: %d composites already evaluated", state_path, state.evaluated)
@@ -253,14 +259,12 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
             log.warning("no saved state in %s: starting afresh", output_dir)
         bg_pred = predictor.predict_backgrounds(measure=config.batch_size is None and runtime.device.type == "cpu")
         # every process plans from rank 0's background predictions (and batch size), so all plan alike
-        device = distributed.reduction_device(runtime.device)
         bg_pred = distributed.broadcast(bg_pred, runtime.group, device)
         predictor.forward.chunk = int(distributed.broadcast(np.array([predictor.forward.chunk]), runtime.group,
                                                             device)[0])
         state = SearchState.fresh(len(data.foregrounds), len(data.backgrounds), bg_pred, config.full)
     Search(predictor, data, config, state, state_path, key).run()
     if runtime.group.distributed:
-        device = distributed.reduction_device(runtime.device)
         predictor.rechecked, predictor.recheck_changed = (int(v) for v in distributed.all_reduce(
             np.array([predictor.rechecked, predictor.recheck_changed], np.int64), "sum", device))
     info = provenance(runtime.describe(), loaded.describe(), data.fingerprint)
