@@ -20,7 +20,8 @@ import in9_eval
 import train
 from conftest import run_in_process
 from tools import cli, synthetic
-from tools.models import SMALL_CNN, TRAINED_FORMAT, SmallCNN
+from tools.checkpoints import TRAINED_FORMAT
+from tools.models import SMALL_CNN, SmallCNN
 from tools.training.checkpoint import CHECKPOINT_NAME, STATE_NAME
 from tools.training.data import derived_seed
 

@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 from tools.errors import UserError
-from tools.models import DEFAULT_ARCH, TRAINED_FORMAT, build_architecture, classifier_keys, trained_checkpoint_header
+from tools.models import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
 
 log = logging.getLogger(__name__)
 
 STATE_DICT_KEYS = ("model", "state_dict", "state_dict_ema")
+TRAINED_FORMAT = "bg-challenge-toolkit/1"  # the `format` value of the checkpoints train.py writes
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
@@ -234,12 +235,21 @@ def _load_program(path: Path, kind: str) -> nn.Module:
         raise UserError(f"cannot load the {kind} program {path}: {str(exc).splitlines()[0]}") from None
 
 
+def trained_checkpoint_header(obj) -> dict | None:
+    """The toolkit's trained-checkpoint fields (arch, mean, std, method, ...) when `obj` is one, else None."""
+    if not isinstance(obj, Mapping) or obj.get("format") != TRAINED_FORMAT:
+        return None
+    return {k: v for k, v in obj.items() if k != "model"}
 
 
-def _architecture(obj, arch: str | None, path: Path) -> str:
-    """--arch, else the architecture the checkpoint records under "arch" (train.py and the zoo write it), else
-    resnet50; a recorded one that --arch contradicts is an error."""
-    recorded = obj.get("arch") if isinstance(obj, Mapping) and isinstance(obj.get("arch"), str) else None
+def recorded_architecture(obj) -> str | None:
+    """The architecture a checkpoint records under "arch" (train.py and the zoo write it), if any."""
+    arch = obj.get("arch") if isinstance(obj, Mapping) else None
+    return arch if isinstance(arch, str) and arch else None
+
+
+def _architecture(arch: str | None, recorded: str | None, path: Path) -> str:
+    """--arch, else the recorded architecture, else resnet50; a recorded one that --arch contradicts is an error."""
     if arch is not None and recorded is not None and arch != recorded:
         raise UserError(f"--arch {arch} contradicts checkpoint {path}, which records architecture {recorded}; drop "
                         f"--arch or pass the right checkpoint")
@@ -276,8 +286,9 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
         return ReadCheckpoint(classifier, num_classes, None, None,
                               "TorchScript" if kind == "torchscript" else "torch.export")
     obj = _torch_load(path, trust)
-    named = arch is not None or (isinstance(obj, Mapping) and isinstance(obj.get("arch"), str))
-    arch = _architecture(obj, arch, path)
+    recorded = recorded_architecture(obj)
+    named = arch is not None or recorded is not None
+    arch = _architecture(arch, recorded, path)
     state = extract_state_dict(obj, checkpoint_key, ignore_normalizer=normalize is not Normalization.AUTO)
     header = trained_checkpoint_header(obj)
     if header is not None:  # train.py's checkpoint: its architecture (above) and its normaliser

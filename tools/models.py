@@ -17,7 +17,6 @@ log = logging.getLogger(__name__)
 
 TIMM_PREFIX = "timm:"
 DEFAULT_ARCH = "resnet50"  # the paper's model, where neither --arch nor the checkpoint names one
-TRAINED_FORMAT = "bg-challenge-toolkit/1"  # the `format` value of the checkpoints train.py writes
 SMALL_CNN = "toolkit:small_cnn"  # a tiny BatchNorm-free CNN for tests, demos and smoke runs
 
 
@@ -124,13 +123,6 @@ def classifier_keys(arch: str) -> list[str]:
         nine = build_architecture(arch, NUM_IN9_CLASSES).state_dict()
         full = build_architecture(arch, NUM_IMAGENET_CLASSES).state_dict()
     return [k for k in nine if nine[k].shape != full[k].shape]
-
-
-def trained_checkpoint_header(obj) -> dict | None:
-    """The toolkit's trained-checkpoint fields (arch, mean, std, method, ...) when `obj` is one, else None."""
-    if not isinstance(obj, dict) or obj.get("format") != TRAINED_FORMAT:
-        return None
-    return {k: v for k, v in obj.items() if k != "model"}
 
 
 def wrap(classifier: nn.Module, num_classes: int, normalize: Normalization, stats: tuple | None, stats_origin: str,

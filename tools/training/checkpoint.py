@@ -16,7 +16,7 @@ from torch import nn
 
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES
-from tools.models import TRAINED_FORMAT
+from tools.checkpoints import TRAINED_FORMAT
 
 log = logging.getLogger(__name__)
 
