@@ -136,3 +136,21 @@ def test_in9_sees_an_image_rewritten_in_place(capsys, data, model, tmp_path):
     assert new["provenance"]["data"]["files"] == old["provenance"]["data"]["files"]
     code, _, err = in9(capsys, data, model, tmp_path / "first", "--resume")
     assert code == 2 and "was written for another model, data or setting" in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("arithmetic", ["binary", "original"])
+def test_the_cache_returns_exactly_what_was_decoded(arithmetic, pristine, tmp_path):
+    import torch  # noqa: PLC0415
+
+    from tools.challenge import list_challenge_files, load_challenge_data  # noqa: PLC0415
+    from tools.compositing import MaskArithmetic  # noqa: PLC0415
+
+    files = list_challenge_files(pristine, workers=1)
+    mode = MaskArithmetic(arithmetic)
+    fresh = load_challenge_data(files, 1, tmp_path / "cache", progress=False, arithmetic=mode)
+    cached = load_challenge_data(files, 1, tmp_path / "cache", progress=False, arithmetic=mode)
+    uncached = load_challenge_data(files, 1, None, progress=False, arithmetic=mode)
+    for name in ("fg_images", "masks", "bg_images"):
+        assert torch.equal(getattr(fresh, name), getattr(cached, name)), name
+        assert torch.equal(getattr(uncached, name), getattr(cached, name)), name
+    assert len(list((tmp_path / "cache").iterdir())) == 1

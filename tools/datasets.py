@@ -25,6 +25,7 @@ from tools.in9 import IMAGE_SIZE
 log = logging.getLogger(__name__)
 
 DECODE_CHUNK = 64  # images per decoding job
+CACHE_VERSION = 4  # of the decoded-data cache's entries
 
 
 def decode_rgb(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:
@@ -186,22 +187,26 @@ class DecodedCache:
             log.warning("could not write the decoded-data cache at %s (%s); continuing without it", self.folder, exc)
 
 
-CACHE_VERSION = 3
-
-
 def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], fingerprint: dict,
                   cache_dir: Path | None, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4,
                   progress: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Named groups of images as uint8 (N, 3, H, W) tensors and the masks (`load_masks`), decoded once and
-    reused from `cache_dir` when the content fingerprint and the mask arithmetic match: the one place that
-    turns listed files into tensors for the challenge and for training."""
+    reused from `cache_dir` when the content fingerprint and the mask arithmetic match (the challenge's data;
+    training decodes per sample in its DataLoader workers). Binary masks are cached as packed bits."""
     cache = DecodedCache(cache_dir, f"{fingerprint['sha256'][:24]}-{arithmetic.value}-v{CACHE_VERSION}",
                          {"fingerprint": fingerprint, "mask_arithmetic": arithmetic.value, "groups": list(images)})
+    packed = arithmetic is MaskArithmetic.BINARY
     cached = cache.load([*images, "masks"])
     if cached is not None:
-        return {name: torch.from_numpy(cached[name]) for name in images}, torch.from_numpy(cached["masks"])
+        mask_array = cached["masks"]
+        if packed:
+            pixels = IMAGE_SIZE * IMAGE_SIZE
+            mask_array = np.unpackbits(mask_array, axis=1, count=pixels).astype(bool).reshape(-1, IMAGE_SIZE,
+                                                                                               IMAGE_SIZE)
+        return {name: torch.from_numpy(cached[name]) for name in images}, torch.from_numpy(mask_array)
     mask_array = load_masks(root, masks, arithmetic)  # first: a refused mask stops the run before any decoding
     decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}")
                for name, relpaths in images.items()}
-    cache.save({**{name: tensor.numpy() for name, tensor in decoded.items()}, "masks": mask_array})
+    stored = np.packbits(mask_array.reshape(len(mask_array), -1), axis=1) if packed else mask_array
+    cache.save({**{name: tensor.numpy() for name, tensor in decoded.items()}, "masks": stored})
     return decoded, torch.from_numpy(mask_array)
