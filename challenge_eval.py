@@ -50,8 +50,7 @@ def main(args: argparse.Namespace) -> int:
     loaded = options.model_from_args(args)
     result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume, shard=args.shard)
     if args.shard is not None:
-        path = write_challenge_shard(args.output_dir, args.shard, result.key, result,
-                                     args.shard.take(len(data.foregrounds)), data, args.data_path, loaded.num_classes)
+        path = write_challenge_shard(args.output_dir, args.shard, result, data, args.data_path, loaded.num_classes)
         print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")
         return 0
     if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would

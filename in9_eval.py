@@ -39,8 +39,7 @@ def main(args: argparse.Namespace) -> int:
     run = run_in9(loaded, runtime, files, names, args.batch_size or default_batch_size(runtime.device),
                   args.workers, args.output_dir, args.resume, not args.no_progress, args.shard)
     if args.shard is not None:
-        path = write_in9_shard(args.output_dir, args.shard, run.key, run,
-                               {name: result.predictions for name, result in run.results.items()})
+        path = write_in9_shard(args.output_dir, args.shard, run)
         print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")
         return 0
     if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would

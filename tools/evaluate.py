@@ -18,9 +18,11 @@ from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, Variation, PredictionMap, class_names
 from tools.models import LoadedModel
 from tools.hashing import fingerprint
+from tools.categories import CATEGORY_VARIATIONS, format_categories, prediction_categories
 from tools.provenance import provenance, write_json_atomic
+from tools.report import write_report
 from tools.runtime import Forward, Runtime
-from tools.shards import Shard
+from tools.shards import NOT_MINE, Shard
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +135,7 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     if runtime.group.distributed or shard is not None:
         share = shard or Shard(runtime.group.rank, runtime.group.world_size)
         predictions = _predict_share(root, all_paths, batch_size, workers, runtime, forward, to_in9, progress, share)
-        if shard is not None:  # this shard's predictions alone, the others' left as -2: for tools.merge
+        if shard is not None:  # this shard's predictions alone, the others' NOT_MINE: for tools.merge
             return {name: VariationResult(name, relpaths, labels, predictions[lo:hi])
                     for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:])}
         for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:]):
@@ -165,14 +167,14 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
                    forward: Forward, to_in9: PredictionMap, progress: bool, share: Shard) -> np.ndarray:
     """The stream's batches dealt out in turn (batch i to share i mod N), each image predicted in the very batch
     one process would put it in; under torchrun every prediction is then gathered into every process, and an
-    independent shard keeps -2 where others predict."""
+    independent shard keeps NOT_MINE (-2) where others predict."""
     starts = list(range(0, len(relpaths), batch_size))[share.index::share.count]
-    encoded = np.zeros(len(relpaths), np.int64)  # prediction + 2 where this process predicted, else 0
+    encoded = np.zeros(len(relpaths), np.int64)  # prediction - NOT_MINE where this process predicted, else 0
     with tqdm(total=len(relpaths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True) as bar:
         for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(), starts):
-            encoded[start:start + batch.shape[0]] = to_in9(forward(runtime.to_device(batch))).cpu().numpy() + 2
+            encoded[start:start + batch.shape[0]] = to_in9(forward(runtime.to_device(batch))).cpu().numpy() - NOT_MINE
             bar.update(batch.shape[0] * share.count)
-    return distributed.all_reduce(encoded, "sum", distributed.reduction_device(runtime.device)) - 2
+    return distributed.all_reduce(encoded, "sum", distributed.reduction_device(runtime.device)) + NOT_MINE
 
 
 @dataclass
@@ -197,8 +199,6 @@ class In9Run:
     def publish(self, categories: bool = False, results_file: Path | None = None,
                 report: Path | None = None) -> list[str]:
         """Write what in9_eval.py writes (and tools.merge for shards); returns the lines to print."""
-        from tools.categories import CATEGORY_VARIATIONS, format_categories, prediction_categories  # noqa: PLC0415
-        from tools.report import write_report  # noqa: PLC0415
         lines = self.lines()
         payload = self.to_json()
         if categories:
@@ -245,7 +245,7 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, names
             shard: Shard | None = None) -> In9Run:
     """Evaluate the variations and gather the provenance a results file cites (`files`: listed, or the folder).
 
-    shard: predict only that share (tools.shards); the predictions of the others are -2, for tools.merge."""
+    shard: predict only that share (tools.shards); the others' predictions are NOT_MINE, for tools.merge."""
     if not isinstance(files, In9Files):
         files = list_in9_files(files, names, workers)
     key = {"data": files.fingerprint, "model_sha256": loaded.sha256, "normalization": loaded.normalization,

@@ -55,32 +55,32 @@ def shard_spec(text: str) -> Shard:
 # ----------------------------------------------------------------------------------------------------------
 # Writing a shard
 
-def write_challenge_shard(output_dir: Path, shard: Shard, key: str, result, indices: np.ndarray, files,
-                          data_path: Path, num_classes: int) -> Path:
-    """The shard's verdicts (by global foreground index) and what the merge needs to rebuild the whole run."""
+def write_challenge_shard(output_dir: Path, shard: Shard, result, files, data_path: Path, num_classes: int) -> Path:
+    """The shard's verdicts (by global foreground index: `files` lists the whole run's) and what the merge needs
+    to rebuild the whole run."""
     s = result.state
     stem = Path(output_dir) / CHALLENGE_PATTERN.format(index=shard.index, count=shard.count)
-    arrays = {"indices": indices, "verdict": s.verdict, "fool_bg": s.fool_bg, "fool_pred": s.fool_pred,
+    arrays = {"indices": shard.take(len(files.foregrounds)), "verdict": s.verdict, "fool_bg": s.fool_bg, "fool_pred": s.fool_pred,
               "min_margin": s.min_margin, "bg_pred": s.bg_pred}
     if s.matrix is not None:
         arrays["matrix"] = s.matrix
     with atomic_write(stem.with_suffix(".npz"), "wb") as fh:
         np.savez(fh, **arrays)
     write_json_atomic(stem.with_suffix(".json"), {
-        "shard": [shard.index, shard.count], "key": key, "results": result.to_json(),
+        "shard": [shard.index, shard.count], "key": result.key, "results": result.to_json(),
         "num_classes": num_classes, "data_path": str(Path(data_path).resolve()),
         "foregrounds": [[r.stem, r.label, r.image_relpath, r.mask_relpath] for r in files.foregrounds],
         "backgrounds": [[r.relpath, r.label] for r in files.backgrounds]})
     return stem.with_suffix(".json")
 
 
-def write_in9_shard(output_dir: Path, shard: Shard, key: dict, run, encoded: dict[str, np.ndarray]) -> Path:
-    """The shard's predictions (the others' left as -2) for every variation of the run."""
+def write_in9_shard(output_dir: Path, shard: Shard, run) -> Path:
+    """The shard's predictions (the others' NOT_MINE) for every variation of the run."""
     path = Path(output_dir) / IN9_PATTERN.format(index=shard.index, count=shard.count)
     write_json_atomic(path, {
-        "shard": [shard.index, shard.count], "key": key, "provenance": run.provenance,
+        "shard": [shard.index, shard.count], "key": run.key, "provenance": run.provenance,
         "variations": {name: {"relpaths": r.relpaths, "labels": r.labels.tolist(),
-                              "predictions": encoded[name].tolist()} for name, r in run.results.items()}})
+                              "predictions": r.predictions.tolist()} for name, r in run.results.items()}})
     return path
 
 
