@@ -64,15 +64,19 @@ def setup(device: torch.device) -> ProcessGroup:
     return group
 
 
+def _joined() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def cleanup() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _joined():
         dist.destroy_process_group()
 
 
 def all_reduce(array: np.ndarray, op: str = "sum", device: torch.device | None = None) -> np.ndarray:
     """An element-wise reduction of a numpy array over the process group ("sum", "min" or "max"), through a
     tensor on `device` (the GPU for NCCL); the array itself when there is no group."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _joined():
         return array
     tensor = torch.from_numpy(np.ascontiguousarray(array)).to(device or torch.device("cpu"))
     dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
@@ -89,7 +93,7 @@ def broadcast(array: np.ndarray, group: ProcessGroup, device: torch.device | Non
 
 def all_gather_floats(value: float, device: torch.device | None = None) -> list[float]:
     """One number from every process, in rank order; [value] when there is no group."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _joined():
         return [value]
     out = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(out, torch.tensor([value], dtype=torch.float64, device=device))
@@ -98,4 +102,4 @@ def all_gather_floats(value: float, device: torch.device | None = None) -> list[
 
 def reduction_device(device: torch.device) -> torch.device | None:
     """Where collectives' tensors must live: this process's GPU under NCCL, the CPU (None) under gloo."""
-    return device if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else None
+    return device if _joined() and dist.get_backend() == "nccl" else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
+import functools
 import logging
 import platform
 import random
@@ -147,9 +148,7 @@ def default_batch_size(device: torch.device) -> int:
     return 256 if device.type == "cuda" else 16
 
 
-_allocator_tuned = False
-
-
+@functools.lru_cache(maxsize=None)
 def tune_cpu_allocator() -> None:
     """Keep freed memory in the process on Linux/glibc, once per process.
 
@@ -158,10 +157,8 @@ def tune_cpu_allocator() -> None:
     (measured: half of EfficientNet-Lite0's time on a 2-core VM). Raising the mmap and trim thresholds keeps
     those blocks for reuse; results are unchanged. Elsewhere this does nothing.
     """
-    global _allocator_tuned
-    if _allocator_tuned or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return
-    _allocator_tuned = True
     try:
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3
