@@ -23,6 +23,8 @@ from PIL import Image, ImageDraw
 from tools.analysis import default_font
 from tools.errors import UserError
 from tools.in9 import Variation
+from tools.provenance import atomic_write
+from tools.report import markdown_table
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +120,15 @@ def render_markdown(rows: list[Row]) -> str:
            "Accuracies in percent on the IN-9 variations and the challenge (`any` criterion); BG-gap = mixed_same − mixed_rand in points. Sorted by challenge accuracy; rows "
            "without a challenge number come last. **published** rows are quoted from their sources, "
            "**measured** rows were computed by this toolkit (provenance: a hash of the results file's "
-           "provenance).", "",
-           "| # | Model | Source | Weights | Original | Mixed-Same | Mixed-Rand | BG-gap | Challenge | Kind | "
-           "Provenance |",
-           "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+           "provenance).", ""]
+    table = []
     for rank, row in enumerate(rows, 1):
         provenance = f"`{row.provenance_sha256}`" if row.provenance_sha256 else (row.reference or "–")
-        cells = [str(rank), row.model, row.source, row.weights or "–", _number(row.original),
-                 _number(row.mixed_same), _number(row.mixed_rand), _number(row.bg_gap),
-                 _number(row.challenge_accuracy), row.kind, provenance]
-        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        table.append([rank, row.model, row.source, row.weights or "–", _number(row.original),
+                      _number(row.mixed_same), _number(row.mixed_rand), _number(row.bg_gap),
+                      _number(row.challenge_accuracy), row.kind, provenance])
+    out += markdown_table(["#", "Model", "Source", "Weights", "Original", "Mixed-Same", "Mixed-Rand", "BG-gap",
+                           "Challenge", "Kind", "Provenance"], table, "rlllrrrrrll")
     fingerprints = sorted({row.data_sha256 for row in rows if row.kind == MEASURED and row.data_sha256})
     if fingerprints:
         out += ["", "Measured on data with SHA-256 fingerprint " + ", ".join(f"`{f}`" for f in fingerprints) + "."]
@@ -263,9 +264,8 @@ def draw_plot(rows: list[Row], path: Path | str) -> list[Row]:
 # ----------------------------------------------------------------------------------------------------------
 
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    with atomic_write(path) as fh:
+        fh.write(text)
 
 
 def build_leaderboard(output_dir: Path | str, include_published: bool = True) -> list[Row]:

@@ -41,7 +41,7 @@ def atomic_write(path: Path | str, mode: str = "w") -> Iterator[IO]:
         except FileExistsError:
             continue
     try:
-        with os.fdopen(fd, mode) as fh:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as fh:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
