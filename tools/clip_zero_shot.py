@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tools.errors import UserError
-from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, class_names
+from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, class_names
 from tools.hashing import sha256_file
-from tools.models import LoadedModel, PixelModel
+from tools.models import LoadedModel, close_matches, wrap
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +163,8 @@ def load_clip(spec: str, templates: str = "openai") -> LoadedModel:
     open_clip = _open_clip()
     arch, pretrained = parse_spec(spec)
     if arch not in open_clip.list_models():
-        import difflib  # noqa: PLC0415
-        close = difflib.get_close_matches(arch, open_clip.list_models(), n=5, cutoff=0.5)
-        raise UserError(f"unknown open_clip architecture {arch!r}" + (f" (close matches: {', '.join(close)})"
-                                                                       if close else "; see open_clip.list_models()"))
+        raise UserError(f"unknown open_clip architecture {arch!r}"
+                        f"{close_matches(arch, open_clip.list_models()) or '; see open_clip.list_models()'}")
     sets = template_sets()
     if templates not in sets:
         raise UserError(f"unknown prompt template set {templates!r}; valid: {', '.join(sets)}")
@@ -182,13 +180,11 @@ def load_clip(spec: str, templates: str = "openai") -> LoadedModel:
     image_size = _image_size(preprocess.get("size", IMAGE_SIZE))
     if image_size != (IMAGE_SIZE, IMAGE_SIZE):
         log.info("clip:%s takes %dx%d images: the 224x224 inputs are resized inside the model", spec, *image_size)
-    classifier = ZeroShotClassifier(clip_model.visual, head, clip_model.logit_scale.exp().item(), image_size).eval()
-    mean, std = preprocess["mean"], preprocess["std"]
-    model = PixelModel(classifier, mean, std).eval()
-    normalization = f"CLIP (mean {[round(float(v), 4) for v in mean]}, std {[round(float(v), 4) for v in std]})"
+    classifier = ZeroShotClassifier(clip_model.visual, head, clip_model.logit_scale.exp().item(), image_size)
     if weights_file is None:  # no file to hash: the digest of the weights themselves identifies the run
         fmt, digest, weights = f"open_clip random init (seed {RANDOM_SEED}), {templates} prompts", \
             _state_digest(classifier), RANDOM_TAG
     else:
         fmt, digest, weights = f"open_clip zero-shot, {templates} prompts", sha256_file(weights_file), pretrained
-    return LoadedModel(model, NUM_IN9_CLASSES, f"clip:{arch}", weights, weights_file, digest, fmt, normalization)
+    return wrap(classifier, NUM_IN9_CLASSES, Normalization.AUTO, (preprocess["mean"], preprocess["std"]), "CLIP",
+                f"clip:{arch}", weights, weights_file, digest, fmt)
