@@ -138,11 +138,8 @@ def test_verdicts_do_not_depend_on_background_order(seed, data, models, referenc
     assert (result.state.verdict == challenge.VULNERABLE).tolist() == expected.tolist()
 
 
-@pytest.mark.parametrize("full", [False, True])
-def test_resume_after_interruption_gives_the_uninterrupted_result(full, data, models, tmp_path, monkeypatch):
-    path = models["color9"][1]
-    whole = engine(path, data, tmp_path / "whole", full=full, batch_size=6)
-
+def interrupt_at_ninth_batch(path, data, cfg, output_dir, monkeypatch) -> None:
+    """A run stopped by Ctrl-C as its ninth batch of composites starts (its state saved after every batch)."""
     calls = {"n": 0}
     original = challenge.CompositePredictor.predict_pairs
 
@@ -153,10 +150,18 @@ def test_resume_after_interruption_gives_the_uninterrupted_result(full, data, mo
         return original(self, pairs)
 
     monkeypatch.setattr(challenge.CompositePredictor, "predict_pairs", interrupted)
-    cfg = ChallengeConfig(batch_size=6, progress=False, full=full, save_every=0.0)
     with pytest.raises(KeyboardInterrupt):
-        run_challenge(load_model(checkpoint=path), CPU, data, cfg, output_dir=tmp_path / "part", workers=2)
+        run_challenge(load_model(checkpoint=path), CPU, data, cfg, output_dir=output_dir, workers=2)
     monkeypatch.setattr(challenge.CompositePredictor, "predict_pairs", original)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_resume_after_interruption_gives_the_uninterrupted_result(full, data, models, tmp_path, monkeypatch):
+    path = models["color9"][1]
+    whole = engine(path, data, tmp_path / "whole", full=full, batch_size=6)
+
+    cfg = ChallengeConfig(batch_size=6, progress=False, full=full, save_every=0.0)
+    interrupt_at_ninth_batch(path, data, cfg, tmp_path / "part", monkeypatch)
     resumed = run_challenge(load_model(checkpoint=path), CPU, data, cfg, output_dir=tmp_path / "part", resume=True,
                             workers=2)
     assert resumed.state.verdict.tolist() == whole.state.verdict.tolist()
@@ -174,20 +179,8 @@ def test_a_shared_full_run_resumes_a_single_process_state(data, models, tmp_path
 
     path = models["color9"][1]
     whole = engine(path, data, tmp_path / "whole", full=True, batch_size=6)
-    calls = {"n": 0}
-    original = challenge.CompositePredictor.predict_pairs
-
-    def interrupted(self, pairs):
-        calls["n"] += 1
-        if calls["n"] == 9:
-            raise KeyboardInterrupt
-        return original(self, pairs)
-
-    monkeypatch.setattr(challenge.CompositePredictor, "predict_pairs", interrupted)
     cfg = ChallengeConfig(batch_size=6, progress=False, full=True, save_every=0.0)
-    with pytest.raises(KeyboardInterrupt):
-        run_challenge(load_model(checkpoint=path), CPU, data, cfg, output_dir=tmp_path / "part", workers=2)
-    monkeypatch.setattr(challenge.CompositePredictor, "predict_pairs", original)
+    interrupt_at_ninth_batch(path, data, cfg, tmp_path / "part", monkeypatch)
     assert len(challenge.SearchState.load(tmp_path / "part" / challenge.STATE_NAME, whole.key).pending) == 6
     shared = Runtime(torch.device("cpu"), group=ProcessGroup(rank=0, world_size=2))
     resumed = run_challenge(load_model(checkpoint=path), shared, data, cfg, output_dir=tmp_path / "part",
