@@ -26,6 +26,14 @@ def setup(tmp_path_factory):
     return data, model
 
 
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    """A model whose challenge run has another key and other verdicts than the setup's: backgrounds weigh more."""
+    path = tmp_path_factory.mktemp("other") / "background.ts"
+    save_torchscript(synthetic.ColorEvidenceModel(9, fg_weight=1.0, bg_weight=4.0), path)
+    return path
+
+
 def script(module, capsys, *args):
     argv = [str(a) for a in args] + ["--device", "cpu", "--no-progress", "--log-level", "WARNING"]
     return run_in_process(lambda a: cli.run_main(module.build_parser(), module.main, a), argv, capsys)
@@ -109,3 +117,84 @@ def test_shard_is_refused_under_torchrun(setup, tmp_path, capsys, monkeypatch):
     code, _, err = script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--shard", "0/2",
                           "--output-dir", tmp_path)
     assert code == 2 and "drop --shard" in err.splitlines()[-1]
+
+
+def one_error_line(err: str) -> str:
+    """The single `error:` line a refused merge prints (and nothing resembling a traceback)."""
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+def challenge_shards(data, model, folder, capsys, indices=(0, 1)):
+    for index in indices:
+        code, _, err = script(challenge_eval, capsys, "--data-path", data, "--checkpoint", model, "--no-cache",
+                              "--output-dir", folder, "--shard", f"{index}/2")
+        assert code == 0, err
+
+
+@pytest.mark.parametrize("left", ["new arrays, old json", "old arrays, new json"])
+def test_merge_refuses_a_challenge_shard_rerun_stopped_between_its_two_files(left, setup, other_model, tmp_path,
+                                                                           capsys, monkeypatch):
+    """Shard 0 rerun with another model: its .npz and .json must not be paired across the two runs."""
+    data, model = setup
+    folder = tmp_path / "shards"
+    challenge_shards(data, model, folder, capsys)
+    npz, json_file = folder / "challenge-shard-0-of-2.npz", folder / "challenge-shard-0-of-2.json"
+    old_arrays = npz.read_bytes()
+    if left == "new arrays, old json":  # the rerun is killed after writing its arrays, before its JSON
+        def killed(*_):
+            raise KeyboardInterrupt
+        with monkeypatch.context() as patch:
+            patch.setattr("tools.shards.write_json_atomic", killed)
+            code, _, _ = script(challenge_eval, capsys, "--data-path", data, "--checkpoint", other_model,
+                                "--no-cache", "--output-dir", folder, "--shard", "0/2")
+        assert code == cli.EXIT_INTERRUPTED and npz.read_bytes() != old_arrays
+    else:  # both shards rerun with the other model, but shard 0's arrays are the first run's
+        challenge_shards(data, other_model, folder, capsys)
+        npz.write_bytes(old_arrays)
+    code, out, err = run_in_process(merge.main, [str(folder)], capsys)
+    assert code == 2 and out == ""
+    line = one_error_line(err)
+    assert str(npz) in line and json_file.name in line and "--shard 0/2" in line
+
+
+def damage(path: Path, how: str) -> None:
+    if how == "missing":
+        path.unlink()
+    elif how == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "altered":  # other results under the same key
+        with np.load(path) as z:
+            arrays = dict(z)
+        arrays["verdict"] = 1 - arrays["verdict"]
+        np.savez(path, **arrays)
+    elif how == "not this format":  # a JSON object without this version's fields, e.g. an older release's
+        payload = json.loads(path.read_text())
+        path.write_text(json.dumps({k: v for k, v in payload.items() if k not in ("format", "key")}))
+
+
+@pytest.mark.parametrize("kind, suffix, how", [
+    ("challenge", ".npz", "missing"), ("challenge", ".npz", "truncated"), ("challenge", ".npz", "empty"),
+    ("challenge", ".npz", "altered"),
+    ("challenge", ".json", "truncated"), ("challenge", ".json", "not this format"),
+    ("in9", ".json", "truncated"), ("in9", ".json", "empty"), ("in9", ".json", "not this format")])
+def test_a_damaged_shard_is_refused_with_one_error_line(kind, suffix, how, setup, tmp_path, capsys):
+    data, model = setup
+    folder = tmp_path / "shards"
+    if kind == "challenge":
+        challenge_shards(data, model, folder, capsys)
+    else:
+        for index in range(2):
+            code, _, err = script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--eval-dataset",
+                                  "only_fg", "--output-dir", folder, "--shard", f"{index}/2")
+            assert code == 0, err
+    damaged = folder / f"{kind}-shard-1-of-2{suffix}"
+    damage(damaged, how)
+    code, out, err = run_in_process(merge.main, [str(folder)], capsys)
+    assert code == 2 and out == ""
+    line = one_error_line(err)
+    assert str(damaged) in line and "--shard 1/2" in line

@@ -18,7 +18,7 @@ from tools.challenge.state import SearchState
 from tools.cli import add_log_level_argument, run_main
 from tools.errors import UserError
 from tools.evaluate import In9Run, VariationResult
-from tools.shards import NOT_MINE, find_shards
+from tools.shards import NOT_MINE, find_shards, read_challenge_arrays
 
 KINDS = ("challenge", "in9")
 
@@ -30,7 +30,7 @@ def merge_challenge(shards: list[tuple[Path, dict]]) -> tuple[ChallengeResult, P
     backgrounds = [layout.ImageRecord(relpath, label) for relpath, label in first["backgrounds"]]
     results = first["results"]
     files = ChallengeFiles(foregrounds, backgrounds, Path(first["data_path"]), results["provenance"]["data"])
-    arrays = [np.load(path.with_suffix(".npz")) for path, _ in shards]
+    arrays = [read_challenge_arrays(path, meta) for path, meta in shards]
     state = SearchState.fresh(len(foregrounds), len(backgrounds), arrays[0]["bg_pred"], bool(results["full"]))
     for z in arrays:
         rows = z["indices"]

@@ -8,6 +8,10 @@ the N shards belong to one run and are all there, and writes what one process wo
 in9 results exactly; the challenge's verdicts, counts and --full matrix exactly, while the "first fooling
 background found" of a vulnerable foreground may differ, since each shard learns its search order from its
 own foregrounds only.
+
+A challenge shard is two files, written in order: the arrays (.npz), which carry the run's key, then the
+JSON, which records the arrays' SHA-256. The merge takes the arrays only when both agree with the JSON, so
+a rerun stopped between its two writes (or a file copied in from elsewhere) is refused, never merged.
 """
 
 from __future__ import annotations
@@ -20,13 +24,18 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.errors import UserError
+from tools.errors import NUMPY_READ_ERRORS, UserError
+from tools.hashing import sha256_file
 from tools.provenance import atomic_write, write_json_atomic
 
 CHALLENGE_PATTERN = "challenge-shard-{index}-of-{count}"
 IN9_PATTERN = "in9-shard-{index}-of-{count}.json"
 NOT_MINE = -2  # an in9 shard's prediction for an image another shard predicts
 NAME = re.compile(r"^(challenge|in9)-shard-(\d+)-of-(\d+)\.json$")
+FORMAT = 2  # the layout of the shard files: written into each, and a shard of another layout is refused
+FIELDS = {"challenge": ("shard", "key", "arrays_sha256", "results", "num_classes", "data_path", "foregrounds",
+                        "backgrounds"),
+          "in9": ("shard", "key", "provenance", "variations")}
 
 
 @dataclass(frozen=True)
@@ -64,10 +73,13 @@ def write_challenge_shard(output_dir: Path, shard: Shard, result, files, data_pa
               "min_margin": s.min_margin, "bg_pred": s.bg_pred}
     if s.matrix is not None:
         arrays["matrix"] = s.matrix
-    with atomic_write(stem.with_suffix(".npz"), "wb") as fh:
+    arrays["key"] = np.frombuffer(result.key.encode(), np.uint8)
+    npz = stem.with_suffix(".npz")
+    with atomic_write(npz, "wb") as fh:
         np.savez(fh, **arrays)
-    write_json_atomic(stem.with_suffix(".json"), {
-        "shard": [shard.index, shard.count], "key": result.key, "results": result.to_json(),
+    write_json_atomic(stem.with_suffix(".json"), {  # last: it names the arrays it was written with
+        "format": FORMAT, "shard": [shard.index, shard.count], "key": result.key, "arrays_sha256": sha256_file(npz),
+        "results": result.to_json(),
         "num_classes": num_classes, "data_path": str(Path(data_path).resolve()),
         "foregrounds": [[r.stem, r.label, r.image_relpath, r.mask_relpath] for r in files.foregrounds],
         "backgrounds": [[r.relpath, r.label] for r in files.backgrounds]})
@@ -78,7 +90,7 @@ def write_in9_shard(output_dir: Path, shard: Shard, run) -> Path:
     """The shard's predictions (the others' NOT_MINE) for every variation of the run."""
     path = Path(output_dir) / IN9_PATTERN.format(index=shard.index, count=shard.count)
     write_json_atomic(path, {
-        "shard": [shard.index, shard.count], "key": run.key, "provenance": run.provenance,
+        "format": FORMAT, "shard": [shard.index, shard.count], "key": run.key, "provenance": run.provenance,
         "variations": {name: {"relpaths": r.relpaths, "labels": r.labels.tolist(),
                               "predictions": r.predictions.tolist()} for name, r in run.results.items()}})
     return path
@@ -96,10 +108,8 @@ def find_shards(folders: list[Path]) -> dict[str, list[tuple[Path, dict]]]:
         for path in sorted(Path(folder).iterdir()):
             match = NAME.match(path.name)
             if match:
-                try:
-                    found.setdefault(match.group(1), []).append((path, json.loads(path.read_text())))
-                except (OSError, ValueError) as exc:
-                    raise UserError(f"cannot read shard file {path}: {exc}") from None
+                kind, index, count = match.group(1), int(match.group(2)), int(match.group(3))
+                found.setdefault(kind, []).append((path, _read_meta(path, kind, Shard(index, count))))
     if not found:
         raise UserError(f"no shard results (challenge-shard-I-of-N.json, in9-shard-I-of-N.json) in "
                         f"{', '.join(map(str, folders))}; run the scripts with --shard I/N first")
@@ -127,3 +137,41 @@ def _check_complete(kind: str, shards: list[tuple[Path, dict]]) -> None:
     if len(keys) != 1:
         raise UserError(f"the {kind} shards come from different runs (model, data or settings differ): "
                         f"{', '.join(str(path) for path, _ in shards)}")
+
+
+def _rerun(shard: Shard) -> str:
+    return f"rerun that shard (--shard {shard}) with the run's other settings unchanged"
+
+
+def _read_meta(path: Path, kind: str, named: Shard) -> dict:
+    """A shard's JSON, refused unless it is whole and of this format (`named`: the shard its file name gives)."""
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read shard file {path} ({exc}); {_rerun(named)}") from None
+    missing = [field for field in FIELDS[kind] if field not in meta] if isinstance(meta, dict) else list(FIELDS[kind])
+    if missing or meta.get("format") != FORMAT:
+        raise UserError(f"{path} is not a {kind} shard of this toolkit's format {FORMAT} (written by another version, "
+                        f"or not a shard{'; lacks ' + ', '.join(missing) if missing else ''}); {_rerun(named)}")
+    return meta
+
+
+def read_challenge_arrays(path: Path, meta: dict) -> dict[str, np.ndarray]:
+    """The arrays of the challenge shard whose JSON (`meta`) is `path`, refused unless they are the very file
+    that JSON was written with: they carry the same key, and their SHA-256 is the one the JSON records."""
+    npz, shard = path.with_suffix(".npz"), Shard(*meta["shard"])
+    if not npz.is_file():
+        raise UserError(f"{npz} is missing: the arrays of {path.name}; {_rerun(shard)}")
+    try:
+        with np.load(npz, allow_pickle=False) as z:
+            arrays = {name: z[name] for name in z.files}
+        key = bytes(arrays.pop("key")).decode()
+    except (*NUMPY_READ_ERRORS, KeyError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {npz} ({exc}), the arrays of {path.name}; {_rerun(shard)}") from None
+    if key != meta["key"]:
+        raise UserError(f"{npz} holds another run's results than {path.name} (a rerun stopped between writing the "
+                        f"two?); {_rerun(shard)}")
+    if sha256_file(npz) != meta["arrays_sha256"]:
+        raise UserError(f"{npz} is not the file {path.name} was written with (a rerun stopped between writing the "
+                        f"two?); {_rerun(shard)}")
+    return arrays
