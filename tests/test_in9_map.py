@@ -4,36 +4,33 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.reference import REFERENCE_DIR_VARIABLE, reference_dir
 from tools import in9
 from tools.in9 import PredictionMap, class_names, in_to_in9_list, in_to_in9_table
 
 RESOURCES = Path(in9.__file__).resolve().parent / "resources"
-# The facts the toolkit must agree with; set IN9_REFERENCE_DIR where they live elsewhere.
-REFERENCE_DIR = Path(os.environ.get("IN9_REFERENCE_DIR", "/work/shared/reference"))
 CLASSES = ["dog", "bird", "vehicle", "reptile", "carnivore", "insect", "instrument", "primate", "fish"]
 WNIDS = ["n02084071", "n01503061", "n04576211", "n01661091", "n02075296", "n02159955", "n03800933", "n02469914",
          "n02512053"]
 
-needs_reference = pytest.mark.skipif(not REFERENCE_DIR.is_dir(), reason=f"no reference files at {REFERENCE_DIR}")
-
-
 def reference_map() -> dict[int, int]:
-    raw = json.loads((REFERENCE_DIR / "in_to_in9.json").read_text())
+    raw = json.loads((reference_dir() / "in_to_in9.json").read_text())
     return {int(k): v for k, v in raw.items()}
 
 
-@needs_reference
 @pytest.mark.parametrize("name", ["in_to_in9.json", "in9_classes.txt"])
 def test_shipped_copies_are_identical_to_the_reference(name):
-    assert (RESOURCES / name).read_bytes() == (REFERENCE_DIR / name).read_bytes()
+    assert (RESOURCES / name).read_bytes() == (reference_dir() / name).read_bytes()
 
 
-@needs_reference
 def test_table_agrees_with_reference_key_by_key():
     expected = reference_map()
     assert sorted(expected) == list(range(1000))
@@ -50,9 +47,8 @@ def test_table_counts():
     assert set(table.tolist()) == {-1, *range(9)}
 
 
-@needs_reference
 def test_class_names_match_reference():
-    lines = [line.split() for line in (REFERENCE_DIR / "in9_classes.txt").read_text().splitlines() if line.strip()]
+    lines = [line.split() for line in (reference_dir() / "in9_classes.txt").read_text().splitlines() if line.strip()]
     assert [name.lower() for name, _ in lines] == list(class_names())
     assert [wnid for _, wnid in lines] == WNIDS
 
@@ -135,3 +131,42 @@ def test_the_map_agrees_with_imagenet_class_names():
     for name, in9_class in expected.items():
         label = table[names.index(name)]
         assert (class_names()[label] if label >= 0 else None) == in9_class, name
+
+
+@pytest.mark.parametrize("ci, outcome", [(None, pytest.skip.Exception), ("true", pytest.fail.Exception),
+                                         ("1", pytest.fail.Exception), ("false", pytest.skip.Exception)])
+def test_missing_reference_facts_skip_and_fail_under_ci(ci, outcome, tmp_path, monkeypatch):
+    monkeypatch.delenv(REFERENCE_DIR_VARIABLE, raising=False)
+    monkeypatch.delenv("CI", raising=False)
+    if ci is not None:
+        monkeypatch.setenv("CI", ci)
+    with pytest.raises(outcome, match="no reference facts at .*shared/reference"):
+        reference_dir(tmp_path / "clone")
+    (tmp_path / "shared" / "reference").mkdir(parents=True)
+    assert reference_dir(tmp_path / "clone") == tmp_path / "shared" / "reference"
+    monkeypatch.setenv(REFERENCE_DIR_VARIABLE, str(tmp_path / "elsewhere"))
+    with pytest.raises(outcome, match="no reference facts at .*elsewhere"):
+        reference_dir(tmp_path / "clone")
+
+
+def test_a_fresh_clone_reads_the_reference_beside_the_repository(tmp_path):
+    """A clone with a reference folder beside it (as CI has it) compares the shipped copies with that folder:
+    here a copy with one class renamed, which the comparison must catch."""
+    repository = Path(__file__).resolve().parents[1]
+    clone = tmp_path / "clone"
+    for name in ("tools", "tests"):
+        shutil.copytree(repository / name, clone / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(repository / "pyproject.toml", clone)
+    beside = tmp_path / "shared" / "reference"
+    beside.mkdir(parents=True)
+    shutil.copy(RESOURCES / "in_to_in9.json", beside)
+    shipped = (RESOURCES / "in9_classes.txt").read_text()
+    (beside / "in9_classes.txt").write_text(shipped.replace("Dog", "Hound", 1))
+    assert (beside / "in9_classes.txt").read_text() != shipped
+    env = {k: v for k, v in os.environ.items() if k not in ("IN9_REFERENCE_DIR", "CI")}
+    env.update(PYTHONPATH=str(clone), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                          "shipped_copies_are_identical", "tests/test_in9_map.py"],
+                         cwd=clone, env=env, capture_output=True, text=True, timeout=300)
+    assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
+    assert "in9_classes.txt" in run.stdout.split("short test summary")[-1]
