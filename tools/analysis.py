@@ -26,7 +26,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
 
 from tools.cli import add_log_level_argument, run_main
-from tools.errors import UserError
+from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, class_names
 from tools.provenance import write_json_atomic
 
@@ -105,7 +105,7 @@ def load_matrix(output_dir: Path | str) -> ChallengeMatrix:
                         f"`challenge_eval.py --full --output-dir {output_dir}` (run that first)")
     try:
         raw = np.load(output_dir / PREDICTIONS_FILE, allow_pickle=False)
-    except (OSError, ValueError) as exc:
+    except NUMPY_READ_ERRORS as exc:
         raise UserError(f"cannot read {output_dir / PREDICTIONS_FILE}: {exc}; rerun challenge_eval.py --full") from None
     try:
         meta = json.loads((output_dir / META_FILE).read_text())

@@ -19,7 +19,7 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from tools.compositing import MaskArithmetic, original_weights
-from tools.errors import UserError
+from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def read_mask(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:
     """A foreground mask's raw values as an HxW array, checked for shape and a numeric dtype."""
     try:
         raw = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
+    except NUMPY_READ_ERRORS as exc:
         raise UserError(f"cannot read mask {path}: {exc}; masks are .npy arrays of shape ({size}, {size})") from None
     if raw.ndim == 3 and 1 in (raw.shape[0], raw.shape[-1]):
         raw = raw.reshape(raw.shape[1:] if raw.shape[0] == 1 else raw.shape[:-1])
@@ -164,7 +164,7 @@ class DecodedCache:
             if json.loads((self.folder / "meta.json").read_text()) != self.meta:
                 return None
             arrays = {name: np.load(self.folder / f"{name}.npy", allow_pickle=False) for name in names}
-        except (OSError, ValueError, KeyError) as exc:
+        except (*NUMPY_READ_ERRORS, KeyError) as exc:
             log.warning("ignoring an unreadable cache at %s (%s)", self.folder, exc)
             return None
         log.info("decoded data read from the cache %s", self.folder)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.errors import UserError
+from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
 from tools.provenance import atomic_write
 
@@ -74,5 +74,5 @@ class SearchState:
                            worklist=z["worklist"], position=position, pending=z["pending"], round=round_,
                            evaluated=evaluated, matrix=z["matrix"] if "matrix" in z.files else None,
                            elapsed=float(z["elapsed"]))
-        except (OSError, ValueError, KeyError) as exc:
+        except (*NUMPY_READ_ERRORS, KeyError) as exc:
             raise UserError(f"cannot read the saved state {path} ({exc}); rerun without --resume") from None

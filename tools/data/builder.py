@@ -18,7 +18,7 @@ from tools import boxes as boxes_mod, grabcut, variations
 from tools.layout import IMAGE_EXTENSIONS, LAYOUT_NAMES, MASK_EXTENSION, MIXED, list_folder
 
 from tools.threads import default_workers, map_in_threads
-from tools.errors import UserError
+from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import (IMAGE_SIZE, MASK_FOLDER, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SPLIT, UNMAPPED, Variation,
                        class_folder_names, in_to_in9_list)
 from tools.provenance import write_json_atomic
@@ -231,7 +231,7 @@ def load_user_mask(path: Path, geometry: boxes_mod.CropGeometry) -> np.ndarray:
                 raw = np.asarray(img.convert("L"))
         else:
             raw = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, UnidentifiedImageError) as exc:
+    except (*NUMPY_READ_ERRORS, UnidentifiedImageError) as exc:
         raise UserError(f"cannot read mask {path}: {exc}; masks are .npy arrays or .png images") from None
     if raw.ndim == 3 and raw.shape[-1] == 1:
         raw = raw[..., 0]

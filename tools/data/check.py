@@ -13,7 +13,7 @@ from PIL import Image, UnidentifiedImageError
 
 from tools.layout import MIXED, check_data_root, is_listed, list_folder
 from tools.threads import default_workers, map_in_threads
-from tools.errors import UserError
+from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def _check_mask(path: Path, load: bool) -> tuple[str, str] | None:
     """(what, example) when the mask is unreadable, of the wrong shape or type, or not 0/1, else None."""
     try:
         array = np.load(path, mmap_mode=None if load else "r", allow_pickle=False)
-    except (OSError, ValueError) as exc:
+    except NUMPY_READ_ERRORS as exc:
         return "unreadable mask(s)", f"{path.name} ({exc})"
     if array.shape not in MASK_SHAPES:
         return f"mask(s) not of shape ({IMAGE_SIZE}, {IMAGE_SIZE})", f"{path.name} {array.shape}"

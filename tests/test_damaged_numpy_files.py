@@ -1,0 +1,106 @@
+"""Every numpy file the toolkit reads (masks, the challenge's resume state and --full matrix, the decoded-data
+cache; the shard arrays in test_shards.py), when empty or truncated, ends in one `error:` line (the cache: a
+warning and a fresh decode), never a traceback. numpy raises EOFError for an empty file and
+zipfile.BadZipFile for a truncated .npz, which are neither OSError nor ValueError."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import challenge_eval
+from tests.conftest import run_in_process, save_torchscript
+from tools import analysis, cli, synthetic
+from tools.boxes import CropGeometry
+from tools.data import builder
+from tools.datasets import read_mask
+from tools.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("damaged")
+    data = synthetic.generate(root / "bg", per_class=2, seed=3).root
+    model = root / "color.ts"
+    save_torchscript(synthetic.ColorEvidenceModel(9), model)
+    return data, model
+
+
+def empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def challenge(capsys, data, model, *args):
+    argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", *map(str, args)]
+    return run_in_process(lambda a: cli.run_main(challenge_eval.build_parser(), challenge_eval.main, a), argv, capsys)
+
+
+def one_error_line(err: str, *names: str) -> str:
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    assert all(name in errors[0] for name in names), errors[0]
+    return errors[0]
+
+
+@pytest.mark.parametrize("damage", [empty, truncate])
+def test_a_damaged_mask_is_one_error_line(damage, setup, tmp_path, capsys):
+    data, model = setup
+    copy = tmp_path / "bg"
+    shutil.copytree(data, copy)
+    mask = sorted((copy / "fg_mask").rglob("*.npy"))[0]
+    damage(mask)
+    code, _, err = challenge(capsys, copy, model, "--no-cache", "--output-dir", tmp_path / "out")
+    assert code == 2
+    one_error_line(err, mask.name)
+    with pytest.raises(UserError, match=f"cannot read mask {mask}"):
+        read_mask(mask)
+    with pytest.raises(UserError, match=f"cannot read mask {mask}"):
+        builder.load_user_mask(mask, CropGeometry.for_image(224, 224))
+
+
+@pytest.mark.parametrize("damage", [empty, truncate])
+def test_a_damaged_resume_state_is_one_error_line(damage, setup, tmp_path, capsys):
+    data, model = setup
+    out = tmp_path / "out"
+    code, _, err = challenge(capsys, data, model, "--no-cache", "--output-dir", out)
+    assert code == 0, err
+    damage(out / "challenge_state.npz")
+    code, _, err = challenge(capsys, data, model, "--no-cache", "--output-dir", out, "--resume")
+    assert code == 2
+    one_error_line(err, "challenge_state.npz", "rerun without --resume")
+
+
+@pytest.mark.parametrize("damage", [empty, truncate])
+def test_a_damaged_saved_matrix_is_one_error_line(damage, setup, tmp_path, capsys):
+    data, model = setup
+    out = tmp_path / "out"
+    code, _, err = challenge(capsys, data, model, "--no-cache", "--full", "--output-dir", out)
+    assert code == 0, err
+    damage(out / analysis.PREDICTIONS_FILE)
+    code, _, err = run_in_process(analysis.main, [str(out)], capsys)
+    assert code == 2
+    one_error_line(err, analysis.PREDICTIONS_FILE, "rerun challenge_eval.py --full")
+
+
+@pytest.mark.parametrize("damage", [empty, truncate])
+def test_a_damaged_cache_is_decoded_afresh(damage, setup, tmp_path, capsys):
+    data, model = setup
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    code, first, err = challenge(capsys, data, model, "--cache-dir", cache, "--output-dir", out)
+    assert code == 0, err
+    cached = sorted(cache.rglob("*.npy"))
+    assert cached
+    for path in cached:
+        damage(path)
+    code, again, err = challenge(capsys, data, model, "--cache-dir", cache, "--output-dir", out)
+    assert code == 0 and "Traceback" not in err
+    assert "ignoring an unreadable cache" in err
+    assert again == first
