@@ -88,8 +88,11 @@ class _Resume:
         self.path, self.key = path, key
         self.done: dict[str, list[int]] = {}
         if path is not None and resume and path.is_file():
-            saved = json.loads(path.read_text())
-            if saved.get("key") != key:
+            try:
+                saved = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise UserError(f"cannot read the saved state {path} ({exc}); rerun without --resume") from None
+            if not isinstance(saved, dict) or saved.get("key") != key:
                 raise UserError(f"{path} was written for another model, data or setting; rerun without --resume "
                                 f"or use another --output-dir")
             self.done = saved["done"]

@@ -1,5 +1,5 @@
-"""Every numpy file the toolkit reads (masks, the challenge's resume state and --full matrix, the decoded-data
-cache; the shard arrays in test_shards.py), when empty or truncated, ends in one `error:` line (the cache: a
+"""Every file the toolkit reads back (masks, both scripts' resume states, the --full matrix, the decoded-data
+cache; the shard files in test_shards.py), when empty or truncated, ends in one `error:` line (the cache: a
 warning and a fresh decode), never a traceback. numpy raises EOFError for an empty file and
 zipfile.BadZipFile for a truncated .npz, which are neither OSError nor ValueError."""
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import challenge_eval
+import in9_eval
 from tests.conftest import run_in_process, save_torchscript
 from tools import analysis, cli, synthetic
 from tools.boxes import CropGeometry
@@ -40,6 +41,11 @@ def truncate(path: Path) -> None:
 def challenge(capsys, data, model, *args):
     argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", *map(str, args)]
     return run_in_process(lambda a: cli.run_main(challenge_eval.build_parser(), challenge_eval.main, a), argv, capsys)
+
+
+def in9(capsys, data, model, *args):
+    argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", *map(str, args)]
+    return run_in_process(lambda a: cli.run_main(in9_eval.build_parser(), in9_eval.main, a), argv, capsys)
 
 
 def one_error_line(err: str, *names: str) -> str:
@@ -76,6 +82,18 @@ def test_a_damaged_resume_state_is_one_error_line(damage, setup, tmp_path, capsy
     code, _, err = challenge(capsys, data, model, "--no-cache", "--output-dir", out, "--resume")
     assert code == 2
     one_error_line(err, "challenge_state.npz", "rerun without --resume")
+
+
+@pytest.mark.parametrize("damage", [empty, truncate])
+def test_a_damaged_in9_resume_state_is_one_error_line(damage, setup, tmp_path, capsys):
+    data, model = setup
+    out = tmp_path / "out"
+    code, _, err = in9(capsys, data, model, "--eval-dataset", "all", "--output-dir", out)
+    assert code == 0, err
+    damage(out / "in9_state.json")
+    code, _, err = in9(capsys, data, model, "--eval-dataset", "all", "--output-dir", out, "--resume")
+    assert code == 2
+    one_error_line(err, "in9_state.json", "rerun without --resume")
 
 
 @pytest.mark.parametrize("damage", [empty, truncate])
