@@ -166,7 +166,7 @@ def read_challenge_arrays(path: Path, meta: dict) -> dict[str, np.ndarray]:
         with np.load(npz, allow_pickle=False) as z:
             arrays = {name: z[name] for name in z.files}
         key = bytes(arrays.pop("key")).decode()
-    except (*NUMPY_READ_ERRORS, KeyError, UnicodeDecodeError) as exc:
+    except (*NUMPY_READ_ERRORS, KeyError) as exc:  # a bad key decodes with a ValueError
         raise UserError(f"cannot read {npz} ({exc}), the arrays of {path.name}; {_rerun(shard)}") from None
     if key != meta["key"]:
         raise UserError(f"{npz} holds another run's results than {path.name} (a rerun stopped between writing the "
