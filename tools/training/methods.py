@@ -53,8 +53,11 @@ class WeightAveraging:
         self.scheduler.step()
 
     def state_dict(self) -> dict:
-        return {"averaged": self.averaged.state_dict(),
-                "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
+        """Data only, so that `torch.load(weights_only=True)` reads it: SWALR in torch releases before September
+        2025 keeps its annealing function in its state, which the SWALR built on loading sets again."""
+        scheduler = None if self.scheduler is None else {
+            key: value for key, value in self.scheduler.state_dict().items() if not callable(value)}
+        return {"averaged": self.averaged.state_dict(), "scheduler": scheduler}
 
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
         self.averaged.load_state_dict(state["averaged"])
