@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 import in9_eval
 from conftest import run_in_process
@@ -15,11 +16,13 @@ from test_bad_input import check_error
 from test_train import TINY, run_train, tiny, weights  # noqa: F401 (tiny is a fixture)
 from tools import cli
 from tools.in9 import VARIATIONS
-from tools.models import SMALL_CNN
+from tools.models import SMALL_CNN, build_architecture
 from tools.report import percent
 from tools.training import loop
 from tools.training.checkpoint import CHECKPOINT_NAME, STATE_NAME
 from tools.training.config import TrainConfig
+
+BATCH_NORM_ARCH = "mobilenet_v3_small"  # BatchNorm throughout, a dropout before its head, and cheap on the CPU
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +62,88 @@ def test_report_start_column_is_in9_eval_on_the_starting_file(swa, trained_start
                     for line in report.splitlines() if line.startswith("| `")}
     assert start_column == {name: percent(expected[name]["accuracy"]) for name in VARIATIONS}
     assert f"| **BG-gap** (points) | {expected['bg_gap']:.2f} |" in report
+
+
+@pytest.fixture(scope="module")
+def batch_norm_start(tmp_path_factory):
+    """A 9-class MobileNetV3-Small state dict whose BatchNorm statistics are not the initial zeros and ones."""
+    torch.manual_seed(12)
+    model = build_architecture(BATCH_NORM_ARCH, 9).train()
+    with torch.no_grad():
+        for _ in range(2):
+            model(torch.rand(8, 3, 224, 224))
+    path = tmp_path_factory.mktemp("bn_start") / "mobilenet9.pth"
+    torch.save(model.state_dict(), path)
+    return path
+
+
+HEAD = {"classifier.3.weight", "classifier.3.bias"}
+ADAPTED = ["features.12.0", "classifier.0"]  # a 1x1 convolution (bias-free) and a linear module (with a bias)
+FROZEN_CASES = {
+    "linear-probe": (["--freeze", "backbone"], HEAD),
+    "linear-probe+swa": (["--freeze", "backbone", "--swa", "--swa-start-epoch", "1"], HEAD),
+    "lora": (["--peft", "lora", "--lora-rank", "2", "--peft-modules", *ADAPTED],
+             HEAD | {f"{name}.weight" for name in ADAPTED}),  # merged adapters change weights, never biases
+    "oft": (["--peft", "oft", "--oft-block-size", "4", "--peft-modules", *ADAPTED],
+            HEAD | {f"{name}.weight" for name in ADAPTED}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FROZEN_CASES))
+def test_only_the_trained_tensors_move_and_frozen_batch_norm_keeps_its_statistics(case, batch_norm_start, tiny,
+                                                                                  tmp_path, capsys, one_thread):
+    flags, should_move = FROZEN_CASES[case]
+    if "--peft" in flags:
+        pytest.importorskip("peft")
+    out = tmp_path / "run"
+    code, _, err = run_train([*TINY, "--data-path", tiny, "--arch", BATCH_NORM_ARCH, "--checkpoint", batch_norm_start,
+                              "--epochs", 2, "--batch-size", 6, "--lr", 0.01, "--output-dir", out, *flags], capsys)
+    assert code == 0, err
+    start, trained = torch.load(batch_norm_start, weights_only=True), weights(out / CHECKPOINT_NAME)
+    assert sorted(trained) == sorted(start)
+    moved = {key for key in start if not torch.equal(trained[key], start[key])}
+    assert moved == should_move
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.drop = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.norm(self.conv(x)))
+
+
+class _Net(nn.Module):
+    """A frozen block (convolution, BatchNorm, dropout), then a dropout and a linear head of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.pool, self.drop, self.fc = _Block(), nn.AdaptiveAvgPool2d(1), nn.Dropout(0.5), nn.Linear(4, 9)
+
+    def forward(self, x):
+        return self.fc(self.drop(self.pool(self.block(x)).flatten(1)))
+
+
+def test_frozen_modules_run_as_at_evaluation_whatever_train_is_called_on():
+    from torch.optim.swa_utils import AveragedModel
+
+    from tools.training.adapters import TrainingModel
+    net = _Net()
+    net.block.requires_grad_(False)
+    model = TrainingModel(net, (0.5,) * 3, (0.25,) * 3)
+    averaged = AveragedModel(model)  # SWA's copy
+    for outer, inner in ((model, model), (nn.Sequential(model), model), (averaged, averaged.module)):  # as DDP wraps
+        outer.train()
+        frozen = inner.classifier.block
+        assert not frozen.training and not frozen.norm.training and not frozen.drop.training
+        assert inner.training and inner.classifier.training
+        assert inner.classifier.drop.training and inner.classifier.fc.training  # the head's dropout stays on
+        outer.eval()
+        assert not any(m.training for m in inner.modules())
+    statistics = {k: v.clone() for k, v in net.block.norm.state_dict().items()}
+    model.train()(torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8))
+    assert all(torch.equal(v, net.block.norm.state_dict()[k]) for k, v in statistics.items())
 
 
 def test_swa_resume_reads_a_scheduler_state_holding_a_function_as_older_torch_saves_it(tiny, tmp_path, capsys,

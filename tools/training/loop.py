@@ -23,7 +23,7 @@ from tools import distributed
 from tools.hashing import fingerprint as content_fingerprint
 from tools.errors import UserError
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
-from tools.models import DEFAULT_ARCH, LoadedModel, PixelModel, build_architecture, classifier_keys
+from tools.models import DEFAULT_ARCH, LoadedModel, build_architecture, classifier_keys
 from tools.sources import load_model
 from tools.runtime import Precision, Runtime, resolve_device
 from tools.training import adapters
@@ -171,7 +171,7 @@ def train(config: TrainConfig) -> TrainResult:
     fingerprint = content_fingerprint(data.root, data.relpaths(), config.workers or 1)
 
     head_keys = classifier_keys(start.arch)
-    net = PixelModel(adapters.attach(start.classifier, config, head_keys), start.mean, start.std)
+    net = adapters.TrainingModel(adapters.attach(start.classifier, config, head_keys), start.mean, start.std)
     net = runtime.prepare(net).train()
     optimizer = _optimizer([p for p in net.parameters() if p.requires_grad], config)
     schedule = torch.optim.lr_scheduler.LambdaLR(
