@@ -1,4 +1,5 @@
-"""Which weights train: every one, the head alone (linear probe), or peft LoRA/OFT adapters plus the head.
+"""Which weights train: every one, the head alone (linear probe), or peft LoRA/OFT adapters plus the head; and
+the model being trained, whose frozen modules run as at evaluation.
 
 Adapters come from the optional `peft` package and are merged into plain weights before saving, after a
 check that the merged model computes what the adapted one did.
@@ -6,6 +7,7 @@ check that the merged model computes what the adapted one did.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 
@@ -13,12 +15,32 @@ import torch
 from torch import nn
 
 from tools.errors import UserError
+from tools.models import PixelModel
 from tools.training.config import Adapter, Freeze, TrainConfig
 
 log = logging.getLogger(__name__)
 
 ADAPTABLE = (nn.Conv2d, nn.Linear)
 MERGE_TOLERANCE = 1e-3  # largest |merged - adapted| logit difference, relative to the logits' scale
+
+
+def frozen_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules that hold parameters, none of which trains: the backbone of a linear probe, the base model's
+    modules around adapters. Modules without parameters (dropout, activations) belong to the module they sit in."""
+    return [module for module in model.modules()
+            if (params := list(module.parameters())) and not any(p.requires_grad for p in params)]
+
+
+class TrainingModel(PixelModel):
+    """The PixelModel being trained. Its frozen modules stay in evaluation mode whatever `train()` is called on
+    (this model, or DDP or SWA's AveragedModel around it): their BatchNorm statistics stay the starting
+    point's and dropout inside them stays off, so a frozen part computes exactly what it computed before."""
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for module in frozen_modules(self.classifier):
+            module.eval()
+        return self
 
 
 def _peft():
@@ -98,13 +120,22 @@ def _probe(seed: int, device: torch.device) -> torch.Tensor:
     return torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def _logits(model: nn.Module, probe: torch.Tensor) -> torch.Tensor:
-    was_training = model.training
+@contextlib.contextmanager
+def _evaluation_mode(model: nn.Module):
+    """Every module in evaluation mode inside the block; afterwards each module's own mode back, frozen ones
+    included (a single `model.train(was_training)` would put them all in training mode)."""
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
-    with torch.no_grad():
-        out = model(probe)
-    model.train(was_training)
-    return out
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _logits(model: nn.Module, probe: torch.Tensor) -> torch.Tensor:
+    with _evaluation_mode(model), torch.no_grad():
+        return model(probe)
 
 
 def _check_close(got: torch.Tensor, expected: torch.Tensor, problem: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import tempfile
 from pathlib import Path
 
@@ -52,7 +53,11 @@ def load_resume_state(output_dir: Path, run_key: dict) -> dict | None:
     if not path.is_file():
         log.warning("--resume: no saved state in %s, starting afresh", output_dir)
         return None
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(f"{path} holds more than tensors and plain data (saved by an older version?), so it is not "
+                        f"read; rerun without --resume, or with another --output-dir") from None
     if state.get("run_key") != run_key:
         raise UserError(f"{path} was saved by a run with other settings or data; rerun without --resume, or with "
                         f"another --output-dir")

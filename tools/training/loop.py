@@ -6,6 +6,7 @@ model, optimiser, schedule, SWA average and step, so a resumed run replays the u
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -22,7 +23,7 @@ from tools import distributed
 from tools.hashing import fingerprint as content_fingerprint
 from tools.errors import UserError
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
-from tools.models import DEFAULT_ARCH, LoadedModel, PixelModel, build_architecture, classifier_keys
+from tools.models import DEFAULT_ARCH, LoadedModel, build_architecture, classifier_keys
 from tools.sources import load_model
 from tools.runtime import Precision, Runtime, resolve_device
 from tools.training import adapters
@@ -44,11 +45,11 @@ NOT_IN_RUN_KEY = ("output_dir", "resume", "progress", "workers", "save_every", "
 class StartingPoint:
     """The 9-class classifier training starts from, its normalisation, and the model it came from."""
 
-    classifier: nn.Module
+    classifier: nn.Module  # the module training changes
     arch: str
     mean: tuple
     std: tuple
-    source: LoadedModel | None  # None for a random initialisation
+    source: LoadedModel | None  # untouched by training (the report's starting point); None for a random initialisation
 
 
 @dataclass
@@ -87,6 +88,8 @@ def starting_point(config: TrainConfig) -> StartingPoint:
             raise UserError(f"cannot give {loaded.arch} a new 9-class head: missing {missing}, unexpected {unexpected}")
         log.info("new 9-class head (%s) on the 1000-class %s", ", ".join(sorted(head)), loaded.arch)
         classifier = fresh
+    else:
+        classifier = copy.deepcopy(classifier)  # trained in place, so the source stays the starting point
     return StartingPoint(classifier, loaded.arch, tuple(mean), tuple(std), loaded)
 
 
@@ -168,7 +171,7 @@ def train(config: TrainConfig) -> TrainResult:
     fingerprint = content_fingerprint(data.root, data.relpaths(), config.workers or 1)
 
     head_keys = classifier_keys(start.arch)
-    net = PixelModel(adapters.attach(start.classifier, config, head_keys), start.mean, start.std)
+    net = adapters.TrainingModel(adapters.attach(start.classifier, config, head_keys), start.mean, start.std)
     net = runtime.prepare(net).train()
     optimizer = _optimizer([p for p in net.parameters() if p.requires_grad], config)
     schedule = torch.optim.lr_scheduler.LambdaLR(

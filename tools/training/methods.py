@@ -9,6 +9,7 @@ from torch import nn
 from torch.optim import swa_utils
 
 from tools.in9 import NUM_IN9_CLASSES
+from tools.training.adapters import frozen_modules
 from tools.training.config import Method, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -25,10 +26,6 @@ def batch_mixer(config: TrainConfig):
     if not mixers:
         return None
     return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
-
-
-def has_batch_norm(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 class WeightAveraging:
@@ -53,8 +50,11 @@ class WeightAveraging:
         self.scheduler.step()
 
     def state_dict(self) -> dict:
-        return {"averaged": self.averaged.state_dict(),
-                "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
+        """Data only, so that `torch.load(weights_only=True)` reads it: SWALR in torch releases before September
+        2025 keeps its annealing function in its state, which the SWALR built on loading sets again."""
+        scheduler = None if self.scheduler is None else {
+            key: value for key, value in self.scheduler.state_dict().items() if not callable(value)}
+        return {"averaged": self.averaged.state_dict(), "scheduler": scheduler}
 
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
         self.averaged.load_state_dict(state["averaged"])
@@ -67,9 +67,19 @@ class WeightAveraging:
                 group["lr"] = lr
 
     def finish(self, loader_batches, device: torch.device) -> nn.Module:
-        """The averaged model, its BatchNorm statistics recomputed over the training batches when it has any."""
+        """The averaged model, the statistics of its trained BatchNorm layers recomputed over the training batches;
+        frozen ones (linear probe, adapters) keep the starting point's, as they did in training."""
         model = self.averaged.module
-        if has_batch_norm(model):
+        frozen = {module for part in frozen_modules(model) for module in part.modules()}
+        norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+        kept = [norm for norm in norms if norm in frozen]
+        if len(kept) < len(norms):
             log.info("recomputing BatchNorm statistics of the averaged model over the training data")
-            swa_utils.update_bn(loader_batches, self.averaged, device=device)
+            for norm in kept:  # update_bn resets the statistics of every BatchNorm that tracks them
+                norm.track_running_stats = False
+            try:
+                swa_utils.update_bn(loader_batches, self.averaged, device=device)
+            finally:
+                for norm in kept:
+                    norm.track_running_stats = True
         return model

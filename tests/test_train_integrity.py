@@ -1,0 +1,194 @@
+"""What training must leave as it found it: the starting point the report evaluates (in9_eval.py on the starting
+file gives the report's start column), the frozen parts of a linear probe or of an adapted model (their weights
+and BatchNorm statistics), and a resume state that `torch.load(weights_only=True)` reads on every torch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import in9_eval
+from conftest import run_in_process
+from test_bad_input import check_error
+from test_train import TINY, run_train, tiny, weights  # noqa: F401 (tiny is a fixture)
+from tools import cli
+from tools.in9 import VARIATIONS
+from tools.models import SMALL_CNN, build_architecture
+from tools.report import percent
+from tools.training import loop
+from tools.training.checkpoint import CHECKPOINT_NAME, STATE_NAME
+from tools.training.config import TrainConfig
+
+BATCH_NORM_ARCH = "mobilenet_v3_small"  # BatchNorm throughout, a dropout before its head, and cheap on the CPU
+
+
+@pytest.fixture(scope="module")
+def trained_start(tiny, tmp_path_factory):
+    """A 9-class checkpoint that has learnt something (so its accuracies are not all 1 in 9), from train()."""
+    out = tmp_path_factory.mktemp("trained_start")
+    config = TrainConfig(data_path=tiny, weights="none", arch=SMALL_CNN, epochs=10, batch_size=6, lr=1e-2,
+                         device="cpu", workers=0, progress=False, output_dir=out)
+    return loop.train(config).checkpoint
+
+
+@pytest.mark.parametrize("swa", [False, True], ids=["plain", "swa"])
+def test_report_start_column_is_in9_eval_on_the_starting_file(swa, trained_start, tiny, tmp_path, capsys, one_thread):
+    before = trained_start.read_bytes()
+    out = tmp_path / "run"
+    code, _, err = run_train([*TINY, "--data-path", tiny, "--checkpoint", trained_start, "--method", "bg-swap",
+                              "--epochs", 3, "--batch-size", 6, "--lr", 0.01, "--eval-data", tiny, "--output-dir", out,
+                              *(["--swa", "--swa-start-epoch", 1] if swa else [])], capsys)
+    assert code == 0, err
+    assert trained_start.read_bytes() == before
+    reference = tmp_path / "reference.json"
+    code, _, err = run_in_process(
+        lambda a: cli.run_main(in9_eval.build_parser(), in9_eval.main, a),
+        ["--data-path", str(tiny), "--checkpoint", str(trained_start), "--eval-dataset", "all", "--device", "cpu",
+         "--no-progress", "--results-file", str(reference)], capsys)
+    assert code == 0, err
+    expected = json.loads(reference.read_text())
+    start = json.loads((out / "eval_start" / "in9.json").read_text())
+    trained = json.loads((out / "eval_trained" / "in9.json").read_text())
+    assert any(trained[name]["correct"] != expected[name]["correct"] for name in VARIATIONS), \
+        "training changed no accuracy, so this run cannot tell the starting point from the trained model"
+    for name in VARIATIONS:
+        assert start[name]["confusion"] == expected[name]["confusion"], name
+    assert start["bg_gap"] == expected["bg_gap"]
+    report = (out / "report.md").read_text()
+    start_column = {line.split(" | ")[0].strip("| `"): line.split(" | ")[1]
+                    for line in report.splitlines() if line.startswith("| `")}
+    assert start_column == {name: percent(expected[name]["accuracy"]) for name in VARIATIONS}
+    assert f"| **BG-gap** (points) | {expected['bg_gap']:.2f} |" in report
+
+
+@pytest.fixture(scope="module")
+def batch_norm_start(tmp_path_factory):
+    """A 9-class MobileNetV3-Small state dict whose BatchNorm statistics are not the initial zeros and ones."""
+    torch.manual_seed(12)
+    model = build_architecture(BATCH_NORM_ARCH, 9).train()
+    with torch.no_grad():
+        for _ in range(2):
+            model(torch.rand(8, 3, 224, 224))
+    path = tmp_path_factory.mktemp("bn_start") / "mobilenet9.pth"
+    torch.save(model.state_dict(), path)
+    return path
+
+
+HEAD = {"classifier.3.weight", "classifier.3.bias"}
+ADAPTED = ["features.12.0", "classifier.0"]  # a 1x1 convolution (bias-free) and a linear module (with a bias)
+FROZEN_CASES = {
+    "linear-probe": (["--freeze", "backbone"], HEAD),
+    "linear-probe+swa": (["--freeze", "backbone", "--swa", "--swa-start-epoch", "1"], HEAD),
+    "lora": (["--peft", "lora", "--lora-rank", "2", "--peft-modules", *ADAPTED],
+             HEAD | {f"{name}.weight" for name in ADAPTED}),  # merged adapters change weights, never biases
+    "oft": (["--peft", "oft", "--oft-block-size", "4", "--peft-modules", *ADAPTED],
+            HEAD | {f"{name}.weight" for name in ADAPTED}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FROZEN_CASES))
+def test_only_the_trained_tensors_move_and_frozen_batch_norm_keeps_its_statistics(case, batch_norm_start, tiny,
+                                                                                  tmp_path, capsys, one_thread):
+    flags, should_move = FROZEN_CASES[case]
+    if "--peft" in flags:
+        pytest.importorskip("peft")
+    out = tmp_path / "run"
+    code, _, err = run_train([*TINY, "--data-path", tiny, "--arch", BATCH_NORM_ARCH, "--checkpoint", batch_norm_start,
+                              "--epochs", 2, "--batch-size", 6, "--lr", 0.01, "--output-dir", out, *flags], capsys)
+    assert code == 0, err
+    start, trained = torch.load(batch_norm_start, weights_only=True), weights(out / CHECKPOINT_NAME)
+    assert sorted(trained) == sorted(start)
+    moved = {key for key in start if not torch.equal(trained[key], start[key])}
+    assert moved == should_move
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.drop = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.norm(self.conv(x)))
+
+
+class _Net(nn.Module):
+    """A frozen block (convolution, BatchNorm, dropout), then a dropout and a linear head of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.pool, self.drop, self.fc = _Block(), nn.AdaptiveAvgPool2d(1), nn.Dropout(0.5), nn.Linear(4, 9)
+
+    def forward(self, x):
+        return self.fc(self.drop(self.pool(self.block(x)).flatten(1)))
+
+
+def test_frozen_modules_run_as_at_evaluation_whatever_train_is_called_on():
+    from torch.optim.swa_utils import AveragedModel
+
+    from tools.training.adapters import TrainingModel
+    net = _Net()
+    net.block.requires_grad_(False)
+    model = TrainingModel(net, (0.5,) * 3, (0.25,) * 3)
+    averaged = AveragedModel(model)  # SWA's copy
+    for outer, inner in ((model, model), (nn.Sequential(model), model), (averaged, averaged.module)):  # as DDP wraps
+        outer.train()
+        frozen = inner.classifier.block
+        assert not frozen.training and not frozen.norm.training and not frozen.drop.training
+        assert inner.training and inner.classifier.training
+        assert inner.classifier.drop.training and inner.classifier.fc.training  # the head's dropout stays on
+        outer.eval()
+        assert not any(m.training for m in inner.modules())
+    statistics = {k: v.clone() for k, v in net.block.norm.state_dict().items()}
+    model.train()(torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8))
+    assert all(torch.equal(v, net.block.norm.state_dict()[k]) for k, v in statistics.items())
+
+
+def test_swa_resume_reads_a_scheduler_state_holding_a_function_as_older_torch_saves_it(tiny, tmp_path, capsys,
+                                                                                        monkeypatch, one_thread):
+    """Before torch fixed it (Sept 2025), SWALR.state_dict() held its annealing function; the resume state is
+    read with weights_only=True, which refuses functions. A run interrupted during its averaged epochs resumes
+    and ends where the uninterrupted run does."""
+    from torch.optim import swa_utils
+    data_only = swa_utils.SWALR.state_dict
+
+    def as_older_torch(self):
+        return {**data_only(self), "anneal_func": swa_utils.SWALR._cosine_anneal}
+
+    monkeypatch.setattr(swa_utils.SWALR, "state_dict", as_older_torch)
+    common = ["--data-path", tiny, "--weights", "none", "--epochs", 3, "--batch-size", 6,
+              "--swa", "--swa-start-epoch", 1, "--save-every", 1, *TINY]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    code, _, err = run_train([*common, "--output-dir", whole], capsys)
+    assert code == 0, err
+    step = loop.training_step
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 6:  # the third step of the first averaged epoch (3 steps an epoch)
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "training_step", interrupted)
+    code, _, err = run_train([*common, "--output-dir", resumed], capsys)
+    assert code == cli.EXIT_INTERRUPTED, err
+    monkeypatch.setattr(loop, "training_step", step)
+    code, _, err = run_train([*common, "--output-dir", resumed, "--resume"], capsys)
+    assert code == 0, err
+    a, b = weights(whole / CHECKPOINT_NAME), weights(resumed / CHECKPOINT_NAME)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_state_holding_a_function_is_one_error_line(tiny, tmp_path, capsys, one_thread):
+    """One left by an earlier version of this toolkit under an older torch: refused, not a traceback."""
+    from torch.optim import swa_utils
+    out = tmp_path / "run"
+    out.mkdir()
+    torch.save({"step": 3, "swa": {"scheduler": {"anneal_func": swa_utils.SWALR._cosine_anneal}}}, out / STATE_NAME)
+    code, stdout, err = run_train([*TINY, "--data-path", tiny, "--weights", "none", "--batch-size", 6,
+                                   "--output-dir", out, "--resume"], capsys)
+    line = check_error(code, stdout, err, lines=None)
+    assert str(out / STATE_NAME) in line and "rerun without --resume" in line
