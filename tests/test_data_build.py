@@ -526,3 +526,80 @@ def test_keep_unboxed_puts_images_without_a_box_in_original_only(inputs, tmp_pat
     summary = json.loads((out / data.SUMMARY_NAME).read_text())
     assert len(summary["unboxed_in_original"]) == 1 and summary["dropped"]["no_box"] == 0
     assert "without a box, in original/ only (--keep-unboxed): 1" in stdout
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Class folders are matched to the IN-9 classes by name, never by their sorted order
+
+WORDNET_IDS = ["n02084071", "n01503061", "n04576211", "n01661091", "n02075296", "n02159955", "n03800933",
+               "n02469914", "n02512053"]  # the nine ancestor synsets, in IN-9 order (shared/reference)
+
+
+@pytest.fixture(scope="module")
+def coloured(tmp_path_factory) -> tuple[Path, Path, Path, dict[str, int]]:
+    """(originals by class, boxes.csv, masks, stem -> true IN-9 label) from the generator, two images per class:
+    the colour model knows their classes from their colours."""
+    source = synthetic.generate(tmp_path_factory.mktemp("coloured") / "data", per_class=2, seed=11)
+    originals = source.root / "original" / "val"
+    masks = source.root / MASK_FOLDER / "val"
+    rows = ["image,xmin,ymin,xmax,ymax"] + [f"{img.stem}.JPEG,{','.join(map(str, img.box))}" for img in source.images]
+    boxes_csv = source.root / "boxes.csv"
+    boxes_csv.write_text("\n".join(rows) + "\n")
+    return originals, boxes_csv, masks, {img.stem: img.label for img in source.images}
+
+
+def _images_named(coloured, root: Path, names: list[str]) -> Path:
+    """The coloured originals of class c in a folder named names[c]."""
+    originals, _, _, truth = coloured
+    for label, name in enumerate(names):
+        (root / name).mkdir(parents=True)
+        for stem in (s for s, c in truth.items() if c == label):
+            shutil.copy(originals / CLASSES[label] / f"{stem}.JPEG", root / name)
+    return root
+
+
+@pytest.mark.parametrize("names", [
+    ["dog", "bird", "vehicle", "reptile", "carnivore", "insect", "instrument", "primate", "fish"],
+    ["Dog", "Bird", "Vehicle", "Reptile", "Carnivore", "Insect", "Instrument", "Primate", "Fish"],
+    WORDNET_IDS,
+    CLASSES,
+], ids=["plain", "capitalised", "wordnet", "release"])
+def test_class_folders_are_matched_to_the_in9_classes_by_name(coloured, names, tmp_path, capsys):
+    from tests.reference import evaluate as reference_evaluate  # noqa: PLC0415
+
+    _, boxes_csv, masks, truth = coloured
+    images = _images_named(coloured, tmp_path / "images", names)
+    out = tmp_path / "built"
+    code, _, err = _run_cli(["build", "--images", str(images), "--boxes", str(boxes_csv), "--out", str(out),
+                             "--masks", str(masks), "--image-format", "png", "--no-progress"], capsys)
+    assert code == 0, err
+    assert sorted(p.name for p in (out / "original" / "val").iterdir()) == CLASSES  # sorted order = IN-9 order
+    records = list_variation(out, "original")
+    assert {r.stem: r.label for r in records} == truth
+    model = synthetic.ColorEvidenceModel(9).eval()
+    result = reference_evaluate(model, out, "original", 9)  # labels from the folders' sorted positions
+    correct_by_truth = sum(p == truth[path.stem] for p, path in zip(result.predictions, result.paths))
+    assert result.correct == correct_by_truth >= 16  # the model knows these colours: the labels are the truth
+
+
+def test_class_folders_that_name_no_in9_class_are_refused_in_one_line(coloured, tmp_path, capsys):
+    _, boxes_csv, masks, _ = coloured
+    names = ["dog", "bird", "car", "reptile", "carnivore", "insect", "instrument", "primate", "fish"]
+    vehicle = names.index("car")
+    cases = {  # name: (class folders, what the error must name)
+        "unknown": (names, "car"),
+        "missing": (names[:vehicle] + names[vehicle + 1:], "no folder for vehicle"),
+        "twice": ([*names[:vehicle], "vehicle", *names[vehicle + 1:], "00_dog"], "00_dog"),
+        "numbered wrongly": ([*names[:vehicle], "05_vehicle", *names[vehicle + 1:]], "05_vehicle"),
+    }
+    for case, (folders, named) in cases.items():
+        images = _images_named(coloured, tmp_path / case, [f for f in folders if f != "00_dog"])
+        if "00_dog" in folders:
+            shutil.copytree(images / "dog", images / "00_dog")
+        out = tmp_path / f"out-{case}"
+        code, stdout, err = _run_cli(["build", "--images", str(images), "--boxes", str(boxes_csv), "--out", str(out),
+                                      "--masks", str(masks), "--no-progress"], capsys)
+        assert code == 2 and stdout == "" and err.count("\n") == 1 and err.startswith("error: "), (case, err)
+        assert named in err and "dog, bird, vehicle, reptile, carnivore, insect, instrument, primate, fish" in err, \
+            (case, err)
+        assert not out.exists()

@@ -138,3 +138,22 @@ def test_quick_check_and_verify_say_what_to_do_about_a_missing_root(tmp_path):
     for check in (lambda root: data.quick_check(root, VARIATIONS), data.verify_layout):
         with pytest.raises(UserError, match="does not exist or is not a folder.*tools.data fetch"):
             check(tmp_path / "nowhere")
+
+
+def test_class_folders_named_after_in9_classes_in_another_order_are_a_problem(fresh, capsys):
+    """dog, bird, ... sort as bird, carnivore, dog, ...: the sorted position, which the scripts take as the class
+    index, would call every bird a dog."""
+    plain = [name.split("_", 1)[1] for name in CLASSES]
+    for folder in (*VARIATIONS, MASK_FOLDER):
+        for numbered, name in zip(CLASSES, plain):
+            (fresh / folder / "val" / numbered).rename(fresh / folder / "val" / name)
+    report = data.verify_layout(fresh)
+    assert report.problems == ["original/val: class folders named after IN-9 classes sort into other indices than "
+                               "theirs (bird would be class 0, IN-9's 1; carnivore would be class 1, IN-9's 4; dog "
+                               "would be class 2, IN-9's 0; ...); rename them 00_dog ... 08_fish"]
+    with pytest.raises(UserError, match="class folders named after IN-9 classes sort into other indices"):
+        data.quick_check(fresh, ["original"])  # what both scripts run before they start
+    for numbered, name in zip(CLASSES, plain):  # named in IN-9 order, the same names are fine
+        for folder in (*VARIATIONS, MASK_FOLDER):
+            (fresh / folder / "val" / name).rename(fresh / folder / "val" / f"{numbered[:2]}{name}")
+    assert data.verify_layout(fresh).ok

@@ -20,7 +20,7 @@ from tools.layout import IMAGE_EXTENSIONS, LAYOUT_NAMES, MASK_EXTENSION, MIXED, 
 from tools.threads import default_workers, map_in_threads
 from tools.errors import UserError
 from tools.in9 import (IMAGE_SIZE, MASK_FOLDER, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SPLIT, UNMAPPED, Variation,
-                       class_folder_names, in_to_in9_list)
+                       class_folder_names, class_names, class_of_folder, class_wordnet_ids, in_to_in9_list)
 from tools.provenance import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -169,26 +169,54 @@ def imagenet_groups(folders: list[str]) -> dict[str, int] | None:
     return {name: table[index] for index, name in enumerate(sorted(folders)) if table[index] != UNMAPPED}
 
 
+def _expected_folders() -> str:
+    names, folders, wnids = class_names(), class_folder_names(), class_wordnet_ids()
+    return (f"{', '.join(names)} (in any case, or numbered {folders[0]} ... {folders[-1]}, or their WordNet ids "
+            f"{wnids[0]} ... {wnids[-1]})")
+
+
+def class_folder_labels(images: Path, folders: list[str]) -> dict[str, int]:
+    """The IN-9 label of each of nine class folders, matched by name (`tools.in9.class_of_folder`), never by
+    their sorted order; a folder that names no class, a class named twice or a class without a folder is
+    refused."""
+    matches = {folder: class_of_folder(folder) for folder in folders}
+    unknown = [folder for folder, label in matches.items() if label is None]
+    if unknown:
+        raise UserError(f"--images {images}: the folder(s) {', '.join(unknown)} name no IN-9 class; name the nine "
+                        f"class folders {_expected_folders()}, or pass an ImageNet-style folder with all "
+                        f"{NUM_IMAGENET_CLASSES} of its WordNet-id folders")
+    labels = {folder: label for folder, label in matches.items() if label is not None}
+    by_label: dict[int, list[str]] = defaultdict(list)
+    for folder, label in labels.items():
+        by_label[label].append(folder)
+    twice = next(((label, alike) for label, alike in by_label.items() if len(alike) > 1), None)
+    if twice is not None:
+        raise UserError(f"--images {images}: the folders {' and '.join(twice[1])} both hold class "
+                        f"{class_names()[twice[0]]}; merge them into one (the class folders are "
+                        f"{_expected_folders()})")
+    missing = [name for label, name in enumerate(class_names()) if label not in by_label]
+    if missing:
+        raise UserError(f"--images {images} has no folder for {', '.join(missing)}; every IN-9 class needs a folder: "
+                        f"{_expected_folders()}")
+    return labels
+
+
 def list_sources(images: Path) -> tuple[list[str], list[SourceImage]]:
-    """The nine class folders of --images (sorted: the order is the class index) and their images; or, for an
-    ImageNet-style folder, the 370 ImageNet classes of the IN-9 map grouped into the nine (named as the
-    release names its class folders)."""
+    """The class folders written (00_dog ... 08_fish) and the images of --images: nine class folders matched to
+    the IN-9 classes by name (see `class_folder_labels`), or an ImageNet-style folder whose 370 classes of the
+    IN-9 map are grouped into the nine."""
     images = Path(images)
     if not images.is_dir():
         raise UserError(f"--images {images} is not a folder; pass the folder holding one sub-folder per IN-9 class")
     folders, _ = list_folder(images)
-    groups = imagenet_groups(folders)
+    classes = class_folder_names()
+    named = all(class_of_folder(folder) is not None for folder in folders)
+    groups = None if named else imagenet_groups(folders)
     if groups is not None:
-        classes = class_folder_names()
-        members = [(label, classes[label], folder) for folder, label in groups.items()]
-        log.info("ImageNet-style --images: %d of its classes grouped into the nine IN-9 classes", len(members))
-    elif len(folders) != NUM_IN9_CLASSES:
-        raise UserError(f"--images {images} has {len(folders)} class folders, expected {NUM_IN9_CLASSES} "
-                        f"({', '.join(folders) or 'none'}) or ImageNet's {NUM_IMAGENET_CLASSES} WordNet-id folders; "
-                        f"the sorted order of nine folders gives the class index")
+        log.info("ImageNet-style --images: %d of its classes grouped into the nine IN-9 classes", len(groups))
     else:
-        classes = folders
-        members = [(label, cls, cls) for label, cls in enumerate(classes)]
+        groups = class_folder_labels(images, folders)
+    members = [(label, classes[label], folder) for folder, label in groups.items()]
     sources, seen = [], {}
     for label, cls, folder in sorted(members):
         _, files = list_folder(images / folder)

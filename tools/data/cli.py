@@ -73,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Make the eight variations and fg_mask from labelled images with one "
                                               "bounding box each, as in the paper's Appendix A.")
     build_p.add_argument("--images", type=Path, required=True, metavar="DIR",
-                         help="folder with one sub-folder per IN-9 class (sorted order = class index), or an "
-                              "ImageNet-style folder with its 1000 WordNet-id sub-folders, whose 370 IN-9 classes are "
-                              "grouped into the nine by the ImageNet->IN-9 map")
+                         help="folder with one sub-folder per IN-9 class, matched to the classes by name (dog or "
+                              "Dog, 00_dog, or the class's WordNet id n02084071; written as 00_dog ... 08_fish), or "
+                              "an ImageNet-style folder with its 1000 WordNet-id sub-folders, whose 370 IN-9 classes "
+                              "are grouped into the nine by the ImageNet->IN-9 map")
     build_p.add_argument("--boxes", type=Path, required=True, metavar="PATH",
                          help="folder of Pascal VOC .xml files (1-based inclusive coordinates) or a CSV file "
                               "image,xmin,ymin,xmax,ymax (0-based pixels, xmax/ymax exclusive)")
