@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -560,10 +564,9 @@ def _images_named(coloured, root: Path, names: list[str]) -> Path:
 
 @pytest.mark.parametrize("names", [
     ["dog", "bird", "vehicle", "reptile", "carnivore", "insect", "instrument", "primate", "fish"],
-    ["Dog", "Bird", "Vehicle", "Reptile", "Carnivore", "Insect", "Instrument", "Primate", "Fish"],
-    WORDNET_IDS,
-    CLASSES,
-], ids=["plain", "capitalised", "wordnet", "release"])
+    ["Dog", WORDNET_IDS[1], "02_vehicle", "REPTILE", WORDNET_IDS[4], "05_insect", "instrument", "Primate",
+     WORDNET_IDS[8]],
+], ids=["plain", "every form"])
 def test_class_folders_are_matched_to_the_in9_classes_by_name(coloured, names, tmp_path, capsys):
     from tests.reference import evaluate as reference_evaluate  # noqa: PLC0415
 
@@ -603,3 +606,65 @@ def test_class_folders_that_name_no_in9_class_are_refused_in_one_line(coloured, 
         assert named in err and "dog, bird, vehicle, reptile, carnivore, insect, instrument, primate, fish" in err, \
             (case, err)
         assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# An interrupted build leaves nothing that looks usable
+
+# Runs `python -m tools.data build ARGS...` in a process of its own whose third image waits, once two are written,
+# until the signal has reached the main thread: the test interrupts a build that is really half-way.
+INTERRUPTIBLE_BUILD = """
+import signal, sys, threading
+from pathlib import Path
+from tools.data import builder, cli
+
+ready, arrived, install = Path(sys.argv[1]), threading.Event(), signal.signal
+
+def observed(signum, handler):  # every handler installed from here on first says that its signal arrived
+    def say_and_handle(*args):
+        arrived.set()
+        return handler(*args)
+    return install(signum, say_and_handle if callable(handler) else handler)
+
+signal.signal = observed
+signal.signal(signal.SIGINT, signal.default_int_handler)
+made, calls = builder.variation_arrays, []
+
+def variation_arrays(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+        ready.touch()
+        arrived.wait(60)
+    return made(*args, **kwargs)
+
+builder.variation_arrays = variation_arrays
+sys.exit(cli.main(["build", *sys.argv[2:]]))
+"""
+
+
+def _run_interrupted(argv: list[str], ready: Path, signum: int) -> subprocess.CompletedProcess:
+    """Start INTERRUPTIBLE_BUILD, send `signum` once it is half-way, and wait for it to end."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    process = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE_BUILD, str(ready), *argv], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ready.exists(), process.communicate(timeout=10)
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=60)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_build_leaves_nothing_that_looks_usable(inputs, tmp_path, signum, code):
+    parent = tmp_path / "outputs"
+    out = parent / "built"
+    finished = _run_interrupted(["--images", str(inputs.images), "--boxes", str(inputs.boxes), "--out", str(out),
+                                 "--masks", str(inputs.masks), "--workers", "1", "--no-progress"],
+                                tmp_path / "ready", signum)
+    assert finished.returncode == code, finished.stderr
+    assert finished.stderr.count("\n") == 1 and "Traceback" not in finished.stderr, finished.stderr
+    assert not out.exists() and list(parent.iterdir()) == []  # neither the output nor its temporary folder
+    with pytest.raises(UserError, match="does not exist"):
+        data.verify_layout(out)

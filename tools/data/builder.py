@@ -3,8 +3,10 @@ paper's Appendix A (resize 256, centre crop 224, four filters, GrabCut or your o
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from tools.layout import IMAGE_EXTENSIONS, LAYOUT_NAMES, MASK_EXTENSION, MIXED, 
 
 from tools.threads import default_workers, map_in_threads
 from tools.errors import UserError
+from tools.data.temporary import temporary_folder
 from tools.in9 import (IMAGE_SIZE, MASK_FOLDER, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SPLIT, UNMAPPED, Variation,
                        class_folder_names, class_names, class_of_folder, class_wordnet_ids, in_to_in9_list)
 from tools.provenance import write_json_atomic
@@ -30,6 +33,7 @@ MIN_BOX_INSIDE = 0.5  # of the resized box's area inside the crop
 MIN_FOREGROUND_FRACTION = 0.1  # of the box's area
 DEFAULT_JPEG_QUALITY = 95
 SUMMARY_NAME = "build_summary.json"
+BUILDING_INFIX = ".building-"  # the output is built in <parent>/.<out name>.building-<host>-<pid>-<random>
 WNID = re.compile(r"n\d{8}")
 
 
@@ -353,7 +357,9 @@ def build(images: Path, boxes: Path, out: Path, masks: Path | None = None, seed:
     """Make the eight variations and fg_mask in the release's layout under `out` (see the module docstring).
 
     Nothing is written until every image has been through the filters and every class kept at least
-    one image; `out` must be empty or new. `workers` threads (default: up to 8) decode, segment and write.
+    one image; `out` must be empty or new. The output is written into a temporary folder beside `out`
+    (`.<name>.building-<host>-<pid>-<random>`) and renamed to `out` once complete, so an interrupted or
+    failed build leaves nothing (see `tools.data.temporary`). `workers` threads (default: up to 8) decode, segment and write.
     split: the layout's split folder (val, as the test release; train for training data). keep_unboxed
     (train only): images without a box go to `original` alone (IN-9L-style, for erm/mixup/cutmix).
     """
@@ -407,8 +413,19 @@ def build(images: Path, boxes: Path, out: Path, masks: Path | None = None, seed:
     config.update(split=split, keep_unboxed=keep_unboxed)
     result = BuildResult(out, config, classes, len(sources), kept, dict(dropped), rescaled, unboxed=unboxed)
     _choose_backgrounds(result, seed)
-    _write(result, image_format, jpeg_quality, workers, progress, split)
-    write_json_atomic(out / SUMMARY_NAME, result.summary())
+    target = Path(os.path.abspath(out))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the folder {target.parent} for --out: {exc.strerror or exc}") from None
+    with temporary_folder(target.parent, f".{target.name}{BUILDING_INFIX}") as folder:
+        _write(result, folder, image_format, jpeg_quality, workers, progress, split)
+        write_json_atomic(folder / SUMMARY_NAME, result.summary())
+        try:
+            os.replace(folder, target)  # the whole build appears at once: an interrupted one leaves nothing
+        except OSError as exc:
+            raise UserError(f"cannot move the finished build into --out {out} ({exc.strerror or exc}): something "
+                            f"was put there while it ran; nothing was written, rerun with a new folder") from None
     return result
 
 
@@ -438,12 +455,20 @@ def _choose_backgrounds(result: BuildResult, seed: int) -> None:
                     len(result.same_class_fallbacks))
 
 
-def _write(result: BuildResult, image_format: ImageFormat, quality: int, workers: int, progress: bool,
-           split: str = SPLIT) -> None:
+def _run_all(fn, items: list, workers: int, progress: bool, desc: str) -> None:
+    """fn over items in threads; on an error or an interrupt, the threads have stopped when this returns."""
+    with contextlib.closing(map_in_threads(fn, items, workers, progress, desc)) as results:
+        for _ in results:
+            pass
+
+
+def _write(result: BuildResult, folder: Path, image_format: ImageFormat, quality: int, workers: int,
+           progress: bool, split: str = SPLIT) -> None:
+    """The variations and masks of `result` in the release's layout under `folder`."""
     extension = EXTENSIONS[image_format]
     for name in LAYOUT_NAMES:
         for cls in result.classes:
-            (result.out / name / split / cls).mkdir(parents=True, exist_ok=True)
+            (folder / name / split / cls).mkdir(parents=True, exist_ok=True)
 
     def save(array: np.ndarray, target: Path) -> None:
         if image_format is ImageFormat.JPEG:
@@ -459,14 +484,12 @@ def _write(result: BuildResult, image_format: ImageFormat, quality: int, workers
             other = result.background_of(image, variation)
             backgrounds[variation] = variations.only_bg_t(crop_image(other.source.path), other.box)
         for name, array in variation_arrays(crop, image.box, mask, backgrounds).items():
-            save(array, result.out / name / split / image.source.folder / f"{image.source.stem}{extension}")
-        np.save(result.out / MASK_FOLDER / split / image.source.folder / f"{image.source.stem}{MASK_EXTENSION}", mask)
+            save(array, folder / name / split / image.source.folder / f"{image.source.stem}{extension}")
+        np.save(folder / MASK_FOLDER / split / image.source.folder / f"{image.source.stem}{MASK_EXTENSION}", mask)
 
     def write_unboxed(source: SourceImage) -> None:
         save(crop_image(source.path),
-             result.out / Variation.ORIGINAL.value / split / source.folder / f"{source.stem}{extension}")
+             folder / Variation.ORIGINAL.value / split / source.folder / f"{source.stem}{extension}")
 
-    for _ in map_in_threads(write_one, result.kept, workers, progress, "write"):
-        pass
-    for _ in map_in_threads(write_unboxed, result.unboxed, workers, progress, "write unboxed"):
-        pass
+    _run_all(write_one, result.kept, workers, progress, "write")
+    _run_all(write_unboxed, result.unboxed, workers, progress, "write unboxed")
