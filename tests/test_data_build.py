@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -668,3 +669,22 @@ def test_an_interrupted_build_leaves_nothing_that_looks_usable(inputs, tmp_path,
     assert not out.exists() and list(parent.iterdir()) == []  # neither the output nor its temporary folder
     with pytest.raises(UserError, match="does not exist"):
         data.verify_layout(out)
+
+
+def _dead_pid() -> int:
+    """The id of a process that has ended."""
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                              check=True).stdout)
+
+
+def test_a_build_removes_the_temporary_folders_of_builds_that_died(inputs, tmp_path):
+    host = socket.gethostname()
+    parent = tmp_path / "outputs"
+    stale = parent / f".built{data_build.BUILDING_INFIX}{host}-{_dead_pid()}-0a1b2c3d"  # SIGKILLed half-way
+    running = parent / f".built{data_build.BUILDING_INFIX}{host}-{os.getpid()}-0a1b2c3d"
+    elsewhere = parent / f".built{data_build.BUILDING_INFIX}other-host-{_dead_pid()}-0a1b2c3d"  # shared disk
+    for folder in (stale, running, elsewhere):
+        (folder / "original" / "val").mkdir(parents=True)
+    data.build(inputs.images, inputs.boxes, parent / "built", masks=inputs.masks, image_format="png", progress=False)
+    assert sorted(p.name for p in parent.iterdir()) == sorted(["built", running.name, elsewhere.name])
+    assert data.verify_layout(parent / "built").ok
