@@ -127,7 +127,7 @@ def test_quick_check_raises_the_first_problem(fresh):
     with pytest.raises(UserError, match=r"\(and 1 more problem\(s\)\)"):
         data.quick_check(fresh, ["original"], need_masks=True)
     shutil.rmtree(fresh / "mixed_same")
-    with pytest.raises(UserError, match="mixed_same/val: missing: no folder"):
+    with pytest.raises(UserError, match="mixed_same/val: missing: no such folder"):
         data.quick_check(fresh, ["original", "mixed_same"])
     Image.new("RGB", (300, 300)).save(fresh / "original" / "val" / CLASSES[0] / "aaa.JPEG")  # first in its class
     with pytest.raises(UserError, match="original/val/00_dog: 1 image\\(s\\) not 224x224: aaa.JPEG"):

@@ -64,6 +64,11 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
+    def first_problem(self) -> str:
+        """The first problem, and how many more there are."""
+        more = f" (and {len(self.problems) - 1} more problem(s))" if len(self.problems) > 1 else ""
+        return f"{self.problems[0]}{more}"
+
     def table(self) -> list[str]:
         classes = self.classes or sorted({c for per in self.counts.values() for c in per})
         first = max([len("variation"), *(len(name) for name in self.counts)])
@@ -167,7 +172,7 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
         folder = root / name / split
         where = f"{name}/{split}"
         if not folder.is_dir():
-            problems.add(where, f"missing: no folder {folder}")
+            problems.add(where, "missing: no such folder")
             continue
         classes, stray = list_folder(folder)
         if stray:
@@ -246,6 +251,12 @@ def verify_layout(root: Path, full: bool = False, workers: int | None = None, pr
                  compare_counts=True, workers=workers or default_workers(), progress=progress, split=split)
 
 
+def quick_scan(root: Path, variations: Sequence[str], need_masks: bool = False, split: str = SPLIT) -> VerifyReport:
+    """The fast check the scripts run before they start, its problems returned (see `quick_check`)."""
+    return _scan(root, variations, need_masks, images="sample", load_masks=False, compare_counts=False, workers=1,
+                 progress=False, split=split)
+
+
 def quick_check(root: Path, variations: Sequence[str], need_masks: bool = False, split: str = SPLIT) -> dict[str, int]:
     """The fast check the scripts run before they start; returns the file count per folder checked.
 
@@ -255,10 +266,8 @@ def quick_check(root: Path, variations: Sequence[str], need_masks: bool = False,
     and fg_mask/ are checked too and pair one mask with every original image. Raises UserError with
     the first problem; counts across variations and full decoding are left to `verify_layout`.
     """
-    report = _scan(root, variations, need_masks, images="sample", load_masks=False, compare_counts=False, workers=1,
-                   progress=False, split=split)
+    report = quick_scan(root, variations, need_masks, split)
     if report.problems:
-        more = f" (and {len(report.problems) - 1} more problem(s))" if len(report.problems) > 1 else ""
-        raise UserError(f"data in {report.root}: {report.problems[0]}{more}; run `python -m tools.data verify "
+        raise UserError(f"data in {report.root}: {report.first_problem()}; run `python -m tools.data verify "
                         f"--data-path {report.root}` for the full list")
     return {name: sum(per.values()) for name, per in report.counts.items()}
