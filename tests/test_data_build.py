@@ -363,7 +363,7 @@ def test_box_file_mistakes_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="lacks the column.*image,xmin,ymin,xmax,ymax"):
         boxes.read_boxes(tmp_path / "bad.csv")
     (tmp_path / "nan.csv").write_text("image,xmin,ymin,xmax,ymax\na.JPEG,1,2,three,4\n")
-    with pytest.raises(UserError, match="line 2: the coordinates must be numbers"):
+    with pytest.raises(UserError, match="line 2: the coordinates must be finite numbers"):
         boxes.read_boxes(tmp_path / "nan.csv")
     (tmp_path / "voc").mkdir()
     (tmp_path / "voc" / "a.xml").write_text("<annotation><object>")
@@ -688,3 +688,30 @@ def test_a_build_removes_the_temporary_folders_of_builds_that_died(inputs, tmp_p
     data.build(inputs.images, inputs.boxes, parent / "built", masks=inputs.masks, image_format="png", progress=False)
     assert sorted(p.name for p in parent.iterdir()) == sorted(["built", running.name, elsewhere.name])
     assert data.verify_layout(parent / "built").ok
+
+
+def test_box_csvs_from_excel_are_read_or_refused_in_one_line(inputs, tmp_path, capsys):
+    header, row = "image,xmin,ymin,xmax,ymax", "ça_1.JPEG,60,40,240,220"
+    readable = {"utf-8-bom": ("\ufeff" + header + "\n" + row + "\n").encode("utf-8"),
+                "utf-16": (header + "\r\n" + row + "\r\n").encode("utf-16")}  # Excel's "Unicode text", with its BOM
+    for name, raw in readable.items():
+        (tmp_path / f"{name}.csv").write_bytes(raw)
+        assert boxes.read_boxes(tmp_path / f"{name}.csv")["ça_1"].boxes == [(60, 40, 240, 220)], name
+    (tmp_path / "cp1252.csv").write_bytes((header + "\n" + row + "\n").encode("cp1252"))  # "CSV" in a Western locale
+    with pytest.raises(UserError, match=r"cp1252.csv is not UTF-8 text \(byte 0xe7 on line 2\).*save it as CSV UTF-8"):
+        boxes.read_boxes(tmp_path / "cp1252.csv")
+    (tmp_path / "short.csv").write_text("xmin,ymin,xmax,ymax,image\n60,40,240,220,a.JPEG\n60,40,240\n")
+    with pytest.raises(UserError, match="short.csv, line 3: 3 fields where the header names 5"):
+        boxes.read_boxes(tmp_path / "short.csv")
+    (tmp_path / "nan.csv").write_text(f"{header}\na.JPEG,nan,40,240,220\n")
+    with pytest.raises(UserError, match="line 2: the coordinates must be finite numbers"):
+        boxes.read_boxes(tmp_path / "nan.csv")
+    (tmp_path / "voc").mkdir()
+    (tmp_path / "voc" / "a.xml").write_text("<annotation><size><width>inf</width><height>200</height></size>"
+                                            "</annotation>")
+    with pytest.raises(UserError, match=r"a.xml has no finite number in <width>"):
+        boxes.read_boxes(tmp_path / "voc")
+    for name in ("cp1252", "short"):  # from the command line: one line, exit 2
+        code, _, err = _run_cli(["build", "--images", str(inputs.images), "--boxes", str(tmp_path / f"{name}.csv"),
+                                 "--out", str(tmp_path / "out"), "--masks", str(inputs.masks)], capsys)
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: box file"), err
