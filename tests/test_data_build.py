@@ -531,6 +531,13 @@ def test_keep_unboxed_puts_images_without_a_box_in_original_only(inputs, tmp_pat
     summary = json.loads((out / data.SUMMARY_NAME).read_text())
     assert len(summary["unboxed_in_original"]) == 1 and summary["dropped"]["no_box"] == 0
     assert "without a box, in original/ only (--keep-unboxed): 1" in stdout
+    # verify --split train checks it; the image the summary lists in original alone is expected there, and only it
+    code, stdout, err = _run_cli(["verify", "--data-path", str(out), "--split", "train", "--no-progress"], capsys)
+    assert code == 0 and stdout.rstrip().endswith("no problems found"), stdout
+    assert "note: original/train: 1 image(s) without a box, in original/ alone (build --keep-unboxed)" in stdout
+    (out / "only_fg" / "train" / summary["images"][0]["image"]).with_suffix(".JPEG").unlink()
+    code, stdout, _ = _run_cli(["verify", "--data-path", str(out), "--split", "train", "--no-progress"], capsys)
+    assert code == 2 and "only_fg/train/" in stdout
 
 
 # ----------------------------------------------------------------------------------------------------------

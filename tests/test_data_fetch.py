@@ -23,6 +23,7 @@ import pytest
 from tests.conftest import run_in_process
 from tools import data, synthetic
 from tools.data import cli as data_cli
+from tools.data import download as data_download
 from tools.hashing import sha256_file
 from tools.layout import list_foregrounds, list_variation
 from tools.errors import UserError
@@ -432,3 +433,33 @@ def test_a_fetch_removes_the_extraction_folders_of_fetches_that_died(server, rel
     data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
     _assert_release_layout(root)
     assert not stale.exists() and running.exists()
+
+
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan", "inf", "soon"])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused_before_anything_runs(tmp_path, timeout,
+                                                                                            capsys):
+    root = tmp_path / "data"
+    with pytest.raises(SystemExit) as exc:  # argparse's refusal: usage, then one error line
+        data_cli.main(["fetch", "--data-path", str(root), "--url", "http://127.0.0.1:9/x.tar.gz", "--timeout",
+                       timeout, "--no-progress"])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "" and "Traceback" not in err
+    assert err.splitlines()[-1].endswith(f"argument --timeout: {timeout!r} is not a positive, finite number of "
+                                         f"seconds"), err
+    assert not root.exists()
+
+
+def test_an_archive_that_cannot_be_read_is_one_line_that_leaves_it_alone(release, tmp_path, monkeypatch, capsys):
+    payload, sha = release
+    archive = tmp_path / "release.tar.gz"
+    archive.write_bytes(payload)
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(data_download, "sha256_file", unreadable)  # root reads every file: the refusal is injected
+    code, _, err = _run_cli(["fetch", "--data-path", str(tmp_path / "data"), "--archive", str(archive),
+                             "--sha256", sha, "--no-progress"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: cannot read --archive {archive}: Permission denied") and "delete" not in err
+    assert archive.read_bytes() == payload

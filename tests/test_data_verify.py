@@ -157,3 +157,16 @@ def test_class_folders_named_after_in9_classes_in_another_order_are_a_problem(fr
         for folder in (*VARIATIONS, MASK_FOLDER):
             (fresh / folder / "val" / name).rename(fresh / folder / "val" / f"{numbered[:2]}{name}")
     assert data.verify_layout(fresh).ok
+
+
+def test_verify_checks_the_split_it_is_given(tmp_path, capsys):
+    """`build --split train` writes <variation>/train/...: `verify --split train` checks it, and finds its problems."""
+    root = synthetic.generate(tmp_path / "train_set", per_class=1, seed=5, split="train").root
+    code, out, err = _run_cli(["verify", "--data-path", str(root), "--split", "train", "--no-progress"], capsys)
+    assert code == 0 and out.rstrip().endswith("no problems found"), err
+    assert out.splitlines()[2].split() == ["original", *["1"] * 9, "9"]
+    (root / "only_fg" / "train" / CLASSES[2] / "synth2_00000.JPEG").write_bytes(b"not a jpeg")
+    code, out, err = _run_cli(["verify", "--data-path", str(root), "--split", "train", "--no-progress"], capsys)
+    assert code == 2 and f"only_fg/train/{CLASSES[2]}: 1 unreadable image(s): synth2_00000.JPEG" in out
+    code, out, err = _run_cli(["verify", "--data-path", str(root), "--no-progress"], capsys)  # val: not there
+    assert code == 2 and "original/val: missing" in out

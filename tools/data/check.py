@@ -3,14 +3,16 @@ scripts run before they start (`quick_check`)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from tools.data.builder import SUMMARY_NAME
 from tools.layout import MIXED, check_data_root, is_listed, list_folder
 from tools.threads import default_workers, map_in_threads
 from tools.errors import UserError
@@ -162,8 +164,9 @@ def _misplaced_classes(classes: list[str]) -> list[tuple[str, int, int]]:
 
 
 def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_masks: bool, compare_counts: bool,
-          workers: int, progress: bool, split: str = SPLIT) -> VerifyReport:
-    """The one walk behind verify_layout and quick_check. images: 'sample' (first per class), 'header', 'full'."""
+          workers: int, progress: bool, split: str = SPLIT, original_only: Collection[str] = ()) -> VerifyReport:
+    """The one walk behind verify_layout and quick_check. images: 'sample' (first per class), 'header', 'full'.
+    original_only: 'class/stem' of original images that have no mask and no other variation by design."""
     root = check_data_root(root)
     problems, notes = _Problems(), []
     names = list(dict.fromkeys([*names, *((Variation.ORIGINAL.value, MASK_FOLDER) if need_masks else ())]))
@@ -209,7 +212,13 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
         elif count:
             problems.add(f"{name}/{split}", f"{count} ({', '.join(per) or 'none'})")
 
-    original = listings.get(Variation.ORIGINAL.value, {})
+    original = {cls: [f for f in files if f"{cls}/{Path(f).stem}" not in original_only]
+                for cls, files in listings.get(Variation.ORIGINAL.value, {}).items()}
+    alone = sum(len(files) for files in listings.get(Variation.ORIGINAL.value, {}).values()) - \
+        sum(len(files) for files in original.values())
+    if alone:
+        notes.append(f"{Variation.ORIGINAL.value}/{split}: {alone} image(s) without a box, in original/ alone "
+                     f"(build --keep-unboxed)")
     original_stems = {cls: {Path(f).stem for f in files} for cls, files in original.items()}
     for cls, files in listings.get(MASK_FOLDER, {}).items():
         if cls not in original_stems:
@@ -240,7 +249,8 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
 
 def verify_layout(root: Path, full: bool = False, workers: int | None = None, progress: bool = False,
                   split: str = SPLIT) -> VerifyReport:
-    """Check everything both scripts need and collect every problem.
+    """Check everything both scripts need and collect every problem (the images a `build --keep-unboxed` put in
+    original/ alone, listed in its build_summary.json, are a note).
 
     The eight variations and fg_mask each with the same nine class folders, none empty; as many images
     per class in every variation as in original; every image readable and IMAGE_SIZE square (its
@@ -248,7 +258,20 @@ def verify_layout(root: Path, full: bool = False, workers: int | None = None, pr
     booleans or 0/1, paired with its original image and the other way round.
     """
     return _scan(root, VARIATIONS, need_masks=True, images="full" if full else "header", load_masks=True,
-                 compare_counts=True, workers=workers or default_workers(), progress=progress, split=split)
+                 compare_counts=True, workers=workers or default_workers(), progress=progress, split=split,
+                 original_only=built_original_only(check_data_root(root), split))
+
+
+def built_original_only(root: Path, split: str) -> set[str]:
+    """'class/stem' of the images that `build --keep-unboxed` put in original/ alone (no box, so no mask and no
+    other variation), as the build's summary lists them; none without a summary of this split."""
+    try:
+        summary = json.loads((root / SUMMARY_NAME).read_text(encoding="utf-8"))
+        if summary["config"]["split"] != split:
+            return set()
+        return {str(key) for key in summary["unboxed_in_original"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
 
 
 def quick_scan(root: Path, variations: Sequence[str], need_masks: bool = False, split: str = SPLIT) -> VerifyReport:

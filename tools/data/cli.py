@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import re
 import signal
 import sys
@@ -35,6 +36,16 @@ def _sha256_arg(value: str) -> str:
     return value.lower()
 
 
+def _seconds_arg(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive, finite number of seconds")
+    return seconds
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
@@ -58,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="extract this already downloaded archive instead of downloading (default: download)")
     fetch_p.add_argument("--keep-archive", action="store_true",
                          help="keep the downloaded archive in --data-path after extracting it (default: delete it)")
-    fetch_p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                         help=f"network timeout (default: {DEFAULT_TIMEOUT_S:g})")
+    fetch_p.add_argument("--timeout", type=_seconds_arg, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                         help=f"network timeout, a positive number of seconds (default: {DEFAULT_TIMEOUT_S:g})")
     fetch_p.set_defaults(handler=_run_fetch)
 
     verify_p = commands.add_parser("verify", parents=[common], help="check a data folder and count its images",
@@ -71,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify_p.add_argument("--full", action="store_true",
                           help="decode every image (default: read image headers only, which finds wrong sizes and "
                                "non-images but not truncated files)")
+    verify_p.add_argument("--split", choices=(SPLIT, TRAIN_SPLIT), default=SPLIT,
+                          help=f"the split folder checked, <variation>/<split>/<class>/: {SPLIT} as the test release, "
+                               f"{TRAIN_SPLIT} for what `build --split {TRAIN_SPLIT}` writes (default: {SPLIT})")
     verify_p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                           help=f"threads reading files (default: {default_workers()})")
     verify_p.set_defaults(handler=_run_verify)
@@ -86,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     build_p.add_argument("--boxes", type=Path, required=True, metavar="PATH",
                          help="folder of Pascal VOC .xml files (1-based inclusive coordinates) or a CSV file "
                               "image,xmin,ymin,xmax,ymax (0-based pixels, xmax/ymax exclusive)")
-    build_p.add_argument("--out", type=Path, required=True, metavar="DIR", help="new or empty output folder")
+    build_p.add_argument("--out", type=Path, required=True, metavar="DIR",
+                         help="new or empty output folder; the build is written beside it in a hidden folder and "
+                              "renamed to it when complete, so an interrupted build leaves nothing")
     build_p.add_argument("--masks", type=Path, default=None, metavar="DIR",
                          help="your own foreground masks <stem>.npy or <stem>.png, at the original image's size or "
                               "224x224 (default: GrabCut from the box, which needs OpenCV)")
@@ -124,7 +140,8 @@ def _run_fetch(args: argparse.Namespace) -> int:
 def _run_verify(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, not {args.workers}")
-    report = verify_layout(check_data_root(args.data_path), args.full, args.workers, not args.no_progress)
+    report = verify_layout(check_data_root(args.data_path), args.full, args.workers, not args.no_progress,
+                           args.split)
     print("\n".join(report.lines()))
     if report.problems:
         raise UserError(f"{len(report.problems)} problem(s) in {report.root}, listed above; fix them or rerun "

@@ -144,7 +144,12 @@ def _file_counts(report: VerifyReport) -> dict[str, int]:
 
 
 def _check_sha256(path: Path, expected: str | None, source: str, move_aside: bool) -> str:
-    digest = sha256_file(path)
+    try:
+        digest = sha256_file(path)
+    except OSError as exc:
+        what = str(path) if move_aside else f"--archive {path}"
+        raise UserError(f"cannot read {what}: {exc.strerror or exc}; make it readable, or pass another copy of the "
+                        f"release archive") from None
     if expected is None:
         log.warning("not checking the SHA-256 of %s (from %s, not the release URL, and no --sha256 given); it is %s",
                     path.name, source, digest)
