@@ -13,6 +13,7 @@ from tests.conftest import run_in_process
 from tools import data, synthetic
 from tools.data import cli as data_cli
 from tools.errors import UserError
+from tools.layout import list_foregrounds, list_variation
 from tools.in9 import class_folder_names, MASK_FOLDER, VARIATIONS
 
 CLASSES = class_folder_names()
@@ -153,6 +154,9 @@ def test_class_folders_named_after_in9_classes_in_another_order_are_a_problem(fr
                                "would be class 2, IN-9's 0; ...); rename them 00_dog ... 08_fish"]
     with pytest.raises(UserError, match="class folders named after IN-9 classes sort into other indices"):
         data.quick_check(fresh, ["original"])  # what both scripts run before they start
+    for listing in (lambda: list_variation(fresh, "mixed_rand"), lambda: list_foregrounds(fresh)):  # training's
+        with pytest.raises(UserError, match="class folders named after IN-9 classes sort into other indices"):
+            listing()
     for numbered, name in zip(CLASSES, plain):  # named in IN-9 order, the same names are fine
         for folder in (*VARIATIONS, MASK_FOLDER):
             (fresh / folder / "val" / name).rename(fresh / folder / "val" / f"{numbered[:2]}{name}")

@@ -13,11 +13,10 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from tools.data.builder import SUMMARY_NAME
-from tools.layout import MIXED, check_data_root, is_listed, list_folder
+from tools.layout import MIXED, check_data_root, class_order_problem, is_listed, list_folder
 from tools.threads import default_workers, map_in_threads
 from tools.errors import UserError
-from tools.in9 import (IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation, class_folder_names,
-                       class_of_folder)
+from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation
 
 log = logging.getLogger(__name__)
 
@@ -151,18 +150,6 @@ def _compare_with_original(listings: dict[str, dict[str, list[str]]], original: 
             notes.append(f"{name}/{split}: {renamed} image stem(s) that original does not have")
 
 
-def _misplaced_classes(classes: list[str]) -> list[tuple[str, int, int]]:
-    """(folder, sorted position, IN-9 class) of the class folders whose names say which IN-9 class they
-    hold (dog, 03_reptile, n02084071) but whose sorted position, the index the scripts give them, is another;
-    nothing when any folder's name says no class (such names are the user's to order)."""
-    labels = [class_of_folder(name) for name in classes]
-    if not labels or None in labels:
-        return []
-    wrong = [(name, position, label) for position, (name, label) in enumerate(zip(classes, labels))
-             if label != position]
-    return wrong
-
-
 def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_masks: bool, compare_counts: bool,
           workers: int, progress: bool, split: str = SPLIT, original_only: Collection[str] = ()) -> VerifyReport:
     """The one walk behind verify_layout and quick_check. images: 'sample' (first per class), 'header', 'full'.
@@ -193,14 +180,9 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
 
     reference_name = next((n for n in (Variation.ORIGINAL.value, *listings) if n in listings), None)
     reference = list(listings[reference_name]) if reference_name else []
-    misplaced = _misplaced_classes(reference)
-    if misplaced:
-        folders = class_folder_names()
-        shown = "; ".join(f"{name} would be class {position}, IN-9's {label}"
-                          for name, position, label in misplaced[:MAX_EXAMPLES])
-        shown += "; ..." if len(misplaced) > MAX_EXAMPLES else ""
-        problems.add(f"{reference_name}/{split}", f"class folders named after IN-9 classes sort into other indices "
-                                                 f"than theirs ({shown}); rename them {folders[0]} ... {folders[-1]}")
+    order_problem = class_order_problem(reference, MAX_EXAMPLES)
+    if order_problem is not None:
+        problems.add(f"{reference_name}/{split}", order_problem)
     for name, per in listings.items():
         count = "" if len(per) == NUM_IN9_CLASSES else f"{len(per)} class folders, expected {NUM_IN9_CLASSES}"
         if list(per) != reference:
