@@ -692,6 +692,7 @@ def test_a_build_removes_the_temporary_folders_of_builds_that_died(inputs, tmp_p
     elsewhere = parent / f".built{data_build.BUILDING_INFIX}other-host-{_dead_pid()}-0a1b2c3d"  # shared disk
     for folder in (stale, running, elsewhere):
         (folder / "original" / "val").mkdir(parents=True)
+    (parent / "built").mkdir()  # an empty --out is replaced by the finished build
     data.build(inputs.images, inputs.boxes, parent / "built", masks=inputs.masks, image_format="png", progress=False)
     assert sorted(p.name for p in parent.iterdir()) == sorted(["built", running.name, elsewhere.name])
     assert data.verify_layout(parent / "built").ok

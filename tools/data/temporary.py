@@ -38,11 +38,13 @@ def remove_stale(parent: Path, prefix: str) -> list[Path]:
     """Remove the `prefix` folders in `parent` left by a process of this host that no longer runs; returns them.
 
     Folders of another host (a shared file system) or of a running process are left alone."""
-    host = socket.gethostname()
+    parent, host = Path(parent), socket.gethostname()
     removed = []
-    for entry in sorted(Path(parent).glob(f"{prefix}*")) if Path(parent).is_dir() else []:
-        owner_host, _, rest = entry.name[len(prefix):].rpartition("-")[0].rpartition("-")
-        pid = int(rest) if rest.isdigit() else None
+    for entry in sorted(parent.iterdir()) if parent.is_dir() else []:
+        if not entry.name.startswith(prefix):
+            continue
+        owner_host, _, pid_text = entry.name[len(prefix):].rpartition("-")[0].rpartition("-")  # <host>-<pid>-<random>
+        pid = int(pid_text) if pid_text.isdigit() else None
         if entry.is_dir() and owner_host == host and pid is not None and not _is_running(pid):
             shutil.rmtree(entry, ignore_errors=True)
             log.info("removed %s, left by process %d, which no longer runs", entry, pid)
