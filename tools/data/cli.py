@@ -30,6 +30,7 @@ EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, what a shell reports for a proces
 RERUN_ADVICE = ("rerun the same command (fetch resumes its partial download, or extracts the downloaded archive; "
                 "build starts again)")
 
+
 def _sha256_arg(value: str) -> str:
     if not re.fullmatch(r"[0-9a-fA-F]{64}", value):
         raise argparse.ArgumentTypeError(f"{value!r} is not a SHA-256 (64 hexadecimal digits)")
