@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -358,7 +363,7 @@ def test_box_file_mistakes_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="lacks the column.*image,xmin,ymin,xmax,ymax"):
         boxes.read_boxes(tmp_path / "bad.csv")
     (tmp_path / "nan.csv").write_text("image,xmin,ymin,xmax,ymax\na.JPEG,1,2,three,4\n")
-    with pytest.raises(UserError, match="line 2: the coordinates must be numbers"):
+    with pytest.raises(UserError, match="line 2: the coordinates must be finite numbers"):
         boxes.read_boxes(tmp_path / "nan.csv")
     (tmp_path / "voc").mkdir()
     (tmp_path / "voc" / "a.xml").write_text("<annotation><object>")
@@ -526,3 +531,195 @@ def test_keep_unboxed_puts_images_without_a_box_in_original_only(inputs, tmp_pat
     summary = json.loads((out / data.SUMMARY_NAME).read_text())
     assert len(summary["unboxed_in_original"]) == 1 and summary["dropped"]["no_box"] == 0
     assert "without a box, in original/ only (--keep-unboxed): 1" in stdout
+    # verify --split train checks it; the image the summary lists in original alone is expected there, and only it
+    code, stdout, err = _run_cli(["verify", "--data-path", str(out), "--split", "train", "--no-progress"], capsys)
+    assert code == 0 and stdout.rstrip().endswith("no problems found"), stdout
+    assert "note: original/train: 1 image(s) without a box, in original/ alone (build --keep-unboxed)" in stdout
+    (out / "only_fg" / "train" / summary["images"][0]["image"]).with_suffix(".JPEG").unlink()
+    code, stdout, _ = _run_cli(["verify", "--data-path", str(out), "--split", "train", "--no-progress"], capsys)
+    assert code == 2 and "only_fg/train/" in stdout
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Class folders are matched to the IN-9 classes by name, never by their sorted order
+
+WORDNET_IDS = ["n02084071", "n01503061", "n04576211", "n01661091", "n02075296", "n02159955", "n03800933",
+               "n02469914", "n02512053"]  # the nine ancestor synsets, in IN-9 order (shared/reference)
+
+
+@pytest.fixture(scope="module")
+def coloured(tmp_path_factory) -> tuple[Path, Path, Path, dict[str, int]]:
+    """(originals by class, boxes.csv, masks, stem -> true IN-9 label) from the generator, two images per class:
+    the colour model knows their classes from their colours."""
+    source = synthetic.generate(tmp_path_factory.mktemp("coloured") / "data", per_class=2, seed=11)
+    originals = source.root / "original" / "val"
+    masks = source.root / MASK_FOLDER / "val"
+    rows = ["image,xmin,ymin,xmax,ymax"] + [f"{img.stem}.JPEG,{','.join(map(str, img.box))}" for img in source.images]
+    boxes_csv = source.root / "boxes.csv"
+    boxes_csv.write_text("\n".join(rows) + "\n")
+    return originals, boxes_csv, masks, {img.stem: img.label for img in source.images}
+
+
+def _images_named(coloured, root: Path, names: list[str]) -> Path:
+    """The coloured originals of class c in a folder named names[c]."""
+    originals, _, _, truth = coloured
+    for label, name in enumerate(names):
+        (root / name).mkdir(parents=True)
+        for stem in (s for s, c in truth.items() if c == label):
+            shutil.copy(originals / CLASSES[label] / f"{stem}.JPEG", root / name)
+    return root
+
+
+@pytest.mark.parametrize("names", [
+    ["dog", "bird", "vehicle", "reptile", "carnivore", "insect", "instrument", "primate", "fish"],
+    ["Dog", WORDNET_IDS[1], "02_vehicle", "REPTILE", WORDNET_IDS[4], "05_insect", "instrument", "Primate",
+     WORDNET_IDS[8]],
+], ids=["plain", "every form"])
+def test_class_folders_are_matched_to_the_in9_classes_by_name(coloured, names, tmp_path, capsys):
+    from tests.reference import evaluate as reference_evaluate  # noqa: PLC0415
+
+    _, boxes_csv, masks, truth = coloured
+    images = _images_named(coloured, tmp_path / "images", names)
+    out = tmp_path / "built"
+    code, _, err = _run_cli(["build", "--images", str(images), "--boxes", str(boxes_csv), "--out", str(out),
+                             "--masks", str(masks), "--image-format", "png", "--no-progress"], capsys)
+    assert code == 0, err
+    assert sorted(p.name for p in (out / "original" / "val").iterdir()) == CLASSES  # sorted order = IN-9 order
+    records = list_variation(out, "original")
+    assert {r.stem: r.label for r in records} == truth
+    model = synthetic.ColorEvidenceModel(9).eval()
+    result = reference_evaluate(model, out, "original", 9)  # labels from the folders' sorted positions
+    correct_by_truth = sum(p == truth[path.stem] for p, path in zip(result.predictions, result.paths))
+    assert result.correct == correct_by_truth >= 16  # the model knows these colours: the labels are the truth
+
+
+def test_class_folders_that_name_no_in9_class_are_refused_in_one_line(coloured, tmp_path, capsys):
+    _, boxes_csv, masks, _ = coloured
+    names = ["dog", "bird", "car", "reptile", "carnivore", "insect", "instrument", "primate", "fish"]
+    vehicle = names.index("car")
+    cases = {  # name: (class folders, what the error must name)
+        "unknown": (names, "car"),
+        "missing": (names[:vehicle] + names[vehicle + 1:], "no folder for vehicle"),
+        "twice": ([*names[:vehicle], "vehicle", *names[vehicle + 1:], "00_dog"], "00_dog"),
+        "numbered wrongly": ([*names[:vehicle], "05_vehicle", *names[vehicle + 1:]], "05_vehicle"),
+    }
+    for case, (folders, named) in cases.items():
+        images = _images_named(coloured, tmp_path / case, [f for f in folders if f != "00_dog"])
+        if "00_dog" in folders:
+            shutil.copytree(images / "dog", images / "00_dog")
+        out = tmp_path / f"out-{case}"
+        code, stdout, err = _run_cli(["build", "--images", str(images), "--boxes", str(boxes_csv), "--out", str(out),
+                                      "--masks", str(masks), "--no-progress"], capsys)
+        assert code == 2 and stdout == "" and err.count("\n") == 1 and err.startswith("error: "), (case, err)
+        assert named in err and "dog, bird, vehicle, reptile, carnivore, insect, instrument, primate, fish" in err, \
+            (case, err)
+        assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# An interrupted build leaves nothing that looks usable
+
+# Runs `python -m tools.data build ARGS...` in a process of its own whose third image waits, once two are written,
+# until the signal has reached the main thread: the test interrupts a build that is really half-way.
+INTERRUPTIBLE_BUILD = """
+import signal, sys, threading
+from pathlib import Path
+from tools.data import builder, cli
+
+ready, arrived, install = Path(sys.argv[1]), threading.Event(), signal.signal
+
+def observed(signum, handler):  # every handler installed from here on first says that its signal arrived
+    def say_and_handle(*args):
+        arrived.set()
+        return handler(*args)
+    return install(signum, say_and_handle if callable(handler) else handler)
+
+signal.signal = observed
+signal.signal(signal.SIGINT, signal.default_int_handler)
+made, calls = builder.variation_arrays, []
+
+def variation_arrays(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+        ready.touch()
+        arrived.wait(60)
+    return made(*args, **kwargs)
+
+builder.variation_arrays = variation_arrays
+sys.exit(cli.main(["build", *sys.argv[2:]]))
+"""
+
+
+def _run_interrupted(argv: list[str], ready: Path, signum: int) -> subprocess.CompletedProcess:
+    """Start INTERRUPTIBLE_BUILD, send `signum` once it is half-way, and wait for it to end."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    process = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE_BUILD, str(ready), *argv], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ready.exists(), process.communicate(timeout=10)
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=60)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_build_leaves_nothing_that_looks_usable(inputs, tmp_path, signum, code):
+    parent = tmp_path / "outputs"
+    out = parent / "built"
+    finished = _run_interrupted(["--images", str(inputs.images), "--boxes", str(inputs.boxes), "--out", str(out),
+                                 "--masks", str(inputs.masks), "--workers", "1", "--no-progress"],
+                                tmp_path / "ready", signum)
+    assert finished.returncode == code, finished.stderr
+    assert finished.stderr.count("\n") == 1 and "Traceback" not in finished.stderr, finished.stderr
+    assert not out.exists() and list(parent.iterdir()) == []  # neither the output nor its temporary folder
+    with pytest.raises(UserError, match="does not exist"):
+        data.verify_layout(out)
+
+
+def _dead_pid() -> int:
+    """The id of a process that has ended."""
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                              check=True).stdout)
+
+
+def test_a_build_removes_the_temporary_folders_of_builds_that_died(inputs, tmp_path):
+    host = socket.gethostname()
+    parent = tmp_path / "outputs"
+    stale = parent / f".built{data_build.BUILDING_INFIX}{host}-{_dead_pid()}-0a1b2c3d"  # SIGKILLed half-way
+    running = parent / f".built{data_build.BUILDING_INFIX}{host}-{os.getpid()}-0a1b2c3d"
+    elsewhere = parent / f".built{data_build.BUILDING_INFIX}other-host-{_dead_pid()}-0a1b2c3d"  # shared disk
+    for folder in (stale, running, elsewhere):
+        (folder / "original" / "val").mkdir(parents=True)
+    (parent / "built").mkdir()  # an empty --out is replaced by the finished build
+    data.build(inputs.images, inputs.boxes, parent / "built", masks=inputs.masks, image_format="png", progress=False)
+    assert sorted(p.name for p in parent.iterdir()) == sorted(["built", running.name, elsewhere.name])
+    assert data.verify_layout(parent / "built").ok
+
+
+def test_box_csvs_from_excel_are_read_or_refused_in_one_line(inputs, tmp_path, capsys):
+    header, row = "image,xmin,ymin,xmax,ymax", "ça_1.JPEG,60,40,240,220"
+    readable = {"utf-8-bom": ("\ufeff" + header + "\n" + row + "\n").encode("utf-8"),
+                "utf-16": (header + "\r\n" + row + "\r\n").encode("utf-16")}  # Excel's "Unicode text", with its BOM
+    for name, raw in readable.items():
+        (tmp_path / f"{name}.csv").write_bytes(raw)
+        assert boxes.read_boxes(tmp_path / f"{name}.csv")["ça_1"].boxes == [(60, 40, 240, 220)], name
+    (tmp_path / "cp1252.csv").write_bytes((header + "\n" + row + "\n").encode("cp1252"))  # "CSV" in a Western locale
+    with pytest.raises(UserError, match=r"cp1252.csv is not UTF-8 text \(byte 0xe7 on line 2\).*save it as CSV UTF-8"):
+        boxes.read_boxes(tmp_path / "cp1252.csv")
+    (tmp_path / "short.csv").write_text("xmin,ymin,xmax,ymax,image\n60,40,240,220,a.JPEG\n60,40,240\n")
+    with pytest.raises(UserError, match="short.csv, line 3: 3 fields where the header names 5"):
+        boxes.read_boxes(tmp_path / "short.csv")
+    (tmp_path / "nan.csv").write_text(f"{header}\na.JPEG,nan,40,240,220\n")
+    with pytest.raises(UserError, match="line 2: the coordinates must be finite numbers"):
+        boxes.read_boxes(tmp_path / "nan.csv")
+    (tmp_path / "voc").mkdir()
+    (tmp_path / "voc" / "a.xml").write_text("<annotation><size><width>inf</width><height>200</height></size>"
+                                            "</annotation>")
+    with pytest.raises(UserError, match=r"a.xml has no finite number in <width>"):
+        boxes.read_boxes(tmp_path / "voc")
+    for name in ("cp1252", "short"):  # from the command line: one line, exit 2
+        code, _, err = _run_cli(["build", "--images", str(inputs.images), "--boxes", str(tmp_path / f"{name}.csv"),
+                                 "--out", str(tmp_path / "out"), "--masks", str(inputs.masks)], capsys)
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: box file"), err

@@ -6,10 +6,16 @@ import hashlib
 import http.server
 import io
 import logging
+import os
 import re
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +23,7 @@ import pytest
 from tests.conftest import run_in_process
 from tools import data, synthetic
 from tools.data import cli as data_cli
+from tools.data import download as data_download
 from tools.hashing import sha256_file
 from tools.layout import list_foregrounds, list_variation
 from tools.errors import UserError
@@ -302,12 +309,20 @@ def test_an_unsafe_archive_is_refused_and_nothing_is_written(server, tmp_path, k
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
 
-def test_an_archive_that_is_not_a_tar_is_a_user_error(tmp_path):
+def test_an_archive_that_is_not_a_tar_is_a_user_error_that_never_advises_deleting_the_users_file(
+        server, tmp_path, capsys):
     junk = tmp_path / "junk.tar.gz"
     junk.write_bytes(b"not an archive at all")
-    with pytest.raises(UserError, match="cannot read archive .*not a tar archive"):
-        data.fetch(tmp_path / "data", archive=junk, sha256=hashlib.sha256(b"not an archive at all").hexdigest(),
-                   progress=False)
+    sha = hashlib.sha256(junk.read_bytes()).hexdigest()
+    code, _, err = _run_cli(["fetch", "--data-path", str(tmp_path / "data"), "--archive", str(junk), "--sha256", sha,
+                             "--no-progress"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert f"cannot read --archive {junk}" in err and "not a tar archive" in err and "delete" not in err
+    assert junk.read_bytes() == b"not an archive at all"
+    server.files[ARCHIVE_PATH] = junk.read_bytes()  # fetch's own download may be deleted and downloaded again
+    code, _, err = _run_cli(["fetch", "--data-path", str(tmp_path / "data"), "--url", server.url(ARCHIVE_PATH),
+                             "--sha256", sha, "--no-progress"], capsys)
+    assert code == 2 and "not a tar archive" in err and "delete it and rerun fetch" in err
 
 
 def test_a_folder_with_part_of_a_dataset_is_refused(tmp_path):
@@ -315,3 +330,136 @@ def test_a_folder_with_part_of_a_dataset_is_refused(tmp_path):
     (root / "original").mkdir(parents=True)
     with pytest.raises(UserError, match=r"already holds part of a dataset \(original\)"):
         data.fetch(root, progress=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Nothing rejected looks fetched; what an interruption leaves
+
+@pytest.fixture(scope="module")
+def release_without_a_class(tmp_path_factory):
+    """(archive bytes, sha256): the release with mixed_next/val/08_fish missing."""
+    source = tmp_path_factory.mktemp("broken") / "bg_challenge"
+    synthetic.generate(source, per_class=1, seed=3)
+    shutil.rmtree(source / "mixed_next" / "val" / "08_fish")
+    payload = _tar_gz(lambda tar: tar.add(source, arcname="bg_challenge"))
+    return payload, hashlib.sha256(payload).hexdigest()
+
+
+def test_a_release_that_fails_the_check_is_not_fetched_and_its_archive_is_kept(server, release_without_a_class,
+                                                                              tmp_path, capsys):
+    payload, sha = release_without_a_class
+    server.files[ARCHIVE_PATH] = payload
+    root = tmp_path / "data"
+    argv = ["fetch", "--data-path", str(root), "--url", server.url(ARCHIVE_PATH), "--sha256", sha, "--no-progress"]
+    errors = []
+    for _ in range(2):  # the same check, and the same answer, both times
+        code, out, err = _run_cli(argv, capsys)
+        error = err.splitlines()[-1]
+        assert code == 2 and out == "" and error.startswith("error: ") and err.count("error:") == 1, err
+        assert "mixed_next/val" in error and "08_fish" in error and "not a usable release" in error
+        assert _leftovers(root) == [data.ARCHIVE_NAME]  # nothing extracted, the archive kept for the next try
+        errors.append(error)
+    assert errors[0] == errors[1] and len(server.requests) == 1  # downloaded once
+
+
+def test_a_folder_holding_every_variation_is_checked_before_it_is_called_fetched(release, tmp_path, capsys):
+    payload, sha = release
+    archive = tmp_path / "release.tar.gz"
+    archive.write_bytes(payload)
+    root = tmp_path / "data"
+    data.fetch(root, archive=archive, sha256=sha, progress=False)
+    code, out, _ = _run_cli(["fetch", "--data-path", str(root), "--no-progress"], capsys)
+    assert code == 0 and "nothing fetched" in out
+    shutil.rmtree(root / "only_fg" / "val" / "03_reptile")
+    code, out, err = _run_cli(["fetch", "--data-path", str(root), "--no-progress"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "only_fg/val" in err and "03_reptile" in err and "not a usable release" in err
+
+
+# Runs `python -m tools.data fetch ARGS...` in a process of its own whose extraction stops after its third file
+# (the main thread sleeps there, where a signal interrupts it).
+INTERRUPTIBLE_FETCH = """
+import shutil, sys, time
+from pathlib import Path
+from tools.data import cli
+
+ready, copy, copies = Path(sys.argv[1]), shutil.copyfileobj, []
+
+def copyfileobj(*args, **kwargs):
+    copy(*args, **kwargs)
+    copies.append(1)
+    if len(copies) == 3:
+        ready.touch()
+        time.sleep(60)
+
+shutil.copyfileobj = copyfileobj
+sys.exit(cli.main(["fetch", *sys.argv[2:]]))
+"""
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_extraction_leaves_the_archive_and_nothing_else(server, release, tmp_path, signum, code):
+    payload, sha = release
+    server.files[ARCHIVE_PATH] = payload
+    root, ready = tmp_path / "data", tmp_path / "ready"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    process = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE_FETCH, str(ready), "--data-path", str(root),
+                                "--url", server.url(ARCHIVE_PATH), "--sha256", sha, "--no-progress"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ready.exists(), process.communicate(timeout=10)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == code, stderr
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+    assert _leftovers(root) == [data.ARCHIVE_NAME]  # no hidden .extract-* folder; the download is kept
+    result = data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
+    assert result.downloaded_bytes == 0 and len(server.requests) == 1  # the next run extracts it
+    _assert_release_layout(root)
+
+
+def test_a_fetch_removes_the_extraction_folders_of_fetches_that_died(server, release, tmp_path):
+    payload, sha = release
+    server.files[ARCHIVE_PATH] = payload
+    root = tmp_path / "data"
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+    stale = root / f".extract-{socket.gethostname()}-{dead}-0a1b2c3d"  # a fetch SIGKILLed while extracting
+    running = root / f".extract-{socket.gethostname()}-{os.getpid()}-0a1b2c3d"
+    for folder in (stale, running):
+        (folder / "original" / "val").mkdir(parents=True)
+    data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
+    _assert_release_layout(root)
+    assert not stale.exists() and running.exists()
+
+
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan", "inf", "soon"])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused_before_anything_runs(tmp_path, timeout,
+                                                                                            capsys):
+    root = tmp_path / "data"
+    with pytest.raises(SystemExit) as exc:  # argparse's refusal: usage, then one error line
+        data_cli.main(["fetch", "--data-path", str(root), "--url", "http://127.0.0.1:9/x.tar.gz", "--timeout",
+                       timeout, "--no-progress"])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "" and "Traceback" not in err
+    assert err.splitlines()[-1].endswith(f"argument --timeout: {timeout!r} is not a positive, finite number of "
+                                         f"seconds"), err
+    assert not root.exists()
+
+
+def test_an_archive_that_cannot_be_read_is_one_line_that_leaves_it_alone(release, tmp_path, monkeypatch, capsys):
+    payload, sha = release
+    archive = tmp_path / "release.tar.gz"
+    archive.write_bytes(payload)
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(data_download, "sha256_file", unreadable)  # root reads every file: the refusal is injected
+    code, _, err = _run_cli(["fetch", "--data-path", str(tmp_path / "data"), "--archive", str(archive),
+                             "--sha256", sha, "--no-progress"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: cannot read --archive {archive}: Permission denied") and "delete" not in err
+    assert archive.read_bytes() == payload

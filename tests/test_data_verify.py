@@ -13,6 +13,7 @@ from tests.conftest import run_in_process
 from tools import data, synthetic
 from tools.data import cli as data_cli
 from tools.errors import UserError
+from tools.layout import list_foregrounds, list_variation
 from tools.in9 import class_folder_names, MASK_FOLDER, VARIATIONS
 
 CLASSES = class_folder_names()
@@ -127,7 +128,7 @@ def test_quick_check_raises_the_first_problem(fresh):
     with pytest.raises(UserError, match=r"\(and 1 more problem\(s\)\)"):
         data.quick_check(fresh, ["original"], need_masks=True)
     shutil.rmtree(fresh / "mixed_same")
-    with pytest.raises(UserError, match="mixed_same/val: missing: no folder"):
+    with pytest.raises(UserError, match="mixed_same/val: missing: no such folder"):
         data.quick_check(fresh, ["original", "mixed_same"])
     Image.new("RGB", (300, 300)).save(fresh / "original" / "val" / CLASSES[0] / "aaa.JPEG")  # first in its class
     with pytest.raises(UserError, match="original/val/00_dog: 1 image\\(s\\) not 224x224: aaa.JPEG"):
@@ -138,3 +139,38 @@ def test_quick_check_and_verify_say_what_to_do_about_a_missing_root(tmp_path):
     for check in (lambda root: data.quick_check(root, VARIATIONS), data.verify_layout):
         with pytest.raises(UserError, match="does not exist or is not a folder.*tools.data fetch"):
             check(tmp_path / "nowhere")
+
+
+def test_class_folders_named_after_in9_classes_in_another_order_are_a_problem(fresh, capsys):
+    """dog, bird, ... sort as bird, carnivore, dog, ...: the sorted position, which the scripts take as the class
+    index, would call every bird a dog."""
+    plain = [name.split("_", 1)[1] for name in CLASSES]
+    for folder in (*VARIATIONS, MASK_FOLDER):
+        for numbered, name in zip(CLASSES, plain):
+            (fresh / folder / "val" / numbered).rename(fresh / folder / "val" / name)
+    report = data.verify_layout(fresh)
+    assert report.problems == ["original/val: class folders named after IN-9 classes sort into other indices than "
+                               "theirs (bird would be class 0, IN-9's 1; carnivore would be class 1, IN-9's 4; dog "
+                               "would be class 2, IN-9's 0; ...); rename them 00_dog ... 08_fish"]
+    with pytest.raises(UserError, match="class folders named after IN-9 classes sort into other indices"):
+        data.quick_check(fresh, ["original"])  # what both scripts run before they start
+    for listing in (lambda: list_variation(fresh, "mixed_rand"), lambda: list_foregrounds(fresh)):  # training's
+        with pytest.raises(UserError, match="class folders named after IN-9 classes sort into other indices"):
+            listing()
+    for numbered, name in zip(CLASSES, plain):  # named in IN-9 order, the same names are fine
+        for folder in (*VARIATIONS, MASK_FOLDER):
+            (fresh / folder / "val" / name).rename(fresh / folder / "val" / f"{numbered[:2]}{name}")
+    assert data.verify_layout(fresh).ok
+
+
+def test_verify_checks_the_split_it_is_given(tmp_path, capsys):
+    """`build --split train` writes <variation>/train/...: `verify --split train` checks it, and finds its problems."""
+    root = synthetic.generate(tmp_path / "train_set", per_class=1, seed=5, split="train").root
+    code, out, err = _run_cli(["verify", "--data-path", str(root), "--split", "train", "--no-progress"], capsys)
+    assert code == 0 and out.rstrip().endswith("no problems found"), err
+    assert out.splitlines()[2].split() == ["original", *["1"] * 9, "9"]
+    (root / "only_fg" / "train" / CLASSES[2] / "synth2_00000.JPEG").write_bytes(b"not a jpeg")
+    code, out, err = _run_cli(["verify", "--data-path", str(root), "--split", "train", "--no-progress"], capsys)
+    assert code == 2 and f"only_fg/train/{CLASSES[2]}: 1 unreadable image(s): synth2_00000.JPEG" in out
+    code, out, err = _run_cli(["verify", "--data-path", str(root), "--no-progress"], capsys)  # val: not there
+    assert code == 2 and "original/val: missing" in out

@@ -10,14 +10,17 @@ Box files:
   (xmin - 1, ymin - 1, xmax, ymax), clipped at 0. The XML file's name (without .xml) is the image stem;
   <filename> is not used, as some ImageNet files hold a placeholder there. <size> is kept so a box given
   for a differently sized copy of the image can be rescaled.
-- a CSV file with a header holding the columns image,xmin,ymin,xmax,ymax (others are ignored): image is
+- a CSV file (UTF-8, with or without a byte-order mark, or UTF-16 with one, as Excel saves them) with a
+  header holding the columns image,xmin,ymin,xmax,ymax (others are ignored): image is
   the file name or stem (any folders and the extension are dropped), the coordinates are 0-based pixels
   with xmax/ymax exclusive (the half-open convention above). Several rows for one image are several boxes.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
+import io
 import math
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -65,7 +68,7 @@ def read_boxes(path: Path) -> dict[str, BoxEntry]:
 
 def _read_voc_folder(folder: Path) -> dict[str, BoxEntry]:
     entries: dict[str, BoxEntry] = {}
-    for xml_path in sorted(folder.rglob("*.xml")):
+    for xml_path in sorted(path for path in folder.rglob("*.xml") if path.is_file()):
         stem = xml_path.stem
         if stem in entries:
             raise UserError(f"two box files for image {stem}: {entries[stem].source} and {xml_path}; keep one")
@@ -79,9 +82,12 @@ def _read_voc_folder(folder: Path) -> dict[str, BoxEntry]:
 def _number(element: ET.Element | None, tag: str, where: Path) -> float:
     node = None if element is None else element.find(tag)
     try:
-        return float(node.text)  # type: ignore[union-attr, arg-type]
+        value = float(node.text)  # type: ignore[union-attr, arg-type]
     except (AttributeError, TypeError, ValueError):
-        raise UserError(f"box file {where} has no number in <{tag}>; fix or remove the file") from None
+        value = math.nan
+    if not math.isfinite(value):
+        raise UserError(f"box file {where} has no finite number in <{tag}>; fix or remove the file")
+    return value
 
 
 def _read_voc(path: Path) -> BoxEntry:
@@ -89,6 +95,8 @@ def _read_voc(path: Path) -> BoxEntry:
         root = ET.parse(path).getroot()
     except ET.ParseError as exc:
         raise UserError(f"box file {path} is not valid XML ({exc}); fix or remove the file") from None
+    except OSError as exc:
+        raise UserError(f"cannot read box file {path}: {exc.strerror or exc}") from None
     entry = BoxEntry(source=str(path))
     size = root.find("size")
     if size is not None and size.find("width") is not None and size.find("height") is not None:
@@ -102,22 +110,48 @@ def _read_voc(path: Path) -> BoxEntry:
     return entry
 
 
+def _csv_text(path: Path) -> str:
+    """A CSV file's text: UTF-8 (a byte-order mark, as Excel's "CSV UTF-8" writes, is dropped) or UTF-16 with its
+    byte-order mark (Excel's "Unicode text"); anything else is refused, as its names would be misread."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"cannot read box file {path}: {exc.strerror or exc}") from None
+    utf16 = raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
+    try:
+        return raw.decode("utf-16" if utf16 else "utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise UserError(f"box file {path} is not {'UTF-16' if utf16 else 'UTF-8'} text (byte 0x{raw[exc.start]:02x} "
+                        f"on line {line}); save it as CSV UTF-8 (in Excel: Save As, CSV UTF-8)") from None
+
+
 def _read_csv(path: Path) -> dict[str, BoxEntry]:
     entries: dict[str, BoxEntry] = {}
-    with open(path, newline="", encoding="utf-8-sig") as fh:
-        reader = csv.DictReader(fh)
-        missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
+    reader = csv.DictReader(io.StringIO(_csv_text(path), newline=""))
+    try:
+        header = reader.fieldnames or []
+        missing = [c for c in CSV_COLUMNS if c not in header]
         if missing:
             raise UserError(f"box file {path} lacks the column(s) {', '.join(missing)}; its first line must name "
                             f"{','.join(CSV_COLUMNS)}")
         for row in reader:
+            fields = [row[c] for c in CSV_COLUMNS]
+            if None in fields:
+                given = sum(value is not None for key, value in row.items() if key is not None)
+                raise UserError(f"box file {path}, line {reader.line_num}: {given} fields where the header names "
+                                f"{len(header)}; give every row all of them")
             try:
-                box = tuple(float(row[c]) for c in CSV_COLUMNS[1:])
-            except (TypeError, ValueError):
-                raise UserError(f"box file {path}, line {reader.line_num}: the coordinates must be numbers "
-                                f"(got {[row.get(c) for c in CSV_COLUMNS[1:]]})") from None
-            stem = PurePath(row["image"].strip().replace("\\", "/")).stem
+                box: tuple[float, ...] | None = tuple(float(value) for value in fields[1:])
+            except ValueError:
+                box = None
+            if box is None or not all(math.isfinite(value) for value in box):
+                raise UserError(f"box file {path}, line {reader.line_num}: the coordinates must be finite numbers "
+                                f"(got {fields[1:]})")
+            stem = PurePath(fields[0].strip().replace("\\", "/")).stem
             entries.setdefault(stem, BoxEntry(source=str(path))).boxes.append(box)  # type: ignore[arg-type]
+    except csv.Error as exc:
+        raise UserError(f"box file {path}, line {reader.line_num}: not valid CSV ({exc})") from None
     return entries
 
 

@@ -71,15 +71,39 @@ def _resource_text(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def _class_table() -> tuple[tuple[str, str], ...]:
+    """(lower-case name, WordNet id of its ancestor synset) of each class, in index order."""
+    lines = [line.split() for line in _resource_text("in9_classes.txt").splitlines() if line.strip()]
+    return tuple((parts[0].lower(), parts[1]) for parts in lines)
+
+
 def class_names() -> tuple[str, ...]:
     """The nine class names in index order, lower case (dog, bird, ..., fish)."""
-    lines = [line.split() for line in _resource_text("in9_classes.txt").splitlines() if line.strip()]
-    return tuple(parts[0].lower() for parts in lines)
+    return tuple(name for name, _ in _class_table())
+
+
+def class_wordnet_ids() -> tuple[str, ...]:
+    """The WordNet id of each class's ancestor synset, in index order (n02084071 for dog, ...)."""
+    return tuple(wnid for _, wnid in _class_table())
 
 
 def class_folder_names() -> list[str]:
     """Class folder names in index order, 00_dog ... 08_fish: their sorted order is the class index."""
     return [f"{i:02d}_{name}" for i, name in enumerate(class_names())]
+
+
+@functools.lru_cache(maxsize=None)
+def _folder_name_index() -> dict[str, int]:
+    index: dict[str, int] = {}
+    for forms in (class_names(), class_folder_names(), class_wordnet_ids()):
+        index.update((form.lower(), label) for label, form in enumerate(forms))
+    return index
+
+
+def class_of_folder(name: str) -> int | None:
+    """The class a folder name stands for, by name: its plain name (any case: dog, Dog), its release folder name
+    (00_dog, the number being its index) or the WordNet id of its ancestor synset (n02084071); None otherwise."""
+    return _folder_name_index().get(name.strip().lower())
 
 
 @functools.lru_cache(maxsize=None)

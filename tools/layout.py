@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.errors import UserError
-from tools.in9 import MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation
+from tools.in9 import MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation, class_folder_names, class_of_folder
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ def variation_dir(root: Path, name: str, split: str = SPLIT) -> Path:
 
 
 def class_folders(folder: Path, what: str, split: str = SPLIT) -> list[str]:
-    """The sorted class folder names under `folder`, checked to be nine; the index is the position."""
+    """The sorted class folder names under `folder`, checked to be nine (and, when named after the IN-9 classes, in
+    their order: see `class_order_problem`); the index is the position."""
     if not folder.is_dir():
         raise UserError(
             f"{what} is missing: no folder {folder}; the layout is <data>/{what}/{split}/<class>/ "
@@ -86,7 +87,27 @@ def class_folders(folder: Path, what: str, split: str = SPLIT) -> list[str]:
             f"{folder} has {len(names)} class folders, expected {NUM_IN9_CLASSES} "
             f"(found: {', '.join(names) or 'none'}); every variation needs the nine IN-9 class folders"
         )
+    problem = class_order_problem(names)
+    if problem is not None:
+        raise UserError(f"{folder}: {problem}")
     return names
+
+
+def class_order_problem(names: list[str], examples: int = 3) -> str | None:
+    """What is wrong when class folders are named after the IN-9 classes (dog, 03_reptile, n02084071: see
+    `tools.in9.class_of_folder`) but their sorted positions, the indices the scripts give them, are other
+    classes'; None when the order is right or any folder's name is the user's own (then its order is theirs)."""
+    labels = [class_of_folder(name) for name in names]
+    if not labels or None in labels:
+        return None
+    wrong = [f"{name} would be class {position}, IN-9's {label}"
+             for position, (name, label) in enumerate(zip(names, labels)) if label != position]
+    if not wrong:
+        return None
+    folders = class_folder_names()
+    shown = "; ".join(wrong[:examples]) + ("; ..." if len(wrong) > examples else "")
+    return (f"class folders named after IN-9 classes sort into other indices than theirs ({shown}); rename them "
+            f"{folders[0]} ... {folders[-1]}")
 
 
 def list_folder(folder: Path) -> tuple[list[str], list[str]]:

@@ -3,8 +3,10 @@ paper's Appendix A (resize 256, centre crop 224, four filters, GrabCut or your o
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -19,8 +21,9 @@ from tools.layout import IMAGE_EXTENSIONS, LAYOUT_NAMES, MASK_EXTENSION, MIXED, 
 
 from tools.threads import default_workers, map_in_threads
 from tools.errors import NUMPY_READ_ERRORS, UserError
+from tools.data.temporary import temporary_folder
 from tools.in9 import (IMAGE_SIZE, MASK_FOLDER, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SPLIT, UNMAPPED, Variation,
-                       class_folder_names, in_to_in9_list)
+                       class_folder_names, class_names, class_of_folder, class_wordnet_ids, in_to_in9_list)
 from tools.provenance import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -30,6 +33,7 @@ MIN_BOX_INSIDE = 0.5  # of the resized box's area inside the crop
 MIN_FOREGROUND_FRACTION = 0.1  # of the box's area
 DEFAULT_JPEG_QUALITY = 95
 SUMMARY_NAME = "build_summary.json"
+BUILDING_INFIX = ".building-"  # the output is built in <parent>/.<out name>.building-<host>-<pid>-<random>
 WNID = re.compile(r"n\d{8}")
 
 
@@ -169,26 +173,54 @@ def imagenet_groups(folders: list[str]) -> dict[str, int] | None:
     return {name: table[index] for index, name in enumerate(sorted(folders)) if table[index] != UNMAPPED}
 
 
+def _expected_folders() -> str:
+    names, folders, wnids = class_names(), class_folder_names(), class_wordnet_ids()
+    return (f"{', '.join(names)} (in any case, or numbered {folders[0]} ... {folders[-1]}, or their WordNet ids "
+            f"{wnids[0]} ... {wnids[-1]})")
+
+
+def class_folder_labels(images: Path, folders: list[str]) -> dict[str, int]:
+    """The IN-9 label of each of nine class folders, matched by name (`tools.in9.class_of_folder`), never by
+    their sorted order; a folder that names no class, a class named twice or a class without a folder is
+    refused."""
+    matches = {folder: class_of_folder(folder) for folder in folders}
+    unknown = [folder for folder, label in matches.items() if label is None]
+    if unknown:
+        raise UserError(f"--images {images}: the folder(s) {', '.join(unknown)} name no IN-9 class; name the nine "
+                        f"class folders {_expected_folders()}, or pass an ImageNet-style folder with all "
+                        f"{NUM_IMAGENET_CLASSES} of its WordNet-id folders")
+    labels = {folder: label for folder, label in matches.items() if label is not None}
+    by_label: dict[int, list[str]] = defaultdict(list)
+    for folder, label in labels.items():
+        by_label[label].append(folder)
+    twice = next(((label, alike) for label, alike in by_label.items() if len(alike) > 1), None)
+    if twice is not None:
+        raise UserError(f"--images {images}: the folders {' and '.join(twice[1])} both hold class "
+                        f"{class_names()[twice[0]]}; merge them into one (the class folders are "
+                        f"{_expected_folders()})")
+    missing = [name for label, name in enumerate(class_names()) if label not in by_label]
+    if missing:
+        raise UserError(f"--images {images} has no folder for {', '.join(missing)}; every IN-9 class needs a folder: "
+                        f"{_expected_folders()}")
+    return labels
+
+
 def list_sources(images: Path) -> tuple[list[str], list[SourceImage]]:
-    """The nine class folders of --images (sorted: the order is the class index) and their images; or, for an
-    ImageNet-style folder, the 370 ImageNet classes of the IN-9 map grouped into the nine (named as the
-    release names its class folders)."""
+    """The class folders written (00_dog ... 08_fish) and the images of --images: nine class folders matched to
+    the IN-9 classes by name (see `class_folder_labels`), or an ImageNet-style folder whose 370 classes of the
+    IN-9 map are grouped into the nine."""
     images = Path(images)
     if not images.is_dir():
         raise UserError(f"--images {images} is not a folder; pass the folder holding one sub-folder per IN-9 class")
     folders, _ = list_folder(images)
-    groups = imagenet_groups(folders)
+    classes = class_folder_names()
+    named = all(class_of_folder(folder) is not None for folder in folders)
+    groups = None if named else imagenet_groups(folders)
     if groups is not None:
-        classes = class_folder_names()
-        members = [(label, classes[label], folder) for folder, label in groups.items()]
-        log.info("ImageNet-style --images: %d of its classes grouped into the nine IN-9 classes", len(members))
-    elif len(folders) != NUM_IN9_CLASSES:
-        raise UserError(f"--images {images} has {len(folders)} class folders, expected {NUM_IN9_CLASSES} "
-                        f"({', '.join(folders) or 'none'}) or ImageNet's {NUM_IMAGENET_CLASSES} WordNet-id folders; "
-                        f"the sorted order of nine folders gives the class index")
+        log.info("ImageNet-style --images: %d of its classes grouped into the nine IN-9 classes", len(groups))
     else:
-        classes = folders
-        members = [(label, cls, cls) for label, cls in enumerate(classes)]
+        groups = class_folder_labels(images, folders)
+    members = [(label, classes[label], folder) for folder, label in groups.items()]
     sources, seen = [], {}
     for label, cls, folder in sorted(members):
         _, files = list_folder(images / folder)
@@ -325,7 +357,10 @@ def build(images: Path, boxes: Path, out: Path, masks: Path | None = None, seed:
     """Make the eight variations and fg_mask in the release's layout under `out` (see the module docstring).
 
     Nothing is written until every image has been through the filters and every class kept at least
-    one image; `out` must be empty or new. `workers` threads (default: up to 8) decode, segment and write.
+    one image; `out` must be empty or new. The output is written into a temporary folder beside `out`
+    (`.<name>.building-<host>-<pid>-<random>`) and renamed to `out` once complete, so an interrupted or
+    failed build leaves nothing (see `tools.data.temporary`). `workers` threads (default: up to 8) decode,
+    segment and write.
     split: the layout's split folder (val, as the test release; train for training data). keep_unboxed
     (train only): images without a box go to `original` alone (IN-9L-style, for erm/mixup/cutmix).
     """
@@ -379,8 +414,19 @@ def build(images: Path, boxes: Path, out: Path, masks: Path | None = None, seed:
     config.update(split=split, keep_unboxed=keep_unboxed)
     result = BuildResult(out, config, classes, len(sources), kept, dict(dropped), rescaled, unboxed=unboxed)
     _choose_backgrounds(result, seed)
-    _write(result, image_format, jpeg_quality, workers, progress, split)
-    write_json_atomic(out / SUMMARY_NAME, result.summary())
+    target = Path(os.path.abspath(out))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the folder {target.parent} for --out: {exc.strerror or exc}") from None
+    with temporary_folder(target.parent, f".{target.name}{BUILDING_INFIX}") as folder:
+        _write(result, folder, image_format, jpeg_quality, workers, progress, split)
+        write_json_atomic(folder / SUMMARY_NAME, result.summary())
+        try:
+            os.replace(folder, target)  # the whole build appears at once: an interrupted one leaves nothing
+        except OSError as exc:
+            raise UserError(f"cannot move the finished build into --out {out} ({exc.strerror or exc}): something "
+                            f"was put there while it ran; nothing was written, rerun with a new folder") from None
     return result
 
 
@@ -410,12 +456,20 @@ def _choose_backgrounds(result: BuildResult, seed: int) -> None:
                     len(result.same_class_fallbacks))
 
 
-def _write(result: BuildResult, image_format: ImageFormat, quality: int, workers: int, progress: bool,
-           split: str = SPLIT) -> None:
+def _run_all(fn, items: list, workers: int, progress: bool, desc: str) -> None:
+    """fn over items in threads; on an error or an interrupt, the threads have stopped when this returns."""
+    with contextlib.closing(map_in_threads(fn, items, workers, progress, desc)) as results:
+        for _ in results:
+            pass
+
+
+def _write(result: BuildResult, folder: Path, image_format: ImageFormat, quality: int, workers: int,
+           progress: bool, split: str = SPLIT) -> None:
+    """The variations and masks of `result` in the release's layout under `folder`."""
     extension = EXTENSIONS[image_format]
     for name in LAYOUT_NAMES:
         for cls in result.classes:
-            (result.out / name / split / cls).mkdir(parents=True, exist_ok=True)
+            (folder / name / split / cls).mkdir(parents=True, exist_ok=True)
 
     def save(array: np.ndarray, target: Path) -> None:
         if image_format is ImageFormat.JPEG:
@@ -431,14 +485,12 @@ def _write(result: BuildResult, image_format: ImageFormat, quality: int, workers
             other = result.background_of(image, variation)
             backgrounds[variation] = variations.only_bg_t(crop_image(other.source.path), other.box)
         for name, array in variation_arrays(crop, image.box, mask, backgrounds).items():
-            save(array, result.out / name / split / image.source.folder / f"{image.source.stem}{extension}")
-        np.save(result.out / MASK_FOLDER / split / image.source.folder / f"{image.source.stem}{MASK_EXTENSION}", mask)
+            save(array, folder / name / split / image.source.folder / f"{image.source.stem}{extension}")
+        np.save(folder / MASK_FOLDER / split / image.source.folder / f"{image.source.stem}{MASK_EXTENSION}", mask)
 
     def write_unboxed(source: SourceImage) -> None:
         save(crop_image(source.path),
-             result.out / Variation.ORIGINAL.value / split / source.folder / f"{source.stem}{extension}")
+             folder / Variation.ORIGINAL.value / split / source.folder / f"{source.stem}{extension}")
 
-    for _ in map_in_threads(write_one, result.kept, workers, progress, "write"):
-        pass
-    for _ in map_in_threads(write_unboxed, result.unboxed, workers, progress, "write unboxed"):
-        pass
+    _run_all(write_one, result.kept, workers, progress, "write")
+    _run_all(write_unboxed, result.unboxed, workers, progress, "write unboxed")

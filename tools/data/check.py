@@ -3,15 +3,17 @@ scripts run before they start (`quick_check`)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from tools.layout import MIXED, check_data_root, is_listed, list_folder
+from tools.data.builder import SUMMARY_NAME
+from tools.layout import MIXED, check_data_root, class_order_problem, is_listed, list_folder
 from tools.threads import default_workers, map_in_threads
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation
@@ -62,6 +64,11 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def first_problem(self) -> str:
+        """The first problem, and how many more there are."""
+        more = f" (and {len(self.problems) - 1} more problem(s))" if len(self.problems) > 1 else ""
+        return f"{self.problems[0]}{more}"
 
     def table(self) -> list[str]:
         classes = self.classes or sorted({c for per in self.counts.values() for c in per})
@@ -144,8 +151,9 @@ def _compare_with_original(listings: dict[str, dict[str, list[str]]], original: 
 
 
 def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_masks: bool, compare_counts: bool,
-          workers: int, progress: bool, split: str = SPLIT) -> VerifyReport:
-    """The one walk behind verify_layout and quick_check. images: 'sample' (first per class), 'header', 'full'."""
+          workers: int, progress: bool, split: str = SPLIT, original_only: Collection[str] = ()) -> VerifyReport:
+    """The one walk behind verify_layout and quick_check. images: 'sample' (first per class), 'header', 'full'.
+    original_only: 'class/stem' of original images that have no mask and no other variation by design."""
     root = check_data_root(root)
     problems, notes = _Problems(), []
     names = list(dict.fromkeys([*names, *((Variation.ORIGINAL.value, MASK_FOLDER) if need_masks else ())]))
@@ -154,7 +162,7 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
         folder = root / name / split
         where = f"{name}/{split}"
         if not folder.is_dir():
-            problems.add(where, f"missing: no folder {folder}")
+            problems.add(where, "missing: no such folder")
             continue
         classes, stray = list_folder(folder)
         if stray:
@@ -172,6 +180,9 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
 
     reference_name = next((n for n in (Variation.ORIGINAL.value, *listings) if n in listings), None)
     reference = list(listings[reference_name]) if reference_name else []
+    order_problem = class_order_problem(reference, MAX_EXAMPLES)
+    if order_problem is not None:
+        problems.add(f"{reference_name}/{split}", order_problem)
     for name, per in listings.items():
         count = "" if len(per) == NUM_IN9_CLASSES else f"{len(per)} class folders, expected {NUM_IN9_CLASSES}"
         if list(per) != reference:
@@ -183,7 +194,13 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
         elif count:
             problems.add(f"{name}/{split}", f"{count} ({', '.join(per) or 'none'})")
 
-    original = listings.get(Variation.ORIGINAL.value, {})
+    original = {cls: [f for f in files if f"{cls}/{Path(f).stem}" not in original_only]
+                for cls, files in listings.get(Variation.ORIGINAL.value, {}).items()}
+    alone = sum(len(files) for files in listings.get(Variation.ORIGINAL.value, {}).values()) - \
+        sum(len(files) for files in original.values())
+    if alone:
+        notes.append(f"{Variation.ORIGINAL.value}/{split}: {alone} image(s) without a box, in original/ alone "
+                     f"(build --keep-unboxed)")
     original_stems = {cls: {Path(f).stem for f in files} for cls, files in original.items()}
     for cls, files in listings.get(MASK_FOLDER, {}).items():
         if cls not in original_stems:
@@ -214,7 +231,8 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
 
 def verify_layout(root: Path, full: bool = False, workers: int | None = None, progress: bool = False,
                   split: str = SPLIT) -> VerifyReport:
-    """Check everything both scripts need and collect every problem.
+    """Check everything both scripts need and collect every problem (the images a `build --keep-unboxed` put in
+    original/ alone, listed in its build_summary.json, are a note).
 
     The eight variations and fg_mask each with the same nine class folders, none empty; as many images
     per class in every variation as in original; every image readable and IMAGE_SIZE square (its
@@ -222,7 +240,26 @@ def verify_layout(root: Path, full: bool = False, workers: int | None = None, pr
     booleans or 0/1, paired with its original image and the other way round.
     """
     return _scan(root, VARIATIONS, need_masks=True, images="full" if full else "header", load_masks=True,
-                 compare_counts=True, workers=workers or default_workers(), progress=progress, split=split)
+                 compare_counts=True, workers=workers or default_workers(), progress=progress, split=split,
+                 original_only=built_original_only(check_data_root(root), split))
+
+
+def built_original_only(root: Path, split: str) -> set[str]:
+    """'class/stem' of the images that `build --keep-unboxed` put in original/ alone (no box, so no mask and no
+    other variation), as the build's summary lists them; none without a summary of this split."""
+    try:
+        summary = json.loads((root / SUMMARY_NAME).read_text(encoding="utf-8"))
+        if summary["config"]["split"] != split:
+            return set()
+        return {str(key) for key in summary["unboxed_in_original"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def quick_scan(root: Path, variations: Sequence[str], need_masks: bool = False, split: str = SPLIT) -> VerifyReport:
+    """The fast check the scripts run before they start, its problems returned (see `quick_check`)."""
+    return _scan(root, variations, need_masks, images="sample", load_masks=False, compare_counts=False, workers=1,
+                 progress=False, split=split)
 
 
 def quick_check(root: Path, variations: Sequence[str], need_masks: bool = False, split: str = SPLIT) -> dict[str, int]:
@@ -234,10 +271,8 @@ def quick_check(root: Path, variations: Sequence[str], need_masks: bool = False,
     and fg_mask/ are checked too and pair one mask with every original image. Raises UserError with
     the first problem; counts across variations and full decoding are left to `verify_layout`.
     """
-    report = _scan(root, variations, need_masks, images="sample", load_masks=False, compare_counts=False, workers=1,
-                   progress=False, split=split)
+    report = quick_scan(root, variations, need_masks, split)
     if report.problems:
-        more = f" (and {len(report.problems) - 1} more problem(s))" if len(report.problems) > 1 else ""
-        raise UserError(f"data in {report.root}: {report.problems[0]}{more}; run `python -m tools.data verify "
+        raise UserError(f"data in {report.root}: {report.first_problem()}; run `python -m tools.data verify "
                         f"--data-path {report.root}` for the full list")
     return {name: sum(per.values()) for name, per in report.counts.items()}

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import math
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
-from typing import Iterable
-
+from typing import Iterable, Iterator
 
 from tools import grabcut
 from tools.cli import add_log_level_argument, run_main
@@ -23,10 +26,25 @@ from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root, default_d
 
 log = logging.getLogger(__name__)
 
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, what a shell reports for a process that SIGTERM ended
+RERUN_ADVICE = ("rerun the same command (fetch resumes its partial download, or extracts the downloaded archive; "
+                "build starts again)")
+
+
 def _sha256_arg(value: str) -> str:
     if not re.fullmatch(r"[0-9a-fA-F]{64}", value):
         raise argparse.ArgumentTypeError(f"{value!r} is not a SHA-256 (64 hexadecimal digits)")
     return value.lower()
+
+
+def _seconds_arg(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive, finite number of seconds")
+    return seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="extract this already downloaded archive instead of downloading (default: download)")
     fetch_p.add_argument("--keep-archive", action="store_true",
                          help="keep the downloaded archive in --data-path after extracting it (default: delete it)")
-    fetch_p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                         help=f"network timeout (default: {DEFAULT_TIMEOUT_S:g})")
+    fetch_p.add_argument("--timeout", type=_seconds_arg, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                         help=f"network timeout, a positive number of seconds (default: {DEFAULT_TIMEOUT_S:g})")
     fetch_p.set_defaults(handler=_run_fetch)
 
     verify_p = commands.add_parser("verify", parents=[common], help="check a data folder and count its images",
@@ -65,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify_p.add_argument("--full", action="store_true",
                           help="decode every image (default: read image headers only, which finds wrong sizes and "
                                "non-images but not truncated files)")
+    verify_p.add_argument("--split", choices=(SPLIT, TRAIN_SPLIT), default=SPLIT,
+                          help=f"the split folder checked, <variation>/<split>/<class>/: {SPLIT} as the test release, "
+                               f"{TRAIN_SPLIT} for what `build --split {TRAIN_SPLIT}` writes (default: {SPLIT})")
     verify_p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                           help=f"threads reading files (default: {default_workers()})")
     verify_p.set_defaults(handler=_run_verify)
@@ -73,13 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Make the eight variations and fg_mask from labelled images with one "
                                               "bounding box each, as in the paper's Appendix A.")
     build_p.add_argument("--images", type=Path, required=True, metavar="DIR",
-                         help="folder with one sub-folder per IN-9 class (sorted order = class index), or an "
-                              "ImageNet-style folder with its 1000 WordNet-id sub-folders, whose 370 IN-9 classes are "
-                              "grouped into the nine by the ImageNet->IN-9 map")
+                         help="folder with one sub-folder per IN-9 class, matched to the classes by name (dog or "
+                              "Dog, 00_dog, or the class's WordNet id n02084071; written as 00_dog ... 08_fish), or "
+                              "an ImageNet-style folder with its 1000 WordNet-id sub-folders, whose 370 IN-9 classes "
+                              "are grouped into the nine by the ImageNet->IN-9 map")
     build_p.add_argument("--boxes", type=Path, required=True, metavar="PATH",
                          help="folder of Pascal VOC .xml files (1-based inclusive coordinates) or a CSV file "
                               "image,xmin,ymin,xmax,ymax (0-based pixels, xmax/ymax exclusive)")
-    build_p.add_argument("--out", type=Path, required=True, metavar="DIR", help="new or empty output folder")
+    build_p.add_argument("--out", type=Path, required=True, metavar="DIR",
+                         help="new or empty output folder; the build is written beside it in a hidden folder and "
+                              "renamed to it when complete, so an interrupted build leaves nothing")
     build_p.add_argument("--masks", type=Path, default=None, metavar="DIR",
                          help="your own foreground masks <stem>.npy or <stem>.png, at the original image's size or "
                               "224x224 (default: GrabCut from the box, which needs OpenCV)")
@@ -117,7 +141,8 @@ def _run_fetch(args: argparse.Namespace) -> int:
 def _run_verify(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, not {args.workers}")
-    report = verify_layout(check_data_root(args.data_path), args.full, args.workers, not args.no_progress)
+    report = verify_layout(check_data_root(args.data_path), args.full, args.workers, not args.no_progress,
+                           args.split)
     print("\n".join(report.lines()))
     if report.problems:
         raise UserError(f"{len(report.problems)} problem(s) in {report.root}, listed above; fix them or rerun "
@@ -134,11 +159,39 @@ def _run_build(args: argparse.Namespace) -> int:
     return 0
 
 
+class Terminated(BaseException):
+    """SIGTERM (what a scheduler or `kill` sends), raised in the main thread like Ctrl-C's KeyboardInterrupt, so
+    that the same clean-up runs: a build's or an extraction's temporary folder is removed, a partial download
+    is kept for the next run to resume."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises Terminated while the command runs (signal handlers belong to the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Iterable[str] | None = None) -> int:
-    """Run one command; a user error is one line on stderr and exit code 2."""
-    return run_main(build_parser(), lambda args: args.handler(args), None if argv is None else list(argv),
-                    on_interrupt="rerun the same command (fetch resumes its partial download; build needs an "
-                                 "empty --out)")
+    """Run one command; a user error is one line on stderr and exit code 2; Ctrl-C ends with exit code 130 and
+    SIGTERM with 143, each after removing what it left half-made."""
+    with _sigterm_raises():
+        try:
+            return run_main(build_parser(), lambda args: args.handler(args), None if argv is None else list(argv),
+                            on_interrupt=RERUN_ADVICE)
+        except Terminated:
+            print(f"terminated: {RERUN_ADVICE}", file=sys.stderr)
+            return EXIT_TERMINATED
 
 
 if __name__ == "__main__":

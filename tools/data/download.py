@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import tarfile
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -25,7 +24,8 @@ from tools.errors import UserError
 from tools.hashing import sha256_file
 from tools.in9 import MASK_FOLDER, VARIATIONS
 
-from tools.data.check import quick_check
+from tools.data.check import VerifyReport, quick_scan
+from tools.data.temporary import temporary_folder
 from tools.layout import LAYOUT_NAMES
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ PART_SUFFIX = ".part"
 BAD_SUFFIX = ".bad"
 CHUNK_SIZE = 1 << 20
 DEFAULT_TIMEOUT_S = 60.0
+EXTRACT_PREFIX = ".extract-"  # <data-path>/.extract-<host>-<pid>-<random> holds an extraction until it has passed
 
 
 @dataclass
@@ -83,12 +84,20 @@ def fetch(data_path: Path, url: str = RELEASE_URL, sha256: str | None = None, ke
     The expected SHA-256 is `sha256`, else the release's own when `url` is the release URL; with
     another URL and no `sha256` the check is skipped with a warning and the file's hash is reported.
     The download goes to <data_path>/<name>.part and resumes from it; a downloaded file whose hash is
-    wrong is moved aside to <name>.bad. A file given as `archive` is never moved or deleted.
+    wrong is moved aside to <name>.bad. The extracted files must pass `check_release` before any of them
+    is moved into `data_path`, and a downloaded archive is deleted (unless `keep_archive`) only then, so a
+    retry needs no second download. A file given as `archive` is never moved or deleted. A folder that
+    already holds every variation and fg_mask/ is checked the same way, and is then left as it is.
     """
     root = Path(data_path)
     present = [name for name in LAYOUT_NAMES if (root / name).exists()]
     if len(present) == len(LAYOUT_NAMES):
-        return FetchResult(root, url, None, False, already_present=True)
+        report = check_release(root)
+        if report.problems:
+            raise UserError(f"{root} already holds every variation and {MASK_FOLDER}/, but they are not a usable "
+                            f"release: {report.first_problem()}; remove those folders and rerun fetch, or run "
+                            f"`python -m tools.data verify --data-path {root}` for the full list")
+        return FetchResult(root, url, None, False, already_present=True, counts=_file_counts(report))
     if present:
         raise UserError(f"{root} already holds part of a dataset ({', '.join(present)}); remove those folders or "
                         f"pass an empty --data-path, then rerun fetch")
@@ -103,35 +112,44 @@ def fetch(data_path: Path, url: str = RELEASE_URL, sha256: str | None = None, ke
         if not archive.is_file():
             raise UserError(f"--archive {archive} is not a file; pass the downloaded {ARCHIVE_NAME}")
         digest = _check_sha256(archive, expected, str(archive), move_aside=False)
-        files = extract_archive(archive, root, progress)
-        result = FetchResult(root, str(archive), digest, expected is not None, files=files, archive_kept=archive)
+        files, counts = extract_archive(archive, root, progress, downloaded=False)
+        return FetchResult(root, str(archive), digest, expected is not None, files=files, archive_kept=archive,
+                           counts=counts)
+    dest = root / archive_name(url)
+    downloaded, resumed, source = 0, False, url
+    if dest.is_file():
+        log.info("found %s: checking it instead of downloading", dest)
+        source = str(dest)
     else:
-        dest = root / archive_name(url)
-        downloaded, resumed, source = 0, False, url
-        if dest.is_file():
-            log.info("found %s: checking it instead of downloading", dest)
-            source = str(dest)
-        else:
-            part = dest.with_name(dest.name + PART_SUFFIX)
-            size = RELEASE_SIZE if url == RELEASE_URL else None
-            downloaded, resumed = download(url, part, dest, progress, timeout, size)
-            os.replace(part, dest)
-        digest = _check_sha256(dest, expected, source, move_aside=True)
-        files = extract_archive(dest, root, progress)
-        if not keep_archive:
-            dest.unlink()
-        result = FetchResult(root, url, digest, expected is not None, downloaded, resumed, files,
-                             dest if keep_archive else None)
-    try:
-        result.counts = quick_check(root, VARIATIONS, need_masks=True)
-    except UserError as exc:
-        raise UserError(f"the archive was extracted into {root}, but the result is not a usable release: {exc}") \
-            from None
-    return result
+        part = dest.with_name(dest.name + PART_SUFFIX)
+        size = RELEASE_SIZE if url == RELEASE_URL else None
+        downloaded, resumed = download(url, part, dest, progress, timeout, size)
+        os.replace(part, dest)
+    digest = _check_sha256(dest, expected, source, move_aside=True)
+    files, counts = extract_archive(dest, root, progress, downloaded=True)
+    if not keep_archive:
+        dest.unlink()
+    return FetchResult(root, url, digest, expected is not None, downloaded, resumed, files,
+                       dest if keep_archive else None, counts=counts)
+
+
+def check_release(root: Path) -> VerifyReport:
+    """The one check of a release, before fetch calls a folder fetched: `quick_scan` of every variation with the
+    masks."""
+    return quick_scan(root, VARIATIONS, need_masks=True)
+
+
+def _file_counts(report: VerifyReport) -> dict[str, int]:
+    return {name: sum(per.values()) for name, per in report.counts.items()}
 
 
 def _check_sha256(path: Path, expected: str | None, source: str, move_aside: bool) -> str:
-    digest = sha256_file(path)
+    try:
+        digest = sha256_file(path)
+    except OSError as exc:
+        what = str(path) if move_aside else f"--archive {path}"
+        raise UserError(f"cannot read {what}: {exc.strerror or exc}; make it readable, or pass another copy of the "
+                        f"release archive") from None
     if expected is None:
         log.warning("not checking the SHA-256 of %s (from %s, not the release URL, and no --sha256 given); it is %s",
                     path.name, source, digest)
@@ -275,46 +293,62 @@ def plan_extraction(members: Sequence[tarfile.TarInfo], archive: Path) -> list[t
     return plan
 
 
-def extract_archive(archive: Path, root: Path, progress: bool = True) -> int:
-    """Extract a tar archive into `root`, its top folder (bg_challenge/) stripped; returns the file count.
+def extract_archive(archive: Path, root: Path, progress: bool = True,
+                    downloaded: bool = True) -> tuple[int, dict[str, int]]:
+    """Extract a tar archive of the release into `root`, its top folder (bg_challenge/) stripped; returns the file
+    count and the files per folder.
 
-    Members are checked first (see `plan_extraction`), written under a temporary folder inside `root`
-    as plain files and folders (no links, owners or modes from the archive), then moved into place.
+    Members are checked first (see `plan_extraction`) and written under a temporary folder inside `root`
+    (see `tools.data.temporary`) as plain files and folders (no links, owners or modes from the archive).
+    The result must pass `check_release` there; only then is it moved into place, so a rejected archive or an
+    interrupted extraction leaves nothing in `root`. `downloaded`: the archive is fetch's own download (a
+    user's --archive is never to be deleted, and the messages say so).
     """
     root = Path(root)
+    what = str(archive) if downloaded else f"--archive {archive}"
     try:
-        with tarfile.open(archive, "r:*") as tar:
+        with tarfile.open(archive, "r:*") as tar, temporary_folder(root, EXTRACT_PREFIX) as tmp:
             plan = plan_extraction(tar.getmembers(), archive)
             if not plan:
-                raise UserError(f"archive {archive} is empty; pass the release archive")
-            tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=root))
-            try:
-                base = os.path.realpath(tmp) + os.sep
-                files = 0
-                for member, parts in tqdm(plan, desc="extract", unit="file", disable=not progress, leave=False):
-                    target = tmp.joinpath(*parts)
-                    if not os.path.realpath(target).startswith(base):
-                        raise UserError(f"refusing to extract {archive}: member {member.name!r} would land outside "
-                                        f"{root}")
-                    if member.isdir():
-                        target.mkdir(parents=True, exist_ok=True)
-                        continue
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    with tar.extractfile(member) as src, open(target, "wb") as dst:  # type: ignore[union-attr]
-                        shutil.copyfileobj(src, dst, CHUNK_SIZE)
-                    files += 1
-                for entry in sorted(tmp.iterdir()):
-                    if (root / entry.name).exists():
-                        log.warning("kept the existing %s; the archive's copy was not extracted", root / entry.name)
-                        continue
-                    os.replace(entry, root / entry.name)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+                raise UserError(f"{what} is an empty archive; pass the release archive")
+            files = _extract_members(tar, plan, tmp, archive, progress)
+            report = check_release(tmp)
+            if report.problems:
+                kept = (f"the archive is kept at {archive} (delete it to download again)" if downloaded else
+                        "the archive was left in place")
+                raise UserError(f"{what} is not a usable release: {report.first_problem()}; nothing was extracted "
+                                f"into {root}, {kept}; pass the release archive")
+            for entry in sorted(tmp.iterdir()):
+                if (root / entry.name).exists():
+                    log.warning("kept the existing %s; the archive's copy was not extracted", root / entry.name)
+                    continue
+                os.replace(entry, root / entry.name)
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
         reason = " ".join(str(exc).split())  # tarfile's reasons can span lines
-        raise UserError(f"cannot read archive {archive} ({reason}); it is incomplete or not a tar archive: delete "
-                        f"it and rerun fetch") from None
+        advice = ("delete it and rerun fetch to download it again" if downloaded else
+                  "pass a complete copy of the release archive")
+        raise UserError(f"cannot read {what} ({reason}): it is incomplete or not a tar archive; {advice}") from None
     except OSError as exc:
-        raise UserError(f"cannot extract {archive} into {root}: {exc.strerror or exc}; check the free space and "
-                        f"permissions there") from None
+        raise UserError(f"cannot extract {what} into {root}: {exc.strerror or exc}; check that the archive can be "
+                        f"read and the free space and permissions in {root}") from None
+    return files, _file_counts(report)
+
+
+def _extract_members(tar: tarfile.TarFile, plan: list[tuple[tarfile.TarInfo, tuple[str, ...]]], folder: Path,
+                     archive: Path, progress: bool) -> int:
+    """Write the planned members under `folder` as plain files and folders; returns the file count."""
+    base = os.path.realpath(folder) + os.sep
+    files = 0
+    for member, parts in tqdm(plan, desc="extract", unit="file", disable=not progress, leave=False):
+        target = folder.joinpath(*parts)
+        if not os.path.realpath(target).startswith(base):
+            raise UserError(f"refusing to extract {archive}: member {member.name!r} would land outside the data "
+                            f"folder")
+        if member.isdir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tar.extractfile(member) as src, open(target, "wb") as dst:  # type: ignore[union-attr]
+            shutil.copyfileobj(src, dst, CHUNK_SIZE)
+        files += 1
     return files
