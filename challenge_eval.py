@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     config = options.challenge_config_from_args(args, runtime, full=args.full)
     data = load_challenge_data(list_challenge_files(args.data_path, args.workers), args.workers,
                                options.cache_dir_from_args(args), config.progress, config.mask_arithmetic)
-    loaded = options.model_from_args(args)
+    loaded = options.model_from_args(args, runtime)
     result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume, shard=args.shard)
     if args.shard is not None:
         path = write_challenge_shard(args.output_dir, args.shard, result, data, args.data_path, loaded.num_classes)

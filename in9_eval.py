@@ -35,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
     if args.categories:
         names += [v for v in CATEGORY_VARIATIONS.values() if v not in names]
     files = list_in9_files(args.data_path, names, args.workers)  # every data check before any model is built
-    loaded = options.model_from_args(args)
+    loaded = options.model_from_args(args, runtime)
     run = run_in9(loaded, runtime, files, names, args.batch_size or default_batch_size(runtime.device),
                   args.workers, args.output_dir, args.resume, not args.no_progress, args.shard)
     if args.shard is not None:

@@ -57,13 +57,24 @@ def run_in_process(main, argv, capsys):
     return code, out, err
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_home(tmp_path_factory):
+    """$XDG_CACHE_HOME in a temporary folder: the tests neither read nor fill the user's caches (the default
+    decoded-data cache, CLIP's text heads)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache_home")))
+        yield
+
+
 TINY_CLIP = "bgc-tiny-clip"
+TINY_CLIP_OPTIONS = "+templates=simple"  # 7 templates: the 1000-class head is 7000 prompts, not 80000
 
 
 @pytest.fixture(scope="session")
 def tiny_clip(tmp_path_factory):
     """A tiny open_clip architecture registered under TINY_CLIP (32x32 images, so the 224x224 inputs are
-    resized inside the model); the spec of its random initialisation. Skips without open_clip_torch."""
+    resized inside the model); the spec of its random initialisation, with the default head (the 1000
+    ImageNet class names) over the simple templates. Skips without open_clip_torch."""
     open_clip = pytest.importorskip("open_clip")
     config = {"embed_dim": 16,
               "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
@@ -71,4 +82,4 @@ def tiny_clip(tmp_path_factory):
     path = tmp_path_factory.mktemp("clip") / f"{TINY_CLIP}.json"
     path.write_text(json.dumps(config))
     open_clip.add_model_config(path)
-    return f"clip:{TINY_CLIP}/none"
+    return f"clip:{TINY_CLIP}/none{TINY_CLIP_OPTIONS}"

@@ -1,9 +1,12 @@
-"""The clip:ARCH/PRETRAINED model source with a tiny randomly initialised open_clip model (no download): the
-zero-shot head against the prompt computation done by hand, the logits against open_clip's own image
-features, both scripts against brute-force references, and the one-line errors (missing extra, offline)."""
+"""The clip:ARCH/PRETRAINED model source with a tiny randomly initialised open_clip model (no download): both
+zero-shot heads (the 1000 ImageNet class names, the default; nine IN-9 prompts) against the prompt computation
+done by hand, the default through the ImageNet->IN-9 map, the head and its templates in the model's identity
+and its cache, the logits against open_clip's own image features, both scripts against brute-force
+references, the leaderboard's classes column, and the one-line errors (bad options, missing extra, offline)."""
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 
@@ -14,17 +17,24 @@ import torch.nn.functional as F
 
 import challenge_eval
 import in9_eval
-from conftest import TINY_CLIP, run_in_process
+from conftest import TINY_CLIP, TINY_CLIP_OPTIONS, run_in_process
 from reference import evaluate as reference_evaluate
 from tests.challenge_reference import reference_matrix, reference_verdicts
-from tools import cli, synthetic
-from tools.clip_zero_shot import RANDOM_SEED, parse_spec, template_sets
+from tools import cli, clip_zero_shot, synthetic
+from tools.clip_zero_shot import RANDOM_SEED, ClipSpec, Head, Templates, parse_spec, prompts, template_sets
 from tools.errors import UserError
-from tools.in9 import class_names
+from tools.evaluate import run_in9
+from tools.hashing import sha256_file
+from tools.in9 import VARIATIONS
+from tools.leaderboard import measured_row, published_rows, render_markdown
+from tools.runtime import Precision, Runtime
 from tools.sources import load_model
 
 ACCURACY_LINE = re.compile(r"^Accuracy on (\w+) is (\d+\.\d\d)%$", re.MULTILINE)
 SUMMARY_LINE = re.compile(r"^Summary: (\d+)/(\d+) ", re.MULTILINE)
+# The nine classes as a prompt should name them (the WordNet synsets of in9_classes.txt), written out here.
+FULL_NAMES = ["dog", "bird", "wheeled vehicle", "reptile", "carnivore", "insect", "musical instrument", "primate",
+              "fish"]
 
 
 @pytest.fixture(scope="module")
@@ -49,37 +59,172 @@ def run_script(script, argv, capsys):
     return run_in_process(lambda a: cli.run_main(script.build_parser(), script.main, a), argv, capsys)
 
 
+def hand_head(model, tokenizer, names, templates, articles: bool) -> torch.Tensor:
+    """The zero-shot head written out: per class, its prompts' text embeddings normalised, averaged and
+    normalised again. articles: 'a' before a vowel made 'an', as the nine-prompt head writes them."""
+    rows = []
+    with torch.no_grad():
+        for name in names:
+            texts = [template(name) for template in templates]
+            if articles:
+                texts = [re.sub(r"\ba (?=[aeiou])", "an ", text) for text in texts]
+            embeddings = model.encode_text(tokenizer(texts))
+            mean = (embeddings / embeddings.norm(dim=-1, keepdim=True)).mean(dim=0)
+            rows.append(mean / mean.norm())
+    return torch.stack(rows)
+
+
 def test_spec_parsing():
-    assert parse_spec("ViT-B-32/openai") == ("ViT-B-32", "openai")
-    assert parse_spec("ViT-B-32/none") == ("ViT-B-32", None)
-    assert parse_spec("ViT-B-32") == ("ViT-B-32", None)
-    assert parse_spec("ViT-B-32//data/weights.pt") == ("ViT-B-32", "/data/weights.pt")
+    assert parse_spec("ViT-B-32/openai") == ClipSpec("ViT-B-32", "openai", Head.IMAGENET, Templates.OPENAI)
+    assert parse_spec("ViT-B-32/none") == ClipSpec("ViT-B-32", None)
+    assert parse_spec("ViT-B-32") == ClipSpec("ViT-B-32", None)
+    assert parse_spec("ViT-B-32//data/weights.pt") == ClipSpec("ViT-B-32", "/data/weights.pt")
+    assert parse_spec("ViT-B-32/openai+head=in9") == ClipSpec("ViT-B-32", "openai", Head.IN9)
+    assert parse_spec("ViT-B-32/openai+templates=simple+head=in9") == \
+        parse_spec("ViT-B-32/openai+head=in9+templates=simple") == \
+        ClipSpec("ViT-B-32", "openai", Head.IN9, Templates.SIMPLE)
+    assert parse_spec("ViT-B-32+head=in9") == ClipSpec("ViT-B-32", None, Head.IN9)
+    assert parse_spec("ViT-B-32//data/a+b.pt+head=imagenet") == ClipSpec("ViT-B-32", "/data/a+b.pt")
     with pytest.raises(UserError, match="names no architecture"):
         parse_spec("/openai")
+    with pytest.raises(UserError, match=r"unknown head 'nine' in clip:ViT-B-32/openai\+head=nine; "
+                                        r"valid: imagenet, in9"):
+        parse_spec("ViT-B-32/openai+head=nine")
+    with pytest.raises(UserError, match=r"unknown option 'heads' .*; valid: head, templates"):
+        parse_spec("ViT-B-32/openai+heads=in9")
+    with pytest.raises(UserError, match="head given twice"):
+        parse_spec("ViT-B-32/openai+head=in9+head=imagenet")
 
 
-def test_head_equals_the_prompt_embeddings_done_by_hand(loaded, one_thread):
+def test_nine_prompts_name_the_classes_in_full_with_their_articles():
+    nine = prompts(Head.IN9, Templates.OPENAI)
+    assert len(nine) == 9 and all(len(p) == 80 for p in nine)
+    assert "a photo of a wheeled vehicle." in nine[2] and "a photo of a vehicle." not in nine[2]
+    assert "a photo of an insect." in nine[5] and "the embroidered insect." in nine[5]
+    assert "a photo of a musical instrument." in nine[6] and "a photo of a instrument." not in nine[6]
+    assert "an origami insect." in prompts(Head.IN9, Templates.SIMPLE)[5]
+    for texts in (*nine, *prompts(Head.IN9, Templates.SIMPLE)):
+        assert not any(re.search(r"\b[Aa] [aeiouAEIOU]", text) for text in texts), texts
+    imagenet = prompts(Head.IMAGENET, Templates.OPENAI)  # open_clip's, verbatim: the standard classifier
+    assert len(imagenet) == 1000 and all(len(p) == 80 for p in imagenet)
+    assert imagenet[0][0] == "a bad photo of a tench." and "a photo of a goldfish." in imagenet[1]
+
+
+def test_default_head_is_the_1000_imagenet_class_names_by_hand(loaded, one_thread):
     import open_clip
+    from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
     model = same_random_clip()
     tokenizer = open_clip.get_tokenizer(TINY_CLIP)
     classifier = loaded.model.classifier
     for key, value in model.visual.state_dict().items():  # the same random model
         assert torch.equal(value, classifier.visual.state_dict()[key])
-    templates = template_sets()["openai"]
-    rows = []
-    with torch.no_grad():
-        for name in class_names():
-            total = torch.zeros(16)
-            for template in templates:
-                embedding = model.encode_text(tokenizer([template(name)]))[0]
-                total += embedding / embedding.norm()
-            mean = total / len(templates)
-            rows.append(mean / mean.norm())
-    expected = torch.stack(rows)
-    assert classifier.head.shape == (9, 16)
+    expected = hand_head(model, tokenizer, IMAGENET_CLASSNAMES, template_sets()["simple"], articles=False)
+    assert classifier.head.shape == (1000, 16)
     torch.testing.assert_close(classifier.head, expected, rtol=0, atol=1e-5)
     assert float(classifier.logit_scale) == pytest.approx(model.logit_scale.exp().item())
-    assert loaded.num_classes == 9 and loaded.arch == f"clip:{TINY_CLIP}" and loaded.weights == "none"
+    assert loaded.num_classes == 1000 and loaded.arch == f"clip:{TINY_CLIP}" and loaded.weights == "none"
+    zero_shot = loaded.describe()["zero_shot"]
+    assert (zero_shot["head"], zero_shot["classes"], zero_shot["templates"], zero_shot["prompts"]) == \
+        ("imagenet", 1000, "simple", 7000)
+
+
+def test_nine_prompt_head_by_hand(tiny_clip, one_thread):
+    import open_clip
+    loaded = load_model(f"clip:{TINY_CLIP}/none+head=in9")  # CLIP's 80 templates: 720 prompts
+    model = same_random_clip()
+    expected = hand_head(model, open_clip.get_tokenizer(TINY_CLIP), FULL_NAMES, template_sets()["openai"],
+                         articles=True)
+    classifier = loaded.model.classifier
+    assert classifier.head.shape == (9, 16) and loaded.num_classes == 9
+    torch.testing.assert_close(classifier.head, expected, rtol=0, atol=1e-5)
+    images = torch.randint(0, 256, (4, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        features = classifier.visual(F.interpolate((images.float() / 255 - loaded.model.mean) / loaded.model.std,
+                                                   size=(32, 32), mode="bicubic", antialias=True))
+        by_hand = model.logit_scale.exp() * F.normalize(features, dim=-1) @ expected.T
+        torch.testing.assert_close(loaded.model(images), by_hand, rtol=1e-5, atol=1e-5)
+    zero_shot = loaded.describe()["zero_shot"]
+    assert (zero_shot["head"], zero_shot["classes"], zero_shot["templates"], zero_shot["prompts"]) == \
+        ("in9", 9, "openai", 720)
+
+
+def test_head_and_templates_are_part_of_the_model_identity(tiny_clip, tmp_path, one_thread):
+    """Resume states and the zoo key a model by its SHA-256: one weights file under two heads (or two template
+    sets) is two models."""
+    weights = tmp_path / "tiny.pt"
+    torch.save(same_random_clip().state_dict(), weights)
+    digests = {}
+    for options in ("+templates=simple", "+head=in9+templates=simple", "+head=in9"):
+        loaded = load_model(f"clip:{TINY_CLIP}/{weights}{options}")
+        digests[options] = loaded.sha256
+        assert loaded.describe()["zero_shot"]["weights_sha256"] == sha256_file(weights)
+        assert loaded.source == str(weights)
+    assert len(set(digests.values())) == 3
+    assert load_model(f"clip:{TINY_CLIP}/{weights}+head=in9").sha256 == digests["+head=in9"]
+
+
+def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog, one_thread):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    builds = []
+    build = clip_zero_shot.zero_shot_head
+    monkeypatch.setattr(clip_zero_shot, "zero_shot_head", lambda *a, **k: builds.append(1) or build(*a, **k))
+    model = same_random_clip()
+    weights = tmp_path / "tiny.pt"
+    torch.save(model.state_dict(), weights)
+    spec = f"clip:{TINY_CLIP}/{weights}+head=in9"
+    first = load_model(spec)
+    assert len(builds) == 1 and list((tmp_path / "cache").rglob("*.npy"))
+    again = load_model(spec)  # read from the cache: the same head, no text encoded
+    assert len(builds) == 1 and torch.equal(again.model.classifier.head, first.model.classifier.head)
+    assert again.sha256 == first.sha256
+    load_model(spec + "+templates=simple")  # other prompts: another head
+    assert len(builds) == 2
+    with torch.no_grad():  # the same file name, other text weights: built again, and different
+        model.text_projection.mul_(-1)
+    torch.save(model.state_dict(), weights)
+    changed = load_model(spec)
+    assert len(builds) == 3
+    torch.testing.assert_close(changed.model.classifier.head, -first.model.classifier.head)
+    assert changed.sha256 != first.sha256
+    for entry in (tmp_path / "cache").rglob("head.npy"):  # a damaged entry is built again, with a warning
+        entry.write_bytes(b"not an array")
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(load_model(spec).model.classifier.head, changed.model.classifier.head)
+    assert len(builds) == 4 and "unreadable cache" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_head_is_built_on_the_runtimes_gpu_in_true_fp32(tiny_clip, loaded, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # not the CPU's head from the cache
+    builds = []
+    build = clip_zero_shot.zero_shot_head
+    monkeypatch.setattr(clip_zero_shot, "zero_shot_head", lambda *a, **k: builds.append(a[3]) or build(*a, **k))
+    on_gpu = load_model(tiny_clip, runtime=Runtime(torch.device("cuda"), Precision.TF32))
+    assert [device.type for device in builds] == ["cuda"]
+    assert {t.device.type for t in on_gpu.model.state_dict().values()} == {"cpu"}
+    torch.testing.assert_close(on_gpu.model.classifier.head, loaded.model.classifier.head, rtol=0, atol=1e-5)
+    assert torch.backends.cuda.matmul.allow_tf32  # the runtime's setting, back after the fp32 head
+
+
+def test_the_default_head_goes_through_the_imagenet_map(tiny_clip, loaded, data, tmp_path, capsys, one_thread):
+    """Per image: the argmax over the 1000 class names, then the ImageNet->IN-9 map, as for any 1000-class
+    model; an argmax outside the nine groups (-1) is wrong. Both the library's predictions and the script's
+    printed accuracies against the brute-force reference."""
+    code, out, err = run_script(in9_eval, ["--data-path", str(data), "--arch", tiny_clip, "--eval-dataset", "all",
+                                           "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path)], capsys)
+    assert code == 0, err
+    printed = dict(ACCURACY_LINE.findall(out))
+    run = run_in9(loaded, Runtime(torch.device("cpu")), data, list(VARIATIONS), 16, 2, progress=False)
+    statistics = (loaded.model.mean.flatten().tolist(), loaded.model.std.flatten().tolist())
+    unmapped = 0
+    for variation in VARIATIONS:
+        reference = reference_evaluate(loaded.model.classifier, data, variation, 1000, statistics)
+        assert run.results[variation].predictions.tolist() == reference.predictions
+        assert printed[variation] == f"{reference.accuracy:.2f}"
+        unmapped += reference.predictions.count(-1)
+    assert unmapped > 0  # some images' argmax is one of the 630 ImageNet classes outside IN-9: counted wrong
+    assert run.provenance["num_classes"] == 1000 and run.provenance["zero_shot"]["head"] == "imagenet"
 
 
 def test_logits_are_scaled_cosines_with_clip_statistics_and_resizing(loaded, one_thread):
@@ -95,19 +240,6 @@ def test_logits_are_scaled_cosines_with_clip_statistics_and_resizing(loaded, one
         expected = model.logit_scale.exp() * features @ loaded.model.classifier.head.T
         got = loaded.model(images)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_in9_eval_runs_with_clip_and_matches_a_brute_force_reference(tiny_clip, loaded, data, tmp_path, capsys,
-                                                                     one_thread):
-    code, out, err = run_script(in9_eval, ["--data-path", str(data), "--arch", tiny_clip, "--eval-dataset", "all",
-                                           "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path)], capsys)
-    assert code == 0, err
-    printed = dict(ACCURACY_LINE.findall(out))
-    assert len(printed) == 8
-    statistics = (loaded.model.mean.flatten().tolist(), loaded.model.std.flatten().tolist())
-    for variation in ("original", "mixed_rand", "only_bg_t"):
-        reference = reference_evaluate(loaded.model.classifier, data, variation, 9, statistics)
-        assert printed[variation] == f"{reference.accuracy:.2f}"
 
 
 def test_challenge_eval_runs_with_clip_and_matches_a_brute_force_reference(tiny_clip, loaded, data, tmp_path,
@@ -155,6 +287,42 @@ def test_offline_download_is_one_error_line(data, capsys, monkeypatch):
 def test_bad_clip_specs(tiny_clip, arch, kwargs, message):
     with pytest.raises(UserError, match=message):
         load_model(arch, **kwargs)
+
+
+def test_a_bad_clip_option_is_one_error_line(tiny_clip, data, capsys):
+    code, out, err = run_script(in9_eval, ["--data-path", str(data), "--arch", f"clip:{TINY_CLIP}/none+templates=80",
+                                           "--device", "cpu"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"error: unknown templates '80' in clip:{TINY_CLIP}/none+templates=80; "
+                                            f"valid: openai, simple")
+
+
+def test_leaderboard_says_what_each_row_predicts_over(loaded, tiny_clip):
+    """Each row's class count, and for CLIP its head and templates, from the provenance; the page says what
+    they mean."""
+    nine = load_model(f"clip:{TINY_CLIP}/none+head=in9{TINY_CLIP_OPTIONS}")
+
+    def payload(model: str, description: dict) -> dict:
+        provenance = {**description, "data": {"sha256": "d" * 64}}
+        in9 = {"original": {"accuracy": 50.0}, "mixed_same": {"accuracy": 40.0}, "mixed_rand": {"accuracy": 30.0},
+               "bg_gap": 10.0, "provenance": provenance}
+        return {"model": model, "source": "clip", "weights": "none", "in9": in9,
+                "challenge": {"challenge_accuracy": 5.0, "criterion": "any", "provenance": provenance}}
+
+    plain = {k: v for k, v in loaded.describe().items() if k != "zero_shot"}
+    rows = [measured_row(payload("default", loaded.describe())), measured_row(payload("nine", nine.describe())),
+            measured_row(payload("in9-trained", {**plain, "num_classes": 9}))]
+    assert [(r.classes, r.zero_shot) for r in rows] == [(1000, "imagenet, simple templates"),
+                                                      (9, "in9, simple templates"), (9, None)]
+    published = {r.model: r.classes for r in published_rows()}
+    assert published["ResNet-50"] == 1000 and published["ResNet-50 (IN-9L)"] == 9
+    page = render_markdown(rows)
+    assert "| default | clip | none | 1000 (CLIP imagenet, simple templates) |" in page
+    assert "| nine | clip | none | 9 (CLIP in9, simple templates) |" in page
+    assert "| in9-trained | clip | none | 9 |" in page
+    assert "not comparable with the 1000-class rows" in page and "nine prompts" in page
+    only_1000 = render_markdown([rows[0]])
+    assert "not comparable with the 1000-class rows" not in only_1000
 
 
 def test_random_initialisation_is_reproducible(tiny_clip, loaded, one_thread):

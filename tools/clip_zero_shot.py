@@ -1,39 +1,91 @@
 """CLIP zero-shot classifiers for IN-9 (the `clip:ARCH/PRETRAINED` model source, optional extra open_clip_torch).
 
-The nine IN-9 class names go through a set of prompt templates; per class, the text embeddings of its
-prompts are normalised, averaged and normalised again into one row of a 9-class linear head, computed
-once at load time. Logits are `logit_scale * normalise(image_embedding) @ head.T`, so the model is an
-ordinary 9-class classifier for the rest of the toolkit, with CLIP's own mean/std inside the
-`PixelModel` wrapper.
+A zero-shot head is a fixed linear layer made of text: per class, the text embeddings of its prompts (the
+class name in each prompt template) are normalised, averaged and normalised again into one row, and the
+logits are `logit_scale * normalise(image_embedding) @ head.T`, with CLIP's own mean/std inside the
+`PixelModel` wrapper. Two heads (`Head`):
 
-The spec after `clip:` is `ARCH/PRETRAINED`: an open_clip architecture (`open_clip.list_models()`) and a
-pretrained tag (`open_clip.list_pretrained_tags_by_model(ARCH)`) or a local weights file. `ARCH`,
-`ARCH/` or `ARCH/none` ask for a randomly initialised model (seeded, so the same every time), which
-needs no download: tests use it.
+- `imagenet`, the default: open_clip's 1000 ImageNet class names through the templates verbatim, CLIP's
+  standard ImageNet classifier. The model is a 1000-class model like any other: its argmax goes through the
+  ImageNet->IN-9 map, and one of the 630 ImageNet classes outside the nine groups is wrong, so its numbers
+  are comparable with the other 1000-class models of the leaderboard.
+- `in9`: one prompt set per IN-9 class, named in full ("a photo of a musical instrument", "an insect"). A
+  9-class model, which can never be wrong outside the nine groups: not comparable with 1000-class models.
+
+The spec after `clip:` is `ARCH/PRETRAINED`, then options `+head=in9`, `+templates=simple` (`ClipSpec`):
+an open_clip architecture (`open_clip.list_models()`) and a pretrained tag
+(`open_clip.list_pretrained_tags_by_model(ARCH)`) or a local weights file; `ARCH`, `ARCH/` or `ARCH/none`
+ask for a randomly initialised model (seeded, so the same every time), which needs no download: tests use it.
+
+The head is built on the runtime's device in true fp32 and cached by content (the weights, the architecture,
+the prompts) under the toolkit's cache folder, `clip-heads/`; the model's SHA-256 covers its weights and its
+head, so resume states and the zoo tell two heads of one weights file apart.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
+import json
 import logging
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
+from tools.datasets import DecodedCache, default_cache_dir
 from tools.errors import UserError
-from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, class_names
 from tools.hashing import sha256_file
+from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
 from tools.models import LoadedModel, close_matches, wrap
+
+if TYPE_CHECKING:
+    from tools.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
 RANDOM_TAG = "none"
 RANDOM_SEED = 0
 INSTALL_HINT = "run `pip install open_clip_torch` (or install this project with the [clip] extra)"
-TEXT_BATCH = 256
+TEXT_BATCH = 256  # prompts per forward pass of the text encoder
+HEAD_CACHE_FOLDER = "clip-heads"  # under the toolkit's cache folder
+HEAD_CACHE_VERSION = 1
+
+
+class Head(str, enum.Enum):
+    """What a zero-shot classifier predicts over."""
+
+    IMAGENET = "imagenet"  # open_clip's 1000 ImageNet class names, through the ImageNet->IN-9 map
+    IN9 = "in9"  # the nine IN-9 classes by their full names
+
+
+class Templates(str, enum.Enum):
+    """Prompt template sets, as open_clip ships them."""
+
+    OPENAI = "openai"  # CLIP's 80 ImageNet prompts
+    SIMPLE = "simple"  # open_clip's 7-prompt subset
+
+
+OPTIONS = {"head": Head, "templates": Templates}  # `+NAME=VALUE` after the spec
+OPTION = re.compile(r"\+(\w+)=([^+/]*)$")
+AN_BEFORE_VOWEL = re.compile(r"\b([Aa]) (?=[aeiouAEIOU])")
+
+
+@dataclass(frozen=True)
+class ClipSpec:
+    """What follows `clip:`: an open_clip architecture, its weights (a pretrained tag or a file; None for the
+    seeded random initialisation), the head and the prompt templates."""
+
+    arch: str
+    pretrained: str | None
+    head: Head = Head.IMAGENET
+    templates: Templates = Templates.OPENAI
 
 
 def _open_clip():
@@ -44,40 +96,75 @@ def _open_clip():
     return open_clip
 
 
-def template_sets() -> dict[str, tuple]:
-    """Prompt template sets by name, as open_clip ships them: `openai` (CLIP's 80 ImageNet prompts, the
-    default) and `simple` (its 7-prompt subset)."""
-    from open_clip import zero_shot_metadata  # noqa: PLC0415 (an optional extra)
-    return {"openai": tuple(zero_shot_metadata.OPENAI_IMAGENET_TEMPLATES),
-            "simple": tuple(zero_shot_metadata.SIMPLE_IMAGENET_TEMPLATES)}
-
-
-def parse_spec(spec: str) -> tuple[str, str | None]:
-    """`ARCH/PRETRAINED` -> (arch, pretrained tag or file), with None for a random initialisation."""
-    arch, _, pretrained = spec.partition("/")
+def parse_spec(spec: str) -> ClipSpec:
+    """`ARCH/PRETRAINED[+head=HEAD][+templates=SET]` -> ClipSpec; PRETRAINED `none` or left out: random weights."""
+    rest, options = spec, {}
+    while match := OPTION.search(rest):
+        name, value = match.groups()
+        vocabulary = OPTIONS.get(name)
+        if vocabulary is None:
+            raise UserError(f"unknown option {name!r} in clip:{spec}; valid: {', '.join(OPTIONS)}")
+        if name in options:
+            raise UserError(f"{name} given twice in clip:{spec}")
+        try:
+            options[name] = vocabulary(value)
+        except ValueError:
+            raise UserError(f"unknown {name} {value!r} in clip:{spec}; valid: "
+                            f"{', '.join(v.value for v in vocabulary)}") from None
+        rest = rest[:match.start()]
+    arch, _, pretrained = rest.partition("/")
     if not arch:
         raise UserError(f"clip:{spec} names no architecture; use clip:ARCH/PRETRAINED, e.g. clip:ViT-B-32/openai")
-    return arch, (None if pretrained in ("", RANDOM_TAG) else pretrained)
+    return ClipSpec(arch, None if pretrained in ("", RANDOM_TAG) else pretrained, **options)
 
 
-def prompts_for(name: str, templates) -> list[str]:
-    return [template(name) for template in templates]
+# ----------------------------------------------------------------------------------------------------------
+# Prompts and the head
+
+def template_sets() -> dict[Templates, tuple]:
+    """The prompt templates (callables of a class name) of each set."""
+    from open_clip import zero_shot_metadata  # noqa: PLC0415 (an optional extra)
+    return {Templates.OPENAI: tuple(zero_shot_metadata.OPENAI_IMAGENET_TEMPLATES),
+            Templates.SIMPLE: tuple(zero_shot_metadata.SIMPLE_IMAGENET_TEMPLATES)}
 
 
-def zero_shot_head(clip_model: nn.Module, tokenizer, names, templates) -> torch.Tensor:
-    """(classes, dim): per class the normalised mean of its prompts' normalised text embeddings."""
-    prompts = [p for name in names for p in prompts_for(name, templates)]
+def with_articles(prompt: str) -> str:
+    """'a' before a word starting with a vowel made 'an' ("an insect", "an origami insect"): the vowel-letter
+    rule, right for every IN-9 name and every word the templates put after 'a'."""
+    return AN_BEFORE_VOWEL.sub(r"\1n ", prompt)
+
+
+def prompts(head: Head, templates: Templates) -> list[list[str]]:
+    """Each class's prompts, in the head's class order: open_clip's ImageNet class names (ImageNet index
+    order) in the templates verbatim, CLIP's standard classifier; or the nine IN-9 classes by their full names
+    with their articles agreeing."""
+    chosen = template_sets()[templates]
+    if head is Head.IMAGENET:
+        from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: PLC0415 (an optional extra)
+        if len(IMAGENET_CLASSNAMES) != NUM_IMAGENET_CLASSES:
+            raise RuntimeError(f"open_clip ships {len(IMAGENET_CLASSNAMES)} ImageNet class names, not 1000")
+        return [[template(name) for template in chosen] for name in IMAGENET_CLASSNAMES]
+    return [[with_articles(template(name)) for template in chosen] for name in full_class_names()]
+
+
+def zero_shot_head(clip_model: nn.Module, tokenizer, class_prompts: list[list[str]], device: torch.device,
+                   progress: bool = False) -> torch.Tensor:
+    """(classes, dim) float32 on the CPU: per class the normalised mean of its prompts' normalised text
+    embeddings; the prompts are encoded on `device` (where the model is), TEXT_BATCH at a time."""
+    texts = [text for per_class in class_prompts for text in per_class]
     embeddings = []
-    with torch.inference_mode():
-        for start in range(0, len(prompts), TEXT_BATCH):
-            tokens = tokenizer(prompts[start:start + TEXT_BATCH])
-            embeddings.append(F.normalize(clip_model.encode_text(tokens).float(), dim=-1))
-    per_class = torch.cat(embeddings).reshape(len(names), len(templates), -1)
+    with torch.inference_mode(), tqdm(total=len(texts), unit="prompt", desc="encoding CLIP prompts",
+                                      disable=not progress) as bar:
+        for start in range(0, len(texts), TEXT_BATCH):
+            tokens = tokenizer(texts[start:start + TEXT_BATCH]).to(device)
+            embeddings.append(F.normalize(clip_model.encode_text(tokens).float(), dim=-1).cpu())
+            bar.update(tokens.shape[0])
+    per_class = torch.cat(embeddings).reshape(len(class_prompts), len(class_prompts[0]), -1)
     return F.normalize(per_class.mean(dim=1), dim=-1)
 
 
 class ZeroShotClassifier(nn.Module):
-    """CLIP's image encoder and a fixed text-derived head: normalised input in, 9 logits out.
+    """CLIP's image encoder and a fixed text-derived head: normalised input in, one logit per head row out.
 
     Inputs of another size than the encoder's are resized to it first (bicubic, antialiased). Resizing
     is linear with weights summing to one, so it commutes with the per-channel normalisation before it."""
@@ -98,6 +185,9 @@ class ZeroShotClassifier(nn.Module):
         return self.logit_scale * F.normalize(features.float(), dim=-1) @ self.head.T
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Loading
+
 def _image_size(value) -> tuple[int, int]:
     return (value, value) if isinstance(value, int) else tuple(int(v) for v in value)
 
@@ -108,6 +198,10 @@ def _state_digest(module: nn.Module) -> str:
         digest.update(key.encode())
         digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(f"{tuple(tensor.shape)}".encode() + tensor.contiguous().numpy().tobytes()).hexdigest()
 
 
 @contextlib.contextmanager
@@ -158,33 +252,67 @@ def _create(open_clip, arch: str, pretrained: str | None) -> tuple[nn.Module, st
         raise UserError(f"cannot load the CLIP weights clip:{arch}/{pretrained}: {str(exc).splitlines()[0]}") from None
 
 
-def load_clip(spec: str, templates: str = "openai") -> LoadedModel:
-    """A 9-class zero-shot IN-9 classifier from an open_clip model; `spec` is what follows `clip:`."""
+def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, class_prompts: list[list[str]],
+               weights_sha256: str, runtime: Runtime | None, progress: bool) -> torch.Tensor:
+    """The zero-shot head: from the cache when one was built from the same content (the weights, open_clip's
+    configuration of the architecture and tag, the prompts), else encoded on the runtime's device in true
+    fp32 (TF32 and autocast off) and cached."""
+    texts = [text for per_class in class_prompts for text in per_class]
+    meta = {"format": HEAD_CACHE_VERSION, "open_clip": open_clip.__version__, "weights_sha256": weights_sha256,
+            "config": open_clip.get_model_config(parsed.arch),
+            "pretrained_cfg": open_clip.get_pretrained_cfg(parsed.arch, parsed.pretrained or ""),  # {} for a file
+            "head": parsed.head.value, "templates": parsed.templates.value, "classes": len(class_prompts),
+            "prompts_sha256": hashlib.sha256("\n".join(texts).encode()).hexdigest()}
+    meta = json.loads(json.dumps(meta))  # as it reads back from the cache
+    key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:32]
+    cache = DecodedCache(default_cache_dir() / HEAD_CACHE_FOLDER, key, meta, what="CLIP text head")
+    cached = cache.load(["head"])
+    if cached is not None:
+        return torch.from_numpy(cached["head"])
+    device = runtime.device if runtime is not None else torch.device("cpu")
+    log.info("encoding the %d prompts of clip:%s's %s head on %s", len(texts), parsed.arch, parsed.head.value, device)
+    try:
+        with runtime.fp32_math() if runtime is not None else contextlib.nullcontext():
+            head = zero_shot_head(clip_model.to(device), tokenizer, class_prompts, device, progress)
+    finally:
+        clip_model.to("cpu")
+    cache.save({"head": head.numpy()})
+    return head
+
+
+def load_clip(spec: str, runtime: Runtime | None = None, progress: bool = False) -> LoadedModel:
+    """A zero-shot IN-9 classifier from an open_clip model; `spec` is what follows `clip:`. The text head is
+    built on the runtime's device (default: the CPU); the model is returned on the CPU."""
     open_clip = _open_clip()
-    arch, pretrained = parse_spec(spec)
-    if arch not in open_clip.list_models():
-        raise UserError(f"unknown open_clip architecture {arch!r}"
-                        f"{close_matches(arch, open_clip.list_models()) or '; see open_clip.list_models()'}")
-    sets = template_sets()
-    if templates not in sets:
-        raise UserError(f"unknown prompt template set {templates!r}; valid: {', '.join(sets)}")
+    parsed = parse_spec(spec)
+    if parsed.arch not in open_clip.list_models():
+        raise UserError(f"unknown open_clip architecture {parsed.arch!r}"
+                        f"{close_matches(parsed.arch, open_clip.list_models()) or '; see open_clip.list_models()'}")
     with _quiet(level=logging.WARNING):
-        clip_model, weights_file = _create(open_clip, arch, pretrained)
-        tokenizer = open_clip.get_tokenizer(arch)
+        clip_model, weights_file = _create(open_clip, parsed.arch, parsed.pretrained)
+        tokenizer = open_clip.get_tokenizer(parsed.arch)
     clip_model.eval()
-    names = class_names()
-    log.info("building the zero-shot head of clip:%s from %d prompts (%s templates)", spec,
-             len(names) * len(sets[templates]), templates)
-    head = zero_shot_head(clip_model, tokenizer, names, sets[templates])
+    weights_sha256 = _state_digest(clip_model) if weights_file is None else sha256_file(weights_file)
+    class_prompts = prompts(parsed.head, parsed.templates)
+    head = _text_head(open_clip, parsed, clip_model, tokenizer, class_prompts, weights_sha256, runtime, progress)
     preprocess = open_clip.get_model_preprocess_cfg(clip_model)
     image_size = _image_size(preprocess.get("size", IMAGE_SIZE))
     if image_size != (IMAGE_SIZE, IMAGE_SIZE):
         log.info("clip:%s takes %dx%d images: the 224x224 inputs are resized inside the model", spec, *image_size)
     classifier = ZeroShotClassifier(clip_model.visual, head, clip_model.logit_scale.exp().item(), image_size)
-    if weights_file is None:  # no file to hash: the digest of the weights themselves identifies the run
-        fmt, digest, weights = f"open_clip random init (seed {RANDOM_SEED}), {templates} prompts", \
-            _state_digest(classifier), RANDOM_TAG
-    else:
-        fmt, digest, weights = f"open_clip zero-shot, {templates} prompts", sha256_file(weights_file), pretrained
-    return wrap(classifier, NUM_IN9_CLASSES, Normalization.AUTO, (preprocess["mean"], preprocess["std"]), "CLIP",
-                f"clip:{arch}", weights, weights_file, digest, fmt)
+    head_sha256 = _tensor_digest(head)
+    classes, templates = len(class_prompts), len(class_prompts[0])
+    names = "ImageNet class names" if parsed.head is Head.IMAGENET else "IN-9 classes"
+    initialisation = f"random init (seed {RANDOM_SEED}) " if weights_file is None else ""
+    loaded = wrap(classifier, classes, Normalization.AUTO, (preprocess["mean"], preprocess["std"]), "CLIP",
+                  f"clip:{parsed.arch}", parsed.pretrained or RANDOM_TAG, weights_file,
+                  hashlib.sha256(f"{weights_sha256}\n{head_sha256}".encode()).hexdigest(),
+                  f"open_clip {initialisation}zero-shot, {classes} {names} x {templates} "
+                  f"{parsed.templates.value} templates")
+    loaded.details["zero_shot"] = {
+        "head": parsed.head.value, "classes": classes, "templates": parsed.templates.value,
+        "templates_count": templates, "prompts": classes * templates,
+        "class_names": ("open_clip IMAGENET_CLASSNAMES" if parsed.head is Head.IMAGENET
+                        else ", ".join(full_class_names())),
+        "weights_sha256": weights_sha256, "head_sha256": head_sha256, "open_clip": open_clip.__version__}
+    return loaded

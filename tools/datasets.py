@@ -1,5 +1,6 @@
 """Decoding what the layout lists: images as uint8 tensors, masks checked and made ready for compositing, and
-the decoded-data cache keyed by content."""
+the decoded-data cache keyed by content (where the toolkit's caches live, and the array cache that CLIP's
+text heads share)."""
 
 from __future__ import annotations
 
@@ -146,16 +147,25 @@ def load_masks(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic =
     return masks
 
 
+def default_cache_dir() -> Path:
+    """Where the toolkit's caches live unless told otherwise: $XDG_CACHE_HOME/bg-challenge-toolkit, else
+    ~/.cache/bg-challenge-toolkit."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "bg-challenge-toolkit"
+
+
 class DecodedCache:
-    """Decoded arrays on disk, in a folder named by a key derived from the data's content fingerprint.
+    """Arrays on disk (decoded data, CLIP's text heads), in a folder named by a key derived from their inputs'
+    content; `meta` (JSON) says what they were made from and must match on reading.
 
     `load` gives None on a miss, and on a broken or foreign entry (with a warning); `save` writes through a
     temporary folder and a rename, so a crash never leaves half an entry.
     """
 
-    def __init__(self, cache_dir: Path | None, key: str, meta: dict):
+    def __init__(self, cache_dir: Path | None, key: str, meta: dict, what: str = "decoded data"):
         self.folder = Path(cache_dir) / key if cache_dir is not None else None
         self.meta = meta
+        self.what = what
 
     def load(self, names: Sequence[str]) -> dict[str, np.ndarray] | None:
         if self.folder is None or not (self.folder / "meta.json").is_file():
@@ -167,7 +177,7 @@ class DecodedCache:
         except (*NUMPY_READ_ERRORS, KeyError) as exc:
             log.warning("ignoring an unreadable cache at %s (%s)", self.folder, exc)
             return None
-        log.info("decoded data read from the cache %s", self.folder)
+        log.info("%s read from the cache %s", self.what, self.folder)
         return arrays
 
     def save(self, arrays: dict[str, np.ndarray]) -> None:
@@ -182,9 +192,9 @@ class DecodedCache:
             if self.folder.exists():
                 shutil.rmtree(self.folder)
             os.replace(tmp, self.folder)
-            log.info("decoded data cached at %s", self.folder)
+            log.info("%s cached at %s", self.what, self.folder)
         except OSError as exc:
-            log.warning("could not write the decoded-data cache at %s (%s); continuing without it", self.folder, exc)
+            log.warning("could not write the %s cache at %s (%s); continuing without it", self.what, self.folder, exc)
 
 
 def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], fingerprint: dict,

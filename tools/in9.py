@@ -87,6 +87,16 @@ def class_wordnet_ids() -> tuple[str, ...]:
     return tuple(wnid for _, wnid in _class_table())
 
 
+# What the WordNet synsets of in9_classes.txt are called, where the short class name leaves part out; a text
+# prompt names a class by its full name ("a photo of a musical instrument").
+FULL_NAMES = {"vehicle": "wheeled vehicle", "instrument": "musical instrument"}
+
+
+def full_class_names() -> tuple[str, ...]:
+    """The nine classes by their synsets' full names, in index order (dog, ..., wheeled vehicle, ...)."""
+    return tuple(FULL_NAMES.get(name, name) for name in class_names())
+
+
 def class_folder_names() -> list[str]:
     """Class folder names in index order, 00_dog ... 08_fish: their sorted order is the class index."""
     return [f"{i:02d}_{name}" for i, name in enumerate(class_names())]

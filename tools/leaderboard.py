@@ -3,7 +3,8 @@ CSV and a PNG plot of BG-gap against challenge accuracy (drawn with Pillow).
 
 Rows are sorted by challenge accuracy, best first; rows without one come last. Published rows
 (tools/resources/published.json) are quoted from their sources and marked `published`; rows computed
-from results files are `measured`.
+from results files are `measured`. Each row says what its model predicts over (1000 ImageNet classes
+through the map, or the nine IN-9 classes) and, for CLIP, which zero-shot head and templates.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Row:
     reference: str | None = None  # where a published row is quoted from
     data_sha256: str | None = None  # the data fingerprint a measured row was computed on
     criterion: str | None = "any"  # the challenge's criterion
+    classes: int | None = None  # what the model predicts over: 1000 ImageNet classes (mapped) or the 9 of IN-9
+    zero_shot: str | None = None  # a CLIP row's head and templates, e.g. "imagenet, openai templates"
 
 
 COLUMNS = [f.name for f in fields(Row)]
@@ -66,14 +69,20 @@ def _accuracy(in9: dict, variation: Variation) -> float | None:
     return None if entry is None else entry["accuracy"]
 
 
+def _zero_shot(provenance: dict) -> str | None:
+    head = provenance.get("zero_shot")
+    return None if not head else f"{head['head']}, {head['templates']} templates"
+
+
 def measured_row(payload: dict) -> Row:
     """The leaderboard row of one zoo results file."""
     in9, challenge = payload.get("in9") or {}, payload.get("challenge") or {}
-    data = (in9.get("provenance") or challenge.get("provenance") or {}).get("data") or {}
+    provenance = in9.get("provenance") or challenge.get("provenance") or {}
+    data = provenance.get("data") or {}
     return Row(payload["model"], payload["source"], payload.get("weights"), _accuracy(in9, Variation.ORIGINAL),
                _accuracy(in9, Variation.MIXED_SAME), _accuracy(in9, Variation.MIXED_RAND), in9.get("bg_gap"),
                challenge.get("challenge_accuracy"), provenance_hash(payload), MEASURED, None, data.get("sha256"),
-               challenge.get("criterion"))
+               challenge.get("criterion"), provenance.get("num_classes"), _zero_shot(provenance))
 
 
 def published_rows() -> list[Row]:
@@ -115,6 +124,29 @@ def _number(value) -> str:
     return "–" if value is None else f"{value:.2f}"
 
 
+def _classes(row: Row) -> str:
+    if row.classes is None:
+        return "–"
+    return f"{row.classes} (CLIP {row.zero_shot})" if row.zero_shot else str(row.classes)
+
+
+def classes_notes(rows: list[Row]) -> list[str]:
+    """What the Classes column means, for the class counts and CLIP heads the rows have."""
+    notes = []
+    if len({row.classes for row in rows if row.classes is not None}) > 1:
+        notes.append("Classes: what a model predicts over. A 1000-class model's prediction goes through the "
+                     "ImageNet→IN-9 map, and one of the 630 ImageNet classes outside the nine groups is wrong; a "
+                     "9-class model (trained on IN-9, or CLIP's `in9` head) can never be wrong that way, so the "
+                     "9-class rows are not comparable with the 1000-class rows.")
+    if any(row.zero_shot for row in rows):
+        notes.append("CLIP rows are zero-shot: each class's prompts (its name in every template) are encoded by "
+                     "CLIP's text tower and averaged into one row of a fixed head. The `imagenet` head scores over "
+                     "open_clip's 1000 ImageNet class names (CLIP's standard ImageNet classifier) through the same "
+                     "map as every 1000-class model; the `in9` head over nine prompts, one set per IN-9 class by "
+                     "its full name. Templates: `openai` (CLIP's 80) or `simple` (open_clip's 7).")
+    return notes
+
+
 def render_markdown(rows: list[Row]) -> str:
     out = ["# Backgrounds Challenge leaderboard", "",
            "Accuracies in percent on the IN-9 variations and the challenge (`any` criterion); BG-gap = mixed_same − mixed_rand in points. Sorted by challenge accuracy; rows "
@@ -124,11 +156,13 @@ def render_markdown(rows: list[Row]) -> str:
     table = []
     for rank, row in enumerate(rows, 1):
         provenance = f"`{row.provenance_sha256}`" if row.provenance_sha256 else (row.reference or "–")
-        table.append([rank, row.model, row.source, row.weights or "–", _number(row.original),
+        table.append([rank, row.model, row.source, row.weights or "–", _classes(row), _number(row.original),
                       _number(row.mixed_same), _number(row.mixed_rand), _number(row.bg_gap),
                       _number(row.challenge_accuracy), row.kind, provenance])
-    out += markdown_table(["#", "Model", "Source", "Weights", "Original", "Mixed-Same", "Mixed-Rand", "BG-gap",
-                           "Challenge", "Kind", "Provenance"], table, "rlllrrrrrll")
+    out += markdown_table(["#", "Model", "Source", "Weights", "Classes", "Original", "Mixed-Same", "Mixed-Rand",
+                           "BG-gap", "Challenge", "Kind", "Provenance"], table, "rllllrrrrrll")
+    for note in classes_notes(rows):
+        out += ["", note]
     fingerprints = sorted({row.data_sha256 for row in rows if row.kind == MEASURED and row.data_sha256})
     if fingerprints:
         out += ["", "Measured on data with SHA-256 fingerprint " + ", ".join(f"`{f}`" for f in fingerprints) + "."]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -52,11 +52,12 @@ class LoadedModel:
     sha256: str | None
     checkpoint_format: str
     normalization: str
+    details: dict = field(default_factory=dict)  # what else its source records, e.g. CLIP's zero-shot head
 
     def describe(self) -> dict:
         return {"arch": self.arch, "weights": self.weights, "checkpoint": self.source, "sha256": self.sha256,
                 "checkpoint_format": self.checkpoint_format, "num_classes": self.num_classes,
-                "normalization": self.normalization}
+                "normalization": self.normalization, **self.details}
 
 
 def torchvision_module():

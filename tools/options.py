@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from tools import distributed
 from tools.challenge import ChallengeConfig, Criterion
 from tools.cli import add_log_level_argument
 from tools.compositing import MaskArithmetic
+from tools.datasets import default_cache_dir
 from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
@@ -119,11 +119,6 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_level_argument(out)
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "bg-challenge-toolkit"
-
-
 def add_search_arguments(group) -> None:
     """The challenge search's flags (challenge_eval.py and the zoo)."""
     group.add_argument("--criterion", type=Criterion, choices=list(Criterion), default=Criterion.ANY,
@@ -206,9 +201,9 @@ def preload_model_libraries(arch: str | None, checkpoint: Path | None) -> None:
     threading.Thread(target=work, name="preload", daemon=True).start()
 
 
-def model_from_args(args: argparse.Namespace) -> LoadedModel:
+def model_from_args(args: argparse.Namespace, runtime: Runtime) -> LoadedModel:
     loaded = load_model(args.arch, args.weights, args.checkpoint, args.in9, args.normalize, args.trust_checkpoint,
-                        args.checkpoint_key)
+                        args.checkpoint_key, runtime, not args.no_progress)
     log.info("model: %s, %d classes, normalisation %s", loaded.checkpoint_format, loaded.num_classes,
              loaded.normalization)
     return loaded

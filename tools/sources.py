@@ -3,7 +3,7 @@
 A source is one function `(name, options) -> LoadedModel`, registered with `@register_source("prefix:")`:
 `resnet50` (no prefix: a torchvision architecture with its pretrained weights), `timm:NAME`, and
 `file:PATH` (a checkpoint file; `--checkpoint PATH` is the same source), and `clip:ARCH/PRETRAINED`
-(CLIP zero-shot over the nine class names). With `--checkpoint`, the
+(CLIP zero-shot, by default over the 1000 ImageNet class names). With `--checkpoint`, the
 architecture named by `--arch` is built and the file's weights loaded into it. Adding a source (CLIP
 zero-shot, a model hub) is one function and its registration.
 """
@@ -15,7 +15,7 @@ import os
 import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -25,6 +25,9 @@ from tools.hashing import sha256_file
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
 from tools.models import (DEFAULT_ARCH, SMALL_CNN, TIMM_PREFIX, LoadedModel, build_architecture,
                           check_torchvision_architecture, close_matches, torchvision_module, wrap)
+
+if TYPE_CHECKING:
+    from tools.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ class ModelOptions:
     trust: bool = False
     checkpoint_key: str | None = None
     arch: str | None = None  # the architecture a checkpoint's weights go into
+    runtime: Runtime | None = None  # where a source computes what it builds at load time (CLIP's text head)
+    progress: bool = False  # a progress bar for such work
 
 
 Source = Callable[[str, ModelOptions], LoadedModel]
@@ -69,17 +74,19 @@ def split_name(name: str) -> tuple[str, str]:
 
 def load_model(arch: str | None = None, weights: str | None = None, checkpoint: Path | str | None = None,
                in9: bool | None = None, normalize: Normalization = Normalization.AUTO, trust: bool = False,
-               checkpoint_key: str | None = None) -> LoadedModel:
+               checkpoint_key: str | None = None, runtime: Runtime | None = None,
+               progress: bool = False) -> LoadedModel:
     """The model the command line describes, wrapped to take pixels.
 
     arch: a model name (default: resnet50); with `checkpoint`, the architecture its weights go into (a
     TorchScript or export program carries its own). in9: True (--in9), False (--no-in9), or None to follow
-    the model's class count.
+    the model's class count. runtime: where work done at load time runs (CLIP encodes its prompts there);
+    default the CPU. The model itself is returned on the CPU.
     """
     prefix, name = split_name(arch or DEFAULT_ARCH)
     names_architecture = prefix in ARCHITECTURE_PREFIXES
     options = ModelOptions(weights, Path(checkpoint) if checkpoint is not None else None, in9, normalize, trust,
-                           checkpoint_key, arch if names_architecture else None)
+                           checkpoint_key, arch if names_architecture else None, runtime, progress)
     if checkpoint is not None and names_architecture:
         return SOURCES[FILE_PREFIX](str(checkpoint), options)
     return SOURCES[prefix](name, options)
@@ -154,11 +161,12 @@ def checkpoint_file(path: str, options: ModelOptions) -> LoadedModel:
 
 @register_source(CLIP_PREFIX)
 def clip_zero_shot(spec: str, options: ModelOptions) -> LoadedModel:
-    """CLIP zero-shot over the nine IN-9 class names (tools.clip_zero_shot; needs open_clip_torch)."""
+    """CLIP zero-shot over the 1000 ImageNet class names, or nine IN-9 prompts (tools.clip_zero_shot; needs
+    open_clip_torch)."""
     if options.checkpoint is not None or options.weights is not None or options.normalize is not Normalization.AUTO:
         raise UserError(f"--arch {CLIP_PREFIX}{spec} takes its weights and normalisation from open_clip: drop "
                         f"--checkpoint, --weights and --normalize")
     from tools.clip_zero_shot import load_clip  # noqa: PLC0415 (the optional extra is imported only here)
-    loaded = load_clip(spec)
+    loaded = load_clip(spec, options.runtime, options.progress)
     checkpoints.check_class_count(loaded.num_classes, options.in9, f"{CLIP_PREFIX}{spec}")
     return loaded

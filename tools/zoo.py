@@ -66,8 +66,8 @@ class ModelSpec:
         safe = re.sub(r"[^A-Za-z0-9._-]+", "_", self.text).strip("_.")[:80]
         return f"{safe}-{hashlib.sha256(self.text.encode()).hexdigest()[:8]}"
 
-    def load(self, trust: bool = False) -> LoadedModel:
-        return load_model(self.arch, checkpoint=self.path, trust=trust)
+    def load(self, trust: bool = False, runtime: Runtime | None = None, progress: bool = False) -> LoadedModel:
+        return load_model(self.arch, checkpoint=self.path, trust=trust, runtime=runtime, progress=progress)
 
 
 def parse_model_spec(text: str) -> ModelSpec:
@@ -165,7 +165,7 @@ def _finished(path: Path, settings: dict) -> dict | None:
 def evaluate_model(spec: ModelSpec, settings: ZooSettings, runtime: Runtime, output_dir: Path,
                    progress: bool = True) -> dict:
     """Both runs for one model (each resuming from OUTPUT/runs/<name>/), as the results file's contents."""
-    loaded = spec.load(settings.trust)
+    loaded = spec.load(settings.trust, runtime, progress)
     state_dir = Path(output_dir) / RUNS_FOLDER / spec.slug
     in9 = run_in9(loaded, runtime, settings.data_path, list(VARIATIONS), settings.batch_size, settings.workers,
                   state_dir, resume=True, progress=progress)
