@@ -202,7 +202,8 @@ def test_two_gloo_processes_equal_one(tiny, tmp_path):
     subprocess.run([sys.executable, *script, "--output-dir", str(single)], env=_env(), check=True,
                    capture_output=True)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             *script, "--output-dir", str(double)], env=_env(), capture_output=True, text=True)
+                             "-m", "tests.collective_guard", *script, "--output-dir", str(double)], env=_env(),
+                            cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     # each process took its half of every global batch: 3 + 3 images per step, 6 in all
     log = [json.loads(line) for line in (double / "train_log.jsonl").read_text().splitlines() if "loss" in line]

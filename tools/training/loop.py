@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
@@ -138,13 +138,9 @@ class JsonLog:
                 fh.write(json.dumps(record) + "\n")
 
 
-def _sum_across(group: distributed.ProcessGroup, *values: float) -> list[float]:
+def _sum_across(device: torch.device, *values: float) -> list[float]:
     """Per-process sums added over all processes (for the log: loss, correct answers, images)."""
-    if not group.distributed:
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+    return distributed.all_reduce(np.array(values, np.float64), "sum", device).tolist()
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -220,7 +216,7 @@ def train(config: TrainConfig) -> TrainResult:
                     schedule.step()
                 step += 1
                 local = labels.shape[0]
-                loss_sum, correct, images = _sum_across(group, loss.item() * local,
+                loss_sum, correct, images = _sum_across(device, loss.item() * local,
                                                         float((logits.argmax(1) == labels).sum()), float(local))
                 loss_value, accuracy = loss_sum / images, correct / images
                 images_seen += int(images)
