@@ -203,12 +203,13 @@ def train(config: TrainConfig) -> TrainResult:
             sampler = StepSampler(len(data), config.batch_size, config.seed, epoch, step - epoch * steps_per_epoch,
                                   group.rank, group.world_size)
             for batch in make_loader(data, config, sampler, runtime.pin()):
-                torch.manual_seed(derived_seed(config.seed, "step", step))  # dropout, mixing: replayable
+                torch.manual_seed(sampler.batch_seed(step))  # mixing: the batch's draws, as one process makes them
                 images, labels = device_batch(batch, device, config.augment)
                 images = runtime.to_device(images)
                 targets = labels
                 if mixer is not None:
                     images, targets = mixer(images.float().div_(255), labels)
+                torch.manual_seed(sampler.share_seed(step))  # dropout: this process's share's own draws
                 logits, loss = training_step(model, images, targets, loss_fn, optimizer, runtime)
                 if swa is not None and swa.active(epoch):
                     swa.step(optimizer)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.optim import swa_utils
 
+from tools import distributed
 from tools.in9 import NUM_IN9_CLASSES
 from tools.training.config import Method, TrainConfig
 
@@ -29,6 +30,12 @@ def batch_mixer(config: TrainConfig):
 
 def has_batch_norm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def running_statistics(model: nn.Module) -> list[torch.Tensor]:
+    """The running means and variances of a model's BatchNorm layers."""
+    return [statistic for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and m.track_running_stats for statistic in (m.running_mean, m.running_var)]
 
 
 class WeightAveraging:
@@ -67,9 +74,15 @@ class WeightAveraging:
                 group["lr"] = lr
 
     def finish(self, loader_batches, device: torch.device) -> nn.Module:
-        """The averaged model, its BatchNorm statistics recomputed over the training batches when it has any."""
+        """The averaged model, its BatchNorm statistics recomputed over the training batches when it has any.
+
+        Under torchrun each process sees its share of every batch; the statistics are then averaged over the
+        processes, so that they cover all of the data: the running means equal one process's over the whole
+        batches, the running variances are the mean of the shares' variances."""
         model = self.averaged.module
         if has_batch_norm(model):
             log.info("recomputing BatchNorm statistics of the averaged model over the training data")
             swa_utils.update_bn(loader_batches, self.averaged, device=device)
+            for statistic in running_statistics(model):
+                statistic.copy_(torch.from_numpy(distributed.all_reduce(statistic.cpu().numpy(), "mean", device)))
         return model
