@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,3 +86,34 @@ def tiny_clip(tmp_path_factory):
     path.write_text(json.dumps(config))
     open_clip.add_model_config(path)
     return f"clip:{TINY_CLIP}/none{TINY_CLIP_OPTIONS}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _gloo_process(rank: int, world_size: int, port: int, function, args, results: Path) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from tests import collective_guard  # noqa: PLC0415
+    collective_guard.install()
+    try:
+        result = function(*args)
+    finally:
+        from tools import distributed  # noqa: PLC0415
+        distributed.cleanup()
+    torch.save(result, results / f"rank{rank}.pt")
+
+
+def run_in_processes(function, world_size: int, tmp_path: Path, *args) -> list:
+    """`function(*args)` in `world_size` fresh processes with torchrun's environment (RANK, WORLD_SIZE, ...), so
+    that tools.distributed.setup joins them in a gloo group, under tests.collective_guard; the return values
+    (tensors, lists, dicts, numbers) in rank order. `function` must be a module-level function."""
+    import torch.multiprocessing as mp  # noqa: PLC0415
+    results = Path(tmp_path) / f"results-{function.__name__}"
+    results.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_gloo_process, args=(world_size, _free_port(), function, args, results), nprocs=world_size)
+    return [torch.load(results / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]

@@ -1,7 +1,9 @@
-"""torchrun: two processes on the gloo backend write exactly what one process writes, for both scripts."""
+"""torchrun: two processes on the gloo backend write exactly what one process writes, for both scripts and the
+zoo, all under tests.collective_guard; every collective puts its tensors where NCCL needs them."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -10,10 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
 
+from tests import collective_guard
 from tests.conftest import save_torchscript
 from tests.test_challenge import TinyCNN
-from tools import synthetic
+from tools import distributed, synthetic
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING = ("wall_time_s", "composites_per_s", "composites_evaluated")  # cost, not results
@@ -30,9 +35,14 @@ def setup(tmp_path_factory):
     return data, models
 
 
+def guarded(processes: int) -> list[str]:
+    """The command prefix that runs a script (or `-m MODULE`) in `processes` torchrun processes under the guard."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "-m"]
+    return [*(launcher if processes > 1 else [sys.executable, "-m"]), "tests.collective_guard"]
+
+
 def run(script: str, out: Path, processes: int, *args) -> str:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
-    command = [*(launcher if processes > 1 else [sys.executable]), str(REPO / script), "--device", "cpu",
+    command = [*guarded(processes), str(REPO / script), "--device", "cpu",
                "--no-progress", "--log-level", "WARNING", "--output-dir", str(out), "--results-file",
                str(out / "results.json"), *map(str, args)]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -84,8 +94,7 @@ def test_zoo_two_processes_equal_one(setup, tmp_path):
     outputs = []
     for n in (1, 2):
         out = tmp_path / f"zoo{n}"
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
-        command = [*(launcher if n > 1 else [sys.executable]), "-m", "tools.zoo", "--models",
+        command = [*guarded(n), "-m", "tools.zoo", "--models",
                    f"file:{models['color']}", "--data-path", str(data), "--device", "cpu", "--no-progress",
                    "--no-cache", "--batch-size", "5", "--output-dir", str(out), "--log-level", "WARNING"]
         proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -96,3 +105,122 @@ def test_zoo_two_processes_equal_one(setup, tmp_path):
         payload["challenge"] = {k: v for k, v in payload["challenge"].items() if k not in TIMING}
         outputs.append(payload)
     assert outputs[0] == outputs[1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Where collectives' tensors live. No GPU here, so the NCCL rule is checked three ways: the toolkit talks to
+# torch.distributed only in tools/distributed.py (read from the source); that module, told its group is NCCL,
+# puts every collective's tensors on the run's device (a stand-in for the GPU); and the runs above go through
+# tests.collective_guard, which stops any collective called around that module.
+
+STAND_IN_GPU = torch.device("meta")  # not the CPU: where a GPU's tensors would be
+CHOKEPOINT = REPO / "tools" / "distributed.py"
+
+
+class Reached(Exception):
+    """A fake collective was handed its tensors."""
+
+
+def _chokepoint_calls(device: torch.device) -> dict:
+    """Each function of tools.distributed that issues a collective, called for a run on `device`."""
+    group = distributed.ProcessGroup(1, 2, 1)
+    return {"all_reduce": lambda: distributed.all_reduce(np.arange(3.0), "sum", device),
+            "broadcast": lambda: distributed.broadcast(np.arange(3), group, device),
+            "all_gather_floats": lambda: distributed.all_gather_floats(1.5, device),
+            "barrier": group.barrier}
+
+
+def _collective_callers(path: Path) -> set[str]:
+    """The functions (and methods) in a source file that call a torch.distributed collective."""
+    callers = set()
+    for function in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if any(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                   and node.func.attr in collective_guard.COLLECTIVES for node in ast.walk(function)):
+                callers.add(function.name)
+    return callers
+
+
+def _talks_to_torch_distributed(tree: ast.AST) -> list[int]:
+    """Line numbers that import torch.distributed (in any spelling) or reach it as torch.distributed."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            hit = any(a.name == "torch.distributed" or a.name.startswith("torch.distributed.") for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            hit = (module == "torch.distributed" or module.startswith("torch.distributed.")
+                   or (module == "torch" and any(a.name == "distributed" for a in node.names)))
+        else:
+            hit = (isinstance(node, ast.Attribute) and node.attr == "distributed"
+                   and isinstance(node.value, ast.Name) and node.value.id == "torch")
+        if hit:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_tools_distributed_talks_to_torch_distributed():
+    offenders = []
+    for path in sorted([*(REPO / "tools").rglob("*.py"), *REPO.glob("*.py")]):
+        if path != CHOKEPOINT:
+            offenders += [f"{path.relative_to(REPO)}:{line}"
+                          for line in _talks_to_torch_distributed(ast.parse(path.read_text(), str(path)))]
+    assert not offenders, f"torch.distributed used outside tools/distributed.py: {offenders}"
+    # and the NCCL test below calls every function of that module that issues a collective
+    assert _collective_callers(CHOKEPOINT) <= set(_chokepoint_calls(torch.device("cpu")))
+
+
+@pytest.fixture
+def recorded_collectives(monkeypatch):
+    """tools.distributed joined to a group of two whose backend the test sets; its collectives record what they
+    are handed (tensors' devices, barrier's device_ids) and stop."""
+    seen = []
+
+    def record(*args, **kwargs):
+        tensors = [t for value in (*args, *kwargs.values())
+                   for t in (value if isinstance(value, list) else [value]) if isinstance(t, torch.Tensor)]
+        seen.extend(t.device for t in tensors)
+        if kwargs.get("device_ids") is not None:
+            seen.extend(torch.device("cuda", i) for i in kwargs["device_ids"])
+        raise Reached
+
+    backend = {"name": "nccl"}
+    monkeypatch.setattr(distributed, "_joined", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["name"])
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    for name in collective_guard.COLLECTIVES:
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, record)
+    return seen, backend
+
+
+@pytest.mark.parametrize("name", list(_chokepoint_calls(torch.device("cpu"))))
+def test_every_collective_puts_its_tensors_where_the_backend_needs_them(name, recorded_collectives):
+    seen, backend = recorded_collectives
+    for backend["name"], device, expected in (("nccl", STAND_IN_GPU, STAND_IN_GPU),  # the run's GPU
+                                              ("gloo", STAND_IN_GPU, torch.device("cpu"))):  # gloo: the CPU
+        seen.clear()
+        with pytest.raises(Reached):
+            _chokepoint_calls(device)[name]()
+        if name == "barrier":  # no tensor of its own: under NCCL it names this process's GPU (local rank 1)
+            assert seen == ([torch.device("cuda", 1)] if backend["name"] == "nccl" else []), backend
+        else:
+            assert seen and all(d == expected for d in seen), (backend, seen)
+
+
+def test_the_guard_stops_collectives_around_tools_distributed_and_tensors_off_their_device(tmp_path, monkeypatch):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        collective_guard.install(monkeypatch.setattr)
+        tensor = torch.ones(2)
+        from_the_toolkit = compile("dist.all_reduce(tensor)", str(REPO / "tools" / "somewhere.py"), "exec")
+        with pytest.raises(collective_guard.CollectiveRuleBroken, match="somewhere.py calls torch.distributed.all_r"):
+            exec(from_the_toolkit, {"dist": dist, "tensor": tensor})
+        with pytest.raises(collective_guard.CollectiveRuleBroken, match="tensor on meta under gloo"):
+            dist.all_reduce(torch.ones(2, device="meta"))
+        # through tools.distributed (and from code outside the toolkit, such as torch's or this test's): allowed
+        assert distributed.all_reduce(np.array([2.0, 3.0]), "sum", torch.device("cpu")).tolist() == [2.0, 3.0]
+        assert distributed.all_gather_floats(1.5, torch.device("cpu")) == [1.5]
+        dist.all_reduce(tensor)
+    finally:
+        dist.destroy_process_group()

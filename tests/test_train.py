@@ -1,6 +1,7 @@
 """train.py end to end on generated data: bg-swap measurably removes background reliance that erm learns;
 every method leaves a checkpoint both evaluation scripts load; kill -9 then --resume equals the uninterrupted
-run bit for bit; two torchrun processes on gloo equal one process."""
+run bit for bit; two torchrun processes on gloo equal one process (under tests.collective_guard), draw their
+own dropout masks and the one-process mixing, and SWA's BatchNorm statistics come from both."""
 
 from __future__ import annotations
 
@@ -14,16 +15,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import challenge_eval
 import in9_eval
 import train
-from conftest import run_in_process
-from tools import cli, synthetic
+from conftest import run_in_process, run_in_processes
+from tools import cli, distributed, synthetic
 from tools.checkpoints import TRAINED_FORMAT
 from tools.models import SMALL_CNN, SmallCNN
+from tools.training import loop
 from tools.training.checkpoint import CHECKPOINT_NAME, STATE_NAME
+from tools.training.config import Method, TrainConfig
 from tools.training.data import derived_seed
+from tools.training.methods import WeightAveraging
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--arch", SMALL_CNN, "--device", "cpu", "--no-progress", "--log-level", "WARNING", "--workers", "0"]
@@ -202,7 +207,8 @@ def test_two_gloo_processes_equal_one(tiny, tmp_path):
     subprocess.run([sys.executable, *script, "--output-dir", str(single)], env=_env(), check=True,
                    capture_output=True)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             *script, "--output-dir", str(double)], env=_env(), capture_output=True, text=True)
+                             "-m", "tests.collective_guard", *script, "--output-dir", str(double)], env=_env(),
+                            cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     # each process took its half of every global batch: 3 + 3 images per step, 6 in all
     log = [json.loads(line) for line in (double / "train_log.jsonl").read_text().splitlines() if "loss" in line]
@@ -210,6 +216,66 @@ def test_two_gloo_processes_equal_one(tiny, tmp_path):
     a, b = weights(single / CHECKPOINT_NAME), weights(double / CHECKPOINT_NAME)
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6)
+
+
+def _recorded_draws(data: Path, out: Path) -> dict:
+    """One epoch of mixup training (in this process, or as a rank of the group its environment names), with each
+    step's random draws recorded: the mask a Dropout(0.5) over 64 features would draw first in the forward pass,
+    and the smaller of the mixed targets' two weights (MixUp's λ or 1 - λ)."""
+    masks, mixing = [], []
+    step = loop.training_step
+
+    def recording(model, images, targets, *rest):
+        with torch.random.fork_rng(devices=[]):
+            masks.append(torch.nn.functional.dropout(torch.ones(64), 0.5) > 0)
+        mixed = targets[(targets > 0).sum(1) == 2]  # images mixed with one of another class
+        mixing.append(round(float(mixed.min()), 6) if len(mixed) else None)
+        return step(model, images, targets, *rest)
+
+    loop.training_step = recording
+    try:
+        loop.train(TrainConfig(data, out, methods=[Method.MIXUP], arch=SMALL_CNN, weights="none", batch_size=6,
+                               device="cpu", workers=0, progress=False))
+    finally:
+        loop.training_step = step
+    return {"masks": torch.stack(masks), "mixing": mixing}
+
+
+def test_each_process_draws_its_own_dropout_masks_and_the_one_process_mixing(tiny, tmp_path, one_thread):
+    one = _recorded_draws(tiny, tmp_path / "one")
+    ranks = run_in_processes(_recorded_draws, 2, tmp_path, tiny, tmp_path / "two")
+    assert len(one["mixing"]) == 3 and all(len(r["mixing"]) == 3 for r in ranks)  # 18 images, 6 per step
+    for step in range(3):  # dropout: a mask for each process's share of the batch
+        assert not torch.equal(ranks[0]["masks"][step], ranks[1]["masks"][step]), f"step {step}: the same masks"
+    # MixUp's λ (CutMix's box likewise): one draw per global batch, in every process the one-process run's
+    assert None not in one["mixing"] and ranks[0]["mixing"] == ranks[1]["mixing"] == one["mixing"]
+
+
+def _batch_norm_after_swa(batches: list[torch.Tensor], world_size: int) -> dict:
+    """SWA's finish (update_bn) over this process's share of each batch, for a convolution + BatchNorm model
+    built alike everywhere; the BatchNorm statistics it leaves."""
+    rank = distributed.setup(torch.device("cpu")).rank
+    torch.manual_seed(0)
+    averaging = WeightAveraging(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)),
+                                TrainConfig(Path("data"), Path("out"), swa=True, epochs=2), len(batches))
+    norm = averaging.finish(iter([b[rank::world_size] for b in batches]), torch.device("cpu"))[1]
+    return {"mean": norm.running_mean.clone(), "var": norm.running_var.clone()}
+
+
+def test_swa_batch_norm_statistics_come_from_every_process(tmp_path, one_thread):
+    batches = list(torch.rand(3, 6, 3, 5, 5, generator=torch.Generator().manual_seed(1)))
+    one = _batch_norm_after_swa(batches, 1)
+    ranks = run_in_processes(_batch_norm_after_swa, 2, tmp_path, batches, 2)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 1)
+    with torch.no_grad():  # brute force: every process's share of every batch, through the convolution
+        shares = [conv(b[r::2]) for b in batches for r in range(2)]
+    share_means = torch.stack([s.mean((0, 2, 3)) for s in shares]).mean(0)
+    share_vars = torch.stack([s.var((0, 2, 3)) for s in shares]).mean(0)
+    for rank, stats in enumerate(ranks):
+        torch.testing.assert_close(stats["mean"], share_means, msg=f"rank {rank}")
+        torch.testing.assert_close(stats["var"], share_vars, msg=f"rank {rank}")
+    torch.testing.assert_close(ranks[0]["mean"], one["mean"])  # the means are the one-process run's
 
 
 def test_ranks_share_out_exactly_the_one_process_batches():

@@ -2,6 +2,9 @@
 
 Without torchrun's variables everything is the single-process code path (rank 0 of 1, no process group).
 With them, `setup` joins the group (NCCL on CUDA, gloo on the CPU) and picks the device for LOCAL_RANK.
+
+Every collective of the toolkit goes through this module: each takes the run's device and puts its tensors
+where the joined backend needs them (`reduction_device`), so no caller can leave one on the wrong device.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+NCCL, GLOO = "nccl", "gloo"
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,9 @@ class ProcessGroup:
         return requested
 
     def barrier(self) -> None:
+        """Wait for every process; under NCCL on this process's GPU (named, not guessed)."""
         if self.distributed:
-            dist.barrier()
+            dist.barrier(device_ids=[self.local_rank] if dist.get_backend() == NCCL else None)
 
 
 def from_environment() -> ProcessGroup:
@@ -56,7 +63,7 @@ def setup(device: torch.device) -> ProcessGroup:
     group = from_environment()
     if not group.distributed or dist.is_initialized():
         return group
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = NCCL if device.type == "cuda" else GLOO
     if device.type == "cuda":
         torch.cuda.set_device(group.local_rank)
     dist.init_process_group(backend=backend)
@@ -73,17 +80,23 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce(array: np.ndarray, op: str = "sum", device: torch.device | None = None) -> np.ndarray:
-    """An element-wise reduction of a numpy array over the process group ("sum", "min" or "max"), through a
-    tensor on `device` (the GPU for NCCL); the array itself when there is no group."""
+def reduction_device(device: torch.device) -> torch.device:
+    """Where a collective's tensors live for a run on `device`: that GPU under NCCL, the CPU under gloo."""
+    return device if _joined() and dist.get_backend() == NCCL else torch.device("cpu")
+
+
+def all_reduce(array: np.ndarray, op: str, device: torch.device) -> np.ndarray:
+    """An element-wise reduction ("sum", "mean", "min" or "max") of a numpy array over the process group, for a
+    run on `device`; the array itself when there is no group."""
     if not _joined():
         return array
-    tensor = torch.from_numpy(np.ascontiguousarray(array)).to(device or torch.device("cpu"))
-    dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
-    return tensor.cpu().numpy()
+    tensor = torch.from_numpy(np.ascontiguousarray(array)).to(reduction_device(device))
+    dist.all_reduce(tensor, op=REDUCE_OPS[op])
+    reduced = tensor.cpu().numpy()
+    return reduced / dist.get_world_size() if op == "mean" else reduced
 
 
-def broadcast(array: np.ndarray, group: ProcessGroup, device: torch.device | None = None) -> np.ndarray:
+def broadcast(array: np.ndarray, group: ProcessGroup, device: torch.device) -> np.ndarray:
     """Rank 0's copy of an array (int or float), in every process."""
     if not group.distributed:
         return array
@@ -91,15 +104,11 @@ def broadcast(array: np.ndarray, group: ProcessGroup, device: torch.device | Non
     return all_reduce(mine, "sum", device).astype(array.dtype)
 
 
-def all_gather_floats(value: float, device: torch.device | None = None) -> list[float]:
-    """One number from every process, in rank order; [value] when there is no group."""
+def all_gather_floats(value: float, device: torch.device) -> list[float]:
+    """One number from every process, in rank order, for a run on `device`; [value] when there is no group."""
     if not _joined():
         return [value]
-    out = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, torch.tensor([value], dtype=torch.float64, device=device))
+    place = reduction_device(device)
+    out = [torch.zeros(1, dtype=torch.float64, device=place) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([value], dtype=torch.float64, device=place))
     return [float(t.item()) for t in out]
-
-
-def reduction_device(device: torch.device) -> torch.device | None:
-    """Where collectives' tensors must live: this process's GPU under NCCL, the CPU (None) under gloo."""
-    return device if _joined() and dist.get_backend() == "nccl" else None

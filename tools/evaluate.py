@@ -177,7 +177,7 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
         for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(), starts):
             encoded[start:start + batch.shape[0]] = to_in9(forward(runtime.to_device(batch))).cpu().numpy() - NOT_MINE
             bar.update(batch.shape[0] * share.count)
-    return distributed.all_reduce(encoded, "sum", distributed.reduction_device(runtime.device)) + NOT_MINE
+    return distributed.all_reduce(encoded, "sum", runtime.device) + NOT_MINE
 
 
 @dataclass

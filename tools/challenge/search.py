@@ -106,7 +106,7 @@ class ShardedSearch:
     def __init__(self, search: Search):
         self.search, self.state, self.plan = search, search.state, search.scheduler
         self.group = search.predictor.runtime.group
-        self.device = distributed.reduction_device(search.predictor.runtime.device)
+        self.device = search.predictor.runtime.device
         self.busy_s = 0.0  # this process's time testing pairs, for the balance figure
 
     def run(self) -> SearchState:
@@ -250,7 +250,6 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
     data = data.to(runtime.device)
     predictor = CompositePredictor(loaded, runtime, data, config.batch_size, config.recheck_margin)
     state_path = Path(output_dir) / state_name if output_dir is not None else None
-    device = distributed.reduction_device(runtime.device)  # where collectives' tensors live, if any
     if resume and state_path is not None and state_path.is_file():
         state = SearchState.load(state_path, key)
         log.info("resuming from %s: %d composites already evaluated", state_path, state.evaluated)
@@ -259,14 +258,14 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
             log.warning("no saved state in %s: starting afresh", output_dir)
         bg_pred = predictor.predict_backgrounds(measure=config.batch_size is None and runtime.device.type == "cpu")
         # every process plans from rank 0's background predictions (and batch size), so all plan alike
-        bg_pred = distributed.broadcast(bg_pred, runtime.group, device)
+        bg_pred = distributed.broadcast(bg_pred, runtime.group, runtime.device)
         predictor.forward.chunk = int(distributed.broadcast(np.array([predictor.forward.chunk]), runtime.group,
-                                                            device)[0])
+                                                            runtime.device)[0])
         state = SearchState.fresh(len(data.foregrounds), len(data.backgrounds), bg_pred, config.full)
     Search(predictor, data, config, state, state_path, key).run()
     if runtime.group.distributed:
         predictor.rechecked, predictor.recheck_changed = (int(v) for v in distributed.all_reduce(
-            np.array([predictor.rechecked, predictor.recheck_changed], np.int64), "sum", device))
+            np.array([predictor.rechecked, predictor.recheck_changed], np.int64), "sum", runtime.device))
     info = provenance(runtime.describe(), loaded.describe(), data.fingerprint)
     info["mask_arithmetic"] = data.arithmetic.value
     info["batch_size"] = predictor.forward.chunk

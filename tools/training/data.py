@@ -72,7 +72,8 @@ def list_training_data(config: TrainConfig) -> TrainingData:
 
 
 class StepSampler(Sampler):
-    """Yields, for each step from `start_step` to the epoch's end, this rank's share of the global batch.
+    """Yields, for each step from `start_step` to the epoch's end, this rank's share of the global batch, and
+    seeds the random draws made on it.
 
     The global batch of step s is positions s*B .. (s+1)*B-1 of the epoch's seeded permutation; rank r of W
     takes every W-th of them from r, so W processes together see exactly the one-process batch."""
@@ -88,6 +89,16 @@ class StepSampler(Sampler):
 
     def __len__(self) -> int:
         return self.steps_per_epoch(self.size, self.batch_size) - self.start_step
+
+    def batch_seed(self, step: int) -> int:
+        """The seed of the draws made once per global batch (MixUp or CutMix, λ, the CutMix box): the same in every
+        process, so they are the one-process run's."""
+        return derived_seed(self.seed, "step", step)
+
+    def share_seed(self, step: int) -> int:
+        """The seed of the draws made over this rank's share of the batch (dropout masks): its own in each process,
+        as a one-process run draws them afresh for every image."""
+        return derived_seed(self.seed, "share", step, self.rank, self.world_size)
 
     def __iter__(self):
         order = torch.randperm(self.size, generator=torch.Generator().manual_seed(

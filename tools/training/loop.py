@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
@@ -141,13 +141,9 @@ class JsonLog:
                 fh.write(json.dumps(record) + "\n")
 
 
-def _sum_across(group: distributed.ProcessGroup, *values: float) -> list[float]:
+def _sum_across(device: torch.device, *values: float) -> list[float]:
     """Per-process sums added over all processes (for the log: loss, correct answers, images)."""
-    if not group.distributed:
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+    return distributed.all_reduce(np.array(values, np.float64), "sum", device).tolist()
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -210,12 +206,13 @@ def train(config: TrainConfig) -> TrainResult:
             sampler = StepSampler(len(data), config.batch_size, config.seed, epoch, step - epoch * steps_per_epoch,
                                   group.rank, group.world_size)
             for batch in make_loader(data, config, sampler, runtime.pin()):
-                torch.manual_seed(derived_seed(config.seed, "step", step))  # dropout, mixing: replayable
+                torch.manual_seed(sampler.batch_seed(step))  # mixing: the batch's draws, as one process makes them
                 images, labels = device_batch(batch, device, config.augment)
                 images = runtime.to_device(images)
                 targets = labels
                 if mixer is not None:
                     images, targets = mixer(images.float().div_(255), labels)
+                torch.manual_seed(sampler.share_seed(step))  # dropout: this process's share's own draws
                 logits, loss = training_step(model, images, targets, loss_fn, optimizer, runtime)
                 if swa is not None and swa.active(epoch):
                     swa.step(optimizer)
@@ -223,7 +220,7 @@ def train(config: TrainConfig) -> TrainResult:
                     schedule.step()
                 step += 1
                 local = labels.shape[0]
-                loss_sum, correct, images = _sum_across(group, loss.item() * local,
+                loss_sum, correct, images = _sum_across(device, loss.item() * local,
                                                         float((logits.argmax(1) == labels).sum()), float(local))
                 loss_value, accuracy = loss_sum / images, correct / images
                 images_seen += int(images)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.optim import swa_utils
 
+from tools import distributed
 from tools.in9 import NUM_IN9_CLASSES
 from tools.training.adapters import frozen_modules
 from tools.training.config import Method, TrainConfig
@@ -26,6 +27,12 @@ def batch_mixer(config: TrainConfig):
     if not mixers:
         return None
     return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
+
+
+def running_statistics(model: nn.Module) -> list[torch.Tensor]:
+    """The running means and variances of a model's BatchNorm layers."""
+    return [statistic for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and m.track_running_stats for statistic in (m.running_mean, m.running_var)]
 
 
 class WeightAveraging:
@@ -68,7 +75,11 @@ class WeightAveraging:
 
     def finish(self, loader_batches, device: torch.device) -> nn.Module:
         """The averaged model, the statistics of its trained BatchNorm layers recomputed over the training batches;
-        frozen ones (linear probe, adapters) keep the starting point's, as they did in training."""
+        frozen ones (linear probe, adapters) keep the starting point's, as they did in training.
+
+        Under torchrun each process sees its share of every batch; the recomputed statistics are then averaged over
+        the processes, so that they cover all of the data: the running means equal one process's over the whole
+        batches, the running variances are the mean of the shares' variances."""
         model = self.averaged.module
         frozen = {module for part in frozen_modules(model) for module in part.modules()}
         norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
@@ -79,6 +90,8 @@ class WeightAveraging:
                 norm.track_running_stats = False
             try:
                 swa_utils.update_bn(loader_batches, self.averaged, device=device)
+                for statistic in running_statistics(model):  # the recomputed ones: frozen layers track none now
+                    statistic.copy_(torch.from_numpy(distributed.all_reduce(statistic.cpu().numpy(), "mean", device)))
             finally:
                 for norm in kept:
                     norm.track_running_stats = True
