@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from tests import collective_guard
-from tests.conftest import save_torchscript
+from tests.conftest import run_in_process, save_torchscript
 from tests.test_challenge import TinyCNN
-from tools import distributed, synthetic
+from tools import distributed, synthetic, zoo
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING = ("wall_time_s", "composites_per_s", "composites_evaluated")  # cost, not results
@@ -224,3 +225,45 @@ def test_the_guard_stops_collectives_around_tools_distributed_and_tensors_off_th
         dist.all_reduce(tensor)
     finally:
         dist.destroy_process_group()
+
+
+def test_zoo_failure_in_one_process_fails_the_model_in_every_process(setup, tmp_path, capsys):
+    """A model failing on one rank only, in each phase in turn (tests/zoo_failures.py): no process is left waiting
+    in a collective, each is reported failed, a model done before is skipped by both, and the model after them
+    gets the numbers of the one done before (the same weights, run by one process)."""
+    data, models = setup
+    words = ["fail-load", "fail-in9", "done-before", "fail-decode", "fail-search", "fail-save", "fail-write", "works"]
+    specs = {}
+    for word in words:
+        shutil.copyfile(models["color"], tmp_path / f"color-{word}.ts")
+        specs[word] = f"file:{tmp_path / f'color-{word}.ts'}"
+    common = ["--data-path", str(data), "--device", "cpu", "--no-progress", "--no-cache", "--batch-size", "5",
+              "--log-level", "WARNING", "--no-leaderboard", "--output-dir", str(tmp_path / "zoo")]
+    code, _, err = run_in_process(zoo.main, [*common, "--models", specs["done-before"]], capsys)
+    assert code == 0, err
+    proc = subprocess.run([*guarded(2), "-m", "tests.zoo_failures", "--models", ",".join(specs.values()), *common],
+                          cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    failing = [word for word in words if word.startswith("fail-")]
+    lines = proc.stdout.splitlines()
+    assert [line.split(": ")[1] for line in lines[:len(words)]] == \
+        ["failed" if word in failing else "skipped" if word == "done-before" else "done" for word in words], \
+        proc.stdout + proc.stderr[-3000:]
+    assert lines[len(words)] == f"2 of 8 models done; failed: {', '.join(specs[word] for word in failing)}"
+    for word in failing:  # the other process says which one failed
+        assert f"ERROR: {specs[word]}: process {0 if word in ('fail-save', 'fail-write') else 1} of 2 failed" \
+            in proc.stderr, proc.stderr[-3000:]
+    written = {json.loads(path.read_text())["model"]: json.loads(path.read_text())
+               for path in (tmp_path / "zoo" / "models").glob("*.json")}
+    assert sorted(written) == sorted([specs["done-before"], specs["works"]])
+    one, two = written[specs["done-before"]], written[specs["works"]]
+    for run in ("in9", "challenge"):
+        assert copy_independent(two[run]) == copy_independent(one[run])
+
+
+def copy_independent(run: dict) -> dict:
+    """A run's results less what differs between two copies of one checkpoint: the timing and the file's path."""
+    kept = {k: v for k, v in run.items() if k not in TIMING}
+    kept["provenance"] = {k: v for k, v in run["provenance"].items() if k != "checkpoint"}
+    return kept

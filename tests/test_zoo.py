@@ -23,6 +23,8 @@ import in9_eval
 from conftest import run_in_process, save_torchscript
 from tools import challenge, cli, evaluate, synthetic, zoo
 from tools.errors import UserError
+from tools.hashing import sha256_file
+from tools.in9 import VARIATIONS
 from tools.leaderboard import (CSV_FILE, MARKDOWN_FILE, MEASURED, PLOT_FILE, PLOT_SIZE, PUBLISHED, nice_ticks,
                                published_rows)
 
@@ -252,3 +254,102 @@ def test_nice_ticks_cover_the_range():
     assert nice_ticks(0, 22.3) == [0, 5, 10, 15, 20, 25]
     ticks = nice_ticks(-7.4, 48.1)
     assert ticks[0] <= -7.4 and ticks[-1] >= 48.1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A result's identity: the data's content, the model's weights and the settings, never their paths
+
+def small_zoo(data, output, spec, capsys, *extra):
+    """One model through the zoo on a small data folder, without the leaderboard: (exit code, stdout, stderr)."""
+    return run_zoo_cli([*zoo_args(data, output, [spec]), "--no-leaderboard", "--batch-size", "8", *extra], capsys)
+
+
+@pytest.fixture
+def small(tmp_path, checkpoints):
+    """A data folder of nine images and a copy of the colour model's TorchScript file, both private to the test."""
+    data = synthetic.generate(tmp_path / "bg", per_class=1, seed=1).root
+    model = tmp_path / "model.ts"
+    shutil.copyfile(checkpoints / "color.ts", model)
+    return data, model
+
+
+def test_data_rewritten_in_place_is_recomputed(small, tmp_path, capsys, one_thread):
+    data, model = small
+    spec, output = f"file:{model}", tmp_path / "zoo"
+    assert small_zoo(data, output, spec, capsys)[0] == 0
+    old = json.loads(results_file(output, spec).read_text())
+    synthetic.generate(data, per_class=1, seed=2)  # the same file names, other pixels
+    code, out, err = small_zoo(data, output, spec, capsys)
+    assert code == 0, err
+    assert f"{spec}: done: " in out
+    new = json.loads(results_file(output, spec).read_text())
+    fingerprint = evaluate.list_in9_files(data, list(VARIATIONS)).fingerprint
+    assert new["in9"]["provenance"]["data"] == fingerprint != old["in9"]["provenance"]["data"]
+    assert new["identity"]["data_sha256"]["in9"] == fingerprint["sha256"]
+
+
+def test_checkpoint_overwritten_in_place_is_recomputed(small, tmp_path, capsys, one_thread):
+    data, model = small
+    spec, output = f"file:{model}", tmp_path / "zoo"
+    assert small_zoo(data, output, spec, capsys)[0] == 0
+    old = json.loads(results_file(output, spec).read_text())
+    save_torchscript(synthetic.ColorEvidenceModel(9, fg_weight=0.5, bg_weight=4.0), model)  # same path, other weights
+    code, out, err = small_zoo(data, output, spec, capsys)
+    assert code == 0, err
+    assert f"{spec}: done: " in out
+    new = json.loads(results_file(output, spec).read_text())
+    assert new["in9"]["provenance"]["sha256"] == sha256_file(model) != old["in9"]["provenance"]["sha256"]
+    assert new["identity"]["weights_sha256"] == sha256_file(model)
+
+
+def test_same_content_under_another_path_is_reused(small, tmp_path, capsys, monkeypatch, one_thread):
+    data, model = small
+    spec, output = f"file:{model}", tmp_path / "zoo"
+    assert small_zoo(data, output, spec, capsys)[0] == 0
+    moved = tmp_path / "elsewhere" / "bg"
+    shutil.copytree(data, moved)
+    calls = []
+    monkeypatch.setattr(zoo, "evaluate_model", lambda *a, **k: calls.append(a) or {})
+    code, out, err = small_zoo(moved, output, spec, capsys)
+    assert code == 0, err
+    assert calls == [] and f"{spec}: skipped: " in out
+
+
+def test_run_state_of_other_settings_is_set_aside_once(small, tmp_path, capsys, one_thread):
+    """A model interrupted under one criterion and rerun under another: its state is moved aside with one line."""
+    data, model = small
+    spec, output = f"file:{model}", tmp_path / "zoo"
+    assert small_zoo(data, output, spec, capsys)[0] == 0
+    results_file(output, spec).unlink()  # as if stopped after its runs saved their state
+    code, out, err = small_zoo(data, output, spec, capsys, "--criterion", "bg-class")
+    assert code == 0, err
+    slug = zoo.parse_model_spec(spec).slug
+    aside = [line for line in err.splitlines() if "set aside" in line]
+    assert len(aside) == 1 and aside[0].startswith("WARNING: ") and slug in aside[0], err
+    assert (output / zoo.RUNS_FOLDER / f"{slug}.stale-1" / challenge.STATE_NAME).is_file()
+    assert json.loads(results_file(output, spec).read_text())["challenge"]["criterion"] == "bg-class"
+    code, out, err = small_zoo(data, output, spec, capsys, "--criterion", "bg-class")
+    assert code == 0 and f"{spec}: skipped: " in out and "set aside" not in err
+
+
+def test_a_clip_model_from_a_weights_file_is_reused_until_the_file_changes(small, tmp_path, capsys, tiny_clip,
+                                                                          one_thread):
+    """A CLIP row's weights hash also covers its text head, so the file is compared with the file's own hash."""
+    import open_clip  # noqa: PLC0415 (tiny_clip skips without it)
+
+    data, _ = small
+    arch = tiny_clip.split("/")[0][len("clip:"):]
+    weights = tmp_path / "tiny.pt"
+    torch.manual_seed(0)
+    torch.save(open_clip.create_model(arch, pretrained=None).state_dict(), weights)
+    spec, output = f"clip:{arch}/{weights}+templates=simple", tmp_path / "zoo"
+    code, out, err = small_zoo(data, output, spec, capsys)
+    assert code == 0 and f"{spec}: done: " in out, err
+    recorded = json.loads(results_file(output, spec).read_text())
+    assert recorded["weights_file_sha256"] == sha256_file(weights) != recorded["identity"]["weights_sha256"]
+    code, out, err = small_zoo(data, output, spec, capsys)
+    assert code == 0 and f"{spec}: skipped: " in out, err
+    torch.manual_seed(1)
+    torch.save(open_clip.create_model(arch, pretrained=None).state_dict(), weights)
+    code, out, err = small_zoo(data, output, spec, capsys)
+    assert code == 0 and f"{spec}: done: " in out, err

@@ -9,13 +9,17 @@ where the joined backend needs them (`reduction_device`), so no caller can leave
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from tools.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -112,3 +116,38 @@ def all_gather_floats(value: float, device: torch.device) -> list[float]:
     out = [torch.zeros(1, dtype=torch.float64, device=place) for _ in range(dist.get_world_size())]
     dist.all_gather(out, torch.tensor([value], dtype=torch.float64, device=place))
     return [float(t.item()) for t in out]
+
+
+class PeerFailure(UserError):
+    """Raised in every process but the failed ones when some processes failed in an `agree` block."""
+
+
+_AGREED = "_failure_agreed_across_processes"  # set on an error once every process knows of it
+
+
+@contextlib.contextmanager
+def agree(device: torch.device) -> Iterator[None]:
+    """Leave a block in every process together. Work that may fail in some processes only (an image only one of
+    them decodes, a file only rank 0 writes) runs inside it; at its end the processes vote in one all-reduce (for a run on
+    `device`, as `all_reduce`), and when some failed, those raise their own error and every other one
+    `PeerFailure`. So no process waits in a collective that a failed one will not join, as long as the work
+    since the last collective runs in such a block; an error passing through nested blocks is voted on once."""
+    if not _joined():
+        yield
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = np.zeros(world, np.int64)
+    try:
+        yield
+    except Exception as exc:
+        if not getattr(exc, _AGREED, False):
+            mine[rank] = 1
+            all_reduce(mine, "sum", device)
+            setattr(exc, _AGREED, True)
+        raise
+    failed = np.flatnonzero(all_reduce(mine, "sum", device))
+    if len(failed):
+        which = f"process{'es' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of {world}"
+        error = PeerFailure(f"{which} failed (its own error line says why); every process stops this work with it")
+        setattr(error, _AGREED, True)
+        raise error

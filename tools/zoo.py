@@ -10,10 +10,12 @@ Model specs:
 - file:PATH: a TorchScript or torch.export file, or a checkpoint that records its architecture ("arch");
 - ARCH@file:PATH: a checkpoint of architecture ARCH (a torchvision name or timm:NAME), e.g. a plain state dict.
 
-Each model writes OUTPUT/models/<name>.json when both of its runs are done; a model whose file exists
-is skipped. Its runs keep their resumable state in OUTPUT/runs/<name>/. A model that fails is reported
-in one line and the others go on; the exit code is 0 when all succeeded, 1 when some failed, 2 for bad
-input to the command itself.
+Each model writes OUTPUT/models/<name>.json when both of its runs are done; a model whose file is of the
+same data content, weights (by their SHA-256) and settings is skipped, and one whose data or weights
+changed runs again. Its runs keep their resumable state in OUTPUT/runs/<name>/; state of other data,
+weights or settings is set aside. A model that fails (in any process under torchrun) is reported in one
+line and the others go on; the exit code is 0 when all succeeded, 1 when some failed, 2 for bad input to
+the command itself.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -28,12 +31,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from tools import cli, options
-from tools.challenge import STATE_NAME, ChallengeConfig, run_challenge
+from tools import cli, distributed, options
+from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, list_challenge_files, run_challenge
 from tools.errors import UserError
-from tools.evaluate import run_in9
+from tools.evaluate import In9Files, list_in9_files, run_in9
+from tools.hashing import sha256_file
 from tools.in9 import VARIATIONS
 from tools.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
 from tools.models import TIMM_PREFIX, LoadedModel
@@ -45,6 +50,7 @@ log = logging.getLogger(__name__)
 
 ARCH_SEPARATOR = "@"
 RUNS_FOLDER = "runs"
+RUN_IDENTITY_FILE = "identity.json"  # in OUTPUT/runs/<name>/: what the saved state there is of
 EXIT_SOME_FAILED = 1
 
 
@@ -123,9 +129,31 @@ class ZooSettings:
     trust: bool = False
 
     def fingerprint(self, runtime: Runtime) -> dict:
-        """The settings a results file must have been made with to count as done."""
-        return {"data_path": str(Path(self.data_path).resolve()), "precision": runtime.precision.value,
-                "criterion": self.challenge.criterion.value, "recheck_margin": self.challenge.recheck_margin}
+        """The settings that change a model's numbers; with the data's and the weights' hashes, a result's identity."""
+        return {"precision": runtime.precision.value, "criterion": self.challenge.criterion.value,
+                "recheck_margin": self.challenge.recheck_margin,
+                "mask_arithmetic": self.challenge.mask_arithmetic.value}
+
+
+@dataclass
+class ZooData:
+    """What every model reads, listed, checked and hashed once: the in9 run's images and the challenge's."""
+
+    in9: In9Files
+    challenge: ChallengeFiles
+
+    @property
+    def sha256(self) -> dict:
+        return {"in9": self.in9.fingerprint["sha256"], "challenge": self.challenge.fingerprint["sha256"]}
+
+
+def list_zoo_data(root: Path, workers: int) -> ZooData:
+    return ZooData(list_in9_files(root, list(VARIATIONS), workers), list_challenge_files(root, workers))
+
+
+def identity(data: ZooData, weights_sha256: str | None, settings: dict) -> dict:
+    """What a result (and its runs' saved state) is of: the data's content, the model's weights, the settings."""
+    return {"data_sha256": data.sha256, "weights_sha256": weights_sha256, "settings": settings}
 
 
 @dataclass
@@ -147,52 +175,116 @@ def _summary(payload: dict) -> dict:
             "challenge_accuracy": challenge["challenge_accuracy"]}
 
 
-def _finished(path: Path, settings: dict) -> dict | None:
-    """The results file's contents if this model is done with these settings; an error if with others."""
-    if not path.is_file():
-        return None
+def _read_json(path: Path) -> dict | None:
     try:
         payload = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        log.warning("unreadable results file %s: running its model again", path)
         return None
-    if payload.get("settings") != settings:
-        raise UserError(f"{path} was made with other settings ({payload.get('settings')}); use another --output-dir "
-                        f"or delete the file to rerun")
-    return payload
+    return payload if isinstance(payload, dict) else None
 
 
-def evaluate_model(spec: ModelSpec, settings: ZooSettings, runtime: Runtime, output_dir: Path,
-                   progress: bool = True) -> dict:
-    """Both runs for one model (each resuming from OUTPUT/runs/<name>/), as the results file's contents."""
-    loaded = spec.load(settings.trust, runtime, progress)
+def _weights_sha256(spec: ModelSpec, recorded_file: str | None) -> str | None:
+    """The hash of the model's weights without building it, where a file holds them: the file the spec names, else
+    the one the result was made from (a download of torchvision or CLIP weights); None when there is none."""
+    path = spec.path or (Path(recorded_file) if recorded_file else None)
+    return sha256_file(path) if path is not None and path.is_file() else None
+
+
+def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, trust: bool = False,
+                    runtime: Runtime | None = None, progress: bool = False) -> tuple[dict | None, LoadedModel | None]:
+    """(the results file's contents if they are of this data, these weights and these settings, else None; the
+    model when it had to be loaded to learn its weights' hash). A results file of other settings is refused."""
+    if not path.is_file():
+        return None, None
+    payload = _read_json(path)
+    if payload is None or "identity" not in payload:
+        log.warning("%s is unreadable or older than the data and weights hashes it must hold: running its model "
+                    "again", path)
+        return None, None
+    recorded = payload["identity"]
+    if recorded.get("settings") != settings:
+        raise UserError(f"{path} was made with other settings ({recorded.get('settings')}); use another "
+                        f"--output-dir or delete the file to rerun")
+    if recorded.get("data_sha256") != data.sha256:
+        log.info("the data's content changed since %s was made: running its model again", path)
+        return None, None
+    file_digest, loaded = _weights_sha256(spec, payload.get("weights_file")), None
+    if file_digest is not None:  # the file is compared with the file (a CLIP model's identity also holds its head)
+        unchanged = file_digest == payload.get("weights_file_sha256")
+    else:
+        loaded = spec.load(trust, runtime, progress)
+        unchanged = loaded.sha256 == recorded.get("weights_sha256")
+    if not unchanged:
+        log.info("the weights of %s changed since %s was made: running it again", spec.text, path)
+        return None, loaded
+    return payload, loaded
+
+
+def set_aside_other_state(state_dir: Path, wanted: dict) -> None:
+    """Keep a model's resumable state only for the identity it was made for: a folder holding another's (other
+    data, weights or settings) is renamed to NAME.stale-N with one log line, and `wanted` recorded in its place."""
+    record = state_dir / RUN_IDENTITY_FILE
+    if state_dir.is_dir() and any(state_dir.iterdir()) and _read_json(record) != wanted:
+        aside = next(path for path in (state_dir.with_name(f"{state_dir.name}.stale-{n}") for n in itertools.count(1))
+                     if not path.exists())
+        state_dir.rename(aside)
+        log.warning("%s holds the state of a run on other data, weights or settings: set aside as %s", state_dir,
+                    aside.name)
+    write_json_atomic(record, wanted)
+
+
+def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, runtime: Runtime, data: ZooData,
+                   output_dir: Path, progress: bool = True) -> dict:
+    """Both runs for one model (each resuming from OUTPUT/runs/<name>/), as the results file's contents.
+
+    Under torchrun, the processes leave each run together when one of them fails (`distributed.agree`)."""
     state_dir = Path(output_dir) / RUNS_FOLDER / spec.slug
-    in9 = run_in9(loaded, runtime, settings.data_path, list(VARIATIONS), settings.batch_size, settings.workers,
-                  state_dir, resume=True, progress=progress)
-    challenge = run_challenge(loaded, runtime, settings.data_path, settings.challenge, state_dir,
-                              (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache_dir)
+    device = runtime.device
+    with distributed.agree(device):
+        in9 = run_in9(loaded, runtime, data.in9, list(VARIATIONS), settings.batch_size, settings.workers, state_dir,
+                      resume=True, progress=progress)
+    with distributed.agree(device):
+        challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,
+                                  (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache_dir)
     weights = loaded.weights or (Path(loaded.source).name if loaded.source else None)
+    weights_file = Path(loaded.source).resolve() if loaded.source and Path(loaded.source).is_file() else None
     return {"model": spec.text, "source": spec.source, "arch": loaded.arch, "weights": weights,
-            "settings": settings.fingerprint(runtime), "in9": in9.to_json(), "challenge": challenge.to_json()}
+            "weights_file": str(weights_file) if weights_file else None,
+            "weights_file_sha256": sha256_file(weights_file) if weights_file else None,
+            "identity": identity(data, loaded.sha256, settings.fingerprint(runtime)),
+            "in9": in9.to_json(), "challenge": challenge.to_json()}
 
 
 def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, output_dir: Path,
             progress: bool = True) -> list[Outcome]:
-    """Every model in turn; done ones are skipped, a failing one is logged in one line and the rest go on."""
-    outcomes = []
+    """Every model in turn; done ones are skipped, a failing one is logged in one line and the rest go on.
+
+    A model is done when its results file is of the same data content, weights and settings. Under torchrun
+    every process reaches each decision with the others: which models to skip, and that a model failed."""
+    device = runtime.device
+    with distributed.agree(device):
+        data = list_zoo_data(settings.data_path, settings.workers)
     fingerprint = settings.fingerprint(runtime)
+    outcomes = []
     for index, spec in enumerate(specs, 1):
         path = results_path(output_dir, spec)
         log.info("[%d/%d] %s", index, len(specs), spec.text)
         try:
-            payload = _finished(path, fingerprint)
-            if payload is not None:
+            with distributed.agree(device):
+                payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress)
+            if distributed.all_reduce(np.array([payload is not None], np.int64), "min", device)[0]:  # all or none
                 log.info("%s is done already (%s): skipped", spec.text, path)
                 outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
                 continue
-            payload = evaluate_model(spec, settings, runtime, output_dir, progress)
-            if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes
-                write_json_atomic(path, payload)
+            with distributed.agree(device):
+                loaded = loaded or spec.load(settings.trust, runtime, progress)
+                if runtime.group.is_main:
+                    set_aside_other_state(Path(output_dir) / RUNS_FOLDER / spec.slug,
+                                          identity(data, loaded.sha256, fingerprint))
+            payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir, progress)
+            with distributed.agree(device):
+                if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes
+                    write_json_atomic(path, payload)
             outcomes.append(Outcome(spec.text, "done", path, summary=_summary(payload)))
         except UserError as exc:
             log.error("%s: %s", spec.text, exc)
@@ -203,6 +295,7 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
             log.exception("%s failed unexpectedly", spec.text)
             outcomes.append(Outcome(spec.text, "failed", message=f"{type(exc).__name__}: {exc}"))
         finally:
+            loaded = None
             gc.collect()
             if runtime.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -266,14 +359,15 @@ def _main(args: argparse.Namespace) -> int:
                            options.cache_dir_from_args(args), args.trust_checkpoint)
     outcomes = run_zoo(specs, settings, runtime, args.output_dir, progress=not args.no_progress)
     failed = [o.model for o in outcomes if o.status == "failed"]
-    if not runtime.group.is_main:
-        return EXIT_SOME_FAILED if failed else 0
-    print("\n".join(_outcome_line(o) for o in outcomes))
-    print(f"{len(outcomes) - len(failed)} of {len(outcomes)} models done" +
-          (f"; failed: {', '.join(failed)}" if failed else ""))
-    if not args.no_leaderboard and (Path(args.output_dir) / MODELS_FOLDER).is_dir():
-        rows = build_leaderboard(args.output_dir, not args.no_published)
-        print(f"Leaderboard of {len(rows)} rows: {Path(args.output_dir) / MARKDOWN_FILE}")
+    # under torchrun the other processes wait for rank 0's report: one that exits first ends the job
+    with distributed.agree(runtime.device):
+        if runtime.group.is_main:
+            print("\n".join(_outcome_line(o) for o in outcomes))
+            print(f"{len(outcomes) - len(failed)} of {len(outcomes)} models done" +
+                  (f"; failed: {', '.join(failed)}" if failed else ""))
+            if not args.no_leaderboard and (Path(args.output_dir) / MODELS_FOLDER).is_dir():
+                rows = build_leaderboard(args.output_dir, not args.no_published)
+                print(f"Leaderboard of {len(rows)} rows: {Path(args.output_dir) / MARKDOWN_FILE}")
     return EXIT_SOME_FAILED if failed else 0
 
 

@@ -127,9 +127,10 @@ class ShardedSearch:
                         break
                     remainder, s.position = s.worklist.astype(np.int64), len(s.worklist)
             bar.update(plan.resolved() - bar.n)
-        s.elapsed = elapsed0 + time.monotonic() - started
-        plan.finish()
-        self._save()
+        with distributed.agree(self.device):  # rank 0's last save may fail: no process waits in the gather below
+            s.elapsed = elapsed0 + time.monotonic() - started
+            plan.finish()
+            self._save()
         loads = distributed.all_gather_floats(self.busy_s, self.device)
         log.info("time testing pairs per process: %s s (slowest / mean = %.2f)",
                  ", ".join(f"{t:.1f}" for t in loads), max(loads) / max(np.mean(loads), 1e-9))
@@ -177,7 +178,8 @@ class ShardedSearch:
                     return
                 yield batch
 
-        self._test(batches())
+        with distributed.agree(self.device):  # a batch may fail in one process alone, as may rank 0's last save
+            self._test(batches())
         self._gather(owned, evaluated0)
 
     def _full(self) -> None:
@@ -192,8 +194,9 @@ class ShardedSearch:
         end = (int(rows[-1]) + 1) * n_bg if len(rows) else 0
         size = self.search.predictor.forward.chunk
         evaluated0 = s.evaluated
-        self._test(np.stack([idx // n_bg, idx % n_bg], axis=1)
-                   for idx in (np.arange(p, min(end, p + size), dtype=np.int64) for p in range(begin, end, size)))
+        with distributed.agree(self.device):  # a batch may fail in this process alone
+            self._test(np.stack([idx // n_bg, idx % n_bg], axis=1)
+                       for idx in (np.arange(p, min(end, p + size), dtype=np.int64) for p in range(begin, end, size)))
         owned = np.zeros(plan.n_fg, bool)
         owned[rows] = True
         s.matrix = (distributed.all_reduce(np.where(owned[:, None], s.matrix.astype(np.int32) + 2, 0), "sum",
@@ -240,23 +243,27 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
     `data`: decoded data (`load_challenge_data`), listed files, or the data folder (decoded here with
     `config.mask_arithmetic`, through `cache_dir`). `shard`: search only that share of the foregrounds
     (tools.shards); the result then covers those alone."""
-    if not isinstance(data, ChallengeData):
-        data = load_challenge_data(data, workers, cache_dir, config.progress, config.mask_arithmetic)
-    key = _run_key(data, loaded, runtime, config)
-    state_name = STATE_NAME
-    if shard is not None:
-        data = data.foreground_subset(shard.take(len(data.foregrounds)))
-        state_name = f"{Path(STATE_NAME).stem}-shard-{shard.index}-of-{shard.count}.npz"
-    data = data.to(runtime.device)
-    predictor = CompositePredictor(loaded, runtime, data, config.batch_size, config.recheck_margin)
-    state_path = Path(output_dir) / state_name if output_dir is not None else None
-    if resume and state_path is not None and state_path.is_file():
-        state = SearchState.load(state_path, key)
-        log.info("resuming from %s: %d composites already evaluated", state_path, state.evaluated)
-    else:
-        if resume:
-            log.warning("no saved state in %s: starting afresh", output_dir)
-        bg_pred = predictor.predict_backgrounds(measure=config.batch_size is None and runtime.device.type == "cpu")
+    with distributed.agree(runtime.device):  # decoding or predicting may fail in one process: all leave together
+        if not isinstance(data, ChallengeData):
+            data = load_challenge_data(data, workers, cache_dir, config.progress, config.mask_arithmetic)
+        key = _run_key(data, loaded, runtime, config)
+        state_name = STATE_NAME
+        if shard is not None:
+            data = data.foreground_subset(shard.take(len(data.foregrounds)))
+            state_name = f"{Path(STATE_NAME).stem}-shard-{shard.index}-of-{shard.count}.npz"
+        data = data.to(runtime.device)
+        predictor = CompositePredictor(loaded, runtime, data, config.batch_size, config.recheck_margin)
+        state_path = Path(output_dir) / state_name if output_dir is not None else None
+        state = None
+        if resume and state_path is not None and state_path.is_file():
+            state = SearchState.load(state_path, key)
+            log.info("resuming from %s: %d composites already evaluated", state_path, state.evaluated)
+        else:
+            if resume:
+                log.warning("no saved state in %s: starting afresh", output_dir)
+            measure = config.batch_size is None and runtime.device.type == "cpu"
+            bg_pred = predictor.predict_backgrounds(measure=measure)
+    if state is None:
         # every process plans from rank 0's background predictions (and batch size), so all plan alike
         bg_pred = distributed.broadcast(bg_pred, runtime.group, runtime.device)
         predictor.forward.chunk = int(distributed.broadcast(np.array([predictor.forward.chunk]), runtime.group,
