@@ -46,7 +46,7 @@ def run(script: str, out: Path, processes: int, *args) -> str:
     command = [*guarded(processes), str(REPO / script), "--device", "cpu",
                "--no-progress", "--log-level", "WARNING", "--output-dir", str(out), "--results-file",
                str(out / "results.json"), *map(str, args)]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+    proc = collective_guard.launch(command, cwd=REPO, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -98,7 +98,7 @@ def test_zoo_two_processes_equal_one(setup, tmp_path):
         command = [*guarded(n), "-m", "tools.zoo", "--models",
                    f"file:{models['color']}", "--data-path", str(data), "--device", "cpu", "--no-progress",
                    "--no-cache", "--batch-size", "5", "--output-dir", str(out), "--log-level", "WARNING"]
-        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+        proc = collective_guard.launch(command, cwd=REPO, timeout=300,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         (path,) = (out / "models").glob("*.json")
@@ -241,9 +241,8 @@ def test_zoo_failure_in_one_process_fails_the_model_in_every_process(setup, tmp_
               "--log-level", "WARNING", "--no-leaderboard", "--output-dir", str(tmp_path / "zoo")]
     code, _, err = run_in_process(zoo.main, [*common, "--models", specs["done-before"]], capsys)
     assert code == 0, err
-    proc = subprocess.run([*guarded(2), "-m", "tests.zoo_failures", "--models", ",".join(specs.values()), *common],
-                          cwd=REPO, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = collective_guard.launch([*guarded(2), "-m", "tests.zoo_failures", "--models", ",".join(specs.values()),
+                                    *common], cwd=REPO, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0, proc.stderr[-3000:]
     failing = [word for word in words if word.startswith("fail-")]
     lines = proc.stdout.splitlines()

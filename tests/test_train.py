@@ -21,6 +21,7 @@ import challenge_eval
 import in9_eval
 import train
 from conftest import run_in_process, run_in_processes
+from tests import collective_guard
 from tools import cli, distributed, synthetic
 from tools.checkpoints import TRAINED_FORMAT
 from tools.models import SMALL_CNN, SmallCNN
@@ -206,9 +207,9 @@ def test_two_gloo_processes_equal_one(tiny, tmp_path):
     script = [str(REPO / "train.py"), "--data-path", str(tiny), "--weights", "none", *common, *TINY, "--workers", "1"]
     subprocess.run([sys.executable, *script, "--output-dir", str(single)], env=_env(), check=True,
                    capture_output=True)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "-m", "tests.collective_guard", *script, "--output-dir", str(double)], env=_env(),
-                            cwd=REPO, capture_output=True, text=True)
+    result = collective_guard.launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                      "2", "-m", "tests.collective_guard", *script, "--output-dir", str(double)],
+                                     env=_env(), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     # each process took its half of every global batch: 3 + 3 images per step, 6 in all
     log = [json.loads(line) for line in (double / "train_log.jsonl").read_text().splitlines() if "loss" in line]
