@@ -126,26 +126,34 @@ def test_two_outputs_on_one_path_are_refused(tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------------------
 # A write that fails late (a full disk, a folder gone) is one line, and keeps what is already computed
 
-def test_late_write_failure_keeps_the_results_file(dataset, color_ts, tmp_path, capsys, monkeypatch, one_thread):
-    """The per-foreground CSV's folder becomes a file while the challenge runs: the results file is still
-    written, and the failure is one line naming the CSV."""
-    csv_path = tmp_path / "tables" / "per_fg.csv"
+@pytest.mark.parametrize("lost", ["per-foreground csv", "results file"])
+def test_a_late_write_failure_keeps_the_other_outputs(lost, dataset, color_ts, tmp_path, capsys, monkeypatch,
+                                                      one_thread):
+    """The folder of one output becomes a file while the challenge runs: the other output is still written, and
+    the failure is one line naming the lost file and how to go on."""
+    outputs = {"per-foreground csv": tmp_path / "tables" / "per_fg.csv",
+               "results file": tmp_path / "results" / "challenge.json"}
     real = challenge_eval.run_challenge
 
     def run_then_block(*args, **kwargs):
         result = real(*args, **kwargs)
-        (tmp_path / "tables").write_text("the folder is gone")
+        outputs[lost].parent.write_text("the folder is gone")
         return result
 
     monkeypatch.setattr(challenge_eval, "run_challenge", run_then_block)
     argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--device", "cpu", "--no-progress",
             "--no-cache", "--workers", "1", "--output-dir", str(tmp_path / "out"), "--per-foreground-csv",
-            str(csv_path), "--results-file", str(tmp_path / "challenge.json"), "--log-level", "WARNING"]
+            str(outputs["per-foreground csv"]), "--results-file", str(outputs["results file"]),
+            "--log-level", "WARNING"]
     code, _, err = run_in_process(_script(challenge_eval), argv, capsys)
     line = one_error_line(code, err)
-    assert str(csv_path) in line and "--resume" in line
-    results = json.loads((tmp_path / "challenge.json").read_text())
-    assert results["total"] == len(dataset.images) and 0 <= results["challenge_accuracy"] <= 100
+    assert str(outputs[lost]) in line and "--resume" in line
+    if lost == "per-foreground csv":
+        results = json.loads(outputs["results file"].read_text())
+        assert results["total"] == len(dataset.images) and 0 <= results["challenge_accuracy"] <= 100
+    else:
+        rows = outputs["per-foreground csv"].read_text().splitlines()
+        assert rows[0].startswith("stem,class,vulnerable") and len(rows) == 1 + len(dataset.images)
 
 
 # ----------------------------------------------------------------------------------------------------------

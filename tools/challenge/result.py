@@ -119,7 +119,7 @@ class ChallengeResult:
                 outputs.write(self.write_per_foreground_csv, per_foreground_csv)
             if self.state.matrix is not None:
                 outputs.write(self.write_full_outputs, output_dir, data_path, num_classes)
-                if analysis and not outputs.failed:
+                if analysis and outputs.wrote(output_dir):
                     summary = outputs.write(write_analysis, output_dir, data_path, top_k)
                     lines += summary_lines(summary) if summary is not None else []
             if report is not None:
