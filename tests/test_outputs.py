@@ -395,9 +395,9 @@ def test_stale_cache_temporaries_of_dead_processes_are_removed(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     host = socket.gethostname()
-    stale = tmp_path / f".tmp-{host}-{dead.pid}-x1"
-    running = tmp_path / f".tmp-{host}-{os.getpid()}-x2"  # this process: an entry being written right now
-    elsewhere = tmp_path / f".tmp-another-host-{dead.pid}-x3"  # a process on another machine sharing the folder
+    stale = tmp_path / f".tmp-{host}@{dead.pid}@x1"
+    running = tmp_path / f".tmp-{host}@{os.getpid()}@x2"  # this process: an entry being written right now
+    elsewhere = tmp_path / f".tmp-{host}-2@{dead.pid}@x3"  # a process of another machine sharing the folder
     for folder in (stale, running, elsewhere):
         folder.mkdir()
         (folder / "a.npy").write_bytes(b"x" * 1000)

@@ -147,9 +147,11 @@ def load_masks(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic =
     return masks
 
 
-def _host_prefix() -> str:
-    """The name start of the cache entries being written on this machine: `.tmp-HOST-PID-...`."""
-    return f".tmp-{socket.gethostname()}-"
+def _temporary_prefix(pid: int | None = None) -> str:
+    """`.tmp-HOST@` starts the names of the cache entries being written on this machine, `.tmp-HOST@PID@` those
+    of process PID (no host name holds an @)."""
+    host = f".tmp-{socket.gethostname()}@"
+    return host if pid is None else f"{host}{pid}@"
 
 
 def _is_running(pid: int) -> bool:
@@ -165,13 +167,13 @@ def _is_running(pid: int) -> bool:
 def remove_stale_temporaries(cache_dir: Path) -> None:
     """Remove the half-written entries of processes of this machine that are no longer running (killed while
     saving); entries of running processes, and of other machines sharing the folder, are left alone."""
-    mine = _host_prefix()
+    mine = _temporary_prefix()
     try:
         candidates = [p for p in Path(cache_dir).iterdir() if p.name.startswith(mine) and p.is_dir()]
     except OSError:
         return
     for folder in candidates:
-        pid = folder.name[len(mine):].split("-", 1)[0]
+        pid = folder.name[len(mine):].split("@", 1)[0]
         if pid.isdigit() and not _is_running(int(pid)):
             log.info("removing %s, left by process %s that was stopped while writing the cache", folder, pid)
             shutil.rmtree(folder, ignore_errors=True)
@@ -211,7 +213,7 @@ class DecodedCache:
         tmp = None
         try:
             self.folder.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=self.folder.parent, prefix=f"{_host_prefix()}{os.getpid()}-"))
+            tmp = Path(tempfile.mkdtemp(dir=self.folder.parent, prefix=_temporary_prefix(os.getpid())))
             for name, array in arrays.items():
                 np.save(tmp / f"{name}.npy", array)
             (tmp / "meta.json").write_text(json.dumps(self.meta))

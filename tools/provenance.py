@@ -90,7 +90,7 @@ def atomic_write(path: Path | str, mode: str = "w", newline: str | None = None) 
     """Open a temporary file beside `path` for writing; on success it is synced and renamed over `path`, so a
     crash, a full disk or an interruption never leaves half a file (nor the temporary one, short of SIGKILL).
     The file is created with mode 0666 less the user's umask, as `open` does. An OSError while writing becomes
-    a `WriteError` naming `path`. Text is UTF-8; `newline` is `open`'s (\"\" for the csv module)."""
+    a `WriteError` naming `path`. Text is UTF-8; `newline` is `open`'s (an empty string for the csv module)."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
