@@ -121,7 +121,8 @@ class ChallengeResult:
                 outputs.write(self.write_full_outputs, output_dir, data_path, num_classes)
                 if analysis and outputs.wrote(output_dir):
                     summary = outputs.write(write_analysis, output_dir, data_path, top_k)
-                    lines += summary_lines(summary) if summary is not None else []
+                    if summary is not None:
+                        lines += summary_lines(summary)
             if report is not None:
                 outputs.write(write_report, report, challenge=self.to_json(), analysis=summary)
         return lines
