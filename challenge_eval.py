@@ -41,6 +41,7 @@ def main(args: argparse.Namespace) -> int:
         raise UserError("--analysis needs the whole prediction matrix: add --full")
     if args.top_k < 1:
         raise UserError(f"--top-k must be at least 1, not {args.top_k}")
+    options.check_output_arguments(args)
     runtime = options.runtime_from_args(args, compile=args.compile)
     options.preload_model_libraries(args.arch, args.checkpoint)  # imports while the data is checked
     # the data is checked, listed, hashed and decoded (or read from the cache) before any model is built

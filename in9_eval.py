@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
+    options.check_output_arguments(args)
     runtime = options.runtime_from_args(args)
     options.preload_model_libraries(args.arch, args.checkpoint)  # imports while the data is checked
     names = list(VARIATIONS if args.eval_dataset == "all" else (args.eval_dataset,))

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from tools import cli, distributed
+from tools.provenance import check_outputs
 from tools.training.config import build_parser as build_training_parser, config_from_args
 from tools.training.evaluation import evaluate_and_report
 from tools.training.loop import train
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    check_outputs(folders={"--output-dir": config.output_dir})
     try:
         result = train(config)
         if config.eval_data is not None and distributed.from_environment().is_main:

@@ -13,9 +13,11 @@ import torch
 
 from tools import analysis, datasets, layout, report, synthetic
 from tools.categories import Category, prediction_categories
+from tools.challenge import list_challenge_files
 from tools.evaluate import run_in9
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS, class_names
 from tools.models import LoadedModel, PixelModel
+from tools.provenance import provenance
 from tools.runtime import Runtime
 
 NAMES = class_names()
@@ -81,10 +83,11 @@ def challenge_results(loaded, dataset, tmp_path_factory):
     with open(out / "backgrounds.csv", "w", newline="") as fh:
         csv.writer(fh).writerows([["index", "stem", "label", "image"]] +
                                  [[j, r.stem, r.label, r.relpath] for j, r in enumerate(bgs)])
-    provenance = {"toolkit_version": "0.1.0", "device": "cpu", "precision": "fp32", "arch": None,
-                  "sha256": loaded.sha256, "data": {"files": 27, "sha256": "c" * 64}}
+    # the provenance challenge_eval.py records: the same model, the challenge's files of the same data
+    info = {**provenance(Runtime(torch.device("cpu")).describe(), loaded.describe(),
+                         list_challenge_files(root, workers=1).fingerprint), "batch_size": 7}
     (out / "challenge_meta.json").write_text(json.dumps({"data_path": str(root), "criterion": "any",
-                                                         "num_classes": 9, "provenance": provenance}))
+                                                         "num_classes": 9, "provenance": info}))
     summary = analysis.write_analysis(out, top_k=2)
     labels = np.array([r.label for r in fgs])
     vulnerable = (P != labels[:, None]).any(axis=1)
@@ -94,7 +97,7 @@ def challenge_results(loaded, dataset, tmp_path_factory):
                  "per_class": {name: {"vulnerable": int(vulnerable[labels == c].sum()),
                                       "total": int((labels == c).sum())} for c, name in enumerate(NAMES)},
                  "composites_evaluated": int(P.size), "wall_time_s": 1.5, "composites_per_s": P.size / 1.5,
-                 "provenance": provenance}
+                 "provenance": info}
     return out, challenge, summary
 
 
@@ -179,7 +182,9 @@ def test_command_line_merges_json_files(in9_results, challenge_results, tmp_path
     ([], "nothing to report: pass at least one of --in9"),
     (["--in9", "{tmp}/absent.json"],
      "IN-9 file {tmp}/absent.json does not exist; pass the --results-file of in9_eval.py"),
-    (["--in9", "{tmp}/challenge.json"], "{tmp}/challenge.json is not IN-9 results (no 'provenance' key)"),
+    (["--in9", "{tmp}/challenge.json"],
+     "{tmp}/challenge.json holds challenge results (challenge_eval.py --results-file), not IN-9 results; pass it "
+     "as --challenge"),
     (["--challenge", "{tmp}/broken.json"], "cannot read challenge file {tmp}/broken.json"),
     (["--analysis-dir", "{tmp}"], "run `python -m tools.analysis {tmp}` first"),
 ])
@@ -191,3 +196,98 @@ def test_command_line_errors_are_one_line(args, message, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and message.replace("{tmp}", str(tmp_path)) in err
     assert not (tmp_path / "r.md").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inputs that do not belong together, or are not what their flag says, or are incomplete
+
+def _write(folder: Path, **payloads) -> dict[str, Path]:
+    paths = {}
+    for name, payload in payloads.items():
+        paths[name] = folder / f"{name}.json"
+        paths[name].write_text(json.dumps(payload))
+    return paths
+
+
+def _report_error(argv: list, capsys) -> str:
+    assert report.main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("flag, given, says", [
+    ("--in9", "challenge", "holds challenge results (challenge_eval.py --results-file), not IN-9 results; pass "
+                           "it as --challenge"),
+    ("--challenge", "in9", "holds IN-9 results (in9_eval.py --results-file), not challenge results; pass it as "
+                           "--in9"),
+    ("--in9", "zoo", "holds a zoo model's results (python -m tools.zoo), not IN-9 results; pass its in9 and "
+                     "challenge entries as separate files"),
+    ("--categories", "in9", "holds IN-9 results (in9_eval.py --results-file), not prediction categories; pass it "
+                            "as --in9"),
+])
+def test_inputs_of_the_wrong_kind_are_refused(flag, given, says, in9_results, challenge_results, tmp_path, capsys):
+    _, in9, _ = in9_results
+    _, challenge, _ = challenge_results
+    files = _write(tmp_path, in9=in9, challenge=challenge,
+                   zoo={"model": "m", "source": "file", "in9": in9, "challenge": challenge})
+    err = _report_error([flag, files[given], "--output", tmp_path / "r.md"], capsys)
+    assert f"{files[given]} {says}" in err
+    assert not (tmp_path / "r.md").exists()
+
+
+def _without(payload: dict, *path: str) -> dict:
+    """A deep copy of the payload with the key at `path` removed."""
+    copy = json.loads(json.dumps(payload))
+    entry = copy
+    for key in path[:-1]:
+        entry = entry[key]
+    del entry[path[-1]]
+    return copy
+
+
+@pytest.mark.parametrize("flag, path", [
+    ("--in9", ("original", "correct")), ("--in9", ("bg_gap",)), ("--in9", ("provenance",)),
+    ("--challenge", ("vulnerable",)), ("--challenge", ("per_class", "dog", "total")),
+    ("--categories", ("overall", "percent")),
+])
+def test_incomplete_results_are_one_line(flag, path, in9_results, challenge_results, tmp_path, capsys):
+    _, in9, categories = in9_results
+    _, challenge, _ = challenge_results
+    payload = {"--in9": in9, "--challenge": challenge, "--categories": categories}[flag]
+    files = _write(tmp_path, partial=_without(payload, *path))
+    err = _report_error([flag, files["partial"], "--output", tmp_path / "r.md"], capsys)
+    assert f"{files['partial']} is incomplete: it has no {'.'.join(path)}" in err
+
+
+def test_incomplete_analysis_is_one_line(challenge_results, tmp_path, capsys):
+    out, _, summary = challenge_results
+    (tmp_path / analysis.SUMMARY_FILE).write_text(json.dumps(_without(summary, "per_class", "dog", "fool_rate")))
+    err = _report_error(["--analysis-dir", tmp_path, "--output", tmp_path / "r.md"], capsys)
+    assert "is incomplete: it has no per_class.dog.fool_rate" in err
+
+
+def test_results_of_other_data_or_another_model_are_refused(in9_results, challenge_results, tmp_path, capsys):
+    """The fingerprints of the data both runs read (original/ and only_bg_t/) and the model must agree; with
+    --allow-mixed the report is written, with a warning at its top."""
+    _, in9, _ = in9_results
+    out, challenge, _ = challenge_results
+    other = synthetic.generate(tmp_path / "other", per_class=2, seed=7).root
+    other_data = {**challenge, "provenance": {**challenge["provenance"],
+                                              "data": list_challenge_files(other, workers=1).fingerprint}}
+    other_model = {**challenge, "provenance": {**challenge["provenance"], "sha256": "cd" * 32}}
+    files = _write(tmp_path, in9=in9, same=challenge, other_data=other_data, other_model=other_model)
+    target = tmp_path / "r.md"
+    assert report.main(["--in9", str(files["in9"]), "--challenge", str(files["same"]), "--analysis-dir", str(out),
+                        "--output", str(target)]) == 0
+    assert "Warning" not in target.read_text(encoding="utf-8")
+    capsys.readouterr()
+    err = _report_error(["--in9", files["in9"], "--challenge", files["other_data"], "--output", target], capsys)
+    assert "the IN-9 results and the challenge results come from different data" in err
+    assert "original" in err and "only_bg_t" in err and "--allow-mixed" in err
+    err = _report_error(["--challenge", files["other_model"], "--analysis-dir", out, "--output", target], capsys)
+    assert "the challenge results and the analysis come from different models" in err and "sha256" in err
+    assert report.main(["--in9", str(files["in9"]), "--challenge", str(files["other_data"]), "--allow-mixed",
+                        "--output", str(target)]) == 0
+    text = target.read_text(encoding="utf-8")
+    assert "**Warning: the IN-9 results and the challenge results come from different data" in text

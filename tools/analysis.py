@@ -28,7 +28,7 @@ from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
 from tools.cli import add_log_level_argument, run_main
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, class_names
-from tools.provenance import write_json_atomic
+from tools.provenance import atomic_write, check_outputs, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -354,9 +354,8 @@ def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str
         why = "no data path is known (pass --data-path DIR)" if data_path is None else f"not readable under {data_path}"
         log.warning("%d of %d background image(s) for the figure are missing: %s (e.g. %s); drew grey placeholders",
                     len(missing), shown, why, missing[0])
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(path, format="PNG")
+    with atomic_write(path, "wb") as fh:
+        canvas.save(fh, format="PNG")
     return layout
 
 
@@ -364,7 +363,7 @@ def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str
 # Writing everything
 
 def _write_csv(path: Path, header: Sequence[str], rows) -> None:
-    with open(path, "w", newline="") as fh:
+    with atomic_write(path, newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(header)
         writer.writerows(rows)
@@ -444,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _main(args: argparse.Namespace) -> int:
+    check_outputs(folders={"OUTPUT_DIR": args.output_dir})
     summary = write_analysis(args.output_dir, args.data_path, args.top_k)
     print("\n".join(summary_lines(summary)))
     print(f"Wrote {', '.join(summary['files'].values())} and {SUMMARY_FILE} to {args.output_dir}")

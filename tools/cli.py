@@ -1,19 +1,45 @@
-"""The command-line surface every command shares: the --log-level flag, logging set up once, and turning
-user errors into one line. It loads neither torch nor any model code."""
+"""The command-line surface every command shares: the --log-level flag, logging set up once, turning user errors
+into one line, and stopping cleanly on Ctrl-C or SIGTERM. It loads neither torch nor any model code."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
-from typing import Callable
+import threading
+from typing import Callable, Iterator
 
 from tools.errors import UserError
 
 log = logging.getLogger(__name__)
 
 EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, as a shell reports Ctrl-C
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what a cluster scheduler, a timeout or `kill` sends), raised where Ctrl-C's KeyboardInterrupt
+    would be, so that every clean-up written for Ctrl-C runs for it too."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated` in the main thread (elsewhere signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def add_log_level_argument(parser) -> None:
@@ -24,26 +50,28 @@ def add_log_level_argument(parser) -> None:
 
 def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace], int | None],
              argv: list[str] | None = None, on_interrupt: str | None = None) -> int:
-    """Parse, set up logging once, run; a user error is one line on stderr and exit code 2.
+    """Parse, set up logging once, run; a user error is one line on stderr and exit code 2; Ctrl-C (exit 130)
+    and SIGTERM (exit 143) stop the run through its clean-up and say how to go on.
 
-    `on_interrupt` says what to do after Ctrl-C (default: resume from --output-dir where there is one).
+    `on_interrupt` says what to do after an interruption (default: resume from --output-dir where there is one).
     """
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, getattr(args, "log_level", "INFO")),
                         format="%(levelname)s: %(message)s", stream=sys.stderr, force=True)
     try:
         from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: PLC0415
-        with logging_redirect_tqdm():
+        with sigterm_as_interrupt(), logging_redirect_tqdm():
             return int(main(args) or 0)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if on_interrupt is None:
             on_interrupt = (f"progress so far is saved under {args.output_dir}; rerun with --resume to continue"
                             if getattr(args, "output_dir", None) is not None else "rerun the same command")
-        print(f"interrupted: {on_interrupt}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        terminated = isinstance(exc, Terminated)
+        print(f"{'terminated' if terminated else 'interrupted'}: {on_interrupt}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     finally:
         distributed = sys.modules.get("tools.distributed")  # loaded (with torch) only by commands that use it
         if distributed is not None:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -154,12 +155,45 @@ def default_cache_dir() -> Path:
     return Path(base) / "bg-challenge-toolkit"
 
 
+def _temporary_prefix(pid: int | None = None) -> str:
+    """`.tmp-HOST@` starts the names of the cache entries being written on this machine, `.tmp-HOST@PID@` those
+    of process PID (no host name holds an @)."""
+    host = f".tmp-{socket.gethostname()}@"
+    return host if pid is None else f"{host}{pid}@"
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(cache_dir: Path) -> None:
+    """Remove the half-written entries of processes of this machine that are no longer running (killed while
+    saving); entries of running processes, and of other machines sharing the folder, are left alone."""
+    mine = _temporary_prefix()
+    try:
+        candidates = [p for p in Path(cache_dir).iterdir() if p.name.startswith(mine) and p.is_dir()]
+    except OSError:
+        return
+    for folder in candidates:
+        pid = folder.name[len(mine):].split("@", 1)[0]
+        if pid.isdigit() and not _is_running(int(pid)):
+            log.info("removing %s, left by process %s that was stopped while writing the cache", folder, pid)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 class DecodedCache:
     """Arrays on disk (decoded data, CLIP's text heads), in a folder named by a key derived from their inputs'
     content; `meta` (JSON) says what they were made from and must match on reading.
 
     `load` gives None on a miss, and on a broken or foreign entry (with a warning); `save` writes through a
-    temporary folder and a rename, so a crash never leaves half an entry.
+    temporary folder (named by host and process) and a rename, so an error, Ctrl-C or SIGTERM leaves no half
+    entry, and `load` removes what a killed process left.
     """
 
     def __init__(self, cache_dir: Path | None, key: str, meta: dict, what: str = "decoded data"):
@@ -168,7 +202,10 @@ class DecodedCache:
         self.what = what
 
     def load(self, names: Sequence[str]) -> dict[str, np.ndarray] | None:
-        if self.folder is None or not (self.folder / "meta.json").is_file():
+        if self.folder is None:
+            return None
+        remove_stale_temporaries(self.folder.parent)
+        if not (self.folder / "meta.json").is_file():
             return None
         try:
             if json.loads((self.folder / "meta.json").read_text()) != self.meta:
@@ -183,18 +220,23 @@ class DecodedCache:
     def save(self, arrays: dict[str, np.ndarray]) -> None:
         if self.folder is None:
             return
+        tmp = None
         try:
             self.folder.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=self.folder.parent, prefix=".tmp-"))
+            tmp = Path(tempfile.mkdtemp(dir=self.folder.parent, prefix=_temporary_prefix(os.getpid())))
             for name, array in arrays.items():
                 np.save(tmp / f"{name}.npy", array)
             (tmp / "meta.json").write_text(json.dumps(self.meta))
             if self.folder.exists():
                 shutil.rmtree(self.folder)
             os.replace(tmp, self.folder)
+            tmp = None
             log.info("%s cached at %s", self.what, self.folder)
         except OSError as exc:
             log.warning("could not write the %s cache at %s (%s); continuing without it", self.what, self.folder, exc)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], fingerprint: dict,

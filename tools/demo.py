@@ -18,6 +18,7 @@ import torch
 
 from tools import synthetic
 from tools.in9 import IMAGE_SIZE
+from tools.provenance import atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     synthetic.generate(data, per_class=args.per_class, seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.jit.save(torch.jit.trace(synthetic.ColorEvidenceModel(9).eval(), torch.zeros(1, 3, IMAGE_SIZE, IMAGE_SIZE)),
-                       str(model))
+        traced = torch.jit.trace(synthetic.ColorEvidenceModel(9).eval(), torch.zeros(1, 3, IMAGE_SIZE, IMAGE_SIZE))
+    with atomic_write(model, "wb") as fh:
+        torch.jit.save(traced, fh)
     common = ["--data-path", str(data), "--checkpoint", str(model), "--in9", "--device", "cpu",
               "--output-dir", str(args.out / "results"), "--log-level", "WARNING"]
     commands = [

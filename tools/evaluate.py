@@ -19,7 +19,7 @@ from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, Variation, PredictionMap, class
 from tools.models import LoadedModel
 from tools.hashing import fingerprint
 from tools.categories import CATEGORY_VARIATIONS, format_categories, prediction_categories
-from tools.provenance import provenance, write_json_atomic
+from tools.provenance import RESUME_HINT, OutputFiles, provenance, write_json_atomic
 from tools.report import write_report
 from tools.runtime import Forward, Runtime
 from tools.shards import NOT_MINE, Shard
@@ -204,18 +204,22 @@ class In9Run:
         return payload
 
     def publish(self, categories: bool = False, results_file: Path | None = None,
-                report: Path | None = None) -> list[str]:
-        """Write what in9_eval.py writes (and tools.merge for shards); returns the lines to print."""
+                report: Path | None = None, rerun_hint: str = RESUME_HINT) -> list[str]:
+        """Write what in9_eval.py writes (and tools.merge for shards); returns the lines to print.
+
+        A file that cannot be written does not stop the other; the failure is then one user error
+        (`rerun_hint` says how to go on)."""
         lines = self.lines()
         payload = self.to_json()
         if categories:
             counts = prediction_categories(*(self.results[v] for v in CATEGORY_VARIATIONS.values()))
             lines.append(format_categories(counts))
             payload["categories"] = counts
-        if results_file is not None:
-            write_json_atomic(results_file, payload)
-        if report is not None:
-            write_report(report, in9=payload, categories=payload.get("categories"))
+        with OutputFiles(rerun_hint) as outputs:
+            if results_file is not None:
+                outputs.write(write_json_atomic, results_file, payload)
+            if report is not None:
+                outputs.write(write_report, report, in9=payload, categories=payload.get("categories"))
         return lines
 
     def lines(self) -> list[str]:

@@ -4,7 +4,9 @@ A run's data is identified by what its files hold, not by their names and sizes:
 hashed with SHA-256 (streamed, in threads, since hashlib releases the GIL on large buffers), and the
 fingerprint is a SHA-256 over the sorted (relative path, file hash) lines. Provenance carries it, and the
 decoded-data cache and both scripts' resume keys are keyed by it, so a file rewritten in place with the
-same name, size and even modification time is still seen as different data.
+same name, size and even modification time is still seen as different data. The same digest per top-level
+folder (`original`, `only_bg_t`, ...) lets runs that read different sets of folders, such as in9_eval.py's
+and challenge_eval.py's, be checked to have read the same data where they overlap.
 """
 
 from __future__ import annotations
@@ -32,15 +34,20 @@ def sha256_file(path: Path | str) -> str:
 
 
 def fingerprint(root: Path | str, relpaths: Sequence[str], workers: int = 4) -> dict:
-    """{files, bytes, sha256, method} over the content of every file in `relpaths` (relative to `root`)."""
+    """{files, bytes, sha256, method, folders} over the content of every file in `relpaths` (relative to
+    `root`); `folders` holds the same digest over the files of each top-level folder alone."""
     root = Path(root)
     ordered = sorted(relpaths)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hash") as pool:
         hashes = list(pool.map(lambda rel: sha256_file(root / rel), ordered, chunksize=64))
     digest = hashlib.sha256()
+    folders: dict = {}  # top-level folder: its running digest
     for rel, file_hash in zip(ordered, hashes):
-        digest.update(f"{rel}\t{file_hash}\n".encode())
+        line = f"{rel}\t{file_hash}\n".encode()
+        digest.update(line)
+        folders.setdefault(Path(rel).parts[0], hashlib.sha256()).update(line)
     total = sum((root / rel).stat().st_size for rel in ordered)
     log.debug("hashed %d files (%.1f MB) in %.2f s", len(ordered), total / 1e6, time.perf_counter() - start)
-    return {"files": len(ordered), "bytes": total, "sha256": digest.hexdigest(), "method": FINGERPRINT_METHOD}
+    return {"files": len(ordered), "bytes": total, "sha256": digest.hexdigest(), "method": FINGERPRINT_METHOD,
+            "folders": {name: folder.hexdigest() for name, folder in sorted(folders.items())}}

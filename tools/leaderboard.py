@@ -24,7 +24,7 @@ from PIL import Image, ImageDraw
 from tools.analysis import default_font
 from tools.errors import UserError
 from tools.in9 import Variation
-from tools.provenance import atomic_write
+from tools.provenance import atomic_write, write_text_atomic
 from tools.report import markdown_table
 
 log = logging.getLogger(__name__)
@@ -289,18 +289,12 @@ def draw_plot(rows: list[Row], path: Path | str) -> list[Row]:
         ly = top + 14 + 18 * i
         _marker(draw, legend_x + 5, ly, kind)
         _text(draw, (legend_x + 16, ly), kind, small, "lm")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(path, format="PNG")
+    with atomic_write(path, "wb") as fh:
+        canvas.save(fh, format="PNG")
     return points
 
 
 # ----------------------------------------------------------------------------------------------------------
-
-def _write_text(path: Path, text: str) -> None:
-    with atomic_write(path) as fh:
-        fh.write(text)
-
 
 def build_leaderboard(output_dir: Path | str, include_published: bool = True) -> list[Row]:
     """Rebuild leaderboard.md, leaderboard.csv and leaderboard.png in output_dir from its results files."""
@@ -309,8 +303,8 @@ def build_leaderboard(output_dir: Path | str, include_published: bool = True) ->
     if include_published:
         rows += published_rows()
     rows = sort_rows(rows)
-    _write_text(output_dir / MARKDOWN_FILE, render_markdown(rows))
-    _write_text(output_dir / CSV_FILE, render_csv(rows))
+    write_text_atomic(output_dir / MARKDOWN_FILE, render_markdown(rows))
+    write_text_atomic(output_dir / CSV_FILE, render_csv(rows))
     draw_plot(rows, output_dir / PLOT_FILE)
     log.info("leaderboard of %d rows written to %s", len(rows), output_dir / MARKDOWN_FILE)
     return rows

@@ -18,9 +18,11 @@ from tools.challenge.state import SearchState
 from tools.cli import add_log_level_argument, run_main
 from tools.errors import UserError
 from tools.evaluate import In9Run, VariationResult
+from tools.provenance import check_outputs
 from tools.shards import NOT_MINE, find_shards, read_challenge_arrays
 
 KINDS = ("challenge", "in9")
+RERUN_HINT = "fix the cause and rerun the merge"
 
 
 def merge_challenge(shards: list[tuple[Path, dict]]) -> tuple[ChallengeResult, Path, int]:
@@ -91,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _main(args: argparse.Namespace) -> int:
+    check_outputs(files={"--results-file": args.results_file, "--report": args.report,
+                         "--per-foreground-csv": args.per_foreground_csv},
+                  folders={"--output-dir": args.output_dir})
     found = find_shards(args.folders)
     kind = args.kind or (next(iter(found)) if len(found) == 1 else None)
     if kind is None:
@@ -102,9 +107,9 @@ def _main(args: argparse.Namespace) -> int:
         if args.analysis and result.state.matrix is None:
             raise UserError("--analysis needs the whole prediction matrix: the shards ran without --full")
         lines = result.publish(args.output_dir or args.folders[0], data_path, num_classes, args.analysis, args.top_k,
-                               args.per_foreground_csv, args.results_file, args.report)
+                               args.per_foreground_csv, args.results_file, args.report, RERUN_HINT)
     else:
-        lines = merge_in9(found[kind]).publish(args.categories, args.results_file, args.report)
+        lines = merge_in9(found[kind]).publish(args.categories, args.results_file, args.report, RERUN_HINT)
     print("\n".join(lines))
     return 0
 

@@ -19,6 +19,7 @@ from tools.errors import UserError
 from tools.in9 import Normalization
 from tools.checkpoints import program_kind
 from tools.models import DEFAULT_ARCH, SMALL_CNN, TIMM_PREFIX, LoadedModel
+from tools.provenance import check_outputs
 from tools.sources import load_model
 from tools.shards import shard_spec
 from tools.runtime import Precision, Runtime, resolve_device, seed_everything
@@ -117,6 +118,16 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--resume", action="store_true",
                      help="continue an interrupted run from the state in --output-dir (default: start afresh)")
     add_log_level_argument(out)
+
+
+OUTPUT_FILE_ARGUMENTS = ("results_file", "report", "per_foreground_csv")  # those a script has
+
+
+def check_output_arguments(args: argparse.Namespace) -> None:
+    """Every output path of an evaluation script, checked before any data is read or model built."""
+    check_outputs(files={f"--{name.replace('_', '-')}": getattr(args, name) for name in OUTPUT_FILE_ARGUMENTS
+                         if hasattr(args, name)},
+                  folders={"--output-dir": args.output_dir})
 
 
 def add_search_arguments(group) -> None:

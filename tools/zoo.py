@@ -43,7 +43,7 @@ from tools.in9 import VARIATIONS
 from tools.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
 from tools.models import TIMM_PREFIX, LoadedModel
 from tools.sources import CLIP_PREFIX, FILE_PREFIX, load_model
-from tools.provenance import write_json_atomic
+from tools.provenance import check_outputs, write_json_atomic
 from tools.runtime import Runtime, default_batch_size
 
 log = logging.getLogger(__name__)
@@ -348,6 +348,8 @@ def _outcome_line(outcome: Outcome) -> str:
 
 
 def _main(args: argparse.Namespace) -> int:
+    check_outputs(folders={"--leaderboard-only": args.leaderboard_only} if args.leaderboard_only is not None
+                  else {"--output-dir": args.output_dir})
     if args.leaderboard_only is not None:
         rows = build_leaderboard(args.leaderboard_only, not args.no_published)
         print(f"Leaderboard of {len(rows)} rows: {Path(args.leaderboard_only) / MARKDOWN_FILE}")

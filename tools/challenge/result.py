@@ -15,7 +15,7 @@ from tools.challenge.data import Pairs
 from tools.challenge.scheduler import Criterion
 from tools.challenge.state import VULNERABLE, SearchState
 from tools.in9 import class_names
-from tools.provenance import write_json_atomic
+from tools.provenance import RESUME_HINT, OutputFiles, atomic_write, write_json_atomic
 from tools.report import write_report
 
 
@@ -74,8 +74,7 @@ class ChallengeResult:
 
     def write_per_foreground_csv(self, path: Path) -> None:
         names = class_names()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w", newline="") as fh:
+        with atomic_write(path, newline="") as fh:
             writer = csv.writer(fh)
             writer.writerow(["stem", "class", "vulnerable", "fooling_background", "fooled_prediction"])
             for i, rec in enumerate(self.data.foregrounds):
@@ -87,14 +86,15 @@ class ChallengeResult:
 
     def write_full_outputs(self, output_dir: Path, data_path: Path, num_classes: int) -> None:
         """The prediction matrix and its index files, for tools.analysis."""
-        output_dir.mkdir(parents=True, exist_ok=True)
-        np.save(output_dir / PREDICTIONS_FILE, self.state.matrix)
-        with open(output_dir / FOREGROUNDS_FILE, "w", newline="") as fh:
+        output_dir = Path(output_dir)
+        with atomic_write(output_dir / PREDICTIONS_FILE, "wb") as fh:
+            np.save(fh, self.state.matrix)
+        with atomic_write(output_dir / FOREGROUNDS_FILE, newline="") as fh:
             writer = csv.writer(fh)
             writer.writerow(FOREGROUND_COLUMNS)
             for i, r in enumerate(self.data.foregrounds):
                 writer.writerow([i, r.stem, r.label, r.image_relpath, r.mask_relpath])
-        with open(output_dir / BACKGROUNDS_FILE, "w", newline="") as fh:
+        with atomic_write(output_dir / BACKGROUNDS_FILE, newline="") as fh:
             writer = csv.writer(fh)
             writer.writerow(BACKGROUND_COLUMNS)
             for i, r in enumerate(self.data.backgrounds):
@@ -105,19 +105,24 @@ class ChallengeResult:
 
     def publish(self, output_dir: Path, data_path: Path, num_classes: int, analysis: bool = False, top_k: int = 5,
                 per_foreground_csv: Path | None = None, results_file: Path | None = None,
-                report: Path | None = None) -> list[str]:
-        """Write what challenge_eval.py writes (and tools.merge for shards); returns the lines to print."""
+                report: Path | None = None, rerun_hint: str = RESUME_HINT) -> list[str]:
+        """Write what challenge_eval.py writes (and tools.merge for shards); returns the lines to print.
+
+        The results file comes first; a file that cannot be written does not stop the others, and the failure
+        is then one user error (`rerun_hint` says how to go on)."""
         lines = self.lines()
         summary = None
-        if self.state.matrix is not None:
-            self.write_full_outputs(output_dir, data_path, num_classes)
-            if analysis:
-                summary = write_analysis(output_dir, data_path, top_k)
-                lines += summary_lines(summary)
-        if per_foreground_csv is not None:
-            self.write_per_foreground_csv(per_foreground_csv)
-        if results_file is not None:
-            write_json_atomic(results_file, self.to_json())
-        if report is not None:
-            write_report(report, challenge=self.to_json(), analysis=summary)
+        with OutputFiles(rerun_hint) as outputs:
+            if results_file is not None:
+                outputs.write(write_json_atomic, results_file, self.to_json())
+            if per_foreground_csv is not None:
+                outputs.write(self.write_per_foreground_csv, per_foreground_csv)
+            if self.state.matrix is not None:
+                outputs.write(self.write_full_outputs, output_dir, data_path, num_classes)
+                if analysis and outputs.wrote(output_dir):
+                    summary = outputs.write(write_analysis, output_dir, data_path, top_k)
+                    if summary is not None:
+                        lines += summary_lines(summary)
+            if report is not None:
+                outputs.write(write_report, report, challenge=self.to_json(), analysis=summary)
         return lines

@@ -22,6 +22,7 @@ from tools.data.builder import DEFAULT_JPEG_QUALITY, ImageFormat, build
 from tools.data.download import DEFAULT_TIMEOUT_S, RELEASE_URL, fetch
 from tools.data.check import verify_layout
 from tools.in9 import SPLIT, TRAIN_SPLIT
+from tools.provenance import check_outputs
 from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root, default_data_root
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _run_build(args: argparse.Namespace) -> int:
+    check_outputs(folders={"--out": args.out})
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, not {args.workers}")
     result = build(args.images, args.boxes, args.out, args.masks, args.seed, args.jpeg_quality, args.image_format,

@@ -18,6 +18,7 @@ from torch import nn
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES
 from tools.checkpoints import TRAINED_FORMAT
+from tools.provenance import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +27,8 @@ STATE_NAME = "resume_state.pt"
 
 
 def save_atomic(payload, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, "wb") as fh:
+        torch.save(payload, fh)
 
 
 def trained_checkpoint(classifier: nn.Module, arch: str, mean, std, method: str, data: dict, train_args: dict) -> dict:

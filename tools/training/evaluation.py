@@ -12,7 +12,7 @@ from tools.evaluate import run_in9
 from tools.in9 import VARIATIONS
 from tools.models import LoadedModel
 from tools.sources import load_model
-from tools.provenance import write_json_atomic
+from tools.provenance import write_json_atomic, write_text_atomic
 from tools.report import markdown_table, percent
 from tools.runtime import Runtime, default_batch_size, resolve_device
 from tools.training.config import TrainConfig
@@ -86,5 +86,5 @@ def evaluate_and_report(config: TrainConfig, result: TrainResult) -> Path:
         except UserError as exc:
             log.warning("the starting point could not be evaluated: %s", exc)
     path = out / REPORT_NAME
-    path.write_text(render_training_report(config, result, trained, start), encoding="utf-8")
+    write_text_atomic(path, render_training_report(config, result, trained, start))
     return path

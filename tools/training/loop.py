@@ -24,6 +24,7 @@ from tools.hashing import fingerprint as content_fingerprint
 from tools.errors import UserError
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.models import DEFAULT_ARCH, LoadedModel, build_architecture, classifier_keys
+from tools.provenance import write_text_atomic
 from tools.sources import load_model
 from tools.runtime import Precision, Runtime, resolve_device
 from tools.training import adapters
@@ -132,8 +133,7 @@ class JsonLog:
         if resume_step is not None and path.is_file():
             kept = [line for line in path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(line + "\n" for line in kept))
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
 
     def write(self, **record) -> None:
         if self.enabled:

@@ -1,0 +1,409 @@
+"""Every output path is checked before any work; outputs are written whole or not at all; a write that fails
+late keeps what was computed; SIGTERM is handled like Ctrl-C; the decoded-data cache leaves no temporaries."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import challenge_eval
+import in9_eval
+import train
+from tests.conftest import run_in_process, save_torchscript
+from tools import analysis, challenge, cli, datasets, leaderboard, merge, report, synthetic, zoo
+from tools.challenge import ChallengeConfig, run_challenge
+from tools.data import cli as data_cli
+from tools.evaluate import run_in9
+from tools.in9 import VARIATIONS
+from tools.sources import load_model
+from tools.runtime import Runtime
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = Runtime(torch.device("cpu"))
+
+
+def one_error_line(code: int, err: str) -> str:
+    """Exit code 2 and exactly one stderr line, `error: ...`, with no traceback; returns it."""
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Every command with an impossible output path: one error line, exit 2, before any model or data
+
+def _script(module):
+    return lambda argv: cli.run_main(module.build_parser(), module.main, argv)
+
+
+COMMANDS = {
+    "in9_eval": (_script(in9_eval), ["--data-path", "{missing}/data", "--checkpoint", "{missing}/model.pt",
+                                     "--device", "cpu", "--output-dir", "{tmp}/out"]),
+    "challenge_eval": (_script(challenge_eval), ["--data-path", "{missing}/data", "--checkpoint",
+                                                 "{missing}/model.pt", "--device", "cpu", "--output-dir", "{tmp}/out"]),
+    "train": (_script(train), ["--data-path", "{missing}/data", "--arch", "resnet18", "--weights", "none",
+                               "--device", "cpu"]),
+    "tools.zoo": (zoo.main, ["--models", "file:{missing}/model.pt", "--data-path", "{missing}/data",
+                             "--device", "cpu"]),
+    "tools.merge": (merge.main, ["{missing}/shards"]),
+    "tools.report": (report.main, ["--in9", "{missing}/in9.json"]),
+    "tools.data build": (data_cli.main, ["build", "--images", "{missing}/images", "--boxes", "{missing}/boxes.csv"]),
+}
+
+# (command, output flag, what is impossible about it)
+CASES = [
+    ("in9_eval", "--results-file", "under a file"), ("in9_eval", "--results-file", "a folder"),
+    ("in9_eval", "--report", "under a file"), ("in9_eval", "--output-dir", "a file"),
+    ("challenge_eval", "--results-file", "a folder"), ("challenge_eval", "--per-foreground-csv", "a folder"),
+    ("challenge_eval", "--report", "under a file"), ("challenge_eval", "--output-dir", "a file"),
+    ("train", "--output-dir", "under a file"), ("train", "--output-dir", "a file"),
+    ("tools.zoo", "--output-dir", "a file"), ("tools.zoo", "--output-dir", "under a file"),
+    ("tools.zoo", "--leaderboard-only", "a file"),
+    ("tools.merge", "--results-file", "under a file"), ("tools.merge", "--output-dir", "a file"),
+    ("tools.merge", "--per-foreground-csv", "a folder"), ("tools.merge", "--report", "a folder"),
+    ("tools.report", "--output", "a folder"), ("tools.report", "--output", "under a file"),
+    ("tools.data build", "--out", "under a file"), ("tools.data build", "--out", "a file"),
+]
+
+
+@pytest.mark.parametrize("command, flag, impossible", CASES, ids=[f"{c}{f}-{i.replace(' ', '-')}" for c, f, i in CASES])
+def test_impossible_output_path_is_refused_before_any_work(command, flag, impossible, tmp_path, capsys):
+    """The inputs do not exist either: if the command read its data or built its model before checking the
+    output path, the error would be about those instead."""
+    main, argv = COMMANDS[command]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    (tmp_path / "a-folder").mkdir()
+    bad = {"under a file": blocker / "out", "a folder": tmp_path / "a-folder", "a file": blocker}[impossible]
+    argv = [a.replace("{missing}", str(tmp_path / "missing")).replace("{tmp}", str(tmp_path)) for a in argv]
+    if flag in argv:
+        argv[argv.index(flag) + 1] = str(bad)
+    else:
+        argv += [flag, str(bad)]
+    code, out, err = run_in_process(main, argv, capsys)
+    line = one_error_line(code, err)
+    assert flag in line and str(bad) in line, line
+    assert out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "a-folder"]  # nothing made, nothing left
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_output_folder_is_refused(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        code, _, err = run_in_process(report.main, ["--in9", str(tmp_path / "absent.json"), "--output",
+                                                    str(locked / "sub" / "report.md")], capsys)
+    finally:
+        locked.chmod(0o700)
+    assert "--output" in one_error_line(code, err)
+
+
+def test_two_outputs_on_one_path_are_refused(tmp_path, capsys):
+    same = tmp_path / "results.json"
+    code, _, err = run_in_process(merge.main, [str(tmp_path / "missing"), "--results-file", str(same), "--report",
+                                               str(same)], capsys)
+    line = one_error_line(code, err)
+    assert "--results-file" in line and "--report" in line and str(same) in line
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A write that fails late (a full disk, a folder gone) is one line, and keeps what is already computed
+
+@pytest.mark.parametrize("lost", ["per-foreground csv", "results file"])
+def test_a_late_write_failure_keeps_the_other_outputs(lost, dataset, color_ts, tmp_path, capsys, monkeypatch,
+                                                      one_thread):
+    """The folder of one output becomes a file while the challenge runs: the other output is still written, and
+    the failure is one line naming the lost file and how to go on."""
+    outputs = {"per-foreground csv": tmp_path / "tables" / "per_fg.csv",
+               "results file": tmp_path / "results" / "challenge.json"}
+    real = challenge_eval.run_challenge
+
+    def run_then_block(*args, **kwargs):
+        result = real(*args, **kwargs)
+        outputs[lost].parent.write_text("the folder is gone")
+        return result
+
+    monkeypatch.setattr(challenge_eval, "run_challenge", run_then_block)
+    argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--device", "cpu", "--no-progress",
+            "--no-cache", "--workers", "1", "--output-dir", str(tmp_path / "out"), "--per-foreground-csv",
+            str(outputs["per-foreground csv"]), "--results-file", str(outputs["results file"]),
+            "--log-level", "WARNING"]
+    code, _, err = run_in_process(_script(challenge_eval), argv, capsys)
+    line = one_error_line(code, err)
+    assert str(outputs[lost]) in line and "--resume" in line
+    if lost == "per-foreground csv":
+        results = json.loads(outputs["results file"].read_text())
+        assert results["total"] == len(dataset.images) and 0 <= results["challenge_accuracy"] <= 100
+    else:
+        rows = outputs["per-foreground csv"].read_text().splitlines()
+        assert rows[0].startswith("stem,class,vulnerable") and len(rows) == 1 + len(dataset.images)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Outputs are written whole or not at all
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Writing past `limit` bytes of any file fails with EFBIG, as a full disk would, mid-file."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+@pytest.fixture(scope="module")
+def full_run(dataset, color_ts, tmp_path_factory):
+    """A --full challenge result and an in9 `all` run on the generated data."""
+    loaded = load_model(checkpoint=color_ts[9])
+    out = tmp_path_factory.mktemp("full-run")
+    result = run_challenge(loaded, CPU, dataset.root, ChallengeConfig(full=True, progress=False, batch_size=64),
+                           output_dir=out / "state", workers=1)
+    in9 = run_in9(loaded, CPU, dataset.root, list(VARIATIONS), 64, 1, progress=False)
+    return result, in9
+
+
+WRITERS = {
+    "report": lambda r, in9, folder, data: report.write_report(folder / "report.md", challenge=r.to_json()),
+    "per-foreground csv": lambda r, in9, folder, data: r.write_per_foreground_csv(folder / "per_fg.csv"),
+    "full matrix and index files": lambda r, in9, folder, data: r.write_full_outputs(folder, data, 9),
+    "analysis files": lambda r, in9, folder, data: analysis.write_analysis(folder, data, 2),
+    "analysis figure": lambda r, in9, folder, data: analysis.draw_top_backgrounds(
+        analysis.analyze(analysis.load_matrix(folder), 2)[0], data, folder / "figure.png"),
+    "in9 report": lambda r, in9, folder, data: in9.publish(True, None, folder / "in9.md"),
+    "leaderboard plot": lambda r, in9, folder, data: leaderboard.draw_plot(
+        leaderboard.sort_rows(leaderboard.published_rows()), folder / "board.png"),
+    "leaderboard": lambda r, in9, folder, data: leaderboard.build_leaderboard(folder),
+}
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_a_write_that_fails_midway_leaves_the_old_files(writer, full_run, dataset, tmp_path):
+    result, in9 = full_run
+    write = WRITERS[writer]
+    result.write_full_outputs(tmp_path, dataset.root, 9)  # what the analysis reads, and a zoo result for the board
+    (tmp_path / leaderboard.MODELS_FOLDER).mkdir()
+    (tmp_path / leaderboard.MODELS_FOLDER / "m.json").write_text(json.dumps(
+        {"model": "m", "source": "file", "arch": "a", "weights": None, "in9": in9.to_json(),
+         "challenge": result.to_json()}))
+    write(result, in9, tmp_path, dataset.root)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert len(before) >= 2
+    with pytest.raises(Exception), file_size_limit(64):
+        write(result, in9, tmp_path, dataset.root)
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert sorted(after) == sorted(before), "a temporary file was left behind"
+    changed = [p.name for p in before if after[p] != before[p]]
+    assert not changed, f"half-written: {changed}"
+
+
+# Writers that may write in place: they fill a folder that only a finished run renames into place, or append.
+IN_PLACE_WRITERS = {
+    "tools/provenance.py": {"atomic_write"},  # the helper itself
+    "tools/datasets.py": {"save"},  # a cache entry, written inside a temporary folder renamed into place
+    "tools/training/loop.py": {"write"},  # train_log.jsonl, appended to one line at a time
+    "tools/synthetic.py": None,  # a generated data set (the whole module)
+    "tools/data/builder.py": None,  # a built data set
+    "tools/data/download.py": None,  # a resumable download, extracted into a temporary folder
+}
+SAVE_FUNCTIONS = {("np", "save"): 0, ("np", "savez"): 0, ("np", "savez_compressed"): 0, ("torch", "save"): 1,
+                  ("jit", "save"): 1}
+
+
+def _writes_in_place(tree: ast.AST) -> list[tuple[int, str, str]]:
+    """(line, enclosing function, call) of every call in the module that writes a file other than through
+    the handle of `with atomic_write(...) as fh`."""
+    found = []
+
+    def visit(node, function: str, handles: frozenset):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function, handles = node.name, frozenset()
+        if isinstance(node, ast.With):
+            bound = {item.optional_vars.id for item in node.items
+                     if isinstance(item.optional_vars, ast.Name) and isinstance(item.context_expr, ast.Call)
+                     and getattr(item.context_expr.func, "id", getattr(item.context_expr.func, "attr", None))
+                     == "atomic_write"}
+            handles = handles | bound
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = getattr(func, "id", None) or getattr(func, "attr", None)
+            owner = getattr(getattr(func, "value", None), "id", None) or getattr(getattr(func, "value", None),
+                                                                                  "attr", None)
+            target = None
+            if name in ("open", "fdopen") and isinstance(func, ast.Name | ast.Attribute):
+                mode = node.args[1] if len(node.args) > 1 else next(
+                    (k.value for k in node.keywords if k.arg == "mode"), None)
+                if isinstance(mode, ast.Constant) and set(str(mode.value)) & set("wax+"):
+                    found.append((node.lineno, function, ast.unparse(node)[:80]))
+            elif name in ("write_text", "write_bytes"):
+                found.append((node.lineno, function, ast.unparse(node)[:80]))
+            elif (owner, name) in SAVE_FUNCTIONS:
+                position = SAVE_FUNCTIONS[(owner, name)]
+                target = node.args[position] if len(node.args) > position else None
+            elif name == "save" and any(k.arg == "format" for k in node.keywords):  # Pillow
+                target = node.args[0] if node.args else None
+            if target is not None and not (isinstance(target, ast.Name) and target.id in handles):
+                found.append((node.lineno, function, ast.unparse(node)[:80]))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function, handles)
+
+    visit(tree, "<module>", frozenset())
+    return found
+
+
+def test_every_output_is_written_through_the_atomic_helper():
+    offenders = []
+    for path in sorted((REPO / "tools").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        allowed = IN_PLACE_WRITERS.get(rel, set())
+        if allowed is None:
+            continue
+        for line, function, call in _writes_in_place(ast.parse(path.read_text(encoding="utf-8"))):
+            if function not in allowed:
+                offenders.append(f"{rel}:{line} in {function}: {call}")
+    assert not offenders, "outputs written in place:\n" + "\n".join(offenders)
+
+
+def test_the_guard_sees_writes_in_place():
+    """The guard above finds each kind of in-place write, and accepts writes through atomic_write's handle."""
+    source = '''
+def bad(path, matrix, canvas, text):
+    open(path, "w").write(text)
+    path.write_text(text)
+    np.save(path, matrix)
+    torch.save(matrix, path)
+    canvas.save(path, format="PNG")
+def good(path, matrix, canvas):
+    with atomic_write(path, "wb") as fh:
+        np.save(fh, matrix)
+        canvas.save(fh, format="PNG")
+    with open(path) as fh:
+        fh.read()
+'''
+    found = _writes_in_place(ast.parse(source))
+    assert [(function, line) for line, function, _ in found] == [("bad", 3), ("bad", 4), ("bad", 5), ("bad", 6),
+                                                                 ("bad", 7)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SIGTERM is handled like Ctrl-C
+
+def test_sigterm_is_an_interruption_with_exit_143(tmp_path):
+    """A command that receives SIGTERM runs its clean-up, says it was stopped, and exits with 128 + 15."""
+    program = f"""
+import argparse, os, signal, sys
+from pathlib import Path
+from tools import cli
+def main(args):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        import time; time.sleep(30)
+    finally:
+        Path({str(tmp_path / 'cleaned')!r}).write_text('yes')
+parser = argparse.ArgumentParser()
+cli.add_log_level_argument(parser)
+sys.exit(cli.run_main(parser, main, [], on_interrupt="rerun the same command"))
+"""
+    proc = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["terminated: rerun the same command"]
+    assert (tmp_path / "cleaned").read_text() == "yes"
+
+
+def test_sigterm_mid_challenge_keeps_the_state_and_resumes(tmp_path, capsys, one_thread):
+    """challenge_eval.py sent SIGTERM mid-search: exit 143, one line saying how to go on, the saved state kept
+    (and no temporary file); resumed (in this process), it gives the uninterrupted run's summary."""
+    data = synthetic.generate(tmp_path / "bg", per_class=2, seed=3).root
+    slow = tmp_path / "slow.ts"
+    save_torchscript(synthetic.ColorEvidenceModel(9, trunk_width=8, trunk_scale=1e-4), slow)
+    argv = ["--data-path", str(data), "--checkpoint", str(slow), "--device", "cpu", "--no-progress", "--no-cache",
+            "--batch-size", "4", "--save-every", "0", "--workers", "1", "--log-level", "WARNING"]
+    state = tmp_path / "stopped" / challenge.STATE_NAME
+    proc = subprocess.Popen([sys.executable, "challenge_eval.py", *argv, "--output-dir", str(state.parent)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not state.exists() and time.time() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run finished before it could be stopped; use a slower model"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines() == [f"terminated: progress so far is saved under {state.parent}; rerun with "
+                                        f"--resume to continue"]
+    assert "Summary" not in out
+    assert state.is_file() and sorted(p.name for p in state.parent.iterdir()) == [state.name]
+    whole = run_in_process(_script(challenge_eval), argv + ["--output-dir", str(tmp_path / "whole")], capsys)
+    resumed = run_in_process(_script(challenge_eval), argv + ["--output-dir", str(state.parent), "--resume",
+                                                              "--log-level", "INFO"], capsys)
+    assert whole[0] == resumed[0] == 0
+    assert "resuming from" in resumed[2] and "Summary" in whole[1] and resumed[1] == whole[1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The decoded-data cache leaves no temporary folder behind
+
+def _cache(folder: Path) -> datasets.DecodedCache:
+    return datasets.DecodedCache(folder, "entry", {"fingerprint": "f"})
+
+
+ARRAYS = {"a": np.arange(10), "b": np.ones((3, 3)), "masks": np.zeros(4, np.uint8)}
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, OSError])
+def test_cache_save_that_fails_leaves_no_temporary_folder(failure, tmp_path, monkeypatch, caplog):
+    real, calls = np.save, []
+
+    def failing_save(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise failure(28, "No space left on device") if failure is OSError else failure()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(np, "save", failing_save)
+    if failure is KeyboardInterrupt:
+        with pytest.raises(KeyboardInterrupt):
+            _cache(tmp_path).save(ARRAYS)
+    else:
+        _cache(tmp_path).save(ARRAYS)  # a warning, and the run goes on without the cache
+        assert "could not write the decoded-data cache" in caplog.text
+    assert len(calls) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_cache_temporaries_of_dead_processes_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    stale = tmp_path / f".tmp-{host}@{dead.pid}@x1"
+    running = tmp_path / f".tmp-{host}@{os.getpid()}@x2"  # this process: an entry being written right now
+    elsewhere = tmp_path / f".tmp-{host}-2@{dead.pid}@x3"  # a process of another machine sharing the folder
+    for folder in (stale, running, elsewhere):
+        folder.mkdir()
+        (folder / "a.npy").write_bytes(b"x" * 1000)
+    cache = _cache(tmp_path)
+    assert cache.load(["a"]) is None
+    assert not stale.exists() and running.is_dir() and elsewhere.is_dir()
+    cache.save(ARRAYS)
+    assert cache.load(list(ARRAYS)) is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["entry", running.name, elsewhere.name])
