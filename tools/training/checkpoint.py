@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import tempfile
 from pathlib import Path
 
 import torch
