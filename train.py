@@ -25,12 +25,12 @@ def main(args: argparse.Namespace) -> int:
     check_outputs(folders={"--output-dir": config.output_dir})
     try:
         result = train(config)
-        if config.eval_data is not None and distributed.from_environment().is_main:
-            print(f"report: {evaluate_and_report(config, result)}")
-        if distributed.from_environment().is_main:
-            print(f"checkpoint: {result.checkpoint}")
     finally:
-        distributed.cleanup()
+        distributed.cleanup()  # the processes part here: rank 0 evaluates alone, as one process, with no group
+    if distributed.from_environment().is_main:
+        if config.eval_data is not None:
+            print(f"report: {evaluate_and_report(config, result)}")
+        print(f"checkpoint: {result.checkpoint}")
     return 0
 
 

@@ -266,3 +266,19 @@ def copy_independent(run: dict) -> dict:
     kept = {k: v for k, v in run.items() if k not in TIMING}
     kept["provenance"] = {k: v for k, v in run["provenance"].items() if k != "checkpoint"}
     return kept
+
+
+def test_agree_votes_only_among_the_runs_own_processes(monkeypatch):
+    """A run of one process inside a joined group (rank 0 evaluating alone after training) votes with nobody; a
+    run shared by the group votes once per block."""
+    votes = []
+    monkeypatch.setattr(distributed, "_joined", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(distributed, "all_reduce", lambda array, op, device: votes.append(array.copy()) or array)
+    with distributed.agree(distributed.ProcessGroup(), torch.device("cpu")):
+        pass
+    assert votes == []
+    with distributed.agree(distributed.ProcessGroup(0, 2, 0), torch.device("cpu")):
+        pass
+    assert len(votes) == 1 and votes[0].tolist() == [0, 0]

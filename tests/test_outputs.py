@@ -386,7 +386,7 @@ def test_cache_save_that_fails_leaves_no_temporary_folder(failure, tmp_path, mon
             _cache(tmp_path).save(ARRAYS)
     else:
         _cache(tmp_path).save(ARRAYS)  # a warning, and the run goes on without the cache
-        assert "could not write the decoded-data cache" in caplog.text
+        assert "could not write the decoded data cache" in caplog.text
     assert len(calls) == 2
     assert list(tmp_path.iterdir()) == []
 

@@ -208,9 +208,11 @@ def test_two_gloo_processes_equal_one(tiny, tmp_path):
     subprocess.run([sys.executable, *script, "--output-dir", str(single)], env=_env(), check=True,
                    capture_output=True)
     result = collective_guard.launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                      "2", "-m", "tests.collective_guard", *script, "--output-dir", str(double)],
-                                     env=_env(), cwd=REPO)
+                                      "2", "-m", "tests.collective_guard", *script, "--output-dir", str(double),
+                                      "--eval-data", str(tiny), "--eval-challenge"], env=_env(), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
+    # rank 0 evaluates alone after training: the report is written, and no process waits in a collective
+    assert f"report: {double / 'report.md'}" in result.stdout and (double / "report.md").is_file()
     # each process took its half of every global batch: 3 + 3 images per step, 6 in all
     log = [json.loads(line) for line in (double / "train_log.jsonl").read_text().splitlines() if "loss" in line]
     assert [r["images"] for r in log] == [6] * 6

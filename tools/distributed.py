@@ -126,13 +126,15 @@ _AGREED = "_failure_agreed_across_processes"  # set on an error once every proce
 
 
 @contextlib.contextmanager
-def agree(device: torch.device) -> Iterator[None]:
-    """Leave a block in every process together. Work that may fail in some processes only (an image only one of
-    them decodes, a file only rank 0 writes) runs inside it; at its end the processes vote in one all-reduce (for a run on
-    `device`, as `all_reduce`), and when some failed, those raise their own error and every other one
-    `PeerFailure`. So no process waits in a collective that a failed one will not join, as long as the work
-    since the last collective runs in such a block; an error passing through nested blocks is voted on once."""
-    if not _joined():
+def agree(group: ProcessGroup, device: torch.device) -> Iterator[None]:
+    """Leave a block in every process of `group` together. Work that may fail in some processes only (an image
+    only one of them decodes, a file only rank 0 writes) runs inside it; at its end the processes vote in one
+    all-reduce (for a run on `device`, as `all_reduce`), and when some failed, those raise their own error and
+    every other one `PeerFailure`. So no process waits in a collective that a failed one will not join, as long
+    as the work since the last collective runs in such a block; an error passing through nested blocks is voted
+    on once. A run of one process (`group` not distributed) votes with nobody, even where a process group is
+    joined: rank 0 evaluating alone after training, say."""
+    if not (group.distributed and _joined()):
         yield
         return
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -240,10 +240,10 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
     Under torchrun, the processes leave each run together when one of them fails (`distributed.agree`)."""
     state_dir = Path(output_dir) / RUNS_FOLDER / spec.slug
     device = runtime.device
-    with distributed.agree(device):
+    with distributed.agree(runtime.group, device):
         in9 = run_in9(loaded, runtime, data.in9, list(VARIATIONS), settings.batch_size, settings.workers, state_dir,
                       resume=True, progress=progress)
-    with distributed.agree(device):
+    with distributed.agree(runtime.group, device):
         challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,
                                   (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache_dir)
     weights = loaded.weights or (Path(loaded.source).name if loaded.source else None)
@@ -262,7 +262,7 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
     A model is done when its results file is of the same data content, weights and settings. Under torchrun
     every process reaches each decision with the others: which models to skip, and that a model failed."""
     device = runtime.device
-    with distributed.agree(device):
+    with distributed.agree(runtime.group, device):
         data = list_zoo_data(settings.data_path, settings.workers)
     fingerprint = settings.fingerprint(runtime)
     outcomes = []
@@ -270,19 +270,19 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
         path = results_path(output_dir, spec)
         log.info("[%d/%d] %s", index, len(specs), spec.text)
         try:
-            with distributed.agree(device):
+            with distributed.agree(runtime.group, device):
                 payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress)
             if distributed.all_reduce(np.array([payload is not None], np.int64), "min", device)[0]:  # all or none
                 log.info("%s is done already (%s): skipped", spec.text, path)
                 outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
                 continue
-            with distributed.agree(device):
+            with distributed.agree(runtime.group, device):
                 loaded = loaded or spec.load(settings.trust, runtime, progress)
                 if runtime.group.is_main:
                     set_aside_other_state(Path(output_dir) / RUNS_FOLDER / spec.slug,
                                           identity(data, loaded.sha256, fingerprint))
             payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir, progress)
-            with distributed.agree(device):
+            with distributed.agree(runtime.group, device):
                 if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes
                     write_json_atomic(path, payload)
             outcomes.append(Outcome(spec.text, "done", path, summary=_summary(payload)))
@@ -362,7 +362,7 @@ def _main(args: argparse.Namespace) -> int:
     outcomes = run_zoo(specs, settings, runtime, args.output_dir, progress=not args.no_progress)
     failed = [o.model for o in outcomes if o.status == "failed"]
     # under torchrun the other processes wait for rank 0's report: one that exits first ends the job
-    with distributed.agree(runtime.device):
+    with distributed.agree(runtime.group, runtime.device):
         if runtime.group.is_main:
             print("\n".join(_outcome_line(o) for o in outcomes))
             print(f"{len(outcomes) - len(failed)} of {len(outcomes)} models done" +
