@@ -1,6 +1,6 @@
-"""Every file the toolkit reads back (masks, both scripts' resume states, the --full matrix, the decoded-data
-cache; the shard files in test_shards.py), when empty or truncated, ends in one `error:` line (the cache: a
-warning and a fresh decode), never a traceback. numpy raises EOFError for an empty file and
+"""Every file the toolkit reads back (masks, the resume states of both scripts and of train.py, the --full
+matrix, the decoded-data cache; the shard files in test_shards.py), when empty or truncated, ends in one `error:`
+line (the cache: a warning and a fresh decode), never a traceback. numpy raises EOFError for an empty file and
 zipfile.BadZipFile for a truncated .npz, which are neither OSError nor ValueError."""
 
 from __future__ import annotations
@@ -122,3 +122,40 @@ def test_a_damaged_cache_is_decoded_afresh(damage, setup, tmp_path, capsys):
     assert code == 0 and "Traceback" not in err
     assert "ignoring an unreadable cache" in err
     assert again == first
+
+
+def _tensor_instead(path: Path) -> None:
+    import torch  # noqa: PLC0415
+
+    torch.save(torch.zeros(3), path)
+
+
+@pytest.mark.parametrize("damage", [empty, truncate, _tensor_instead])
+def test_a_damaged_training_resume_state_is_one_error_line(damage, tmp_path, capsys):
+    import train  # noqa: PLC0415
+
+    from tools.training.checkpoint import STATE_NAME  # noqa: PLC0415
+
+    data = synthetic.generate(tmp_path / "train", per_class=1, seed=3, split="train").root
+    out = tmp_path / "out"
+    argv = ["--data-path", str(data), "--arch", "toolkit:small_cnn", "--weights", "none", "--device", "cpu",
+            "--no-progress", "--workers", "0", "--epochs", "1", "--batch-size", "3", "--output-dir", str(out)]
+    run = lambda a: cli.run_main(train.build_parser(), train.main, a)  # noqa: E731
+    code, _, err = run_in_process(run, argv, capsys)
+    assert code == 0, err
+    damage(out / STATE_NAME)
+    code, _, err = run_in_process(run, [*argv, "--resume"], capsys)
+    assert code == 2, err
+    one_error_line(err, STATE_NAME, "rerun without --resume")
+
+
+@pytest.mark.parametrize("script", [in9, challenge])
+@pytest.mark.parametrize("arch", [[], ["--arch", "resnet18"]])
+def test_an_empty_checkpoint_is_one_error_line(script, arch, setup, tmp_path, capsys):
+    """torch.load raises a bare EOFError (no message) on an empty file: the line names its type."""
+    data, _ = setup
+    model = tmp_path / "model.pt"
+    empty(model)
+    code, _, err = script(capsys, data, model, *arch)
+    assert code == 2, err
+    assert "EOFError" in one_error_line(err, "model.pt")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tools.errors import UserError
+from tools.errors import UserError, first_line
 from tools.models import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
 
@@ -77,7 +77,7 @@ def _torch_load(path: Path, trust: bool):
         raise UserError(f"cannot read checkpoint {path}: it does not unpickle ({_unpickling_problem(exc)}); "
                         f"is it a PyTorch file?") from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise UserError(f"cannot read checkpoint {path}: {str(exc).splitlines()[0]}; is it a PyTorch file?") from None
+        raise UserError(f"cannot read checkpoint {path}: {first_line(exc)}; is it a PyTorch file?") from None
     except (ImportError, AttributeError) as exc:  # only with --trust-checkpoint: a class the file needs is missing
         raise UserError(f"cannot unpickle checkpoint {path}: {exc}; install the code that defines its classes, "
                         f"or save a state dict instead") from None
@@ -202,7 +202,7 @@ def _probe_classes(classifier: nn.Module, path: Path, kind: str) -> int:
         hint = ("; export it with a dynamic batch dimension (dynamic_shapes with torch.export.Dim) or save it as "
                 "TorchScript/state dict") if kind == "export" else ""
         raise UserError(f"the model in {path} fails on a 3x3x{IMAGE_SIZE}x{IMAGE_SIZE} input: "
-                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}{hint}") from None
+                        f"{first_line(exc)}{hint}") from None
     if not isinstance(out, torch.Tensor) or out.ndim != 2:
         raise UserError(f"the model in {path} does not return a (batch, classes) tensor of logits")
     return int(out.shape[1])
@@ -232,7 +232,7 @@ def _load_program(path: Path, kind: str) -> nn.Module:
                 return torch.jit.load(str(path), map_location="cpu")
         return ExportedModule(torch.export.load(str(path)).module())
     except Exception as exc:  # noqa: BLE001 (a broken archive is the user's file)
-        raise UserError(f"cannot load the {kind} program {path}: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"cannot load the {kind} program {path}: {first_line(exc)}") from None
 
 
 def trained_checkpoint_header(obj) -> dict | None:

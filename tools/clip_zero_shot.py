@@ -40,7 +40,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tools.datasets import DecodedCache, default_cache_dir
-from tools.errors import UserError
+from tools.errors import UserError, first_line
 from tools.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
 from tools.models import LoadedModel, close_matches, wrap
@@ -238,7 +238,7 @@ def _create(open_clip, arch: str, pretrained: str | None) -> tuple[nn.Module, st
             with _quiet("huggingface_hub"):
                 path = open_clip.download_pretrained(config)
         except Exception as exc:  # noqa: BLE001 (urllib, huggingface_hub and OS errors all mean: not fetched)
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            reason = first_line(exc)
             raise UserError(f"cannot download the CLIP weights clip:{arch}/{pretrained} ({reason}); offline, fetch "
                             f"them elsewhere into open_clip's cache, or pass a local file as clip:{arch}/PATH") from None
     elif Path(pretrained).is_file():
@@ -249,7 +249,7 @@ def _create(open_clip, arch: str, pretrained: str | None) -> tuple[nn.Module, st
     try:  # a known tag: open_clip finds the file just downloaded in its cache and sets the tag's mean/std
         return open_clip.create_model(arch, pretrained=pretrained), str(path)
     except RuntimeError as exc:
-        raise UserError(f"cannot load the CLIP weights clip:{arch}/{pretrained}: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"cannot load the CLIP weights clip:{arch}/{pretrained}: {first_line(exc)}") from None
 
 
 def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, class_prompts: list[list[str]],

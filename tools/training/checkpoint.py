@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tools.errors import UserError
+from tools.errors import UserError, first_line
 from tools.in9 import NUM_IN9_CLASSES
 from tools.checkpoints import TRAINED_FORMAT
 from tools.provenance import atomic_write
@@ -50,6 +50,12 @@ def load_resume_state(output_dir: Path, run_key: dict) -> dict | None:
     except pickle.UnpicklingError:
         raise UserError(f"{path} holds more than tensors and plain data (saved by an older version?), so it is not "
                         f"read; rerun without --resume, or with another --output-dir") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:  # empty, truncated, unreadable
+        raise UserError(f"cannot read {path} ({first_line(exc)}); rerun without "
+                        f"--resume, or with another --output-dir") from None
+    if not isinstance(state, dict):
+        raise UserError(f"{path} is not a resume state of train.py; rerun without --resume, or with another "
+                        f"--output-dir")
     if state.get("run_key") != run_key:
         raise UserError(f"{path} was saved by a run with other settings or data; rerun without --resume, or with "
                         f"another --output-dir")
