@@ -115,6 +115,36 @@ def test_read_only_output_folder_is_refused(tmp_path, capsys):
     assert "--output" in one_error_line(code, err)
 
 
+OUTPUT_FLAG = {"in9_eval": "--results-file", "challenge_eval": "--results-file", "train": "--output-dir",
+               "tools.zoo": "--output-dir", "tools.merge": "--results-file", "tools.report": "--output",
+               "tools.data build": "--out"}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_an_output_path_that_cannot_be_looked_at_is_one_error_line(command, tmp_path, capsys, monkeypatch):
+    """Another user's private folder: stat itself is refused (EACCES; pathlib's exists/is_dir raise it on Python
+    3.10-3.13). Root is never refused, so the refusal is simulated in os.stat."""
+    locked = tmp_path / "locked"
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path).startswith(str(locked)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    main, argv = COMMANDS[command]
+    argv = [a.replace("{missing}", str(tmp_path / "missing")).replace("{tmp}", str(tmp_path)) for a in argv]
+    flag, bad = OUTPUT_FLAG[command], locked / "sub" / "out"
+    if flag in argv:
+        argv[argv.index(flag) + 1] = str(bad)
+    else:
+        argv += [flag, str(bad)]
+    code, _, err = run_in_process(main, argv, capsys)
+    line = one_error_line(code, err)
+    assert flag in line and "cannot be checked" in line, line
+
+
 def test_two_outputs_on_one_path_are_refused(tmp_path, capsys):
     same = tmp_path / "results.json"
     code, _, err = run_in_process(merge.main, [str(tmp_path / "missing"), "--results-file", str(same), "--report",

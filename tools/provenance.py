@@ -63,12 +63,15 @@ def check_outputs(files: Mapping[str, Path | str | None] | None = None,
     named += [(flag, Path(path), True) for flag, path in (folders or {}).items() if path is not None]
     seen: dict[Path, str] = {}
     for flag, path, is_folder in named:
-        if is_folder and path.exists() and not path.is_dir():
-            raise UserError(f"{flag} {path} is a file; give the path of a folder (it is created if missing)")
-        if not is_folder and path.is_dir():
-            raise UserError(f"{flag} {path} is a folder; give the path of a file to write")
-        _check_creatable(flag, path, _nearest_existing(path if is_folder else path.parent))
-        resolved = path.resolve()
+        try:
+            if is_folder and path.exists() and not path.is_dir():
+                raise UserError(f"{flag} {path} is a file; give the path of a folder (it is created if missing)")
+            if not is_folder and path.is_dir():
+                raise UserError(f"{flag} {path} is a folder; give the path of a file to write")
+            _check_creatable(flag, path, _nearest_existing(path if is_folder else path.parent))
+            resolved = path.resolve()
+        except OSError as exc:  # a place this user may not even look into (stat refused: EACCES)
+            raise UserError(f"{flag} {path} cannot be checked ({exc.strerror or exc}); choose another path") from None
         if resolved in seen:
             raise UserError(f"{seen[resolved]} and {flag} both name {path}; give each output its own path")
         seen[resolved] = flag
