@@ -175,15 +175,34 @@ def test_a_late_write_failure_keeps_the_other_outputs(lost, dataset, color_ts, t
             "--no-cache", "--workers", "1", "--output-dir", str(tmp_path / "out"), "--per-foreground-csv",
             str(outputs["per-foreground csv"]), "--results-file", str(outputs["results file"]),
             "--log-level", "WARNING"]
-    code, _, err = run_in_process(_script(challenge_eval), argv, capsys)
+    code, out, err = run_in_process(_script(challenge_eval), argv, capsys)
     line = one_error_line(code, err)
     assert str(outputs[lost]) in line and "--resume" in line
+    assert out.startswith("Summary: ") and "Challenge accuracy: " in out  # the numbers are printed all the same
     if lost == "per-foreground csv":
         results = json.loads(outputs["results file"].read_text())
         assert results["total"] == len(dataset.images) and 0 <= results["challenge_accuracy"] <= 100
     else:
         rows = outputs["per-foreground csv"].read_text().splitlines()
         assert rows[0].startswith("stem,class,vulnerable") and len(rows) == 1 + len(dataset.images)
+
+
+def test_in9_accuracies_are_printed_when_the_results_file_cannot_be_written(dataset, color_ts, tmp_path, capsys,
+                                                                           monkeypatch, one_thread):
+    results = tmp_path / "results" / "in9.json"
+    real = in9_eval.run_in9
+
+    def run_then_block(*args, **kwargs):
+        run = real(*args, **kwargs)
+        results.parent.write_text("the folder is gone")
+        return run
+
+    monkeypatch.setattr(in9_eval, "run_in9", run_then_block)
+    argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--device", "cpu", "--no-progress",
+            "--workers", "1", "--results-file", str(results), "--log-level", "WARNING"]
+    code, out, err = run_in_process(_script(in9_eval), argv, capsys)
+    assert str(results) in one_error_line(code, err)
+    assert out.startswith("Accuracy on original is ")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -63,6 +63,8 @@ def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
         with sigterm_as_interrupt(), logging_redirect_tqdm():
             return int(main(args) or 0)
     except UserError as exc:
+        if getattr(exc, "stdout", None):  # what the command had computed before the error: printed all the same
+            print("\n".join(exc.stdout))
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt as exc:

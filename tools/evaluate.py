@@ -215,7 +215,7 @@ class In9Run:
             counts = prediction_categories(*(self.results[v] for v in CATEGORY_VARIATIONS.values()))
             lines.append(format_categories(counts))
             payload["categories"] = counts
-        with OutputFiles(rerun_hint) as outputs:
+        with OutputFiles(rerun_hint, lines) as outputs:
             if results_file is not None:
                 outputs.write(write_json_atomic, results_file, payload)
             if report is not None:

@@ -137,14 +137,16 @@ RESUME_HINT = "fix the cause and rerun the same command with --resume: its saved
 
 class OutputFiles:
     """A command's output files, written one after another: one that cannot be written does not stop the
-    others, and leaving the `with` block raises one user error that names what failed and what was written.
+    others, and leaving the `with` block raises one user error that names what failed and what was written,
+    carrying the command's `lines` (its `stdout`), which are printed before it.
 
         with OutputFiles(RESUME_HINT) as outputs:
             outputs.write(write_json_atomic, results_file, payload)
     """
 
-    def __init__(self, hint: str):
+    def __init__(self, hint: str, lines: list[str] | None = None):
         self.hint = hint
+        self.lines = lines  # what the command prints: printed before the error all the same (UserError.stdout)
         self.written: list[Path] = []
         self.failed: list[WriteError] = []
 
@@ -170,4 +172,6 @@ class OutputFiles:
             return
         failed = "; ".join(f"{e.path} ({e.reason})" for e in self.failed)
         written = f"wrote {', '.join(map(str, self.written))}" if self.written else "wrote nothing else"
-        raise UserError(f"could not write {failed}; {written}; {self.hint}")
+        error = UserError(f"could not write {failed}; {written}; {self.hint}")
+        error.stdout = list(self.lines or [])
+        raise error

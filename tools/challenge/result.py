@@ -112,7 +112,7 @@ class ChallengeResult:
         is then one user error (`rerun_hint` says how to go on)."""
         lines = self.lines()
         summary = None
-        with OutputFiles(rerun_hint) as outputs:
+        with OutputFiles(rerun_hint, lines) as outputs:
             if results_file is not None:
                 outputs.write(write_json_atomic, results_file, self.to_json())
             if per_foreground_csv is not None:
