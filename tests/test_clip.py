@@ -6,6 +6,7 @@ references, the leaderboard's classes column, and the one-line errors (bad optio
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -174,6 +175,8 @@ def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog
     spec = f"clip:{TINY_CLIP}/{weights}+head=in9"
     first = load_model(spec)
     assert len(builds) == 1 and list((tmp_path / "cache").rglob("*.npy"))
+    # a head encoded on a GPU differs from the CPU's in the last bits: each device type has its own entry
+    assert [json.loads(m.read_text())["device"] for m in (tmp_path / "cache").rglob("meta.json")] == ["cpu"]
     again = load_model(spec)  # read from the cache: the same head, no text encoded
     assert len(builds) == 1 and torch.equal(again.model.classifier.head, first.model.classifier.head)
     assert again.sha256 == first.sha256

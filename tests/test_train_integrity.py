@@ -192,3 +192,16 @@ def test_a_resume_state_holding_a_function_is_one_error_line(tiny, tmp_path, cap
                                    "--output-dir", out, "--resume"], capsys)
     line = check_error(code, stdout, err, lines=None)
     assert str(out / STATE_NAME) in line and "rerun without --resume" in line
+
+
+def test_a_log_line_cut_short_is_dropped_on_resume(tmp_path):
+    """A kill during an append leaves half a line at the end of train_log.jsonl: a resume drops it (and the
+    steps past the resumed one) instead of failing to parse it."""
+    from tools.training.loop import JsonLog  # noqa: PLC0415
+
+    path = tmp_path / "train_log.jsonl"
+    lines = [json.dumps({"step": 1, "loss": 2.0}), json.dumps({"step": 2, "loss": 1.5}),
+             json.dumps({"step": 2, "event": "epoch_end"}), json.dumps({"step": 3, "loss": 1.2})]
+    path.write_text("\n".join(lines) + "\n" + '{"step": 4, "lo')
+    JsonLog(path, True, resume_step=2)
+    assert path.read_text().splitlines() == lines[:3]

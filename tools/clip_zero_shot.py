@@ -255,10 +255,13 @@ def _create(open_clip, arch: str, pretrained: str | None) -> tuple[nn.Module, st
 def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, class_prompts: list[list[str]],
                weights_sha256: str, runtime: Runtime | None, progress: bool) -> torch.Tensor:
     """The zero-shot head: from the cache when one was built from the same content (the weights, open_clip's
-    configuration of the architecture and tag, the prompts), else encoded on the runtime's device in true
+    configuration of the architecture and tag, the prompts, the device type), else encoded on the runtime's device in true
     fp32 (TF32 and autocast off) and cached."""
     texts = [text for per_class in class_prompts for text in per_class]
+    device = runtime.device if runtime is not None else torch.device("cpu")
+    # the device type too: a head encoded on a GPU differs from the CPU's in the last bits
     meta = {"format": HEAD_CACHE_VERSION, "open_clip": open_clip.__version__, "weights_sha256": weights_sha256,
+            "device": device.type,
             "config": open_clip.get_model_config(parsed.arch),
             "pretrained_cfg": open_clip.get_pretrained_cfg(parsed.arch, parsed.pretrained or ""),  # {} for a file
             "head": parsed.head.value, "templates": parsed.templates.value, "classes": len(class_prompts),
@@ -269,7 +272,6 @@ def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, cl
     cached = cache.load(["head"])
     if cached is not None:
         return torch.from_numpy(cached["head"])
-    device = runtime.device if runtime is not None else torch.device("cpu")
     log.info("encoding the %d prompts of clip:%s's %s head on %s", len(texts), parsed.arch, parsed.head.value, device)
     try:
         with runtime.fp32_math() if runtime is not None else contextlib.nullcontext():

@@ -122,6 +122,16 @@ def training_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
     return logits, loss
 
 
+def _record_step(line: str, unreadable: int) -> int:
+    """The step a train_log.jsonl line belongs to; `unreadable` for a blank line or one cut short (a kill during
+    the append), so that it is dropped."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return unreadable
+    return record.get("step", 0) if isinstance(record, dict) else unreadable
+
+
 class JsonLog:
     """train_log.jsonl: one JSON object per step or event; on resume, lines past the resumed step are dropped."""
 
@@ -131,8 +141,7 @@ class JsonLog:
             return
         kept = []
         if resume_step is not None and path.is_file():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = [line for line in path.read_text().splitlines() if _record_step(line, resume_step + 1) <= resume_step]
         write_text_atomic(path, "".join(line + "\n" for line in kept))
 
     def write(self, **record) -> None:
