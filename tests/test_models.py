@@ -3,6 +3,8 @@ class-count inference, the normalisation rule and the pixel wrapper."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -212,6 +214,32 @@ def test_pickled_module_needs_trust(net9, pixels, tmp_path):
 
 # ----------------------------------------------------------------------------------------------------------
 # Strict loading
+def test_pretrained_weights_download_once_into_torch_cache_and_print_nothing(pixels, tmp_path, monkeypatch,
+                                                                            capsys, caplog):
+    """torchvision weights are fetched into TORCH_HOME's hub cache, then read from there; no line of torch's own
+    ("Downloading: ..." went to stderr on older torch and to stdout on newer, where it mixes with results)."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    # the toolkit's own notice goes through logging, here to caplog alone (not to a handler an earlier test left)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [caplog.handler])
+    caplog.set_level(logging.INFO, logger="tools.sources")
+    served = resnet18(1000, seed=3)
+    fetched = []
+
+    def download(url, dst, *args, **kwargs):
+        fetched.append(url)
+        torch.save(served.state_dict(), dst)
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", download)
+    capsys.readouterr()
+    for _ in range(2):
+        loaded = load_model("resnet18", weights="IMAGENET1K_V1")
+        assert torch.equal(logits_of(loaded, pixels), expected_logits(served, pixels, (IMAGENET_MEAN, IMAGENET_STD)))
+    url = torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url
+    path = tmp_path / "torch_home" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    assert fetched == [url] and path.is_file()
+    assert capsys.readouterr() == ("", "")
+    assert [r.getMessage() for r in caplog.records if "download" in r.getMessage()] == [f"downloading {url} to {path}"]
+
 
 def test_missing_keys_are_named(net9, tmp_path):
     state = net9.state_dict()

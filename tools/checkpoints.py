@@ -40,7 +40,9 @@ def program_kind(path: Path) -> str | None:
         return None
     with zipfile.ZipFile(path) as zf:
         names = zf.namelist()
-    if any(n.endswith("/archive_format") for n in names):
+    # torch.export's archive: `<name>/archive_format` in the layout of newer torch, a top-level
+    # `serialized_exported_program.json` in that of older releases (2.6 and before)
+    if any(n.endswith("/archive_format") for n in names) or "serialized_exported_program.json" in names:
         return "export"
     if any(n.endswith("/constants.pkl") for n in names) and any("/code/" in n for n in names):
         return "torchscript"

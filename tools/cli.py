@@ -42,6 +42,15 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+class BooleanFlag(argparse.BooleanOptionalAction):
+    """`--name/--no-name` with its help as written: Python 3.10's BooleanOptionalAction appends
+    "(default: True)" to help strings that already say their default in words (3.11 no longer does)."""
+
+    def __init__(self, *args, help: str | None = None, **kwargs):  # noqa: A002 (argparse's keyword)
+        super().__init__(*args, **kwargs)
+        self.help = help
+
+
 def add_log_level_argument(parser) -> None:
     """The --log-level flag every command line of the toolkit takes."""
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tools import distributed
 from tools.challenge import ChallengeConfig, Criterion
-from tools.cli import add_log_level_argument
+from tools.cli import BooleanFlag, add_log_level_argument
 from tools.compositing import MaskArithmetic
 from tools.datasets import default_cache_dir
 from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
@@ -46,7 +46,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     add_model_source_arguments(model)
-    model.add_argument("--in9", action=argparse.BooleanOptionalAction, default=None,
+    model.add_argument("--in9", action=BooleanFlag, default=None,
                        help="a 9-class model trained on IN-9 (--in9) or a 1000-class ImageNet model (--no-in9), "
                             "checked against the checkpoint (default: inferred from the checkpoint's class count)")
     model.add_argument("--normalize", type=Normalization, choices=list(Normalization), default=Normalization.AUTO,

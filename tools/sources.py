@@ -117,14 +117,25 @@ def resolve_weights(arch: str, name: str | None):
 
 
 def _download_weights(weights) -> tuple[dict, str]:
+    """The weights' state dict and the file it was read from, in torch's hub cache.
+
+    A missing file is downloaded here, checked against the hash prefix in its name as torch checks it, so that
+    torch's own download line is never printed (it went to stderr on older torch, and goes to stdout on newer,
+    where it would mix with the results); torchvision then reads the cached file."""
     url = weights.url
     path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
-    try:
-        state = weights.get_state_dict(progress=True, check_hash=True)
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-        raise UserError(f"cannot download {url} ({getattr(exc, 'reason', exc)}); offline, fetch that file "
-                        f"elsewhere and put it at {path} (set TORCH_HOME to move {path.parent.parent.parent})") from None
-    return state, str(path)
+    if not path.exists():
+        log.info("downloading %s to %s", url, path)
+        named_hash = torch.hub.HASH_REGEX.search(path.name)  # torch's rule: "-<hex>." starts the file's SHA-256
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.hub.download_url_to_file(url, str(path), hash_prefix=named_hash.group(1) if named_hash else None,
+                                           progress=True)
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+            raise UserError(f"cannot download {url} ({getattr(exc, 'reason', exc)}); offline, fetch that file "
+                            f"elsewhere and put it at {path} (set TORCH_HOME to move {path.parent.parent.parent})"
+                            ) from None
+    return weights.get_state_dict(progress=True, check_hash=True), str(path)
 
 
 @register_source("")

@@ -101,7 +101,8 @@ def attach(model: nn.Module, config: TrainConfig, head_keys: list[str]) -> nn.Mo
             if width % config.oft_block_size:
                 raise UserError(f"--oft-block-size {config.oft_block_size} does not divide the input size {width} of "
                                 f"{name}; pick a divisor of it")
-        adapter_config = peft.OFTConfig(oft_block_size=config.oft_block_size, target_modules=targets)
+        # r=0 said explicitly: peft takes either a block count r or a block size, and before 0.16 it defaults r to 8
+        adapter_config = peft.OFTConfig(r=0, oft_block_size=config.oft_block_size, target_modules=targets)
     probe = _probe(config.seed, next(model.parameters()).device)
     before = _logits(model, probe)
     wrapped = peft.get_peft_model(model, adapter_config)

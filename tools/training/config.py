@@ -7,7 +7,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tools.cli import add_log_level_argument
+from tools.cli import BooleanFlag, add_log_level_argument
 from tools.options import add_model_source_arguments
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, Variation
@@ -218,7 +218,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                        help="linear warm-up before the cosine decay, in epochs (default: 0)")
     optim.add_argument("--label-smoothing", type=float, default=0.1, metavar="S",
                        help="label smoothing of the cross-entropy (default: 0.1)")
-    optim.add_argument("--augment", action=argparse.BooleanOptionalAction, default=True,
+    optim.add_argument("--augment", action=BooleanFlag, default=True,
                        help="random resized crop and horizontal flip, after the swap (default: on)")
     optim.add_argument("--crop-scale", type=float, default=0.35, metavar="S",
                        help="smallest random crop, as a share of the image's area (default: 0.35)")
