@@ -123,16 +123,17 @@ OUTPUT_FLAG = {"in9_eval": "--results-file", "challenge_eval": "--results-file",
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_an_output_path_that_cannot_be_looked_at_is_one_error_line(command, tmp_path, capsys, monkeypatch):
     """Another user's private folder: stat itself is refused (EACCES; pathlib's exists/is_dir raise it on Python
-    3.10-3.13). Root is never refused, so the refusal is simulated in os.stat."""
+    3.10-3.13). Root is never refused, so the refusal is simulated in Path.stat (which Python 3.10's pathlib
+    reaches through an accessor bound to os.stat at import, so os.stat cannot be patched for it)."""
     locked = tmp_path / "locked"
-    real_stat = os.stat
+    real_stat = Path.stat
 
     def stat(path, *args, **kwargs):
         if str(path).startswith(str(locked)):
             raise PermissionError(13, "Permission denied", str(path))
         return real_stat(path, *args, **kwargs)
 
-    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(Path, "stat", stat)
     main, argv = COMMANDS[command]
     argv = [a.replace("{missing}", str(tmp_path / "missing")).replace("{tmp}", str(tmp_path)) for a in argv]
     flag, bad = OUTPUT_FLAG[command], locked / "sub" / "out"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+import importlib.metadata
 import json
 import logging
 import re
@@ -252,6 +253,11 @@ def _create(open_clip, arch: str, pretrained: str | None) -> tuple[nn.Module, st
         raise UserError(f"cannot load the CLIP weights clip:{arch}/{pretrained}: {first_line(exc)}") from None
 
 
+def _open_clip_version() -> str:
+    """The installed open_clip_torch's version (its module has no __version__ before 2.25 or so)."""
+    return importlib.metadata.version("open_clip_torch")
+
+
 def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, class_prompts: list[list[str]],
                weights_sha256: str, runtime: Runtime | None, progress: bool) -> torch.Tensor:
     """The zero-shot head: from the cache when one was built from the same content (the weights, open_clip's
@@ -260,7 +266,7 @@ def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, cl
     texts = [text for per_class in class_prompts for text in per_class]
     device = runtime.device if runtime is not None else torch.device("cpu")
     # the device type too: a head encoded on a GPU differs from the CPU's in the last bits
-    meta = {"format": HEAD_CACHE_VERSION, "open_clip": open_clip.__version__, "weights_sha256": weights_sha256,
+    meta = {"format": HEAD_CACHE_VERSION, "open_clip": _open_clip_version(), "weights_sha256": weights_sha256,
             "device": device.type,
             "config": open_clip.get_model_config(parsed.arch),
             "pretrained_cfg": open_clip.get_pretrained_cfg(parsed.arch, parsed.pretrained or ""),  # {} for a file
@@ -316,5 +322,5 @@ def load_clip(spec: str, runtime: Runtime | None = None, progress: bool = False)
         "templates_count": templates, "prompts": classes * templates,
         "class_names": ("open_clip IMAGENET_CLASSNAMES" if parsed.head is Head.IMAGENET
                         else ", ".join(full_class_names())),
-        "weights_sha256": weights_sha256, "head_sha256": head_sha256, "open_clip": open_clip.__version__}
+        "weights_sha256": weights_sha256, "head_sha256": head_sha256, "open_clip": _open_clip_version()}
     return loaded
