@@ -159,3 +159,16 @@ def test_an_empty_checkpoint_is_one_error_line(script, arch, setup, tmp_path, ca
     code, _, err = script(capsys, data, model, *arch)
     assert code == 2, err
     assert "EOFError" in one_error_line(err, "model.pt")
+
+
+def test_a_checkpoint_with_a_damaged_zip_directory_is_one_error_line(setup, tmp_path, capsys):
+    """zipfile.is_zipfile reads only the end record; a damaged central directory fails when it is listed."""
+    data, model = setup
+    damaged = tmp_path / "damaged.ts"
+    content = bytearray(model.read_bytes())
+    start = content.index(b"PK\x01\x02")  # the first entry of the central directory
+    content[start + 3] = 0x07
+    damaged.write_bytes(bytes(content))
+    code, _, err = in9(capsys, data, damaged)
+    assert code == 2, err
+    assert "zip directory is damaged" in one_error_line(err, "damaged.ts")

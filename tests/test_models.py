@@ -3,7 +3,10 @@ class-count inference, the normalisation rule and the pixel wrapper."""
 
 from __future__ import annotations
 
+import http.client
 import logging
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ from torchvision.transforms.functional import to_tensor
 
 from conftest import save_torchscript
 from tools.errors import UserError
+from tools.hashing import sha256_file
 from tools.in9 import Normalization
 from tools.models import PixelModel
 from tools.sources import load_model
@@ -214,6 +218,45 @@ def test_pickled_module_needs_trust(net9, pixels, tmp_path):
 
 # ----------------------------------------------------------------------------------------------------------
 # Strict loading
+def serve_as_torchvision_weights(model, tmp_path, monkeypatch) -> tuple[str, Path]:
+    """ResNet18_Weights.IMAGENET1K_V1 pointed at a URL whose file name carries the SHA-256 prefix of `model`'s
+    saved state dict, as torchvision's names carry theirs; (that URL, the file to serve)."""
+    served_file = tmp_path / "served.pth"
+    torch.save(model.state_dict(), served_file)
+    url = f"https://download.invalid/models/resnet18-{sha256_file(served_file)[:8]}.pth"
+    monkeypatch.setattr(torchvision.models.ResNet18_Weights.IMAGENET1K_V1.value, "url", url)
+    return url, served_file
+
+
+def test_a_wrong_file_in_the_weights_cache_is_refused(tmp_path, monkeypatch):
+    """A file under torchvision's name that is not the file the name's hash says (other weights copied there by
+    hand, half a download) would silently change every number: refused in one line."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    path = tmp_path / "torch_home" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    path.parent.mkdir(parents=True)
+    torch.save(resnet18(1000, seed=4).state_dict(), path)
+    with pytest.raises(UserError, match=r"resnet18-f37072fd\.pth is not the file .* names: its SHA-256 starts "):
+        load_model("resnet18", weights="IMAGENET1K_V1")
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(UserError, match=r"is not a file; remove it"):
+        load_model("resnet18", weights="IMAGENET1K_V1")
+
+
+@pytest.mark.parametrize("failure", [RuntimeError('invalid hash value (expected "f37072fd", got "3c2e1a0b")'),
+                                     http.client.IncompleteRead(b"partial", 1000)])
+def test_a_failed_weights_download_is_one_error_line(failure, tmp_path, monkeypatch):
+    """torch's own hash check (a proxy's error page served as the file) and a transfer cut short."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+
+    def download(url, dst, *args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", download)
+    with pytest.raises(UserError, match=r"cannot download https://.*resnet18-f37072fd\.pth \(.+\); offline"):
+        load_model("resnet18", weights="IMAGENET1K_V1")
+
+
 def test_pretrained_weights_download_once_into_torch_cache_and_print_nothing(pixels, tmp_path, monkeypatch,
                                                                             capsys, caplog):
     """torchvision weights are fetched into TORCH_HOME's hub cache, then read from there; no line of torch's own
@@ -223,20 +266,20 @@ def test_pretrained_weights_download_once_into_torch_cache_and_print_nothing(pix
     monkeypatch.setattr(logging.getLogger(), "handlers", [caplog.handler])
     caplog.set_level(logging.INFO, logger="tools.sources")
     served = resnet18(1000, seed=3)
+    url, served_file = serve_as_torchvision_weights(served, tmp_path, monkeypatch)
     fetched = []
 
     def download(url, dst, *args, **kwargs):
         fetched.append(url)
-        torch.save(served.state_dict(), dst)
+        shutil.copyfile(served_file, dst)
 
     monkeypatch.setattr(torch.hub, "download_url_to_file", download)
     capsys.readouterr()
     for _ in range(2):
         loaded = load_model("resnet18", weights="IMAGENET1K_V1")
         assert torch.equal(logits_of(loaded, pixels), expected_logits(served, pixels, (IMAGENET_MEAN, IMAGENET_STD)))
-    url = torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url
-    path = tmp_path / "torch_home" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
-    assert fetched == [url] and path.is_file()
+    path = tmp_path / "torch_home" / "hub" / "checkpoints" / Path(url).name
+    assert fetched == [url] and path.is_file() and loaded.sha256 == sha256_file(path)
     assert capsys.readouterr() == ("", "")
     assert [r.getMessage() for r in caplog.records if "download" in r.getMessage()] == [f"downloading {url} to {path}"]
 

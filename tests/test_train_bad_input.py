@@ -140,3 +140,18 @@ def test_evaluation_refuses_an_arch_that_contradicts_a_trained_checkpoint(data, 
         ["--data-path", str(synthetic.generate(tmp_path / "test", per_class=1, seed=8).root), "--checkpoint",
          str(tmp_path / "run" / CHECKPOINT_NAME), "--arch", "resnet18", "--device", "cpu", "--no-progress"], capsys)
     assert "contradicts checkpoint" in check_error(code, out, err, lines=None)
+
+
+def test_oft_on_a_convolution_that_is_not_square_is_refused_in_one_line(tmp_path):
+    """peft's OFT sizes its rotation as in_channels x k0 x k0, so a 1x7 convolution (Inception's) passes the
+    block-size check and then fails in the forward pass: refused before peft is asked."""
+    pytest.importorskip("peft")
+    from tools.errors import UserError  # noqa: PLC0415
+    from tools.training import adapters  # noqa: PLC0415
+    from tools.training.config import Adapter, TrainConfig  # noqa: PLC0415
+
+    model = nn.Sequential(nn.Conv2d(16, 16, (1, 7), padding=(0, 3)), nn.Flatten(), nn.LazyLinear(9))
+    config = TrainConfig(data_path=tmp_path, output_dir=tmp_path, peft=Adapter.OFT, peft_modules=["0"],
+                         oft_block_size=4)
+    with pytest.raises(UserError, match=r"--peft oft cannot adapt 0, a 1x7 convolution"):
+        adapters.attach(model, config, ["2.weight", "2.bias"])

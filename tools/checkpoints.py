@@ -38,8 +38,12 @@ def program_kind(path: Path) -> str | None:
     """"export" or "torchscript" when the file is such a program (read from its zip directory), else None."""
     if not zipfile.is_zipfile(path):
         return None
-    with zipfile.ZipFile(path) as zf:
-        names = zf.namelist()
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except (zipfile.BadZipFile, OSError) as exc:  # is_zipfile reads only the end record: the rest may be damaged
+        raise UserError(f"cannot read checkpoint {path}: its zip directory is damaged ({first_line(exc)}); "
+                        f"is the file complete?") from None
     # torch.export's archive: `<name>/archive_format` in the layout of newer torch, a top-level
     # `serialized_exported_program.json` in that of older releases (2.6 and before)
     if any(n.endswith("/archive_format") for n in names) or "serialized_exported_program.json" in names:

@@ -10,8 +10,10 @@ zero-shot, a model hub) is one function and its registration.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
+import pickle
 import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from tools import checkpoints
-from tools.errors import UserError
+from tools.errors import UserError, first_line
 from tools.hashing import sha256_file
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
 from tools.models import (DEFAULT_ARCH, SMALL_CNN, TIMM_PREFIX, LoadedModel, build_architecture,
@@ -116,26 +118,38 @@ def resolve_weights(arch: str, name: str | None):
     return enum[short]
 
 
-def _download_weights(weights) -> tuple[dict, str]:
-    """The weights' state dict and the file it was read from, in torch's hub cache.
+def _download_weights(weights) -> tuple[dict, str, str]:
+    """The weights' state dict, the file it was read from (in torch's hub cache) and that file's SHA-256.
 
     A missing file is downloaded here, checked against the hash prefix in its name as torch checks it, so that
     torch's own download line is never printed (it went to stderr on older torch, and goes to stdout on newer,
-    where it would mix with the results); torchvision then reads the cached file."""
+    where it would mix with the results). A file already in the cache (perhaps put there by hand, offline) is
+    held to the same hash: another file under that name would silently change every number."""
     url = weights.url
     path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
+    named_hash = torch.hub.HASH_REGEX.search(path.name)  # torch's rule: "-<hex>." starts the file's SHA-256
+    prefix = named_hash.group(1) if named_hash else None
     if not path.exists():
         log.info("downloading %s to %s", url, path)
-        named_hash = torch.hub.HASH_REGEX.search(path.name)  # torch's rule: "-<hex>." starts the file's SHA-256
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.hub.download_url_to_file(url, str(path), hash_prefix=named_hash.group(1) if named_hash else None,
-                                           progress=True)
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-            raise UserError(f"cannot download {url} ({getattr(exc, 'reason', exc)}); offline, fetch that file "
-                            f"elsewhere and put it at {path} (set TORCH_HOME to move {path.parent.parent.parent})"
-                            ) from None
-    return weights.get_state_dict(progress=True, check_hash=True), str(path)
+            torch.hub.download_url_to_file(url, str(path), hash_prefix=prefix, progress=True)
+        except (urllib.error.URLError, http.client.HTTPException, OSError, RuntimeError) as exc:
+            # RuntimeError: torch's hash check (a proxy's error page served as the file); torch removes the file
+            raise UserError(f"cannot download {url} ({first_line(getattr(exc, 'reason', exc))}); offline, fetch "
+                            f"that file elsewhere and put it at {path} (set TORCH_HOME to move "
+                            f"{path.parent.parent.parent})") from None
+    if not path.is_file():
+        raise UserError(f"{path} is not a file; remove it and rerun to download {url}")
+    digest = sha256_file(path)
+    if prefix is not None and not digest.startswith(prefix):
+        raise UserError(f"{path} is not the file {url} names: its SHA-256 starts {digest[:len(prefix)]}, not "
+                        f"{prefix}; delete it and rerun (or put the right file there)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path} ({first_line(exc)}); delete it and rerun") from None
+    return state, str(path), digest
 
 
 @register_source("")
@@ -145,10 +159,10 @@ def torchvision_pretrained(name: str, options: ModelOptions) -> LoadedModel:
         raise UserError("--in9 needs --checkpoint: there are no pretrained 9-class weights to download")
     member = resolve_weights(name, options.weights)
     classifier = build_architecture(name, NUM_IMAGENET_CLASSES)
-    state, source = _download_weights(member)
+    state, source, digest = _download_weights(member)
     classifier.load_state_dict(state, strict=True)
     return wrap(classifier, NUM_IMAGENET_CLASSES, options.normalize, None, "", name,
-                f"{type(member).__name__}.{member.name}", source, sha256_file(source), "torchvision weights")
+                f"{type(member).__name__}.{member.name}", source, digest, "torchvision weights")
 
 
 @register_source(TIMM_PREFIX)

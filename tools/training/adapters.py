@@ -96,6 +96,10 @@ def attach(model: nn.Module, config: TrainConfig, head_keys: list[str]) -> nn.Mo
     else:
         for name in targets:
             module = model.get_submodule(name)
+            if isinstance(module, nn.Conv2d) and module.kernel_size[0] != module.kernel_size[1]:
+                # peft (0.14 to 0.21) sizes the rotation as in_channels x k0 x k0 and fails in the forward pass
+                raise UserError(f"--peft oft cannot adapt {name}, a {module.kernel_size[0]}x{module.kernel_size[1]} "
+                                f"convolution (peft's OFT takes square kernels); leave it out of --peft-modules")
             width = module.in_features if isinstance(module, nn.Linear) else (
                 module.in_channels * module.kernel_size[0] * module.kernel_size[1] // module.groups)
             if width % config.oft_block_size:
