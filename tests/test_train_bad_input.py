@@ -150,8 +150,9 @@ def test_oft_on_a_convolution_that_is_not_square_is_refused_in_one_line(tmp_path
     from tools.training import adapters  # noqa: PLC0415
     from tools.training.config import Adapter, TrainConfig  # noqa: PLC0415
 
-    model = nn.Sequential(nn.Conv2d(16, 16, (1, 7), padding=(0, 3)), nn.Flatten(), nn.LazyLinear(9))
-    config = TrainConfig(data_path=tmp_path, output_dir=tmp_path, peft=Adapter.OFT, peft_modules=["0"],
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Conv2d(4, 4, (1, 7), padding=(0, 3)), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(4, 9))  # 4 x 1 x 7 = 28 inputs: block size 4 divides them
+    config = TrainConfig(data_path=tmp_path, output_dir=tmp_path, peft=Adapter.OFT, peft_modules=["1"],
                          oft_block_size=4)
-    with pytest.raises(UserError, match=r"--peft oft cannot adapt 0, a 1x7 convolution"):
-        adapters.attach(model, config, ["2.weight", "2.bias"])
+    with pytest.raises(UserError, match=r"--peft oft cannot adapt 1, a 1x7 convolution"):
+        adapters.attach(model, config, ["4.weight", "4.bias"])
