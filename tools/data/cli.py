@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import math
 import re
-import signal
 import sys
-import threading
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from tools import grabcut
 from tools.cli import add_log_level_argument, run_main
@@ -27,7 +24,6 @@ from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root, default_d
 
 log = logging.getLogger(__name__)
 
-EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, what a shell reports for a process that SIGTERM ended
 RERUN_ADVICE = ("rerun the same command (fetch resumes its partial download, or extracts the downloaded archive; "
                 "build starts again)")
 
@@ -161,39 +157,11 @@ def _run_build(args: argparse.Namespace) -> int:
     return 0
 
 
-class Terminated(BaseException):
-    """SIGTERM (what a scheduler or `kill` sends), raised in the main thread like Ctrl-C's KeyboardInterrupt, so
-    that the same clean-up runs: a build's or an extraction's temporary folder is removed, a partial download
-    is kept for the next run to resume."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises Terminated while the command runs (signal handlers belong to the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def main(argv: Iterable[str] | None = None) -> int:
     """Run one command; a user error is one line on stderr and exit code 2; Ctrl-C ends with exit code 130 and
-    SIGTERM with 143, each after removing what it left half-made."""
-    with _sigterm_raises():
-        try:
-            return run_main(build_parser(), lambda args: args.handler(args), None if argv is None else list(argv),
-                            on_interrupt=RERUN_ADVICE)
-        except Terminated:
-            print(f"terminated: {RERUN_ADVICE}", file=sys.stderr)
-            return EXIT_TERMINATED
+    SIGTERM with 143 (both through `run_main`), each after removing what it left half-made."""
+    return run_main(build_parser(), lambda args: args.handler(args), None if argv is None else list(argv),
+                    on_interrupt=RERUN_ADVICE)
 
 
 if __name__ == "__main__":

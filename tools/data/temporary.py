@@ -57,7 +57,7 @@ def temporary_folder(parent: Path, prefix: str) -> Iterator[Path]:
     """A new folder `<parent>/<prefix><host>-<pid>-<random>`, removed on leaving unless the work moved it away.
 
     Stale ones of the same prefix (see `remove_stale`) are removed first. Any exception, Ctrl-C's
-    KeyboardInterrupt and the SIGTERM exception of `tools.data.cli` included, removes the folder before it
+    KeyboardInterrupt and SIGTERM's `tools.cli.Terminated` included, removes the folder before it
     goes on."""
     parent = Path(parent)
     remove_stale(parent, prefix)
