@@ -21,6 +21,7 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from tools.compositing import MaskArithmetic, original_weights
+from tools.data.temporary import is_running
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE
 
@@ -162,16 +163,6 @@ def _temporary_prefix(pid: int | None = None) -> str:
     return host if pid is None else f"{host}{pid}@"
 
 
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def remove_stale_temporaries(cache_dir: Path) -> None:
     """Remove the half-written entries of processes of this machine that are no longer running (killed while
     saving); entries of running processes, and of other machines sharing the folder, are left alone."""
@@ -182,7 +173,7 @@ def remove_stale_temporaries(cache_dir: Path) -> None:
         return
     for folder in candidates:
         pid = folder.name[len(mine):].split("@", 1)[0]
-        if pid.isdigit() and not _is_running(int(pid)):
+        if pid.isdigit() and not is_running(int(pid)):
             log.info("removing %s, left by process %s that was stopped while writing the cache", folder, pid)
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -21,7 +21,7 @@ def _owner() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _is_running(pid: int) -> bool:
+def is_running(pid: int) -> bool:
     """Whether a process of this id runs on this machine (where that cannot be asked, it is taken to run)."""
     if os.name != "posix":  # os.kill(pid, 0) would end the process there
         return True
@@ -45,7 +45,7 @@ def remove_stale(parent: Path, prefix: str) -> list[Path]:
             continue
         owner_host, _, pid_text = entry.name[len(prefix):].rpartition("-")[0].rpartition("-")  # <host>-<pid>-<random>
         pid = int(pid_text) if pid_text.isdigit() else None
-        if entry.is_dir() and owner_host == host and pid is not None and not _is_running(pid):
+        if entry.is_dir() and owner_host == host and pid is not None and not is_running(pid):
             shutil.rmtree(entry, ignore_errors=True)
             log.info("removed %s, left by process %d, which no longer runs", entry, pid)
             removed.append(entry)
