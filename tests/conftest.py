@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
 import socket
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -117,3 +121,28 @@ def run_in_processes(function, world_size: int, tmp_path: Path, *args) -> list:
     results.mkdir(parents=True, exist_ok=True)
     mp.spawn(_gloo_process, args=(world_size, _free_port(), function, args, results), nprocs=world_size)
     return [torch.load(results / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
+
+
+def signal_when_ready(code: str, ready: Path, args: list[str], signum: int) -> subprocess.CompletedProcess:
+    """Run `python -c code READY ARGS...`, send it `signum` once it has made the file READY (half-way through its
+    work), and wait for it to end; its exit code and text output."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    process = subprocess.Popen([sys.executable, "-c", code, str(ready), *args], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ready.exists(), process.communicate(timeout=10)
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=60)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def load_script(path: Path):
+    """A Python file outside the package (docs/make_cli.py, .ci/check_floor.py) as a module, registered in
+    sys.modules under its stem while it is used (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 from PIL import Image
 from torchvision import transforms
 
-from tests.conftest import run_in_process
+from tests.conftest import run_in_process, signal_when_ready
 from tools import boxes, data, synthetic
 from tools.data import cli as data_cli
 from tools.data import builder as data_build
@@ -650,27 +649,13 @@ sys.exit(cli.main(["build", *sys.argv[2:]]))
 """
 
 
-def _run_interrupted(argv: list[str], ready: Path, signum: int) -> subprocess.CompletedProcess:
-    """Start INTERRUPTIBLE_BUILD, send `signum` once it is half-way, and wait for it to end."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    process = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE_BUILD, str(ready), *argv], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert ready.exists(), process.communicate(timeout=10)
-    process.send_signal(signum)
-    stdout, stderr = process.communicate(timeout=60)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_build_leaves_nothing_that_looks_usable(inputs, tmp_path, signum, code):
     parent = tmp_path / "outputs"
     out = parent / "built"
-    finished = _run_interrupted(["--images", str(inputs.images), "--boxes", str(inputs.boxes), "--out", str(out),
-                                 "--masks", str(inputs.masks), "--workers", "1", "--no-progress"],
-                                tmp_path / "ready", signum)
+    finished = signal_when_ready(INTERRUPTIBLE_BUILD, tmp_path / "ready",
+                                 ["--images", str(inputs.images), "--boxes", str(inputs.boxes), "--out", str(out),
+                                  "--masks", str(inputs.masks), "--workers", "1", "--no-progress"], signum)
     assert finished.returncode == code, finished.stderr
     assert finished.stderr.count("\n") == 1 and "Traceback" not in finished.stderr, finished.stderr
     assert not out.exists() and list(parent.iterdir()) == []  # neither the output nor its temporary folder

@@ -15,12 +15,11 @@ import subprocess
 import sys
 import tarfile
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_in_process
+from tests.conftest import run_in_process, signal_when_ready
 from tools import data, synthetic
 from tools.data import cli as data_cli
 from tools.data import download as data_download
@@ -401,18 +400,11 @@ sys.exit(cli.main(["fetch", *sys.argv[2:]]))
 def test_an_interrupted_extraction_leaves_the_archive_and_nothing_else(server, release, tmp_path, signum, code):
     payload, sha = release
     server.files[ARCHIVE_PATH] = payload
-    root, ready = tmp_path / "data", tmp_path / "ready"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    process = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE_FETCH, str(ready), "--data-path", str(root),
-                                "--url", server.url(ARCHIVE_PATH), "--sha256", sha, "--no-progress"],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert ready.exists(), process.communicate(timeout=10)
-    process.send_signal(signum)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == code, stderr
+    root = tmp_path / "data"
+    finished = signal_when_ready(INTERRUPTIBLE_FETCH, tmp_path / "ready", ["--data-path", str(root), "--url",
+                                 server.url(ARCHIVE_PATH), "--sha256", sha, "--no-progress"], signum)
+    stderr = finished.stderr
+    assert finished.returncode == code, stderr
     assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
     assert _leftovers(root) == [data.ARCHIVE_NAME]  # no hidden .extract-* folder; the download is kept
     result = data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)

@@ -3,23 +3,20 @@ the machine; a stale page is caught; only a command whose module does not exist 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def make_cli():
-    spec = importlib.util.spec_from_file_location("make_cli", ROOT / "docs" / "make_cli.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_cli"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
+    yield load_script(ROOT / "docs" / "make_cli.py")
     sys.modules.pop("make_cli", None)
 
 

@@ -4,22 +4,19 @@ last saw the whole suite pass, recorded in .ci/floor.txt."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def floor():
-    spec = importlib.util.spec_from_file_location("check_floor", ROOT / ".ci" / "check_floor.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["check_floor"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
+    yield load_script(ROOT / ".ci" / "check_floor.py")
     sys.modules.pop("check_floor", None)
 
 
