@@ -7,7 +7,6 @@ previous file or the new one, never half of one.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 from pathlib import Path
 
