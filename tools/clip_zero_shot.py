@@ -261,8 +261,8 @@ def _open_clip_version() -> str:
 def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, class_prompts: list[list[str]],
                weights_sha256: str, runtime: Runtime | None, progress: bool) -> torch.Tensor:
     """The zero-shot head: from the cache when one was built from the same content (the weights, open_clip's
-    configuration of the architecture and tag, the prompts, the device type), else encoded on the runtime's device in true
-    fp32 (TF32 and autocast off) and cached."""
+    configuration of the architecture and tag, the prompts, the device type), else encoded on the runtime's
+    device in true fp32 (TF32 and autocast off) and cached."""
     texts = [text for per_class in class_prompts for text in per_class]
     device = runtime.device if runtime is not None else torch.device("cpu")
     # the device type too: a head encoded on a GPU differs from the CPU's in the last bits

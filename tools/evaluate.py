@@ -173,7 +173,8 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
     independent shard keeps NOT_MINE (-2) where others predict."""
     starts = list(range(0, len(relpaths), batch_size))[share.index::share.count]
     encoded = np.zeros(len(relpaths), np.int64)  # prediction - NOT_MINE where this process predicted, else 0
-    with distributed.agree(runtime.group, runtime.device):  # an image only this process decodes may fail: all leave together
+    # an image only this process decodes may fail: all leave together
+    with distributed.agree(runtime.group, runtime.device):
         with tqdm(total=len(relpaths), unit="img", desc="evaluating", disable=not progress,
                   dynamic_ncols=True) as bar:
             for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(),

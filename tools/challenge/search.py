@@ -127,7 +127,8 @@ class ShardedSearch:
                         break
                     remainder, s.position = s.worklist.astype(np.int64), len(s.worklist)
             bar.update(plan.resolved() - bar.n)
-        with distributed.agree(self.group, self.device):  # rank 0's last save may fail: no process waits in the gather below
+        # rank 0's last save may fail: no process waits in the gather below
+        with distributed.agree(self.group, self.device):
             s.elapsed = elapsed0 + time.monotonic() - started
             plan.finish()
             self._save()
@@ -178,7 +179,8 @@ class ShardedSearch:
                     return
                 yield batch
 
-        with distributed.agree(self.group, self.device):  # a batch may fail in one process alone, as may rank 0's last save
+        # a batch may fail in one process alone, as may rank 0's last save
+        with distributed.agree(self.group, self.device):
             self._test(batches())
         self._gather(owned, evaluated0)
 
@@ -243,7 +245,8 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
     `data`: decoded data (`load_challenge_data`), listed files, or the data folder (decoded here with
     `config.mask_arithmetic`, through `cache_dir`). `shard`: search only that share of the foregrounds
     (tools.shards); the result then covers those alone."""
-    with distributed.agree(runtime.group, runtime.device):  # decoding or predicting may fail in one process: all leave together
+    # decoding or predicting may fail in one process: all leave together
+    with distributed.agree(runtime.group, runtime.device):
         if not isinstance(data, ChallengeData):
             data = load_challenge_data(data, workers, cache_dir, config.progress, config.mask_arithmetic)
         key = _run_key(data, loaded, runtime, config)

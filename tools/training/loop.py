@@ -141,7 +141,8 @@ class JsonLog:
             return
         kept = []
         if resume_step is not None and path.is_file():
-            kept = [line for line in path.read_text().splitlines() if _record_step(line, resume_step + 1) <= resume_step]
+            kept = [line for line in path.read_text().splitlines()
+                    if _record_step(line, resume_step + 1) <= resume_step]
         write_text_atomic(path, "".join(line + "\n" for line in kept))
 
     def write(self, **record) -> None:
