@@ -239,11 +239,10 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
 
     Under torchrun, the processes leave each run together when one of them fails (`distributed.agree`)."""
     state_dir = Path(output_dir) / RUNS_FOLDER / spec.slug
-    device = runtime.device
-    with distributed.agree(runtime.group, device):
+    with distributed.agree(runtime.group, runtime.device):
         in9 = run_in9(loaded, runtime, data.in9, list(VARIATIONS), settings.batch_size, settings.workers, state_dir,
                       resume=True, progress=progress)
-    with distributed.agree(runtime.group, device):
+    with distributed.agree(runtime.group, runtime.device):
         challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,
                                   (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache_dir)
     weights = loaded.weights or (Path(loaded.source).name if loaded.source else None)
