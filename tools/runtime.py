@@ -71,6 +71,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`, without waiting only where that is safe.
+
+    A copy from the CPU to a CUDA device goes through pinned memory (a no-op for a loader's pinned batch) and
+    does not wait, so the host prepares the next batch while the device works. The pinned copy is fresh for
+    each call: when it is freed, PyTorch's caching host allocator hands its block out again only after the
+    copy that reads it has finished (it records an event on the stream), where a staging buffer reused by
+    hand could be overwritten under a copy still queued. Every other copy blocks: on MPS a non-blocking copy
+    from ordinary memory may read the source after it is freed (pytorch/pytorch#139550, #189690)."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass
 class Runtime:
     """Where and how the model runs: device, precision (an autocast context), memory format, and the process
@@ -127,8 +141,7 @@ class Runtime:
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
-        batch = batch.to(self.device, non_blocking=True)
-        return batch.contiguous(memory_format=memory_format)
+        return to_device(batch, self.device).contiguous(memory_format=memory_format)
 
     def pin(self) -> bool:
         return self.device.type == "cuda"

@@ -13,7 +13,7 @@ from tools.challenge.data import ChallengeData
 from tools.compositing import MaskArithmetic, blend, composite
 from tools.in9 import PredictionMap
 from tools.models import LoadedModel
-from tools.runtime import CPU_BATCH_CANDIDATES, Forward, Runtime, default_batch_size
+from tools.runtime import CPU_BATCH_CANDIDATES, Forward, Runtime, default_batch_size, to_device
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,7 @@ class CompositePredictor:
         return preds, margin
 
     def predict_pairs(self, pairs: np.ndarray):
-        device = self.data.fg_images.device
-        idx = torch.from_numpy(pairs).to(device)
+        idx = to_device(torch.from_numpy(pairs), self.runtime.device)
         return self.predict_images(self.composite(idx[:, 0], idx[:, 1]))
 
     def predict_backgrounds(self, measure: bool = False) -> np.ndarray:

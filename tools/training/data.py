@@ -20,6 +20,7 @@ from tools import datasets, layout
 from tools.compositing import byte_masks, composite
 from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, TRAIN_SPLIT, Variation
+from tools.runtime import to_device
 from tools.training.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -167,15 +168,15 @@ def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, p
 
 def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 NCHW images on the device, swapped and augmented there, and their labels."""
-    images = batch["image"].to(device, non_blocking=True)
+    images = to_device(batch["image"], device)
     if "mask" in batch:
-        masks = batch["mask"].to(device, non_blocking=True)
-        images = composite(images, batch["background"].to(device, non_blocking=True), byte_masks(masks))
+        masks = to_device(batch["mask"], device)
+        images = composite(images, to_device(batch["background"], device), byte_masks(masks))
     if augment:
         from torchvision.transforms.v2 import functional as F  # noqa: PLC0415
         out = torch.empty_like(images)
         for i, (top, left, height, width) in enumerate(batch["crop"].tolist()):
             out[i] = F.resized_crop(images[i], top, left, height, width, [IMAGE_SIZE, IMAGE_SIZE], antialias=True)
-        flips = batch["flip"].to(device)
+        flips = to_device(batch["flip"], device)
         images = torch.where(flips.view(-1, 1, 1, 1), out.flip(-1), out)
-    return images, batch["label"].to(device, non_blocking=True)
+    return images, to_device(batch["label"], device)
