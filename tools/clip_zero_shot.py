@@ -33,7 +33,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +45,7 @@ from tools.errors import UserError, first_line
 from tools.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
 from tools.models import LoadedModel, close_matches, wrap
-
-if TYPE_CHECKING:
-    from tools.runtime import Runtime
+from tools.runtime import Forward, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -148,17 +146,18 @@ def prompts(head: Head, templates: Templates) -> list[list[str]]:
     return [[with_articles(template(name)) for template in chosen] for name in full_class_names()]
 
 
-def zero_shot_head(clip_model: nn.Module, tokenizer, class_prompts: list[list[str]], device: torch.device,
-                   progress: bool = False) -> torch.Tensor:
+def zero_shot_head(encode_text: Callable[[torch.Tensor], torch.Tensor], tokenizer, class_prompts: list[list[str]],
+                   device: torch.device, progress: bool = False) -> torch.Tensor:
     """(classes, dim) float32 on the CPU: per class the normalised mean of its prompts' normalised text
-    embeddings; the prompts are encoded on `device` (where the model is), TEXT_BATCH at a time."""
+    embeddings; the prompts are encoded by `encode_text` on `device` (where the model is), TEXT_BATCH at a
+    time."""
     texts = [text for per_class in class_prompts for text in per_class]
     embeddings = []
     with torch.inference_mode(), tqdm(total=len(texts), unit="prompt", desc="encoding CLIP prompts",
                                       disable=not progress) as bar:
         for start in range(0, len(texts), TEXT_BATCH):
             tokens = tokenizer(texts[start:start + TEXT_BATCH]).to(device)
-            embeddings.append(F.normalize(clip_model.encode_text(tokens).float(), dim=-1).cpu())
+            embeddings.append(F.normalize(encode_text(tokens).float(), dim=-1).cpu())
             bar.update(tokens.shape[0])
     per_class = torch.cat(embeddings).reshape(len(class_prompts), len(class_prompts[0]), -1)
     return F.normalize(per_class.mean(dim=1), dim=-1)
@@ -280,8 +279,11 @@ def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, cl
         return torch.from_numpy(cached["head"])
     log.info("encoding the %d prompts of clip:%s's %s head on %s", len(texts), parsed.arch, parsed.head.value, device)
     try:
-        with runtime.fp32_math() if runtime is not None else contextlib.nullcontext():
-            head = zero_shot_head(clip_model.to(device), tokenizer, class_prompts, device, progress)
+        clip_model.to(device)
+        # true fp32, halving the prompts per batch on out-of-memory; without a runtime, on the CPU as it is
+        encode_text = clip_model.encode_text if runtime is None else Forward(
+            clip_model.encode_text, runtime, TEXT_BATCH, exact=True, what="prompts per batch")
+        head = zero_shot_head(encode_text, tokenizer, class_prompts, device, progress)
     finally:
         clip_model.to("cpu")
     cache.save({"head": head.numpy()})

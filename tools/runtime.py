@@ -189,17 +189,21 @@ def _is_oom(exc: BaseException) -> bool:
 
 class Forward:
     """Runs a model over a batch in chunks of at most `chunk`, halving the chunk on out-of-memory until it fits,
-    and saying so in one line; later batches keep the size that fitted."""
+    and saying so in one line (naming the chunk as `what`); later batches keep the size that fitted.
 
-    def __init__(self, model: Callable, runtime: Runtime, chunk: int):
-        self.model, self.runtime, self.chunk = model, runtime, max(1, chunk)
+    In the runtime's precision, or with `exact` in true fp32 (`Runtime.fp32_math`), which needs more memory
+    than reduced precision: an exact Forward beside a reduced-precision one keeps a chunk of its own."""
+
+    def __init__(self, model: Callable, runtime: Runtime, chunk: int, exact: bool = False, what: str = "batch size"):
+        self.model, self.runtime, self.chunk, self.what = model, runtime, max(1, chunk), what
+        self.math = runtime.fp32_math if exact else runtime.autocast
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         outputs, start, chunk_before = [], 0, self.chunk
         while start < batch.shape[0]:
             piece = batch[start:start + self.chunk]
             try:
-                with torch.inference_mode(), self.runtime.autocast():
+                with torch.inference_mode(), self.math():
                     outputs.append(self.model(piece))
             except Exception as exc:  # noqa: BLE001 (only out-of-memory is handled; the rest re-raise)
                 if not _is_oom(exc) or self.chunk == 1:
@@ -210,5 +214,5 @@ class Forward:
                 continue
             start += piece.shape[0]
         if self.chunk != chunk_before:
-            log.warning("out of memory: batch size lowered from %d to %d", chunk_before, self.chunk)
+            log.warning("out of memory: %s lowered from %d to %d", self.what, chunk_before, self.chunk)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -23,14 +23,17 @@ class CompositePredictor:
 
     In reduced precision (bf16, fp16, tf32), composites whose top-two logit margin is below `recheck_margin`
     are run again in true fp32 (`Runtime.fp32_math`: no autocast, TF32 off), so the fast mode gives the
-    fp32 prediction wherever a near tie could flip it.
+    fp32 prediction wherever a near tie could flip it. The re-check halves its own batch on out-of-memory:
+    fp32 needs more memory than the precision the batch size fits.
     """
 
     def __init__(self, loaded: LoadedModel, runtime: Runtime, data: ChallengeData, batch_size: int | None,
                  recheck_margin: float = 0.0):
         self.runtime, self.data = runtime, data
         self.model = runtime.prepare(loaded.model)
-        self.forward = Forward(self.model, runtime, batch_size or default_batch_size(runtime.device))
+        chunk = batch_size or default_batch_size(runtime.device)
+        self.forward = Forward(self.model, runtime, chunk)
+        self.recheck = Forward(self.model, runtime, chunk, exact=True, what="the fp32 re-check's batch size")
         self.to_in9 = PredictionMap(loaded.num_classes)
         self.recheck_margin = recheck_margin if not runtime.exact else 0.0
         self.rechecked = self.recheck_changed = 0
@@ -57,9 +60,7 @@ class CompositePredictor:
             # one synchronisation per batch in reduced precision: the price of fp32 verdicts
             idx = close.nonzero().flatten()
             if idx.numel():
-                with torch.inference_mode(), self.runtime.fp32_math():
-                    exact_logits = self.model(images[idx])
-                exact = self.to_in9(exact_logits.float())
+                exact = self.to_in9(self.recheck(images[idx]).float())
                 self.rechecked += int(idx.numel())
                 self.recheck_changed += int((exact != preds[idx]).sum())
                 preds = preds.clone()
