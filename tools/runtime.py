@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import enum
 import functools
+import gc
 import logging
 import platform
 import random
@@ -99,6 +100,16 @@ class Runtime:
     def exact(self) -> bool:
         return self.precision is Precision.FP32
 
+    @property
+    def fixed_batch_sizes(self) -> bool:
+        """Whether `Forward` runs a few fixed batch sizes: in the speed modes, which pay for every new input shape
+        (cuDNN autotunes each convolution when not exact; torch.compile compiles)."""
+        return self.compile or not self.exact
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.channels_last else torch.contiguous_format
+
     def autocast(self):
         dtype = AUTOCAST_DTYPES.get(self.precision)
         if dtype is None:
@@ -126,9 +137,18 @@ class Runtime:
         return model
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
-        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         batch = batch.to(self.device, non_blocking=True)
-        return batch.contiguous(memory_format=memory_format)
+        return batch.contiguous(memory_format=self.memory_format)
+
+    def release(self) -> None:
+        """Forget the last model before the next: torch.compile's caches, then the memory it held. Compiled code
+        is kept per Python function (`PixelModel.forward` for every model), and past torch's recompile limit
+        compilation stops without error, so a later model would run uncompiled."""
+        if self.compile:
+            torch.compiler.reset()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def pin(self) -> bool:
         return self.device.type == "cuda"
@@ -174,20 +194,34 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
+def padded_size(rows: int, chunk: int) -> int:
+    """The batch size that `rows` rows run at where sizes are fixed: the next power of two, at most `chunk`."""
+    return min(chunk, 1 << (rows - 1).bit_length())
+
+
 class Forward:
     """Runs a model over a batch in chunks of at most `chunk`, halving the chunk on out-of-memory until it fits,
-    and saying so in one line; later batches keep the size that fitted."""
+    and saying so in one line; later batches keep the size that fitted.
+
+    Where the runtime fixes batch sizes (`Runtime.fixed_batch_sizes`), a shorter chunk (a stream's tail, a round's
+    last batch, a re-checked subset) is padded with copies of its last row to `padded_size` and the copies' outputs
+    are dropped: the model sees only `chunk` and the powers of two below it, at most log2(chunk) + 2 shapes to tune
+    or compile for. A model in eval mode computes each row alone, so the rows kept are those of an unpadded run.
+    Powers of two rather than `chunk` alone: a re-checked subset is often a few rows, and padding costs at most
+    as much again as the rows themselves. The exact mode (fp32, no compile) runs chunks as they are.
+    """
 
     def __init__(self, model: Callable, runtime: Runtime, chunk: int):
         self.model, self.runtime, self.chunk = model, runtime, max(1, chunk)
 
-    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+    def __call__(self, batch: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+        """The model's outputs for the batch; fp32: in true fp32 whatever the precision (`Runtime.fp32_math`)."""
         outputs, start, chunk_before = [], 0, self.chunk
         while start < batch.shape[0]:
             piece = batch[start:start + self.chunk]
             try:
-                with torch.inference_mode(), self.runtime.autocast():
-                    outputs.append(self.model(piece))
+                with torch.inference_mode(), self.runtime.fp32_math() if fp32 else self.runtime.autocast():
+                    outputs.append(self._run(piece))
             except Exception as exc:  # noqa: BLE001 (only out-of-memory is handled; the rest re-raise)
                 if not _is_oom(exc) or self.chunk == 1:
                     raise
@@ -199,3 +233,11 @@ class Forward:
         if self.chunk != chunk_before:
             log.warning("out of memory: batch size lowered from %d to %d", chunk_before, self.chunk)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _run(self, piece: torch.Tensor) -> torch.Tensor:
+        rows = piece.shape[0]
+        size = padded_size(rows, self.chunk) if self.runtime.fixed_batch_sizes else rows
+        if size == rows:
+            return self.model(piece)
+        copies = piece[-1:].expand(size - rows, *piece.shape[1:])
+        return self.model(torch.cat([piece, copies]).contiguous(memory_format=self.runtime.memory_format))[:rows]

@@ -21,7 +21,6 @@ the command itself.
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import itertools
 import json
@@ -295,9 +294,7 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
             outcomes.append(Outcome(spec.text, "failed", message=f"{type(exc).__name__}: {exc}"))
         finally:
             loaded = None
-            gc.collect()
-            if runtime.device.type == "cuda":
-                torch.cuda.empty_cache()
+            runtime.release()
     return outcomes
 
 

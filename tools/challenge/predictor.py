@@ -29,8 +29,7 @@ class CompositePredictor:
     def __init__(self, loaded: LoadedModel, runtime: Runtime, data: ChallengeData, batch_size: int | None,
                  recheck_margin: float = 0.0):
         self.runtime, self.data = runtime, data
-        self.model = runtime.prepare(loaded.model)
-        self.forward = Forward(self.model, runtime, batch_size or default_batch_size(runtime.device))
+        self.forward = Forward(runtime.prepare(loaded.model), runtime, batch_size or default_batch_size(runtime.device))
         self.to_in9 = PredictionMap(loaded.num_classes)
         self.recheck_margin = recheck_margin if not runtime.exact else 0.0
         self.rechecked = self.recheck_changed = 0
@@ -57,9 +56,7 @@ class CompositePredictor:
             # one synchronisation per batch in reduced precision: the price of fp32 verdicts
             idx = close.nonzero().flatten()
             if idx.numel():
-                with torch.inference_mode(), self.runtime.fp32_math():
-                    exact_logits = self.model(images[idx])
-                exact = self.to_in9(exact_logits.float())
+                exact = self.to_in9(self.forward(images[idx], fp32=True).float())
                 self.rechecked += int(idx.numel())
                 self.recheck_changed += int((exact != preds[idx]).sum())
                 preds = preds.clone()
