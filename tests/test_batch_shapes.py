@@ -100,6 +100,21 @@ def test_padding_never_changes_a_kept_row(classifier, one_thread):
         assert padded.shape == others.shape and torch.equal(padded, others), rows
 
 
+def test_padded_runs_give_the_exact_runs_predictions(dataset, monkeypatch, one_thread):
+    """fp32 with the padding of the speed modes (compile asked for, torch.compile left out): the same predictions
+    on every variation and the same full challenge matrix as the exact mode's batches as they are."""
+    monkeypatch.setattr(torch, "compile", lambda model, **options: model)
+    runs = []
+    for runtime in (Runtime(torch.device("cpu")), Runtime(torch.device("cpu"), compile=True)):
+        torch.manual_seed(0)
+        loaded = LoadedModel(PixelModel(SmallCNN(9), IN9_MEAN, IN9_STD), 9, None, None, None, None, "test", "test")
+        in9 = evaluate_variations(loaded, runtime, dataset.root, VARIATIONS, BATCH, 1, progress=False)
+        config = ChallengeConfig(batch_size=BATCH, progress=False, full=True)
+        full = run_challenge(loaded, runtime, dataset.root, config, workers=1)
+        runs.append(([in9[name].predictions.tolist() for name in VARIATIONS], full.state.matrix.tolist()))
+    assert runs[0] == runs[1]
+
+
 def test_exact_mode_runs_batches_as_they_are(one_thread):
     recorder = RecordsBatchSizes()
     model = PixelModel(recorder, IN9_MEAN, IN9_STD).eval()

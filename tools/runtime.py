@@ -206,9 +206,10 @@ class Forward:
     Where the runtime fixes batch sizes (`Runtime.fixed_batch_sizes`), a shorter chunk (a stream's tail, a round's
     last batch, a re-checked subset) is padded with copies of its last row to `padded_size` and the copies' outputs
     are dropped: the model sees only `chunk` and the powers of two below it, at most log2(chunk) + 2 shapes to tune
-    or compile for. A model in eval mode computes each row alone, so the rows kept are those of an unpadded run.
-    Powers of two rather than `chunk` alone: a re-checked subset is often a few rows, and padding costs at most
-    as much again as the rows themselves. The exact mode (fp32, no compile) runs chunks as they are.
+    or compile for. A model in eval mode computes each row alone, so a row kept is what its image gives in a batch
+    of that size; the copies never reach it. Powers of two rather than `chunk` alone: a re-checked subset is often
+    a few rows, and padding costs at most as much again as the rows themselves. The exact mode (fp32, no compile)
+    runs chunks as they are: a backend may give other last bits at another batch size (the CPU's 1x1 convolution).
     """
 
     def __init__(self, model: Callable, runtime: Runtime, chunk: int):
@@ -220,7 +221,7 @@ class Forward:
         while start < batch.shape[0]:
             piece = batch[start:start + self.chunk]
             try:
-                with torch.inference_mode(), self.runtime.fp32_math() if fp32 else self.runtime.autocast():
+                with torch.inference_mode(), (self.runtime.fp32_math() if fp32 else self.runtime.autocast()):
                     outputs.append(self._run(piece))
             except Exception as exc:  # noqa: BLE001 (only out-of-memory is handled; the rest re-raise)
                 if not _is_oom(exc) or self.chunk == 1:

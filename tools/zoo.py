@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from tools import cli, distributed, options
 from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, list_challenge_files, run_challenge
