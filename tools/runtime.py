@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import enum
 import functools
+import gc
 import logging
 import platform
 import random
@@ -113,6 +114,16 @@ class Runtime:
     def exact(self) -> bool:
         return self.precision is Precision.FP32
 
+    @property
+    def fixed_batch_sizes(self) -> bool:
+        """Whether `Forward` runs a few fixed batch sizes: in the speed modes, which pay for every new input shape
+        (cuDNN autotunes each convolution when not exact; torch.compile compiles)."""
+        return self.compile or not self.exact
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.channels_last else torch.contiguous_format
+
     def autocast(self):
         dtype = AUTOCAST_DTYPES.get(self.precision)
         if dtype is None:
@@ -140,8 +151,17 @@ class Runtime:
         return model
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
-        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
-        return to_device(batch, self.device).contiguous(memory_format=memory_format)
+        return to_device(batch, self.device).contiguous(memory_format=self.memory_format)
+
+    def release(self) -> None:
+        """Forget the last model before the next: torch.compile's caches, then the memory it held. Compiled code
+        is kept per Python function (`PixelModel.forward` for every model), and past torch's recompile limit
+        compilation stops without error, so a later model would run uncompiled."""
+        if self.compile:
+            torch.compiler.reset()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def pin(self) -> bool:
         return self.device.type == "cuda"
@@ -187,9 +207,22 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
+def padded_size(rows: int, chunk: int) -> int:
+    """The batch size that `rows` rows run at where sizes are fixed: the next power of two, at most `chunk`."""
+    return min(chunk, 1 << (rows - 1).bit_length())
+
+
 class Forward:
     """Runs a model over a batch in chunks of at most `chunk`, halving the chunk on out-of-memory until it fits,
     and saying so in one line (naming the chunk as `what`); later batches keep the size that fitted.
+
+    Where the runtime fixes batch sizes (`Runtime.fixed_batch_sizes`), a shorter chunk (a stream's tail, a round's
+    last batch, a re-checked subset) is padded with copies of its last row to `padded_size` and the copies' outputs
+    are dropped: the model sees only `chunk` and the powers of two below it, at most log2(chunk) + 2 shapes to tune
+    or compile for. A model in eval mode computes each row alone, so a row kept is what its image gives in a batch
+    of that size; the copies never reach it. Powers of two rather than `chunk` alone: a re-checked subset is often
+    a few rows, and padding costs at most as much again as the rows themselves. The exact mode (fp32, no compile)
+    runs chunks as they are: a backend may give other last bits at another batch size (the CPU's 1x1 convolution).
 
     In the runtime's precision, or with `exact` in true fp32 (`Runtime.fp32_math`), which needs more memory
     than reduced precision: an exact Forward beside a reduced-precision one keeps a chunk of its own."""
@@ -204,7 +237,7 @@ class Forward:
             piece = batch[start:start + self.chunk]
             try:
                 with torch.inference_mode(), self.math():
-                    outputs.append(self.model(piece))
+                    outputs.append(self._run(piece))
             except Exception as exc:  # noqa: BLE001 (only out-of-memory is handled; the rest re-raise)
                 if not _is_oom(exc) or self.chunk == 1:
                     raise
@@ -216,3 +249,11 @@ class Forward:
         if self.chunk != chunk_before:
             log.warning("out of memory: %s lowered from %d to %d", self.what, chunk_before, self.chunk)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _run(self, piece: torch.Tensor) -> torch.Tensor:
+        rows = piece.shape[0]
+        size = padded_size(rows, self.chunk) if self.runtime.fixed_batch_sizes else rows
+        if size == rows:
+            return self.model(piece)
+        copies = piece[-1:].expand(size - rows, *piece.shape[1:])
+        return self.model(torch.cat([piece, copies]).contiguous(memory_format=self.runtime.memory_format))[:rows]

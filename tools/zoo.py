@@ -21,7 +21,6 @@ the command itself.
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import itertools
 import json
@@ -32,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from tools import cli, distributed, options
 from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, list_challenge_files, run_challenge
@@ -295,9 +293,7 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
             outcomes.append(Outcome(spec.text, "failed", message=f"{type(exc).__name__}: {exc}"))
         finally:
             loaded = None
-            gc.collect()
-            if runtime.device.type == "cuda":
-                torch.cuda.empty_cache()
+            runtime.release()
     return outcomes
 
 

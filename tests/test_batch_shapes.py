@@ -1,0 +1,190 @@
+"""Batch shapes in the speed modes: with cuDNN autotuning (reduced precision) or torch.compile, the model sees a
+few fixed batch sizes whatever the tails and re-checked subsets; the padding never changes a kept row; the zoo
+compiles each model afresh."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+import torchvision
+
+from tools import synthetic, zoo
+from tools.challenge import ChallengeConfig, run_challenge
+from tools.evaluate import evaluate_variations
+from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
+from tools.models import SMALL_CNN, LoadedModel, PixelModel, SmallCNN
+from tools.runtime import Forward, Precision, Runtime
+from tools.shards import Shard
+
+BATCH = 25  # not a power of two, and no divisor of the data's counts: every kind of tail occurs
+
+
+def speed_mode_sizes(batch: int) -> set[int]:
+    """The batch sizes a speed mode may run: the batch size and the powers of two below it."""
+    return {batch} | {1 << k for k in range(batch.bit_length()) if 1 << k < batch}
+
+
+class RecordsBatchSizes(torch.nn.Module):
+    """The hand-built colour model, recording the batch size of every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.classifier = synthetic.ColorEvidenceModel(9)
+        self.sizes: list[int] = []
+
+    def forward(self, x):
+        self.sizes.append(x.shape[0])
+        return self.classifier(x)
+
+
+def recording_model() -> tuple[LoadedModel, RecordsBatchSizes]:
+    recorder = RecordsBatchSizes()
+    return LoadedModel(PixelModel(recorder, IN9_MEAN, IN9_STD), 9, None, None, None, None, "test", "test"), recorder
+
+
+@pytest.mark.parametrize("shard", [None, Shard(1, 2)])  # share 1 of 2 holds the tail
+def test_the_in9_evaluation_runs_few_fixed_batch_sizes(dataset, shard, one_thread):
+    loaded, recorder = recording_model()
+    evaluate_variations(loaded, Runtime(torch.device("cpu"), Precision.BF16), dataset.root, VARIATIONS, BATCH, 1,
+                        progress=False, shard=shard)
+    assert sum(n != BATCH for n in recorder.sizes) >= 1  # the stream's tail was run
+    assert set(recorder.sizes) <= speed_mode_sizes(BATCH)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_the_challenge_runs_few_fixed_batch_sizes_with_its_rechecks(dataset, full, one_thread):
+    loaded, recorder = recording_model()
+    config = ChallengeConfig(batch_size=BATCH, progress=False, full=full, recheck_margin=0.5)
+    result = run_challenge(loaded, Runtime(torch.device("cpu"), Precision.BF16), dataset.root, config, workers=1)
+    assert 0 < result.rechecked < result.state.evaluated  # subsets of batches were re-checked
+    assert set(recorder.sizes) <= speed_mode_sizes(BATCH)
+
+
+def tiny_resnet() -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = torchvision.models.resnet18(num_classes=9)
+    with torch.no_grad():  # BatchNorm statistics other than the initial ones, so that eval mode really uses them
+        for module in net.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+    return net
+
+
+@pytest.mark.parametrize("classifier", [lambda: SmallCNN(9), lambda: synthetic.ColorEvidenceModel(9, trunk_width=8),
+                                        tiny_resnet], ids=["small_cnn", "color_trunk", "resnet18"])
+def test_padding_never_changes_a_kept_row(classifier, one_thread):
+    """In fp32 on the CPU, each row kept from a padded batch equals, bit for bit, that row run in a batch of the
+    same size whose other rows are other images: the copies added never reach the rows kept. (Not always the same
+    row run in a smaller batch: the CPU's 1x1 convolution gives other last bits at other batch sizes, padded or not,
+    which is why the exact mode runs its batches as they are.)"""
+    recorder = RecordsBatchSizes()
+    recorder.classifier = classifier()
+    model = PixelModel(recorder, IN9_MEAN, IN9_STD).eval()
+    images = torch.randint(0, 256, (BATCH + 8, 3, 64, 64), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(1))
+    forward = Forward(model, Runtime(torch.device("cpu"), compile=True), BATCH)  # compile: a speed mode, in fp32
+    for rows in (1, 3, 5, 6, 7, 12, 17, BATCH, BATCH + 7):
+        recorder.sizes.clear()
+        padded = forward(images[:rows])
+        sizes = list(recorder.sizes)
+        starts = range(0, rows, BATCH)
+        assert len(sizes) == len(starts) and set(sizes) <= speed_mode_sizes(BATCH)
+        assert rows in speed_mode_sizes(BATCH) or sum(sizes) > rows  # rows were really added
+        with torch.inference_mode():
+            others = torch.cat([model(images[start:start + size])[:min(BATCH, rows - start)]
+                                for start, size in zip(starts, sizes)])
+        assert padded.shape == others.shape and torch.equal(padded, others), rows
+
+
+def test_padded_runs_give_the_exact_runs_predictions(dataset, monkeypatch, one_thread):
+    """fp32 with the padding of the speed modes (compile asked for, torch.compile left out): the same predictions
+    on every variation and the same full challenge matrix as the exact mode's batches as they are."""
+    monkeypatch.setattr(torch, "compile", lambda model, **options: model)
+    runs = []
+    for runtime in (Runtime(torch.device("cpu")), Runtime(torch.device("cpu"), compile=True)):
+        torch.manual_seed(0)
+        loaded = LoadedModel(PixelModel(SmallCNN(9), IN9_MEAN, IN9_STD), 9, None, None, None, None, "test", "test")
+        in9 = evaluate_variations(loaded, runtime, dataset.root, VARIATIONS, BATCH, 1, progress=False)
+        config = ChallengeConfig(batch_size=BATCH, progress=False, full=True)
+        full = run_challenge(loaded, runtime, dataset.root, config, workers=1)
+        runs.append(([in9[name].predictions.tolist() for name in VARIATIONS], full.state.matrix.tolist()))
+    assert runs[0] == runs[1]
+
+
+def test_exact_mode_runs_batches_as_they_are(one_thread):
+    recorder = RecordsBatchSizes()
+    model = PixelModel(recorder, IN9_MEAN, IN9_STD).eval()
+    Forward(model, Runtime(torch.device("cpu")), BATCH)(torch.zeros(7, 3, 32, 32, dtype=torch.uint8))
+    assert recorder.sizes == [7]
+
+
+class CountsGraphs:
+    """A torch.compile backend running graphs as they are (eager), counting per model the graphs compiled, the
+    batches run by compiled code and the batch sizes; `model` is the model the zoo is evaluating."""
+
+    def __init__(self):
+        self.model = None
+        self.graphs: dict[str, int] = {}
+        self.compiled_sizes: dict[str, list[int]] = {}
+        self.calls: dict[str, int] = {}
+        self.entries_at_start: dict[str, int] = {}
+
+    def __call__(self, graph, example_inputs):
+        self.graphs[self.model] = self.graphs.get(self.model, 0) + 1
+
+        def run(*args):
+            images = [a for a in args if isinstance(a, torch.Tensor) and a.ndim == 4 and a.shape[1:] == (3, 224, 224)]
+            self.compiled_sizes.setdefault(self.model, []).append(images[0].shape[0])
+            return graph.forward(*args)
+        return run
+
+    def compile(self, model, **options):
+        compiled = REAL_COMPILE(model, backend=self)
+
+        def run(x):
+            self.calls[self.model] = self.calls.get(self.model, 0) + 1
+            return compiled(x)
+        return run
+
+
+REAL_COMPILE = torch.compile
+
+
+def test_the_zoo_compiles_each_model_afresh_for_few_batch_sizes(tmp_path, monkeypatch, one_thread):
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # noqa: PLC0415 (the compiled code of a frame)
+
+    data = synthetic.generate(tmp_path / "bg", per_class=1, seed=3).root
+    specs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        torch.save(SmallCNN(9).state_dict(), tmp_path / f"cnn{seed}.pt")
+        specs.append(f"{SMALL_CNN}@file:{tmp_path / f'cnn{seed}.pt'}")
+    backend = CountsGraphs()
+    monkeypatch.setattr(torch, "compile", backend.compile)
+    evaluate_model = zoo.evaluate_model
+
+    def evaluate_and_watch(loaded, spec, *args, **kwargs):
+        backend.model = spec.text
+        backend.entries_at_start[spec.text] = len(_debug_get_cache_entry_list(PixelModel.forward.__code__))
+        return evaluate_model(loaded, spec, *args, **kwargs)
+
+    monkeypatch.setattr(zoo, "evaluate_model", evaluate_and_watch)
+    torch.compiler.reset()
+    batch = 8
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = zoo.main(["--data-path", str(data), "--models", ",".join(specs), "--output-dir", str(tmp_path / "zoo"),
+                         "--device", "cpu", "--no-progress", "--no-cache", "--no-leaderboard", "--compile",
+                         "--batch-size", str(batch)])
+    torch.compiler.reset()
+    assert code == 0, out.getvalue()
+    assert list(backend.entries_at_start.values()) == [0, 0]  # nothing compiled for an earlier model is kept
+    for spec in specs:
+        sizes = backend.compiled_sizes[spec]
+        assert len(sizes) == backend.calls[spec]  # every batch ran compiled code: compilation never gave up
+        assert set(sizes) <= speed_mode_sizes(batch)
+        assert 1 <= backend.graphs[spec] <= len(speed_mode_sizes(batch))
