@@ -2,7 +2,7 @@
 
 Checkpoint formats, told apart by the file's contents, never by its name:
 - a TorchScript archive (`torch.jit.save`) or a `torch.export` program (`torch.export.save`, .pt2):
-  used as the classifier as it is;
+  used as the classifier as it is, loaded for the run's device with the devices its code names pointed there;
 - a pickle read by `torch.load(weights_only=True)`: a state dict, directly or under `model`,
   `state_dict` or `state_dict_ema` (that priority, or `--checkpoint-key`), with `module.` /
   `_orig_mod.` wrapper prefixes, or the robustness library's layout (`normalizer.new_mean/new_std`,
@@ -199,46 +199,123 @@ def check_class_count(num_classes: int, in9: bool | None, what: str) -> None:
                         f"--no-in9 or pass the ImageNet checkpoint")
 
 
-def _probe_classes(classifier: nn.Module, path: Path, kind: str) -> int:
-    """The class count, from a forward pass on a batch of 3 (which also finds programs fixed to one batch size)."""
+def _probe_classes(classifier: nn.Module, path: Path, kind: str, device: torch.device) -> int:
+    """The class count, from a forward pass on a batch of 3 on the run's device (which also finds programs fixed
+    to one batch size, and programs that cannot run there)."""
     try:
         with torch.inference_mode():
-            out = classifier(torch.zeros(3, 3, IMAGE_SIZE, IMAGE_SIZE))
+            out = classifier(torch.zeros(3, 3, IMAGE_SIZE, IMAGE_SIZE, device=device))
     except Exception as exc:  # noqa: BLE001 (any failure of a foreign program is the user's file)
         hint = ("; export it with a dynamic batch dimension (dynamic_shapes with torch.export.Dim) or save it as "
                 "TorchScript/state dict") if kind == "export" else ""
-        raise UserError(f"the model in {path} fails on a 3x3x{IMAGE_SIZE}x{IMAGE_SIZE} input: "
-                        f"{first_line(exc)}{hint}") from None
+        raise UserError(f"the model in {path} fails on a 3x3x{IMAGE_SIZE}x{IMAGE_SIZE} input on {device}: "
+                        f"{_program_problem(exc)}{hint}") from None
     if not isinstance(out, torch.Tensor) or out.ndim != 2:
         raise UserError(f"the model in {path} does not return a (batch, classes) tensor of logits")
     return int(out.shape[1])
 
 
-class ExportedModule(nn.Module):
-    """A torch.export program as a module. Its mode was fixed when it was exported and the program refuses
-    train()/eval(), so those set this wrapper's flag and do not reach into it."""
+def _program_problem(exc: Exception) -> str:
+    """The useful line of a program's failure: TorchScript's interpreter puts the cause (`SomeError: ...`) after
+    the program's code, sometimes followed by a Python stack."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    causes = [line for line in lines if re.match(r"\w+(Error|Exception): ", line)]
+    if lines and "TorchScript interpreter" in lines[0] and causes:
+        return causes[-1]
+    return first_line(exc)
 
-    def __init__(self, program: nn.Module):
+
+class Program(nn.Module):
+    """A TorchScript or torch.export program as a module, loaded for one device.
+
+    Tracing and export write devices into the program's code as constants (`torch.zeros(..., device=x.device)`
+    becomes "the device it was traced on"), which `.to()` does not move. The loader points them at the run's
+    device before the first run, and a graph that has run keeps its compiled plan; so a program whose code names
+    a device refuses a later move elsewhere, which would take only its weights along."""
+
+    def __init__(self, program: nn.Module, kind: str, device: torch.device, names_devices: bool):
         super().__init__()
-        self.program = program
+        self.program, self.kind, self.names_devices = program, kind, names_devices
+        self.device = torch.empty(0, device=device).device  # with its index ("cuda" is "cuda:0"), as tensors say
 
-    def train(self, mode: bool = True) -> "ExportedModule":
-        self.training = mode
-        return self
+    def _apply(self, fn, recurse: bool = True):
+        target = fn(torch.empty(0, device=self.device)).device  # where this conversion (to, cuda, cpu) sends tensors
+        if target != self.device and self.names_devices:
+            raise RuntimeError(f"this {self.kind} program was loaded for {self.device}, and its code names devices; "
+                               f"load it for {target} instead (load_model with a runtime on {target})")
+        self.device = target
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.program(x)
 
 
-def _load_program(path: Path, kind: str) -> nn.Module:
+class ExportedModule(Program):
+    """An exported program, whose mode was fixed when it was exported: it refuses train()/eval(), so those set
+    this wrapper's flag and do not reach into it."""
+
+    def train(self, mode: bool = True) -> "ExportedModule":
+        self.training = mode
+        return self
+
+
+def _graph_nodes(block):
+    for node in block.nodes():
+        yield node
+        for inner in node.blocks():
+            yield from _graph_nodes(inner)
+
+
+def _point_script_devices(module: torch.jit.ScriptModule, device: torch.device) -> set[str]:
+    """Point every device constant in the code of the program's methods at `device`; the devices it named."""
+    named = set()
+    for sub in module.modules():
+        for name in sub._c._method_names():
+            graph = sub._c._get_method(name).graph
+            for node in list(_graph_nodes(graph)):
+                if node.kind() != "prim::Constant" or not isinstance(node.output().type(), torch._C.DeviceObjType):
+                    continue
+                named.add(str(node.output().toIValue()))
+                if node.output().toIValue() != device:
+                    with graph.insert_point_guard(node):
+                        node.output().replaceAllUsesWith(graph.insertConstant(device))
+                    node.destroy()
+    return named
+
+
+def _export_devices(program) -> set[str]:
+    """The devices the operations of an exported program are given (tensor-creating ones, `to`)."""
+    return {str(torch.device(node.kwargs["device"])) for sub in program.graph_module.modules()
+            if isinstance(sub, torch.fx.GraphModule) for node in sub.graph.nodes
+            if node.kwargs.get("device") is not None}
+
+
+def _read_program(path: Path, kind: str, device: torch.device):
     try:
         if kind == "torchscript":
             with warnings.catch_warnings():  # TorchScript is deprecated upstream, yet users' files are TorchScript
                 warnings.simplefilter("ignore", FutureWarning)
-                return torch.jit.load(str(path), map_location="cpu")
-        return ExportedModule(torch.export.load(str(path)).module())
+                return torch.jit.load(str(path), map_location=device)
+        return torch.export.load(str(path))
     except Exception as exc:  # noqa: BLE001 (a broken archive is the user's file)
         raise UserError(f"cannot load the {kind} program {path}: {first_line(exc)}") from None
+
+
+def _load_program(path: Path, kind: str, device: torch.device) -> Program:
+    """The program, its weights and the devices its code names all on `device`, before its first run."""
+    loaded = _read_program(path, kind, device)
+    if kind == "torchscript":
+        named = _point_script_devices(loaded, device)
+        program = Program(loaded, kind, device, bool(named))
+    else:
+        from torch.export.passes import move_to_device_pass  # noqa: PLC0415 (torch.export loads only for programs)
+        named = _export_devices(loaded)
+        program = ExportedModule(move_to_device_pass(loaded, device).module(), kind, device, bool(named))
+    elsewhere = sorted(named - {str(device)})
+    if elsewhere:
+        log.info("the %s program in %s names %s in its code (where it was made); pointed at %s", kind, path,
+                 ", ".join(elsewhere), device)
+    return program
 
 
 def trained_checkpoint_header(obj) -> dict | None:
@@ -276,18 +353,19 @@ class ReadCheckpoint:
 
 
 def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: Normalization, trust: bool,
-                    checkpoint_key: str | None) -> ReadCheckpoint:
+                    checkpoint_key: str | None, device: torch.device) -> ReadCheckpoint:
     """The classifier in a checkpoint file, told apart by the file's contents: a TorchScript or export program
-    as it is, else a state dict loaded strictly into `arch` (default: resnet50)."""
+    as it is, loaded for `device` (the run's) and probed there, else a state dict loaded strictly into `arch`
+    (default: resnet50), on the CPU."""
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist; check --checkpoint")
     kind = program_kind(path)
     if kind is not None:
-        classifier = _load_program(path, kind)
+        classifier = _load_program(path, kind, device)
         if arch is not None:
             log.warning("--arch %s is ignored: %s is a %s program, which carries its own architecture", arch, path,
                         kind)
-        num_classes = _probe_classes(classifier, path, kind)
+        num_classes = _probe_classes(classifier, path, kind, device)
         check_class_count(num_classes, in9, f"the model in {path}")
         return ReadCheckpoint(classifier, num_classes, None, None,
                               "TorchScript" if kind == "torchscript" else "torch.export")

@@ -53,6 +53,11 @@ class ModelOptions:
     runtime: Runtime | None = None  # where a source computes what it builds at load time (CLIP's text head)
     progress: bool = False  # a progress bar for such work
 
+    @property
+    def device(self) -> torch.device:
+        """Where load-time work runs and a program is loaded for: the runtime's device, else the CPU."""
+        return self.runtime.device if self.runtime is not None else torch.device("cpu")
+
 
 Source = Callable[[str, ModelOptions], LoadedModel]
 SOURCES: dict[str, Source] = {}
@@ -83,7 +88,8 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     arch: a model name (default: resnet50); with `checkpoint`, the architecture its weights go into (a
     TorchScript or export program carries its own). in9: True (--in9), False (--no-in9), or None to follow
     the model's class count. runtime: where work done at load time runs (CLIP encodes its prompts there);
-    default the CPU. The model itself is returned on the CPU.
+    default the CPU. The model itself is returned on the CPU, except a TorchScript or export program, which
+    is loaded for the runtime's device (the devices its code names pointed there) and probed there.
     """
     prefix, name = split_name(arch or DEFAULT_ARCH)
     names_architecture = prefix in ARCHITECTURE_PREFIXES
@@ -177,7 +183,7 @@ def checkpoint_file(path: str, options: ModelOptions) -> LoadedModel:
     if options.weights is not None:
         raise UserError("--weights and --checkpoint both give the model's weights; pass one of them")
     loaded = checkpoints.read_checkpoint(Path(path), options.arch, options.in9, options.normalize, options.trust,
-                                         options.checkpoint_key)
+                                         options.checkpoint_key, options.device)
     if options.in9 is None and loaded.num_classes == NUM_IN9_CLASSES:
         log.info("the checkpoint has 9 classes: evaluating as an IN-9 model (as with --in9)")
     return wrap(loaded.classifier, loaded.num_classes, options.normalize, loaded.normalizer,

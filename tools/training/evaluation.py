@@ -78,7 +78,8 @@ def evaluate_and_report(config: TrainConfig, result: TrainResult) -> Path:
     """Evaluate the saved checkpoint as in9_eval.py loads it, and the starting point, and write report.md."""
     runtime = Runtime(resolve_device(config.device))
     out = Path(config.output_dir)
-    trained = evaluate(load_model(checkpoint=result.checkpoint), config, runtime, out / "eval_trained")
+    trained = evaluate(load_model(checkpoint=result.checkpoint, runtime=runtime), config, runtime,
+                       out / "eval_trained")
     start = None
     if result.start.source is not None:
         try:
