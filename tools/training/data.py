@@ -176,6 +176,6 @@ def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torc
         out = torch.empty_like(images)
         for i, (top, left, height, width) in enumerate(batch["crop"].tolist()):
             out[i] = F.resized_crop(images[i], top, left, height, width, [IMAGE_SIZE, IMAGE_SIZE], antialias=True)
-        flips = batch["flip"].to(device)
+        flips = batch["flip"].to(device, non_blocking=True)
         images = torch.where(flips.view(-1, 1, 1, 1), out.flip(-1), out)
     return images, batch["label"].to(device, non_blocking=True)
