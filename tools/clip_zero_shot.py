@@ -45,7 +45,7 @@ from tools.errors import UserError, first_line
 from tools.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
 from tools.models import LoadedModel, close_matches, wrap
-from tools.runtime import Forward, Runtime
+from tools.runtime import Forward, Runtime, check_antialias
 
 log = logging.getLogger(__name__)
 
@@ -303,12 +303,15 @@ def load_clip(spec: str, runtime: Runtime | None = None, progress: bool = False)
         tokenizer = open_clip.get_tokenizer(parsed.arch)
     clip_model.eval()
     weights_sha256 = _state_digest(clip_model) if weights_file is None else sha256_file(weights_file)
-    class_prompts = prompts(parsed.head, parsed.templates)
-    head = _text_head(open_clip, parsed, clip_model, tokenizer, class_prompts, weights_sha256, runtime, progress)
     preprocess = open_clip.get_model_preprocess_cfg(clip_model)
     image_size = _image_size(preprocess.get("size", IMAGE_SIZE))
     if image_size != (IMAGE_SIZE, IMAGE_SIZE):
+        if runtime is not None:
+            check_antialias(runtime.device, "bicubic", f"clip:{spec}, which resizes its inputs to {image_size[0]}x"
+                                                       f"{image_size[1]}")
         log.info("clip:%s takes %dx%d images: the 224x224 inputs are resized inside the model", spec, *image_size)
+    class_prompts = prompts(parsed.head, parsed.templates)
+    head = _text_head(open_clip, parsed, clip_model, tokenizer, class_prompts, weights_sha256, runtime, progress)
     classifier = ZeroShotClassifier(clip_model.visual, head, clip_model.logit_scale.exp().item(), image_size)
     head_sha256 = _tensor_digest(head)
     classes, templates = len(class_prompts), len(class_prompts[0])

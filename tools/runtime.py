@@ -8,8 +8,11 @@ import enum
 import functools
 import gc
 import logging
+import os
 import platform
 import random
+import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -17,7 +20,7 @@ import numpy as np
 import torch
 
 from tools.distributed import ProcessGroup
-from tools.errors import UserError
+from tools.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,59 @@ class Precision(str, enum.Enum):
 
 
 AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string: "2.6.0+cu124" -> (2, 6), "2.8.0.dev20250601" -> (2, 8)."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"not a torch version: {version!r}")
+    return int(match[1]), int(match[2])
+
+
+# The first torch release whose MPS backend has each anti-aliased resize (`interpolate(..., antialias=True)`):
+# bilinear from 2.7 (pytorch#145526), bicubic from 2.8 (pytorch#149378). CPU and CUDA have both on every
+# supported release. Without them the resize raises NotImplementedError in the middle of a run.
+MPS_ANTIALIAS_SINCE = {"bilinear": (2, 7), "bicubic": (2, 8)}
+MPS_FALLBACK_VARIABLE = "PYTORCH_ENABLE_MPS_FALLBACK"  # set to 1: torch runs the ops MPS lacks on the CPU
+
+
+def check_antialias(device: torch.device, mode: str, used_by: str, version: str | None = None,
+                    cpu_fallback: bool | None = None) -> None:
+    """At start-up, refuse in one `error:` line a run on a device whose torch (default: this one) lacks the
+    anti-aliased `mode` resize that `used_by` needs; with torch's CPU fallback for MPS switched on (default:
+    as the environment says), say in one line that the resize will run on the CPU instead."""
+    version = torch.__version__ if version is None else version
+    since = MPS_ANTIALIAS_SINCE[mode] if device.type == "mps" else None
+    if since is None or torch_release(version) >= since:
+        return
+    if cpu_fallback is None:
+        cpu_fallback = os.environ.get(MPS_FALLBACK_VARIABLE) == "1"
+    needed = ".".join(map(str, since))
+    if cpu_fallback:
+        log.warning("%s resizes with anti-aliased %s, which MPS has from torch %s (this is %s): it runs on the "
+                    "CPU (%s=1)", used_by, mode, needed, version, MPS_FALLBACK_VARIABLE)
+        return
+    raise UserError(f"--device mps needs torch>={needed} for the anti-aliased {mode} resizing of {used_by} (this is "
+                    f"torch {version}); upgrade torch, set {MPS_FALLBACK_VARIABLE}=1 to run it on the CPU, "
+                    f"or use --device cpu")
+
+
+def autocast_refusal(device_type: str, dtype: torch.dtype) -> str | None:
+    """None when `torch.autocast(device_type, dtype)` really turns autocast on here; else torch's reason.
+
+    torch decides this itself and, where it cannot, warns and leaves autocast off (MPS: bf16 needs macOS 14
+    and torch 2.6, fp16 on older releases; the CPU's fp16 on older releases), so asking it is exact."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with torch.autocast(device_type=device_type, dtype=dtype):
+                enabled = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == dtype
+        except RuntimeError as exc:
+            return first_line(exc)
+    if enabled:
+        return None
+    return first_line(caught[0].message) if caught else "autocast stayed off"
 
 
 def _mps_available() -> bool:
@@ -98,6 +154,12 @@ class Runtime:
     group: ProcessGroup = field(default_factory=ProcessGroup)  # torchrun's processes sharing the work
 
     def __post_init__(self):
+        dtype = AUTOCAST_DTYPES.get(self.precision)
+        refusal = None if dtype is None else autocast_refusal(self.device.type, dtype)
+        if refusal is not None:  # the precision that runs, and so the one recorded, is fp32
+            log.warning("%s autocast does not run on %s here (%s): running in fp32", self.precision.value,
+                        self.device.type, refusal)
+            self.precision = Precision.FP32
         # Process-wide flags, set on every device (they only act on CUDA): TF32 only when asked for, and
         # cuDNN autotuning only in the opt-in speed modes, since it may pick other convolution algorithms
         # from one run to the next and so change the last bits of fp32 logits.

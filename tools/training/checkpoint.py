@@ -17,6 +17,7 @@ from tools.errors import UserError, first_line
 from tools.in9 import NUM_IN9_CLASSES
 from tools.checkpoints import TRAINED_FORMAT
 from tools.provenance import atomic_write
+from tools.runtime import Precision
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +30,15 @@ def save_atomic(payload, path: Path) -> None:
         torch.save(payload, fh)
 
 
-def trained_checkpoint(classifier: nn.Module, arch: str, mean, std, method: str, data: dict, train_args: dict) -> dict:
-    """The toolkit's checkpoint format: a 9-class state dict with what is needed to rebuild and normalise it."""
+def trained_checkpoint(classifier: nn.Module, arch: str, mean, std, method: str, data: dict, train_args: dict,
+                       precision: Precision) -> dict:
+    """The toolkit's checkpoint format: a 9-class state dict with what is needed to rebuild and normalise it, and
+    the precision training ran in (train_args holds --precision as given, None for the device's default)."""
     return {"format": TRAINED_FORMAT, "arch": arch, "num_classes": NUM_IN9_CLASSES,
             "mean": [float(v) for v in torch.as_tensor(mean).flatten()],
             "std": [float(v) for v in torch.as_tensor(std).flatten()],
             "model": {k: v.detach().cpu().clone() for k, v in classifier.state_dict().items()},
-            "method": method, "data": data, "train_args": train_args}
+            "method": method, "data": data, "train_args": train_args, "precision": precision.value}
 
 
 def load_resume_state(output_dir: Path, run_key: dict) -> dict | None:

@@ -7,6 +7,8 @@ import enum
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from tools.cli import BooleanFlag, add_log_level_argument
 from tools.options import add_model_source_arguments
 from tools.errors import UserError
@@ -40,6 +42,9 @@ class Optimizer(str, enum.Enum):
 
 
 RANDOM_INIT = "none"  # --weights none: random initialisation
+# CUDA GPUs compute bf16 natively from compute capability 8.0 (Ampere) on; older ones (V100, T4) emulate it,
+# slower than fp32, so the default precision there is fp32.
+BF16_NATIVE_CAPABILITY = (8, 0)
 
 
 def _choices(enum_type) -> str:
@@ -140,6 +145,15 @@ class TrainConfig:
             parts.append("linear-probe")
         return "+".join(parts)
 
+    def precision_on(self, device: torch.device) -> Precision:
+        """--precision, else the default on `device`: bf16 autocast on a CUDA GPU that computes bf16 natively,
+        fp32 elsewhere."""
+        if self.precision is not None:
+            return self.precision
+        if device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) >= BF16_NATIVE_CAPABILITY:
+            return Precision.BF16
+        return Precision.FP32
+
     def swa_start(self) -> int:
         return self.swa_start_epoch if self.swa_start_epoch is not None else (3 * self.epochs) // 4
 
@@ -227,7 +241,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     run.add_argument("--device", default=None, metavar="DEV", help="cuda, cuda:N, mps or cpu (default: the best "
                                                                    "available; torchrun: the local rank's GPU)")
     run.add_argument("--precision", type=Precision, choices=[Precision.FP32, Precision.BF16], default=None,
-                     metavar="{fp32,bf16}", help="bf16 autocast or exact fp32 (default: bf16 on CUDA, else fp32)")
+                     metavar="{fp32,bf16}",
+                     help="bf16 autocast or exact fp32 (default: bf16 on CUDA GPUs of compute capability 8.0 or more, "
+                          "else fp32)")
     run.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
     run.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                      help=f"DataLoader worker processes per training process, 0 decodes in the main process "

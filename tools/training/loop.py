@@ -26,7 +26,7 @@ from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, stat
 from tools.models import DEFAULT_ARCH, LoadedModel, build_architecture, classifier_keys
 from tools.provenance import write_text_atomic
 from tools.sources import load_model
-from tools.runtime import Precision, Runtime, resolve_device
+from tools.runtime import Runtime, check_antialias, resolve_device
 from tools.training import adapters
 from tools.training.checkpoint import (CHECKPOINT_NAME, STATE_NAME, load_resume_state, save_atomic,
                                        trained_checkpoint)
@@ -37,6 +37,7 @@ from tools.training.methods import WeightAveraging, batch_mixer
 log = logging.getLogger(__name__)
 
 LOG_NAME = "train_log.jsonl"
+LOG_EVERY = 50  # steps between reads of the logged numbers from the device (each read waits for the device)
 # Settings that do not change the weights a run produces, so a resumed run may differ in them.
 NOT_IN_RUN_KEY = ("output_dir", "resume", "progress", "workers", "save_every", "eval_data", "eval_challenge",
                   "eval_batch_size", "device")
@@ -151,9 +152,39 @@ class JsonLog:
                 fh.write(json.dumps(record) + "\n")
 
 
-def _sum_across(device: torch.device, *values: float) -> list[float]:
-    """Per-process sums added over all processes (for the log: loss, correct answers, images)."""
-    return distributed.all_reduce(np.array(values, np.float64), "sum", device).tolist()
+class StepLog:
+    """The logged numbers of each step (loss, accuracy, images), kept on the device and read in blocks.
+
+    Reading a number computed on a GPU waits for the GPU to finish, so the per-step sums stay on the device
+    and are read, added over the processes and written to train_log.jsonl once every LOG_EVERY steps, before
+    each save of the resume state and at each epoch's end: the same lines, written later."""
+
+    def __init__(self, journal: JsonLog, bar: tqdm, device: torch.device, started: float):
+        self.journal, self.bar, self.device, self.started = journal, bar, device, started
+        self.pending: list[tuple[dict, torch.Tensor, int]] = []
+        self.images_seen, self.last_loss = 0, float("nan")
+
+    def add(self, logits: torch.Tensor, loss: torch.Tensor, labels: torch.Tensor, **record) -> None:
+        """One step's numbers, without reading them: the loss summed over the share, and its right answers."""
+        local = labels.shape[0]
+        sums = torch.stack([loss.detach().double() * local, (logits.argmax(1) == labels).sum().double()])
+        self.pending.append(({**record, "time_s": time.perf_counter() - self.started}, sums, local))
+
+    def flush(self) -> None:
+        """Read the pending steps' numbers (one wait for the device, one collective) and write their lines."""
+        if not self.pending:
+            return
+        records, sums, counts = zip(*self.pending)
+        self.pending = []
+        local = np.column_stack([torch.stack(sums).cpu().numpy(), np.array(counts, np.float64)])
+        for record, (loss_sum, correct, images) in zip(records, distributed.all_reduce(local, "sum", self.device)):
+            self.last_loss, accuracy = loss_sum / images, correct / images
+            self.images_seen += int(images)
+            rate = self.images_seen / record["time_s"]
+            self.journal.write(step=record["step"], epoch=record["epoch"], loss=round(self.last_loss, 6),
+                               accuracy=round(accuracy, 6), lr=record["lr"], images=int(images),
+                               images_per_s=round(rate, 2), time_s=round(record["time_s"], 4))
+        self.bar.set_postfix(loss=f"{self.last_loss:.3f}", acc=f"{100 * accuracy:.1f}%", img_s=f"{rate:.1f}")
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -161,8 +192,12 @@ def train(config: TrainConfig) -> TrainResult:
     requested = resolve_device(config.device)
     group = distributed.setup(requested)
     device = group.device(requested)
-    precision = config.precision or (Precision.BF16 if device.type == "cuda" else Precision.FP32)
-    runtime = Runtime(device, precision, config.channels_last)
+    if config.augment:
+        check_antialias(device, "bilinear", "train.py's random resized crops (--augment)")
+    precision = config.precision_on(device)
+    if config.precision is None:
+        log.info("precision: %s, the default on %s", precision.value, device)
+    runtime = Runtime(device, precision, config.channels_last)  # runtime.precision: the one that runs
     torch.manual_seed(derived_seed(config.seed, "init"))
     start = starting_point(config)
     data = list_training_data(config)
@@ -189,7 +224,8 @@ def train(config: TrainConfig) -> TrainResult:
     loss_fn = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
 
     record = config.to_record()
-    run_key = {"config": {k: v for k, v in record.items() if k not in NOT_IN_RUN_KEY}, "data": fingerprint}
+    run_key = {"config": {k: v for k, v in record.items() if k not in NOT_IN_RUN_KEY}, "data": fingerprint,
+               "precision": runtime.precision.value}
     step = 0
     saved = load_resume_state(config.output_dir, run_key) if config.resume else None
     if saved is not None:
@@ -203,6 +239,7 @@ def train(config: TrainConfig) -> TrainResult:
     journal = JsonLog(config.output_dir / LOG_NAME, group.is_main, step if saved is not None else None)
 
     def save_state() -> None:
+        steps_log.flush()  # the log reaches the saved step, so a resumed run's log has no gap
         if group.is_main:
             save_atomic({"run_key": run_key, "step": step, "model": net.state_dict(),
                          "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
@@ -210,7 +247,8 @@ def train(config: TrainConfig) -> TrainResult:
 
     bar = tqdm(total=total_steps, initial=step, unit="step", desc="training", dynamic_ncols=True,
                disable=not (config.progress and group.is_main))
-    images_seen, started, loss_value = 0, time.perf_counter(), float("nan")
+    started = time.perf_counter()
+    steps_log = StepLog(journal, bar, device, started)
     with bar:
         for epoch in range(step // steps_per_epoch, config.epochs):
             sampler = StepSampler(len(data), config.batch_size, config.seed, epoch, step - epoch * steps_per_epoch,
@@ -229,19 +267,12 @@ def train(config: TrainConfig) -> TrainResult:
                 else:
                     schedule.step()
                 step += 1
-                local = labels.shape[0]
-                loss_sum, correct, images = _sum_across(device, loss.item() * local,
-                                                        float((logits.argmax(1) == labels).sum()), float(local))
-                loss_value, accuracy = loss_sum / images, correct / images
-                images_seen += int(images)
-                rate = images_seen / (time.perf_counter() - started)
+                steps_log.add(logits, loss, labels, step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"])
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{100 * accuracy:.1f}%", img_s=f"{rate:.1f}")
-                journal.write(step=step, epoch=epoch, loss=round(loss_value, 6), accuracy=round(accuracy, 6),
-                              lr=optimizer.param_groups[0]["lr"], images=int(images), images_per_s=round(rate, 2),
-                              time_s=round(time.perf_counter() - started, 4))
                 if step % config.save_every == 0 and step % steps_per_epoch:
                     save_state()
+                elif step % LOG_EVERY == 0:
+                    steps_log.flush()
             if swa is not None and swa.active(epoch):
                 swa.averaged.update_parameters(net)
             save_state()
@@ -258,8 +289,8 @@ def train(config: TrainConfig) -> TrainResult:
     if group.is_main:
         save_atomic(trained_checkpoint(classifier, start.arch, start.mean, start.std, config.method_name,
                                        {"path": str(data.root), "train_variation": config.train_variation,
-                                        **fingerprint}, record), path)
+                                        **fingerprint}, record, runtime.precision), path)
         log.info("wrote %s (%s, %d steps)", path, config.method_name, step)
     group.barrier()
-    rate = images_seen / max(1e-9, time.perf_counter() - started)
-    return TrainResult(path, step, rate, loss_value, start, fingerprint)
+    rate = steps_log.images_seen / max(1e-9, time.perf_counter() - started)
+    return TrainResult(path, step, rate, steps_log.last_loss, start, fingerprint)
