@@ -59,7 +59,8 @@ def test_reduced_precision_with_recheck_gives_fp32_verdicts(dataset, model_path,
 
 
 def test_fp32_repeats_bit_for_bit(dataset, model_path):
-    """Two fp32 runs on one GPU give identical logits (no autotuning in fp32), including a resnet's convolutions."""
+    """Two fp32 runs on one GPU give identical logits (no autotuning, deterministic cuDNN in fp32), including a
+    resnet's convolutions."""
     import torchvision  # noqa: PLC0415
 
     torch.manual_seed(0)
@@ -72,7 +73,7 @@ def test_fp32_repeats_bit_for_bit(dataset, model_path):
         with torch.inference_mode():
             outputs.append(model(unit_floats(runtime.to_device(x))).cpu())
     assert torch.equal(outputs[0], outputs[1])
-    assert not torch.backends.cudnn.benchmark
+    assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

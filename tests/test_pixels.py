@@ -16,6 +16,7 @@ from tools.models import PixelModel, SmallCNN
 
 DIVISIONS = {torch.ops.aten.div, torch.ops.aten.div_, torch.ops.aten.true_divide, torch.ops.aten.true_divide_}
 MULTIPLICATIONS = {torch.ops.aten.mul, torch.ops.aten.mul_}
+CASTS = {torch.ops.aten._to_copy, torch.ops.aten.to}
 
 
 def _scalar(value) -> float | None:
@@ -29,9 +30,9 @@ def _scalar(value) -> float | None:
 
 class ScalingWatch(TorchDispatchMode):
     """Records every operation that would scale image data by a CPU scalar, which CUDA computes as a
-    multiplication by the scalar's reciprocal: a true division of integer images, or of floats made from
-    them by a dtype cast (and their views), by a Python number or 0-dim CPU tensor; or such a float
-    multiplied by 1/255."""
+    multiplication by the scalar's reciprocal: a true division of an integer tensor (image bytes), or of
+    floats made from one by a dtype cast (and their views), by a Python number or 0-dim CPU tensor; or such
+    floats multiplied by 1/255."""
 
     def __init__(self):
         super().__init__()
@@ -61,7 +62,7 @@ class ScalingWatch(TorchDispatchMode):
         out = func(*args, **kwargs)
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if isinstance(out, torch.Tensor) and source is not None and out.is_floating_point():
-            cast = func.overloadpacket in {torch.ops.aten._to_copy, torch.ops.aten.to} and not source.is_floating_point()
+            cast = func.overloadpacket in CASTS and not source.is_floating_point()
             derived = self._from_bytes(source) and (func.is_view or func._schema.is_mutable or out is source)
             if (cast and self._image_data(source)) or derived:
                 self.from_bytes[id(out)] = weakref.ref(out)
