@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                         help=f"image-decoding threads (default: {default_workers()})")
     parser.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
+    parser.add_argument("--cudnn-deterministic", action=argparse.BooleanOptionalAction, default=None,
+                        help="override cuDNN's deterministic-algorithms flag, to measure what it costs "
+                             "(default: as the precision sets it, on in fp32 only)")
     parser.add_argument("--warmup", type=int, default=3, metavar="N",
                         help="untimed forward batches before timing (a) (default: 3)")
     parser.add_argument("--iters", type=int, default=10, metavar="N",
@@ -148,6 +151,8 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: --{flag.replace('_', '-')} must be at least 1")
     seed_everything(args.seed)
     runtime = Runtime(resolve_device(args.device), args.precision, args.channels_last)
+    if args.cudnn_deterministic is not None:
+        torch.backends.cudnn.deterministic = args.cudnn_deterministic
     batch_size = args.batch_size or default_batch_size(runtime.device)
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable, torch uses "
@@ -156,7 +161,8 @@ def main(args: argparse.Namespace) -> int:
     loaded = build_model(args)
     print(f"model: {loaded.arch}, {loaded.num_classes} classes, {loaded.checkpoint_format}; device {runtime.device}, "
           f"precision {runtime.precision.value}, batch {batch_size}, workers {args.workers}, "
-          f"channels_last {'on' if args.channels_last else 'off'}")
+          f"channels_last {'on' if args.channels_last else 'off'}, "
+          f"cudnn.deterministic {'on' if torch.backends.cudnn.deterministic else 'off'}")
 
     with tempfile.TemporaryDirectory(prefix="bench_in9_") as tmp:
         root = args.data_path
@@ -181,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
         args.results_file.write_text(json.dumps({
             "machine": info, "model": loaded.arch, "num_classes": loaded.num_classes, **runtime.describe(),
             "batch_size": batch_size, "workers": args.workers, "images": images,
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
             "model_images_per_s": round(model_rate, 2), "pipeline_images_per_s": round(run_rate, 2),
             "pipeline_seconds": [round(s, 3) for s in seconds], "ratio": round(ratio, 4),
             "median_pipeline_seconds": round(statistics.median(seconds), 3)}, indent=2) + "\n")

@@ -1,4 +1,5 @@
-"""On a CUDA GPU: the same numbers as on the CPU, and reduced precision with fp32 re-checks agreeing."""
+"""On a CUDA GPU: the same numbers as on the CPU (down to the input floats), and reduced precision with fp32
+re-checks agreeing."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import torch
 from tests.conftest import save_torchscript
 from tools import challenge, synthetic
 from tools.challenge import ChallengeConfig, run_challenge
+from tools.compositing import blend
 from tools.evaluate import evaluate_variations
-from tools.in9 import VARIATIONS
+from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
+from tools.models import PixelModel
+from tools.pixels import unit_floats
 from tools.sources import load_model
 from tools.runtime import Precision, Runtime
 
@@ -55,7 +59,8 @@ def test_reduced_precision_with_recheck_gives_fp32_verdicts(dataset, model_path,
 
 
 def test_fp32_repeats_bit_for_bit(dataset, model_path):
-    """Two fp32 runs on one GPU give identical logits (no autotuning in fp32), including a resnet's convolutions."""
+    """Two fp32 runs on one GPU give identical logits (no autotuning, deterministic cuDNN in fp32), including a
+    resnet's convolutions."""
     import torchvision  # noqa: PLC0415
 
     torch.manual_seed(0)
@@ -66,6 +71,34 @@ def test_fp32_repeats_bit_for_bit(dataset, model_path):
         runtime = Runtime(torch.device("cuda"))
         model = runtime.prepare(torch.nn.Sequential(net))
         with torch.inference_mode():
-            outputs.append(model(runtime.to_device(x).float().div_(255)).cpu())
+            outputs.append(model(unit_floats(runtime.to_device(x))).cpu())
     assert torch.equal(outputs[0], outputs[1])
-    assert not torch.backends.cudnn.benchmark
+    assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().cpu().contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_pixel_model_inputs_are_the_cpu_floats_for_every_byte_value(normalize):
+    """PixelModel's scaling (and normalisation) of all 256 byte values, bit for bit as on the CPU (a division
+    by the CPU scalar 255 would give another float for 126 of them)."""
+    images = torch.arange(256, dtype=torch.uint8).repeat(3).view(1, 3, 16, 16)
+    model = PixelModel(torch.nn.Identity(), *((IN9_MEAN, IN9_STD) if normalize else (None, None))).eval()
+    with torch.inference_mode():
+        cpu = model(images)
+        gpu = model.to("cuda")(images.to("cuda"))
+    assert torch.equal(_bits(gpu), _bits(cpu))
+
+
+def test_blend_is_the_cpu_s_for_every_byte_triple():
+    """`--mask-arithmetic original` on the GPU: every (weight, foreground, background) byte triple blended to
+    the CPU's float, bit for bit."""
+    values = torch.arange(256, dtype=torch.uint8)
+    weights = values.view(256, 1, 1, 1).expand(256, 1, 256, 256)
+    fg = values.view(1, 1, 256, 1).expand(256, 1, 256, 256)
+    bg = values.view(1, 1, 1, 256).expand(256, 1, 256, 256)
+    cpu = blend(fg, bg, weights)
+    gpu = blend(fg.to("cuda"), bg.to("cuda"), weights.to("cuda"))
+    assert torch.equal(_bits(gpu), _bits(cpu))

@@ -103,12 +103,43 @@ def test_the_recheck_runs_in_true_fp32_and_restores_the_flags(precision, dataset
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (tf32, tf32)
 
 
-def test_autotuning_only_in_the_speed_modes():
-    Runtime(torch.device("cpu"), Precision.BF16)
-    assert torch.backends.cudnn.benchmark
-    Runtime(torch.device("cpu"))
-    assert not torch.backends.cudnn.benchmark
-    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+def math_flags() -> dict:
+    """The process-wide flags a Runtime sets; they exist on every build (they act on CUDA only)."""
+    return {"matmul_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+            "autotuning": torch.backends.cudnn.benchmark, "deterministic": torch.backends.cudnn.deterministic}
+
+
+EXACT_FLAGS = {"matmul_tf32": False, "cudnn_tf32": False, "autotuning": False, "deterministic": True}
+FLAGS = {Precision.FP32: EXACT_FLAGS,
+         Precision.TF32: {"matmul_tf32": True, "cudnn_tf32": True, "autotuning": True, "deterministic": False},
+         Precision.BF16: {"matmul_tf32": False, "cudnn_tf32": False, "autotuning": True, "deterministic": False},
+         Precision.FP16: {"matmul_tf32": False, "cudnn_tf32": False, "autotuning": True, "deterministic": False}}
+
+
+@pytest.fixture
+def restore_math_flags():
+    saved = math_flags()
+    yield
+    (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
+     torch.backends.cudnn.deterministic) = saved.values()
+
+
+@pytest.mark.parametrize("precision", list(Precision))
+def test_each_precision_sets_its_flags_whatever_ran_before(precision, restore_math_flags):
+    """fp32: no TF32, no autotuning, deterministic cuDNN; the speed modes autotune. A runtime made after
+    another one (the zoo makes several) leaves no flag of the earlier one behind, either way."""
+    for before in Precision:
+        Runtime(torch.device("cpu"), before)
+        Runtime(torch.device("cpu"), precision)
+        assert math_flags() == FLAGS[precision], f"{precision.value} after {before.value}"
+
+
+@pytest.mark.parametrize("precision", [Precision.TF32, Precision.BF16])
+def test_the_fp32_block_has_the_exact_mode_s_flags_and_restores_the_runtime_s(precision, restore_math_flags):
+    runtime = Runtime(torch.device("cpu"), precision)
+    with runtime.fp32_math():
+        assert math_flags() == EXACT_FLAGS
+    assert math_flags() == FLAGS[precision]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback is what is checked")

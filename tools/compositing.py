@@ -5,7 +5,8 @@ Two arithmetics, both on uint8 NCHW images:
   which equals the original's `bg * (1 - m) + fg * m` exactly and stays in uint8;
 - `blend`: the original's float arithmetic for any mask values (`--mask-arithmetic original`): the weight
   is `uint8(mask) * 255` wrapped in uint8, then divided by 255, and the result is `bg * (1 - w) + fg * w`
-  in float32 on the [0, 1] scale, as the original computes it after ToTensor.
+  in float32 on the [0, 1] scale, as the original computes it after ToTensor (the bytes become ToTensor's
+  floats through `tools.pixels.unit_floats` on every device).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import enum
 
 import numpy as np
 import torch
+
+from tools.pixels import unit_floats
 
 
 class MaskArithmetic(str, enum.Enum):
@@ -52,5 +55,5 @@ def blend(fg: torch.Tensor, bg: torch.Tensor, weights: torch.Tensor) -> torch.Te
     """The original's float composite `bg * (1 - w) + fg * w`, w = weights / 255, on the [0, 1] scale.
 
     fg, bg: uint8 (N, 3, H, W); weights: uint8 (N, 1, H, W) from `original_weights`. Returns float32."""
-    w = weights.float().div_(255)
-    return bg.float().div_(255).mul_(1 - w).add_(fg.float().div_(255).mul_(w))
+    w = unit_floats(weights)
+    return unit_floats(bg).mul_(1 - w).add_(unit_floats(fg).mul_(w))

@@ -12,6 +12,7 @@ from torch import nn
 
 from tools.errors import UserError
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
+from tools.pixels import unit_floats
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,9 @@ class PixelModel(nn.Module):
             self.register_buffer("std", torch.as_tensor(std, dtype=torch.float32).reshape(1, 3, 1, 1).clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The same operations as ToTensor then Normalize, in the same order (so the same floats), in place
-        # on a fresh copy to spare memory traffic.
-        x = x.float().div_(255) if x.dtype == torch.uint8 else x.clone()
+        # The same floats as ToTensor then Normalize, in the same order, on every device (`unit_floats`), in
+        # place on a fresh copy to spare memory traffic.
+        x = unit_floats(x) if x.dtype == torch.uint8 else x.clone()
         if self.normalize:
             x.sub_(self.mean).div_(self.std)
         return self.classifier(x)

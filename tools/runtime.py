@@ -142,6 +142,32 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
+MathFlags = tuple[bool, bool, bool, bool]  # TF32 in matmul, TF32 in cuDNN, cuDNN autotuning, deterministic cuDNN
+
+
+def _read_math_flags() -> MathFlags:
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
+            torch.backends.cudnn.deterministic)
+
+
+def _write_math_flags(flags: MathFlags) -> None:
+    (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
+     torch.backends.cudnn.deterministic) = flags
+
+
+def set_math_flags(precision: Precision) -> MathFlags:
+    """Set the process-wide math flags for `precision` (all four every time, so no earlier runtime's setting
+    survives); they exist on every build and act on CUDA only. Returns the flags as they were.
+
+    TF32 only when asked for. In fp32, no cuDNN autotuning (it may pick other convolution algorithms from one
+    run to the next) and only deterministic cuDNN algorithms, so the same device and library versions give
+    the same fp32 logits bit for bit; the speed modes autotune and allow any algorithm."""
+    saved = _read_math_flags()
+    tf32, exact = precision is Precision.TF32, precision is Precision.FP32
+    _write_math_flags((tf32, tf32, not exact, exact))
+    return saved
+
+
 @dataclass
 class Runtime:
     """Where and how the model runs: device, precision (an autocast context), memory format, and the process
@@ -160,13 +186,7 @@ class Runtime:
             log.warning("%s autocast does not run on %s here (%s): running in fp32", self.precision.value,
                         self.device.type, refusal)
             self.precision = Precision.FP32
-        # Process-wide flags, set on every device (they only act on CUDA): TF32 only when asked for, and
-        # cuDNN autotuning only in the opt-in speed modes, since it may pick other convolution algorithms
-        # from one run to the next and so change the last bits of fp32 logits.
-        tf32 = self.precision is Precision.TF32
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.backends.cudnn.allow_tf32 = tf32
-        torch.backends.cudnn.benchmark = not self.exact
+        set_math_flags(self.precision)
         if self.device.type == "cpu":
             tune_cpu_allocator()
         if self.precision is Precision.FP16 and self.device.type == "cpu":
@@ -194,15 +214,15 @@ class Runtime:
 
     @contextlib.contextmanager
     def fp32_math(self):
-        """True fp32 inside the block whatever the precision: autocast off, TF32 off for matmul and cuDNN;
-        the flags are restored afterwards. The reduced-precision re-check runs under it."""
-        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        """The exact mode's math inside the block whatever the precision: autocast off and fp32's flags (no
+        TF32, no autotuning, deterministic cuDNN); the runtime's flags are restored afterwards. The
+        reduced-precision re-check runs under it."""
+        saved = set_math_flags(Precision.FP32)
         try:
             with torch.autocast(device_type=self.device.type, enabled=False):
                 yield
         finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+            _write_math_flags(saved)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.device).eval()

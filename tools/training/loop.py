@@ -24,6 +24,7 @@ from tools.hashing import fingerprint as content_fingerprint
 from tools.errors import UserError
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.models import DEFAULT_ARCH, LoadedModel, build_architecture, classifier_keys
+from tools.pixels import unit_floats
 from tools.provenance import write_text_atomic
 from tools.sources import load_model
 from tools.runtime import Runtime, check_antialias, resolve_device
@@ -259,7 +260,7 @@ def train(config: TrainConfig) -> TrainResult:
                 images = runtime.to_device(images)
                 targets = labels
                 if mixer is not None:
-                    images, targets = mixer(images.float().div_(255), labels)
+                    images, targets = mixer(unit_floats(images), labels)
                 torch.manual_seed(sampler.share_seed(step))  # dropout: this process's share's own draws
                 logits, loss = training_step(model, images, targets, loss_fn, optimizer, runtime)
                 if swa is not None and swa.active(epoch):
