@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from tools.errors import UserError
 from tools.models import SMALL_CNN
 from tools.runtime import Precision, Runtime
 from tools.sources import load_model
+from tools.training import data as training_data
 from tools.training import loop
 from tools.training.config import Method, TrainConfig
 
@@ -146,25 +146,36 @@ def test_a_precision_asked_for_is_kept_whatever_the_gpu(asked, tmp_path, monkeyp
 class HostReads:
     """Counts, inside a training run, what would make the host wait for a GPU: reading a tensor's values
     (item, tolist, cpu, numpy, bool, int, float, index) and copying a tensor to the device without
-    non_blocking. Tensors that live on the host in a GPU run are not counted: what the DataLoader yields (its
+    non_blocking other than through `tools.runtime.to_device` (which copies from pinned memory without waiting
+    on CUDA: tests/test_copies.py). Tensors that live on the host in a GPU run are not counted: what the DataLoader yields (its
     reads are host reads; the copies of it to the device are) and torch's optimiser step counters (kept on
     the host unless capturable)."""
 
     READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
     def __init__(self, monkeypatch):
-        self.count, self.loading, self.host, self.optimizers = 0, False, set(), []
+        self.count, self.loading, self.host, self.optimizers, self.copying = 0, False, set(), [], False
         for name in self.READS:
             monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
-        original_to = torch.Tensor.to
+        original_to, runtime_to_device = torch.Tensor.to, training_data.to_device
 
         def to(tensor, *args, **kwargs):
             to_device = "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args)
-            if to_device and not self.loading and id(tensor) in self.host and not kwargs.get("non_blocking", False):
+            if (to_device and not self.loading and not self.copying and id(tensor) in self.host
+                    and not kwargs.get("non_blocking", False)):
                 self.count += 1  # a blocking copy of loader data to the device
             return original_to(tensor, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, "to", to)
+
+        def runtime_copy(tensor, device):
+            self.copying = True
+            try:
+                return runtime_to_device(tensor, device)
+            finally:
+                self.copying = False
+
+        monkeypatch.setattr(training_data, "to_device", runtime_copy)
         make_loader, make_optimizer = loop.make_loader, loop._optimizer
         monkeypatch.setattr(loop, "make_loader", lambda *a, **k: self._uncounted(make_loader(*a, **k)))
         monkeypatch.setattr(loop, "_optimizer", lambda *a, **k: self.optimizers.append(make_optimizer(*a, **k))
