@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from tests import collective_guard
 from tests.conftest import run_in_process, save_torchscript
 from tests.test_challenge import TinyCNN
-from tools import distributed, synthetic, zoo
+from tools import cli, distributed, synthetic, zoo
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING = ("wall_time_s", "composites_per_s", "composites_evaluated")  # cost, not results
@@ -284,3 +286,66 @@ def test_agree_votes_only_among_the_runs_own_processes(monkeypatch):
     with distributed.agree(distributed.ProcessGroup(0, 2, 0), torch.device("cpu")):
         pass
     assert len(votes) == 1 and votes[0].tolist() == [0, 0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Waiting in a collective: the process group's timeout (torch's NCCL default, 10 minutes, aborts a job whose
+# processes wait longer for one another), and the search's work shared and saved so that no wait is long.
+
+def _command(name: str, data: Path, model: Path, tmp_path: Path):
+    """(parser, main, argv) of a command that may run under torchrun, with the flags it needs."""
+    import challenge_eval  # noqa: PLC0415
+    import in9_eval  # noqa: PLC0415
+    import train  # noqa: PLC0415
+    common = ["--data-path", str(data), "--device", "cpu", "--no-progress", "--log-level", "WARNING",
+              "--output-dir", str(tmp_path / name)]
+    return {"in9_eval": (in9_eval.build_parser(), in9_eval.main, [*common, "--checkpoint", str(model)]),
+            "challenge_eval": (challenge_eval.build_parser(), challenge_eval.main,
+                               [*common, "--checkpoint", str(model), "--no-cache"]),
+            "zoo": (zoo.build_parser(), zoo._main, [*common, "--models", f"file:{model}", "--no-cache"]),
+            "train": (train.build_parser(), train.main, [*common, "--checkpoint", str(model)])}[name]
+
+
+COMMANDS = ("in9_eval", "challenge_eval", "zoo", "train")
+
+
+@pytest.mark.parametrize("flag,minutes", [((), distributed.DEFAULT_TIMEOUT_MINUTES), (("--dist-timeout", "0.5"), 0.5)],
+                         ids=["default", "flag"])
+@pytest.mark.parametrize("name", COMMANDS)
+def test_the_timeout_reaches_the_process_group(name, flag, minutes, setup, tmp_path, monkeypatch):
+    """Each command, as rank 0 of two, joins the group with --dist-timeout (or its default), not torch's 10
+    minutes that abort a run whose processes wait longer for one another."""
+    data, models = setup
+    joined = []
+
+    def init_process_group(*args, **kwargs):
+        joined.append(kwargs)
+        raise Reached
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    for variable, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(variable, value)
+    parser, main, argv = _command(name, data, models["color"], tmp_path)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        with pytest.raises(Reached):
+            cli.run_main(parser, main, [*argv, *flag])
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert len(joined) == 1 and joined[0].get("timeout") == timedelta(minutes=minutes), joined
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "inf", "soon"])
+@pytest.mark.parametrize("name", COMMANDS)
+def test_a_timeout_that_is_not_a_positive_number_of_minutes_is_refused(name, value, setup, tmp_path, capsys):
+    data, models = setup
+    parser, main, argv = _command(name, data, models["color"], tmp_path)
+    with pytest.raises(SystemExit) as exc:  # argparse's refusal: usage, then one error line
+        cli.run_main(parser, main, [*argv, "--dist-timeout", value])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "" and "Traceback" not in err
+    assert err.splitlines()[-1].endswith(f"argument --dist-timeout: {value!r} is not a positive, finite number of "
+                                         f"minutes"), err

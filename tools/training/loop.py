@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 LOG_NAME = "train_log.jsonl"
 # Settings that do not change the weights a run produces, so a resumed run may differ in them.
 NOT_IN_RUN_KEY = ("output_dir", "resume", "progress", "workers", "save_every", "eval_data", "eval_challenge",
-                  "eval_batch_size", "device")
+                  "eval_batch_size", "device", "dist_timeout")
 
 
 @dataclass
@@ -159,7 +159,7 @@ def _sum_across(device: torch.device, *values: float) -> list[float]:
 def train(config: TrainConfig) -> TrainResult:
     """Train as configured and write checkpoint.pt (rank 0); returns where it is and how the run went."""
     requested = resolve_device(config.device)
-    group = distributed.setup(requested)
+    group = distributed.setup(requested, config.dist_timeout)
     device = group.device(requested)
     precision = config.precision or (Precision.BF16 if device.type == "cuda" else Precision.FP32)
     runtime = Runtime(device, precision, config.channels_last)
