@@ -265,6 +265,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         swa=args.swa, swa_start_epoch=args.swa_start_epoch, swa_lr=args.swa_lr, peft=args.peft,
         peft_modules=list(args.peft_modules), lora_rank=args.lora_rank, oft_block_size=args.oft_block_size,
         freeze=args.freeze, device=args.device, precision=args.precision, channels_last=args.channels_last,
-        dist_timeout=args.dist_timeout, workers=args.workers, seed=args.seed, save_every=args.save_every, resume=args.resume,
+        dist_timeout=args.dist_timeout, workers=args.workers, seed=args.seed, save_every=args.save_every,
+        resume=args.resume,
         eval_data=args.eval_data, eval_challenge=args.eval_challenge, eval_batch_size=args.eval_batch_size,
         progress=not args.no_progress)
