@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +19,12 @@ import torch
 import torch.distributed as dist
 
 from tests import collective_guard
-from tests.conftest import run_in_process, save_torchscript
+from tests.conftest import run_in_process, run_in_processes, save_torchscript
 from tests.test_challenge import TinyCNN
-from tools import distributed, synthetic, zoo
+from tools import cli, distributed, synthetic, zoo
+from tools.challenge import STATE_NAME, CompositePredictor, SearchState
+from tools.challenge.scheduler import split_untested
+from tools.runtime import Runtime
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING = ("wall_time_s", "composites_per_s", "composites_evaluated")  # cost, not results
@@ -284,3 +289,211 @@ def test_agree_votes_only_among_the_runs_own_processes(monkeypatch):
     with distributed.agree(distributed.ProcessGroup(0, 2, 0), torch.device("cpu")):
         pass
     assert len(votes) == 1 and votes[0].tolist() == [0, 0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Waiting in a collective: the process group's timeout (torch's NCCL default, 10 minutes, aborts a job whose
+# processes wait longer for one another), and the search's work shared and saved so that no wait is long.
+
+def _command(name: str, data: Path, model: Path, tmp_path: Path):
+    """(parser, main, argv) of a command that may run under torchrun, with the flags it needs."""
+    import challenge_eval  # noqa: PLC0415
+    import in9_eval  # noqa: PLC0415
+    import train  # noqa: PLC0415
+    common = ["--data-path", str(data), "--device", "cpu", "--no-progress", "--log-level", "WARNING",
+              "--output-dir", str(tmp_path / name)]
+    return {"in9_eval": (in9_eval.build_parser(), in9_eval.main, [*common, "--checkpoint", str(model)]),
+            "challenge_eval": (challenge_eval.build_parser(), challenge_eval.main,
+                               [*common, "--checkpoint", str(model), "--no-cache"]),
+            "zoo": (zoo.build_parser(), zoo._main, [*common, "--models", f"file:{model}", "--no-cache"]),
+            "train": (train.build_parser(), train.main, [*common, "--checkpoint", str(model)])}[name]
+
+
+COMMANDS = ("in9_eval", "challenge_eval", "zoo", "train")
+
+
+@pytest.mark.parametrize("flag,minutes", [((), distributed.DEFAULT_TIMEOUT_MINUTES), (("--dist-timeout", "0.5"), 0.5)],
+                         ids=["default", "flag"])
+@pytest.mark.parametrize("name", COMMANDS)
+def test_the_timeout_reaches_the_process_group(name, flag, minutes, setup, tmp_path, monkeypatch):
+    """Each command, as rank 0 of two, joins the group with --dist-timeout (or its default), not torch's 10
+    minutes that abort a run whose processes wait longer for one another."""
+    data, models = setup
+    joined = []
+
+    def init_process_group(*args, **kwargs):
+        joined.append(kwargs)
+        raise Reached
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    for variable, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(variable, value)
+    parser, main, argv = _command(name, data, models["color"], tmp_path)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        with pytest.raises(Reached):
+            cli.run_main(parser, main, [*argv, *flag])
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert len(joined) == 1 and joined[0].get("timeout") == timedelta(minutes=minutes), joined
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "inf", "soon"])
+@pytest.mark.parametrize("name", COMMANDS)
+def test_a_timeout_that_is_not_a_positive_number_of_minutes_is_refused(name, value, setup, tmp_path, capsys):
+    data, models = setup
+    parser, main, argv = _command(name, data, models["color"], tmp_path)
+    with pytest.raises(SystemExit) as exc:  # argparse's refusal: usage, then one error line
+        cli.run_main(parser, main, [*argv, "--dist-timeout", value])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "" and "Traceback" not in err
+    assert err.splitlines()[-1].endswith(f"argument --dist-timeout: {value!r} is not a positive, finite number of "
+                                         f"minutes"), err
+
+
+@pytest.mark.parametrize("parts", [2, 3, 5])
+@pytest.mark.parametrize("done", ["concentrated", "scattered", "none", "all", "nearly all"])
+def test_the_pairs_left_are_split_into_equal_runs(done, parts):
+    """split_untested against the pairs left listed one by one: each part is a run of them, in order, and the parts'
+    sizes differ by one at most, wherever the work already done lies."""
+    rng = np.random.default_rng(parts)
+    tested = np.zeros((11, 7), bool)
+    if done == "concentrated":  # a resumed run: the first process's old share of rows done, and more
+        tested[:7] = True
+    elif done == "scattered":  # a run saved mid-way by several processes
+        tested = rng.random(tested.shape) < 0.6
+    elif done == "all":
+        tested[:] = True
+    elif done == "nearly all":  # fewer pairs left than parts
+        tested[:] = True
+        tested.flat[[5, 40]] = False
+    bounds = split_untested(tested, parts)
+    left = np.flatnonzero(~tested.ravel())
+    assert len(bounds) == parts + 1 and bounds[0] == 0 and bounds[-1] == tested.size and (np.diff(bounds) >= 0).all()
+    shares = [left[(left >= start) & (left < stop)] for start, stop in zip(bounds[:-1], bounds[1:])]
+    assert np.array_equal(np.concatenate(shares), left)
+    sizes = [len(share) for share in shares]
+    assert max(sizes) - min(sizes) <= 1, sizes
+
+
+def _shared_challenge(data: Path, checkpoint: Path, output_dir: Path, full: bool, resume: bool) -> dict:
+    """run_challenge in this process of a gloo group, saving the state at every chance (save_every 0): what it
+    found, how many pairs this process tested, and (rank 0, which writes) the pairs left in the round at each save,
+    whose state is copied to save-N.npz beside it."""
+    from tools.challenge import UNKNOWN, CompositePredictor  # noqa: PLC0415
+    from tools.runtime import Runtime  # noqa: PLC0415
+    cpu = torch.device("cpu")
+    runtime = Runtime(cpu, group=distributed.setup(cpu))
+    tested, left = [0], []
+    predict, save = CompositePredictor.predict_pairs, SearchState.save
+
+    def counted(self, pairs):
+        tested[0] += len(pairs)
+        return predict(self, pairs)
+
+    def copied(self, path, key):
+        save(self, path, key)
+        if self.matrix is not None:
+            left.append(int((~self.tested).sum()))
+        else:
+            f, b = self.worklist[:, 0], self.worklist[:, 1]
+            left.append(int((~self.tested[f, b] & (self.verdict[f] == UNKNOWN)).sum()))
+        shutil.copyfile(path, Path(path).with_name(f"save-{len(left) - 1}.npz"))
+
+    CompositePredictor.predict_pairs, SearchState.save = counted, copied  # a process of its own: nothing to undo
+    result = _challenge(data, checkpoint, output_dir, full, resume, runtime)
+    return {"found": _findings(result.state), "tested": tested[0], "left": left}
+
+
+def _challenge(data: Path, checkpoint: Path, output_dir: Path, full: bool, resume: bool, runtime):
+    """The challenge with the state saved at every chance (save_every 0)."""
+    from tools.challenge import ChallengeConfig, run_challenge  # noqa: PLC0415
+    from tools.sources import load_model  # noqa: PLC0415
+    config = ChallengeConfig(batch_size=5 if full else 2, full=full, save_every=0.0, progress=False)
+    return run_challenge(load_model(checkpoint=checkpoint), runtime, data, config, output_dir=output_dir,
+                         resume=resume, workers=1)
+
+
+def _findings(state) -> dict:
+    """What a challenge run found, as tensors: verdicts, fooling backgrounds and predictions, the --full matrix."""
+    found = {name: torch.from_numpy(np.asarray(getattr(state, name)).astype(np.int64))
+             for name in ("verdict", "fool_bg", "fool_pred")}
+    found["matrix"] = torch.zeros(0) if state.matrix is None else torch.from_numpy(state.matrix.astype(np.int64))
+    return found
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup, tmp_path_factory):
+    """Uninterrupted runs shared by two gloo processes, by --full (the CNN, every pair) or not (the colour model,
+    robust and vulnerable foregrounds): (output folder, each process's `_shared_challenge`)."""
+    data, models = setup
+    runs = {}
+
+    def run_once(full: bool):
+        if full not in runs:
+            out = tmp_path_factory.mktemp("full" if full else "search")
+            runs[full] = out, run_in_processes(_shared_challenge, 2, out, data, models["cnn" if full else "color"],
+                                               out, full, False)
+        return runs[full]
+
+    return run_once
+
+
+def _same_findings(found: list[dict], whole: list[dict]) -> None:
+    for rank, run in enumerate(found):
+        for name, value in whole[0]["found"].items():
+            assert torch.equal(run[name], value), (rank, name)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["search", "full"])
+def test_two_processes_save_mid_run_and_resume_from_there_to_the_uninterrupted_result(full, uninterrupted, setup,
+                                                                                     tmp_path, monkeypatch):
+    """Under torchrun the state is saved as in one process, mid-round and mid-matrix (not only at a round's end,
+    nor only at the end of --full): a run stopped right after such a save resumes, with two processes or one,
+    into the uninterrupted result, testing only what was left."""
+    data, models = setup
+    model = models["cnn" if full else "color"]
+    out, whole = uninterrupted(full)
+    left = whole[0]["left"]
+    mid_run = [n for n, count in enumerate(left) if count > 0]
+    assert mid_run, f"rank 0 saved the state only where nothing was left in the round (pairs left at each save: {left})"
+    save = mid_run[len(mid_run) // 2]
+    for processes in (2, 1):
+        (tmp_path / f"stopped{processes}").mkdir()
+        shutil.copyfile(out / f"save-{save}.npz", tmp_path / f"stopped{processes}" / STATE_NAME)
+    two = run_in_processes(_shared_challenge, 2, tmp_path, data, model, tmp_path / "stopped2", full, True)
+    _same_findings([run["found"] for run in two], whole)
+    assert sum(run["tested"] for run in two) < sum(run["tested"] for run in whole)
+    tested = []
+    predict = CompositePredictor.predict_pairs
+    monkeypatch.setattr(CompositePredictor, "predict_pairs", lambda self, pairs: tested.append(len(pairs)) or
+                        predict(self, pairs))
+    one = _challenge(data, model, tmp_path / "stopped1", full, True, Runtime(torch.device("cpu")))
+    _same_findings([_findings(one.state)], whole)
+    assert sum(tested) < sum(run["tested"] for run in whole)
+    if full:  # exactly the pairs left, whichever of them the processes had tested
+        assert sum(tested) == sum(run["tested"] for run in two) == left[save]
+
+
+def test_a_resumed_full_run_shares_what_is_left_evenly(uninterrupted, setup, tmp_path):
+    """A --full state whose work done lies in the first process's old share of rows (three fifths of the rows, as
+    one process leaves it): each of two processes tests half of the pairs left, within one, and the result is
+    the uninterrupted one."""
+    data, models = setup
+    out, whole = uninterrupted(True)
+    key = bytes(np.load(out / STATE_NAME)["key"]).decode()
+    final = SearchState.load(out / STATE_NAME, key)
+    n_fg, n_bg = final.matrix.shape
+    rows = 3 * n_fg // 5
+    state = SearchState.fresh(n_fg, n_bg, final.bg_pred, full=True)
+    state.tested[:rows], state.matrix[:rows] = True, final.matrix[:rows]
+    state.evaluated = state.position = rows * n_bg
+    (tmp_path / "stopped").mkdir()
+    state.save(tmp_path / "stopped" / STATE_NAME, key)
+    resumed = run_in_processes(_shared_challenge, 2, tmp_path, data, models["cnn"], tmp_path / "stopped", True, True)
+    _same_findings([run["found"] for run in resumed], whole)
+    shares = [run["tested"] for run in resumed]
+    assert sum(shares) == (n_fg - rows) * n_bg and max(shares) - min(shares) <= 1, shares

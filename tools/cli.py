@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import signal
 import sys
 import threading
@@ -49,6 +50,22 @@ class BooleanFlag(argparse.BooleanOptionalAction):
     def __init__(self, *args, help: str | None = None, **kwargs):  # noqa: A002 (argparse's keyword)
         super().__init__(*args, **kwargs)
         self.help = help
+
+
+def positive_number(unit: str) -> Callable[[str], float]:
+    """An argparse type: a positive, finite number of `unit` (seconds, minutes); anything else is refused at
+    parse time, naming the flag."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of {unit}")
+        return value
+
+    return parse
 
 
 def add_log_level_argument(parser) -> None:

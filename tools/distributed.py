@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Iterator
 
 import numpy as np
@@ -24,6 +25,9 @@ from tools.errors import UserError
 log = logging.getLogger(__name__)
 
 NCCL, GLOO = "nccl", "gloo"
+# How long a process waits in a collective for the others before the run is aborted (torch's NCCL default, 10
+# minutes, ends a run whose processes wait for one another longer: a slow rank 0 writing, a large model's batch)
+DEFAULT_TIMEOUT_MINUTES = 120.0
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
@@ -62,15 +66,16 @@ def from_environment() -> ProcessGroup:
     return ProcessGroup(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def setup(device: torch.device) -> ProcessGroup:
-    """Join torchrun's process group if there is one (NCCL for CUDA, gloo otherwise); returns where we stand."""
+def setup(device: torch.device, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> ProcessGroup:
+    """Join torchrun's process group if there is one (NCCL for CUDA, gloo otherwise), where a collective waits
+    up to `timeout_minutes` for every process; returns where we stand."""
     group = from_environment()
     if not group.distributed or dist.is_initialized():
         return group
     backend = NCCL if device.type == "cuda" else GLOO
     if device.type == "cuda":
         torch.cuda.set_device(group.local_rank)
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
     log.info("process %d of %d joined the %s process group", group.rank, group.world_size, backend)
     return group
 

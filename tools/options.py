@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tools import distributed
 from tools.challenge import ChallengeConfig, Criterion
-from tools.cli import BooleanFlag, add_log_level_argument
+from tools.cli import BooleanFlag, add_log_level_argument, positive_number
 from tools.compositing import MaskArithmetic
 from tools.datasets import default_cache_dir
 from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
@@ -82,6 +82,15 @@ def add_trust_argument(group) -> None:
                        help="allow full unpickling of a checkpoint you trust (default: off, weights_only loading)")
 
 
+def add_dist_timeout_argument(group) -> None:
+    """--dist-timeout, for every command that may run under torchrun."""
+    group.add_argument("--dist-timeout", type=positive_number("minutes"), default=distributed.DEFAULT_TIMEOUT_MINUTES,
+                       metavar="MINUTES",
+                       help=f"under torchrun, how long a process waits for the others in an exchange before the run "
+                            f"is aborted (torch's NCCL default of 10 minutes is too short where one process works or "
+                            f"writes alone) (default: {distributed.DEFAULT_TIMEOUT_MINUTES:g})")
+
+
 def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True) -> None:
     """Device, precision, batch and threads; `--shard` where a run can be split into independent shards."""
     run = parser.add_argument_group("running")
@@ -101,6 +110,7 @@ def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True) -
     run.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
     run.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
     run.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
+    add_dist_timeout_argument(run)
     if not shard:
         return
     run.add_argument("--shard", type=shard_spec, default=None, metavar="I/N",
@@ -184,7 +194,7 @@ def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtim
     device = resolve_device(args.device)
     if group.distributed:
         device = group.device(device)
-        distributed.setup(device)
+        distributed.setup(device, args.dist_timeout)
         if not group.is_main:  # only rank 0 prints and writes; the others say only what goes wrong
             logging.getLogger().setLevel(logging.ERROR)
             args.no_progress = True

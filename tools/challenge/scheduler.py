@@ -34,6 +34,24 @@ class ChallengeConfig:
 
 
 
+def split_untested(tested: np.ndarray, parts: int) -> np.ndarray:
+    """Cut the untested pairs of `tested` (F, B), in foreground-major order, into `parts` runs whose sizes differ
+    by one at most, wherever the tested ones lie: the parts + 1 flat positions where the runs start, the last
+    one the end (F * B)."""
+    left_per_row = tested.shape[1] - tested.sum(axis=1)
+    left_before = np.cumsum(left_per_row)  # untested pairs up to the end of each row
+    total = int(left_before[-1]) if len(left_before) else 0
+    bounds = np.full(parts + 1, tested.size, np.int64)
+    bounds[0] = 0
+    for part in range(1, parts):
+        k = total * part // parts  # the first pair of the part is the k-th untested (from 0)
+        if k < total:
+            row = int(np.searchsorted(left_before, k, side="right"))
+            column = np.flatnonzero(~tested[row])[k - (left_before[row] - left_per_row[row])]
+            bounds[part] = row * tested.shape[1] + column
+    return bounds
+
+
 class Scheduler:
     """Plans the pairs of a `SearchState` and folds their predictions back into it.
 
@@ -133,27 +151,58 @@ class Scheduler:
         return np.stack([fgs[order], bgs[order]], axis=1).astype(np.int32)
 
     def next_batch(self, size: int) -> np.ndarray | None:
-        """Up to `size` next pairs of this round whose foreground is still open; None at the end of the round."""
+        """Up to `size` next pairs of this round still to test; None at the end of the round."""
         s = self.state
-        if self.full:  # every pair in foreground-major order, implicit in the position
-            total = self.n_fg * self.n_bg
-            if s.position >= total:
-                return None
-            idx = np.arange(s.position, min(total, s.position + size), dtype=np.int64)
-            s.position += len(idx)
-            return np.stack([idx // self.n_bg, idx % self.n_bg], axis=1)
-        batch, s.position = self.take_open(s.worklist, s.position, size)
+        if self.full:  # the untested pairs in foreground-major order, from the position on
+            batch, s.position = self.take_untested(s.position, self.n_fg * self.n_bg, size)
+        else:
+            batch, s.position = self.take_open(s.worklist, s.position, size)
         return batch
 
+    def take_untested(self, position: int, end: int, size: int) -> tuple[np.ndarray | None, int]:
+        """With --full: up to `size` untested pairs (foreground-major) from the flat position `position` up to
+        `end`, and the position after them; None when none is left. Pairs may already be tested past the
+        position where processes sharing the work saved the state."""
+        flat = self.state.tested.reshape(-1)
+        picked = []
+        count = 0
+        while position < end and count < size:
+            stop = min(end, position + size - count)
+            picked.append(position + np.flatnonzero(~flat[position:stop]))
+            count += len(picked[-1])
+            position = stop
+        if not count:
+            return None, position
+        idx = np.concatenate(picked)
+        return np.stack([idx // self.n_bg, idx % self.n_bg], axis=1), position
+
+    def left_in_round(self) -> np.ndarray:
+        """Where in this round's worklist the pairs still to test are: untested, of a foreground still open."""
+        s = self.state
+        f, b = s.worklist[:, 0], s.worklist[:, 1]
+        return np.flatnonzero(~s.tested[f, b] & (s.verdict[f] == UNKNOWN))
+
+    def rewind(self) -> None:
+        """Point the state at the first pair still to test, with none in flight, after pairs were tested out of
+        order (by processes sharing the work): a resumed run skips the tested pairs after it."""
+        s = self.state
+        s.pending = np.zeros((0, 2), np.int64)
+        if self.full:
+            rows = np.flatnonzero(~s.tested.all(axis=1))
+            s.position = int(rows[0]) * self.n_bg + int(np.argmin(s.tested[rows[0]])) if len(rows) else s.tested.size
+        else:
+            left = self.left_in_round()
+            s.position = int(left[0]) if len(left) else len(s.worklist)
+
     def take_open(self, pairs: np.ndarray, position: int, size: int) -> tuple[np.ndarray | None, int]:
-        """Up to `size` pairs of `pairs` from `position` on whose foreground is still open, and the position
-        after them (past the skipped pairs too); None when none is left."""
-        verdict = self.state.verdict
+        """Up to `size` pairs of `pairs` from `position` on that are untested and whose foreground is still open,
+        and the position after them (past the skipped pairs too); None when none is left."""
+        s = self.state
         picked = []
         count = 0
         while position < len(pairs) and count < size:
             chunk = pairs[position:position + (size - count) * 2]
-            keep = verdict[chunk[:, 0]] == UNKNOWN
+            keep = (s.verdict[chunk[:, 0]] == UNKNOWN) & ~s.tested[chunk[:, 0], chunk[:, 1]]
             taken = chunk[keep][:size - count].astype(np.int64)
             # advance past what was taken, and past the skipped pairs before it
             used = np.nonzero(keep)[0][len(taken) - 1] + 1 if len(taken) else len(chunk)

@@ -14,8 +14,9 @@ from tools import distributed
 from tools.challenge.data import ChallengeData, ChallengeFiles, load_challenge_data
 from tools.challenge.predictor import CompositePredictor
 from tools.challenge.result import ChallengeResult
-from tools.challenge.scheduler import ChallengeConfig, Scheduler
+from tools.challenge.scheduler import ChallengeConfig, Scheduler, split_untested
 from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState
+from tools.in9 import UNMAPPED
 from tools.models import LoadedModel
 from tools.provenance import provenance
 from tools.runtime import Runtime
@@ -94,13 +95,15 @@ class Search:
 class ShardedSearch:
     """The search shared by torchrun's processes, giving what one process gives.
 
-    Rounds are synchronous: every process plans the same round from the same state; the round's open
-    foregrounds are dealt out by their pair counts (largest first, to the least loaded process), so that
-    robust and vulnerable foregrounds spread evenly; each process tests its own, and at the round's end
-    the outcomes are gathered into every process's state. Since a round's plan and its statistics depend
-    only on the outcomes (see `Scheduler`), the verdicts, fooling backgrounds and statistics equal a single
-    process's. With --full, each process takes a block of foreground rows. The state is saved by rank 0 at
-    round ends, so a resumed run (with any number of processes) goes on from the last closed round.
+    Rounds are synchronous: every process plans the same round from the same state; the round's pairs still to
+    test are dealt out by foreground, by their pair counts (largest first, to the least loaded process), so that
+    robust and vulnerable foregrounds spread evenly; each process tests its own. With --full, the pairs still to
+    test are cut into one run per process, equal within one pair, wherever a resumed state's finished pairs lie.
+    Every `save_every` seconds of testing, and once its share is done, each process meets the others: the
+    outcomes are gathered into every process's state and rank 0 saves it, as one process saves its own. So a
+    run stopped at any point resumes (with any number of processes) from the last meeting, and no process waits
+    for the others longer than one interval and one batch. Since a round's plan and its statistics depend only
+    on the outcomes (see `Scheduler`), the verdicts, fooling backgrounds and statistics equal a single process's.
     """
 
     def __init__(self, search: Search):
@@ -108,28 +111,21 @@ class ShardedSearch:
         self.group = search.predictor.runtime.group
         self.device = search.predictor.runtime.device
         self.busy_s = 0.0  # this process's time testing pairs, for the balance figure
+        self.started, self.elapsed0 = time.monotonic(), self.state.elapsed
 
     def run(self) -> SearchState:
         s, plan = self.state, self.plan
-        started, elapsed0 = time.monotonic(), s.elapsed
         with self.search.progress_bar() as bar:
             if plan.full:
-                self._full()
+                self._full(bar)
             else:
-                remainder = np.concatenate([s.pending.astype(np.int64), s.worklist[s.position:].astype(np.int64)])
-                s.pending, s.position = np.zeros((0, 2), np.int64), len(s.worklist)
                 while True:
-                    self._round(remainder)
-                    bar.update(plan.resolved() - bar.n)
-                    s.elapsed = elapsed0 + time.monotonic() - started
-                    self._save()
+                    self._round(bar)
                     if not plan.new_round():
                         break
-                    remainder, s.position = s.worklist.astype(np.int64), len(s.worklist)
             bar.update(plan.resolved() - bar.n)
         # rank 0's last save may fail: no process waits in the gather below
         with distributed.agree(self.group, self.device):
-            s.elapsed = elapsed0 + time.monotonic() - started
             plan.finish()
             self._save()
         loads = distributed.all_gather_floats(self.busy_s, self.device)
@@ -150,81 +146,99 @@ class ShardedSearch:
             mine[fgs[index]] = rank == self.group.rank
         return open_pairs[mine[open_pairs[:, 0]]]
 
-    def _test(self, batches) -> None:
-        """Predict and record batches, one launched ahead of the one being recorded."""
+    @staticmethod
+    def _batches(take, position: int):
+        """The batches `take(position) -> (batch, next position)` gives, until it gives None."""
+        while True:
+            batch, position = take(position)
+            if batch is None:
+                return
+            yield batch
+
+    def _round(self, bar) -> None:
+        """The round's pairs still to test (all of them, or what a resumed state left), this process's share."""
+        plan = self.plan
+        mine = self._deal(self.state.worklist[plan.left_in_round()].astype(np.int64))
+        owned = np.zeros(plan.n_fg, bool)
+        owned[mine[:, 0]] = True
+        size = self.search.predictor.forward.chunk
+        self._share(self._batches(lambda position: plan.take_open(mine, position, size), 0), owned, bar)
+
+    def _full(self, bar) -> None:
+        """Every pair still to test, this process's run of them."""
+        plan = self.plan
+        bounds = split_untested(self.state.tested, self.group.world_size)
+        start, end = int(bounds[self.group.rank]), int(bounds[self.group.rank + 1])
+        size = self.search.predictor.forward.chunk
+        self._share(self._batches(lambda position: plan.take_untested(position, end, size), start), None, bar)
+
+    def _share(self, batches, owned: np.ndarray | None, bar) -> None:
+        """Test this process's batches, meeting the others every `save_every` seconds of testing and once they
+        are done, until every process is done; at each meeting the outcomes are gathered and rank 0 saves.
+        `owned`: the foregrounds this process tests in the round (None with --full)."""
+        through = False
+        while True:
+            evaluated0 = self.state.evaluated
+            with distributed.agree(self.group, self.device):  # a batch may fail in this process alone
+                through = through or self._test(batches)
+            everyone_through = self._gather(owned, evaluated0, through)
+            bar.update(self.plan.resolved() - bar.n)
+            with distributed.agree(self.group, self.device):  # as may rank 0's save
+                self._save()
+            if everyone_through:
+                return
+
+    def _test(self, batches) -> bool:
+        """Predict and record batches, one launched ahead of the one being recorded, for `save_every` seconds
+        (one batch at least); True when no batch is left."""
         began = time.perf_counter()
-        pending = None
-        for pairs in batches:
+        pending, through = None, False
+        while True:
+            pairs = next(batches, None)
+            if pairs is None:
+                through = True
+                break
             launched = self.search._launch(pairs)
             if pending is not None:
                 self.search._finish(pending)
             pending = launched
+            if time.perf_counter() - began >= self.search.config.save_every:
+                break
         if pending is not None:
             self.search._finish(pending)
         self.busy_s += time.perf_counter() - began
+        return through
 
-    def _round(self, pairs: np.ndarray) -> None:
-        s, plan = self.state, self.plan
-        mine = self._deal(pairs)
-        owned = np.zeros(plan.n_fg, bool)
-        owned[mine[:, 0]] = True
-        evaluated0 = s.evaluated
-        size = self.search.predictor.forward.chunk
-
-        def batches():
-            position = 0
-            while True:
-                batch, position = plan.take_open(mine, position, size)
-                if batch is None:
-                    return
-                yield batch
-
-        # a batch may fail in one process alone, as may rank 0's last save
-        with distributed.agree(self.group, self.device):
-            self._test(batches())
-        self._gather(owned, evaluated0)
-
-    def _full(self) -> None:
-        s, plan = self.state, self.plan
-        n_bg = plan.n_bg
-        rows = np.array_split(np.arange(plan.n_fg), self.group.world_size)[self.group.rank]
-        # pairs before `done` are in the matrix; a state saved by one process also holds the batch it had
-        # launched but not yet recorded, the pairs just before its position
-        done = int(s.position) - len(s.pending)
-        s.pending = np.zeros((0, 2), np.int64)
-        begin = max(done, int(rows[0]) * n_bg) if len(rows) else 0
-        end = (int(rows[-1]) + 1) * n_bg if len(rows) else 0
-        size = self.search.predictor.forward.chunk
-        evaluated0 = s.evaluated
-        with distributed.agree(self.group, self.device):  # a batch may fail in this process alone
-            self._test(np.stack([idx // n_bg, idx % n_bg], axis=1)
-                       for idx in (np.arange(p, min(end, p + size), dtype=np.int64) for p in range(begin, end, size)))
-        owned = np.zeros(plan.n_fg, bool)
-        owned[rows] = True
-        s.matrix = (distributed.all_reduce(np.where(owned[:, None], s.matrix.astype(np.int32) + 2, 0), "sum",
-                                           self.device) - 2).astype(np.int8)
-        s.position = plan.n_fg * n_bg
-        self._gather(owned, evaluated0, rows_only=True)
-
-    def _gather(self, owned: np.ndarray, evaluated0: int, rows_only: bool = False) -> None:
-        """Every process's state takes each foreground's outcome from the process that tested it."""
+    def _gather(self, owned: np.ndarray | None, evaluated0: int, through: bool) -> bool:
+        """Every process's state takes the outcomes the others found since the last meeting: with --full each
+        pair's from the process that tested it, in a round each foreground's from the process that owns it
+        (`owned`: this process's). True when every process is through its share."""
         s = self.state
         reduce = lambda array, op="sum": distributed.all_reduce(array, op, self.device)  # noqa: E731
-        s.evaluated = evaluated0 + int(reduce(np.array([s.evaluated - evaluated0], np.int64))[0])
+        evaluated, busy = reduce(np.array([s.evaluated - evaluated0, not through], np.int64))
+        s.evaluated = evaluated0 + int(evaluated)
+        if owned is None:  # a tested pair's prediction, shifted past 0 (which stands for untested)
+            code = reduce(np.where(s.tested, s.matrix.astype(np.int16) + 2, 0).astype(np.uint8), "max")
+            s.tested = code > 0
+            s.matrix = np.where(s.tested, code.astype(np.int16) - 2, UNMAPPED).astype(np.int8)
+            s.min_margin = reduce(s.min_margin, "min").astype(np.float32)
+            return busy == 0
         taken = reduce(owned.astype(np.int32)) > 0  # the foregrounds some process tested
         margins = reduce(np.where(owned, s.min_margin, np.inf).astype(np.float32), "min")
         s.min_margin = np.where(taken, margins, s.min_margin).astype(np.float32)
         s.tested |= reduce(np.where(owned[:, None], s.tested, False).astype(np.uint8), "max").astype(bool)
-        if rows_only:
-            return
         verdict = reduce(np.where(owned, s.verdict.astype(np.int32) + 2, 0)) - 2
         fool_bg = reduce(np.where(owned, s.fool_bg + 1, 0)) - 1
         fool_pred = reduce(np.where(owned, s.fool_pred + 2, 0)) - 2
         s.verdict = np.where(taken, verdict, s.verdict).astype(np.int8)
         s.fool_bg = np.where(taken, fool_bg, s.fool_bg).astype(np.int64)
         s.fool_pred = np.where(taken, fool_pred, s.fool_pred).astype(np.int64)
+        return busy == 0
 
     def _save(self) -> None:
+        """Rank 0 saves the gathered state, pointed at the first pair still to test (`Scheduler.rewind`)."""
+        self.state.elapsed = self.elapsed0 + time.monotonic() - self.started
+        self.plan.rewind()
         if self.search.state_path is not None and self.group.is_main:
             self.state.save(self.search.state_path, self.search.key)
 

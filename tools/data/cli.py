@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import re
 import sys
 from pathlib import Path
 from typing import Iterable
 
 from tools import grabcut
-from tools.cli import add_log_level_argument, run_main
+from tools.cli import add_log_level_argument, positive_number, run_main
 from tools.threads import default_workers
 from tools.errors import UserError
 from tools import data as data_package
@@ -32,16 +31,6 @@ def _sha256_arg(value: str) -> str:
     if not re.fullmatch(r"[0-9a-fA-F]{64}", value):
         raise argparse.ArgumentTypeError(f"{value!r} is not a SHA-256 (64 hexadecimal digits)")
     return value.lower()
-
-
-def _seconds_arg(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a positive, finite number of seconds")
-    return seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="extract this already downloaded archive instead of downloading (default: download)")
     fetch_p.add_argument("--keep-archive", action="store_true",
                          help="keep the downloaded archive in --data-path after extracting it (default: delete it)")
-    fetch_p.add_argument("--timeout", type=_seconds_arg, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+    fetch_p.add_argument("--timeout", type=positive_number("seconds"), default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                          help=f"network timeout, a positive number of seconds (default: {DEFAULT_TIMEOUT_S:g})")
     fetch_p.set_defaults(handler=_run_fetch)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from tools.cli import BooleanFlag, add_log_level_argument
-from tools.options import add_model_source_arguments
+from tools.distributed import DEFAULT_TIMEOUT_MINUTES
+from tools.options import add_dist_timeout_argument, add_model_source_arguments
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, Variation
 from tools.runtime import Precision
@@ -89,6 +90,7 @@ class TrainConfig:
     device: str | None = None
     precision: Precision | None = None
     channels_last: bool = False
+    dist_timeout: float = DEFAULT_TIMEOUT_MINUTES  # minutes, under torchrun
     workers: int = 2
     seed: int = 0
     save_every: int = 100
@@ -252,6 +254,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                      help="seed of every random choice: order, crops, swaps, mixing, initialisation (default: 0)")
     run.add_argument("--eval-batch-size", type=int, default=None, metavar="N",
                      help="batch size of the final evaluation (default: 256 on a GPU, 16 on the CPU)")
+    add_dist_timeout_argument(run)
 
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", type=Path, default=Path("train_runs"), metavar="DIR",
@@ -278,6 +281,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         swa=args.swa, swa_start_epoch=args.swa_start_epoch, swa_lr=args.swa_lr, peft=args.peft,
         peft_modules=list(args.peft_modules), lora_rank=args.lora_rank, oft_block_size=args.oft_block_size,
         freeze=args.freeze, device=args.device, precision=args.precision, channels_last=args.channels_last,
-        workers=args.workers, seed=args.seed, save_every=args.save_every, resume=args.resume,
+        dist_timeout=args.dist_timeout, workers=args.workers, seed=args.seed, save_every=args.save_every,
+        resume=args.resume,
         eval_data=args.eval_data, eval_challenge=args.eval_challenge, eval_batch_size=args.eval_batch_size,
         progress=not args.no_progress)

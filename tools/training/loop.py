@@ -41,7 +41,7 @@ LOG_NAME = "train_log.jsonl"
 LOG_EVERY = 50  # steps between reads of the logged numbers from the device (each read waits for the device)
 # Settings that do not change the weights a run produces, so a resumed run may differ in them.
 NOT_IN_RUN_KEY = ("output_dir", "resume", "progress", "workers", "save_every", "eval_data", "eval_challenge",
-                  "eval_batch_size", "device")
+                  "eval_batch_size", "device", "dist_timeout")
 
 
 @dataclass
@@ -191,7 +191,7 @@ class StepLog:
 def train(config: TrainConfig) -> TrainResult:
     """Train as configured and write checkpoint.pt (rank 0); returns where it is and how the run went."""
     requested = resolve_device(config.device)
-    group = distributed.setup(requested)
+    group = distributed.setup(requested, config.dist_timeout)
     device = group.device(requested)
     if config.augment:
         check_antialias(device, "bilinear", "train.py's random resized crops (--augment)")
