@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "matrix under --output-dir (default: off)")
     group.add_argument("--analysis", action="store_true",
                        help="with --full: attack success rates, per-class fool rates, top backgrounds and their "
-                            "figure under --output-dir (default: off; `python -m tools.analysis DIR` redoes it)")
+                            "figure under --output-dir (default: off; `python -m tools.results.analysis DIR` redoes it)")
     group.add_argument("--top-k", type=int, default=5, metavar="K",
                        help="most fooling backgrounds listed and drawn per class (default: 5)")
     group.add_argument("--report", type=Path, default=None, metavar="PATH",

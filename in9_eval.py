@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from tools import cli, options
-from tools.categories import CATEGORY_VARIATIONS
+from tools.results.categories import CATEGORY_VARIATIONS
 from tools.evaluate import list_in9_files, run_in9
 from tools.in9 import VARIATIONS
 from tools.runtime import default_batch_size

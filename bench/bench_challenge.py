@@ -34,10 +34,11 @@ from torchvision.transforms import functional as TF
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools import challenge, synthetic  # noqa: E402
+from tools import challenge  # noqa: E402
+from tools.data import synthetic  # noqa: E402
 from tools.challenge import ChallengeConfig, Criterion, run_challenge  # noqa: E402
 from tools.in9 import PredictionMap  # noqa: E402
-from tools.models import LoadedModel, PixelModel, build_architecture  # noqa: E402
+from tools.models.boundary import LoadedModel, PixelModel, build_architecture  # noqa: E402
 from tools.runtime import Forward, Precision, Runtime, default_batch_size  # noqa: E402
 from tools.in9 import statistics_for, Normalization  # noqa: E402
 
@@ -138,7 +139,7 @@ def baseline(root: Path, data: challenge.ChallengeData, model: torch.nn.Module, 
 
 FORWARD_PROBE = """
 import sys, time, torch
-from tools.sources import load_model
+from tools.models.sources import load_model
 from tools.runtime import Forward, Runtime, tune_cpu_allocator
 arch, checkpoint, batch, tuned, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", float(sys.argv[5])
 if tuned:

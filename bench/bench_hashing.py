@@ -2,7 +2,7 @@
 
     python bench/bench_hashing.py --per-class 450      # the release's size: 4050 images per variation
 
-Generates IN-9-shaped data (or reads --data-path), then times `tools.hashing.fingerprint` over the
+Generates IN-9-shaped data (or reads --data-path), then times `tools.data.hashing.fingerprint` over the
 challenge's files (foreground images, masks, backgrounds) and over the eight variations an in9 `all` run
 reads, against decoding the same images with the toolkit's threaded decoder. The page cache is warm (the
 files were just written or read), as it is for the second and later runs on a machine.
@@ -19,9 +19,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools import datasets, layout, synthetic  # noqa: E402
+from tools.data import decoding as datasets  # noqa: E402
+from tools.data import layout  # noqa: E402
+from tools.data import synthetic  # noqa: E402
 from tools.challenge import list_challenge_files  # noqa: E402
-from tools.hashing import fingerprint  # noqa: E402
+from tools.data.hashing import fingerprint  # noqa: E402
 from tools.in9 import VARIATIONS  # noqa: E402
 
 

@@ -30,10 +30,10 @@ try:
 except ImportError:  # run as `python bench/bench_in9.py` from a checkout: the toolkit is one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools import synthetic  # noqa: E402
+from tools.data import synthetic  # noqa: E402
 from tools.evaluate import run_in9  # noqa: E402
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, VARIATIONS, Normalization, statistics_for  # noqa: E402
-from tools.models import LoadedModel, PixelModel, build_architecture  # noqa: E402
+from tools.models.boundary import LoadedModel, PixelModel, build_architecture  # noqa: E402
 from tools.runtime import Forward, Precision, Runtime, default_batch_size, resolve_device, seed_everything  # noqa: E402
 from tools.threads import default_workers  # noqa: E402
 

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools import synthetic  # noqa: E402
+from tools.data import synthetic  # noqa: E402
 
 
 def run(command: list[str]) -> tuple[float, str]:

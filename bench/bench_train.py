@@ -30,9 +30,9 @@ except ImportError:  # run as `python bench/bench_train.py` from a checkout: the
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_in9 import machine, synchronize  # noqa: E402
-from tools import synthetic  # noqa: E402
+from tools.data import synthetic  # noqa: E402
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for  # noqa: E402
-from tools.models import PixelModel, build_architecture  # noqa: E402
+from tools.models.boundary import PixelModel, build_architecture  # noqa: E402
 from tools.runtime import Precision, Runtime, resolve_device  # noqa: E402
 from tools.threads import default_workers  # noqa: E402
 from tools.training.config import Method, TrainConfig  # noqa: E402

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools import synthetic
+from tools.data import synthetic
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 The prediction matrix is computed here by brute force (every foreground on every background, composited
 with numpy, through a small model) and saved in the format challenge_eval.py --full writes, so these
-tests check tools.analysis against the format's definition, not against the engine.
+tests check tools.results.analysis against the format's definition, not against the engine.
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ import pytest
 import torch
 from PIL import Image
 
-from tools import analysis, categories, layout, synthetic
-from tools.categories import Category
+from tools.results import analysis
+from tools.results import categories
+from tools.data import layout
+from tools.data import synthetic
+from tools.results.categories import Category
 from tools.errors import UserError
 from tools.evaluate import VariationResult
 from tools.in9 import IN9_MEAN, IN9_STD, NUM_IN9_CLASSES, class_names
@@ -31,7 +34,7 @@ NAMES = class_names()
 # Hand-built models: uint8 (N, H, W, 3) images in, IN-9 predictions out
 
 class ColourModel:
-    """tools.synthetic's colour-evidence classifier, normalised as the toolkit's wrapper would."""
+    """tools.data.synthetic's colour-evidence classifier, normalised as the toolkit's wrapper would."""
 
     def __init__(self, **kwargs):
         self.net = synthetic.ColorEvidenceModel(NUM_IN9_CLASSES, **kwargs).eval()
@@ -248,7 +251,7 @@ def test_random_matrix_with_ties_and_unmapped_matches_brute_force(seed, tmp_path
            for i, c in enumerate(fg_labels)]
     bgs = [layout.ImageRecord(f"only_bg_t/val/x/bg{j}.JPEG", int(c)) for j, c in enumerate(bg_labels)]
     out = save_challenge(tmp_path / "run", P, fgs, bgs, data_path=None)
-    with caplog.at_level(logging.WARNING, logger="tools.analysis"):
+    with caplog.at_level(logging.WARNING, logger="tools.results.analysis"):
         summary = analysis.write_analysis(out, top_k=4)
     check_against_references(out, summary, P, fg_labels, bg_labels, k=4)
     fish = summary["per_class"]["fish"]
@@ -329,7 +332,7 @@ def test_figure_has_one_row_per_class_and_every_panel_drawn(challenge_data, data
 def test_figure_draws_placeholders_for_missing_images(challenge_data, tmp_path, caplog):
     fgs, bgs, matrices = challenge_data
     out = save_challenge(tmp_path / "run", matrices["colour"], fgs, bgs, data_path=tmp_path / "gone")
-    with caplog.at_level(logging.WARNING, logger="tools.analysis"):
+    with caplog.at_level(logging.WARNING, logger="tools.results.analysis"):
         analysis.write_analysis(out, top_k=2)
     assert "18 of 18 background image(s)" in caplog.text and str(tmp_path / "gone") in caplog.text
     layout = analysis.FigureLayout(rows=9, cols=2)

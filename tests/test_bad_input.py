@@ -18,7 +18,8 @@ from torch import nn
 
 import in9_eval
 from conftest import save_torchscript
-from tools import cli, layout
+from tools import cli
+from tools.data import layout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -321,7 +322,8 @@ def test_data_path_defaults_to_the_environment_then_data_bg_challenge(run, datas
 def test_bad_data_is_reported_before_any_model_is_built(script, breakage, data, color_ts, tmp_path, monkeypatch,
                                                         capsys):
     import challenge_eval  # noqa: PLC0415
-    from tools import options, sources  # noqa: PLC0415
+    from tools import options  # noqa: PLC0415
+    from tools.models import sources  # noqa: PLC0415
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the data was checked")
@@ -374,7 +376,8 @@ def test_no_in9_contradicting_a_nine_class_checkpoint(run, dataset, color_ts):
 
 
 def test_lonely_mask_names_the_image_extension_in_use(tmp_path):
-    from tools import datasets, synthetic  # noqa: PLC0415
+    from tools.data import decoding as datasets  # noqa: PLC0415
+    from tools.data import synthetic  # noqa: PLC0415
 
     root = synthetic.generate(tmp_path / "bg", per_class=2, seed=3).root
     for path in sorted((root / "original").rglob("*.JPEG")):  # data built with --image-format png

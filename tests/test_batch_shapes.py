@@ -11,11 +11,12 @@ import pytest
 import torch
 import torchvision
 
-from tools import synthetic, zoo
+from tools import zoo
+from tools.data import synthetic
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.evaluate import evaluate_variations
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
-from tools.models import SMALL_CNN, LoadedModel, PixelModel, SmallCNN
+from tools.models.boundary import SMALL_CNN, LoadedModel, PixelModel, SmallCNN
 from tools.runtime import Forward, Precision, Runtime
 from tools.shards import Shard
 

@@ -18,10 +18,11 @@ import torch
 from tests.challenge_reference import reference_matrix, reference_verdicts
 import challenge_eval
 from tests.conftest import save_torchscript
-from tools import challenge, cli, synthetic
+from tools import challenge, cli
+from tools.data import synthetic
 from tools.challenge import ChallengeConfig, Criterion, Scheduler, run_challenge
 from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD
-from tools.sources import load_model
+from tools.models.sources import load_model
 from tools.runtime import Runtime
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,15 +21,17 @@ import in9_eval
 from conftest import TINY_CLIP, TINY_CLIP_OPTIONS, run_in_process
 from reference import evaluate as reference_evaluate
 from tests.challenge_reference import reference_matrix, reference_verdicts
-from tools import cli, clip_zero_shot, synthetic
-from tools.clip_zero_shot import RANDOM_SEED, ClipSpec, Head, Templates, parse_spec, prompts, template_sets
+from tools import cli
+from tools.models import clip as clip_zero_shot
+from tools.data import synthetic
+from tools.models.clip import RANDOM_SEED, ClipSpec, Head, Templates, parse_spec, prompts, template_sets
 from tools.errors import UserError
 from tools.evaluate import run_in9
-from tools.hashing import sha256_file
+from tools.data.hashing import sha256_file
 from tools.in9 import VARIATIONS
-from tools.leaderboard import measured_row, published_rows, render_markdown
+from tools.results.leaderboard import measured_row, published_rows, render_markdown
 from tools.runtime import Precision, Runtime
-from tools.sources import load_model
+from tools.models.sources import load_model
 
 ACCURACY_LINE = re.compile(r"^Accuracy on (\w+) is (\d+\.\d\d)%$", re.MULTILINE)
 SUMMARY_LINE = re.compile(r"^Summary: (\d+)/(\d+) ", re.MULTILINE)

@@ -15,7 +15,7 @@ from tools.challenge.data import load_challenge_data
 from tools.challenge.predictor import CompositePredictor
 from tools import runtime
 from tools.runtime import Runtime
-from tools.sources import load_model
+from tools.models.sources import load_model
 from tools.training.data import device_batch
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"

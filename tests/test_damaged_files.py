@@ -13,10 +13,12 @@ import pytest
 import challenge_eval
 import in9_eval
 from tests.conftest import run_in_process, save_torchscript
-from tools import analysis, cli, synthetic
-from tools.boxes import CropGeometry
+from tools import cli
+from tools.results import analysis
+from tools.data import synthetic
+from tools.data.boxes import CropGeometry
 from tools.data import builder
-from tools.datasets import read_mask
+from tools.data.decoding import read_mask
 from tools.errors import UserError
 
 

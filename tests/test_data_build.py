@@ -19,10 +19,12 @@ from PIL import Image
 from torchvision import transforms
 
 from tests.conftest import run_in_process, signal_when_ready
-from tools import boxes, data, synthetic
+from tools.data import builder, check, layout
+from tools.data import boxes
+from tools.data import synthetic
 from tools.data import cli as data_cli
 from tools.data import builder as data_build
-from tools.layout import list_foregrounds, list_variation
+from tools.data.layout import list_foregrounds, list_variation
 from tools.errors import UserError
 from tools.in9 import class_folder_names, MASK_FOLDER, VARIATIONS
 
@@ -175,16 +177,16 @@ def test_crop_geometry_matches_torchvision_resize_and_center_crop(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def built_png(inputs, tmp_path_factory) -> tuple[Path, data.BuildResult]:
+def built_png(inputs, tmp_path_factory) -> tuple[Path, builder.BuildResult]:
     """The inputs built losslessly (PNG), seed 5."""
     out = tmp_path_factory.mktemp("built") / "png"
-    return out, data.build(inputs.images, inputs.boxes, out, masks=inputs.masks, seed=5, image_format="png",
+    return out, builder.build(inputs.images, inputs.boxes, out, masks=inputs.masks, seed=5, image_format="png",
                            progress=False)
 
 
 def test_every_variation_has_exactly_the_expected_pixels(inputs, built_png):
     out, result = built_png
-    summary = json.loads((out / data.SUMMARY_NAME).read_text())
+    summary = json.loads((out / builder.SUMMARY_NAME).read_text())
     assert summary["kept"] == len(inputs.expected) == 18 and sum(summary["dropped"].values()) == 0
     assert summary == result.summary()
     for row in summary["images"]:
@@ -196,7 +198,7 @@ def test_every_variation_has_exactly_the_expected_pixels(inputs, built_png):
             with Image.open(out / name / "val" / cls / f"{stem}.png") as img:
                 written = np.asarray(img)
             np.testing.assert_array_equal(written, _expected_variation(inputs, row, name), err_msg=f"{name} {stem}")
-        same, rand, nxt = (inputs.expected[row[v]] for v in data.MIXED)
+        same, rand, nxt = (inputs.expected[row[v]] for v in layout.MIXED)
         assert same.label == e.label and row["mixed_same"] != row["image"]
         assert nxt.label == (e.label + 1) % 9 and row["mixed_rand"] != row["image"]
     assert len({row["mixed_rand"].split("/")[0] for row in summary["images"]}) > 3  # classes vary
@@ -220,13 +222,13 @@ def test_cli_build_writes_the_release_layout_as_jpeg(inputs, built_png, tmp_path
                                   str(out), "--masks", str(inputs.masks), "--seed", "5", "--no-progress"], capsys)
     assert code == 0, err
     assert f"built {out} from 18 images: kept 18, dropped 0" in stdout
-    summary = json.loads((out / data.SUMMARY_NAME).read_text())
+    summary = json.loads((out / builder.SUMMARY_NAME).read_text())
     assert summary["images"] == built_png[1].summary()["images"]  # the same seed: the same boxes and backgrounds
     for name in VARIATIONS:
         records = list_variation(out, name)
         assert len(records) == 18 and all(r.relpath.endswith(".JPEG") for r in records)
     assert len(list_foregrounds(out)) == 18
-    report = data.verify_layout(out)
+    report = check.verify_layout(out)
     assert report.ok, report.problems
     for row in summary["images"][:6]:
         cls, stem = row["image"].split("/")
@@ -274,7 +276,7 @@ def test_filters_drop_what_the_paper_drops_and_count_it(tmp_path, capsys):
     code, stdout, err = _run_cli(["build", "--images", str(images), "--boxes", str(box_file), "--out", str(out),
                                   "--masks", str(masks), "--no-progress", "--image-format", "png"], capsys)
     assert code == 0, err
-    summary = json.loads((out / data.SUMMARY_NAME).read_text())
+    summary = json.loads((out / builder.SUMMARY_NAME).read_text())
     dog = CLASSES[0]
     assert summary["dropped_images"] == {
         "no_box": [f"{dog}/no_box"], "several_boxes": [f"{dog}/two_boxes"], "empty_box": [f"{dog}/empty_box"],
@@ -289,7 +291,7 @@ def test_filters_drop_what_the_paper_drops_and_count_it(tmp_path, capsys):
     for row in summary["images"]:
         assert row["mixed_same"] == row["image"]
         assert row["mixed_next"] == f"{CLASSES[(row['label'] + 1) % 9]}/good{(row['label'] + 1) % 9}"
-    assert data.verify_layout(out).ok
+    assert check.verify_layout(out).ok
 
 
 def test_another_seed_picks_other_backgrounds(built_png):
@@ -303,7 +305,7 @@ def test_a_class_with_nothing_kept_is_an_error_and_nothing_is_written(tmp_path):
     images, box_file, masks = _filter_inputs(tmp_path / "in", skip_class=4)
     out = tmp_path / "built"
     with pytest.raises(UserError, match=f"no image of class.*{CLASSES[4]}.*nothing was written"):
-        data.build(images, box_file, out, masks=masks, progress=False)
+        builder.build(images, box_file, out, masks=masks, progress=False)
     assert not out.exists()
 
 
@@ -312,7 +314,7 @@ def test_an_output_folder_in_use_is_refused(inputs, tmp_path):
     out.mkdir()
     (out / "something").write_text("x")
     with pytest.raises(UserError, match="not an empty folder; build never overwrites"):
-        data.build(inputs.images, inputs.boxes, out, masks=inputs.masks, progress=False)
+        builder.build(inputs.images, inputs.boxes, out, masks=inputs.masks, progress=False)
 
 
 def test_without_opencv_and_masks_the_error_names_both_ways_out(inputs, tmp_path, monkeypatch, capsys):
@@ -333,7 +335,7 @@ def test_a_mask_of_the_wrong_size_is_a_user_error(inputs, tmp_path):
     np.save(masks / "n0_a.npy", np.ones((100, 100), bool))
     with pytest.raises(UserError, match=r"mask .*n0_a.npy has shape \(100, 100\); it must match its image "
                                         r"\(600, 512\) or be already cropped \(224, 224\)"):
-        data.build(inputs.images, inputs.boxes, tmp_path / "built", masks=masks, progress=False)
+        builder.build(inputs.images, inputs.boxes, tmp_path / "built", masks=masks, progress=False)
 
 
 def _voc(path: Path, filename: str, size, objects) -> None:
@@ -387,7 +389,7 @@ def _iou(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_grabcut_recovers_a_high_contrast_disc():
     pytest.importorskip("cv2")
-    from tools import grabcut
+    from tools.data import grabcut
 
     image, disc = _disc_scene(np.random.default_rng(0))
     mask = grabcut.grabcut_mask(image, (52, 52, 172, 172))
@@ -527,7 +529,7 @@ def test_keep_unboxed_puts_images_without_a_box_in_original_only(inputs, tmp_pat
     assert stem in {r.stem for r in list_variation(out, "original", "train")}
     assert stem not in {r.stem for r in list_variation(out, "only_fg", "train")}
     assert not list((out / "fg_mask" / "train").rglob(f"{stem}.npy"))
-    summary = json.loads((out / data.SUMMARY_NAME).read_text())
+    summary = json.loads((out / builder.SUMMARY_NAME).read_text())
     assert len(summary["unboxed_in_original"]) == 1 and summary["dropped"]["no_box"] == 0
     assert "without a box, in original/ only (--keep-unboxed): 1" in stdout
     # verify --split train checks it; the image the summary lists in original alone is expected there, and only it
@@ -660,7 +662,7 @@ def test_an_interrupted_build_leaves_nothing_that_looks_usable(inputs, tmp_path,
     assert finished.stderr.count("\n") == 1 and "Traceback" not in finished.stderr, finished.stderr
     assert not out.exists() and list(parent.iterdir()) == []  # neither the output nor its temporary folder
     with pytest.raises(UserError, match="does not exist"):
-        data.verify_layout(out)
+        check.verify_layout(out)
 
 
 def _dead_pid() -> int:
@@ -678,9 +680,9 @@ def test_a_build_removes_the_temporary_folders_of_builds_that_died(inputs, tmp_p
     for folder in (stale, running, elsewhere):
         (folder / "original" / "val").mkdir(parents=True)
     (parent / "built").mkdir()  # an empty --out is replaced by the finished build
-    data.build(inputs.images, inputs.boxes, parent / "built", masks=inputs.masks, image_format="png", progress=False)
+    builder.build(inputs.images, inputs.boxes, parent / "built", masks=inputs.masks, image_format="png", progress=False)
     assert sorted(p.name for p in parent.iterdir()) == sorted(["built", running.name, elsewhere.name])
-    assert data.verify_layout(parent / "built").ok
+    assert check.verify_layout(parent / "built").ok
 
 
 def test_box_csvs_from_excel_are_read_or_refused_in_one_line(inputs, tmp_path, capsys):

@@ -20,15 +20,16 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_in_process, signal_when_ready
-from tools import data, synthetic
+from tools.data import download
+from tools.data import synthetic
 from tools.data import cli as data_cli
 from tools.data import download as data_download
-from tools.hashing import sha256_file
-from tools.layout import list_foregrounds, list_variation
+from tools.data.hashing import sha256_file
+from tools.data.layout import list_foregrounds, list_variation
 from tools.errors import UserError
 from tools.in9 import MASK_FOLDER, VARIATIONS
 
-ARCHIVE_PATH = "/release/" + data.ARCHIVE_NAME
+ARCHIVE_PATH = "/release/" + download.ARCHIVE_NAME
 
 
 def _tar_gz(add_members) -> bytes:
@@ -116,7 +117,7 @@ def test_download_checks_hash_and_extracts_the_layout(server, release, tmp_path)
     payload, sha = release
     server.files[ARCHIVE_PATH] = payload
     root = tmp_path / "data"
-    result = data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
+    result = download.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
     _assert_release_layout(root)
     assert result.verified and result.sha256 == sha
     assert result.downloaded_bytes == len(payload) and not result.resumed
@@ -134,7 +135,7 @@ def test_cli_keeps_the_archive_when_asked(server, release, tmp_path, capsys):
                                "--keep-archive", "--no-progress"], capsys)
     assert code == 0, err
     assert f"sha256: {sha} verified" in out and "archive kept at" in out
-    assert sha256_file(root / data.ARCHIVE_NAME) == sha
+    assert sha256_file(root / download.ARCHIVE_NAME) == sha
     _assert_release_layout(root)
     # a second run finds the data in place and downloads nothing
     code, out, _ = _run_cli(["fetch", "--data-path", str(root), "--url", server.url(ARCHIVE_PATH), "--no-progress"],
@@ -148,11 +149,11 @@ def test_resumes_a_partial_download_with_a_range_request(server, release, tmp_pa
     root = tmp_path / "data"
     root.mkdir()
     half = len(payload) // 2
-    (root / (data.ARCHIVE_NAME + data.PART_SUFFIX)).write_bytes(payload[:half])
-    result = data.fetch(root, server.url(ARCHIVE_PATH), sha, keep_archive=True, progress=False)
+    (root / (download.ARCHIVE_NAME + download.PART_SUFFIX)).write_bytes(payload[:half])
+    result = download.fetch(root, server.url(ARCHIVE_PATH), sha, keep_archive=True, progress=False)
     assert server.requests == [(ARCHIVE_PATH, f"bytes={half}-")]
     assert result.resumed and result.downloaded_bytes == len(payload) - half
-    assert sha256_file(root / data.ARCHIVE_NAME) == sha
+    assert sha256_file(root / download.ARCHIVE_NAME) == sha
     _assert_release_layout(root)
 
 
@@ -161,8 +162,8 @@ def test_a_part_that_is_already_whole_is_not_downloaded_again(server, release, t
     server.files[ARCHIVE_PATH] = payload
     root = tmp_path / "data"
     root.mkdir()
-    (root / (data.ARCHIVE_NAME + data.PART_SUFFIX)).write_bytes(payload)
-    result = data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)  # the server answers 416
+    (root / (download.ARCHIVE_NAME + download.PART_SUFFIX)).write_bytes(payload)
+    result = download.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)  # the server answers 416
     assert server.requests == [(ARCHIVE_PATH, f"bytes={len(payload)}-")]
     assert result.downloaded_bytes == 0 and result.verified
     _assert_release_layout(root)
@@ -174,9 +175,9 @@ def test_restarts_when_the_server_ignores_range(server, release, tmp_path, caplo
     server.honour_range = False
     root = tmp_path / "data"
     root.mkdir()
-    (root / (data.ARCHIVE_NAME + data.PART_SUFFIX)).write_bytes(payload[:1000])
+    (root / (download.ARCHIVE_NAME + download.PART_SUFFIX)).write_bytes(payload[:1000])
     with caplog.at_level(logging.WARNING, logger="tools.data"):
-        result = data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
+        result = download.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
     assert server.requests == [(ARCHIVE_PATH, "bytes=1000-")]
     assert "ignored the request to resume" in caplog.text
     assert not result.resumed and result.downloaded_bytes == len(payload) and result.sha256 == sha
@@ -189,11 +190,11 @@ def test_a_dropped_connection_keeps_the_part_for_the_next_run(server, release, t
     server.cut_after = 5000
     root = tmp_path / "data"
     with pytest.raises(UserError, match=r"stopped after 5,000 of [\d,]+ bytes .*rerun the same command to resume"):
-        data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
-    part = root / (data.ARCHIVE_NAME + data.PART_SUFFIX)
+        download.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
+    part = root / (download.ARCHIVE_NAME + download.PART_SUFFIX)
     assert part.read_bytes() == payload[:5000]
     server.cut_after = None
-    result = data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
+    result = download.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
     assert server.requests[-1] == (ARCHIVE_PATH, "bytes=5000-") and result.resumed
     _assert_release_layout(root)
 
@@ -207,7 +208,7 @@ def test_sha256_mismatch_is_one_error_and_the_file_is_moved_aside(server, releas
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("error: SHA-256 mismatch") and "Traceback" not in err
     assert f"got {sha}, expected {'0' * 64}" in err and "moved aside" in err
-    bad = root / (data.ARCHIVE_NAME + data.BAD_SUFFIX)
+    bad = root / (download.ARCHIVE_NAME + download.BAD_SUFFIX)
     assert str(bad) in err and bad.read_bytes() == payload
     assert _leftovers(root) == [bad.name]  # no .part, no archive, nothing extracted
 
@@ -216,16 +217,16 @@ def test_a_url_without_sha256_is_not_checked_but_reported(server, release, tmp_p
     payload, sha = release
     server.files[ARCHIVE_PATH] = payload
     with caplog.at_level(logging.WARNING, logger="tools.data"):
-        result = data.fetch(tmp_path / "data", server.url(ARCHIVE_PATH), progress=False)
+        result = download.fetch(tmp_path / "data", server.url(ARCHIVE_PATH), progress=False)
     assert not result.verified and result.sha256 == sha
     assert "not checking the SHA-256" in caplog.text and sha in caplog.text
     assert "NOT verified" in "\n".join(result.lines())
 
 
 def test_the_release_url_is_checked_against_the_release_hash():
-    assert data.RELEASE_URL.endswith("/" + data.ARCHIVE_NAME)
-    assert data.RELEASE_SIZE == 279_581_133
-    assert re.fullmatch(r"[0-9a-f]{64}", data.RELEASE_SHA256)
+    assert download.RELEASE_URL.endswith("/" + download.ARCHIVE_NAME)
+    assert download.RELEASE_SIZE == 279_581_133
+    assert re.fullmatch(r"[0-9a-f]{64}", download.RELEASE_SHA256)
 
 
 def test_an_already_downloaded_archive_is_extracted(release, tmp_path):
@@ -234,9 +235,9 @@ def test_an_already_downloaded_archive_is_extracted(release, tmp_path):
     archive.parent.mkdir()
     archive.write_bytes(payload)
     with pytest.raises(UserError, match="SHA-256 mismatch .*left in place"):  # checked against the release's hash
-        data.fetch(tmp_path / "data", archive=archive, progress=False)
+        download.fetch(tmp_path / "data", archive=archive, progress=False)
     assert archive.exists()
-    result = data.fetch(tmp_path / "data", archive=archive, sha256=sha, progress=False)
+    result = download.fetch(tmp_path / "data", archive=archive, sha256=sha, progress=False)
     assert result.verified and archive.read_bytes() == payload  # the user's file is left alone
     _assert_release_layout(tmp_path / "data")
 
@@ -245,8 +246,8 @@ def test_an_archive_placed_where_fetch_would_download_it_is_used(server, release
     payload, sha = release
     root = tmp_path / "data"
     root.mkdir()
-    (root / data.ARCHIVE_NAME).write_bytes(payload)
-    result = data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)  # the server has no such file
+    (root / download.ARCHIVE_NAME).write_bytes(payload)
+    result = download.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)  # the server has no such file
     assert server.requests == [] and result.downloaded_bytes == 0
     _assert_release_layout(root)
 
@@ -255,19 +256,19 @@ def test_offline_is_one_line_saying_what_to_download_and_where(tmp_path, capsys)
     with socket.socket() as sock:  # a port that was free a moment ago and now has no listener
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}/release/{data.ARCHIVE_NAME}"
+    url = f"http://127.0.0.1:{port}/release/{download.ARCHIVE_NAME}"
     root = tmp_path / "data"
     code, out, err = _run_cli(["fetch", "--data-path", str(root), "--url", url, "--sha256", "a" * 64, "--no-progress",
                                "--timeout", "5"], capsys)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith(f"error: cannot download {url}")
-    assert str(root / data.ARCHIVE_NAME) in err and data.PART_SUFFIX in err
+    assert str(root / download.ARCHIVE_NAME) in err and download.PART_SUFFIX in err
     assert "verifies and extracts" in err and "--archive" in err
 
 
 def test_http_errors_are_user_errors(server, tmp_path):
     with pytest.raises(UserError, match="HTTP 404"):
-        data.fetch(tmp_path / "data", server.url("/missing.tar.gz"), "a" * 64, progress=False)
+        download.fetch(tmp_path / "data", server.url("/missing.tar.gz"), "a" * 64, progress=False)
 
 
 def _evil_members(kind: str, outside: Path):
@@ -302,9 +303,9 @@ def test_an_unsafe_archive_is_refused_and_nothing_is_written(server, tmp_path, k
     server.files[ARCHIVE_PATH] = payload
     root = tmp_path / "data"
     with pytest.raises(UserError, match=r"refusing to extract .*unsafe member.*nothing was extracted"):
-        data.fetch(root, server.url(ARCHIVE_PATH), hashlib.sha256(payload).hexdigest(), progress=False)
+        download.fetch(root, server.url(ARCHIVE_PATH), hashlib.sha256(payload).hexdigest(), progress=False)
     assert not outside.exists()
-    assert _leftovers(root) == [data.ARCHIVE_NAME]  # only the verified download: no folders, no temporary files
+    assert _leftovers(root) == [download.ARCHIVE_NAME]  # only the verified download: no folders, no temporary files
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
 
@@ -328,7 +329,7 @@ def test_a_folder_with_part_of_a_dataset_is_refused(tmp_path):
     root = tmp_path / "data"
     (root / "original").mkdir(parents=True)
     with pytest.raises(UserError, match=r"already holds part of a dataset \(original\)"):
-        data.fetch(root, progress=False)
+        download.fetch(root, progress=False)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -356,7 +357,7 @@ def test_a_release_that_fails_the_check_is_not_fetched_and_its_archive_is_kept(s
         error = err.splitlines()[-1]
         assert code == 2 and out == "" and error.startswith("error: ") and err.count("error:") == 1, err
         assert "mixed_next/val" in error and "08_fish" in error and "not a usable release" in error
-        assert _leftovers(root) == [data.ARCHIVE_NAME]  # nothing extracted, the archive kept for the next try
+        assert _leftovers(root) == [download.ARCHIVE_NAME]  # nothing extracted, the archive kept for the next try
         errors.append(error)
     assert errors[0] == errors[1] and len(server.requests) == 1  # downloaded once
 
@@ -366,7 +367,7 @@ def test_a_folder_holding_every_variation_is_checked_before_it_is_called_fetched
     archive = tmp_path / "release.tar.gz"
     archive.write_bytes(payload)
     root = tmp_path / "data"
-    data.fetch(root, archive=archive, sha256=sha, progress=False)
+    download.fetch(root, archive=archive, sha256=sha, progress=False)
     code, out, _ = _run_cli(["fetch", "--data-path", str(root), "--no-progress"], capsys)
     assert code == 0 and "nothing fetched" in out
     shutil.rmtree(root / "only_fg" / "val" / "03_reptile")
@@ -406,8 +407,8 @@ def test_an_interrupted_extraction_leaves_the_archive_and_nothing_else(server, r
     stderr = finished.stderr
     assert finished.returncode == code, stderr
     assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
-    assert _leftovers(root) == [data.ARCHIVE_NAME]  # no hidden .extract-* folder; the download is kept
-    result = data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
+    assert _leftovers(root) == [download.ARCHIVE_NAME]  # no hidden .extract-* folder; the download is kept
+    result = download.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
     assert result.downloaded_bytes == 0 and len(server.requests) == 1  # the next run extracts it
     _assert_release_layout(root)
 
@@ -422,7 +423,7 @@ def test_a_fetch_removes_the_extraction_folders_of_fetches_that_died(server, rel
     running = root / f".extract-{socket.gethostname()}-{os.getpid()}-0a1b2c3d"
     for folder in (stale, running):
         (folder / "original" / "val").mkdir(parents=True)
-    data.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
+    download.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
     _assert_release_layout(root)
     assert not stale.exists() and running.exists()
 

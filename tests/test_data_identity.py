@@ -16,7 +16,8 @@ from PIL import Image
 import challenge_eval
 import in9_eval
 from tests.conftest import run_in_process
-from tools import cli, synthetic
+from tools import cli
+from tools.data import synthetic
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,7 @@ def test_the_cache_returns_exactly_what_was_decoded(arithmetic, pristine, tmp_pa
     import torch  # noqa: PLC0415
 
     from tools.challenge import list_challenge_files, load_challenge_data  # noqa: PLC0415
-    from tools.compositing import MaskArithmetic  # noqa: PLC0415
+    from tools.data.compositing import MaskArithmetic  # noqa: PLC0415
 
     files = list_challenge_files(pristine, workers=1)
     mode = MaskArithmetic(arithmetic)

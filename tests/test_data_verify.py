@@ -10,10 +10,11 @@ import pytest
 from PIL import Image
 
 from tests.conftest import run_in_process
-from tools import data, synthetic
+from tools import data
+from tools.data import synthetic
 from tools.data import cli as data_cli
 from tools.errors import UserError
-from tools.layout import list_foregrounds, list_variation
+from tools.data.layout import list_foregrounds, list_variation
 from tools.in9 import class_folder_names, MASK_FOLDER, VARIATIONS
 
 CLASSES = class_folder_names()

@@ -12,11 +12,12 @@ import torch
 
 import train
 from conftest import run_in_process
-from tools import cli, runtime, synthetic
+from tools import cli, runtime
+from tools.data import synthetic
 from tools.errors import UserError
-from tools.models import SMALL_CNN
+from tools.models.boundary import SMALL_CNN
 from tools.runtime import Precision, Runtime
-from tools.sources import load_model
+from tools.models.sources import load_model
 from tools.training import data as training_data
 from tools.training import loop
 from tools.training.config import Method, TrainConfig

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from tests import collective_guard
 from tests.conftest import run_in_process, run_in_processes, save_torchscript
 from tests.test_challenge import TinyCNN
-from tools import cli, distributed, synthetic, zoo
+from tools import cli, distributed, zoo
+from tools.data import synthetic
 from tools.challenge import STATE_NAME, CompositePredictor, SearchState
 from tools.challenge.scheduler import split_untested
 from tools.runtime import Runtime
@@ -411,7 +412,7 @@ def _shared_challenge(data: Path, checkpoint: Path, output_dir: Path, full: bool
 def _challenge(data: Path, checkpoint: Path, output_dir: Path, full: bool, resume: bool, runtime):
     """The challenge with the state saved at every chance (save_every 0)."""
     from tools.challenge import ChallengeConfig, run_challenge  # noqa: PLC0415
-    from tools.sources import load_model  # noqa: PLC0415
+    from tools.models.sources import load_model  # noqa: PLC0415
     config = ChallengeConfig(batch_size=5 if full else 2, full=full, save_every=0.0, progress=False)
     return run_challenge(load_model(checkpoint=checkpoint), runtime, data, config, output_dir=output_dir,
                          resume=resume, workers=1)

@@ -25,10 +25,11 @@ from torch import nn
 import in9_eval
 import reference
 from conftest import save_torchscript
-from tools import __version__, cli, synthetic
+from tools import __version__, cli
+from tools.data import synthetic
 from tools.evaluate import evaluate_variations
 from tools.in9 import class_folder_names, VARIATIONS, class_names
-from tools.sources import load_model
+from tools.models.sources import load_model
 from tools.runtime import Runtime
 
 REPO = Path(__file__).resolve().parents[1]

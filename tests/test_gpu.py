@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from tests.conftest import save_torchscript
-from tools import challenge, synthetic
+from tools import challenge
+from tools.data import synthetic
 from tools.challenge import ChallengeConfig, run_challenge
-from tools.compositing import blend
+from tools.data.compositing import blend
 from tools.evaluate import evaluate_variations
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
-from tools.models import PixelModel
-from tools.pixels import unit_floats
-from tools.sources import load_model
+from tools.models.boundary import PixelModel
+from tools.data.pixels import unit_floats
+from tools.models.sources import load_model
 from tools.runtime import Precision, Runtime
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -19,10 +19,10 @@ from torchvision.transforms.functional import to_tensor
 
 from conftest import save_torchscript
 from tools.errors import UserError
-from tools.hashing import sha256_file
+from tools.data.hashing import sha256_file
 from tools.in9 import Normalization
-from tools.models import PixelModel
-from tools.sources import load_model
+from tools.models.boundary import PixelModel
+from tools.models.sources import load_model
 
 # The figures of the reference README, written out: the toolkit's constants are checked against these.
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -264,7 +264,7 @@ def test_pretrained_weights_download_once_into_torch_cache_and_print_nothing(pix
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
     # the toolkit's own notice goes through logging, here to caplog alone (not to a handler an earlier test left)
     monkeypatch.setattr(logging.getLogger(), "handlers", [caplog.handler])
-    caplog.set_level(logging.INFO, logger="tools.sources")
+    caplog.set_level(logging.INFO, logger="tools.models.sources")
     served = resnet18(1000, seed=3)
     url, served_file = serve_as_torchvision_weights(served, tmp_path, monkeypatch)
     fetched = []
@@ -364,11 +364,12 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     """A source is one function and one registration; its own statistics go inside the model."""
     import in9_eval  # noqa: PLC0415
     from tests.conftest import run_in_process  # noqa: PLC0415
-    from tools import cli, synthetic  # noqa: PLC0415
+    from tools import cli  # noqa: PLC0415
+    from tools.data import synthetic  # noqa: PLC0415
     from tools.evaluate import evaluate_variations  # noqa: PLC0415
-    from tools.models import wrap  # noqa: PLC0415
+    from tools.models.boundary import wrap  # noqa: PLC0415
     from tools.runtime import Runtime  # noqa: PLC0415
-    from tools.sources import SOURCES, register_source  # noqa: PLC0415
+    from tools.models.sources import SOURCES, register_source  # noqa: PLC0415
 
     stats = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
     built = []

@@ -23,12 +23,17 @@ import challenge_eval
 import in9_eval
 import train
 from tests.conftest import run_in_process, save_torchscript
-from tools import analysis, challenge, cli, datasets, leaderboard, merge, report, synthetic, zoo
+from tools import challenge, cli, merge, zoo
+from tools.results import analysis
+from tools.data import decoding as datasets
+from tools.results import leaderboard
+from tools.results import report
+from tools.data import synthetic
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.data import cli as data_cli
 from tools.evaluate import run_in9
 from tools.in9 import VARIATIONS
-from tools.sources import load_model
+from tools.models.sources import load_model
 from tools.runtime import Runtime
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +66,7 @@ COMMANDS = {
     "tools.zoo": (zoo.main, ["--models", "file:{missing}/model.pt", "--data-path", "{missing}/data",
                              "--device", "cpu"]),
     "tools.merge": (merge.main, ["{missing}/shards"]),
-    "tools.report": (report.main, ["--in9", "{missing}/in9.json"]),
+    "tools.results.report": (report.main, ["--in9", "{missing}/in9.json"]),
     "tools.data build": (data_cli.main, ["build", "--images", "{missing}/images", "--boxes", "{missing}/boxes.csv"]),
 }
 
@@ -76,7 +81,7 @@ CASES = [
     ("tools.zoo", "--leaderboard-only", "a file"),
     ("tools.merge", "--results-file", "under a file"), ("tools.merge", "--output-dir", "a file"),
     ("tools.merge", "--per-foreground-csv", "a folder"), ("tools.merge", "--report", "a folder"),
-    ("tools.report", "--output", "a folder"), ("tools.report", "--output", "under a file"),
+    ("tools.results.report", "--output", "a folder"), ("tools.results.report", "--output", "under a file"),
     ("tools.data build", "--out", "under a file"), ("tools.data build", "--out", "a file"),
 ]
 
@@ -116,7 +121,7 @@ def test_read_only_output_folder_is_refused(tmp_path, capsys):
 
 
 OUTPUT_FLAG = {"in9_eval": "--results-file", "challenge_eval": "--results-file", "train": "--output-dir",
-               "tools.zoo": "--output-dir", "tools.merge": "--results-file", "tools.report": "--output",
+               "tools.zoo": "--output-dir", "tools.merge": "--results-file", "tools.results.report": "--output",
                "tools.data build": "--out"}
 
 
@@ -270,9 +275,9 @@ def test_a_write_that_fails_midway_leaves_the_old_files(writer, full_run, datase
 # Writers that may write in place: they fill a folder that only a finished run renames into place, or append.
 IN_PLACE_WRITERS = {
     "tools/provenance.py": {"atomic_write"},  # the helper itself
-    "tools/datasets.py": {"save"},  # a cache entry, written inside a temporary folder renamed into place
+    "tools/data/decoding.py": {"save"},  # a cache entry, written inside a temporary folder renamed into place
     "tools/training/loop.py": {"write"},  # train_log.jsonl, appended to one line at a time
-    "tools/synthetic.py": None,  # a generated data set (the whole module)
+    "tools/data/synthetic.py": None,  # a generated data set (the whole module)
     "tools/data/builder.py": None,  # a built data set
     "tools/data/download.py": None,  # a resumable download, extracted into a temporary folder
 }

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tools import synthetic
-from tools.compositing import blend
-from tools.models import PixelModel, SmallCNN
+from tools.data import synthetic
+from tools.data.compositing import blend
+from tools.models.boundary import PixelModel, SmallCNN
 
 DIVISIONS = {torch.ops.aten.div, torch.ops.aten.div_, torch.ops.aten.true_divide, torch.ops.aten.true_divide_}
 MULTIPLICATIONS = {torch.ops.aten.mul, torch.ops.aten.mul_}
@@ -94,7 +94,7 @@ def test_pixel_model_and_blend_scale_no_image_by_a_scalar(device):
 
 
 def test_training_with_mixup_scales_no_image_by_a_scalar(tmp_path, one_thread):
-    from tools.models import SMALL_CNN  # noqa: PLC0415
+    from tools.models.boundary import SMALL_CNN  # noqa: PLC0415
     from tools.training import loop  # noqa: PLC0415
     from tools.training.config import Method, TrainConfig  # noqa: PLC0415
 
@@ -110,7 +110,7 @@ def test_training_with_mixup_scales_no_image_by_a_scalar(tmp_path, one_thread):
 def test_unit_floats_are_to_tensor_s_for_every_byte_value():
     from torchvision.transforms.functional import to_tensor  # noqa: PLC0415
 
-    from tools import pixels  # noqa: PLC0415
+    from tools.data import pixels  # noqa: PLC0415
 
     values = np.arange(256, dtype=np.uint8).reshape(16, 16, 1)
     expected = to_tensor(values).view(torch.int32)  # (1, 16, 16): the original's floats, as bits
@@ -122,7 +122,7 @@ def test_unit_floats_are_to_tensor_s_for_every_byte_value():
 
 def test_unit_floats_keep_the_layout_on_any_device():
     images = torch.randint(0, 256, (2, 3, 4, 5), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
-    from tools import pixels  # noqa: PLC0415
+    from tools.data import pixels  # noqa: PLC0415
 
     for scaled in (pixels.unit_floats(images), pixels.table_floats(images)):
         assert scaled.is_contiguous(memory_format=torch.channels_last)

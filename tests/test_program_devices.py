@@ -15,7 +15,7 @@ from torch import nn
 
 from tools.errors import UserError
 from tools.runtime import Runtime
-from tools.sources import load_model
+from tools.models.sources import load_model
 
 META = torch.device("meta")
 IMAGE = (3, 224, 224)  # the loader's probe feeds full-size images

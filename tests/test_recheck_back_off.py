@@ -10,9 +10,9 @@ import torch
 
 from conftest import TINY_CLIP
 from tools.challenge import ROBUST, VULNERABLE, ChallengeConfig, run_challenge
-from tools.models import LoadedModel, PixelModel
+from tools.models.boundary import LoadedModel, PixelModel
 from tools.runtime import Precision, Runtime
-from tools.sources import load_model
+from tools.models.sources import load_model
 
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 

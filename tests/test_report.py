@@ -11,12 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from tools import analysis, datasets, layout, report, synthetic
-from tools.categories import Category, prediction_categories
+from tools.results import analysis
+from tools.data import decoding as datasets
+from tools.data import layout
+from tools.results import report
+from tools.data import synthetic
+from tools.results.categories import Category, prediction_categories
 from tools.challenge import list_challenge_files
 from tools.evaluate import run_in9
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS, class_names
-from tools.models import LoadedModel, PixelModel
+from tools.models.boundary import LoadedModel, PixelModel
 from tools.provenance import provenance
 from tools.runtime import Runtime
 
@@ -24,7 +28,7 @@ NAMES = class_names()
 
 
 class GridColourModel(torch.nn.Module):
-    """tools.synthetic's colour-evidence classifier on every fourth pixel: the same kind of answers, quicker."""
+    """tools.data.synthetic's colour-evidence classifier on every fourth pixel: the same kind of answers, quicker."""
 
     def __init__(self):
         super().__init__()
@@ -186,7 +190,7 @@ def test_command_line_merges_json_files(in9_results, challenge_results, tmp_path
      "{tmp}/challenge.json holds challenge results (challenge_eval.py --results-file), not IN-9 results; pass it "
      "as --challenge"),
     (["--challenge", "{tmp}/broken.json"], "cannot read challenge file {tmp}/broken.json"),
-    (["--analysis-dir", "{tmp}"], "run `python -m tools.analysis {tmp}` first"),
+    (["--analysis-dir", "{tmp}"], "run `python -m tools.results.analysis {tmp}` first"),
 ])
 def test_command_line_errors_are_one_line(args, message, tmp_path, capsys):
     (tmp_path / "challenge.json").write_text(json.dumps({"challenge_accuracy": 50.0}))

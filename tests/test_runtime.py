@@ -85,7 +85,7 @@ class RecordsItsMath(torch.nn.Module):
 @pytest.mark.parametrize("precision", [Precision.TF32, Precision.BF16])
 def test_the_recheck_runs_in_true_fp32_and_restores_the_flags(precision, dataset):
     from tools.challenge import ChallengeConfig, run_challenge  # noqa: PLC0415
-    from tools.models import LoadedModel, PixelModel  # noqa: PLC0415
+    from tools.models.boundary import LoadedModel, PixelModel  # noqa: PLC0415
 
     torch.manual_seed(0)
     recorder = RecordsItsMath()

@@ -12,7 +12,8 @@ import pytest
 import challenge_eval
 import in9_eval
 from tests.conftest import run_in_process, save_torchscript
-from tools import cli, merge, synthetic
+from tools import cli, merge
+from tools.data import synthetic
 
 TIMING = ("wall_time_s", "composites_per_s", "composites_evaluated")
 

@@ -22,9 +22,10 @@ import in9_eval
 import train
 from conftest import run_in_process, run_in_processes
 from tests import collective_guard
-from tools import cli, distributed, synthetic
-from tools.checkpoints import TRAINED_FORMAT
-from tools.models import SMALL_CNN, SmallCNN
+from tools import cli, distributed
+from tools.data import synthetic
+from tools.models.checkpoints import TRAINED_FORMAT
+from tools.models.boundary import SMALL_CNN, SmallCNN
 from tools.training import loop
 from tools.training.checkpoint import CHECKPOINT_NAME, STATE_NAME
 from tools.training.config import Method, TrainConfig

@@ -21,11 +21,12 @@ from PIL import Image
 import challenge_eval
 import in9_eval
 from conftest import run_in_process, save_torchscript
-from tools import challenge, cli, evaluate, synthetic, zoo
+from tools import challenge, cli, evaluate, zoo
+from tools.data import synthetic
 from tools.errors import UserError
-from tools.hashing import sha256_file
+from tools.data.hashing import sha256_file
 from tools.in9 import VARIATIONS
-from tools.leaderboard import (CSV_FILE, MARKDOWN_FILE, MEASURED, PLOT_FILE, PLOT_SIZE, PUBLISHED, nice_ticks,
+from tools.results.leaderboard import (CSV_FILE, MARKDOWN_FILE, MEASURED, PLOT_FILE, PLOT_SIZE, PUBLISHED, nice_ticks,
                                published_rows)
 
 TIMING_KEYS = {"wall_time_s", "composites_per_s"}

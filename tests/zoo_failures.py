@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import sys
 
-from tools import datasets, zoo
+from tools import zoo
+from tools.data import decoding as datasets
 from tools.challenge import CompositePredictor, SearchState
 from tools.challenge import search
 from tools.errors import UserError

@@ -2,7 +2,7 @@
 
     python -m tools.demo [--out demo] [--per-class 10]
 
-Needs no download: the data come from tools.synthetic and the model is its ColorEvidenceModel saved as
+Needs no download: the data come from tools.data.synthetic and the model is its ColorEvidenceModel saved as
 TorchScript, so the printed numbers are those of a toy model, not of any published result.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tools import synthetic
+from tools.data import synthetic
 from tools.in9 import IMAGE_SIZE
 from tools.provenance import atomic_write
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
          "--results-file", str(args.out / "in9.json"), *common],
         [sys.executable, str(ROOT / "challenge_eval.py"), "--full", "--analysis", "--no-cache",
          "--results-file", str(args.out / "challenge.json"), *common],
-        [sys.executable, "-m", "tools.report", "--in9", str(args.out / "in9.json"), "--challenge",
+        [sys.executable, "-m", "tools.results.report", "--in9", str(args.out / "in9.json"), "--challenge",
          str(args.out / "challenge.json"), "--analysis-dir", str(args.out / "results"), "--output",
          str(args.out / "report.md")],
     ]

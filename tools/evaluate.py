@@ -12,15 +12,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tools import datasets, distributed, layout
-from tools.data import quick_check
+from tools import distributed
+from tools.data import decoding as datasets
+from tools.data import layout
+from tools.data.check import quick_check
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, Variation, PredictionMap, class_names
-from tools.models import LoadedModel
-from tools.hashing import fingerprint
-from tools.categories import CATEGORY_VARIATIONS, format_categories, prediction_categories
+from tools.models.boundary import LoadedModel
+from tools.data.hashing import fingerprint
+from tools.results.categories import CATEGORY_VARIATIONS, format_categories, prediction_categories
 from tools.provenance import RESUME_HINT, OutputFiles, provenance, write_json_atomic
-from tools.report import write_report
+from tools.results.report import write_report
 from tools.runtime import Forward, Runtime
 from tools.shards import NOT_MINE, Shard
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools import layout
+from tools.data import layout
 from tools.challenge.data import ChallengeFiles
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import Criterion

@@ -12,15 +12,15 @@ from pathlib import Path
 from tools import distributed
 from tools.challenge import ChallengeConfig, Criterion
 from tools.cli import BooleanFlag, add_log_level_argument, positive_number
-from tools.compositing import MaskArithmetic
-from tools.datasets import default_cache_dir
-from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
+from tools.data.compositing import MaskArithmetic
+from tools.data.decoding import default_cache_dir
+from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
-from tools.checkpoints import program_kind
-from tools.models import DEFAULT_ARCH, SMALL_CNN, TIMM_PREFIX, LoadedModel
+from tools.models.checkpoints import program_kind
+from tools.models.boundary import DEFAULT_ARCH, SMALL_CNN, TIMM_PREFIX, LoadedModel
 from tools.provenance import check_outputs
-from tools.sources import load_model
+from tools.models.sources import load_model
 from tools.shards import shard_spec
 from tools.runtime import Precision, Runtime, resolve_device, seed_everything
 from tools.threads import default_workers

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from tools.errors import NUMPY_READ_ERRORS, UserError
-from tools.hashing import sha256_file
+from tools.data.hashing import sha256_file
 from tools.provenance import atomic_write, write_json_atomic
 
 CHALLENGE_PATTERN = "challenge-shard-{index}-of-{count}"

@@ -36,11 +36,11 @@ from tools import cli, distributed, options
 from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, list_challenge_files, run_challenge
 from tools.errors import UserError
 from tools.evaluate import In9Files, list_in9_files, run_in9
-from tools.hashing import sha256_file
+from tools.data.hashing import sha256_file
 from tools.in9 import VARIATIONS
-from tools.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
-from tools.models import TIMM_PREFIX, LoadedModel
-from tools.sources import CLIP_PREFIX, FILE_PREFIX, load_model
+from tools.results.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
+from tools.models.boundary import TIMM_PREFIX, LoadedModel
+from tools.models.sources import CLIP_PREFIX, FILE_PREFIX, load_model
 from tools.provenance import check_outputs, write_json_atomic
 from tools.runtime import Runtime, default_batch_size
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tools import datasets, layout
-from tools.compositing import MaskArithmetic, byte_masks
-from tools.data import quick_check
-from tools.hashing import fingerprint
+from tools.data import decoding as datasets
+from tools.data import layout
+from tools.data.compositing import MaskArithmetic, byte_masks
+from tools.data.check import quick_check
+from tools.data.hashing import fingerprint
 from tools.in9 import Variation
 
 

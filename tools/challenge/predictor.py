@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from tools.challenge.data import ChallengeData
-from tools.compositing import MaskArithmetic, blend, composite
+from tools.data.compositing import MaskArithmetic, blend, composite
 from tools.in9 import PredictionMap
-from tools.models import LoadedModel
+from tools.models.boundary import LoadedModel
 from tools.runtime import CPU_BATCH_CANDIDATES, Forward, Runtime, default_batch_size, to_device
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class CompositePredictor:
 
     def composite(self, fg_idx: torch.Tensor, bg_idx: torch.Tensor) -> torch.Tensor:
         """The composites of the pairs, on the device: uint8 on the byte path, float in [0, 1] with the
-        original's arithmetic (see tools.compositing)."""
+        original's arithmetic (see tools.data.compositing)."""
         d = self.data
         join = composite if d.arithmetic is MaskArithmetic.BINARY else blend
         batch = join(d.fg_images.index_select(0, fg_idx), d.bg_images.index_select(0, bg_idx),

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.analysis import (BACKGROUND_COLUMNS, BACKGROUNDS_FILE, FOREGROUND_COLUMNS, FOREGROUNDS_FILE, META_FILE,
+from tools.results.analysis import (BACKGROUND_COLUMNS, BACKGROUNDS_FILE, FOREGROUND_COLUMNS, FOREGROUNDS_FILE, META_FILE,
                             PREDICTIONS_FILE, summary_lines, write_analysis)
 from tools.challenge.data import Pairs
 from tools.challenge.scheduler import Criterion
 from tools.challenge.state import VULNERABLE, SearchState
 from tools.in9 import class_names
 from tools.provenance import RESUME_HINT, OutputFiles, atomic_write, write_json_atomic
-from tools.report import write_report
+from tools.results.report import write_report
 
 
 @dataclass
@@ -85,7 +85,7 @@ class ChallengeResult:
                                  (names[pred] if pred >= 0 else "none of IN-9") if b >= 0 else ""])
 
     def write_full_outputs(self, output_dir: Path, data_path: Path, num_classes: int) -> None:
-        """The prediction matrix and its index files, for tools.analysis."""
+        """The prediction matrix and its index files, for tools.results.analysis."""
         output_dir = Path(output_dir)
         with atomic_write(output_dir / PREDICTIONS_FILE, "wb") as fh:
             np.save(fh, self.state.matrix)

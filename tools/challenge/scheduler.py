@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tools.challenge.state import ROBUST, UNKNOWN, VULNERABLE, SearchState
-from tools.compositing import MaskArithmetic
+from tools.data.compositing import MaskArithmetic
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
 
 

@@ -17,7 +17,7 @@ from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import ChallengeConfig, Scheduler, split_untested
 from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState
 from tools.in9 import UNMAPPED
-from tools.models import LoadedModel
+from tools.models.boundary import LoadedModel
 from tools.provenance import provenance
 from tools.runtime import Runtime
 from tools.shards import Shard

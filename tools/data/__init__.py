@@ -6,13 +6,3 @@ verify  checks the folder layout both scripts read and prints a variation x clas
         every problem found; `quick_check` is the fast form the scripts run before they start.
 build   makes the eight variations and fg_mask from labelled images with one bounding box each,
         following the paper's Appendix A (resize 256, centre crop 224, four filters, GrabCut masks)."""
-
-# The package: `download` (fetch), `check` (verify_layout, quick_check), `builder` (build), `cli`.
-
-from tools.data.builder import SUMMARY_NAME, BuildResult, build
-from tools.data.check import VerifyReport, quick_check, verify_layout
-from tools.data.download import ARCHIVE_NAME, BAD_SUFFIX, PART_SUFFIX, RELEASE_SHA256, RELEASE_SIZE, RELEASE_URL, fetch
-from tools.layout import MIXED
-
-__all__ = ["ARCHIVE_NAME", "BAD_SUFFIX", "MIXED", "PART_SUFFIX", "RELEASE_SHA256", "RELEASE_SIZE", "RELEASE_URL",
-           "SUMMARY_NAME", "BuildResult", "VerifyReport", "build", "fetch", "quick_check", "verify_layout"]

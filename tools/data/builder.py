@@ -16,8 +16,10 @@ from typing import Mapping
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from tools import boxes as boxes_mod, grabcut, variations
-from tools.layout import IMAGE_EXTENSIONS, LAYOUT_NAMES, MASK_EXTENSION, MIXED, list_folder
+from tools.data import boxes as boxes_mod
+from tools.data import grabcut
+from tools.data import variations
+from tools.data.layout import IMAGE_EXTENSIONS, LAYOUT_NAMES, MASK_EXTENSION, MIXED, list_folder
 
 from tools.threads import default_workers, map_in_threads
 from tools.errors import NUMPY_READ_ERRORS, UserError

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from tools import grabcut
+from tools.data import grabcut
 from tools.cli import add_log_level_argument, positive_number, run_main
 from tools.threads import default_workers
 from tools.errors import UserError
@@ -19,7 +19,7 @@ from tools.data.download import DEFAULT_TIMEOUT_S, RELEASE_URL, fetch
 from tools.data.check import verify_layout
 from tools.in9 import SPLIT, TRAIN_SPLIT
 from tools.provenance import check_outputs
-from tools.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root, default_data_root
+from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root, default_data_root
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ from tqdm import tqdm
 
 from tools import __version__
 from tools.errors import UserError
-from tools.hashing import sha256_file
+from tools.data.hashing import sha256_file
 from tools.in9 import MASK_FOLDER, VARIATIONS
 
 from tools.data.check import VerifyReport, quick_scan
 from tools.data.temporary import temporary_folder
-from tools.layout import LAYOUT_NAMES
+from tools.data.layout import LAYOUT_NAMES
 
 log = logging.getLogger(__name__)
 

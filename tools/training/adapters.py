@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tools.errors import UserError
-from tools.models import PixelModel
+from tools.models.boundary import PixelModel
 from tools.training.config import Adapter, Freeze, TrainConfig
 
 log = logging.getLogger(__name__)

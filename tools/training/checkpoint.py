@@ -15,7 +15,7 @@ from torch import nn
 
 from tools.errors import UserError, first_line
 from tools.in9 import NUM_IN9_CLASSES
-from tools.checkpoints import TRAINED_FORMAT
+from tools.models.checkpoints import TRAINED_FORMAT
 from tools.provenance import atomic_write
 from tools.runtime import Precision
 

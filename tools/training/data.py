@@ -2,7 +2,7 @@
 
 Workers only decode and draw each sample's random choices from its own seed, so a batch is the same with any
 number of workers, processes or restarts. The device then pastes each swapped foreground on its background
-(tools.compositing, the challenge's function) and applies the crop and flip to the composite: the label,
+(tools.data.compositing, the challenge's function) and applies the crop and flip to the composite: the label,
 the foreground and its mask stay aligned because the augmentation sees one finished image.
 """
 
@@ -16,8 +16,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from tools import datasets, layout
-from tools.compositing import byte_masks, composite
+from tools.data import decoding as datasets
+from tools.data import layout
+from tools.data.compositing import byte_masks, composite
 from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, TRAIN_SPLIT, Variation
 from tools.runtime import to_device

@@ -10,10 +10,10 @@ from tools.challenge import ChallengeConfig, run_challenge
 from tools.errors import UserError
 from tools.evaluate import run_in9
 from tools.in9 import VARIATIONS
-from tools.models import LoadedModel
-from tools.sources import load_model
+from tools.models.boundary import LoadedModel
+from tools.models.sources import load_model
 from tools.provenance import write_json_atomic, write_text_atomic
-from tools.report import markdown_table, percent
+from tools.results.report import markdown_table, percent
 from tools.runtime import Runtime, default_batch_size, resolve_device
 from tools.training.config import TrainConfig
 from tools.training.loop import TrainResult

@@ -20,13 +20,13 @@ from torch import nn
 from tqdm import tqdm
 
 from tools import distributed
-from tools.hashing import fingerprint as content_fingerprint
+from tools.data.hashing import fingerprint as content_fingerprint
 from tools.errors import UserError
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
-from tools.models import DEFAULT_ARCH, LoadedModel, build_architecture, classifier_keys
-from tools.pixels import unit_floats
+from tools.models.boundary import DEFAULT_ARCH, LoadedModel, build_architecture, classifier_keys
+from tools.data.pixels import unit_floats
 from tools.provenance import write_text_atomic
-from tools.sources import load_model
+from tools.models.sources import load_model
 from tools.runtime import Runtime, check_antialias, resolve_device
 from tools.training import adapters
 from tools.training.checkpoint import (CHECKPOINT_NAME, STATE_NAME, load_resume_state, save_atomic,

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from tools.analysis import default_font
+from tools.results.analysis import default_font
 from tools.errors import UserError
 from tools.in9 import Variation
 from tools.provenance import atomic_write, write_text_atomic
-from tools.report import markdown_table
+from tools.results.report import markdown_table
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from tools.errors import UserError
-from tools.variations import Box
+from tools.data.variations import Box
 
 DEFAULT_ITERATIONS = 5
 INSTALL_HINT = "pip install opencv-python-headless (or the toolkit's extra: pip install 'bg-challenge-toolkit[opencv]')"

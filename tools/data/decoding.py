@@ -20,7 +20,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
-from tools.compositing import MaskArithmetic, original_weights
+from tools.data.compositing import MaskArithmetic, original_weights
 from tools.data.temporary import is_running
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE

@@ -12,7 +12,7 @@ from torch import nn
 
 from tools.errors import UserError
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
-from tools.pixels import unit_floats
+from tools.data.pixels import unit_floats
 
 log = logging.getLogger(__name__)
 

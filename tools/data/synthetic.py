@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from tools import variations
+from tools.data import variations
 from tools.in9 import (IMAGE_SIZE, IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD, MASK_FOLDER, NUM_IMAGENET_CLASSES,
                        NUM_IN9_CLASSES, SPLIT, UNMAPPED, Variation, class_folder_names, in_to_in9_table)
 

@@ -6,7 +6,7 @@ Two arithmetics, both on uint8 NCHW images:
 - `blend`: the original's float arithmetic for any mask values (`--mask-arithmetic original`): the weight
   is `uint8(mask) * 255` wrapped in uint8, then divided by 255, and the result is `bg * (1 - w) + fg * w`
   in float32 on the [0, 1] scale, as the original computes it after ToTensor (the bytes become ToTensor's
-  floats through `tools.pixels.unit_floats` on every device).
+  floats through `tools.data.pixels.unit_floats` on every device).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import enum
 import numpy as np
 import torch
 
-from tools.pixels import unit_floats
+from tools.data.pixels import unit_floats
 
 
 class MaskArithmetic(str, enum.Enum):

@@ -40,11 +40,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from tools.datasets import DecodedCache, default_cache_dir
+from tools.data.decoding import DecodedCache, default_cache_dir
 from tools.errors import UserError, first_line
-from tools.hashing import sha256_file
+from tools.data.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
-from tools.models import LoadedModel, close_matches, wrap
+from tools.models.boundary import LoadedModel, close_matches, wrap
 from tools.runtime import Forward, Runtime, check_antialias
 
 log = logging.getLogger(__name__)

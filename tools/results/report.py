@@ -4,7 +4,7 @@ Any subset of the inputs works; a section whose results are absent says "Not run
 to be what their flags say, complete, and of one model on one data set (`--allow-mixed` reports results that
 are not, with a warning at the top).
 
-    python -m tools.report --in9 in9.json --challenge challenge.json --analysis-dir bg_results \\
+    python -m tools.results.report --in9 in9.json --challenge challenge.json --analysis-dir bg_results \\
         --categories categories.json --output report.md
 """
 
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Sequence
 
 from tools import __version__
-from tools.analysis import FIGURE_FILE, SUMMARY_FILE
-from tools.categories import CATEGORY_TITLES, Category
+from tools.results.analysis import FIGURE_FILE, SUMMARY_FILE
+from tools.results.categories import CATEGORY_TITLES, Category
 from tools.cli import add_log_level_argument, run_main
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, class_names
@@ -264,8 +264,8 @@ KINDS = {
                       "pass the --results-file of challenge_eval.py",
                       {"challenge_accuracy": None, "vulnerable": None, "total": None, "vulnerable_percent": None,
                        "provenance": None, "per_class": {EACH: {"vulnerable": None, "total": None}}}),
-    "analysis": Kind("analysis", "an analysis", "python -m tools.analysis", "--analysis-dir",
-                     "pass the folder tools.analysis wrote to",
+    "analysis": Kind("analysis", "an analysis", "python -m tools.results.analysis", "--analysis-dir",
+                     "pass the folder tools.results.analysis wrote to",
                      {"foregrounds": None, "backgrounds": None, "top_k": None,
                       "per_class": {EACH: {"fool_rate": None, "backgrounds": None, "mean_asr": None,
                                            "max_asr": None, "asr_histogram": None,
@@ -364,7 +364,7 @@ def load_inputs(in9: Path | None = None, challenge: Path | None = None, analysis
         inputs["challenge"] = read_results(challenge, "challenge")
     if analysis_dir is not None:
         inputs["analysis"] = read_results(Path(analysis_dir) / SUMMARY_FILE, "analysis",
-                                          f"run `python -m tools.analysis {analysis_dir}` first")
+                                          f"run `python -m tools.results.analysis {analysis_dir}` first")
         inputs["analysis"]["output_dir"] = str(Path(analysis_dir).resolve())  # where the figure is now
     if categories is not None:
         inputs["categories"] = read_results(categories, "categories")
@@ -425,14 +425,14 @@ def check_inputs_belong_together(inputs: dict, allow_mixed: bool) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.report",
+    parser = argparse.ArgumentParser(prog="python -m tools.results.report",
                                      description="Merge results files into one Markdown report.")
     parser.add_argument("--in9", type=Path, default=None, metavar="PATH",
                         help="results JSON of in9_eval.py --results-file (default: none)")
     parser.add_argument("--challenge", type=Path, default=None, metavar="PATH",
                         help="results JSON of challenge_eval.py --results-file (default: none)")
     parser.add_argument("--analysis-dir", type=Path, default=None, metavar="DIR",
-                        help=f"folder holding {SUMMARY_FILE} and {FIGURE_FILE} from tools.analysis (default: none)")
+                        help=f"folder holding {SUMMARY_FILE} and {FIGURE_FILE} from tools.results.analysis (default: none)")
     parser.add_argument("--categories", type=Path, default=None, metavar="PATH",
                         help="prediction-categories JSON (default: the 'categories' entry of --in9, if any)")
     parser.add_argument("--output", type=Path, default=Path("report.md"), metavar="PATH",

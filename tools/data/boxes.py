@@ -1,6 +1,6 @@
 """Bounding boxes: reading box files (Pascal VOC XML or CSV) and carrying boxes through the resize and crop.
 
-Every box here is (x0, y0, x1, y1) in pixels, half-open as in tools.variations: it covers columns
+Every box here is (x0, y0, x1, y1) in pixels, half-open as in tools.data.variations: it covers columns
 x0..x1-1 and rows y0..y1-1, so x1 - x0 is its width. Boxes read from files stay floats until
 `pixel_box` rounds them outwards onto the pixel grid of the crop.
 
@@ -31,7 +31,7 @@ from PIL import Image
 
 from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE
-from tools.variations import Box
+from tools.data.variations import Box
 
 RESIZE_SIZE = 256  # the shorter side after resizing, as torchvision's Resize(256) in the original pipeline
 CSV_COLUMNS = ("image", "xmin", "ymin", "xmax", "ymax")

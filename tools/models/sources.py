@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from tools import checkpoints
+from tools.models import checkpoints
 from tools.errors import UserError, first_line
-from tools.hashing import sha256_file
+from tools.data.hashing import sha256_file
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
-from tools.models import (DEFAULT_ARCH, SMALL_CNN, TIMM_PREFIX, LoadedModel, build_architecture,
+from tools.models.boundary import (DEFAULT_ARCH, SMALL_CNN, TIMM_PREFIX, LoadedModel, build_architecture,
                           check_torchvision_architecture, close_matches, torchvision_module, wrap)
 
 if TYPE_CHECKING:
@@ -192,12 +192,12 @@ def checkpoint_file(path: str, options: ModelOptions) -> LoadedModel:
 
 @register_source(CLIP_PREFIX)
 def clip_zero_shot(spec: str, options: ModelOptions) -> LoadedModel:
-    """CLIP zero-shot over the 1000 ImageNet class names, or nine IN-9 prompts (tools.clip_zero_shot; needs
+    """CLIP zero-shot over the 1000 ImageNet class names, or nine IN-9 prompts (tools.models.clip; needs
     open_clip_torch)."""
     if options.checkpoint is not None or options.weights is not None or options.normalize is not Normalization.AUTO:
         raise UserError(f"--arch {CLIP_PREFIX}{spec} takes its weights and normalisation from open_clip: drop "
                         f"--checkpoint, --weights and --normalize")
-    from tools.clip_zero_shot import load_clip  # noqa: PLC0415 (the optional extra is imported only here)
+    from tools.models.clip import load_clip  # noqa: PLC0415 (the optional extra is imported only here)
     loaded = load_clip(spec, options.runtime, options.progress)
     checkpoints.check_class_count(loaded.num_classes, options.in9, f"{CLIP_PREFIX}{spec}")
     return loaded

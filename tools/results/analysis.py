@@ -1,6 +1,6 @@
 """Which backgrounds fool a model, redone from the challenge's saved prediction matrix without the model.
 
-Run as `python -m tools.analysis OUTPUT_DIR` on the --output-dir of `challenge_eval.py --full`.
+Run as `python -m tools.results.analysis OUTPUT_DIR` on the --output-dir of `challenge_eval.py --full`.
 
 Definitions (all over the saved matrix `predictions[i, j]`, the IN-9 prediction for foreground i pasted
 on background j; -1 is an ImageNet class outside IN-9):
@@ -426,7 +426,7 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.analysis",
+        prog="python -m tools.results.analysis",
         description="Redo the adversarial-background analysis (ASR per background, fool rate per class, top "
                     "backgrounds, ASR histograms, figure) from the matrix `challenge_eval.py --full` saved, "
                     "without the model.")
