@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import run_in_process
-from tools import data
+from tools.data import check
 from tools.data import synthetic
 from tools.data import cli as data_cli
 from tools.errors import UserError
@@ -31,7 +31,7 @@ def _run_cli(argv, capsys):
 
 
 def test_a_good_dataset_passes_with_its_counts(dataset, capsys):
-    report = data.verify_layout(dataset.root)
+    report = check.verify_layout(dataset.root)
     assert report.ok and report.problems == []
     assert report.classes == CLASSES
     assert list(report.counts) == [*VARIATIONS, MASK_FOLDER]
@@ -60,7 +60,7 @@ def test_every_problem_is_reported_at_once(fresh, capsys):
     np.save(fresh / MASK_FOLDER / "val" / dog / "synth0_00001.npy", np.full((224, 224), 2, np.uint8))
     (fresh / "original" / "val" / dog / "notes.txt").write_text("ignored")
 
-    report = data.verify_layout(fresh)
+    report = check.verify_layout(fresh)
     expected = [
         "no_fg/val: missing",
         "mixed_rand/val: class folders differ from those of original/val: missing 01_bird; extra 01_parrot",
@@ -90,7 +90,7 @@ def test_every_problem_is_reported_at_once(fresh, capsys):
 def test_many_like_problems_read_as_one_line_with_examples(fresh):
     for path in sorted((fresh / "original" / "val").glob("*/*.JPEG")):
         Image.new("RGB", (100, 100)).save(path)
-    report = data.verify_layout(fresh)
+    report = check.verify_layout(fresh)
     assert len(report.problems) == 9
     assert report.problems[0] == ("original/val/00_dog: 2 image(s) not 224x224: synth0_00000.JPEG (100x100), "
                                   "synth0_00001.JPEG (100x100)")
@@ -99,8 +99,8 @@ def test_many_like_problems_read_as_one_line_with_examples(fresh):
 def test_a_truncated_image_is_found_by_full_decoding_only(fresh):
     path = fresh / "original" / "val" / CLASSES[3] / "synth3_00001.JPEG"
     path.write_bytes(path.read_bytes()[:700])
-    assert data.verify_layout(fresh).ok  # the header is intact
-    report = data.verify_layout(fresh, full=True)
+    assert check.verify_layout(fresh).ok  # the header is intact
+    report = check.verify_layout(fresh, full=True)
     assert report.decoded and len(report.problems) == 1
     assert report.problems[0].startswith(f"original/val/{CLASSES[3]}: 1 unreadable image(s): synth3_00001.JPEG")
 
@@ -109,37 +109,37 @@ def test_masks_of_other_accepted_forms_pass(fresh):
     mask_dir = fresh / MASK_FOLDER / "val" / CLASSES[2]
     np.save(mask_dir / "synth2_00000.npy", np.ones((224, 224, 1), np.uint8))
     np.save(mask_dir / "synth2_00001.npy", np.zeros((224, 224), np.float32))
-    assert data.verify_layout(fresh).ok
+    assert check.verify_layout(fresh).ok
 
 
 def test_quick_check_passes_and_counts(dataset):
-    assert data.quick_check(dataset.root, VARIATIONS, need_masks=True) == {
+    assert check.quick_check(dataset.root, VARIATIONS, need_masks=True) == {
         **{name: 36 for name in VARIATIONS}, MASK_FOLDER: 36}
-    assert data.quick_check(dataset.root, ["mixed_rand"]) == {"mixed_rand": 36}
+    assert check.quick_check(dataset.root, ["mixed_rand"]) == {"mixed_rand": 36}
 
 
 def test_quick_check_raises_the_first_problem(fresh):
     shutil.rmtree(fresh / MASK_FOLDER / "val" / CLASSES[5])
-    assert data.quick_check(fresh, ["original", "only_bg_t"]) == {"original": 18, "only_bg_t": 18}  # masks not needed
+    assert check.quick_check(fresh, ["original", "only_bg_t"]) == {"original": 18, "only_bg_t": 18}  # masks not needed
     with pytest.raises(UserError, match=r"fg_mask/val: class folders differ from those of original/val: missing "
                                         r"05_insect; extra none \(8 class folders, expected 9\); run `python -m "
                                         rf"tools.data verify --data-path {re.escape(str(fresh))}` for the full list"):
-        data.quick_check(fresh, ["original"], need_masks=True)
+        check.quick_check(fresh, ["original"], need_masks=True)
     (fresh / "original" / "val" / CLASSES[0] / "synth0_00000.JPEG").unlink()
     with pytest.raises(UserError, match=r"\(and 1 more problem\(s\)\)"):
-        data.quick_check(fresh, ["original"], need_masks=True)
+        check.quick_check(fresh, ["original"], need_masks=True)
     shutil.rmtree(fresh / "mixed_same")
     with pytest.raises(UserError, match="mixed_same/val: missing: no such folder"):
-        data.quick_check(fresh, ["original", "mixed_same"])
+        check.quick_check(fresh, ["original", "mixed_same"])
     Image.new("RGB", (300, 300)).save(fresh / "original" / "val" / CLASSES[0] / "aaa.JPEG")  # first in its class
     with pytest.raises(UserError, match="original/val/00_dog: 1 image\\(s\\) not 224x224: aaa.JPEG"):
-        data.quick_check(fresh, ["original"])
+        check.quick_check(fresh, ["original"])
 
 
 def test_quick_check_and_verify_say_what_to_do_about_a_missing_root(tmp_path):
-    for check in (lambda root: data.quick_check(root, VARIATIONS), data.verify_layout):
+    for verify in (lambda root: check.quick_check(root, VARIATIONS), check.verify_layout):
         with pytest.raises(UserError, match="does not exist or is not a folder.*tools.data fetch"):
-            check(tmp_path / "nowhere")
+            verify(tmp_path / "nowhere")
 
 
 def test_class_folders_named_after_in9_classes_in_another_order_are_a_problem(fresh, capsys):
@@ -149,19 +149,19 @@ def test_class_folders_named_after_in9_classes_in_another_order_are_a_problem(fr
     for folder in (*VARIATIONS, MASK_FOLDER):
         for numbered, name in zip(CLASSES, plain):
             (fresh / folder / "val" / numbered).rename(fresh / folder / "val" / name)
-    report = data.verify_layout(fresh)
+    report = check.verify_layout(fresh)
     assert report.problems == ["original/val: class folders named after IN-9 classes sort into other indices than "
                                "theirs (bird would be class 0, IN-9's 1; carnivore would be class 1, IN-9's 4; dog "
                                "would be class 2, IN-9's 0; ...); rename them 00_dog ... 08_fish"]
     with pytest.raises(UserError, match="class folders named after IN-9 classes sort into other indices"):
-        data.quick_check(fresh, ["original"])  # what both scripts run before they start
+        check.quick_check(fresh, ["original"])  # what both scripts run before they start
     for listing in (lambda: list_variation(fresh, "mixed_rand"), lambda: list_foregrounds(fresh)):  # training's
         with pytest.raises(UserError, match="class folders named after IN-9 classes sort into other indices"):
             listing()
     for numbered, name in zip(CLASSES, plain):  # named in IN-9 order, the same names are fine
         for folder in (*VARIATIONS, MASK_FOLDER):
             (fresh / folder / "val" / name).rename(fresh / folder / "val" / f"{numbered[:2]}{name}")
-    assert data.verify_layout(fresh).ok
+    assert check.verify_layout(fresh).ok
 
 
 def test_verify_checks_the_split_it_is_given(tmp_path, capsys):
