@@ -17,7 +17,7 @@ from tools.challenge import ChallengeConfig, run_challenge
 from tools.evaluate import evaluate_variations
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
 from tools.models.boundary import SMALL_CNN, LoadedModel, PixelModel, SmallCNN
-from tools.runtime import Forward, Precision, Runtime
+from tools.runtime import Forward, Precision, Runtime, padded_size
 from tools.shards import Shard
 
 BATCH = 25  # not a power of two, and no divisor of the data's counts: every kind of tail occurs
@@ -121,6 +121,17 @@ def test_exact_mode_runs_batches_as_they_are(one_thread):
     model = PixelModel(recorder, IN9_MEAN, IN9_STD).eval()
     Forward(model, Runtime(torch.device("cpu")), BATCH)(torch.zeros(7, 3, 32, 32, dtype=torch.uint8))
     assert recorder.sizes == [7]
+
+
+def test_a_speed_mode_pads_batches_of_any_rank_and_formats_only_images(one_thread):
+    """Padding works on what is not an image batch (CLIP's 2-D token batches go through Forward too): channels-last
+    applies to 4-D batches only, and the rows kept are the model's rows."""
+    weights = torch.arange(77 * 4, dtype=torch.float32).reshape(77, 4)
+    runtime = Runtime(torch.device("cpu"), Precision.BF16, channels_last=True)
+    tokens = torch.arange(13 * 77).reshape(13, 77) % 11
+    sizes = []
+    out = Forward(lambda t: sizes.append(t.shape[0]) or t.float() @ weights, runtime, BATCH, exact=True)(tokens)
+    assert sizes == [padded_size(13, BATCH)] == [16] and torch.equal(out, tokens.float() @ weights)
 
 
 class CountsGraphs:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import pytest
 import torch
 
 from conftest import TINY_CLIP
@@ -86,3 +87,24 @@ def test_the_clip_text_head_halves_its_prompt_batch_on_out_of_memory(tiny_clip, 
     assert sizes[:2] == [256, 128] and max(sizes[2:]) <= 64
     notices = [r.message for r in caplog.records if "out of memory" in r.message]
     assert notices == ["out of memory: prompts per batch lowered from 256 to 64"]
+
+
+@pytest.mark.parametrize("precision", [Precision.BF16, Precision.TF32])
+def test_the_clip_text_head_is_the_fp32_head_in_every_speed_mode(tiny_clip, tmp_path, monkeypatch, precision):
+    """The text head is encoded in true fp32 in its own batches, as in the exact mode: neither padded to a fixed
+    size (token batches are 2-D, and a head's bits must not depend on the run's precision, which its cache key
+    does not hold) nor given the image batches' memory format."""
+    import open_clip  # noqa: PLC0415 (tiny_clip skips without it)
+
+    spec = f"clip:{TINY_CLIP}/none+head=in9"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "exact"))
+    encode_text, sizes = open_clip.CLIP.encode_text, []
+    monkeypatch.setattr(open_clip.CLIP, "encode_text",
+                        lambda self, text, *a, **k: sizes.append(text.shape[0]) or encode_text(self, text, *a, **k))
+    expected = load_model(spec, runtime=Runtime(torch.device("cpu"))).model.classifier.head
+    exact_sizes, sizes[:] = list(sizes), []
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fast"))  # encoded again, not read from the cache
+    fast = Runtime(torch.device("cpu"), precision, channels_last=True)
+    head = load_model(spec, runtime=fast).model.classifier.head
+    assert sizes == exact_sizes
+    assert torch.equal(head, expected)

@@ -205,3 +205,32 @@ def test_a_log_line_cut_short_is_dropped_on_resume(tmp_path):
     path.write_text("\n".join(lines) + "\n" + '{"step": 4, "lo')
     JsonLog(path, True, resume_step=2)
     assert path.read_text().splitlines() == lines[:3]
+
+
+def test_a_state_saved_before_the_key_held_the_precision_resumes(tiny, tmp_path, capsys, monkeypatch, one_thread):
+    """Resume keys name the precision that ran since it may differ from the one asked for; a state saved by the
+    version before, whose key has no precision, resumes where that version's default is the precision that
+    runs now (fp32 on the CPU) and ends where the uninterrupted run does."""
+    common = ["--data-path", tiny, "--weights", "none", "--epochs", 2, "--batch-size", 6, "--save-every", 1, *TINY]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    code, _, err = run_train([*common, "--output-dir", whole], capsys)
+    assert code == 0, err
+    step, calls = loop.training_step, {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "training_step", interrupted)
+    code, _, err = run_train([*common, "--output-dir", resumed], capsys)
+    assert code == cli.EXIT_INTERRUPTED, err
+    monkeypatch.setattr(loop, "training_step", step)
+    state = torch.load(resumed / STATE_NAME, weights_only=True)
+    assert state["run_key"].pop("precision") == "fp32"
+    torch.save(state, resumed / STATE_NAME)  # as the version before wrote it
+    code, _, err = run_train([*common, "--output-dir", resumed, "--resume"], capsys)
+    assert code == 0, err
+    a, b = weights(whole / CHECKPOINT_NAME), weights(resumed / CHECKPOINT_NAME)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -307,11 +307,15 @@ class Forward:
     runs chunks as they are: a backend may give other last bits at another batch size (the CPU's 1x1 convolution).
 
     In the runtime's precision, or with `exact` in true fp32 (`Runtime.fp32_math`), which needs more memory
-    than reduced precision: an exact Forward beside a reduced-precision one keeps a chunk of its own."""
+    than reduced precision: an exact Forward beside a reduced-precision one keeps a chunk of its own. `pad=False`
+    runs every chunk as it is whatever the runtime (a one-off pass whose bits must not depend on the precision,
+    such as CLIP's text head)."""
 
-    def __init__(self, model: Callable, runtime: Runtime, chunk: int, exact: bool = False, what: str = "batch size"):
+    def __init__(self, model: Callable, runtime: Runtime, chunk: int, exact: bool = False, what: str = "batch size",
+                 pad: bool = True):
         self.model, self.runtime, self.chunk, self.what = model, runtime, max(1, chunk), what
         self.math = runtime.fp32_math if exact else runtime.autocast
+        self.pad = pad and runtime.fixed_batch_sizes
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         outputs, start, chunk_before = [], 0, self.chunk
@@ -334,8 +338,10 @@ class Forward:
 
     def _run(self, piece: torch.Tensor) -> torch.Tensor:
         rows = piece.shape[0]
-        size = padded_size(rows, self.chunk) if self.runtime.fixed_batch_sizes else rows
+        size = padded_size(rows, self.chunk) if self.pad else rows
         if size == rows:
             return self.model(piece)
-        copies = piece[-1:].expand(size - rows, *piece.shape[1:])
-        return self.model(torch.cat([piece, copies]).contiguous(memory_format=self.runtime.memory_format))[:rows]
+        padded = torch.cat([piece, piece[-1:].expand(size - rows, *piece.shape[1:])])
+        if padded.dim() == 4:  # an image batch, in the runtime's memory format
+            padded = padded.contiguous(memory_format=self.runtime.memory_format)
+        return self.model(padded)[:rows]

@@ -90,7 +90,7 @@ class CompositePredictor:
             timings[size] = (time.perf_counter() - began) / size
             start += size
         if timings:
-            self.forward.chunk = min(timings, key=timings.get)
+            self.forward.chunk = self.recheck.chunk = min(timings, key=timings.get)
             log.info("batch size %d chosen by timing %s", self.forward.chunk,
                      ", ".join(f"{k}: {1e3 * v:.1f} ms/image" for k, v in timings.items()))
         size = self.forward.chunk

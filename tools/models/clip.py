@@ -280,9 +280,10 @@ def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, cl
     log.info("encoding the %d prompts of clip:%s's %s head on %s", len(texts), parsed.arch, parsed.head.value, device)
     try:
         clip_model.to(device)
-        # true fp32, halving the prompts per batch on out-of-memory; without a runtime, on the CPU as it is
+        # true fp32 in the same batches whatever the precision (the cache key holds no precision), halving the
+        # prompts per batch on out-of-memory; without a runtime, on the CPU as it is
         encode_text = clip_model.encode_text if runtime is None else Forward(
-            clip_model.encode_text, runtime, TEXT_BATCH, exact=True, what="prompts per batch")
+            clip_model.encode_text, runtime, TEXT_BATCH, exact=True, what="prompts per batch", pad=False)
         head = zero_shot_head(encode_text, tokenizer, class_prompts, device, progress)
     finally:
         clip_model.to("cpu")

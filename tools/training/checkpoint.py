@@ -41,8 +41,9 @@ def trained_checkpoint(classifier: nn.Module, arch: str, mean, std, method: str,
             "method": method, "data": data, "train_args": train_args, "precision": precision.value}
 
 
-def load_resume_state(output_dir: Path, run_key: dict) -> dict | None:
-    """The saved state of an interrupted run with the same settings, or None when there is none."""
+def load_resume_state(output_dir: Path, run_key: dict, earlier_key: dict | None = None) -> dict | None:
+    """The saved state of an interrupted run with the same settings, or None when there is none. `earlier_key`:
+    the same settings as an earlier version keyed them, accepted too."""
     path = Path(output_dir) / STATE_NAME
     if not path.is_file():
         log.warning("--resume: no saved state in %s, starting afresh", output_dir)
@@ -58,7 +59,7 @@ def load_resume_state(output_dir: Path, run_key: dict) -> dict | None:
     if not isinstance(state, dict):
         raise UserError(f"{path} is not a resume state of train.py; rerun without --resume, or with another "
                         f"--output-dir")
-    if state.get("run_key") != run_key:
+    if state.get("run_key") not in (run_key, earlier_key or run_key):
         raise UserError(f"{path} was saved by a run with other settings or data; rerun without --resume, or with "
                         f"another --output-dir")
     return state

@@ -27,7 +27,7 @@ from tools.models.boundary import DEFAULT_ARCH, LoadedModel, build_architecture,
 from tools.data.pixels import unit_floats
 from tools.provenance import write_text_atomic
 from tools.models.sources import load_model
-from tools.runtime import Runtime, check_antialias, resolve_device
+from tools.runtime import Precision, Runtime, check_antialias, resolve_device
 from tools.training import adapters
 from tools.training.checkpoint import (CHECKPOINT_NAME, STATE_NAME, load_resume_state, save_atomic,
                                        trained_checkpoint)
@@ -228,7 +228,11 @@ def train(config: TrainConfig) -> TrainResult:
     run_key = {"config": {k: v for k, v in record.items() if k not in NOT_IN_RUN_KEY}, "data": fingerprint,
                "precision": runtime.precision.value}
     step = 0
-    saved = load_resume_state(config.output_dir, run_key) if config.resume else None
+    # a state saved before resume keys named the precision that ran is one of that version's default precision
+    earlier_default = config.precision or (Precision.BF16 if device.type == "cuda" else Precision.FP32)
+    earlier_key = {k: v for k, v in run_key.items() if k != "precision"} \
+        if earlier_default is runtime.precision else None
+    saved = load_resume_state(config.output_dir, run_key, earlier_key) if config.resume else None
     if saved is not None:
         net.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
