@@ -38,7 +38,8 @@ from tools import challenge  # noqa: E402
 from tools.data import synthetic  # noqa: E402
 from tools.challenge import ChallengeConfig, Criterion, run_challenge  # noqa: E402
 from tools.in9 import PredictionMap  # noqa: E402
-from tools.models.boundary import LoadedModel, PixelModel, build_architecture  # noqa: E402
+from tools.models.architectures import build_architecture  # noqa: E402
+from tools.models.boundary import LoadedModel, PixelModel  # noqa: E402
 from tools.runtime import Forward, Precision, Runtime, default_batch_size  # noqa: E402
 from tools.in9 import statistics_for, Normalization  # noqa: E402
 

@@ -33,7 +33,8 @@ except ImportError:  # run as `python bench/bench_in9.py` from a checkout: the t
 from tools.data import synthetic  # noqa: E402
 from tools.evaluate import run_in9  # noqa: E402
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, VARIATIONS, Normalization, statistics_for  # noqa: E402
-from tools.models.boundary import LoadedModel, PixelModel, build_architecture  # noqa: E402
+from tools.models.architectures import build_architecture  # noqa: E402
+from tools.models.boundary import LoadedModel, PixelModel  # noqa: E402
 from tools.runtime import Forward, Precision, Runtime, default_batch_size, resolve_device, seed_everything  # noqa: E402
 from tools.threads import default_workers  # noqa: E402
 

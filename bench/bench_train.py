@@ -32,7 +32,8 @@ except ImportError:  # run as `python bench/bench_train.py` from a checkout: the
 from bench_in9 import machine, synchronize  # noqa: E402
 from tools.data import synthetic  # noqa: E402
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for  # noqa: E402
-from tools.models.boundary import PixelModel, build_architecture  # noqa: E402
+from tools.models.architectures import build_architecture  # noqa: E402
+from tools.models.boundary import PixelModel  # noqa: E402
 from tools.runtime import Precision, Runtime, resolve_device  # noqa: E402
 from tools.threads import default_workers  # noqa: E402
 from tools.training.config import Method, TrainConfig  # noqa: E402

@@ -16,7 +16,8 @@ from tools.data import synthetic
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.evaluate import evaluate_variations
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
-from tools.models.boundary import SMALL_CNN, LoadedModel, PixelModel, SmallCNN
+from tools.models.architectures import SMALL_CNN, SmallCNN
+from tools.models.boundary import LoadedModel, PixelModel
 from tools.runtime import Forward, Precision, Runtime, padded_size
 from tools.shards import Shard
 

@@ -15,7 +15,7 @@ from conftest import run_in_process
 from tools import cli, runtime
 from tools.data import synthetic
 from tools.errors import UserError
-from tools.models.boundary import SMALL_CNN
+from tools.models.architectures import SMALL_CNN
 from tools.runtime import Precision, Runtime
 from tools.models.sources import load_model
 from tools.training import data as training_data

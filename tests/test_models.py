@@ -367,7 +367,7 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     from tools import cli  # noqa: PLC0415
     from tools.data import synthetic  # noqa: PLC0415
     from tools.evaluate import evaluate_variations  # noqa: PLC0415
-    from tools.models.boundary import wrap  # noqa: PLC0415
+    from tools.models.boundary import ModelOrigin, wrap  # noqa: PLC0415
     from tools.runtime import Runtime  # noqa: PLC0415
     from tools.models.sources import SOURCES, register_source  # noqa: PLC0415
 
@@ -377,8 +377,8 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     @register_source("toy:")
     def toy(name, options):
         built.append(name)
-        return wrap(synthetic.ColorEvidenceModel(9), 9, options.normalize, stats, "toy statistics", f"toy:{name}",
-                    None, None, None, "toy source")
+        return wrap(synthetic.ColorEvidenceModel(9), num_classes=9, normalize=options.normalize, stats=stats,
+                    stats_origin="toy statistics", origin=ModelOrigin(f"toy:{name}", checkpoint_format="toy source"))
 
     try:
         argv = ["--data-path", str(dataset.root), "--arch", "toy:colour", "--device", "cpu", "--eval-dataset",
@@ -389,8 +389,8 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
         SOURCES.pop("toy:")
     assert code == 0, err
     assert built == ["colour"]
-    same_model = wrap(synthetic.ColorEvidenceModel(9), 9, Normalization.AUTO, stats, "toy statistics", None, None,
-                      None, None, "toy")
+    same_model = wrap(synthetic.ColorEvidenceModel(9), num_classes=9, normalize=Normalization.AUTO, stats=stats,
+                      stats_origin="toy statistics", origin=ModelOrigin(None, checkpoint_format="toy"))
     expected = evaluate_variations(same_model, Runtime(torch.device("cpu")), dataset.root, ["mixed_rand"], 16, 1,
                                    progress=False)
     assert out.splitlines()[0] == f"Accuracy on mixed_rand is {expected['mixed_rand'].accuracy:.2f}%"

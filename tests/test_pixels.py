@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tools.data import synthetic
 from tools.data.compositing import blend
-from tools.models.boundary import PixelModel, SmallCNN
+from tools.models.architectures import SmallCNN
+from tools.models.boundary import PixelModel
 
 DIVISIONS = {torch.ops.aten.div, torch.ops.aten.div_, torch.ops.aten.true_divide, torch.ops.aten.true_divide_}
 MULTIPLICATIONS = {torch.ops.aten.mul, torch.ops.aten.mul_}
@@ -94,7 +95,7 @@ def test_pixel_model_and_blend_scale_no_image_by_a_scalar(device):
 
 
 def test_training_with_mixup_scales_no_image_by_a_scalar(tmp_path, one_thread):
-    from tools.models.boundary import SMALL_CNN  # noqa: PLC0415
+    from tools.models.architectures import SMALL_CNN  # noqa: PLC0415
     from tools.training import loop  # noqa: PLC0415
     from tools.training.config import Method, TrainConfig  # noqa: PLC0415
 

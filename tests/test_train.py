@@ -25,7 +25,7 @@ from tests import collective_guard
 from tools import cli, distributed
 from tools.data import synthetic
 from tools.models.checkpoints import TRAINED_FORMAT
-from tools.models.boundary import SMALL_CNN, SmallCNN
+from tools.models.architectures import SMALL_CNN, SmallCNN
 from tools.training import loop
 from tools.training.checkpoint import CHECKPOINT_NAME, STATE_NAME
 from tools.training.config import Method, TrainConfig

@@ -16,7 +16,7 @@ from conftest import run_in_process, save_torchscript
 from test_bad_input import check_error
 from tools import cli
 from tools.data import synthetic
-from tools.models.boundary import SMALL_CNN, SmallCNN
+from tools.models.architectures import SMALL_CNN, SmallCNN
 from tools.training.checkpoint import CHECKPOINT_NAME
 
 TINY = ["--device", "cpu", "--no-progress", "--log-level", "WARNING", "--workers", "0", "--epochs", "1",

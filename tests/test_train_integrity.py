@@ -16,7 +16,7 @@ from test_bad_input import check_error
 from test_train import TINY, run_train, tiny, weights  # noqa: F401 (tiny is a fixture)
 from tools import cli
 from tools.in9 import VARIATIONS
-from tools.models.boundary import SMALL_CNN, build_architecture
+from tools.models.architectures import SMALL_CNN, build_architecture
 from tools.results.report import percent
 from tools.training import loop
 from tools.training.checkpoint import CHECKPOINT_NAME, STATE_NAME

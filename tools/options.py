@@ -18,9 +18,11 @@ from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
 from tools.models.checkpoints import program_kind
-from tools.models.boundary import DEFAULT_ARCH, SMALL_CNN, TIMM_PREFIX, LoadedModel
+from tools.models.architectures import DEFAULT_ARCH, SMALL_CNN, architecture_family
+from tools.models.boundary import LoadedModel
 from tools.provenance import check_outputs
 from tools.models.sources import load_model
+from tools.models.spec import ModelSpec
 from tools.shards import shard_spec
 from tools.runtime import Precision, Runtime, resolve_device, seed_everything
 from tools.threads import default_workers
@@ -61,10 +63,10 @@ def add_model_source_arguments(group, random_init: bool = False) -> None:
 
     random_init: --weights also takes `none` (train.py's random initialisation)."""
     group.add_argument("--arch", default=None, metavar="NAME",
-                       help=f"torchvision classification builder name, timm:NAME with timm installed, "
+                       help=f"torchvision classification builder name, timm:NAME[.TAG] with timm installed, "
                             f"clip:ARCH/PRETRAINED (CLIP zero-shot) with open_clip_torch installed, or "
-                            f"{SMALL_CNN}; a TorchScript, export or trained checkpoint carries its own "
-                            f"(default: {DEFAULT_ARCH})")
+                            f"{SMALL_CNN}; file:PATH or ARCH@file:PATH name a checkpoint as --checkpoint does; a "
+                            f"TorchScript, export or trained checkpoint carries its own (default: {DEFAULT_ARCH})")
     none = ", or none for random initialisation" if random_init else ""
     group.add_argument("--weights", default=None, metavar="NAME",
                        help=f"torchvision weights name such as IMAGENET1K_V2{none} (default: IMAGENET1K_V1, the "
@@ -206,11 +208,18 @@ def preload_model_libraries(arch: str | None, checkpoint: Path | None) -> None:
     """Import torchvision (and timm) in a background thread while the data is checked and decoded.
 
     They take seconds to import (torchvision.ops pulls in torch._dynamo), and only model building needs
-    them; a TorchScript or export checkpoint needs neither. An import that fails here fails again, with its
-    proper message, where the model is built."""
+    them; a TorchScript or export checkpoint needs neither. A bad model name fails here, before the data is
+    decoded; an import that fails here fails again, with its proper message, where the model is built."""
+    spec = ModelSpec.parse(arch or DEFAULT_ARCH)
+    checkpoint = spec.path or checkpoint
     if checkpoint is not None and Path(checkpoint).is_file() and program_kind(Path(checkpoint)) is not None:
         return
-    names = ["torchvision"] + (["timm"] if (arch or "").startswith(TIMM_PREFIX) else [])
+    names = ["torchvision"]
+    if spec.model is not None:
+        try:
+            names += [name for name in architecture_family(spec).libraries if name not in names]
+        except UserError:  # not an architecture: its source says so where the model is loaded
+            pass
 
     def work() -> None:
         for name in names:

@@ -8,7 +8,9 @@ Model specs:
 - NAME: a torchvision architecture with its pretrained weights (IMAGENET1K_V1 where it has them);
 - timm:NAME: a timm architecture (timm installed); clip:ARCH/PRETRAINED: CLIP zero-shot (open_clip_torch);
 - file:PATH: a TorchScript or torch.export file, or a checkpoint that records its architecture ("arch");
-- ARCH@file:PATH: a checkpoint of architecture ARCH (a torchvision name or timm:NAME), e.g. a plain state dict.
+- ARCH@file:PATH: a checkpoint of architecture ARCH (a torchvision name, timm:NAME or toolkit:NAME), e.g. a plain
+  state dict.
+These are the names --arch takes in the scripts and train.py (one grammar: tools.models.spec).
 
 Each model writes OUTPUT/models/<name>.json when both of its runs are done; a model whose file is of the
 same data content, weights (by their SHA-256) and settings is skipped, and one whose data or weights
@@ -21,11 +23,9 @@ the command itself.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import logging
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,14 +39,14 @@ from tools.evaluate import In9Files, list_in9_files, run_in9
 from tools.data.hashing import sha256_file
 from tools.in9 import VARIATIONS
 from tools.results.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
-from tools.models.boundary import TIMM_PREFIX, LoadedModel
-from tools.models.sources import CLIP_PREFIX, FILE_PREFIX, load_model
+from tools.models.boundary import LoadedModel
+from tools.models.sources import load_model
+from tools.models.spec import ModelSpec
 from tools.provenance import check_outputs, write_json_atomic
 from tools.runtime import Runtime, default_batch_size
 
 log = logging.getLogger(__name__)
 
-ARCH_SEPARATOR = "@"
 RUNS_FOLDER = "runs"
 RUN_IDENTITY_FILE = "identity.json"  # in OUTPUT/runs/<name>/: what the saved state there is of
 EXIT_SOME_FAILED = 1
@@ -55,41 +55,16 @@ EXIT_SOME_FAILED = 1
 # ----------------------------------------------------------------------------------------------------------
 # Model specs
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """One entry of --models: what to load, and the names it goes by."""
-
-    text: str
-    source: str  # torchvision, timm, clip or file
-    arch: str | None
-    path: Path | None = None
-
-    @property
-    def slug(self) -> str:
-        """A file name for this model: the spec made safe, and a short hash so that no two specs share one."""
-        safe = re.sub(r"[^A-Za-z0-9._-]+", "_", self.text).strip("_.")[:80]
-        return f"{safe}-{hashlib.sha256(self.text.encode()).hexdigest()[:8]}"
-
-    def load(self, trust: bool = False, runtime: Runtime | None = None, progress: bool = False) -> LoadedModel:
-        return load_model(self.arch, checkpoint=self.path, trust=trust, runtime=runtime, progress=progress)
-
-
 def parse_model_spec(text: str) -> ModelSpec:
+    """One entry of --models, in the grammar every command shares (`tools.models.spec`)."""
     text = text.strip()
     if not text:
         raise UserError("an empty model spec; --models takes a comma-separated list such as resnet50,file:my.pt")
-    if text.startswith(CLIP_PREFIX):
-        return ModelSpec(text, "clip", text)
-    arch, separator, rest = text.partition(ARCH_SEPARATOR)
-    if separator:
-        if not rest.startswith(FILE_PREFIX) or not arch:
-            raise UserError(f"model spec {text!r}: ARCH@ must be followed by file:PATH, e.g. resnet18@file:model.pt")
-        return ModelSpec(text, "file", arch, Path(rest[len(FILE_PREFIX):]).expanduser())
-    if text.startswith(FILE_PREFIX):
-        return ModelSpec(text, "file", None, Path(text[len(FILE_PREFIX):]).expanduser())
-    if text.startswith(TIMM_PREFIX):
-        return ModelSpec(text, "timm", text)
-    return ModelSpec(text, "torchvision", text)
+    return ModelSpec.parse(text)
+
+
+def load(spec: ModelSpec, trust: bool = False, runtime: Runtime | None = None, progress: bool = False) -> LoadedModel:
+    return load_model(spec.text, trust=trust, runtime=runtime, progress=progress)
 
 
 def read_models_file(path: Path) -> list[str]:
@@ -210,7 +185,7 @@ def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, 
     if file_digest is not None:  # the file is compared with the file (a CLIP model's identity also holds its head)
         unchanged = file_digest == payload.get("weights_file_sha256")
     else:
-        loaded = spec.load(trust, runtime, progress)
+        loaded = load(spec, trust, runtime, progress)
         unchanged = loaded.sha256 == recorded.get("weights_sha256")
     if not unchanged:
         log.info("the weights of %s changed since %s was made: running it again", spec.text, path)
@@ -274,7 +249,7 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
                 outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
                 continue
             with distributed.agree(runtime.group, device):
-                loaded = loaded or spec.load(settings.trust, runtime, progress)
+                loaded = loaded or load(spec, settings.trust, runtime, progress)
                 if runtime.group.is_main:
                     set_aside_other_state(Path(output_dir) / RUNS_FOLDER / spec.slug,
                                           identity(data, loaded.sha256, fingerprint))

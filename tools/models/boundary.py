@@ -1,24 +1,18 @@
 """The model boundary: `PixelModel` (pixels in, normalised inside, logits out), `LoadedModel` (a ready model
-and what it is), building an untrained architecture by name, and wrapping a classifier with its statistics."""
+and what it is), and `wrap`, which makes a classifier of known origin (`ModelOrigin`) a `LoadedModel`."""
 
 from __future__ import annotations
 
-import difflib
 import logging
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from tools.errors import UserError
-from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
+from tools.in9 import NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.data.pixels import unit_floats
 
 log = logging.getLogger(__name__)
-
-TIMM_PREFIX = "timm:"
-DEFAULT_ARCH = "resnet50"  # the paper's model, where neither --arch nor the checkpoint names one
-SMALL_CNN = "toolkit:small_cnn"  # a tiny BatchNorm-free CNN for tests, demos and smoke runs
 
 
 class PixelModel(nn.Module):
@@ -61,77 +55,22 @@ class LoadedModel:
                 "normalization": self.normalization, **self.details}
 
 
-def torchvision_module():
-    import torchvision  # noqa: PLC0415 (imported lazily: only model building needs it)
-    return torchvision
+@dataclass(frozen=True)
+class ModelOrigin:
+    """Where a classifier came from, as its `LoadedModel` records it."""
+
+    arch: str | None  # None for a program, which carries its own
+    weights: str | None = None  # the named weights (torchvision's, CLIP's pretrained tag)
+    source: str | None = None  # the checkpoint or weights file
+    sha256: str | None = None
+    checkpoint_format: str = ""
 
 
-def torchvision_architectures() -> list[str]:
-    tv = torchvision_module()
-    return sorted(tv.models.list_models(module=tv.models))
-
-
-def close_matches(name: str, options) -> str:
-    matches = difflib.get_close_matches(name, list(options), n=5, cutoff=0.5)
-    return f" (close matches: {', '.join(matches)})" if matches else ""
-
-
-class SmallCNN(nn.Module):
-    """Three strided convolutions, a 1x1 one, global average pooling and a linear head (`fc`). No BatchNorm,
-    so one process and several data-parallel ones train it to the same weights. About 10 MFLOPs per 224x224 image."""
-
-    def __init__(self, num_classes: int, width: int = 16):
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(3, width, 5, stride=4, padding=2), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.ReLU(),
-            nn.Conv2d(2 * width, 2 * width, 3, stride=2, padding=1), nn.ReLU(),
-            nn.Conv2d(2 * width, 2 * width, 1), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.fc = nn.Linear(2 * width, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.features(x))
-
-
-def build_architecture(arch: str, num_classes: int) -> nn.Module:
-    """An untrained classifier of the architecture with `num_classes` outputs."""
-    if arch == SMALL_CNN:
-        return SmallCNN(num_classes)
-    if arch.startswith(TIMM_PREFIX):
-        try:
-            import timm  # noqa: PLC0415 (an optional extra)
-        except ImportError:
-            raise UserError(f"--arch {arch} needs timm, which is not installed; run `pip install timm` "
-                            f"(or install this project with the [timm] extra)") from None
-        name = arch[len(TIMM_PREFIX):]
-        if name not in timm.list_models():
-            raise UserError(f"unknown timm architecture {name!r}{close_matches(name, timm.list_models())}")
-        return timm.create_model(name, pretrained=False, num_classes=num_classes)
-    check_torchvision_architecture(arch)
-    return torchvision_module().models.get_model(arch, weights=None, num_classes=num_classes)
-
-
-def check_torchvision_architecture(arch: str) -> None:
-    names = torchvision_architectures()
-    if arch not in names:
-        raise UserError(f"unknown architecture {arch!r}{close_matches(arch, names)}; --arch takes a torchvision "
-                        f"classification model name, or timm:NAME with timm installed")
-
-
-def classifier_keys(arch: str) -> list[str]:
-    """State-dict keys whose shapes depend on the class count (the classifier), found by building both."""
-    with torch.device("meta"):
-        nine = build_architecture(arch, NUM_IN9_CLASSES).state_dict()
-        full = build_architecture(arch, NUM_IMAGENET_CLASSES).state_dict()
-    return [k for k in nine if nine[k].shape != full[k].shape]
-
-
-def wrap(classifier: nn.Module, num_classes: int, normalize: Normalization, stats: tuple | None, stats_origin: str,
-         arch: str | None, weights: str | None, source: str | None, digest: str | None,
-         layout: str) -> LoadedModel:
+def wrap(classifier: nn.Module, *, num_classes: int, origin: ModelOrigin, normalize: Normalization,
+         stats: tuple | None = None, stats_origin: str = "") -> LoadedModel:
     """A classifier as a `LoadedModel`, normalising inside with: the source's own statistics (`stats`, e.g.
-    a checkpoint's normaliser or CLIP's) unless --normalize says otherwise, else the class-count rule."""
+    a checkpoint's normaliser or CLIP's, named by `stats_origin`) unless --normalize says otherwise, else the
+    class-count rule."""
     if normalize is Normalization.AUTO and stats is not None:
         mean, std = stats
         norm_text = f"{stats_origin} (mean {[round(float(v), 4) for v in mean]}, std " \
@@ -144,5 +83,5 @@ def wrap(classifier: nn.Module, num_classes: int, normalize: Normalization, stat
         else:
             norm_text = f"{normalize.value} (--normalize)"
     classifier.eval()
-    return LoadedModel(PixelModel(classifier, mean, std).eval(), num_classes, arch, weights, source, digest, layout,
-                       norm_text)
+    return LoadedModel(PixelModel(classifier, mean, std).eval(), num_classes, origin.arch, origin.weights,
+                       origin.source, origin.sha256, origin.checkpoint_format, norm_text)

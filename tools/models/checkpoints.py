@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tools.errors import UserError, first_line
-from tools.models.boundary import DEFAULT_ARCH, build_architecture, classifier_keys
+from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
 
 log = logging.getLogger(__name__)

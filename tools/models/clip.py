@@ -44,7 +44,8 @@ from tools.data.decoding import DecodedCache, default_cache_dir
 from tools.errors import UserError, first_line
 from tools.data.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
-from tools.models.boundary import LoadedModel, close_matches, wrap
+from tools.models.architectures import close_matches
+from tools.models.boundary import LoadedModel, ModelOrigin, wrap
 from tools.runtime import Forward, Runtime, check_antialias
 
 log = logging.getLogger(__name__)
@@ -318,11 +319,12 @@ def load_clip(spec: str, runtime: Runtime | None = None, progress: bool = False)
     classes, templates = len(class_prompts), len(class_prompts[0])
     names = "ImageNet class names" if parsed.head is Head.IMAGENET else "IN-9 classes"
     initialisation = f"random init (seed {RANDOM_SEED}) " if weights_file is None else ""
-    loaded = wrap(classifier, classes, Normalization.AUTO, (preprocess["mean"], preprocess["std"]), "CLIP",
-                  f"clip:{parsed.arch}", parsed.pretrained or RANDOM_TAG, weights_file,
-                  hashlib.sha256(f"{weights_sha256}\n{head_sha256}".encode()).hexdigest(),
-                  f"open_clip {initialisation}zero-shot, {classes} {names} x {templates} "
-                  f"{parsed.templates.value} templates")
+    origin = ModelOrigin(f"clip:{parsed.arch}", parsed.pretrained or RANDOM_TAG, weights_file,
+                         hashlib.sha256(f"{weights_sha256}\n{head_sha256}".encode()).hexdigest(),
+                         f"open_clip {initialisation}zero-shot, {classes} {names} x {templates} "
+                         f"{parsed.templates.value} templates")
+    loaded = wrap(classifier, num_classes=classes, origin=origin, normalize=Normalization.AUTO,
+                  stats=(preprocess["mean"], preprocess["std"]), stats_origin="CLIP")
     loaded.details["zero_shot"] = {
         "head": parsed.head.value, "classes": classes, "templates": parsed.templates.value,
         "templates_count": templates, "prompts": classes * templates,

@@ -1,11 +1,11 @@
-"""Where models come from: a registry of sources chosen by a name prefix.
+"""Where models come from: a registry of sources chosen by a model name's prefix (`tools.models.spec`).
 
 A source is one function `(name, options) -> LoadedModel`, registered with `@register_source("prefix:")`:
-`resnet50` (no prefix: a torchvision architecture with its pretrained weights), `timm:NAME`, and
+`resnet50` (no prefix: a torchvision architecture with its pretrained weights), `timm:NAME`, `toolkit:NAME`,
 `file:PATH` (a checkpoint file; `--checkpoint PATH` is the same source), and `clip:ARCH/PRETRAINED`
-(CLIP zero-shot, by default over the 1000 ImageNet class names). With `--checkpoint`, the
-architecture named by `--arch` is built and the file's weights loaded into it. Adding a source (CLIP
-zero-shot, a model hub) is one function and its registration.
+(CLIP zero-shot, by default over the 1000 ImageNet class names). With a checkpoint (`--checkpoint` or
+`ARCH@file:PATH`), the architecture named (`tools.models.architectures`) is built and the file's weights
+loaded into it. Adding a source (CLIP zero-shot, a model hub) is one function and its registration.
 """
 
 from __future__ import annotations
@@ -25,17 +25,16 @@ from tools.models import checkpoints
 from tools.errors import UserError, first_line
 from tools.data.hashing import sha256_file
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
-from tools.models.boundary import (DEFAULT_ARCH, SMALL_CNN, TIMM_PREFIX, LoadedModel, build_architecture,
-                          check_torchvision_architecture, close_matches, torchvision_module, wrap)
+from tools.models.architectures import (ARCHITECTURES, DEFAULT_ARCH, build_architecture,
+                                       check_torchvision_architecture, close_matches, torchvision_module)
+from tools.models.boundary import LoadedModel, ModelOrigin, wrap
+from tools.models.spec import CLIP_PREFIX, FILE_PREFIX, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
 if TYPE_CHECKING:
     from tools.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
-FILE_PREFIX = "file:"
-CLIP_PREFIX = "clip:"
-ARCHITECTURE_PREFIXES = ("", TIMM_PREFIX)  # names of architectures that a checkpoint's weights can go into
 PUBLISHED_WEIGHTS = "IMAGENET1K_V1"  # the weights the paper's numbers used, where an architecture has them
 
 
@@ -71,33 +70,34 @@ def register_source(prefix: str) -> Callable[[Source], Source]:
     return register
 
 
-def split_name(name: str) -> tuple[str, str]:
-    """(prefix, rest) of a model name, the prefix being a registered one ("" when none matches)."""
-    for prefix in sorted(SOURCES, key=len, reverse=True):
-        if prefix and name.startswith(prefix):
-            return prefix, name[len(prefix):]
-    return "", name
-
-
 def load_model(arch: str | None = None, weights: str | None = None, checkpoint: Path | str | None = None,
                in9: bool | None = None, normalize: Normalization = Normalization.AUTO, trust: bool = False,
                checkpoint_key: str | None = None, runtime: Runtime | None = None,
                progress: bool = False) -> LoadedModel:
     """The model the command line describes, wrapped to take pixels.
 
-    arch: a model name (default: resnet50); with `checkpoint`, the architecture its weights go into (a
-    TorchScript or export program carries its own). in9: True (--in9), False (--no-in9), or None to follow
-    the model's class count. runtime: where work done at load time runs (CLIP encodes its prompts there);
-    default the CPU. The model itself is returned on the CPU, except a TorchScript or export program, which
-    is loaded for the runtime's device (the devices its code names pointed there) and probed there.
+    arch: a model name (`tools.models.spec`; default: resnet50); with a checkpoint (`checkpoint`, or the
+    name's own `@file:PATH`), the architecture its weights go into (a TorchScript or export program carries
+    its own). in9: True (--in9), False (--no-in9), or None to follow the model's class count. runtime: where
+    work done at load time runs (CLIP encodes its prompts there); default the CPU. The model itself is
+    returned on the CPU, except a TorchScript or export program, which is loaded for the runtime's device
+    (the devices its code names pointed there) and probed there.
     """
-    prefix, name = split_name(arch or DEFAULT_ARCH)
-    names_architecture = prefix in ARCHITECTURE_PREFIXES
+    spec = ModelSpec.parse(arch or DEFAULT_ARCH)
+    if spec.file is not None:
+        if checkpoint is not None:
+            raise UserError(f"--arch {spec} and --checkpoint both name a checkpoint file; pass one of them")
+        checkpoint = spec.path
+    names_architecture = spec.prefix in ARCHITECTURES and spec.model is not None
     options = ModelOptions(weights, Path(checkpoint) if checkpoint is not None else None, in9, normalize, trust,
-                           checkpoint_key, arch if names_architecture else None, runtime, progress)
-    if checkpoint is not None and names_architecture:
+                           checkpoint_key, spec.model if names_architecture and arch else None, runtime, progress)
+    if checkpoint is not None and (names_architecture or spec.file is not None):
         return SOURCES[FILE_PREFIX](str(checkpoint), options)
-    return SOURCES[prefix](name, options)
+    source = SOURCES.get(spec.prefix)
+    if source is None:
+        raise UserError(f"unknown model source {spec.prefix!r} in {str(spec)!r}; valid: "
+                        f"{', '.join(repr(p) for p in SOURCES)}")
+    return source(spec.body, options)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -105,8 +105,6 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
 
 def resolve_weights(arch: str, name: str | None):
     """The torchvision weights enum member for `--weights` (default: the published IMAGENET1K_V1)."""
-    if arch == SMALL_CNN:
-        raise UserError(f"{SMALL_CNN} has no pretrained weights; pass --checkpoint (or train it from scratch)")
     check_torchvision_architecture(arch)
     tv = torchvision_module()
     try:
@@ -167,12 +165,14 @@ def torchvision_pretrained(name: str, options: ModelOptions) -> LoadedModel:
     classifier = build_architecture(name, NUM_IMAGENET_CLASSES)
     state, source, digest = _download_weights(member)
     classifier.load_state_dict(state, strict=True)
-    return wrap(classifier, NUM_IMAGENET_CLASSES, options.normalize, None, "", name,
-                f"{type(member).__name__}.{member.name}", source, digest, "torchvision weights")
+    return wrap(classifier, num_classes=NUM_IMAGENET_CLASSES, normalize=options.normalize,
+                origin=ModelOrigin(name, f"{type(member).__name__}.{member.name}", source, digest,
+                                   "torchvision weights"))
 
 
 @register_source(TIMM_PREFIX)
 def timm_pretrained(name: str, options: ModelOptions) -> LoadedModel:
+    """timm architectures, whose pretrained weights are not downloaded: a checkpoint gives them."""
     raise UserError("pretrained timm weights are not downloaded by this toolkit; pass --checkpoint with the "
                     "weights file of the timm model")
 
@@ -186,8 +186,15 @@ def checkpoint_file(path: str, options: ModelOptions) -> LoadedModel:
                                          options.checkpoint_key, options.device)
     if options.in9 is None and loaded.num_classes == NUM_IN9_CLASSES:
         log.info("the checkpoint has 9 classes: evaluating as an IN-9 model (as with --in9)")
-    return wrap(loaded.classifier, loaded.num_classes, options.normalize, loaded.normalizer,
-                "checkpoint normaliser", loaded.arch, None, str(path), sha256_file(path), loaded.layout)
+    return wrap(loaded.classifier, num_classes=loaded.num_classes, normalize=options.normalize,
+                stats=loaded.normalizer, stats_origin="checkpoint normaliser",
+                origin=ModelOrigin(loaded.arch, None, str(path), sha256_file(path), loaded.layout))
+
+
+@register_source(TOOLKIT_PREFIX)
+def toolkit_untrained(name: str, options: ModelOptions) -> LoadedModel:
+    """This toolkit's own architectures, which have no pretrained weights: a checkpoint gives them."""
+    raise UserError(f"{TOOLKIT_PREFIX}{name} has no pretrained weights; pass --checkpoint (or train it from scratch)")
 
 
 @register_source(CLIP_PREFIX)

@@ -23,7 +23,8 @@ from tools import distributed
 from tools.data.hashing import fingerprint as content_fingerprint
 from tools.errors import UserError
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
-from tools.models.boundary import DEFAULT_ARCH, LoadedModel, build_architecture, classifier_keys
+from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
+from tools.models.boundary import LoadedModel
 from tools.data.pixels import unit_floats
 from tools.provenance import write_text_atomic
 from tools.models.sources import load_model
@@ -76,7 +77,7 @@ def starting_point(config: TrainConfig) -> StartingPoint:
     loaded = load_model(config.arch, config.weights, config.checkpoint, None, Normalization.AUTO,
                         config.trust_checkpoint, config.checkpoint_key)
     if loaded.arch is None:
-        raise UserError(f"{config.checkpoint} is a {loaded.checkpoint_format} program, which cannot be rebuilt for "
+        raise UserError(f"{loaded.source} is a {loaded.checkpoint_format} program, which cannot be rebuilt for "
                         f"training; start from its state dict with --arch")
     wrapper = loaded.model
     mean, std = ((wrapper.mean.flatten().tolist(), wrapper.std.flatten().tolist()) if wrapper.normalize

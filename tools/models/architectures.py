@@ -1,0 +1,144 @@
+"""Untrained architectures by name: a registry of families chosen by the name's prefix (`tools.models.spec`).
+
+A family is one function `(spec, num_classes) -> nn.Module`, registered with `@register_architectures(prefix)`:
+torchvision's classification models (no prefix), `timm:NAME[.TAG]` (timm installed) and `toolkit:NAME`, this
+toolkit's own. A checkpoint's weights go into one of them; `classifier_keys` finds a family's head by building.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tools.errors import UserError
+from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES
+from tools.models.spec import TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
+
+DEFAULT_ARCH = "resnet50"  # the paper's model, where neither --arch nor the checkpoint names one
+SMALL_CNN = f"{TOOLKIT_PREFIX}small_cnn"  # a tiny BatchNorm-free CNN for tests, demos and smoke runs
+
+
+@dataclass(frozen=True)
+class Family:
+    """Architectures of one prefix: how to build one, and the libraries that building imports."""
+
+    build: Callable[[ModelSpec, int], nn.Module]
+    libraries: tuple[str, ...]
+
+
+ARCHITECTURES: dict[str, Family] = {}
+
+
+def register_architectures(prefix: str, libraries: tuple[str, ...] = ()):
+    """Register `build(spec, num_classes) -> nn.Module` for architecture names starting with `prefix`."""
+    def register(build: Callable[[ModelSpec, int], nn.Module]):
+        ARCHITECTURES[prefix] = Family(build, libraries)
+        return build
+    return register
+
+
+def architecture_family(spec: ModelSpec) -> Family:
+    """The family a spec's architecture belongs to; a name that is not an architecture is an error."""
+    family = ARCHITECTURES.get(spec.prefix)
+    if family is None or spec.file is not None or spec.model is None:
+        raise UserError(f"{spec} is not an architecture; --arch takes NAME (torchvision), "
+                        f"{', '.join(p + 'NAME' for p in ARCHITECTURES if p)}")
+    return family
+
+
+def build_architecture(arch: str, num_classes: int) -> nn.Module:
+    """An untrained classifier of the architecture with `num_classes` outputs."""
+    spec = ModelSpec.parse(arch)
+    return architecture_family(spec).build(spec, num_classes)
+
+
+def classifier_keys(arch: str) -> list[str]:
+    """State-dict keys whose shapes depend on the class count (the classifier), found by building both."""
+    with torch.device("meta"):
+        nine = build_architecture(arch, NUM_IN9_CLASSES).state_dict()
+        full = build_architecture(arch, NUM_IMAGENET_CLASSES).state_dict()
+    return [k for k in nine if nine[k].shape != full[k].shape]
+
+
+def close_matches(name: str, options) -> str:
+    matches = difflib.get_close_matches(name, list(options), n=5, cutoff=0.5)
+    return f" (close matches: {', '.join(matches)})" if matches else ""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The families
+
+def torchvision_module():
+    import torchvision  # noqa: PLC0415 (imported lazily: only model building needs it)
+    return torchvision
+
+
+def torchvision_architectures() -> list[str]:
+    tv = torchvision_module()
+    return sorted(tv.models.list_models(module=tv.models))
+
+
+def check_torchvision_architecture(arch: str) -> None:
+    names = torchvision_architectures()
+    if arch not in names:
+        raise UserError(f"unknown architecture {arch!r}{close_matches(arch, names)}; --arch takes a torchvision "
+                        f"classification model name, or timm:NAME with timm installed")
+
+
+@register_architectures("", libraries=("torchvision",))
+def torchvision_architecture(spec: ModelSpec, num_classes: int) -> nn.Module:
+    """torchvision classification models, by builder name (resnet50, vit_b_16, ...)."""
+    check_torchvision_architecture(spec.name)
+    return torchvision_module().models.get_model(spec.name, weights=None, num_classes=num_classes)
+
+
+@register_architectures(TIMM_PREFIX, libraries=("timm",))
+def timm_architecture(spec: ModelSpec, num_classes: int) -> nn.Module:
+    """timm models, timm:NAME or timm:NAME.TAG (a pretrained tag, which may set the input size), timm installed."""
+    try:
+        import timm  # noqa: PLC0415 (an optional extra)
+    except ImportError:
+        raise UserError(f"--arch {spec} needs timm, which is not installed; run `pip install timm` "
+                        f"(or install this project with the [timm] extra)") from None
+    if spec.name not in timm.list_models():
+        raise UserError(f"unknown timm architecture {spec.name!r}{close_matches(spec.name, timm.list_models())}")
+    if spec.tag is not None:
+        tags = [name.split(".", 1)[1] for name in timm.list_pretrained(f"{spec.name}.*")]
+        if spec.tag not in tags:
+            raise UserError(f"unknown timm tag {spec.tag!r} of {spec.name} (valid: {', '.join(tags) or 'none'})")
+    return timm.create_model(spec.body, pretrained=False, num_classes=num_classes)
+
+
+class SmallCNN(nn.Module):
+    """Three strided convolutions, a 1x1 one, global average pooling and a linear head (`fc`). No BatchNorm,
+    so one process and several data-parallel ones train it to the same weights. About 10 MFLOPs per 224x224 image."""
+
+    def __init__(self, num_classes: int, width: int = 16):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 5, stride=4, padding=2), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))
+
+
+TOOLKIT_ARCHITECTURES = {SMALL_CNN[len(TOOLKIT_PREFIX):]: SmallCNN}
+
+
+@register_architectures(TOOLKIT_PREFIX)
+def toolkit_architecture(spec: ModelSpec, num_classes: int) -> nn.Module:
+    """This toolkit's own: toolkit:small_cnn, a tiny CNN for tests, demos and smoke runs."""
+    builder = TOOLKIT_ARCHITECTURES.get(spec.name)
+    if builder is None:
+        raise UserError(f"unknown toolkit architecture {spec.name!r}"
+                        f"{close_matches(spec.name, TOOLKIT_ARCHITECTURES)}; valid: {', '.join(TOOLKIT_ARCHITECTURES)}")
+    return builder(num_classes)
