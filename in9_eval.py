@@ -9,9 +9,8 @@ from pathlib import Path
 
 from tools import cli, options
 from tools.results.categories import CATEGORY_VARIATIONS
-from tools.evaluate import list_in9_files, run_in9
+from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
-from tools.runtime import default_batch_size
 from tools.shards import write_in9_shard
 
 
@@ -30,15 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     options.check_output_arguments(args)
+    checked = options.check_arguments(args)
     runtime = options.runtime_from_args(args)
     options.preload_model_libraries(args.arch, args.checkpoint)  # imports while the data is checked
     names = list(VARIATIONS if args.eval_dataset == "all" else (args.eval_dataset,))
     if args.categories:
         names += [v for v in CATEGORY_VARIATIONS.values() if v not in names]
-    files = list_in9_files(args.data_path, names, args.workers)  # every data check before any model is built
-    loaded = options.model_from_args(args, runtime)
-    run = run_in9(loaded, runtime, files, names, args.batch_size or default_batch_size(runtime.device),
-                  args.workers, args.output_dir, args.resume, not args.no_progress, args.shard)
+    config = In9Config(tuple(names), args.batch_size, args.workers, checked.progress)
+    files = list_in9_files(checked.data_path, names, args.workers)  # every data check before any model is built
+    loaded = options.model_from_args(args, runtime, checked.progress)
+    run = run_in9(loaded, runtime, files, config, output_dir=args.output_dir, resume=args.resume, shard=args.shard)
     if args.shard is not None:
         path = write_in9_shard(args.output_dir, args.shard, run)
         print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")

@@ -12,8 +12,6 @@ import sys
 from tools import cli, distributed
 from tools.provenance import check_outputs
 from tools.training.config import build_parser as build_training_parser, config_from_args
-from tools.training.evaluation import evaluate_and_report
-from tools.training.loop import train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
+    # the training loop and the evaluation (with the challenge engine and the report) load only for a run, not
+    # for parsing the flags or -h
+    from tools.training.evaluation import evaluate_and_report  # noqa: PLC0415
+    from tools.training.loop import train  # noqa: PLC0415
+
     config = config_from_args(args)
     check_outputs(folders={"--output-dir": config.output_dir})
     try:

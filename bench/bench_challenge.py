@@ -40,7 +40,7 @@ from tools.challenge import ChallengeConfig, Criterion, run_challenge  # noqa: E
 from tools.in9 import PredictionMap  # noqa: E402
 from tools.models.architectures import build_architecture  # noqa: E402
 from tools.models.boundary import LoadedModel, PixelModel  # noqa: E402
-from tools.runtime import Forward, Precision, Runtime, default_batch_size  # noqa: E402
+from tools.runtime import Forward, Precision, Runtime  # noqa: E402
 from tools.in9 import statistics_for, Normalization  # noqa: E402
 
 
@@ -232,7 +232,7 @@ def main() -> None:
 
     device = torch.device(args.device)
     runtime = Runtime(device, args.precision, args.channels_last)
-    batch = args.batch_size or default_batch_size(device)
+    batch = runtime.batch_size(args.batch_size)
     module, num_classes = make_model(args)
     mean, std = statistics_for(Normalization.AUTO, num_classes)
     loaded = LoadedModel(PixelModel(module, mean, std).eval(), num_classes, args.model, None, None, "bench", "bench",

@@ -31,11 +31,11 @@ except ImportError:  # run as `python bench/bench_in9.py` from a checkout: the t
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.data import synthetic  # noqa: E402
-from tools.evaluate import run_in9  # noqa: E402
+from tools.evaluate import In9Config, run_in9  # noqa: E402
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, VARIATIONS, Normalization, statistics_for  # noqa: E402
 from tools.models.architectures import build_architecture  # noqa: E402
 from tools.models.boundary import LoadedModel, PixelModel  # noqa: E402
-from tools.runtime import Forward, Precision, Runtime, default_batch_size, resolve_device, seed_everything  # noqa: E402
+from tools.runtime import BATCH_SIZE_DEFAULTS, Forward, Precision, Runtime, resolve_device, seed_everything  # noqa: E402
 from tools.threads import default_workers  # noqa: E402
 
 log = logging.getLogger("bench_in9")
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="{" + ",".join(p.value for p in Precision) + "}",
                         help="fp32 is exact; tf32, bf16 and fp16 are faster (default: fp32)")
     parser.add_argument("--batch-size", type=int, default=None, metavar="N",
-                        help="images per forward pass (default: 256 on a GPU, 16 on the CPU, where smaller batches stay in cache)")
+                        help=f"images per forward pass (default: {BATCH_SIZE_DEFAULTS}, where smaller batches stay in cache)")
     parser.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                         help=f"image-decoding threads (default: {default_workers()})")
     parser.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
@@ -139,7 +139,7 @@ def pipeline_throughput(loaded: LoadedModel, runtime: Runtime, root: Path, batch
     seconds, images = [], 0
     for _ in range(repeats):
         start = time.perf_counter()
-        run = run_in9(loaded, runtime, root, VARIATIONS, batch_size, workers, progress=False)
+        run = run_in9(loaded, runtime, root, In9Config(VARIATIONS, batch_size, workers, progress=False))
         synchronize(runtime.device)
         seconds.append(time.perf_counter() - start)
         images = sum(result.total for result in run.results.values())
@@ -154,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
     runtime = Runtime(resolve_device(args.device), args.precision, args.channels_last)
     if args.cudnn_deterministic is not None:
         torch.backends.cudnn.deterministic = args.cudnn_deterministic
-    batch_size = args.batch_size or default_batch_size(runtime.device)
+    batch_size = runtime.batch_size(args.batch_size)
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable, torch uses "
           f"{info['torch_threads']} threads), GPU: {info['gpu'] or 'none'}, torch {info['torch']}, "

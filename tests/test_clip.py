@@ -26,7 +26,7 @@ from tools.models import clip as clip_zero_shot
 from tools.data import synthetic
 from tools.models.clip import RANDOM_SEED, ClipSpec, Head, Templates, parse_spec, prompts, template_sets
 from tools.errors import UserError
-from tools.evaluate import run_in9
+from tools.evaluate import In9Config, run_in9
 from tools.data.hashing import sha256_file
 from tools.in9 import VARIATIONS
 from tools.results.leaderboard import measured_row, published_rows, render_markdown
@@ -220,7 +220,7 @@ def test_the_default_head_goes_through_the_imagenet_map(tiny_clip, loaded, data,
                                            "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path)], capsys)
     assert code == 0, err
     printed = dict(ACCURACY_LINE.findall(out))
-    run = run_in9(loaded, Runtime(torch.device("cpu")), data, list(VARIATIONS), 16, 2, progress=False)
+    run = run_in9(loaded, Runtime(torch.device("cpu")), data, In9Config(VARIATIONS, 16, 2, progress=False))
     statistics = (loaded.model.mean.flatten().tolist(), loaded.model.std.flatten().tolist())
     unmapped = 0
     for variation in VARIATIONS:

@@ -31,7 +31,7 @@ from tools.results import report
 from tools.data import synthetic
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.data import cli as data_cli
-from tools.evaluate import run_in9
+from tools.evaluate import In9Config, run_in9
 from tools.in9 import VARIATIONS
 from tools.models.sources import load_model
 from tools.runtime import Runtime
@@ -234,7 +234,7 @@ def full_run(dataset, color_ts, tmp_path_factory):
     out = tmp_path_factory.mktemp("full-run")
     result = run_challenge(loaded, CPU, dataset.root, ChallengeConfig(full=True, progress=False, batch_size=64),
                            output_dir=out / "state", workers=1)
-    in9 = run_in9(loaded, CPU, dataset.root, list(VARIATIONS), 64, 1, progress=False)
+    in9 = run_in9(loaded, CPU, dataset.root, In9Config(VARIATIONS, 64, 1, progress=False))
     return result, in9
 
 

@@ -18,7 +18,7 @@ from tools.results import report
 from tools.data import synthetic
 from tools.results.categories import Category, prediction_categories
 from tools.challenge import list_challenge_files
-from tools.evaluate import run_in9
+from tools.evaluate import In9Config, run_in9
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS, class_names
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.provenance import provenance
@@ -49,8 +49,8 @@ def loaded():
 @pytest.fixture(scope="module")
 def in9_results(loaded, dataset):
     """in9_eval's results JSON for all eight variations, and the prediction categories from the same run."""
-    run = run_in9(loaded, Runtime(torch.device("cpu")), dataset.root, VARIATIONS, batch_size=64, workers=1,
-                  progress=False)
+    run = run_in9(loaded, Runtime(torch.device("cpu")), dataset.root,
+                  In9Config(VARIATIONS, batch_size=64, workers=1, progress=False))
     counts = prediction_categories(run.results["original"], run.results["mixed_rand"],
                                    run.results["only_bg_t"])
     return run, run.to_json(), counts

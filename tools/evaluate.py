@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -17,7 +17,7 @@ from tools.data import decoding as datasets
 from tools.data import layout
 from tools.data.check import quick_check
 from tools.errors import UserError
-from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, Variation, PredictionMap, class_names
+from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, PredictionMap, class_names
 from tools.models.boundary import LoadedModel
 from tools.data.hashing import fingerprint
 from tools.results.categories import CATEGORY_VARIATIONS, format_categories, prediction_categories
@@ -25,6 +25,7 @@ from tools.provenance import RESUME_HINT, OutputFiles, provenance, write_json_at
 from tools.results.report import write_report
 from tools.runtime import Forward, Runtime
 from tools.shards import NOT_MINE, Shard
+from tools.threads import default_workers
 
 log = logging.getLogger(__name__)
 
@@ -246,25 +247,38 @@ class In9Files:
     fingerprint: dict
 
 
-def list_in9_files(root: Path, names: Sequence[str], workers: int = 4) -> In9Files:
-    """Check and list the variations and hash their content: cheap, before any model is built."""
+def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None) -> In9Files:
+    """Check and list the variations and hash their content (in `workers` threads, by default
+    `default_workers()`): cheap, before any model is built."""
+    workers = default_workers() if workers is None else workers
     quick_check(root, names)
     root = Path(root)
     listings = {name: layout.list_variation(root, name) for name in names}
     return In9Files(root, listings, fingerprint(root, [r.relpath for name in names for r in listings[name]], workers))
 
 
-def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, names: Sequence[str], batch_size: int,
-            workers: int, output_dir: Path | None = None, resume: bool = False, progress: bool = True,
-            shard: Shard | None = None) -> In9Run:
+@dataclass
+class In9Config:
+    """An in9 run's settings; their defaults are in9_eval.py's (`all` aside: its --eval-dataset names one)."""
+
+    variations: tuple[str, ...] = VARIATIONS
+    batch_size: int | None = None  # None: the runtime's default (`Runtime.batch_size`)
+    workers: int = field(default_factory=default_workers)  # image-decoding threads
+    progress: bool = True
+
+
+def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, config: In9Config, *,
+            output_dir: Path | None = None, resume: bool = False, shard: Shard | None = None) -> In9Run:
     """Evaluate the variations and gather the provenance a results file cites (`files`: listed, or the folder).
 
-    shard: predict only that share (tools.shards); the others' predictions are NOT_MINE, for tools.merge."""
+    output_dir: where the finished variations are saved for `resume`. shard: predict only that share
+    (tools.shards); the others' predictions are NOT_MINE, for tools.merge."""
+    names = list(config.variations)
     if not isinstance(files, In9Files):
-        files = list_in9_files(files, names, workers)
+        files = list_in9_files(files, names, config.workers)
     key = {"data": files.fingerprint, "model_sha256": loaded.sha256, "normalization": loaded.normalization,
            "precision": runtime.precision.value, "num_classes": loaded.num_classes}
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
-    results = evaluate_variations(loaded, runtime, files.root, names, batch_size, workers, state_path, resume, key,
-                                  progress, files.listings, shard)
+    results = evaluate_variations(loaded, runtime, files.root, names, runtime.batch_size(config.batch_size),
+                                  config.workers, state_path, resume, key, config.progress, files.listings, shard)
     return In9Run(results, provenance(runtime.describe(), loaded.describe(), files.fingerprint), key)

@@ -1,5 +1,6 @@
-"""The flags both evaluation scripts share (data, model, device, output), and turning them into a runtime
-and a model: every cheap input is checked before any model is built."""
+"""The flags both evaluation scripts share (data, model, device, output); checking them (`check_arguments`, which
+resolves the data folder and the progress bars without rewriting the arguments), then building the runtime and
+the model from them: every cheap input is checked before any model is built."""
 
 from __future__ import annotations
 
@@ -7,13 +8,11 @@ import argparse
 import importlib
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from tools import distributed
-from tools.challenge import ChallengeConfig, Criterion
 from tools.cli import BooleanFlag, add_log_level_argument, positive_number
-from tools.data.compositing import MaskArithmetic
-from tools.data.decoding import default_cache_dir
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
@@ -24,7 +23,8 @@ from tools.provenance import check_outputs
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
 from tools.shards import shard_spec
-from tools.runtime import Precision, Runtime, resolve_device, seed_everything
+from tools.runtime import CPU_BATCH_CANDIDATES, CPU_BATCH_SIZE, GPU_BATCH_SIZE, Precision, Runtime, resolve_device, \
+    seed_everything
 from tools.threads import default_workers
 
 log = logging.getLogger(__name__)
@@ -97,9 +97,10 @@ def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True) -
     """Device, precision, batch and threads; `--shard` where a run can be split into independent shards."""
     run = parser.add_argument_group("running")
     run.add_argument("--batch-size", type=int, default=None, metavar="N",
-                     help="images per forward pass, halved on out-of-memory (default: 256 on a GPU; on the CPU 16 "
-                          "for in9_eval, and for challenge_eval the fastest of 8, 16 and 32, timed on the first "
-                          "backgrounds and recorded in the results' provenance)")
+                     help=f"images per forward pass, halved on out-of-memory (default: {GPU_BATCH_SIZE} on a GPU; on "
+                          f"the CPU {CPU_BATCH_SIZE} for in9_eval, and for challenge_eval the fastest of "
+                          f"{', '.join(map(str, CPU_BATCH_CANDIDATES[:-1]))} and {CPU_BATCH_CANDIDATES[-1]}, timed on "
+                          f"the first backgrounds and recorded in the results' provenance)")
     run.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                      help=f"image-decoding threads (default: {default_workers()})")
     run.add_argument("--device", default=None, metavar="DEV",
@@ -142,49 +143,19 @@ def check_output_arguments(args: argparse.Namespace) -> None:
                   folders={"--output-dir": args.output_dir})
 
 
-def add_search_arguments(group) -> None:
-    """The challenge search's flags (challenge_eval.py and the zoo)."""
-    group.add_argument("--criterion", type=Criterion, choices=list(Criterion), default=Criterion.ANY,
-                       metavar="{" + ",".join(c.value for c in Criterion) + "}",
-                       help="any: some background changes the prediction (the leaderboard's); bg-class: some "
-                            "background of another class makes the model predict that class (default: any)")
-    group.add_argument("--compile", action="store_true", help="torch.compile the model (default: off)")
-    group.add_argument("--recheck-margin", type=float, default=None, metavar="M",
-                       help="in bf16/fp16/tf32, re-run every composite whose top-two logit margin is below M in true "
-                            "fp32 (autocast and TF32 off for that pass), so near ties get fp32's verdict (default: "
-                            "1.0 in reduced precision; 0 turns it off)")
-    group.add_argument("--mask-arithmetic", type=MaskArithmetic, choices=list(MaskArithmetic),
-                       default=MaskArithmetic.BINARY,
-                       metavar="{" + ",".join(m.value for m in MaskArithmetic) + "}",
-                       help="binary: masks must hold 0/1 (or booleans) and are composited exactly on bytes; masks "
-                            "with other values are refused. original: the original script's arithmetic for any "
-                            "values, weight = (uint8(mask) * 255 mod 256) / 255 blended in float, to reproduce "
-                            "its numbers on such masks (default: binary)")
-    group.add_argument("--cache-dir", type=Path, default=default_cache_dir(), metavar="DIR",
-                       help=f"decoded-data cache, keyed by the data's content fingerprint (default: "
-                            f"{default_cache_dir()})")
-    group.add_argument("--no-cache", action="store_true",
-                       help="neither read nor write the decoded-data cache (default: off)")
-    group.add_argument("--save-every", type=float, default=5.0, metavar="SECONDS",
-                       help="seconds between saves of the search state (default: 5)")
+@dataclass(frozen=True)
+class CheckedArguments:
+    """What the shared flags resolve to, where the parsed arguments say "default": the data folder found and
+    checked, and whether this process shows progress bars (under torchrun only rank 0 does)."""
+
+    data_path: Path
+    progress: bool
 
 
-def challenge_config_from_args(args: argparse.Namespace, runtime: Runtime, full: bool = False) -> ChallengeConfig:
-    """The ChallengeConfig the search flags describe."""
-    recheck = args.recheck_margin if args.recheck_margin is not None else (0.0 if runtime.exact else 1.0)
-    return ChallengeConfig(criterion=args.criterion, full=full, batch_size=args.batch_size,
-                           save_every=args.save_every, recheck_margin=recheck, progress=not args.no_progress,
-                           mask_arithmetic=args.mask_arithmetic)
-
-
-def cache_dir_from_args(args: argparse.Namespace) -> Path | None:
-    return None if args.no_cache else args.cache_dir
-
-
-def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtime:
-    """Check the cheap inputs (data folder, batch size, workers) and resolve the device, before any model."""
-    args.data_path = check_data_root(args.data_path)
-    seed_everything(args.seed)
+def check_arguments(args: argparse.Namespace) -> CheckedArguments:
+    """Check the cheap inputs (data folder, batch size, workers, --shard against torchrun), before any device or
+    model; the arguments are left as parsed."""
+    data_path = check_data_root(args.data_path)
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, not {args.batch_size}")
     if args.workers < 1:
@@ -193,13 +164,20 @@ def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtim
     if group.distributed and getattr(args, "shard", None) is not None:
         raise UserError("--shard splits a run between separate launches; under torchrun the processes share the "
                         "work already: drop --shard")
+    return CheckedArguments(data_path, progress=not args.no_progress and group.is_main)
+
+
+def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtime:
+    """Seed, resolve the device and, under torchrun, join the process group (the arguments checked first by
+    `check_arguments`)."""
+    seed_everything(args.seed)
+    group = distributed.from_environment()
     device = resolve_device(args.device)
     if group.distributed:
         device = group.device(device)
         distributed.setup(device, args.dist_timeout)
         if not group.is_main:  # only rank 0 prints and writes; the others say only what goes wrong
             logging.getLogger().setLevel(logging.ERROR)
-            args.no_progress = True
         log.info("%d processes share the work (this is rank %d, on %s)", group.world_size, group.rank, device)
     return Runtime(device, args.precision, args.channels_last, compile, group)
 
@@ -231,9 +209,9 @@ def preload_model_libraries(arch: str | None, checkpoint: Path | None) -> None:
     threading.Thread(target=work, name="preload", daemon=True).start()
 
 
-def model_from_args(args: argparse.Namespace, runtime: Runtime) -> LoadedModel:
+def model_from_args(args: argparse.Namespace, runtime: Runtime, progress: bool) -> LoadedModel:
     loaded = load_model(args.arch, args.weights, args.checkpoint, args.in9, args.normalize, args.trust_checkpoint,
-                        args.checkpoint_key, runtime, not args.no_progress)
+                        args.checkpoint_key, runtime, progress)
     log.info("model: %s, %d classes, normalisation %s", loaded.checkpoint_format, loaded.num_classes,
              loaded.normalization)
     return loaded

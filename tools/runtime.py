@@ -245,6 +245,10 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def batch_size(self, requested: int | None) -> int:
+        """The batch size asked for, else the default on this runtime's device (`default_batch_size`)."""
+        return default_batch_size(self.device) if requested is None else requested
+
     def pin(self) -> bool:
         return self.device.type == "cuda"
 
@@ -256,11 +260,14 @@ class Runtime:
                 "compile": self.compile}
 
 
+GPU_BATCH_SIZE = 256
+CPU_BATCH_SIZE = 16  # smaller batches stay in the CPU's cache
 CPU_BATCH_CANDIDATES = (8, 16, 32)  # timed at start-up where a batch size is chosen by measurement
+BATCH_SIZE_DEFAULTS = f"{GPU_BATCH_SIZE} on a GPU, {CPU_BATCH_SIZE} on the CPU"  # for help texts
 
 
 def default_batch_size(device: torch.device) -> int:
-    return 256 if device.type == "cuda" else 16
+    return GPU_BATCH_SIZE if device.type == "cuda" else CPU_BATCH_SIZE
 
 
 @functools.lru_cache(maxsize=None)

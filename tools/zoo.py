@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from tools import cli, distributed, options
-from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, list_challenge_files, run_challenge
+from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, flags, list_challenge_files, run_challenge
 from tools.errors import UserError
-from tools.evaluate import In9Files, list_in9_files, run_in9
+from tools.evaluate import In9Config, In9Files, list_in9_files, run_in9
 from tools.data.hashing import sha256_file
 from tools.in9 import VARIATIONS
 from tools.results.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
@@ -43,7 +43,7 @@ from tools.models.boundary import LoadedModel
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
 from tools.provenance import check_outputs, write_json_atomic
-from tools.runtime import Runtime, default_batch_size
+from tools.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class ZooSettings:
 
     data_path: Path
     challenge: ChallengeConfig
-    batch_size: int
+    batch_size: int | None  # None: the runtime's default
     workers: int
     cache_dir: Path | None = None
     trust: bool = False
@@ -104,7 +104,7 @@ class ZooSettings:
     def fingerprint(self, runtime: Runtime) -> dict:
         """The settings that change a model's numbers; with the data's and the weights' hashes, a result's identity."""
         return {"precision": runtime.precision.value, "criterion": self.challenge.criterion.value,
-                "recheck_margin": self.challenge.recheck_margin,
+                "recheck_margin": self.challenge.recheck_margin_at(runtime.exact),
                 "mask_arithmetic": self.challenge.mask_arithmetic.value}
 
 
@@ -213,8 +213,8 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
     Under torchrun, the processes leave each run together when one of them fails (`distributed.agree`)."""
     state_dir = Path(output_dir) / RUNS_FOLDER / spec.slug
     with distributed.agree(runtime.group, runtime.device):
-        in9 = run_in9(loaded, runtime, data.in9, list(VARIATIONS), settings.batch_size, settings.workers, state_dir,
-                      resume=True, progress=progress)
+        in9 = run_in9(loaded, runtime, data.in9, In9Config(VARIATIONS, settings.batch_size, settings.workers, progress),
+                      output_dir=state_dir, resume=True)
     with distributed.agree(runtime.group, runtime.device):
         challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,
                                   (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache_dir)
@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_trust_argument(models)
     options.add_data_arguments(parser)
     options.add_running_arguments(parser, shard=False)
-    options.add_search_arguments(parser.add_argument_group("challenge"))
+    flags.add_search_arguments(parser.add_argument_group("challenge"))
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", type=Path, default=Path("zoo_results"), metavar="DIR",
                      help=f"per-model results ({MODELS_FOLDER}/), resumable run state ({RUNS_FOLDER}/) and the "
@@ -325,11 +325,11 @@ def _main(args: argparse.Namespace) -> int:
         print(f"Leaderboard of {len(rows)} rows: {Path(args.leaderboard_only) / MARKDOWN_FILE}")
         return 0
     specs = specs_from_args(args)
+    checked = options.check_arguments(args)
     runtime = options.runtime_from_args(args, compile=args.compile)
-    settings = ZooSettings(args.data_path, options.challenge_config_from_args(args, runtime),
-                           args.batch_size or default_batch_size(runtime.device), args.workers,
-                           options.cache_dir_from_args(args), args.trust_checkpoint)
-    outcomes = run_zoo(specs, settings, runtime, args.output_dir, progress=not args.no_progress)
+    settings = ZooSettings(checked.data_path, flags.challenge_config_from_args(args, checked.progress),
+                           args.batch_size, args.workers, flags.cache_dir_from_args(args), args.trust_checkpoint)
+    outcomes = run_zoo(specs, settings, runtime, args.output_dir, progress=checked.progress)
     failed = [o.model for o in outcomes if o.status == "failed"]
     # under torchrun the other processes wait for rank 0's report: one that exits first ends the job
     with distributed.agree(runtime.group, runtime.device):

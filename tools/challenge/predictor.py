@@ -13,7 +13,7 @@ from tools.challenge.data import ChallengeData
 from tools.data.compositing import MaskArithmetic, blend, composite
 from tools.in9 import PredictionMap
 from tools.models.boundary import LoadedModel
-from tools.runtime import CPU_BATCH_CANDIDATES, Forward, Runtime, default_batch_size, to_device
+from tools.runtime import CPU_BATCH_CANDIDATES, Forward, Runtime, to_device
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +31,11 @@ class CompositePredictor:
                  recheck_margin: float = 0.0):
         self.runtime, self.data = runtime, data
         self.model = runtime.prepare(loaded.model)
-        chunk = batch_size or default_batch_size(runtime.device)
+        chunk = runtime.batch_size(batch_size)
         self.forward = Forward(self.model, runtime, chunk)
         self.recheck = Forward(self.model, runtime, chunk, exact=True, what="the fp32 re-check's batch size")
         self.to_in9 = PredictionMap(loaded.num_classes)
-        self.recheck_margin = recheck_margin if not runtime.exact else 0.0
+        self.recheck_margin = recheck_margin
         self.rechecked = self.recheck_changed = 0
 
     def composite(self, fg_idx: torch.Tensor, bg_idx: torch.Tensor) -> torch.Tensor:

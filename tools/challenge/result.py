@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.results.analysis import (BACKGROUND_COLUMNS, BACKGROUNDS_FILE, FOREGROUND_COLUMNS, FOREGROUNDS_FILE, META_FILE,
-                            PREDICTIONS_FILE, summary_lines, write_analysis)
+from tools.results.analysis import (BACKGROUND_COLUMNS, BACKGROUNDS_FILE, DEFAULT_TOP_K, FOREGROUND_COLUMNS,
+                                    FOREGROUNDS_FILE, META_FILE, PREDICTIONS_FILE, summary_lines, write_analysis)
 from tools.challenge.data import Pairs
 from tools.challenge.scheduler import Criterion
 from tools.challenge.state import VULNERABLE, SearchState
@@ -103,7 +103,7 @@ class ChallengeResult:
                           {"data_path": str(Path(data_path).resolve()), "criterion": self.criterion.value,
                            "num_classes": num_classes, "provenance": self.provenance})
 
-    def publish(self, output_dir: Path, data_path: Path, num_classes: int, analysis: bool = False, top_k: int = 5,
+    def publish(self, output_dir: Path, data_path: Path, num_classes: int, analysis: bool = False, top_k: int = DEFAULT_TOP_K,
                 per_foreground_csv: Path | None = None, results_file: Path | None = None,
                 report: Path | None = None, rerun_hint: str = RESUME_HINT) -> list[str]:
         """Write what challenge_eval.py writes (and tools.merge for shards); returns the lines to print.

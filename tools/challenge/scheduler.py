@@ -23,15 +23,20 @@ class Criterion(str, enum.Enum):
 
 @dataclass
 class ChallengeConfig:
+    """The challenge run's settings; their defaults are challenge_eval.py's (its flags read them here)."""
+
     criterion: Criterion = Criterion.ANY
     full: bool = False
-    batch_size: int | None = 64  # None: 256 on a GPU; on the CPU, measured at start-up (CPU_BATCH_CANDIDATES)
+    batch_size: int | None = None  # None: the runtime's default on a GPU; on the CPU, measured at start-up
     first_k: int = 1  # backgrounds offered to each open foreground in the first round; doubles each round
     save_every: float = 5.0  # seconds between state saves
-    recheck_margin: float = 0.0
+    recheck_margin: float = 1.0  # in reduced precision, near ties below it are re-run in fp32; 0 turns it off
     progress: bool = True
     mask_arithmetic: MaskArithmetic = MaskArithmetic.BINARY
 
+    def recheck_margin_at(self, exact: bool) -> float:
+        """The re-check margin that applies: none at exact precision (fp32 has no near ties to re-check)."""
+        return 0.0 if exact else self.recheck_margin
 
 
 def split_untested(tested: np.ndarray, parts: int) -> np.ndarray:

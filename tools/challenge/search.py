@@ -246,7 +246,7 @@ class ShardedSearch:
 def _run_key(data: ChallengeData, loaded: LoadedModel, runtime: Runtime, config: ChallengeConfig) -> str:
     parts = [STATE_FORMAT, data.fingerprint["sha256"], data.arithmetic.value, loaded.sha256 or "", loaded.normalization,
              runtime.precision.value, config.criterion.value, str(config.full), str(config.first_k),
-             str(config.recheck_margin)]
+             str(config.recheck_margin_at(runtime.exact))]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
@@ -269,7 +269,8 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
             data = data.foreground_subset(shard.take(len(data.foregrounds)))
             state_name = f"{Path(STATE_NAME).stem}-shard-{shard.index}-of-{shard.count}.npz"
         data = data.to(runtime.device)
-        predictor = CompositePredictor(loaded, runtime, data, config.batch_size, config.recheck_margin)
+        predictor = CompositePredictor(loaded, runtime, data, config.batch_size,
+                                       config.recheck_margin_at(runtime.exact))
         state_path = Path(output_dir) / state_name if output_dir is not None else None
         state = None
         if resume and state_path is not None and state_path.is_file():

@@ -19,7 +19,7 @@ from PIL import Image, UnidentifiedImageError
 from tools.data import boxes as boxes_mod
 from tools.data import grabcut
 from tools.data import variations
-from tools.data.layout import IMAGE_EXTENSIONS, LAYOUT_NAMES, MASK_EXTENSION, MIXED, list_folder
+from tools.data.layout import IMAGE_EXTENSIONS, LAYOUT_NAMES, MASK_EXTENSION, MIXED, SUMMARY_NAME, list_folder
 
 from tools.threads import default_workers, map_in_threads
 from tools.errors import NUMPY_READ_ERRORS, UserError
@@ -34,7 +34,6 @@ MAX_BOX_FRACTION = 0.9  # of the crop's area
 MIN_BOX_INSIDE = 0.5  # of the resized box's area inside the crop
 MIN_FOREGROUND_FRACTION = 0.1  # of the box's area
 DEFAULT_JPEG_QUALITY = 95
-SUMMARY_NAME = "build_summary.json"
 BUILDING_INFIX = ".building-"  # the output is built in <parent>/.<out name>.building-<host>-<pid>-<random>
 WNID = re.compile(r"n\d{8}")
 

@@ -12,8 +12,7 @@ from typing import Collection, Sequence
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from tools.data.builder import SUMMARY_NAME
-from tools.data.layout import MIXED, check_data_root, class_order_problem, is_listed, list_folder
+from tools.data.layout import MIXED, SUMMARY_NAME, check_data_root, class_order_problem, is_listed, list_folder
 from tools.threads import default_workers, map_in_threads
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation

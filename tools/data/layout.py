@@ -21,6 +21,7 @@ DATA_ENV = "BG_CHALLENGE_DATA"
 DEFAULT_DATA_ROOT = Path("data") / "bg_challenge"
 LAYOUT_NAMES: tuple[str, ...] = (*VARIATIONS, MASK_FOLDER)  # every top-level folder of a data root
 MIXED = (Variation.MIXED_SAME.value, Variation.MIXED_RAND.value, Variation.MIXED_NEXT.value)
+SUMMARY_NAME = "build_summary.json"  # what `tools.data build` writes beside the folders it built
 
 
 @dataclass(frozen=True)

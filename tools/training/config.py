@@ -14,7 +14,7 @@ from tools.distributed import DEFAULT_TIMEOUT_MINUTES
 from tools.options import add_dist_timeout_argument, add_model_source_arguments
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, Variation
-from tools.runtime import Precision
+from tools.runtime import BATCH_SIZE_DEFAULTS, Precision
 from tools.threads import default_workers
 
 
@@ -91,7 +91,7 @@ class TrainConfig:
     precision: Precision | None = None
     channels_last: bool = False
     dist_timeout: float = DEFAULT_TIMEOUT_MINUTES  # minutes, under torchrun
-    workers: int = 2
+    workers: int = field(default_factory=default_workers)  # DataLoader worker processes
     seed: int = 0
     save_every: int = 100
     resume: bool = False
@@ -107,6 +107,8 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "lora_rank", "oft_block_size", "save_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise UserError(f"--eval-batch-size must be at least 1, not {self.eval_batch_size}")
         if self.workers < 0:
             raise UserError(f"--workers must be 0 or more, not {self.workers}")
         for name in ("swap_prob", "swap_same_class_prob", "label_smoothing"):
@@ -253,7 +255,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, metavar="N",
                      help="seed of every random choice: order, crops, swaps, mixing, initialisation (default: 0)")
     run.add_argument("--eval-batch-size", type=int, default=None, metavar="N",
-                     help="batch size of the final evaluation (default: 256 on a GPU, 16 on the CPU)")
+                     help=f"batch size of the final evaluation (default: {BATCH_SIZE_DEFAULTS})")
     add_dist_timeout_argument(run)
 
     out = parser.add_argument_group("output")

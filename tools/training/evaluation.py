@@ -8,13 +8,13 @@ from pathlib import Path
 
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.errors import UserError
-from tools.evaluate import run_in9
+from tools.evaluate import In9Config, run_in9
 from tools.in9 import VARIATIONS
 from tools.models.boundary import LoadedModel
 from tools.models.sources import load_model
 from tools.provenance import write_json_atomic, write_text_atomic
 from tools.results.report import markdown_table, percent
-from tools.runtime import Runtime, default_batch_size, resolve_device
+from tools.runtime import Runtime, resolve_device
 from tools.training.config import TrainConfig
 from tools.training.loop import TrainResult
 
@@ -25,15 +25,14 @@ REPORT_NAME = "report.md"
 
 def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir: Path) -> dict:
     """{'in9': in9 payload, 'challenge': challenge payload or None}, also written as JSON under out_dir."""
-    batch = config.eval_batch_size or default_batch_size(runtime.device)
+    batch = runtime.batch_size(config.eval_batch_size)
     workers = max(1, config.workers)
-    in9 = run_in9(loaded, runtime, config.eval_data, list(VARIATIONS), batch, workers, out_dir, False,
-                  config.progress).to_json()
+    in9 = run_in9(loaded, runtime, config.eval_data, In9Config(VARIATIONS, batch, workers, config.progress),
+                  output_dir=out_dir).to_json()
     write_json_atomic(out_dir / "in9.json", in9)
     challenge = None
     if config.eval_challenge:
-        settings = ChallengeConfig(batch_size=batch, recheck_margin=0.0 if runtime.exact else 1.0,
-                                   progress=config.progress)
+        settings = ChallengeConfig(batch_size=batch, progress=config.progress)
         challenge = run_challenge(loaded, runtime, config.eval_data, settings, out_dir, False, workers).to_json()
         write_json_atomic(out_dir / "challenge.json", challenge)
     return {"in9": in9, "challenge": challenge}
