@@ -3,6 +3,10 @@
     python docs/make_cli.py            # rewrite docs/cli.md
     python docs/make_cli.py --check    # exit 1 if docs/cli.md differs from what the parsers say
 
+The commands are the console scripts of pyproject.toml's [project.scripts], in its order: each `module:main`
+has a `build_parser()` beside it. A command is shown as it is typed in a checkout (the root script that calls the
+same `main`, else `python -m`) and by its console-script name.
+
 The parsers are read through their objects (groups, actions, sub-commands), never through --help text, so
 the page shows exactly the flags, metavars, choices and help strings the commands accept. Defaults that
 depend on the machine (CPU count, home folder) are written as the rule that computes them, so the page is
@@ -15,6 +19,11 @@ import argparse
 import importlib
 import importlib.util
 import sys
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli, which pytest itself needs there
+    import tomli as tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,18 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "docs" / "cli.md"
 REGENERATE = "python docs/make_cli.py"
 
-# (how the command is typed, "module:function that builds its parser"), one line per command; a parser with
-# sub-commands gets one section per sub-command. A module that does not exist yet is listed with a note.
-COMMANDS = (
-    ("python in9_eval.py", "in9_eval:build_parser"),
-    ("python challenge_eval.py", "challenge_eval:build_parser"),
-    ("python -m tools.data", "tools.data.cli:build_parser"),
-    ("python -m tools.results.analysis", "tools.results.analysis:build_parser"),
-    ("python -m tools.results.report", "tools.results.report:build_parser"),
-    ("python train.py", "train:build_parser"),
-    ("python -m tools.zoo", "tools.zoo:build_parser"),
-    ("python -m tools.merge", "tools.merge:build_parser"),
-)
+PYPROJECT = ROOT / "pyproject.toml"
 
 # Flags whose default is computed on the machine that builds the parser: the rule, written instead of the value.
 MACHINE_DEFAULTS = {
@@ -46,31 +44,67 @@ HELP_FLAGS = {"-h", "--help"}
 
 @dataclass
 class Command:
-    name: str
+    name: str  # as typed in a checkout
     parser: argparse.ArgumentParser | None  # None: its module does not exist (yet)
     missing: str = ""
+    script: str | None = None  # the console script's name
 
 
-def load_command(name: str, target: str) -> list[Command]:
+def read_pyproject(pyproject: Path = PYPROJECT) -> dict:
+    with open(pyproject, "rb") as fh:
+        return tomllib.load(fh)
+
+
+def entry_points(pyproject: Path = PYPROJECT) -> dict[str, str]:
+    """[project.scripts]: {console script: "module:function"}, in the file's order."""
+    return read_pyproject(pyproject)["project"].get("scripts", {})
+
+
+def commands_from_entry_points(pyproject: Path = PYPROJECT) -> list[tuple[str, str, str]]:
+    """(how the command is typed, "module:build_parser", console script) for every entry point."""
+    root_scripts = read_pyproject(pyproject).get("tool", {}).get("setuptools", {}).get("py-modules", [])
+    return [(typed_form(target, root_scripts), f"{target.split(':')[0]}:build_parser", script)
+            for script, target in entry_points(pyproject).items()]
+
+
+def typed_form(target: str, root_scripts: list[str]) -> str:
+    """`python SCRIPT.py` for the root script (of `root_scripts`) whose `main` is this entry point's; else
+    `python -m` the module, or its package where the module is the package's `cli` and the package has a
+    `__main__`."""
+    module_name, function = target.split(":")
+    if not in_this_checkout(module_name):
+        return f"python -m {module_name}"
+    entry = getattr(importlib.import_module(module_name), function)
+    for script in root_scripts:
+        if in_this_checkout(script) and getattr(importlib.import_module(script), "main", None) is entry:
+            return f"python {script}.py"
+    package, _, last = module_name.rpartition(".")
+    if last == "cli" and importlib.util.find_spec(f"{package}.__main__") is not None:
+        return f"python -m {package}"
+    return f"python -m {module_name}"
+
+
+def load_command(name: str, target: str, script: str | None = None) -> list[Command]:
     """Import the parser builder lazily; only a module that does not exist at all is skipped, with a note.
 
     A parser with sub-commands gives one `Command` per sub-command (and one for its own flags, if any)."""
     module_name, function = target.split(":")
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     if not in_this_checkout(module_name):
-        return [Command(name, None, missing=module_name)]
+        return [Command(name, None, missing=module_name, script=script)]
     module = importlib.import_module(module_name)  # a missing import inside it is a real error, raised
     parser = getattr(module, function)()
     subcommands = subparsers_of(parser)
     if not subcommands:
-        return [Command(name, parser)]
-    own = [Command(name, parser)] if documented_actions(parser) else []
-    return own + [Command(f"{name} {sub}", subparser) for sub, subparser in subcommands.items()]
+        return [Command(name, parser, script=script)]
+    own = [Command(name, parser, script=script)] if documented_actions(parser) else []
+    return own + [Command(f"{name} {sub}", subparser, script=script and f"{script} {sub}")
+                  for sub, subparser in subcommands.items()]
 
 
 def in_this_checkout(module_name: str) -> bool:
     """Whether the module exists in this checkout (not merely in another installed copy of the toolkit)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     try:
         spec = importlib.util.find_spec(module_name)
     except ModuleNotFoundError as exc:  # a parent package is missing
@@ -87,7 +121,8 @@ def subparsers_of(parser: argparse.ArgumentParser) -> dict[str, argparse.Argumen
     return {}
 
 
-def load_commands(commands=COMMANDS) -> list[Command]:
+def load_commands(commands=None) -> list[Command]:
+    commands = commands_from_entry_points() if commands is None else commands
     return [command for spec in commands for command in load_command(*spec)]
 
 
@@ -134,6 +169,8 @@ def describe(parser: argparse.ArgumentParser) -> list[str]:
 
 def render_command(command: Command) -> list[str]:
     lines = [f"## `{command.name}`", ""]
+    if command.script is not None:
+        lines += [f"Installed as `{command.script}`.", ""]
     if command.parser is None:
         return lines + [f"Not documented yet: the module `{command.missing}` is not in this checkout.", ""]
     parser = command.parser
@@ -152,13 +189,13 @@ def render_command(command: Command) -> list[str]:
     return lines
 
 
-def render(commands=COMMANDS) -> str:
+def render(commands=None) -> str:
     loaded = load_commands(commands)
     lines = ["# Command-line reference", "",
              f"Generated from the argparse parsers by `{REGENERATE}`; do not edit by hand "
              "(`tests/test_docs.py` fails when this page is out of date). Every command also takes `-h`/`--help`.",
              "", "Commands:", ""]
-    lines += [f"- [`{c.name}`](#{anchor(c.name)})" for c in loaded]
+    lines += [f"- [`{c.name}`](#{anchor(c.name)})" + (f" (`{c.script}`)" if c.script else "") for c in loaded]
     lines.append("")
     for command in loaded:
         lines += render_command(command)

@@ -1,21 +1,14 @@
-"""Shared fixtures: generated IN-9-shaped data and hand-built models, all in tmp_path."""
+"""Shared fixtures: generated IN-9-shaped data and hand-built models, all in tmp_path (the helpers that are not
+fixtures are in tests/helpers.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import logging
-import os
-import socket
-import subprocess
-import sys
-import time
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import TINY_CLIP, TINY_CLIP_OPTIONS, save_torchscript
 from tools.data import synthetic
 
 
@@ -23,12 +16,6 @@ from tools.data import synthetic
 def dataset(tmp_path_factory):
     """A small generated dataset (4 images per class) in the release's layout."""
     return synthetic.generate(tmp_path_factory.mktemp("data") / "bg_challenge", per_class=4, seed=1)
-
-
-def save_torchscript(model: torch.nn.Module, path) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.jit.save(torch.jit.trace(model.eval(), torch.zeros(2, 3, 224, 224)), str(path))
 
 
 @pytest.fixture(scope="session")
@@ -51,19 +38,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def run_in_process(main, argv, capsys):
-    """Run a command's `main(argv)` in this process; (exit code, stdout, stderr). Restores the logging setup."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        code = main(argv)
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_home(tmp_path_factory):
     """$XDG_CACHE_HOME in a temporary folder: the tests neither read nor fill the user's caches (the default
@@ -71,10 +45,6 @@ def private_cache_home(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache_home")))
         yield
-
-
-TINY_CLIP = "bgc-tiny-clip"
-TINY_CLIP_OPTIONS = "+templates=simple"  # 7 templates: the 1000-class head is 7000 prompts, not 80000
 
 
 @pytest.fixture(scope="session")
@@ -92,57 +62,10 @@ def tiny_clip(tmp_path_factory):
     return f"clip:{TINY_CLIP}/none{TINY_CLIP_OPTIONS}"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _gloo_process(rank: int, world_size: int, port: int, function, args, results: Path) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from tests import collective_guard  # noqa: PLC0415
-    collective_guard.install()
-    try:
-        result = function(*args)
-    finally:
-        from tools import distributed  # noqa: PLC0415
-        distributed.cleanup()
-    torch.save(result, results / f"rank{rank}.pt")
-
-
-def run_in_processes(function, world_size: int, tmp_path: Path, *args) -> list:
-    """`function(*args)` in `world_size` fresh processes with torchrun's environment (RANK, WORLD_SIZE, ...), so
-    that tools.distributed.setup joins them in a gloo group, under tests.collective_guard; the return values
-    (tensors, lists, dicts, numbers) in rank order. `function` must be a module-level function."""
-    import torch.multiprocessing as mp  # noqa: PLC0415
-    results = Path(tmp_path) / f"results-{function.__name__}"
-    results.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_gloo_process, args=(world_size, _free_port(), function, args, results), nprocs=world_size)
-    return [torch.load(results / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
-
-
-def signal_when_ready(code: str, ready: Path, args: list[str], signum: int) -> subprocess.CompletedProcess:
-    """Run `python -c code READY ARGS...`, send it `signum` once it has made the file READY (half-way through its
-    work), and wait for it to end; its exit code and text output."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    process = subprocess.Popen([sys.executable, "-c", code, str(ready), *args], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert ready.exists(), process.communicate(timeout=10)
-    process.send_signal(signum)
-    stdout, stderr = process.communicate(timeout=60)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
-def load_script(path: Path):
-    """A Python file outside the package (docs/make_cli.py, .ci/check_floor.py) as a module, registered in
-    sys.modules under its stem while it is used (dataclasses look their module up there)."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Two images per class for training and two for testing, in one IN-9-style folder."""
+    root = tmp_path_factory.mktemp("tiny") / "in9"
+    synthetic.generate(root, per_class=2, seed=3, split="train")
+    synthetic.generate(root, per_class=2, seed=4)
+    return root

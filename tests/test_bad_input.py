@@ -17,8 +17,7 @@ from PIL import Image
 from torch import nn
 
 import in9_eval
-from conftest import save_torchscript
-from tools import cli
+from tests.helpers import check_error, save_torchscript
 from tools.data import layout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +36,7 @@ def run(capsys, tmp_path):
         root = logging.getLogger()
         handlers, level = root.handlers[:], root.level
         try:
-            code = cli.run_main(in9_eval.build_parser(), in9_eval.main, argv)
+            code = in9_eval.main(argv)
         finally:
             root.handlers[:] = handlers
             root.setLevel(level)
@@ -45,21 +44,6 @@ def run(capsys, tmp_path):
         return check_error(code, out, err, lines)
 
     return go
-
-
-def check_error(code: int, out: str, err: str, lines: int | None = 1) -> str:
-    """Exit code 2, no traceback, nothing on stdout, and the error as the one (last) line of stderr
-    (the only line, unless `lines` says otherwise)."""
-    assert code == 2, err
-    assert "Traceback" not in err
-    assert out == ""
-    err_lines = err.splitlines()
-    errors = [line for line in err_lines if line.startswith("error: ")]
-    assert len(errors) == 1, err
-    assert err_lines[-1] == errors[0]
-    if lines is not None:
-        assert len(err_lines) == lines, err
-    return errors[0]
 
 
 def mentions(line: str, *fragments: str) -> bool:
@@ -309,12 +293,12 @@ def test_data_path_defaults_to_the_environment_then_data_bg_challenge(run, datas
     monkeypatch.setenv("BG_CHALLENGE_DATA", str(dataset.root))
     argv = ["--checkpoint", str(color_ts[9]), "--device", "cpu", "--output-dir", str(tmp_path / "o"),
             "--no-progress", "--log-level", "WARNING"]
-    assert cli.run_main(in9_eval.build_parser(), in9_eval.main, argv) == 0
+    assert in9_eval.main(argv) == 0
     assert capsys.readouterr().out.startswith("Accuracy on original is ")
     monkeypatch.delenv("BG_CHALLENGE_DATA")
     (tmp_path / "data").mkdir()
     shutil.copytree(dataset.root, tmp_path / "data" / "bg_challenge")
-    assert cli.run_main(in9_eval.build_parser(), in9_eval.main, argv) == 0
+    assert in9_eval.main(argv) == 0
 
 
 @pytest.mark.parametrize("script", ["in9_eval", "challenge_eval"])
@@ -343,7 +327,7 @@ def test_bad_data_is_reported_before_any_model_is_built(script, breakage, data, 
             "--no-progress", "--log-level", "WARNING", "--no-cache" if script == "challenge_eval" else "--categories"]
     if script == "in9_eval":
         argv += ["--eval-dataset", "all"]
-    code = cli.run_main(module.build_parser(), module.main, argv)
+    code = module.main(argv)
     out, err = capsys.readouterr()
     line = check_error(code, out, err)
     assert mentions(line, "nowhere" if breakage == "no folder" else "only_bg_t")
@@ -355,7 +339,7 @@ def test_results_files_follow_the_umask(dataset, color_ts, tmp_path, capsys):
         argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--device", "cpu",
                 "--output-dir", str(tmp_path / "o"), "--results-file", str(tmp_path / "r.json"), "--no-progress",
                 "--log-level", "WARNING"]
-        assert cli.run_main(in9_eval.build_parser(), in9_eval.main, argv) == 0
+        assert in9_eval.main(argv) == 0
     finally:
         os.umask(previous)
     capsys.readouterr()
@@ -365,7 +349,7 @@ def test_results_files_follow_the_umask(dataset, color_ts, tmp_path, capsys):
 def test_arch_ignored_for_a_torchscript_file_is_said_once(dataset, color_ts, tmp_path, capsys):
     argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--arch", "resnet18", "--device",
             "cpu", "--output-dir", str(tmp_path / "o"), "--no-progress", "--log-level", "WARNING"]
-    assert cli.run_main(in9_eval.build_parser(), in9_eval.main, argv) == 0
+    assert in9_eval.main(argv) == 0
     err = capsys.readouterr().err
     assert sum("--arch resnet18 is ignored" in line for line in err.splitlines()) == 1
 

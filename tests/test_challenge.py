@@ -17,8 +17,8 @@ import torch
 
 from tests.challenge_reference import reference_matrix, reference_verdicts
 import challenge_eval
-from tests.conftest import save_torchscript
-from tools import challenge, cli
+from tests.helpers import TinyCNN, save_torchscript
+from tools import challenge
 from tools.data import synthetic
 from tools.challenge import ChallengeConfig, Criterion, Scheduler, run_challenge
 from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD
@@ -27,22 +27,6 @@ from tools.runtime import Runtime
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = Runtime(torch.device("cpu"))
-
-
-class TinyCNN(torch.nn.Module):
-    """A random convolutional classifier whose predictions vary from image to image."""
-
-    def __init__(self, num_classes: int, seed: int):
-        super().__init__()
-        gen = torch.Generator().manual_seed(seed)
-        self.conv = torch.nn.Conv2d(3, 8, 5, stride=4)
-        self.fc = torch.nn.Linear(8, num_classes)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen))
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
 
 
 MODELS = {
@@ -268,7 +252,7 @@ def run_cli(capsys):
     def run(data: Path, model: Path, tmp_path: Path) -> _Finished:
         argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", "--no-cache",
                 "--output-dir", str(tmp_path / "out")]
-        code = cli.run_main(challenge_eval.build_parser(), challenge_eval.main, argv)
+        code = challenge_eval.main(argv)
         return _Finished(code, capsys.readouterr().err)
 
     return run

@@ -18,10 +18,9 @@ import torch.nn.functional as F
 
 import challenge_eval
 import in9_eval
-from conftest import TINY_CLIP, TINY_CLIP_OPTIONS, run_in_process
-from reference import evaluate as reference_evaluate
+from tests.helpers import TINY_CLIP, TINY_CLIP_OPTIONS, run_in_process
+from tests.reference import evaluate as reference_evaluate
 from tests.challenge_reference import reference_matrix, reference_verdicts
-from tools import cli
 from tools.models import clip as clip_zero_shot
 from tools.data import synthetic
 from tools.models.clip import RANDOM_SEED, ClipSpec, Head, Templates, parse_spec, prompts, template_sets
@@ -59,7 +58,7 @@ def same_random_clip():
 
 
 def run_script(script, argv, capsys):
-    return run_in_process(lambda a: cli.run_main(script.build_parser(), script.main, a), argv, capsys)
+    return run_in_process(script.main, argv, capsys)
 
 
 def hand_head(model, tokenizer, names, templates, articles: bool) -> torch.Tensor:

@@ -12,8 +12,7 @@ import pytest
 
 import challenge_eval
 import in9_eval
-from tests.conftest import run_in_process, save_torchscript
-from tools import cli
+from tests.helpers import run_in_process, save_torchscript
 from tools.results import analysis
 from tools.data import synthetic
 from tools.data.boxes import CropGeometry
@@ -41,12 +40,12 @@ def truncate(path: Path) -> None:
 
 def challenge(capsys, data, model, *args):
     argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", *map(str, args)]
-    return run_in_process(lambda a: cli.run_main(challenge_eval.build_parser(), challenge_eval.main, a), argv, capsys)
+    return run_in_process(challenge_eval.main, argv, capsys)
 
 
 def in9(capsys, data, model, *args):
     argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", *map(str, args)]
-    return run_in_process(lambda a: cli.run_main(in9_eval.build_parser(), in9_eval.main, a), argv, capsys)
+    return run_in_process(in9_eval.main, argv, capsys)
 
 
 def one_error_line(err: str, *names: str) -> str:
@@ -141,7 +140,7 @@ def test_a_damaged_training_resume_state_is_one_error_line(damage, tmp_path, cap
     out = tmp_path / "out"
     argv = ["--data-path", str(data), "--arch", "toolkit:small_cnn", "--weights", "none", "--device", "cpu",
             "--no-progress", "--workers", "0", "--epochs", "1", "--batch-size", "3", "--output-dir", str(out)]
-    run = lambda a: cli.run_main(train.build_parser(), train.main, a)  # noqa: E731
+    run = train.main  # noqa: E731
     code, _, err = run_in_process(run, argv, capsys)
     assert code == 0, err
     damage(out / STATE_NAME)

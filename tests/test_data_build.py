@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 from torchvision import transforms
 
-from tests.conftest import run_in_process, signal_when_ready
+from tests.helpers import run_in_process, signal_when_ready
 from tools.data import builder, check, layout
 from tools.data import boxes
 from tools.data import synthetic
@@ -434,7 +434,6 @@ def test_a_built_dataset_runs_through_both_scripts(inputs, tmp_path, capsys, col
 
     from tests.challenge_reference import reference_matrix, reference_verdicts  # noqa: PLC0415
     from tests.reference import evaluate as reference_evaluate  # noqa: PLC0415
-    from tools import cli  # noqa: PLC0415
     from tools.in9 import IN9_MEAN, IN9_STD  # noqa: PLC0415
 
     out = tmp_path / "built"
@@ -444,13 +443,13 @@ def test_a_built_dataset_runs_through_both_scripts(inputs, tmp_path, capsys, col
     model = synthetic.ColorEvidenceModel(9).eval()  # what color_ts[9] holds
     common = ["--data-path", str(out), "--checkpoint", str(color_ts[9]), "--device", "cpu", "--no-progress",
               "--output-dir", str(tmp_path / "runs")]
-    code = cli.run_main(in9_eval.build_parser(), in9_eval.main, ["--eval-dataset", "all", *common])
+    code = in9_eval.main(["--eval-dataset", "all", *common])
     stdout = capsys.readouterr().out
     assert code == 0
     for name in VARIATIONS:
         expected = reference_evaluate(model, out, name, 9)
         assert f"Accuracy on {name} is {100 * expected.correct / expected.total:.2f}%" in stdout
-    code = cli.run_main(challenge_eval.build_parser(), challenge_eval.main, [*common, "--no-cache"])
+    code = challenge_eval.main([*common, "--no-cache"])
     stdout = capsys.readouterr().out
     assert code == 0
     matrix, fg_labels, bg_labels = reference_matrix(out, model, IN9_MEAN, IN9_STD)

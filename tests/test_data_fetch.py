@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_in_process, signal_when_ready
+from tests.helpers import run_in_process, signal_when_ready
 from tools.data import download
 from tools.data import synthetic
 from tools.data import cli as data_cli

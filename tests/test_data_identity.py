@@ -15,8 +15,7 @@ from PIL import Image
 
 import challenge_eval
 import in9_eval
-from tests.conftest import run_in_process
-from tools import cli
+from tests.helpers import run_in_process
 from tools.data import synthetic
 
 
@@ -32,7 +31,7 @@ def data(pristine, tmp_path) -> Path:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from tests.conftest import save_torchscript  # noqa: PLC0415
+    from tests.helpers import save_torchscript  # noqa: PLC0415
     path = tmp_path_factory.mktemp("identity-model") / "color9.ts"
     save_torchscript(synthetic.ColorEvidenceModel(9), path)
     return path
@@ -83,7 +82,7 @@ def change(data: Path, what: str) -> Path:
 def challenge(capsys, data: Path, model: Path, out: Path, *extra: str):
     argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", "--full",
             "--output-dir", str(out), "--results-file", str(out / "results.json"), "--log-level", "WARNING", *extra]
-    code, stdout, err = run_in_process(lambda a: cli.run_main(challenge_eval.build_parser(), challenge_eval.main, a),
+    code, stdout, err = run_in_process(challenge_eval.main,
                                        argv, capsys)
     return code, stdout, err
 
@@ -92,7 +91,7 @@ def in9(capsys, data: Path, model: Path, out: Path, *extra: str):
     argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress",
             "--eval-dataset", "all", "--output-dir", str(out), "--results-file", str(out / "results.json"),
             "--log-level", "WARNING", *extra]
-    return run_in_process(lambda a: cli.run_main(in9_eval.build_parser(), in9_eval.main, a), argv, capsys)
+    return run_in_process(in9_eval.main, argv, capsys)
 
 
 def results(out: Path) -> dict:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import run_in_process
+from tests.helpers import run_in_process
 from tools.data import check
 from tools.data import synthetic
 from tools.data import cli as data_cli

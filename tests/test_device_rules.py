@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import train
-from conftest import run_in_process
-from tools import cli, runtime
+from tests.helpers import run_in_process
+from tools import runtime
 from tools.data import synthetic
 from tools.errors import UserError
 from tools.models.architectures import SMALL_CNN
@@ -65,7 +65,7 @@ def test_training_on_mps_before_torch_2_7_is_one_error_line_at_start_up(tmp_path
     synthetic.generate(root, per_class=1, seed=0, split="train")
     argv = ["--data-path", root, "--weights", "none", "--arch", SMALL_CNN, "--device", "mps", "--no-progress",
             "--workers", "0", "--batch-size", "3", "--output-dir", tmp_path / "out"]
-    code, _, err = run_in_process(lambda a: cli.run_main(train.build_parser(), train.main, a), [str(a) for a in argv],
+    code, _, err = run_in_process(train.main, [str(a) for a in argv],
                                   capsys)
     assert code == 2 and "Traceback" not in err, err
     assert err.strip().splitlines() == [

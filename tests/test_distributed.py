@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from tests import collective_guard
-from tests.conftest import run_in_process, run_in_processes, save_torchscript
-from tests.test_challenge import TinyCNN
-from tools import cli, distributed, zoo
+from tests.helpers import run_in_process, run_in_processes, save_torchscript
+from tests.helpers import TinyCNN
+from tools import distributed, zoo
 from tools.data import synthetic
 from tools.challenge import STATE_NAME, CompositePredictor, SearchState
 from tools.challenge.scheduler import split_untested
@@ -297,17 +297,16 @@ def test_agree_votes_only_among_the_runs_own_processes(monkeypatch):
 # processes wait longer for one another), and the search's work shared and saved so that no wait is long.
 
 def _command(name: str, data: Path, model: Path, tmp_path: Path):
-    """(parser, main, argv) of a command that may run under torchrun, with the flags it needs."""
+    """(main, argv) of a command that may run under torchrun, with the flags it needs."""
     import challenge_eval  # noqa: PLC0415
     import in9_eval  # noqa: PLC0415
     import train  # noqa: PLC0415
     common = ["--data-path", str(data), "--device", "cpu", "--no-progress", "--log-level", "WARNING",
               "--output-dir", str(tmp_path / name)]
-    return {"in9_eval": (in9_eval.build_parser(), in9_eval.main, [*common, "--checkpoint", str(model)]),
-            "challenge_eval": (challenge_eval.build_parser(), challenge_eval.main,
-                               [*common, "--checkpoint", str(model), "--no-cache"]),
-            "zoo": (zoo.build_parser(), zoo._main, [*common, "--models", f"file:{model}", "--no-cache"]),
-            "train": (train.build_parser(), train.main, [*common, "--checkpoint", str(model)])}[name]
+    return {"in9_eval": (in9_eval.main, [*common, "--checkpoint", str(model)]),
+            "challenge_eval": (challenge_eval.main, [*common, "--checkpoint", str(model), "--no-cache"]),
+            "zoo": (zoo.main, [*common, "--models", f"file:{model}", "--no-cache"]),
+            "train": (train.main, [*common, "--checkpoint", str(model)])}[name]
 
 
 COMMANDS = ("in9_eval", "challenge_eval", "zoo", "train")
@@ -330,12 +329,12 @@ def test_the_timeout_reaches_the_process_group(name, flag, minutes, setup, tmp_p
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     for variable, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(variable, value)
-    parser, main, argv = _command(name, data, models["color"], tmp_path)
+    main, argv = _command(name, data, models["color"], tmp_path)
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:
         with pytest.raises(Reached):
-            cli.run_main(parser, main, [*argv, *flag])
+            main([*argv, *flag])
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
@@ -346,9 +345,9 @@ def test_the_timeout_reaches_the_process_group(name, flag, minutes, setup, tmp_p
 @pytest.mark.parametrize("name", COMMANDS)
 def test_a_timeout_that_is_not_a_positive_number_of_minutes_is_refused(name, value, setup, tmp_path, capsys):
     data, models = setup
-    parser, main, argv = _command(name, data, models["color"], tmp_path)
+    main, argv = _command(name, data, models["color"], tmp_path)
     with pytest.raises(SystemExit) as exc:  # argparse's refusal: usage, then one error line
-        cli.run_main(parser, main, [*argv, "--dist-timeout", value])
+        main([*argv, "--dist-timeout", value])
     out, err = capsys.readouterr()
     assert exc.value.code == 2 and out == "" and "Traceback" not in err
     assert err.splitlines()[-1].endswith(f"argument --dist-timeout: {value!r} is not a positive, finite number of "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import load_script
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,9 +23,9 @@ from PIL import Image
 from torch import nn
 
 import in9_eval
-import reference
-from conftest import save_torchscript
-from tools import __version__, cli
+from tests import reference
+from tests.helpers import save_torchscript
+from tools import __version__
 from tools.data import synthetic
 from tools.evaluate import evaluate_variations
 from tools.in9 import class_folder_names, VARIATIONS, class_names
@@ -140,7 +140,7 @@ def run_cli(args) -> tuple[int, str, str]:
     saved = sys.stdout, sys.stderr, root.handlers[:], root.level
     sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
     try:
-        code = cli.run_main(in9_eval.build_parser(), in9_eval.main, [str(a) for a in args])
+        code = in9_eval.main([str(a) for a in args])
         return code, sys.stdout.getvalue(), sys.stderr.getvalue()
     finally:
         sys.stdout, sys.stderr = saved[0], saved[1]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import save_torchscript
+from tests.helpers import save_torchscript
 from tools import challenge
 from tools.data import synthetic
 from tools.challenge import ChallengeConfig, run_challenge

@@ -11,8 +11,8 @@ import torch
 
 import challenge_eval
 from tests.challenge_reference import original_weight, reference_matrix
-from tests.conftest import run_in_process, save_torchscript
-from tests.test_challenge import TinyCNN
+from tests.helpers import run_in_process, save_torchscript
+from tests.helpers import TinyCNN
 from tools.data import compositing
 from tools.data import synthetic
 from tools.in9 import IN9_MEAN, IN9_STD
@@ -48,7 +48,7 @@ def cnn(tmp_path_factory):
 def run(capsys, data: Path, model: Path, out: Path, *extra: str):
     argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", "--no-cache",
             "--output-dir", str(out), "--log-level", "WARNING", *extra]
-    return run_in_process(lambda a: challenge_eval.cli.run_main(challenge_eval.build_parser(), challenge_eval.main, a),
+    return run_in_process(challenge_eval.main,
                           argv, capsys)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from torchvision.transforms import Normalize
 from torchvision.transforms.functional import to_tensor
 
-from conftest import save_torchscript
+from tests.helpers import save_torchscript
 from tools.errors import UserError
 from tools.data.hashing import sha256_file
 from tools.in9 import Normalization
@@ -363,8 +363,7 @@ def test_pixel_model_matches_to_tensor_and_normalize(dataset):
 def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     """A source is one function and one registration; its own statistics go inside the model."""
     import in9_eval  # noqa: PLC0415
-    from tests.conftest import run_in_process  # noqa: PLC0415
-    from tools import cli  # noqa: PLC0415
+    from tests.helpers import run_in_process  # noqa: PLC0415
     from tools.data import synthetic  # noqa: PLC0415
     from tools.evaluate import evaluate_variations  # noqa: PLC0415
     from tools.models.boundary import ModelOrigin, wrap  # noqa: PLC0415
@@ -384,7 +383,7 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
         argv = ["--data-path", str(dataset.root), "--arch", "toy:colour", "--device", "cpu", "--eval-dataset",
                 "mixed_rand", "--output-dir", str(tmp_path / "o"), "--results-file", str(tmp_path / "r.json"),
                 "--no-progress", "--log-level", "WARNING"]
-        code, out, err = run_in_process(lambda a: cli.run_main(in9_eval.build_parser(), in9_eval.main, a), argv, capsys)
+        code, out, err = run_in_process(in9_eval.main, argv, capsys)
     finally:
         SOURCES.pop("toy:")
     assert code == 0, err

@@ -22,8 +22,10 @@ import torch
 import challenge_eval
 import in9_eval
 import train
-from tests.conftest import run_in_process, save_torchscript
-from tools import challenge, cli, merge, zoo
+from tests.helpers import run_in_process, save_torchscript
+from tools import challenge, merge, zoo
+from tools import in9_eval as in9_command
+from tools.challenge import cli as challenge_command
 from tools.results import analysis
 from tools.data import decoding as datasets
 from tools.results import leaderboard
@@ -52,17 +54,13 @@ def one_error_line(code: int, err: str) -> str:
 # ----------------------------------------------------------------------------------------------------------
 # Every command with an impossible output path: one error line, exit 2, before any model or data
 
-def _script(module):
-    return lambda argv: cli.run_main(module.build_parser(), module.main, argv)
-
-
 COMMANDS = {
-    "in9_eval": (_script(in9_eval), ["--data-path", "{missing}/data", "--checkpoint", "{missing}/model.pt",
-                                     "--device", "cpu", "--output-dir", "{tmp}/out"]),
-    "challenge_eval": (_script(challenge_eval), ["--data-path", "{missing}/data", "--checkpoint",
-                                                 "{missing}/model.pt", "--device", "cpu", "--output-dir", "{tmp}/out"]),
-    "train": (_script(train), ["--data-path", "{missing}/data", "--arch", "resnet18", "--weights", "none",
-                               "--device", "cpu"]),
+    "in9_eval": (in9_eval.main, ["--data-path", "{missing}/data", "--checkpoint", "{missing}/model.pt",
+                                 "--device", "cpu", "--output-dir", "{tmp}/out"]),
+    "challenge_eval": (challenge_eval.main, ["--data-path", "{missing}/data", "--checkpoint",
+                                             "{missing}/model.pt", "--device", "cpu", "--output-dir", "{tmp}/out"]),
+    "train": (train.main, ["--data-path", "{missing}/data", "--arch", "resnet18", "--weights", "none",
+                           "--device", "cpu"]),
     "tools.zoo": (zoo.main, ["--models", "file:{missing}/model.pt", "--data-path", "{missing}/data",
                              "--device", "cpu"]),
     "tools.merge": (merge.main, ["{missing}/shards"]),
@@ -169,19 +167,19 @@ def test_a_late_write_failure_keeps_the_other_outputs(lost, dataset, color_ts, t
     the failure is one line naming the lost file and how to go on."""
     outputs = {"per-foreground csv": tmp_path / "tables" / "per_fg.csv",
                "results file": tmp_path / "results" / "challenge.json"}
-    real = challenge_eval.run_challenge
+    real = challenge_command.run_challenge
 
     def run_then_block(*args, **kwargs):
         result = real(*args, **kwargs)
         outputs[lost].parent.write_text("the folder is gone")
         return result
 
-    monkeypatch.setattr(challenge_eval, "run_challenge", run_then_block)
+    monkeypatch.setattr(challenge_command, "run_challenge", run_then_block)
     argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--device", "cpu", "--no-progress",
             "--no-cache", "--workers", "1", "--output-dir", str(tmp_path / "out"), "--per-foreground-csv",
             str(outputs["per-foreground csv"]), "--results-file", str(outputs["results file"]),
             "--log-level", "WARNING"]
-    code, out, err = run_in_process(_script(challenge_eval), argv, capsys)
+    code, out, err = run_in_process(challenge_eval.main, argv, capsys)
     line = one_error_line(code, err)
     assert str(outputs[lost]) in line and "--resume" in line
     assert out.startswith("Summary: ") and "Challenge accuracy: " in out  # the numbers are printed all the same
@@ -196,17 +194,17 @@ def test_a_late_write_failure_keeps_the_other_outputs(lost, dataset, color_ts, t
 def test_in9_accuracies_are_printed_when_the_results_file_cannot_be_written(dataset, color_ts, tmp_path, capsys,
                                                                            monkeypatch, one_thread):
     results = tmp_path / "results" / "in9.json"
-    real = in9_eval.run_in9
+    real = in9_command.run_in9
 
     def run_then_block(*args, **kwargs):
         run = real(*args, **kwargs)
         results.parent.write_text("the folder is gone")
         return run
 
-    monkeypatch.setattr(in9_eval, "run_in9", run_then_block)
+    monkeypatch.setattr(in9_command, "run_in9", run_then_block)
     argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--device", "cpu", "--no-progress",
             "--workers", "1", "--results-file", str(results), "--log-level", "WARNING"]
-    code, out, err = run_in_process(_script(in9_eval), argv, capsys)
+    code, out, err = run_in_process(in9_eval.main, argv, capsys)
     assert str(results) in one_error_line(code, err)
     assert out.startswith("Accuracy on original is ")
 
@@ -408,8 +406,8 @@ def test_sigterm_mid_challenge_keeps_the_state_and_resumes(tmp_path, capsys, one
                                         f"--resume to continue"]
     assert "Summary" not in out
     assert state.is_file() and sorted(p.name for p in state.parent.iterdir()) == [state.name]
-    whole = run_in_process(_script(challenge_eval), argv + ["--output-dir", str(tmp_path / "whole")], capsys)
-    resumed = run_in_process(_script(challenge_eval), argv + ["--output-dir", str(state.parent), "--resume",
+    whole = run_in_process(challenge_eval.main, argv + ["--output-dir", str(tmp_path / "whole")], capsys)
+    resumed = run_in_process(challenge_eval.main, argv + ["--output-dir", str(state.parent), "--resume",
                                                               "--log-level", "INFO"], capsys)
     assert whole[0] == resumed[0] == 0
     assert "resuming from" in resumed[2] and "Summary" in whole[1] and resumed[1] == whole[1]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_CLIP
+from tests.helpers import TINY_CLIP
 from tools.challenge import ROBUST, VULNERABLE, ChallengeConfig, run_challenge
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.runtime import Precision, Runtime

@@ -11,7 +11,7 @@ import pytest
 
 import challenge_eval
 import in9_eval
-from tests.conftest import run_in_process, save_torchscript
+from tests.helpers import run_in_process, save_torchscript
 from tools import cli, merge
 from tools.data import synthetic
 
@@ -37,7 +37,7 @@ def other_model(tmp_path_factory):
 
 def script(module, capsys, *args):
     argv = [str(a) for a in args] + ["--device", "cpu", "--no-progress", "--log-level", "WARNING"]
-    return run_in_process(lambda a: cli.run_main(module.build_parser(), module.main, a), argv, capsys)
+    return run_in_process(module.main, argv, capsys)
 
 
 def results(path: Path) -> dict:

@@ -19,10 +19,9 @@ from torch import nn
 
 import challenge_eval
 import in9_eval
-import train
-from conftest import run_in_process, run_in_processes
 from tests import collective_guard
-from tools import cli, distributed
+from tests.helpers import TINY, run_in_process, run_in_processes, run_train, weights
+from tools import distributed
 from tools.data import synthetic
 from tools.models.checkpoints import TRAINED_FORMAT
 from tools.models.architectures import SMALL_CNN, SmallCNN
@@ -33,20 +32,6 @@ from tools.training.data import derived_seed
 from tools.training.methods import WeightAveraging
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--arch", SMALL_CNN, "--device", "cpu", "--no-progress", "--log-level", "WARNING", "--workers", "0"]
-
-
-def run_train(argv, capsys):
-    return run_in_process(lambda a: cli.run_main(train.build_parser(), train.main, a), [str(a) for a in argv], capsys)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """Two images per class for training and two for testing, in one IN-9-style folder."""
-    root = tmp_path_factory.mktemp("tiny") / "in9"
-    synthetic.generate(root, per_class=2, seed=3, split="train")
-    synthetic.generate(root, per_class=2, seed=4)
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +41,6 @@ def imagenet_start(tmp_path_factory):
     path = tmp_path_factory.mktemp("start") / "small_cnn_1000.pth"
     torch.save(SmallCNN(1000).state_dict(), path)
     return path
-
-
-def weights(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
 def in9_results(directory: Path) -> dict:
@@ -128,13 +109,13 @@ def test_each_method_leaves_a_checkpoint_both_scripts_load(name, tiny, tmp_path,
     assert [r["step"] for r in log if "loss" in r] == list(range(1, 7))  # 18 images, batch 6: 3 steps x 2 epochs
     # both evaluation scripts, with no model flags at all: architecture and normaliser come from the file
     code, stdout, err = run_in_process(
-        lambda a: cli.run_main(in9_eval.build_parser(), in9_eval.main, a),
+        in9_eval.main,
         ["--data-path", str(tiny), "--checkpoint", str(out / CHECKPOINT_NAME), "--eval-dataset", "mixed_rand",
          "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path / "e1")], capsys)
     assert code == 0, err
     assert stdout.startswith("Accuracy on mixed_rand is ")
     code, stdout, err = run_in_process(
-        lambda a: cli.run_main(challenge_eval.build_parser(), challenge_eval.main, a),
+        challenge_eval.main,
         ["--data-path", str(tiny), "--checkpoint", str(out / CHECKPOINT_NAME), "--device", "cpu", "--no-progress",
          "--no-cache", "--output-dir", str(tmp_path / "e2")], capsys)
     assert code == 0, err

@@ -12,9 +12,8 @@ from torch import nn
 
 import in9_eval
 import train
-from conftest import run_in_process, save_torchscript
-from test_bad_input import check_error
-from tools import cli
+from tests.helpers import run_in_process, save_torchscript
+from tests.helpers import check_error
 from tools.data import synthetic
 from tools.models.architectures import SMALL_CNN, SmallCNN
 from tools.training.checkpoint import CHECKPOINT_NAME
@@ -43,7 +42,7 @@ def fails(capsys, tmp_path):
         argv = TINY + [str(a) for a in args]  # the test's own flags come last and win
         if "--output-dir" not in argv:
             argv += ["--output-dir", str(tmp_path / "out")]
-        code, out, err = run_in_process(lambda a: cli.run_main(train.build_parser(), train.main, a), argv, capsys)
+        code, out, err = run_in_process(train.main, argv, capsys)
         return check_error(code, out, err, lines=None)
     return go
 
@@ -101,7 +100,7 @@ def test_oft_on_a_3x3_convolution_trains_only_where_peft_computes_it_as_its_merg
     out = tmp_path / "oft"
     argv = TINY + ["--data-path", str(data), "--arch", SMALL_CNN, "--weights", "none", "--peft", "oft",
                    "--oft-block-size", "4", "--peft-modules", "features.2", "--output-dir", str(out)]
-    code, stdout, err = run_in_process(lambda a: cli.run_main(train.build_parser(), train.main, a), argv, capsys)
+    code, stdout, err = run_in_process(train.main, argv, capsys)
     if consistent:
         assert code == 0, err
         assert (out / CHECKPOINT_NAME).is_file()
@@ -132,12 +131,12 @@ def test_a_torchscript_start_cannot_be_rebuilt(data, tmp_path, fails):
 
 
 def test_evaluation_refuses_an_arch_that_contradicts_a_trained_checkpoint(data, tmp_path, capsys):
-    code, _, err = run_in_process(lambda a: cli.run_main(train.build_parser(), train.main, a),
+    code, _, err = run_in_process(train.main,
                                   ["--data-path", str(data), "--arch", SMALL_CNN, "--weights", "none",
                                    "--output-dir", str(tmp_path / "run"), *TINY], capsys)
     assert code == 0, err
     code, out, err = run_in_process(
-        lambda a: cli.run_main(in9_eval.build_parser(), in9_eval.main, a),
+        in9_eval.main,
         ["--data-path", str(synthetic.generate(tmp_path / "test", per_class=1, seed=8).root), "--checkpoint",
          str(tmp_path / "run" / CHECKPOINT_NAME), "--arch", "resnet18", "--device", "cpu", "--no-progress"], capsys)
     assert "contradicts checkpoint" in check_error(code, out, err, lines=None)

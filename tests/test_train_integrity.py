@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import in9_eval
-from conftest import run_in_process
-from test_bad_input import check_error
-from test_train import TINY, run_train, tiny, weights  # noqa: F401 (tiny is a fixture)
+from tests.helpers import run_in_process
+from tests.helpers import check_error
+from tests.helpers import TINY, run_train, weights
 from tools import cli
 from tools.in9 import VARIATIONS
 from tools.models.architectures import SMALL_CNN, build_architecture
@@ -45,7 +45,7 @@ def test_report_start_column_is_in9_eval_on_the_starting_file(swa, trained_start
     assert trained_start.read_bytes() == before
     reference = tmp_path / "reference.json"
     code, _, err = run_in_process(
-        lambda a: cli.run_main(in9_eval.build_parser(), in9_eval.main, a),
+        in9_eval.main,
         ["--data-path", str(tiny), "--checkpoint", str(trained_start), "--eval-dataset", "all", "--device", "cpu",
          "--no-progress", "--results-file", str(reference)], capsys)
     assert code == 0, err

@@ -20,8 +20,8 @@ from PIL import Image
 
 import challenge_eval
 import in9_eval
-from conftest import run_in_process, save_torchscript
-from tools import challenge, cli, evaluate, zoo
+from tests.helpers import run_in_process, save_torchscript
+from tools import challenge, evaluate, zoo
 from tools.data import synthetic
 from tools.errors import UserError
 from tools.data.hashing import sha256_file
@@ -115,11 +115,11 @@ def test_results_equal_the_scripts(first_run, specs, data, tmp_path, capsys, one
     for i, (spec, model_args) in enumerate(specs.items()):
         payload = json.loads(results_file(output, spec).read_text())
         in9_file, challenge_file = tmp_path / f"in9-{i}.json", tmp_path / f"challenge-{i}.json"
-        code, _, err = run_in_process(lambda a: cli.run_main(in9_eval.build_parser(), in9_eval.main, a),
+        code, _, err = run_in_process(in9_eval.main,
                                       [*common, *model_args, "--eval-dataset", "all", "--results-file", str(in9_file),
                                        "--output-dir", str(tmp_path / f"in9-{i}")], capsys)
         assert code == 0, err
-        code, _, err = run_in_process(lambda a: cli.run_main(challenge_eval.build_parser(), challenge_eval.main, a),
+        code, _, err = run_in_process(challenge_eval.main,
                                       [*common, *model_args, "--no-cache", "--results-file", str(challenge_file),
                                        "--output-dir", str(tmp_path / f"challenge-{i}")], capsys)
         assert code == 0, err

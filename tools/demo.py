@@ -23,12 +23,16 @@ from tools.provenance import atomic_write
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("demo"), metavar="DIR",
                         help="where the data, model and results go (default: demo)")
     parser.add_argument("--per-class", type=int, default=10, metavar="N", help="images per class (default: 10)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     data = args.out / "bg_challenge"
     model = args.out / "color9.ts"

@@ -1,1 +1,1 @@
-"""Fine-tuning a classifier to rely less on backgrounds (train.py): one module per concern."""
+"""Fine-tuning a classifier to rely less on backgrounds (train.py, bgc-train: `cli`): one module per concern."""

@@ -1,0 +1,142 @@
+"""What several test modules share besides fixtures (those are in conftest.py): running a command in this process
+or in torchrun-like processes, saving hand-built models, checking an error line, the tiny CLIP architecture."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from tools.models.boundary import SMALL_CNN
+
+# train.py's flags for a small CNN trained on the CPU, quietly
+TINY = ["--arch", SMALL_CNN, "--device", "cpu", "--no-progress", "--log-level", "WARNING", "--workers", "0"]
+
+
+def save_torchscript(model: torch.nn.Module, path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.trace(model.eval(), torch.zeros(2, 3, 224, 224)), str(path))
+
+
+def run_in_process(main, argv, capsys):
+    """Run a command's `main(argv)` in this process; (exit code, stdout, stderr). Restores the logging setup."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        code = main(argv)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_train(argv, capsys):
+    """train.py's main in this process, every argument as a string; (exit code, stdout, stderr)."""
+    import train  # noqa: PLC0415 (the root script, loaded by the tests that train)
+    return run_in_process(train.main, [str(a) for a in argv], capsys)
+
+
+def weights(path: Path) -> dict:
+    """The model's state dict in a checkpoint train.py saved."""
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def check_error(code: int, out: str, err: str, lines: int | None = 1) -> str:
+    """Exit code 2, no traceback, nothing on stdout, and the error as the one (last) line of stderr
+    (the only line, unless `lines` says otherwise)."""
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert out == ""
+    err_lines = err.splitlines()
+    errors = [line for line in err_lines if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    assert err_lines[-1] == errors[0]
+    if lines is not None:
+        assert len(err_lines) == lines, err
+    return errors[0]
+
+
+class TinyCNN(torch.nn.Module):
+    """A random convolutional classifier whose predictions vary from image to image."""
+
+    def __init__(self, num_classes: int, seed: int):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.conv = torch.nn.Conv2d(3, 8, 5, stride=4)
+        self.fc = torch.nn.Linear(8, num_classes)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+
+
+TINY_CLIP = "bgc-tiny-clip"
+TINY_CLIP_OPTIONS = "+templates=simple"  # 7 templates: the 1000-class head is 7000 prompts, not 80000
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _gloo_process(rank: int, world_size: int, port: int, function, args, results: Path) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from tests import collective_guard  # noqa: PLC0415
+    collective_guard.install()
+    try:
+        result = function(*args)
+    finally:
+        from tools import distributed  # noqa: PLC0415
+        distributed.cleanup()
+    torch.save(result, results / f"rank{rank}.pt")
+
+
+def run_in_processes(function, world_size: int, tmp_path: Path, *args) -> list:
+    """`function(*args)` in `world_size` fresh processes with torchrun's environment (RANK, WORLD_SIZE, ...), so
+    that tools.distributed.setup joins them in a gloo group, under tests.collective_guard; the return values
+    (tensors, lists, dicts, numbers) in rank order. `function` must be a module-level function."""
+    import torch.multiprocessing as mp  # noqa: PLC0415
+    results = Path(tmp_path) / f"results-{function.__name__}"
+    results.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_gloo_process, args=(world_size, _free_port(), function, args, results), nprocs=world_size)
+    return [torch.load(results / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
+
+
+def signal_when_ready(code: str, ready: Path, args: list[str], signum: int) -> subprocess.CompletedProcess:
+    """Run `python -c code READY ARGS...`, send it `signum` once it has made the file READY (half-way through its
+    work), and wait for it to end; its exit code and text output."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    process = subprocess.Popen([sys.executable, "-c", code, str(ready), *args], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ready.exists(), process.communicate(timeout=10)
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=60)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def load_script(path: Path):
+    """A Python file outside the package (docs/make_cli.py, .ci/check_floor.py) as a module, registered in
+    sys.modules under its stem while it is used (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,71 @@
+"""The Backgrounds Challenge: how many foregrounds some test background makes the model misclassify.
+
+Prints the original challenge_eval.py's summary lines; the verdicts equal an exhaustive search's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tools import cli, options
+from tools.errors import UserError
+from tools.shards import write_challenge_shard
+from tools.challenge import flags, list_challenge_files, load_challenge_data, run_challenge
+from tools.results.analysis import DEFAULT_TOP_K
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    options.add_common_arguments(parser)
+    group = parser.add_argument_group("challenge")
+    flags.add_search_arguments(group)
+    group.add_argument("--full", action="store_true",
+                       help="no early exit: evaluate every pair and save the foreground x background prediction "
+                            "matrix under --output-dir (default: off)")
+    group.add_argument("--analysis", action="store_true",
+                       help="with --full: attack success rates, per-class fool rates, top backgrounds and their "
+                            "figure under --output-dir (default: off; `python -m tools.results.analysis DIR` redoes it)")
+    group.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, metavar="K",
+                       help=f"most fooling backgrounds listed and drawn per class (default: {DEFAULT_TOP_K})")
+    group.add_argument("--report", type=Path, default=None, metavar="PATH",
+                       help="write a Markdown report of the results (default: none)")
+    group.add_argument("--per-foreground-csv", type=Path, default=None, metavar="PATH",
+                       help="one row per foreground: stem, class, vulnerable, first fooling background found, the "
+                            "prediction it caused (default: none)")
+    return parser
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.analysis and not args.full:
+        raise UserError("--analysis needs the whole prediction matrix: add --full")
+    if args.top_k < 1:
+        raise UserError(f"--top-k must be at least 1, not {args.top_k}")
+    options.check_output_arguments(args)
+    checked = options.check_arguments(args)
+    runtime = options.runtime_from_args(args, compile=args.compile)
+    options.preload_model_libraries(args.arch, args.checkpoint)  # imports while the data is checked
+    # the data is checked, listed, hashed and decoded (or read from the cache) before any model is built
+    config = flags.challenge_config_from_args(args, checked.progress, full=args.full)
+    data = load_challenge_data(list_challenge_files(checked.data_path, args.workers), args.workers,
+                               flags.cache_dir_from_args(args), config.progress, config.mask_arithmetic)
+    loaded = options.model_from_args(args, runtime, checked.progress)
+    result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume, shard=args.shard)
+    if args.shard is not None:
+        path = write_challenge_shard(args.output_dir, args.shard, result, data, checked.data_path, loaded.num_classes)
+        print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")
+        return 0
+    if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
+        return 0
+    print("\n".join(result.publish(args.output_dir, checked.data_path, loaded.num_classes, args.analysis, args.top_k,
+                                   args.per_foreground_csv, args.results_file, args.report)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run_main(build_parser(), _main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Accuracy of a classifier on the IN-9 variations, and its BG-gap, as the original in9_eval.py prints them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pathlib import Path
+
+from tools import cli, options
+from tools.results.categories import CATEGORY_VARIATIONS
+from tools.evaluate import In9Config, list_in9_files, run_in9
+from tools.in9 import VARIATIONS
+from tools.shards import write_in9_shard
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--eval-dataset", default="original", choices=[*VARIATIONS, "all"], metavar="NAME",
+                        help=f"variation to evaluate, one of {', '.join(VARIATIONS)}, or all (default: original)")
+    parser.add_argument("--categories", action="store_true",
+                        help="also count the paper's prediction categories (BG Irrelevant, BG Required, ...) from "
+                             "original, mixed_rand and only_bg_t, evaluating those three as needed (default: off)")
+    parser.add_argument("--report", type=Path, default=None, metavar="PATH",
+                        help="write a Markdown report of the results (default: none)")
+    options.add_common_arguments(parser)
+    return parser
+
+
+def _main(args: argparse.Namespace) -> int:
+    options.check_output_arguments(args)
+    checked = options.check_arguments(args)
+    runtime = options.runtime_from_args(args)
+    options.preload_model_libraries(args.arch, args.checkpoint)  # imports while the data is checked
+    names = list(VARIATIONS if args.eval_dataset == "all" else (args.eval_dataset,))
+    if args.categories:
+        names += [v for v in CATEGORY_VARIATIONS.values() if v not in names]
+    config = In9Config(tuple(names), args.batch_size, args.workers, checked.progress)
+    files = list_in9_files(checked.data_path, names, args.workers)  # every data check before any model is built
+    loaded = options.model_from_args(args, runtime, checked.progress)
+    run = run_in9(loaded, runtime, files, config, output_dir=args.output_dir, resume=args.resume, shard=args.shard)
+    if args.shard is not None:
+        path = write_in9_shard(args.output_dir, args.shard, run)
+        print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")
+        return 0
+    if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
+        return 0
+    print("\n".join(run.publish(args.categories, args.results_file, args.report)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run_main(build_parser(), _main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
