@@ -12,7 +12,7 @@ import torch
 
 import challenge_eval
 import in9_eval
-from conftest import run_in_process
+from tests.helpers import run_in_process
 from tools import cli, zoo
 from tools.errors import UserError
 from tools.models import list_sources
