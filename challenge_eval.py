@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tools import cli, options
 from tools.errors import UserError
+from tools.results.publish import publish_challenge
 from tools.shards import write_challenge_shard
 from tools.challenge import list_challenge_files, load_challenge_data, run_challenge
 
@@ -56,8 +57,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
         return 0
-    print("\n".join(result.publish(args.output_dir, args.data_path, loaded.num_classes, args.analysis, args.top_k,
-                                   args.per_foreground_csv, args.results_file, args.report)))
+    print("\n".join(publish_challenge(result, args.output_dir, args.data_path, loaded.num_classes, args.analysis,
+                                      args.top_k, args.per_foreground_csv, args.results_file, args.report)))
     return 0
 
 
