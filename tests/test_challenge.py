@@ -23,6 +23,7 @@ from tools.data import synthetic
 from tools.challenge import ChallengeConfig, Criterion, Scheduler, run_challenge
 from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD
 from tools.models.sources import load_model
+from tools.results.matrix import write_matrix
 from tools.runtime import Runtime
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ def test_full_matrix_equals_reference(name, data, models, references, tmp_path):
     assert result.state.evaluated == matrix.size
     expected = reference_verdicts(matrix, fg_labels, bg_labels, "any")
     assert (result.state.verdict == challenge.VULNERABLE).tolist() == expected.tolist()
-    result.write_full_outputs(tmp_path / "full", data, 9)
+    write_matrix(tmp_path / "full", result, data, 9)
     assert np.array_equal(np.load(tmp_path / "full" / "predictions.npy"), matrix.astype(np.int8))
 
 

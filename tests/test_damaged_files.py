@@ -13,7 +13,7 @@ import pytest
 import challenge_eval
 import in9_eval
 from tests.helpers import run_in_process, save_torchscript
-from tools.results import analysis
+from tools.results import analysis, matrix
 from tools.data import synthetic
 from tools.data.boxes import CropGeometry
 from tools.data import builder
@@ -102,10 +102,10 @@ def test_a_damaged_saved_matrix_is_one_error_line(damage, setup, tmp_path, capsy
     out = tmp_path / "out"
     code, _, err = challenge(capsys, data, model, "--no-cache", "--full", "--output-dir", out)
     assert code == 0, err
-    damage(out / analysis.PREDICTIONS_FILE)
+    damage(out / matrix.PREDICTIONS_FILE)
     code, _, err = run_in_process(analysis.main, [str(out)], capsys)
     assert code == 2
-    one_error_line(err, analysis.PREDICTIONS_FILE, "rerun challenge_eval.py --full")
+    one_error_line(err, matrix.PREDICTIONS_FILE, "rerun challenge_eval.py --full")
 
 
 @pytest.mark.parametrize("damage", [empty, truncate])

@@ -30,6 +30,8 @@ from tools.results import analysis
 from tools.data import decoding as datasets
 from tools.results import leaderboard
 from tools.results import report
+from tools.results.matrix import write_matrix
+from tools.results.publish import publish_in9
 from tools.data import synthetic
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.data import cli as data_cli
@@ -239,11 +241,11 @@ def full_run(dataset, color_ts, tmp_path_factory):
 WRITERS = {
     "report": lambda r, in9, folder, data: report.write_report(folder / "report.md", challenge=r.to_json()),
     "per-foreground csv": lambda r, in9, folder, data: r.write_per_foreground_csv(folder / "per_fg.csv"),
-    "full matrix and index files": lambda r, in9, folder, data: r.write_full_outputs(folder, data, 9),
+    "full matrix and index files": lambda r, in9, folder, data: write_matrix(folder, r, data, 9),
     "analysis files": lambda r, in9, folder, data: analysis.write_analysis(folder, data, 2),
     "analysis figure": lambda r, in9, folder, data: analysis.draw_top_backgrounds(
         analysis.analyze(analysis.load_matrix(folder), 2)[0], data, folder / "figure.png"),
-    "in9 report": lambda r, in9, folder, data: in9.publish(True, None, folder / "in9.md"),
+    "in9 report": lambda r, in9, folder, data: publish_in9(in9, True, None, folder / "in9.md"),
     "leaderboard plot": lambda r, in9, folder, data: leaderboard.draw_plot(
         leaderboard.sort_rows(leaderboard.published_rows()), folder / "board.png"),
     "leaderboard": lambda r, in9, folder, data: leaderboard.build_leaderboard(folder),
@@ -254,7 +256,7 @@ WRITERS = {
 def test_a_write_that_fails_midway_leaves_the_old_files(writer, full_run, dataset, tmp_path):
     result, in9 = full_run
     write = WRITERS[writer]
-    result.write_full_outputs(tmp_path, dataset.root, 9)  # what the analysis reads, and a zoo result for the board
+    write_matrix(tmp_path, result, dataset.root, 9)  # what the analysis reads, and a zoo result for the board
     (tmp_path / leaderboard.MODELS_FOLDER).mkdir()
     (tmp_path / leaderboard.MODELS_FOLDER / "m.json").write_text(json.dumps(
         {"model": "m", "source": "file", "arch": "a", "weights": None, "in9": in9.to_json(),

@@ -20,9 +20,7 @@ from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, PredictionMap, class_names
 from tools.models.boundary import LoadedModel
 from tools.data.hashing import fingerprint
-from tools.results.categories import CATEGORY_VARIATIONS, format_categories, prediction_categories
-from tools.provenance import RESUME_HINT, OutputFiles, provenance, write_json_atomic
-from tools.results.report import write_report
+from tools.provenance import provenance, write_json_atomic
 from tools.runtime import Forward, Runtime
 from tools.shards import NOT_MINE, Shard
 from tools.threads import default_workers
@@ -206,25 +204,6 @@ class In9Run:
         payload["bg_gap"] = None if gap is None else round(gap, 4)
         payload["provenance"] = self.provenance
         return payload
-
-    def publish(self, categories: bool = False, results_file: Path | None = None,
-                report: Path | None = None, rerun_hint: str = RESUME_HINT) -> list[str]:
-        """Write what in9_eval.py writes (and tools.merge for shards); returns the lines to print.
-
-        A file that cannot be written does not stop the other; the failure is then one user error
-        (`rerun_hint` says how to go on)."""
-        lines = self.lines()
-        payload = self.to_json()
-        if categories:
-            counts = prediction_categories(*(self.results[v] for v in CATEGORY_VARIATIONS.values()))
-            lines.append(format_categories(counts))
-            payload["categories"] = counts
-        with OutputFiles(rerun_hint, lines) as outputs:
-            if results_file is not None:
-                outputs.write(write_json_atomic, results_file, payload)
-            if report is not None:
-                outputs.write(write_report, report, in9=payload, categories=payload.get("categories"))
-        return lines
 
     def lines(self) -> list[str]:
         """The original's accuracy line per variation; with several, a table and the BG-gap too."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tools import cli, options
 from tools.results.categories import CATEGORY_VARIATIONS
+from tools.results.publish import publish_in9
 from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
 from tools.shards import write_in9_shard
@@ -45,7 +46,7 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
         return 0
-    print("\n".join(run.publish(args.categories, args.results_file, args.report)))
+    print("\n".join(publish_in9(run, args.categories, args.results_file, args.report)))
     return 0
 
 

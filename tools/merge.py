@@ -19,6 +19,7 @@ from tools.cli import add_log_level_argument, run_main
 from tools.errors import UserError
 from tools.evaluate import In9Run, VariationResult
 from tools.provenance import check_outputs
+from tools.results.publish import publish_challenge, publish_in9
 from tools.shards import NOT_MINE, find_shards, read_challenge_arrays
 
 KINDS = ("challenge", "in9")
@@ -106,10 +107,10 @@ def _main(args: argparse.Namespace) -> int:
         result, data_path, num_classes = merge_challenge(found[kind])
         if args.analysis and result.state.matrix is None:
             raise UserError("--analysis needs the whole prediction matrix: the shards ran without --full")
-        lines = result.publish(args.output_dir or args.folders[0], data_path, num_classes, args.analysis, args.top_k,
-                               args.per_foreground_csv, args.results_file, args.report, RERUN_HINT)
+        lines = publish_challenge(result, args.output_dir or args.folders[0], data_path, num_classes, args.analysis,
+                                  args.top_k, args.per_foreground_csv, args.results_file, args.report, RERUN_HINT)
     else:
-        lines = merge_in9(found[kind]).publish(args.categories, args.results_file, args.report, RERUN_HINT)
+        lines = publish_in9(merge_in9(found[kind]), args.categories, args.results_file, args.report, RERUN_HINT)
     print("\n".join(lines))
     return 0
 

@@ -14,8 +14,8 @@ at any point (even by kill -9) resumes into exactly the sequence of batches it w
 
 The package: `data` (what is read, decoded once), `predictor` (composites on the device, predicted),
 `state` (everything saved for --resume), `scheduler` (which pairs to test next, and what the results
-mean), `search` (the loop: progress, saving; and `run_challenge`), `result` (the summary and the files),
-`cli` (the command: challenge_eval.py, bgc-challenge).
+mean), `search` (the loop: progress, saving; and `run_challenge`), `result` (the summary, the results JSON, the
+per-foreground CSV), `cli` (the command: challenge_eval.py, bgc-challenge).
 """
 
 from tools.challenge.data import ChallengeData, ChallengeFiles, list_challenge_files, load_challenge_data

@@ -14,6 +14,7 @@ from tools.errors import UserError
 from tools.shards import write_challenge_shard
 from tools.challenge import flags, list_challenge_files, load_challenge_data, run_challenge
 from tools.results.analysis import DEFAULT_TOP_K
+from tools.results.publish import publish_challenge
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,8 +59,8 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
         return 0
-    print("\n".join(result.publish(args.output_dir, checked.data_path, loaded.num_classes, args.analysis, args.top_k,
-                                   args.per_foreground_csv, args.results_file, args.report)))
+    print("\n".join(publish_challenge(result, args.output_dir, checked.data_path, loaded.num_classes, args.analysis,
+                                      args.top_k, args.per_foreground_csv, args.results_file, args.report)))
     return 0
 
 

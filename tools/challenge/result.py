@@ -1,5 +1,7 @@
-"""A finished challenge run: the original's summary lines, the results JSON, and the per-foreground and
---full output files."""
+"""A finished challenge run: the original's summary lines, the results JSON and the per-foreground CSV.
+
+What the commands write from it (the --full matrix, the analysis, the report) is composed in
+`tools.results.publish`."""
 
 from __future__ import annotations
 
@@ -7,16 +9,11 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from tools.results.analysis import (BACKGROUND_COLUMNS, BACKGROUNDS_FILE, DEFAULT_TOP_K, FOREGROUND_COLUMNS,
-                                    FOREGROUNDS_FILE, META_FILE, PREDICTIONS_FILE, summary_lines, write_analysis)
 from tools.challenge.data import Pairs
 from tools.challenge.scheduler import Criterion
 from tools.challenge.state import VULNERABLE, SearchState
 from tools.in9 import class_names
-from tools.provenance import RESUME_HINT, OutputFiles, atomic_write, write_json_atomic
-from tools.results.report import write_report
+from tools.provenance import atomic_write
 
 
 @dataclass
@@ -83,46 +80,3 @@ class ChallengeResult:
                 writer.writerow([rec.stem, names[rec.label], int(self.state.verdict[i] == VULNERABLE),
                                  self.data.backgrounds[b].relpath if b >= 0 else "",
                                  (names[pred] if pred >= 0 else "none of IN-9") if b >= 0 else ""])
-
-    def write_full_outputs(self, output_dir: Path, data_path: Path, num_classes: int) -> None:
-        """The prediction matrix and its index files, for tools.results.analysis."""
-        output_dir = Path(output_dir)
-        with atomic_write(output_dir / PREDICTIONS_FILE, "wb") as fh:
-            np.save(fh, self.state.matrix)
-        with atomic_write(output_dir / FOREGROUNDS_FILE, newline="") as fh:
-            writer = csv.writer(fh)
-            writer.writerow(FOREGROUND_COLUMNS)
-            for i, r in enumerate(self.data.foregrounds):
-                writer.writerow([i, r.stem, r.label, r.image_relpath, r.mask_relpath])
-        with atomic_write(output_dir / BACKGROUNDS_FILE, newline="") as fh:
-            writer = csv.writer(fh)
-            writer.writerow(BACKGROUND_COLUMNS)
-            for i, r in enumerate(self.data.backgrounds):
-                writer.writerow([i, r.stem, r.label, r.relpath])
-        write_json_atomic(output_dir / META_FILE,
-                          {"data_path": str(Path(data_path).resolve()), "criterion": self.criterion.value,
-                           "num_classes": num_classes, "provenance": self.provenance})
-
-    def publish(self, output_dir: Path, data_path: Path, num_classes: int, analysis: bool = False, top_k: int = DEFAULT_TOP_K,
-                per_foreground_csv: Path | None = None, results_file: Path | None = None,
-                report: Path | None = None, rerun_hint: str = RESUME_HINT) -> list[str]:
-        """Write what challenge_eval.py writes (and tools.merge for shards); returns the lines to print.
-
-        The results file comes first; a file that cannot be written does not stop the others, and the failure
-        is then one user error (`rerun_hint` says how to go on)."""
-        lines = self.lines()
-        summary = None
-        with OutputFiles(rerun_hint, lines) as outputs:
-            if results_file is not None:
-                outputs.write(write_json_atomic, results_file, self.to_json())
-            if per_foreground_csv is not None:
-                outputs.write(self.write_per_foreground_csv, per_foreground_csv)
-            if self.state.matrix is not None:
-                outputs.write(self.write_full_outputs, output_dir, data_path, num_classes)
-                if analysis and outputs.wrote(output_dir):
-                    summary = outputs.write(write_analysis, output_dir, data_path, top_k)
-                    if summary is not None:
-                        lines += summary_lines(summary)
-            if report is not None:
-                outputs.write(write_report, report, challenge=self.to_json(), analysis=summary)
-        return lines

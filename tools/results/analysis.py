@@ -1,6 +1,7 @@
 """Which backgrounds fool a model, redone from the challenge's saved prediction matrix without the model.
 
-Run as `python -m tools.results.analysis OUTPUT_DIR` on the --output-dir of `challenge_eval.py --full`.
+Run as `python -m tools.results.analysis OUTPUT_DIR` on the --output-dir of `challenge_eval.py --full`
+(the files `tools.results.matrix` reads).
 
 Definitions (all over the saved matrix `predictions[i, j]`, the IN-9 prediction for foreground i pasted
 on background j; -1 is an ImageNet class outside IN-9):
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -23,24 +23,18 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
 
 from tools.cli import add_log_level_argument, run_main
-from tools.errors import NUMPY_READ_ERRORS, UserError
-from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, class_names
+from tools.errors import UserError
+from tools.in9 import NUM_IN9_CLASSES, class_names
 from tools.provenance import atomic_write, check_outputs, write_json_atomic
+from tools.results.figures import (MUTED, PLACEHOLDER, TEXT, centered_text, default_font, new_canvas, save_png,
+                                   thumbnail)
+from tools.results.matrix import ChallengeMatrix, load_matrix
 
 log = logging.getLogger(__name__)
 
-# What `challenge_eval.py --full` leaves in its --output-dir.
-PREDICTIONS_FILE = "predictions.npy"
-FOREGROUNDS_FILE = "foregrounds.csv"
-BACKGROUNDS_FILE = "backgrounds.csv"
-META_FILE = "challenge_meta.json"
-FOREGROUND_COLUMNS = ["index", "stem", "label", "image", "mask"]
-BACKGROUND_COLUMNS = ["index", "stem", "label", "image"]
-
-# What the analysis adds to it.
+# What the analysis adds to the matrix's folder.
 ASR_FILE = "asr.csv"
 TOP_FILE = "top_backgrounds.csv"
 HISTOGRAM_FILE = "asr_histogram.csv"
@@ -50,90 +44,6 @@ FIGURE_FILE = "top_backgrounds.png"
 DEFAULT_TOP_K = 5
 HISTOGRAM_BINS = 20  # equal bins over [0, 1]; the last one includes 1
 ROUND = 6
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Reading the saved matrix
-
-@dataclass
-class ChallengeMatrix:
-    """The saved prediction matrix with the foregrounds and backgrounds its rows and columns stand for."""
-
-    predictions: np.ndarray  # int64 (n_fg, n_bg), IN-9 index or -1
-    fg_labels: np.ndarray  # int64 (n_fg,)
-    fg_stems: list[str]
-    bg_labels: np.ndarray  # int64 (n_bg,)
-    bg_stems: list[str]
-    bg_images: list[str]  # relative to the data root
-    meta: dict
-
-
-def _read_index_csv(path: Path, columns: list[str]) -> list[dict]:
-    try:
-        with open(path, newline="") as fh:
-            reader = csv.DictReader(fh)
-            header = reader.fieldnames or []
-            rows = list(reader)
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc}") from None
-    if header != columns:
-        raise UserError(f"{path} has columns {','.join(header) or '(none)'}, expected {','.join(columns)}; "
-                        f"it was not written by challenge_eval.py --full (rerun it)")
-    for position, row in enumerate(rows):
-        try:
-            index, label = int(row["index"]), int(row["label"])
-        except (TypeError, ValueError):
-            raise UserError(f"{path} row {position + 2}: index and label must be integers "
-                            f"(got {row['index']!r}, {row['label']!r})") from None
-        if index != position:
-            raise UserError(f"{path} row {position + 2} has index {index}, expected {position}; "
-                            f"rows must be in index order 0, 1, 2, ...")
-        if not 0 <= label < NUM_IN9_CLASSES:
-            raise UserError(f"{path} row {position + 2} has label {label}; labels are IN-9 classes 0..8")
-    return rows
-
-
-def load_matrix(output_dir: Path | str) -> ChallengeMatrix:
-    """Read predictions.npy, foregrounds.csv, backgrounds.csv and challenge_meta.json, checked to agree."""
-    output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        raise UserError(f"{output_dir} is not a folder; pass the --output-dir of `challenge_eval.py --full`")
-    missing = [name for name in (PREDICTIONS_FILE, FOREGROUNDS_FILE, BACKGROUNDS_FILE, META_FILE)
-               if not (output_dir / name).is_file()]
-    if missing:
-        raise UserError(f"{output_dir} lacks {', '.join(missing)}; the analysis reads the saved matrix of "
-                        f"`challenge_eval.py --full --output-dir {output_dir}` (run that first)")
-    try:
-        raw = np.load(output_dir / PREDICTIONS_FILE, allow_pickle=False)
-    except NUMPY_READ_ERRORS as exc:
-        raise UserError(f"cannot read {output_dir / PREDICTIONS_FILE}: {exc}; rerun challenge_eval.py --full") from None
-    try:
-        meta = json.loads((output_dir / META_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {output_dir / META_FILE}: {exc}; rerun challenge_eval.py --full") from None
-    if not isinstance(meta, dict):
-        raise UserError(f"{output_dir / META_FILE} holds no JSON object; rerun challenge_eval.py --full")
-    foregrounds = _read_index_csv(output_dir / FOREGROUNDS_FILE, FOREGROUND_COLUMNS)
-    backgrounds = _read_index_csv(output_dir / BACKGROUNDS_FILE, BACKGROUND_COLUMNS)
-    if raw.ndim != 2 or not np.issubdtype(raw.dtype, np.integer):
-        raise UserError(f"{output_dir / PREDICTIONS_FILE} is a {raw.dtype} array of shape {raw.shape}; expected a "
-                        f"2-D integer array (foregrounds x backgrounds)")
-    if raw.shape != (len(foregrounds), len(backgrounds)):
-        raise UserError(f"{output_dir / PREDICTIONS_FILE} has shape {raw.shape} but {FOREGROUNDS_FILE} lists "
-                        f"{len(foregrounds)} foregrounds and {BACKGROUNDS_FILE} {len(backgrounds)} backgrounds; "
-                        f"the files come from different runs (rerun challenge_eval.py --full)")
-    predictions = raw.astype(np.int64)
-    if predictions.size and (predictions.min() < UNMAPPED or predictions.max() >= NUM_IN9_CLASSES):
-        raise UserError(f"{output_dir / PREDICTIONS_FILE} holds values from {predictions.min()} to "
-                        f"{predictions.max()}; predictions are IN-9 classes 0..8 or -1")
-    fg_labels = np.array([int(r["label"]) for r in foregrounds], dtype=np.int64)
-    if len(np.unique(fg_labels)) < 2:
-        raise UserError(f"{output_dir / FOREGROUNDS_FILE} has foregrounds of fewer than two classes; ASR and fool "
-                        f"rates compare a class's backgrounds with the other classes' foregrounds")
-    return ChallengeMatrix(
-        predictions=predictions, fg_labels=fg_labels, fg_stems=[r["stem"] for r in foregrounds],
-        bg_labels=np.array([int(r["label"]) for r in backgrounds], dtype=np.int64),
-        bg_stems=[r["stem"] for r in backgrounds], bg_images=[r["image"] for r in backgrounds], meta=meta)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -284,44 +194,12 @@ class FigureLayout:
         return x0, y0 + self.caption, x1, y1
 
 
-CANVAS = (255, 255, 255)
-PLACEHOLDER = (200, 200, 200)
-TEXT = (20, 20, 20)
-MUTED = (100, 100, 100)
-
-
-def default_font(size: int):
-    """Pillow's default font at `size` points (the bitmap font on old Pillow)."""
-    try:
-        return ImageFont.load_default(size=size)
-    except TypeError:  # Pillow before 10.1 has one fixed-size bitmap font
-        return ImageFont.load_default()
-
-
-def _thumbnail(path: Path | None, size: int) -> Image.Image | None:
-    if path is None:
-        return None
-    try:
-        with Image.open(path) as img:
-            return ImageOps.fit(img.convert("RGB"), (size, size), Image.Resampling.LANCZOS)
-    except (OSError, UnidentifiedImageError, ValueError):
-        return None
-
-
-def _centered(draw: ImageDraw.ImageDraw, box, text: str, font, fill) -> None:
-    x0, y0, x1, y1 = box
-    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-    draw.text(((x0 + x1 - (right - left)) / 2 - left, (y0 + y1 - (bottom - top)) / 2 - top), text, font=font,
-              fill=fill)
-
-
 def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str) -> FigureLayout:
     """Draw the figure to `path` (PNG); a missing image becomes a grey placeholder and one warning."""
     names = class_names()
     k = summary["top_k"]
     layout = FigureLayout(rows=len(names), cols=k)
-    canvas = Image.new("RGB", layout.size, CANVAS)
-    draw = ImageDraw.Draw(canvas)
+    canvas, draw = new_canvas(layout.size)
     title_font, name_font, small_font = default_font(17), default_font(16), default_font(13)
     draw.text((layout.margin, layout.margin - 2), f"Top-{k} backgrounds per class by attack success rate (ASR)",
               font=title_font, fill=TEXT)
@@ -334,28 +212,27 @@ def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str
         _, y0, _, y1 = layout.image_box(row, 0)
         label_box = (layout.margin, y0, layout.margin + layout.label - layout.gap, y1)
         mid = (y0 + y1) // 2
-        _centered(draw, (label_box[0], mid - 22, label_box[2], mid - 2), name, name_font, TEXT)
+        centered_text(draw, (label_box[0], mid - 22, label_box[2], mid - 2), name, name_font)
         rate = info["fool_rate"]
-        _centered(draw, (label_box[0], mid + 2, label_box[2], mid + 20),
-                  "no backgrounds" if rate is None else f"fool rate {100 * rate:.1f}%", small_font, MUTED)
+        centered_text(draw, (label_box[0], mid + 2, label_box[2], mid + 20),
+                      "no backgrounds" if rate is None else f"fool rate {100 * rate:.1f}%", small_font, MUTED)
         for col, entry in enumerate(info["top_backgrounds"]):
             shown += 1
             px0, py0, px1, _ = layout.panel_box(row, col)
-            _centered(draw, (px0, py0, px1, py0 + layout.caption), f"ASR {100 * entry['asr']:.1f}%", small_font, TEXT)
+            centered_text(draw, (px0, py0, px1, py0 + layout.caption), f"ASR {100 * entry['asr']:.1f}%", small_font)
             image_box = layout.image_box(row, col)
-            thumb = _thumbnail(None if data_path is None else Path(data_path) / entry["image"], layout.thumb)
+            thumb = thumbnail(None if data_path is None else Path(data_path) / entry["image"], layout.thumb)
             if thumb is None:
                 missing.append(entry["image"])
                 draw.rectangle((image_box[0], image_box[1], image_box[2] - 1, image_box[3] - 1), fill=PLACEHOLDER)
-                _centered(draw, image_box, "image missing", small_font, MUTED)
+                centered_text(draw, image_box, "image missing", small_font, MUTED)
             else:
                 canvas.paste(thumb, image_box[:2])
     if missing:
         why = "no data path is known (pass --data-path DIR)" if data_path is None else f"not readable under {data_path}"
         log.warning("%d of %d background image(s) for the figure are missing: %s (e.g. %s); drew grey placeholders",
                     len(missing), shown, why, missing[0])
-    with atomic_write(path, "wb") as fh:
-        canvas.save(fh, format="PNG")
+    save_png(canvas, path)
     return layout
 
 

@@ -1,5 +1,5 @@
 """The leaderboard: one row per model from the zoo's results files, plus the published rows, as Markdown,
-CSV and a PNG plot of BG-gap against challenge accuracy (drawn with Pillow).
+CSV and a PNG plot of BG-gap against challenge accuracy (drawn with `tools.results.figures`).
 
 Rows are sorted by challenge accuracy, best first; rows without one come last. Published rows
 (tools/resources/published.json) are quoted from their sources and marked `published`; rows computed
@@ -19,12 +19,11 @@ from dataclasses import asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
-from PIL import Image, ImageDraw
-
-from tools.results.analysis import default_font
 from tools.errors import UserError
 from tools.in9 import Variation
-from tools.provenance import atomic_write, write_text_atomic
+from tools.provenance import write_text_atomic
+from tools.results.figures import (AXIS, GRID, TEXT, Box, default_font, draw_text, free_text_position, new_canvas,
+                                   paste_vertical_text, save_png)
 from tools.results.report import markdown_table
 
 log = logging.getLogger(__name__)
@@ -189,7 +188,6 @@ def render_csv(rows: list[Row]) -> str:
 # The plot
 
 COLORS = {MEASURED: (31, 100, 180), PUBLISHED: (220, 110, 20)}
-AXIS, GRID, TEXT = (40, 40, 40), (225, 225, 225), (20, 20, 20)
 MARGIN = (80, 50, 40, 70)  # left, top, right, bottom
 
 
@@ -211,36 +209,10 @@ def plotted(rows: list[Row]) -> list[Row]:
     return [r for r in rows if r.bg_gap is not None and r.challenge_accuracy is not None]
 
 
-def _marker(draw: ImageDraw.ImageDraw, x: float, y: float, kind: str) -> None:
+def _marker(draw, x: float, y: float, kind: str) -> None:
     """A disc for a measured row, a square for a published one."""
     shape = draw.rectangle if kind == PUBLISHED else draw.ellipse
     shape([x - 5, y - 5, x + 5, y + 5], fill=COLORS[kind])
-
-
-def _text_box(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str) -> tuple:
-    """The (x, y) to draw `text` at so that its box sits at `at` as `anchor` says (l/m/r then t/m/b, like
-    Pillow's anchors, which bitmap fonts lack), and that box."""
-    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-    w, h = right - left, bottom - top
-    x = at[0] - {"l": 0, "m": w / 2, "r": w}[anchor[0]] - left
-    y = at[1] - {"t": 0, "m": h / 2, "b": h}[anchor[1]] - top
-    return (x, y), (x + left, y + top, x + right, y + bottom)
-
-
-def _text(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str) -> None:
-    draw.text(_text_box(draw, at, text, font, anchor)[0], text, font=font, fill=TEXT)
-
-
-def _free_label_position(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str,
-                         taken: list) -> tuple[float, float]:
-    """Where to draw a label near `at` so that it overlaps no earlier label: moved up or down in steps if need be."""
-    for step in range(12):
-        shifted = (at[0], at[1] + 14 * ((step + 1) // 2) * (1 if step % 2 else -1))
-        position, box = _text_box(draw, shifted, text, font, anchor)
-        if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in taken):
-            break
-    taken.append(box)
-    return position
 
 
 def draw_plot(rows: list[Row], path: Path | str) -> list[Row]:
@@ -248,8 +220,7 @@ def draw_plot(rows: list[Row], path: Path | str) -> list[Row]:
     points = plotted(rows)
     width, height = PLOT_SIZE
     left, top, right, bottom = MARGIN
-    canvas = Image.new("RGB", PLOT_SIZE, "white")
-    draw = ImageDraw.Draw(canvas)
+    canvas, draw = new_canvas(PLOT_SIZE)
     font, small = default_font(14), default_font(12)
     xs = [r.bg_gap for r in points] or [0.0, 10.0]
     ys = [r.challenge_accuracy for r in points] or [0.0, 100.0]
@@ -264,33 +235,29 @@ def draw_plot(rows: list[Row], path: Path | str) -> list[Row]:
     for x in x_ticks:
         px, _ = to_pixel(x, y0)
         draw.line([(px, top), (px, height - bottom)], fill=GRID)
-        _text(draw, (px, height - bottom + 6), f"{x:g}", small, "mt")
+        draw_text(draw, (px, height - bottom + 6), f"{x:g}", small, "mt")
     for y in y_ticks:
         _, py = to_pixel(x0, y)
         draw.line([(left, py), (width - right, py)], fill=GRID)
-        _text(draw, (left - 6, py), f"{y:g}", small, "rm")
+        draw_text(draw, (left - 6, py), f"{y:g}", small, "rm")
     draw.rectangle([left, top, width - right, height - bottom], outline=AXIS)
-    _text(draw, ((left + width - right) / 2, height - 22), "BG-gap (mixed_same - mixed_rand, points)", font, "mm")
-    _text(draw, (width / 2, 20), "Backgrounds Challenge: BG-gap against challenge accuracy", font, "mm")
-    label = Image.new("RGB", (height - top - bottom, 20), "white")
-    _text(ImageDraw.Draw(label), (label.width / 2, 10), "challenge accuracy (%)", font, "mm")
-    rotated = label.rotate(90, expand=True)
-    canvas.paste(rotated, (8, top))
-    taken: list[tuple[float, float, float, float]] = []
+    draw_text(draw, ((left + width - right) / 2, height - 22), "BG-gap (mixed_same - mixed_rand, points)", font, "mm")
+    draw_text(draw, (width / 2, 20), "Backgrounds Challenge: BG-gap against challenge accuracy", font, "mm")
+    paste_vertical_text(canvas, (8, top), (height - top - bottom, 20), "challenge accuracy (%)", font)
+    taken: list[Box] = []
     for row in points:
         px, py = to_pixel(row.bg_gap, row.challenge_accuracy)
         _marker(draw, px, py, row.kind)
         anchor = "rm" if px > width - right - 200 else "lm"
-        position = _free_label_position(draw, (px - 9 if anchor == "rm" else px + 9, py), row.model[:40], small,
-                                        anchor, taken)
+        position = free_text_position(draw, (px - 9 if anchor == "rm" else px + 9, py), row.model[:40], small,
+                                      anchor, taken)
         draw.text(position, row.model[:40], font=small, fill=TEXT)
     legend_x = left + 12
     for i, kind in enumerate((MEASURED, PUBLISHED)):
         ly = top + 14 + 18 * i
         _marker(draw, legend_x + 5, ly, kind)
-        _text(draw, (legend_x + 16, ly), kind, small, "lm")
-    with atomic_write(path, "wb") as fh:
-        canvas.save(fh, format="PNG")
+        draw_text(draw, (legend_x + 16, ly), kind, small, "lm")
+    save_png(canvas, path)
     return points
 
 

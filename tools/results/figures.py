@@ -1,0 +1,98 @@
+"""Pillow drawing for the toolkit's figures, in one place: the canvas, the default font at a size, text placed by
+an anchor, labels moved clear of each other, thumbnails, the atomic PNG write, and the colours the figures share.
+
+The figures are drawn beside their data with these: `analysis.draw_top_backgrounds` and `leaderboard.draw_plot`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
+
+from tools.provenance import atomic_write
+
+Box = tuple[float, float, float, float]  # (x0, y0, x1, y1)
+
+WHITE = (255, 255, 255)
+TEXT = (20, 20, 20)
+MUTED = (100, 100, 100)
+PLACEHOLDER = (200, 200, 200)
+AXIS = (40, 40, 40)
+GRID = (225, 225, 225)
+LABEL_STEP = 14  # how far a label moves, per try, to clear the labels drawn before it
+LABEL_TRIES = 12
+
+
+def default_font(size: int):
+    """Pillow's default font at `size` points (the bitmap font on old Pillow)."""
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow before 10.1 has one fixed-size bitmap font
+        return ImageFont.load_default()
+
+
+def new_canvas(size: tuple[int, int]) -> tuple[Image.Image, ImageDraw.ImageDraw]:
+    """A white RGB image of `size` (width, height) and its drawing context."""
+    canvas = Image.new("RGB", size, WHITE)
+    return canvas, ImageDraw.Draw(canvas)
+
+
+def text_box(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str) -> tuple:
+    """The (x, y) to draw `text` at so that its box sits at `at` as `anchor` says (l/m/r then t/m/b, like
+    Pillow's anchors, which bitmap fonts lack), and that box."""
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    w, h = right - left, bottom - top
+    x = at[0] - {"l": 0, "m": w / 2, "r": w}[anchor[0]] - left
+    y = at[1] - {"t": 0, "m": h / 2, "b": h}[anchor[1]] - top
+    return (x, y), (x + left, y + top, x + right, y + bottom)
+
+
+def draw_text(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str,
+              fill: tuple[int, int, int] = TEXT) -> None:
+    """`text` with its box placed at `at` by `anchor` (see `text_box`)."""
+    draw.text(text_box(draw, at, text, font, anchor)[0], text, font=font, fill=fill)
+
+
+def centered_text(draw: ImageDraw.ImageDraw, box: Box, text: str, font, fill: tuple[int, int, int] = TEXT) -> None:
+    """`text` centred in `box`."""
+    x0, y0, x1, y1 = box
+    draw_text(draw, ((x0 + x1) / 2, (y0 + y1) / 2), text, font, "mm", fill)
+
+
+def free_text_position(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str,
+                       taken: list[Box]) -> tuple[float, float]:
+    """Where to draw a label near `at` so that it overlaps none in `taken`: moved up or down in steps if need be;
+    its box is added to `taken`."""
+    for step in range(LABEL_TRIES):
+        shifted = (at[0], at[1] + LABEL_STEP * ((step + 1) // 2) * (1 if step % 2 else -1))
+        position, box = text_box(draw, shifted, text, font, anchor)
+        if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in taken):
+            break
+    taken.append(box)
+    return position
+
+
+def paste_vertical_text(canvas: Image.Image, at: tuple[int, int], size: tuple[int, int], text: str, font) -> None:
+    """`text` centred in a white strip of `size` (length, thickness), turned a quarter anticlockwise so that it
+    reads upwards, pasted with its top-left corner at `at`."""
+    strip, draw = new_canvas(size)
+    draw_text(draw, (size[0] / 2, size[1] / 2), text, font, "mm")
+    canvas.paste(strip.rotate(90, expand=True), at)
+
+
+def thumbnail(path: Path | None, size: int) -> Image.Image | None:
+    """The image at `path` cropped and scaled to a `size` square; None when there is none or it cannot be read."""
+    if path is None:
+        return None
+    try:
+        with Image.open(path) as img:
+            return ImageOps.fit(img.convert("RGB"), (size, size), Image.Resampling.LANCZOS)
+    except (OSError, UnidentifiedImageError, ValueError):
+        return None
+
+
+def save_png(canvas: Image.Image, path: Path | str) -> None:
+    """Write `canvas` to `path` as PNG, whole or not at all."""
+    with atomic_write(path, "wb") as fh:
+        canvas.save(fh, format="PNG")
