@@ -18,6 +18,7 @@ import in9_eval
 from tests.helpers import TinyCNN, run_in_process, save_torchscript
 from tools import benchmark
 from tools.api import CHALLENGE_RESULTS_FILE, IN9_RESULTS_FILE, BenchmarkResult
+from tools.data import synthetic
 from tools.errors import UserError
 from tools.in9 import VARIATIONS
 from tools.results.analysis import BACKGROUNDS_FILE, FOREGROUNDS_FILE, PREDICTIONS_FILE
@@ -31,11 +32,23 @@ def quick(**extra) -> dict:
     return {"device": "cpu", "batch_size": BATCH, "workers": 1, "progress": False, "cache": False, **extra}
 
 
+class ColorAndNoise(nn.Module):
+    """The hand-built colour model's 1000 logits plus a random CNN's, scaled: predictions right and wrong, mapped
+    and unmapped, varying from image to image."""
+
+    def __init__(self):
+        super().__init__()
+        self.color, self.noise = synthetic.ColorEvidenceModel(1000), TinyCNN(1000, seed=7)
+
+    def forward(self, x):
+        return self.color(x) + 0.03 * self.noise(x)
+
+
 @pytest.fixture(scope="module")
 def cnn(tmp_path_factory):
-    """A random 1000-class CNN and its TorchScript file."""
-    model = TinyCNN(1000, seed=7).eval()
-    path = tmp_path_factory.mktemp("api") / "cnn.ts"
+    """A 1000-class model and its TorchScript file."""
+    model = ColorAndNoise().eval()
+    path = tmp_path_factory.mktemp("api") / "model.ts"
     save_torchscript(model, path)
     return model, path
 
@@ -86,7 +99,9 @@ def test_a_module_gives_what_the_scripts_give(dataset, cnn, scripts, tmp_path, o
     same_apart_from_model(in9_api, in9_script)
     same_apart_from_model(challenge_api, challenge_script)
     assert in9_api == result.in9 and challenge_api == result.challenge
-    assert in9_api["provenance"]["arch"] == "module:TinyCNN"
+    assert in9_api["provenance"]["arch"] == "module:ColorAndNoise"
+    assert 0 < in9_api["mixed_rand"]["accuracy"] < in9_api["original"]["accuracy"]  # not a trivial model
+    assert 0 < challenge_api["vulnerable"] < challenge_api["total"]
     assert in9_api["provenance"]["normalization"] == in9_script["provenance"]["normalization"]
     # the typed numbers are the files' numbers
     assert set(result.accuracy) == set(VARIATIONS)
@@ -174,3 +189,25 @@ def test_nothing_is_left_changed(dataset, one_thread):
 def test_bad_input_is_one_user_error(dataset, call, message):
     with pytest.raises(UserError, match=message):
         call(dataset.root)
+
+
+def _benchmark_in_a_group(root, model_path, output_dir):
+    """What one of torchrun's processes does: join the group, then call benchmark as in one process."""
+    from tools import distributed  # noqa: PLC0415
+    distributed.setup(torch.device("cpu"))
+    result = benchmark(f"file:{model_path}", root, output_dir=output_dir, **quick())
+    return json.dumps({"in9": result.in9, "challenge": without(result.challenge, TIMING_KEYS),
+                       "files": sorted(result.files)})
+
+
+def test_a_process_group_shares_the_work(dataset, cnn, scripts, tmp_path):
+    from tests.helpers import run_in_processes  # noqa: PLC0415
+    ranks = run_in_processes(_benchmark_in_a_group, 2, tmp_path, str(dataset.root), str(cnn[1]), str(tmp_path / "out"))
+    in9_script = json.loads((scripts / "in9.json").read_text())
+    ranks = [json.loads(rank) for rank in ranks]
+    for rank in ranks:  # every process has the whole result; rank 0 alone writes
+        assert without(rank["in9"], {"provenance"}) == without(in9_script, {"provenance"})
+        assert rank["challenge"]["challenge_accuracy"] == json.loads((scripts / "challenge.json").read_text())[
+            "challenge_accuracy"]
+    assert ranks[0]["files"] == ["challenge", "in9"] and ranks[1]["files"] == []
+    assert json.loads((tmp_path / "out" / IN9_RESULTS_FILE).read_text()) == ranks[0]["in9"]
