@@ -72,7 +72,7 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
     and `std` (default: the class-count rule; `mean=None` for a module that normalises itself); or a model
     name as `--arch` takes it (`resnet50`, `timm:NAME`, `clip:ARCH/TAG`, `file:PATH`, `ARCH@file:PATH`), with
     its source's normalisation (`mean=None`: none) and `weights` as `--weights`.
-    data_path: the release's folder (default: as the scripts, $BGC_DATA else bg_challenge).
+    data_path: the release's folder (default: as the scripts, $BG_CHALLENGE_DATA, else data/bg_challenge).
     num_classes: 1000 (ImageNet, mapped to IN-9) or 9 (IN-9); checked against the model's output (default:
     the output's width). full: every pair of the challenge (the prediction matrix), as --full.
     output_dir: where the results files (in9.json, challenge.json), the resumable state and --full's matrix
