@@ -321,9 +321,9 @@ def test_leaderboard_says_what_each_row_predicts_over(loaded, tiny_clip):
     published = {r.model: r.classes for r in published_rows()}
     assert published["ResNet-50"] == 1000 and published["ResNet-50 (IN-9L)"] == 9
     page = render_markdown(rows)
-    assert "| default | clip | none | 1000 (CLIP imagenet, simple templates) |" in page
-    assert "| nine | clip | none | 9 (CLIP in9, simple templates) |" in page
-    assert "| in9-trained | clip | none | 9 |" in page
+    assert "| default | clip | none | – | 1000 (CLIP imagenet, simple templates) |" in page
+    assert "| nine | clip | none | – | 9 (CLIP in9, simple templates) |" in page
+    assert "| in9-trained | clip | none | – | 9 |" in page
     assert "not comparable with the 1000-class rows" in page and "nine prompts" in page
     only_1000 = render_markdown([rows[0]])
     assert "not comparable with the 1000-class rows" not in only_1000

@@ -162,6 +162,35 @@ def test_leaderboard_rows_and_order(first_run, specs):
     assert f"![BG-gap against challenge accuracy]({PLOT_FILE})" in markdown
 
 
+def test_leaderboard_rows_name_what_they_rank(first_run, specs, checkpoints):
+    """Each measured row: its source, weights tag and the short hash of its weights file (or, without one, of the
+    weights themselves); each published row what it names: the README's ResNet-50 torchvision's IMAGENET1K_V1,
+    Paul & Chen's rows their hand-changed mean/std."""
+    output = first_run[0]
+    with open(output / CSV_FILE, newline="") as fh:
+        rows = {r["model"]: r for r in csv.DictReader(fh)}
+    color, mobilenet, clip = specs
+    assert (rows[color]["source"], rows[color]["weights"]) == ("file", "color.ts")
+    assert rows[color]["weights_sha256"] == sha256_file(checkpoints / "color.ts")[:12]
+    assert rows[mobilenet]["weights_sha256"] == sha256_file(checkpoints / "mobilenet.pt")[:12]
+    clip_payload = json.loads(results_file(output, clip).read_text())
+    assert (rows[clip]["source"], rows[clip]["weights"]) == ("clip", "none")
+    assert rows[clip]["weights_sha256"] == clip_payload["identity"]["weights_sha256"][:12]  # no file: the weights'
+    resnet50 = rows["ResNet-50"]
+    assert (resnet50["source"], resnet50["weights"], resnet50["weights_sha256"]) == \
+        ("torchvision", "IMAGENET1K_V1", "19c8e357")  # the hash prefix torch names resnet50-19c8e357.pth by
+    for model in ("ViT-L/16", "BiT-M R101x3"):
+        assert "mean and std changed to 0.5 by hand" in rows[model]["note"]
+    assert not rows["ResNet-152"]["weights_sha256"] and not rows["ResNet-152"]["note"]
+    markdown = (output / MARKDOWN_FILE).read_text()
+    header = next(line for line in markdown.splitlines() if line.startswith("| # |"))
+    assert "| Source | Weights | Weights SHA-256 |" in header
+    assert f"| {color} | file | color.ts | `{rows[color]['weights_sha256']}` |" in markdown
+    assert "| ResNet-50 | torchvision | IMAGENET1K_V1 | `19c8e357` |" in markdown
+    vit = next(line for line in markdown.splitlines() if line.startswith("| ") and "| ViT-L/16 |" in line)
+    assert "| published ¹ |" in vit and "¹ ViT-L/16, BiT-M R101x3: mean and std changed to 0.5 by hand" in markdown
+
+
 def test_plot_is_a_png_of_the_stated_size(first_run):
     with Image.open(first_run[0] / PLOT_FILE) as image:
         assert image.format == "PNG" and image.size == PLOT_SIZE

@@ -66,6 +66,14 @@ def from_environment() -> ProcessGroup:
     return ProcessGroup(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def joined_group() -> ProcessGroup:
+    """Where this process stands in a process group its caller has joined (rank and size from torch.distributed,
+    LOCAL_RANK from torchrun's environment); a single process when none is joined."""
+    if not _joined():
+        return ProcessGroup()
+    return ProcessGroup(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+
+
 def setup(device: torch.device, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> ProcessGroup:
     """Join torchrun's process group if there is one (NCCL for CUDA, gloo otherwise), where a collective waits
     up to `timeout_minutes` for every process; returns where we stand."""

@@ -155,6 +155,16 @@ def _write_math_flags(flags: MathFlags) -> None:
      torch.backends.cudnn.deterministic) = flags
 
 
+@contextlib.contextmanager
+def math_flags_kept():
+    """The process-wide math flags as they were before the block, whatever a `Runtime` made in it sets."""
+    saved = _read_math_flags()
+    try:
+        yield
+    finally:
+        _write_math_flags(saved)
+
+
 def set_math_flags(precision: Precision) -> MathFlags:
     """Set the process-wide math flags for `precision` (all four every time, so no earlier runtime's setting
     survives); they exist on every build and act on CUDA only. Returns the flags as they were.

@@ -3,6 +3,7 @@ and what it is), and `wrap`, which makes a classifier of known origin (`ModelOri
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 
@@ -13,6 +14,16 @@ from tools.in9 import NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.data.pixels import unit_floats
 
 log = logging.getLogger(__name__)
+
+
+def state_sha256(module: nn.Module) -> str:
+    """The SHA-256 of a module's state dict (each key, then its tensor's bytes, in order): the identity of an
+    in-memory model's weights, as a file's hash is of a checkpoint's."""
+    digest = hashlib.sha256()
+    for key, tensor in module.state_dict().items():
+        digest.update(key.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 class PixelModel(nn.Module):

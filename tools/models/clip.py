@@ -45,7 +45,7 @@ from tools.errors import UserError, first_line
 from tools.data.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
 from tools.models.architectures import close_matches
-from tools.models.boundary import LoadedModel, ModelOrigin, wrap
+from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
 from tools.runtime import Forward, Runtime, check_antialias
 
 log = logging.getLogger(__name__)
@@ -193,14 +193,6 @@ def _image_size(value) -> tuple[int, int]:
     return (value, value) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
-def _state_digest(module: nn.Module) -> str:
-    digest = hashlib.sha256()
-    for key, tensor in module.state_dict().items():
-        digest.update(key.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
 def _tensor_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(f"{tuple(tensor.shape)}".encode() + tensor.contiguous().numpy().tobytes()).hexdigest()
 
@@ -304,7 +296,7 @@ def load_clip(spec: str, runtime: Runtime | None = None, progress: bool = False)
         clip_model, weights_file = _create(open_clip, parsed.arch, parsed.pretrained)
         tokenizer = open_clip.get_tokenizer(parsed.arch)
     clip_model.eval()
-    weights_sha256 = _state_digest(clip_model) if weights_file is None else sha256_file(weights_file)
+    weights_sha256 = state_sha256(clip_model) if weights_file is None else sha256_file(weights_file)
     preprocess = open_clip.get_model_preprocess_cfg(clip_model)
     image_size = _image_size(preprocess.get("size", IMAGE_SIZE))
     if image_size != (IMAGE_SIZE, IMAGE_SIZE):

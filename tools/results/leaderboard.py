@@ -3,8 +3,10 @@ CSV and a PNG plot of BG-gap against challenge accuracy (drawn with `tools.resul
 
 Rows are sorted by challenge accuracy, best first; rows without one come last. Published rows
 (tools/resources/published.json) are quoted from their sources and marked `published`; rows computed
-from results files are `measured`. Each row says what its model predicts over (1000 ImageNet classes
-through the map, or the nine IN-9 classes) and, for CLIP, which zero-shot head and templates.
+from results files are `measured`. Each row names its source (torchvision, timm, hf, clip, file), weights tag
+and the short SHA-256 of its weights file, and says what its model predicts over (1000 ImageNet classes
+through the map, or the nine IN-9 classes) and, for CLIP, which zero-shot head and templates; a published
+row's note says how its source ran the model where that differs from the scripts.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class Row:
     criterion: str | None = "any"  # the challenge's criterion
     classes: int | None = None  # what the model predicts over: 1000 ImageNet classes (mapped) or the 9 of IN-9
     zero_shot: str | None = None  # a CLIP row's head and templates, e.g. "imagenet, openai templates"
+    weights_sha256: str | None = None  # short: of the weights file, else of the weights (a random CLIP, a module)
+    note: str | None = None  # how a published row's source ran the model, where it differs from the scripts
 
 
 COLUMNS = [f.name for f in fields(Row)]
@@ -73,6 +77,12 @@ def _zero_shot(provenance: dict) -> str | None:
     return None if not head else f"{head['head']}, {head['templates']} templates"
 
 
+def _weights_hash(payload: dict) -> str | None:
+    """The weights file's SHA-256, else the weights' own (a random CLIP), short."""
+    digest = payload.get("weights_file_sha256") or (payload.get("identity") or {}).get("weights_sha256")
+    return digest[:HASH_CHARS] if digest else None
+
+
 def measured_row(payload: dict) -> Row:
     """The leaderboard row of one zoo results file."""
     in9, challenge = payload.get("in9") or {}, payload.get("challenge") or {}
@@ -81,7 +91,8 @@ def measured_row(payload: dict) -> Row:
     return Row(payload["model"], payload["source"], payload.get("weights"), _accuracy(in9, Variation.ORIGINAL),
                _accuracy(in9, Variation.MIXED_SAME), _accuracy(in9, Variation.MIXED_RAND), in9.get("bg_gap"),
                challenge.get("challenge_accuracy"), provenance_hash(payload), MEASURED, None, data.get("sha256"),
-               challenge.get("criterion"), provenance.get("num_classes"), _zero_shot(provenance))
+               challenge.get("criterion"), provenance.get("num_classes"), _zero_shot(provenance),
+               _weights_hash(payload))
 
 
 def published_rows() -> list[Row]:
@@ -146,20 +157,33 @@ def classes_notes(rows: list[Row]) -> list[str]:
     return notes
 
 
+SUPERSCRIPTS = "¹²³⁴⁵⁶⁷⁸⁹"
+
+
+def note_marks(rows: list[Row]) -> dict[str, str]:
+    """A superscript mark for each distinct note, in the order the rows first give it."""
+    notes = list(dict.fromkeys(row.note for row in rows if row.note))
+    return {note: SUPERSCRIPTS[i] if i < len(SUPERSCRIPTS) else f"^{i + 1}" for i, note in enumerate(notes)}
+
+
 def render_markdown(rows: list[Row]) -> str:
     out = ["# Backgrounds Challenge leaderboard", "",
            "Accuracies in percent on the IN-9 variations and the challenge (`any` criterion); BG-gap = mixed_same − mixed_rand in points. Sorted by challenge accuracy; rows "
            "without a challenge number come last. **published** rows are quoted from their sources, "
            "**measured** rows were computed by this toolkit (provenance: a hash of the results file's "
            "provenance).", ""]
-    table = []
+    table, marks = [], note_marks(rows)
     for rank, row in enumerate(rows, 1):
         provenance = f"`{row.provenance_sha256}`" if row.provenance_sha256 else (row.reference or "–")
-        table.append([rank, row.model, row.source, row.weights or "–", _classes(row), _number(row.original),
+        kind = f"{row.kind} {marks[row.note]}" if row.note else row.kind
+        table.append([rank, row.model, row.source or "–", row.weights or "–",
+                      f"`{row.weights_sha256}`" if row.weights_sha256 else "–", _classes(row), _number(row.original),
                       _number(row.mixed_same), _number(row.mixed_rand), _number(row.bg_gap),
-                      _number(row.challenge_accuracy), row.kind, provenance])
-    out += markdown_table(["#", "Model", "Source", "Weights", "Classes", "Original", "Mixed-Same", "Mixed-Rand",
-                           "BG-gap", "Challenge", "Kind", "Provenance"], table, "rllllrrrrrll")
+                      _number(row.challenge_accuracy), kind, provenance])
+    out += markdown_table(["#", "Model", "Source", "Weights", "Weights SHA-256", "Classes", "Original", "Mixed-Same",
+                           "Mixed-Rand", "BG-gap", "Challenge", "Kind", "Provenance"], table, "rlllllrrrrrll")
+    for note, mark in marks.items():
+        out += ["", f"{mark} {', '.join(row.model for row in rows if row.note == note)}: {note}."]
     for note in classes_notes(rows):
         out += ["", note]
     fingerprints = sorted({row.data_sha256 for row in rows if row.kind == MEASURED and row.data_sha256})

@@ -1,0 +1,242 @@
+"""The Python API: `benchmark(model, ...)`, both evaluations of in9_eval.py and challenge_eval.py in one call,
+for a model in a notebook or a training loop, returning a typed `BenchmarkResult`.
+
+It runs what the scripts run (`run_in9`, `run_challenge`, and their results' `publish`), so its numbers and
+files are theirs, and leaves no state behind: the process-wide math flags a `Runtime` sets, the module's
+modes, device, dtype and memory format (its very tensors), the caller's autocast and grad mode, and the
+random number generators it seeds are all as they were after the call. It joins no process group; in one
+that its caller has joined (under torchrun), the processes share the work as the scripts' do, and rank 0
+writes the files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from tools import distributed
+from tools.challenge import ChallengeConfig, list_challenge_files, load_challenge_data, run_challenge
+from tools.data.decoding import default_cache_dir
+from tools.data.layout import check_data_root
+from tools.errors import UserError, first_line
+from tools.evaluate import In9Config, bg_gap, list_in9_files, run_in9
+from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, VARIATIONS, Normalization
+from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
+from tools.models.checkpoints import check_class_count
+from tools.models.sources import load_model
+from tools.provenance import check_outputs
+from tools.runtime import Precision, Runtime, math_flags_kept, resolve_device, seed_everything
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"  # mean/std: the class-count rule (ImageNet statistics for 1000 classes, IN-9's for 9)
+IN9_RESULTS_FILE, CHALLENGE_RESULTS_FILE = "in9.json", "challenge.json"  # under output_dir
+MODULE_FORMAT = "nn.Module (Python API)"
+
+
+@dataclass(frozen=True)
+class BenchmarkResult:
+    """What `benchmark` measured: accuracies in percent, the BG-gap in points, the challenge's verdicts; the
+    results files' contents (`in9`, `challenge`: what the scripts' --results-file holds) and the paths written."""
+
+    accuracy: Mapping[str, float]  # per variation
+    bg_gap: float | None  # accuracy(mixed_same) - accuracy(mixed_rand); None unless both were evaluated
+    challenge_accuracy: float | None  # None without the challenge
+    vulnerable: int | None  # foregrounds some background makes the model misclassify
+    foregrounds: int | None
+    in9: Mapping = field(repr=False)
+    challenge: Mapping | None = field(repr=False)
+    files: Mapping[str, Path] = field(default_factory=dict)  # what was written: in9, challenge, state, matrix files
+
+
+def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
+              mean: Sequence[float] | str | None = AUTO, std: Sequence[float] | None = None,
+              num_classes: int | None = None, challenge: bool = True, full: bool = False,
+              variations: Sequence[str] = VARIATIONS, device: str | torch.device | None = None,
+              precision: Precision | str = Precision.FP32, channels_last: bool = False, batch_size: int | None = None, workers: int | None = None,
+              output_dir: Path | str | None = None, resume: bool = False, cache_dir: Path | str | None = None,
+              cache: bool = True, weights: str | None = None, trust_checkpoint: bool = False, seed: int = 0,
+              progress: bool = True) -> BenchmarkResult:
+    """Evaluate `model` on the IN-9 variations and, with `challenge`, the Backgrounds Challenge.
+
+    model: an `nn.Module` taking a normalised (N, 3, 224, 224) float batch, wrapped to normalise with `mean`
+    and `std` (default: the class-count rule; `mean=None` for a module that normalises itself); or a model
+    name as `--arch` takes it (`resnet50`, `timm:NAME`, `clip:ARCH/TAG`, `file:PATH`, `ARCH@file:PATH`), with
+    its source's normalisation (`mean=None`: none) and `weights` as `--weights`.
+    data_path: the release's folder (default: as the scripts, $BG_CHALLENGE_DATA, else data/bg_challenge).
+    num_classes: 1000 (ImageNet, mapped to IN-9) or 9 (IN-9); checked against the model's output (default:
+    the output's width). full: every pair of the challenge (the prediction matrix), as --full.
+    output_dir: where the results files (in9.json, challenge.json), the resumable state and --full's matrix
+    are written, as the scripts write them (default: nothing is written). device, precision, channels_last, batch_size,
+    workers, cache_dir/cache, seed, progress: as the scripts' flags.
+    """
+    precision = _precision(precision)
+    group = distributed.joined_group()
+    data_path = check_data_root(Path(data_path) if data_path is not None else None)
+    output_dir = Path(output_dir) if output_dir is not None else None
+    check_outputs(folders={"output_dir": output_dir})
+    if num_classes is not None and num_classes not in SUPPORTED_CLASS_COUNTS:
+        raise UserError(f"num_classes must be 1000 (ImageNet) or 9 (IN-9), not {num_classes}")
+    if full and not challenge:
+        raise UserError("full=True is the challenge's whole prediction matrix: it needs challenge=True")
+    if batch_size is not None and batch_size < 1:
+        raise UserError(f"batch_size must be at least 1, not {batch_size}")
+    if workers is not None and workers < 1:
+        raise UserError(f"workers must be at least 1, not {workers}")
+    in9_config = In9Config(tuple(_variations(variations)), batch_size, progress=progress and group.is_main,
+                           **({} if workers is None else {"workers": workers}))
+    challenge_config = ChallengeConfig(full=full, batch_size=batch_size, progress=in9_config.progress)
+    # every cheap input is checked before any model is built or moved
+    in9_files = list_in9_files(data_path, in9_config.variations, in9_config.workers)
+    challenge_files = list_challenge_files(data_path, in9_config.workers) if challenge else None
+    with _state_kept(model), math_flags_kept():
+        runtime = Runtime(group.device(resolve_device(None if device is None else str(device))), precision,
+                          channels_last, group=group)
+        seed_everything(seed)
+        loaded = _loaded(model, mean, std, num_classes, weights, trust_checkpoint, runtime, in9_config.progress)
+        in9 = run_in9(loaded, runtime, in9_files, in9_config, output_dir=output_dir, resume=resume)
+        found = None
+        if challenge_files is not None:
+            data = load_challenge_data(challenge_files, in9_config.workers,
+                                       (Path(cache_dir) if cache_dir is not None else default_cache_dir())
+                                       if cache else None, challenge_config.progress, challenge_config.mask_arithmetic)
+            found = run_challenge(loaded, runtime, data, challenge_config, output_dir, resume)
+    files = {}
+    if output_dir is not None and group.is_main:  # as the scripts: rank 0 writes what one process would
+        files["in9"] = output_dir / IN9_RESULTS_FILE
+        in9.publish(results_file=files["in9"])
+        if found is not None:
+            files["challenge"] = output_dir / CHALLENGE_RESULTS_FILE
+            found.publish(output_dir, data_path, loaded.num_classes, results_file=files["challenge"])
+    accuracy = {name: result.accuracy for name, result in in9.results.items()}
+    return BenchmarkResult(
+        MappingProxyType(accuracy), bg_gap(in9.results),
+        None if found is None else found.challenge_accuracy, None if found is None else found.vulnerable,
+        None if found is None else found.total, in9.to_json(), None if found is None else found.to_json(),
+        MappingProxyType(files))
+
+
+def _precision(value: Precision | str) -> Precision:
+    try:
+        return Precision(value)
+    except ValueError:
+        raise UserError(f"unknown precision {value!r}; valid: {', '.join(p.value for p in Precision)}") from None
+
+
+def _variations(names: Sequence[str]) -> list[str]:
+    names = [names] if isinstance(names, str) else list(names)
+    unknown = [name for name in names if name not in VARIATIONS]
+    if unknown or not names:
+        raise UserError(f"unknown variation(s) {', '.join(map(repr, unknown)) or '(none given)'}; valid: "
+                        f"{', '.join(VARIATIONS)}")
+    return names
+
+
+def _loaded(model: nn.Module | str, mean, std, num_classes: int | None, weights: str | None, trust: bool,
+            runtime: Runtime, progress: bool) -> LoadedModel:
+    """The model wrapped to take pixels: a module with the given statistics, a name through its source."""
+    in9 = None if num_classes is None else num_classes == NUM_IN9_CLASSES
+    if isinstance(model, str):
+        if not (mean is None or _is_auto(mean)) or std is not None:
+            raise UserError(f"{model} takes its normalisation from its source: pass mean=None (no normalisation) "
+                            f"or leave mean and std out")
+        normalize = Normalization.AUTO if _is_auto(mean) else Normalization.NONE
+        return load_model(model, weights, in9=in9, normalize=normalize, trust=trust, runtime=runtime,
+                          progress=progress)
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model must be an nn.Module or a model name, not {type(model).__name__}")
+    if weights is not None:
+        raise UserError("weights= names the pretrained weights of a model name; a module brings its own")
+    if isinstance(mean, str) and not _is_auto(mean):
+        raise UserError(f"mean must be three numbers, {AUTO!r} or None, not {mean!r}")
+    if (mean is None or _is_auto(mean)) and std is not None:
+        raise UserError("std without mean: pass both (or neither, for the class-count rule)")
+    stats = None if mean is None or _is_auto(mean) else _statistics(mean, std)
+    width = _output_width(model, runtime.device)
+    check_class_count(width, in9, f"the module ({type(model).__name__})")
+    origin = ModelOrigin(f"module:{type(model).__qualname__}", sha256=state_sha256(model),
+                         checkpoint_format=MODULE_FORMAT)
+    loaded = wrap(model, num_classes=width, origin=origin, stats=stats, stats_origin="mean/std given",
+                  normalize=Normalization.NONE if mean is None else Normalization.AUTO)
+    if mean is None:
+        loaded.normalization = "none (mean=None: the module normalises its input itself)"
+    return loaded
+
+
+def _is_auto(mean) -> bool:
+    return isinstance(mean, str) and mean == AUTO
+
+
+def _statistics(mean, std) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    if std is None:
+        raise UserError("mean without std: pass both (or neither, for the class-count rule)")
+    try:
+        values = tuple(float(v) for v in mean), tuple(float(v) for v in std)
+    except (TypeError, ValueError):
+        raise UserError(f"mean and std must be three numbers each, not {mean!r} and {std!r}") from None
+    if any(len(v) != 3 for v in values) or not all(s > 0 for s in values[1]):
+        raise UserError(f"mean and std must be three numbers each, std positive, not {mean!r} and {std!r}")
+    return values
+
+
+def _output_width(module: nn.Module, device: torch.device) -> int:
+    """The class count, from one forward pass on a zero batch of 2 on the run's device."""
+    try:
+        with torch.inference_mode():
+            out = module.to(device).eval()(torch.zeros(2, 3, IMAGE_SIZE, IMAGE_SIZE, device=device))
+    except Exception as exc:  # noqa: BLE001 (any failure of the caller's module on the input the toolkit feeds)
+        raise UserError(f"the module fails on a 2x3x{IMAGE_SIZE}x{IMAGE_SIZE} input on {device}: "
+                        f"{type(exc).__name__}: {first_line(exc)}") from None
+    if not isinstance(out, torch.Tensor) or out.ndim != 2:
+        raise UserError("the module does not return a (batch, classes) tensor of logits")
+    return int(out.shape[1])
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module | str) -> Iterator[None]:
+    """Within the block, anything may change; after it, as before: the module's train/eval modes, its very
+    parameter, gradient and buffer tensors (so device, dtype and memory format), the caller's autocast and grad
+    mode, and the random number generators (Python's, numpy's, torch's on the CPU and every GPU)."""
+    module = model if isinstance(model, nn.Module) else nn.Module()
+    modes = [(m, m.training) for m in module.modules()]
+    parameters = [(m, name, p, p.data, p.grad) for m in module.modules() for name, p in m.named_parameters(recurse=False)]
+    buffers = [(m, name, b) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    autocast_off = [torch.autocast(device_type=kind, enabled=False) for kind in _autocast_device_types()]
+    try:
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []), \
+                contextlib.ExitStack() as stack:
+            for context in autocast_off:  # the caller's mixed precision does not leak into an fp32 evaluation
+                stack.enter_context(context)
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        for owner, name, parameter, data, grad in parameters:
+            if getattr(owner, name) is not parameter:
+                setattr(owner, name, parameter)
+            parameter.data = data
+            parameter.grad = grad
+        for owner, name, buffer in buffers:
+            setattr(owner, name, buffer)
+        for m, training in modes:
+            m.training = training
+
+
+def _autocast_device_types() -> list[str]:
+    """The device types this torch has autocast for here."""
+    kinds = ["cpu"]
+    if torch.cuda.is_available():
+        kinds.append("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        kinds.append("mps")
+    return kinds
