@@ -1,7 +1,7 @@
 """The Python API: `benchmark(model, ...)`, both evaluations of in9_eval.py and challenge_eval.py in one call,
 for a model in a notebook or a training loop, returning a typed `BenchmarkResult`.
 
-It runs what the scripts run (`run_in9`, `run_challenge`, and their results' `publish`), so its numbers and
+It runs what the scripts run (`run_in9`, `run_challenge`, and `tools.results.publish` for their files), so its numbers and
 files are theirs, and leaves no state behind: the process-wide math flags a `Runtime` sets, the module's
 modes, device, dtype and memory format (its very tensors), the caller's autocast and grad mode, and the
 random number generators it seeds are all as they were after the call. It joins no process group; in one
@@ -34,6 +34,7 @@ from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
 from tools.models.checkpoints import check_class_count
 from tools.models.sources import load_model
 from tools.provenance import check_outputs
+from tools.results.publish import publish_challenge, publish_in9
 from tools.runtime import Precision, Runtime, math_flags_kept, resolve_device, seed_everything
 
 log = logging.getLogger(__name__)
@@ -113,10 +114,10 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
     files = {}
     if output_dir is not None and group.is_main:  # as the scripts: rank 0 writes what one process would
         files["in9"] = output_dir / IN9_RESULTS_FILE
-        in9.publish(results_file=files["in9"])
+        publish_in9(in9, results_file=files["in9"])
         if found is not None:
             files["challenge"] = output_dir / CHALLENGE_RESULTS_FILE
-            found.publish(output_dir, data_path, loaded.num_classes, results_file=files["challenge"])
+            publish_challenge(found, output_dir, data_path, loaded.num_classes, results_file=files["challenge"])
     accuracy = {name: result.accuracy for name, result in in9.results.items()}
     return BenchmarkResult(
         MappingProxyType(accuracy), bg_gap(in9.results),
