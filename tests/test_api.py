@@ -21,7 +21,7 @@ from tools.api import CHALLENGE_RESULTS_FILE, IN9_RESULTS_FILE, BenchmarkResult
 from tools.data import synthetic
 from tools.errors import UserError
 from tools.in9 import VARIATIONS
-from tools.results.analysis import BACKGROUNDS_FILE, FOREGROUNDS_FILE, PREDICTIONS_FILE
+from tools.results.matrix import BACKGROUNDS_FILE, FOREGROUNDS_FILE, PREDICTIONS_FILE
 
 TIMING_KEYS = {"wall_time_s", "composites_per_s"}
 MODEL_KEYS = {"arch", "weights", "checkpoint", "sha256", "checkpoint_format"}  # where the model came from
