@@ -13,7 +13,7 @@ import torch
 import challenge_eval
 import in9_eval
 from tests.helpers import run_in_process
-from tools import cli, zoo
+from tools import zoo
 from tools.errors import UserError
 from tools.models import list_sources
 from tools.models.architectures import SMALL_CNN, SmallCNN
