@@ -13,7 +13,7 @@ import torch
 import challenge_eval
 import in9_eval
 from tests.helpers import run_in_process
-from tools import cli, zoo
+from tools import zoo
 from tools.errors import UserError
 from tools.models import list_sources
 from tools.models.architectures import SMALL_CNN, SmallCNN
@@ -119,7 +119,7 @@ def command_line(name, dataset, tmp_path, *model, capsys):
         argv += ["--eval-dataset", "mixed_rand"]
     else:
         argv += ["--no-cache", "--batch-size", "8"]
-    return run_in_process(lambda a: cli.run_main(script.build_parser(), script.main, a), argv, capsys)
+    return run_in_process(script.main, argv, capsys)
 
 
 @pytest.mark.parametrize("bad", ["resnet18@sd.pt", "timm:", "timn:convnext_tiny"])
