@@ -23,7 +23,7 @@ from tools.in9 import NUM_IMAGENET_CLASSES, Normalization
 from tools.models import hub
 from tools.models.architectures import check_timm_name, timm_module
 from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
-from tools.models.spec import TIMM_HUB, TIMM_PREFIX, ModelSpec
+from tools.models.spec import TIMM_PREFIX, ModelSpec
 
 log = logging.getLogger(__name__)
 
