@@ -16,7 +16,7 @@ from torch import nn
 
 from tools.errors import UserError
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES
-from tools.models.spec import TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
+from tools.models.spec import TIMM_HUB, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
 DEFAULT_ARCH = "resnet50"  # the paper's model, where neither --arch nor the checkpoint names one
 SMALL_CNN = f"{TOOLKIT_PREFIX}small_cnn"  # a tiny BatchNorm-free CNN for tests, demos and smoke runs
@@ -96,20 +96,34 @@ def torchvision_architecture(spec: ModelSpec, num_classes: int) -> nn.Module:
     return torchvision_module().models.get_model(spec.name, weights=None, num_classes=num_classes)
 
 
-@register_architectures(TIMM_PREFIX, libraries=("timm",))
-def timm_architecture(spec: ModelSpec, num_classes: int) -> nn.Module:
-    """timm models, timm:NAME or timm:NAME.TAG (a pretrained tag, which may set the input size), timm installed."""
+def timm_module(spec: ModelSpec):
+    """timm, or one line saying how to install it."""
     try:
         import timm  # noqa: PLC0415 (an optional extra)
     except ImportError:
         raise UserError(f"--arch {spec} needs timm, which is not installed; run `pip install timm` "
                         f"(or install this project with the [timm] extra)") from None
+    return timm
+
+
+def check_timm_name(timm, spec: ModelSpec) -> None:
+    """An unknown timm architecture or pretrained tag is one line with the close matches; a hub name
+    (`hf-hub:ORG/NAME`) is the hub's to know."""
+    if spec.name.startswith(TIMM_HUB):
+        return
     if spec.name not in timm.list_models():
         raise UserError(f"unknown timm architecture {spec.name!r}{close_matches(spec.name, timm.list_models())}")
     if spec.tag is not None:
         tags = [name.split(".", 1)[1] for name in timm.list_pretrained(f"{spec.name}.*")]
         if spec.tag not in tags:
             raise UserError(f"unknown timm tag {spec.tag!r} of {spec.name} (valid: {', '.join(tags) or 'none'})")
+
+
+@register_architectures(TIMM_PREFIX, libraries=("timm",))
+def timm_architecture(spec: ModelSpec, num_classes: int) -> nn.Module:
+    """timm models, timm:NAME or timm:NAME.TAG (a pretrained tag, which may set the input size), timm installed."""
+    timm = timm_module(spec)
+    check_timm_name(timm, spec)
     return timm.create_model(spec.body, pretrained=False, num_classes=num_classes)
 
 

@@ -1,5 +1,6 @@
 """The model boundary: `PixelModel` (pixels in, normalised inside, logits out), `LoadedModel` (a ready model
-and what it is), and `wrap`, which makes a classifier of known origin (`ModelOrigin`) a `LoadedModel`."""
+and what it is), `wrap`, which makes a classifier of known origin (`ModelOrigin`) a `LoadedModel`, and the
+resizing inside the model for classifiers whose input is not 224x224 (`resize_input`, `fit_input_size`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from tools.in9 import NUM_IN9_CLASSES, Normalization, statistics_for
+from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.data.pixels import unit_floats
+from tools.runtime import Runtime, check_antialias
 
 log = logging.getLogger(__name__)
 
@@ -96,3 +99,47 @@ def wrap(classifier: nn.Module, *, num_classes: int, origin: ModelOrigin, normal
     classifier.eval()
     return LoadedModel(PixelModel(classifier, mean, std).eval(), num_classes, origin.arch, origin.weights,
                        origin.source, origin.sha256, origin.checkpoint_format, norm_text)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inputs of another size
+
+def resize_input(x: torch.Tensor, size: tuple[int, int], mode: str = "bicubic") -> torch.Tensor:
+    """A normalised batch resized to the classifier's input size (antialiased), or as it is when it has it.
+    Resizing is linear with weights summing to one, so it commutes with the per-channel normalisation before it."""
+    if tuple(x.shape[-2:]) == tuple(size):
+        return x
+    return F.interpolate(x, size=tuple(size), mode=mode, align_corners=False, antialias=True)
+
+
+def announce_input_size(size: tuple[int, int], used_by: str, mode: str = "bicubic",
+                        runtime: Runtime | None = None) -> None:
+    """Say once, at load time, that the 224x224 inputs are resized inside `used_by`; refuse a device that lacks
+    the antialiased resize."""
+    if runtime is not None:
+        check_antialias(runtime.device, mode, f"{used_by}, which resizes its inputs to {size[0]}x{size[1]}")
+    log.info("%s takes %dx%d images: the %dx%d inputs are resized inside the model (%s, antialiased)", used_by,
+             *size, IMAGE_SIZE, IMAGE_SIZE, mode)
+
+
+class InputResize(nn.Module):
+    """A classifier whose input size is not 224x224, behind `resize_input`."""
+
+    def __init__(self, classifier: nn.Module, size: tuple[int, int], mode: str = "bicubic"):
+        super().__init__()
+        self.classifier = classifier
+        self.size = tuple(size)
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(resize_input(x, self.size, self.mode))
+
+
+def fit_input_size(classifier: nn.Module, size: tuple[int, int], used_by: str, mode: str = "bicubic",
+                   runtime: Runtime | None = None) -> nn.Module:
+    """The classifier as it is for 224x224 inputs; else behind `InputResize`, said once (`announce_input_size`)."""
+    size = tuple(int(v) for v in size)
+    if size == (IMAGE_SIZE, IMAGE_SIZE):
+        return classifier
+    announce_input_size(size, used_by, mode, runtime)
+    return InputResize(classifier, size, mode)

@@ -45,8 +45,8 @@ from tools.errors import UserError, first_line
 from tools.data.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
 from tools.models.architectures import close_matches
-from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
-from tools.runtime import Forward, Runtime, check_antialias
+from tools.models.boundary import LoadedModel, ModelOrigin, announce_input_size, resize_input, state_sha256, wrap
+from tools.runtime import Forward, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +167,7 @@ def zero_shot_head(encode_text: Callable[[torch.Tensor], torch.Tensor], tokenize
 class ZeroShotClassifier(nn.Module):
     """CLIP's image encoder and a fixed text-derived head: normalised input in, one logit per head row out.
 
-    Inputs of another size than the encoder's are resized to it first (bicubic, antialiased). Resizing
-    is linear with weights summing to one, so it commutes with the per-channel normalisation before it."""
+    Inputs of another size than the encoder's are resized to it first (`resize_input`: bicubic, antialiased)."""
 
     def __init__(self, visual: nn.Module, head: torch.Tensor, logit_scale: float, image_size: tuple[int, int]):
         super().__init__()
@@ -178,9 +177,7 @@ class ZeroShotClassifier(nn.Module):
         self.image_size = tuple(image_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if tuple(x.shape[-2:]) != self.image_size:
-            x = F.interpolate(x, size=self.image_size, mode="bicubic", align_corners=False, antialias=True)
-        features = self.visual(x)
+        features = self.visual(resize_input(x, self.image_size))
         if not isinstance(features, torch.Tensor):
             raise TypeError(f"the CLIP image encoder returned {type(features).__name__}, not a tensor")
         return self.logit_scale * F.normalize(features.float(), dim=-1) @ self.head.T
@@ -300,10 +297,7 @@ def load_clip(spec: str, runtime: Runtime | None = None, progress: bool = False)
     preprocess = open_clip.get_model_preprocess_cfg(clip_model)
     image_size = _image_size(preprocess.get("size", IMAGE_SIZE))
     if image_size != (IMAGE_SIZE, IMAGE_SIZE):
-        if runtime is not None:
-            check_antialias(runtime.device, "bicubic", f"clip:{spec}, which resizes its inputs to {image_size[0]}x"
-                                                       f"{image_size[1]}")
-        log.info("clip:%s takes %dx%d images: the 224x224 inputs are resized inside the model", spec, *image_size)
+        announce_input_size(image_size, f"clip:{spec}", runtime=runtime)
     class_prompts = prompts(parsed.head, parsed.templates)
     head = _text_head(open_clip, parsed, clip_model, tokenizer, class_prompts, weights_sha256, runtime, progress)
     classifier = ZeroShotClassifier(clip_model.visual, head, clip_model.logit_scale.exp().item(), image_size)

@@ -2,8 +2,9 @@
 
 A source is one function `(name, options) -> LoadedModel`, registered with `@register_source("prefix:")`:
 `resnet50` (no prefix: a torchvision architecture with its pretrained weights), `timm:NAME`, `toolkit:NAME`,
-`file:PATH` (a checkpoint file; `--checkpoint PATH` is the same source), and `clip:ARCH/PRETRAINED`
-(CLIP zero-shot, by default over the 1000 ImageNet class names). With a checkpoint (`--checkpoint` or
+`file:PATH` (a checkpoint file; `--checkpoint PATH` is the same source), `clip:ARCH/PRETRAINED`
+(CLIP zero-shot, by default over the 1000 ImageNet class names) and `hf:ORG/NAME` or `hf:PATH` (a transformers
+image classifier). `timm:` and `hf:` read the Hugging Face Hub cache (`tools.models.hub`). With a checkpoint (`--checkpoint` or
 `ARCH@file:PATH`), the architecture named (`tools.models.architectures`) is built and the file's weights
 loaded into it. Adding a source (CLIP zero-shot, a model hub) is one function and its registration.
 """
@@ -28,7 +29,7 @@ from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
 from tools.models.architectures import (ARCHITECTURES, DEFAULT_ARCH, build_architecture,
                                        check_torchvision_architecture, close_matches, torchvision_module)
 from tools.models.boundary import LoadedModel, ModelOrigin, wrap
-from tools.models.spec import CLIP_PREFIX, FILE_PREFIX, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
+from tools.models.spec import CLIP_PREFIX, FILE_PREFIX, HF_PREFIX, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
 if TYPE_CHECKING:
     from tools.runtime import Runtime
@@ -172,9 +173,10 @@ def torchvision_pretrained(name: str, options: ModelOptions) -> LoadedModel:
 
 @register_source(TIMM_PREFIX)
 def timm_pretrained(name: str, options: ModelOptions) -> LoadedModel:
-    """timm architectures, whose pretrained weights are not downloaded: a checkpoint gives them."""
-    raise UserError("pretrained timm weights are not downloaded by this toolkit; pass --checkpoint with the "
-                    "weights file of the timm model")
+    """timm models with timm's pretrained weights (timm:NAME[.TAG], timm:hf-hub:ORG/NAME; tools.models.timm_weights;
+    --weights none: random weights)."""
+    from tools.models.timm_weights import load_timm  # noqa: PLC0415 (timm, an optional extra, is imported there)
+    return load_timm(name, options.weights, options.in9, options.normalize, options.runtime)
 
 
 @register_source(FILE_PREFIX)
@@ -207,4 +209,17 @@ def clip_zero_shot(spec: str, options: ModelOptions) -> LoadedModel:
     from tools.models.clip import load_clip  # noqa: PLC0415 (the optional extra is imported only here)
     loaded = load_clip(spec, options.runtime, options.progress)
     checkpoints.check_class_count(loaded.num_classes, options.in9, f"{CLIP_PREFIX}{spec}")
+    return loaded
+
+
+@register_source(HF_PREFIX)
+def transformers_classifier(name: str, options: ModelOptions) -> LoadedModel:
+    """Hugging Face transformers image classifiers, hf:ORG/NAME or hf:PATH (a save_pretrained folder), with 1000
+    ImageNet or 9 IN-9 labels (tools.models.hf; needs transformers)."""
+    if options.checkpoint is not None or options.weights is not None:
+        raise UserError(f"--arch {HF_PREFIX}{name} takes its weights from its folder or hub repository: drop "
+                        f"--checkpoint and --weights")
+    from tools.models.hf import load_transformers  # noqa: PLC0415 (the optional extra is imported there)
+    loaded = load_transformers(name, options.normalize, options.runtime)
+    checkpoints.check_class_count(loaded.num_classes, options.in9, f"{HF_PREFIX}{name}")
     return loaded

@@ -1,14 +1,14 @@
 """The one grammar of model names, `ModelSpec`: what `--arch`, train.py's `--arch` and the zoo's `--models` take.
 
     [PREFIX]NAME[SEP TAG]      resnet50, timm:convnext_tiny, timm:vit_base_patch16_224.augreg_in21k_ft_in1k,
-                               toolkit:small_cnn, clip:ViT-B-32/openai
+                               timm:hf-hub:ORG/NAME, toolkit:small_cnn, clip:ViT-B-32/openai, hf:ORG/NAME, hf:PATH
     file:PATH                  a checkpoint file that carries or records its architecture
     ARCH@file:PATH             a checkpoint file of the architecture ARCH (a name of the first form)
 
 PREFIX (`word:`) picks a model source, and for an architecture its family (no prefix: torchvision); what a
 prefix means is the registries' business (`tools.models.list_sources()`), so that parsing needs neither. A
 family's tag follows its separator: timm's pretrained tag after `.`, open_clip's pretrained weights (and
-options) after `/`. A name round-trips: `str(ModelSpec.parse(text)) == text`.
+options) after `/`; a timm hub name (`hf-hub:ORG/NAME`, whose NAME may hold dots) has no tag. A name round-trips: `str(ModelSpec.parse(text)) == text`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ ARCH_SEPARATOR = "@"
 TIMM_PREFIX = "timm:"
 CLIP_PREFIX = "clip:"
 TOOLKIT_PREFIX = "toolkit:"
+HF_PREFIX = "hf:"
+TIMM_HUB = "hf-hub:"  # after timm:, a Hugging Face Hub repository timm loads, config and weights
 TAG_SEPARATORS = {TIMM_PREFIX: ".", CLIP_PREFIX: "/"}  # where a family's tag starts; the others have none
 PREFIX = re.compile(r"[A-Za-z][\w-]*:")
 ARCH_AT_FILE_HINT = "ARCH@ must be followed by file:PATH, e.g. resnet18@file:model.pt"
@@ -109,7 +111,7 @@ def _model(text: str, whole: str) -> tuple[str, str, str | None]:
     match = PREFIX.match(text)
     prefix = match.group() if match else ""
     rest = text[len(prefix):]
-    separator = TAG_SEPARATORS.get(prefix)
+    separator = None if prefix == TIMM_PREFIX and rest.startswith(TIMM_HUB) else TAG_SEPARATORS.get(prefix)
     name, found, tag = rest.partition(separator) if separator else (rest, "", "")
     if not name:
         raise UserError(f"model spec {whole!r} names no architecture after {prefix!r}")

@@ -1,0 +1,260 @@
+"""Models from the Hugging Face Hub, offline: `timm:NAME[.TAG]` and `timm:hf-hub:ORG/NAME` with their pretrained
+weights from a hub cache built here (timm's own loading path finds them), and `hf:PATH` transformers image
+classifiers saved with `save_pretrained`. Each source's logits and IN-9 predictions equal the module's own on
+the same input (normalised with the model's statistics and resized to its input size by hand), the weights'
+file and hash are in the provenance, and every refusal (no cached weights, wrong labels, remote code, unsafe
+pickles, a missing extra) is one `error:` line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import in9_eval
+from tests.helpers import check_error, run_in_process
+from tools import zoo
+from tools.data import synthetic
+from tools.data.hashing import sha256_file
+from tools.errors import UserError
+from tools.in9 import PredictionMap, class_names
+from tools.models.sources import load_model
+
+TIMM_NAME, TIMM_TAG = "test_vit", "r160_in1k"  # timm's tiny test ViT: 160x160 inputs, mean/std 0.5
+TIMM_REPO = f"timm/{TIMM_NAME}.{TIMM_TAG}"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return synthetic.generate(tmp_path_factory.mktemp("hubdata") / "bg_challenge", per_class=2, seed=5).root
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache in tmp_path, offline (HF_HOME and HF_HUB_OFFLINE, and huggingface_hub's
+    constants, which it reads once on import)."""
+    constants = pytest.importorskip("huggingface_hub").constants
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return home / "hub"
+
+
+def put_in_cache(hub_cache: Path, repo_id: str, files: dict[str, Path]) -> Path:
+    """Files in the hub cache's layout, as a download of `repo_id`'s main branch leaves them; the snapshot folder."""
+    repo = hub_cache / f"models--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name, source in files.items():
+        shutil.copy(source, snapshot / name)
+    return snapshot
+
+
+def seeded(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """The module with every parameter drawn from a seeded normal distribution (so predictions vary)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return module.eval()
+
+
+def images(count: int = 6, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (count, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def own_logits(module, batch: torch.Tensor, mean, std, size: int, mode: str = "bicubic") -> torch.Tensor:
+    """The module's logits written out: pixels to [0,1], normalised, resized (antialiased) to its size."""
+    x = batch.float() / 255
+    x = (x - torch.tensor(mean).reshape(1, 3, 1, 1)) / torch.tensor(std).reshape(1, 3, 1, 1)
+    if size != 224:
+        x = F.interpolate(x, size=(size, size), mode=mode, align_corners=False, antialias=True)
+    with torch.no_grad():
+        out = module(x)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def check_same_predictions(loaded, reference: torch.Tensor, batch: torch.Tensor) -> None:
+    with torch.no_grad():
+        logits = loaded.model(batch)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+    mapping = PredictionMap(loaded.num_classes)
+    assert torch.equal(mapping(logits), mapping(reference))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# timm
+
+@pytest.fixture(scope="module")
+def timm_weights(tmp_path_factory):
+    """(the tiny test ViT with seeded weights, its weights as model.safetensors and as a config.json)."""
+    timm = pytest.importorskip("timm")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    folder = tmp_path_factory.mktemp("timm")
+    module = seeded(timm.create_model(TIMM_NAME, pretrained=False), 1)
+    safetensors_torch.save_file(module.state_dict(), folder / "model.safetensors")
+    config = {"architecture": TIMM_NAME, "num_classes": 1000,
+              "pretrained_cfg": {**module.pretrained_cfg, "hf_hub_id": TIMM_REPO}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return module, folder
+
+
+@pytest.mark.parametrize("name", [f"timm:{TIMM_NAME}.{TIMM_TAG}", f"timm:{TIMM_NAME}", f"timm:hf-hub:{TIMM_REPO}"])
+def test_timm_pretrained_weights_from_the_hub_cache(name, timm_weights, hub_cache, caplog):
+    module, folder = timm_weights
+    snapshot = put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors",
+                                                    "config.json": folder / "config.json"})
+    with caplog.at_level(logging.INFO, logger="tools"):
+        loaded = load_model(name)
+    weights_file = snapshot / "model.safetensors"
+    assert (loaded.weights, loaded.source, loaded.sha256) == (TIMM_TAG, str(weights_file), sha256_file(weights_file))
+    assert loaded.num_classes == 1000 and "0.5" in loaded.normalization
+    assert sum("resized" in r.getMessage() for r in caplog.records) == 1  # said once, when loading
+    batch = images()
+    check_same_predictions(loaded, own_logits(module, batch, (0.5,) * 3, (0.5,) * 3, 160), batch)
+    with caplog.at_level(logging.INFO, logger="tools"):
+        loaded.model(batch)
+    assert sum("resized" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_timm_offline_without_cached_weights_is_one_line(hub_cache, data, capsys):
+    pytest.importorskip("timm")
+    code, out, err = run_in_process(in9_eval.main, ["--arch", f"timm:{TIMM_NAME}.{TIMM_TAG}", "--data-path",
+                                                    str(data), "--device", "cpu", "--no-progress"], capsys)
+    line = check_error(code, out, err, lines=None)
+    assert str(hub_cache) in line and f"timm.create_model('{TIMM_NAME}.{TIMM_TAG}', pretrained=True)" in line
+
+
+def test_timm_weights_none_keeps_random_weights(hub_cache):
+    pytest.importorskip("timm")
+    loaded = load_model(f"timm:{TIMM_NAME}", weights="none")
+    assert loaded.weights == "none" and loaded.source is None and loaded.num_classes == 1000
+    assert loaded.model(images(2)).shape == (2, 1000)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# transformers
+
+def imagenet_labels() -> list[str]:
+    return pytest.importorskip("timm.data").ImageNetInfo().label_descriptions()
+
+
+HF_MEAN, HF_STD, HF_SIZE = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3), 32  # ViTImageProcessor resizes bilinearly
+
+
+def save_vit(folder: Path, labels: list[str] | None, seed: int, num_labels: int | None = None) -> torch.nn.Module:
+    """A tiny randomly initialised ViTForImageClassification (32x32 inputs) and its image processor, saved with
+    save_pretrained; the labels its config names (None: transformers' placeholders)."""
+    transformers = pytest.importorskip("transformers")
+    kwargs = {"num_labels": num_labels} if labels is None else {"id2label": dict(enumerate(labels)),
+                                                                "label2id": {n: i for i, n in enumerate(labels)}}
+    config = transformers.ViTConfig(image_size=HF_SIZE, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=32, **kwargs)
+    module = seeded(transformers.ViTForImageClassification(config), seed)
+    module.save_pretrained(folder)
+    transformers.ViTImageProcessor(size={"height": HF_SIZE, "width": HF_SIZE}, image_mean=list(HF_MEAN),
+                                   image_std=list(HF_STD)).save_pretrained(folder)
+    return module
+
+
+@pytest.mark.parametrize("labels", ["imagenet", "in9", "in9-placeholders"])
+def test_transformers_classifier_equals_its_own_predictions(labels, tmp_path, hub_cache):
+    names = {"imagenet": imagenet_labels, "in9": lambda: [n.title() for n in class_names()],
+             "in9-placeholders": lambda: None}[labels]()
+    module = save_vit(tmp_path / "vit", names, seed=2, num_labels=9)
+    loaded = load_model(f"hf:{tmp_path / 'vit'}")
+    assert loaded.num_classes == (1000 if labels == "imagenet" else 9)
+    assert loaded.source == str(tmp_path / "vit" / "model.safetensors")
+    assert loaded.sha256 == sha256_file(tmp_path / "vit" / "model.safetensors")
+    batch = images(seed=1)
+    check_same_predictions(loaded, own_logits(module, batch, HF_MEAN, HF_STD, HF_SIZE, "bilinear"), batch)
+
+
+@pytest.mark.parametrize("labels, message", [
+    ([f"class {i}" for i in range(5)], "5 labels"),
+    ([f"class {i}" for i in range(1000)], "not ImageNet's"),
+    (["dog", "cat", "vehicle", "reptile", "carnivore", "insect", "instrument", "primate", "fish"], "not IN-9's"),
+])
+def test_transformers_classifier_with_other_labels_is_refused(labels, message, tmp_path, data, hub_cache, capsys):
+    save_vit(tmp_path / "vit", labels, seed=3)
+    code, out, err = run_in_process(in9_eval.main, ["--arch", f"hf:{tmp_path / 'vit'}", "--data-path", str(data),
+                                                    "--device", "cpu", "--no-progress"], capsys)
+    assert message in check_error(code, out, err, lines=None)
+
+
+def test_transformers_model_needing_remote_code_is_refused(tmp_path, hub_cache):
+    save_vit(tmp_path / "vit", None, seed=4, num_labels=9)
+    marker = tmp_path / "remote-code-ran"
+    (tmp_path / "vit" / "modeling_custom.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    config = json.loads((tmp_path / "vit" / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForImageClassification": "modeling_custom.CustomModel"}
+    (tmp_path / "vit" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="remote code") as error:
+        load_model(f"hf:{tmp_path / 'vit'}")
+    assert "\n" not in str(error.value) and not marker.exists()
+
+
+def test_transformers_pickled_weights_need_weights_only(tmp_path, hub_cache):
+    """A pytorch_model.bin that needs more than weights_only unpickling is refused, and its code never runs."""
+    save_vit(tmp_path / "vit", None, seed=5, num_labels=9)
+    (tmp_path / "vit" / "model.safetensors").unlink()
+    marker = tmp_path / "pickle-ran"
+    torch.save({"x": Exploit(str(marker))}, tmp_path / "vit" / "pytorch_model.bin")
+    with pytest.raises(UserError) as error:
+        load_model(f"hf:{tmp_path / 'vit'}")
+    assert "\n" not in str(error.value) and not marker.exists()
+
+
+class Exploit:
+    """A pickle whose loading would run code (here: make a file)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_transformers_hub_name_offline_without_cache_is_one_line(hub_cache, data, capsys):
+    pytest.importorskip("transformers")
+    code, out, err = run_in_process(in9_eval.main, ["--arch", "hf:someone/missing-vit", "--data-path", str(data),
+                                                    "--device", "cpu", "--no-progress"], capsys)
+    line = check_error(code, out, err, lines=None)
+    assert str(hub_cache) in line and "snapshot_download('someone/missing-vit')" in line
+
+
+def test_the_zoo_takes_a_transformers_folder(tmp_path, data, hub_cache, capsys, one_thread):
+    save_vit(tmp_path / "vit", [n.title() for n in class_names()], seed=6)
+    spec = f"hf:{tmp_path / 'vit'}"
+    code, out, err = run_in_process(zoo.main, ["--data-path", str(data), "--models", spec, "--output-dir",
+                                               str(tmp_path / "zoo"), "--device", "cpu", "--no-progress",
+                                               "--no-cache"], capsys)
+    assert code == 0, err
+    payload = json.loads(zoo.results_path(tmp_path / "zoo", zoo.parse_model_spec(spec)).read_text())
+    code, _, err = run_in_process(in9_eval.main, ["--arch", spec, "--data-path", str(data), "--device", "cpu",
+                                                  "--no-progress", "--eval-dataset", "all", "--results-file",
+                                                  str(tmp_path / "in9.json"), "--output-dir", str(tmp_path / "o")],
+                                  capsys)
+    assert code == 0, err
+    assert payload["in9"] == json.loads((tmp_path / "in9.json").read_text())
+    assert payload["source"] == "hf"
+
+
+def test_a_missing_extra_is_one_line(monkeypatch, tmp_path):
+    import sys
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(UserError, match=r"pip install .*\[hf\]"):
+        load_model(f"hf:{tmp_path}")
+

@@ -1,0 +1,58 @@
+"""The Hugging Face Hub cache, as the `timm:` and `hf:` sources read it: where it is, which cached file a
+repository's weights are, and the one line that says what to do when they are not there."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from tools.data.hashing import sha256_file
+
+
+def cache_folder() -> Path:
+    """The hub cache huggingface_hub reads (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)."""
+    from huggingface_hub import constants  # noqa: PLC0415 (installed with timm and transformers, both optional)
+    return Path(constants.HF_HUB_CACHE)
+
+
+def offline() -> bool:
+    from huggingface_hub import constants  # noqa: PLC0415
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def split_revision(repo: str) -> tuple[str, str | None]:
+    """`ORG/NAME@REVISION` -> (ORG/NAME, REVISION or None)."""
+    repo_id, _, revision = repo.partition("@")
+    return repo_id, revision or None
+
+
+def cached_file(repo: str, filenames: list[str]) -> Path | None:
+    """The first of `filenames` in the cache's snapshot of `repo` (`ORG/NAME[@REVISION]`), else None."""
+    from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415
+    repo_id, revision = split_revision(repo)
+    for filename in filenames:
+        found = try_to_load_from_cache(repo_id, filename, revision=revision)
+        if isinstance(found, str):  # not None, nor the marker of a file known to be missing
+            return Path(found)
+    return None
+
+
+def snapshot_revision(path: Path) -> str | None:
+    """The commit a file in the cache was downloaded at (its snapshot folder's name); None outside the cache."""
+    parts = Path(path).parts
+    return parts[parts.index("snapshots") + 1] if "snapshots" in parts[:-1] else None
+
+
+def files_digest(paths: list[Path]) -> str:
+    """The SHA-256 of one weights file; of several (shards), the SHA-256 of their names and hashes in order."""
+    if len(paths) == 1:
+        return sha256_file(paths[0])
+    lines = "".join(f"{p.name} {sha256_file(p)}\n" for p in sorted(paths))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def not_cached_line(what: str, fetch: str, reason: str) -> str:
+    """The one line for weights that are neither in the cache nor downloadable now."""
+    state = "offline (HF_HUB_OFFLINE)" if offline() else reason
+    return (f"cannot load {what}: not in the Hugging Face cache {cache_folder()} and not downloadable ({state}); "
+            f"fetch them with the network on (same HF_HOME) with `{fetch}`")

@@ -1,0 +1,111 @@
+"""timm models with their pretrained weights (the `timm:NAME[.TAG]` and `timm:hf-hub:ORG/NAME` source).
+
+The weights come through timm's own loading (`timm.create_model(name, pretrained=True)`: the Hugging Face Hub
+cache, `HF_HUB_OFFLINE` honoured, safetensors or `weights_only` unpickling), the mean/std, input size and
+interpolation from the model's pretrained config (`timm.data.resolve_data_config`); inputs of another size
+than 224x224 are resized inside the model. The provenance names the tag, the file timm read and its SHA-256.
+`--weights none` builds the architecture with seeded random weights instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tools.errors import UserError, first_line
+from tools.data.hashing import sha256_file
+from tools.in9 import NUM_IMAGENET_CLASSES, Normalization
+from tools.models import hub
+from tools.models.architectures import check_timm_name, timm_module
+from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
+from tools.models.spec import TIMM_PREFIX, ModelSpec
+
+log = logging.getLogger(__name__)
+
+RANDOM_WEIGHTS = "none"  # --weights none: random initialisation
+RANDOM_SEED = 0
+HUB_WEIGHTS_FILES = ["model.safetensors", "pytorch_model.bin"]  # what timm looks for in a hub repository, in order
+
+
+def _random_model(timm, name: str) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(RANDOM_SEED)
+        return timm.create_model(name, pretrained=False)
+
+
+def _state_digest(module: nn.Module) -> str:
+    digest = hashlib.sha256()
+    for key, tensor in module.state_dict().items():
+        digest.update(key.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def weights_file(pretrained_cfg: dict) -> Path | None:
+    """The file timm read a model's pretrained weights from, by the config timm loaded them by: a local
+    `file`, else the hub repository's cached weights, else the URL's file in torch's hub cache."""
+    if pretrained_cfg.get("file"):
+        return Path(pretrained_cfg["file"])
+    if pretrained_cfg.get("hf_hub_id"):
+        named = pretrained_cfg.get("hf_hub_filename")
+        names = [named.replace(".bin", ".safetensors"), named] if named else []
+        found = hub.cached_file(pretrained_cfg["hf_hub_id"], names + HUB_WEIGHTS_FILES)
+        if found is not None:
+            return found
+    if pretrained_cfg.get("url"):
+        path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(pretrained_cfg["url"])
+        return path if path.is_file() else None
+    return None
+
+
+def _fetch_command(name: str) -> str:
+    return f"python -c \"import timm; timm.create_model('{name}', pretrained=True)\""
+
+
+def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Normalization,
+              runtime=None) -> LoadedModel:
+    """`timm:` + `body` with timm's pretrained weights (or seeded random ones for `weights` none)."""
+    spec = ModelSpec.parse(TIMM_PREFIX + body)
+    timm = timm_module(spec)
+    check_timm_name(timm, spec)
+    if in9:
+        raise UserError(f"--in9 needs --checkpoint: timm's pretrained weights of {spec} are ImageNet's")
+    random_init = weights is not None and weights.lower() == RANDOM_WEIGHTS
+    if weights is not None and not random_init:
+        raise UserError(f"--weights takes only {RANDOM_WEIGHTS} for {spec}: the tag after the name picks timm's "
+                        f"pretrained weights ({TIMM_PREFIX}NAME.TAG)")
+    try:
+        model = _random_model(timm, body) if random_init else timm.create_model(body, pretrained=True)
+    except Exception as exc:  # noqa: BLE001 (huggingface_hub, urllib, OS and timm's own errors all mean: not loaded)
+        if isinstance(exc, UserError):
+            raise
+        raise UserError(hub.not_cached_line(f"the pretrained weights of {spec}", _fetch_command(body),
+                                            first_line(exc))) from None
+    model.eval()
+    cfg = dict(getattr(model, "pretrained_cfg", None) or {})
+    if model.num_classes != NUM_IMAGENET_CLASSES:
+        raise UserError(f"{spec} has {model.num_classes} classes; the toolkit evaluates 1000-class (ImageNet) timm "
+                        f"models: pick an ImageNet-1k tag (timm.list_pretrained('{spec.name}.*'))")
+    if random_init:
+        origin = ModelOrigin(spec.model, RANDOM_WEIGHTS, None, _state_digest(model),
+                             f"timm random init (seed {RANDOM_SEED})")
+    else:
+        path = weights_file(cfg)
+        if path is None:
+            raise RuntimeError(f"timm loaded {spec}'s pretrained weights, but from no file this toolkit can find")
+        tag = cfg.get("tag") or hub.snapshot_revision(path)
+        origin = ModelOrigin(spec.model, tag, str(path), sha256_file(path),
+                             f"timm pretrained ({cfg.get('hf_hub_id') or cfg.get('url') or 'file'})")
+        log.info("timm %s: pretrained weights %s from %s", spec, tag, path)
+    from timm.data import resolve_data_config  # noqa: PLC0415 (an optional extra)
+    data_cfg = resolve_data_config({}, model=model)
+    mode = data_cfg.get("interpolation", "bicubic")
+    classifier = fit_input_size(model, data_cfg["input_size"][1:], str(spec),
+                                mode if mode in ("bilinear", "bicubic") else "bicubic", runtime)
+    return wrap(classifier, num_classes=NUM_IMAGENET_CLASSES, normalize=normalize, origin=origin,
+                stats=(data_cfg["mean"], data_cfg["std"]), stats_origin="timm pretrained config")
