@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tools.models.boundary import SMALL_CNN
+from tools.models.architectures import SMALL_CNN
 
 # train.py's flags for a small CNN trained on the CPU, quietly
 TINY = ["--arch", SMALL_CNN, "--device", "cpu", "--no-progress", "--log-level", "WARNING", "--workers", "0"]
