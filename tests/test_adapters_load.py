@@ -5,6 +5,7 @@ used as it is; PyTorch's tutorial layout (`model_state_dict`). Loading stays as 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -166,6 +167,19 @@ def test_a_lora_state_dict_without_its_alpha_is_one_line_that_says_what_to_pass(
     line = check_error(code, out, err, lines=None)
     assert "state dict of a peft-wrapped model" in line and "LoRA" in line
     assert "--lora-alpha" in line and "classifier keys" not in line
+    # with its alpha, the numbers of the merged model
+    merged = tmp_path / "merged.pt"
+    torch.save(model.merge_and_unload().state_dict(), merged)
+    results = {}
+    for name, extra in (("peft", ["--checkpoint", str(path), "--lora-alpha", str(ALPHA)]),
+                        ("merged", ["--checkpoint", str(merged)])):
+        results[name] = tmp_path / f"{name}.json"
+        code, out, err = run_in_process(in9_eval.main, ["--data-path", str(dataset.root), "--arch", SMALL_CNN, *extra,
+                                                        "--device", "cpu", "--no-progress", "--results-file",
+                                                        str(results[name])], capsys)
+        assert code == 0, err
+    peft_run, merged_run = (json.loads(results[n].read_text()) for n in ("peft", "merged"))
+    assert peft_run["original"] == merged_run["original"] and peft_run["bg_gap"] == merged_run["bg_gap"]
 
 
 def test_lora_alpha_is_refused_where_there_is_no_lora_state_dict(tmp_path):
@@ -270,3 +284,11 @@ def test_the_zoo_takes_an_adapter_on_a_base(tmp_path, capsys, monkeypatch):
     assert adapter_run["in9"]["bg_gap"] == merged_run["in9"]["bg_gap"]
     assert adapter_run["challenge"]["challenge_accuracy"] == merged_run["challenge"]["challenge_accuracy"]
     assert "peft lora adapter" in adapter_run["in9"]["provenance"]["checkpoint_format"]
+
+
+def test_an_adapter_without_peft_installed_is_one_line_naming_the_install(tmp_path, monkeypatch):
+    adapted("lora").save_pretrained(tmp_path / "adapter")
+    base = save_base(tmp_path / "base.pt")
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
+    with pytest.raises(UserError, match=r"adapter folder .* needs the peft package.*pip install peft"):
+        load_model(f"{SMALL_CNN}@file:{base}", checkpoint=tmp_path / "adapter")
