@@ -16,7 +16,7 @@ from tools.cli import BooleanFlag, add_log_level_argument, positive_number
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
-from tools.models.checkpoints import program_kind
+from tools.models.checkpoints import STATE_DICT_KEYS, program_kind
 from tools.models.architectures import DEFAULT_ARCH, SMALL_CNN, architecture_family
 from tools.models.boundary import LoadedModel
 from tools.provenance import check_outputs
@@ -51,6 +51,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--in9", action=BooleanFlag, default=None,
                        help="a 9-class model trained on IN-9 (--in9) or a 1000-class ImageNet model (--no-in9), "
                             "checked against the checkpoint (default: inferred from the checkpoint's class count)")
+    model.add_argument("--lora-alpha", type=positive_number("alpha"), default=None, metavar="ALPHA",
+                       help="the lora_alpha a LoRA state dict saved from a peft-wrapped model "
+                            "(torch.save(model.state_dict())) was trained with, which the file does not hold; its "
+                            "rank is read from the tensors (default: none; an adapter folder's config holds it)")
     model.add_argument("--normalize", type=Normalization, choices=list(Normalization), default=Normalization.AUTO,
                        metavar="{" + ",".join(n.value for n in Normalization) + "}",
                        help="normalisation inside the model: auto uses the checkpoint's normaliser buffers, else "
@@ -73,9 +77,10 @@ def add_model_source_arguments(group, random_init: bool = False) -> None:
                             f"weights the published numbers used, where the architecture has them; else DEFAULT)")
     group.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
                        help="state dict, trained checkpoint (train.py), robustness-library checkpoint, TorchScript "
-                            "or torch.export file (default: none, use pretrained --weights)")
+                            "or torch.export file, or a peft adapter folder (save_pretrained) that goes on --arch "
+                            "(default: none, use pretrained --weights)")
     group.add_argument("--checkpoint-key", default=None, metavar="KEY",
-                       help="key holding the state dict (default: the first of model, state_dict, state_dict_ema)")
+                       help=f"key holding the state dict (default: the first of {', '.join(STATE_DICT_KEYS)})")
     add_trust_argument(group)
 
 
@@ -211,7 +216,7 @@ def preload_model_libraries(arch: str | None, checkpoint: Path | None) -> None:
 
 def model_from_args(args: argparse.Namespace, runtime: Runtime, progress: bool) -> LoadedModel:
     loaded = load_model(args.arch, args.weights, args.checkpoint, args.in9, args.normalize, args.trust_checkpoint,
-                        args.checkpoint_key, runtime, progress)
+                        args.checkpoint_key, runtime, progress, args.lora_alpha)
     log.info("model: %s, %d classes, normalisation %s", loaded.checkpoint_format, loaded.num_classes,
              loaded.normalization)
     return loaded

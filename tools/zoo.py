@@ -158,7 +158,10 @@ def _read_json(path: Path) -> dict | None:
 
 def _weights_sha256(spec: ModelSpec, recorded_file: str | None) -> str | None:
     """The hash of the model's weights without building it, where a file holds them: the file the spec names, else
-    the one the result was made from (a download of torchvision or CLIP weights); None when there is none."""
+    the one the result was made from (a download of torchvision or CLIP weights); None when there is none, or
+    when a file is only part of the weights (a base checkpoint under a peft adapter: the model's hash is both's)."""
+    if spec.adapter is not None:
+        return None
     path = spec.path or (Path(recorded_file) if recorded_file else None)
     return sha256_file(path) if path is not None and path.is_file() else None
 

@@ -4,9 +4,12 @@ Checkpoint formats, told apart by the file's contents, never by its name:
 - a TorchScript archive (`torch.jit.save`) or a `torch.export` program (`torch.export.save`, .pt2):
   used as the classifier as it is, loaded for the run's device with the devices its code names pointed there;
 - a pickle read by `torch.load(weights_only=True)`: a state dict, directly or under `model`,
-  `state_dict` or `state_dict_ema` (that priority, or `--checkpoint-key`), with `module.` /
-  `_orig_mod.` wrapper prefixes, or the robustness library's layout (`normalizer.new_mean/new_std`,
-  `model.<arch keys>`, a duplicate `attacker.*` copy that is dropped).
+  `state_dict`, `state_dict_ema` or `model_state_dict` (PyTorch's tutorial layout) (that priority, or
+  `--checkpoint-key`), with `module.` / `_orig_mod.` wrapper prefixes, or the robustness library's layout
+  (`normalizer.new_mean/new_std`, `model.<arch keys>`, a duplicate `attacker.*` copy that is dropped), or a
+  peft-wrapped model's (`base_model.model.*`, its adapters merged: `tools.models.adapters`);
+- with `--trust-checkpoint`, a whole pickled module (`torch.save(model)`, there or under those keys): used as it
+  is, its class count probed.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ import torch
 from torch import nn
 
 from tools.errors import UserError, first_line
+from tools.models import adapters
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
 
 log = logging.getLogger(__name__)
 
-STATE_DICT_KEYS = ("model", "state_dict", "state_dict_ema")
+STATE_DICT_KEYS = ("model", "state_dict", "state_dict_ema", "model_state_dict")
 TRAINED_FORMAT = "bg-challenge-toolkit/1"  # the `format` value of the checkpoints train.py writes
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -70,7 +74,8 @@ def _unpickling_problem(exc: Exception) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def _torch_load(path: Path, trust: bool):
+def torch_load(path: Path, trust: bool):
+    """The unpickled file: `weights_only=True` unless trusted; an unsafe or unreadable file is one error line."""
     if trust:
         log.warning("loading %s with full unpickling (--trust-checkpoint): only do this for files you trust", path)
     try:
@@ -106,6 +111,21 @@ def _strip_prefixes(state: dict) -> dict:
     return state
 
 
+def _select(obj, key: str | None) -> tuple[object, str]:
+    """The part of a loaded checkpoint that holds the model (`key`, else the first of STATE_DICT_KEYS that holds a
+    dict or module, else the whole), and where that is."""
+    if key is not None:
+        if not isinstance(obj, Mapping) or key not in obj:
+            found = ", ".join(map(str, obj.keys())) if isinstance(obj, Mapping) else type(obj).__name__
+            raise UserError(f"--checkpoint-key {key!r} is not in the checkpoint (it has: {found})")
+        return obj[key], f"key {key!r}"
+    if isinstance(obj, Mapping) and not _is_tensor_dict(obj):
+        for candidate in STATE_DICT_KEYS:
+            if candidate in obj and isinstance(obj[candidate], (Mapping, nn.Module)):
+                return obj[candidate], f"key {candidate!r}"
+    return obj, "the top level"
+
+
 @dataclass
 class CheckpointState:
     state_dict: dict
@@ -117,19 +137,7 @@ def extract_state_dict(obj, key: str | None = None, ignore_normalizer: bool = Fa
     """The model's state dict from a loaded checkpoint object, and its layout and normaliser if any.
 
     ignore_normalizer: the statistics are given explicitly, so unreadable normaliser buffers are dropped."""
-    if isinstance(obj, nn.Module):
-        obj = obj.state_dict()
-    where = "the top level"
-    if key is not None:
-        if not isinstance(obj, Mapping) or key not in obj:
-            found = ", ".join(map(str, obj.keys())) if isinstance(obj, Mapping) else type(obj).__name__
-            raise UserError(f"--checkpoint-key {key!r} is not in the checkpoint (it has: {found})")
-        obj, where = obj[key], f"key {key!r}"
-    elif not _is_tensor_dict(obj) and isinstance(obj, Mapping):
-        for candidate in STATE_DICT_KEYS:
-            if candidate in obj and isinstance(obj[candidate], (Mapping, nn.Module)):
-                obj, where = obj[candidate], f"key {candidate!r}"
-                break
+    obj, where = _select(obj, key)
     if isinstance(obj, nn.Module):
         obj = obj.state_dict()
     if not _is_tensor_dict(obj):
@@ -170,7 +178,7 @@ def _key_list(keys, limit: int = 8) -> str:
     return ", ".join(keys[:limit]) + more
 
 
-def _check_fits(state: Mapping, expected: Mapping, what: str) -> None:
+def check_fits(state: Mapping, expected: Mapping, what: str) -> None:
     """Strict loading, checked first so that every problem is named (load_state_dict stops at a shape)."""
     problems = []
     missing = [k for k in expected if k not in state]
@@ -353,10 +361,15 @@ class ReadCheckpoint:
 
 
 def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: Normalization, trust: bool,
-                    checkpoint_key: str | None, device: torch.device) -> ReadCheckpoint:
+                    checkpoint_key: str | None, device: torch.device,
+                    lora_alpha: float | None = None) -> ReadCheckpoint:
     """The classifier in a checkpoint file, told apart by the file's contents: a TorchScript or export program
-    as it is, loaded for `device` (the run's) and probed there, else a state dict loaded strictly into `arch`
-    (default: resnet50), on the CPU."""
+    as it is, loaded for `device` (the run's) and probed there; a trusted pickled module as it is; else a state
+    dict loaded strictly into `arch` (default: resnet50), on the CPU, a peft-wrapped model's merged (LoRA's
+    scaling from `lora_alpha`)."""
+    if path.is_dir():
+        raise UserError(f"checkpoint {path} is a folder without {adapters.ADAPTER_CONFIG}; pass a checkpoint file, "
+                        f"or a peft adapter folder on a base model (--arch ARCH --checkpoint ADAPTER_DIR)")
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist; check --checkpoint")
     kind = program_kind(path)
@@ -369,7 +382,10 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
         check_class_count(num_classes, in9, f"the model in {path}")
         return ReadCheckpoint(classifier, num_classes, None, None,
                               "TorchScript" if kind == "torchscript" else "torch.export")
-    obj = _torch_load(path, trust)
+    obj = torch_load(path, trust)
+    module = _pickled_module(obj, checkpoint_key)
+    if module is not None:  # only unpickled with --trust-checkpoint
+        return _read_module(module, path, arch, in9, lora_alpha)
     recorded = recorded_architecture(obj)
     named = arch is not None or recorded is not None
     arch = _architecture(arch, recorded, path)
@@ -380,15 +396,47 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
                  header.get("method"))
         state.normalizer = (torch.tensor(header["mean"]), torch.tensor(header["std"]))
         state.layout = f"trained checkpoint {TRAINED_FORMAT}"
+    peft_state = adapters.read_peft_state(state.state_dict, path) if adapters.is_peft_state(state.state_dict) else None
+    if lora_alpha is not None and (peft_state is None or peft_state.kind != "lora"):
+        raise UserError(f"--lora-alpha is for the state dict of a peft-wrapped model with LoRA adapters, which "
+                        f"checkpoint {path} is not; drop --lora-alpha")
+    base = peft_state.base if peft_state is not None else state.state_dict
     keys = classifier_keys(arch)
-    present = [k for k in keys if k in state.state_dict]
+    present = [k for k in keys if k in base]
     if not present:
         hint = ("is --arch right?" if named else "the checkpoint does not record its architecture, so resnet50 was "
                 "tried; name it with --arch NAME (NAME@file:PATH in the zoo)")
         raise UserError(f"checkpoint {path} has no classifier keys of {arch} ({_key_list(keys)}); {hint}")
-    num_classes = int(state.state_dict[present[0]].shape[0])
+    num_classes = int(base[present[0]].shape[0])
     check_class_count(num_classes, in9, f"checkpoint {path}")
     classifier = build_architecture(arch, num_classes)
-    _check_fits(state.state_dict, classifier.state_dict(), f"checkpoint {path} does not fit --arch {arch}")
+    if peft_state is not None:
+        classifier = adapters.merge_peft_state(classifier, state.state_dict, peft_state, lora_alpha, path)
+        return ReadCheckpoint(classifier, num_classes, arch, state.normalizer,
+                              f"{state.layout}, peft {peft_state.kind} (merged)")
+    check_fits(state.state_dict, classifier.state_dict(), f"checkpoint {path} does not fit --arch {arch}")
     classifier.load_state_dict(state.state_dict, strict=True)
     return ReadCheckpoint(classifier, num_classes, arch, state.normalizer, state.layout)
+
+
+def _pickled_module(obj, key: str | None) -> nn.Module | None:
+    """The whole module a trusted pickle holds (`torch.save(model)`), at the top or under a state-dict key."""
+    chosen, _ = _select(obj, key) if isinstance(obj, Mapping) or key is not None else (obj, "")
+    return chosen if isinstance(chosen, nn.Module) else None
+
+
+def _read_module(module: nn.Module, path: Path, arch: str | None, in9: bool | None,
+                 lora_alpha: float | None) -> ReadCheckpoint:
+    """A pickled module used as it is: it carries its architecture and weights; its class count is probed (in
+    evaluation mode, so that its batch-norm statistics stay as saved)."""
+    if lora_alpha is not None:
+        raise UserError(f"--lora-alpha is for the state dict of a peft-wrapped model, and {path} holds a whole "
+                        f"module; drop --lora-alpha")
+    if arch is not None:
+        log.warning("--arch %s is ignored: %s holds a whole pickled module, which carries its own architecture",
+                    arch, path)
+    cls = type(module)
+    module.eval()
+    num_classes = _probe_classes(module, path, "module", torch.device("cpu"))
+    check_class_count(num_classes, in9, f"the model in {path}")
+    return ReadCheckpoint(module, num_classes, None, None, f"pickled module {cls.__module__}.{cls.__qualname__}")

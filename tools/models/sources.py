@@ -11,6 +11,7 @@ loaded into it. Adding a source (CLIP zero-shot, a model hub) is one function an
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import logging
 import os
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from tools.models import checkpoints
+from tools.models import adapters, checkpoints
 from tools.errors import UserError, first_line
 from tools.data.hashing import sha256_file
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
@@ -50,6 +51,7 @@ class ModelOptions:
     trust: bool = False
     checkpoint_key: str | None = None
     arch: str | None = None  # the architecture a checkpoint's weights go into
+    lora_alpha: float | None = None  # the LoRA scaling of a peft-wrapped model's state dict (tools.models.adapters)
     runtime: Runtime | None = None  # where a source computes what it builds at load time (CLIP's text head)
     progress: bool = False  # a progress bar for such work
 
@@ -74,7 +76,7 @@ def register_source(prefix: str) -> Callable[[Source], Source]:
 def load_model(arch: str | None = None, weights: str | None = None, checkpoint: Path | str | None = None,
                in9: bool | None = None, normalize: Normalization = Normalization.AUTO, trust: bool = False,
                checkpoint_key: str | None = None, runtime: Runtime | None = None,
-               progress: bool = False) -> LoadedModel:
+               progress: bool = False, lora_alpha: float | None = None) -> LoadedModel:
     """The model the command line describes, wrapped to take pixels.
 
     arch: a model name (`tools.models.spec`; default: resnet50); with a checkpoint (`checkpoint`, or the
@@ -82,23 +84,49 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     its own). in9: True (--in9), False (--no-in9), or None to follow the model's class count. runtime: where
     work done at load time runs (CLIP encodes its prompts there); default the CPU. The model itself is
     returned on the CPU, except a TorchScript or export program, which is loaded for the runtime's device
-    (the devices its code names pointed there) and probed there.
+    (the devices its code names pointed there) and probed there. A peft adapter folder (`--checkpoint DIR`,
+    `ARCH@file:DIR`, `ARCH@file:BASE@file:DIR`) goes on the model the rest describes and is merged into it;
+    lora_alpha: the LoRA scaling of a peft-wrapped model's state dict (`tools.models.adapters`).
     """
     spec = ModelSpec.parse(arch or DEFAULT_ARCH)
+    checkpoint = Path(checkpoint) if checkpoint is not None else None
+    adapter = spec.adapter_path
+    if checkpoint is not None and spec.file is not None and adapter is None and adapters.is_adapter_folder(checkpoint):
+        adapter, checkpoint = checkpoint, None  # --arch ARCH@file:BASE --checkpoint ADAPTER_DIR
     if spec.file is not None:
         if checkpoint is not None:
             raise UserError(f"--arch {spec} and --checkpoint both name a checkpoint file; pass one of them")
         checkpoint = spec.path
+    if adapter is None and checkpoint is not None and adapters.is_adapter_folder(checkpoint):
+        adapter, checkpoint = checkpoint, None  # the adapter goes on ARCH's pretrained weights
+    if adapter is not None and (spec.model is None or not arch):
+        raise UserError(f"{adapter} is a peft adapter folder, which goes on a base model: name it with --arch ARCH "
+                        f"--checkpoint {adapter} (ARCH@file:{adapter} in the zoo), or ARCH@file:BASE@file:{adapter} "
+                        f"for base weights from the checkpoint BASE")
+    if lora_alpha is not None and (checkpoint is None or adapter is not None):
+        raise UserError("--lora-alpha is for the state dict of a peft-wrapped model with LoRA adapters, given as "
+                        "--checkpoint; drop --lora-alpha (an adapter folder's config holds its scaling)")
     names_architecture = spec.prefix in ARCHITECTURES and spec.model is not None
-    options = ModelOptions(weights, Path(checkpoint) if checkpoint is not None else None, in9, normalize, trust,
-                           checkpoint_key, spec.model if names_architecture and arch else None, runtime, progress)
+    options = ModelOptions(weights, checkpoint, in9, normalize, trust, checkpoint_key,
+                           spec.model if names_architecture and arch else None, lora_alpha, runtime, progress)
     if checkpoint is not None and (names_architecture or spec.file is not None):
-        return SOURCES[FILE_PREFIX](str(checkpoint), options)
-    source = SOURCES.get(spec.prefix)
-    if source is None:
-        raise UserError(f"unknown model source {spec.prefix!r} in {str(spec)!r}; valid: "
-                        f"{', '.join(repr(p) for p in SOURCES)}")
-    return source(spec.body, options)
+        loaded = SOURCES[FILE_PREFIX](str(checkpoint), options)
+    else:
+        source = SOURCES.get(spec.prefix)
+        if source is None:
+            raise UserError(f"unknown model source {spec.prefix!r} in {str(spec)!r}; valid: "
+                            f"{', '.join(repr(p) for p in SOURCES)}")
+        loaded = source(spec.body, options)
+    return loaded if adapter is None else _with_adapter(loaded, adapter, trust)
+
+
+def _with_adapter(base: LoadedModel, folder: Path, trust: bool) -> LoadedModel:
+    """The base model with the folder's peft adapter merged into it; its identity that of both."""
+    merged = adapters.merge_adapter_folder(base.model.classifier, folder, trust)
+    base.model.classifier = merged.classifier.eval()
+    return dataclasses.replace(base, source=f"{base.source} + {folder}",
+                               sha256=adapters.combined_sha256(base.sha256, merged.sha256),
+                               checkpoint_format=f"{base.checkpoint_format} + peft {merged.kind} adapter (merged)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -185,7 +213,7 @@ def checkpoint_file(path: str, options: ModelOptions) -> LoadedModel:
     if options.weights is not None:
         raise UserError("--weights and --checkpoint both give the model's weights; pass one of them")
     loaded = checkpoints.read_checkpoint(Path(path), options.arch, options.in9, options.normalize, options.trust,
-                                         options.checkpoint_key, options.device)
+                                         options.checkpoint_key, options.device, options.lora_alpha)
     if options.in9 is None and loaded.num_classes == NUM_IN9_CLASSES:
         log.info("the checkpoint has 9 classes: evaluating as an IN-9 model (as with --in9)")
     return wrap(loaded.classifier, num_classes=loaded.num_classes, normalize=options.normalize,

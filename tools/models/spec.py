@@ -3,7 +3,9 @@
     [PREFIX]NAME[SEP TAG]      resnet50, timm:convnext_tiny, timm:vit_base_patch16_224.augreg_in21k_ft_in1k,
                                timm:hf-hub:ORG/NAME, toolkit:small_cnn, clip:ViT-B-32/openai, hf:ORG/NAME, hf:PATH
     file:PATH                  a checkpoint file that carries or records its architecture
-    ARCH@file:PATH             a checkpoint file of the architecture ARCH (a name of the first form)
+    ARCH@file:PATH             a checkpoint file of the architecture ARCH (a name of the first form), or a peft
+                               adapter folder on ARCH's pretrained weights
+    ARCH@file:BASE@file:DIR    the peft adapter folder DIR on ARCH with the weights of the checkpoint BASE
 
 PREFIX (`word:`) picks a model source, and for an architecture its family (no prefix: torchvision); what a
 prefix means is the registries' business (`tools.models.list_sources()`), so that parsing needs neither. A
@@ -29,7 +31,8 @@ HF_PREFIX = "hf:"
 TIMM_HUB = "hf-hub:"  # after timm:, a Hugging Face Hub repository timm loads, config and weights
 TAG_SEPARATORS = {TIMM_PREFIX: ".", CLIP_PREFIX: "/"}  # where a family's tag starts; the others have none
 PREFIX = re.compile(r"[A-Za-z][\w-]*:")
-ARCH_AT_FILE_HINT = "ARCH@ must be followed by file:PATH, e.g. resnet18@file:model.pt"
+ARCH_AT_FILE_HINT = ("ARCH@ must be followed by file:PATH (and may end in @file:ADAPTER_DIR), e.g. "
+                     "resnet18@file:model.pt")
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,8 @@ class ModelSpec:
     prefix: str = ""  # "" for torchvision
     name: str = ""  # "" for `file:PATH`, whose file carries its architecture
     tag: str | None = None  # after the family's separator ("" when the separator ends the name)
-    file: str | None = None  # the checkpoint file, as written
+    file: str | None = None  # the checkpoint file (or adapter folder), as written
+    adapter: str | None = None  # a peft adapter folder on the checkpoint's weights, as written
 
     @classmethod
     def parse(cls, text: str) -> ModelSpec:
@@ -51,7 +55,9 @@ class ModelSpec:
         if separator:
             if not model or not rest.startswith(FILE_PREFIX):
                 raise UserError(f"model spec {text!r}: {ARCH_AT_FILE_HINT}")
-            return cls(*_model(model, text), file=_file(rest, text))
+            base, adapter_separator, adapter = rest.partition(ARCH_SEPARATOR + FILE_PREFIX)
+            return cls(*_model(model, text), file=_file(base, text),
+                       adapter=_file(FILE_PREFIX + adapter, text) if adapter_separator else None)
         return cls(*_model(text, text))
 
     @property
@@ -71,7 +77,8 @@ class ModelSpec:
         if self.file is None:
             return self.model or ""
         at = f"{self.model}{ARCH_SEPARATOR}" if self.model is not None else ""
-        return f"{at}{FILE_PREFIX}{self.file}"
+        adapter = f"{ARCH_SEPARATOR}{FILE_PREFIX}{self.adapter}" if self.adapter is not None else ""
+        return f"{at}{FILE_PREFIX}{self.file}{adapter}"
 
     # The zoo's names for a spec
 
@@ -91,6 +98,10 @@ class ModelSpec:
     @property
     def path(self) -> Path | None:
         return Path(self.file).expanduser() if self.file is not None else None
+
+    @property
+    def adapter_path(self) -> Path | None:
+        return Path(self.adapter).expanduser() if self.adapter is not None else None
 
     @property
     def slug(self) -> str:

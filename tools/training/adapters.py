@@ -7,7 +7,6 @@ check that the merged model computes what the adapted one did.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import logging
 
@@ -15,13 +14,13 @@ import torch
 from torch import nn
 
 from tools.errors import UserError
+from tools.models.adapters import MERGE_TOLERANCE, logits, peft_module, relative_difference
 from tools.models.boundary import PixelModel
 from tools.training.config import Adapter, Freeze, TrainConfig
 
 log = logging.getLogger(__name__)
 
 ADAPTABLE = (nn.Conv2d, nn.Linear)
-MERGE_TOLERANCE = 1e-3  # largest |merged - adapted| logit difference, relative to the logits' scale
 
 
 def frozen_modules(model: nn.Module) -> list[nn.Module]:
@@ -44,12 +43,7 @@ class TrainingModel(PixelModel):
 
 
 def _peft():
-    try:
-        import peft  # noqa: PLC0415 (an optional extra)
-    except ImportError:
-        raise UserError("--peft needs the peft package, which is not installed; run `pip install peft` (or "
-                        "install this project with the [peft] extra)") from None
-    return peft
+    return peft_module("--peft")
 
 
 def match_modules(model: nn.Module, patterns: list[str], head: list[str]) -> list[str]:
@@ -108,9 +102,9 @@ def attach(model: nn.Module, config: TrainConfig, head_keys: list[str]) -> nn.Mo
         # r=0 said explicitly: peft takes either a block count r or a block size, and before 0.16 it defaults r to 8
         adapter_config = peft.OFTConfig(r=0, oft_block_size=config.oft_block_size, target_modules=targets)
     probe = _probe(config.seed, next(model.parameters()).device)
-    before = _logits(model, probe)
+    before = logits(model, probe)
     wrapped = peft.get_peft_model(model, adapter_config)
-    _check_close(_logits(wrapped, probe), before, f"at initialisation the {config.peft.value} adapters change the "
+    _check_close(logits(wrapped, probe), before, f"at initialisation the {config.peft.value} adapters change the "
                                                   f"model's logits, though they start as the identity")
     for name, param in model.named_parameters():
         if name in head_keys:
@@ -125,26 +119,8 @@ def _probe(seed: int, device: torch.device) -> torch.Tensor:
     return torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-@contextlib.contextmanager
-def _evaluation_mode(model: nn.Module):
-    """Every module in evaluation mode inside the block; afterwards each module's own mode back, frozen ones
-    included (a single `model.train(was_training)` would put them all in training mode)."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield model
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
-def _logits(model: nn.Module, probe: torch.Tensor) -> torch.Tensor:
-    with _evaluation_mode(model), torch.no_grad():
-        return model(probe)
-
-
 def _check_close(got: torch.Tensor, expected: torch.Tensor, problem: str) -> None:
-    error = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
+    error = relative_difference(got, expected)
     if error > MERGE_TOLERANCE:
         raise UserError(f"{problem} ({error:.2g} relative): the installed peft computes OFT on convolutions larger "
                         f"than 1x1 inconsistently with its merged weights; adapt 1x1 convolutions or linear modules, "
@@ -156,8 +132,8 @@ def merged(model: nn.Module, config: TrainConfig) -> nn.Module:
     if config.peft is None:
         return model
     probe = _probe(config.seed, next(model.parameters()).device)
-    adapted = _logits(model, probe)
+    adapted = logits(model, probe)
     plain = model.merge_and_unload()
-    _check_close(_logits(plain, probe), adapted, f"the merged {config.peft.value} weights compute other logits than "
+    _check_close(logits(plain, probe), adapted, f"the merged {config.peft.value} weights compute other logits than "
                                                  f"the adapted model")
     return plain

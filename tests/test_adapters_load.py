@@ -1,0 +1,294 @@
+"""Models as people save them: peft adapter folders on a base model and raw state dicts of peft-wrapped models,
+merged on load (their predictions equal the peft model's own); a whole pickled module with --trust-checkpoint,
+used as it is; PyTorch's tutorial layout (`model_state_dict`). Loading stays as strict and as safe as before."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import in9_eval
+from tests.helpers import check_error, run_in_process
+from tools import zoo
+from tools.data import synthetic
+from tools.errors import UserError
+from tools.in9 import IN9_MEAN, IN9_STD
+from tools.models.architectures import SMALL_CNN, SmallCNN
+from tools.models.sources import load_model
+
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LORA_TARGETS = ["features.0", "features.2", "features.6"]
+OFT_TARGETS = ["features.6"]  # a 1x1 convolution: peft merges OFT on larger kernels inconsistently in some versions
+ALPHA = 6
+
+
+def small_cnn(seed: int = 0) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return SmallCNN(9).eval()
+
+
+def adapted(kind: str, seed: int = 0, head: bool = True) -> nn.Module:
+    """A peft-wrapped SmallCNN whose adapters (and head, when it is saved with them) are random, so that they
+    change the predictions; the base is `small_cnn(seed)`."""
+    modules_to_save = ["fc"] if head else None
+    if kind == "lora":
+        config = peft.LoraConfig(r=4, lora_alpha=ALPHA, target_modules=LORA_TARGETS, modules_to_save=modules_to_save)
+    else:
+        config = peft.OFTConfig(r=0, oft_block_size=4, target_modules=OFT_TARGETS, modules_to_save=modules_to_save)
+    model = peft.get_peft_model(small_cnn(seed), config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name or "oft_" in name or "modules_to_save" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def pixels() -> torch.Tensor:
+    return torch.randint(0, 256, (6, 3, 64, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+
+
+def own_logits(model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """The peft model's own logits on the pixels, normalised by hand as the 9-class rule says."""
+    x = pixels.float().div(255)
+    mean, std = (torch.tensor(s).view(1, 3, 1, 1) for s in (IN9_MEAN, IN9_STD))
+    with torch.inference_mode():
+        return model((x - mean) / std)
+
+
+def loaded_logits(loaded, pixels: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return loaded.model(pixels)
+
+
+def assert_same_predictions(loaded, model, pixels, seed: int = 0):
+    got, expected = loaded_logits(loaded, pixels), own_logits(model, pixels)
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4), (got - expected).abs().max()
+    assert torch.equal(got.argmax(1), expected.argmax(1))
+    assert not torch.allclose(expected, own_logits(small_cnn(seed), pixels), atol=1e-2)  # the adapters matter
+
+
+def save_base(path, seed: int = 0):
+    torch.save(small_cnn(seed).state_dict(), path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Adapter folders (save_pretrained)
+
+@pytest.mark.parametrize("kind", ["lora", "oft"])
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
+def test_an_adapter_folder_on_a_base_checkpoint_is_merged(kind, safe, pixels, tmp_path):
+    model = adapted(kind)
+    model.save_pretrained(tmp_path / "adapter", safe_serialization=safe)
+    base = save_base(tmp_path / "base.pt")
+    loaded = load_model(f"{SMALL_CNN}@file:{base}", checkpoint=tmp_path / "adapter")
+    assert_same_predictions(loaded, model, pixels)
+    assert loaded.num_classes == 9
+    assert f"peft {kind} adapter" in loaded.checkpoint_format
+    # the same model named in one spec (the zoo's form)
+    again = load_model(f"{SMALL_CNN}@file:{base}@file:{tmp_path / 'adapter'}")
+    assert torch.equal(loaded_logits(again, pixels), loaded_logits(loaded, pixels))
+    assert again.sha256 == loaded.sha256 != base and len(loaded.sha256) == 64
+
+
+def test_the_identity_of_an_adapter_is_base_and_adapter(pixels, tmp_path):
+    """Another adapter on the same base, or the same adapter on another base: another sha256."""
+    base, other_base = save_base(tmp_path / "base.pt"), save_base(tmp_path / "other.pt", seed=5)
+    adapted("lora").save_pretrained(tmp_path / "a")
+    adapted("lora", seed=3).save_pretrained(tmp_path / "b")
+    digests = {load_model(f"{SMALL_CNN}@file:{b}", checkpoint=tmp_path / a).sha256
+               for b in (base, other_base) for a in ("a", "b")}
+    assert len(digests) == 4
+
+
+def test_an_adapter_folder_needs_a_base(tmp_path):
+    adapted("lora").save_pretrained(tmp_path / "adapter")
+    with pytest.raises(UserError, match=r"peft adapter folder.* on a base model: .*ARCH@file:BASE"):
+        load_model(f"file:{tmp_path / 'adapter'}")
+    with pytest.raises(UserError, match=r"has no pretrained weights"):
+        load_model(SMALL_CNN, checkpoint=tmp_path / "adapter")
+
+
+def test_an_adapter_that_does_not_fit_its_base_is_named(tmp_path):
+    adapted("lora").save_pretrained(tmp_path / "adapter")  # with its 9-class head
+    torch.save(SmallCNN(1000).state_dict(), tmp_path / "imagenet.pt")  # a base of another class count
+    with pytest.raises(UserError, match=r"adapter in .* does not fit its base model: .*fc"):
+        load_model(f"{SMALL_CNN}@file:{tmp_path / 'imagenet.pt'}", checkpoint=tmp_path / "adapter")
+
+
+def test_an_unsafe_adapter_pickle_is_refused(tmp_path):
+    model = adapted("lora")
+    model.save_pretrained(tmp_path / "adapter", safe_serialization=False)
+    weights = tmp_path / "adapter" / "adapter_model.bin"
+    torch.save({"weights": torch.load(weights, weights_only=True), "module": nn.ReLU()}, weights)
+    with pytest.raises(UserError, match=r"blocked globals: .*ReLU.*--trust-checkpoint"):
+        load_model(f"{SMALL_CNN}@file:{save_base(tmp_path / 'base.pt')}", checkpoint=tmp_path / "adapter")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Raw state dicts of peft-wrapped models (torch.save(model.state_dict()))
+
+@pytest.mark.parametrize("head", [True, False], ids=["head-saved", "head-plain"])
+@pytest.mark.parametrize("kind", ["lora", "oft"])
+def test_a_peft_state_dict_is_merged(kind, head, pixels, tmp_path):
+    model = adapted(kind, head=head)
+    path = tmp_path / "peft_state.pt"
+    torch.save(model.state_dict(), path)
+    alpha = {"lora_alpha": ALPHA} if kind == "lora" else {}
+    loaded = load_model(SMALL_CNN, checkpoint=path, **alpha)
+    assert_same_predictions(loaded, model, pixels)
+    assert f"peft {kind}" in loaded.checkpoint_format
+
+
+def test_a_lora_state_dict_with_another_alpha_computes_another_model(pixels, tmp_path):
+    model = adapted("lora")
+    torch.save(model.state_dict(), tmp_path / "peft_state.pt")
+    loaded = load_model(SMALL_CNN, checkpoint=tmp_path / "peft_state.pt", lora_alpha=2 * ALPHA)
+    assert not torch.allclose(loaded_logits(loaded, pixels), own_logits(model, pixels), atol=1e-3)
+
+
+def test_a_lora_state_dict_without_its_alpha_is_one_line_that_says_what_to_pass(dataset, tmp_path, capsys):
+    model = adapted("lora")
+    path = tmp_path / "peft_state.pt"
+    torch.save({"model_state_dict": model.state_dict(), "epoch": 2}, path)
+    code, out, err = run_in_process(in9_eval.main, ["--data-path", str(dataset.root), "--arch", SMALL_CNN,
+                                                    "--checkpoint", str(path), "--device", "cpu", "--no-progress"],
+                                    capsys)
+    line = check_error(code, out, err, lines=None)
+    assert "state dict of a peft-wrapped model" in line and "LoRA" in line
+    assert "--lora-alpha" in line and "classifier keys" not in line
+    # with its alpha, the numbers of the merged model
+    merged = tmp_path / "merged.pt"
+    torch.save(model.merge_and_unload().state_dict(), merged)
+    results = {}
+    for name, extra in (("peft", ["--checkpoint", str(path), "--lora-alpha", str(ALPHA)]),
+                        ("merged", ["--checkpoint", str(merged)])):
+        results[name] = tmp_path / f"{name}.json"
+        code, out, err = run_in_process(in9_eval.main, ["--data-path", str(dataset.root), "--arch", SMALL_CNN, *extra,
+                                                        "--device", "cpu", "--no-progress", "--results-file",
+                                                        str(results[name])], capsys)
+        assert code == 0, err
+    peft_run, merged_run = (json.loads(results[n].read_text()) for n in ("peft", "merged"))
+    assert peft_run["original"] == merged_run["original"] and peft_run["bg_gap"] == merged_run["bg_gap"]
+
+
+def test_lora_alpha_is_refused_where_there_is_no_lora_state_dict(tmp_path):
+    path = save_base(tmp_path / "base.pt")
+    with pytest.raises(UserError, match=r"--lora-alpha .* peft-wrapped"):
+        load_model(SMALL_CNN, checkpoint=path, lora_alpha=8)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints as people save them
+
+def test_the_tutorial_layout_is_recognised(pixels, tmp_path):
+    model = small_cnn(2)
+    path = tmp_path / "tutorial.pt"
+    torch.save({"epoch": 5, "model_state_dict": model.state_dict(),
+                "optimizer_state_dict": torch.optim.SGD(model.parameters(), lr=0.1).state_dict(), "loss": 0.5}, path)
+    loaded = load_model(SMALL_CNN, checkpoint=path)
+    assert torch.equal(loaded_logits(loaded, pixels), own_logits(model, pixels))
+    assert "model_state_dict" in loaded.checkpoint_format
+
+
+class Unregistered(nn.Module):
+    """A notebook's own architecture, which no registry knows."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2), nn.BatchNorm2d(4), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(4, 9)
+        with torch.no_grad():
+            self.body[1].running_mean.uniform_(-0.2, 0.2)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_a_trusted_whole_module_is_used_as_it_is(pixels, tmp_path):
+    with torch.random.fork_rng():
+        torch.manual_seed(4)
+        model = Unregistered().train()  # saved in training mode, as a notebook leaves it
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    path = tmp_path / "whole.pt"
+    torch.save(model, path)
+    loaded = load_model(checkpoint=path, trust=True)
+    assert loaded.num_classes == 9
+    assert torch.equal(loaded_logits(loaded, pixels), own_logits(model.eval(), pixels))
+    # probing its class count changed none of its batch-norm statistics
+    assert all(torch.equal(loaded.model.classifier.state_dict()[k], v) for k, v in before.items())
+    assert "Unregistered" in loaded.checkpoint_format
+
+
+def test_a_trusted_module_under_a_key_is_used_as_it_is(pixels, tmp_path):
+    model = small_cnn(3)
+    path = tmp_path / "under_model.pt"
+    torch.save({"model": model, "epoch": 3}, path)
+    loaded = load_model(checkpoint=path, trust=True)
+    assert torch.equal(loaded_logits(loaded, pixels), own_logits(model, pixels))
+
+
+def test_a_whole_module_without_trust_is_one_line_naming_the_flag(dataset, tmp_path, capsys):
+    path = tmp_path / "whole.pt"
+    torch.save(small_cnn(), path)
+    code, out, err = run_in_process(in9_eval.main, ["--data-path", str(dataset.root), "--checkpoint", str(path),
+                                                    "--device", "cpu", "--no-progress"], capsys)
+    line = check_error(code, out, err, lines=None)
+    assert "blocked globals" in line and "--trust-checkpoint" in line
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The zoo
+
+def run_zoo(data, output, specs, capsys):
+    return run_in_process(zoo.main, ["--data-path", str(data), "--models", ",".join(specs), "--output-dir",
+                                     str(output), "--device", "cpu", "--no-progress", "--no-cache", "--no-leaderboard",
+                                     "--batch-size", "8"], capsys)
+
+
+def test_the_zoo_takes_an_adapter_on_a_base(tmp_path, capsys, monkeypatch):
+    data = synthetic.generate(tmp_path / "bg", per_class=1, seed=1).root
+    model = adapted("lora")
+    model.save_pretrained(tmp_path / "adapter")
+    base = save_base(tmp_path / "base.pt")
+    merged = tmp_path / "merged.pt"
+    torch.save(model.merge_and_unload().state_dict(), merged)
+    specs = [f"{SMALL_CNN}@file:{base}@file:{tmp_path / 'adapter'}", f"{SMALL_CNN}@file:{merged}"]
+    code, out, err = run_zoo(data, tmp_path / "zoo", specs, capsys)
+    assert code == 0, err
+    results_before = [json.loads(zoo.results_path(tmp_path / "zoo", zoo.parse_model_spec(s)).read_text())
+                      for s in specs]
+    # done is done: the same base and adapter are skipped; an adapter rewritten in place is run again
+    calls = []
+    real = zoo.evaluate_model
+    monkeypatch.setattr(zoo, "evaluate_model", lambda *a, **k: calls.append(a) or real(*a, **k))
+    code, out, err = run_zoo(data, tmp_path / "zoo", specs[:1], capsys)
+    assert (code, calls) == (0, []) and f"{specs[0]}: skipped: " in out, err
+    adapted("lora", seed=7).save_pretrained(tmp_path / "adapter")
+    code, out, err = run_zoo(data, tmp_path / "zoo", specs[:1], capsys)
+    assert code == 0 and len(calls) == 1 and f"{specs[0]}: done: " in out, err
+    adapter_run, merged_run = results_before
+    for variation in ("original", "mixed_same", "mixed_rand", "only_fg"):
+        assert adapter_run["in9"][variation]["per_class"] == merged_run["in9"][variation]["per_class"]
+    assert adapter_run["in9"]["bg_gap"] == merged_run["in9"]["bg_gap"]
+    assert adapter_run["challenge"]["challenge_accuracy"] == merged_run["challenge"]["challenge_accuracy"]
+    assert "peft lora adapter" in adapter_run["in9"]["provenance"]["checkpoint_format"]
+
+
+def test_an_adapter_without_peft_installed_is_one_line_naming_the_install(tmp_path, monkeypatch):
+    adapted("lora").save_pretrained(tmp_path / "adapter")
+    base = save_base(tmp_path / "base.pt")
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
+    with pytest.raises(UserError, match=r"adapter folder .* needs the peft package.*pip install peft"):
+        load_model(f"{SMALL_CNN}@file:{base}", checkpoint=tmp_path / "adapter")

@@ -1,0 +1,260 @@
+"""peft adapters as people save them, merged into plain weights on load: an adapter folder (`save_pretrained`:
+adapter_config.json and adapter_model.safetensors or .bin) on a base model, and the state dict of a
+peft-wrapped model (`torch.save(peft_model.state_dict())`: keys `base_model.model.<module>.lora_A.default.weight`),
+whose adapters are rebuilt from the tensors' shapes (LoRA's scaling, lora_alpha, is not in such a file: it is
+given). Merging is checked: the merged model computes what the adapted one does on a probe batch. Needs peft.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tools.data.hashing import sha256_file
+from tools.errors import UserError, first_line
+from tools.in9 import IMAGE_SIZE
+
+log = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # save_pretrained's names, in peft's priority
+PEFT_PREFIX = "base_model.model."  # what a PeftModel's state dict puts before the wrapped model's keys
+MERGE_TOLERANCE = 1e-3  # largest |merged - adapted| logit difference, relative to the logits' scale
+# <module>.<adapter parameter>.<adapter name>[.weight]: LoRA's and OFT's (oft_r/oft_s before peft 0.16, oft_R since)
+ADAPTER_KEY = re.compile(r"^(?P<module>.+)\.(?P<param>lora_A|lora_B|lora_magnitude_vector|oft_r|oft_s|oft_R)"
+                         r"\.(?P<name>[^.]+)(?:\.\w+)?$")
+SAVED_MODULE = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<name>[^.]+)\.(?P<param>[^.]+)$")
+
+
+def peft_module(what: str):
+    """The peft package, or one error line naming the install command."""
+    try:
+        import peft  # noqa: PLC0415 (an optional extra)
+    except ImportError:
+        raise UserError(f"{what} needs the peft package, which is not installed; run `pip install peft` (or "
+                        f"install this project with the [peft] extra)") from None
+    return peft
+
+
+def is_adapter_folder(path: Path) -> bool:
+    return path.is_dir() and (path / ADAPTER_CONFIG).is_file()
+
+
+def is_peft_state(state: dict) -> bool:
+    """Whether a state dict is a peft-wrapped model's (every key under `base_model.model.`)."""
+    return bool(state) and all(k.startswith(PEFT_PREFIX) for k in state)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checked merging
+
+@contextlib.contextmanager
+def evaluation_mode(model: nn.Module):
+    """Every module in evaluation mode inside the block; afterwards each module's own mode back, frozen ones
+    included (a single `model.train(was_training)` would put them all in training mode)."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def logits(model: nn.Module, probe: torch.Tensor) -> torch.Tensor:
+    with evaluation_mode(model), torch.no_grad():
+        return model(probe)
+
+
+def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
+
+
+def merge_checked(wrapped: nn.Module, probe: torch.Tensor, what: str) -> nn.Module:
+    """The plain module of a peft model, adapters merged in, after a check on `probe` that it computes the same."""
+    adapted = logits(wrapped, probe)
+    plain = wrapped.merge_and_unload()
+    error = relative_difference(logits(plain, probe), adapted)
+    if error > MERGE_TOLERANCE:
+        raise UserError(f"the merged weights of {what} compute other logits than its adapters ({error:.2g} relative): "
+                        f"the installed peft merges these adapters inconsistently (OFT on convolutions larger than "
+                        f"1x1 in some versions)")
+    return plain
+
+
+def _probe() -> torch.Tensor:
+    return torch.randn(2, 3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(0))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Adapter folders
+
+@dataclass
+class MergedAdapter:
+    classifier: nn.Module
+    kind: str  # "lora", "oft", ...: peft's type, lower case
+    sha256: str  # of the adapter's config and weights files together
+
+
+def _read_adapter_weights(folder: Path, trust: bool) -> tuple[dict, Path]:
+    from tools.models.checkpoints import torch_load  # noqa: PLC0415 (checkpoints imports this module)
+    for name in ADAPTER_WEIGHTS:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file  # noqa: PLC0415 (peft's own dependency)
+            try:
+                return load_file(str(path), device="cpu"), path
+            except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types for a damaged file)
+                raise UserError(f"cannot read adapter weights {path}: {first_line(exc)}") from None
+        weights = torch_load(path, trust)
+        if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+            raise UserError(f"adapter weights {path} are not a dict of tensors; save the adapter with save_pretrained")
+        return weights, path
+    raise UserError(f"adapter folder {folder} has {ADAPTER_CONFIG} but no {' or '.join(ADAPTER_WEIGHTS)}; is the "
+                    f"folder complete?")
+
+
+def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool) -> MergedAdapter:
+    """The base classifier with the folder's adapter put on and merged."""
+    peft = peft_module(f"the adapter folder {folder}")
+    try:
+        config = peft.PeftConfig.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 (a config another peft wrote, or a damaged file)
+        raise UserError(f"cannot read {folder / ADAPTER_CONFIG} with the installed peft {peft.__version__}: "
+                        f"{first_line(exc)}") from None
+    weights, weights_file = _read_adapter_weights(folder, trust)
+    kind = str(getattr(config.peft_type, "value", config.peft_type)).lower()
+    what = f"the {kind} adapter in {folder}"
+    try:
+        wrapped = peft.PeftModel(classifier.eval(), config)
+    except Exception as exc:  # noqa: BLE001 (peft's errors for modules it cannot adapt)
+        raise UserError(f"{what} does not fit its base model: {first_line(exc)}") from None
+    try:
+        result = peft.set_peft_model_state_dict(wrapped, weights)
+    except RuntimeError as exc:  # shapes that differ
+        raise UserError(f"{what} does not fit its base model: {_shape_problem(exc)}") from None
+    if result.unexpected_keys:
+        raise UserError(f"{what} does not fit its base model: unexpected keys: {_key_list(result.unexpected_keys)}")
+    expected = set(peft.get_peft_model_state_dict(wrapped))
+    missing = sorted(expected - set(weights))
+    if missing:
+        raise UserError(f"{what} does not fit its base model: missing keys: {_key_list(missing)}")
+    merged = merge_checked(wrapped, _probe(), what)
+    log.info("merged %s (%d tensors from %s)", what, len(weights), weights_file.name)
+    digest = hashlib.sha256(f"{sha256_file(folder / ADAPTER_CONFIG)} {sha256_file(weights_file)}".encode())
+    return MergedAdapter(merged, kind, digest.hexdigest())
+
+
+def _shape_problem(exc: Exception) -> str:
+    """The first size mismatch torch's load_state_dict names (its message is a paragraph)."""
+    found = re.search(r"size mismatch for [^\n]*", str(exc))
+    return found.group(0).strip() if found else first_line(exc)
+
+
+def _key_list(keys, limit: int = 6) -> str:
+    keys = list(keys)
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def combined_sha256(*digests: str | None) -> str:
+    """One identity for a model made of several files (a base and its adapter)."""
+    return hashlib.sha256(" ".join(d or "-" for d in digests).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# State dicts of peft-wrapped models
+
+@dataclass
+class PeftState:
+    """What a peft-wrapped model's state dict shows of its adapters."""
+
+    kind: str  # "lora" or "oft"
+    adapter_name: str
+    ranks: dict[str, int]  # adapted module -> LoRA rank or OFT block count (the tensors' first dimension)
+    saved_modules: list[str]  # modules_to_save (a head trained in full beside the adapters)
+    dora: bool
+    base: dict  # the state dict of the model before wrapping
+
+    def describe(self) -> str:
+        ranks = sorted(set(self.ranks.values()))
+        what = "rank" if self.kind == "lora" else "blocks"
+        return (f"{'LoRA' if self.kind == 'lora' else 'OFT'} adapters ({what} {'/'.join(map(str, ranks))}) on "
+                f"{len(self.ranks)} module(s) ({_key_list(self.ranks, 3)})")
+
+
+def read_peft_state(state: dict, path: Path) -> PeftState:
+    """The adapters of a peft-wrapped model's state dict, and the wrapped model's own state dict."""
+    inner = {k[len(PEFT_PREFIX):]: v for k, v in state.items()}
+    ranks: dict[str, int] = {}
+    kinds, names, saved, base = set(), set(), [], {}
+    dora = False
+    for key, value in inner.items():
+        adapter = ADAPTER_KEY.match(key)
+        saved_module = SAVED_MODULE.match(key)
+        if adapter:
+            param = adapter["param"]
+            kinds.add(param.split("_")[0])
+            names.add(adapter["name"])
+            dora |= param == "lora_magnitude_vector"
+            if param in ("lora_A", "oft_r", "oft_R"):
+                ranks[adapter["module"]] = int(value.shape[0])
+        elif saved_module:
+            names.add(saved_module["name"])
+            if saved_module["module"] not in saved:
+                saved.append(saved_module["module"])
+        else:
+            base[key.replace(".base_layer.", ".").replace(".original_module.", ".")] = value
+    if len(kinds) != 1 or len(names) != 1 or not ranks:
+        found = ", ".join(sorted(kinds)) or "none"
+        raise UserError(f"checkpoint {path} is the state dict of a peft-wrapped model, with adapters this toolkit "
+                        f"cannot rebuild from it (adapter types: {found}; adapter names: "
+                        f"{', '.join(sorted(names)) or 'none'}); save the adapter with save_pretrained and pass its "
+                        f"folder as --checkpoint")
+    return PeftState(kinds.pop(), names.pop(), ranks, saved, dora, base)
+
+
+def merge_peft_state(classifier: nn.Module, state: dict, peft_state: PeftState, lora_alpha: float | None,
+                     path: Path) -> nn.Module:
+    """The base classifier (the architecture, untrained) wrapped as the state dict's adapters say, loaded from it
+    strictly, and merged."""
+    from tools.models.checkpoints import check_fits  # noqa: PLC0415 (checkpoints imports this module)
+    peft = peft_module(f"checkpoint {path} (the state dict of a peft-wrapped model)")
+    targets = list(peft_state.ranks)
+    counts = collections.Counter(peft_state.ranks.values())
+    rank = counts.most_common(1)[0][0]
+    if peft_state.kind == "lora":
+        if lora_alpha is None:
+            raise UserError(f"checkpoint {path} is the state dict of a peft-wrapped model with "
+                            f"{peft_state.describe()}; their scaling (lora_alpha) is not in the file: pass "
+                            f"--lora-alpha ALPHA as trained (peft's default is 8), or save the adapter with "
+                            f"save_pretrained and pass its folder")
+        config = peft.LoraConfig(r=rank, lora_alpha=lora_alpha, target_modules=targets, use_dora=peft_state.dora,
+                                 rank_pattern={m: r for m, r in peft_state.ranks.items() if r != rank},
+                                 modules_to_save=peft_state.saved_modules or None)
+    else:
+        if len(counts) > 1:
+            raise UserError(f"checkpoint {path} is the state dict of a peft-wrapped model with {peft_state.describe()}, "
+                            f"of differing block counts; save the adapter with save_pretrained and pass its folder")
+        config = peft.OFTConfig(r=rank, oft_block_size=0, target_modules=targets,
+                                modules_to_save=peft_state.saved_modules or None)
+    what = f"the {peft_state.kind} adapters in {path}"
+    try:
+        wrapped = peft.get_peft_model(classifier.eval(), config, adapter_name=peft_state.adapter_name)
+    except Exception as exc:  # noqa: BLE001 (peft's errors for modules it cannot adapt)
+        raise UserError(f"cannot rebuild {what}: {first_line(exc)}") from None
+    check_fits(state, wrapped.state_dict(), f"checkpoint {path} does not fit the rebuilt {peft_state.kind} model "
+                                            f"(the installed peft is {peft.__version__})")
+    wrapped.load_state_dict(state, strict=True)
+    log.info("rebuilt and merged %s from %s", peft_state.describe(), path)
+    return merge_checked(wrapped, _probe(), what)
