@@ -67,7 +67,7 @@ def failing_on(word: str, rank: int, error: Exception, only=lambda *args: True):
     return make
 
 
-patch(zoo.ModelSpec, "load", load)
+patch(zoo, "load", load)
 patch(datasets, "iter_decoded_batches", batches)
 patch(search, "load_challenge_data", failing_on("fail-decode", 1, UserError("cannot read image fg.JPEG: truncated")))
 patch(CompositePredictor, "predict_pairs", failing_on("fail-search", 1, RuntimeError("the model crashed")))
