@@ -3,13 +3,17 @@ the machine; a stale page is caught; only a command whose module does not exist 
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import load_script
+
+REPO = Path(__file__).resolve().parents[1]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,3 +97,36 @@ def test_a_module_found_only_outside_this_checkout_is_skipped(make_cli, tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))
     [command] = make_cli.load_command("python -m elsewhere_cli_module", "elsewhere_cli_module:build_parser")
     assert command.parser is None and command.missing == "elsewhere_cli_module"
+
+
+def _documented_names() -> set[str]:
+    """Every dotted `tools.…` name and every `from tools… import …` in the README, docs/ and bench/RESULTS.md,
+    less placeholders in capitals (`tools.MODULE`)."""
+    names = set()
+    for page in [REPO / "README.md", REPO / "bench" / "RESULTS.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = page.read_text(encoding="utf-8")
+        names |= set(re.findall(r"(?<![\w/.])tools(?:\.\w+)+", text))
+        for module, imported in re.findall(r"from (tools(?:\.\w+)*) import ([\w, ]+)", text):
+            names |= {f"{module}.{name.strip()}" for name in imported.split(",") if name.strip()}
+    return {name for name in names if not any(part.isupper() for part in name.split("."))}  # not placeholders
+
+
+def test_every_name_the_docs_give_exists():
+    """A documented module, function or attribute that a refactor moved must be renamed in the docs too."""
+    missing = []
+    for name in sorted(_documented_names()):
+        parts = name.split(".")
+        for split in range(len(parts), 0, -1):  # the longest importable module, then attributes
+            try:
+                target = importlib.import_module(".".join(parts[:split]))
+            except ImportError:
+                continue
+            try:
+                for attribute in parts[split:]:
+                    target = getattr(target, attribute)
+            except AttributeError:
+                missing.append(name)
+            break
+        else:
+            missing.append(name)
+    assert not missing, missing
