@@ -16,15 +16,18 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from tools import __version__
 from tools.cli import add_log_level_argument, run_main
-from tools.in9 import VARIATIONS, class_names
+from tools.in9 import NUM_IN9_CLASSES, RELEASE_IMAGES_PER_CLASS, VARIATIONS, class_names
 from tools.provenance import check_outputs, write_text_atomic
 from tools.results.analysis import FIGURE_FILE, SUMMARY_FILE
 from tools.results.categories import CATEGORY_TITLES, Category
 from tools.results.reading import check_inputs_belong_together, load_inputs
+
+if TYPE_CHECKING:
+    from tools.results.leaderboard import Row
 
 NOT_RUN = "Not run."
 CRITERIA = {
@@ -62,7 +65,7 @@ def percent(value, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}%"
 
 
-def _fraction_pct(value, digits: int = 1) -> str:
+def fraction_percent(value, digits: int = 1) -> str:
     return "–" if value is None else f"{100 * value:.{digits}f}%"
 
 
@@ -94,24 +97,66 @@ def in9_section(in9: dict | None) -> list[str]:
         out.append("**BG-gap** (accuracy on `mixed_same` − `mixed_rand`): not run (needs both variations).")
     else:
         out.append(f"**BG-gap** (accuracy on `mixed_same` − `mixed_rand`): **{gap:.2f} points**.")
-    return out + [""]
+    out.append("")
+    published = published_beside(in9)
+    if published:
+        out += [PUBLISHED_INTRO, ""]
+        out += markdown_table(PUBLISHED_HEADER, [published_cells(row) for row in published], "lrrrrrl") + [""]
+    return out
+
+
+PUBLISHED_INTRO = "The run used the release's test set (450 images per class), so the published results compare:"
+PUBLISHED_HEADER = ["Model (published)", "original", "mixed_same", "mixed_rand", "BG-gap", "Challenge", "Source"]
+
+
+def used_release(in9: dict) -> bool:
+    """Whether an IN-9 run evaluated the whole test release: every variation it ran has the release's count."""
+    totals = [in9[name]["total"] for name in VARIATIONS if in9.get(name)]
+    return bool(totals) and all(t == RELEASE_IMAGES_PER_CLASS * NUM_IN9_CLASSES for t in totals)
+
+
+def published_beside(in9: dict) -> list[Row]:
+    """The published rows to show beside an IN-9 run's numbers: all of them where it used the release, else none."""
+    from tools.results.leaderboard import published_rows  # the leaderboard imports this module's table writer
+    return published_rows() if used_release(in9) else []
+
+
+def published_cells(row: Row) -> list[str]:
+    numbers = [row.original, row.mixed_same, row.mixed_rand, row.bg_gap, row.challenge_accuracy]
+    return [row.model, *("–" if v is None else f"{v:.2f}" for v in numbers), row.reference or "–"]
 
 
 def challenge_section(challenge: dict | None) -> list[str]:
     out = ["## Backgrounds Challenge", ""]
     if not challenge:
         return out + [NOT_RUN, ""]
-    criterion = challenge.get("criterion", "any")
-    out.append(f"**Challenge accuracy: {challenge['challenge_accuracy']:.2f}%.** {challenge['vulnerable']} of "
-               f"{challenge['total']} foregrounds ({challenge['vulnerable_percent']:.2f}%) are vulnerable under the "
-               f"`{criterion}` criterion: {CRITERIA.get(criterion, 'as the challenge run defined it')}.")
+    out.append(f"**Challenge accuracy: {challenge['challenge_accuracy']:.2f}%.** {vulnerable_sentence(challenge)}")
     out.append("")
-    rows = []
-    for name, entry in challenge.get("per_class", {}).items():
-        total, vulnerable = entry["total"], entry["vulnerable"]
-        rows.append([name, vulnerable, total, percent(100.0 * (total - vulnerable) / total) if total else "–"])
+    rows = [[name, entry["vulnerable"], entry["total"], percent(class_challenge_accuracy(entry))]
+            for name, entry in challenge.get("per_class", {}).items()]
     if rows:
-        out += markdown_table(["Class", "Vulnerable", "Foregrounds", "Challenge accuracy"], rows, "lrrr") + [""]
+        out += markdown_table(CHALLENGE_HEADER, rows, "lrrr") + [""]
+    cost = cost_sentence(challenge)
+    return out + (["Cost: " + cost, ""] if cost else [])
+
+
+CHALLENGE_HEADER = ["Class", "Vulnerable", "Foregrounds", "Challenge accuracy"]
+
+
+def vulnerable_sentence(challenge: dict, quote: str = "`") -> str:
+    """How many foregrounds are vulnerable, and what that means; `quote` marks the criterion's name as code."""
+    criterion = challenge.get("criterion", "any")
+    return (f"{challenge['vulnerable']} of {challenge['total']} foregrounds ({challenge['vulnerable_percent']:.2f}%) "
+            f"are vulnerable under the {quote}{criterion}{quote} criterion: {CRITERIA.get(criterion, 'as the run defined it')}.")
+
+
+def class_challenge_accuracy(entry: dict) -> float | None:
+    """A class's challenge accuracy in percent: its foregrounds that no background fools; None without any."""
+    total = entry["total"]
+    return 100.0 * (total - entry["vulnerable"]) / total if total else None
+
+
+def cost_sentence(challenge: dict) -> str | None:
     facts = []
     if challenge.get("composites_evaluated") is not None:
         facts.append(f"{challenge['composites_evaluated']:,} composites evaluated")
@@ -119,36 +164,37 @@ def challenge_section(challenge: dict | None) -> list[str]:
         facts.append(f"in {challenge['wall_time_s']:.1f} s")
     if challenge.get("composites_per_s") is not None:
         facts.append(f"({challenge['composites_per_s']:,.0f} composites/s)")
-    if facts:
-        out += ["Cost: " + " ".join(facts) + ".", ""]
-    return out
+    return " ".join(facts) + "." if facts else None
 
 
 def analysis_section(analysis: dict | None, report_dir: Path) -> list[str]:
     out = ["## Adversarial backgrounds", ""]
     if not analysis:
         return out + [NOT_RUN, ""]
-    out.append("The **ASR** (attack success rate) of a background of class *c* is the share of the other classes' "
-               "foregrounds that the model predicts as *c* when pasted on it. The **fool rate** of *c* is the share "
-               "of the other classes' foregrounds that at least one background of *c* turns into *c*. "
-               f"Over {analysis['foregrounds']} foregrounds × {analysis['backgrounds']} backgrounds.")
+    out.append(ASR_DEFINITION.replace("ASR (", "**ASR** (").replace("fool rate", "**fool rate**", 1)
+               + f" Over {analysis['foregrounds']} foregrounds × {analysis['backgrounds']} backgrounds.")
     out.append("")
     rows = []
     for name, info in analysis["per_class"].items():
-        tops = ", ".join(f"`{e['stem']}` {_fraction_pct(e['asr'])}" for e in info["top_backgrounds"])
-        rows.append([name, _fraction_pct(info["fool_rate"]), info["backgrounds"], _fraction_pct(info["mean_asr"]),
-                     _fraction_pct(info["max_asr"]), f"`{sparkline(info['asr_histogram'])}`", tops or "–"])
+        tops = ", ".join(f"`{e['stem']}` {fraction_percent(e['asr'])}" for e in info["top_backgrounds"])
+        rows.append([name, fraction_percent(info["fool_rate"]), info["backgrounds"], fraction_percent(info["mean_asr"]),
+                     fraction_percent(info["max_asr"]), f"`{sparkline(info['asr_histogram'])}`", tops or "–"])
     out += markdown_table(["Class", "Fool rate", "Backgrounds", "Mean ASR", "Max ASR", "ASR histogram (0 → 100%)",
                    f"Top-{analysis['top_k']} backgrounds (ASR)"], rows, "lrrrrll") + [""]
     rate = analysis.get("fooled_into_bg_class_rate")
     if rate is not None:
         out += [f"{analysis['fooled_into_bg_class']} of {analysis['foregrounds']} foregrounds "
-                f"({_fraction_pct(rate, 2)}) are turned into another class by some background of that class.", ""]
+                f"({fraction_percent(rate, 2)}) are turned into another class by some background of that class.", ""]
     figure = analysis.get("files", {}).get("figure", FIGURE_FILE)
     if analysis.get("output_dir"):
         figure = Path(os.path.relpath(Path(analysis["output_dir"]) / figure, report_dir)).as_posix()
     out += [f"![Top-{analysis['top_k']} backgrounds per class]({figure})", ""]
     return out
+
+
+ASR_DEFINITION = ("The ASR (attack success rate) of a background of class c is the share of the other classes' "
+                  "foregrounds that the model predicts as c when pasted on it. The fool rate of c is the share of the "
+                  "other classes' foregrounds that at least one background of c turns into c.")
 
 
 def categories_section(categories: dict | None) -> list[str]:
