@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from tools import __version__
 from tools.cli import add_log_level_argument, run_main
+from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, RELEASE_IMAGES_PER_CLASS, VARIATIONS, class_names
 from tools.provenance import check_outputs, write_text_atomic
 from tools.results.analysis import FIGURE_FILE, SUMMARY_FILE
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from tools.results.leaderboard import Row
 
 NOT_RUN = "Not run."
+DEFAULT_OUTPUT = Path("report.md")
 CRITERIA = {
     "any": "a foreground is vulnerable when some background makes the prediction wrong",
     "bg-class": "a foreground is vulnerable when some background of another class makes the model predict "
@@ -226,8 +228,8 @@ def _provenance_value(key: str, value) -> str:
     return str(value)
 
 
-def provenance_section(sources: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Provenance", ""]
+def provenance_table(sources: list[tuple[str, dict]]) -> tuple[list[str], list[list[str]]] | None:
+    """The provenance table's header and rows (one column per distinct provenance); None when none is recorded."""
     groups: list[tuple[list[str], dict]] = []  # identical provenance from several results shares a column
     for label, prov in sources:
         if not prov:
@@ -239,14 +241,28 @@ def provenance_section(sources: list[tuple[str, dict]]) -> list[str]:
         else:
             groups.append(([label], prov))
     if not groups:
-        return out + ["No provenance recorded.", ""]
+        return None
     keys = [(label, key) for label, key in PROVENANCE_ROWS if any(key in prov for _, prov in groups)]
     known = {key for _, key in PROVENANCE_ROWS}
     extra = sorted({key for _, prov in groups for key in prov} - known)
     rows = [[label, *(_provenance_value(key, prov.get(key)) for _, prov in groups)]
             for label, key in keys + [(key, key) for key in extra]]
-    header = ["", *(", ".join(labels) for labels, _ in groups)]
+    return ["", *(", ".join(labels) for labels, _ in groups)], rows
+
+
+def provenance_section(sources: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Provenance", ""]
+    found = provenance_table(sources)
+    if found is None:
+        return out + ["No provenance recorded.", ""]
+    header, rows = found
     return out + markdown_table(header, rows, "l" * len(header)) + [""]
+
+
+def provenance_sources(in9: dict | None, challenge: dict | None, analysis: dict | None,
+                       categories: dict | None) -> list[tuple[str, dict]]:
+    return [("IN-9 evaluation", (in9 or {}).get("provenance")), ("challenge", (challenge or {}).get("provenance")),
+            ("analysis", (analysis or {}).get("provenance")), ("categories", (categories or {}).get("provenance"))]
 
 
 def render_report(in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
@@ -261,9 +277,7 @@ def render_report(in9: dict | None = None, challenge: dict | None = None, analys
     out += challenge_section(challenge)
     out += analysis_section(analysis, Path(report_dir))
     out += categories_section(categories)
-    sources = [("IN-9 evaluation", (in9 or {}).get("provenance")), ("challenge", (challenge or {}).get("provenance")),
-               ("analysis", (analysis or {}).get("provenance")), ("categories", (categories or {}).get("provenance"))]
-    out += provenance_section(sources)
+    out += provenance_section(provenance_sources(in9, challenge, analysis, categories))
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -290,8 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"folder holding {SUMMARY_FILE} and {FIGURE_FILE} from tools.results.analysis (default: none)")
     parser.add_argument("--categories", type=Path, default=None, metavar="PATH",
                         help="prediction-categories JSON (default: the 'categories' entry of --in9, if any)")
-    parser.add_argument("--output", type=Path, default=Path("report.md"), metavar="PATH",
-                        help="the Markdown file to write (default: report.md)")
+    parser.add_argument("--output", type=Path, default=None, metavar="PATH",
+                        help=f"the Markdown file to write (default: {DEFAULT_OUTPUT}, or none when only --html is given)")
+    parser.add_argument("--html", type=Path, default=None, metavar="PATH",
+                        help="also write the report as one self-contained HTML page with pictures (default: none)")
+    parser.add_argument("--leaderboard", type=Path, default=None, metavar="DIR",
+                        help="with --html: add the leaderboard of this `python -m tools.zoo` --output-dir (default: none)")
     parser.add_argument("--allow-mixed", action="store_true",
                         help="report results of different models or data together, with a warning at the top "
                              "(default: refuse them)")
@@ -300,10 +318,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _main(args: argparse.Namespace) -> int:
-    check_outputs(files={"--output": args.output})
-    inputs = load_inputs(args.in9, args.challenge, args.analysis_dir, args.categories)
-    write_report(args.output, **inputs, warnings=check_inputs_belong_together(inputs, args.allow_mixed))
-    print(f"Wrote {args.output}")
+    from tools.results.html import write_html  # the HTML report's sections read this module
+
+    markdown = args.output or (None if args.html else DEFAULT_OUTPUT)
+    if args.leaderboard is not None and args.html is None:
+        raise UserError("--leaderboard goes into the HTML report: add --html PATH")
+    check_outputs(files={"--output": markdown, "--html": args.html})
+    inputs = load_inputs(args.in9, args.challenge, args.analysis_dir, args.categories,
+                         allow_none=args.leaderboard is not None)
+    warnings = check_inputs_belong_together(inputs, args.allow_mixed)
+    if markdown is not None:
+        write_report(markdown, **inputs, warnings=warnings)
+        print(f"Wrote {markdown}")
+    if args.html is not None:
+        write_html(args.html, **inputs, warnings=warnings, leaderboard=args.leaderboard)
+        print(f"Wrote {args.html}")
     return 0
 
 

@@ -1,0 +1,91 @@
+"""The HTML report: one self-contained page (thumbnails as data URIs, inline SVG charts, no network, a few lines
+of script to sort tables) holding what the Markdown report holds, in pictures beside their numbers.
+
+The sections are in `tools.results.html_sections`; the numbers come from `tools.results.report`'s pieces.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from PIL import Image
+
+from tools import __version__
+from tools.in9 import class_names
+from tools.provenance import write_text_atomic
+from tools.results import html_sections as sections
+from tools.results.report import provenance_sources
+
+STYLE = """
+body{font-family:sans-serif;margin:24px;color:#141414;max-width:1100px}
+table{border-collapse:collapse;margin:8px 0 16px}td{overflow-wrap:anywhere}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th:first-child,td:first-child{text-align:left}table.sortable th{cursor:pointer;background:#f2f2f2}
+figure{display:inline-block;margin:4px;text-align:center;font-size:12px;vertical-align:top}
+.row{display:flex;align-items:center}.label{width:110px;font-weight:bold}.missing{color:#a33}
+.warning{font-weight:bold;color:#a33}
+"""
+# Sorting by a header click (numbers by their data-value), and a record of images that did not decode.
+SCRIPT = """
+document.querySelectorAll('table.sortable th').forEach(function (th, col) {
+  th.addEventListener('click', function () {
+    var body = th.closest('table').tBodies[0], up = th.dataset.order !== 'up';
+    var key = function (tr) { var c = tr.cells[col]; var v = parseFloat(c.dataset.value);
+      return isNaN(v) ? c.textContent : v; };
+    Array.from(body.rows).sort(function (a, b) { var x = key(a), y = key(b);
+      return (x < y ? -1 : x > y ? 1 : 0) * (up ? 1 : -1); }).forEach(function (tr) { body.appendChild(tr); });
+    th.dataset.order = up ? 'up' : 'down';
+  });
+});
+window.addEventListener('load', function () {
+  document.body.dataset.brokenImages = Array.from(document.images).filter(function (img) {
+    return !img.complete || img.naturalWidth === 0; }).length;
+});
+"""
+
+
+def leaderboard_section(output_dir: Path | None) -> str:
+    """The zoo's leaderboard (with the published rows) as a sortable table beside its scatter plot."""
+    if output_dir is None:
+        return ""
+    from tools.results import leaderboard  # only a zoo report reads the zoo's results
+
+    rows = leaderboard.sort_rows([leaderboard.measured_row(p) for p in leaderboard.read_results(output_dir)]
+                                 + leaderboard.published_rows())
+    with tempfile.TemporaryDirectory() as folder:
+        plot = Path(folder) / leaderboard.PLOT_FILE
+        leaderboard.draw_plot(rows, plot)
+        with Image.open(plot) as img:
+            uri = sections.data_uri(img.convert("RGB"), "PNG")
+    numbers = ["original", "mixed_same", "mixed_rand", "bg_gap", "challenge_accuracy"]
+    cells = [[sections.cell(row.model), sections.cell(row.kind),
+              *(sections.cell("–" if getattr(row, n) is None else f"{getattr(row, n):.2f}", getattr(row, n))
+                for n in numbers)] for row in rows]
+    body = (f'<img src="{uri}" alt="BG-gap against challenge accuracy, one point per model with both (the table '
+            f'below holds the numbers)">'
+            + sections.table(["Model", "Kind", "original", "mixed_same", "mixed_rand", "BG-gap", "Challenge"], cells,
+                             "leaderboard", True))
+    return f"<section><h2>Leaderboard</h2>{body}</section>"
+
+
+def render_html(in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
+                categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None) -> str:
+    """The report as one HTML page; `leaderboard` is a zoo --output-dir to add its leaderboard."""
+    parts = [f"<p>Written by bg-challenge-toolkit {__version__} from its results files. IN-9 classes: "
+             f"{sections.esc(', '.join(class_names()))}.</p>"]
+    parts += [f'<p class="warning">Warning: {sections.esc(w)}.</p>' for w in warnings]
+    parts += [sections.in9_section(in9), sections.challenge_section(challenge), sections.analysis_section(analysis),
+              sections.categories_section(categories), leaderboard_section(leaderboard),
+              sections.provenance_section(provenance_sources(in9, challenge, analysis, categories))]
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Backgrounds Challenge report"
+            f"</title><style>{STYLE}</style></head><body><h1>Backgrounds Challenge report</h1>{''.join(parts)}"
+            f"<script>{SCRIPT}</script></body></html>\n")
+
+
+def write_html(path: Path | str, in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
+               categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None) -> str:
+    """Write the HTML report to `path` (atomically) and return its text."""
+    text = render_html(in9, challenge, analysis, categories, warnings, leaderboard)
+    write_text_atomic(Path(path), text)
+    return text
