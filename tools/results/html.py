@@ -20,7 +20,8 @@ from tools.results.report import provenance_sources
 
 STYLE = """
 body{font-family:sans-serif;margin:24px;color:#141414;max-width:1100px}
-table{border-collapse:collapse;margin:8px 0 16px}td{overflow-wrap:anywhere}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
+table{border-collapse:collapse;margin:8px 0 16px}th,td{border:1px solid #ccc;padding:3px 8px;text-align:left}
+td[data-value]{text-align:right}td{overflow-wrap:anywhere}td:first-child{overflow-wrap:normal}
 th:first-child,td:first-child{text-align:left}table.sortable th{cursor:pointer;background:#f2f2f2}
 figure{display:inline-block;margin:4px;text-align:center;font-size:12px;vertical-align:top}
 .row{display:flex;align-items:center}.label{width:110px;font-weight:bold}.missing{color:#a33}
