@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.helpers import check_error
 from tools import in9_eval
 from tools.challenge import cli as challenge_cli
 from tools.in9 import VARIATIONS, class_names
+from tools.data.decoding import decode_rgb
 from tools.results import html_sections, report
 from tools.results.categories import Category
 from tools.results.html import write_html
@@ -159,6 +161,22 @@ def _vulnerable(inputs: dict) -> list[tuple[int, bool]]:
     return [(int(label), bool((row != label).any())) for label, row in zip(matrix.fg_labels, matrix.predictions)]
 
 
+def check_composites(composites: list[dict], inputs: dict) -> None:
+    """Each composite is its foreground pasted on a background that makes the prediction wrong, named right."""
+    matrix = load_matrix(inputs["analysis"]["output_dir"])
+    root = Path(inputs["analysis"]["data_path"])
+    for img in composites:
+        words = img["alt"].split()  # "<class> foreground <stem> on <class> background <stem>, predicted <class>"
+        i, j = matrix.fg_stems.index(words[2]), matrix.bg_stems.index(words[6].rstrip(","))
+        assert matrix.predictions[i, j] != matrix.fg_labels[i] and words[-1] == NAMES[matrix.predictions[i, j]]
+        mask = np.load(root / matrix.fg_masks[i]) > 0
+        truth = np.where(mask[..., None], decode_rgb(root / matrix.fg_images[i]), decode_rgb(root / matrix.bg_images[j]))
+        expected = np.asarray(Image.fromarray(truth).resize((html_sections.THUMB,) * 2, Image.Resampling.LANCZOS))
+        with Image.open(io.BytesIO(base64.b64decode(img["src"].split(",", 1)[1]))) as shown:
+            got = np.asarray(shown.convert("RGB"))
+        assert np.abs(got.astype(int) - expected.astype(int)).mean() < 8  # JPEG at quality 80
+
+
 def test_the_page_holds_the_results_numbers_and_small_embedded_images(runs):
     out, inputs = runs
     text = (out / "report.html").read_text()
@@ -172,6 +190,7 @@ def test_the_page_holds_the_results_numbers_and_small_embedded_images(runs):
     assert len(thumbnails) == tops + len(composites)
     fooled_classes = {NAMES[label] for label, vulnerable in _vulnerable(inputs) if vulnerable}
     assert {img["alt"].split(" foreground")[0] for img in composites} == fooled_classes
+    check_composites(composites, inputs)
     assert len(text.encode()) < 2_000 + 10_000 * len(thumbnails) + 100_000  # the tables, and a few kB per image
 
 
@@ -204,6 +223,33 @@ def test_published_rows_beside_a_run_on_the_release(runs):
     rows = Page(html_sections.in9_section(in9)).rows("published")
     assert "ResNet-50" in rows and _number(rows["ResNet-50"][3][1]) == 7.3  # the paper's BG-gap
     assert "| ResNet-50 | 95.60 | 86.20 | 78.90 | 7.30 | 22.30 |" in "\n".join(report.in9_section(in9))
+
+
+def test_the_report_command_writes_the_page_and_the_leaderboard(runs, tmp_path, capsys, monkeypatch):
+    out, inputs = runs
+    zoo = tmp_path / "zoo"
+    (zoo / "models").mkdir(parents=True)
+    (zoo / "models" / "toy.json").write_text(json.dumps({"model": "toy", "source": "torchscript",
+                                                          "in9": inputs["in9"], "challenge": inputs["challenge"]}))
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "page.html"
+    assert report.main(["--challenge", str(out / "challenge.json"), "--html", str(target),
+                                "--leaderboard", str(zoo)]) == 0
+    assert f"Wrote {target}" in capsys.readouterr().out and not (tmp_path / "report.md").exists()
+    page = Page(target.read_text())
+    rows = page.rows("leaderboard")
+    toy = [_number(v) for _, v in rows["toy"][1:]]
+    assert toy == [inputs["in9"]["original"]["accuracy"], inputs["in9"]["mixed_same"]["accuracy"],
+                   inputs["in9"]["mixed_rand"]["accuracy"], inputs["in9"]["bg_gap"],
+                   inputs["challenge"]["challenge_accuracy"]]
+    assert rows["ResNet-50"][0][0] == "published" and "sortable" in target.read_text()
+    check_images(page)
+
+
+def test_a_leaderboard_without_html_is_one_line(tmp_path, capsys):
+    code = report.main(["--leaderboard", str(tmp_path), "--output", str(tmp_path / "r.md")])
+    out, err = capsys.readouterr()
+    assert "--leaderboard goes into the HTML report: add --html PATH" in check_error(code, out, err)
 
 
 # ----------------------------------------------------------------------------------------------------------
