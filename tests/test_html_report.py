@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.helpers import check_error
+from tests.helpers import TINY, check_error, run_train
 from tools import in9_eval
 from tools.challenge import cli as challenge_cli
 from tools.in9 import VARIATIONS, class_names
@@ -249,7 +249,29 @@ def test_the_report_command_writes_the_page_and_the_leaderboard(runs, tmp_path, 
 def test_a_leaderboard_without_html_is_one_line(tmp_path, capsys):
     code = report.main(["--leaderboard", str(tmp_path), "--output", str(tmp_path / "r.md")])
     out, err = capsys.readouterr()
-    assert "--leaderboard goes into the HTML report: add --html PATH" in check_error(code, out, err)
+    assert "--leaderboard adds to the HTML report: add --html PATH" in check_error(code, out, err)
+
+
+def test_a_training_run_leaves_its_curves_and_before_after_table(tiny, tmp_path, capsys, one_thread):
+    out = tmp_path / "run"
+    code, _, err = run_train(["--data-path", tiny, "--weights", "none", "--epochs", 2, "--batch-size", 6,
+                              "--eval-data", tiny, "--output-dir", out, *TINY], capsys)
+    assert code == 0, err
+    text = (out / "report.html").read_text()
+    page = Page(text)
+    logged = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    logged = [r for r in logged if "loss" in r]
+    assert [(_number(r[0][1]), _number(r[2][1])) for r in page.tables["training"][1:]] == \
+        [(r["step"], r["loss"]) for r in logged]
+    assert text.count("<polyline") == 2
+    trained = json.loads((out / "eval_trained" / "in9.json").read_text())
+    rows = page.rows("before-after")
+    assert [_number(rows[name][1][1]) for name in VARIATIONS] == [trained[name]["accuracy"] for name in VARIATIONS]
+    assert _number(rows["BG-gap"][1][1]) == trained["bg_gap"] and rows["BG-gap"][0][1] is None  # random start
+    assert "The starting point (random weights) was not evaluated." in text
+    # the report command renders the same section from the run's folder
+    code = report.main(["--training", str(out), "--html", str(tmp_path / "again.html")])
+    assert code == 0 and Page((tmp_path / "again.html").read_text()).tables["before-after"] == page.tables["before-after"]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ The sections are in `tools.results.html_sections`; the numbers come from `tools.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Sequence
@@ -13,10 +14,11 @@ from typing import Sequence
 from PIL import Image
 
 from tools import __version__
+from tools.errors import UserError
 from tools.in9 import class_names
 from tools.provenance import write_text_atomic
 from tools.results import html_sections as sections
-from tools.results.report import provenance_sources
+from tools.results import report
 
 STYLE = """
 body{font-family:sans-serif;margin:24px;color:#141414;max-width:1100px}
@@ -70,23 +72,80 @@ def leaderboard_section(output_dir: Path | None) -> str:
     return f"<section><h2>Leaderboard</h2>{body}</section>"
 
 
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path}: {exc}; rerun train.py with --eval-data") from None
+
+
+def training_section(output_dir: Path | None) -> str:
+    """A train.py --eval-data run: its loss and accuracy curves and the starting point against the trained model."""
+    if output_dir is None:
+        return ""
+    from tools.training.evaluation import START_DIR, TRAINED_DIR  # only a training report reads a training run
+    from tools.training.loop import LOG_NAME
+
+    output_dir = Path(output_dir)
+    evaluated = {name: {"in9": _read_json(output_dir / name / "in9.json"),
+                        "challenge": _read_json(output_dir / name / "challenge.json")} for name in (TRAINED_DIR, START_DIR)}
+    if evaluated[TRAINED_DIR]["in9"] is None:
+        raise UserError(f"{output_dir} holds no {TRAINED_DIR}/in9.json; pass the --output-dir of a train.py run "
+                        f"with --eval-data")
+    start = evaluated[START_DIR] if evaluated[START_DIR]["in9"] is not None else None
+    try:
+        lines = (output_dir / LOG_NAME).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        lines = []
+    steps = [r for r in (json.loads(line) for line in lines if line.strip()) if "loss" in r]
+    parts = []
+    if steps:
+        parts += [sections.line_chart([(r["step"], r["loss"]) for r in steps], "Training loss per step", "loss"),
+                  sections.line_chart([(r["step"], 100 * r["accuracy"]) for r in steps],
+                                      "Training accuracy per step (%)", "accuracy (%)")]
+        rows = [[sections.cell(r["step"], r["step"]), sections.cell(r["epoch"], r["epoch"]),
+                 sections.cell(f"{r['loss']:.4f}", r["loss"]), sections.cell(f"{100 * r['accuracy']:.2f}%", r["accuracy"]),
+                 sections.cell(f"{r['lr']:.3g}", r["lr"])] for r in steps]
+        parts.append("<details><summary>Every logged step</summary>"
+                     + sections.table(["Step", "Epoch", "Loss", "Accuracy", "Learning rate"], rows, "training", True)
+                     + "</details>")
+    else:
+        parts.append(f"<p>No {LOG_NAME} under {sections.esc(output_dir)}: no curves.</p>")
+    rows, bars = [], []
+    for label, before, after in report.before_after(evaluated[TRAINED_DIR], start):
+        shown = report.points if label == report.BG_GAP else report.percent
+        rows.append([sections.cell(label), sections.cell(shown(before), before), sections.cell(shown(after), after),
+                     sections.cell(report.change(before, after))])
+        if label != report.BG_GAP:
+            bars += [(f"{label} start", before), (f"{label} trained", after)] if start else [(label, after)]
+    parts += ["<h3>Starting point against trained model</h3>", sections.bar_chart(bars, "Accuracy before and after"),
+              sections.table(["", "Starting point", "Trained", "Change"], rows, "before-after")]
+    if start is None:
+        parts.append("<p>The starting point (random weights) was not evaluated.</p>")
+    return f"<section><h2>Training</h2>{''.join(parts)}</section>"
+
+
 def render_html(in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
-                categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None) -> str:
-    """The report as one HTML page; `leaderboard` is a zoo --output-dir to add its leaderboard."""
+                categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None,
+                training: Path | None = None) -> str:
+    """The report as one HTML page; `leaderboard` is a zoo --output-dir to add its leaderboard, `training` a
+    train.py --output-dir (of a run with --eval-data) to add its curves and before/after table."""
     parts = [f"<p>Written by bg-challenge-toolkit {__version__} from its results files. IN-9 classes: "
              f"{sections.esc(', '.join(class_names()))}.</p>"]
     parts += [f'<p class="warning">Warning: {sections.esc(w)}.</p>' for w in warnings]
+    parts.append(training_section(training))
     parts += [sections.in9_section(in9), sections.challenge_section(challenge), sections.analysis_section(analysis),
               sections.categories_section(categories), leaderboard_section(leaderboard),
-              sections.provenance_section(provenance_sources(in9, challenge, analysis, categories))]
+              sections.provenance_section(report.provenance_sources(in9, challenge, analysis, categories))]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Backgrounds Challenge report"
             f"</title><style>{STYLE}</style></head><body><h1>Backgrounds Challenge report</h1>{''.join(parts)}"
             f"<script>{SCRIPT}</script></body></html>\n")
 
 
 def write_html(path: Path | str, in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
-               categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None) -> str:
+               categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None,
+               training: Path | None = None) -> str:
     """Write the HTML report to `path` (atomically) and return its text."""
-    text = render_html(in9, challenge, analysis, categories, warnings, leaderboard)
+    text = render_html(in9, challenge, analysis, categories, warnings, leaderboard, training)
     write_text_atomic(Path(path), text)
     return text

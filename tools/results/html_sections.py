@@ -67,6 +67,26 @@ def bar_chart(items: list[tuple[str, float | None]], title: str, unit: str = "%"
     return "".join(parts) + "</svg>"
 
 
+def line_chart(points: list[tuple[float, float]], title: str, label: str) -> str:
+    """One line through (x, y) points as inline SVG, its axes' ranges written at the ends."""
+    width, height, pad = 480, 160, 40
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    sx = (width - 2 * pad) / ((x1 - x0) or 1)
+    sy = (height - 2 * pad) / ((y1 - y0) or 1)
+    line = " ".join(f"{pad + (x - x0) * sx:.1f},{height - pad - (y - y0) * sy:.1f}" for x, y in points)
+    return (f'<svg role="img" aria-label="{esc(title)}" width="{width}" height="{height}" '
+            f'xmlns="http://www.w3.org/2000/svg"><title>{esc(title)}</title>'
+            f'<rect x="{pad}" y="{pad}" width="{width - 2 * pad}" height="{height - 2 * pad}" fill="none" stroke="#999"/>'
+            f'<polyline points="{line}" fill="none" stroke="#3b6fb6" stroke-width="2"/>'
+            f'<text x="{pad}" y="20" font-size="13">{esc(title)}</text>'
+            f'<text x="2" y="{pad + 4}" font-size="11">{y1:.3g}</text>'
+            f'<text x="2" y="{height - pad}" font-size="11">{y0:.3g}</text>'
+            f'<text x="{pad}" y="{height - pad + 16}" font-size="11">step {x0:g}</text>'
+            f'<text x="{width - pad}" y="{height - pad + 16}" font-size="11" text-anchor="end">step {x1:g} '
+            f'({esc(label)})</text></svg>')
+
+
 def _section(title: str, body: str) -> str:
     return f"<section><h2>{esc(title)}</h2>{body}</section>"
 

@@ -199,6 +199,33 @@ ASR_DEFINITION = ("The ASR (attack success rate) of a background of class c is t
                   "other classes' foregrounds that at least one background of c turns into c.")
 
 
+def before_after(trained: dict, start: dict | None) -> list[tuple[str, float | None, float | None]]:
+    """A training run's comparison rows (label, starting point, trained) from the {'in9', 'challenge'} results of
+    each (`start` None: not evaluated): the variations' accuracies, the BG-gap, and the challenge accuracy when
+    it ran."""
+    def in9_value(results: dict | None, key: str):
+        entry = (results or {}).get("in9", {}).get(key)
+        return entry["accuracy"] if isinstance(entry, dict) else entry
+
+    rows = [(name, in9_value(start, name), in9_value(trained, name)) for name in VARIATIONS]
+    rows.append((BG_GAP, in9_value(start, "bg_gap"), in9_value(trained, "bg_gap")))
+    if trained.get("challenge") is not None:
+        rows.append((CHALLENGE_ACCURACY, ((start or {}).get("challenge") or {}).get("challenge_accuracy"),
+                     trained["challenge"]["challenge_accuracy"]))
+    return rows
+
+
+BG_GAP, CHALLENGE_ACCURACY = "BG-gap", "Challenge accuracy"  # before_after's rows after the variations
+
+
+def points(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def change(before: float | None, after: float | None) -> str:
+    return "–" if before is None or after is None else f"{after - before:+.2f}"
+
+
 def categories_section(categories: dict | None) -> list[str]:
     out = ["## Prediction categories", ""]
     if not categories:
@@ -310,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also write the report as one self-contained HTML page with pictures (default: none)")
     parser.add_argument("--leaderboard", type=Path, default=None, metavar="DIR",
                         help="with --html: add the leaderboard of this `python -m tools.zoo` --output-dir (default: none)")
+    parser.add_argument("--training", type=Path, default=None, metavar="DIR",
+                        help="with --html: add the curves and before/after table of this `train.py --eval-data` "
+                             "--output-dir (default: none)")
     parser.add_argument("--allow-mixed", action="store_true",
                         help="report results of different models or data together, with a warning at the top "
                              "(default: refuse them)")
@@ -321,17 +351,18 @@ def _main(args: argparse.Namespace) -> int:
     from tools.results.html import write_html  # the HTML report's sections read this module
 
     markdown = args.output or (None if args.html else DEFAULT_OUTPUT)
-    if args.leaderboard is not None and args.html is None:
-        raise UserError("--leaderboard goes into the HTML report: add --html PATH")
+    html_only = [flag for flag, value in (("--leaderboard", args.leaderboard), ("--training", args.training)) if value]
+    if html_only and args.html is None:
+        raise UserError(f"{html_only[0]} adds to the HTML report: add --html PATH")
     check_outputs(files={"--output": markdown, "--html": args.html})
     inputs = load_inputs(args.in9, args.challenge, args.analysis_dir, args.categories,
-                         allow_none=args.leaderboard is not None)
+                         allow_none=bool(html_only))
     warnings = check_inputs_belong_together(inputs, args.allow_mixed)
     if markdown is not None:
         write_report(markdown, **inputs, warnings=warnings)
         print(f"Wrote {markdown}")
     if args.html is not None:
-        write_html(args.html, **inputs, warnings=warnings, leaderboard=args.leaderboard)
+        write_html(args.html, **inputs, warnings=warnings, leaderboard=args.leaderboard, training=args.training)
         print(f"Wrote {args.html}")
     return 0
 
