@@ -16,7 +16,7 @@ from PIL import Image
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, class_names
 from tools.results import report
-from tools.results.analysis import fooling_confusion, fooling_examples
+from tools.results.analysis import asr_counts, fooling_confusion, fooling_examples
 from tools.results.categories import CATEGORY_TITLES, Category
 from tools.results.figures import data_uri, square, thumbnail
 from tools.results.matrix import load_matrix
@@ -198,9 +198,8 @@ def _matrix_parts(analysis: dict, names: list[str], data_path: Path | None) -> s
     except (KeyError, UserError) as exc:
         return f'<p class="missing">The saved prediction matrix is not readable ({esc(exc)}): no examples.</p>'
     p, fg, bg = matrix.predictions, matrix.fg_labels, matrix.bg_labels
-    fooled = ((p == bg[None, :]) & (fg[:, None] != bg[None, :])).sum(axis=0)
     examples = []
-    for i, j in fooling_examples(p, fg, fooled, EXAMPLES_PER_CLASS):
+    for i, j in fooling_examples(p, fg, asr_counts(p, fg, bg)[0], EXAMPLES_PER_CLASS):
         predicted = names[p[i, j]] if p[i, j] >= 0 else "outside IN-9"
         caption = f"{names[fg[i]]} → {predicted}"
         alt = f"{names[fg[i]]} foreground {matrix.fg_stems[i]} on {names[bg[j]]} background {matrix.bg_stems[j]}, " \
