@@ -20,4 +20,8 @@ def test_the_demo_report_holds_all_it_ran(tmp_path):
                     "## Prediction categories", "## Provenance"):
         assert heading in report, heading
     assert "| `mixed_rand` |" in report and "BG-gap" in report
+    page = (out / "report.html").read_text()
+    for heading in ("IN-9 accuracy", "Backgrounds Challenge", "Adversarial backgrounds", "Prediction categories"):
+        assert f"<h2>{heading}</h2>" in page, heading
+    assert "data:image/jpeg;base64," in page and "Not run." not in page
     assert (out / "in9.json").stat().st_mode & 0o077 == (out / "report.md").stat().st_mode & 0o077

@@ -82,6 +82,8 @@ CASES = [
     ("tools.merge", "--results-file", "under a file"), ("tools.merge", "--output-dir", "a file"),
     ("tools.merge", "--per-foreground-csv", "a folder"), ("tools.merge", "--report", "a folder"),
     ("tools.results.report", "--output", "a folder"), ("tools.results.report", "--output", "under a file"),
+    ("in9_eval", "--html", "under a file"), ("challenge_eval", "--html", "a folder"), ("tools.merge", "--html", "a folder"),
+    ("tools.results.report", "--html", "a folder"),
     ("tools.data build", "--out", "under a file"), ("tools.data build", "--out", "a file"),
 ]
 
@@ -277,6 +279,7 @@ IN_PLACE_WRITERS = {
     "tools/provenance.py": {"atomic_write"},  # the helper itself
     "tools/data/decoding.py": {"save"},  # a cache entry, written inside a temporary folder renamed into place
     "tools/training/loop.py": {"write"},  # train_log.jsonl, appended to one line at a time
+    "tools/results/figures.py": {"data_uri"},  # an image encoded into memory (io.BytesIO), no file
     "tools/data/synthetic.py": None,  # a generated data set (the whole module)
     "tools/data/builder.py": None,  # a built data set
     "tools/data/download.py": None,  # a resumable download, extracted into a temporary folder

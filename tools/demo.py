@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
          "--results-file", str(args.out / "challenge.json"), *common],
         [sys.executable, "-m", "tools.results.report", "--in9", str(args.out / "in9.json"), "--challenge",
          str(args.out / "challenge.json"), "--analysis-dir", str(args.out / "results"), "--output",
-         str(args.out / "report.md")],
+         str(args.out / "report.md"), "--html", str(args.out / "report.html")],
     ]
     for command in commands:
         print("\n$ " + " ".join(Path(c).name if c == sys.executable else c for c in command), flush=True)
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if code:
             return code
     print(f"\nresults: {args.out}/in9.json, {args.out}/challenge.json, {args.out}/report.md, "
-          f"{args.out}/results/top_backgrounds.png")
+          f"{args.out}/report.html, {args.out}/results/top_backgrounds.png")
     return 0
 
 

@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made, so the registry i
     import torch
 
 NUM_IN9_CLASSES = 9
+RELEASE_IMAGES_PER_CLASS = 450  # in each variation of the IN-9 test release
 NUM_IMAGENET_CLASSES = 1000
 SUPPORTED_CLASS_COUNTS = (NUM_IN9_CLASSES, NUM_IMAGENET_CLASSES)
 IMAGE_SIZE = 224

@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "original, mixed_rand and only_bg_t, evaluating those three as needed (default: off)")
     parser.add_argument("--report", type=Path, default=None, metavar="PATH",
                         help="write a Markdown report of the results (default: none)")
+    parser.add_argument("--html", type=Path, default=None, metavar="PATH",
+                        help="write the report as one self-contained HTML page with pictures (default: none)")
     options.add_common_arguments(parser)
     return parser
 
@@ -46,7 +48,8 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
         return 0
-    print("\n".join(publish_in9(run, args.categories, args.results_file, args.report)))
+    print("\n".join(publish_in9(run, args.categories, args.results_file, args.report,
+                                 html=args.html)))
     return 0
 
 

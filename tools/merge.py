@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the merged results and their provenance as JSON (default: none)")
     parser.add_argument("--report", type=Path, default=None, metavar="PATH",
                         help="write a Markdown report of the results (default: none)")
+    parser.add_argument("--html", type=Path, default=None, metavar="PATH",
+                        help="write the report as one self-contained HTML page with pictures (default: none)")
     parser.add_argument("--per-foreground-csv", type=Path, default=None, metavar="PATH",
                         help="challenge: one row per foreground, as challenge_eval.py writes it (default: none)")
     parser.add_argument("--analysis", action="store_true",
@@ -94,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _main(args: argparse.Namespace) -> int:
-    check_outputs(files={"--results-file": args.results_file, "--report": args.report,
+    check_outputs(files={"--results-file": args.results_file, "--report": args.report, "--html": args.html,
                          "--per-foreground-csv": args.per_foreground_csv},
                   folders={"--output-dir": args.output_dir})
     found = find_shards(args.folders)
@@ -108,9 +110,11 @@ def _main(args: argparse.Namespace) -> int:
         if args.analysis and result.state.matrix is None:
             raise UserError("--analysis needs the whole prediction matrix: the shards ran without --full")
         lines = publish_challenge(result, args.output_dir or args.folders[0], data_path, num_classes, args.analysis,
-                                  args.top_k, args.per_foreground_csv, args.results_file, args.report, RERUN_HINT)
+                                  args.top_k, args.per_foreground_csv, args.results_file, args.report, RERUN_HINT,
+                                  html=args.html)
     else:
-        lines = publish_in9(merge_in9(found[kind]), args.categories, args.results_file, args.report, RERUN_HINT)
+        lines = publish_in9(merge_in9(found[kind]), args.categories, args.results_file, args.report, RERUN_HINT,
+                            html=args.html)
     print("\n".join(lines))
     return 0
 

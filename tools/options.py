@@ -138,7 +138,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_level_argument(out)
 
 
-OUTPUT_FILE_ARGUMENTS = ("results_file", "report", "per_foreground_csv")  # those a script has
+OUTPUT_FILE_ARGUMENTS = ("results_file", "report", "html", "per_foreground_csv")  # those a script has
 
 
 def check_output_arguments(args: argparse.Namespace) -> None:

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"most fooling backgrounds listed and drawn per class (default: {DEFAULT_TOP_K})")
     group.add_argument("--report", type=Path, default=None, metavar="PATH",
                        help="write a Markdown report of the results (default: none)")
+    group.add_argument("--html", type=Path, default=None, metavar="PATH",
+                       help="write the report as one self-contained HTML page with pictures (default: none)")
     group.add_argument("--per-foreground-csv", type=Path, default=None, metavar="PATH",
                        help="one row per foreground: stem, class, vulnerable, first fooling background found, the "
                             "prediction it caused (default: none)")
@@ -60,7 +62,8 @@ def _main(args: argparse.Namespace) -> int:
     if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
         return 0
     print("\n".join(publish_challenge(result, args.output_dir, checked.data_path, loaded.num_classes, args.analysis,
-                                      args.top_k, args.per_foreground_csv, args.results_file, args.report)))
+                                      args.top_k, args.per_foreground_csv, args.results_file, args.report,
+                                      html=args.html)))
     return 0
 
 

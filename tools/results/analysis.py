@@ -107,6 +107,33 @@ def fooled_into_background_class(predictions: np.ndarray, fg_labels: np.ndarray,
     return turned.any(axis=1)
 
 
+def fooling_confusion(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.ndarray,
+                      backgrounds: np.ndarray, num_classes: int = NUM_IN9_CLASSES) -> np.ndarray:
+    """(num_classes, num_classes + 1) counts of composites: row the foreground's class, column the predicted class
+    (the last column: outside IN-9), over every foreground pasted on each of `backgrounds` (indices) of another
+    class than its own."""
+    counts = np.zeros((num_classes, num_classes + 1), dtype=np.int64)
+    chosen = predictions[:, backgrounds]
+    other = fg_labels[:, None] != bg_labels[None, backgrounds]
+    rows = np.broadcast_to(fg_labels[:, None], chosen.shape)[other]
+    np.add.at(counts, (rows, np.where(chosen[other] < 0, num_classes, chosen[other])), 1)
+    return counts
+
+
+def fooling_examples(predictions: np.ndarray, fg_labels: np.ndarray, fooled: np.ndarray, per_class: int,
+                     num_classes: int = NUM_IN9_CLASSES) -> list[tuple[int, int]]:
+    """Per foreground class, its first `per_class` foregrounds (in index order) that some background makes
+    wrong, each as (foreground, background): of the backgrounds that make it wrong, the one that fools the
+    most foregrounds (`fooled`, per background; ties go to the lower index)."""
+    out = []
+    wrong = predictions != fg_labels[:, None]
+    for c in range(num_classes):
+        for i in np.flatnonzero((fg_labels == c) & wrong.any(axis=1))[:per_class]:
+            candidates = np.flatnonzero(wrong[i])
+            out.append((int(i), int(candidates[np.lexsort((candidates, -fooled[candidates]))[0]])))
+    return out
+
+
 def _rate(numerator: int, denominator: int) -> float | None:
     return round(numerator / denominator, ROUND) if denominator else None
 

@@ -6,6 +6,8 @@ The figures are drawn beside their data with these: `analysis.draw_top_backgroun
 
 from __future__ import annotations
 
+import base64
+import io
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
@@ -81,15 +83,27 @@ def paste_vertical_text(canvas: Image.Image, at: tuple[int, int], size: tuple[in
     canvas.paste(strip.rotate(90, expand=True), at)
 
 
+def square(image: Image.Image, size: int) -> Image.Image:
+    """`image` as RGB, cropped and scaled to a `size` square."""
+    return ImageOps.fit(image.convert("RGB"), (size, size), Image.Resampling.LANCZOS)
+
+
 def thumbnail(path: Path | None, size: int) -> Image.Image | None:
     """The image at `path` cropped and scaled to a `size` square; None when there is none or it cannot be read."""
     if path is None:
         return None
     try:
         with Image.open(path) as img:
-            return ImageOps.fit(img.convert("RGB"), (size, size), Image.Resampling.LANCZOS)
+            return square(img, size)
     except (OSError, UnidentifiedImageError, ValueError):
         return None
+
+
+def data_uri(image: Image.Image, fmt: str = "JPEG", quality: int = 80) -> str:
+    """`image` encoded as a base64 data URI (JPEG at `quality`, or PNG), for a self-contained HTML page."""
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **({"quality": quality} if fmt == "JPEG" else {"optimize": True}))
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(buffer.getvalue()).decode('ascii')}"
 
 
 def save_png(canvas: Image.Image, path: Path | str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,6 +42,8 @@ class ChallengeMatrix:
     bg_stems: list[str]
     bg_images: list[str]  # relative to the data root
     meta: dict
+    fg_images: list[str] = field(default_factory=list)  # relative to the data root
+    fg_masks: list[str] = field(default_factory=list)  # relative to the data root
 
 
 def write_matrix(output_dir: Path | str, result: ChallengeResult, data_path: Path | str, num_classes: int) -> None:
@@ -130,4 +132,5 @@ def load_matrix(output_dir: Path | str) -> ChallengeMatrix:
     return ChallengeMatrix(
         predictions=predictions, fg_labels=fg_labels, fg_stems=[r["stem"] for r in foregrounds],
         bg_labels=np.array([int(r["label"]) for r in backgrounds], dtype=np.int64),
-        bg_stems=[r["stem"] for r in backgrounds], bg_images=[r["image"] for r in backgrounds], meta=meta)
+        bg_stems=[r["stem"] for r in backgrounds], bg_images=[r["image"] for r in backgrounds], meta=meta,
+        fg_images=[r["image"] for r in foregrounds], fg_masks=[r["mask"] for r in foregrounds])

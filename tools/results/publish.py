@@ -1,6 +1,6 @@
 """What a finished run writes and prints, composed for the commands (both scripts and `tools.merge`): the results
 JSON, and on request the challenge's per-foreground CSV and --full matrix, the prediction categories, the
-background analysis and the report.
+background analysis and the reports (Markdown and HTML).
 
 The evaluation returns its results (`In9Run`, `ChallengeResult`) and knows nothing of this package; the
 commands put the two together here.
@@ -15,6 +15,7 @@ from tools.provenance import RESUME_HINT, OutputFiles, write_json_atomic
 from tools.results.analysis import DEFAULT_TOP_K, summary_lines, write_analysis
 from tools.results.categories import CATEGORY_VARIATIONS, format_categories, prediction_categories
 from tools.results.matrix import write_matrix
+from tools.results.html import write_html
 from tools.results.report import write_report
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def publish_in9(run: In9Run, categories: bool = False, results_file: Path | None = None, report: Path | None = None,
-                rerun_hint: str = RESUME_HINT) -> list[str]:
+                rerun_hint: str = RESUME_HINT, html: Path | None = None) -> list[str]:
     """Write what in9_eval.py writes (and tools.merge for shards); returns the lines to print.
 
     A file that cannot be written does not stop the other; the failure is then one user error
@@ -39,13 +40,15 @@ def publish_in9(run: In9Run, categories: bool = False, results_file: Path | None
             outputs.write(write_json_atomic, results_file, payload)
         if report is not None:
             outputs.write(write_report, report, in9=payload, categories=payload.get("categories"))
+        if html is not None:
+            outputs.write(write_html, html, in9=payload, categories=payload.get("categories"))
     return lines
 
 
 def publish_challenge(result: ChallengeResult, output_dir: Path, data_path: Path, num_classes: int,
                       analysis: bool = False, top_k: int = DEFAULT_TOP_K, per_foreground_csv: Path | None = None,
                       results_file: Path | None = None, report: Path | None = None,
-                      rerun_hint: str = RESUME_HINT) -> list[str]:
+                      rerun_hint: str = RESUME_HINT, html: Path | None = None) -> list[str]:
     """Write what challenge_eval.py writes (and tools.merge for shards); returns the lines to print.
 
     The results file comes first; a file that cannot be written does not stop the others, and the failure
@@ -65,4 +68,6 @@ def publish_challenge(result: ChallengeResult, output_dir: Path, data_path: Path
                     lines += summary_lines(summary)
         if report is not None:
             outputs.write(write_report, report, challenge=result.to_json(), analysis=summary)
+        if html is not None:
+            outputs.write(write_html, html, challenge=result.to_json(), analysis=summary)
     return lines

@@ -129,9 +129,10 @@ def read_results_payload(payload: dict, path: Path, kind: str) -> dict:
 
 
 def load_inputs(in9: Path | None = None, challenge: Path | None = None, analysis_dir: Path | None = None,
-                categories: Path | None = None) -> dict:
-    """Read the results files named on the command line into write_report's keyword arguments."""
-    if not any((in9, challenge, analysis_dir, categories)):
+                categories: Path | None = None, allow_none: bool = False) -> dict:
+    """Read the results files named on the command line into write_report's keyword arguments; none at all is
+    a user error unless `allow_none` (another input, such as a leaderboard, fills the report)."""
+    if not any((in9, challenge, analysis_dir, categories)) and not allow_none:
         raise UserError("nothing to report: pass at least one of --in9, --challenge, --analysis-dir, --categories")
     inputs: dict = {"in9": None, "challenge": None, "analysis": None, "categories": None}
     if in9 is not None:

@@ -16,17 +16,22 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from tools import __version__
 from tools.cli import add_log_level_argument, run_main
-from tools.in9 import VARIATIONS, class_names
+from tools.errors import UserError
+from tools.in9 import NUM_IN9_CLASSES, RELEASE_IMAGES_PER_CLASS, VARIATIONS, class_names
 from tools.provenance import check_outputs, write_text_atomic
 from tools.results.analysis import FIGURE_FILE, SUMMARY_FILE
 from tools.results.categories import CATEGORY_TITLES, Category
 from tools.results.reading import check_inputs_belong_together, load_inputs
 
+if TYPE_CHECKING:
+    from tools.results.leaderboard import Row
+
 NOT_RUN = "Not run."
+DEFAULT_OUTPUT = Path("report.md")
 CRITERIA = {
     "any": "a foreground is vulnerable when some background makes the prediction wrong",
     "bg-class": "a foreground is vulnerable when some background of another class makes the model predict "
@@ -62,7 +67,7 @@ def percent(value, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}%"
 
 
-def _fraction_pct(value, digits: int = 1) -> str:
+def fraction_percent(value, digits: int = 1) -> str:
     return "–" if value is None else f"{100 * value:.{digits}f}%"
 
 
@@ -94,24 +99,66 @@ def in9_section(in9: dict | None) -> list[str]:
         out.append("**BG-gap** (accuracy on `mixed_same` − `mixed_rand`): not run (needs both variations).")
     else:
         out.append(f"**BG-gap** (accuracy on `mixed_same` − `mixed_rand`): **{gap:.2f} points**.")
-    return out + [""]
+    out.append("")
+    published = published_beside(in9)
+    if published:
+        out += [PUBLISHED_INTRO, ""]
+        out += markdown_table(PUBLISHED_HEADER, [published_cells(row) for row in published], "lrrrrrl") + [""]
+    return out
+
+
+PUBLISHED_INTRO = "The run used the release's test set (450 images per class), so the published results compare:"
+PUBLISHED_HEADER = ["Model (published)", "original", "mixed_same", "mixed_rand", "BG-gap", "Challenge", "Source"]
+
+
+def used_release(in9: dict) -> bool:
+    """Whether an IN-9 run evaluated the whole test release: every variation it ran has the release's count."""
+    totals = [in9[name]["total"] for name in VARIATIONS if in9.get(name)]
+    return bool(totals) and all(t == RELEASE_IMAGES_PER_CLASS * NUM_IN9_CLASSES for t in totals)
+
+
+def published_beside(in9: dict) -> list[Row]:
+    """The published rows to show beside an IN-9 run's numbers: all of them where it used the release, else none."""
+    from tools.results.leaderboard import published_rows  # the leaderboard imports this module's table writer
+    return published_rows() if used_release(in9) else []
+
+
+def published_cells(row: Row) -> list[str]:
+    numbers = [row.original, row.mixed_same, row.mixed_rand, row.bg_gap, row.challenge_accuracy]
+    return [row.model, *("–" if v is None else f"{v:.2f}" for v in numbers), row.reference or "–"]
 
 
 def challenge_section(challenge: dict | None) -> list[str]:
     out = ["## Backgrounds Challenge", ""]
     if not challenge:
         return out + [NOT_RUN, ""]
-    criterion = challenge.get("criterion", "any")
-    out.append(f"**Challenge accuracy: {challenge['challenge_accuracy']:.2f}%.** {challenge['vulnerable']} of "
-               f"{challenge['total']} foregrounds ({challenge['vulnerable_percent']:.2f}%) are vulnerable under the "
-               f"`{criterion}` criterion: {CRITERIA.get(criterion, 'as the challenge run defined it')}.")
+    out.append(f"**Challenge accuracy: {challenge['challenge_accuracy']:.2f}%.** {vulnerable_sentence(challenge)}")
     out.append("")
-    rows = []
-    for name, entry in challenge.get("per_class", {}).items():
-        total, vulnerable = entry["total"], entry["vulnerable"]
-        rows.append([name, vulnerable, total, percent(100.0 * (total - vulnerable) / total) if total else "–"])
+    rows = [[name, entry["vulnerable"], entry["total"], percent(class_challenge_accuracy(entry))]
+            for name, entry in challenge.get("per_class", {}).items()]
     if rows:
-        out += markdown_table(["Class", "Vulnerable", "Foregrounds", "Challenge accuracy"], rows, "lrrr") + [""]
+        out += markdown_table(CHALLENGE_HEADER, rows, "lrrr") + [""]
+    cost = cost_sentence(challenge)
+    return out + (["Cost: " + cost, ""] if cost else [])
+
+
+CHALLENGE_HEADER = ["Class", "Vulnerable", "Foregrounds", "Challenge accuracy"]
+
+
+def vulnerable_sentence(challenge: dict, quote: str = "`") -> str:
+    """How many foregrounds are vulnerable, and what that means; `quote` marks the criterion's name as code."""
+    criterion = challenge.get("criterion", "any")
+    return (f"{challenge['vulnerable']} of {challenge['total']} foregrounds ({challenge['vulnerable_percent']:.2f}%) "
+            f"are vulnerable under the {quote}{criterion}{quote} criterion: {CRITERIA.get(criterion, 'as the run defined it')}.")
+
+
+def class_challenge_accuracy(entry: dict) -> float | None:
+    """A class's challenge accuracy in percent: its foregrounds that no background fools; None without any."""
+    total = entry["total"]
+    return 100.0 * (total - entry["vulnerable"]) / total if total else None
+
+
+def cost_sentence(challenge: dict) -> str | None:
     facts = []
     if challenge.get("composites_evaluated") is not None:
         facts.append(f"{challenge['composites_evaluated']:,} composites evaluated")
@@ -119,36 +166,64 @@ def challenge_section(challenge: dict | None) -> list[str]:
         facts.append(f"in {challenge['wall_time_s']:.1f} s")
     if challenge.get("composites_per_s") is not None:
         facts.append(f"({challenge['composites_per_s']:,.0f} composites/s)")
-    if facts:
-        out += ["Cost: " + " ".join(facts) + ".", ""]
-    return out
+    return " ".join(facts) + "." if facts else None
 
 
 def analysis_section(analysis: dict | None, report_dir: Path) -> list[str]:
     out = ["## Adversarial backgrounds", ""]
     if not analysis:
         return out + [NOT_RUN, ""]
-    out.append("The **ASR** (attack success rate) of a background of class *c* is the share of the other classes' "
-               "foregrounds that the model predicts as *c* when pasted on it. The **fool rate** of *c* is the share "
-               "of the other classes' foregrounds that at least one background of *c* turns into *c*. "
-               f"Over {analysis['foregrounds']} foregrounds × {analysis['backgrounds']} backgrounds.")
+    out.append(ASR_DEFINITION.replace("ASR (", "**ASR** (").replace("fool rate", "**fool rate**", 1)
+               + f" Over {analysis['foregrounds']} foregrounds × {analysis['backgrounds']} backgrounds.")
     out.append("")
     rows = []
     for name, info in analysis["per_class"].items():
-        tops = ", ".join(f"`{e['stem']}` {_fraction_pct(e['asr'])}" for e in info["top_backgrounds"])
-        rows.append([name, _fraction_pct(info["fool_rate"]), info["backgrounds"], _fraction_pct(info["mean_asr"]),
-                     _fraction_pct(info["max_asr"]), f"`{sparkline(info['asr_histogram'])}`", tops or "–"])
+        tops = ", ".join(f"`{e['stem']}` {fraction_percent(e['asr'])}" for e in info["top_backgrounds"])
+        rows.append([name, fraction_percent(info["fool_rate"]), info["backgrounds"], fraction_percent(info["mean_asr"]),
+                     fraction_percent(info["max_asr"]), f"`{sparkline(info['asr_histogram'])}`", tops or "–"])
     out += markdown_table(["Class", "Fool rate", "Backgrounds", "Mean ASR", "Max ASR", "ASR histogram (0 → 100%)",
                    f"Top-{analysis['top_k']} backgrounds (ASR)"], rows, "lrrrrll") + [""]
     rate = analysis.get("fooled_into_bg_class_rate")
     if rate is not None:
         out += [f"{analysis['fooled_into_bg_class']} of {analysis['foregrounds']} foregrounds "
-                f"({_fraction_pct(rate, 2)}) are turned into another class by some background of that class.", ""]
+                f"({fraction_percent(rate, 2)}) are turned into another class by some background of that class.", ""]
     figure = analysis.get("files", {}).get("figure", FIGURE_FILE)
     if analysis.get("output_dir"):
         figure = Path(os.path.relpath(Path(analysis["output_dir"]) / figure, report_dir)).as_posix()
     out += [f"![Top-{analysis['top_k']} backgrounds per class]({figure})", ""]
     return out
+
+
+ASR_DEFINITION = ("The ASR (attack success rate) of a background of class c is the share of the other classes' "
+                  "foregrounds that the model predicts as c when pasted on it. The fool rate of c is the share of the "
+                  "other classes' foregrounds that at least one background of c turns into c.")
+
+
+def before_after(trained: dict, start: dict | None) -> list[tuple[str, float | None, float | None]]:
+    """A training run's comparison rows (label, starting point, trained) from the {'in9', 'challenge'} results of
+    each (`start` None: not evaluated): the variations' accuracies, the BG-gap, and the challenge accuracy when
+    it ran."""
+    def in9_value(results: dict | None, key: str):
+        entry = (results or {}).get("in9", {}).get(key)
+        return entry["accuracy"] if isinstance(entry, dict) else entry
+
+    rows = [(name, in9_value(start, name), in9_value(trained, name)) for name in VARIATIONS]
+    rows.append((BG_GAP, in9_value(start, "bg_gap"), in9_value(trained, "bg_gap")))
+    if trained.get("challenge") is not None:
+        rows.append((CHALLENGE_ACCURACY, ((start or {}).get("challenge") or {}).get("challenge_accuracy"),
+                     trained["challenge"]["challenge_accuracy"]))
+    return rows
+
+
+BG_GAP, CHALLENGE_ACCURACY = "BG-gap", "Challenge accuracy"  # before_after's rows after the variations
+
+
+def points(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def change(before: float | None, after: float | None) -> str:
+    return "–" if before is None or after is None else f"{after - before:+.2f}"
 
 
 def categories_section(categories: dict | None) -> list[str]:
@@ -180,8 +255,8 @@ def _provenance_value(key: str, value) -> str:
     return str(value)
 
 
-def provenance_section(sources: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Provenance", ""]
+def provenance_table(sources: list[tuple[str, dict]]) -> tuple[list[str], list[list[str]]] | None:
+    """The provenance table's header and rows (one column per distinct provenance); None when none is recorded."""
     groups: list[tuple[list[str], dict]] = []  # identical provenance from several results shares a column
     for label, prov in sources:
         if not prov:
@@ -193,14 +268,28 @@ def provenance_section(sources: list[tuple[str, dict]]) -> list[str]:
         else:
             groups.append(([label], prov))
     if not groups:
-        return out + ["No provenance recorded.", ""]
+        return None
     keys = [(label, key) for label, key in PROVENANCE_ROWS if any(key in prov for _, prov in groups)]
     known = {key for _, key in PROVENANCE_ROWS}
     extra = sorted({key for _, prov in groups for key in prov} - known)
     rows = [[label, *(_provenance_value(key, prov.get(key)) for _, prov in groups)]
             for label, key in keys + [(key, key) for key in extra]]
-    header = ["", *(", ".join(labels) for labels, _ in groups)]
+    return ["", *(", ".join(labels) for labels, _ in groups)], rows
+
+
+def provenance_section(sources: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Provenance", ""]
+    found = provenance_table(sources)
+    if found is None:
+        return out + ["No provenance recorded.", ""]
+    header, rows = found
     return out + markdown_table(header, rows, "l" * len(header)) + [""]
+
+
+def provenance_sources(in9: dict | None, challenge: dict | None, analysis: dict | None,
+                       categories: dict | None) -> list[tuple[str, dict]]:
+    return [("IN-9 evaluation", (in9 or {}).get("provenance")), ("challenge", (challenge or {}).get("provenance")),
+            ("analysis", (analysis or {}).get("provenance")), ("categories", (categories or {}).get("provenance"))]
 
 
 def render_report(in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
@@ -215,9 +304,7 @@ def render_report(in9: dict | None = None, challenge: dict | None = None, analys
     out += challenge_section(challenge)
     out += analysis_section(analysis, Path(report_dir))
     out += categories_section(categories)
-    sources = [("IN-9 evaluation", (in9 or {}).get("provenance")), ("challenge", (challenge or {}).get("provenance")),
-               ("analysis", (analysis or {}).get("provenance")), ("categories", (categories or {}).get("provenance"))]
-    out += provenance_section(sources)
+    out += provenance_section(provenance_sources(in9, challenge, analysis, categories))
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -244,8 +331,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"folder holding {SUMMARY_FILE} and {FIGURE_FILE} from tools.results.analysis (default: none)")
     parser.add_argument("--categories", type=Path, default=None, metavar="PATH",
                         help="prediction-categories JSON (default: the 'categories' entry of --in9, if any)")
-    parser.add_argument("--output", type=Path, default=Path("report.md"), metavar="PATH",
-                        help="the Markdown file to write (default: report.md)")
+    parser.add_argument("--output", type=Path, default=None, metavar="PATH",
+                        help=f"the Markdown file to write (default: {DEFAULT_OUTPUT}, or none when only --html is given)")
+    parser.add_argument("--html", type=Path, default=None, metavar="PATH",
+                        help="also write the report as one self-contained HTML page with pictures (default: none)")
+    parser.add_argument("--leaderboard", type=Path, default=None, metavar="DIR",
+                        help="with --html: add the leaderboard of this `python -m tools.zoo` --output-dir (default: none)")
+    parser.add_argument("--training", type=Path, default=None, metavar="DIR",
+                        help="with --html: add the curves and before/after table of this `train.py --eval-data` "
+                             "--output-dir (default: none)")
     parser.add_argument("--allow-mixed", action="store_true",
                         help="report results of different models or data together, with a warning at the top "
                              "(default: refuse them)")
@@ -254,10 +348,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _main(args: argparse.Namespace) -> int:
-    check_outputs(files={"--output": args.output})
-    inputs = load_inputs(args.in9, args.challenge, args.analysis_dir, args.categories)
-    write_report(args.output, **inputs, warnings=check_inputs_belong_together(inputs, args.allow_mixed))
-    print(f"Wrote {args.output}")
+    from tools.results.html import write_html  # the HTML report's sections read this module
+
+    markdown = args.output or (None if args.html else DEFAULT_OUTPUT)
+    html_only = [flag for flag, value in (("--leaderboard", args.leaderboard), ("--training", args.training)) if value]
+    if html_only and args.html is None:
+        raise UserError(f"{html_only[0]} adds to the HTML report: add --html PATH")
+    check_outputs(files={"--output": markdown, "--html": args.html})
+    inputs = load_inputs(args.in9, args.challenge, args.analysis_dir, args.categories,
+                         allow_none=bool(html_only))
+    warnings = check_inputs_belong_together(inputs, args.allow_mixed)
+    if markdown is not None:
+        write_report(markdown, **inputs, warnings=warnings)
+        print(f"Wrote {markdown}")
+    if args.html is not None:
+        write_html(args.html, **inputs, warnings=warnings, leaderboard=args.leaderboard, training=args.training)
+        print(f"Wrote {args.html}")
     return 0
 
 

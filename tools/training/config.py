@@ -185,7 +185,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                            f"paper's Mixed-Rand training (default: original)")
     data.add_argument("--eval-data", type=Path, default=None, metavar="DIR",
                       help="test data (the release's bg_challenge/): evaluate all variations before and after, "
-                           "and write a report (default: no evaluation)")
+                           "and write report.md and report.html (default: no evaluation)")
     data.add_argument("--eval-challenge", action="store_true",
                       help="with --eval-data, also run the Backgrounds Challenge (default: off)")
 

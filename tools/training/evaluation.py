@@ -1,5 +1,6 @@
 """After training: the in9 `all` run (and optionally the challenge) for the trained model and its starting
-point, through the evaluation scripts' own functions, and a Markdown report comparing the two."""
+point, through the evaluation scripts' own functions, and a report comparing the two (Markdown, and HTML with the
+training curves)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ from tools.in9 import VARIATIONS
 from tools.models.boundary import LoadedModel
 from tools.models.sources import load_model
 from tools.provenance import write_json_atomic, write_text_atomic
-from tools.results.report import markdown_table, percent
+from tools.results.html import write_html
+from tools.results.report import BG_GAP, before_after, change, markdown_table, percent, points
 from tools.runtime import Runtime, resolve_device
 from tools.training.config import TrainConfig
 from tools.training.loop import TrainResult
 
 log = logging.getLogger(__name__)
 
-REPORT_NAME = "report.md"
+REPORT_NAME, HTML_REPORT_NAME = "report.md", "report.html"
+TRAINED_DIR, START_DIR = "eval_trained", "eval_start"  # under --output-dir: the evaluations' results
 
 
 def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir: Path) -> dict:
@@ -38,26 +41,14 @@ def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir
     return {"in9": in9, "challenge": challenge}
 
 
-def _accuracy(results: dict | None, name: str):
-    entry = (results or {}).get("in9", {}).get(name)
-    return None if entry is None else entry["accuracy"]
-
-
-def _change(before, after) -> str:
-    return "–" if before is None or after is None else f"{after - before:+.2f}"
-
-
 def render_training_report(config: TrainConfig, result: TrainResult, trained: dict, start: dict | None) -> str:
-    rows = [[f"`{name}`", percent(_accuracy(start, name)) if start else "–", percent(_accuracy(trained, name)),
-             _change(_accuracy(start, name), _accuracy(trained, name))] for name in VARIATIONS]
-    gap_before = start["in9"].get("bg_gap") if start else None
-    gap_after = trained["in9"].get("bg_gap")
-    rows.append(["**BG-gap** (points)", "–" if gap_before is None else f"{gap_before:.2f}", f"{gap_after:.2f}",
-                 _change(gap_before, gap_after)])
-    if trained["challenge"] is not None:
-        before = start["challenge"]["challenge_accuracy"] if start else None
-        after = trained["challenge"]["challenge_accuracy"]
-        rows.append(["**Challenge accuracy**", percent(before) if start else "–", percent(after), _change(before, after)])
+    rows = []
+    for label, before, after in before_after(trained, start):
+        if label == BG_GAP:
+            rows.append([f"**{label}** (points)", points(before), points(after), change(before, after)])
+        else:
+            name = f"`{label}`" if label in VARIATIONS else f"**{label}**"
+            rows.append([name, percent(before), percent(after), change(before, after)])
     origin = "random initialisation" if result.start.source is None else (
         result.start.source.source or result.start.source.weights or result.start.arch)
     out = ["# Training report", "",
@@ -74,17 +65,18 @@ def render_training_report(config: TrainConfig, result: TrainResult, trained: di
 
 
 def evaluate_and_report(config: TrainConfig, result: TrainResult) -> Path:
-    """Evaluate the saved checkpoint as in9_eval.py loads it, and the starting point, and write report.md."""
+    """Evaluate the saved checkpoint as in9_eval.py loads it, and the starting point, and write report.md and report.html."""
     runtime = Runtime(resolve_device(config.device))
     out = Path(config.output_dir)
     trained = evaluate(load_model(checkpoint=result.checkpoint, runtime=runtime), config, runtime,
-                       out / "eval_trained")
+                       out / TRAINED_DIR)
     start = None
     if result.start.source is not None:
         try:
-            start = evaluate(result.start.source, config, runtime, out / "eval_start")
+            start = evaluate(result.start.source, config, runtime, out / START_DIR)
         except UserError as exc:
             log.warning("the starting point could not be evaluated: %s", exc)
     path = out / REPORT_NAME
     write_text_atomic(path, render_training_report(config, result, trained, start))
+    write_html(out / HTML_REPORT_NAME, training=out)
     return path

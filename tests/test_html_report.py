@@ -1,0 +1,325 @@
+"""The HTML report: its numbers equal the results files, its pictures decode and stay small, and in a real headless
+browser (Debian's chromium) it loads without console errors, every image decodes and it is not blank."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import os
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.helpers import TINY, check_error, run_train
+from tools import in9_eval
+from tools.challenge import cli as challenge_cli
+from tools.in9 import VARIATIONS, class_names
+from tools.data.decoding import decode_rgb
+from tools.results import html_sections, report
+from tools.results.categories import Category
+from tools.results.html import write_html
+from tools.results.matrix import load_matrix
+from tools.results.reading import load_inputs
+
+NAMES = class_names()
+BROWSER = shutil.which("chromium")
+REQUIRE_BROWSER = os.environ.get("CI_REQUIRE_BROWSER") == "1"
+MAX_THUMBNAIL_BYTES = 8_000  # an 80-px JPEG at quality 80 is a few kB
+
+
+class Page(HTMLParser):
+    """What a test reads back from the page: tables (cells as (text, data-value)), images, and ids' data-values."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.tables: dict[str, list[list[tuple[str, str | None]]]] = {}
+        self.images: list[dict] = []
+        self.values: dict[str, str] = {}
+        self.body: dict = {}
+        self._table = self._cell = None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "body":
+            self.body = attrs
+        if "id" in attrs and "data-value" in attrs:
+            self.values[attrs["id"]] = attrs["data-value"]
+        if tag == "table":
+            self._table = self.tables.setdefault(attrs["data-table"], [])
+        elif tag == "tr" and self._table is not None:
+            self._table.append([])
+        elif tag in ("td", "th") and self._table is not None:
+            self._cell = ["", attrs.get("data-value")]
+        elif tag == "img":
+            self.images.append(attrs)
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self._table[-1].append((self._cell[0].strip(), self._cell[1]))
+            self._cell = None
+        elif tag == "table":
+            self._table = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell[0] += data
+
+    def rows(self, name: str) -> dict[str, list[tuple[str, str | None]]]:
+        """A table's body rows by their first cell's text."""
+        return {row[0][0]: row[1:] for row in self.tables[name][1:]}
+
+
+def _run(main, argv: list[str]) -> None:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        assert main(argv) == 0
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def runs(dataset, color_ts, tmp_path_factory):
+    """in9_eval (all variations, categories) and challenge_eval --full --analysis on the generated data, each
+    writing its results JSON and its HTML report; then the report command's page of all of them."""
+    out = tmp_path_factory.mktemp("html")
+    common = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--in9", "--device", "cpu",
+              "--log-level", "WARNING", "--workers", "1"]
+    _run(in9_eval.main, ["--eval-dataset", "all", "--categories", "--results-file", str(out / "in9.json"),
+                         "--html", str(out / "in9.html"), "--output-dir", str(out / "in9_state"), *common])
+    _run(challenge_cli.main, ["--full", "--analysis", "--no-cache", "--results-file", str(out / "challenge.json"),
+                              "--html", str(out / "challenge.html"), "--output-dir", str(out / "matrix"), *common])
+    inputs = load_inputs(out / "in9.json", out / "challenge.json", out / "matrix")
+    write_html(out / "report.html", **inputs)
+    return out, inputs
+
+
+def _number(value: str | None) -> float:
+    assert value is not None
+    return float(value)
+
+
+def check_numbers(page: Page, inputs: dict) -> None:
+    """Every number of the page's tables equals the results files (and a brute-force count of the matrix)."""
+    in9, challenge, analysis, categories = (inputs[k] for k in ("in9", "challenge", "analysis", "categories"))
+    rows = page.rows("in9")
+    for name in VARIATIONS:
+        assert _number(rows[name][0][1]) == in9[name]["accuracy"]
+        assert rows[name][0][0] == f"{in9[name]['accuracy']:.2f}%"
+        assert rows[name][1][0] == f"{in9[name]['correct']} / {in9[name]['total']}"
+    assert _number(page.values["bg-gap"]) == in9["bg_gap"]
+    assert _number(page.values["challenge-accuracy"]) == challenge["challenge_accuracy"]
+    rows = page.rows("challenge")
+    for name, entry in challenge["per_class"].items():
+        assert [_number(v) for _, v in rows[name][:2]] == [entry["vulnerable"], entry["total"]]
+        assert _number(rows[name][2][1]) == pytest.approx(100 * (entry["total"] - entry["vulnerable"]) / entry["total"])
+    rows = page.rows("analysis")
+    for name, info in analysis["per_class"].items():
+        assert [_number(v) for _, v in rows[name][:4]] == [info["fool_rate"], info["backgrounds"], info["mean_asr"],
+                                                            info["max_asr"]]
+    rows = page.rows("categories")
+    for name, entry in [("all", categories["overall"]), *categories["per_class"].items()]:
+        assert [_number(v) for _, v in rows[name][1:]] == [entry["counts"][c.value] for c in Category]
+    # the confusion under the fooling backgrounds, counted pair by pair from the saved matrix
+    matrix = load_matrix(analysis["output_dir"])
+    tops = [e["index"] for info in analysis["per_class"].values() for e in info["top_backgrounds"]]
+    expected = np.zeros((9, 10), dtype=int)
+    for i, label in enumerate(matrix.fg_labels):
+        for j in tops:
+            if matrix.bg_labels[j] != label:
+                predicted = matrix.predictions[i, j]
+                expected[label, 9 if predicted < 0 else predicted] += 1
+    rows = page.rows("confusion")
+    assert [[int(_number(v)) for _, v in rows[name]] for name in NAMES] == expected.tolist()
+
+
+def check_images(page: Page) -> None:
+    """Every image is embedded (a data URI), decodes, and is small."""
+    assert page.images
+    for img in page.images:
+        assert img["src"].startswith("data:image/") and img.get("alt")
+        raw = base64.b64decode(img["src"].split(",", 1)[1])
+        with Image.open(io.BytesIO(raw)) as decoded:
+            decoded.load()
+            if img.get("width"):
+                assert decoded.size == (html_sections.THUMB, html_sections.THUMB)
+                assert len(raw) < MAX_THUMBNAIL_BYTES
+
+
+def _vulnerable(inputs: dict) -> list[tuple[int, bool]]:
+    """(class, whether some background makes the prediction wrong) per foreground, from the saved matrix."""
+    matrix = load_matrix(inputs["analysis"]["output_dir"])
+    return [(int(label), bool((row != label).any())) for label, row in zip(matrix.fg_labels, matrix.predictions)]
+
+
+def check_composites(composites: list[dict], inputs: dict) -> None:
+    """Each composite is its foreground pasted on a background that makes the prediction wrong, named right."""
+    matrix = load_matrix(inputs["analysis"]["output_dir"])
+    root = Path(inputs["analysis"]["data_path"])
+    for img in composites:
+        words = img["alt"].split()  # "<class> foreground <stem> on <class> background <stem>, predicted <class>"
+        i, j = matrix.fg_stems.index(words[2]), matrix.bg_stems.index(words[6].rstrip(","))
+        assert matrix.predictions[i, j] != matrix.fg_labels[i] and words[-1] == NAMES[matrix.predictions[i, j]]
+        mask = np.load(root / matrix.fg_masks[i]) > 0
+        truth = np.where(mask[..., None], decode_rgb(root / matrix.fg_images[i]), decode_rgb(root / matrix.bg_images[j]))
+        expected = np.asarray(Image.fromarray(truth).resize((html_sections.THUMB,) * 2, Image.Resampling.LANCZOS))
+        with Image.open(io.BytesIO(base64.b64decode(img["src"].split(",", 1)[1]))) as shown:
+            got = np.asarray(shown.convert("RGB"))
+        assert np.abs(got.astype(int) - expected.astype(int)).mean() < 8  # JPEG at quality 80
+
+
+def test_the_page_holds_the_results_numbers_and_small_embedded_images(runs):
+    out, inputs = runs
+    text = (out / "report.html").read_text()
+    page = Page(text)
+    check_numbers(page, inputs)
+    check_images(page)
+    assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
+    thumbnails = [img for img in page.images if img.get("width")]
+    composites = [img for img in thumbnails if " predicted " in img["alt"]]
+    tops = sum(len(info["top_backgrounds"]) for info in inputs["analysis"]["per_class"].values())
+    assert len(thumbnails) == tops + len(composites)
+    fooled_classes = {NAMES[label] for label, vulnerable in _vulnerable(inputs) if vulnerable}
+    assert {img["alt"].split(" foreground")[0] for img in composites} == fooled_classes
+    check_composites(composites, inputs)
+    assert len(text.encode()) < 2_000 + 10_000 * len(thumbnails) + 100_000  # the tables, and a few kB per image
+
+
+def test_the_scripts_pages_hold_their_own_results(runs):
+    out, inputs = runs
+    in9_page = Page((out / "in9.html").read_text())
+    assert _number(in9_page.values["bg-gap"]) == inputs["in9"]["bg_gap"] and "categories" in in9_page.tables
+    challenge_page = Page((out / "challenge.html").read_text())
+    assert _number(challenge_page.values["challenge-accuracy"]) == inputs["challenge"]["challenge_accuracy"]
+    assert "confusion" in challenge_page.tables and "in9" not in challenge_page.tables
+    assert "challenge" not in in9_page.tables
+
+
+def test_a_gone_data_folder_is_said_not_failed(runs, tmp_path):
+    out, inputs = runs
+    analysis = dict(inputs["analysis"], data_path=str(tmp_path / "moved"))
+    text = write_html(tmp_path / "report.html", analysis=analysis)
+    assert f"The data folder {tmp_path / 'moved'} is gone" in text
+    page = Page(text)
+    assert not page.images and len(page.rows("confusion")) == len(NAMES)
+
+
+def test_published_rows_beside_a_run_on_the_release(runs):
+    _, inputs = runs
+    in9 = json.loads(json.dumps(inputs["in9"]))
+    page = Page(html_sections.in9_section(in9))
+    assert "published" not in page.tables  # 4 images per class: not the release
+    for name in VARIATIONS:
+        in9[name]["total"] = 450 * len(NAMES)
+    rows = Page(html_sections.in9_section(in9)).rows("published")
+    assert "ResNet-50" in rows and _number(rows["ResNet-50"][3][1]) == 7.3  # the paper's BG-gap
+    assert "| ResNet-50 | 95.60 | 86.20 | 78.90 | 7.30 | 22.30 |" in "\n".join(report.in9_section(in9))
+
+
+def test_the_report_command_writes_the_page_and_the_leaderboard(runs, tmp_path, capsys, monkeypatch):
+    out, inputs = runs
+    zoo = tmp_path / "zoo"
+    (zoo / "models").mkdir(parents=True)
+    (zoo / "models" / "toy.json").write_text(json.dumps({"model": "toy", "source": "torchscript",
+                                                          "in9": inputs["in9"], "challenge": inputs["challenge"]}))
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "page.html"
+    assert report.main(["--challenge", str(out / "challenge.json"), "--html", str(target),
+                                "--leaderboard", str(zoo)]) == 0
+    assert f"Wrote {target}" in capsys.readouterr().out and not (tmp_path / "report.md").exists()
+    page = Page(target.read_text())
+    rows = page.rows("leaderboard")
+    toy = [_number(v) for _, v in rows["toy"][1:]]
+    assert toy == [inputs["in9"]["original"]["accuracy"], inputs["in9"]["mixed_same"]["accuracy"],
+                   inputs["in9"]["mixed_rand"]["accuracy"], inputs["in9"]["bg_gap"],
+                   inputs["challenge"]["challenge_accuracy"]]
+    assert rows["ResNet-50"][0][0] == "published" and "sortable" in target.read_text()
+    check_images(page)
+
+
+def test_a_leaderboard_without_html_is_one_line(tmp_path, capsys):
+    code = report.main(["--leaderboard", str(tmp_path), "--output", str(tmp_path / "r.md")])
+    out, err = capsys.readouterr()
+    assert "--leaderboard adds to the HTML report: add --html PATH" in check_error(code, out, err)
+
+
+def test_a_training_run_leaves_its_curves_and_before_after_table(tiny, tmp_path, capsys, one_thread):
+    out = tmp_path / "run"
+    code, _, err = run_train(["--data-path", tiny, "--weights", "none", "--epochs", 2, "--batch-size", 6,
+                              "--eval-data", tiny, "--output-dir", out, *TINY], capsys)
+    assert code == 0, err
+    text = (out / "report.html").read_text()
+    page = Page(text)
+    logged = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    logged = [r for r in logged if "loss" in r]
+    assert [(_number(r[0][1]), _number(r[2][1])) for r in page.tables["training"][1:]] == \
+        [(r["step"], r["loss"]) for r in logged]
+    assert text.count("<polyline") == 2
+    trained = json.loads((out / "eval_trained" / "in9.json").read_text())
+    rows = page.rows("before-after")
+    assert [_number(rows[name][1][1]) for name in VARIATIONS] == [trained[name]["accuracy"] for name in VARIATIONS]
+    assert _number(rows["BG-gap"][1][1]) == trained["bg_gap"] and rows["BG-gap"][0][1] is None  # random start
+    assert "The starting point (random weights) was not evaluated." in text
+    # the report command renders the same section from the run's folder
+    code = report.main(["--training", str(out), "--html", str(tmp_path / "again.html")])
+    assert code == 0 and Page((tmp_path / "again.html").read_text()).tables["before-after"] == page.tables["before-after"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# In a real browser
+
+def chromium(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([BROWSER, "--headless", "--disable-gpu", "--no-sandbox", "--no-first-run",
+                           "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def console_errors(stderr: str) -> list[str]:
+    """The page's console messages at error level (chromium logs them as CONSOLE lines)."""
+    return [line for line in stderr.splitlines() if "CONSOLE" in line and ("ERROR" in line or "Uncaught" in line)]
+
+
+@pytest.mark.skipif(BROWSER is None and not REQUIRE_BROWSER,
+                    reason="chromium is not installed (apt-get install chromium); CI installs it and sets "
+                           "CI_REQUIRE_BROWSER=1")
+def test_the_page_in_a_headless_browser(runs, tmp_path):
+    assert BROWSER is not None, "CI_REQUIRE_BROWSER=1 but chromium is not on PATH"
+    out, inputs = runs
+    url = (out / "report.html").resolve().as_uri()
+    dumped = chromium("--dump-dom", url)
+    assert dumped.returncode == 0, dumped.stderr[-2000:]
+    assert console_errors(dumped.stderr) == []
+    page = Page(dumped.stdout)
+    assert page.body.get("data-broken-images") == "0"  # the page's own count of images that did not decode
+    check_numbers(page, inputs)
+    shot = tmp_path / "shot.png"
+    shown = chromium(f"--screenshot={shot}", "--window-size=1000,1400", url)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    with Image.open(shot) as img:
+        pixels = np.asarray(img.convert("L"), dtype=np.float64)
+    assert pixels.std() > 20 and (pixels < 128).mean() > 0.01  # text and pictures, not a blank page
+    # a click on a header sorts its table by the column's numbers, and a second click reverses it
+    sorted_page = tmp_path / "sorted.html"
+    click = "document.querySelector('table[data-table=challenge] th:nth-child(4)').click();"
+    sorted_page.write_text((out / "report.html").read_text().replace("</body>", f"<script>{click}</script></body>"))
+    dumped = chromium("--dump-dom", sorted_page.resolve().as_uri())
+    order = [_number(row[3][1]) for row in Page(dumped.stdout).tables["challenge"][1:]]
+    assert order == sorted(order) and len(set(order)) > 1
+    sorted_page.write_text(sorted_page.read_text().replace(click, click * 2))
+    dumped = chromium("--dump-dom", sorted_page.resolve().as_uri())
+    assert [_number(row[3][1]) for row in Page(dumped.stdout).tables["challenge"][1:]] == sorted(order, reverse=True)
+    # the same checks see a broken page: a script error and an image that does not decode
+    broken = tmp_path / "broken.html"
+    broken.write_text((out / "report.html").read_text().replace(
+        "</body>", '<img src="data:image/png;base64,AAAA" alt="x"><script>undefinedCall();</script></body>'))
+    dumped = chromium("--dump-dom", broken.resolve().as_uri())
+    assert console_errors(dumped.stderr) and Page(dumped.stdout).body.get("data-broken-images") == "1"

@@ -1,0 +1,151 @@
+"""The HTML report: one self-contained page (thumbnails as data URIs, inline SVG charts, no network, a few lines
+of script to sort tables) holding what the Markdown report holds, in pictures beside their numbers.
+
+The sections are in `tools.results.html_sections`; the numbers come from `tools.results.report`'s pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from PIL import Image
+
+from tools import __version__
+from tools.errors import UserError
+from tools.in9 import class_names
+from tools.provenance import write_text_atomic
+from tools.results import html_sections as sections
+from tools.results import report
+
+STYLE = """
+body{font-family:sans-serif;margin:24px;color:#141414;max-width:1100px}
+table{border-collapse:collapse;margin:8px 0 16px}th,td{border:1px solid #ccc;padding:3px 8px;text-align:left}
+td[data-value]{text-align:right}td{overflow-wrap:anywhere}td:first-child{overflow-wrap:normal}
+th:first-child,td:first-child{text-align:left}table.sortable th{cursor:pointer;background:#f2f2f2}
+figure{display:inline-block;margin:4px;text-align:center;font-size:12px;vertical-align:top}
+.row{display:flex;align-items:center}.label{width:110px;font-weight:bold}.missing{color:#a33}
+.warning{font-weight:bold;color:#a33}
+"""
+# Sorting by a header click (numbers by their data-value), and a record of images that did not decode.
+SCRIPT = """
+document.querySelectorAll('table.sortable th').forEach(function (th, col) {
+  th.addEventListener('click', function () {
+    var body = th.closest('table').tBodies[0], up = th.dataset.order !== 'up';
+    var key = function (tr) { var c = tr.cells[col]; var v = parseFloat(c.dataset.value);
+      return isNaN(v) ? c.textContent : v; };
+    Array.from(body.rows).sort(function (a, b) { var x = key(a), y = key(b);
+      return (x < y ? -1 : x > y ? 1 : 0) * (up ? 1 : -1); }).forEach(function (tr) { body.appendChild(tr); });
+    th.dataset.order = up ? 'up' : 'down';
+  });
+});
+window.addEventListener('load', function () {
+  document.body.dataset.brokenImages = Array.from(document.images).filter(function (img) {
+    return !img.complete || img.naturalWidth === 0; }).length;
+});
+"""
+
+
+def leaderboard_section(output_dir: Path | None) -> str:
+    """The zoo's leaderboard (with the published rows) as a sortable table beside its scatter plot."""
+    if output_dir is None:
+        return ""
+    from tools.results import leaderboard  # only a zoo report reads the zoo's results
+
+    rows = leaderboard.sort_rows([leaderboard.measured_row(p) for p in leaderboard.read_results(output_dir)]
+                                 + leaderboard.published_rows())
+    with tempfile.TemporaryDirectory() as folder:
+        plot = Path(folder) / leaderboard.PLOT_FILE
+        leaderboard.draw_plot(rows, plot)
+        with Image.open(plot) as img:
+            uri = sections.data_uri(img.convert("RGB"), "PNG")
+    numbers = ["original", "mixed_same", "mixed_rand", "bg_gap", "challenge_accuracy"]
+    cells = [[sections.cell(row.model), sections.cell(row.kind),
+              *(sections.cell("–" if getattr(row, n) is None else f"{getattr(row, n):.2f}", getattr(row, n))
+                for n in numbers)] for row in rows]
+    body = (f'<img src="{uri}" alt="BG-gap against challenge accuracy, one point per model with both (the table '
+            f'below holds the numbers)">'
+            + sections.table(["Model", "Kind", "original", "mixed_same", "mixed_rand", "BG-gap", "Challenge"], cells,
+                             "leaderboard", True))
+    return f"<section><h2>Leaderboard</h2>{body}</section>"
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path}: {exc}; rerun train.py with --eval-data") from None
+
+
+def training_section(output_dir: Path | None) -> str:
+    """A train.py --eval-data run: its loss and accuracy curves and the starting point against the trained model."""
+    if output_dir is None:
+        return ""
+    from tools.training.evaluation import START_DIR, TRAINED_DIR  # only a training report reads a training run
+    from tools.training.loop import LOG_NAME
+
+    output_dir = Path(output_dir)
+    evaluated = {name: {"in9": _read_json(output_dir / name / "in9.json"),
+                        "challenge": _read_json(output_dir / name / "challenge.json")} for name in (TRAINED_DIR, START_DIR)}
+    if evaluated[TRAINED_DIR]["in9"] is None:
+        raise UserError(f"{output_dir} holds no {TRAINED_DIR}/in9.json; pass the --output-dir of a train.py run "
+                        f"with --eval-data")
+    start = evaluated[START_DIR] if evaluated[START_DIR]["in9"] is not None else None
+    try:
+        lines = (output_dir / LOG_NAME).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        lines = []
+    steps = [r for r in (json.loads(line) for line in lines if line.strip()) if "loss" in r]
+    parts = []
+    if steps:
+        parts += [sections.line_chart([(r["step"], r["loss"]) for r in steps], "Training loss per step", "loss"),
+                  sections.line_chart([(r["step"], 100 * r["accuracy"]) for r in steps],
+                                      "Training accuracy per step (%)", "accuracy (%)")]
+        rows = [[sections.cell(r["step"], r["step"]), sections.cell(r["epoch"], r["epoch"]),
+                 sections.cell(f"{r['loss']:.4f}", r["loss"]), sections.cell(f"{100 * r['accuracy']:.2f}%", r["accuracy"]),
+                 sections.cell(f"{r['lr']:.3g}", r["lr"])] for r in steps]
+        parts.append("<details><summary>Every logged step</summary>"
+                     + sections.table(["Step", "Epoch", "Loss", "Accuracy", "Learning rate"], rows, "training", True)
+                     + "</details>")
+    else:
+        parts.append(f"<p>No {LOG_NAME} under {sections.esc(output_dir)}: no curves.</p>")
+    rows, bars = [], []
+    for label, before, after in report.before_after(evaluated[TRAINED_DIR], start):
+        shown = report.points if label == report.BG_GAP else report.percent
+        rows.append([sections.cell(label), sections.cell(shown(before), before), sections.cell(shown(after), after),
+                     sections.cell(report.change(before, after))])
+        if label != report.BG_GAP:
+            bars += [(f"{label} start", before), (f"{label} trained", after)] if start else [(label, after)]
+    parts += ["<h3>Starting point against trained model</h3>", sections.bar_chart(bars, "Accuracy before and after"),
+              sections.table(["", "Starting point", "Trained", "Change"], rows, "before-after")]
+    if start is None:
+        parts.append("<p>The starting point (random weights) was not evaluated.</p>")
+    return f"<section><h2>Training</h2>{''.join(parts)}</section>"
+
+
+def render_html(in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
+                categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None,
+                training: Path | None = None) -> str:
+    """The report as one HTML page; `leaderboard` is a zoo --output-dir to add its leaderboard, `training` a
+    train.py --output-dir (of a run with --eval-data) to add its curves and before/after table."""
+    parts = [f"<p>Written by bg-challenge-toolkit {__version__} from its results files. IN-9 classes: "
+             f"{sections.esc(', '.join(class_names()))}.</p>"]
+    parts += [f'<p class="warning">Warning: {sections.esc(w)}.</p>' for w in warnings]
+    parts.append(training_section(training))
+    parts += [sections.in9_section(in9), sections.challenge_section(challenge), sections.analysis_section(analysis),
+              sections.categories_section(categories), leaderboard_section(leaderboard),
+              sections.provenance_section(report.provenance_sources(in9, challenge, analysis, categories))]
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Backgrounds Challenge report"
+            f"</title><style>{STYLE}</style></head><body><h1>Backgrounds Challenge report</h1>{''.join(parts)}"
+            f"<script>{SCRIPT}</script></body></html>\n")
+
+
+def write_html(path: Path | str, in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
+               categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None,
+               training: Path | None = None) -> str:
+    """Write the HTML report to `path` (atomically) and return its text."""
+    text = render_html(in9, challenge, analysis, categories, warnings, leaderboard, training)
+    write_text_atomic(Path(path), text)
+    return text

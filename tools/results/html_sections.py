@@ -1,0 +1,247 @@
+"""The HTML report's sections: the Markdown report's numbers (shared with `tools.results.report`), each picture
+beside a table of the same numbers. `tools.results.html` puts them into one page.
+
+Numeric cells carry their exact value in `data-value` (for sorting, and for reading back).
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from tools.errors import UserError
+from tools.in9 import VARIATIONS, class_names
+from tools.results import report
+from tools.results.analysis import asr_counts, fooling_confusion, fooling_examples
+from tools.results.categories import CATEGORY_TITLES, Category
+from tools.results.figures import data_uri, square, thumbnail
+from tools.results.matrix import load_matrix
+
+log = logging.getLogger(__name__)
+
+THUMB = 80  # pixels, the side of every thumbnail
+EXAMPLES_PER_CLASS = 1  # vulnerable foregrounds shown per class, with the composite that fooled them
+BAR_WIDTH = 320
+
+
+def esc(value) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def cell(text, value=None) -> str:
+    """A table cell; a number's exact value goes in data-value."""
+    attr = "" if value is None else f' data-value="{esc(value)}"'
+    return f"<td{attr}>{esc(text)}</td>"
+
+
+def table(header: list[str], rows: list[list[str]], name: str, sortable: bool = False) -> str:
+    """An HTML table of pre-rendered cells (see `cell`); `name` becomes its data-table attribute."""
+    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    body = "".join(f"<tr>{''.join(row)}</tr>" for row in rows)
+    cls = ' class="sortable"' if sortable else ""
+    return f'<table data-table="{esc(name)}"{cls}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def image(uri: str, alt: str, caption: str = "") -> str:
+    text = f"<figcaption>{esc(caption)}</figcaption>" if caption else ""
+    return f'<figure><img src="{uri}" alt="{esc(alt)}" width="{THUMB}" height="{THUMB}">{text}</figure>'
+
+
+def bar_chart(items: list[tuple[str, float | None]], title: str, unit: str = "%", top: float = 100.0) -> str:
+    """A horizontal bar per (label, value) as inline SVG, with the values written beside the bars."""
+    row = 22
+    height = row * len(items) + 8
+    parts = [f'<svg role="img" aria-label="{esc(title)}" width="{BAR_WIDTH + 200}" height="{height}" '
+             f'xmlns="http://www.w3.org/2000/svg"><title>{esc(title)}</title>']
+    for k, (label, value) in enumerate(items):
+        y = 4 + k * row
+        width = 0 if value is None else max(0.0, value) / top * BAR_WIDTH
+        text = "not run" if value is None else f"{value:.2f}{unit}"
+        parts.append(f'<text x="0" y="{y + 15}" font-size="13">{esc(label)}</text>'
+                     f'<rect x="110" y="{y + 3}" width="{width:.1f}" height="15" fill="#3b6fb6"/>'
+                     f'<text x="{116 + width:.1f}" y="{y + 15}" font-size="12">{esc(text)}</text>')
+    return "".join(parts) + "</svg>"
+
+
+def line_chart(points: list[tuple[float, float]], title: str, label: str) -> str:
+    """One line through (x, y) points as inline SVG, its axes' ranges written at the ends."""
+    width, height, pad = 480, 160, 40
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    sx = (width - 2 * pad) / ((x1 - x0) or 1)
+    sy = (height - 2 * pad) / ((y1 - y0) or 1)
+    line = " ".join(f"{pad + (x - x0) * sx:.1f},{height - pad - (y - y0) * sy:.1f}" for x, y in points)
+    return (f'<svg role="img" aria-label="{esc(title)}" width="{width}" height="{height}" '
+            f'xmlns="http://www.w3.org/2000/svg"><title>{esc(title)}</title>'
+            f'<rect x="{pad}" y="{pad}" width="{width - 2 * pad}" height="{height - 2 * pad}" fill="none" stroke="#999"/>'
+            f'<polyline points="{line}" fill="none" stroke="#3b6fb6" stroke-width="2"/>'
+            f'<text x="{pad}" y="20" font-size="13">{esc(title)}</text>'
+            f'<text x="2" y="{pad + 4}" font-size="11">{y1:.3g}</text>'
+            f'<text x="2" y="{height - pad}" font-size="11">{y0:.3g}</text>'
+            f'<text x="{pad}" y="{height - pad + 16}" font-size="11">step {x0:g}</text>'
+            f'<text x="{width - pad}" y="{height - pad + 16}" font-size="11" text-anchor="end">step {x1:g} '
+            f'({esc(label)})</text></svg>')
+
+
+def _section(title: str, body: str) -> str:
+    return f"<section><h2>{esc(title)}</h2>{body}</section>"
+
+
+def _not_run(title: str) -> str:
+    return _section(title, f"<p>{report.NOT_RUN}</p>")
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def in9_section(in9: dict | None) -> str:
+    title = "IN-9 accuracy"
+    if not in9:
+        return _not_run(title)
+    rows, bars = [], []
+    for name in VARIATIONS:
+        result = in9.get(name)
+        if result is None:
+            rows.append([cell(name), cell("not run"), cell("")])
+            bars.append((name, None))
+        else:
+            rows.append([cell(name), cell(report.percent(result["accuracy"]), result["accuracy"]),
+                         cell(f"{result['correct']} / {result['total']}", result["correct"])])
+            bars.append((name, result["accuracy"]))
+    gap = in9.get("bg_gap")
+    gap_text = "not run (needs both variations)" if gap is None else f"{gap:.2f} points"
+    body = [bar_chart(bars, "Accuracy per variation"),
+            table(["Variation", "Accuracy", "Correct / total"], rows, "in9"),
+            f'<p><strong>BG-gap</strong> (accuracy on mixed_same − mixed_rand): '
+            f'<strong data-value="{esc(gap)}" id="bg-gap">{esc(gap_text)}</strong>.</p>']
+    published = report.published_beside(in9)
+    if published:
+        cells = [[cell(text, value) for text, value in zip(report.published_cells(row),
+                                                           [None, row.original, row.mixed_same, row.mixed_rand,
+                                                            row.bg_gap, row.challenge_accuracy, None])]
+                 for row in published]
+        body += [f"<p>{esc(report.PUBLISHED_INTRO)}</p>", table(report.PUBLISHED_HEADER, cells, "published", True)]
+    return _section(title, "".join(body))
+
+
+def challenge_section(challenge: dict | None) -> str:
+    title = "Backgrounds Challenge"
+    if not challenge:
+        return _not_run(title)
+    accuracy = challenge["challenge_accuracy"]
+    rows, bars = [], []
+    for name, entry in challenge.get("per_class", {}).items():
+        value = report.class_challenge_accuracy(entry)
+        rows.append([cell(name), cell(entry["vulnerable"], entry["vulnerable"]), cell(entry["total"], entry["total"]),
+                     cell(report.percent(value), value)])
+        bars.append((name, value))
+    body = [f'<p><strong>Challenge accuracy: <span id="challenge-accuracy" data-value="{esc(accuracy)}">'
+            f'{accuracy:.2f}%</span>.</strong> {esc(report.vulnerable_sentence(challenge, quote=""))}</p>']
+    if rows:
+        body += [bar_chart(bars, "Challenge accuracy per class"), table(report.CHALLENGE_HEADER, rows, "challenge", True)]
+    cost = report.cost_sentence(challenge)
+    if cost:
+        body.append(f"<p>Cost: {esc(cost)}</p>")
+    return _section(title, "".join(body))
+
+
+def _composite(data_path: Path, fg_image: str, fg_mask: str, bg_image: str) -> Image.Image:
+    from tools.data.decoding import decode_rgb, read_mask  # only a --full report composes images
+
+    fg, bg = decode_rgb(data_path / fg_image), decode_rgb(data_path / bg_image)
+    mask = read_mask(data_path / fg_mask) > 0
+    return square(Image.fromarray(np.where(mask[..., None], fg, bg)), THUMB)
+
+
+def analysis_section(analysis: dict | None) -> str:
+    title = "Adversarial backgrounds"
+    if not analysis:
+        return _not_run(title)
+    names = class_names()
+    data_path = Path(analysis["data_path"]) if analysis.get("data_path") else None
+    readable = data_path is not None and data_path.is_dir()
+    body = [f"<p>{esc(report.ASR_DEFINITION)} Over {analysis['foregrounds']} foregrounds × "
+            f"{analysis['backgrounds']} backgrounds.</p>"]
+    if not readable:
+        body.append(f'<p class="missing">The data folder {esc(data_path or "(not recorded)")} is gone, so the '
+                    f"images are not shown; the numbers are.</p>")
+    rows, grid = [], []
+    for name, info in analysis["per_class"].items():
+        tops = info["top_backgrounds"]
+        rows.append([cell(name), cell(report.fraction_percent(info["fool_rate"]), info["fool_rate"]),
+                     cell(info["backgrounds"], info["backgrounds"]),
+                     cell(report.fraction_percent(info["mean_asr"]), info["mean_asr"]),
+                     cell(report.fraction_percent(info["max_asr"]), info["max_asr"]),
+                     cell(", ".join(f"{e['stem']} {report.fraction_percent(e['asr'])}" for e in tops) or "–")])
+        pictures = []
+        for e in tops:
+            thumb = thumbnail(data_path / e["image"], THUMB) if readable else None
+            caption = f"ASR {report.fraction_percent(e['asr'])}"
+            pictures.append(image(data_uri(thumb), f"{name} background {e['stem']}, {caption}", caption)
+                            if thumb is not None else f"<figure><figcaption>{esc(e['stem'])}: {esc(caption)}"
+                                                      f"</figcaption></figure>")
+        grid.append(f'<div class="row"><div class="label">{esc(name)}</div>{"".join(pictures)}</div>')
+    body += [f"<h3>Top-{analysis['top_k']} backgrounds per class (ASR)</h3>", f'<div class="grid">{"".join(grid)}</div>',
+             table(["Class", "Fool rate", "Backgrounds", "Mean ASR", "Max ASR", "Top backgrounds (ASR)"], rows,
+                   "analysis", True)]
+    body.append(_matrix_parts(analysis, names, data_path if readable else None))
+    return _section(title, "".join(body))
+
+
+def _matrix_parts(analysis: dict, names: list[str], data_path: Path | None) -> str:
+    """The fooling examples and the confusion under the fooling backgrounds, from the saved matrix."""
+    try:
+        matrix = load_matrix(analysis["output_dir"])
+    except (KeyError, UserError) as exc:
+        return f'<p class="missing">The saved prediction matrix is not readable ({esc(exc)}): no examples.</p>'
+    p, fg, bg = matrix.predictions, matrix.fg_labels, matrix.bg_labels
+    examples = []
+    for i, j in fooling_examples(p, fg, asr_counts(p, fg, bg)[0], EXAMPLES_PER_CLASS):
+        predicted = names[p[i, j]] if p[i, j] >= 0 else "outside IN-9"
+        caption = f"{names[fg[i]]} → {predicted}"
+        alt = f"{names[fg[i]]} foreground {matrix.fg_stems[i]} on {names[bg[j]]} background {matrix.bg_stems[j]}, " \
+              f"predicted {predicted}"
+        if data_path is not None and matrix.fg_images:
+            examples.append(image(data_uri(_composite(data_path, matrix.fg_images[i], matrix.fg_masks[i],
+                                                      matrix.bg_images[j])), alt, caption))
+        else:
+            examples.append(f"<figure><figcaption>{esc(alt)}</figcaption></figure>")
+    backgrounds = np.array([e["index"] for info in analysis["per_class"].values() for e in info["top_backgrounds"]],
+                           dtype=np.int64)
+    confusion = fooling_confusion(p, fg, bg, backgrounds)
+    columns = [*names, "outside IN-9"]
+    rows = [[cell(names[r]), *(cell(int(n), int(n)) for n in confusion[r])] for r in range(len(names))]
+    return (f"<h3>Vulnerable foregrounds and the composite that fooled them</h3>"
+            f'<div class="grid examples">{"".join(examples) or "<p>No foreground was fooled.</p>"}</div>'
+            f"<h3>Foreground class (rows) against predicted class (columns) on the top fooling backgrounds of the "
+            f"other classes</h3>" + table(["Foreground \\ predicted", *columns], rows, "confusion"))
+
+
+def categories_section(categories: dict | None) -> str:
+    title = "Prediction categories"
+    if not categories:
+        return _not_run(title)
+    v = categories["variations"]
+    rows = []
+    for name, entry in [("all", categories["overall"]), *categories["per_class"].items()]:
+        rows.append([cell(name), cell(entry["images"], entry["images"]),
+                     *(cell(f"{report.percent(entry['percent'][c.value], 1)} ({entry['counts'][c.value]})",
+                            entry["counts"][c.value]) for c in Category)])
+    bars = [(CATEGORY_TITLES[c], categories["overall"]["percent"][c.value]) for c in Category]
+    body = (f"<p>Each image by how its prediction depends on the background (the paper's Table 3): full image "
+            f"{esc(v['full'])}, foreground on a random background {esc(v['foreground'])}, background alone "
+            f"{esc(v['background'])}. The results hold counts, not images.</p>"
+            + bar_chart(bars, "Share of all images per category")
+            + table(["Class", "Images", *(CATEGORY_TITLES[c] for c in Category)], rows, "categories", True))
+    return _section(title, body)
+
+
+def provenance_section(sources: list[tuple[str, dict]]) -> str:
+    found = report.provenance_table(sources)
+    if found is None:
+        return _section("Provenance", "<p>No provenance recorded.</p>")
+    header, rows = found
+    return _section("Provenance", table(header, [[cell(c.strip("`")) for c in row] for row in rows], "provenance"))
