@@ -209,7 +209,9 @@ def _state_kept(model: nn.Module | str) -> Iterator[None]:
     mode, and the random number generators (Python's, numpy's, torch's on the CPU and every GPU)."""
     module = model if isinstance(model, nn.Module) else nn.Module()
     modes = [(m, m.training) for m in module.modules()]
-    parameters = [(m, name, p, p.data, p.grad) for m in module.modules() for name, p in m.named_parameters(recurse=False)]
+    # nn.Module._apply (.to, channels-last) converts a parameter's and its gradient's data in place: both kept
+    parameters = [(m, name, p, p.data, p.grad, None if p.grad is None else p.grad.data)
+                  for m in module.modules() for name, p in m.named_parameters(recurse=False)]
     buffers = [(m, name, b) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
     python_state, numpy_state = random.getstate(), np.random.get_state()
     autocast_off = [torch.autocast(device_type=kind, enabled=False) for kind in _autocast_device_types()]
@@ -222,10 +224,12 @@ def _state_kept(model: nn.Module | str) -> Iterator[None]:
     finally:
         random.setstate(python_state)
         np.random.set_state(numpy_state)
-        for owner, name, parameter, data, grad in parameters:
+        for owner, name, parameter, data, grad, grad_data in parameters:
             if getattr(owner, name) is not parameter:
                 setattr(owner, name, parameter)
             parameter.data = data
+            if grad is not None:
+                grad.data = grad_data
             parameter.grad = grad
         for owner, name, buffer in buffers:
             setattr(owner, name, buffer)
