@@ -292,3 +292,124 @@ def test_an_adapter_without_peft_installed_is_one_line_naming_the_install(tmp_pa
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
     with pytest.raises(UserError, match=r"adapter folder .* needs the peft package.*pip install peft"):
         load_model(f"{SMALL_CNN}@file:{base}", checkpoint=tmp_path / "adapter")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Review findings: rsLoRA, adapters on wrapped sources, suffix-named targets, OFT's settings, per-caller refusals
+
+def test_an_rslora_state_dict_is_merged_with_its_flag(pixels, tmp_path):
+    """rsLoRA scales by alpha / sqrt(r), not alpha / r: the file cannot say which, the flag does."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = peft.get_peft_model(small_cnn(), peft.LoraConfig(r=4, lora_alpha=ALPHA, use_rslora=True,
+                                                                 target_modules=LORA_TARGETS))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=gen))
+    model.eval()
+    torch.save(model.state_dict(), tmp_path / "rs.pt")
+    loaded = load_model(SMALL_CNN, checkpoint=tmp_path / "rs.pt", lora_alpha=ALPHA, lora_rslora=True)
+    assert_same_predictions(loaded, model, pixels)
+    plain = load_model(SMALL_CNN, checkpoint=tmp_path / "rs.pt", lora_alpha=ALPHA)  # as plain LoRA: another model
+    assert not torch.allclose(loaded_logits(plain, pixels), loaded_logits(loaded, pixels), atol=1e-3)
+
+
+def test_the_lora_refusal_names_rslora_and_alpha_pattern(tmp_path):
+    torch.save(adapted("lora").state_dict(), tmp_path / "peft_state.pt")
+    with pytest.raises(UserError, match=r"--lora-alpha.*--lora-rslora.*save_pretrained.*alpha_pattern"):
+        load_model(SMALL_CNN, checkpoint=tmp_path / "peft_state.pt")
+
+
+def tiny_vit(folder, seed: int = 2):
+    """A tiny ViT classifier with IN-9's labels and 32x32 inputs (so that the toolkit wraps it twice: the
+    transformers output, and the resize), saved with save_pretrained with its image processor."""
+    transformers = pytest.importorskip("transformers")
+    from tools.in9 import class_names  # noqa: PLC0415
+    labels = [name.title() for name in class_names()]
+    config = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=32, id2label=dict(enumerate(labels)),
+                                    label2id={n: i for i, n in enumerate(labels)})
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        module = transformers.ViTForImageClassification(config).eval()
+    module.save_pretrained(folder)
+    transformers.ViTImageProcessor(size={"height": 32, "width": 32}, image_mean=[0.5, 0.4, 0.3],
+                                   image_std=[0.2, 0.25, 0.3]).save_pretrained(folder)
+    return module
+
+
+def test_an_adapter_folder_on_a_transformers_classifier_is_merged(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    base = tiny_vit(tmp_path / "vit")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                                      modules_to_save=["classifier"]))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(3)
+        for name, param in model.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=gen))
+    model.eval().save_pretrained(tmp_path / "adapter")
+    loaded = load_model(f"hf:{tmp_path / 'vit'}", checkpoint=tmp_path / "adapter")
+    batch = torch.randint(0, 256, (4, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    x = batch.float() / 255
+    x = (x - torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)) / torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1)
+    x = torch.nn.functional.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False, antialias=True)
+    with torch.inference_mode():
+        expected, got = model(pixel_values=x).logits, loaded.model(batch)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert "peft lora adapter" in loaded.checkpoint_format
+
+
+def test_a_lora_state_dict_whose_targets_are_suffixes_of_other_modules_is_merged(tmp_path):
+    """peft matches list entries by suffix: `conv1` would adapt every block's conv1 too; the targets the file
+    names are matched whole."""
+    from torchvision.models import resnet18  # noqa: PLC0415
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        base = resnet18(num_classes=9).eval()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=ALPHA, target_modules=r"^(conv1|fc)$"))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(2)
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=gen))
+    model.eval()
+    torch.save(model.state_dict(), tmp_path / "suffix.pt")
+    loaded = load_model("resnet18", checkpoint=tmp_path / "suffix.pt", lora_alpha=ALPHA)
+    batch = torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(loaded_logits(loaded, batch), own_logits(model, batch), rtol=1e-4, atol=1e-4)
+
+
+def test_an_oft_state_dict_says_the_settings_it_assumes(tmp_path, caplog):
+    torch.save(adapted("oft").state_dict(), tmp_path / "oft.pt")
+    with caplog.at_level("WARNING", logger="tools.models.adapters"):
+        load_model(SMALL_CNN, checkpoint=tmp_path / "oft.pt")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "use_cayley_neumann" in warned[0] and "save_pretrained" in warned[0], warned
+
+
+def test_the_zoo_refuses_a_lora_state_dict_without_naming_flags_it_lacks(tmp_path, capsys):
+    data = synthetic.generate(tmp_path / "bg", per_class=1, seed=1).root
+    torch.save(adapted("lora").state_dict(), tmp_path / "peft_state.pt")
+    code, out, err = run_zoo(data, tmp_path / "zoo", [f"{SMALL_CNN}@file:{tmp_path / 'peft_state.pt'}"], capsys)
+    assert code != 0
+    text = out + err
+    assert "lora_alpha" in text and "save_pretrained" in text and "--lora-alpha" not in text, text
+
+
+def test_benchmark_takes_a_lora_state_dicts_scaling(tmp_path, capsys):
+    from tools import benchmark  # noqa: PLC0415
+    data = synthetic.generate(tmp_path / "bg", per_class=1, seed=1).root
+    model = adapted("lora")
+    torch.save(model.state_dict(), tmp_path / "peft_state.pt")
+    torch.save(model.merge_and_unload().state_dict(), tmp_path / "merged.pt")
+    quick = {"device": "cpu", "batch_size": 8, "workers": 1, "progress": False, "cache": False, "challenge": False,
+             "variations": ["original"]}
+    with pytest.raises(UserError, match=r"lora_alpha=.*save_pretrained") as refused:
+        benchmark(f"{SMALL_CNN}@file:{tmp_path / 'peft_state.pt'}", data, **quick)
+    assert "--lora-alpha" not in str(refused.value)
+    got = benchmark(f"{SMALL_CNN}@file:{tmp_path / 'peft_state.pt'}", data, lora_alpha=ALPHA, **quick)
+    merged = benchmark(f"{SMALL_CNN}@file:{tmp_path / 'merged.pt'}", data, **quick)
+    assert got.in9["original"]["per_class"] == merged.in9["original"]["per_class"]

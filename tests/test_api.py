@@ -17,7 +17,7 @@ import challenge_eval
 import in9_eval
 from tests.helpers import TinyCNN, run_in_process, save_torchscript
 from tools import benchmark
-from tools.api import CHALLENGE_RESULTS_FILE, IN9_RESULTS_FILE, BenchmarkResult
+from tools.api import CHALLENGE_RESULTS_FILE, IN9_RESULTS_FILE, BenchmarkResult, _state_kept
 from tools.data import synthetic
 from tools.errors import UserError
 from tools.in9 import VARIATIONS
@@ -211,3 +211,29 @@ def test_a_process_group_shares_the_work(dataset, cnn, scripts, tmp_path):
             "challenge_accuracy"]
     assert ranks[0]["files"] == ["challenge", "in9"] and ranks[1]["files"] == []
     assert json.loads((tmp_path / "out" / IN9_RESULTS_FILE).read_text()) == ranks[0]["in9"]
+
+
+def test_state_kept_restores_gradients_converted_in_place():
+    """A dtype change stands in for a device move: nn.Module._apply converts a gradient's data in place, so the
+    gradient tensor must get its own data back before it is reattached."""
+    model = nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    weight, grad, grad_values = model.weight, model.weight.grad, model.weight.grad.clone()
+    with _state_kept(model):
+        model.to(torch.float64)
+        assert model.weight.grad.dtype == torch.float64
+    assert model.weight is weight and model.weight.grad is grad
+    assert grad.dtype == weight.dtype == torch.float32 and torch.equal(grad, grad_values)
+
+
+def test_benchmark_leaves_a_module_with_gradients_as_it_was(dataset, one_thread):
+    """In a training loop the module has gradients; channels-last moves them, and they come back as they were."""
+    model = TinyCNN(9, seed=3)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    before = {name: (p.grad, p.grad.data_ptr(), p.grad.stride(), p.grad.clone()) for name, p in model.named_parameters()}
+    benchmark(model, dataset.root, num_classes=9, variations=["original"], challenge=False, channels_last=True,
+              **quick())
+    after = {name: (p.grad, p.grad.data_ptr(), p.grad.stride(), p.grad) for name, p in model.named_parameters()}
+    for name, (grad, pointer, stride, values) in before.items():
+        assert after[name][:3] == (grad, pointer, stride), name
+        assert torch.equal(after[name][3], values), name

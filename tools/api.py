@@ -31,6 +31,7 @@ from tools.errors import UserError, first_line
 from tools.evaluate import In9Config, bg_gap, list_in9_files, run_in9
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, VARIATIONS, Normalization
 from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
+from tools.models.adapters import LoraScaling
 from tools.models.checkpoints import check_class_count
 from tools.models.sources import load_model
 from tools.provenance import check_outputs
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 AUTO = "auto"  # mean/std: the class-count rule (ImageNet statistics for 1000 classes, IN-9's for 9)
 IN9_RESULTS_FILE, CHALLENGE_RESULTS_FILE = "in9.json", "challenge.json"  # under output_dir
 MODULE_FORMAT = "nn.Module (Python API)"
+LORA_KEYWORDS = ("lora_alpha=ALPHA", "lora_rslora=True")  # how benchmark() takes a LoRA state dict's scaling
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
               precision: Precision | str = Precision.FP32, channels_last: bool = False, batch_size: int | None = None, workers: int | None = None,
               output_dir: Path | str | None = None, resume: bool = False, cache_dir: Path | str | None = None,
               cache: bool = True, weights: str | None = None, trust_checkpoint: bool = False, seed: int = 0,
-              progress: bool = True) -> BenchmarkResult:
+              progress: bool = True, lora_alpha: float | None = None, lora_rslora: bool = False) -> BenchmarkResult:
     """Evaluate `model` on the IN-9 variations and, with `challenge`, the Backgrounds Challenge.
 
     model: an `nn.Module` taking a normalised (N, 3, 224, 224) float batch, wrapped to normalise with `mean`
@@ -78,7 +80,8 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
     the output's width). full: every pair of the challenge (the prediction matrix), as --full.
     output_dir: where the results files (in9.json, challenge.json), the resumable state and --full's matrix
     are written, as the scripts write them (default: nothing is written). device, precision, channels_last, batch_size,
-    workers, cache_dir/cache, seed, progress: as the scripts' flags.
+    workers, cache_dir/cache, seed, progress, lora_alpha, lora_rslora: as the scripts' flags (the last two: the
+    scaling of a LoRA state dict saved from a peft-wrapped model, named by `model`).
     """
     precision = _precision(precision)
     group = distributed.joined_group()
@@ -103,7 +106,8 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         runtime = Runtime(group.device(resolve_device(None if device is None else str(device))), precision,
                           channels_last, group=group)
         seed_everything(seed)
-        loaded = _loaded(model, mean, std, num_classes, weights, trust_checkpoint, runtime, in9_config.progress)
+        lora = LoraScaling(lora_alpha, lora_rslora, LORA_KEYWORDS)
+        loaded = _loaded(model, mean, std, num_classes, weights, trust_checkpoint, lora, runtime, in9_config.progress)
         in9 = run_in9(loaded, runtime, in9_files, in9_config, output_dir=output_dir, resume=resume)
         found = None
         if challenge_files is not None:
@@ -143,7 +147,7 @@ def _variations(names: Sequence[str]) -> list[str]:
 
 
 def _loaded(model: nn.Module | str, mean, std, num_classes: int | None, weights: str | None, trust: bool,
-            runtime: Runtime, progress: bool) -> LoadedModel:
+            lora: LoraScaling, runtime: Runtime, progress: bool) -> LoadedModel:
     """The model wrapped to take pixels: a module with the given statistics, a name through its source."""
     in9 = None if num_classes is None else num_classes == NUM_IN9_CLASSES
     if isinstance(model, str):
@@ -152,11 +156,13 @@ def _loaded(model: nn.Module | str, mean, std, num_classes: int | None, weights:
                             f"or leave mean and std out")
         normalize = Normalization.AUTO if _is_auto(mean) else Normalization.NONE
         return load_model(model, weights, in9=in9, normalize=normalize, trust=trust, runtime=runtime,
-                          progress=progress)
+                          progress=progress, lora_alpha=lora.alpha, lora_rslora=lora.rslora, lora_options=lora.options)
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be an nn.Module or a model name, not {type(model).__name__}")
     if weights is not None:
         raise UserError("weights= names the pretrained weights of a model name; a module brings its own")
+    if lora.given():
+        raise lora.misplaced("named as model; a module brings its own weights")
     if isinstance(mean, str) and not _is_auto(mean):
         raise UserError(f"mean must be three numbers, {AUTO!r} or None, not {mean!r}")
     if (mean is None or _is_auto(mean)) and std is not None:
@@ -209,7 +215,9 @@ def _state_kept(model: nn.Module | str) -> Iterator[None]:
     mode, and the random number generators (Python's, numpy's, torch's on the CPU and every GPU)."""
     module = model if isinstance(model, nn.Module) else nn.Module()
     modes = [(m, m.training) for m in module.modules()]
-    parameters = [(m, name, p, p.data, p.grad) for m in module.modules() for name, p in m.named_parameters(recurse=False)]
+    # nn.Module._apply (.to, channels-last) converts a parameter's and its gradient's data in place: both kept
+    parameters = [(m, name, p, p.data, p.grad, None if p.grad is None else p.grad.data)
+                  for m in module.modules() for name, p in m.named_parameters(recurse=False)]
     buffers = [(m, name, b) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
     python_state, numpy_state = random.getstate(), np.random.get_state()
     autocast_off = [torch.autocast(device_type=kind, enabled=False) for kind in _autocast_device_types()]
@@ -222,10 +230,12 @@ def _state_kept(model: nn.Module | str) -> Iterator[None]:
     finally:
         random.setstate(python_state)
         np.random.set_state(numpy_state)
-        for owner, name, parameter, data, grad in parameters:
+        for owner, name, parameter, data, grad, grad_data in parameters:
             if getattr(owner, name) is not parameter:
                 setattr(owner, name, parameter)
             parameter.data = data
+            if grad is not None:
+                grad.data = grad_data
             parameter.grad = grad
         for owner, name, buffer in buffers:
             setattr(owner, name, buffer)

@@ -54,7 +54,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--lora-alpha", type=positive_number("alpha"), default=None, metavar="ALPHA",
                        help="the lora_alpha a LoRA state dict saved from a peft-wrapped model "
                             "(torch.save(model.state_dict())) was trained with, which the file does not hold; its "
-                            "rank is read from the tensors (default: none; an adapter folder's config holds it)")
+                            "rank is read from the tensors; rsLoRA needs --lora-rslora too, and an alpha_pattern a "
+                            "folder saved with save_pretrained (default: none; an adapter folder's config holds it)")
+    model.add_argument("--lora-rslora", action=BooleanFlag, default=False,
+                       help="such a LoRA state dict was trained with rsLoRA (use_rslora=True: scaled by "
+                            "lora_alpha/sqrt(rank), not lora_alpha/rank), which the file does not say (default: off)")
     model.add_argument("--normalize", type=Normalization, choices=list(Normalization), default=Normalization.AUTO,
                        metavar="{" + ",".join(n.value for n in Normalization) + "}",
                        help="normalisation inside the model: auto uses the checkpoint's normaliser buffers, else "
@@ -216,7 +220,7 @@ def preload_model_libraries(arch: str | None, checkpoint: Path | None) -> None:
 
 def model_from_args(args: argparse.Namespace, runtime: Runtime, progress: bool) -> LoadedModel:
     loaded = load_model(args.arch, args.weights, args.checkpoint, args.in9, args.normalize, args.trust_checkpoint,
-                        args.checkpoint_key, runtime, progress, args.lora_alpha)
+                        args.checkpoint_key, runtime, progress, args.lora_alpha, args.lora_rslora)
     log.info("model: %s, %d classes, normalisation %s", loaded.checkpoint_format, loaded.num_classes,
              loaded.normalization)
     return loaded

@@ -64,7 +64,7 @@ def parse_model_spec(text: str) -> ModelSpec:
 
 
 def load(spec: ModelSpec, trust: bool = False, runtime: Runtime | None = None, progress: bool = False) -> LoadedModel:
-    return load_model(spec.text, trust=trust, runtime=runtime, progress=progress)
+    return load_model(spec.text, trust=trust, runtime=runtime, progress=progress, lora_options=None)
 
 
 def read_models_file(path: Path) -> list[str]:

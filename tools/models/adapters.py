@@ -1,8 +1,10 @@
 """peft adapters as people save them, merged into plain weights on load: an adapter folder (`save_pretrained`:
 adapter_config.json and adapter_model.safetensors or .bin) on a base model, and the state dict of a
 peft-wrapped model (`torch.save(peft_model.state_dict())`: keys `base_model.model.<module>.lora_A.default.weight`),
-whose adapters are rebuilt from the tensors' shapes (LoRA's scaling, lora_alpha, is not in such a file: it is
-given). Merging is checked: the merged model computes what the adapted one does on a probe batch. Needs peft.
+whose adapters are rebuilt from the tensors' shapes (LoRA's scaling, lora_alpha and rsLoRA's use_rslora, is not
+in such a file: it is given, `LoraScaling`; OFT is rebuilt with the installed peft's defaults for the settings
+such a file does not record, as the log warns). Merging is checked: the merged model computes what the adapted
+one does on a probe batch. Needs peft.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -32,6 +35,8 @@ MERGE_TOLERANCE = 1e-3  # largest |merged - adapted| logit difference, relative 
 ADAPTER_KEY = re.compile(r"^(?P<module>.+)\.(?P<param>lora_A|lora_B|lora_magnitude_vector|oft_r|oft_s|oft_R)"
                          r"\.(?P<name>[^.]+)(?:\.\w+)?$")
 SAVED_MODULE = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<name>[^.]+)\.(?P<param>[^.]+)$")
+# OFTConfig's settings that change what the adapters compute and that a state dict's tensors do not show
+OFT_UNRECORDED_SETTINGS = ("use_cayley_neumann", "num_cayley_neumann_terms", "coft", "eps")
 
 
 def peft_module(what: str):
@@ -78,11 +83,15 @@ def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
 
 
-def merge_checked(wrapped: nn.Module, probe: torch.Tensor, what: str) -> nn.Module:
-    """The plain module of a peft model, adapters merged in, after a check on `probe` that it computes the same."""
-    adapted = logits(wrapped, probe)
+def merge_checked(wrapped: nn.Module, probe: torch.Tensor, what: str,
+                  place: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+    """The plain module of a peft model, adapters merged in, after a check on `probe` that it computes the same.
+    place: puts a module where the adapted one sits in the model the caller evaluates and returns that model,
+    which the check runs (default: the module alone)."""
+    place = place or (lambda module: module)
+    adapted = logits(place(wrapped), probe)
     plain = wrapped.merge_and_unload()
-    error = relative_difference(logits(plain, probe), adapted)
+    error = relative_difference(logits(place(plain), probe), adapted)
     if error > MERGE_TOLERANCE:
         raise UserError(f"the merged weights of {what} compute other logits than its adapters ({error:.2g} relative): "
                         f"the installed peft merges these adapters inconsistently (OFT on convolutions larger than "
@@ -124,8 +133,10 @@ def _read_adapter_weights(folder: Path, trust: bool) -> tuple[dict, Path]:
                     f"folder complete?")
 
 
-def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool) -> MergedAdapter:
-    """The base classifier with the folder's adapter put on and merged."""
+def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool,
+                         place: Callable[[nn.Module], nn.Module] | None = None) -> MergedAdapter:
+    """The base classifier (the module the adapter was saved on) with the folder's adapter put on and merged;
+    place: as `merge_checked`'s, for a classifier inside wrappers."""
     peft = peft_module(f"the adapter folder {folder}")
     try:
         config = peft.PeftConfig.from_pretrained(str(folder))
@@ -149,7 +160,7 @@ def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool) -> Me
     missing = sorted(expected - set(weights))
     if missing:
         raise UserError(f"{what} does not fit its base model: missing keys: {_key_list(missing)}")
-    merged = merge_checked(wrapped, _probe(), what)
+    merged = merge_checked(wrapped, _probe(), what, place)
     log.info("merged %s (%d tensors from %s)", what, len(weights), weights_file.name)
     digest = hashlib.sha256(f"{sha256_file(folder / ADAPTER_CONFIG)} {sha256_file(weights_file)}".encode())
     return MergedAdapter(merged, kind, digest.hexdigest())
@@ -224,30 +235,76 @@ def read_peft_state(state: dict, path: Path) -> PeftState:
     return PeftState(kinds.pop(), names.pop(), ranks, saved, dora, base)
 
 
-def merge_peft_state(classifier: nn.Module, state: dict, peft_state: PeftState, lora_alpha: float | None,
+@dataclass(frozen=True)
+class LoraScaling:
+    """The scaling of the LoRA adapters in a peft-wrapped model's state dict, which the file does not hold: peft
+    scales B @ A by lora_alpha / r, or by lora_alpha / sqrt(r) with use_rslora (rsLoRA). options: how the caller
+    takes the two from its user, as its messages name them (its flags or keywords; None where it takes neither)."""
+
+    alpha: float | None = None
+    rslora: bool = False
+    options: tuple[str, str] | None = ("--lora-alpha ALPHA", "--lora-rslora")
+
+    def given(self) -> list[str]:
+        """The options given, by name (for a refusal that says to drop them)."""
+        names = [re.split(r"[ =]", option)[0] for option in self.options or ("lora_alpha", "lora_rslora")]
+        return [name for name, value in zip(names, (self.alpha is not None, self.rslora)) if value]
+
+    def misplaced(self, where: str) -> UserError:
+        """The refusal of options given where no LoRA state dict is (`where` says what there is)."""
+        given = self.given()
+        return UserError(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} for the state dict of a "
+                         f"peft-wrapped model with LoRA adapters, {where}; drop {' and '.join(given)}")
+
+    def how_to_give(self) -> str:
+        """What to pass for a LoRA state dict, or to save instead."""
+        saved = ("save the adapter with save_pretrained and pass its folder (adapters trained with an alpha_pattern "
+                 "or per-module alphas need that)")
+        if self.options is None:
+            return f"this command takes neither: {saved}"
+        alpha, rslora = self.options
+        return f"pass {alpha} as trained (peft's default is 8), and {rslora} if it was trained with rsLoRA " \
+               f"(use_rslora=True), or {saved}"
+
+
+CLI_LORA_OPTIONS = LoraScaling.options  # the evaluation scripts' flags, the default
+
+
+def anchored(names) -> str:
+    """A regex that matches exactly these module names (peft matches a list's entries as suffixes: `conv1`
+    would adapt every block's conv1 too)."""
+    return "^(?:" + "|".join(map(re.escape, names)) + ")$"
+
+
+def merge_peft_state(classifier: nn.Module, state: dict, peft_state: PeftState, lora: LoraScaling | None,
                      path: Path) -> nn.Module:
     """The base classifier (the architecture, untrained) wrapped as the state dict's adapters say, loaded from it
     strictly, and merged."""
     from tools.models.checkpoints import check_fits  # noqa: PLC0415 (checkpoints imports this module)
     peft = peft_module(f"checkpoint {path} (the state dict of a peft-wrapped model)")
-    targets = list(peft_state.ranks)
+    targets = anchored(peft_state.ranks)
     counts = collections.Counter(peft_state.ranks.values())
     rank = counts.most_common(1)[0][0]
     if peft_state.kind == "lora":
-        if lora_alpha is None:
+        lora = lora or LoraScaling()
+        if lora.alpha is None:
             raise UserError(f"checkpoint {path} is the state dict of a peft-wrapped model with "
-                            f"{peft_state.describe()}; their scaling (lora_alpha) is not in the file: pass "
-                            f"--lora-alpha ALPHA as trained (peft's default is 8), or save the adapter with "
-                            f"save_pretrained and pass its folder")
-        config = peft.LoraConfig(r=rank, lora_alpha=lora_alpha, target_modules=targets, use_dora=peft_state.dora,
-                                 rank_pattern={m: r for m, r in peft_state.ranks.items() if r != rank},
-                                 modules_to_save=peft_state.saved_modules or None)
+                            f"{peft_state.describe()}; their scaling (lora_alpha, and whether it is rsLoRA's) is not "
+                            f"in the file: {lora.how_to_give()}")
+        config = peft.LoraConfig(r=rank, lora_alpha=lora.alpha, use_rslora=lora.rslora, target_modules=targets,
+                                 use_dora=peft_state.dora, modules_to_save=peft_state.saved_modules or None,
+                                 rank_pattern={anchored([m]): r for m, r in peft_state.ranks.items() if r != rank})
     else:
         if len(counts) > 1:
             raise UserError(f"checkpoint {path} is the state dict of a peft-wrapped model with {peft_state.describe()}, "
                             f"of differing block counts; save the adapter with save_pretrained and pass its folder")
         config = peft.OFTConfig(r=rank, oft_block_size=0, target_modules=targets,
                                 modules_to_save=peft_state.saved_modules or None)
+        assumed = ", ".join(f"{name}={getattr(config, name)!r}" for name in OFT_UNRECORDED_SETTINGS
+                            if hasattr(config, name))
+        log.warning("%s: OFT adapters rebuilt with the installed peft %s's settings (%s), which a state dict does not "
+                    "record; adapters trained with other settings would compute another model: save them with "
+                    "save_pretrained to be sure", path, peft.__version__, assumed)
     what = f"the {peft_state.kind} adapters in {path}"
     try:
         wrapped = peft.get_peft_model(classifier.eval(), config, adapter_name=peft_state.adapter_name)

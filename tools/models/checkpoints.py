@@ -362,11 +362,11 @@ class ReadCheckpoint:
 
 def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: Normalization, trust: bool,
                     checkpoint_key: str | None, device: torch.device,
-                    lora_alpha: float | None = None) -> ReadCheckpoint:
+                    lora: adapters.LoraScaling | None = None) -> ReadCheckpoint:
     """The classifier in a checkpoint file, told apart by the file's contents: a TorchScript or export program
     as it is, loaded for `device` (the run's) and probed there; a trusted pickled module as it is; else a state
     dict loaded strictly into `arch` (default: resnet50), on the CPU, a peft-wrapped model's merged (LoRA's
-    scaling from `lora_alpha`)."""
+    scaling from `lora`)."""
     if path.is_dir():
         raise UserError(f"checkpoint {path} is a folder without {adapters.ADAPTER_CONFIG}; pass a checkpoint file, "
                         f"or a peft adapter folder on a base model (--arch ARCH --checkpoint ADAPTER_DIR)")
@@ -385,7 +385,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     obj = torch_load(path, trust)
     module = _pickled_module(obj, checkpoint_key)
     if module is not None:  # only unpickled with --trust-checkpoint
-        return _read_module(module, path, arch, in9, lora_alpha)
+        return _read_module(module, path, arch, in9, lora)
     recorded = recorded_architecture(obj)
     named = arch is not None or recorded is not None
     arch = _architecture(arch, recorded, path)
@@ -397,9 +397,8 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
         state.normalizer = (torch.tensor(header["mean"]), torch.tensor(header["std"]))
         state.layout = f"trained checkpoint {TRAINED_FORMAT}"
     peft_state = adapters.read_peft_state(state.state_dict, path) if adapters.is_peft_state(state.state_dict) else None
-    if lora_alpha is not None and (peft_state is None or peft_state.kind != "lora"):
-        raise UserError(f"--lora-alpha is for the state dict of a peft-wrapped model with LoRA adapters, which "
-                        f"checkpoint {path} is not; drop --lora-alpha")
+    if lora is not None and lora.given() and (peft_state is None or peft_state.kind != "lora"):
+        raise lora.misplaced(f"which checkpoint {path} is not")
     base = peft_state.base if peft_state is not None else state.state_dict
     keys = classifier_keys(arch)
     present = [k for k in keys if k in base]
@@ -411,7 +410,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     check_class_count(num_classes, in9, f"checkpoint {path}")
     classifier = build_architecture(arch, num_classes)
     if peft_state is not None:
-        classifier = adapters.merge_peft_state(classifier, state.state_dict, peft_state, lora_alpha, path)
+        classifier = adapters.merge_peft_state(classifier, state.state_dict, peft_state, lora, path)
         return ReadCheckpoint(classifier, num_classes, arch, state.normalizer,
                               f"{state.layout}, peft {peft_state.kind} (merged)")
     check_fits(state.state_dict, classifier.state_dict(), f"checkpoint {path} does not fit --arch {arch}")
@@ -426,12 +425,11 @@ def _pickled_module(obj, key: str | None) -> nn.Module | None:
 
 
 def _read_module(module: nn.Module, path: Path, arch: str | None, in9: bool | None,
-                 lora_alpha: float | None) -> ReadCheckpoint:
+                 lora: adapters.LoraScaling | None) -> ReadCheckpoint:
     """A pickled module used as it is: it carries its architecture and weights; its class count is probed (in
     evaluation mode, so that its batch-norm statistics stay as saved)."""
-    if lora_alpha is not None:
-        raise UserError(f"--lora-alpha is for the state dict of a peft-wrapped model, and {path} holds a whole "
-                        f"module; drop --lora-alpha")
+    if lora is not None and lora.given():
+        raise lora.misplaced(f"and {path} holds a whole module")
     if arch is not None:
         log.warning("--arch %s is ignored: %s holds a whole pickled module, which carries its own architecture",
                     arch, path)

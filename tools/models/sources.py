@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
+from torch import nn
 
 from tools.models import adapters, checkpoints
 from tools.errors import UserError, first_line
@@ -29,7 +30,7 @@ from tools.data.hashing import sha256_file
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
 from tools.models.architectures import (ARCHITECTURES, DEFAULT_ARCH, build_architecture,
                                        check_torchvision_architecture, close_matches, torchvision_module)
-from tools.models.boundary import LoadedModel, ModelOrigin, wrap
+from tools.models.boundary import InputResize, LoadedModel, ModelOrigin, wrap
 from tools.models.spec import CLIP_PREFIX, FILE_PREFIX, HF_PREFIX, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class ModelOptions:
     trust: bool = False
     checkpoint_key: str | None = None
     arch: str | None = None  # the architecture a checkpoint's weights go into
-    lora_alpha: float | None = None  # the LoRA scaling of a peft-wrapped model's state dict (tools.models.adapters)
+    lora: adapters.LoraScaling = adapters.LoraScaling()  # the LoRA scaling of a peft-wrapped model's state dict
     runtime: Runtime | None = None  # where a source computes what it builds at load time (CLIP's text head)
     progress: bool = False  # a progress bar for such work
 
@@ -76,7 +77,8 @@ def register_source(prefix: str) -> Callable[[Source], Source]:
 def load_model(arch: str | None = None, weights: str | None = None, checkpoint: Path | str | None = None,
                in9: bool | None = None, normalize: Normalization = Normalization.AUTO, trust: bool = False,
                checkpoint_key: str | None = None, runtime: Runtime | None = None,
-               progress: bool = False, lora_alpha: float | None = None) -> LoadedModel:
+               progress: bool = False, lora_alpha: float | None = None, lora_rslora: bool = False,
+               lora_options: tuple[str, str] | None = adapters.CLI_LORA_OPTIONS) -> LoadedModel:
     """The model the command line describes, wrapped to take pixels.
 
     arch: a model name (`tools.models.spec`; default: resnet50); with a checkpoint (`checkpoint`, or the
@@ -85,9 +87,12 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     work done at load time runs (CLIP encodes its prompts there); default the CPU. The model itself is
     returned on the CPU, except a TorchScript or export program, which is loaded for the runtime's device
     (the devices its code names pointed there) and probed there. A peft adapter folder (`--checkpoint DIR`,
-    `ARCH@file:DIR`, `ARCH@file:BASE@file:DIR`) goes on the model the rest describes and is merged into it;
-    lora_alpha: the LoRA scaling of a peft-wrapped model's state dict (`tools.models.adapters`).
+    `ARCH@file:DIR`, `ARCH@file:BASE@file:DIR`) goes on the model the rest describes and is merged into it
+    (into the module its source loaded, inside the toolkit's wrappers). lora_alpha, lora_rslora: the LoRA scaling
+    of a peft-wrapped model's state dict; lora_options: how the caller takes them, as messages name them
+    (`tools.models.adapters.LoraScaling`).
     """
+    lora = adapters.LoraScaling(lora_alpha, lora_rslora, lora_options)
     spec = ModelSpec.parse(arch or DEFAULT_ARCH)
     checkpoint = Path(checkpoint) if checkpoint is not None else None
     adapter = spec.adapter_path
@@ -103,12 +108,11 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
         raise UserError(f"{adapter} is a peft adapter folder, which goes on a base model: name it with --arch ARCH "
                         f"--checkpoint {adapter} (ARCH@file:{adapter} in the zoo), or ARCH@file:BASE@file:{adapter} "
                         f"for base weights from the checkpoint BASE")
-    if lora_alpha is not None and (checkpoint is None or adapter is not None):
-        raise UserError("--lora-alpha is for the state dict of a peft-wrapped model with LoRA adapters, given as "
-                        "--checkpoint; drop --lora-alpha (an adapter folder's config holds its scaling)")
+    if lora.given() and (checkpoint is None or adapter is not None):
+        raise lora.misplaced("given as a checkpoint (an adapter folder's config holds its scaling)")
     names_architecture = spec.prefix in ARCHITECTURES and spec.model is not None
     options = ModelOptions(weights, checkpoint, in9, normalize, trust, checkpoint_key,
-                           spec.model if names_architecture and arch else None, lora_alpha, runtime, progress)
+                           spec.model if names_architecture and arch else None, lora, runtime, progress)
     if checkpoint is not None and (names_architecture or spec.file is not None):
         loaded = SOURCES[FILE_PREFIX](str(checkpoint), options)
     else:
@@ -121,12 +125,30 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
 
 
 def _with_adapter(base: LoadedModel, folder: Path, trust: bool) -> LoadedModel:
-    """The base model with the folder's peft adapter merged into it; its identity that of both."""
-    merged = adapters.merge_adapter_folder(base.model.classifier, folder, trust)
-    base.model.classifier = merged.classifier.eval()
+    """The base model with the folder's peft adapter merged into the module its source loaded (the one the
+    adapter was saved on, inside the toolkit's wrappers); its identity that of both."""
+    owner, attribute = _innermost(base.model, "classifier")
+
+    def place(module: nn.Module) -> nn.Module:
+        setattr(owner, attribute, module)
+        return base.model.classifier
+
+    merged = adapters.merge_adapter_folder(getattr(owner, attribute), folder, trust, place)
+    place(merged.classifier.eval())
     return dataclasses.replace(base, source=f"{base.source} + {folder}",
                                sha256=adapters.combined_sha256(base.sha256, merged.sha256),
                                checkpoint_format=f"{base.checkpoint_format} + peft {merged.kind} adapter (merged)")
+
+
+def _innermost(owner: nn.Module, attribute: str) -> tuple[nn.Module, str]:
+    """Where the module a source loaded sits, as (its owner, the attribute), past the toolkit's wrappers around
+    it: the resize to its input size, a transformers model's logits, CLIP's zero-shot head on its image tower."""
+    from tools.models.clip import ZeroShotClassifier  # noqa: PLC0415 (the sources' modules import this one)
+    from tools.models.hf import Logits  # noqa: PLC0415
+    wrapped = {InputResize: "classifier", Logits: "model", ZeroShotClassifier: "visual"}
+    while type(getattr(owner, attribute)) in wrapped:
+        owner, attribute = getattr(owner, attribute), wrapped[type(getattr(owner, attribute))]
+    return owner, attribute
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -213,7 +235,7 @@ def checkpoint_file(path: str, options: ModelOptions) -> LoadedModel:
     if options.weights is not None:
         raise UserError("--weights and --checkpoint both give the model's weights; pass one of them")
     loaded = checkpoints.read_checkpoint(Path(path), options.arch, options.in9, options.normalize, options.trust,
-                                         options.checkpoint_key, options.device, options.lora_alpha)
+                                         options.checkpoint_key, options.device, options.lora)
     if options.in9 is None and loaded.num_classes == NUM_IN9_CLASSES:
         log.info("the checkpoint has 9 classes: evaluating as an IN-9 model (as with --in9)")
     return wrap(loaded.classifier, num_classes=loaded.num_classes, normalize=options.normalize,

@@ -75,7 +75,7 @@ def starting_point(config: TrainConfig) -> StartingPoint:
         mean, std = statistics_for(Normalization.IN9, NUM_IN9_CLASSES)
         return StartingPoint(build_architecture(arch, NUM_IN9_CLASSES), arch, mean, std, None)
     loaded = load_model(config.arch, config.weights, config.checkpoint, None, Normalization.AUTO,
-                        config.trust_checkpoint, config.checkpoint_key)
+                        config.trust_checkpoint, config.checkpoint_key, lora_options=None)
     if loaded.arch is None:
         raise UserError(f"{loaded.source} is a {loaded.checkpoint_format} program, which cannot be rebuilt for "
                         f"training; start from its state dict with --arch")
