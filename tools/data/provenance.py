@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from tools.data.decoding import decode_images, iter_decoded_batches, read_mask
 from tools.data.layout import MIXED, check_data_root, list_variation
 from tools.data.variations import Box
 from tools.errors import UserError
-from tools.in9 import IMAGE_SIZE, MASK_FOLDER, Variation
+from tools.in9 import MASK_FOLDER, Variation
 from tools.provenance import OutputFiles, atomic_write, write_json_atomic
 from tools.threads import map_in_threads
 
@@ -110,61 +109,93 @@ def mask_box(mask: np.ndarray) -> Box | None:
     return int(cols[0]), int(rows[0]), int(cols[-1]) + 1, int(rows[-1]) + 1
 
 
-def compared_pixels(foreground: torch.Tensor) -> torch.Tensor:
-    """(B, H, W) bool: the pixels farther than MASK_MARGIN from the foreground, or, for a mask that leaves none
-    such, every pixel outside it."""
-    size = 2 * MASK_MARGIN + 1
-    widened = torch.nn.functional.max_pool2d(foreground[:, None].float(), size, 1, MASK_MARGIN)[:, 0] > 0
-    outside = ~widened
-    none_left = ~outside.flatten(1).any(1)
-    outside[none_left] = ~foreground[none_left]
-    return outside
+def compared_pixels(foreground: np.ndarray) -> np.ndarray:
+    """(H, W) bool: the pixels farther than MASK_MARGIN from every foreground pixel (in rows and columns), or,
+    for a mask that leaves none such, every pixel outside it."""
+    rows = foreground.copy()
+    for shift in range(1, MASK_MARGIN + 1):
+        rows[shift:] |= foreground[:-shift]
+        rows[:-shift] |= foreground[shift:]
+    widened = rows.copy()
+    for shift in range(1, MASK_MARGIN + 1):
+        widened[:, shift:] |= rows[:, :-shift]
+        widened[:, :-shift] |= rows[:, shift:]
+    return ~widened if not widened.all() else ~foreground
 
 
-def thumbnails(images: torch.Tensor) -> torch.Tensor:
-    """(N, 3 * 28 * 28) float32: each cell's mean colour."""
-    return torch.nn.functional.avg_pool2d(images.float(), THUMBNAIL_CELL).flatten(1)
+def clean_cells(compared: np.ndarray) -> np.ndarray:
+    """(28 * 28,) bool: the thumbnail cells whose every pixel is compared."""
+    cells = compared.shape[0] // THUMBNAIL_CELL
+    return compared.reshape(cells, THUMBNAIL_CELL, cells, THUMBNAIL_CELL).all(axis=(1, 3)).ravel()
+
+
+def thumbnails(images: np.ndarray) -> np.ndarray:
+    """(N, 3 * 28 * 28) float32 of (N, 3, H, W) uint8 images: each cell's mean colour, channel by channel."""
+    n, channels, size, _ = images.shape
+    cells, cell = size // THUMBNAIL_CELL, THUMBNAIL_CELL
+    rows = images.reshape(n, channels, cells, cell, size).sum(3, dtype=np.uint16)  # whole rows first: contiguous
+    sums = rows.reshape(n, channels, cells, cells, cell).sum(-1, dtype=np.uint16)
+    return sums.reshape(n, -1).astype(np.float32) / (cell * cell)
+
+
+@dataclass(frozen=True)
+class ReadMask:
+    """A mask as the search uses it: its box, the pixels compared, and the thumbnail cells wholly among them."""
+
+    box: MaskBox
+    compared: np.ndarray
+    clean: np.ndarray
+
+
+def read_provenance_mask(root: Path, relpath: str) -> ReadMask:
+    foreground = read_mask(root / relpath) != 0
+    compared = compared_pixels(foreground)
+    return ReadMask(MaskBox(relpath, mask_box(foreground), int(foreground.sum())), compared, clean_cells(compared))
 
 
 class BackgroundIndex:
     """Every background at full resolution and as thumbnails; `match` finds a batch's best two."""
 
-    def __init__(self, images: torch.Tensor):
+    def __init__(self, images: np.ndarray):
         self.images = images  # (N, 3, H, W) uint8
-        self.thumbs = torch.cat([thumbnails(images[i:i + 512]) for i in range(0, len(images), 512)])
-        self.thumbs_sq = self.thumbs ** 2
+        self.thumbs = np.concatenate([thumbnails(images[i:i + 512]) for i in range(0, len(images), 512)])
+        self.cell_squares = (self.thumbs ** 2).reshape(len(images), 3, -1).sum(1)  # (N, 28 * 28): over the channels
 
-    def coarse_distances(self, images: torch.Tensor, compared: torch.Tensor) -> torch.Tensor:
-        """(B, N): the mean squared difference of the thumbnail cells wholly inside `compared`; for an image with
-        fewer than MIN_CLEAN_CELLS such cells, the mean absolute difference of up to PIXEL_SAMPLE outside pixels."""
-        clean = torch.nn.functional.avg_pool2d(compared[:, None].float(), THUMBNAIL_CELL).flatten(1) == 1
-        weights = clean.float().repeat(1, 3)
-        thumbs = thumbnails(images)
-        weighted = weights * thumbs
-        squared = (weighted * thumbs).sum(1, keepdim=True) - 2 * weighted @ self.thumbs.T + weights @ self.thumbs_sq.T
-        distances = squared / weights.sum(1, keepdim=True).clamp(min=1)
-        flat = self.images.flatten(2)
-        for b in torch.nonzero(clean.sum(1) < MIN_CLEAN_CELLS).flatten().tolist():
-            pixels = torch.nonzero(compared[b].flatten()).flatten()
+    def coarse_distances(self, images: np.ndarray, masks: list[ReadMask]) -> np.ndarray:
+        """(B, N): the mean squared difference over the thumbnail cells wholly compared; for an image with fewer
+        than MIN_CLEAN_CELLS such cells, the mean absolute difference of up to PIXEL_SAMPLE compared pixels."""
+        cell_weights = np.stack([m.clean for m in masks]).astype(np.float32)
+        weighted = np.tile(cell_weights, 3) * thumbnails(images)  # the same cells in each channel's block
+        # sum over the clean cells of |m - t|^2 = |m|^2 - 2 m.t + |t|^2, against every background t at once
+        squared = ((weighted ** 2).sum(1, keepdims=True) - 2 * weighted @ self.thumbs.T
+                   + cell_weights @ self.cell_squares.T)
+        distances = squared / np.maximum(3 * cell_weights.sum(1, keepdims=True), 1)
+        flat = self.images.reshape(*self.images.shape[:2], -1)
+        for b in np.flatnonzero(cell_weights.sum(1) < MIN_CLEAN_CELLS):
+            pixels = np.flatnonzero(masks[b].compared)
             if len(pixels) == 0:
                 continue
             pixels = pixels[::-(-len(pixels) // PIXEL_SAMPLE)]  # every n-th, at most PIXEL_SAMPLE
-            image = images[b].flatten(1)[:, pixels].to(torch.int16)
-            distances[b] = (flat[:, :, pixels].to(torch.int16) - image).abs().float().mean((1, 2))
+            image = images[b].reshape(3, -1)[:, pixels].astype(np.int16)
+            distances[b] = np.abs(flat[:, :, pixels] - image).mean(axis=(1, 2), dtype=np.float32)
         return distances
 
-    def match(self, images: torch.Tensor, foreground: torch.Tensor) -> list[tuple[int, float, int, float] | None]:
-        """Per image of the (B, 3, H, W) uint8 batch with its (B, H, W) bool foreground: (best background index,
-        its error, runner-up index, its error), errors being full-resolution mean absolute differences over
-        the compared pixels; the runner-up is -1 (error nan) with a single background; None with nothing to
-        compare."""
-        compared = compared_pixels(foreground)
-        counts = compared.flatten(1).sum(1)
+    def match(self, images: np.ndarray, masks: list[ReadMask]) -> list[tuple[int, float, int, float] | None]:
+        """Per image of the (B, 3, H, W) uint8 batch with its mask: (best background index, its error, runner-up
+        index, its error), the errors being full-resolution mean absolute differences over the compared pixels;
+        the runner-up is -1 (error nan) with a single background; None with no pixel to compare."""
         k = min(CANDIDATES, len(self.images))
-        candidates = self.coarse_distances(images, compared).topk(k, dim=1, largest=False).indices  # (B, k)
-        diff = (self.images[candidates].to(torch.int16) - images[:, None].to(torch.int16)).abs_().sum(2)
-        errors = (diff * compared[:, None]).flatten(2).sum(2).double() / (3 * counts[:, None].clamp(min=1))
-        order = errors.argsort(dim=1)
+        distances = self.coarse_distances(images, masks)
+        candidates = np.sort(np.argpartition(distances, k - 1, axis=1)[:, :k], axis=1)  # (B, k): the k nearest
+
+        chosen, image = self.images[candidates], images[:, None]
+        diff = np.maximum(chosen, image)
+        diff -= np.minimum(chosen, image)  # |a - b| in uint8, without widening
+        compared = np.stack([m.compared for m in masks])
+        diff *= compared[:, None, None].view(np.uint8)
+        counts = compared.reshape(len(masks), -1).sum(1)
+        errors = diff.reshape(*candidates.shape, -1).sum(-1, dtype=np.uint32) / (3 * np.maximum(counts, 1)[:, None])
+        order = errors.argsort(axis=1, kind="stable")
         out: list[tuple[int, float, int, float] | None] = []
         for b in range(len(images)):
             if counts[b] == 0:
@@ -175,11 +206,6 @@ class BackgroundIndex:
                         -1 if second is None else int(candidates[b, second]),
                         float("nan") if second is None else float(errors[b, second])))
         return out
-
-
-def _read_box(root: Path, relpath: str) -> tuple[MaskBox, np.ndarray]:
-    foreground = read_mask(root / relpath) != 0
-    return MaskBox(relpath, mask_box(foreground), int(foreground.sum())), foreground
 
 
 def find_provenance(root: Path, workers: int = 4, progress: bool = True) -> ProvenanceResult:
@@ -195,29 +221,26 @@ def find_provenance(root: Path, workers: int = 4, progress: bool = True) -> Prov
         raise UserError(f"{lonely[0]} has no mask {MASK_FOLDER}/{PurePosixPath(lonely[0]).parts[1]}/{cls}/"
                         f"{stem}.npy ({len(lonely)} such image(s)); a mixed image keeps the name of the foreground "
                         f"it shows, and its mask is needed to compare what lies outside it")
-    boxes, masks = [], torch.empty((len(mask_paths), IMAGE_SIZE, IMAGE_SIZE), dtype=torch.bool)
-    for i, (box, foreground) in enumerate(map_in_threads(lambda rel: _read_box(root, rel), mask_paths, workers,
-                                                         progress, "reading masks")):
-        boxes.append(box)
-        masks[i] = torch.from_numpy(foreground)
-    index = BackgroundIndex(decode_images(root, backgrounds, workers, progress, "decoding only_bg_t"))
+    masks = list(map_in_threads(lambda relpath: read_provenance_mask(root, relpath), mask_paths, workers, progress,
+                                "reading masks"))
+    index = BackgroundIndex(decode_images(root, backgrounds, workers, progress, "decoding only_bg_t").numpy())
     matches: list[Match] = []
     with tqdm(total=len(mixed), unit="img", desc="matching mixed images", disable=not progress,
               dynamic_ncols=True) as bar:
         for start, batch in iter_decoded_batches(root, mixed, BATCH, workers):
             names = mixed[start:start + len(batch)]
-            foreground = masks[[mask_index[mask_key(relpath)] for relpath in names]]
-            for relpath, found in zip(names, index.match(batch, foreground)):
+            found = index.match(batch.numpy(), [masks[mask_index[mask_key(relpath)]] for relpath in names])
+            for relpath, match in zip(names, found):
                 variation = PurePosixPath(relpath).parts[0]
-                if found is None:
+                if match is None:
                     matches.append(Match(variation, relpath, None, None, None, None))
                     continue
-                best, error, second, second_error = found
+                best, error, second, second_error = match
                 matches.append(Match(variation, relpath, backgrounds[best], error,
                                      backgrounds[second] if second >= 0 else None,
                                      None if second < 0 else second_error))
             bar.update(len(batch))
-    result = ProvenanceResult(root, len(backgrounds), matches, boxes)
+    result = ProvenanceResult(root, len(backgrounds), matches, [m.box for m in masks])
     result.summary = summarize(result, sorted({class_of(relpath) for relpath in backgrounds}))
     return result
 
