@@ -221,6 +221,7 @@ def find_provenance(root: Path, workers: int = 4, progress: bool = True) -> Prov
         raise UserError(f"{lonely[0]} has no mask {MASK_FOLDER}/{PurePosixPath(lonely[0]).parts[1]}/{cls}/"
                         f"{stem}.npy ({len(lonely)} such image(s)); a mixed image keeps the name of the foreground "
                         f"it shows, and its mask is needed to compare what lies outside it")
+    log.info("matching %d mixed images against %d only_bg_t backgrounds", len(mixed), len(backgrounds))
     masks = list(map_in_threads(lambda relpath: read_provenance_mask(root, relpath), mask_paths, workers, progress,
                                 "reading masks"))
     index = BackgroundIndex(decode_images(root, backgrounds, workers, progress, "decoding only_bg_t").numpy())
