@@ -1,4 +1,4 @@
-"""The command line of `python -m tools.data {fetch,verify,build}`."""
+"""The command line of `python -m tools.data {fetch,verify,build,provenance}`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tools.data.download import DEFAULT_TIMEOUT_S, RELEASE_URL, fetch
 from tools.data.check import verify_layout
 from tools.in9 import SPLIT, TRAIN_SPLIT
 from tools.provenance import check_outputs
-from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root, default_data_root
+from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, PROVENANCE_FOLDER, check_data_root, default_data_root
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_level_argument(common)
     parser = argparse.ArgumentParser(prog="python -m tools.data", description=data_package.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{fetch,verify,build}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{fetch,verify,build,provenance}")
 
     fetch_p = commands.add_parser("fetch", parents=[common], help="download, check and extract the IN-9 test release",
                                   description="Download the release archive (resuming a partial download), check "
@@ -112,6 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     build_p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                          help=f"threads decoding, segmenting and writing images (default: {default_workers()})")
     build_p.set_defaults(handler=_run_build)
+
+    provenance_p = commands.add_parser(
+        "provenance", parents=[common], help="find each mixed image's background and each mask's box",
+        description="Match every mixed_same/mixed_rand/mixed_next image with the only_bg_t image it was made from "
+                    "(by its pixels outside the foreground mask) and box every mask; write provenance.csv, "
+                    "boxes.csv and provenance_summary.json.")
+    provenance_p.add_argument("--data-path", type=Path, default=None, metavar="DIR",
+                              help=f"folder holding only_bg_t/, the mixed variations and fg_mask/ (default: "
+                                   f"${DATA_ENV} if set, else {DEFAULT_DATA_ROOT})")
+    provenance_p.add_argument("--output", type=Path, default=None, metavar="DIR",
+                              help=f"folder the three files are written to, created if missing (default: "
+                                   f"{PROVENANCE_FOLDER}/ in the data folder)")
+    provenance_p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
+                              help=f"threads decoding images (default: {default_workers()})")
+    provenance_p.set_defaults(handler=_run_provenance)
     return parser
 
 
@@ -143,6 +158,19 @@ def _run_build(args: argparse.Namespace) -> int:
     result = build(args.images, args.boxes, args.out, args.masks, args.seed, args.jpeg_quality, args.image_format,
                    args.grabcut_iterations, args.workers, not args.no_progress, args.split, args.keep_unboxed)
     print("\n".join(result.lines()))
+    return 0
+
+
+def _run_provenance(args: argparse.Namespace) -> int:
+    root = check_data_root(args.data_path)
+    output = args.output or root / PROVENANCE_FOLDER
+    check_outputs(folders={"--output": output})
+    if args.workers < 1:
+        raise UserError(f"--workers must be at least 1, not {args.workers}")
+    from tools.data import provenance  # noqa: PLC0415 (torch, for this command alone)
+    result = provenance.find_provenance(root, args.workers, not args.no_progress)
+    written = provenance.write_provenance(result, output)
+    print("\n".join([*result.lines(), f"wrote {', '.join(map(str, written))}"]))
     return 0
 
 

@@ -22,6 +22,7 @@ DEFAULT_DATA_ROOT = Path("data") / "bg_challenge"
 LAYOUT_NAMES: tuple[str, ...] = (*VARIATIONS, MASK_FOLDER)  # every top-level folder of a data root
 MIXED = (Variation.MIXED_SAME.value, Variation.MIXED_RAND.value, Variation.MIXED_NEXT.value)
 SUMMARY_NAME = "build_summary.json"  # what `tools.data build` writes beside the folders it built
+PROVENANCE_FOLDER = "provenance"  # where `tools.data provenance` writes in the data folder unless told otherwise
 
 
 @dataclass(frozen=True)
