@@ -63,8 +63,9 @@ def parse_model_spec(text: str) -> ModelSpec:
     return ModelSpec.parse(text)
 
 
-def load(spec: ModelSpec, trust: bool = False, runtime: Runtime | None = None, progress: bool = False) -> LoadedModel:
-    return load_model(spec.text, trust=trust, runtime=runtime, progress=progress)
+def load(spec: ModelSpec, trust: bool = False, runtime: Runtime | None = None, progress: bool = False,
+         trust_remote_code: bool = False) -> LoadedModel:
+    return load_model(spec.text, trust=trust, runtime=runtime, progress=progress, trust_remote_code=trust_remote_code)
 
 
 def read_models_file(path: Path) -> list[str]:
@@ -100,6 +101,7 @@ class ZooSettings:
     workers: int
     cache_dir: Path | None = None
     trust: bool = False
+    trust_remote_code: bool = False
 
     def fingerprint(self, runtime: Runtime) -> dict:
         """The settings that change a model's numbers; with the data's and the weights' hashes, a result's identity."""
@@ -167,7 +169,7 @@ def _weights_sha256(spec: ModelSpec, recorded_file: str | None) -> str | None:
 
 
 def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, trust: bool = False,
-                    runtime: Runtime | None = None, progress: bool = False) -> tuple[dict | None, LoadedModel | None]:
+                    runtime: Runtime | None = None, progress: bool = False, trust_remote_code: bool = False) -> tuple[dict | None, LoadedModel | None]:
     """(the results file's contents if they are of this data, these weights and these settings, else None; the
     model when it had to be loaded to learn its weights' hash). A results file of other settings is refused."""
     if not path.is_file():
@@ -188,7 +190,7 @@ def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, 
     if file_digest is not None:  # the file is compared with the file (a CLIP model's identity also holds its head)
         unchanged = file_digest == payload.get("weights_file_sha256")
     else:
-        loaded = load(spec, trust, runtime, progress)
+        loaded = load(spec, trust, runtime, progress, trust_remote_code)
         unchanged = loaded.sha256 == recorded.get("weights_sha256")
     if not unchanged:
         log.info("the weights of %s changed since %s was made: running it again", spec.text, path)
@@ -246,13 +248,14 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
         log.info("[%d/%d] %s", index, len(specs), spec.text)
         try:
             with distributed.agree(runtime.group, device):
-                payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress)
+                payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress,
+                                                  settings.trust_remote_code)
             if distributed.all_reduce(np.array([payload is not None], np.int64), "min", device)[0]:  # all or none
                 log.info("%s is done already (%s): skipped", spec.text, path)
                 outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
                 continue
             with distributed.agree(runtime.group, device):
-                loaded = loaded or load(spec, settings.trust, runtime, progress)
+                loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code)
                 if runtime.group.is_main:
                     set_aside_other_state(Path(output_dir) / RUNS_FOLDER / spec.slug,
                                           identity(data, loaded.sha256, fingerprint))
@@ -287,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--models-file", type=Path, default=None, metavar="PATH",
                         help="a file with one model spec per line, # comments allowed (default: none)")
     options.add_trust_argument(models)
+    options.add_remote_code_argument(models)
     options.add_data_arguments(parser)
     options.add_running_arguments(parser, shard=False)
     flags.add_search_arguments(parser.add_argument_group("challenge"))
@@ -331,7 +335,8 @@ def _main(args: argparse.Namespace) -> int:
     checked = options.check_arguments(args)
     runtime = options.runtime_from_args(args, compile=args.compile)
     settings = ZooSettings(checked.data_path, flags.challenge_config_from_args(args, checked.progress),
-                           args.batch_size, args.workers, flags.cache_dir_from_args(args), args.trust_checkpoint)
+                           args.batch_size, args.workers, flags.cache_dir_from_args(args), args.trust_checkpoint,
+                           args.trust_remote_code)
     outcomes = run_zoo(specs, settings, runtime, args.output_dir, progress=checked.progress)
     failed = [o.model for o in outcomes if o.status == "failed"]
     # under torchrun the other processes wait for rank 0's report: one that exits first ends the job

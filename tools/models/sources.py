@@ -54,6 +54,7 @@ class ModelOptions:
     lora_alpha: float | None = None  # the LoRA scaling of a peft-wrapped model's state dict (tools.models.adapters)
     runtime: Runtime | None = None  # where a source computes what it builds at load time (CLIP's text head)
     progress: bool = False  # a progress bar for such work
+    trust_remote_code: bool = False  # run the code a hub model ships (--trust-remote-code)
 
     @property
     def device(self) -> torch.device:
@@ -76,7 +77,8 @@ def register_source(prefix: str) -> Callable[[Source], Source]:
 def load_model(arch: str | None = None, weights: str | None = None, checkpoint: Path | str | None = None,
                in9: bool | None = None, normalize: Normalization = Normalization.AUTO, trust: bool = False,
                checkpoint_key: str | None = None, runtime: Runtime | None = None,
-               progress: bool = False, lora_alpha: float | None = None) -> LoadedModel:
+               progress: bool = False, lora_alpha: float | None = None,
+               trust_remote_code: bool = False) -> LoadedModel:
     """The model the command line describes, wrapped to take pixels.
 
     arch: a model name (`tools.models.spec`; default: resnet50); with a checkpoint (`checkpoint`, or the
@@ -87,6 +89,7 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     (the devices its code names pointed there) and probed there. A peft adapter folder (`--checkpoint DIR`,
     `ARCH@file:DIR`, `ARCH@file:BASE@file:DIR`) goes on the model the rest describes and is merged into it;
     lora_alpha: the LoRA scaling of a peft-wrapped model's state dict (`tools.models.adapters`).
+    trust_remote_code: run the code an `hf:` model or its image processor ships (off: such a model is refused).
     """
     spec = ModelSpec.parse(arch or DEFAULT_ARCH)
     checkpoint = Path(checkpoint) if checkpoint is not None else None
@@ -108,7 +111,8 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
                         "--checkpoint; drop --lora-alpha (an adapter folder's config holds its scaling)")
     names_architecture = spec.prefix in ARCHITECTURES and spec.model is not None
     options = ModelOptions(weights, checkpoint, in9, normalize, trust, checkpoint_key,
-                           spec.model if names_architecture and arch else None, lora_alpha, runtime, progress)
+                           spec.model if names_architecture and arch else None, lora_alpha, runtime, progress,
+                           trust_remote_code)
     if checkpoint is not None and (names_architecture or spec.file is not None):
         loaded = SOURCES[FILE_PREFIX](str(checkpoint), options)
     else:
@@ -248,6 +252,6 @@ def transformers_classifier(name: str, options: ModelOptions) -> LoadedModel:
         raise UserError(f"--arch {HF_PREFIX}{name} takes its weights from its folder or hub repository: drop "
                         f"--checkpoint and --weights")
     from tools.models.hf import load_transformers  # noqa: PLC0415 (the optional extra is imported there)
-    loaded = load_transformers(name, options.normalize, options.runtime)
+    loaded = load_transformers(name, options.normalize, options.runtime, options.trust_remote_code)
     checkpoints.check_class_count(loaded.num_classes, options.in9, f"{HF_PREFIX}{name}")
     return loaded
