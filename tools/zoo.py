@@ -39,6 +39,7 @@ from tools.evaluate import In9Config, In9Files, list_in9_files, run_in9
 from tools.data.hashing import sha256_file
 from tools.in9 import VARIATIONS
 from tools.results.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
+from tools.models import hub
 from tools.models.boundary import LoadedModel
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
@@ -158,14 +159,20 @@ def _read_json(path: Path) -> dict | None:
     return payload if isinstance(payload, dict) else None
 
 
-def _weights_sha256(spec: ModelSpec, recorded_file: str | None) -> str | None:
-    """The hash of the model's weights without building it, where a file holds them: the file the spec names, else
-    the one the result was made from (a download of torchvision or CLIP weights); None when there is none, or
-    when a file is only part of the weights (a base checkpoint under a peft adapter: the model's hash is both's)."""
+def _weights_sha256(spec: ModelSpec, payload: dict) -> str | None:
+    """The hash of the model's weights without building it, where one file is their whole identity: the file the
+    spec names, else the one the result was made from (a download of torchvision weights), when the recorded
+    identity was that file's hash and the file is not a hub cache snapshot's (a moved refs/main loads another);
+    None otherwise, or when a file is only part of the weights (a base checkpoint under a peft adapter)."""
     if spec.adapter is not None:
         return None
-    path = spec.path or (Path(recorded_file) if recorded_file else None)
-    return sha256_file(path) if path is not None and path.is_file() else None
+    if spec.path is not None:
+        return sha256_file(spec.path) if spec.path.is_file() else None
+    recorded = Path(payload["weights_file"]) if payload.get("weights_file") else None
+    whole = payload.get("identity", {}).get("weights_sha256") == payload.get("weights_file_sha256")
+    if recorded is None or not whole or hub.snapshot_revision(recorded) is not None or not recorded.is_file():
+        return None
+    return sha256_file(recorded)
 
 
 def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, trust: bool = False,
@@ -186,7 +193,7 @@ def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, 
     if recorded.get("data_sha256") != data.sha256:
         log.info("the data's content changed since %s was made: running its model again", path)
         return None, None
-    file_digest, loaded = _weights_sha256(spec, payload.get("weights_file")), None
+    file_digest, loaded = _weights_sha256(spec, payload), None
     if file_digest is not None:  # the file is compared with the file (a CLIP model's identity also holds its head)
         unchanged = file_digest == payload.get("weights_file_sha256")
     else:

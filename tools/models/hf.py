@@ -20,6 +20,8 @@ in their `id2label` order:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import pickle
 import re
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tools.data.hashing import sha256_file
 from tools.errors import UserError, first_line
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, class_names, class_of_folder
 from tools.models import hub
@@ -195,7 +198,6 @@ def _processor_settings(transformers, source: str, revision: str | None, config:
 
 
 def _json(path: Path) -> dict:
-    import json  # noqa: PLC0415
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -208,6 +210,15 @@ def _weights_files(folder: Path) -> list[Path]:
         if found:
             return found
     return []
+
+
+def _identity(files: list[Path], folder: Path, stats, order, size) -> str:
+    """The model's identity: its weights' hash, its config's (labels, architecture) and what its processor does to
+    the pixels (mean/std, channel order, input size), so that a changed config or processor is another model."""
+    config = folder / "config.json"
+    pixels = json.dumps({"stats": stats, "order": order, "size": size}, sort_keys=True)
+    text = f"weights {hub.files_digest(files)}\nconfig {sha256_file(config)}\npixels {pixels}\n"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def load_transformers(name: str, normalize: Normalization, runtime=None,
@@ -233,7 +244,7 @@ def load_transformers(name: str, normalize: Normalization, runtime=None,
     stats, order, size, mode = _processor_settings(transformers, source, revision, config, what, trust_remote_code)
     revision = None if local.is_dir() else hub.snapshot_revision(folder / "config.json")
     origin = ModelOrigin(what, revision, str(files[0] if len(files) == 1 else folder),
-                         hub.files_digest(files) if files else None,
+                         _identity(files, folder, stats, order, size) if files else None,
                          f"transformers {type(model).__name__} ({kind} labels)")
     classifier = fit_input_size(Logits(model, order), size, what, mode, runtime)
     order_text = "" if order == (0, 1, 2) else f", channels reordered {order}"
