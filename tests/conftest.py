@@ -69,3 +69,17 @@ def tiny(tmp_path_factory):
     synthetic.generate(root, per_class=2, seed=3, split="train")
     synthetic.generate(root, per_class=2, seed=4)
     return root
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache in tmp_path, offline (HF_HOME and HF_HUB_OFFLINE, and huggingface_hub's
+    constants, which it reads once on import)."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return home / "hub"

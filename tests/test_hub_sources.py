@@ -35,20 +35,6 @@ def data(tmp_path_factory):
     return synthetic.generate(tmp_path_factory.mktemp("hubdata") / "bg_challenge", per_class=2, seed=5).root
 
 
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    """An empty Hugging Face cache in tmp_path, offline (HF_HOME and HF_HUB_OFFLINE, and huggingface_hub's
-    constants, which it reads once on import)."""
-    constants = pytest.importorskip("huggingface_hub").constants
-    home = tmp_path / "hf_home"
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HOME", str(home))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return home / "hub"
-
-
 def put_in_cache(hub_cache: Path, repo_id: str, files: dict[str, Path]) -> Path:
     """Files in the hub cache's layout, as a download of `repo_id`'s main branch leaves them; the snapshot folder."""
     repo = hub_cache / f"models--{repo_id.replace('/', '--')}"
@@ -97,10 +83,27 @@ def check_same_predictions(loaded, reference: torch.Tensor, batch: torch.Tensor)
 # ----------------------------------------------------------------------------------------------------------
 # timm
 
+def timm_with_test_model():
+    """timm, skipping where it is not installed or lacks its tiny test ViT (added after timm 0.9.0)."""
+    timm = pytest.importorskip("timm")
+    if TIMM_NAME not in timm.list_models():
+        pytest.skip(f"timm {timm.__version__} has no {TIMM_NAME}")
+    return timm
+
+
+def timm_loading_pretrained():
+    """timm, skipping where it is too old for the toolkit to load its pretrained weights (SAFE_TIMM)."""
+    timm = pytest.importorskip("timm")
+    from tools.models.timm_weights import SAFE_TIMM  # noqa: PLC0415
+    if tuple(int(p) for p in timm.__version__.split(".")[:3] if p.isdigit()) < SAFE_TIMM:
+        pytest.skip(f"timm {timm.__version__} is refused for pretrained weights")
+    return timm
+
+
 @pytest.fixture(scope="module")
 def timm_weights(tmp_path_factory):
     """(the tiny test ViT with seeded weights, its weights as model.safetensors and as a config.json)."""
-    timm = pytest.importorskip("timm")
+    timm = timm_with_test_model()
     safetensors_torch = pytest.importorskip("safetensors.torch")
     folder = tmp_path_factory.mktemp("timm")
     module = seeded(timm.create_model(TIMM_NAME, pretrained=False), 1)
@@ -130,7 +133,7 @@ def test_timm_pretrained_weights_from_the_hub_cache(name, timm_weights, hub_cach
 
 
 def test_timm_offline_without_cached_weights_is_one_line(hub_cache, data, capsys):
-    pytest.importorskip("timm")
+    timm_with_test_model()
     code, out, err = run_in_process(in9_eval.main, ["--arch", f"timm:{TIMM_NAME}.{TIMM_TAG}", "--data-path",
                                                     str(data), "--device", "cpu", "--no-progress"], capsys)
     line = check_error(code, out, err, lines=None)
@@ -138,10 +141,68 @@ def test_timm_offline_without_cached_weights_is_one_line(hub_cache, data, capsys
 
 
 def test_timm_weights_none_keeps_random_weights(hub_cache):
-    pytest.importorskip("timm")
+    timm_with_test_model()
     loaded = load_model(f"timm:{TIMM_NAME}", weights="none")
     assert loaded.weights == "none" and loaded.source is None and loaded.num_classes == 1000
     assert loaded.model(images(2)).shape == (2, 1000)
+
+
+URL_ONLY_TAG = "gcvit_xxtiny.in1k"  # pretrained weights at a URL (torch's hub cache), not on the Hugging Face Hub
+
+
+@pytest.fixture
+def torch_cache(tmp_path, monkeypatch):
+    """An empty torch hub cache (TORCH_HOME) in tmp_path; its checkpoints folder."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    folder = Path(torch.hub.get_dir()) / "checkpoints"
+    folder.mkdir(parents=True)
+    return folder
+
+
+def test_timm_url_weights_are_never_unpickled_unsafely(hub_cache, torch_cache, tmp_path):
+    """A pickle that runs code, where timm reads a URL tag's weights from torch's hub cache, is refused unrun."""
+    timm = pytest.importorskip("timm")
+    url = timm.models.get_pretrained_cfg(URL_ONLY_TAG).url
+    marker = tmp_path / "pickle-ran"
+    torch.save({"x": Exploit(str(marker))}, torch_cache / Path(url).name)
+    with pytest.raises(UserError) as error:
+        load_model(f"timm:{URL_ONLY_TAG}")
+    assert "\n" not in str(error.value) and not marker.exists()
+
+
+def test_timm_older_than_its_safe_loading_is_refused_for_pretrained_weights(hub_cache, torch_cache, monkeypatch):
+    """timm before 1.0.26 unpickles some pretrained weights without weights_only: refused, naming the version;
+    --weights none still builds the architecture."""
+    timm = pytest.importorskip("timm")
+    monkeypatch.setattr(timm, "__version__", "0.9.0")
+    with pytest.raises(UserError, match=r"timm>=1\.0\.26") as error:
+        load_model(f"timm:{URL_ONLY_TAG}")
+    assert "\n" not in str(error.value)
+    assert load_model("timm:gcvit_xxtiny", weights="none").num_classes == 1000
+
+
+def test_timm_name_without_pretrained_weights_says_so(hub_cache, torch_cache):
+    timm = timm_loading_pretrained()
+    name = next(n for n in ("convnext_atto_rms", "test_byobnet") if n in timm.list_models()
+                and not timm.list_pretrained(f"{n}*"))
+    with pytest.raises(UserError, match="no pretrained weights") as error:
+        load_model(f"timm:{name}")
+    assert "Hugging Face" not in str(error.value) and "--weights none" in str(error.value)
+
+
+def test_timm_url_weights_offline_name_torchs_cache(hub_cache, torch_cache, monkeypatch):
+    """Weights at a URL that is unreachable: the line names torch's hub cache (TORCH_HOME), not Hugging Face's."""
+    timm_loading_pretrained()
+    monkeypatch.setattr(torch.hub, "download_url_to_file", _no_network)
+    with pytest.raises(UserError) as error:
+        load_model(f"timm:{URL_ONLY_TAG}")
+    line = str(error.value)
+    assert str(torch_cache) in line and "Hugging Face" not in line and "TORCH_HOME" in line
+    assert f"timm.create_model('{URL_ONLY_TAG}', pretrained=True)" in line
+
+
+def _no_network(*args, **kwargs):
+    raise OSError("network is unreachable")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -177,7 +238,7 @@ def test_transformers_classifier_equals_its_own_predictions(labels, tmp_path, hu
     loaded = load_model(f"hf:{tmp_path / 'vit'}")
     assert loaded.num_classes == (1000 if labels == "imagenet" else 9)
     assert loaded.source == str(tmp_path / "vit" / "model.safetensors")
-    assert loaded.sha256 == sha256_file(tmp_path / "vit" / "model.safetensors")
+    assert loaded.sha256 not in (None, sha256_file(tmp_path / "vit" / "model.safetensors"))  # weights and configs
     batch = images(seed=1)
     check_same_predictions(loaded, own_logits(module, batch, HF_MEAN, HF_STD, HF_SIZE, "bilinear"), batch)
 
@@ -258,3 +319,51 @@ def test_a_missing_extra_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(UserError, match=r"pip install .*\[hf\]"):
         load_model(f"hf:{tmp_path}")
 
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The zoo's "already done" for hub models
+
+def zoo_outcome(spec: str, data: Path, output: Path, capsys) -> tuple[str, dict]:
+    """The zoo's one line for `spec` ("... done: ..." or "... skipped: ...") and its results file."""
+    code, out, err = run_in_process(zoo.main, ["--data-path", str(data), "--models", spec, "--output-dir", str(output),
+                                               "--device", "cpu", "--no-progress", "--no-cache"], capsys)
+    assert code == 0, err
+    line = next(text for text in out.splitlines() if text.startswith(f"{spec}: "))
+    return line, json.loads(zoo.results_path(output, zoo.parse_model_spec(spec)).read_text())
+
+
+def test_the_zoo_reruns_a_timm_model_when_the_hubs_main_moved(timm_weights, hub_cache, data, tmp_path, capsys,
+                                                            one_thread):
+    """A later download moved refs/main to another snapshot: the recorded file (the old snapshot's) is not what
+    the model loads now, so the model runs again."""
+    module, folder = timm_weights
+    spec = f"timm:{TIMM_NAME}.{TIMM_TAG}"
+    first = put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors",
+                                                 "config.json": folder / "config.json"})
+    line, payload = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
+    assert ": done:" in line and payload["weights_file"] == str((first / "model.safetensors").resolve())
+    other = tmp_path / "other.safetensors"
+    pytest.importorskip("safetensors.torch").save_file(seeded(module, 9).state_dict(), other)
+    repo = first.parent.parent
+    moved = repo / "snapshots" / ("b" * 40)
+    moved.mkdir()
+    shutil.copy(other, moved / "model.safetensors")
+    shutil.copy(folder / "config.json", moved / "config.json")
+    (repo / "refs" / "main").write_text("b" * 40)
+    line, payload = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
+    assert ": done:" in line and payload["weights_file"] == str((moved / "model.safetensors").resolve())
+
+
+def test_the_zoo_reruns_a_transformers_model_whose_processor_changed(tmp_path, data, hub_cache, capsys, one_thread):
+    """The image processor's mean/std are part of an hf: model's identity, beside its weights."""
+    save_vit(tmp_path / "vit", [n.title() for n in class_names()], seed=6)
+    spec = f"hf:{tmp_path / 'vit'}"
+    line, first = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
+    assert ": done:" in line
+    assert ": skipped:" in zoo_outcome(spec, data, tmp_path / "zoo", capsys)[0]
+    pytest.importorskip("transformers").ViTImageProcessor(
+        size={"height": HF_SIZE, "width": HF_SIZE}, image_mean=[0.485, 0.456, 0.406],
+        image_std=[0.229, 0.224, 0.225]).save_pretrained(tmp_path / "vit")
+    line, again = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
+    assert ": done:" in line and again["identity"]["weights_sha256"] != first["identity"]["weights_sha256"]

@@ -34,6 +34,10 @@ from tools.training.loop import starting_point
     ("resnet18@file:dir/sd.pt", ("", "resnet18", None, "dir/sd.pt")),
     ("timm:vit_tiny_patch16_224.augreg_in21k@file:a@b.pt", ("timm:", "vit_tiny_patch16_224", "augreg_in21k", "a@b.pt")),
     ("toolkit:small_cnn", ("toolkit:", "small_cnn", None, None)),
+    ("hf:/data/runs/vit@ep10", ("hf:", "/data/runs/vit@ep10", None, None)),
+    ("hf:org/name@rev", ("hf:", "org/name@rev", None, None)),
+    ("timm:hf-hub:org/name@rev", ("timm:", "hf-hub:org/name@rev", None, None)),
+    ("hf:/runs/vit@ep10@file:/runs/lora@ep2", ("hf:", "/runs/vit@ep10", None, "/runs/lora@ep2")),
 ])
 def test_every_form_parses_and_round_trips(text, fields):
     spec = ModelSpec.parse(text)
@@ -48,6 +52,18 @@ def brute_force_text(prefix: str, name: str, tag: str | None, file: str | None) 
     if file is None:
         return model
     return f"{model}@file:{file}" if model else f"file:{file}"
+
+
+@pytest.mark.parametrize("text, fields", [
+    ("resnet18@file:b@1.pt@file:ad@2", ("", "resnet18", "b@1.pt", "ad@2")),
+    ("hf:org/name@rev@file:adapter", ("hf:", "org/name@rev", "adapter", None)),
+    ("timm:hf-hub:org/name@rev@file:base.pt@file:adapter", ("timm:", "hf-hub:org/name@rev", "base.pt", "adapter")),
+])
+def test_names_with_at_keep_base_and_adapter(text, fields):
+    """Only `@file:` separates a checkpoint (and an adapter after it); any other `@` belongs to the name or path."""
+    spec = ModelSpec.parse(text)
+    assert (spec.prefix, spec.name, spec.file, spec.adapter) == fields
+    assert str(spec) == text
 
 
 def test_brute_force_table_of_every_combination():

@@ -48,6 +48,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     add_model_source_arguments(model)
+    add_remote_code_argument(model)
     model.add_argument("--in9", action=BooleanFlag, default=None,
                        help="a 9-class model trained on IN-9 (--in9) or a 1000-class ImageNet model (--no-in9), "
                             "checked against the checkpoint (default: inferred from the checkpoint's class count)")
@@ -91,6 +92,13 @@ def add_model_source_arguments(group, random_init: bool = False) -> None:
 def add_trust_argument(group) -> None:
     group.add_argument("--trust-checkpoint", action="store_true",
                        help="allow full unpickling of a checkpoint you trust (default: off, weights_only loading)")
+
+
+def add_remote_code_argument(group) -> None:
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="run the code an hf: model or its image processor ships (transformers' "
+                            "trust_remote_code), for a model whose code you trust (default: off, such a model is "
+                            "refused)")
 
 
 def add_dist_timeout_argument(group) -> None:
@@ -220,7 +228,8 @@ def preload_model_libraries(arch: str | None, checkpoint: Path | None) -> None:
 
 def model_from_args(args: argparse.Namespace, runtime: Runtime, progress: bool) -> LoadedModel:
     loaded = load_model(args.arch, args.weights, args.checkpoint, args.in9, args.normalize, args.trust_checkpoint,
-                        args.checkpoint_key, runtime, progress, args.lora_alpha, args.lora_rslora)
+                        args.checkpoint_key, runtime, progress, args.lora_alpha, args.lora_rslora,
+                        trust_remote_code=args.trust_remote_code)
     log.info("model: %s, %d classes, normalisation %s", loaded.checkpoint_format, loaded.num_classes,
              loaded.normalization)
     return loaded

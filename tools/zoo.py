@@ -39,6 +39,7 @@ from tools.evaluate import In9Config, In9Files, list_in9_files, run_in9
 from tools.data.hashing import sha256_file
 from tools.in9 import VARIATIONS
 from tools.results.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
+from tools.models import hub
 from tools.models.boundary import LoadedModel
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
@@ -63,8 +64,10 @@ def parse_model_spec(text: str) -> ModelSpec:
     return ModelSpec.parse(text)
 
 
-def load(spec: ModelSpec, trust: bool = False, runtime: Runtime | None = None, progress: bool = False) -> LoadedModel:
-    return load_model(spec.text, trust=trust, runtime=runtime, progress=progress, lora_options=None)
+def load(spec: ModelSpec, trust: bool = False, runtime: Runtime | None = None, progress: bool = False,
+         trust_remote_code: bool = False) -> LoadedModel:
+    return load_model(spec.text, trust=trust, runtime=runtime, progress=progress, lora_options=None,
+                      trust_remote_code=trust_remote_code)
 
 
 def read_models_file(path: Path) -> list[str]:
@@ -100,6 +103,7 @@ class ZooSettings:
     workers: int
     cache_dir: Path | None = None
     trust: bool = False
+    trust_remote_code: bool = False
 
     def fingerprint(self, runtime: Runtime) -> dict:
         """The settings that change a model's numbers; with the data's and the weights' hashes, a result's identity."""
@@ -156,18 +160,24 @@ def _read_json(path: Path) -> dict | None:
     return payload if isinstance(payload, dict) else None
 
 
-def _weights_sha256(spec: ModelSpec, recorded_file: str | None) -> str | None:
-    """The hash of the model's weights without building it, where a file holds them: the file the spec names, else
-    the one the result was made from (a download of torchvision or CLIP weights); None when there is none, or
-    when a file is only part of the weights (a base checkpoint under a peft adapter: the model's hash is both's)."""
+def _weights_sha256(spec: ModelSpec, payload: dict) -> str | None:
+    """The hash of the model's weights without building it, where one file is their whole identity: the file the
+    spec names, else the one the result was made from (a download of torchvision weights), when the recorded
+    identity was that file's hash and the file is not a hub cache snapshot's (a moved refs/main loads another);
+    None otherwise, or when a file is only part of the weights (a base checkpoint under a peft adapter)."""
     if spec.adapter is not None:
         return None
-    path = spec.path or (Path(recorded_file) if recorded_file else None)
-    return sha256_file(path) if path is not None and path.is_file() else None
+    if spec.path is not None:
+        return sha256_file(spec.path) if spec.path.is_file() else None
+    recorded = Path(payload["weights_file"]) if payload.get("weights_file") else None
+    whole = payload.get("identity", {}).get("weights_sha256") == payload.get("weights_file_sha256")
+    if recorded is None or not whole or hub.snapshot_revision(recorded) is not None or not recorded.is_file():
+        return None
+    return sha256_file(recorded)
 
 
 def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, trust: bool = False,
-                    runtime: Runtime | None = None, progress: bool = False) -> tuple[dict | None, LoadedModel | None]:
+                    runtime: Runtime | None = None, progress: bool = False, trust_remote_code: bool = False) -> tuple[dict | None, LoadedModel | None]:
     """(the results file's contents if they are of this data, these weights and these settings, else None; the
     model when it had to be loaded to learn its weights' hash). A results file of other settings is refused."""
     if not path.is_file():
@@ -184,11 +194,11 @@ def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, 
     if recorded.get("data_sha256") != data.sha256:
         log.info("the data's content changed since %s was made: running its model again", path)
         return None, None
-    file_digest, loaded = _weights_sha256(spec, payload.get("weights_file")), None
+    file_digest, loaded = _weights_sha256(spec, payload), None
     if file_digest is not None:  # the file is compared with the file (a CLIP model's identity also holds its head)
         unchanged = file_digest == payload.get("weights_file_sha256")
     else:
-        loaded = load(spec, trust, runtime, progress)
+        loaded = load(spec, trust, runtime, progress, trust_remote_code)
         unchanged = loaded.sha256 == recorded.get("weights_sha256")
     if not unchanged:
         log.info("the weights of %s changed since %s was made: running it again", spec.text, path)
@@ -246,13 +256,14 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
         log.info("[%d/%d] %s", index, len(specs), spec.text)
         try:
             with distributed.agree(runtime.group, device):
-                payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress)
+                payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress,
+                                                  settings.trust_remote_code)
             if distributed.all_reduce(np.array([payload is not None], np.int64), "min", device)[0]:  # all or none
                 log.info("%s is done already (%s): skipped", spec.text, path)
                 outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
                 continue
             with distributed.agree(runtime.group, device):
-                loaded = loaded or load(spec, settings.trust, runtime, progress)
+                loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code)
                 if runtime.group.is_main:
                     set_aside_other_state(Path(output_dir) / RUNS_FOLDER / spec.slug,
                                           identity(data, loaded.sha256, fingerprint))
@@ -287,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--models-file", type=Path, default=None, metavar="PATH",
                         help="a file with one model spec per line, # comments allowed (default: none)")
     options.add_trust_argument(models)
+    options.add_remote_code_argument(models)
     options.add_data_arguments(parser)
     options.add_running_arguments(parser, shard=False)
     flags.add_search_arguments(parser.add_argument_group("challenge"))
@@ -331,7 +343,8 @@ def _main(args: argparse.Namespace) -> int:
     checked = options.check_arguments(args)
     runtime = options.runtime_from_args(args, compile=args.compile)
     settings = ZooSettings(checked.data_path, flags.challenge_config_from_args(args, checked.progress),
-                           args.batch_size, args.workers, flags.cache_dir_from_args(args), args.trust_checkpoint)
+                           args.batch_size, args.workers, flags.cache_dir_from_args(args), args.trust_checkpoint,
+                           args.trust_remote_code)
     outcomes = run_zoo(specs, settings, runtime, args.output_dir, progress=checked.progress)
     failed = [o.model for o in outcomes if o.status == "failed"]
     # under torchrun the other processes wait for rank 0's report: one that exits first ends the job

@@ -1,9 +1,13 @@
 """Hugging Face transformers image classifiers (the `hf:ORG/NAME` and `hf:PATH` source, optional extra [hf]).
 
-`AutoModelForImageClassification` loads the model without remote code (`trust_remote_code` off: a model that
-ships its own code is refused) and its weights as safetensors or with `weights_only` unpickling; its image
-processor gives the mean/std and the input size (inputs of another size are resized inside the model). The
-labels decide what the model is, in their `id2label` order:
+`AutoModelForImageClassification` loads the model in float32 without remote code (a model or image processor
+that ships its own code is refused unless `--trust-remote-code`) and its weights as safetensors or with
+`weights_only` unpickling. `hf:ORG/NAME@REVISION` picks a hub revision. The image processor gives the input size
+(inputs of another size are resized inside the model), and what it does to the pixels is measured by running it
+on probe images with resizing and cropping off: a per-channel affine map (rescaling, normalisation, or none) and
+a channel order (BGR for some), taken into the model; a processor that does anything else is refused. Without a
+processor config, the class-count rule's mean/std is used, with a warning. The labels decide what the model is,
+in their `id2label` order:
 
 - 1000 labels: an ImageNet head, through the ImageNet->IN-9 map. Accepted when the labels name ImageNet's
   classes at the checked indices (`IMAGENET_LANDMARKS`, the first WordNet lemma as transformers' ImageNet
@@ -16,13 +20,18 @@ labels decide what the model is, in their `id2label` order:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import pickle
 import re
 from pathlib import Path
 
+import numpy as np
+import torch
 from torch import nn
 
+from tools.data.hashing import sha256_file
 from tools.errors import UserError, first_line
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, class_names, class_of_folder
 from tools.models import hub
@@ -38,16 +47,23 @@ IMAGENET_LANDMARKS = {0: "tench", 1: "goldfish", 151: "chihuahua", 281: "tabby",
 PLACEHOLDER = re.compile(r"LABEL_(\d+)$")  # transformers' label of a config that names none
 WEIGHTS_FILES = ("*.safetensors", "pytorch_model*.bin")
 PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's codes, as image processors store `resample`
+PROCESSOR_FILE = "preprocessor_config.json"
+REMOTE_CODE_FLAG = "--trust-remote-code"
+PROBE_TOLERANCE = 1e-4  # how far a processor's output may be from the affine map measured on the probes
 
 
 class Logits(nn.Module):
-    """A transformers classifier as a plain one: pixel values in, `outputs.logits` out."""
+    """A transformers classifier as a plain one: pixel values in (channels reordered as its processor does),
+    `outputs.logits` out."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, channel_order: tuple[int, ...] = (0, 1, 2)):
         super().__init__()
         self.model = model
+        self.channel_order = tuple(channel_order)
 
     def forward(self, x):
+        if self.channel_order != (0, 1, 2):
+            x = x[:, list(self.channel_order)]
         return self.model(pixel_values=x).logits
 
 
@@ -63,19 +79,22 @@ def _fetch_command(repo: str) -> str:
     return f"python -c \"from huggingface_hub import snapshot_download; snapshot_download('{repo}')\""
 
 
-def _config(transformers, name: str, what: str) -> dict:
+def check_remote_code(config: dict, what: str, trust_remote_code: bool) -> None:
+    """One line refusing a config whose auto_map names code of its own, unless the user opted in."""
+    if config.get("auto_map") and not trust_remote_code:
+        raise UserError(f"{what} needs its own remote code (auto_map names {', '.join(sorted(config['auto_map']))}); "
+                        f"it runs only with {REMOTE_CODE_FLAG}, for a model whose code you trust")
+
+
+def _config(transformers, name: str, revision: str | None, what: str, trust_remote_code: bool) -> dict:
     """The model's config.json as a dict, read without running any of its code."""
     try:
-        config, _ = transformers.PretrainedConfig.get_config_dict(name)
+        config, _ = transformers.PretrainedConfig.get_config_dict(name, revision=revision)
     except OSError as exc:
         if Path(name).expanduser().exists():
             raise UserError(f"{what}: {first_line(exc)}") from None
         raise UserError(hub.not_cached_line(what, _fetch_command(name), first_line(exc))) from None
-    if config.get("auto_map"):
-        raise UserError(f"{what} needs its own remote code (its config's auto_map names "
-                        f"{', '.join(sorted(config['auto_map']))}); this toolkit runs no remote code "
-                        f"(trust_remote_code stays off): export the model yourself (torch.export or TorchScript) "
-                        f"and pass the file with --checkpoint")
+    check_remote_code(config, what, trust_remote_code)
     return config
 
 
@@ -106,26 +125,83 @@ def check_labels(id2label: dict, what: str) -> str:
                     f"9-label IN-9 heads")
 
 
-def _processor_settings(transformers, name: str, config: dict, what: str):
-    """(mean, std) or None, the input size and the resize mode, from the model's image processor."""
-    try:
-        processor = transformers.AutoImageProcessor.from_pretrained(name, trust_remote_code=False)
-    except (OSError, ValueError) as exc:
-        size = config.get("image_size", IMAGE_SIZE)
-        log.info("%s has no image processor (%s): the class-count rule's mean/std, %s inputs", what, first_line(exc),
-                 size)
-        return None, (size, size) if isinstance(size, int) else tuple(size), "bicubic"
-    stats = (processor.image_mean, processor.image_std) if getattr(processor, "do_normalize", True) else None
+def _processor_shape(processor) -> tuple[int, int]:
     crop = getattr(processor, "crop_size", None) if getattr(processor, "do_center_crop", False) else None
     size = dict(crop or getattr(processor, "size", None) or {})
     if "height" in size:
-        shape = (size["height"], size["width"])
-    else:
-        edge = size.get("shortest_edge", IMAGE_SIZE)
-        shape = (edge, edge)
+        return size["height"], size["width"]
+    edge = size.get("shortest_edge", IMAGE_SIZE)
+    return edge, edge
+
+
+def pixel_map(processor, shape: tuple[int, int], what: str):
+    """(mean, std, channel order) such that the processor's output channel k, on images of `shape` with resizing
+    and cropping off, is (x[order[k]] - mean[order[k]]) / std[order[k]] for x in [0, 1]; measured on probe images
+    (black, each channel alone at 255) and checked on a random one. One line refusing any other processing."""
+    height, width = shape
+    probes = [np.zeros((height, width, 3), np.uint8)]
+    for channel in range(3):
+        probes.append(probes[0].copy())
+        probes[-1][..., channel] = 255
+    probes.append(np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8))
+    try:
+        out = processor(images=probes, return_tensors="pt", do_resize=False, do_center_crop=False)["pixel_values"]
+    except Exception as exc:  # noqa: BLE001 (a processor's own errors: it cannot be measured)
+        raise UserError(f"{what}: cannot run its image processor {type(processor).__name__} on probe images "
+                        f"({first_line(exc)})") from None
+    out = out.to(torch.float64)
+    if tuple(out.shape) != (len(probes), 3, height, width):
+        raise UserError(f"{what}: its image processor {type(processor).__name__} turns {height}x{width} RGB images "
+                        f"into {tuple(out.shape[1:])} with resizing and cropping off; the toolkit cannot take that in")
+    offset = out[0].mean(dim=(1, 2))
+    gains = torch.stack([out[1 + c].mean(dim=(1, 2)) - offset for c in range(3)], dim=1)  # [output k, input c]
+    order = tuple(int(c) for c in gains.abs().argmax(dim=1))
+    scale = torch.stack([gains[k, order[k]] for k in range(3)])
+    x = torch.as_tensor(probes[-1], dtype=torch.float64).permute(2, 0, 1) / 255
+    predicted = x[list(order)] * scale.reshape(3, 1, 1) + offset.reshape(3, 1, 1)  # x in [0, 1]
+    if sorted(order) != [0, 1, 2] or (scale <= 0).any() or (predicted - out[-1]).abs().max() > PROBE_TOLERANCE * \
+            max(1.0, float(out[-1].abs().max())):
+        raise UserError(f"{what}: its image processor {type(processor).__name__} does more to the pixels than a "
+                        f"per-channel scale, shift and channel order; the toolkit cannot take that into the model")
+    mean, std = [0.0] * 3, [1.0] * 3
+    for k, c in enumerate(order):
+        std[c] = float(1 / scale[k])
+        mean[c] = float(-offset[k] / scale[k])
+    return tuple(mean), tuple(std), order
+
+
+def _processor_settings(transformers, source: str, revision: str | None, config: dict, what: str,
+                        trust_remote_code: bool):
+    """(mean, std) or None, the channel order, the input size and the resize mode, from the model's image
+    processor; without a processor config, the class-count rule (with a warning) and the config's image size."""
+    found = transformers.utils.cached_file(source, PROCESSOR_FILE, revision=revision,
+                                           _raise_exceptions_for_missing_entries=False)
+    if found is None:
+        size = config.get("image_size", IMAGE_SIZE)
+        shape = (size, size) if isinstance(size, int) else tuple(size)
+        log.warning("%s has no %s: normalised with the class-count rule's mean/std, %dx%d inputs", what,
+                    PROCESSOR_FILE, *shape)
+        return None, (0, 1, 2), shape, "bicubic"
+    processor_config = _json(Path(found))
+    check_remote_code(processor_config, f"{what}'s image processor", trust_remote_code)
+    try:
+        processor = transformers.AutoImageProcessor.from_pretrained(source, revision=revision,
+                                                                    trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 (transformers' errors for an unknown or broken processor)
+        raise UserError(f"{what}: cannot load its image processor from {PROCESSOR_FILE} "
+                        f"({first_line(exc)})") from None
+    shape = _processor_shape(processor)
+    mean, std, order = pixel_map(processor, shape, what)
     resample = getattr(processor, "resample", None)
     mode = PIL_RESAMPLE.get(int(getattr(resample, "value", resample)) if resample is not None else 3, "bicubic")
-    return stats, shape, mode
+    return (mean, std), order, shape, mode
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path}: {first_line(exc)}") from None
 
 
 def _weights_files(folder: Path) -> list[Path]:
@@ -136,29 +212,41 @@ def _weights_files(folder: Path) -> list[Path]:
     return []
 
 
-def load_transformers(name: str, normalize: Normalization, runtime=None) -> LoadedModel:
-    """`hf:` + `name`: a local save_pretrained folder, else a hub repository (its cache, HF_HUB_OFFLINE honoured)."""
+def _identity(files: list[Path], folder: Path, stats, order, size) -> str:
+    """The model's identity: its weights' hash, its config's (labels, architecture) and what its processor does to
+    the pixels (mean/std, channel order, input size), so that a changed config or processor is another model."""
+    config = folder / "config.json"
+    pixels = json.dumps({"stats": stats, "order": order, "size": size}, sort_keys=True)
+    text = f"weights {hub.files_digest(files)}\nconfig {sha256_file(config)}\npixels {pixels}\n"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_transformers(name: str, normalize: Normalization, runtime=None,
+                      trust_remote_code: bool = False) -> LoadedModel:
+    """`hf:` + `name`: a local save_pretrained folder, else a hub repository (`ORG/NAME[@REVISION]`, from its
+    cache, HF_HUB_OFFLINE honoured). trust_remote_code: run the code a model or processor ships (--trust-remote-code)."""
     transformers = _transformers()
     what = f"{HF_PREFIX}{name}"
     local = Path(name).expanduser()
-    source = str(local) if local.is_dir() else name
-    config = _config(transformers, source, what)
+    source, revision = (str(local), None) if local.is_dir() else hub.split_revision(name)
+    config = _config(transformers, source, revision, what, trust_remote_code)
     kind = check_labels({int(k): v for k, v in (config.get("id2label") or {}).items()}
                         or {i: f"LABEL_{i}" for i in range(config.get("num_labels", 2))}, what)
     try:
-        model = transformers.AutoModelForImageClassification.from_pretrained(source, trust_remote_code=False,
-                                                                             weights_only=True)
+        model = transformers.AutoModelForImageClassification.from_pretrained(
+            source, revision=revision, trust_remote_code=trust_remote_code, weights_only=True, dtype=torch.float32)
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as exc:
         raise UserError(f"cannot load {what} safely (safetensors or weights_only unpickling): "
                         f"{first_line(exc)}") from None
     model.eval()
     folder = local if local.is_dir() else hub.cached_file(name, ["config.json"]).parent
     files = _weights_files(folder)
-    stats, size, mode = _processor_settings(transformers, source, config, what)
+    stats, order, size, mode = _processor_settings(transformers, source, revision, config, what, trust_remote_code)
     revision = None if local.is_dir() else hub.snapshot_revision(folder / "config.json")
     origin = ModelOrigin(what, revision, str(files[0] if len(files) == 1 else folder),
-                         hub.files_digest(files) if files else None,
+                         _identity(files, folder, stats, order, size) if files else None,
                          f"transformers {type(model).__name__} ({kind} labels)")
-    classifier = fit_input_size(Logits(model), size, what, mode, runtime)
+    classifier = fit_input_size(Logits(model, order), size, what, mode, runtime)
+    order_text = "" if order == (0, 1, 2) else f", channels reordered {order}"
     return wrap(classifier, num_classes=model.config.num_labels, normalize=normalize, origin=origin, stats=stats,
-                stats_origin="image processor")
+                stats_origin=f"image processor{order_text}")

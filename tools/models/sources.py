@@ -55,6 +55,7 @@ class ModelOptions:
     lora: adapters.LoraScaling = adapters.LoraScaling()  # the LoRA scaling of a peft-wrapped model's state dict
     runtime: Runtime | None = None  # where a source computes what it builds at load time (CLIP's text head)
     progress: bool = False  # a progress bar for such work
+    trust_remote_code: bool = False  # run the code a hub model ships (--trust-remote-code)
 
     @property
     def device(self) -> torch.device:
@@ -78,7 +79,8 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
                in9: bool | None = None, normalize: Normalization = Normalization.AUTO, trust: bool = False,
                checkpoint_key: str | None = None, runtime: Runtime | None = None,
                progress: bool = False, lora_alpha: float | None = None, lora_rslora: bool = False,
-               lora_options: tuple[str, str] | None = adapters.CLI_LORA_OPTIONS) -> LoadedModel:
+               lora_options: tuple[str, str] | None = adapters.CLI_LORA_OPTIONS,
+               trust_remote_code: bool = False) -> LoadedModel:
     """The model the command line describes, wrapped to take pixels.
 
     arch: a model name (`tools.models.spec`; default: resnet50); with a checkpoint (`checkpoint`, or the
@@ -91,6 +93,7 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     (into the module its source loaded, inside the toolkit's wrappers). lora_alpha, lora_rslora: the LoRA scaling
     of a peft-wrapped model's state dict; lora_options: how the caller takes them, as messages name them
     (`tools.models.adapters.LoraScaling`).
+    trust_remote_code: run the code an `hf:` model or its image processor ships (off: such a model is refused).
     """
     lora = adapters.LoraScaling(lora_alpha, lora_rslora, lora_options)
     spec = ModelSpec.parse(arch or DEFAULT_ARCH)
@@ -112,7 +115,8 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
         raise lora.misplaced("given as a checkpoint (an adapter folder's config holds its scaling)")
     names_architecture = spec.prefix in ARCHITECTURES and spec.model is not None
     options = ModelOptions(weights, checkpoint, in9, normalize, trust, checkpoint_key,
-                           spec.model if names_architecture and arch else None, lora, runtime, progress)
+                           spec.model if names_architecture and arch else None, lora, runtime, progress,
+                           trust_remote_code)
     if checkpoint is not None and (names_architecture or spec.file is not None):
         loaded = SOURCES[FILE_PREFIX](str(checkpoint), options)
     else:
@@ -270,6 +274,6 @@ def transformers_classifier(name: str, options: ModelOptions) -> LoadedModel:
         raise UserError(f"--arch {HF_PREFIX}{name} takes its weights from its folder or hub repository: drop "
                         f"--checkpoint and --weights")
     from tools.models.hf import load_transformers  # noqa: PLC0415 (the optional extra is imported there)
-    loaded = load_transformers(name, options.normalize, options.runtime)
+    loaded = load_transformers(name, options.normalize, options.runtime, options.trust_remote_code)
     checkpoints.check_class_count(loaded.num_classes, options.in9, f"{HF_PREFIX}{name}")
     return loaded

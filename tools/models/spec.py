@@ -10,7 +10,10 @@
 PREFIX (`word:`) picks a model source, and for an architecture its family (no prefix: torchvision); what a
 prefix means is the registries' business (`tools.models.list_sources()`), so that parsing needs neither. A
 family's tag follows its separator: timm's pretrained tag after `.`, open_clip's pretrained weights (and
-options) after `/`; a timm hub name (`hf-hub:ORG/NAME`, whose NAME may hold dots) has no tag. A name round-trips: `str(ModelSpec.parse(text)) == text`.
+options) after `/`; a timm hub name (`hf-hub:ORG/NAME`, whose NAME may hold dots) has no tag. Only `@file:` separates
+a checkpoint: an `@` elsewhere belongs to the name (`hf:ORG/NAME@REVISION`, `hf:/runs/vit@ep10`), except in a
+torchvision name, where it is refused as a file named without `file:`. A name round-trips:
+`str(ModelSpec.parse(text)) == text`.
 """
 
 from __future__ import annotations
@@ -51,13 +54,16 @@ class ModelSpec:
             raise UserError("an empty model name; use e.g. resnet50, timm:NAME, clip:ARCH/PRETRAINED or file:PATH")
         if text.startswith(FILE_PREFIX):
             return cls(file=_file(text, text))
-        model, separator, rest = text.partition(ARCH_SEPARATOR)
+        at_file = ARCH_SEPARATOR + FILE_PREFIX  # only `@file:` ends the model: a hub revision or a path keeps its `@`
+        model, separator, rest = text.partition(at_file)
         if separator:
-            if not model or not rest.startswith(FILE_PREFIX):
+            if not model:
                 raise UserError(f"model spec {text!r}: {ARCH_AT_FILE_HINT}")
-            base, adapter_separator, adapter = rest.partition(ARCH_SEPARATOR + FILE_PREFIX)
-            return cls(*_model(model, text), file=_file(base, text),
+            base, adapter_separator, adapter = rest.partition(at_file)
+            return cls(*_model(model, text), file=_file(FILE_PREFIX + base, text),
                        adapter=_file(FILE_PREFIX + adapter, text) if adapter_separator else None)
+        if ARCH_SEPARATOR in text and not PREFIX.match(text):  # torchvision names hold no `@`: a file meant
+            raise UserError(f"model spec {text!r}: {ARCH_AT_FILE_HINT}")
         return cls(*_model(text, text))
 
     @property

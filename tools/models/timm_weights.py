@@ -1,7 +1,9 @@
 """timm models with their pretrained weights (the `timm:NAME[.TAG]` and `timm:hf-hub:ORG/NAME` source).
 
 The weights come through timm's own loading (`timm.create_model(name, pretrained=True)`: the Hugging Face Hub
-cache, `HF_HUB_OFFLINE` honoured, safetensors or `weights_only` unpickling), the mean/std, input size and
+cache, `HF_HUB_OFFLINE` honoured, or torch's hub cache for weights at a URL; safetensors or `weights_only`
+unpickling, which timm does on every such path from `SAFE_TIMM` on: older timm is refused), the mean/std, input
+size and
 interpolation from the model's pretrained config (`timm.data.resolve_data_config`); inputs of another size
 than 224x224 are resized inside the model. The provenance names the tag, the file timm read and its SHA-256.
 `--weights none` builds the architecture with seeded random weights instead.
@@ -12,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -23,13 +27,26 @@ from tools.in9 import NUM_IMAGENET_CLASSES, Normalization
 from tools.models import hub
 from tools.models.architectures import check_timm_name, timm_module
 from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
-from tools.models.spec import TIMM_PREFIX, ModelSpec
+from tools.models.spec import TIMM_HUB, TIMM_PREFIX, ModelSpec
 
 log = logging.getLogger(__name__)
 
 RANDOM_WEIGHTS = "none"  # --weights none: random initialisation
 RANDOM_SEED = 0
 HUB_WEIGHTS_FILES = ["model.safetensors", "pytorch_model.bin"]  # what timm looks for in a hub repository, in order
+# The first timm whose every pretrained-weights path (URL, hub file, local file) unpickles with weights_only, given
+# torch>=2.6's weights_only default; before it, a URL tag's file went through torch.hub without weights_only.
+SAFE_TIMM = (1, 0, 26)
+
+
+def check_safe_timm(timm, spec: ModelSpec) -> None:
+    """One line refusing timm's pretrained weights where that timm may unpickle them unsafely."""
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", timm.__version__)
+    if match is None or tuple(int(part) for part in match.groups()) < SAFE_TIMM:
+        floor = ".".join(map(str, SAFE_TIMM))
+        raise UserError(f"timm {timm.__version__} may unpickle the pretrained weights of {spec} without "
+                        f"weights_only (code in the file would run); pretrained timm weights need timm>={floor}: "
+                        f"run `pip install 'timm>={floor}'` (--weights {RANDOM_WEIGHTS} works with this timm)")
 
 
 def _random_model(timm, name: str) -> nn.Module:
@@ -67,6 +84,28 @@ def _fetch_command(name: str) -> str:
     return f"python -c \"import timm; timm.create_model('{name}', pretrained=True)\""
 
 
+def _registered_cfg(timm, spec: ModelSpec) -> dict | None:
+    """The pretrained config timm has registered for the name (its default tag without one); None for a hub name,
+    whose config is the hub's."""
+    if spec.name.startswith(TIMM_HUB):
+        return None
+    cfg = timm.models.get_pretrained_cfg(spec.body)
+    return cfg.to_dict() if cfg is not None else {}
+
+
+def _not_loaded_line(spec: ModelSpec, cfg: dict | None, exc: Exception) -> str:
+    """Why timm did not load the weights: an unsafe pickle, or the cache timm reads (Hugging Face's or, for
+    weights at a URL, torch's hub cache) and the command that fetches them."""
+    what, fetch = f"the pretrained weights of {spec}", _fetch_command(spec.body)
+    if isinstance(exc, pickle.UnpicklingError):
+        return f"cannot load {what} safely: weights_only unpickling refused the file ({first_line(exc)})"
+    if cfg is not None and not cfg.get("hf_hub_id") and cfg.get("url"):
+        folder = Path(torch.hub.get_dir()) / "checkpoints"
+        return (f"cannot load {what}: not in torch's hub cache {folder} and not downloadable from {cfg['url']} "
+                f"({first_line(exc)}); fetch them with the network on (same TORCH_HOME) with `{fetch}`")
+    return hub.not_cached_line(what, fetch, first_line(exc))
+
+
 def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Normalization,
               runtime=None) -> LoadedModel:
     """`timm:` + `body` with timm's pretrained weights (or seeded random ones for `weights` none)."""
@@ -79,13 +118,19 @@ def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Norma
     if weights is not None and not random_init:
         raise UserError(f"--weights takes only {RANDOM_WEIGHTS} for {spec}: the tag after the name picks timm's "
                         f"pretrained weights ({TIMM_PREFIX}NAME.TAG)")
+    cfg = None
+    if not random_init:
+        check_safe_timm(timm, spec)
+        cfg = _registered_cfg(timm, spec)
+        if cfg is not None and not any(cfg.get(key) for key in ("hf_hub_id", "url", "file")):
+            raise UserError(f"timm has no pretrained weights for {spec}: pick a name or tag with weights "
+                            f"(timm.list_pretrained('{spec.name}*')) or pass --weights {RANDOM_WEIGHTS}")
     try:
         model = _random_model(timm, body) if random_init else timm.create_model(body, pretrained=True)
     except Exception as exc:  # noqa: BLE001 (huggingface_hub, urllib, OS and timm's own errors all mean: not loaded)
         if isinstance(exc, UserError):
             raise
-        raise UserError(hub.not_cached_line(f"the pretrained weights of {spec}", _fetch_command(body),
-                                            first_line(exc))) from None
+        raise UserError(_not_loaded_line(spec, cfg, exc)) from None
     model.eval()
     cfg = dict(getattr(model, "pretrained_cfg", None) or {})
     if model.num_classes != NUM_IMAGENET_CLASSES:
