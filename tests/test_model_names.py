@@ -37,6 +37,7 @@ from tools.training.loop import starting_point
     ("hf:/data/runs/vit@ep10", ("hf:", "/data/runs/vit@ep10", None, None)),
     ("hf:org/name@rev", ("hf:", "org/name@rev", None, None)),
     ("timm:hf-hub:org/name@rev", ("timm:", "hf-hub:org/name@rev", None, None)),
+    ("clip:ViT-B-32//home/me/w@v2.pt", ("clip:", "ViT-B-32", "/home/me/w@v2.pt", None)),  # a weights path with @
     ("hf:/runs/vit@ep10@file:/runs/lora@ep2", ("hf:", "/runs/vit@ep10", None, "/runs/lora@ep2")),
 ])
 def test_every_form_parses_and_round_trips(text, fields):
