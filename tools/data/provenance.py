@@ -4,9 +4,11 @@
 Outside its foreground mask a mixed image is a copy, through JPEG, of one `only_bg_t` image. Each mixed image
 is compared with every background in two steps: a coarse search on 28x28 colour thumbnails, over the
 thumbnail cells that lie wholly outside the (widened) mask, done for a batch of images against all backgrounds
-as matrix products; then the exact mean absolute error, at full resolution and over the same outside pixels,
-of the few best candidates. The best candidate is the match, the second its runner-up; a match whose error
-is not clearly below the runner-up's is flagged as doubtful. Boxes are (x0, y0, x1, y1), half-open as in
+as matrix products (where those cells cannot tell the nearest backgrounds apart, a sample of every outside
+pixel instead); then the exact mean absolute error, at full resolution and over the same outside pixels, of
+the few best candidates, or of many where they still tie. The best candidate is the match (the one listed
+first among equals), the second its runner-up; a match whose error is not clearly below the runner-up's is
+flagged as doubtful. Boxes are (x0, y0, x1, y1), half-open as in
 tools.data.variations.
 """
 
