@@ -194,3 +194,69 @@ def test_a_mixed_image_without_its_mask_is_one_error_line(tmp_path, capsys):
     assert not (dataset.root / PROVENANCE_FOLDER).exists()
     code, out, err = _run(["provenance", "--data-path", dataset.root, "--workers", "0"], capsys)
     assert "--workers must be at least 1" in check_error(code, out, err)
+
+
+def test_letterboxed_backgrounds_that_tie_on_the_coarse_cells_are_still_told_apart(tmp_path, capsys, one_thread):
+    """Backgrounds with black bars over their top rows, and masks that leave only the bars and a few rows below them:
+    every clean thumbnail cell is black, so the coarse cells tie for every background, and only the pixels below
+    the bars tell them apart (saved losslessly, the true background's error is 0)."""
+    dataset = _generate(tmp_path / "bg_challenge", seed=9)
+    truth = _truth(dataset)
+    rng = np.random.default_rng(0)
+    foreground = np.zeros((224, 224), bool)
+    foreground[58:] = True
+    backgrounds = {}
+    for image in dataset.images:
+        cls = CLASSES[image.label]
+        picture = Image.fromarray(rng.integers(0, 256, (7, 7, 3), dtype=np.uint8)).resize((224, 224), Image.BILINEAR)
+        backgrounds[image.stem] = np.array(picture)
+        backgrounds[image.stem][:48] = 0
+        (dataset.root / "only_bg_t" / "val" / cls / f"{image.stem}.JPEG").unlink()
+        Image.fromarray(backgrounds[image.stem]).save(dataset.root / "only_bg_t" / "val" / cls / f"{image.stem}.png")
+        np.save(dataset.root / MASK_FOLDER / "val" / cls / f"{image.stem}.npy", foreground)
+    for (variation, stem), background in truth.items():
+        folder = dataset.root / variation / "val" / CLASSES[dataset.by_stem()[stem].label]
+        mixed = backgrounds[background].copy()
+        mixed[foreground] = (200, 30, 30)
+        (folder / f"{stem}.JPEG").unlink()
+        Image.fromarray(mixed).save(folder / f"{stem}.png")
+    code, out, err = _run(["provenance", "--data-path", dataset.root, "--no-progress", "--workers", "1"], capsys)
+    assert code == 0, err
+    rows = _rows(dataset.root / PROVENANCE_FOLDER / provenance.MATCHES_FILE)
+    assert len(rows) == len(truth)
+    for row in rows:
+        assert _stem(row["background"]) == truth[(row["variation"], _stem(row["image"]))], row
+        assert float(row["error"]) == 0 and float(row["ratio"]) < provenance.DOUBT_RATIO and row["doubtful"] == "0"
+
+
+def test_lossless_duplicates_go_to_the_background_listed_first(tmp_path, capsys, one_thread):
+    """More exact copies of one background than the search's candidates: the match is the copy listed first (in
+    the layout's sorted order) and the runner-up the one listed second, equally good."""
+    dataset = _generate(tmp_path / "bg_challenge", seed=14)
+    truth = _truth(dataset)
+    copied = collections.Counter(truth.values()).most_common(1)[0][0]
+    folder = dataset.root / "only_bg_t" / "val" / CLASSES[dataset.by_stem()[copied].label]
+    pixels = np.array(Image.open(folder / f"{copied}.JPEG").convert("RGB"))
+    for n in range(2 * provenance.CANDIDATES + 2):
+        Image.fromarray(pixels).save(folder / f"{copied}_copy{n:02d}.png")  # listed right after the original
+    code, out, err = _run(["provenance", "--data-path", dataset.root, "--output", tmp_path / "out", "--no-progress",
+                           "--workers", "1"], capsys)
+    assert code == 0, err
+    first, second = f"only_bg_t/val/{folder.name}/{copied}.JPEG", f"only_bg_t/val/{folder.name}/{copied}_copy00.png"
+    rows = _rows(tmp_path / "out" / provenance.MATCHES_FILE)
+    duplicated = [r for r in rows if truth[(r["variation"], _stem(r["image"]))] == copied]
+    assert duplicated
+    for row in duplicated:
+        assert (row["background"], row["runner_up"]) == (first, second), row
+        assert row["error"] == row["runner_up_error"] and row["doubtful"] == "1"
+
+
+def test_background_class_folders_named_unlike_the_others_are_one_error_line(tmp_path, capsys):
+    dataset = synthetic.generate(tmp_path / "bg_challenge", per_class=1, seed=11)
+    folder = dataset.root / "only_bg_t" / "val"
+    for k, cls in enumerate(CLASSES):
+        (folder / cls).rename(folder / f"class{k}")
+    code, out, err = _run(["provenance", "--data-path", dataset.root, "--no-progress"], capsys)
+    line = check_error(code, out, err)
+    assert "only_bg_t" in line and "class0" in line and CLASSES[0] in line
+    assert not (dataset.root / PROVENANCE_FOLDER).exists()

@@ -4,9 +4,11 @@
 Outside its foreground mask a mixed image is a copy, through JPEG, of one `only_bg_t` image. Each mixed image
 is compared with every background in two steps: a coarse search on 28x28 colour thumbnails, over the
 thumbnail cells that lie wholly outside the (widened) mask, done for a batch of images against all backgrounds
-as matrix products; then the exact mean absolute error, at full resolution and over the same outside pixels,
-of the few best candidates. The best candidate is the match, the second its runner-up; a match whose error
-is not clearly below the runner-up's is flagged as doubtful. Boxes are (x0, y0, x1, y1), half-open as in
+as matrix products (where those cells cannot tell the nearest backgrounds apart, a sample of every outside
+pixel instead); then the exact mean absolute error, at full resolution and over the same outside pixels, of
+the few best candidates, or of many where they still tie. The best candidate is the match (the one listed
+first among equals), the second its runner-up; a match whose error is not clearly below the runner-up's is
+flagged as doubtful. Boxes are (x0, y0, x1, y1), half-open as in
 tools.data.variations.
 """
 
@@ -22,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tools.data.decoding import decode_images, iter_decoded_batches, read_mask
-from tools.data.layout import MIXED, check_data_root, list_variation
+from tools.data.layout import MIXED, check_data_root, class_folders, list_variation, variation_dir
 from tools.data.variations import Box
 from tools.errors import UserError
 from tools.in9 import MASK_FOLDER, Variation
@@ -40,6 +42,8 @@ BOX_COLUMNS = ("mask", "class", "stem", "x0", "y0", "x1", "y1", "foreground_pixe
 THUMBNAIL_CELL = 8  # pixels per side of a thumbnail cell: 224x224 images become 28x28 thumbnails
 MASK_MARGIN = 3  # pixels around the foreground left out of every comparison: JPEG mixes the two there
 CANDIDATES = 5  # coarse candidates checked at full resolution
+COARSE_TIE = 2.0  # coarse distances (0-255 units) this close to the nearest's are within JPEG noise of it
+WIDE_CANDIDATES = 64  # candidates checked at full resolution where the CANDIDATES nearest tie
 MIN_CLEAN_CELLS = 8  # with fewer thumbnail cells outside the mask, the coarse search compares sampled pixels
 PIXEL_SAMPLE = 2048  # the most outside pixels that pixel search compares per image
 DOUBT_RATIO = 0.5  # a match is doubtful when its error is more than this share of the runner-up's
@@ -161,56 +165,107 @@ class BackgroundIndex:
         self.thumbs = np.concatenate([thumbnails(images[i:i + 512]) for i in range(0, len(images), 512)])
         self.cell_squares = (self.thumbs ** 2).reshape(len(images), 3, -1).sum(1)  # (N, 28 * 28): over the channels
 
-    def coarse_distances(self, images: np.ndarray, masks: list[ReadMask]) -> np.ndarray:
-        """(B, N): the mean squared difference over the thumbnail cells wholly compared; for an image with fewer
-        than MIN_CLEAN_CELLS such cells, the mean absolute difference of up to PIXEL_SAMPLE compared pixels."""
+    def cell_distances(self, images: np.ndarray, masks: list[ReadMask]) -> np.ndarray:
+        """(B, N): the root mean squared difference of the thumbnails over the cells wholly compared."""
         cell_weights = np.stack([m.clean for m in masks]).astype(np.float32)
         weighted = np.tile(cell_weights, 3) * thumbnails(images)  # the same cells in each channel's block
         # sum over the clean cells of |m - t|^2 = |m|^2 - 2 m.t + |t|^2, against every background t at once
         squared = ((weighted ** 2).sum(1, keepdims=True) - 2 * weighted @ self.thumbs.T
                    + cell_weights @ self.cell_squares.T)
-        distances = squared / np.maximum(3 * cell_weights.sum(1, keepdims=True), 1)
+        return np.sqrt(np.maximum(squared, 0) / np.maximum(3 * cell_weights.sum(1, keepdims=True), 1))
+
+    def sampled_distances(self, image: np.ndarray, compared: np.ndarray) -> np.ndarray:
+        """(N,): the mean absolute difference of one (3, H, W) image over up to PIXEL_SAMPLE of its compared pixels,
+        spread over all of them (every n-th); summed as integers, so equal pixels give equal distances."""
+        pixels = np.flatnonzero(compared)
+        pixels = pixels[::-(-len(pixels) // PIXEL_SAMPLE)]
         flat = self.images.reshape(*self.images.shape[:2], -1)
-        for b in np.flatnonzero(cell_weights.sum(1) < MIN_CLEAN_CELLS):
-            pixels = np.flatnonzero(masks[b].compared)
-            if len(pixels) == 0:
-                continue
-            pixels = pixels[::-(-len(pixels) // PIXEL_SAMPLE)]  # every n-th, at most PIXEL_SAMPLE
-            image = images[b].reshape(3, -1)[:, pixels].astype(np.int16)
-            distances[b] = np.abs(flat[:, :, pixels] - image).mean(axis=(1, 2), dtype=np.float32)
+        sample = image.reshape(3, -1)[:, pixels].astype(np.int16)
+        return np.abs(flat[:, :, pixels] - sample).sum((1, 2), dtype=np.int64) / (3 * len(pixels))
+
+    def coarse_distances(self, images: np.ndarray, masks: list[ReadMask]) -> np.ndarray:
+        """(B, N): the thumbnails' distance over the clean cells; for an image with fewer than MIN_CLEAN_CELLS clean
+        cells, or whose nearest CANDIDATES backgrounds lie within COARSE_TIE of each other on them (letterbox bars,
+        flat backdrops: the cells cannot tell them apart), the sampled pixels' distance instead."""
+        distances = self.cell_distances(images, masks)
+        resample = (np.array([m.clean.sum() for m in masks]) < MIN_CLEAN_CELLS) | tied(distances)
+        for b in np.flatnonzero(resample):
+            if masks[b].compared.any():
+                distances[b] = self.sampled_distances(images[b], masks[b].compared)
         return distances
+
+    def exact_errors(self, images: np.ndarray, compared: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+        """(B, k): the full-resolution mean absolute difference of each image against each of its candidates, over
+        its compared pixels ((B, H, W) bool) and the three channels."""
+        chosen, image = self.images[candidates], images[:, None]
+        diff = np.maximum(chosen, image)
+        diff -= np.minimum(chosen, image)  # |a - b| in uint8, without widening
+        diff *= compared[:, None, None].view(np.uint8)
+        counts = compared.reshape(len(images), -1).sum(1)
+        return diff.reshape(*candidates.shape, -1).sum(-1, dtype=np.uint32) / (3 * np.maximum(counts, 1)[:, None])
 
     def match(self, images: np.ndarray, masks: list[ReadMask]) -> list[tuple[int, float, int, float] | None]:
         """Per image of the (B, 3, H, W) uint8 batch with its mask: (best background index, its error, runner-up
         index, its error), the errors being full-resolution mean absolute differences over the compared pixels;
-        the runner-up is -1 (error nan) with a single background; None with no pixel to compare."""
-        k = min(CANDIDATES, len(self.images))
+        the runner-up is -1 (error nan) with a single background; None with no pixel to compare. The CANDIDATES
+        coarsely nearest are checked, or the WIDE_CANDIDATES nearest where those still tie; ties go to the
+        background listed first."""
         distances = self.coarse_distances(images, masks)
-        candidates = np.sort(np.argpartition(distances, k - 1, axis=1)[:, :k], axis=1)  # (B, k): the k nearest
-
-        chosen, image = self.images[candidates], images[:, None]
-        diff = np.maximum(chosen, image)
-        diff -= np.minimum(chosen, image)  # |a - b| in uint8, without widening
         compared = np.stack([m.compared for m in masks])
-        diff *= compared[:, None, None].view(np.uint8)
-        counts = compared.reshape(len(masks), -1).sum(1)
-        errors = diff.reshape(*candidates.shape, -1).sum(-1, dtype=np.uint32) / (3 * np.maximum(counts, 1)[:, None])
-        order = errors.argsort(axis=1, kind="stable")
+        narrow = nearest(distances, CANDIDATES)
+        narrow_errors = self.exact_errors(images, compared, narrow)
+        wide = tied(distances) & compared.any(axis=(1, 2))
         out: list[tuple[int, float, int, float] | None] = []
         for b in range(len(images)):
-            if counts[b] == 0:
+            if not compared[b].any():
                 out.append(None)
                 continue
-            first, second = order[b, 0], (order[b, 1] if k > 1 else None)
-            out.append((int(candidates[b, first]), float(errors[b, first]),
-                        -1 if second is None else int(candidates[b, second]),
-                        float("nan") if second is None else float(errors[b, second])))
+            candidates, errors = narrow[b], narrow_errors[b]
+            if wide[b]:
+                candidates = nearest(distances[b:b + 1], WIDE_CANDIDATES)
+                errors = self.exact_errors(images[b:b + 1], compared[b:b + 1], candidates)[0]
+                candidates = candidates[0]
+            order = errors.argsort(kind="stable")  # candidates are in listed order: ties go to the first listed
+            first, second = order[0], (order[1] if len(order) > 1 else None)
+            out.append((int(candidates[first]), float(errors[first]),
+                        -1 if second is None else int(candidates[second]),
+                        float("nan") if second is None else float(errors[second])))
         return out
+
+
+def nearest(distances: np.ndarray, k: int) -> np.ndarray:
+    """(B, k) of (B, N) distances: the indices of the k smallest of each row, the first listed among equals (a
+    stable sort), in listed order."""
+    return np.sort(np.argsort(distances, axis=1, kind="stable")[:, :k], axis=1)
+
+
+def tied(distances: np.ndarray) -> np.ndarray:
+    """(B,) bool: rows whose CANDIDATES-th smallest distance is within COARSE_TIE of their smallest, so that the
+    true background, within JPEG noise of the smallest, need not be among the nearest CANDIDATES."""
+    if distances.shape[1] <= CANDIDATES:
+        return np.zeros(len(distances), bool)
+    smallest = np.partition(distances, [0, CANDIDATES - 1], axis=1)
+    return smallest[:, CANDIDATES - 1] - smallest[:, 0] <= COARSE_TIE
+
+
+def check_same_class_folders(root: Path, names: list[str]) -> None:
+    """Raise a UserError unless every folder of `names` has the class folders of the first: a mixed image finds its
+    mask, and a background its class, by the class folder's name."""
+    reference = class_folders(variation_dir(root, names[0]), names[0])
+    for name in names[1:]:
+        classes = class_folders(variation_dir(root, name), name)
+        if classes != reference:
+            only_here = [cls for cls in classes if cls not in reference] or classes
+            only_there = [cls for cls in reference if cls not in classes] or reference
+            raise UserError(f"the class folders of {variation_dir(root, name)} ({', '.join(only_here)}) differ from "
+                            f"those of {variation_dir(root, names[0])} ({', '.join(only_there)}); provenance needs the "
+                            f"same nine class folder names in {', '.join(names)}")
 
 
 def find_provenance(root: Path, workers: int = 4, progress: bool = True) -> ProvenanceResult:
     """Match every mixed image of the data folder `root` with its `only_bg_t` background and box every mask."""
     root = check_data_root(root)
+    check_same_class_folders(root, [MASK_FOLDER, *MIXED, Variation.ONLY_BG_T.value])
     backgrounds = [r.relpath for r in list_variation(root, Variation.ONLY_BG_T.value)]
     mask_paths = [r.relpath for r in list_variation(root, MASK_FOLDER)]
     mixed = [r.relpath for name in MIXED for r in list_variation(root, name)]
@@ -302,7 +357,8 @@ def summarize(result: ProvenanceResult, classes: list[str]) -> dict:
                   "reused_backgrounds": sum(n > 1 for n in used.values()), "uses": _uses(used)},
         "boxes": {"masks": len(result.boxes), "empty_masks": sum(b.box is None for b in result.boxes)},
         "settings": {"thumbnail_cell": THUMBNAIL_CELL, "mask_margin": MASK_MARGIN, "candidates": CANDIDATES,
-                     "min_clean_cells": MIN_CLEAN_CELLS, "pixel_sample": PIXEL_SAMPLE, "doubt_ratio": DOUBT_RATIO},
+                     "coarse_tie": COARSE_TIE, "wide_candidates": WIDE_CANDIDATES, "min_clean_cells": MIN_CLEAN_CELLS,
+                     "pixel_sample": PIXEL_SAMPLE, "doubt_ratio": DOUBT_RATIO},
     }
 
 
