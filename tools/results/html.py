@@ -29,15 +29,24 @@ figure{display:inline-block;margin:4px;text-align:center;font-size:12px;vertical
 .row{display:flex;align-items:center}.label{width:110px;font-weight:bold}.missing{color:#a33}
 .warning{font-weight:bold;color:#a33}
 """
-# Sorting by a header click (numbers by their data-value), and a record of images that did not decode.
+# Sorting by a header click: the clicked header's own column (cellIndex, per table); cells with a number (their
+# data-value) first, by number, then the others ("–", names) by text; a second click reverses the order, numbers
+# still first. And a record of images that did not decode.
 SCRIPT = """
-document.querySelectorAll('table.sortable th').forEach(function (th, col) {
+function sortKey(tr, col) {
+  var c = tr.cells[col], v = c ? parseFloat(c.dataset.value) : NaN;
+  return {number: isFinite(v) ? v : null, text: c ? c.textContent.trim() : ''};
+}
+document.querySelectorAll('table.sortable th').forEach(function (th) {
   th.addEventListener('click', function () {
-    var body = th.closest('table').tBodies[0], up = th.dataset.order !== 'up';
-    var key = function (tr) { var c = tr.cells[col]; var v = parseFloat(c.dataset.value);
-      return isNaN(v) ? c.textContent : v; };
-    Array.from(body.rows).sort(function (a, b) { var x = key(a), y = key(b);
-      return (x < y ? -1 : x > y ? 1 : 0) * (up ? 1 : -1); }).forEach(function (tr) { body.appendChild(tr); });
+    var col = th.cellIndex, body = th.closest('table').tBodies[0], up = th.dataset.order !== 'up';
+    var sign = up ? 1 : -1;
+    Array.from(body.rows).sort(function (a, b) {
+      var x = sortKey(a, col), y = sortKey(b, col);
+      if ((x.number === null) !== (y.number === null)) { return x.number === null ? 1 : -1; }
+      if (x.number !== null) { return (x.number - y.number) * sign; }
+      return x.text.localeCompare(y.text) * sign;
+    }).forEach(function (tr) { body.appendChild(tr); });
     th.dataset.order = up ? 'up' : 'down';
   });
 });

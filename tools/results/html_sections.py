@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -68,8 +69,16 @@ def bar_chart(items: list[tuple[str, float | None]], title: str, unit: str = "%"
 
 
 def line_chart(points: list[tuple[float, float]], title: str, label: str) -> str:
-    """One line through (x, y) points as inline SVG, its axes' ranges written at the ends."""
+    """One line through (x, y) points as inline SVG, its axes' ranges written at the ends; points that are not
+    finite (a NaN loss) are left out and counted beneath."""
     width, height, pad = 480, 160, 40
+    finite = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
+    left_out = len(points) - len(finite)
+    note = (f'<p class="missing">{esc(title)}: {left_out} values that are not finite (NaN or infinite) are not drawn.</p>'
+            if left_out else "")
+    if not finite:
+        return note
+    points = finite
     xs, ys = [x for x, _ in points], [y for _, y in points]
     x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
     sx = (width - 2 * pad) / ((x1 - x0) or 1)
@@ -84,7 +93,7 @@ def line_chart(points: list[tuple[float, float]], title: str, label: str) -> str
             f'<text x="2" y="{height - pad}" font-size="11">{y0:.3g}</text>'
             f'<text x="{pad}" y="{height - pad + 16}" font-size="11">step {x0:g}</text>'
             f'<text x="{width - pad}" y="{height - pad + 16}" font-size="11" text-anchor="end">step {x1:g} '
-            f'({esc(label)})</text></svg>')
+            f'({esc(label)})</text></svg>' + note)
 
 
 def _section(title: str, body: str) -> str:
