@@ -218,11 +218,31 @@ def test_published_rows_beside_a_run_on_the_release(runs):
     in9 = json.loads(json.dumps(inputs["in9"]))
     page = Page(html_sections.in9_section(in9))
     assert "published" not in page.tables  # 4 images per class: not the release
-    for name in VARIATIONS:
-        in9[name]["total"] = 450 * len(NAMES)
+    on_release(in9)
     rows = Page(html_sections.in9_section(in9)).rows("published")
     assert "ResNet-50" in rows and _number(rows["ResNet-50"][3][1]) == 7.3  # the paper's BG-gap
     assert "| ResNet-50 | 95.60 | 86.20 | 78.90 | 7.30 | 22.30 |" in "\n".join(report.in9_section(in9))
+    in9["mixed_rand"]["per_class"]["dog"]["total"] += 1  # 4,050 images, but not 450 of every class
+    in9["mixed_rand"]["per_class"]["bird"]["total"] -= 1
+    assert in9["mixed_rand"]["total"] == 4050 and "published" not in Page(html_sections.in9_section(in9)).tables
+
+
+def on_release(in9: dict) -> dict:
+    """`in9` (changed in place) as if every variation ran on the release: 450 images of every class."""
+    for name in VARIATIONS:
+        in9[name]["total"] = 450 * len(NAMES)
+        for entry in in9[name]["per_class"].values():
+            entry["total"] = 450
+    return in9
+
+
+def test_the_markdown_wording_is_unchanged(runs):
+    _, inputs = runs
+    text = report.render_report(challenge=dict(inputs["challenge"], criterion="custom"), analysis=inputs["analysis"])
+    assert ("The **ASR** (attack success rate) of a background of class *c* is the share of the other classes' "
+            "foregrounds that the model predicts as *c* when pasted on it. The **fool rate** of *c* is the share of "
+            "the other classes' foregrounds that at least one background of *c* turns into *c*. Over ") in text
+    assert "under the `custom` criterion: as the challenge run defined it." in text
 
 
 def test_the_report_command_writes_the_page_and_the_leaderboard(runs, tmp_path, capsys, monkeypatch):
@@ -293,9 +313,7 @@ def every_sortable_table(runs, tmp_path) -> Path:
     """A page holding every sortable table: the run's results as if on the release (the published rows, with
     "–" cells), a zoo's leaderboard and a training run's logged steps (in no column's order)."""
     out, inputs = runs
-    in9 = json.loads(json.dumps(inputs["in9"]))
-    for name in VARIATIONS:
-        in9[name]["total"] = 450 * len(NAMES)
+    in9 = on_release(json.loads(json.dumps(inputs["in9"])))
     zoo, training = tmp_path / "zoo", tmp_path / "training"
     (zoo / "models").mkdir(parents=True)
     (zoo / "models" / "toy.json").write_text(json.dumps({"model": "toy", "source": "torchscript",
