@@ -14,11 +14,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from tests.helpers import TINY, check_error, run_in_process, run_train
 from tests.test_html_report import NAMES, Page, _run, runs  # noqa: F401 (runs: the module's fixture)
 from tools.data.compositing import blend, original_weights
 from tools.data.decoding import decode_rgb
 from tools.results import analysis as analysis_cli
-from tools.results import html_sections
+from tools.results import html_sections, report
 from tools.results.html import write_html
 from tools.results.matrix import META_FILE, PREDICTIONS_FILE, load_matrix
 
@@ -127,3 +128,46 @@ def test_strings_in_the_results_are_escaped(runs, tmp_path):
     challenge = dict(inputs["challenge"], criterion=hostile)
     text = write_html(tmp_path / "page.html", analysis=analysis, challenge=challenge)
     assert "<script>alert" not in text and text.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 5
+
+
+def test_a_training_rerun_shows_its_own_results_not_older_files(runs, tiny, tmp_path, capsys, one_thread):
+    out_dir, _ = runs
+    out = tmp_path / "run"
+    for stale in ("eval_start/in9.json", "eval_trained/challenge.json"):  # left by an earlier run into the folder
+        (out / stale).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out_dir / Path(stale).name, out / stale)
+    code, _, err = run_train(["--data-path", tiny, "--weights", "none", "--epochs", 1, "--batch-size", 6,
+                              "--eval-data", tiny, "--output-dir", out, *TINY], capsys)
+    assert code == 0, err
+    for page in (out / "report.html", tmp_path / "again.html"):
+        if page != out / "report.html":
+            _run(report.main, ["--training", str(out), "--html", str(page)])
+        rows = Page(page.read_text()).rows("before-after")
+        assert [cells[0][1] for cells in rows.values()] == [None] * len(rows), page  # random weights: no "before"
+        assert "Challenge accuracy" not in rows, page  # this run did not run the challenge
+
+
+def test_a_truncated_training_log_loses_only_its_partial_line(runs, tmp_path):
+    out_dir, _ = runs
+    run = tmp_path / "run"
+    (run / "eval_trained").mkdir(parents=True)
+    shutil.copy(out_dir / "in9.json", run / "eval_trained" / "in9.json")
+    steps = [{"step": s, "epoch": 0, "loss": 1.0 / s, "accuracy": 0.5, "lr": 1e-3} for s in (1, 2, 3)]
+    (run / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps) + '{"step": 4, "epo')
+    _run(report.main, ["--training", str(run), "--html", str(tmp_path / "page.html")])
+    rows = Page((tmp_path / "page.html").read_text()).tables["training"][1:]
+    assert [float(row[0][1]) for row in rows] == [1, 2, 3]
+
+
+def test_an_analysis_that_does_not_fit_its_matrix_is_one_error_line(runs, tmp_path, capsys):
+    _, inputs = runs
+    for name, change in [("beyond", lambda e: e.update(index=10**6)), ("other", lambda e: e.update(index=e["index"] + 1)),
+                         ("no_index", lambda e: e.pop("index")), ("no_image", lambda e: e.pop("image"))]:
+        folder = tmp_path / name
+        shutil.copytree(inputs["analysis"]["output_dir"], folder)
+        summary = json.loads((folder / "analysis.json").read_text())
+        change(summary["per_class"][NAMES[1]]["top_backgrounds"][0])
+        (folder / "analysis.json").write_text(json.dumps(summary))
+        code, out, err = run_in_process(report.main, ["--analysis-dir", str(folder), "--html", str(folder / "p.html")],
+                                        capsys)
+        assert "analysis" in check_error(code, out, err), name

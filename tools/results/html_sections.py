@@ -211,6 +211,22 @@ def analysis_section(analysis: dict | None) -> str:
     return _section(title, "".join(body))
 
 
+def _top_indices(analysis: dict, matrix) -> np.ndarray:
+    """The top backgrounds' columns in the matrix, checked to be the backgrounds the analysis names."""
+    indices = []
+    for info in analysis["per_class"].values():
+        for e in info["top_backgrounds"]:
+            index = e.get("index")
+            if not (isinstance(index, int) and 0 <= index < len(matrix.bg_stems)
+                    and matrix.bg_stems[index] == e.get("stem")):
+                raise UserError(f"the analysis in {analysis['output_dir']} names background {e.get('stem')!r} at index "
+                                f"{index!r}, which is not that column of the saved matrix there (of "
+                                f"{len(matrix.bg_stems)} backgrounds); rerun `python -m tools.results.analysis "
+                                f"{analysis['output_dir']}`")
+            indices.append(index)
+    return np.array(indices, dtype=np.int64)
+
+
 def _matrix_parts(analysis: dict, names: list[str], data_path: Path | None) -> str:
     """The fooling examples and the confusion under the fooling backgrounds, from the saved matrix."""
     try:
@@ -235,8 +251,7 @@ def _matrix_parts(analysis: dict, names: list[str], data_path: Path | None) -> s
             except UserError as exc:  # this composite's files are missing or unreadable: its text stands alone
                 why = f'<span class="missing">composite not shown: {esc(exc)}</span>'
         examples.append(f"<figure><figcaption>{esc(alt)}</figcaption>{why}</figure>")
-    backgrounds = np.array([e["index"] for info in analysis["per_class"].values() for e in info["top_backgrounds"]],
-                           dtype=np.int64)
+    backgrounds = _top_indices(analysis, matrix)
     confusion = fooling_confusion(p, fg, bg, backgrounds)
     columns = [*names, "outside IN-9"]
     rows = [[cell(names[r]), *(cell(int(n), int(n)) for n in confusion[r])] for r in range(len(names))]
