@@ -29,7 +29,7 @@ from tools.results.matrix import load_matrix
 from tools.results.reading import load_inputs
 
 NAMES = class_names()
-BROWSER = shutil.which("chromium")
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")  # Debian names it chromium, Ubuntu also chromium-browser
 REQUIRE_BROWSER = os.environ.get("CI_REQUIRE_BROWSER") == "1"
 MAX_THUMBNAIL_BYTES = 8_000  # an 80-px JPEG at quality 80 is a few kB
 
@@ -367,7 +367,7 @@ def test_a_click_sorts_its_own_column_in_every_sortable_table(runs, tmp_path):
                     reason="chromium is not installed (apt-get install chromium); CI installs it and sets "
                            "CI_REQUIRE_BROWSER=1")
 def test_the_page_in_a_headless_browser(runs, tmp_path):
-    assert BROWSER is not None, "CI_REQUIRE_BROWSER=1 but chromium is not on PATH"
+    assert BROWSER is not None, "CI_REQUIRE_BROWSER=1 but neither chromium nor chromium-browser is on PATH"
     out, inputs = runs
     url = (out / "report.html").resolve().as_uri()
     dumped = chromium("--dump-dom", url)
