@@ -32,7 +32,7 @@ def run_ci(tmp_path: Path, uid: int, **stubs: str) -> tuple[subprocess.Completed
     for tool in ("bash", "chmod", "dirname", "env"):
         os.symlink(shutil.which(tool), bin_dir / tool)
     record = f'echo "$(basename "$0") $*" >> {calls}'
-    stub(bin_dir, "basename", f"echo \"${{1##*/}}\"")
+    stub(bin_dir, "basename", "echo \"${1##*/}\"")
     stub(bin_dir, "id", f"echo {uid}")
     stub(bin_dir, "python", record)
     for name, body in stubs.items():

@@ -199,10 +199,10 @@ def analysis_section(analysis: dict | None, report_dir: Path) -> list[str]:
     return out
 
 
-ASR_DEFINITION_MARKDOWN = ("The **ASR** (attack success rate) of a background of class *c* is the share of the other "
-                           "classes' foregrounds that the model predicts as *c* when pasted on it. The **fool rate** of "
-                           "*c* is the share of the other classes' foregrounds that at least one background of *c* "
-                           "turns into *c*.")
+ASR_DEFINITION_MARKDOWN = ("The **ASR** (attack success rate) of a background of class *c* is the share of the "
+                           "other classes' foregrounds that the model predicts as *c* when pasted on it. The **fool "
+                           "rate** of *c* is the share of the other classes' foregrounds that at least one background "
+                           "of *c* turns into *c*.")
 ASR_DEFINITION = ASR_DEFINITION_MARKDOWN.replace("*", "")  # as plain text, for the HTML report
 
 
