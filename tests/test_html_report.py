@@ -29,7 +29,7 @@ from tools.results.matrix import load_matrix
 from tools.results.reading import load_inputs
 
 NAMES = class_names()
-BROWSER = shutil.which("chromium")
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")  # Debian names it chromium, Ubuntu also chromium-browser
 REQUIRE_BROWSER = os.environ.get("CI_REQUIRE_BROWSER") == "1"
 MAX_THUMBNAIL_BYTES = 8_000  # an 80-px JPEG at quality 80 is a few kB
 
@@ -218,11 +218,31 @@ def test_published_rows_beside_a_run_on_the_release(runs):
     in9 = json.loads(json.dumps(inputs["in9"]))
     page = Page(html_sections.in9_section(in9))
     assert "published" not in page.tables  # 4 images per class: not the release
-    for name in VARIATIONS:
-        in9[name]["total"] = 450 * len(NAMES)
+    on_release(in9)
     rows = Page(html_sections.in9_section(in9)).rows("published")
     assert "ResNet-50" in rows and _number(rows["ResNet-50"][3][1]) == 7.3  # the paper's BG-gap
     assert "| ResNet-50 | 95.60 | 86.20 | 78.90 | 7.30 | 22.30 |" in "\n".join(report.in9_section(in9))
+    in9["mixed_rand"]["per_class"]["dog"]["total"] += 1  # 4,050 images, but not 450 of every class
+    in9["mixed_rand"]["per_class"]["bird"]["total"] -= 1
+    assert in9["mixed_rand"]["total"] == 4050 and "published" not in Page(html_sections.in9_section(in9)).tables
+
+
+def on_release(in9: dict) -> dict:
+    """`in9` (changed in place) as if every variation ran on the release: 450 images of every class."""
+    for name in VARIATIONS:
+        in9[name]["total"] = 450 * len(NAMES)
+        for entry in in9[name]["per_class"].values():
+            entry["total"] = 450
+    return in9
+
+
+def test_the_markdown_wording_is_unchanged(runs):
+    _, inputs = runs
+    text = report.render_report(challenge=dict(inputs["challenge"], criterion="custom"), analysis=inputs["analysis"])
+    assert ("The **ASR** (attack success rate) of a background of class *c* is the share of the other classes' "
+            "foregrounds that the model predicts as *c* when pasted on it. The **fool rate** of *c* is the share of "
+            "the other classes' foregrounds that at least one background of *c* turns into *c*. Over ") in text
+    assert "under the `custom` criterion: as the challenge run defined it." in text
 
 
 def test_the_report_command_writes_the_page_and_the_leaderboard(runs, tmp_path, capsys, monkeypatch):
@@ -284,15 +304,70 @@ def chromium(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
 
 
 def console_errors(stderr: str) -> list[str]:
-    """The page's console messages at error level (chromium logs them as CONSOLE lines)."""
-    return [line for line in stderr.splitlines() if "CONSOLE" in line and ("ERROR" in line or "Uncaught" in line)]
+    """The page's console messages: the page writes none, so each is an error (chromium logs console.error, SVG
+    attribute errors and uncaught exceptions alike as INFO:CONSOLE lines)."""
+    return [line for line in stderr.splitlines() if "console" in line.lower()]
+
+
+def every_sortable_table(runs, tmp_path) -> Path:
+    """A page holding every sortable table: the run's results as if on the release (the published rows, with
+    "–" cells), a zoo's leaderboard and a training run's logged steps (in no column's order)."""
+    out, inputs = runs
+    in9 = on_release(json.loads(json.dumps(inputs["in9"])))
+    zoo, training = tmp_path / "zoo", tmp_path / "training"
+    (zoo / "models").mkdir(parents=True)
+    (zoo / "models" / "toy.json").write_text(json.dumps({"model": "toy", "source": "torchscript",
+                                                          "in9": inputs["in9"], "challenge": inputs["challenge"]}))
+    (training / "eval_trained").mkdir(parents=True)
+    (training / "eval_trained" / "in9.json").write_text(json.dumps(inputs["in9"]))
+    steps = [(1, 0, 0.9, 0.5, 1e-3), (2, 1, 1.2, 0.25, 3e-3), (3, 0, 0.5, 0.75, 2e-3), (4, 1, 0.7, 0.0, 5e-4)]
+    (training / "train_log.jsonl").write_text("".join(
+        json.dumps({"step": s, "epoch": e, "loss": loss, "accuracy": acc, "lr": lr}) + "\n"
+        for s, e, loss, acc, lr in steps))
+    page = tmp_path / "every.html"
+    write_html(page, **dict(inputs, in9=in9), leaderboard=zoo, training=training)
+    return page
+
+
+def ordered(cells: list[tuple[str, str | None]]) -> bool:
+    """A column sorted as a click sorts it: the cells with a number first, ascending; then the others by their
+    text (checked where the texts are plain words, whose order every collation agrees on)."""
+    numbers = [float(value) for _, value in cells if value not in (None, "None")]
+    texts = [text for text, value in cells if value in (None, "None")]
+    first_text = next((k for k, (_, value) in enumerate(cells) if value in (None, "None")), len(cells))
+    plain = all(t.replace(" ", "").isalpha() for t in texts)
+    return (numbers == sorted(numbers) and first_text == len(numbers)
+            and (not plain or texts == sorted(texts, key=str.casefold)))
+
+
+@pytest.mark.skipif(BROWSER is None and not REQUIRE_BROWSER, reason="chromium is not installed")
+def test_a_click_sorts_its_own_column_in_every_sortable_table(runs, tmp_path):
+    page = every_sortable_table(runs, tmp_path)
+    tables = {name: rows for name, rows in Page(page.read_text()).tables.items()
+              if f'data-table="{name}" class="sortable"' in page.read_text()}
+    assert set(tables) == {"training", "published", "challenge", "analysis", "categories", "leaderboard"}
+    widest = max(len(rows[0]) for rows in tables.values())
+    unsorted = set()
+    for column in range(1, widest):  # the first columns are names; a click sorts column `column` of each table
+        clicks = "".join(f"document.querySelector('table[data-table={name}] th:nth-child({column + 1})').click();"
+                         for name, rows in tables.items() if len(rows[0]) > column)
+        clicked = tmp_path / f"clicked{column}.html"
+        clicked.write_text(page.read_text().replace("</body>", f"<script>{clicks}</script></body>"))
+        dumped = chromium("--dump-dom", clicked.resolve().as_uri())
+        assert console_errors(dumped.stderr) == []
+        for name, rows in Page(dumped.stdout).tables.items():
+            if name in tables and len(rows[0]) > column:
+                cells = [row[column] for row in rows[1:]]
+                assert ordered(cells), (name, column, cells)
+                unsorted |= {(name, column)} if not ordered([row[column] for row in tables[name][1:]]) else set()
+    assert {name for name, _ in unsorted} == set(tables)  # every table had a column a click had to reorder
 
 
 @pytest.mark.skipif(BROWSER is None and not REQUIRE_BROWSER,
                     reason="chromium is not installed (apt-get install chromium); CI installs it and sets "
                            "CI_REQUIRE_BROWSER=1")
 def test_the_page_in_a_headless_browser(runs, tmp_path):
-    assert BROWSER is not None, "CI_REQUIRE_BROWSER=1 but chromium is not on PATH"
+    assert BROWSER is not None, "CI_REQUIRE_BROWSER=1 but neither chromium nor chromium-browser is on PATH"
     out, inputs = runs
     url = (out / "report.html").resolve().as_uri()
     dumped = chromium("--dump-dom", url)
@@ -317,9 +392,21 @@ def test_the_page_in_a_headless_browser(runs, tmp_path):
     sorted_page.write_text(sorted_page.read_text().replace(click, click * 2))
     dumped = chromium("--dump-dom", sorted_page.resolve().as_uri())
     assert [_number(row[3][1]) for row in Page(dumped.stdout).tables["challenge"][1:]] == sorted(order, reverse=True)
-    # the same checks see a broken page: a script error and an image that does not decode
+    # the same checks see a broken page: a script error, a console error, an SVG that does not parse, and an
+    # image that does not decode
     broken = tmp_path / "broken.html"
-    broken.write_text((out / "report.html").read_text().replace(
-        "</body>", '<img src="data:image/png;base64,AAAA" alt="x"><script>undefinedCall();</script></body>'))
-    dumped = chromium("--dump-dom", broken.resolve().as_uri())
-    assert console_errors(dumped.stderr) and Page(dumped.stdout).body.get("data-broken-images") == "1"
+    for fault in ["<script>undefinedCall();</script>", "<script>console.error('broken');</script>",
+                  '<svg xmlns="http://www.w3.org/2000/svg"><polyline points="1,1 2,nan 3,3"/></svg>']:
+        broken.write_text((out / "report.html").read_text().replace(
+            "</body>", f'<img src="data:image/png;base64,AAAA" alt="x">{fault}</body>'))
+        dumped = chromium("--dump-dom", broken.resolve().as_uri())
+        assert console_errors(dumped.stderr), fault
+        assert Page(dumped.stdout).body.get("data-broken-images") == "1"
+
+
+def test_a_line_chart_leaves_out_values_that_are_not_finite():
+    chart = html_sections.line_chart([(1, 0.9), (2, float("nan")), (3, float("inf")), (4, 0.5)], "Loss", "loss")
+    points = chart.split('<polyline points="')[1].split('"')[0].split()
+    assert len(points) == 2 and all(np.isfinite(float(v)) for p in points for v in p.split(","))
+    assert "2 values that are not finite (NaN or infinite) are not drawn" in chart
+    assert "<polyline" not in html_sections.line_chart([(1, float("nan"))], "Loss", "loss")

@@ -21,6 +21,15 @@ class Criterion(str, enum.Enum):
     BG_CLASS = "bg-class"
 
 
+def fooling(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.ndarray, criterion: Criterion) -> np.ndarray:
+    """Whether each prediction fools its foreground under `criterion` (the arrays broadcast: pairs, or a matrix
+    with labels as a column and a row): `any`, any class but the foreground's; `bg-class`, the background's class
+    where that is not the foreground's."""
+    if criterion is Criterion.ANY:
+        return predictions != fg_labels
+    return (predictions == bg_labels) & (bg_labels != fg_labels)
+
+
 @dataclass
 class ChallengeConfig:
     """The challenge run's settings; their defaults are challenge_eval.py's (its flags read them here)."""
@@ -221,11 +230,7 @@ class Scheduler:
         """Fold one batch's predictions (and, in reduced precision, top-two margins) into the state."""
         s = self.state
         f, b = pairs[:, 0], pairs[:, 1]
-        labels = self.fg_labels[f]
-        if self.config.criterion is Criterion.ANY:
-            fooled = preds != labels
-        else:
-            fooled = (preds == self.bg_labels[b]) & (self.bg_labels[b] != labels)
+        fooled = fooling(preds, self.fg_labels[f], self.bg_labels[b], self.config.criterion)
         s.tested[f, b] = True
         s.evaluated += len(pairs)
         if margins is not None:
@@ -248,10 +253,7 @@ class Scheduler:
             return
         s = self.state
         m = s.matrix.astype(np.int64)
-        if self.config.criterion is Criterion.ANY:
-            fooled = m != self.fg_labels[:, None]
-        else:
-            fooled = (m == self.bg_labels[None, :]) & (self.bg_labels[None, :] != self.fg_labels[:, None])
+        fooled = fooling(m, self.fg_labels[:, None], self.bg_labels[None, :], self.config.criterion)
         vulnerable = fooled.any(axis=1)
         s.verdict = np.where(vulnerable, VULNERABLE, ROBUST).astype(np.int8)
         first = fooled.argmax(axis=1)

@@ -120,13 +120,15 @@ def fooling_confusion(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels:
     return counts
 
 
-def fooling_examples(predictions: np.ndarray, fg_labels: np.ndarray, fooled: np.ndarray, per_class: int,
-                     num_classes: int = NUM_IN9_CLASSES) -> list[tuple[int, int]]:
-    """Per foreground class, its first `per_class` foregrounds (in index order) that some background makes
-    wrong, each as (foreground, background): of the backgrounds that make it wrong, the one that fools the
-    most foregrounds (`fooled`, per background; ties go to the lower index)."""
+def fooling_examples(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.ndarray, fooled: np.ndarray,
+                     per_class: int, criterion: str = "any", num_classes: int = NUM_IN9_CLASSES) -> list[tuple[int, int]]:
+    """Per foreground class, its first `per_class` foregrounds (in index order) that are vulnerable under the run's
+    `criterion` (`tools.challenge.scheduler.fooling`), each as (foreground, background): of the backgrounds that
+    fool it, the one that fools the most foregrounds (`fooled`, per background; ties go to the lower index)."""
+    from tools.challenge.scheduler import Criterion, fooling  # the challenge's own definition of being fooled
+
     out = []
-    wrong = predictions != fg_labels[:, None]
+    wrong = fooling(predictions, fg_labels[:, None], bg_labels[None, :], Criterion(criterion))
     for c in range(num_classes):
         for i in np.flatnonzero((fg_labels == c) & wrong.any(axis=1))[:per_class]:
             candidates = np.flatnonzero(wrong[i])
@@ -284,7 +286,7 @@ def write_analysis(output_dir: Path | str, data_path: Path | str | None = None, 
     summary, fooled, eligible = analyze(matrix, top_k)
     if data_path is None and matrix.meta.get("data_path"):
         data_path = Path(matrix.meta["data_path"])
-    summary["data_path"] = None if data_path is None else str(data_path)
+    summary["data_path"] = None if data_path is None else str(Path(data_path).resolve())
     names = class_names()
     asr = fooled / np.maximum(eligible, 1)
     _write_csv(output_dir / ASR_FILE, ["index", "stem", "class", "asr", "fooled", "eligible"],

@@ -29,15 +29,24 @@ figure{display:inline-block;margin:4px;text-align:center;font-size:12px;vertical
 .row{display:flex;align-items:center}.label{width:110px;font-weight:bold}.missing{color:#a33}
 .warning{font-weight:bold;color:#a33}
 """
-# Sorting by a header click (numbers by their data-value), and a record of images that did not decode.
+# Sorting by a header click: the clicked header's own column (cellIndex, per table); cells with a number (their
+# data-value) first, by number, then the others ("–", names) by text; a second click reverses the order, numbers
+# still first. And a record of images that did not decode.
 SCRIPT = """
-document.querySelectorAll('table.sortable th').forEach(function (th, col) {
+function sortKey(tr, col) {
+  var c = tr.cells[col], v = c ? parseFloat(c.dataset.value) : NaN;
+  return {number: isFinite(v) ? v : null, text: c ? c.textContent.trim() : ''};
+}
+document.querySelectorAll('table.sortable th').forEach(function (th) {
   th.addEventListener('click', function () {
-    var body = th.closest('table').tBodies[0], up = th.dataset.order !== 'up';
-    var key = function (tr) { var c = tr.cells[col]; var v = parseFloat(c.dataset.value);
-      return isNaN(v) ? c.textContent : v; };
-    Array.from(body.rows).sort(function (a, b) { var x = key(a), y = key(b);
-      return (x < y ? -1 : x > y ? 1 : 0) * (up ? 1 : -1); }).forEach(function (tr) { body.appendChild(tr); });
+    var col = th.cellIndex, body = th.closest('table').tBodies[0], up = th.dataset.order !== 'up';
+    var sign = up ? 1 : -1;
+    Array.from(body.rows).sort(function (a, b) {
+      var x = sortKey(a, col), y = sortKey(b, col);
+      if ((x.number === null) !== (y.number === null)) { return x.number === null ? 1 : -1; }
+      if (x.number !== null) { return (x.number - y.number) * sign; }
+      return x.text.localeCompare(y.text) * sign;
+    }).forEach(function (tr) { body.appendChild(tr); });
     th.dataset.order = up ? 'up' : 'down';
   });
 });
@@ -79,25 +88,45 @@ def _read_json(path: Path) -> dict | None:
         raise UserError(f"cannot read {path}: {exc}; rerun train.py with --eval-data") from None
 
 
-def training_section(output_dir: Path | None) -> str:
-    """A train.py --eval-data run: its loss and accuracy curves and the starting point against the trained model."""
+STEP_KEYS = ("step", "epoch", "loss", "accuracy", "lr")  # what a step's line of train_log.jsonl holds
+
+
+def _step_record(line: str) -> dict | None:
+    """A step's record from a line of train_log.jsonl; None for events and for a line cut short (a run stopped
+    while writing it), which the training loop also drops."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    numbers = isinstance(record, dict) and all(isinstance(record.get(k), (int, float)) for k in STEP_KEYS)
+    return record if numbers else None
+
+
+def training_section(output_dir: Path | None, results: tuple[dict, dict | None] | None = None) -> str:
+    """A train.py --eval-data run: its loss and accuracy curves and the starting point against the trained model.
+
+    `results`: the run's (trained, starting point or None) evaluations, each {'in9', 'challenge'}, as train.py
+    just made them; without them they are read from the run's folder."""
     if output_dir is None:
         return ""
     from tools.training.evaluation import START_DIR, TRAINED_DIR  # only a training report reads a training run
     from tools.training.loop import LOG_NAME
 
     output_dir = Path(output_dir)
-    evaluated = {name: {"in9": _read_json(output_dir / name / "in9.json"),
-                        "challenge": _read_json(output_dir / name / "challenge.json")} for name in (TRAINED_DIR, START_DIR)}
-    if evaluated[TRAINED_DIR]["in9"] is None:
-        raise UserError(f"{output_dir} holds no {TRAINED_DIR}/in9.json; pass the --output-dir of a train.py run "
-                        f"with --eval-data")
-    start = evaluated[START_DIR] if evaluated[START_DIR]["in9"] is not None else None
+    if results is None:
+        evaluated = {name: {"in9": _read_json(output_dir / name / "in9.json"),
+                            "challenge": _read_json(output_dir / name / "challenge.json")}
+                     for name in (TRAINED_DIR, START_DIR)}
+        if evaluated[TRAINED_DIR]["in9"] is None:
+            raise UserError(f"{output_dir} holds no {TRAINED_DIR}/in9.json; pass the --output-dir of a train.py run "
+                            f"with --eval-data")
+        results = (evaluated[TRAINED_DIR], evaluated[START_DIR] if evaluated[START_DIR]["in9"] is not None else None)
+    trained, start = results
     try:
         lines = (output_dir / LOG_NAME).read_text(encoding="utf-8").splitlines()
     except OSError:
         lines = []
-    steps = [r for r in (json.loads(line) for line in lines if line.strip()) if "loss" in r]
+    steps = [r for r in map(_step_record, lines) if r is not None]
     parts = []
     if steps:
         parts += [sections.line_chart([(r["step"], r["loss"]) for r in steps], "Training loss per step", "loss"),
@@ -112,7 +141,7 @@ def training_section(output_dir: Path | None) -> str:
     else:
         parts.append(f"<p>No {LOG_NAME} under {sections.esc(output_dir)}: no curves.</p>")
     rows, bars = [], []
-    for label, before, after in report.before_after(evaluated[TRAINED_DIR], start):
+    for label, before, after in report.before_after(trained, start):
         shown = report.points if label == report.BG_GAP else report.percent
         rows.append([sections.cell(label), sections.cell(shown(before), before), sections.cell(shown(after), after),
                      sections.cell(report.change(before, after))])
@@ -127,13 +156,14 @@ def training_section(output_dir: Path | None) -> str:
 
 def render_html(in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
                 categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None,
-                training: Path | None = None) -> str:
+                training: Path | None = None, training_results: tuple[dict, dict | None] | None = None) -> str:
     """The report as one HTML page; `leaderboard` is a zoo --output-dir to add its leaderboard, `training` a
-    train.py --output-dir (of a run with --eval-data) to add its curves and before/after table."""
+    train.py --output-dir (of a run with --eval-data) to add its curves and before/after table (from
+    `training_results`, see `training_section`, when given)."""
     parts = [f"<p>Written by bg-challenge-toolkit {__version__} from its results files. IN-9 classes: "
              f"{sections.esc(', '.join(class_names()))}.</p>"]
     parts += [f'<p class="warning">Warning: {sections.esc(w)}.</p>' for w in warnings]
-    parts.append(training_section(training))
+    parts.append(training_section(training, training_results))
     parts += [sections.in9_section(in9), sections.challenge_section(challenge), sections.analysis_section(analysis),
               sections.categories_section(categories), leaderboard_section(leaderboard),
               sections.provenance_section(report.provenance_sources(in9, challenge, analysis, categories))]
@@ -144,8 +174,8 @@ def render_html(in9: dict | None = None, challenge: dict | None = None, analysis
 
 def write_html(path: Path | str, in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
                categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None,
-               training: Path | None = None) -> str:
+               training: Path | None = None, training_results: tuple[dict, dict | None] | None = None) -> str:
     """Write the HTML report to `path` (atomically) and return its text."""
-    text = render_html(in9, challenge, analysis, categories, warnings, leaderboard, training)
+    text = render_html(in9, challenge, analysis, categories, warnings, leaderboard, training, training_results)
     write_text_atomic(Path(path), text)
     return text

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -68,8 +69,16 @@ def bar_chart(items: list[tuple[str, float | None]], title: str, unit: str = "%"
 
 
 def line_chart(points: list[tuple[float, float]], title: str, label: str) -> str:
-    """One line through (x, y) points as inline SVG, its axes' ranges written at the ends."""
+    """One line through (x, y) points as inline SVG, its axes' ranges written at the ends; points that are not
+    finite (a NaN loss) are left out and counted beneath."""
     width, height, pad = 480, 160, 40
+    finite = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
+    left_out = len(points) - len(finite)
+    note = (f'<p class="missing">{esc(title)}: {left_out} values that are not finite (NaN or infinite) are not drawn.</p>'
+            if left_out else "")
+    if not finite:
+        return note
+    points = finite
     xs, ys = [x for x, _ in points], [y for _, y in points]
     x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
     sx = (width - 2 * pad) / ((x1 - x0) or 1)
@@ -84,7 +93,7 @@ def line_chart(points: list[tuple[float, float]], title: str, label: str) -> str
             f'<text x="2" y="{height - pad}" font-size="11">{y0:.3g}</text>'
             f'<text x="{pad}" y="{height - pad + 16}" font-size="11">step {x0:g}</text>'
             f'<text x="{width - pad}" y="{height - pad + 16}" font-size="11" text-anchor="end">step {x1:g} '
-            f'({esc(label)})</text></svg>')
+            f'({esc(label)})</text></svg>' + note)
 
 
 def _section(title: str, body: str) -> str:
@@ -148,12 +157,23 @@ def challenge_section(challenge: dict | None) -> str:
     return _section(title, "".join(body))
 
 
-def _composite(data_path: Path, fg_image: str, fg_mask: str, bg_image: str) -> Image.Image:
-    from tools.data.decoding import decode_rgb, read_mask  # only a --full report composes images
+def _composite(data_path: Path, fg_image: str, fg_mask: str, bg_image: str, arithmetic: str) -> Image.Image:
+    """The composite the model saw, as a thumbnail: the byte cut-out of a 0/1 mask, or under the original's mask
+    arithmetic (`arithmetic` "original") its float blend, rounded back to bytes."""
+    import torch  # only a --full report composes images
+
+    from tools.data.compositing import MaskArithmetic, blend
+    from tools.data.decoding import decode_rgb, load_mask
 
     fg, bg = decode_rgb(data_path / fg_image), decode_rgb(data_path / bg_image)
-    mask = read_mask(data_path / fg_mask) > 0
-    return square(Image.fromarray(np.where(mask[..., None], fg, bg)), THUMB)
+    mask = load_mask(data_path / fg_mask, MaskArithmetic(arithmetic))
+    if mask.dtype == np.bool_:
+        pixels = np.where(mask[..., None], fg, bg)
+    else:
+        fg_t, bg_t = (torch.tensor(a).permute(2, 0, 1)[None] for a in (fg, bg))
+        floats = blend(fg_t, bg_t, torch.from_numpy(mask)[None, None])[0].permute(1, 2, 0)
+        pixels = floats.mul(255).round().to(torch.uint8).numpy()
+    return square(Image.fromarray(pixels), THUMB)
 
 
 def analysis_section(analysis: dict | None) -> str:
@@ -163,8 +183,8 @@ def analysis_section(analysis: dict | None) -> str:
     names = class_names()
     data_path = Path(analysis["data_path"]) if analysis.get("data_path") else None
     readable = data_path is not None and data_path.is_dir()
-    body = [f"<p>{esc(report.ASR_DEFINITION)} Over {analysis['foregrounds']} foregrounds × "
-            f"{analysis['backgrounds']} backgrounds.</p>"]
+    body = [f"<p>{esc(report.ASR_DEFINITION)} Over {esc(analysis['foregrounds'])} foregrounds × "
+            f"{esc(analysis['backgrounds'])} backgrounds.</p>"]
     if not readable:
         body.append(f'<p class="missing">The data folder {esc(data_path or "(not recorded)")} is gone, so the '
                     f"images are not shown; the numbers are.</p>")
@@ -184,11 +204,27 @@ def analysis_section(analysis: dict | None) -> str:
                             if thumb is not None else f"<figure><figcaption>{esc(e['stem'])}: {esc(caption)}"
                                                       f"</figcaption></figure>")
         grid.append(f'<div class="row"><div class="label">{esc(name)}</div>{"".join(pictures)}</div>')
-    body += [f"<h3>Top-{analysis['top_k']} backgrounds per class (ASR)</h3>", f'<div class="grid">{"".join(grid)}</div>',
+    body += [f"<h3>Top-{esc(analysis['top_k'])} backgrounds per class (ASR)</h3>", f'<div class="grid">{"".join(grid)}</div>',
              table(["Class", "Fool rate", "Backgrounds", "Mean ASR", "Max ASR", "Top backgrounds (ASR)"], rows,
                    "analysis", True)]
     body.append(_matrix_parts(analysis, names, data_path if readable else None))
     return _section(title, "".join(body))
+
+
+def _top_indices(analysis: dict, matrix) -> np.ndarray:
+    """The top backgrounds' columns in the matrix, checked to be the backgrounds the analysis names."""
+    indices = []
+    for info in analysis["per_class"].values():
+        for e in info["top_backgrounds"]:
+            index = e.get("index")
+            if not (isinstance(index, int) and 0 <= index < len(matrix.bg_stems)
+                    and matrix.bg_stems[index] == e.get("stem")):
+                raise UserError(f"the analysis in {analysis['output_dir']} names background {e.get('stem')!r} at index "
+                                f"{index!r}, which is not that column of the saved matrix there (of "
+                                f"{len(matrix.bg_stems)} backgrounds); rerun `python -m tools.results.analysis "
+                                f"{analysis['output_dir']}`")
+            indices.append(index)
+    return np.array(indices, dtype=np.int64)
 
 
 def _matrix_parts(analysis: dict, names: list[str], data_path: Path | None) -> str:
@@ -199,18 +235,23 @@ def _matrix_parts(analysis: dict, names: list[str], data_path: Path | None) -> s
         return f'<p class="missing">The saved prediction matrix is not readable ({esc(exc)}): no examples.</p>'
     p, fg, bg = matrix.predictions, matrix.fg_labels, matrix.bg_labels
     examples = []
-    for i, j in fooling_examples(p, fg, asr_counts(p, fg, bg)[0], EXAMPLES_PER_CLASS):
+    arithmetic = matrix.meta.get("provenance", {}).get("mask_arithmetic", "binary")
+    criterion = matrix.meta.get("criterion") or "any"
+    for i, j in fooling_examples(p, fg, bg, asr_counts(p, fg, bg)[0], EXAMPLES_PER_CLASS, criterion):
         predicted = names[p[i, j]] if p[i, j] >= 0 else "outside IN-9"
         caption = f"{names[fg[i]]} → {predicted}"
         alt = f"{names[fg[i]]} foreground {matrix.fg_stems[i]} on {names[bg[j]]} background {matrix.bg_stems[j]}, " \
               f"predicted {predicted}"
-        if data_path is not None and matrix.fg_images:
-            examples.append(image(data_uri(_composite(data_path, matrix.fg_images[i], matrix.fg_masks[i],
-                                                      matrix.bg_images[j])), alt, caption))
-        else:
-            examples.append(f"<figure><figcaption>{esc(alt)}</figcaption></figure>")
-    backgrounds = np.array([e["index"] for info in analysis["per_class"].values() for e in info["top_backgrounds"]],
-                           dtype=np.int64)
+        why = None if data_path is not None and matrix.fg_images else ""
+        if why is None:
+            try:
+                examples.append(image(data_uri(_composite(data_path, matrix.fg_images[i], matrix.fg_masks[i],
+                                                          matrix.bg_images[j], arithmetic)), alt, caption))
+                continue
+            except UserError as exc:  # this composite's files are missing or unreadable: its text stands alone
+                why = f'<span class="missing">composite not shown: {esc(exc)}</span>'
+        examples.append(f"<figure><figcaption>{esc(alt)}</figcaption>{why}</figure>")
+    backgrounds = _top_indices(analysis, matrix)
     confusion = fooling_confusion(p, fg, bg, backgrounds)
     columns = [*names, "outside IN-9"]
     rows = [[cell(names[r]), *(cell(int(n), int(n)) for n in confusion[r])] for r in range(len(names))]

@@ -112,9 +112,14 @@ PUBLISHED_HEADER = ["Model (published)", "original", "mixed_same", "mixed_rand",
 
 
 def used_release(in9: dict) -> bool:
-    """Whether an IN-9 run evaluated the whole test release: every variation it ran has the release's count."""
-    totals = [in9[name]["total"] for name in VARIATIONS if in9.get(name)]
-    return bool(totals) and all(t == RELEASE_IMAGES_PER_CLASS * NUM_IN9_CLASSES for t in totals)
+    """Whether an IN-9 run evaluated the whole test release: in every variation it ran, every class has the
+    release's count of images."""
+    ran = [in9[name] for name in VARIATIONS if in9.get(name)]
+    return bool(ran) and all(
+        isinstance(result.get("per_class"), dict) and len(result["per_class"]) == NUM_IN9_CLASSES
+        and all(isinstance(entry, dict) and entry.get("total") == RELEASE_IMAGES_PER_CLASS
+                for entry in result["per_class"].values())
+        for result in ran)
 
 
 def published_beside(in9: dict) -> list[Row]:
@@ -149,7 +154,7 @@ def vulnerable_sentence(challenge: dict, quote: str = "`") -> str:
     """How many foregrounds are vulnerable, and what that means; `quote` marks the criterion's name as code."""
     criterion = challenge.get("criterion", "any")
     return (f"{challenge['vulnerable']} of {challenge['total']} foregrounds ({challenge['vulnerable_percent']:.2f}%) "
-            f"are vulnerable under the {quote}{criterion}{quote} criterion: {CRITERIA.get(criterion, 'as the run defined it')}.")
+            f"are vulnerable under the {quote}{criterion}{quote} criterion: {CRITERIA.get(criterion, 'as the challenge run defined it')}.")
 
 
 def class_challenge_accuracy(entry: dict) -> float | None:
@@ -173,8 +178,8 @@ def analysis_section(analysis: dict | None, report_dir: Path) -> list[str]:
     out = ["## Adversarial backgrounds", ""]
     if not analysis:
         return out + [NOT_RUN, ""]
-    out.append(ASR_DEFINITION.replace("ASR (", "**ASR** (").replace("fool rate", "**fool rate**", 1)
-               + f" Over {analysis['foregrounds']} foregrounds × {analysis['backgrounds']} backgrounds.")
+    out.append(ASR_DEFINITION_MARKDOWN + f" Over {analysis['foregrounds']} foregrounds × {analysis['backgrounds']} "
+               f"backgrounds.")
     out.append("")
     rows = []
     for name, info in analysis["per_class"].items():
@@ -194,9 +199,11 @@ def analysis_section(analysis: dict | None, report_dir: Path) -> list[str]:
     return out
 
 
-ASR_DEFINITION = ("The ASR (attack success rate) of a background of class c is the share of the other classes' "
-                  "foregrounds that the model predicts as c when pasted on it. The fool rate of c is the share of the "
-                  "other classes' foregrounds that at least one background of c turns into c.")
+ASR_DEFINITION_MARKDOWN = ("The **ASR** (attack success rate) of a background of class *c* is the share of the "
+                           "other classes' foregrounds that the model predicts as *c* when pasted on it. The **fool "
+                           "rate** of *c* is the share of the other classes' foregrounds that at least one background "
+                           "of *c* turns into *c*.")
+ASR_DEFINITION = ASR_DEFINITION_MARKDOWN.replace("*", "")  # as plain text, for the HTML report
 
 
 def before_after(trained: dict, start: dict | None) -> list[tuple[str, float | None, float | None]]:

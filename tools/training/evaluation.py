@@ -38,7 +38,18 @@ def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir
         settings = ChallengeConfig(batch_size=batch, progress=config.progress)
         challenge = run_challenge(loaded, runtime, config.eval_data, settings, out_dir, False, workers).to_json()
         write_json_atomic(out_dir / "challenge.json", challenge)
+    else:
+        forget_results(out_dir, ("challenge.json",))
     return {"in9": in9, "challenge": challenge}
+
+
+def forget_results(out_dir: Path, names: tuple[str, ...] = ("in9.json", "challenge.json")) -> None:
+    """Remove results an earlier run left under `out_dir` that this run did not make, so that the folder (which
+    `python -m tools.report --training` reads) holds this run's results only."""
+    for name in names:
+        if (out_dir / name).is_file():
+            log.info("removing %s: an earlier run's result that this run did not make", out_dir / name)
+            (out_dir / name).unlink()
 
 
 def render_training_report(config: TrainConfig, result: TrainResult, trained: dict, start: dict | None) -> str:
@@ -76,7 +87,9 @@ def evaluate_and_report(config: TrainConfig, result: TrainResult) -> Path:
             start = evaluate(result.start.source, config, runtime, out / START_DIR)
         except UserError as exc:
             log.warning("the starting point could not be evaluated: %s", exc)
+    if start is None:
+        forget_results(out / START_DIR)
     path = out / REPORT_NAME
     write_text_atomic(path, render_training_report(config, result, trained, start))
-    write_html(out / HTML_REPORT_NAME, training=out)
+    write_html(out / HTML_REPORT_NAME, training=out, training_results=(trained, start))
     return path
