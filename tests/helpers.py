@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import warnings
+from html.parser import HTMLParser
 from pathlib import Path
 
 import torch
@@ -140,3 +141,77 @@ def load_script(path: Path):
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
+
+
+class Page(HTMLParser):
+    """What a test reads back from the page: tables (cells as (text, data-value)), images, and ids' data-values."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.tables: dict[str, list[list[tuple[str, str | None]]]] = {}
+        self.images: list[dict] = []
+        self.values: dict[str, str] = {}
+        self.body: dict = {}
+        self._table = self._cell = None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "body":
+            self.body = attrs
+        if "id" in attrs and "data-value" in attrs:
+            self.values[attrs["id"]] = attrs["data-value"]
+        if tag == "table":
+            self._table = self.tables.setdefault(attrs["data-table"], [])
+        elif tag == "tr" and self._table is not None:
+            self._table.append([])
+        elif tag in ("td", "th") and self._table is not None:
+            self._cell = ["", attrs.get("data-value")]
+        elif tag == "img":
+            self.images.append(attrs)
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self._table[-1].append((self._cell[0].strip(), self._cell[1]))
+            self._cell = None
+        elif tag == "table":
+            self._table = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell[0] += data
+
+    def rows(self, name: str) -> dict[str, list[tuple[str, str | None]]]:
+        """A table's body rows by their first cell's text."""
+        return {row[0][0]: row[1:] for row in self.tables[name][1:]}
+
+
+def run_command(main, argv: list[str]) -> None:
+    """A command's main run in this process, which must succeed; the logging set-up it makes is undone."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        assert main(argv) == 0
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+def html_runs(dataset, color_ts, out: Path) -> tuple[Path, dict]:
+    """in9_eval (all variations, categories) and challenge_eval --full --analysis on the generated data, each
+    writing its results JSON and its HTML report; then the report command's page of all of them."""
+    from tools import in9_eval  # noqa: PLC0415 (the commands load only for the tests that run them)
+    from tools.challenge import cli as challenge_cli  # noqa: PLC0415
+    from tools.results.html import write_html  # noqa: PLC0415
+    from tools.results.reading import load_inputs  # noqa: PLC0415
+
+    common = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--in9", "--device", "cpu",
+              "--log-level", "WARNING", "--workers", "1"]
+    run_command(in9_eval.main, ["--eval-dataset", "all", "--categories", "--results-file", str(out / "in9.json"),
+                                "--html", str(out / "in9.html"), "--output-dir", str(out / "in9_state"), *common])
+    run_command(challenge_cli.main, ["--full", "--analysis", "--no-cache", "--results-file",
+                                     str(out / "challenge.json"), "--html", str(out / "challenge.html"),
+                                     "--output-dir", str(out / "matrix"), *common])
+    inputs = load_inputs(out / "in9.json", out / "challenge.json", out / "matrix")
+    write_html(out / "report.html", **inputs)
+    return out, inputs

@@ -11,13 +11,14 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY, check_error, run_in_process, run_train
-from tests.test_html_report import NAMES, Page, _run, runs  # noqa: F401 (runs: the module's fixture)
+from tests.helpers import TINY, Page, check_error, html_runs, run_command, run_in_process, run_train
 from tools.data.compositing import blend, original_weights
 from tools.data.decoding import decode_rgb
+from tools.in9 import class_names
 from tools.results import analysis as analysis_cli
 from tools.results import html_sections, report
 from tools.results.html import write_html
@@ -25,6 +26,14 @@ from tools.results.matrix import META_FILE, PREDICTIONS_FILE, load_matrix
 
 EXAMPLE = re.compile(r"(?:alt|<figcaption)[=>]\"?([a-z]+) foreground (\S+) on ([a-z]+) background (\S+), predicted "
                      r"([a-z]+|outside IN-9)")
+
+NAMES = class_names()
+
+
+@pytest.fixture(scope="module")
+def runs(dataset, color_ts, tmp_path_factory):
+    """in9_eval and challenge_eval --full --analysis with their HTML reports (tests.helpers.html_runs)."""
+    return html_runs(dataset, color_ts, tmp_path_factory.mktemp("html"))
 
 
 def copy_matrix(inputs: dict, tmp_path: Path, **meta) -> dict:
@@ -112,7 +121,7 @@ def test_a_relative_data_path_is_found_from_another_folder(runs, tmp_path, monke
     folder = tmp_path / "matrix"
     shutil.copytree(inputs["analysis"]["output_dir"], folder)
     monkeypatch.chdir(data.parent)
-    _run(analysis_cli.main, [str(folder), "--data-path", data.name, "--log-level", "WARNING"])
+    run_command(analysis_cli.main, [str(folder), "--data-path", data.name, "--log-level", "WARNING"])
     summary = json.loads((folder / "analysis.json").read_text())
     assert Path(summary["data_path"]) == data.resolve()
     monkeypatch.chdir(tmp_path)
@@ -141,7 +150,7 @@ def test_a_training_rerun_shows_its_own_results_not_older_files(runs, tiny, tmp_
     assert code == 0, err
     for page in (out / "report.html", tmp_path / "again.html"):
         if page != out / "report.html":
-            _run(report.main, ["--training", str(out), "--html", str(page)])
+            run_command(report.main, ["--training", str(out), "--html", str(page)])
         rows = Page(page.read_text()).rows("before-after")
         assert [cells[0][1] for cells in rows.values()] == [None] * len(rows), page  # random weights: no "before"
         assert "Challenge accuracy" not in rows, page  # this run did not run the challenge
@@ -154,7 +163,7 @@ def test_a_truncated_training_log_loses_only_its_partial_line(runs, tmp_path):
     shutil.copy(out_dir / "in9.json", run / "eval_trained" / "in9.json")
     steps = [{"step": s, "epoch": 0, "loss": 1.0 / s, "accuracy": 0.5, "lr": 1e-3} for s in (1, 2, 3)]
     (run / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps) + '{"step": 4, "epo')
-    _run(report.main, ["--training", str(run), "--html", str(tmp_path / "page.html")])
+    run_command(report.main, ["--training", str(run), "--html", str(tmp_path / "page.html")])
     rows = Page((tmp_path / "page.html").read_text()).tables["training"][1:]
     assert [float(row[0][1]) for row in rows] == [1, 2, 3]
 

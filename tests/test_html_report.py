@@ -6,27 +6,22 @@ from __future__ import annotations
 import base64
 import io
 import json
-import logging
 import os
 import shutil
 import subprocess
-from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from tests.helpers import TINY, check_error, run_train
-from tools import in9_eval
-from tools.challenge import cli as challenge_cli
+from tests.helpers import TINY, Page, check_error, html_runs, run_train
 from tools.in9 import VARIATIONS, class_names
 from tools.data.decoding import decode_rgb
 from tools.results import html_sections, report
 from tools.results.categories import Category
 from tools.results.html import write_html
 from tools.results.matrix import load_matrix
-from tools.results.reading import load_inputs
 
 NAMES = class_names()
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")  # Debian names it chromium, Ubuntu also chromium-browser
@@ -34,73 +29,11 @@ REQUIRE_BROWSER = os.environ.get("CI_REQUIRE_BROWSER") == "1"
 MAX_THUMBNAIL_BYTES = 8_000  # an 80-px JPEG at quality 80 is a few kB
 
 
-class Page(HTMLParser):
-    """What a test reads back from the page: tables (cells as (text, data-value)), images, and ids' data-values."""
-
-    def __init__(self, text: str):
-        super().__init__()
-        self.tables: dict[str, list[list[tuple[str, str | None]]]] = {}
-        self.images: list[dict] = []
-        self.values: dict[str, str] = {}
-        self.body: dict = {}
-        self._table = self._cell = None
-        self.feed(text)
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        if tag == "body":
-            self.body = attrs
-        if "id" in attrs and "data-value" in attrs:
-            self.values[attrs["id"]] = attrs["data-value"]
-        if tag == "table":
-            self._table = self.tables.setdefault(attrs["data-table"], [])
-        elif tag == "tr" and self._table is not None:
-            self._table.append([])
-        elif tag in ("td", "th") and self._table is not None:
-            self._cell = ["", attrs.get("data-value")]
-        elif tag == "img":
-            self.images.append(attrs)
-
-    def handle_endtag(self, tag):
-        if tag in ("td", "th") and self._cell is not None:
-            self._table[-1].append((self._cell[0].strip(), self._cell[1]))
-            self._cell = None
-        elif tag == "table":
-            self._table = None
-
-    def handle_data(self, data):
-        if self._cell is not None:
-            self._cell[0] += data
-
-    def rows(self, name: str) -> dict[str, list[tuple[str, str | None]]]:
-        """A table's body rows by their first cell's text."""
-        return {row[0][0]: row[1:] for row in self.tables[name][1:]}
-
-
-def _run(main, argv: list[str]) -> None:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        assert main(argv) == 0
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-
-
 @pytest.fixture(scope="module")
 def runs(dataset, color_ts, tmp_path_factory):
-    """in9_eval (all variations, categories) and challenge_eval --full --analysis on the generated data, each
-    writing its results JSON and its HTML report; then the report command's page of all of them."""
-    out = tmp_path_factory.mktemp("html")
-    common = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--in9", "--device", "cpu",
-              "--log-level", "WARNING", "--workers", "1"]
-    _run(in9_eval.main, ["--eval-dataset", "all", "--categories", "--results-file", str(out / "in9.json"),
-                         "--html", str(out / "in9.html"), "--output-dir", str(out / "in9_state"), *common])
-    _run(challenge_cli.main, ["--full", "--analysis", "--no-cache", "--results-file", str(out / "challenge.json"),
-                              "--html", str(out / "challenge.html"), "--output-dir", str(out / "matrix"), *common])
-    inputs = load_inputs(out / "in9.json", out / "challenge.json", out / "matrix")
-    write_html(out / "report.html", **inputs)
-    return out, inputs
+    """in9_eval and challenge_eval --full --analysis on the generated data with their HTML reports
+    (tests.helpers.html_runs)."""
+    return html_runs(dataset, color_ts, tmp_path_factory.mktemp("html"))
 
 
 def _number(value: str | None) -> float:
