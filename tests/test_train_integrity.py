@@ -146,6 +146,22 @@ def test_frozen_modules_run_as_at_evaluation_whatever_train_is_called_on():
     assert all(torch.equal(v, net.block.norm.state_dict()[k]) for k, v in statistics.items())
 
 
+def interrupt_at_step(n: int, argv: list, capsys, monkeypatch) -> None:
+    """train.py run with `argv` and stopped (as by Ctrl-C) at its n-th training step, leaving its resume state."""
+    step, calls = loop.training_step, {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "training_step", interrupted)
+    code, _, err = run_train(argv, capsys)
+    assert code == cli.EXIT_INTERRUPTED, err
+    monkeypatch.setattr(loop, "training_step", step)
+
+
 def test_swa_resume_reads_a_scheduler_state_holding_a_function_as_older_torch_saves_it(tiny, tmp_path, capsys,
                                                                                         monkeypatch, one_thread):
     """Before torch fixed it (Sept 2025), SWALR.state_dict() held its annealing function; the resume state is
@@ -163,19 +179,7 @@ def test_swa_resume_reads_a_scheduler_state_holding_a_function_as_older_torch_sa
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     code, _, err = run_train([*common, "--output-dir", whole], capsys)
     assert code == 0, err
-    step = loop.training_step
-    calls = {"n": 0}
-
-    def interrupted(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 6:  # the third step of the first averaged epoch (3 steps an epoch)
-            raise KeyboardInterrupt
-        return step(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "training_step", interrupted)
-    code, _, err = run_train([*common, "--output-dir", resumed], capsys)
-    assert code == cli.EXIT_INTERRUPTED, err
-    monkeypatch.setattr(loop, "training_step", step)
+    interrupt_at_step(6, [*common, "--output-dir", resumed], capsys, monkeypatch)  # 3rd of the 1st averaged epoch
     code, _, err = run_train([*common, "--output-dir", resumed, "--resume"], capsys)
     assert code == 0, err
     a, b = weights(whole / CHECKPOINT_NAME), weights(resumed / CHECKPOINT_NAME)
@@ -215,18 +219,7 @@ def test_a_state_saved_before_the_key_held_the_precision_resumes(tiny, tmp_path,
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     code, _, err = run_train([*common, "--output-dir", whole], capsys)
     assert code == 0, err
-    step, calls = loop.training_step, {"n": 0}
-
-    def interrupted(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return step(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "training_step", interrupted)
-    code, _, err = run_train([*common, "--output-dir", resumed], capsys)
-    assert code == cli.EXIT_INTERRUPTED, err
-    monkeypatch.setattr(loop, "training_step", step)
+    interrupt_at_step(4, [*common, "--output-dir", resumed], capsys, monkeypatch)
     state = torch.load(resumed / STATE_NAME, weights_only=True)
     assert state["run_key"].pop("precision") == "fp32"
     torch.save(state, resumed / STATE_NAME)  # as the version before wrote it

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-
 from pathlib import Path
 
 from tools import cli, options
@@ -55,7 +53,3 @@ def _main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return cli.run_main(build_parser(), _main, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

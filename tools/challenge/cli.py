@@ -6,7 +6,6 @@ Prints the original challenge_eval.py's summary lines; the verdicts equal an exh
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from tools import cli, options
@@ -69,7 +68,3 @@ def _main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return cli.run_main(build_parser(), _main, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
