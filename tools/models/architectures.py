@@ -57,8 +57,13 @@ def build_architecture(arch: str, num_classes: int) -> nn.Module:
 
 
 def classifier_keys(arch: str) -> list[str]:
-    """State-dict keys whose shapes depend on the class count (the classifier), found by building both."""
-    with torch.device("meta"):
+    """State-dict keys whose shapes depend on the class count (the classifier), found by building both: on the
+    meta device (no memory, no time), or on the CPU for an architecture that reads tensor values while it is built."""
+    try:
+        with torch.device("meta"):
+            nine = build_architecture(arch, NUM_IN9_CLASSES).state_dict()
+            full = build_architecture(arch, NUM_IMAGENET_CLASSES).state_dict()
+    except (NotImplementedError, RuntimeError):  # "Cannot copy out of meta tensor; no data!"
         nine = build_architecture(arch, NUM_IN9_CLASSES).state_dict()
         full = build_architecture(arch, NUM_IMAGENET_CLASSES).state_dict()
     return [k for k in nine if nine[k].shape != full[k].shape]
