@@ -1,5 +1,6 @@
 """The one exception type for mistakes a user can make and fix, and what reading a damaged file raises."""
 
+import importlib
 import zipfile
 
 
@@ -17,3 +18,13 @@ def first_line(exc: BaseException) -> str:
     (an empty file makes torch.load raise a bare EOFError)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+def optional_module(name: str, needed_by: str, pip_name: str, extra: str, called: str | None = None, also: str = ""):
+    """An optional extra's module, imported when first needed; without it, one error line: what needs it (named
+    `called`, default its pip name) and the command that installs it, then `also` (what else the user can do)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise UserError(f"{needed_by} needs {called or pip_name}, which is not installed; run `pip install {pip_name}` "
+                        f"(or install this project with the [{extra}] extra){also}") from None

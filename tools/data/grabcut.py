@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from tools.errors import UserError
+from tools.errors import optional_module
 from tools.data.variations import Box
 
 DEFAULT_ITERATIONS = 5
-INSTALL_HINT = "pip install opencv-python-headless (or the toolkit's extra: pip install 'bg-challenge-toolkit[opencv]')"
 
 
 def require_opencv():
     """The cv2 module, or a UserError saying how to install it or what to pass instead."""
-    try:
-        import cv2  # noqa: PLC0415
-    except ImportError:
-        raise UserError(f"foreground masks are made with OpenCV's GrabCut, which is not installed: {INSTALL_HINT}; "
-                        f"or pass --masks DIR with your own masks") from None
-    return cv2
+    return optional_module("cv2", "making foreground masks with GrabCut", "opencv-python-headless", "opencv",
+                           called="OpenCV", also="; or pass --masks DIR with your own masks")
 
 
 def grabcut_mask(image: np.ndarray, box: Box, iterations: int = DEFAULT_ITERATIONS, seed: int = 0) -> np.ndarray:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tools.data.hashing import sha256_file
-from tools.errors import UserError, first_line
+from tools.errors import UserError, first_line, optional_module
 from tools.in9 import IMAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -41,12 +41,7 @@ OFT_UNRECORDED_SETTINGS = ("use_cayley_neumann", "num_cayley_neumann_terms", "co
 
 def peft_module(what: str):
     """The peft package, or one error line naming the install command."""
-    try:
-        import peft  # noqa: PLC0415 (an optional extra)
-    except ImportError:
-        raise UserError(f"{what} needs the peft package, which is not installed; run `pip install peft` (or "
-                        f"install this project with the [peft] extra)") from None
-    return peft
+    return optional_module("peft", what, "peft", "peft", called="the peft package")
 
 
 def is_adapter_folder(path: Path) -> bool:

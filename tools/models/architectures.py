@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tools.errors import UserError
+from tools.errors import UserError, optional_module
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES
 from tools.models.spec import TIMM_HUB, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
@@ -103,12 +103,7 @@ def torchvision_architecture(spec: ModelSpec, num_classes: int) -> nn.Module:
 
 def timm_module(spec: ModelSpec):
     """timm, or one line saying how to install it."""
-    try:
-        import timm  # noqa: PLC0415 (an optional extra)
-    except ImportError:
-        raise UserError(f"--arch {spec} needs timm, which is not installed; run `pip install timm` "
-                        f"(or install this project with the [timm] extra)") from None
-    return timm
+    return optional_module("timm", f"--arch {spec}", "timm", "timm")
 
 
 def check_timm_name(timm, spec: ModelSpec) -> None:

@@ -41,7 +41,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tools.data.decoding import DecodedCache, default_cache_dir
-from tools.errors import UserError, first_line
+from tools.errors import UserError, first_line, optional_module
 from tools.data.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
 from tools.models.architectures import close_matches
@@ -52,7 +52,6 @@ log = logging.getLogger(__name__)
 
 RANDOM_TAG = "none"
 RANDOM_SEED = 0
-INSTALL_HINT = "run `pip install open_clip_torch` (or install this project with the [clip] extra)"
 TEXT_BATCH = 256  # prompts per forward pass of the text encoder
 HEAD_CACHE_FOLDER = "clip-heads"  # under the toolkit's cache folder
 HEAD_CACHE_VERSION = 1
@@ -89,11 +88,7 @@ class ClipSpec:
 
 
 def _open_clip():
-    try:
-        import open_clip  # noqa: PLC0415 (an optional extra)
-    except ImportError:
-        raise UserError(f"clip: models need open_clip_torch, which is not installed; {INSTALL_HINT}") from None
-    return open_clip
+    return optional_module("open_clip", "a clip: model", "open_clip_torch", "clip")
 
 
 def parse_spec(spec: str) -> ClipSpec:

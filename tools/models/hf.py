@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from tools.data.hashing import sha256_file
-from tools.errors import UserError, first_line
+from tools.errors import UserError, first_line, optional_module
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, class_names, class_of_folder
 from tools.models import hub
 from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
@@ -40,7 +40,6 @@ from tools.models.spec import HF_PREFIX
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "run `pip install 'bg-challenge-toolkit[hf]'` (transformers and safetensors)"
 # ImageNet class index -> its first WordNet lemma, where a wrong order or another 1000-class label set shows
 IMAGENET_LANDMARKS = {0: "tench", 1: "goldfish", 151: "chihuahua", 281: "tabby", 409: "analog clock",
                       530: "digital clock", 999: "toilet tissue"}
@@ -68,11 +67,7 @@ class Logits(nn.Module):
 
 
 def _transformers():
-    try:
-        import transformers  # noqa: PLC0415 (an optional extra)
-    except ImportError:
-        raise UserError(f"{HF_PREFIX} models need transformers, which is not installed; {INSTALL_HINT}") from None
-    return transformers
+    return optional_module("transformers", f"an {HF_PREFIX} model", "transformers", "hf")
 
 
 def _fetch_command(repo: str) -> str:
