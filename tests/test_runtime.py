@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tools.errors import UserError
-from tools.runtime import Forward, Precision, Runtime, resolve_device
+from tools.runtime import Forward, Precision, Runtime, math_flags_kept, resolve_device
 
 
 class RunsOutOfMemory(torch.nn.Module):
@@ -118,10 +118,8 @@ FLAGS = {Precision.FP32: EXACT_FLAGS,
 
 @pytest.fixture
 def restore_math_flags():
-    saved = math_flags()
-    yield
-    (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
-     torch.backends.cudnn.deterministic) = saved.values()
+    with math_flags_kept():  # every leaf (tests/test_math_mode.py checks that it restores them)
+        yield
 
 
 @pytest.mark.parametrize("precision", list(Precision))

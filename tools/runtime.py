@@ -142,17 +142,65 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-MathFlags = tuple[bool, bool, bool, bool]  # TF32 in matmul, TF32 in cuDNN, cuDNN autotuning, deterministic cuDNN
+# Torch's fp32 precision API (torch >= 2.9): one `fp32_precision` per leaf, parents first, so that a saved state
+# written back in this order ends where it began (a parent's write reaches the children left at "none").
+PRECISION_LEAVES = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv",
+                    "mkldnn.rnn")
+TF32_LEAVES = ("cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn")  # "tf32" in --precision tf32, all else "ieee"
 
 
-def _read_math_flags() -> MathFlags:
-    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
-            torch.backends.cudnn.deterministic)
+def _backend(path: str):  # the object a path names under torch.backends ("": torch.backends)
+    return functools.reduce(getattr, filter(None, path.split(".")), torch.backends)
 
 
-def _write_math_flags(flags: MathFlags) -> None:
-    (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
-     torch.backends.cudnn.deterministic) = flags
+def precision_api() -> bool:
+    """Whether this torch has the leaves; older ones have the legacy flags alone (`allow_tf32`, matmul precision)."""
+    return all(hasattr(_backend(leaf), "fp32_precision") for leaf in PRECISION_LEAVES)
+
+
+def math_flags_for(precision: Precision) -> dict:
+    """Every process-wide math flag `precision` sets: the legacy two, then the leaves if any (fp32: all "ieee", oneDNN's
+    too, where "medium" would multiply in bf16; tf32: "tf32" on CUDA's); fp32: deterministic cuDNN, no autotuning."""
+    tf32, exact = precision is Precision.TF32, precision is Precision.FP32
+    flags = {"float32_matmul_precision": "high" if tf32 else "highest", "cudnn.allow_tf32": tf32}
+    if precision_api():
+        flags.update({f"{leaf}.fp32_precision".lstrip("."): "tf32" if tf32 and leaf in TF32_LEAVES else "ieee"
+                      for leaf in PRECISION_LEAVES})
+    return {**flags, "cudnn.benchmark": not exact, "cudnn.deterministic": exact}
+
+
+# The legacy flags torch keeps beside the leaves, and leaves at which their getters can read them: the getters
+# raise where the leaves disagree (as after `torch.backends.cudnn.conv.fp32_precision = "tf32"`).
+LEGACY_PROBES = {"float32_matmul_precision": {"cuda.matmul": "ieee", "mkldnn.matmul": "ieee"},
+                 "cudnn.allow_tf32": {"cudnn.conv": "tf32", "cudnn.rnn": "tf32"}}
+
+
+def _read_flag(name: str):
+    if name not in LEGACY_PROBES:
+        return getattr(_backend(name.rpartition(".")[0]), name.rpartition(".")[2])
+    probe = {_backend(leaf): value for leaf, value in LEGACY_PROBES[name].items()} if precision_api() else {}
+    saved = {leaf: leaf.fp32_precision for leaf in probe}
+    try:
+        for leaf, value in probe.items():
+            leaf.fp32_precision = value
+        return torch.backends.cudnn.allow_tf32 if name == "cudnn.allow_tf32" else torch.get_float32_matmul_precision()
+    except RuntimeError:  # at "tf32" on both leaves, cuDNN's getter refuses a legacy False
+        return False
+    finally:
+        for leaf, value in saved.items():
+            leaf.fp32_precision = value
+
+
+def _read_math_flags() -> dict:
+    return {name: _read_flag(name) for name in math_flags_for(Precision.FP32)}
+
+
+def _write_math_flags(flags: dict) -> None:
+    for name, value in flags.items():  # the legacy flags first, then the leaves, parents before children
+        if name == "float32_matmul_precision":
+            torch.set_float32_matmul_precision(value)
+        else:
+            setattr(_backend(name.rpartition(".")[0]), name.rpartition(".")[2], value)
 
 
 @contextlib.contextmanager
@@ -165,17 +213,47 @@ def math_flags_kept():
         _write_math_flags(saved)
 
 
-def set_math_flags(precision: Precision) -> MathFlags:
-    """Set the process-wide math flags for `precision` (all four every time, so no earlier runtime's setting
-    survives); they exist on every build and act on CUDA only. Returns the flags as they were.
-
-    TF32 only when asked for. In fp32, no cuDNN autotuning (it may pick other convolution algorithms from one
-    run to the next) and only deterministic cuDNN algorithms, so the same device and library versions give
-    the same fp32 logits bit for bit; the speed modes autotune and allow any algorithm."""
+def set_math_flags(precision: Precision) -> dict:
+    """Set every process-wide math flag for `precision` (`math_flags_for`: all of them, so no earlier runtime's
+    setting survives; fp32's give the same logits bit for bit on one device). Returns the flags as they were."""
     saved = _read_math_flags()
-    tf32, exact = precision is Precision.TF32, precision is Precision.FP32
-    _write_math_flags((tf32, tf32, not exact, exact))
+    _write_math_flags(math_flags_for(precision))
     return saved
+
+
+# Switched off in the exact mode (`exact_kernels`), as name: (getter, setter): MultiheadAttention's fast path (a
+# fused kernel that `sdpa_kernel` does not reach) and TorchScript's fusers (they compile kernels of their own).
+EXACT_SWITCHES = {"mha_fastpath": (torch.backends.mha.get_fastpath_enabled, torch.backends.mha.set_fastpath_enabled),
+                  "jit_fuse_cpu": (torch._C._jit_can_fuse_on_cpu, torch._C._jit_override_can_fuse_on_cpu),
+                  "jit_fuse_gpu": (torch._C._jit_can_fuse_on_gpu, torch._C._jit_override_can_fuse_on_gpu),
+                  "jit_texpr_fuser": (torch._C._jit_texpr_fuser_enabled, torch._C._jit_set_texpr_fuser_enabled)}
+
+
+@contextlib.contextmanager
+def exact_kernels():
+    """The exact mode's kernels inside the block, restored afterwards: `scaled_dot_product_attention`'s math
+    backend on every device (the fused kernels sum in other orders; CUDA's memory-efficient one multiplies in
+    3xTF32 whatever the flags), `EXACT_SWITCHES` off, and TorchScript without graph optimisation."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415 (needed only around a forward pass)
+    saved = {name: get() for name, (get, _) in EXACT_SWITCHES.items()}
+    try:
+        for _, switch in EXACT_SWITCHES.values():
+            switch(False)
+        with sdpa_kernel([SDPBackend.MATH]), torch.jit.optimized_execution(False):
+            yield
+    finally:
+        for name, (_, switch) in EXACT_SWITCHES.items():
+            switch(saved[name])
+
+
+def math_in_effect() -> dict:
+    """The math that runs now (the provenance's): the flags, attention backends, `EXACT_SWITCHES`, TorchScript's."""
+    cuda = torch.backends.cuda
+    backends = {"math": cuda.math_sdp_enabled(), "flash": cuda.flash_sdp_enabled(),
+                "efficient": cuda.mem_efficient_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled()}
+    return {**_read_math_flags(), "sdpa_backends": [name for name, on in backends.items() if on],
+            **{name: get() for name, (get, _) in EXACT_SWITCHES.items()},
+            "torchscript_optimized": torch._C._get_graph_executor_optimize()}
 
 
 @dataclass
@@ -204,7 +282,8 @@ class Runtime:
 
     @property
     def exact(self) -> bool:
-        return self.precision is Precision.FP32
+        """fp32, eager: Inductor's kernels (torch.compile) divide approximately, so fp32 compiled is re-checked."""
+        return self.precision is Precision.FP32 and not self.compile
 
     @property
     def fixed_batch_sizes(self) -> bool:
@@ -222,14 +301,19 @@ class Runtime:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
+    def math(self):
+        """An evaluation's math around each forward pass: the precision's autocast, and the exact kernels
+        (`exact_kernels`) when exact."""
+        return exact_kernels() if self.exact else self.autocast()
+
     @contextlib.contextmanager
     def fp32_math(self):
-        """The exact mode's math inside the block whatever the precision: autocast off and fp32's flags (no
-        TF32, no autotuning, deterministic cuDNN); the runtime's flags are restored afterwards. The
-        reduced-precision re-check runs under it."""
+        """The exact mode's math inside the block whatever the precision: autocast off, fp32's flags (no
+        TF32 nor bf16 anywhere, no autotuning, deterministic cuDNN) and the exact kernels (`exact_kernels`); the
+        runtime's flags are restored afterwards. The reduced-precision re-check runs under it."""
         saved = set_math_flags(Precision.FP32)
         try:
-            with torch.autocast(device_type=self.device.type, enabled=False):
+            with torch.autocast(device_type=self.device.type, enabled=False), exact_kernels():
                 yield
         finally:
             _write_math_flags(saved)
@@ -266,8 +350,10 @@ class Runtime:
         name = str(self.device)
         if self.device.type == "cuda":
             name += f" ({torch.cuda.get_device_name(self.device)})"
+        with self.math():
+            math = math_in_effect()
         return {"device": name, "precision": self.precision.value, "channels_last": self.channels_last,
-                "compile": self.compile}
+                "compile": self.compile, "exact": self.exact, "math": math}
 
 
 GPU_BATCH_SIZE = 256
@@ -331,7 +417,7 @@ class Forward:
     def __init__(self, model: Callable, runtime: Runtime, chunk: int, exact: bool = False, what: str = "batch size",
                  pad: bool = True):
         self.model, self.runtime, self.chunk, self.what = model, runtime, max(1, chunk), what
-        self.math = runtime.fp32_math if exact else runtime.autocast
+        self.math = runtime.fp32_math if exact else runtime.math
         self.pad = pad and runtime.fixed_batch_sizes
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
