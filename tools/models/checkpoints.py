@@ -2,7 +2,8 @@
 
 Checkpoint formats, told apart by the file's contents, never by its name:
 - a TorchScript archive (`torch.jit.save`) or a `torch.export` program (`torch.export.save`, .pt2):
-  used as the classifier as it is, loaded for the run's device with the devices its code names pointed there;
+  used as the classifier as it is, loaded for the run's device with the devices its code names pointed there
+  (and a TorchScript program's convolutions reading cuDNN's flags when they run: `tools.models.torchscript`);
 - a pickle read by `torch.load(weights_only=True)`: a state dict, directly or under `model`,
   `state_dict`, `state_dict_ema` or `model_state_dict` (PyTorch's tutorial layout) (that priority, or
   `--checkpoint-key`), with `module.` / `_orig_mod.` wrapper prefixes, or the robustness library's layout
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from tools.errors import UserError, first_line
-from tools.models import adapters
+from tools.models import adapters, torchscript
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
 
@@ -267,30 +268,6 @@ class ExportedModule(Program):
         return self
 
 
-def _graph_nodes(block):
-    for node in block.nodes():
-        yield node
-        for inner in node.blocks():
-            yield from _graph_nodes(inner)
-
-
-def _point_script_devices(module: torch.jit.ScriptModule, device: torch.device) -> set[str]:
-    """Point every device constant in the code of the program's methods at `device`; the devices it named."""
-    named = set()
-    for sub in module.modules():
-        for name in sub._c._method_names():
-            graph = sub._c._get_method(name).graph
-            for node in list(_graph_nodes(graph)):
-                if node.kind() != "prim::Constant" or not isinstance(node.output().type(), torch._C.DeviceObjType):
-                    continue
-                named.add(str(node.output().toIValue()))
-                if node.output().toIValue() != device:
-                    with graph.insert_point_guard(node):
-                        node.output().replaceAllUsesWith(graph.insertConstant(device))
-                    node.destroy()
-    return named
-
-
 def _export_devices(program) -> set[str]:
     """The devices the operations of an exported program are given (tensor-creating ones, `to`)."""
     return {str(torch.device(node.kwargs["device"])) for sub in program.graph_module.modules()
@@ -313,7 +290,8 @@ def _load_program(path: Path, kind: str, device: torch.device) -> Program:
     """The program, its weights and the devices its code names all on `device`, before its first run."""
     loaded = _read_program(path, kind, device)
     if kind == "torchscript":
-        named = _point_script_devices(loaded, device)
+        named = torchscript.point_devices(loaded, device)
+        torchscript.unbake_convolutions(loaded)
         program = Program(loaded, kind, device, bool(named))
     else:
         from torch.export.passes import move_to_device_pass  # noqa: PLC0415 (torch.export loads only for programs)

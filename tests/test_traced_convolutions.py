@@ -1,0 +1,86 @@
+"""A traced program's convolutions read cuDNN's flags when they run, not the tracing process's: tracing bakes them
+into each `aten::_convolution` as constants (TF32 on by torch's defaults), where no flag a runtime sets reaches
+them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tools.models.checkpoints import Program
+from tools.models.sources import load_model
+from tools.runtime import Runtime
+
+
+class OldConvolution(nn.Module):
+    """A scripted 1x1 convolution through the 12-input `aten::_convolution` (no allow_tf32: older torch's
+    traces), called from the traced program as a submodule with its own graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 6, 1, 1) / 6)
+
+    def forward(self, x):
+        return torch._convolution(x, self.weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, True, False, True)
+
+
+class Convolutions(nn.Module):
+    """Every kind of convolution a traced classifier holds: plain with batch norm, strided and dilated, depthwise,
+    without bias, transposed, and a scripted submodule's."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, stride=2, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+        self.depthwise = nn.Conv2d(6, 6, 3, padding=2, dilation=2, groups=6, bias=False)
+        self.up = nn.ConvTranspose2d(6, 6, 2, stride=2)
+        self.old = torch.jit.script(OldConvolution())
+        self.head = nn.Linear(6, 9)
+
+    def forward(self, x):
+        x = self.old(self.up(self.depthwise(self.stem(x))))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def baked(module: nn.Module) -> list[str]:
+    """The `aten::_convolution` nodes in the graphs of every method of every TorchScript module in `module`."""
+    def nodes(block):
+        for node in block.nodes():
+            yield node
+            for inner in node.blocks():
+                yield from nodes(inner)
+    return [str(node) for sub in module.modules() if isinstance(sub, torch.jit.ScriptModule)
+            for name in sub._c._method_names() for node in nodes(sub._c._get_method(name).graph)
+            if node.kind() == "aten::_convolution"]
+
+
+def traced_with_torchs_defaults(frozen: bool) -> tuple[nn.Module, torch.jit.ScriptModule]:
+    torch.manual_seed(0)
+    net = Convolutions().eval()
+    with torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False, allow_tf32=True):
+        traced = torch.jit.trace(net, torch.zeros(2, 3, 32, 32))
+    return net, torch.jit.freeze(traced) if frozen else traced
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["traced", "frozen"])
+def test_a_loaded_traced_program_holds_no_baked_flags_and_computes_what_eager_does(tmp_path, frozen):
+    net, traced = traced_with_torchs_defaults(frozen)
+    assert len(baked(traced)) == 4  # stem, depthwise, transposed, and the scripted 12-input one
+    assert any("allow_tf32" not in node and node.count("%") >= 13 for node in baked(traced))
+    path = tmp_path / "program.ts"
+    torch.jit.save(traced, str(path))
+    loaded = load_model(checkpoint=path, runtime=Runtime(torch.device("cpu")))
+    program = next(m for m in loaded.model.modules() if isinstance(m, Program)).program
+    assert baked(program) == []
+    x = torch.rand(5, 3, 32, 32)
+    with torch.inference_mode():
+        eager, rewritten, unrewritten = net(x), program(x), traced(x)
+    assert torch.equal(rewritten, unrewritten)  # on the CPU the flags change nothing
+    assert frozen or torch.equal(rewritten, eager)  # (freezing folds the batch norm into the convolution)
+    # the rewrite is the program's code: saved and loaded again, it stays
+    again_path = tmp_path / "again.ts"
+    torch.jit.save(program, str(again_path))
+    again = torch.jit.load(str(again_path))
+    assert baked(again) == []
+    with torch.inference_mode():
+        assert torch.equal(again(x), unrewritten)

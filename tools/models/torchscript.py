@@ -1,0 +1,72 @@
+"""TorchScript programs made to compute where and as the run says, by rewriting the graphs of every method of
+every module in them (frozen programs included), once, before the first run.
+
+- Devices: tracing writes the device it ran on into the code as constants (`torch.zeros(..., device=x.device)`),
+  which `.to()` does not move; they are pointed at the run's device.
+- Convolutions: tracing records `aten::_convolution(..., benchmark, deterministic, cudnn_enabled, allow_tf32)`
+  with cuDNN's flags of the tracing process as constants (torch's defaults: TF32 on, any algorithm), so the
+  flags a `Runtime` sets never reach them. Each becomes `aten::convolution` of the same first nine inputs,
+  which reads the flags when it runs, as eager code does.
+
+Other constants of that kind that tracing bakes are left as they are, because they cannot change a result here:
+`batch_norm`'s and `layer_norm`'s `cudnn_enabled` (`torch.backends.cudnn.enabled`, which the toolkit never turns
+off) and `dropout`'s `train` (False in an eval-mode trace). `scaled_dot_product_attention` stays one operation
+whose backend is chosen when it runs (`tools.runtime.exact_kernels`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BAKED_CONVOLUTION = "aten::_convolution"  # both forms: 13 inputs (with allow_tf32) and the older 12
+CONVOLUTION = "aten::convolution"
+CONVOLUTION_INPUTS = 9  # input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+
+
+def graph_nodes(block):
+    """Every node of a graph or block, the nodes of nested blocks (if, loop) included."""
+    for node in block.nodes():
+        yield node
+        for inner in node.blocks():
+            yield from graph_nodes(inner)
+
+
+def method_graphs(module: torch.jit.ScriptModule):
+    """The graph of every method of every TorchScript module in `module`."""
+    for sub in module.modules():
+        if isinstance(sub, torch.jit.ScriptModule):
+            for name in sub._c._method_names():
+                yield sub._c._get_method(name).graph
+
+
+def point_devices(module: torch.jit.ScriptModule, device: torch.device) -> set[str]:
+    """Point every device constant in the code of the program's methods at `device`; the devices it named."""
+    named = set()
+    for graph in method_graphs(module):
+        for node in list(graph_nodes(graph)):
+            if node.kind() != "prim::Constant" or not isinstance(node.output().type(), torch._C.DeviceObjType):
+                continue
+            named.add(str(node.output().toIValue()))
+            if node.output().toIValue() != device:
+                with graph.insert_point_guard(node):
+                    node.output().replaceAllUsesWith(graph.insertConstant(device))
+                node.destroy()
+    return named
+
+
+def unbake_convolutions(module: torch.jit.ScriptModule) -> int:
+    """Replace every `aten::_convolution` (its cuDNN flags fixed when traced) by `aten::convolution` of its first
+    nine inputs (the flags read when it runs); how many were replaced. Equal to the unrewritten program wherever
+    its flags agree with the process's, and to eager code everywhere."""
+    count = 0
+    for graph in method_graphs(module):
+        for node in list(graph_nodes(graph)):
+            if node.kind() != BAKED_CONVOLUTION:
+                continue
+            with graph.insert_point_guard(node):
+                replacement = graph.insertNode(graph.create(CONVOLUTION, list(node.inputs())[:CONVOLUTION_INPUTS]))
+            replacement.output().setType(node.output().type())
+            node.output().replaceAllUsesWith(replacement.output())
+            node.destroy()
+            count += 1
+    return count
