@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tools.models.sources import load_model
 from tools.runtime import Forward, Precision, Runtime, math_flags_kept
 
 NEW_API = hasattr(torch.backends, "fp32_precision")  # torch >= 2.9
@@ -216,3 +217,21 @@ def test_the_provenance_records_the_math_that_ran():
         assert {math[f"{path}.fp32_precision".lstrip(".")] for path in LEAVES} == {"ieee"}
     bf16 = Runtime(torch.device("cpu"), Precision.BF16).describe()["math"]
     assert "flash" in bf16["sdpa_backends"] and bf16["cudnn.benchmark"]
+
+
+def test_a_results_provenance_names_the_decoder_and_the_math_that_ran(dataset, color_ts):
+    """Another libjpeg decodes the same JPEG to other pixels (a Pillow without libjpeg-turbo changes predictions),
+    so the decoder is part of what a result came from; and so is the math mode that ran."""
+    import PIL  # noqa: PLC0415
+    from PIL import features  # noqa: PLC0415
+
+    from tools.evaluate import In9Config, run_in9  # noqa: PLC0415
+
+    runtime = Runtime(torch.device("cpu"))
+    run = run_in9(load_model(checkpoint=color_ts[9], runtime=runtime), runtime, dataset.root,
+                  In9Config(("original",), 16, workers=1, progress=False))
+    info = run.to_json()["provenance"]
+    assert info["decoder"] == {"pillow": PIL.__version__, "libjpeg": features.version("jpg"),
+                               "libjpeg_turbo": features.version_feature("libjpeg_turbo")
+                               if features.check_feature("libjpeg_turbo") else None}
+    assert info["exact"] and info["math"]["sdpa_backends"] == ["math"] and not info["math"]["mha_fastpath"]

@@ -16,6 +16,16 @@ from tools import __version__
 from tools.errors import UserError
 
 
+def decoder() -> dict:
+    """The image decoder: Pillow's version and its libjpeg's, and whether that is libjpeg-turbo (with its version):
+    another libjpeg gives other pixels for the same JPEG file, and so may change a prediction."""
+    import PIL  # noqa: PLC0415 (only here for the versions)
+    from PIL import features  # noqa: PLC0415
+    turbo = features.check_feature("libjpeg_turbo")
+    return {"pillow": PIL.__version__, "libjpeg": features.version("jpg"), "libjpeg_turbo":
+            features.version_feature("libjpeg_turbo") if turbo else None}
+
+
 def provenance(runtime_info: dict, model_info: dict, data_info: dict) -> dict:
     import torch  # noqa: PLC0415 (only here for the versions: writing results needs neither)
     import torchvision  # noqa: PLC0415
@@ -24,6 +34,7 @@ def provenance(runtime_info: dict, model_info: dict, data_info: dict) -> dict:
         "torch": torch.__version__,
         "torchvision": torchvision.__version__,
         "python": platform.python_version(),
+        "decoder": decoder(),
         **runtime_info,
         **model_info,
         "data": data_info,
