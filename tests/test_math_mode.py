@@ -111,6 +111,24 @@ def test_the_legacy_flags_where_torch_has_no_leaves(monkeypatch, caller_state):
     assert legacy_getters() == {"matmul_precision": "medium", "matmul_tf32": True, "cudnn_tf32": True}
 
 
+@new_api_only
+def test_benchmark_gives_the_caller_back_a_state_its_getters_read(dataset, caller_state):
+    """After `benchmark()`, a caller that had set "medium" matmul precision and cuDNN's convolutions apart from its
+    RNNs by the new API finds every leaf as it was, and `torch.get_float32_matmul_precision()` answers (it
+    raised after a run before)."""
+    from tests.helpers import TinyCNN  # noqa: PLC0415
+    from tools import benchmark  # noqa: PLC0415
+
+    torch.set_float32_matmul_precision("medium")
+    torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.rnn.fp32_precision = "tf32", "ieee"
+    before, answers = leaves(), legacy_getters()
+    assert answers["matmul_precision"] == "medium"
+    benchmark(TinyCNN(9, seed=3), dataset.root, num_classes=9, variations=["original"], challenge=False,
+              device="cpu", batch_size=8, workers=1, progress=False, cache=False)
+    assert leaves() == before
+    assert legacy_getters() == answers
+
+
 class OpsRun(TorchDispatchMode):
     """The aten operations that run inside the block."""
 
