@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import save_torchscript
+from tests import fp32_formats
+from tests.helpers import TINY_CLIP, save_torchscript
 from tools import challenge
 from tools.data import synthetic
 from tools.challenge import ChallengeConfig, run_challenge
@@ -103,3 +104,41 @@ def test_blend_is_the_cpu_s_for_every_byte_triple():
     cpu = blend(fg, bg, weights)
     gpu = blend(fg.to("cuda"), bg.to("cuda"), weights.to("cuda"))
     assert torch.equal(_bits(gpu), _bits(cpu))
+
+
+FORMATS = {"torchvision eager": (fp32_formats.resnet, "eager", 224),
+           "torchvision traced": (fp32_formats.resnet, "traced", 224),
+           "torchvision scripted": (fp32_formats.resnet, "scripted", 224),
+           "torchvision torch.export": (fp32_formats.resnet, "export", 224),
+           "timm ViT": (fp32_formats.timm_vit, "eager", 32),
+           "transformers ViT": (fp32_formats.hf_vit, "eager", 32)}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_fp32_logits_are_fp32_for_every_format(name, tmp_path):
+    """The GPU's fp32 logits against the CPU's fp64 within fp32 rounding, through the loader and the exact
+    forward pass: a traced program's baked TF32, fused attention in 3xTF32 or a fuser's kernels would be some
+    2^13 times further off (tests/fp32_formats.py)."""
+    build, kind, size = FORMATS[name]
+    if name.startswith(("timm", "transformers")):
+        pytest.importorskip(name.split()[0])
+    deviation, bound = fp32_formats.deviations(build(), kind, Runtime(torch.device("cuda")), tmp_path, size)
+    assert deviation <= bound, f"{name}: {deviation:.3g} from fp64, fp32 rounding allows {bound:.3g}"
+
+
+def test_fp32_logits_of_a_clip_image_tower_are_fp32(tiny_clip, tmp_path):
+    """open_clip's MultiheadAttention (its fast path a fused kernel of its own)."""
+    deviation, bound = fp32_formats.deviations(fp32_formats.clip_image_tower(TINY_CLIP)(), "eager",
+                                               Runtime(torch.device("cuda")), tmp_path, 32)
+    assert deviation <= bound, f"{deviation:.3g} from fp64, fp32 rounding allows {bound:.3g}"
+
+
+def test_full_matrix_equals_the_cpu_cell_by_cell(dataset, model_path, tmp_path):
+    """`--full` in fp32 on the GPU: every (foreground, background) prediction the CPU's."""
+    config = ChallengeConfig(batch_size=32, progress=False, full=True)
+    cpu = run_challenge(load_model(checkpoint=model_path), Runtime(torch.device("cpu")), dataset.root, config,
+                        output_dir=tmp_path / "cpu")
+    gpu = run_challenge(load_model(checkpoint=model_path), Runtime(torch.device("cuda")), dataset.root, config,
+                        output_dir=tmp_path / "gpu")
+    assert cpu.state.matrix is not None and cpu.state.matrix.size > 0
+    assert np.array_equal(cpu.state.matrix, gpu.state.matrix)

@@ -253,3 +253,25 @@ def test_a_results_provenance_names_the_decoder_and_the_math_that_ran(dataset, c
                                "libjpeg_turbo": features.version_feature("libjpeg_turbo")
                                if features.check_feature("libjpeg_turbo") else None}
     assert info["exact"] and info["math"]["sdpa_backends"] == ["math"] and not info["math"]["mha_fastpath"]
+
+
+@pytest.mark.parametrize("name", ["torchvision traced", "timm ViT", "transformers ViT", "CLIP image tower"])
+def test_the_fp32_against_fp64_check_passes_fp32_and_catches_bf16(name, tmp_path, request):
+    """The check `tests/test_gpu.py` runs on CUDA, run on the CPU: fp32 through the loader and the exact forward
+    is within fp32 rounding of fp64, and a bf16 runtime is caught."""
+    from tests import fp32_formats  # noqa: PLC0415
+    from tests.helpers import TINY_CLIP  # noqa: PLC0415
+
+    if name.startswith(("timm", "transformers")):
+        pytest.importorskip(name.split()[0])
+    if name.startswith("CLIP"):
+        request.getfixturevalue("tiny_clip")  # registers the architecture
+    build, kind, size = {"torchvision traced": (fp32_formats.resnet, "traced", 224),
+                         "timm ViT": (fp32_formats.timm_vit, "eager", 32),
+                         "transformers ViT": (fp32_formats.hf_vit, "eager", 32),
+                         "CLIP image tower": (fp32_formats.clip_image_tower(TINY_CLIP), "eager", 32)}[name]
+    net, cpu = build(), torch.device("cpu")
+    deviation, bound = fp32_formats.deviations(net, kind, Runtime(cpu), tmp_path, size)
+    assert 0 <= deviation <= bound
+    reduced, bound = fp32_formats.deviations(net, "eager", Runtime(cpu, Precision.BF16), tmp_path, size)
+    assert reduced > bound
