@@ -20,7 +20,9 @@ def add_search_arguments(group) -> None:
                        help=f"any: some background changes the prediction (the leaderboard's); bg-class: some "
                             f"background of another class makes the model predict that class (default: "
                             f"{DEFAULTS.criterion.value})")
-    group.add_argument("--compile", action="store_true", help="torch.compile the model (default: off)")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile the model; not exact, even in fp32: near ties are re-checked in fp32 as "
+                            "in the speed modes (default: off)")
     group.add_argument("--recheck-margin", type=float, default=DEFAULTS.recheck_margin, metavar="M",
                        help=f"in bf16/fp16/tf32, re-run every composite whose top-two logit margin is below M in true "
                             f"fp32 (autocast and TF32 off for that pass), so near ties get fp32's verdict (default: "
