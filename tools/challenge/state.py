@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +44,13 @@ class SearchState:
                    trials=np.zeros((NUM_IN9_CLASSES, n_bg), np.int64), bg_pred=bg_pred,
                    worklist=np.zeros((0, 2), np.int32),
                    matrix=np.full((n_fg, n_bg), UNMAPPED, np.int8) if full else None)
+
+    def snapshot(self, pending: np.ndarray) -> "SearchState":
+        """A copy to save while the search goes on, with `pending` (the launched pairs not yet recorded)."""
+        copied = {f.name: getattr(self, f.name) for f in fields(self)}
+        copied = {name: value.copy() if isinstance(value, np.ndarray) else value for name, value in copied.items()}
+        copied["pending"] = pending
+        return SearchState(**copied)
 
     def save(self, path: Path, key: str) -> None:
         arrays = {name: getattr(self, name) for name in ("verdict", "fool_bg", "fool_pred", "min_margin", "successes",
