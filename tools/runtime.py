@@ -146,6 +146,18 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
+def to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`tensor` copied to host memory, and the event to wait for before reading it (None: ready now). From a CUDA
+    device the copy goes into pinned memory without waiting, so the host launches more work meanwhile; every
+    other copy blocks (see `to_device` for MPS)."""
+    if tensor.device.type != "cuda":
+        return tensor.cpu(), None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
 MathFlags = tuple[bool, bool, bool, bool]  # TF32 in matmul, TF32 in cuDNN, cuDNN autotuning, deterministic cuDNN
 
 

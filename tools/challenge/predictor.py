@@ -17,7 +17,7 @@ from tools.challenge.data import ChallengeData
 from tools.data.compositing import MaskArithmetic, blend, composite
 from tools.in9 import PredictionMap
 from tools.models.boundary import LoadedModel
-from tools.runtime import CPU_BATCH_CANDIDATES, Forward, Runtime, to_device
+from tools.runtime import CPU_BATCH_CANDIDATES, Forward, Runtime, to_device, to_host
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +83,17 @@ class CompositePredictor:
         idx = to_device(torch.from_numpy(pairs), self.runtime.device)
         return self.composite(idx[:, 0], idx[:, 1])
 
+    def predict_pairs(self, pairs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Composite and predict the pairs: `predict_images` of their composites."""
+        return self.predict_images(self._pair_images(pairs))
+
     def launch(self, pairs: np.ndarray) -> Launched:
-        """Composite and predict the pairs, the results copying back to the host: nothing here waits for the
-        device (no `.item()`, `nonzero` or copy that blocks)."""
-        preds, margins = self.predict_images(self._pair_images(pairs))
-        pinned = self.runtime.pin()
-        host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned).copy_(t, non_blocking=True)
-                for t in (preds, margins)]
-        event = None
-        if self.runtime.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return Launched(pairs, host[0], host[1], event)
+        """Predict the pairs, the results copying back to the host: nothing here waits for the device (no
+        `.item()`, `nonzero` or copy that blocks)."""
+        preds, margins = self.predict_pairs(pairs)
+        host_margins = None if margins is None else to_host(margins)[0]
+        host_preds, event = to_host(preds)  # recorded after both copies
+        return Launched(pairs, host_preds, host_margins, event)
 
     def close(self, margins: np.ndarray | None) -> np.ndarray:
         """Which rows are near ties to re-check in fp32 (none in fp32, or with the re-check off)."""
