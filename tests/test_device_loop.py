@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.challenge.predictor import CompositePredictor
 from tools.evaluate import In9Config, run_in9
+from tools.data import synthetic
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
 from tools.models.architectures import SmallCNN
 from tools.models.boundary import LoadedModel, PixelModel
@@ -103,3 +104,40 @@ def test_in9_rechecks_near_ties_in_reduced_precision(dataset, one_thread):
     payload = fast.to_json()
     assert payload["rechecked_fp32"] == total and payload["original"]["rechecked_fp32"] == fast.results["original"].total
     assert exact.to_json()["rechecked_fp32"] == 0
+
+
+def colour_model() -> LoadedModel:
+    return LoadedModel(PixelModel(synthetic.ColorEvidenceModel(9), IN9_MEAN, IN9_STD), 9, None, None, None, None,
+                       "test", "test")
+
+
+@pytest.mark.parametrize("full,stop", [(False, 16), (False, 36), (True, 16)])
+def test_a_bf16_run_with_rechecks_resumed_mid_run_is_the_same_run(dataset, tmp_path, monkeypatch, full, stop,
+                                                                  one_thread):
+    """bf16 with some near ties held for their re-check (the colour model: robust and vulnerable foregrounds, so
+    late rounds with few open foregrounds, where the batches held decide which pairs are planned): stopped as a
+    batch is launched (the state saved after every batch, with the batches in flight and held) and resumed, the
+    run tests the same pairs and finds the same verdicts, fooling backgrounds, margins and statistics as the
+    uninterrupted one."""
+    runtime = Runtime(torch.device("cpu"), Precision.BF16)
+    config = ChallengeConfig(batch_size=3, progress=False, full=full, recheck_margin=0.5, save_every=0.0)
+    whole = run_challenge(colour_model(), runtime, dataset.root, config, output_dir=tmp_path / "whole", workers=1)
+    launch, calls = CompositePredictor.launch, []
+
+    def interrupted(self, pairs):
+        calls.append(len(pairs))
+        if len(calls) == stop:
+            raise KeyboardInterrupt
+        return launch(self, pairs)
+
+    monkeypatch.setattr(CompositePredictor, "launch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_challenge(colour_model(), runtime, dataset.root, config, output_dir=tmp_path / "part", workers=1)
+    monkeypatch.setattr(CompositePredictor, "launch", launch)
+    resumed = run_challenge(colour_model(), runtime, dataset.root, config, output_dir=tmp_path / "part", resume=True,
+                            workers=1)
+    assert 0 < whole.rechecked < whole.state.evaluated
+    for name in ("verdict", "fool_bg", "fool_pred", "min_margin", "tested", "evaluated", "successes", "trials"):
+        assert np.array_equal(getattr(resumed.state, name), getattr(whole.state, name)), name
+    if full:
+        assert np.array_equal(resumed.state.matrix, whole.state.matrix)

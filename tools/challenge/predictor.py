@@ -169,10 +169,9 @@ class Pipeline:
     def busy(self) -> bool:
         return bool(self.in_flight or self.held)
 
-    def unrecorded(self) -> np.ndarray:
-        """The pairs launched and not yet recorded, in launch order (a saved state's pending pairs)."""
-        pairs = [held[0] for held in self.held] + [launched.pairs for launched in self.in_flight]
-        return np.concatenate(pairs).astype(np.int64) if pairs else np.zeros((0, 2), np.int64)
+    def unrecorded(self) -> list[np.ndarray]:
+        """The batches launched and not yet recorded, in launch order (a saved state's pending batches)."""
+        return [held[0] for held in self.held] + [launched.pairs for launched in self.in_flight]
 
     def drain(self) -> None:
         """Wait for every batch, re-check the held ties and record everything."""

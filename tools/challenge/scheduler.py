@@ -201,7 +201,7 @@ class Scheduler:
         """Point the state at the first pair still to test, with none in flight, after pairs were tested out of
         order (by processes sharing the work): a resumed run skips the tested pairs after it."""
         s = self.state
-        s.pending = np.zeros((0, 2), np.int64)
+        s.pending, s.pending_sizes = np.zeros((0, 2), np.int64), np.zeros(0, np.int64)
         if self.full:
             rows = np.flatnonzero(~s.tested.all(axis=1))
             s.position = int(rows[0]) * self.n_bg + int(np.argmin(s.tested[rows[0]])) if len(rows) else s.tested.size

@@ -69,9 +69,9 @@ class Search:
         bar = self.progress_bar()
         start, last_save, evaluated0 = time.monotonic(), time.monotonic(), s.evaluated
         elapsed0 = s.elapsed
-        if len(s.pending):
-            pipe.launch(s.pending)
-        s.pending = np.zeros((0, 2), np.int64)
+        for batch in s.pending_batches():  # relaunched as they were: the same records at the same points
+            pipe.launch(batch)
+        s.pending, s.pending_sizes = np.zeros((0, 2), np.int64), np.zeros(0, np.int64)
         try:
             with bar:
                 while True:
