@@ -146,13 +146,13 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """`tensor` copied to host memory, and the event to wait for before reading it (None: ready now). From a CUDA
-    device the copy goes into pinned memory without waiting, so the host launches more work meanwhile; every
-    other copy blocks (see `to_device` for MPS)."""
-    if tensor.device.type != "cuda":
-        return tensor.cpu(), None
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True)
+def to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """The tensors copied to host memory, and the event to wait for before reading them (None: ready now). From
+    a CUDA device the copies go into pinned memory without waiting, so the host launches more work meanwhile;
+    every other copy blocks (see `to_device` for MPS)."""
+    if not any(t.device.type == "cuda" for t in tensors):
+        return [t.cpu() for t in tensors], None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
     event = torch.cuda.Event()
     event.record()
     return host, event

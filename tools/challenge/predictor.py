@@ -91,9 +91,8 @@ class CompositePredictor:
         """Predict the pairs, the results copying back to the host: nothing here waits for the device (no
         `.item()`, `nonzero` or copy that blocks)."""
         preds, margins = self.predict_pairs(pairs)
-        host_margins = None if margins is None else to_host(margins)[0]
-        host_preds, event = to_host(preds)  # recorded after both copies
-        return Launched(pairs, host_preds, host_margins, event)
+        host, event = to_host(*(t for t in (preds, margins) if t is not None))
+        return Launched(pairs, host[0], host[1] if len(host) > 1 else None, event)
 
     def close(self, margins: np.ndarray | None) -> np.ndarray:
         """Which rows are near ties to re-check in fp32 (none in fp32, or with the re-check off)."""

@@ -39,7 +39,7 @@ class Search:
         self.scheduler = Scheduler(state, data.fg_labels, data.bg_labels, config)
         self.pipeline = Pipeline(predictor, self.scheduler.record)
         self.state_path, self.key = state_path, key
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-save")
+        self._saver: ThreadPoolExecutor | None = None  # made at the first save
         self._saving: Future | None = None
 
     def save(self) -> None:
@@ -49,6 +49,8 @@ class Search:
             return
         self.wait_saved()
         snapshot = self.state.snapshot(self.pipeline.unrecorded())
+        if self._saver is None:
+            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-save")
         self._saving = self._saver.submit(snapshot.save, self.state_path, self.key)
 
     def wait_saved(self) -> None:
@@ -97,7 +99,8 @@ class Search:
             self.save()
         finally:
             self.wait_saved()
-            self._saver.shutdown()
+            if self._saver is not None:
+                self._saver.shutdown()
         return s
 
 
