@@ -82,7 +82,7 @@ def forward_throughput(model: torch.nn.Module, runtime: Runtime, batch: int, sec
 
 
 def _forward_window(model: torch.nn.Module, runtime: Runtime, batch: int, seconds: float) -> float:
-    prepared = runtime.prepare(model)
+    prepared = runtime.compiled(runtime.prepare(model))
     forward = Forward(prepared, runtime, batch)
     x = runtime.to_device(torch.randint(0, 256, (batch, 3, 224, 224), dtype=torch.uint8))
     for _ in range(3):
@@ -119,7 +119,7 @@ def baseline(root: Path, data: challenge.ChallengeData, model: torch.nn.Module, 
     start = time.perf_counter()
     mean, std = statistics_for(Normalization.AUTO, num_classes)
     mean, std = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
-    prepared = runtime.prepare(model)
+    prepared = runtime.compiled(runtime.prepare(model))
     to_in9 = PredictionMap(num_classes)
     loader = DataLoader(_Backgrounds(root), batch_size=32, shuffle=False, num_workers=workers)
     vulnerable = np.zeros(len(data.foregrounds), dtype=bool)

@@ -119,7 +119,7 @@ def synchronize(device: torch.device) -> None:
 
 def forward_throughput(loaded: LoadedModel, runtime: Runtime, batch_size: int, warmup: int, iters: int) -> float:
     """(a): images/s of the wrapped model alone on a uint8 batch already on the device."""
-    model = runtime.prepare(loaded.model)
+    model = runtime.compiled(runtime.prepare(loaded.model))
     forward = Forward(model, runtime, batch_size)
     gen = torch.Generator().manual_seed(0)
     batch = runtime.to_device(torch.randint(0, 256, (batch_size, 3, 224, 224), dtype=torch.uint8, generator=gen))

@@ -1,6 +1,6 @@
-"""Batch shapes in the speed modes: with cuDNN autotuning (reduced precision) or torch.compile, the model sees a
-few fixed batch sizes whatever the tails and re-checked subsets; the padding never changes a kept row; the zoo
-compiles each model afresh."""
+"""Batch shapes: in every mode the model sees one batch size (the chunk) whatever the tails and re-checked
+subsets, so a row's logits do not depend on how rows were grouped; the padding never changes a kept row; the zoo
+compiles each model afresh, one graph each."""
 
 from __future__ import annotations
 
@@ -18,15 +18,10 @@ from tools.evaluate import evaluate_variations
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
 from tools.models.architectures import SMALL_CNN, SmallCNN
 from tools.models.boundary import LoadedModel, PixelModel
-from tools.runtime import Forward, Precision, Runtime, padded_size
+from tools.runtime import Forward, Precision, Runtime
 from tools.shards import Shard
 
 BATCH = 25  # not a power of two, and no divisor of the data's counts: every kind of tail occurs
-
-
-def speed_mode_sizes(batch: int) -> set[int]:
-    """The batch sizes a speed mode may run: the batch size and the powers of two below it."""
-    return {batch} | {1 << k for k in range(batch.bit_length()) if 1 << k < batch}
 
 
 class RecordsBatchSizes(torch.nn.Module):
@@ -47,22 +42,42 @@ def recording_model() -> tuple[LoadedModel, RecordsBatchSizes]:
     return LoadedModel(PixelModel(recorder, IN9_MEAN, IN9_STD), 9, None, None, None, None, "test", "test"), recorder
 
 
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
 @pytest.mark.parametrize("shard", [None, Shard(1, 2)])  # share 1 of 2 holds the tail
-def test_the_in9_evaluation_runs_few_fixed_batch_sizes(dataset, shard, one_thread):
+def test_the_in9_evaluation_runs_one_batch_shape(dataset, shard, precision, one_thread):
     loaded, recorder = recording_model()
-    evaluate_variations(loaded, Runtime(torch.device("cpu"), Precision.BF16), dataset.root, VARIATIONS, BATCH, 1,
-                        progress=False, shard=shard)
-    assert sum(n != BATCH for n in recorder.sizes) >= 1  # the stream's tail was run
-    assert set(recorder.sizes) <= speed_mode_sizes(BATCH)
+    evaluate_variations(loaded, Runtime(torch.device("cpu"), precision), dataset.root, VARIATIONS, BATCH, 1,
+                        progress=False, shard=shard, recheck_margin=0.5)
+    assert set(recorder.sizes) == {BATCH}
 
 
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
 @pytest.mark.parametrize("full", [False, True])
-def test_the_challenge_runs_few_fixed_batch_sizes_with_its_rechecks(dataset, full, one_thread):
+def test_the_challenge_runs_one_batch_shape_with_its_rechecks(dataset, full, precision, one_thread):
     loaded, recorder = recording_model()
     config = ChallengeConfig(batch_size=BATCH, progress=False, full=full, recheck_margin=0.5)
-    result = run_challenge(loaded, Runtime(torch.device("cpu"), Precision.BF16), dataset.root, config, workers=1)
-    assert 0 < result.rechecked < result.state.evaluated  # subsets of batches were re-checked
-    assert set(recorder.sizes) <= speed_mode_sizes(BATCH)
+    result = run_challenge(loaded, Runtime(torch.device("cpu"), precision), dataset.root, config, workers=1)
+    if precision is Precision.BF16:
+        assert 0 < result.rechecked < result.state.evaluated  # subsets of batches were re-checked
+    assert set(recorder.sizes) == {BATCH}
+
+
+def test_the_same_rows_grouped_into_other_batches_give_bit_equal_logits(one_thread):
+    """fp32 on the CPU, where this model's convolutions and linear layer give other last bits at other batch
+    sizes: the same images run whole, in pieces of other sizes, from other positions, or as a tail, give the
+    same logits bit for bit (the exact mode pads every piece to the one batch size)."""
+    torch.manual_seed(0)
+    model = PixelModel(SmallCNN(9), IN9_MEAN, IN9_STD).eval()
+    images = torch.randint(0, 256, (2 * BATCH + 3, 3, 64, 64), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(2))
+    forward = Forward(model, Runtime(torch.device("cpu")), BATCH)
+    whole = forward(images)
+    with torch.inference_mode():  # the model really differs by batch size here: the test can fail
+        assert not torch.equal(model(images[:7]), model(images[:BATCH])[:7])
+    for cuts in ([7], [1, 2, 30], [BATCH - 1, BATCH + 1], [3, BATCH, 9]):
+        bounds = [0, *torch.tensor(cuts).cumsum(0).tolist(), len(images)]
+        grouped = torch.cat([forward(images[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo])
+        assert torch.equal(grouped, whole), cuts
 
 
 def tiny_resnet() -> torch.nn.Module:
@@ -81,30 +96,30 @@ def tiny_resnet() -> torch.nn.Module:
 def test_padding_never_changes_a_kept_row(classifier, one_thread):
     """In fp32 on the CPU, each row kept from a padded batch equals, bit for bit, that row run in a batch of the
     same size whose other rows are other images: the copies added never reach the rows kept. (Not always the same
-    row run in a smaller batch: the CPU's 1x1 convolution gives other last bits at other batch sizes, padded or not,
-    which is why the exact mode runs its batches as they are.)"""
+    row run in a smaller batch: the CPU's 1x1 convolution gives other last bits at other batch sizes, which is why
+    every mode runs one batch size.)"""
     recorder = RecordsBatchSizes()
     recorder.classifier = classifier()
     model = PixelModel(recorder, IN9_MEAN, IN9_STD).eval()
-    images = torch.randint(0, 256, (BATCH + 8, 3, 64, 64), dtype=torch.uint8,
+    images = torch.randint(0, 256, (2 * BATCH, 3, 64, 64), dtype=torch.uint8,
                            generator=torch.Generator().manual_seed(1))
-    forward = Forward(model, Runtime(torch.device("cpu"), compile=True), BATCH)  # compile: a speed mode, in fp32
+    forward = Forward(model, Runtime(torch.device("cpu")), BATCH)
     for rows in (1, 3, 5, 6, 7, 12, 17, BATCH, BATCH + 7):
         recorder.sizes.clear()
         padded = forward(images[:rows])
         sizes = list(recorder.sizes)
         starts = range(0, rows, BATCH)
-        assert len(sizes) == len(starts) and set(sizes) <= speed_mode_sizes(BATCH)
-        assert rows in speed_mode_sizes(BATCH) or sum(sizes) > rows  # rows were really added
+        assert len(sizes) == len(starts) and set(sizes) == {BATCH}
+        assert rows % BATCH == 0 or sum(sizes) > rows  # rows were really added
         with torch.inference_mode():
             others = torch.cat([model(images[start:start + size])[:min(BATCH, rows - start)]
                                 for start, size in zip(starts, sizes)])
         assert padded.shape == others.shape and torch.equal(padded, others), rows
 
 
-def test_padded_runs_give_the_exact_runs_predictions(dataset, monkeypatch, one_thread):
-    """fp32 with the padding of the speed modes (compile asked for, torch.compile left out): the same predictions
-    on every variation and the same full challenge matrix as the exact mode's batches as they are."""
+def test_the_static_buffer_gives_the_exact_runs_predictions(dataset, monkeypatch, one_thread):
+    """fp32 through --compile's static batch buffer (torch.compile left out): the same predictions on every
+    variation and the same full challenge matrix as the exact mode's own padding."""
     monkeypatch.setattr(torch, "compile", lambda model, **options: model)
     runs = []
     for runtime in (Runtime(torch.device("cpu")), Runtime(torch.device("cpu"), compile=True)):
@@ -117,11 +132,12 @@ def test_padded_runs_give_the_exact_runs_predictions(dataset, monkeypatch, one_t
     assert runs[0] == runs[1]
 
 
-def test_exact_mode_runs_batches_as_they_are(one_thread):
+def test_exact_mode_pads_a_tail_to_the_batch_size_and_pad_false_does_not(one_thread):
     recorder = RecordsBatchSizes()
     model = PixelModel(recorder, IN9_MEAN, IN9_STD).eval()
     Forward(model, Runtime(torch.device("cpu")), BATCH)(torch.zeros(7, 3, 32, 32, dtype=torch.uint8))
-    assert recorder.sizes == [7]
+    Forward(model, Runtime(torch.device("cpu")), BATCH, pad=False)(torch.zeros(7, 3, 32, 32, dtype=torch.uint8))
+    assert recorder.sizes == [BATCH, 7]
 
 
 def test_a_speed_mode_pads_batches_of_any_rank_and_formats_only_images(one_thread):
@@ -132,7 +148,7 @@ def test_a_speed_mode_pads_batches_of_any_rank_and_formats_only_images(one_threa
     tokens = torch.arange(13 * 77).reshape(13, 77) % 11
     sizes = []
     out = Forward(lambda t: sizes.append(t.shape[0]) or t.float() @ weights, runtime, BATCH, exact=True)(tokens)
-    assert sizes == [padded_size(13, BATCH)] == [16] and torch.equal(out, tokens.float() @ weights)
+    assert sizes == [BATCH] and torch.equal(out, tokens.float() @ weights)
 
 
 class CountsGraphs:
@@ -167,7 +183,7 @@ class CountsGraphs:
 REAL_COMPILE = torch.compile
 
 
-def test_the_zoo_compiles_each_model_afresh_for_few_batch_sizes(tmp_path, monkeypatch, one_thread):
+def test_the_zoo_compiles_each_model_afresh_once(tmp_path, monkeypatch, one_thread):
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # noqa: PLC0415 (the compiled code of a frame)
 
     data = synthetic.generate(tmp_path / "bg", per_class=1, seed=3).root
@@ -199,5 +215,5 @@ def test_the_zoo_compiles_each_model_afresh_for_few_batch_sizes(tmp_path, monkey
     for spec in specs:
         sizes = backend.compiled_sizes[spec]
         assert len(sizes) == backend.calls[spec]  # every batch ran compiled code: compilation never gave up
-        assert set(sizes) <= speed_mode_sizes(batch)
-        assert 1 <= backend.graphs[spec] <= len(speed_mode_sizes(batch))
+        assert set(sizes) == {batch}
+        assert backend.graphs[spec] == 1

@@ -21,6 +21,7 @@ from tests.helpers import TinyCNN, save_torchscript
 from tools import challenge
 from tools.data import synthetic
 from tools.challenge import ChallengeConfig, Criterion, Scheduler, run_challenge
+from tools.challenge.predictor import IN_FLIGHT
 from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD
 from tools.models.sources import load_model
 from tools.results.matrix import write_matrix
@@ -158,7 +159,7 @@ def test_resume_after_interruption_gives_the_uninterrupted_result(full, data, mo
 
 
 def test_a_shared_full_run_resumes_a_single_process_state(data, models, tmp_path, monkeypatch):
-    """torchrun resuming an interrupted single-process --full run: its own block of rows, the batch that was in
+    """torchrun resuming an interrupted single-process --full run: its own block of rows, the batches that were in
     flight included, equals the uninterrupted matrix. (Rank 0 of 2 without a real process group: the
     gathering is then the identity, so this process's rows are exactly what it computed.)"""
     from tools.distributed import ProcessGroup  # noqa: PLC0415
@@ -167,7 +168,8 @@ def test_a_shared_full_run_resumes_a_single_process_state(data, models, tmp_path
     whole = engine(path, data, tmp_path / "whole", full=True, batch_size=6)
     cfg = ChallengeConfig(batch_size=6, progress=False, full=True, save_every=0.0)
     interrupt_at_ninth_batch(path, data, cfg, tmp_path / "part", monkeypatch)
-    assert len(challenge.SearchState.load(tmp_path / "part" / challenge.STATE_NAME, whole.key).pending) == 6
+    pending = challenge.SearchState.load(tmp_path / "part" / challenge.STATE_NAME, whole.key).pending
+    assert len(pending) == 6 * IN_FLIGHT  # the batches in flight
     shared = Runtime(torch.device("cpu"), group=ProcessGroup(rank=0, world_size=2))
     resumed = run_challenge(load_model(checkpoint=path), shared, data, cfg, output_dir=tmp_path / "part",
                             resume=True, workers=2)

@@ -255,10 +255,12 @@ def test_unmapped_predictions_count_wrong(name, script_runs, references):
 def test_results_json_fields(script_runs, models, dataset):
     run = script_runs("color9")
     results = run.results
-    assert set(results) == {*VARIATIONS, "bg_gap", "provenance"}
+    assert set(results) == {*VARIATIONS, "bg_gap", "provenance", "rechecked_fp32", "recheck_changed"}
+    assert results["rechecked_fp32"] == results["recheck_changed"] == 0  # fp32: nothing to re-check
     for variation in VARIATIONS:
         result = results[variation]
-        assert set(result) == {"accuracy", "correct", "total", "per_class", "confusion"}
+        assert set(result) == {"accuracy", "correct", "total", "per_class", "confusion", "rechecked_fp32",
+                               "recheck_changed"}
         assert result["accuracy"] == round(100.0 * result["correct"] / result["total"], 4)
         assert list(result["per_class"]) == list(class_names())
         confusion = np.array(result["confusion"])

@@ -34,7 +34,7 @@ def test_out_of_memory_halves_the_batch_with_one_notice_and_keeps_every_result(c
         again = forward(x)
     assert torch.equal(out, x * 2) and torch.equal(again, x * 2)
     assert forward.chunk == 4  # 32 -> 16 -> 8 -> 4, then kept for later batches
-    assert model.calls[:4] == [24, 16, 8, 4]
+    assert model.calls[:4] == [32, 16, 8, 4]  # the 24 rows padded to the one batch size
     assert all(n <= 4 for n in model.calls[-6:])
     notices = [r.message for r in caplog.records if "out of memory" in r.message]
     assert notices == ["out of memory: batch size lowered from 32 to 4"]

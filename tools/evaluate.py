@@ -21,7 +21,7 @@ from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, Predicti
 from tools.models.boundary import LoadedModel
 from tools.data.hashing import fingerprint
 from tools.provenance import provenance, write_json_atomic
-from tools.runtime import Forward, Runtime
+from tools.runtime import RECHECK_MARGIN, Forward, Runtime
 from tools.shards import NOT_MINE, Shard
 from tools.threads import default_workers
 
@@ -36,6 +36,8 @@ class VariationResult:
     relpaths: list[str]
     labels: np.ndarray  # int64 (N,)
     predictions: np.ndarray  # int64 (N,), IN-9 index or -1
+    rechecked: int = 0  # in reduced precision: near ties re-run in fp32 (in this run)
+    recheck_changed: int = 0  # of which the fp32 prediction differed
 
     @property
     def correct(self) -> int:
@@ -66,7 +68,8 @@ class VariationResult:
                                "accuracy": round(100.0 * correct / total, 4) if total else None,
                                "unmapped": int((self.predictions[rows] == UNMAPPED).sum())}
         return {"accuracy": round(self.accuracy, 4), "correct": self.correct, "total": self.total,
-                "per_class": per_class, "confusion": self.confusion().tolist()}
+                "per_class": per_class, "confusion": self.confusion().tolist(), "rechecked_fp32": self.rechecked,
+                "recheck_changed": self.recheck_changed}
 
 
 def bg_gap(results: dict[str, VariationResult]) -> float | None:
@@ -106,14 +109,60 @@ class _Resume:
         write_json_atomic(self.path, {"key": self.key, "done": self.done})
 
 
+class _Recheck:
+    """In reduced precision, the images whose top-two logit margin is below `margin`, queued (on the device) and
+    re-run in true fp32 by the eager module in full batches (`Runtime.fp32_math`, `Forward`'s one shape) when
+    `flush` is called; their predictions then replace the fast ones. Positions are the stream's."""
+
+    def __init__(self, eager: torch.nn.Module, runtime: Runtime, batch_size: int, margin: float, to_in9: PredictionMap):
+        self.on = margin > 0 and not runtime.exact
+        self.margin, self.to_in9 = margin, to_in9
+        self.forward = Forward(eager, runtime, batch_size, exact=True, what="the fp32 re-check's batch size")
+        self.images: list[torch.Tensor] = []
+        self.positions: list[np.ndarray] = []
+        self.rechecked = np.zeros(0, np.int64)  # stream positions re-checked so far
+        self.changed = np.zeros(0, np.int64)  # and of those, the ones whose prediction changed
+
+    def note(self, logits: torch.Tensor, images: torch.Tensor, start: int) -> torch.Tensor:
+        """The predictions of the batch at stream position `start`, its near ties queued."""
+        preds = self.to_in9(logits)
+        if self.on:
+            top2 = logits.float().topk(2, dim=1).values
+            rows = (top2[:, 0] - top2[:, 1] < self.margin).nonzero().flatten()  # in9's one wait per batch
+            if rows.numel():
+                self.images.append(images[rows])
+                self.positions.append(rows.cpu().numpy() + start)
+        return preds
+
+    def flush(self, preds: torch.Tensor | np.ndarray, offset: int) -> None:
+        """Re-check the queued ties and write their fp32 predictions into `preds` (stream position - offset)."""
+        if not self.images:
+            return
+        positions = np.concatenate(self.positions)
+        exact = self.to_in9(self.forward(torch.cat(self.images))).cpu().numpy().astype(np.int64)
+        self.images, self.positions = [], []
+        at = positions - offset
+        fast = preds[at] if isinstance(preds, np.ndarray) else preds[torch.from_numpy(at)].cpu().numpy()
+        self.rechecked = np.concatenate([self.rechecked, positions])
+        self.changed = np.concatenate([self.changed, positions[exact != fast]])
+        preds[at] = exact if isinstance(preds, np.ndarray) else torch.from_numpy(exact).to(preds)
+
+    def counts(self, lo: int, hi: int) -> tuple[int, int]:
+        """Re-checked and changed among stream positions lo..hi-1."""
+        return (int(((self.rechecked >= lo) & (self.rechecked < hi)).sum()),
+                int(((self.changed >= lo) & (self.changed < hi)).sum()))
+
+
 def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names: Sequence[str], batch_size: int,
                         workers: int, state_path: Path | None = None, resume: bool = False,
                         state_key: dict | None = None, progress: bool = True,
                         listings: dict[str, list[layout.ImageRecord]] | None = None,
-                        shard: Shard | None = None) -> dict[str, VariationResult]:
+                        shard: Shard | None = None, recheck_margin: float = RECHECK_MARGIN
+                        ) -> dict[str, VariationResult]:
     """Predict every image of the named variations in one stream of batches; results keyed by variation.
 
-    `listings` are the variations' records when the caller has already listed them."""
+    `listings` are the variations' records when the caller has already listed them. In reduced precision, near
+    ties (top-two margin below `recheck_margin`; 0: none) are re-run in fp32, as the challenge does."""
     root = Path(root)
     if listings is None:
         listings = {name: layout.list_variation(root, name) for name in names}
@@ -131,19 +180,23 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     if not todo:
         return {name: results[name] for name in names}
 
-    model = runtime.prepare(loaded.model)
-    forward = Forward(model, runtime, batch_size)
+    eager = runtime.prepare(loaded.model)
+    forward = Forward(runtime.compiled(eager), runtime, batch_size)
     to_in9 = PredictionMap(loaded.num_classes)
+    recheck = _Recheck(eager, runtime, batch_size, recheck_margin, to_in9)
     all_paths = [p for _, relpaths, _ in todo for p in relpaths]
     bounds = np.cumsum([0] + [len(relpaths) for _, relpaths, _ in todo])
     if runtime.group.distributed or shard is not None:
         share = shard or Shard(runtime.group.rank, runtime.group.world_size)
-        predictions = _predict_share(root, all_paths, batch_size, workers, runtime, forward, to_in9, progress, share)
+        predictions, rechecked, changed = _predict_share(root, all_paths, batch_size, workers, runtime, forward, recheck,
+                                                         progress, share)
+        shares = [(name, relpaths, labels, lo, hi, int(rechecked[lo:hi].sum()), int(changed[lo:hi].sum()))
+                  for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:])]
         if shard is not None:  # this shard's predictions alone, the others' NOT_MINE: for tools.merge
-            return {name: VariationResult(name, relpaths, labels, predictions[lo:hi])
-                    for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:])}
-        for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:]):
-            results[name] = VariationResult(name, relpaths, labels, predictions[lo:hi])
+            return {name: VariationResult(name, relpaths, labels, predictions[lo:hi], n, c)
+                    for name, relpaths, labels, lo, hi, n, c in shares}
+        for name, relpaths, labels, lo, hi, n, c in shares:
+            results[name] = VariationResult(name, relpaths, labels, predictions[lo:hi], n, c)
             if runtime.group.is_main:
                 resumer.save(name, predictions[lo:hi])
         return {name: results[name] for name in names}
@@ -152,15 +205,18 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     bar = tqdm(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
     with bar:
         for start, batch in datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin()):
-            pieces.append(to_in9(forward(runtime.to_device(batch))))
+            images = runtime.to_device(batch)
+            pieces.append(recheck.note(forward(images), images, start))
             bar.update(batch.shape[0])
             end = start + batch.shape[0]
             while finished < len(todo) and end >= bounds[finished + 1]:
                 buffered = torch.cat(pieces)
+                recheck.flush(buffered, buffer_start)
                 lo, hi = bounds[finished] - buffer_start, bounds[finished + 1] - buffer_start
                 name, relpaths, labels = todo[finished]
                 preds = buffered[lo:hi].cpu().numpy().astype(np.int64)
-                results[name] = VariationResult(name, relpaths, labels, preds)
+                results[name] = VariationResult(name, relpaths, labels, preds,
+                                                *recheck.counts(bounds[finished], bounds[finished + 1]))
                 resumer.save(name, preds)
                 pieces, buffer_start = [buffered[hi:]], bounds[finished + 1]
                 finished += 1
@@ -168,22 +224,30 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
 
 
 def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
-                   forward: Forward, to_in9: PredictionMap, progress: bool, share: Shard) -> np.ndarray:
+                   forward: Forward, recheck: _Recheck, progress: bool, share: Shard
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The stream's batches dealt out in turn (batch i to share i mod N), each image predicted in the very batch
     one process would put it in; under torchrun every prediction is then gathered into every process, and an
-    independent shard keeps NOT_MINE (-2) where others predict."""
+    independent shard keeps NOT_MINE (-2) where others predict. With the predictions, per position: whether it
+    was re-checked in fp32, and whether that changed it (gathered alike)."""
     starts = list(range(0, len(relpaths), batch_size))[share.index::share.count]
-    encoded = np.zeros(len(relpaths), np.int64)  # prediction - NOT_MINE where this process predicted, else 0
+    preds = np.full(len(relpaths), NOT_MINE, np.int64)  # this process's predictions, NOT_MINE elsewhere
     # an image only this process decodes may fail: all leave together
     with distributed.agree(runtime.group, runtime.device):
         with tqdm(total=len(relpaths), unit="img", desc="evaluating", disable=not progress,
                   dynamic_ncols=True) as bar:
             for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(),
                                                               starts):
-                encoded[start:start + batch.shape[0]] = to_in9(forward(runtime.to_device(batch))).cpu().numpy() \
-                    - NOT_MINE
+                images = runtime.to_device(batch)
+                preds[start:start + batch.shape[0]] = recheck.note(forward(images), images, start).cpu().numpy()
                 bar.update(batch.shape[0] * share.count)
-    return distributed.all_reduce(encoded, "sum", runtime.device) + NOT_MINE
+            recheck.flush(preds, 0)
+    flags = np.zeros((3, len(relpaths)), np.int64)  # prediction - NOT_MINE where this process predicted, else 0
+    flags[0] = preds - NOT_MINE
+    flags[1, recheck.rechecked], flags[2, recheck.changed] = 1, 1
+    gathered = distributed.all_reduce(flags.reshape(-1), "sum", runtime.device)
+    n = len(relpaths)
+    return gathered[:n] + NOT_MINE, gathered[n:2 * n], gathered[2 * n:]
 
 
 @dataclass
@@ -202,6 +266,8 @@ class In9Run:
         payload: dict = {name: result.to_json() for name, result in self.results.items()}
         gap = self.bg_gap
         payload["bg_gap"] = None if gap is None else round(gap, 4)
+        payload["rechecked_fp32"] = sum(r.rechecked for r in self.results.values())
+        payload["recheck_changed"] = sum(r.recheck_changed for r in self.results.values())
         payload["provenance"] = self.provenance
         return payload
 
@@ -244,6 +310,7 @@ class In9Config:
     batch_size: int | None = None  # None: the runtime's default (`Runtime.batch_size`)
     workers: int = field(default_factory=default_workers)  # image-decoding threads
     progress: bool = True
+    recheck_margin: float = RECHECK_MARGIN  # in reduced precision, near ties below it are re-run in fp32; 0: off
 
 
 def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, config: In9Config, *,
@@ -256,8 +323,10 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, confi
     if not isinstance(files, In9Files):
         files = list_in9_files(files, names, config.workers)
     key = {"data": files.fingerprint, "model_sha256": loaded.sha256, "normalization": loaded.normalization,
-           "precision": runtime.precision.value, "num_classes": loaded.num_classes}
+           "precision": runtime.precision.value, "num_classes": loaded.num_classes,
+           "recheck_margin": 0.0 if runtime.exact else config.recheck_margin}
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
     results = evaluate_variations(loaded, runtime, files.root, names, runtime.batch_size(config.batch_size),
-                                  config.workers, state_path, resume, key, config.progress, files.listings, shard)
+                                  config.workers, state_path, resume, key, config.progress, files.listings, shard,
+                                  config.recheck_margin)
     return In9Run(results, provenance(runtime.describe(), loaded.describe(), files.fingerprint), key)

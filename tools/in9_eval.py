@@ -10,6 +10,7 @@ from tools.results.categories import CATEGORY_VARIATIONS
 from tools.results.publish import publish_in9
 from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
+from tools.runtime import RECHECK_MARGIN
 from tools.shards import write_in9_shard
 
 
@@ -24,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write a Markdown report of the results (default: none)")
     parser.add_argument("--html", type=Path, default=None, metavar="PATH",
                         help="write the report as one self-contained HTML page with pictures (default: none)")
+    parser.add_argument("--recheck-margin", type=float, default=RECHECK_MARGIN, metavar="M",
+                        help=f"in bf16/fp16/tf32, re-run every image whose top-two logit margin is below M in true "
+                             f"fp32, as the challenge does, so near ties get fp32's prediction (default: "
+                             f"{RECHECK_MARGIN} in reduced precision; 0 turns it off)")
     options.add_common_arguments(parser)
     return parser
 
@@ -36,7 +41,7 @@ def _main(args: argparse.Namespace) -> int:
     names = list(VARIATIONS if args.eval_dataset == "all" else (args.eval_dataset,))
     if args.categories:
         names += [v for v in CATEGORY_VARIATIONS.values() if v not in names]
-    config = In9Config(tuple(names), args.batch_size, args.workers, checked.progress)
+    config = In9Config(tuple(names), args.batch_size, args.workers, checked.progress, args.recheck_margin)
     files = list_in9_files(checked.data_path, names, args.workers)  # every data check before any model is built
     loaded = options.model_from_args(args, runtime, checked.progress)
     run = run_in9(loaded, runtime, files, config, output_dir=args.output_dir, resume=args.resume, shard=args.shard)

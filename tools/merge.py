@@ -64,8 +64,10 @@ def merge_in9(shards: list[tuple[Path, dict]]) -> In9Run:
             predictions[mine], covered = share[mine], covered + mine
         if (covered != 1).any():
             raise UserError(f"the in9 shards do not predict every image of {name} exactly once; rerun them")
+        counts = [sum(meta["variations"][name].get(field, 0) for _, meta in shards)
+                  for field in ("rechecked_fp32", "recheck_changed")]
         results[name] = VariationResult(name, variation["relpaths"], np.asarray(variation["labels"], np.int64),
-                                        predictions)
+                                        predictions, *counts)
     return In9Run(results, first["provenance"], first["key"])
 
 

@@ -34,6 +34,10 @@ class Precision(str, enum.Enum):
     FP16 = "fp16"
 
 
+# in reduced precision, predictions whose top-two logit margin is below it are re-run in fp32 (the challenge's and
+# in9's --recheck-margin); 0 turns the re-check off
+RECHECK_MARGIN = 1.0
+
 AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
@@ -140,6 +144,18 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """The tensors copied to host memory, and the event to wait for before reading them (None: ready now). From
+    a CUDA device the copies go into pinned memory without waiting, so the host launches more work meanwhile;
+    every other copy blocks (see `to_device` for MPS)."""
+    if not any(t.device.type == "cuda" for t in tensors):
+        return [t.cpu() for t in tensors], None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 # Torch's fp32 precision API (torch >= 2.9): one `fp32_precision` per leaf, parents first, so that a saved state
@@ -286,12 +302,6 @@ class Runtime:
         return self.precision is Precision.FP32 and not self.compile
 
     @property
-    def fixed_batch_sizes(self) -> bool:
-        """Whether `Forward` runs a few fixed batch sizes: in the speed modes, which pay for every new input shape
-        (cuDNN autotunes each convolution when not exact; torch.compile compiles)."""
-        return self.compile or not self.exact
-
-    @property
     def memory_format(self) -> torch.memory_format:
         return torch.channels_last if self.channels_last else torch.contiguous_format
 
@@ -319,12 +329,17 @@ class Runtime:
             _write_math_flags(saved)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model on the device, in eval mode and the memory format: the eager module, which the fp32
+        re-check runs (`compiled` gives what the batches in the runtime's precision run)."""
         model = model.to(self.device).eval()
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        if self.compile:
-            model = torch.compile(model)
         return model
+
+    def compiled(self, model: Callable) -> Callable:
+        """`model` compiled with --compile (else as it is): static shapes (`dynamic=False`), since `Forward` runs
+        one batch shape, so one graph per process (`Runtime.release` forgets it before the next model)."""
+        return torch.compile(model, dynamic=False) if self.compile else model
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         return to_device(batch, self.device).contiguous(memory_format=self.memory_format)
@@ -392,59 +407,75 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
-def padded_size(rows: int, chunk: int) -> int:
-    """The batch size that `rows` rows run at where sizes are fixed: the next power of two, at most `chunk`."""
-    return min(chunk, 1 << (rows - 1).bit_length())
-
-
 class Forward:
-    """Runs a model over a batch in chunks of at most `chunk`, halving the chunk on out-of-memory until it fits,
+    """Runs a model over a batch in chunks of `chunk` rows, halving the chunk on out-of-memory until it fits,
     and saying so in one line (naming the chunk as `what`); later batches keep the size that fitted.
 
-    Where the runtime fixes batch sizes (`Runtime.fixed_batch_sizes`), a shorter chunk (a stream's tail, a round's
-    last batch, a re-checked subset) is padded with copies of its last row to `padded_size` and the copies' outputs
-    are dropped: the model sees only `chunk` and the powers of two below it, at most log2(chunk) + 2 shapes to tune
-    or compile for. A model in eval mode computes each row alone, so a row kept is what its image gives in a batch
-    of that size; the copies never reach it. Powers of two rather than `chunk` alone: a re-checked subset is often
-    a few rows, and padding costs at most as much again as the rows themselves. The exact mode (fp32, no compile)
-    runs chunks as they are: a backend may give other last bits at another batch size (the CPU's 1x1 convolution).
+    One batch shape: a shorter chunk (a stream's tail, a round's last batch, a re-checked subset) is padded with
+    copies of its last row to `chunk` rows and the copies' outputs are dropped. A model in eval mode computes
+    each row alone, but a backend may give other last bits at another batch size (the CPU's 1x1 convolution and
+    linear layers pick kernels by batch size, cuDNN its algorithms by shape); at one shape a row's logits do not
+    depend on the rows beside it, so `--full`, the early-stopping search, `--shard` and torchrun over any number
+    of processes agree bit for bit, and the speed modes tune or compile for one shape only. Given the chunk, that
+    is: another --batch-size, or a chunk halved after out-of-memory (from then on), is another shape.
+
+    With `runtime.compile` every chunk goes through one static buffer made outside inference mode, so the
+    compiled model sees one tensor kind and shape: one graph.
 
     In the runtime's precision, or with `exact` in true fp32 (`Runtime.fp32_math`), which needs more memory
     than reduced precision: an exact Forward beside a reduced-precision one keeps a chunk of its own. `pad=False`
-    runs every chunk as it is whatever the runtime (a one-off pass whose bits must not depend on the precision,
-    such as CLIP's text head)."""
+    runs every chunk as it is (a one-off pass whose bits must not depend on the precision, such as CLIP's text
+    head)."""
 
     def __init__(self, model: Callable, runtime: Runtime, chunk: int, exact: bool = False, what: str = "batch size",
                  pad: bool = True):
         self.model, self.runtime, self.chunk, self.what = model, runtime, max(1, chunk), what
         self.math = runtime.fp32_math if exact else runtime.math
-        self.pad = pad and runtime.fixed_batch_sizes
+        self.pad = pad
+        self.static = runtime.compile and pad  # a compiled model's one input buffer
+        self._buffer: torch.Tensor | None = None
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         outputs, start, chunk_before = [], 0, self.chunk
         while start < batch.shape[0]:
             piece = batch[start:start + self.chunk]
+            rows = piece.shape[0]
             try:
+                piece = self._staged(piece) if self.static else piece
                 with torch.inference_mode(), self.math():
-                    outputs.append(self._run(piece))
+                    outputs.append(self._run(piece, rows))
             except Exception as exc:  # noqa: BLE001 (only out-of-memory is handled; the rest re-raise)
                 if not _is_oom(exc) or self.chunk == 1:
                     raise
                 self.chunk //= 2
+                self._buffer = None
                 if self.runtime.device.type == "cuda":
                     torch.cuda.empty_cache()
                 continue
-            start += piece.shape[0]
+            start += rows
         if self.chunk != chunk_before:
             log.warning("out of memory: %s lowered from %d to %d", self.what, chunk_before, self.chunk)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _run(self, piece: torch.Tensor) -> torch.Tensor:
+    def _staged(self, piece: torch.Tensor) -> torch.Tensor:
+        """`piece` padded into the static buffer (made, and filled, outside inference mode)."""
+        shape = (self.chunk, *piece.shape[1:])
+        buffer = self._buffer
+        if buffer is None or buffer.shape != shape or buffer.dtype != piece.dtype or buffer.device != piece.device:
+            buffer = torch.empty(shape, dtype=piece.dtype, device=piece.device)
+            if buffer.dim() == 4:
+                buffer = buffer.contiguous(memory_format=self.runtime.memory_format)
+            self._buffer = buffer
         rows = piece.shape[0]
-        size = padded_size(rows, self.chunk) if self.pad else rows
-        if size == rows:
-            return self.model(piece)
-        padded = torch.cat([piece, piece[-1:].expand(size - rows, *piece.shape[1:])])
+        with torch.no_grad():
+            buffer[:rows].copy_(piece)
+            buffer[rows:].copy_(piece[-1:].expand(self.chunk - rows, *piece.shape[1:]))
+        return buffer
+
+    def _run(self, piece: torch.Tensor, rows: int) -> torch.Tensor:
+        if not self.pad or piece.shape[0] == self.chunk:
+            return self.model(piece)[:rows]
+        padded = torch.cat([piece, piece[-1:].expand(self.chunk - rows, *piece.shape[1:])])
         if padded.dim() == 4:  # an image batch, in the runtime's memory format
             padded = padded.contiguous(memory_format=self.runtime.memory_format)
         return self.model(padded)[:rows]

@@ -91,8 +91,9 @@ def write_in9_shard(output_dir: Path, shard: Shard, run) -> Path:
     path = Path(output_dir) / IN9_PATTERN.format(index=shard.index, count=shard.count)
     write_json_atomic(path, {
         "format": FORMAT, "shard": [shard.index, shard.count], "key": run.key, "provenance": run.provenance,
-        "variations": {name: {"relpaths": r.relpaths, "labels": r.labels.tolist(),
-                              "predictions": r.predictions.tolist()} for name, r in run.results.items()}})
+        "variations": {name: {"relpaths": r.relpaths, "labels": r.labels.tolist(), "predictions": r.predictions.tolist(),
+                              "rechecked_fp32": r.rechecked, "recheck_changed": r.recheck_changed}
+                       for name, r in run.results.items()}})
     return path
 
 

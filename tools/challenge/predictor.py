@@ -1,10 +1,14 @@
-"""Predicting composites: (foreground, background) index pairs composited on the device and classified,
-with the fp32 re-check of near ties in reduced precision, and the background-alone predictions."""
+"""Predicting composites: (foreground, background) index pairs composited on the device and classified, a few
+batches in flight without waiting for the device, the fp32 re-check of near ties in reduced precision at fixed
+points, and the background-alone predictions."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -13,27 +17,46 @@ from tools.challenge.data import ChallengeData
 from tools.data.compositing import MaskArithmetic, blend, composite
 from tools.in9 import PredictionMap
 from tools.models.boundary import LoadedModel
-from tools.runtime import CPU_BATCH_CANDIDATES, Forward, Runtime, to_device
+from tools.runtime import CPU_BATCH_CANDIDATES, Forward, Runtime, to_device, to_host
 
 log = logging.getLogger(__name__)
+
+IN_FLIGHT = 2  # batches launched and not yet waited for
+
+
+@dataclass
+class Launched:
+    """A batch on its way: its pairs, and its predictions and margins (None in fp32) copying into host memory
+    until `event` (None on the CPU, where the copy is done) has passed."""
+
+    pairs: np.ndarray
+    preds: torch.Tensor
+    margins: torch.Tensor | None
+    event: torch.cuda.Event | None
+
+    def wait(self) -> tuple[np.ndarray, np.ndarray | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        return (self.preds.numpy().astype(np.int64),
+                None if self.margins is None else self.margins.numpy().astype(np.float32))
 
 
 class CompositePredictor:
     """IN-9 predictions for (foreground, background) index pairs, composited on the device.
 
     In reduced precision (bf16, fp16, tf32), composites whose top-two logit margin is below `recheck_margin`
-    are run again in true fp32 (`Runtime.fp32_math`: no autocast, TF32 off), so the fast mode gives the
-    fp32 prediction wherever a near tie could flip it. The re-check halves its own batch on out-of-memory:
-    fp32 needs more memory than the precision the batch size fits.
+    are run again in true fp32 (`Runtime.fp32_math`: no autocast, TF32 off) by the eager module (never the
+    compiled one), so the fast mode gives the fp32 prediction wherever a near tie could flip it. The re-check
+    halves its own batch on out-of-memory: fp32 needs more memory than the precision the batch size fits.
     """
 
     def __init__(self, loaded: LoadedModel, runtime: Runtime, data: ChallengeData, batch_size: int | None,
                  recheck_margin: float = 0.0):
         self.runtime, self.data = runtime, data
-        self.model = runtime.prepare(loaded.model)
+        eager = runtime.prepare(loaded.model)
         chunk = runtime.batch_size(batch_size)
-        self.forward = Forward(self.model, runtime, chunk)
-        self.recheck = Forward(self.model, runtime, chunk, exact=True, what="the fp32 re-check's batch size")
+        self.forward = Forward(runtime.compiled(eager), runtime, chunk)
+        self.recheck = Forward(eager, runtime, chunk, exact=True, what="the fp32 re-check's batch size")
         self.to_in9 = PredictionMap(loaded.num_classes)
         self.recheck_margin = recheck_margin
         self.rechecked = self.recheck_changed = 0
@@ -48,52 +71,133 @@ class CompositePredictor:
         return self.runtime.to_device(batch)
 
     def predict_images(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(predictions, top-two margins or None) on the device, without waiting for them."""
+        """(predictions, top-two margins or None in fp32) on the device, without waiting for them."""
         logits = self.forward(images)
         preds = self.to_in9(logits)
         if self.runtime.exact:
             return preds, None
         top2 = logits.float().topk(2, dim=1).values
-        margin = top2[:, 0] - top2[:, 1]
-        if self.recheck_margin > 0:
-            close = margin < self.recheck_margin
-            # one synchronisation per batch in reduced precision: the price of fp32 verdicts
-            idx = close.nonzero().flatten()
-            if idx.numel():
-                exact = self.to_in9(self.recheck(images[idx]).float())
-                self.rechecked += int(idx.numel())
-                self.recheck_changed += int((exact != preds[idx]).sum())
-                preds = preds.clone()
-                preds[idx] = exact
-                margin = margin.clone()
-                margin[idx] = float("inf")
-        return preds, margin
+        return preds, top2[:, 0] - top2[:, 1]
 
-    def predict_pairs(self, pairs: np.ndarray):
+    def _pair_images(self, pairs: np.ndarray) -> torch.Tensor:
         idx = to_device(torch.from_numpy(pairs), self.runtime.device)
-        return self.predict_images(self.composite(idx[:, 0], idx[:, 1]))
+        return self.composite(idx[:, 0], idx[:, 1])
+
+    def predict_pairs(self, pairs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Composite and predict the pairs: `predict_images` of their composites."""
+        return self.predict_images(self._pair_images(pairs))
+
+    def launch(self, pairs: np.ndarray) -> Launched:
+        """Predict the pairs, the results copying back to the host: nothing here waits for the device (no
+        `.item()`, `nonzero` or copy that blocks)."""
+        preds, margins = self.predict_pairs(pairs)
+        host, event = to_host(*(t for t in (preds, margins) if t is not None))
+        return Launched(pairs, host[0], host[1] if len(host) > 1 else None, event)
+
+    def close(self, margins: np.ndarray | None) -> np.ndarray:
+        """Which rows are near ties to re-check in fp32 (none in fp32, or with the re-check off)."""
+        if margins is None or self.recheck_margin <= 0:
+            return np.zeros(0 if margins is None else len(margins), bool)
+        return margins < self.recheck_margin
+
+    def recheck_rows(self, images: torch.Tensor, preds: np.ndarray) -> np.ndarray:
+        """The fp32 predictions of `images` (near ties whose reduced-precision predictions are `preds`), counted."""
+        exact = self.to_in9(self.recheck(images)).cpu().numpy().astype(np.int64)
+        self.rechecked += len(exact)
+        self.recheck_changed += int((exact != preds).sum())
+        return exact
+
+    def recheck_pairs(self, pairs: np.ndarray, preds: np.ndarray) -> np.ndarray:
+        return self.recheck_rows(self._pair_images(pairs), preds) if len(pairs) else preds
 
     def predict_backgrounds(self, measure: bool = False) -> np.ndarray:
-        """The model's prediction on every background alone, in batches of the search's size.
+        """The model's prediction on every background alone, at the search's batch shape, near ties re-checked.
 
         measure: choose the search's batch size here (the CPU default): each of CPU_BATCH_CANDIDATES runs
         twice on backgrounds that need predicting anyway, the first run warming it up, and the size with
-        the shortest time per image in the second run is kept."""
-        images, preds, start = self.data.bg_images, [], 0
+        the shortest time per image in the second run is kept; the backgrounds run at another size are then
+        predicted again at the kept one, so that every row comes from the run's one batch shape."""
+        images, start = self.data.bg_images, 0
         timings: dict[int, float] = {}
         for size in (s for s in CPU_BATCH_CANDIDATES for _ in range(2)) if measure else ():
             if start + size > len(images):
                 break
             self.forward.chunk = size
             began = time.perf_counter()
-            preds.append(self.predict_images(self.runtime.to_device(images[start:start + size]))[0])
+            self.predict_images(self.runtime.to_device(images[start:start + size]))[0].cpu()
             timings[size] = (time.perf_counter() - began) / size
             start += size
         if timings:
             self.forward.chunk = self.recheck.chunk = min(timings, key=timings.get)
             log.info("batch size %d chosen by timing %s", self.forward.chunk,
                      ", ".join(f"{k}: {1e3 * v:.1f} ms/image" for k, v in timings.items()))
-        size = self.forward.chunk
-        for begin in range(start, len(images), size):
-            preds.append(self.predict_images(self.runtime.to_device(images[begin:begin + size]))[0])
-        return torch.cat(preds).cpu().numpy().astype(np.int64)
+        preds, margins = [], []
+        for begin in range(0, len(images), self.forward.chunk):
+            p, m = self.predict_images(self.runtime.to_device(images[begin:begin + self.forward.chunk]))
+            preds.append(p.cpu().numpy().astype(np.int64))
+            margins.append(None if m is None else m.cpu().numpy())
+        preds = np.concatenate(preds) if preds else np.zeros(0, np.int64)
+        close = self.close(None if self.runtime.exact else np.concatenate(margins))
+        if close.any():
+            rows = np.flatnonzero(close)
+            preds[rows] = self.recheck_rows(self.runtime.to_device(images[torch.from_numpy(rows)]), preds[rows])
+        return preds
+
+
+class Pipeline:
+    """Batches of pairs launched `IN_FLIGHT` ahead of the one being recorded, so the host never waits for the
+    device while it has work queued.
+
+    A batch with near ties (reduced precision) is held, with every batch after it, until its ties are re-checked:
+    the ties of the held batches are re-checked in full fp32 batches once a batch's worth of them has gathered,
+    and at every `drain` (a round's end, the end of the work); then the held batches are recorded in launch order.
+    So the points where re-checks run depend on the data alone, results are recorded in the order the pairs were
+    planned, and at one batch shape (`Forward`) no prediction depends on where a run was stopped and resumed."""
+
+    def __init__(self, predictor: CompositePredictor, record: Callable[[np.ndarray, np.ndarray, np.ndarray | None], None]):
+        self.predictor, self.record = predictor, record
+        self.in_flight: deque[Launched] = deque()
+        self.held: list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]] = []
+        self.ties = 0
+
+    def launch(self, pairs: np.ndarray) -> None:
+        self.in_flight.append(self.predictor.launch(pairs))
+        while len(self.in_flight) > IN_FLIGHT:
+            self._finish(self.in_flight.popleft())
+
+    def busy(self) -> bool:
+        return bool(self.in_flight or self.held)
+
+    def unrecorded(self) -> list[np.ndarray]:
+        """The batches launched and not yet recorded, in launch order (a saved state's pending batches)."""
+        return [held[0] for held in self.held] + [launched.pairs for launched in self.in_flight]
+
+    def drain(self) -> None:
+        """Wait for every batch, re-check the held ties and record everything."""
+        while self.in_flight:
+            self._finish(self.in_flight.popleft())
+        self._recheck()
+
+    def _finish(self, launched: Launched) -> None:
+        preds, margins = launched.wait()
+        close = self.predictor.close(margins)
+        if not self.held and not close.any():
+            self.record(launched.pairs, preds, margins)
+            return
+        self.held.append((launched.pairs, preds, margins, close))
+        self.ties += int(close.sum())
+        if self.ties >= self.predictor.recheck.chunk:
+            self._recheck()
+
+    def _recheck(self) -> None:
+        if not self.held:
+            return
+        pairs = np.concatenate([h[0][h[3]] for h in self.held]).astype(np.int64)
+        fast = np.concatenate([h[1][h[3]] for h in self.held])
+        exact, at = self.predictor.recheck_pairs(pairs, fast), 0
+        for batch, preds, margins, close in self.held:
+            rows = np.flatnonzero(close)
+            preds[rows], margins[rows] = exact[at:at + len(rows)], np.inf
+            at += len(rows)
+            self.record(batch, preds, margins)
+        self.held, self.ties = [], 0

@@ -11,6 +11,7 @@ import numpy as np
 from tools.challenge.state import ROBUST, UNKNOWN, VULNERABLE, SearchState
 from tools.data.compositing import MaskArithmetic
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
+from tools.runtime import RECHECK_MARGIN
 
 
 class Criterion(str, enum.Enum):
@@ -39,7 +40,7 @@ class ChallengeConfig:
     batch_size: int | None = None  # None: the runtime's default on a GPU; on the CPU, measured at start-up
     first_k: int = 1  # backgrounds offered to each open foreground in the first round; doubles each round
     save_every: float = 5.0  # seconds between state saves
-    recheck_margin: float = 1.0  # in reduced precision, near ties below it are re-run in fp32; 0 turns it off
+    recheck_margin: float = RECHECK_MARGIN  # in reduced precision, near ties below it are re-run in fp32; 0 turns it off
     progress: bool = True
     mask_arithmetic: MaskArithmetic = MaskArithmetic.BINARY
 
@@ -200,7 +201,7 @@ class Scheduler:
         """Point the state at the first pair still to test, with none in flight, after pairs were tested out of
         order (by processes sharing the work): a resumed run skips the tested pairs after it."""
         s = self.state
-        s.pending = np.zeros((0, 2), np.int64)
+        s.pending, s.pending_sizes = np.zeros((0, 2), np.int64), np.zeros(0, np.int64)
         if self.full:
             rows = np.flatnonzero(~s.tested.all(axis=1))
             s.position = int(rows[0]) * self.n_bg + int(np.argmin(s.tested[rows[0]])) if len(rows) else s.tested.size

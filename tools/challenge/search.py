@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from tqdm import tqdm
 
 from tools import distributed
 from tools.challenge.data import ChallengeData, ChallengeFiles, load_challenge_data
-from tools.challenge.predictor import CompositePredictor
+from tools.challenge.predictor import CompositePredictor, Pipeline
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import ChallengeConfig, Scheduler, split_untested
 from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState
@@ -28,25 +29,34 @@ STATE_FORMAT = "state-2"  # statistics closed per round (a state saved by an ear
 
 
 class Search:
-    """The loop: batches from a `Scheduler`, predicted by a `CompositePredictor` one batch ahead (so the
-    device works while the last results are recorded), a progress bar, and the state saved every
-    `save_every` seconds and at the end."""
+    """The loop: batches from a `Scheduler`, predicted through a `Pipeline` (a few batches in flight, near ties
+    re-checked at fixed points), a progress bar, and the state saved every `save_every` seconds and at the end,
+    from a snapshot, by a thread of its own."""
 
     def __init__(self, predictor: CompositePredictor, data: ChallengeData, config: ChallengeConfig,
                  state: SearchState, state_path: Path | None, key: str):
         self.predictor, self.config, self.state = predictor, config, state
         self.scheduler = Scheduler(state, data.fg_labels, data.bg_labels, config)
+        self.pipeline = Pipeline(predictor, self.scheduler.record)
         self.state_path, self.key = state_path, key
+        self._saver: ThreadPoolExecutor | None = None  # made at the first save
+        self._saving: Future | None = None
 
-    def _launch(self, pairs: np.ndarray):
-        preds, margins = self.predictor.predict_pairs(pairs)
-        return pairs, preds, margins
+    def save(self) -> None:
+        """Save a snapshot of the state (launched pairs not yet recorded as pending) off the loop, once the last
+        save is through."""
+        if self.state_path is None:
+            return
+        self.wait_saved()
+        snapshot = self.state.snapshot(self.pipeline.unrecorded())
+        if self._saver is None:
+            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-save")
+        self._saving = self._saver.submit(snapshot.save, self.state_path, self.key)
 
-    def _finish(self, launched) -> None:
-        """Wait for a launched batch and record it."""
-        pairs, preds, margins = launched
-        self.scheduler.record(pairs, preds.cpu().numpy().astype(np.int64),
-                              None if margins is None else margins.float().cpu().numpy())
+    def wait_saved(self) -> None:
+        if self._saving is not None:
+            self._saving.result()
+            self._saving = None
 
     def progress_bar(self) -> tqdm:
         plan = self.scheduler
@@ -57,38 +67,40 @@ class Search:
     def run(self) -> SearchState:
         if self.predictor.runtime.group.distributed:
             return ShardedSearch(self).run()
-        s, plan = self.state, self.scheduler
+        s, plan, pipe = self.state, self.scheduler, self.pipeline
         bar = self.progress_bar()
         start, last_save, evaluated0 = time.monotonic(), time.monotonic(), s.evaluated
         elapsed0 = s.elapsed
-        pending = self._launch(s.pending) if len(s.pending) else None
-        with bar:
-            while True:
-                pairs = plan.next_batch(self.predictor.forward.chunk)
-                if pairs is None:
-                    if pending is not None:  # finish the round before planning the next
-                        self._finish(pending)
-                        pending, s.pending = None, np.zeros((0, 2), np.int64)
-                    elif not plan.new_round():
-                        break
+        for batch in s.pending_batches():  # relaunched as they were: the same records at the same points
+            pipe.launch(batch)
+        s.pending, s.pending_sizes = np.zeros((0, 2), np.int64), np.zeros(0, np.int64)
+        try:
+            with bar:
+                while True:
+                    pairs = plan.next_batch(self.predictor.forward.chunk)
+                    if pairs is None:
+                        if pipe.busy():  # finish the round before planning the next
+                            pipe.drain()
+                        elif not plan.new_round():
+                            break
+                        bar.update(plan.resolved() - bar.n)
+                        continue
+                    pipe.launch(pairs)
                     bar.update(plan.resolved() - bar.n)
-                    continue
-                launched = self._launch(pairs)
-                if pending is not None:
-                    self._finish(pending)
-                    bar.update(plan.resolved() - bar.n)
-                pending, s.pending = launched, launched[0]
-                now = time.monotonic()
-                rate = (s.evaluated - evaluated0) / max(now - start, 1e-9)
-                bar.set_postfix_str(f"{rate:,.0f} composites/s", refresh=False)
-                if self.state_path is not None and now - last_save >= self.config.save_every:
-                    s.elapsed = elapsed0 + now - start
-                    s.save(self.state_path, self.key)
-                    last_save = now
-        s.elapsed = elapsed0 + time.monotonic() - start
-        plan.finish()
-        if self.state_path is not None:
-            s.save(self.state_path, self.key)
+                    now = time.monotonic()
+                    rate = (s.evaluated - evaluated0) / max(now - start, 1e-9)
+                    bar.set_postfix_str(f"{rate:,.0f} composites/s", refresh=False)
+                    if now - last_save >= self.config.save_every:
+                        s.elapsed = elapsed0 + now - start
+                        self.save()
+                        last_save = now
+            s.elapsed = elapsed0 + time.monotonic() - start
+            plan.finish()
+            self.save()
+        finally:
+            self.wait_saved()
+            if self._saver is not None:
+                self._saver.shutdown()
         return s
 
 
@@ -189,23 +201,19 @@ class ShardedSearch:
                 return
 
     def _test(self, batches) -> bool:
-        """Predict and record batches, one launched ahead of the one being recorded, for `save_every` seconds
+        """Predict and record batches through the pipeline, for `save_every` seconds
         (one batch at least); True when no batch is left."""
         began = time.perf_counter()
-        pending, through = None, False
+        through = False
         while True:
             pairs = next(batches, None)
             if pairs is None:
                 through = True
                 break
-            launched = self.search._launch(pairs)
-            if pending is not None:
-                self.search._finish(pending)
-            pending = launched
+            self.search.pipeline.launch(pairs)
             if time.perf_counter() - began >= self.search.config.save_every:
                 break
-        if pending is not None:
-            self.search._finish(pending)
+        self.search.pipeline.drain()
         self.busy_s += time.perf_counter() - began
         return through
 
@@ -279,7 +287,8 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
         else:
             if resume:
                 log.warning("no saved state in %s: starting afresh", output_dir)
-            measure = config.batch_size is None and runtime.device.type == "cpu"
+            # with --compile, the default size: timing three sizes would compile three graphs
+            measure = config.batch_size is None and runtime.device.type == "cpu" and not runtime.compile
             bg_pred = predictor.predict_backgrounds(measure=measure)
     if state is None:
         # every process plans from rank 0's background predictions (and batch size), so all plan alike

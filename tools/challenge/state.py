@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ class SearchState:
     worklist: np.ndarray  # int32 (N, 2): this round's pairs, rank-major (empty in --full mode)
     position: int = 0  # next worklist entry to batch
     pending: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # launched, unprocessed
+    pending_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # their batches' sizes, in order
     round: int = 0
     evaluated: int = 0
     matrix: np.ndarray | None = None  # int8 (F, B) in --full mode
@@ -45,9 +46,25 @@ class SearchState:
                    worklist=np.zeros((0, 2), np.int32),
                    matrix=np.full((n_fg, n_bg), UNMAPPED, np.int8) if full else None)
 
+    def snapshot(self, pending: list[np.ndarray]) -> "SearchState":
+        """A copy to save while the search goes on, with `pending` (the batches launched and not yet recorded)."""
+        copied = {f.name: getattr(self, f.name) for f in fields(self)}
+        copied = {name: value.copy() if isinstance(value, np.ndarray) else value for name, value in copied.items()}
+        copied["pending"] = np.concatenate(pending).astype(np.int64) if pending else np.zeros((0, 2), np.int64)
+        copied["pending_sizes"] = np.array([len(batch) for batch in pending], np.int64)
+        return SearchState(**copied)
+
+    def pending_batches(self) -> list[np.ndarray]:
+        """The pending pairs as the batches they were launched in (one batch where the sizes are not known)."""
+        if not len(self.pending):
+            return []
+        sizes = self.pending_sizes if self.pending_sizes.sum() == len(self.pending) else [len(self.pending)]
+        return np.split(self.pending, np.cumsum(sizes)[:-1])
+
     def save(self, path: Path, key: str) -> None:
         arrays = {name: getattr(self, name) for name in ("verdict", "fool_bg", "fool_pred", "min_margin", "successes",
-                                                         "trials", "bg_pred", "worklist", "pending")}
+                                                         "trials", "bg_pred", "worklist", "pending",
+                                                         "pending_sizes")}
         arrays["tested"] = np.packbits(self.tested, axis=1)
         arrays["shape"] = np.array(self.tested.shape)
         arrays["scalars"] = np.array([self.position, self.round, self.evaluated], np.int64)
@@ -72,6 +89,7 @@ class SearchState:
                            tested=np.unpackbits(z["tested"], axis=1, count=shape[1]).astype(bool),
                            successes=z["successes"], trials=z["trials"], bg_pred=z["bg_pred"],
                            worklist=z["worklist"], position=position, pending=z["pending"], round=round_,
+                           pending_sizes=z["pending_sizes"] if "pending_sizes" in z.files else np.zeros(0, np.int64),
                            evaluated=evaluated, matrix=z["matrix"] if "matrix" in z.files else None,
                            elapsed=float(z["elapsed"]))
         except (*NUMPY_READ_ERRORS, KeyError) as exc:

@@ -215,7 +215,7 @@ def train(config: TrainConfig) -> TrainResult:
 
     head_keys = classifier_keys(start.arch)
     net = adapters.TrainingModel(adapters.attach(start.classifier, config, head_keys), start.mean, start.std)
-    net = runtime.prepare(net).train()
+    net = runtime.compiled(runtime.prepare(net).train())
     optimizer = _optimizer([p for p in net.parameters() if p.requires_grad], config)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(total_steps, round(config.warmup_epochs * steps_per_epoch)))
