@@ -110,10 +110,12 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                         workers: int, state_path: Path | None = None, resume: bool = False,
                         state_key: dict | None = None, progress: bool = True,
                         listings: dict[str, list[layout.ImageRecord]] | None = None,
-                        shard: Shard | None = None) -> dict[str, VariationResult]:
+                        shard: Shard | None = None, decoder: datasets.Decoder = datasets.Decoder.PILLOW
+                        ) -> dict[str, VariationResult]:
     """Predict every image of the named variations in one stream of batches; results keyed by variation.
 
-    `listings` are the variations' records when the caller has already listed them."""
+    `listings` are the variations' records when the caller has already listed them; `decoder` decodes the JPEGs
+    (`datasets.choose_decoder`)."""
     root = Path(root)
     if listings is None:
         listings = {name: layout.list_variation(root, name) for name in names}
@@ -138,7 +140,8 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     bounds = np.cumsum([0] + [len(relpaths) for _, relpaths, _ in todo])
     if runtime.group.distributed or shard is not None:
         share = shard or Shard(runtime.group.rank, runtime.group.world_size)
-        predictions = _predict_share(root, all_paths, batch_size, workers, runtime, forward, to_in9, progress, share)
+        predictions = _predict_share(root, all_paths, batch_size, workers, runtime, forward, to_in9, progress, share,
+                                     decoder)
         if shard is not None:  # this shard's predictions alone, the others' NOT_MINE: for tools.merge
             return {name: VariationResult(name, relpaths, labels, predictions[lo:hi])
                     for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:])}
@@ -151,7 +154,8 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     buffer_start = finished = 0
     bar = tqdm(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
     with bar:
-        for start, batch in datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin()):
+        for start, batch in datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin(),
+                                                          decoder=decoder, device=runtime.device):
             pieces.append(to_in9(forward(runtime.to_device(batch))))
             bar.update(batch.shape[0])
             end = start + batch.shape[0]
@@ -168,7 +172,8 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
 
 
 def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
-                   forward: Forward, to_in9: PredictionMap, progress: bool, share: Shard) -> np.ndarray:
+                   forward: Forward, to_in9: PredictionMap, progress: bool, share: Shard,
+                   decoder: datasets.Decoder) -> np.ndarray:
     """The stream's batches dealt out in turn (batch i to share i mod N), each image predicted in the very batch
     one process would put it in; under torchrun every prediction is then gathered into every process, and an
     independent shard keeps NOT_MINE (-2) where others predict."""
@@ -179,7 +184,7 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
         with tqdm(total=len(relpaths), unit="img", desc="evaluating", disable=not progress,
                   dynamic_ncols=True) as bar:
             for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(),
-                                                              starts):
+                                                              starts, decoder, runtime.device):
                 encoded[start:start + batch.shape[0]] = to_in9(forward(runtime.to_device(batch))).cpu().numpy() \
                     - NOT_MINE
                 bar.update(batch.shape[0] * share.count)
@@ -224,6 +229,7 @@ class In9Files:
     root: Path
     listings: dict[str, list[layout.ImageRecord]]
     fingerprint: dict
+    decoder: datasets.Decoder = datasets.Decoder.PILLOW  # chosen on a few of these files (`choose_decoder`)
 
 
 def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None) -> In9Files:
@@ -233,7 +239,9 @@ def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None)
     quick_check(root, names)
     root = Path(root)
     listings = {name: layout.list_variation(root, name) for name in names}
-    return In9Files(root, listings, fingerprint(root, [r.relpath for name in names for r in listings[name]], workers))
+    relpaths = [r.relpath for name in names for r in listings[name]]
+    decoder = datasets.choose_decoder([root / rel for rel in datasets.probe_sample(relpaths)])
+    return In9Files(root, listings, fingerprint(root, relpaths, workers), decoder)
 
 
 @dataclass
@@ -259,5 +267,7 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, confi
            "precision": runtime.precision.value, "num_classes": loaded.num_classes}
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
     results = evaluate_variations(loaded, runtime, files.root, names, runtime.batch_size(config.batch_size),
-                                  config.workers, state_path, resume, key, config.progress, files.listings, shard)
-    return In9Run(results, provenance(runtime.describe(), loaded.describe(), files.fingerprint), key)
+                                  config.workers, state_path, resume, key, config.progress, files.listings, shard,
+                                  files.decoder)
+    return In9Run(results, provenance(runtime.describe(), loaded.describe(), files.fingerprint, files.decoder.value),
+                  key)

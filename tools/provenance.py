@@ -16,7 +16,8 @@ from tools import __version__
 from tools.errors import UserError
 
 
-def provenance(runtime_info: dict, model_info: dict, data_info: dict) -> dict:
+def provenance(runtime_info: dict, model_info: dict, data_info: dict, decoder: str | None = None) -> dict:
+    """Versions, device, model and data of a run; `decoder`: who decoded the JPEGs (tools.data.decoding.Decoder)."""
     import torch  # noqa: PLC0415 (only here for the versions: writing results needs neither)
     import torchvision  # noqa: PLC0415
     return {
@@ -27,6 +28,7 @@ def provenance(runtime_info: dict, model_info: dict, data_info: dict) -> dict:
         **runtime_info,
         **model_info,
         "data": data_info,
+        **({"decoder": decoder} if decoder is not None else {}),
     }
 
 

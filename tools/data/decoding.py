@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import enum
+import io
 import json
 import logging
 import os
@@ -31,17 +33,143 @@ DECODE_CHUNK = 64  # images per decoding job
 CACHE_VERSION = 4  # of the decoded-data cache's entries
 
 
-def decode_rgb(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:
-    """The image as HxWx3 uint8 RGB, decoded by Pillow as the original's loader does; checked to be size x size."""
+class Decoder(str, enum.Enum):
+    """Who turns JPEG bytes into pixels: Pillow (the original's loader, the reference) or torchvision's
+    `decode_jpeg` (libjpeg-turbo too, faster, and it releases the GIL, so threads scale), used only where a probe
+    found it bit-equal to Pillow. Files that are not plain JPEGs go to Pillow whichever is chosen."""
+
+    PILLOW = "pillow"
+    TORCHVISION = "torchvision"
+
+
+def decode_rgb(path: Path, size: int = IMAGE_SIZE, decoder: Decoder = Decoder.PILLOW) -> np.ndarray:
+    """The image as HxWx3 uint8 RGB, Pillow's `convert("RGB")` pixels as the original's loader gives them (no
+    EXIF rotation), read once and decoded by `decoder` where it may; checked to be size x size."""
     try:
-        with Image.open(path) as img:
-            rgb = img.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        data = Path(path).read_bytes()
+    except OSError as exc:
         raise UserError(f"cannot read image {path}: {exc}; replace or remove the file") from None
-    if rgb.size != (size, size):
-        raise UserError(f"image {path} is {rgb.size[0]}x{rgb.size[1]}, expected {size}x{size}; "
+    return decode_bytes(data, path, size, decoder)
+
+
+def decode_bytes(data: bytes, name: Path | str, size: int = IMAGE_SIZE,
+                 decoder: Decoder = Decoder.PILLOW) -> np.ndarray:
+    """`decode_rgb` on bytes already read (`name` is for messages)."""
+    rgb = None
+    if decoder is Decoder.TORCHVISION and plain_jpeg(data):
+        rgb = _torchvision_rgb(data)  # None where torchvision refuses the file: Pillow says why, or reads it
+    if rgb is None:
+        rgb = pillow_rgb(data, name)
+    if rgb.shape[:2] != (size, size):
+        raise UserError(f"image {name} is {rgb.shape[1]}x{rgb.shape[0]}, expected {size}x{size}; "
                         f"IN-9 images are {size}x{size} (resize or regenerate it)")
-    return np.asarray(rgb)
+    return rgb
+
+
+def pillow_rgb(data: bytes, name: Path | str) -> np.ndarray:
+    """The reference: Pillow's `convert("RGB")` of the bytes, as HxWx3 uint8."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return np.asarray(img.convert("RGB"))
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise UserError(f"cannot read image {name}: {exc}; replace or remove the file") from None
+
+
+def decode_jpeg_bytes(data: bytes) -> torch.Tensor:
+    """torchvision's decoding of JPEG bytes as a uint8 (3, H, W) tensor, in RGB; raises on what it cannot read.
+    Equal to Pillow's only where `choose_decoder` found it so: use `decode_bytes` unless you probed."""
+    from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415 (torchvision's import is slow)
+    return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+
+
+def _torchvision_rgb(data: bytes) -> np.ndarray | None:
+    try:
+        return decode_jpeg_bytes(data).permute(1, 2, 0).numpy()
+    except RuntimeError:
+        return None
+
+
+# JPEG start-of-frame markers of Huffman-coded baseline, extended and progressive frames: what both decoders
+# read the same way. Lossless, hierarchical and arithmetic-coded frames go to Pillow.
+_PLAIN_FRAMES = {0xC0, 0xC1, 0xC2}
+_OTHER_FRAMES = {0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def plain_jpeg(data: bytes) -> bool:
+    """A JPEG (by its bytes, whatever its name) in a Huffman-coded baseline or progressive frame of 1 (grey) or 3
+    (YCbCr or RGB) components: the kind `decode_jpeg` may decode in Pillow's place. CMYK and YCCK (4 components),
+    lossless and arithmetic-coded files, and everything not a JPEG, are Pillow's."""
+    if data[:2] != b"\xff\xd8":
+        return False
+    pos = 2
+    while pos + 4 <= len(data):
+        if data[pos] != 0xFF:
+            return False
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if 0xD0 <= marker <= 0xD9 or marker == 0x01:  # markers without a length
+            pos += 2
+            continue
+        length = int.from_bytes(data[pos + 2:pos + 4], "big")
+        if marker in _PLAIN_FRAMES:
+            return pos + 9 < len(data) and data[pos + 9] in (1, 3)
+        if marker in _OTHER_FRAMES or marker == 0xDA:  # another frame, or scan data before any frame
+            return False
+        pos += 2 + length
+    return False
+
+
+def _probe_samples() -> list[bytes]:
+    """Generated JPEGs of every kind `plain_jpeg` accepts: 4:2:0, 4:2:2, 4:4:4, progressive, optimised, with
+    restart markers, grey."""
+    yy, xx = np.mgrid[0:64, 0:64]
+    rng = np.random.default_rng(0)
+    pixels = np.stack([xx * 4, yy * 4, (xx + yy) * 2], -1) + rng.integers(0, 24, (64, 64, 3))
+    image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+    samples = []
+    for img, options in [(image, {"subsampling": 2}), (image, {"subsampling": 1}), (image, {"subsampling": 0}),
+                         (image, {"progressive": True}), (image, {"optimize": True}),
+                         (image, {"restart_marker_blocks": 2}), (image.convert("L"), {})]:
+        buffer = io.BytesIO()
+        img.save(buffer, "JPEG", quality=87, **options)
+        samples.append(buffer.getvalue())
+    return samples
+
+
+def choose_decoder(sample_files: Sequence[Path], requested: Decoder | None = None) -> Decoder:
+    """The decoder for a run: torchvision where it decodes a few of the run's own files (`sample_files`) and a
+    generated JPEG of every kind it would be given bit for bit as Pillow does (builds and platforms differ:
+    torchvision issue 8027), else Pillow. `requested` forces one (Pillow always; torchvision still probed)."""
+    if requested is Decoder.PILLOW:
+        return Decoder.PILLOW
+    try:
+        from torchvision.io import decode_jpeg  # noqa: F401, PLC0415 (deprecated in torchvision 0.29: may go)
+    except ImportError:
+        return Decoder.PILLOW
+    try:
+        samples = _probe_samples() + [Path(p).read_bytes() for p in sample_files]
+    except OSError:
+        return Decoder.PILLOW  # an unreadable file: the run's own reading says which, in one line
+    for data in samples:
+        if not plain_jpeg(data):
+            continue
+        ours = _torchvision_rgb(data)
+        try:
+            reference = pillow_rgb(data, "probe")
+        except UserError:
+            return Decoder.PILLOW
+        if ours is None or ours.shape != reference.shape or not np.array_equal(ours, reference):
+            log.info("torchvision's decode_jpeg differs from Pillow here; decoding with Pillow")
+            return Decoder.PILLOW
+    return Decoder.TORCHVISION
+
+
+def probe_sample(relpaths: Sequence[str], count: int = 8) -> list[str]:
+    """A few of `relpaths`, spread evenly, for `choose_decoder`."""
+    step = max(1, len(relpaths) // count)
+    return list(relpaths[::step][:count])
 
 
 def read_mask(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:
@@ -86,55 +214,87 @@ def load_mask(path: Path, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, si
     return raw.astype(bool, copy=False)
 
 
-def _decode_batch(root: Path, relpaths: Sequence[str]) -> torch.Tensor:
-    out = np.empty((len(relpaths), IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+JOB_IMAGES = 32  # images per decoding job: small enough that every thread has work while a batch fills
+
+
+def _decode_into(out: torch.Tensor, root: Path, relpaths: Sequence[str], decoder: Decoder) -> None:
+    array = out.numpy()  # NHWC
     for i, rel in enumerate(relpaths):
-        out[i] = decode_rgb(Path(root) / rel)
-    # NHWC storage seen as NCHW: exactly torch's channels_last layout, no copy.
-    return torch.from_numpy(out).permute(0, 3, 1, 2)
+        array[i] = decode_rgb(Path(root) / rel, decoder=decoder)
+
+
+class _DeviceCopies:
+    """Batches copied to a CUDA device on a side stream, so the copy of the next batch overlaps the model's work
+    on this one; the consumer's stream waits for each copy before using it. None of this off CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        consumer = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(consumer)  # the copy's target memory may be recycled from the consumer's work
+        with torch.cuda.stream(self.stream):
+            moved = batch.to(self.device, non_blocking=True)  # NHWC storage: channels_last on the device too
+        consumer.wait_stream(self.stream)
+        moved.record_stream(consumer)
+        return moved
 
 
 def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, workers: int,
-                         pin_memory: bool = False, starts: Sequence[int] | None = None
+                         pin_memory: bool = False, starts: Sequence[int] | None = None,
+                         decoder: Decoder = Decoder.PILLOW, device: torch.device | None = None
                          ) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (start index, uint8 Nx3xHxW batch) in order, decoding ahead in `workers` threads (every batch, or
-    those beginning at `starts`).
+    """Yield (start index, uint8 Nx3xHxW batch) in order (every batch, or those beginning at `starts`), decoded
+    ahead by `workers` threads in jobs of `JOB_IMAGES` images straight into each batch's buffer (pinned with
+    `pin_memory`: PyTorch's host allocator recycles those blocks only once the copies reading them are done).
 
-    Pillow releases the GIL while it decodes, so threads decode in parallel without pickling batches
-    between processes; errors (unreadable files, wrong sizes) surface as they are, naming the file.
-    """
+    With a CUDA `device` the batches come on it, copied on a side stream. Pillow and decode_jpeg release the GIL
+    while they decode, so threads decode in parallel; errors (unreadable files, wrong sizes) surface as they
+    are, naming the file."""
     starts = range(0, len(relpaths), batch_size) if starts is None else starts
     workers = max(1, workers)
+    copies = _DeviceCopies(device) if device is not None and device.type == "cuda" else None
+    ahead = max(2, -(-2 * workers * JOB_IMAGES // batch_size))  # batches decoding at once
 
-    def job(start: int) -> torch.Tensor:
-        batch = _decode_batch(root, relpaths[start:start + batch_size])
-        return batch.pin_memory() if pin_memory else batch
+    def submit(pool, start: int):
+        count = min(batch_size, len(relpaths) - start)
+        out = torch.empty((count, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=torch.uint8, pin_memory=pin_memory)
+        jobs = [pool.submit(_decode_into, out[i:i + JOB_IMAGES], root,
+                            relpaths[start + i:start + min(i + JOB_IMAGES, count)], decoder)
+                for i in range(0, count, JOB_IMAGES)]
+        return start, out, jobs
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="decode") as pool:
         pending: collections.deque = collections.deque()
         it = iter(starts)
         try:
             for start in it:
-                pending.append((start, pool.submit(job, start)))
-                if len(pending) >= 2 * workers:
+                pending.append(submit(pool, start))
+                if len(pending) >= ahead:
                     break
             while pending:
-                start, fut = pending.popleft()
+                start, out, jobs = pending.popleft()
                 nxt = next(it, None)
                 if nxt is not None:
-                    pending.append((nxt, pool.submit(job, nxt)))
-                yield start, fut.result()
+                    pending.append(submit(pool, nxt))
+                for job in jobs:
+                    job.result()
+                # NHWC storage seen as NCHW: exactly torch's channels_last layout, no copy.
+                batch = out.permute(0, 3, 1, 2)
+                yield start, (copies(batch) if copies is not None else batch)
         finally:
-            for _, fut in pending:
-                fut.cancel()
+            for _, _, jobs in pending:
+                for job in jobs:
+                    job.cancel()
 
 
 def decode_images(root: Path, relpaths: Sequence[str], workers: int, progress: bool = True,
-                  desc: str = "decoding") -> torch.Tensor:
+                  desc: str = "decoding", decoder: Decoder = Decoder.PILLOW) -> torch.Tensor:
     """Every image as one uint8 (N, 3, H, W) tensor, decoded in `workers` threads, with a progress bar."""
     out = torch.empty((len(relpaths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8)
     with tqdm(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
-        for start, batch in iter_decoded_batches(root, relpaths, DECODE_CHUNK, workers):
+        for start, batch in iter_decoded_batches(root, relpaths, DECODE_CHUNK, workers, decoder=decoder):
             out[start:start + batch.shape[0]] = batch
             bar.update(batch.shape[0])
     return out
@@ -232,10 +392,12 @@ class DecodedCache:
 
 def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], fingerprint: dict,
                   cache_dir: Path | None, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4,
-                  progress: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                  progress: bool = True, decoder: Decoder = Decoder.PILLOW
+                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Named groups of images as uint8 (N, 3, H, W) tensors and the masks (`load_masks`), decoded once and
     reused from `cache_dir` when the content fingerprint and the mask arithmetic match (the challenge's data;
-    training decodes per sample in its DataLoader workers). Binary masks are cached as packed bits."""
+    training decodes per sample in its DataLoader workers). Binary masks are cached as packed bits. The key
+    leaves out the decoder: `choose_decoder` lets torchvision decode only where its pixels are Pillow's."""
     cache = DecodedCache(cache_dir, f"{fingerprint['sha256'][:24]}-{arithmetic.value}-v{CACHE_VERSION}",
                          {"fingerprint": fingerprint, "mask_arithmetic": arithmetic.value, "groups": list(images)})
     packed = arithmetic is MaskArithmetic.BINARY
@@ -248,7 +410,7 @@ def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[
                                                                                                IMAGE_SIZE)
         return {name: torch.from_numpy(cached[name]) for name in images}, torch.from_numpy(mask_array)
     mask_array = load_masks(root, masks, arithmetic)  # first: a refused mask stops the run before any decoding
-    decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}")
+    decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}", decoder)
                for name, relpaths in images.items()}
     stored = np.packbits(mask_array.reshape(len(mask_array), -1), axis=1) if packed else mask_array
     cache.save({**{name: tensor.numpy() for name, tensor in decoded.items()}, "masks": stored})
