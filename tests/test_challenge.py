@@ -21,7 +21,7 @@ import challenge_eval
 from tests.helpers import TinyCNN, save_torchscript
 from tools import challenge
 from tools.data import synthetic
-from tools.data.decoding import Decoder
+from tools.data.decoders import Decoder
 from tools.challenge import ChallengeConfig, Criterion, Scheduler, run_challenge
 from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD
 from tools.models.sources import load_model

@@ -11,8 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from tools.data import decoding
-from tools.data.decoding import Decoder, choose_decoder, decode_rgb, iter_decoded_batches, plain_jpeg
+from tools.data import decoders, decoding
+from tools.data.decoders import Decoder, choose_decoder, plain_jpeg
+from tools.data.decoding import decode_rgb, iter_decoded_batches
 from tools.errors import UserError
 
 
@@ -77,7 +78,7 @@ def test_torchvision_takes_only_plain_jpegs():
 def test_png_named_jpeg_is_read_by_pillow(tmp_path, monkeypatch):
     path = tmp_path / "image.JPEG"
     photo().save(path, "PNG")
-    monkeypatch.setattr(decoding, "decode_jpeg_bytes", lambda data: pytest.fail("decode_jpeg given a PNG"))
+    monkeypatch.setattr(decoders, "decode_jpeg_bytes", lambda data: pytest.fail("decode_jpeg given a PNG"))
     assert np.array_equal(decode_rgb(path, decoder=Decoder.TORCHVISION), np.asarray(photo()))
 
 
@@ -88,7 +89,7 @@ def test_a_file_torchvision_refuses_goes_to_pillow(tmp_path, monkeypatch):
     def refuse(data):
         raise RuntimeError("unsupported")
 
-    monkeypatch.setattr(decoding, "decode_jpeg_bytes", refuse)
+    monkeypatch.setattr(decoders, "decode_jpeg_bytes", refuse)
     assert np.array_equal(decode_rgb(path, decoder=Decoder.TORCHVISION), pillow_pixels(path.read_bytes()))
 
 
@@ -117,8 +118,8 @@ def test_a_mismatch_forces_pillow(tmp_path, monkeypatch):
     """A build whose decode_jpeg gives other pixels (torchvision issue 8027) is not used."""
     path = tmp_path / "a.JPEG"
     path.write_bytes(KINDS["4:2:0"]())
-    real = decoding.decode_jpeg_bytes
-    monkeypatch.setattr(decoding, "decode_jpeg_bytes", lambda data: real(data).clamp(max=250))
+    real = decoders.decode_jpeg_bytes
+    monkeypatch.setattr(decoders, "decode_jpeg_bytes", lambda data: real(data).clamp(max=250))
     assert choose_decoder([path]) is Decoder.PILLOW
     assert choose_decoder([]) is Decoder.PILLOW  # the generated kinds alone show it too
 

@@ -28,7 +28,7 @@ from tests import reference
 from tests.helpers import save_torchscript
 from tools import __version__
 from tools.data import synthetic
-from tools.data.decoding import Decoder
+from tools.data.decoders import Decoder
 from tools.evaluate import In9Config, evaluate_variations, list_in9_files, run_in9
 from tools.in9 import class_folder_names, VARIATIONS, class_names
 from tools.models.sources import load_model

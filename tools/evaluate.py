@@ -13,11 +13,12 @@ import torch
 from tqdm import tqdm
 
 from tools import distributed
+from tools.data import decoders
 from tools.data import decoding as datasets
 from tools.data import layout
 from tools.data.check import quick_check
 from tools.errors import UserError
-from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, PredictionMap, class_names
+from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, PredictionMap, class_names
 from tools.models.boundary import LoadedModel
 from tools.data.hashing import fingerprint
 from tools.provenance import provenance, write_json_atomic
@@ -110,12 +111,13 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                         workers: int, state_path: Path | None = None, resume: bool = False,
                         state_key: dict | None = None, progress: bool = True,
                         listings: dict[str, list[layout.ImageRecord]] | None = None,
-                        shard: Shard | None = None, decoder: datasets.Decoder = datasets.Decoder.PILLOW
-                        ) -> dict[str, VariationResult]:
+                        shard: Shard | None = None, decoder: decoders.Decoder = decoders.Decoder.PILLOW,
+                        fingerprint: dict | None = None) -> dict[str, VariationResult]:
     """Predict every image of the named variations in one stream of batches; results keyed by variation.
 
     `listings` are the variations' records when the caller has already listed them; `decoder` decodes the JPEGs
-    (`datasets.choose_decoder`)."""
+    (`decoders.choose_decoder`). With the files' `fingerprint`, inside `datasets.keep_decoded` (the zoo), the
+    decoded variations are kept by content for the next run, which reads them from memory."""
     root = Path(root)
     if listings is None:
         listings = {name: layout.list_variation(root, name) for name in names}
@@ -150,12 +152,22 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
             if runtime.group.is_main:
                 resumer.save(name, predictions[lo:hi])
         return {name: results[name] for name in names}
+    keys = [f"in9:{fingerprint['folders'][name]}" for name, _, _ in todo] if fingerprint else []
+    memory = [datasets.kept(key) for key in keys]
+    if memory and all(m is not None for m in memory):
+        batches = _batches_in_memory(memory, batch_size)
+    else:
+        batches = datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin(), decoder=decoder,
+                                                device=runtime.device)
+    kept = torch.empty((len(all_paths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8) \
+        if keys and datasets.keeping() and memory.count(None) else None
     pieces: list[torch.Tensor] = []  # predictions on the device for images buffer_start..end-1
     buffer_start = finished = 0
     bar = tqdm(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
     with bar:
-        for start, batch in datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin(),
-                                                          decoder=decoder, device=runtime.device):
+        for start, batch in batches:
+            if kept is not None:
+                kept[start:start + batch.shape[0]] = batch
             pieces.append(to_in9(forward(runtime.to_device(batch))))
             bar.update(batch.shape[0])
             end = start + batch.shape[0]
@@ -168,12 +180,22 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                 resumer.save(name, preds)
                 pieces, buffer_start = [buffered[hi:]], bounds[finished + 1]
                 finished += 1
+    for key, lo, hi in zip(keys, bounds[:-1], bounds[1:]):
+        if kept is not None:
+            datasets.keep(key, kept[lo:hi])
     return {name: results[name] for name in names}
+
+
+def _batches_in_memory(groups: list[torch.Tensor], batch_size: int):
+    """(start, batch) over decoded groups as if they were one stream of images, in batches of `batch_size`."""
+    whole = groups[0] if len(groups) == 1 else torch.cat(groups)
+    for start in range(0, whole.shape[0], batch_size):
+        yield start, whole[start:start + batch_size]
 
 
 def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
                    forward: Forward, to_in9: PredictionMap, progress: bool, share: Shard,
-                   decoder: datasets.Decoder) -> np.ndarray:
+                   decoder: decoders.Decoder) -> np.ndarray:
     """The stream's batches dealt out in turn (batch i to share i mod N), each image predicted in the very batch
     one process would put it in; under torchrun every prediction is then gathered into every process, and an
     independent shard keeps NOT_MINE (-2) where others predict."""
@@ -229,7 +251,7 @@ class In9Files:
     root: Path
     listings: dict[str, list[layout.ImageRecord]]
     fingerprint: dict
-    decoder: datasets.Decoder = datasets.Decoder.PILLOW  # chosen on a few of these files (`choose_decoder`)
+    decoder: decoders.Decoder = decoders.Decoder.PILLOW  # chosen on a few of these files (`choose_decoder`)
 
 
 def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None) -> In9Files:
@@ -240,7 +262,7 @@ def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None)
     root = Path(root)
     listings = {name: layout.list_variation(root, name) for name in names}
     relpaths = [r.relpath for name in names for r in listings[name]]
-    decoder = datasets.choose_decoder([root / rel for rel in datasets.probe_sample(relpaths)])
+    decoder = decoders.choose_decoder([root / rel for rel in decoders.probe_sample(relpaths)])
     return In9Files(root, listings, fingerprint(root, relpaths, workers), decoder)
 
 
@@ -268,6 +290,6 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, confi
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
     results = evaluate_variations(loaded, runtime, files.root, names, runtime.batch_size(config.batch_size),
                                   config.workers, state_path, resume, key, config.progress, files.listings, shard,
-                                  files.decoder)
+                                  files.decoder, files.fingerprint)
     return In9Run(results, provenance(runtime.describe(), loaded.describe(), files.fingerprint, files.decoder.value),
                   key)

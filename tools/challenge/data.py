@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tools.data import decoders
 from tools.data import decoding as datasets
 from tools.data import layout
 from tools.data.compositing import MaskArithmetic, byte_masks
@@ -39,7 +40,7 @@ class ChallengeFiles(Pairs):
 
     root: Path
     fingerprint: dict
-    decoder: datasets.Decoder = datasets.Decoder.PILLOW  # chosen on a few of these files (`choose_decoder`)
+    decoder: decoders.Decoder = decoders.Decoder.PILLOW  # chosen on a few of these files (`choose_decoder`)
 
 
 @dataclass
@@ -53,7 +54,7 @@ class ChallengeData(Pairs):
     bg_images: torch.Tensor  # uint8 (B, 3, H, W)
     fingerprint: dict
     arithmetic: MaskArithmetic = MaskArithmetic.BINARY
-    decoder: datasets.Decoder = datasets.Decoder.PILLOW
+    decoder: decoders.Decoder = decoders.Decoder.PILLOW
 
     def foreground_subset(self, indices: np.ndarray) -> "ChallengeData":
         """The same data with only these foregrounds (a --shard's share), backgrounds unchanged."""
@@ -75,7 +76,7 @@ def list_challenge_files(root: Path, workers: int = 4) -> ChallengeFiles:
     backgrounds = layout.list_variation(root, Variation.ONLY_BG_T.value)
     relpaths = [p for r in foregrounds for p in (r.image_relpath, r.mask_relpath)] + [r.relpath for r in backgrounds]
     images = [r.image_relpath for r in foregrounds] + [r.relpath for r in backgrounds]
-    decoder = datasets.choose_decoder([root / rel for rel in datasets.probe_sample(images)])
+    decoder = decoders.choose_decoder([root / rel for rel in decoders.probe_sample(images)])
     return ChallengeFiles(foregrounds, backgrounds, root, fingerprint(root, relpaths, workers), decoder)
 
 

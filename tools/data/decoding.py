@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import enum
-import io
+import contextlib
 import json
 import logging
 import os
@@ -19,10 +18,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from tools.data.compositing import MaskArithmetic, original_weights
+from tools.data.decoders import Decoder, decode_bytes
 from tools.data.temporary import is_running
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE
@@ -33,15 +32,6 @@ DECODE_CHUNK = 64  # images per decoding job
 CACHE_VERSION = 4  # of the decoded-data cache's entries
 
 
-class Decoder(str, enum.Enum):
-    """Who turns JPEG bytes into pixels: Pillow (the original's loader, the reference) or torchvision's
-    `decode_jpeg` (libjpeg-turbo too, faster, and it releases the GIL, so threads scale), used only where a probe
-    found it bit-equal to Pillow. Files that are not plain JPEGs go to Pillow whichever is chosen."""
-
-    PILLOW = "pillow"
-    TORCHVISION = "torchvision"
-
-
 def decode_rgb(path: Path, size: int = IMAGE_SIZE, decoder: Decoder = Decoder.PILLOW) -> np.ndarray:
     """The image as HxWx3 uint8 RGB, Pillow's `convert("RGB")` pixels as the original's loader gives them (no
     EXIF rotation), read once and decoded by `decoder` where it may; checked to be size x size."""
@@ -50,126 +40,6 @@ def decode_rgb(path: Path, size: int = IMAGE_SIZE, decoder: Decoder = Decoder.PI
     except OSError as exc:
         raise UserError(f"cannot read image {path}: {exc}; replace or remove the file") from None
     return decode_bytes(data, path, size, decoder)
-
-
-def decode_bytes(data: bytes, name: Path | str, size: int = IMAGE_SIZE,
-                 decoder: Decoder = Decoder.PILLOW) -> np.ndarray:
-    """`decode_rgb` on bytes already read (`name` is for messages)."""
-    rgb = None
-    if decoder is Decoder.TORCHVISION and plain_jpeg(data):
-        rgb = _torchvision_rgb(data)  # None where torchvision refuses the file: Pillow says why, or reads it
-    if rgb is None:
-        rgb = pillow_rgb(data, name)
-    if rgb.shape[:2] != (size, size):
-        raise UserError(f"image {name} is {rgb.shape[1]}x{rgb.shape[0]}, expected {size}x{size}; "
-                        f"IN-9 images are {size}x{size} (resize or regenerate it)")
-    return rgb
-
-
-def pillow_rgb(data: bytes, name: Path | str) -> np.ndarray:
-    """The reference: Pillow's `convert("RGB")` of the bytes, as HxWx3 uint8."""
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            return np.asarray(img.convert("RGB"))
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise UserError(f"cannot read image {name}: {exc}; replace or remove the file") from None
-
-
-def decode_jpeg_bytes(data: bytes) -> torch.Tensor:
-    """torchvision's decoding of JPEG bytes as a uint8 (3, H, W) tensor, in RGB; raises on what it cannot read.
-    Equal to Pillow's only where `choose_decoder` found it so: use `decode_bytes` unless you probed."""
-    from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415 (torchvision's import is slow)
-    return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-
-
-def _torchvision_rgb(data: bytes) -> np.ndarray | None:
-    try:
-        return decode_jpeg_bytes(data).permute(1, 2, 0).numpy()
-    except RuntimeError:
-        return None
-
-
-# JPEG start-of-frame markers of Huffman-coded baseline, extended and progressive frames: what both decoders
-# read the same way. Lossless, hierarchical and arithmetic-coded frames go to Pillow.
-_PLAIN_FRAMES = {0xC0, 0xC1, 0xC2}
-_OTHER_FRAMES = {0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-
-
-def plain_jpeg(data: bytes) -> bool:
-    """A JPEG (by its bytes, whatever its name) in a Huffman-coded baseline or progressive frame of 1 (grey) or 3
-    (YCbCr or RGB) components: the kind `decode_jpeg` may decode in Pillow's place. CMYK and YCCK (4 components),
-    lossless and arithmetic-coded files, and everything not a JPEG, are Pillow's."""
-    if data[:2] != b"\xff\xd8":
-        return False
-    pos = 2
-    while pos + 4 <= len(data):
-        if data[pos] != 0xFF:
-            return False
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if 0xD0 <= marker <= 0xD9 or marker == 0x01:  # markers without a length
-            pos += 2
-            continue
-        length = int.from_bytes(data[pos + 2:pos + 4], "big")
-        if marker in _PLAIN_FRAMES:
-            return pos + 9 < len(data) and data[pos + 9] in (1, 3)
-        if marker in _OTHER_FRAMES or marker == 0xDA:  # another frame, or scan data before any frame
-            return False
-        pos += 2 + length
-    return False
-
-
-def _probe_samples() -> list[bytes]:
-    """Generated JPEGs of every kind `plain_jpeg` accepts: 4:2:0, 4:2:2, 4:4:4, progressive, optimised, with
-    restart markers, grey."""
-    yy, xx = np.mgrid[0:64, 0:64]
-    rng = np.random.default_rng(0)
-    pixels = np.stack([xx * 4, yy * 4, (xx + yy) * 2], -1) + rng.integers(0, 24, (64, 64, 3))
-    image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
-    samples = []
-    for img, options in [(image, {"subsampling": 2}), (image, {"subsampling": 1}), (image, {"subsampling": 0}),
-                         (image, {"progressive": True}), (image, {"optimize": True}),
-                         (image, {"restart_marker_blocks": 2}), (image.convert("L"), {})]:
-        buffer = io.BytesIO()
-        img.save(buffer, "JPEG", quality=87, **options)
-        samples.append(buffer.getvalue())
-    return samples
-
-
-def choose_decoder(sample_files: Sequence[Path], requested: Decoder | None = None) -> Decoder:
-    """The decoder for a run: torchvision where it decodes a few of the run's own files (`sample_files`) and a
-    generated JPEG of every kind it would be given bit for bit as Pillow does (builds and platforms differ:
-    torchvision issue 8027), else Pillow. `requested` forces one (Pillow always; torchvision still probed)."""
-    if requested is Decoder.PILLOW:
-        return Decoder.PILLOW
-    try:
-        from torchvision.io import decode_jpeg  # noqa: F401, PLC0415 (deprecated in torchvision 0.29: may go)
-    except ImportError:
-        return Decoder.PILLOW
-    try:
-        samples = _probe_samples() + [Path(p).read_bytes() for p in sample_files]
-    except OSError:
-        return Decoder.PILLOW  # an unreadable file: the run's own reading says which, in one line
-    for data in samples:
-        if not plain_jpeg(data):
-            continue
-        ours = _torchvision_rgb(data)
-        try:
-            reference = pillow_rgb(data, "probe")
-        except UserError:
-            return Decoder.PILLOW
-        if ours is None or ours.shape != reference.shape or not np.array_equal(ours, reference):
-            log.info("torchvision's decode_jpeg differs from Pillow here; decoding with Pillow")
-            return Decoder.PILLOW
-    return Decoder.TORCHVISION
-
-
-def probe_sample(relpaths: Sequence[str], count: int = 8) -> list[str]:
-    """A few of `relpaths`, spread evenly, for `choose_decoder`."""
-    step = max(1, len(relpaths) // count)
-    return list(relpaths[::step][:count])
 
 
 def read_mask(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:
@@ -390,6 +260,36 @@ class DecodedCache:
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+_KEPT: dict[str, object] | None = None  # decoded data kept in this process by content key, inside `keep_decoded`
+
+
+@contextlib.contextmanager
+def keep_decoded() -> Iterator[None]:
+    """Inside the block, data decoded by `decode_cached` (and by in9's runs) is kept in memory by its content key
+    and handed to the next run of the same content: the zoo decodes once for all its models."""
+    global _KEPT
+    outer = _KEPT
+    _KEPT = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _KEPT = outer
+
+
+def kept(key: str) -> object | None:
+    """What `keep` stored under this content key, inside `keep_decoded`; else None."""
+    return None if _KEPT is None else _KEPT.get(key)
+
+
+def keeping() -> bool:
+    return _KEPT is not None
+
+
+def keep(key: str, value: object) -> None:
+    if _KEPT is not None:
+        _KEPT[key] = value
+
+
 def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], fingerprint: dict,
                   cache_dir: Path | None, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4,
                   progress: bool = True, decoder: Decoder = Decoder.PILLOW
@@ -400,6 +300,17 @@ def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[
     leaves out the decoder: `choose_decoder` lets torchvision decode only where its pixels are Pillow's."""
     cache = DecodedCache(cache_dir, f"{fingerprint['sha256'][:24]}-{arithmetic.value}-v{CACHE_VERSION}",
                          {"fingerprint": fingerprint, "mask_arithmetic": arithmetic.value, "groups": list(images)})
+    key = f"decoded:{fingerprint['sha256']}:{arithmetic.value}:{','.join(images)}"
+    if kept(key) is not None:
+        return kept(key)
+    decoded = _decode_cached(root, images, masks, cache, arithmetic, workers, progress, decoder)
+    keep(key, decoded)
+    return decoded
+
+
+def _decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], cache: DecodedCache,
+                   arithmetic: MaskArithmetic, workers: int, progress: bool, decoder: Decoder
+                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     packed = arithmetic is MaskArithmetic.BINARY
     cached = cache.load([*images, "masks"])
     if cached is not None:
