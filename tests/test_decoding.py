@@ -1,6 +1,6 @@
 """JPEG decoding: torchvision's decode_jpeg gives Pillow's pixels on every kind of JPEG, takes only the files it
-may (by their bytes, not their names), is chosen only where a probe finds it bit-equal, and the batches it
-fills arrive in order, whatever the job size and thread count."""
+may (by their bytes, not their names), is chosen only where a probe finds it bit-equal, the batches it fills
+arrive in order, whatever the job size and thread count, and a run decodes the bytes it hashed."""
 
 from __future__ import annotations
 
@@ -11,10 +11,17 @@ import pytest
 import torch
 from PIL import Image
 
-from tools.data import decoders, decoding
+from tools.challenge import list_challenge_files, load_challenge_data
+from tools.data import decoders, decoding, synthetic
 from tools.data.decoders import Decoder, choose_decoder, plain_jpeg
 from tools.data.decoding import decode_rgb, iter_decoded_batches
 from tools.errors import UserError
+from tools.evaluate import In9Config, list_in9_files, run_in9
+from tools.in9 import VARIATIONS
+from tools.models.sources import load_model
+from tools.runtime import Runtime
+
+CPU = Runtime(torch.device("cpu"))
 
 
 def photo(size: int = 224, seed: int = 0) -> Image.Image:
@@ -137,3 +144,36 @@ def test_batches_come_in_order_with_every_image(batch_size, workers, dataset, mo
         assert np.array_equal(batch.permute(0, 2, 3, 1).numpy(), expected[start:start + batch.shape[0]])
         seen += batch.shape[0]
     assert seen == len(relpaths)
+
+
+@pytest.fixture
+def small_data(tmp_path):
+    return synthetic.generate(tmp_path / "bg_challenge", per_class=1, seed=2).root
+
+
+def spoil_every_file(root) -> None:
+    for path in root.rglob("*"):
+        if path.suffix in (".JPEG", ".npy"):
+            path.write_bytes(b"spoiled after it was hashed")
+
+
+def test_in9_decodes_the_bytes_it_hashed(small_data, color_ts):
+    """Each file is read once, when hashed: rewriting them all after listing changes nothing in the run."""
+    loaded = load_model(checkpoint=color_ts[9])
+    config = In9Config(batch_size=7, workers=2, progress=False)
+    expected = run_in9(loaded, CPU, list_in9_files(small_data, VARIATIONS, 2), config)
+    files = list_in9_files(small_data, VARIATIONS, 2)
+    spoil_every_file(small_data)
+    run = run_in9(loaded, CPU, files, config)
+    assert {n: r.predictions.tolist() for n, r in run.results.items()} == \
+        {n: r.predictions.tolist() for n, r in expected.results.items()}
+    assert run.provenance["data"] == expected.provenance["data"] and not files.contents  # the bytes let go
+
+
+def test_the_challenge_decodes_the_bytes_it_hashed(small_data):
+    expected = load_challenge_data(list_challenge_files(small_data, 2), 2, progress=False)
+    files = list_challenge_files(small_data, 2)
+    spoil_every_file(small_data)
+    data = load_challenge_data(files, 2, progress=False)
+    for name in ("fg_images", "masks", "bg_images"):
+        assert torch.equal(getattr(data, name), getattr(expected, name)), name

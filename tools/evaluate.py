@@ -20,7 +20,7 @@ from tools.data.check import quick_check
 from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, PredictionMap, class_names
 from tools.models.boundary import LoadedModel
-from tools.data.hashing import fingerprint
+from tools.data.hashing import read_and_fingerprint
 from tools.provenance import provenance, write_json_atomic
 from tools.runtime import Forward, Runtime
 from tools.shards import NOT_MINE, Shard
@@ -112,12 +112,14 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                         state_key: dict | None = None, progress: bool = True,
                         listings: dict[str, list[layout.ImageRecord]] | None = None,
                         shard: Shard | None = None, decoder: decoders.Decoder = decoders.Decoder.PILLOW,
-                        fingerprint: dict | None = None) -> dict[str, VariationResult]:
+                        fingerprint: dict | None = None, contents: dict[str, bytes] | None = None
+                        ) -> dict[str, VariationResult]:
     """Predict every image of the named variations in one stream of batches; results keyed by variation.
 
     `listings` are the variations' records when the caller has already listed them; `decoder` decodes the JPEGs
     (`decoders.choose_decoder`). With the files' `fingerprint`, inside `datasets.keep_decoded` (the zoo), the
-    decoded variations are kept by content for the next run, which reads them from memory."""
+    decoded variations are kept by content for the next run, which reads them from memory. `contents`: the
+    files' bytes already read (`list_in9_files`), by relative path."""
     root = Path(root)
     if listings is None:
         listings = {name: layout.list_variation(root, name) for name in names}
@@ -143,7 +145,7 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     if runtime.group.distributed or shard is not None:
         share = shard or Shard(runtime.group.rank, runtime.group.world_size)
         predictions = _predict_share(root, all_paths, batch_size, workers, runtime, forward, to_in9, progress, share,
-                                     decoder)
+                                     decoder, contents)
         if shard is not None:  # this shard's predictions alone, the others' NOT_MINE: for tools.merge
             return {name: VariationResult(name, relpaths, labels, predictions[lo:hi])
                     for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:])}
@@ -158,7 +160,7 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
         batches = _batches_in_memory(memory, batch_size)
     else:
         batches = datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin(), decoder=decoder,
-                                                device=runtime.device)
+                                                device=runtime.device, contents=contents)
     kept = torch.empty((len(all_paths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8) \
         if keys and datasets.keeping() and memory.count(None) else None
     pieces: list[torch.Tensor] = []  # predictions on the device for images buffer_start..end-1
@@ -195,7 +197,7 @@ def _batches_in_memory(groups: list[torch.Tensor], batch_size: int):
 
 def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
                    forward: Forward, to_in9: PredictionMap, progress: bool, share: Shard,
-                   decoder: decoders.Decoder) -> np.ndarray:
+                   decoder: decoders.Decoder, contents: dict[str, bytes] | None) -> np.ndarray:
     """The stream's batches dealt out in turn (batch i to share i mod N), each image predicted in the very batch
     one process would put it in; under torchrun every prediction is then gathered into every process, and an
     independent shard keeps NOT_MINE (-2) where others predict."""
@@ -206,7 +208,7 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
         with tqdm(total=len(relpaths), unit="img", desc="evaluating", disable=not progress,
                   dynamic_ncols=True) as bar:
             for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(),
-                                                              starts, decoder, runtime.device):
+                                                              starts, decoder, runtime.device, contents):
                 encoded[start:start + batch.shape[0]] = to_in9(forward(runtime.to_device(batch))).cpu().numpy() \
                     - NOT_MINE
                 bar.update(batch.shape[0] * share.count)
@@ -252,6 +254,8 @@ class In9Files:
     listings: dict[str, list[layout.ImageRecord]]
     fingerprint: dict
     decoder: decoders.Decoder = decoders.Decoder.PILLOW  # chosen on a few of these files (`choose_decoder`)
+    # the files' bytes, read once when hashed, until evaluated (`run_in9` empties it)
+    contents: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
 
 
 def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None) -> In9Files:
@@ -262,8 +266,9 @@ def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None)
     root = Path(root)
     listings = {name: layout.list_variation(root, name) for name in names}
     relpaths = [r.relpath for name in names for r in listings[name]]
-    decoder = decoders.choose_decoder([root / rel for rel in decoders.probe_sample(relpaths)])
-    return In9Files(root, listings, fingerprint(root, relpaths, workers), decoder)
+    content_fingerprint, contents = read_and_fingerprint(root, relpaths, workers, keep=relpaths)
+    decoder = decoders.choose_decoder([contents[rel] for rel in decoders.probe_sample(relpaths)])
+    return In9Files(root, listings, content_fingerprint, decoder, contents)
 
 
 @dataclass
@@ -290,6 +295,7 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, confi
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
     results = evaluate_variations(loaded, runtime, files.root, names, runtime.batch_size(config.batch_size),
                                   config.workers, state_path, resume, key, config.progress, files.listings, shard,
-                                  files.decoder, files.fingerprint)
+                                  files.decoder, files.fingerprint, files.contents)
+    files.contents.clear()  # decoded: the bytes are not needed again
     return In9Run(results, provenance(runtime.describe(), loaded.describe(), files.fingerprint, files.decoder.value),
                   key)

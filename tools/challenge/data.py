@@ -3,7 +3,7 @@ decoded once (through the decoded-data cache) into uint8 tensors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +14,7 @@ from tools.data import decoding as datasets
 from tools.data import layout
 from tools.data.compositing import MaskArithmetic, byte_masks
 from tools.data.check import quick_check
-from tools.data.hashing import fingerprint
+from tools.data.hashing import read_and_fingerprint
 from tools.in9 import Variation
 
 
@@ -41,6 +41,8 @@ class ChallengeFiles(Pairs):
     root: Path
     fingerprint: dict
     decoder: decoders.Decoder = decoders.Decoder.PILLOW  # chosen on a few of these files (`choose_decoder`)
+    # the files' bytes, read once when hashed, until decoded (`load_challenge_data` empties it)
+    contents: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -76,8 +78,9 @@ def list_challenge_files(root: Path, workers: int = 4) -> ChallengeFiles:
     backgrounds = layout.list_variation(root, Variation.ONLY_BG_T.value)
     relpaths = [p for r in foregrounds for p in (r.image_relpath, r.mask_relpath)] + [r.relpath for r in backgrounds]
     images = [r.image_relpath for r in foregrounds] + [r.relpath for r in backgrounds]
-    decoder = decoders.choose_decoder([root / rel for rel in decoders.probe_sample(images)])
-    return ChallengeFiles(foregrounds, backgrounds, root, fingerprint(root, relpaths, workers), decoder)
+    content_fingerprint, contents = read_and_fingerprint(root, relpaths, workers, keep=relpaths)
+    decoder = decoders.choose_decoder([contents[rel] for rel in decoders.probe_sample(images)])
+    return ChallengeFiles(foregrounds, backgrounds, root, content_fingerprint, decoder, contents)
 
 
 def load_challenge_data(files: ChallengeFiles | Path, workers: int, cache_dir: Path | None = None,
@@ -90,7 +93,8 @@ def load_challenge_data(files: ChallengeFiles | Path, workers: int, cache_dir: P
         files.root, {"foregrounds": [r.image_relpath for r in files.foregrounds],
                      "backgrounds": [r.relpath for r in files.backgrounds]},
         [r.mask_relpath for r in files.foregrounds], files.fingerprint, cache_dir, arithmetic, workers, progress,
-        files.decoder)
+        files.decoder, files.contents)
+    files.contents.clear()  # decoded: the bytes are not needed again
     fg, bg = images["foregrounds"], images["backgrounds"]
     masks = byte_masks(masks) if arithmetic is MaskArithmetic.BINARY else masks.unsqueeze(1).contiguous()
     return ChallengeData(files.foregrounds, files.backgrounds, fg, masks, bg, files.fingerprint, arithmetic,

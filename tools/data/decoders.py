@@ -115,10 +115,10 @@ def _probe_samples() -> list[bytes]:
     return samples
 
 
-def choose_decoder(sample_files: Sequence[Path], requested: Decoder | None = None) -> Decoder:
+def choose_decoder(sample_files: Sequence[Path | bytes], requested: Decoder | None = None) -> Decoder:
     """The decoder for a run: torchvision where it decodes a few of the run's own files (`sample_files`) and a
     generated JPEG of every kind it would be given bit for bit as Pillow does (builds and platforms differ:
-    torchvision issue 8027), else Pillow. `requested` forces one (Pillow always; torchvision still probed)."""
+    torchvision issue 8027), else Pillow (`sample_files`: paths, or the files' bytes). `requested` forces one (Pillow always; torchvision still probed)."""
     if requested is Decoder.PILLOW:
         return Decoder.PILLOW
     try:
@@ -126,7 +126,7 @@ def choose_decoder(sample_files: Sequence[Path], requested: Decoder | None = Non
     except ImportError:
         return Decoder.PILLOW
     try:
-        samples = _probe_samples() + [Path(p).read_bytes() for p in sample_files]
+        samples = _probe_samples() + [p if isinstance(p, bytes) else Path(p).read_bytes() for p in sample_files]
     except OSError:
         return Decoder.PILLOW  # an unreadable file: the run's own reading says which, in one line
     for data in samples:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import io
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -32,20 +33,24 @@ DECODE_CHUNK = 64  # images per decoding job
 CACHE_VERSION = 4  # of the decoded-data cache's entries
 
 
-def decode_rgb(path: Path, size: int = IMAGE_SIZE, decoder: Decoder = Decoder.PILLOW) -> np.ndarray:
+def decode_rgb(path: Path, size: int = IMAGE_SIZE, decoder: Decoder = Decoder.PILLOW,
+               data: bytes | None = None) -> np.ndarray:
     """The image as HxWx3 uint8 RGB, Pillow's `convert("RGB")` pixels as the original's loader gives them (no
-    EXIF rotation), read once and decoded by `decoder` where it may; checked to be size x size."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise UserError(f"cannot read image {path}: {exc}; replace or remove the file") from None
+    EXIF rotation), decoded by `decoder` where it may (from `data`, the file's bytes when already read); checked
+    to be size x size."""
+    if data is None:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise UserError(f"cannot read image {path}: {exc}; replace or remove the file") from None
     return decode_bytes(data, path, size, decoder)
 
 
-def read_mask(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:
-    """A foreground mask's raw values as an HxW array, checked for shape and a numeric dtype."""
+def read_mask(path: Path, size: int = IMAGE_SIZE, data: bytes | None = None) -> np.ndarray:
+    """A foreground mask's raw values as an HxW array (from `data`, the file's bytes when already read), checked
+    for shape and a numeric dtype."""
     try:
-        raw = np.load(path, allow_pickle=False)
+        raw = np.load(path if data is None else io.BytesIO(data), allow_pickle=False)
     except NUMPY_READ_ERRORS as exc:
         raise UserError(f"cannot read mask {path}: {exc}; masks are .npy arrays of shape ({size}, {size})") from None
     if raw.ndim == 3 and 1 in (raw.shape[0], raw.shape[-1]):
@@ -62,14 +67,15 @@ def is_binary(raw: np.ndarray) -> bool:
     return raw.dtype == np.bool_ or bool(((raw == 0) | (raw == 1)).all())
 
 
-def load_mask(path: Path, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, size: int = IMAGE_SIZE) -> np.ndarray:
+def load_mask(path: Path, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, size: int = IMAGE_SIZE,
+              data: bytes | None = None) -> np.ndarray:
     """A foreground mask, ready for compositing.
 
     binary: an HxW bool array; masks holding anything but booleans or 0/1 are refused, naming the values
     and what the original would have computed. original: the original's uint8 weight numerators
     (`compositing.original_weights`), whatever the values.
     """
-    raw = read_mask(path, size)
+    raw = read_mask(path, size, data)
     if arithmetic is MaskArithmetic.ORIGINAL:
         return original_weights(raw)
     if not is_binary(raw):
@@ -87,10 +93,11 @@ def load_mask(path: Path, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, si
 JOB_IMAGES = 32  # images per decoding job: small enough that every thread has work while a batch fills
 
 
-def _decode_into(out: torch.Tensor, root: Path, relpaths: Sequence[str], decoder: Decoder) -> None:
+def _decode_into(out: torch.Tensor, root: Path, relpaths: Sequence[str], decoder: Decoder,
+                 contents: Mapping[str, bytes]) -> None:
     array = out.numpy()  # NHWC
     for i, rel in enumerate(relpaths):
-        array[i] = decode_rgb(Path(root) / rel, decoder=decoder)
+        array[i] = decode_rgb(Path(root) / rel, decoder=decoder, data=contents.get(rel))
 
 
 class _DeviceCopies:
@@ -113,12 +120,13 @@ class _DeviceCopies:
 
 def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, workers: int,
                          pin_memory: bool = False, starts: Sequence[int] | None = None,
-                         decoder: Decoder = Decoder.PILLOW, device: torch.device | None = None
-                         ) -> Iterator[tuple[int, torch.Tensor]]:
+                         decoder: Decoder = Decoder.PILLOW, device: torch.device | None = None,
+                         contents: Mapping[str, bytes] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield (start index, uint8 Nx3xHxW batch) in order (every batch, or those beginning at `starts`), decoded
     ahead by `workers` threads in jobs of `JOB_IMAGES` images straight into each batch's buffer (pinned with
     `pin_memory`: PyTorch's host allocator recycles those blocks only once the copies reading them are done).
 
+    `contents`: files' bytes already read (when hashing them), by relative path; the others are read here.
     With a CUDA `device` the batches come on it, copied on a side stream. Pillow and decode_jpeg release the GIL
     while they decode, so threads decode in parallel; errors (unreadable files, wrong sizes) surface as they
     are, naming the file."""
@@ -126,12 +134,13 @@ def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, w
     workers = max(1, workers)
     copies = _DeviceCopies(device) if device is not None and device.type == "cuda" else None
     ahead = max(2, -(-2 * workers * JOB_IMAGES // batch_size))  # batches decoding at once
+    contents = contents or {}
 
     def submit(pool, start: int):
         count = min(batch_size, len(relpaths) - start)
         out = torch.empty((count, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=torch.uint8, pin_memory=pin_memory)
         jobs = [pool.submit(_decode_into, out[i:i + JOB_IMAGES], root,
-                            relpaths[start + i:start + min(i + JOB_IMAGES, count)], decoder)
+                            relpaths[start + i:start + min(i + JOB_IMAGES, count)], decoder, contents)
                 for i in range(0, count, JOB_IMAGES)]
         return start, out, jobs
 
@@ -160,22 +169,25 @@ def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, w
 
 
 def decode_images(root: Path, relpaths: Sequence[str], workers: int, progress: bool = True,
-                  desc: str = "decoding", decoder: Decoder = Decoder.PILLOW) -> torch.Tensor:
+                  desc: str = "decoding", decoder: Decoder = Decoder.PILLOW,
+                  contents: Mapping[str, bytes] | None = None) -> torch.Tensor:
     """Every image as one uint8 (N, 3, H, W) tensor, decoded in `workers` threads, with a progress bar."""
     out = torch.empty((len(relpaths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8)
     with tqdm(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
-        for start, batch in iter_decoded_batches(root, relpaths, DECODE_CHUNK, workers, decoder=decoder):
+        for start, batch in iter_decoded_batches(root, relpaths, DECODE_CHUNK, workers, decoder=decoder,
+                                                 contents=contents):
             out[start:start + batch.shape[0]] = batch
             bar.update(batch.shape[0])
     return out
 
 
-def load_masks(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic = MaskArithmetic.BINARY) -> np.ndarray:
+def load_masks(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic = MaskArithmetic.BINARY,
+               contents: Mapping[str, bytes] | None = None) -> np.ndarray:
     """Every mask of `relpaths` stacked: (N, H, W) bool (binary) or the original's uint8 weights (original)."""
     dtype = np.uint8 if arithmetic is MaskArithmetic.ORIGINAL else bool
     masks = np.empty((len(relpaths), IMAGE_SIZE, IMAGE_SIZE), dtype=dtype)
     for i, rel in enumerate(relpaths):
-        masks[i] = load_mask(Path(root) / rel, arithmetic)
+        masks[i] = load_mask(Path(root) / rel, arithmetic, data=(contents or {}).get(rel))
     return masks
 
 
@@ -292,8 +304,8 @@ def keep(key: str, value: object) -> None:
 
 def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], fingerprint: dict,
                   cache_dir: Path | None, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4,
-                  progress: bool = True, decoder: Decoder = Decoder.PILLOW
-                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                  progress: bool = True, decoder: Decoder = Decoder.PILLOW,
+                  contents: Mapping[str, bytes] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Named groups of images as uint8 (N, 3, H, W) tensors and the masks (`load_masks`), decoded once and
     reused from `cache_dir` when the content fingerprint and the mask arithmetic match (the challenge's data;
     training decodes per sample in its DataLoader workers). Binary masks are cached as packed bits. The key
@@ -303,14 +315,14 @@ def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[
     key = f"decoded:{fingerprint['sha256']}:{arithmetic.value}:{','.join(images)}"
     if kept(key) is not None:
         return kept(key)
-    decoded = _decode_cached(root, images, masks, cache, arithmetic, workers, progress, decoder)
+    decoded = _decode_cached(root, images, masks, cache, arithmetic, workers, progress, decoder, contents or {})
     keep(key, decoded)
     return decoded
 
 
 def _decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], cache: DecodedCache,
-                   arithmetic: MaskArithmetic, workers: int, progress: bool, decoder: Decoder
-                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                   arithmetic: MaskArithmetic, workers: int, progress: bool, decoder: Decoder,
+                   contents: Mapping[str, bytes]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     packed = arithmetic is MaskArithmetic.BINARY
     cached = cache.load([*images, "masks"])
     if cached is not None:
@@ -320,8 +332,8 @@ def _decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence
             mask_array = np.unpackbits(mask_array, axis=1, count=pixels).astype(bool).reshape(-1, IMAGE_SIZE,
                                                                                                IMAGE_SIZE)
         return {name: torch.from_numpy(cached[name]) for name in images}, torch.from_numpy(mask_array)
-    mask_array = load_masks(root, masks, arithmetic)  # first: a refused mask stops the run before any decoding
-    decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}", decoder)
+    mask_array = load_masks(root, masks, arithmetic, contents)  # first: a refused mask stops the run before any decoding
+    decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}", decoder, contents)
                for name, relpaths in images.items()}
     stored = np.packbits(mask_array.reshape(len(mask_array), -1), axis=1) if packed else mask_array
     cache.save({**{name: tensor.numpy() for name, tensor in decoded.items()}, "masks": stored})
