@@ -177,3 +177,20 @@ def test_the_challenge_decodes_the_bytes_it_hashed(small_data):
     data = load_challenge_data(files, 2, progress=False)
     for name in ("fg_images", "masks", "bg_images"):
         assert torch.equal(getattr(data, name), getattr(expected, name)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batches_copied_on_the_side_stream_arrive_whole(dataset):
+    """On CUDA the batches come on the device through the copy stream, pinned, each equal to its decoded pixels
+    even while the consumer's stream is busy (a copy the consumer did not wait for would show stale bytes)."""
+    relpaths = sorted(str(p.relative_to(dataset.root)) for p in dataset.root.rglob("*.JPEG"))
+    expected = np.stack([decode_rgb(dataset.root / rel) for rel in relpaths])
+    device = torch.device("cuda")
+    busy = torch.randn(2048, 2048, device=device)
+    for start, batch in iter_decoded_batches(dataset.root, relpaths, 16, 2, pin_memory=True,
+                                             decoder=Decoder.TORCHVISION, device=device):
+        busy = busy @ busy / 2048  # keep the consumer's stream working
+        assert batch.device.type == "cuda"
+        seen = batch.permute(0, 2, 3, 1).cpu().numpy()
+        assert np.array_equal(seen, expected[start:start + batch.shape[0]])
