@@ -110,7 +110,9 @@ class _DeviceCopies:
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         consumer = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(consumer)  # the copy's target memory may be recycled from the consumer's work
+        # Allocated on the side stream, the copy's target is recycled only by the side stream's allocations, and
+        # (record_stream) only once the consumer's work on it is done; the pinned source block, only once the
+        # copy is done (the host allocator records an event on the side stream).
         with torch.cuda.stream(self.stream):
             moved = batch.to(self.device, non_blocking=True)  # NHWC storage: channels_last on the device too
         consumer.wait_stream(self.stream)
