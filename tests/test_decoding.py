@@ -49,6 +49,7 @@ KINDS = {
     "progressive": lambda: jpeg(photo(), progressive=True),
     "optimised": lambda: jpeg(photo(), optimize=True),
     "restart markers": lambda: jpeg(photo(), restart_marker_blocks=3),
+    "RGB (Adobe)": lambda: jpeg(photo(), keep_rgb=True),
     "grey": lambda: jpeg(photo().convert("L")),
     "CMYK": lambda: jpeg(photo().convert("CMYK")),
     "EXIF-rotated": lambda: jpeg(photo(), exif=rotated_exif()),

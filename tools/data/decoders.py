@@ -100,7 +100,7 @@ def plain_jpeg(data: bytes) -> bool:
 
 def _probe_samples() -> list[bytes]:
     """Generated JPEGs of every kind `plain_jpeg` accepts: 4:2:0, 4:2:2, 4:4:4, progressive, optimised, with
-    restart markers, grey."""
+    restart markers, RGB (Adobe transform 0), grey."""
     yy, xx = np.mgrid[0:64, 0:64]
     rng = np.random.default_rng(0)
     pixels = np.stack([xx * 4, yy * 4, (xx + yy) * 2], -1) + rng.integers(0, 24, (64, 64, 3))
@@ -108,7 +108,8 @@ def _probe_samples() -> list[bytes]:
     samples = []
     for img, options in [(image, {"subsampling": 2}), (image, {"subsampling": 1}), (image, {"subsampling": 0}),
                          (image, {"progressive": True}), (image, {"optimize": True}),
-                         (image, {"restart_marker_blocks": 2}), (image.convert("L"), {})]:
+                         (image, {"restart_marker_blocks": 2}), (image, {"keep_rgb": True}),
+                         (image.convert("L"), {})]:
         buffer = io.BytesIO()
         img.save(buffer, "JPEG", quality=87, **options)
         samples.append(buffer.getvalue())
@@ -118,7 +119,8 @@ def _probe_samples() -> list[bytes]:
 def choose_decoder(sample_files: Sequence[Path | bytes], requested: Decoder | None = None) -> Decoder:
     """The decoder for a run: torchvision where it decodes a few of the run's own files (`sample_files`) and a
     generated JPEG of every kind it would be given bit for bit as Pillow does (builds and platforms differ:
-    torchvision issue 8027), else Pillow (`sample_files`: paths, or the files' bytes). `requested` forces one (Pillow always; torchvision still probed)."""
+    torchvision issue 8027), else Pillow. `sample_files`: paths, or the files' bytes. `requested` forces one
+    (Pillow always; torchvision still only where the probe passes)."""
     if requested is Decoder.PILLOW:
         return Decoder.PILLOW
     try:
