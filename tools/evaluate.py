@@ -156,13 +156,14 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
         return {name: results[name] for name in names}
     keys = [f"in9:{fingerprint['folders'][name]}" for name, _, _ in todo] if fingerprint else []
     memory = [datasets.kept(key) for key in keys]
+    kept = torch.empty((len(all_paths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8) \
+        if keys and datasets.keeping() and memory.count(None) else None  # filled on the host for the next runs
     if memory and all(m is not None for m in memory):
         batches = _batches_in_memory(memory, batch_size)
     else:
         batches = datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin(), decoder=decoder,
-                                                device=runtime.device, contents=contents)
-    kept = torch.empty((len(all_paths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8) \
-        if keys and datasets.keeping() and memory.count(None) else None
+                                                device=None if kept is not None else runtime.device,
+                                                contents=contents)
     pieces: list[torch.Tensor] = []  # predictions on the device for images buffer_start..end-1
     buffer_start = finished = 0
     bar = tqdm(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
