@@ -26,6 +26,7 @@ from tools.data.decoders import Decoder, decode_bytes
 from tools.data.temporary import is_running
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE
+from tools.runtime import to_device
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class _DeviceCopies:
         # (record_stream) only once the consumer's work on it is done; the pinned source block, only once the
         # copy is done (the host allocator records an event on the side stream).
         with torch.cuda.stream(self.stream):
-            moved = batch.to(self.device, non_blocking=True)  # NHWC storage: channels_last on the device too
+            moved = to_device(batch, self.device)  # pinned already: no wait; NHWC: channels_last on the device
         consumer.wait_stream(self.stream)
         moved.record_stream(consumer)
         return moved
