@@ -313,7 +313,7 @@ def ratios(parts: dict) -> dict:
         if entry.get("status") != "ok":
             continue
         for key in ("ratio", "first_run_ratio", "times_ideal"):
-            if key in entry:
+            if isinstance(entry.get(key), float):
                 out[f"{name} {key}"] = entry[key]
         if name == "train":
             for method, value in entry.get("ratio", {}).items():

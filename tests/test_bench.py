@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -48,3 +49,20 @@ def test_gpu_command_runs_small_on_the_cpu(tmp_path):
     skipped = json.loads(out.read_text())["parts"]
     assert list(skipped) == ["train"] and skipped["train"]["status"] == "skipped"
     assert "train: skipped" in proc.stdout
+
+
+def test_gpu_command_ratios_take_every_part_that_ran():
+    """The ratios: each pipeline's against its model, train.py's per method, compiled against eager; none from a
+    part that failed or was skipped."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    parts = {"in9-bf16": {"status": "ok", "ratio": 0.5, "first_run_ratio": 0.25},
+             "challenge-eval": {"status": "ok", "times_ideal": 1.5},
+             "challenge-full": {"status": "timed out"},
+             "train": {"status": "ok", "ratio": {"erm": {"median": 0.9, "mean": 0.8}}},
+             "model-bf16-eager": {"status": "ok", "images_per_s": 100.0},
+             "model-bf16-compiled": {"status": "ok", "images_per_s": 150.0}}
+    assert gpu.ratios(parts) == {"in9-bf16 ratio": 0.5, "in9-bf16 first_run_ratio": 0.25,
+                                 "challenge-eval times_ideal": 1.5, "train erm median ratio": 0.9,
+                                 "model bf16 compiled / eager": 1.5}
