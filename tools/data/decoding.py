@@ -335,7 +335,7 @@ def _decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence
             mask_array = np.unpackbits(mask_array, axis=1, count=pixels).astype(bool).reshape(-1, IMAGE_SIZE,
                                                                                                IMAGE_SIZE)
         return {name: torch.from_numpy(cached[name]) for name in images}, torch.from_numpy(mask_array)
-    mask_array = load_masks(root, masks, arithmetic, contents)  # first: a refused mask stops the run before any decoding
+    mask_array = load_masks(root, masks, arithmetic, contents)  # first: a refused mask stops the run before decoding
     decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}", decoder, contents)
                for name, relpaths in images.items()}
     stored = np.packbits(mask_array.reshape(len(mask_array), -1), axis=1) if packed else mask_array
