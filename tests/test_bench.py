@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,3 +20,49 @@ def test_bench_script_starts(script):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage:" in proc.stdout
+
+
+def test_gpu_command_runs_small_on_the_cpu(tmp_path):
+    """bench/gpu.py at tiny sizes on the CPU (as CI runs it): every figure asked for, the ratios against the model
+    measured in the same run, the environment, and a part that would overrun the budget skipped."""
+    out = tmp_path / "gpu.json"
+    parts = ["model-fp32-eager", "in9-fp32", "challenge-any", "challenge-full"]
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--small", "--per-class", "1", "--window", "0.2",
+                           "--full-foregrounds", "4", "--parts", *parts, "--results-file", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [name for name, entry in report["parts"].items() if entry["status"] == "ok"] == parts, report["parts"]
+    assert report["environment"]["torch"] and report["environment"]["device"] == "cpu"
+    assert report["parts"]["model-fp32-eager"]["images_per_s"] > 0
+    assert report["parts"]["in9-fp32"]["images"] == 8 * 9
+    full = report["parts"]["challenge-full"]
+    assert full["composites"] == full["foregrounds"] * full["backgrounds"] == 4 * 9
+    for name in parts[1:]:
+        assert report["ratios"][f"{name} ratio"] > 0
+        assert f"ratio {name} ratio:" in proc.stdout
+
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--small", "--per-class", "1", "--budget", "0",
+                           "--parts", "train", "--results-file", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    skipped = json.loads(out.read_text())["parts"]
+    assert list(skipped) == ["train"] and skipped["train"]["status"] == "skipped"
+    assert "train: skipped" in proc.stdout
+
+
+def test_gpu_command_ratios_take_every_part_that_ran():
+    """The ratios: each pipeline's against its model, train.py's per method, compiled against eager; none from a
+    part that failed or was skipped."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    parts = {"in9-bf16": {"status": "ok", "ratio": 0.5, "first_run_ratio": 0.25},
+             "challenge-eval": {"status": "ok", "times_ideal": 1.5},
+             "challenge-full": {"status": "timed out"},
+             "train": {"status": "ok", "ratio": {"erm": {"median": 0.9, "mean": 0.8}}},
+             "model-bf16-eager": {"status": "ok", "images_per_s": 100.0},
+             "model-bf16-compiled": {"status": "ok", "images_per_s": 150.0}}
+    assert gpu.ratios(parts) == {"in9-bf16 ratio": 0.5, "in9-bf16 first_run_ratio": 0.25,
+                                 "challenge-eval times_ideal": 1.5, "train erm median ratio": 0.9,
+                                 "model bf16 compiled / eager": 1.5}

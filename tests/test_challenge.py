@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ import challenge_eval
 from tests.helpers import TinyCNN, save_torchscript
 from tools import challenge
 from tools.data import synthetic
+from tools.data.decoders import Decoder
 from tools.challenge import ChallengeConfig, Criterion, Scheduler, run_challenge
 from tools.challenge.predictor import IN_FLIGHT
 from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD
@@ -100,6 +102,18 @@ def test_full_matrix_equals_reference(name, data, models, references, tmp_path):
     assert (result.state.verdict == challenge.VULNERABLE).tolist() == expected.tolist()
     write_matrix(tmp_path / "full", result, data, 9)
     assert np.array_equal(np.load(tmp_path / "full" / "predictions.npy"), matrix.astype(np.int8))
+
+
+@pytest.mark.parametrize("decoder", list(Decoder))
+def test_either_decoder_gives_the_references_verdicts_and_matrix(decoder, data, models, references, tmp_path):
+    """In fp32, the verdicts and the --full matrix are the brute-force (Pillow) reference's with either decoder."""
+    matrix, fg_labels, bg_labels = references["cnn9"]
+    files = dataclasses.replace(challenge.list_challenge_files(data, 2), decoder=decoder)
+    result = engine(models["cnn9"][1], files, tmp_path, full=True, batch_size=10)
+    assert np.array_equal(result.state.matrix.astype(np.int64), matrix)
+    expected = reference_verdicts(matrix, fg_labels, bg_labels, "any")
+    assert (result.state.verdict == challenge.VULNERABLE).tolist() == expected.tolist()
+    assert result.provenance["decoder"]["used"] == decoder.value
 
 
 def test_unmapped_predictions_are_wrong(references):

@@ -3,6 +3,7 @@ against a hand-built model whose answers follow from the data; determinism, batc
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -27,7 +28,8 @@ from tests import reference
 from tests.helpers import save_torchscript
 from tools import __version__
 from tools.data import synthetic
-from tools.evaluate import evaluate_variations
+from tools.data.decoders import Decoder
+from tools.evaluate import In9Config, evaluate_variations, list_in9_files, run_in9
 from tools.in9 import class_folder_names, VARIATIONS, class_names
 from tools.models.sources import load_model
 from tools.runtime import Runtime
@@ -320,6 +322,18 @@ def test_batch_sizes_give_the_same_predictions(batch_size, workers, channels_las
     results = evaluate_variations(loaded, runtime, dataset.root, VARIATIONS, batch_size, workers, progress=False)
     for variation in VARIATIONS:
         assert results[variation].predictions.tolist() == references("cnn9")[variation].predictions, variation
+
+
+@pytest.mark.parametrize("decoder", list(Decoder))
+def test_either_decoder_gives_the_references_results(decoder, models, dataset, references):
+    """In fp32, torchvision's decoder and Pillow's give the brute-force (Pillow) reference's predictions, and the
+    run names its decoder in the provenance."""
+    files = dataclasses.replace(list_in9_files(dataset.root, VARIATIONS, 2), decoder=decoder)
+    loaded = load_model(checkpoint=models["cnn1000"].path)
+    run = run_in9(loaded, Runtime(torch.device("cpu")), files, In9Config(batch_size=11, workers=2, progress=False))
+    for variation in VARIATIONS:
+        assert run.results[variation].predictions.tolist() == references("cnn1000")[variation].predictions
+    assert run.provenance["decoder"]["used"] == decoder.value
 
 
 def test_torch_export_program_gives_the_same_predictions(models, dataset, references, tmp_path):

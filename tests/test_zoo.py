@@ -22,7 +22,7 @@ import challenge_eval
 import in9_eval
 from tests.helpers import run_in_process, save_torchscript
 from tools import challenge, evaluate, zoo
-from tools.data import synthetic
+from tools.data import decoding, synthetic
 from tools.errors import UserError
 from tools.data.hashing import sha256_file
 from tools.in9 import VARIATIONS
@@ -383,3 +383,27 @@ def test_a_clip_model_from_a_weights_file_is_reused_until_the_file_changes(small
     torch.save(open_clip.create_model(arch, pretrained=None).state_dict(), weights)
     code, out, err = small_zoo(data, output, spec, capsys)
     assert code == 0 and f"{spec}: done: " in out, err
+
+
+def test_the_zoo_decodes_each_image_once_for_all_its_models(data, checkpoints, tmp_path, monkeypatch, capsys):
+    """in9's images and the challenge's are decoded for the first model and read from memory for the others (by
+    content), with the same numbers; a second zoo run decodes afresh."""
+    decoded = []
+    real = decoding.decode_rgb
+    monkeypatch.setattr(decoding, "decode_rgb", lambda path, *a, **k: decoded.append(path) or real(path, *a, **k))
+    copies = []
+    for n in range(3):
+        shutil.copyfile(checkpoints / "color.ts", tmp_path / f"color{n}.ts")
+        copies.append(f"file:{tmp_path / f'color{n}.ts'}")
+    code, out, err = run_zoo_cli(zoo_args(data, tmp_path / "zoo", copies), capsys)
+    assert code == 0, err
+    in9_images = sum(1 for v in VARIATIONS for _ in (data / v).rglob("*.JPEG"))
+    challenge_images = 2 * sum(1 for _ in (data / "only_bg_t").rglob("*.JPEG"))  # foregrounds and backgrounds
+    assert len(decoded) == in9_images + challenge_images
+    assert len(set(decoded)) == in9_images  # the challenge's foregrounds and backgrounds are original's and only_bg_t's
+    runs = [json.loads(results_file(tmp_path / "zoo", spec).read_text()) for spec in copies]
+    timing = ("provenance", "wall_time_s", "composites_per_s")
+    for run in runs[1:]:
+        for part in ("in9", "challenge"):
+            assert {k: v for k, v in run[part].items() if k not in timing} == \
+                {k: v for k, v in runs[0][part].items() if k not in timing}

@@ -13,13 +13,14 @@ import torch
 from tqdm import tqdm
 
 from tools import distributed
+from tools.data import decoders
 from tools.data import decoding as datasets
 from tools.data import layout
 from tools.data.check import quick_check
 from tools.errors import UserError
-from tools.in9 import NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, PredictionMap, class_names
+from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, PredictionMap, class_names
 from tools.models.boundary import LoadedModel
-from tools.data.hashing import fingerprint
+from tools.data.hashing import read_and_fingerprint
 from tools.provenance import provenance, write_json_atomic
 from tools.runtime import RECHECK_MARGIN, Forward, Runtime
 from tools.shards import NOT_MINE, Shard
@@ -157,12 +158,16 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                         workers: int, state_path: Path | None = None, resume: bool = False,
                         state_key: dict | None = None, progress: bool = True,
                         listings: dict[str, list[layout.ImageRecord]] | None = None,
-                        shard: Shard | None = None, recheck_margin: float = RECHECK_MARGIN
-                        ) -> dict[str, VariationResult]:
+                        shard: Shard | None = None, recheck_margin: float = RECHECK_MARGIN,
+                        decoder: decoders.Decoder = decoders.Decoder.PILLOW, fingerprint: dict | None = None,
+                        contents: dict[str, bytes] | None = None) -> dict[str, VariationResult]:
     """Predict every image of the named variations in one stream of batches; results keyed by variation.
 
     `listings` are the variations' records when the caller has already listed them. In reduced precision, near
-    ties (top-two margin below `recheck_margin`; 0: none) are re-run in fp32, as the challenge does."""
+    ties (top-two margin below `recheck_margin`; 0: none) are re-run in fp32, as the challenge does. `decoder`
+    decodes the JPEGs (`decoders.choose_decoder`). With the files' `fingerprint`, inside `datasets.keep_decoded`
+    (the zoo), the decoded variations are kept by content for the next run, which reads them from memory.
+    `contents`: the files' bytes already read (`list_in9_files`), by relative path."""
     root = Path(root)
     if listings is None:
         listings = {name: layout.list_variation(root, name) for name in names}
@@ -189,7 +194,7 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     if runtime.group.distributed or shard is not None:
         share = shard or Shard(runtime.group.rank, runtime.group.world_size)
         predictions, rechecked, changed = _predict_share(root, all_paths, batch_size, workers, runtime, forward, recheck,
-                                                         progress, share)
+                                                         progress, share, decoder, contents)
         shares = [(name, relpaths, labels, lo, hi, int(rechecked[lo:hi].sum()), int(changed[lo:hi].sum()))
                   for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:])]
         if shard is not None:  # this shard's predictions alone, the others' NOT_MINE: for tools.merge
@@ -200,11 +205,23 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
             if runtime.group.is_main:
                 resumer.save(name, predictions[lo:hi])
         return {name: results[name] for name in names}
+    keys = [f"in9:{fingerprint['folders'][name]}" for name, _, _ in todo] if fingerprint else []
+    memory = [datasets.kept(key) for key in keys]
+    kept = torch.empty((len(all_paths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8) \
+        if keys and datasets.keeping() and memory.count(None) else None  # filled on the host for the next runs
+    if memory and all(m is not None for m in memory):
+        batches = _batches_in_memory(memory, batch_size)
+    else:
+        batches = datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin(), decoder=decoder,
+                                                device=None if kept is not None else runtime.device,
+                                                contents=contents)
     pieces: list[torch.Tensor] = []  # predictions on the device for images buffer_start..end-1
     buffer_start = finished = 0
     bar = tqdm(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
     with bar:
-        for start, batch in datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin()):
+        for start, batch in batches:
+            if kept is not None:
+                kept[start:start + batch.shape[0]] = batch
             images = runtime.to_device(batch)
             pieces.append(recheck.note(forward(images), images, start))
             bar.update(batch.shape[0])
@@ -220,12 +237,22 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                 resumer.save(name, preds)
                 pieces, buffer_start = [buffered[hi:]], bounds[finished + 1]
                 finished += 1
+    for key, lo, hi in zip(keys, bounds[:-1], bounds[1:]):
+        if kept is not None:
+            datasets.keep(key, kept[lo:hi])
     return {name: results[name] for name in names}
 
 
+def _batches_in_memory(groups: list[torch.Tensor], batch_size: int):
+    """(start, batch) over decoded groups as if they were one stream of images, in batches of `batch_size`."""
+    whole = groups[0] if len(groups) == 1 else torch.cat(groups)
+    for start in range(0, whole.shape[0], batch_size):
+        yield start, whole[start:start + batch_size]
+
+
 def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
-                   forward: Forward, recheck: _Recheck, progress: bool, share: Shard
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   forward: Forward, recheck: _Recheck, progress: bool, share: Shard, decoder: decoders.Decoder,
+                   contents: dict[str, bytes] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The stream's batches dealt out in turn (batch i to share i mod N), each image predicted in the very batch
     one process would put it in; under torchrun every prediction is then gathered into every process, and an
     independent shard keeps NOT_MINE (-2) where others predict. With the predictions, per position: whether it
@@ -237,7 +264,7 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
         with tqdm(total=len(relpaths), unit="img", desc="evaluating", disable=not progress,
                   dynamic_ncols=True) as bar:
             for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(),
-                                                              starts):
+                                                              starts, decoder, runtime.device, contents):
                 images = runtime.to_device(batch)
                 preds[start:start + batch.shape[0]] = recheck.note(forward(images), images, start).cpu().numpy()
                 bar.update(batch.shape[0] * share.count)
@@ -290,6 +317,9 @@ class In9Files:
     root: Path
     listings: dict[str, list[layout.ImageRecord]]
     fingerprint: dict
+    decoder: decoders.Decoder = decoders.Decoder.PILLOW  # chosen on a few of these files (`choose_decoder`)
+    # the files' bytes, read once when hashed, until evaluated (`run_in9` empties it)
+    contents: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
 
 
 def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None) -> In9Files:
@@ -299,7 +329,10 @@ def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None)
     quick_check(root, names)
     root = Path(root)
     listings = {name: layout.list_variation(root, name) for name in names}
-    return In9Files(root, listings, fingerprint(root, [r.relpath for name in names for r in listings[name]], workers))
+    relpaths = [r.relpath for name in names for r in listings[name]]
+    content_fingerprint, contents = read_and_fingerprint(root, relpaths, workers, keep=relpaths)
+    decoder = decoders.choose_decoder([contents[rel] for rel in decoders.probe_sample(relpaths)])
+    return In9Files(root, listings, content_fingerprint, decoder, contents)
 
 
 @dataclass
@@ -328,5 +361,7 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, confi
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
     results = evaluate_variations(loaded, runtime, files.root, names, runtime.batch_size(config.batch_size),
                                   config.workers, state_path, resume, key, config.progress, files.listings, shard,
-                                  config.recheck_margin)
-    return In9Run(results, provenance(runtime.describe(), loaded.describe(), files.fingerprint), key)
+                                  config.recheck_margin, files.decoder, files.fingerprint, files.contents)
+    files.contents.clear()  # decoded: the bytes are not needed again
+    return In9Run(results, provenance(runtime.describe(), loaded.describe(), files.fingerprint, files.decoder.value),
+                  key)

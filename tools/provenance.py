@@ -16,17 +16,19 @@ from tools import __version__
 from tools.errors import UserError
 
 
-def decoder() -> dict:
-    """The image decoder: Pillow's version and its libjpeg's, and whether that is libjpeg-turbo (with its version):
+def decoder(used: str | None = None) -> dict:
+    """The image decoder: `used` (who decoded the JPEGs, tools.data.decoders.Decoder: the pixels are Pillow's either
+    way), Pillow's version and its libjpeg's, and whether that is libjpeg-turbo (with its version):
     another libjpeg gives other pixels for the same JPEG file, and so may change a prediction."""
     import PIL  # noqa: PLC0415 (only here for the versions)
     from PIL import features  # noqa: PLC0415
     turbo = features.check_feature("libjpeg_turbo")
-    return {"pillow": PIL.__version__, "libjpeg": features.version("jpg"), "libjpeg_turbo":
+    return {"used": used, "pillow": PIL.__version__, "libjpeg": features.version("jpg"), "libjpeg_turbo":
             features.version_feature("libjpeg_turbo") if turbo else None}
 
 
-def provenance(runtime_info: dict, model_info: dict, data_info: dict) -> dict:
+def provenance(runtime_info: dict, model_info: dict, data_info: dict, decoder_used: str | None = None) -> dict:
+    """Versions, device, model and data of a run; `decoder_used`: who decoded the JPEGs (`decoder`)."""
     import torch  # noqa: PLC0415 (only here for the versions: writing results needs neither)
     import torchvision  # noqa: PLC0415
     return {
@@ -34,7 +36,7 @@ def provenance(runtime_info: dict, model_info: dict, data_info: dict) -> dict:
         "torch": torch.__version__,
         "torchvision": torchvision.__version__,
         "python": platform.python_version(),
-        "decoder": decoder(),
+        "decoder": decoder(decoder_used),
         **runtime_info,
         **model_info,
         "data": data_info,

@@ -36,6 +36,7 @@ from tools import cli, distributed, options
 from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, flags, list_challenge_files, run_challenge
 from tools.errors import UserError
 from tools.evaluate import In9Config, In9Files, list_in9_files, run_in9
+from tools.data import decoding as datasets
 from tools.data.hashing import sha256_file
 from tools.in9 import VARIATIONS
 from tools.results.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
@@ -251,38 +252,39 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
         data = list_zoo_data(settings.data_path, settings.workers)
     fingerprint = settings.fingerprint(runtime)
     outcomes = []
-    for index, spec in enumerate(specs, 1):
-        path = results_path(output_dir, spec)
-        log.info("[%d/%d] %s", index, len(specs), spec.text)
-        try:
-            with distributed.agree(runtime.group, device):
-                payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress,
-                                                  settings.trust_remote_code)
-            if distributed.all_reduce(np.array([payload is not None], np.int64), "min", device)[0]:  # all or none
-                log.info("%s is done already (%s): skipped", spec.text, path)
-                outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
-                continue
-            with distributed.agree(runtime.group, device):
-                loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code)
-                if runtime.group.is_main:
-                    set_aside_other_state(Path(output_dir) / RUNS_FOLDER / spec.slug,
-                                          identity(data, loaded.sha256, fingerprint))
-            payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir, progress)
-            with distributed.agree(runtime.group, device):
-                if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes
-                    write_json_atomic(path, payload)
-            outcomes.append(Outcome(spec.text, "done", path, summary=_summary(payload)))
-        except UserError as exc:
-            log.error("%s: %s", spec.text, exc)
-            outcomes.append(Outcome(spec.text, "failed", message=str(exc)))
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except Exception as exc:  # noqa: BLE001 (one model's crash must not lose the others' runs)
-            log.exception("%s failed unexpectedly", spec.text)
-            outcomes.append(Outcome(spec.text, "failed", message=f"{type(exc).__name__}: {exc}"))
-        finally:
-            loaded = None
-            runtime.release()
+    with datasets.keep_decoded():  # every model reads the same data: decoded for the first, kept for the rest
+        for index, spec in enumerate(specs, 1):
+            path = results_path(output_dir, spec)
+            log.info("[%d/%d] %s", index, len(specs), spec.text)
+            try:
+                with distributed.agree(runtime.group, device):
+                    payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress,
+                                                      settings.trust_remote_code)
+                if distributed.all_reduce(np.array([payload is not None], np.int64), "min", device)[0]:  # all or none
+                    log.info("%s is done already (%s): skipped", spec.text, path)
+                    outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
+                    continue
+                with distributed.agree(runtime.group, device):
+                    loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code)
+                    if runtime.group.is_main:
+                        set_aside_other_state(Path(output_dir) / RUNS_FOLDER / spec.slug,
+                                              identity(data, loaded.sha256, fingerprint))
+                payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir, progress)
+                with distributed.agree(runtime.group, device):
+                    if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes
+                        write_json_atomic(path, payload)
+                outcomes.append(Outcome(spec.text, "done", path, summary=_summary(payload)))
+            except UserError as exc:
+                log.error("%s: %s", spec.text, exc)
+                outcomes.append(Outcome(spec.text, "failed", message=str(exc)))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as exc:  # noqa: BLE001 (one model's crash must not lose the others' runs)
+                log.exception("%s failed unexpectedly", spec.text)
+                outcomes.append(Outcome(spec.text, "failed", message=f"{type(exc).__name__}: {exc}"))
+            finally:
+                loaded = None
+                runtime.release()
     return outcomes
 
 

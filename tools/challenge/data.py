@@ -3,17 +3,18 @@ decoded once (through the decoded-data cache) into uint8 tensors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tools.data import decoders
 from tools.data import decoding as datasets
 from tools.data import layout
 from tools.data.compositing import MaskArithmetic, byte_masks
 from tools.data.check import quick_check
-from tools.data.hashing import fingerprint
+from tools.data.hashing import read_and_fingerprint
 from tools.in9 import Variation
 
 
@@ -39,6 +40,9 @@ class ChallengeFiles(Pairs):
 
     root: Path
     fingerprint: dict
+    decoder: decoders.Decoder = decoders.Decoder.PILLOW  # chosen on a few of these files (`choose_decoder`)
+    # the files' bytes, read once when hashed, until decoded (`load_challenge_data` empties it)
+    contents: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -52,17 +56,18 @@ class ChallengeData(Pairs):
     bg_images: torch.Tensor  # uint8 (B, 3, H, W)
     fingerprint: dict
     arithmetic: MaskArithmetic = MaskArithmetic.BINARY
+    decoder: decoders.Decoder = decoders.Decoder.PILLOW
 
     def foreground_subset(self, indices: np.ndarray) -> "ChallengeData":
         """The same data with only these foregrounds (a --shard's share), backgrounds unchanged."""
         idx = torch.from_numpy(np.asarray(indices, dtype=np.int64))
         return ChallengeData([self.foregrounds[i] for i in indices], self.backgrounds,
                              self.fg_images.index_select(0, idx), self.masks.index_select(0, idx), self.bg_images,
-                             self.fingerprint, self.arithmetic)
+                             self.fingerprint, self.arithmetic, self.decoder)
 
     def to(self, device: torch.device) -> "ChallengeData":
         return ChallengeData(self.foregrounds, self.backgrounds, self.fg_images.to(device), self.masks.to(device),
-                             self.bg_images.to(device), self.fingerprint, self.arithmetic)
+                             self.bg_images.to(device), self.fingerprint, self.arithmetic, self.decoder)
 
 
 def list_challenge_files(root: Path, workers: int = 4) -> ChallengeFiles:
@@ -72,7 +77,10 @@ def list_challenge_files(root: Path, workers: int = 4) -> ChallengeFiles:
     foregrounds = layout.list_foregrounds(root)
     backgrounds = layout.list_variation(root, Variation.ONLY_BG_T.value)
     relpaths = [p for r in foregrounds for p in (r.image_relpath, r.mask_relpath)] + [r.relpath for r in backgrounds]
-    return ChallengeFiles(foregrounds, backgrounds, root, fingerprint(root, relpaths, workers))
+    images = [r.image_relpath for r in foregrounds] + [r.relpath for r in backgrounds]
+    content_fingerprint, contents = read_and_fingerprint(root, relpaths, workers, keep=relpaths)
+    decoder = decoders.choose_decoder([contents[rel] for rel in decoders.probe_sample(images)])
+    return ChallengeFiles(foregrounds, backgrounds, root, content_fingerprint, decoder, contents)
 
 
 def load_challenge_data(files: ChallengeFiles | Path, workers: int, cache_dir: Path | None = None,
@@ -84,7 +92,10 @@ def load_challenge_data(files: ChallengeFiles | Path, workers: int, cache_dir: P
     images, masks = datasets.decode_cached(
         files.root, {"foregrounds": [r.image_relpath for r in files.foregrounds],
                      "backgrounds": [r.relpath for r in files.backgrounds]},
-        [r.mask_relpath for r in files.foregrounds], files.fingerprint, cache_dir, arithmetic, workers, progress)
+        [r.mask_relpath for r in files.foregrounds], files.fingerprint, cache_dir, arithmetic, workers, progress,
+        files.decoder, files.contents)
+    files.contents.clear()  # decoded: the bytes are not needed again
     fg, bg = images["foregrounds"], images["backgrounds"]
     masks = byte_masks(masks) if arithmetic is MaskArithmetic.BINARY else masks.unsqueeze(1).contiguous()
-    return ChallengeData(files.foregrounds, files.backgrounds, fg, masks, bg, files.fingerprint, arithmetic)
+    return ChallengeData(files.foregrounds, files.backgrounds, fg, masks, bg, files.fingerprint, arithmetic,
+                         files.decoder)

@@ -300,7 +300,7 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
     if runtime.group.distributed:
         predictor.rechecked, predictor.recheck_changed = (int(v) for v in distributed.all_reduce(
             np.array([predictor.rechecked, predictor.recheck_changed], np.int64), "sum", runtime.device))
-    info = provenance(runtime.describe(), loaded.describe(), data.fingerprint)
+    info = provenance(runtime.describe(), loaded.describe(), data.fingerprint, data.decoder.value)
     info["mask_arithmetic"] = data.arithmetic.value
     info["batch_size"] = predictor.forward.chunk
     unsure = None

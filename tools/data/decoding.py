@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
+import io
 import json
 import logging
 import os
@@ -13,17 +15,18 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from tools.data.compositing import MaskArithmetic, original_weights
+from tools.data.decoders import Decoder, decode_bytes
 from tools.data.temporary import is_running
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE
+from tools.runtime import to_device
 
 log = logging.getLogger(__name__)
 
@@ -31,23 +34,24 @@ DECODE_CHUNK = 64  # images per decoding job
 CACHE_VERSION = 4  # of the decoded-data cache's entries
 
 
-def decode_rgb(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:
-    """The image as HxWx3 uint8 RGB, decoded by Pillow as the original's loader does; checked to be size x size."""
-    try:
-        with Image.open(path) as img:
-            rgb = img.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise UserError(f"cannot read image {path}: {exc}; replace or remove the file") from None
-    if rgb.size != (size, size):
-        raise UserError(f"image {path} is {rgb.size[0]}x{rgb.size[1]}, expected {size}x{size}; "
-                        f"IN-9 images are {size}x{size} (resize or regenerate it)")
-    return np.asarray(rgb)
+def decode_rgb(path: Path, size: int = IMAGE_SIZE, decoder: Decoder = Decoder.PILLOW,
+               data: bytes | None = None) -> np.ndarray:
+    """The image as HxWx3 uint8 RGB, Pillow's `convert("RGB")` pixels as the original's loader gives them (no
+    EXIF rotation), decoded by `decoder` where it may (from `data`, the file's bytes when already read); checked
+    to be size x size."""
+    if data is None:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise UserError(f"cannot read image {path}: {exc}; replace or remove the file") from None
+    return decode_bytes(data, path, size, decoder)
 
 
-def read_mask(path: Path, size: int = IMAGE_SIZE) -> np.ndarray:
-    """A foreground mask's raw values as an HxW array, checked for shape and a numeric dtype."""
+def read_mask(path: Path, size: int = IMAGE_SIZE, data: bytes | None = None) -> np.ndarray:
+    """A foreground mask's raw values as an HxW array (from `data`, the file's bytes when already read), checked
+    for shape and a numeric dtype."""
     try:
-        raw = np.load(path, allow_pickle=False)
+        raw = np.load(path if data is None else io.BytesIO(data), allow_pickle=False)
     except NUMPY_READ_ERRORS as exc:
         raise UserError(f"cannot read mask {path}: {exc}; masks are .npy arrays of shape ({size}, {size})") from None
     if raw.ndim == 3 and 1 in (raw.shape[0], raw.shape[-1]):
@@ -64,14 +68,15 @@ def is_binary(raw: np.ndarray) -> bool:
     return raw.dtype == np.bool_ or bool(((raw == 0) | (raw == 1)).all())
 
 
-def load_mask(path: Path, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, size: int = IMAGE_SIZE) -> np.ndarray:
+def load_mask(path: Path, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, size: int = IMAGE_SIZE,
+              data: bytes | None = None) -> np.ndarray:
     """A foreground mask, ready for compositing.
 
     binary: an HxW bool array; masks holding anything but booleans or 0/1 are refused, naming the values
     and what the original would have computed. original: the original's uint8 weight numerators
     (`compositing.original_weights`), whatever the values.
     """
-    raw = read_mask(path, size)
+    raw = read_mask(path, size, data)
     if arithmetic is MaskArithmetic.ORIGINAL:
         return original_weights(raw)
     if not is_binary(raw):
@@ -86,66 +91,106 @@ def load_mask(path: Path, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, si
     return raw.astype(bool, copy=False)
 
 
-def _decode_batch(root: Path, relpaths: Sequence[str]) -> torch.Tensor:
-    out = np.empty((len(relpaths), IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+JOB_IMAGES = 32  # images per decoding job: small enough that every thread has work while a batch fills
+
+
+def _decode_into(out: torch.Tensor, root: Path, relpaths: Sequence[str], decoder: Decoder,
+                 contents: Mapping[str, bytes]) -> None:
+    array = out.numpy()  # NHWC
     for i, rel in enumerate(relpaths):
-        out[i] = decode_rgb(Path(root) / rel)
-    # NHWC storage seen as NCHW: exactly torch's channels_last layout, no copy.
-    return torch.from_numpy(out).permute(0, 3, 1, 2)
+        array[i] = decode_rgb(Path(root) / rel, decoder=decoder, data=contents.get(rel))
+
+
+class _DeviceCopies:
+    """Batches copied to a CUDA device on a side stream, so the copy of the next batch overlaps the model's work
+    on this one; the consumer's stream waits for each copy before using it. None of this off CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        consumer = torch.cuda.current_stream(self.device)
+        # Allocated on the side stream, the copy's target is recycled only by the side stream's allocations, and
+        # (record_stream) only once the consumer's work on it is done; the pinned source block, only once the
+        # copy is done (the host allocator records an event on the side stream).
+        with torch.cuda.stream(self.stream):
+            moved = to_device(batch, self.device)  # pinned already: no wait; NHWC: channels_last on the device
+        consumer.wait_stream(self.stream)
+        moved.record_stream(consumer)
+        return moved
 
 
 def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, workers: int,
-                         pin_memory: bool = False, starts: Sequence[int] | None = None
-                         ) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (start index, uint8 Nx3xHxW batch) in order, decoding ahead in `workers` threads (every batch, or
-    those beginning at `starts`).
+                         pin_memory: bool = False, starts: Sequence[int] | None = None,
+                         decoder: Decoder = Decoder.PILLOW, device: torch.device | None = None,
+                         contents: Mapping[str, bytes] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (start index, uint8 Nx3xHxW batch) in order (every batch, or those beginning at `starts`), decoded
+    ahead by `workers` threads in jobs of `JOB_IMAGES` images straight into each batch's buffer (pinned with
+    `pin_memory`: PyTorch's host allocator recycles those blocks only once the copies reading them are done).
 
-    Pillow releases the GIL while it decodes, so threads decode in parallel without pickling batches
-    between processes; errors (unreadable files, wrong sizes) surface as they are, naming the file.
-    """
+    `contents`: files' bytes already read (when hashing them), by relative path; the others are read here.
+    With a CUDA `device` the batches come on it, copied on a side stream. Pillow and decode_jpeg release the GIL
+    while they decode, so threads decode in parallel; errors (unreadable files, wrong sizes) surface as they
+    are, naming the file."""
     starts = range(0, len(relpaths), batch_size) if starts is None else starts
     workers = max(1, workers)
+    copies = _DeviceCopies(device) if device is not None and device.type == "cuda" else None
+    ahead = max(2, -(-2 * workers * JOB_IMAGES // batch_size))  # batches decoding at once
+    contents = contents or {}
 
-    def job(start: int) -> torch.Tensor:
-        batch = _decode_batch(root, relpaths[start:start + batch_size])
-        return batch.pin_memory() if pin_memory else batch
+    def submit(pool, start: int):
+        count = min(batch_size, len(relpaths) - start)
+        out = torch.empty((count, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=torch.uint8, pin_memory=pin_memory)
+        jobs = [pool.submit(_decode_into, out[i:i + JOB_IMAGES], root,
+                            relpaths[start + i:start + min(i + JOB_IMAGES, count)], decoder, contents)
+                for i in range(0, count, JOB_IMAGES)]
+        return start, out, jobs
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="decode") as pool:
         pending: collections.deque = collections.deque()
         it = iter(starts)
         try:
             for start in it:
-                pending.append((start, pool.submit(job, start)))
-                if len(pending) >= 2 * workers:
+                pending.append(submit(pool, start))
+                if len(pending) >= ahead:
                     break
             while pending:
-                start, fut = pending.popleft()
+                start, out, jobs = pending.popleft()
                 nxt = next(it, None)
                 if nxt is not None:
-                    pending.append((nxt, pool.submit(job, nxt)))
-                yield start, fut.result()
+                    pending.append(submit(pool, nxt))
+                for job in jobs:
+                    job.result()
+                # NHWC storage seen as NCHW: exactly torch's channels_last layout, no copy.
+                batch = out.permute(0, 3, 1, 2)
+                yield start, (copies(batch) if copies is not None else batch)
         finally:
-            for _, fut in pending:
-                fut.cancel()
+            for _, _, jobs in pending:
+                for job in jobs:
+                    job.cancel()
 
 
 def decode_images(root: Path, relpaths: Sequence[str], workers: int, progress: bool = True,
-                  desc: str = "decoding") -> torch.Tensor:
+                  desc: str = "decoding", decoder: Decoder = Decoder.PILLOW,
+                  contents: Mapping[str, bytes] | None = None) -> torch.Tensor:
     """Every image as one uint8 (N, 3, H, W) tensor, decoded in `workers` threads, with a progress bar."""
     out = torch.empty((len(relpaths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8)
     with tqdm(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
-        for start, batch in iter_decoded_batches(root, relpaths, DECODE_CHUNK, workers):
+        for start, batch in iter_decoded_batches(root, relpaths, DECODE_CHUNK, workers, decoder=decoder,
+                                                 contents=contents):
             out[start:start + batch.shape[0]] = batch
             bar.update(batch.shape[0])
     return out
 
 
-def load_masks(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic = MaskArithmetic.BINARY) -> np.ndarray:
+def load_masks(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic = MaskArithmetic.BINARY,
+               contents: Mapping[str, bytes] | None = None) -> np.ndarray:
     """Every mask of `relpaths` stacked: (N, H, W) bool (binary) or the original's uint8 weights (original)."""
     dtype = np.uint8 if arithmetic is MaskArithmetic.ORIGINAL else bool
     masks = np.empty((len(relpaths), IMAGE_SIZE, IMAGE_SIZE), dtype=dtype)
     for i, rel in enumerate(relpaths):
-        masks[i] = load_mask(Path(root) / rel, arithmetic)
+        masks[i] = load_mask(Path(root) / rel, arithmetic, data=(contents or {}).get(rel))
     return masks
 
 
@@ -230,14 +275,57 @@ class DecodedCache:
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+_KEPT: dict[str, object] | None = None  # decoded data kept in this process by content key, inside `keep_decoded`
+
+
+@contextlib.contextmanager
+def keep_decoded() -> Iterator[None]:
+    """Inside the block, data decoded by `decode_cached` (and by in9's runs) is kept in memory by its content key
+    and handed to the next run of the same content: the zoo decodes once for all its models."""
+    global _KEPT
+    outer = _KEPT
+    _KEPT = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _KEPT = outer
+
+
+def kept(key: str) -> object | None:
+    """What `keep` stored under this content key, inside `keep_decoded`; else None."""
+    return None if _KEPT is None else _KEPT.get(key)
+
+
+def keeping() -> bool:
+    return _KEPT is not None
+
+
+def keep(key: str, value: object) -> None:
+    if _KEPT is not None:
+        _KEPT[key] = value
+
+
 def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], fingerprint: dict,
                   cache_dir: Path | None, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4,
-                  progress: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                  progress: bool = True, decoder: Decoder = Decoder.PILLOW,
+                  contents: Mapping[str, bytes] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Named groups of images as uint8 (N, 3, H, W) tensors and the masks (`load_masks`), decoded once and
     reused from `cache_dir` when the content fingerprint and the mask arithmetic match (the challenge's data;
-    training decodes per sample in its DataLoader workers). Binary masks are cached as packed bits."""
+    training decodes per sample in its DataLoader workers). Binary masks are cached as packed bits. The key
+    leaves out the decoder: `choose_decoder` lets torchvision decode only where its pixels are Pillow's."""
     cache = DecodedCache(cache_dir, f"{fingerprint['sha256'][:24]}-{arithmetic.value}-v{CACHE_VERSION}",
                          {"fingerprint": fingerprint, "mask_arithmetic": arithmetic.value, "groups": list(images)})
+    key = f"decoded:{fingerprint['sha256']}:{arithmetic.value}:{','.join(images)}"
+    if kept(key) is not None:
+        return kept(key)
+    decoded = _decode_cached(root, images, masks, cache, arithmetic, workers, progress, decoder, contents or {})
+    keep(key, decoded)
+    return decoded
+
+
+def _decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], cache: DecodedCache,
+                   arithmetic: MaskArithmetic, workers: int, progress: bool, decoder: Decoder,
+                   contents: Mapping[str, bytes]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     packed = arithmetic is MaskArithmetic.BINARY
     cached = cache.load([*images, "masks"])
     if cached is not None:
@@ -247,8 +335,8 @@ def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[
             mask_array = np.unpackbits(mask_array, axis=1, count=pixels).astype(bool).reshape(-1, IMAGE_SIZE,
                                                                                                IMAGE_SIZE)
         return {name: torch.from_numpy(cached[name]) for name in images}, torch.from_numpy(mask_array)
-    mask_array = load_masks(root, masks, arithmetic)  # first: a refused mask stops the run before any decoding
-    decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}")
+    mask_array = load_masks(root, masks, arithmetic, contents)  # first: a refused mask stops the run before decoding
+    decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}", decoder, contents)
                for name, relpaths in images.items()}
     stored = np.packbits(mask_array.reshape(len(mask_array), -1), axis=1) if packed else mask_array
     cache.save({**{name: tensor.numpy() for name, tensor in decoded.items()}, "masks": stored})

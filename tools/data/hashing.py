@@ -16,7 +16,7 @@ import hashlib
 import logging
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,29 @@ def sha256_file(path: Path | str) -> str:
 def fingerprint(root: Path | str, relpaths: Sequence[str], workers: int = 4) -> dict:
     """{files, bytes, sha256, method, folders} over the content of every file in `relpaths` (relative to
     `root`); `folders` holds the same digest over the files of each top-level folder alone."""
+    return read_and_fingerprint(root, relpaths, workers)[0]
+
+
+def _hash_and_keep(path: Path, keep: bool) -> tuple[str, bytes | None]:
+    if not keep:
+        return sha256_file(path), None
+    with open(path, "rb") as fh:
+        data = fh.read()
+    return hashlib.sha256(data).hexdigest(), data
+
+
+def read_and_fingerprint(root: Path | str, relpaths: Sequence[str], workers: int = 4,
+                         keep: Collection[str] = ()) -> tuple[dict, dict[str, bytes]]:
+    """`fingerprint`, and the bytes of the files named in `keep`, each file read once: a run decodes the very
+    bytes it hashed, without reading them again."""
     root = Path(root)
     ordered = sorted(relpaths)
+    keep = set(keep)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hash") as pool:
-        hashes = list(pool.map(lambda rel: sha256_file(root / rel), ordered, chunksize=64))
+        read = list(pool.map(lambda rel: _hash_and_keep(root / rel, rel in keep), ordered, chunksize=64))
+    hashes = [file_hash for file_hash, _ in read]
+    contents = {rel: data for rel, (_, data) in zip(ordered, read) if data is not None}
     digest = hashlib.sha256()
     folders: dict = {}  # top-level folder: its running digest
     for rel, file_hash in zip(ordered, hashes):
@@ -50,4 +68,4 @@ def fingerprint(root: Path | str, relpaths: Sequence[str], workers: int = 4) -> 
     total = sum((root / rel).stat().st_size for rel in ordered)
     log.debug("hashed %d files (%.1f MB) in %.2f s", len(ordered), total / 1e6, time.perf_counter() - start)
     return {"files": len(ordered), "bytes": total, "sha256": digest.hexdigest(), "method": FINGERPRINT_METHOD,
-            "folders": {name: folder.hexdigest() for name, folder in sorted(folders.items())}}
+            "folders": {name: folder.hexdigest() for name, folder in sorted(folders.items())}}, contents

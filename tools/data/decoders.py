@@ -1,0 +1,151 @@
+"""Which decoder turns an image file's bytes into pixels: Pillow (the original's loader, the reference) or
+torchvision's `decode_jpeg`, chosen per run by a probe on the run's own files and used only for the JPEGs it
+decodes bit for bit as Pillow does. `decode_bytes` is the one conversion; `choose_decoder` the one probe."""
+
+from __future__ import annotations
+
+import enum
+import io
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from tools.errors import UserError
+from tools.in9 import IMAGE_SIZE
+
+log = logging.getLogger(__name__)
+
+
+class Decoder(str, enum.Enum):
+    """Who turns JPEG bytes into pixels: Pillow (the original's loader, the reference) or torchvision's
+    `decode_jpeg` (libjpeg-turbo too, faster, and it releases the GIL, so threads scale), used only where a probe
+    found it bit-equal to Pillow. Files that are not plain JPEGs go to Pillow whichever is chosen."""
+
+    PILLOW = "pillow"
+    TORCHVISION = "torchvision"
+
+
+def decode_bytes(data: bytes, name: Path | str, size: int = IMAGE_SIZE,
+                 decoder: Decoder = Decoder.PILLOW) -> np.ndarray:
+    """`decode_rgb` on bytes already read (`name` is for messages)."""
+    rgb = None
+    if decoder is Decoder.TORCHVISION and plain_jpeg(data):
+        rgb = _torchvision_rgb(data)  # None where torchvision refuses the file: Pillow says why, or reads it
+    if rgb is None:
+        rgb = pillow_rgb(data, name)
+    if rgb.shape[:2] != (size, size):
+        raise UserError(f"image {name} is {rgb.shape[1]}x{rgb.shape[0]}, expected {size}x{size}; "
+                        f"IN-9 images are {size}x{size} (resize or regenerate it)")
+    return rgb
+
+
+def pillow_rgb(data: bytes, name: Path | str) -> np.ndarray:
+    """The reference: Pillow's `convert("RGB")` of the bytes, as HxWx3 uint8."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return np.asarray(img.convert("RGB"))
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise UserError(f"cannot read image {name}: {exc}; replace or remove the file") from None
+
+
+def decode_jpeg_bytes(data: bytes) -> torch.Tensor:
+    """torchvision's decoding of JPEG bytes as a uint8 (3, H, W) tensor, in RGB; raises on what it cannot read.
+    Equal to Pillow's only where `choose_decoder` found it so: use `decode_bytes` unless you probed."""
+    from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415 (torchvision's import is slow)
+    return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+
+
+def _torchvision_rgb(data: bytes) -> np.ndarray | None:
+    try:
+        return decode_jpeg_bytes(data).permute(1, 2, 0).numpy()
+    except RuntimeError:
+        return None
+
+
+# JPEG start-of-frame markers of Huffman-coded baseline, extended and progressive frames: what both decoders
+# read the same way. Lossless, hierarchical and arithmetic-coded frames go to Pillow.
+_PLAIN_FRAMES = {0xC0, 0xC1, 0xC2}
+_OTHER_FRAMES = {0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def plain_jpeg(data: bytes) -> bool:
+    """A JPEG (by its bytes, whatever its name) in a Huffman-coded baseline or progressive frame of 1 (grey) or 3
+    (YCbCr or RGB) components: the kind `decode_jpeg` may decode in Pillow's place. CMYK and YCCK (4 components),
+    lossless and arithmetic-coded files, and everything not a JPEG, are Pillow's."""
+    if data[:2] != b"\xff\xd8":
+        return False
+    pos = 2
+    while pos + 4 <= len(data):
+        if data[pos] != 0xFF:
+            return False
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if 0xD0 <= marker <= 0xD9 or marker == 0x01:  # markers without a length
+            pos += 2
+            continue
+        length = int.from_bytes(data[pos + 2:pos + 4], "big")
+        if marker in _PLAIN_FRAMES:
+            return pos + 9 < len(data) and data[pos + 9] in (1, 3)
+        if marker in _OTHER_FRAMES or marker == 0xDA:  # another frame, or scan data before any frame
+            return False
+        pos += 2 + length
+    return False
+
+
+def _probe_samples() -> list[bytes]:
+    """Generated JPEGs of every kind `plain_jpeg` accepts: 4:2:0, 4:2:2, 4:4:4, progressive, optimised, with
+    restart markers, RGB (Adobe transform 0), grey."""
+    yy, xx = np.mgrid[0:64, 0:64]
+    rng = np.random.default_rng(0)
+    pixels = np.stack([xx * 4, yy * 4, (xx + yy) * 2], -1) + rng.integers(0, 24, (64, 64, 3))
+    image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+    samples = []
+    for img, options in [(image, {"subsampling": 2}), (image, {"subsampling": 1}), (image, {"subsampling": 0}),
+                         (image, {"progressive": True}), (image, {"optimize": True}),
+                         (image, {"restart_marker_blocks": 2}), (image, {"keep_rgb": True}),
+                         (image.convert("L"), {})]:
+        buffer = io.BytesIO()
+        img.save(buffer, "JPEG", quality=87, **options)
+        samples.append(buffer.getvalue())
+    return samples
+
+
+def choose_decoder(sample_files: Sequence[Path | bytes], requested: Decoder | None = None) -> Decoder:
+    """The decoder for a run: torchvision where it decodes a few of the run's own files (`sample_files`) and a
+    generated JPEG of every kind it would be given bit for bit as Pillow does (builds and platforms differ:
+    torchvision issue 8027), else Pillow. `sample_files`: paths, or the files' bytes. `requested` forces one
+    (Pillow always; torchvision still only where the probe passes)."""
+    if requested is Decoder.PILLOW:
+        return Decoder.PILLOW
+    try:
+        from torchvision.io import decode_jpeg  # noqa: F401, PLC0415 (deprecated in torchvision 0.29: may go)
+    except ImportError:
+        return Decoder.PILLOW
+    try:
+        samples = _probe_samples() + [p if isinstance(p, bytes) else Path(p).read_bytes() for p in sample_files]
+    except OSError:
+        return Decoder.PILLOW  # an unreadable file: the run's own reading says which, in one line
+    for data in samples:
+        if not plain_jpeg(data):
+            continue
+        ours = _torchvision_rgb(data)
+        try:
+            reference = pillow_rgb(data, "probe")
+        except UserError:
+            return Decoder.PILLOW
+        if ours is None or ours.shape != reference.shape or not np.array_equal(ours, reference):
+            log.info("torchvision's decode_jpeg differs from Pillow here; decoding with Pillow")
+            return Decoder.PILLOW
+    return Decoder.TORCHVISION
+
+
+def probe_sample(relpaths: Sequence[str], count: int = 8) -> list[str]:
+    """A few of `relpaths`, spread evenly, for `choose_decoder`."""
+    step = max(1, len(relpaths) // count)
+    return list(relpaths[::step][:count])
