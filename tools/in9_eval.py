@@ -8,10 +8,9 @@ from pathlib import Path
 from tools import cli, options
 from tools.results.categories import CATEGORY_VARIATIONS
 from tools.results.publish import publish_in9
-from tools.data.decoding import decode_images
 from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
-from tools.models.device_check import CHECK_IMAGES
+from tools.models.device_check import check_run, first_images
 from tools.shards import write_in9_shard
 
 
@@ -41,9 +40,8 @@ def _main(args: argparse.Namespace) -> int:
     config = In9Config(tuple(names), args.batch_size, args.workers, checked.progress)
     files = list_in9_files(checked.data_path, names, args.workers)  # every data check before any model is built
     loaded = options.model_from_args(args, runtime, checked.progress)
-    first = [r.relpath for r in files.listings[names[0]][:CHECK_IMAGES]]
-    device_check = options.check_device_from_args(args, loaded, runtime,
-                                                  decode_images(files.root, first, args.workers, progress=False))
+    first = first_images(files.root, [r.relpath for r in files.listings[names[0]]], args.workers)
+    device_check = check_run(loaded, runtime, first, args.allow_inexact_device)
     run = run_in9(loaded, runtime, files, config, output_dir=args.output_dir, resume=args.resume, shard=args.shard)
     run.provenance["device_check"] = device_check
     if args.shard is not None:

@@ -19,7 +19,7 @@ from tools.in9 import Normalization
 from tools.models.checkpoints import STATE_DICT_KEYS, program_kind
 from tools.models.architectures import DEFAULT_ARCH, SMALL_CNN, architecture_family
 from tools.models.boundary import LoadedModel
-from tools.models.device_check import ALLOW_FLAG, CHECK_IMAGES, TOLERANCE, check_device
+from tools.models.device_check import ALLOW_FLAG, CHECK_IMAGES, TOLERANCE
 from tools.provenance import check_outputs
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
@@ -113,7 +113,7 @@ def add_dist_timeout_argument(group) -> None:
 
 def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True, device_check: bool = False) -> None:
     """Device, precision, batch and threads; `--shard` where a run can be split into independent shards;
-    `--allow-inexact-device` where the start-up device check runs (`check_device_from_args`)."""
+    `--allow-inexact-device` where the start-up device check runs (`tools.models.device_check`)."""
     run = parser.add_argument_group("running")
     run.add_argument("--batch-size", type=int, default=None, metavar="N",
                      help=f"images per forward pass, halved on out-of-memory (default: {GPU_BATCH_SIZE} on a GPU; on "
@@ -242,9 +242,3 @@ def model_from_args(args: argparse.Namespace, runtime: Runtime, progress: bool) 
              loaded.normalization)
     return loaded
 
-
-def check_device_from_args(args: argparse.Namespace, loaded: LoadedModel, runtime: Runtime, images) -> dict:
-    """The start-up device check (`tools.models.device_check`) on the run's first images (uint8; the first
-    CHECK_IMAGES are used), in every process, which leave together if one refuses; its record for the provenance."""
-    with distributed.agree(runtime.group, runtime.device):
-        return check_device(loaded, runtime, images[:CHECK_IMAGES], args.allow_inexact_device).describe()

@@ -23,6 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from tools import distributed
+from tools.data.decoding import decode_images
 from tools.errors import UserError, first_line
 from tools.models.boundary import LoadedModel
 from tools.models.checkpoints import Program
@@ -144,3 +146,15 @@ def check_device(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, al
         raise UserError(f"{message}; pass {ALLOW_FLAG} to run anyway (recorded in the results' provenance)")
     log.warning("%s; running anyway (%s, recorded in the provenance)", message, ALLOW_FLAG)
     return check
+
+
+def first_images(root, relpaths, workers: int) -> torch.Tensor:
+    """The first CHECK_IMAGES of a run's images, decoded (uint8), for `check_run`."""
+    return decode_images(root, list(relpaths)[:CHECK_IMAGES], workers, progress=False)
+
+
+def check_run(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, allow_inexact: bool = False) -> dict:
+    """`check_device` on a run's first images (uint8; the first CHECK_IMAGES are used), in every process, which
+    leave together if one refuses; its record for the run's provenance (`device_check`)."""
+    with distributed.agree(runtime.group, runtime.device):
+        return check_device(loaded, runtime, images[:CHECK_IMAGES], allow_inexact).describe()
