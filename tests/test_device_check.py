@@ -89,6 +89,23 @@ def test_a_hidden_bf16_cast_trips_the_check_on_the_cpu_in_every_format(form):
     assert check.describe()["allowed_inexact"] is True
 
 
+class InnerAutocast(nn.Module):
+    """A classifier that switches bf16 autocast on inside its forward, whatever the run's precision."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(x).float()
+
+
+def test_autocast_inside_the_model_trips_the_check():
+    with pytest.raises(UserError, match="beyond fp32 rounding"):
+        check_device(loaded(InnerAutocast(TinyCNN(9, seed=1))), Runtime(CPU), images())
+
+
 def test_the_reference_widens_every_cast_a_program_makes():
     """The traced program's casts to bf16 and back become float64: it computes what its (bf16) weights mean."""
     program = traced(HiddenBF16(TinyCNN(9, seed=1)))
