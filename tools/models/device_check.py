@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -148,7 +150,7 @@ def check_device(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, al
     return check
 
 
-def first_images(root, relpaths, workers: int) -> torch.Tensor:
+def first_images(root: Path, relpaths: Sequence[str], workers: int) -> torch.Tensor:
     """The first CHECK_IMAGES of a run's images, decoded (uint8), for `check_run`."""
     return decode_images(root, list(relpaths)[:CHECK_IMAGES], workers, progress=False)
 
