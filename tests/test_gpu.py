@@ -142,3 +142,47 @@ def test_full_matrix_equals_the_cpu_cell_by_cell(dataset, model_path, tmp_path):
                         output_dir=tmp_path / "gpu")
     assert cpu.state.matrix is not None and cpu.state.matrix.size > 0
     assert np.array_equal(cpu.state.matrix, gpu.state.matrix)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_compiled_pixel_model_inputs_are_the_cpu_floats(channels_last):
+    """Under torch.compile (Inductor) on the GPU too, the input is the CPU's table floats: a gather, no division."""
+    images = torch.arange(256, dtype=torch.uint8).repeat(3).view(1, 3, 16, 16).repeat(2, 1, 1, 1)
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    model = PixelModel(torch.nn.Identity(), IN9_MEAN, IN9_STD).eval()
+    with torch.inference_mode():
+        cpu = model(images)
+        gpu = torch.compile(model.to("cuda"), dynamic=False)(images.to("cuda"))
+    assert torch.equal(_bits(gpu), _bits(cpu))
+
+
+def test_the_device_check_passes_honest_fp32_and_catches_tf32():
+    """A resnet's fp32 logits on the GPU are within fp32 rounding of float64 on the CPU; the same resnet forcing
+    TF32 inside its forward (as a traced program's baked flags do) trips the check on an Ampere or newer GPU."""
+    import torchvision  # noqa: PLC0415
+
+    from tools.errors import UserError  # noqa: PLC0415
+    from tools.models.boundary import LoadedModel  # noqa: PLC0415
+    from tools.models.device_check import check_device  # noqa: PLC0415
+
+    class ForcedTF32(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=False, allow_tf32=True):
+                return self.inner(x)
+
+    torch.manual_seed(0)
+    net = torchvision.models.resnet18(num_classes=9).eval()
+    images = torch.randint(0, 256, (4, 3, 224, 224), dtype=torch.uint8)
+    honest = LoadedModel(PixelModel(net, IN9_MEAN, IN9_STD).eval(), 9, None, None, None, None, "test", "test")
+    check = check_device(honest, Runtime(torch.device("cuda")), images)
+    assert check.passed, check
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("TF32 needs an Ampere or newer GPU")
+    forced = LoadedModel(PixelModel(ForcedTF32(net), IN9_MEAN, IN9_STD).eval(), 9, None, None, None, None, "t", "t")
+    with pytest.raises(UserError, match="beyond fp32 rounding"):
+        check_device(forced, Runtime(torch.device("cuda")), images)

@@ -33,6 +33,7 @@ from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, VARIA
 from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
 from tools.models.adapters import LoraScaling
 from tools.models.checkpoints import check_class_count
+from tools.models.device_check import check_run, first_images
 from tools.models.sources import load_model
 from tools.provenance import check_outputs
 from tools.results.publish import publish_challenge, publish_in9
@@ -68,7 +69,8 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
               precision: Precision | str = Precision.FP32, channels_last: bool = False, batch_size: int | None = None, workers: int | None = None,
               output_dir: Path | str | None = None, resume: bool = False, cache_dir: Path | str | None = None,
               cache: bool = True, weights: str | None = None, trust_checkpoint: bool = False, seed: int = 0,
-              progress: bool = True, lora_alpha: float | None = None, lora_rslora: bool = False) -> BenchmarkResult:
+              progress: bool = True, lora_alpha: float | None = None, lora_rslora: bool = False,
+              allow_inexact_device: bool = False) -> BenchmarkResult:
     """Evaluate `model` on the IN-9 variations and, with `challenge`, the Backgrounds Challenge.
 
     model: an `nn.Module` taking a normalised (N, 3, 224, 224) float batch, wrapped to normalise with `mean`
@@ -80,8 +82,9 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
     the output's width). full: every pair of the challenge (the prediction matrix), as --full.
     output_dir: where the results files (in9.json, challenge.json), the resumable state and --full's matrix
     are written, as the scripts write them (default: nothing is written). device, precision, channels_last, batch_size,
-    workers, cache_dir/cache, seed, progress, lora_alpha, lora_rslora: as the scripts' flags (the last two: the
-    scaling of a LoRA state dict saved from a peft-wrapped model, named by `model`).
+    workers, cache_dir/cache, seed, progress, lora_alpha, lora_rslora, allow_inexact_device: as the scripts' flags
+    (lora_alpha and lora_rslora: the scaling of a LoRA state dict saved from a peft-wrapped model, named by
+    `model`); the scripts' start-up device check runs too (`tools.models.device_check`).
     """
     precision = _precision(precision)
     group = distributed.joined_group()
@@ -108,13 +111,19 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         seed_everything(seed)
         lora = LoraScaling(lora_alpha, lora_rslora, LORA_KEYWORDS)
         loaded = _loaded(model, mean, std, num_classes, weights, trust_checkpoint, lora, runtime, in9_config.progress)
+        first = first_images(in9_files.root, [r.relpath for r in in9_files.listings[in9_config.variations[0]]],
+                             in9_config.workers)
+        in9_check = check_run(loaded, runtime, first, allow_inexact_device)
         in9 = run_in9(loaded, runtime, in9_files, in9_config, output_dir=output_dir, resume=resume)
+        in9.provenance["device_check"] = in9_check
         found = None
         if challenge_files is not None:
             data = load_challenge_data(challenge_files, in9_config.workers,
                                        (Path(cache_dir) if cache_dir is not None else default_cache_dir())
                                        if cache else None, challenge_config.progress, challenge_config.mask_arithmetic)
+            challenge_check = check_run(loaded, runtime, data.bg_images, allow_inexact_device)
             found = run_challenge(loaded, runtime, data, challenge_config, output_dir, resume)
+            found.provenance["device_check"] = challenge_check
     files = {}
     if output_dir is not None and group.is_main:  # as the scripts: rank 0 writes what one process would
         files["in9"] = output_dir / IN9_RESULTS_FILE

@@ -11,6 +11,7 @@ from tools.results.publish import publish_in9
 from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
 from tools.runtime import RECHECK_MARGIN
+from tools.models.device_check import check_run, first_images
 from tools.shards import write_in9_shard
 
 
@@ -44,7 +45,10 @@ def _main(args: argparse.Namespace) -> int:
     config = In9Config(tuple(names), args.batch_size, args.workers, checked.progress, args.recheck_margin)
     files = list_in9_files(checked.data_path, names, args.workers)  # every data check before any model is built
     loaded = options.model_from_args(args, runtime, checked.progress)
+    first = first_images(files.root, [r.relpath for r in files.listings[names[0]]], args.workers)
+    device_check = check_run(loaded, runtime, first, args.allow_inexact_device)
     run = run_in9(loaded, runtime, files, config, output_dir=args.output_dir, resume=args.resume, shard=args.shard)
+    run.provenance["device_check"] = device_check
     if args.shard is not None:
         path = write_in9_shard(args.output_dir, args.shard, run)
         print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")

@@ -19,6 +19,7 @@ from tools.in9 import Normalization
 from tools.models.checkpoints import STATE_DICT_KEYS, program_kind
 from tools.models.architectures import DEFAULT_ARCH, SMALL_CNN, architecture_family
 from tools.models.boundary import LoadedModel
+from tools.models.device_check import ALLOW_FLAG, CHECK_IMAGES, TOLERANCE
 from tools.provenance import check_outputs
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
@@ -34,7 +35,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Data, model, device and output flags, the same names in both scripts (and the zoo)."""
     add_data_arguments(parser)
     add_model_arguments(parser)
-    add_running_arguments(parser)
+    add_running_arguments(parser, device_check=True)
     add_output_arguments(parser)
 
 
@@ -110,8 +111,9 @@ def add_dist_timeout_argument(group) -> None:
                             f"writes alone) (default: {distributed.DEFAULT_TIMEOUT_MINUTES:g})")
 
 
-def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True) -> None:
-    """Device, precision, batch and threads; `--shard` where a run can be split into independent shards."""
+def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True, device_check: bool = False) -> None:
+    """Device, precision, batch and threads; `--shard` where a run can be split into independent shards;
+    `--allow-inexact-device` where the start-up device check runs (`tools.models.device_check`)."""
     run = parser.add_argument_group("running")
     run.add_argument("--batch-size", type=int, default=None, metavar="N",
                      help=f"images per forward pass, halved on out-of-memory (default: {GPU_BATCH_SIZE} on a GPU; on "
@@ -131,6 +133,12 @@ def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True) -
     run.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
     run.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
     add_dist_timeout_argument(run)
+    if device_check:
+        run.add_argument(ALLOW_FLAG, action="store_true",
+                         help=f"run on even when the start-up check finds the model's fp32 logits on the device (on "
+                              f"its first {CHECK_IMAGES} images) further from a float64 reference on the CPU than "
+                              f"fp32 rounding allows (relative {TOLERANCE:g}); the finding goes into the results' "
+                              f"provenance (default: such a run is refused)")
     if not shard:
         return
     run.add_argument("--shard", type=shard_spec, default=None, metavar="I/N",
@@ -233,3 +241,4 @@ def model_from_args(args: argparse.Namespace, runtime: Runtime, progress: bool) 
     log.info("model: %s, %d classes, normalisation %s", loaded.checkpoint_format, loaded.num_classes,
              loaded.normalization)
     return loaded
+

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tools import cli, options
 from tools.errors import UserError
+from tools.models.device_check import check_run
 from tools.shards import write_challenge_shard
 from tools.challenge import flags, list_challenge_files, load_challenge_data, run_challenge
 from tools.results.analysis import DEFAULT_TOP_K
@@ -53,7 +54,9 @@ def _main(args: argparse.Namespace) -> int:
     data = load_challenge_data(list_challenge_files(checked.data_path, args.workers), args.workers,
                                flags.cache_dir_from_args(args), config.progress, config.mask_arithmetic)
     loaded = options.model_from_args(args, runtime, checked.progress)
+    device_check = check_run(loaded, runtime, data.bg_images, args.allow_inexact_device)  # the first backgrounds
     result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume, shard=args.shard)
+    result.provenance["device_check"] = device_check
     if args.shard is not None:
         path = write_challenge_shard(args.output_dir, args.shard, result, data, checked.data_path, loaded.num_classes)
         print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")

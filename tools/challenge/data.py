@@ -50,8 +50,8 @@ class ChallengeData(Pairs):
     """What the challenge reads, decoded."""
 
     fg_images: torch.Tensor  # uint8 (F, 3, H, W)
-    # binary: uint8 (F, 3, H, W), 255 on the foreground, 0 elsewhere (for bitwise compositing);
-    # original: uint8 (F, 1, H, W), the original's weight numerators (w = value / 255)
+    # one channel, uint8 (F, 1, H, W): binary: 255 on the foreground, 0 elsewhere (for bitwise compositing);
+    # original: the original's weight numerators (w = value / 255)
     masks: torch.Tensor
     bg_images: torch.Tensor  # uint8 (B, 3, H, W)
     fingerprint: dict

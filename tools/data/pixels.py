@@ -1,4 +1,14 @@
-"""Image bytes to floats: the one conversion, giving torchvision's ToTensor floats bit for bit on every device.
+"""Image bytes to floats: the conversions giving torchvision's ToTensor (and Normalize) floats bit for bit on
+every device.
+
+The model's input (`normalised_floats`) is one gather in a (3, 256) table of what the original computes on the
+CPU for each channel and byte value: ToTensor's `v / 255`, then Normalize's `sub_(mean).div_(std)`, in fp32
+(`normalisation_table`). No device, and no compiled code, divides image data: the division happened once, on
+the CPU, for the 768 values an image can hold. The pass is one read of the bytes and one write of the floats,
+where subtracting and dividing on the device took three.
+
+Floats that are not bytes scaled (the original mask arithmetic's blend) are normalised by the model itself;
+their bytes become ToTensor's floats through `unit_floats`.
 
 The original converts on the CPU (ToTensor: a true division by 255). Off the CPU a division by 255 is not
 always one: CUDA's kernel divides by a CPU scalar (a Python number, or a 0-dim CPU tensor) as a
@@ -13,6 +23,7 @@ from __future__ import annotations
 import torch
 
 BYTE_VALUES = 256
+CHANNELS = 3
 # A one-element tensor, not a scalar: should the CPU's division ever meet a GPU tensor, it fails loudly
 # instead of taking the reciprocal path.
 _CPU_DIVISOR = torch.full((1,), BYTE_VALUES - 1, dtype=torch.float32)
@@ -38,3 +49,30 @@ def _table(device: torch.device) -> torch.Tensor:
             quotients = torch.arange(BYTE_VALUES, dtype=torch.float32).div_(_CPU_DIVISOR)  # computed on the CPU
             table = _TABLES[device] = quotients.to(device)
     return table
+
+
+def normalisation_table(mean=None, std=None) -> torch.Tensor:
+    """(3, 256) float32: row c, column v is ToTensor then Normalize of byte v in channel c as the original computes
+    them on the CPU (`v / 255`, then `sub_(mean).div_(std)` with the statistics as float32); without statistics,
+    ToTensor's floats in every row."""
+    with torch.inference_mode(False):  # an ordinary tensor, usable inside and outside inference mode
+        table = torch.arange(BYTE_VALUES, dtype=torch.float32).expand(CHANNELS, -1).div(_CPU_DIVISOR)
+        if mean is not None:
+            column = (CHANNELS, 1)
+            table.sub_(torch.as_tensor(mean, dtype=torch.float32).cpu().reshape(column))
+            table.div_(torch.as_tensor(std, dtype=torch.float32).cpu().reshape(column))
+    return table
+
+
+def normalised_floats(images: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, 3, H, W) images, in any layout, as `table`'s floats (`normalisation_table`, on the images' device):
+    one gather, in the images' memory layout. The index is int32 and lives only during the gather."""
+    offsets = torch.arange(0, CHANNELS * BYTE_VALUES, BYTE_VALUES, dtype=torch.int32, device=images.device)
+    # channel * 256 + byte, in the images' layout (cast then added: the CPU's mixed-dtype add is several times slower)
+    index = images.int().add_(offsets.view(1, CHANNELS, 1, 1))
+    order = sorted(range(index.dim()), key=lambda d: -index.stride(d))  # outermost dimension in memory first
+    physical = index.permute(order)
+    if not physical.is_contiguous():
+        physical = physical.contiguous()
+    gathered = table.reshape(-1).index_select(0, physical.reshape(-1)).view(physical.shape)
+    return gathered.permute(sorted(range(len(order)), key=order.__getitem__))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for
-from tools.data.pixels import unit_floats
+from tools.data.pixels import normalisation_table, normalised_floats
 from tools.runtime import Runtime, check_antialias
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,10 @@ def state_sha256(module: nn.Module) -> str:
 
 
 class PixelModel(nn.Module):
-    """Pixels in, logits out: uint8 (or [0,1] float) NCHW images, scaled as ToTensor does, normalised, classified."""
+    """Pixels in, logits out: uint8 (or [0,1] float) NCHW images, scaled as ToTensor does, normalised, classified.
+
+    Bytes go through one gather in the table of the CPU's normalised floats (`normalisation_table`), the same
+    floats on every device; floats (the original mask arithmetic's blend) are normalised as Normalize does."""
 
     def __init__(self, classifier: nn.Module, mean=None, std=None):
         super().__init__()
@@ -39,14 +42,22 @@ class PixelModel(nn.Module):
         if self.normalize:
             self.register_buffer("mean", torch.as_tensor(mean, dtype=torch.float32).reshape(1, 3, 1, 1).clone())
             self.register_buffer("std", torch.as_tensor(std, dtype=torch.float32).reshape(1, 3, 1, 1).clone())
+        # derived from the statistics, so not saved with them: rebuilt when they are loaded
+        self.register_buffer("table", normalisation_table(mean, std), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The same floats as ToTensor then Normalize, in the same order, on every device (`unit_floats`), in
-        # place on a fresh copy to spare memory traffic.
-        x = unit_floats(x) if x.dtype == torch.uint8 else x.clone()
+        if x.dtype == torch.uint8:
+            return self.classifier(normalised_floats(x, self.table))
+        # Normalize's arithmetic, in place on a fresh copy to spare memory traffic
+        x = x.clone()
         if self.normalize:
             x.sub_(self.mean).div_(self.std)
         return self.classifier(x)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.normalize:
+            self.table.copy_(normalisation_table(self.mean.float(), self.std.float()))
 
 
 @dataclass
