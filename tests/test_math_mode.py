@@ -98,9 +98,9 @@ def test_every_leaf_is_set_for_the_precision_and_restored_for_the_caller(state, 
 def test_the_legacy_flags_where_torch_has_no_leaves(monkeypatch, caller_state):
     """On torch before 2.9 (simulated: no leaves), the legacy matmul precision and cuDNN's TF32 flag are set and
     restored."""
-    import tools.runtime  # noqa: PLC0415
+    import tools.runtime.precision  # noqa: PLC0415
 
-    monkeypatch.setattr(tools.runtime, "precision_api", lambda: False)
+    monkeypatch.setattr(tools.runtime.precision, "precision_api", lambda: False)
     torch.set_float32_matmul_precision("medium")
     torch.backends.cudnn.allow_tf32 = True
     with math_flags_kept():

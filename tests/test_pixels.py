@@ -254,7 +254,7 @@ def test_the_predictor_s_composites_give_the_brute_force_logits():
     predictor = CompositePredictor(loaded, Runtime(torch.device("cpu")), data, batch_size=64)
     fg_idx, bg_idx = (t.flatten() for t in torch.meshgrid(torch.arange(6), torch.arange(5), indexing="ij"))
     with torch.inference_mode():
-        logits = predictor.model(predictor.composite(fg_idx, bg_idx))
+        logits = predictor.forward.model(predictor.composite(fg_idx, bg_idx))
         weights = masks.float().unsqueeze(1)
         floats = bg.float()[bg_idx] / 255 * (1 - weights[fg_idx]) + fg.float()[fg_idx] / 255 * weights[fg_idx]
         expected = classifier(torch.stack([Normalize(IN9_MEAN, IN9_STD)(f) for f in floats]))
