@@ -37,7 +37,8 @@ from tools.models.boundary import PixelModel  # noqa: E402
 from tools.runtime import Precision, Runtime, resolve_device  # noqa: E402
 from tools.threads import default_workers  # noqa: E402
 from tools.training.config import Method, TrainConfig  # noqa: E402
-from tools.training.loop import LOG_NAME, train, training_step  # noqa: E402
+from tools.provenance import TRAINING_LOG  # noqa: E402
+from tools.training.loop import train, training_step  # noqa: E402
 
 log = logging.getLogger("bench_train")
 
@@ -103,7 +104,7 @@ def loop_throughput(args: argparse.Namespace, data: Path, method: Method, out: P
                          precision=args.precision, channels_last=args.channels_last, workers=args.workers,
                          progress=False, save_every=10**9)
     train(config)
-    steps = [json.loads(line) for line in (out / LOG_NAME).read_text().splitlines() if '"loss"' in line]
+    steps = [json.loads(line) for line in (out / TRAINING_LOG).read_text().splitlines() if '"loss"' in line]
     if len(steps) < 3:
         raise SystemExit(f"only {len(steps)} steps: raise --per-class or --epochs for a measurable run")
     durations = [b["time_s"] - a["time_s"] for a, b in zip(steps, steps[1:])]

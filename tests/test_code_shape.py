@@ -84,3 +84,97 @@ def test_importing_tools_data_loads_none_of_its_modules():
     loaded = loaded_by("import tools.data")
     assert "tools.data" in loaded
     assert [m for m in loaded if m.startswith("tools.data.")] == []
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports_of(path: Path, known: set[str]) -> set[str]:
+    """The tools modules a module imports, at any depth (deferred imports in functions count: they only hide a
+    circle until it runs), less those under `if TYPE_CHECKING:` and `if __name__ == "__main__":` (run as a
+    script, the module is `__main__`, not itself); `from pkg import mod` is an import of pkg.mod."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {id(node) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and any(word in ast.unparse(block.test)
+                                                        for word in ("TYPE_CHECKING", "__main__"))
+                   for node in ast.walk(block)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                         for a in node.names)
+    return found & known
+
+
+def import_graph() -> dict[str, set[str]]:
+    """tools' modules and what each imports. The root package's lazy `from tools import benchmark` (a function-level
+    import of tools.api inside tools/__init__.py's __getattr__) is left out: every module's `from tools import
+    __version__` would otherwise close a circle through it."""
+    paths = {_module_name(p): p for p in modules()}
+    return {name: (set() if name == "tools" else _imports_of(path, set(paths))) for name, path in paths.items()}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iteratively)."""
+    index, low, on_stack, stack, circles, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        circles.append(sorted(group))
+            elif child not in index:
+                index[child] = low[child] = counter[0]
+                counter[0] += 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return circles
+
+
+def test_the_circle_finder_finds_a_circle_through_a_deferred_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_circles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or through others, even in a function: a circle makes the
+    import order matter and each module's concern unclear (adapters and checkpoints, and the results package
+    with the training package's evaluation, were such circles)."""
+    assert import_circles(import_graph()) == []
+
+
+def test_the_results_package_knows_nothing_of_training():
+    """Training presents its runs through tools.results; the results package receives what it shows (the run's
+    files come from tools.results.run_files, which the training package writes by)."""
+    graph = import_graph()
+    offenders = {name: sorted(m for m in imported if m.startswith("tools.training"))
+                 for name, imported in graph.items() if name.startswith("tools.results")}
+    assert not {name: found for name, found in offenders.items() if found}

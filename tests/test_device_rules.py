@@ -15,6 +15,7 @@ from tests.helpers import run_in_process
 from tools import runtime
 from tools.data import synthetic
 from tools.errors import UserError
+from tools.provenance import TRAINING_LOG
 from tools.models.architectures import SMALL_CNN
 from tools.runtime import Precision, Runtime
 from tools.models.sources import load_model
@@ -220,5 +221,5 @@ def test_training_reads_from_the_device_per_log_block_not_per_step(tmp_path, mon
         counts[batch_size] = reads.count
         monkeypatch.undo()
     assert counts[3] == counts[6], counts
-    log = [line for line in (tmp_path / "3" / loop.LOG_NAME).read_text().splitlines() if '"loss"' in line]
+    log = [line for line in (tmp_path / "3" / TRAINING_LOG).read_text().splitlines() if '"loss"' in line]
     assert len(log) == 6  # every step still has its line

@@ -20,7 +20,7 @@ from tools.data.compositing import blend, original_weights
 from tools.data.decoding import decode_rgb
 from tools.in9 import class_names
 from tools.results import analysis as analysis_cli
-from tools.results import html_sections, report
+from tools.results import html_sections, report, report_cli
 from tools.results.html import write_html
 from tools.results.matrix import META_FILE, PREDICTIONS_FILE, load_matrix
 
@@ -150,7 +150,7 @@ def test_a_training_rerun_shows_its_own_results_not_older_files(runs, tiny, tmp_
     assert code == 0, err
     for page in (out / "report.html", tmp_path / "again.html"):
         if page != out / "report.html":
-            run_command(report.main, ["--training", str(out), "--html", str(page)])
+            run_command(report_cli.main, ["--training", str(out), "--html", str(page)])
         rows = Page(page.read_text()).rows("before-after")
         assert [cells[0][1] for cells in rows.values()] == [None] * len(rows), page  # random weights: no "before"
         assert "Challenge accuracy" not in rows, page  # this run did not run the challenge
@@ -163,7 +163,7 @@ def test_a_truncated_training_log_loses_only_its_partial_line(runs, tmp_path):
     shutil.copy(out_dir / "in9.json", run / "eval_trained" / "in9.json")
     steps = [{"step": s, "epoch": 0, "loss": 1.0 / s, "accuracy": 0.5, "lr": 1e-3} for s in (1, 2, 3)]
     (run / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps) + '{"step": 4, "epo')
-    run_command(report.main, ["--training", str(run), "--html", str(tmp_path / "page.html")])
+    run_command(report_cli.main, ["--training", str(run), "--html", str(tmp_path / "page.html")])
     rows = Page((tmp_path / "page.html").read_text()).tables["training"][1:]
     assert [float(row[0][1]) for row in rows] == [1, 2, 3]
 
@@ -177,6 +177,6 @@ def test_an_analysis_that_does_not_fit_its_matrix_is_one_error_line(runs, tmp_pa
         summary = json.loads((folder / "analysis.json").read_text())
         change(summary["per_class"][NAMES[1]]["top_backgrounds"][0])
         (folder / "analysis.json").write_text(json.dumps(summary))
-        code, out, err = run_in_process(report.main, ["--analysis-dir", str(folder), "--html", str(folder / "p.html")],
+        code, out, err = run_in_process(report_cli.main, ["--analysis-dir", str(folder), "--html", str(folder / "p.html")],
                                         capsys)
         assert "analysis" in check_error(code, out, err), name

@@ -18,7 +18,7 @@ from PIL import Image
 from tests.helpers import TINY, Page, check_error, html_runs, run_train
 from tools.in9 import VARIATIONS, class_names
 from tools.data.decoding import decode_rgb
-from tools.results import html_sections, report
+from tools.results import html_sections, report, report_cli
 from tools.results.categories import Category
 from tools.results.html import write_html
 from tools.results.matrix import load_matrix
@@ -186,7 +186,7 @@ def test_the_report_command_writes_the_page_and_the_leaderboard(runs, tmp_path, 
                                                           "in9": inputs["in9"], "challenge": inputs["challenge"]}))
     monkeypatch.chdir(tmp_path)
     target = tmp_path / "page.html"
-    assert report.main(["--challenge", str(out / "challenge.json"), "--html", str(target),
+    assert report_cli.main(["--challenge", str(out / "challenge.json"), "--html", str(target),
                                 "--leaderboard", str(zoo)]) == 0
     assert f"Wrote {target}" in capsys.readouterr().out and not (tmp_path / "report.md").exists()
     page = Page(target.read_text())
@@ -200,7 +200,7 @@ def test_the_report_command_writes_the_page_and_the_leaderboard(runs, tmp_path, 
 
 
 def test_a_leaderboard_without_html_is_one_line(tmp_path, capsys):
-    code = report.main(["--leaderboard", str(tmp_path), "--output", str(tmp_path / "r.md")])
+    code = report_cli.main(["--leaderboard", str(tmp_path), "--output", str(tmp_path / "r.md")])
     out, err = capsys.readouterr()
     assert "--leaderboard adds to the HTML report: add --html PATH" in check_error(code, out, err)
 
@@ -223,7 +223,7 @@ def test_a_training_run_leaves_its_curves_and_before_after_table(tiny, tmp_path,
     assert _number(rows["BG-gap"][1][1]) == trained["bg_gap"] and rows["BG-gap"][0][1] is None  # random start
     assert "The starting point (random weights) was not evaluated." in text
     # the report command renders the same section from the run's folder
-    code = report.main(["--training", str(out), "--html", str(tmp_path / "again.html")])
+    code = report_cli.main(["--training", str(out), "--html", str(tmp_path / "again.html")])
     assert code == 0 and Page((tmp_path / "again.html").read_text()).tables["before-after"] == page.tables["before-after"]
 
 

@@ -29,7 +29,7 @@ from tools.challenge import cli as challenge_command
 from tools.results import analysis
 from tools.data import decoding as datasets
 from tools.results import leaderboard
-from tools.results import report
+from tools.results import report, report_cli
 from tools.results.matrix import write_matrix
 from tools.results.publish import publish_in9
 from tools.data import synthetic
@@ -66,7 +66,7 @@ COMMANDS = {
     "tools.zoo": (zoo.main, ["--models", "file:{missing}/model.pt", "--data-path", "{missing}/data",
                              "--device", "cpu"]),
     "tools.merge": (merge.main, ["{missing}/shards"]),
-    "tools.results.report": (report.main, ["--in9", "{missing}/in9.json"]),
+    "tools.results.report": (report_cli.main, ["--in9", "{missing}/in9.json"]),
     "tools.data build": (data_cli.main, ["build", "--images", "{missing}/images", "--boxes", "{missing}/boxes.csv"]),
 }
 
@@ -115,7 +115,7 @@ def test_read_only_output_folder_is_refused(tmp_path, capsys):
     locked.mkdir()
     locked.chmod(0o500)
     try:
-        code, _, err = run_in_process(report.main, ["--in9", str(tmp_path / "absent.json"), "--output",
+        code, _, err = run_in_process(report_cli.main, ["--in9", str(tmp_path / "absent.json"), "--output",
                                                     str(locked / "sub" / "report.md")], capsys)
     finally:
         locked.chmod(0o700)

@@ -14,7 +14,7 @@ import torch
 from tools.results import analysis
 from tools.data import decoding as datasets
 from tools.data import layout
-from tools.results import report
+from tools.results import report, report_cli
 from tools.data import synthetic
 from tools.results.categories import Category, prediction_categories
 from tools.challenge import list_challenge_files
@@ -170,7 +170,7 @@ def test_command_line_merges_json_files(in9_results, challenge_results, tmp_path
     (tmp_path / "challenge.json").write_text(json.dumps(challenge))
     (tmp_path / "categories.json").write_text(json.dumps(categories))
     target = tmp_path / "report.md"
-    assert report.main(["--in9", str(tmp_path / "in9.json"), "--challenge", str(tmp_path / "challenge.json"),
+    assert report_cli.main(["--in9", str(tmp_path / "in9.json"), "--challenge", str(tmp_path / "challenge.json"),
                         "--analysis-dir", str(out), "--categories", str(tmp_path / "categories.json"),
                         "--output", str(target)]) == 0
     assert str(target) in capsys.readouterr().out
@@ -178,7 +178,7 @@ def test_command_line_merges_json_files(in9_results, challenge_results, tmp_path
     assert target.read_text(encoding="utf-8") == expected
     # categories carried inside the IN-9 results file are used when --categories is not given
     (tmp_path / "in9_with_categories.json").write_text(json.dumps({**in9, "categories": categories}))
-    assert report.main(["--in9", str(tmp_path / "in9_with_categories.json"), "--output", str(target)]) == 0
+    assert report_cli.main(["--in9", str(tmp_path / "in9_with_categories.json"), "--output", str(target)]) == 0
     assert "| **all** |" in target.read_text(encoding="utf-8")
 
 
@@ -196,7 +196,7 @@ def test_command_line_errors_are_one_line(args, message, tmp_path, capsys):
     (tmp_path / "challenge.json").write_text(json.dumps({"challenge_accuracy": 50.0}))
     (tmp_path / "broken.json").write_text("{not json")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args] + ["--output", str(tmp_path / "r.md")]
-    assert report.main(argv) == 2
+    assert report_cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and message.replace("{tmp}", str(tmp_path)) in err
     assert not (tmp_path / "r.md").exists()
@@ -214,7 +214,7 @@ def _write(folder: Path, **payloads) -> dict[str, Path]:
 
 
 def _report_error(argv: list, capsys) -> str:
-    assert report.main([str(a) for a in argv]) == 2
+    assert report_cli.main([str(a) for a in argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err, err
     return err
@@ -282,7 +282,7 @@ def test_results_of_other_data_or_another_model_are_refused(in9_results, challen
     other_model = {**challenge, "provenance": {**challenge["provenance"], "sha256": "cd" * 32}}
     files = _write(tmp_path, in9=in9, same=challenge, other_data=other_data, other_model=other_model)
     target = tmp_path / "r.md"
-    assert report.main(["--in9", str(files["in9"]), "--challenge", str(files["same"]), "--analysis-dir", str(out),
+    assert report_cli.main(["--in9", str(files["in9"]), "--challenge", str(files["same"]), "--analysis-dir", str(out),
                         "--output", str(target)]) == 0
     assert "Warning" not in target.read_text(encoding="utf-8")
     capsys.readouterr()
@@ -291,7 +291,7 @@ def test_results_of_other_data_or_another_model_are_refused(in9_results, challen
     assert "original" in err and "only_bg_t" in err and "--allow-mixed" in err
     err = _report_error(["--challenge", files["other_model"], "--analysis-dir", out, "--output", target], capsys)
     assert "the challenge results and the analysis come from different models" in err and "sha256" in err
-    assert report.main(["--in9", str(files["in9"]), "--challenge", str(files["other_data"]), "--allow-mixed",
+    assert report_cli.main(["--in9", str(files["in9"]), "--challenge", str(files["other_data"]), "--allow-mixed",
                         "--output", str(target)]) == 0
     text = target.read_text(encoding="utf-8")
     assert "**Warning: the IN-9 results and the challenge results come from different data" in text

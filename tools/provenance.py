@@ -145,6 +145,13 @@ def write_text_atomic(path: Path | str, text: str) -> None:
         fh.write(text)
 
 
+# A train.py run's files under its --output-dir that the reports read: the training loop's log of steps, and the
+# evaluations `--eval-data` makes of the trained model and of its starting point (each with in9.json and
+# challenge.json). Named here, beside the rest of what a run leaves, so that the training package writes by them
+# and the results package reads by them without importing the other.
+TRAINING_LOG = "train_log.jsonl"
+TRAINED_EVAL_DIR, START_EVAL_DIR = "eval_trained", "eval_start"
+
 RESUME_HINT = "fix the cause and rerun the same command with --resume: its saved state makes that quick"
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from tools.data.hashing import sha256_file
 from tools.errors import UserError, first_line, optional_module
 from tools.in9 import IMAGE_SIZE
+from tools.models.loading import check_fits, torch_load
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,6 @@ class MergedAdapter:
 
 
 def _read_adapter_weights(folder: Path, trust: bool) -> tuple[dict, Path]:
-    from tools.models.checkpoints import torch_load  # noqa: PLC0415 (checkpoints imports this module)
     for name in ADAPTER_WEIGHTS:
         path = folder / name
         if not path.is_file():
@@ -275,7 +275,6 @@ def merge_peft_state(classifier: nn.Module, state: dict, peft_state: PeftState, 
                      path: Path) -> nn.Module:
     """The base classifier (the architecture, untrained) wrapped as the state dict's adapters say, loaded from it
     strictly, and merged."""
-    from tools.models.checkpoints import check_fits  # noqa: PLC0415 (checkpoints imports this module)
     peft = peft_module(f"checkpoint {path} (the state dict of a peft-wrapped model)")
     targets = anchored(peft_state.ranks)
     counts = collections.Counter(peft_state.ranks.values())

@@ -16,7 +16,7 @@ from PIL import Image
 from tools import __version__
 from tools.errors import UserError
 from tools.in9 import class_names
-from tools.provenance import write_text_atomic
+from tools.provenance import START_EVAL_DIR, TRAINED_EVAL_DIR, TRAINING_LOG, write_text_atomic
 from tools.results import html_sections as sections
 from tools.results import report
 
@@ -109,21 +109,18 @@ def training_section(output_dir: Path | None, results: tuple[dict, dict | None] 
     just made them; without them they are read from the run's folder."""
     if output_dir is None:
         return ""
-    from tools.training.evaluation import START_DIR, TRAINED_DIR  # only a training report reads a training run
-    from tools.training.loop import LOG_NAME
-
     output_dir = Path(output_dir)
     if results is None:
         evaluated = {name: {"in9": _read_json(output_dir / name / "in9.json"),
                             "challenge": _read_json(output_dir / name / "challenge.json")}
-                     for name in (TRAINED_DIR, START_DIR)}
-        if evaluated[TRAINED_DIR]["in9"] is None:
-            raise UserError(f"{output_dir} holds no {TRAINED_DIR}/in9.json; pass the --output-dir of a train.py run "
+                     for name in (TRAINED_EVAL_DIR, START_EVAL_DIR)}
+        if evaluated[TRAINED_EVAL_DIR]["in9"] is None:
+            raise UserError(f"{output_dir} holds no {TRAINED_EVAL_DIR}/in9.json; pass the --output-dir of a train.py run "
                             f"with --eval-data")
-        results = (evaluated[TRAINED_DIR], evaluated[START_DIR] if evaluated[START_DIR]["in9"] is not None else None)
+        results = (evaluated[TRAINED_EVAL_DIR], evaluated[START_EVAL_DIR] if evaluated[START_EVAL_DIR]["in9"] is not None else None)
     trained, start = results
     try:
-        lines = (output_dir / LOG_NAME).read_text(encoding="utf-8").splitlines()
+        lines = (output_dir / TRAINING_LOG).read_text(encoding="utf-8").splitlines()
     except OSError:
         lines = []
     steps = [r for r in map(_step_record, lines) if r is not None]
@@ -139,7 +136,7 @@ def training_section(output_dir: Path | None, results: tuple[dict, dict | None] 
                      + sections.table(["Step", "Epoch", "Loss", "Accuracy", "Learning rate"], rows, "training", True)
                      + "</details>")
     else:
-        parts.append(f"<p>No {LOG_NAME} under {sections.esc(output_dir)}: no curves.</p>")
+        parts.append(f"<p>No {TRAINING_LOG} under {sections.esc(output_dir)}: no curves.</p>")
     rows, bars = [], []
     for label, before, after in report.before_after(trained, start):
         shown = report.points if label == report.BG_GAP else report.percent

@@ -26,7 +26,7 @@ from tools.in9 import Variation
 from tools.provenance import write_text_atomic
 from tools.results.figures import (AXIS, GRID, TEXT, Box, default_font, draw_text, free_text_position, new_canvas,
                                    paste_vertical_text, save_png)
-from tools.results.report import markdown_table
+from tools.results.markdown import markdown_table
 
 log = logging.getLogger(__name__)
 

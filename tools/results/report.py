@@ -10,7 +10,6 @@ Any subset of the inputs works; a section whose results are absent says "Not run
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -19,13 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from tools import __version__
-from tools.cli import add_log_level_argument, run_main
-from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, RELEASE_IMAGES_PER_CLASS, VARIATIONS, class_names
-from tools.provenance import check_outputs, write_text_atomic
-from tools.results.analysis import FIGURE_FILE, SUMMARY_FILE
+from tools.provenance import write_text_atomic
+from tools.results.analysis import FIGURE_FILE
 from tools.results.categories import CATEGORY_TITLES, Category
-from tools.results.reading import check_inputs_belong_together, load_inputs
+from tools.results.markdown import markdown_table
 
 if TYPE_CHECKING:
     from tools.results.leaderboard import Row
@@ -51,17 +48,6 @@ PROVENANCE_ROWS = [
 
 # ----------------------------------------------------------------------------------------------------------
 # Formatting helpers
-
-def _cell(value) -> str:
-    return str(value).replace("|", "\\|").replace("\n", " ")
-
-
-def markdown_table(header: list[str], rows: list[list], align: str) -> list[str]:
-    """A Markdown table; `align` holds one character per column, l or r."""
-    rule = ["---:" if a == "r" else "---" for a in align]
-    return ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |",
-            *("| " + " | ".join(_cell(v) for v in row) + " |" for row in rows)]
-
 
 def percent(value, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}%"
@@ -327,56 +313,7 @@ def write_report(path: Path | str, in9: dict | None = None, challenge: dict | No
 # ----------------------------------------------------------------------------------------------------------
 # Command line
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.results.report",
-                                     description="Merge results files into one Markdown report.")
-    parser.add_argument("--in9", type=Path, default=None, metavar="PATH",
-                        help="results JSON of in9_eval.py --results-file (default: none)")
-    parser.add_argument("--challenge", type=Path, default=None, metavar="PATH",
-                        help="results JSON of challenge_eval.py --results-file (default: none)")
-    parser.add_argument("--analysis-dir", type=Path, default=None, metavar="DIR",
-                        help=f"folder holding {SUMMARY_FILE} and {FIGURE_FILE} from tools.results.analysis (default: none)")
-    parser.add_argument("--categories", type=Path, default=None, metavar="PATH",
-                        help="prediction-categories JSON (default: the 'categories' entry of --in9, if any)")
-    parser.add_argument("--output", type=Path, default=None, metavar="PATH",
-                        help=f"the Markdown file to write (default: {DEFAULT_OUTPUT}, or none when only --html is given)")
-    parser.add_argument("--html", type=Path, default=None, metavar="PATH",
-                        help="also write the report as one self-contained HTML page with pictures (default: none)")
-    parser.add_argument("--leaderboard", type=Path, default=None, metavar="DIR",
-                        help="with --html: add the leaderboard of this `python -m tools.zoo` --output-dir (default: none)")
-    parser.add_argument("--training", type=Path, default=None, metavar="DIR",
-                        help="with --html: add the curves and before/after table of this `train.py --eval-data` "
-                             "--output-dir (default: none)")
-    parser.add_argument("--allow-mixed", action="store_true",
-                        help="report results of different models or data together, with a warning at the top "
-                             "(default: refuse them)")
-    add_log_level_argument(parser)
-    return parser
+if __name__ == "__main__":  # python -m tools.results.report: the command, tools.results.report_cli
+    from tools.results.report_cli import main
 
-
-def _main(args: argparse.Namespace) -> int:
-    from tools.results.html import write_html  # the HTML report's sections read this module
-
-    markdown = args.output or (None if args.html else DEFAULT_OUTPUT)
-    html_only = [flag for flag, value in (("--leaderboard", args.leaderboard), ("--training", args.training)) if value]
-    if html_only and args.html is None:
-        raise UserError(f"{html_only[0]} adds to the HTML report: add --html PATH")
-    check_outputs(files={"--output": markdown, "--html": args.html})
-    inputs = load_inputs(args.in9, args.challenge, args.analysis_dir, args.categories,
-                         allow_none=bool(html_only))
-    warnings = check_inputs_belong_together(inputs, args.allow_mixed)
-    if markdown is not None:
-        write_report(markdown, **inputs, warnings=warnings)
-        print(f"Wrote {markdown}")
-    if args.html is not None:
-        write_html(args.html, **inputs, warnings=warnings, leaderboard=args.leaderboard, training=args.training)
-        print(f"Wrote {args.html}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_main(build_parser(), _main, argv, on_interrupt="rerun the same command")
-
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,7 @@ from tools.evaluate import In9Config, run_in9
 from tools.in9 import VARIATIONS
 from tools.models.boundary import LoadedModel
 from tools.models.sources import load_model
-from tools.provenance import write_json_atomic, write_text_atomic
+from tools.provenance import START_EVAL_DIR, TRAINED_EVAL_DIR, write_json_atomic, write_text_atomic
 from tools.results.html import write_html
 from tools.results.report import BG_GAP, before_after, change, markdown_table, percent, points
 from tools.runtime import Runtime, resolve_device
@@ -23,7 +23,6 @@ from tools.training.loop import TrainResult
 log = logging.getLogger(__name__)
 
 REPORT_NAME, HTML_REPORT_NAME = "report.md", "report.html"
-TRAINED_DIR, START_DIR = "eval_trained", "eval_start"  # under --output-dir: the evaluations' results
 
 
 def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir: Path) -> dict:
@@ -80,15 +79,15 @@ def evaluate_and_report(config: TrainConfig, result: TrainResult) -> Path:
     runtime = Runtime(resolve_device(config.device))
     out = Path(config.output_dir)
     trained = evaluate(load_model(checkpoint=result.checkpoint, runtime=runtime), config, runtime,
-                       out / TRAINED_DIR)
+                       out / TRAINED_EVAL_DIR)
     start = None
     if result.start.source is not None:
         try:
-            start = evaluate(result.start.source, config, runtime, out / START_DIR)
+            start = evaluate(result.start.source, config, runtime, out / START_EVAL_DIR)
         except UserError as exc:
             log.warning("the starting point could not be evaluated: %s", exc)
     if start is None:
-        forget_results(out / START_DIR)
+        forget_results(out / START_EVAL_DIR)
     path = out / REPORT_NAME
     write_text_atomic(path, render_training_report(config, result, trained, start))
     write_html(out / HTML_REPORT_NAME, training=out, training_results=(trained, start))

@@ -26,7 +26,7 @@ from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, stat
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.models.boundary import LoadedModel
 from tools.data.pixels import unit_floats
-from tools.provenance import write_text_atomic
+from tools.provenance import TRAINING_LOG, write_text_atomic
 from tools.models.sources import load_model
 from tools.runtime import Precision, Runtime, check_antialias, resolve_device
 from tools.training import adapters
@@ -38,7 +38,6 @@ from tools.training.methods import WeightAveraging, batch_mixer
 
 log = logging.getLogger(__name__)
 
-LOG_NAME = "train_log.jsonl"
 LOG_EVERY = 50  # steps between reads of the logged numbers from the device (each read waits for the device)
 # Settings that do not change the weights a run produces, so a resumed run may differ in them.
 NOT_IN_RUN_KEY = ("output_dir", "resume", "progress", "workers", "save_every", "eval_data", "eval_challenge",
@@ -242,7 +241,7 @@ def train(config: TrainConfig) -> TrainResult:
             swa.load_state_dict(saved["swa"], optimizer)
         step = saved["step"]
         log.info("resuming at step %d of %d", step, total_steps)
-    journal = JsonLog(config.output_dir / LOG_NAME, group.is_main, step if saved is not None else None)
+    journal = JsonLog(config.output_dir / TRAINING_LOG, group.is_main, step if saved is not None else None)
 
     def save_state() -> None:
         steps_log.flush()  # the log reaches the saved step, so a resumed run's log has no gap

@@ -1,0 +1,77 @@
+"""Unpickling a checkpoint file safely (`weights_only` unless trusted, an unsafe or unreadable file one error
+line) and loading a state dict strictly (every missing, unexpected or misshapen key named): shared by
+`tools.models.checkpoints` and `tools.models.adapters`, which reads adapter weights with them."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from tools.errors import UserError, first_line
+
+log = logging.getLogger(__name__)
+
+
+def _blocked_globals(path: Path, exc: Exception) -> list[str]:
+    """The globals a weights-only load refused: listed from a zip checkpoint, else read off the error."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # noqa: BLE001 (legacy, non-zip files: torch's message names the first one)
+        return re.findall(r"Unsupported global: GLOBAL (\S+)", str(exc))
+
+
+def _unpickling_problem(exc: Exception) -> str:
+    """The useful line of an unpickling error (torch wraps weights-only failures in paragraphs of advice)."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def torch_load(path: Path, trust: bool):
+    """The unpickled file: `weights_only=True` unless trusted; an unsafe or unreadable file is one error line."""
+    if trust:
+        log.warning("loading %s with full unpickling (--trust-checkpoint): only do this for files you trust", path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trust)
+    except pickle.UnpicklingError as exc:
+        blocked = [] if trust else _blocked_globals(path, exc)
+        if blocked:
+            raise UserError(f"checkpoint {path} needs arbitrary unpickling (blocked globals: {', '.join(blocked)}); "
+                            f"if you trust the file, rerun with --trust-checkpoint") from None
+        raise UserError(f"cannot read checkpoint {path}: it does not unpickle ({_unpickling_problem(exc)}); "
+                        f"is it a PyTorch file?") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise UserError(f"cannot read checkpoint {path}: {first_line(exc)}; is it a PyTorch file?") from None
+    except (ImportError, AttributeError) as exc:  # only with --trust-checkpoint: a class the file needs is missing
+        raise UserError(f"cannot unpickle checkpoint {path}: {exc}; install the code that defines its classes, "
+                        f"or save a state dict instead") from None
+
+
+def key_list(keys, limit: int = 8) -> str:
+    keys = list(keys)
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def check_fits(state: Mapping, expected: Mapping, what: str) -> None:
+    """Strict loading, checked first so that every problem is named (load_state_dict stops at a shape)."""
+    problems = []
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    mismatched = [f"{k} {tuple(state[k].shape)} (the architecture has {tuple(v.shape)})"
+                  for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    if missing:
+        problems.append(f"missing keys: {key_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {key_list(unexpected)}")
+    if mismatched:
+        problems.append(f"shapes that differ: {key_list(mismatched, limit=3)}")
+    if problems:
+        raise UserError(f"{what}: {'; '.join(problems)}")
