@@ -234,8 +234,8 @@ def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[
                   cache_dir: Path | None, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4,
                   progress: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Named groups of images as uint8 (N, 3, H, W) tensors and the masks (`load_masks`), decoded once and
-    reused from `cache_dir` when the content fingerprint and the mask arithmetic match (the challenge's data;
-    training decodes per sample in its DataLoader workers). Binary masks are cached as packed bits."""
+    reused from `cache_dir` when the content fingerprint and the mask arithmetic match (the challenge's data, and
+    train.py's store: tools.training.data.decoded_store). Binary masks are cached as packed bits."""
     cache = DecodedCache(cache_dir, f"{fingerprint['sha256'][:24]}-{arithmetic.value}-v{CACHE_VERSION}",
                          {"fingerprint": fingerprint, "mask_arithmetic": arithmetic.value, "groups": list(images)})
     packed = arithmetic is MaskArithmetic.BINARY
@@ -250,6 +250,6 @@ def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[
     mask_array = load_masks(root, masks, arithmetic)  # first: a refused mask stops the run before any decoding
     decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}")
                for name, relpaths in images.items()}
-    stored = np.packbits(mask_array.reshape(len(mask_array), -1), axis=1) if packed else mask_array
+    stored = np.packbits(mask_array.reshape(len(mask_array), IMAGE_SIZE * IMAGE_SIZE), axis=1) if packed else mask_array
     cache.save({**{name: tensor.numpy() for name, tensor in decoded.items()}, "masks": stored})
     return decoded, torch.from_numpy(mask_array)
