@@ -208,6 +208,7 @@ def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torc
                                         antialias=True)
         else:  # one batched resample for the batch (within one uint8 level of the loop above)
             out = resized_crops(images, to_device(batch["crop"], device), IMAGE_SIZE)
-        flips = to_device(batch["flip"], device)
-        images = torch.where(flips.view(-1, 1, 1, 1), out.flip(-1), out)
+        flipped = to_device(batch["flip"], device).nonzero().view(-1)  # only the flipped images are copied
+        out[flipped] = out[flipped].flip(-1)
+        images = out
     return images, to_device(batch["label"], device)

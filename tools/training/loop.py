@@ -192,6 +192,7 @@ class StepLog:
 
 def train(config: TrainConfig) -> TrainResult:
     """Train as configured and write checkpoint.pt (rank 0); returns where it is and how the run went."""
+    launched = time.perf_counter()
     requested = resolve_device(config.device)
     group = distributed.setup(requested, config.dist_timeout)
     device = group.device(requested)
@@ -256,6 +257,8 @@ def train(config: TrainConfig) -> TrainResult:
     bar = tqdm(total=total_steps, initial=step, unit="step", desc="training", dynamic_ncols=True,
                disable=not (config.progress and group.is_main))
     started = time.perf_counter()
+    log.info("start-up: %.1f s (model, content hashes, decoded store); rates below are from here on",
+             started - launched)
     steps_log = StepLog(journal, bar, device, started)
     with bar:
         for epoch in range(step // steps_per_epoch, config.epochs):
