@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -339,3 +340,32 @@ def test_batched_resized_crops_are_torchvisions_within_one_level():
     difference = (resized_crops(images, boxes, 224).int() - expected.int()).abs()
     assert difference.max() <= 1
     assert (difference > 0).float().mean() < 0.3
+
+
+def test_decoded_store_is_made_once_and_keyed_by_content(tmp_path, monkeypatch):
+    """The second run on the same files reads the store back without decoding; changed bytes decode afresh; the
+    store holds what Pillow decodes and the masks as loaded."""
+    from tools.data import decoding
+    from tools.data.hashing import fingerprint
+    from tools.training import data as training_data
+
+    root = tmp_path / "d"
+    synthetic.generate(root, per_class=2, seed=0, split="train")
+    config = TrainConfig(data_path=root, output_dir=tmp_path / "o", methods=[Method.BG_SWAP], weights="none")
+    records = training_data.list_training_data(config)
+    first = training_data.decoded_store(records, fingerprint(root, records.relpaths(), 1), 1, False)
+    assert torch.equal(first.images[3], torch.from_numpy(decoding.decode_rgb(root / records.images[3])).permute(2, 0, 1))
+    assert torch.equal(first.masks[3], torch.from_numpy(decoding.load_mask(root / records.masks[3])))
+    assert torch.equal(first.backgrounds[5],
+                       torch.from_numpy(decoding.decode_rgb(root / records.backgrounds[5])).permute(2, 0, 1))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decoded again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(decoding, "decode_images", refuse)
+        again = training_data.decoded_store(records, fingerprint(root, records.relpaths(), 1), 1, False)
+    assert torch.equal(again.images, first.images) and torch.equal(again.masks, first.masks)
+    shutil.copyfile(root / records.backgrounds[0], root / records.images[0])
+    changed = training_data.decoded_store(records, fingerprint(root, records.relpaths(), 1), 1, False)
+    assert torch.equal(changed.images[0], first.backgrounds[0])
