@@ -354,10 +354,10 @@ def test_decoded_store_is_made_once_and_keyed_by_content(tmp_path, monkeypatch):
     config = TrainConfig(data_path=root, output_dir=tmp_path / "o", methods=[Method.BG_SWAP], weights="none")
     records = training_data.list_training_data(config)
     first = training_data.decoded_store(records, fingerprint(root, records.relpaths(), 1), 1, False)
-    assert torch.equal(first.images[3], torch.from_numpy(decoding.decode_rgb(root / records.images[3])).permute(2, 0, 1))
+    assert torch.equal(first.images[3], torch.from_numpy(decoding.decode_rgb(root / records.images[3]).copy()).permute(2, 0, 1))
     assert torch.equal(first.masks[3], torch.from_numpy(decoding.load_mask(root / records.masks[3])))
     assert torch.equal(first.backgrounds[5],
-                       torch.from_numpy(decoding.decode_rgb(root / records.backgrounds[5])).permute(2, 0, 1))
+                       torch.from_numpy(decoding.decode_rgb(root / records.backgrounds[5]).copy()).permute(2, 0, 1))
 
     def refuse(*args, **kwargs):
         raise AssertionError("decoded again")
