@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -299,3 +300,72 @@ def test_bf16_channels_last_training_on_the_gpu_loads_on_the_cpu(tiny, tmp_path,
     saved = torch.load(out / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
     assert saved["train_args"]["precision"] is None  # the default: bf16 autocast on CUDA
     assert all(v.device.type == "cpu" and torch.isfinite(v).all() for v in saved["model"].values())
+
+
+def test_crop_boxes_are_torchvision_draws_without_forking_the_global_generator():
+    """crop_box draws from a generator of its own the boxes that RandomResizedCrop.get_params draws from the
+    global generator reseeded per sample (the earlier fork_rng + manual_seed): same seeds, same boxes, and the
+    global generator untouched."""
+    from torchvision.transforms import RandomResizedCrop
+    from tools.training.data import RATIO_RANGE, crop_box
+
+    def forked(seed: int, scale_min: float) -> tuple[int, int, int, int]:
+        rng = torch.Generator().manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(torch.randint(2**62, (1,), generator=rng)))
+            return tuple(RandomResizedCrop.get_params(torch.empty(1, 224, 224), [scale_min, 1.0], list(RATIO_RANGE)))
+
+    before = torch.random.get_rng_state()
+    for seed in range(300):
+        for scale_min in (0.08, 0.35, 0.9):
+            assert crop_box(torch.Generator().manual_seed(seed), scale_min) == forked(seed, scale_min)
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_batched_resized_crops_are_torchvisions_within_one_level():
+    """One batched antialiased crop-and-resize (two matmuls with per-box weights) against torchvision's
+    per-image resized_crop(antialias=True) on smooth and noisy images, boxes from downscales to upscales."""
+    from torchvision.transforms.v2 import functional as F
+    from tools.training.data import crop_box
+    from tools.training.resample import resized_crops
+
+    gen = torch.Generator().manual_seed(0)
+    noisy = torch.randint(0, 256, (6, 3, 224, 224), dtype=torch.uint8, generator=gen)
+    smooth = nn.functional.avg_pool2d(noisy[:6].float(), 7, 1, 3).to(torch.uint8)
+    images = torch.cat([noisy, smooth])
+    boxes = torch.tensor([crop_box(torch.Generator().manual_seed(i), 0.08) for i in range(len(images))])
+    boxes[:4] = torch.tensor([[0, 0, 224, 224], [10, 20, 100, 50], [0, 150, 224, 74], [200, 0, 24, 224]])
+    expected = torch.stack([F.resized_crop(image, *box.tolist(), [224, 224], antialias=True)
+                            for image, box in zip(images, boxes)])
+    difference = (resized_crops(images, boxes, 224).int() - expected.int()).abs()
+    assert difference.max() <= 1
+    assert (difference > 0).float().mean() < 0.3
+
+
+def test_decoded_store_is_made_once_and_keyed_by_content(tmp_path, monkeypatch):
+    """The second run on the same files reads the store back without decoding; changed bytes decode afresh; the
+    store holds what Pillow decodes and the masks as loaded."""
+    from tools.data import decoding
+    from tools.data.hashing import fingerprint
+    from tools.training import data as training_data
+
+    root = tmp_path / "d"
+    synthetic.generate(root, per_class=2, seed=0, split="train")
+    config = TrainConfig(data_path=root, output_dir=tmp_path / "o", methods=[Method.BG_SWAP], weights="none")
+    records = training_data.list_training_data(config)
+    first = training_data.decoded_store(records, fingerprint(root, records.relpaths(), 1), 1, False)
+    assert torch.equal(first.images[3], torch.from_numpy(decoding.decode_rgb(root / records.images[3]).copy()).permute(2, 0, 1))
+    assert torch.equal(first.masks[3], torch.from_numpy(decoding.load_mask(root / records.masks[3])))
+    assert torch.equal(first.backgrounds[5],
+                       torch.from_numpy(decoding.decode_rgb(root / records.backgrounds[5]).copy()).permute(2, 0, 1))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decoded again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(decoding, "decode_images", refuse)
+        again = training_data.decoded_store(records, fingerprint(root, records.relpaths(), 1), 1, False)
+    assert torch.equal(again.images, first.images) and torch.equal(again.masks, first.masks)
+    shutil.copyfile(root / records.backgrounds[0], root / records.images[0])
+    changed = training_data.decoded_store(records, fingerprint(root, records.relpaths(), 1), 1, False)
+    assert torch.equal(changed.images[0], first.backgrounds[0])

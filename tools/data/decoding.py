@@ -310,9 +310,9 @@ def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[
                   progress: bool = True, decoder: Decoder = Decoder.PILLOW,
                   contents: Mapping[str, bytes] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Named groups of images as uint8 (N, 3, H, W) tensors and the masks (`load_masks`), decoded once and
-    reused from `cache_dir` when the content fingerprint and the mask arithmetic match (the challenge's data;
-    training decodes per sample in its DataLoader workers). Binary masks are cached as packed bits. The key
-    leaves out the decoder: `choose_decoder` lets torchvision decode only where its pixels are Pillow's."""
+    reused from `cache_dir` when the content fingerprint and the mask arithmetic match (the challenge's data, and
+    train.py's store: tools.training.data.decoded_store). Binary masks are cached as packed bits. The key leaves
+    out the decoder: `choose_decoder` lets torchvision decode only where its pixels are Pillow's."""
     cache = DecodedCache(cache_dir, f"{fingerprint['sha256'][:24]}-{arithmetic.value}-v{CACHE_VERSION}",
                          {"fingerprint": fingerprint, "mask_arithmetic": arithmetic.value, "groups": list(images)})
     key = f"decoded:{fingerprint['sha256']}:{arithmetic.value}:{','.join(images)}"
@@ -338,6 +338,6 @@ def _decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence
     mask_array = load_masks(root, masks, arithmetic, contents)  # first: a refused mask stops the run before decoding
     decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}", decoder, contents)
                for name, relpaths in images.items()}
-    stored = np.packbits(mask_array.reshape(len(mask_array), -1), axis=1) if packed else mask_array
+    stored = np.packbits(mask_array.reshape(len(mask_array), IMAGE_SIZE * IMAGE_SIZE), axis=1) if packed else mask_array
     cache.save({**{name: tensor.numpy() for name, tensor in decoded.items()}, "masks": stored})
     return decoded, torch.from_numpy(mask_array)

@@ -250,7 +250,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                           "else fp32)")
     run.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
     run.add_argument("--workers", type=int, default=default_workers(), metavar="N",
-                     help=f"DataLoader worker processes per training process, 0 decodes in the main process "
+                     help=f"DataLoader worker processes per training process (0: the main process) and decoding threads "
+                          f"for the decoded store "
                           f"(default: {default_workers()})")
     run.add_argument("--seed", type=int, default=0, metavar="N",
                      help="seed of every random choice: order, crops, swaps, mixing, initialisation (default: 0)")

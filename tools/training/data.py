@@ -9,6 +9,7 @@ the foreground and its mask stay aligned because the augmentation sees one finis
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, TRAIN_SPLIT, Variation
 from tools.runtime import to_device
 from tools.training.config import TrainConfig
+from tools.training.resample import resized_crops
 
 log = logging.getLogger(__name__)
 
@@ -111,29 +113,54 @@ class StepSampler(Sampler):
 
 
 def crop_box(rng: torch.Generator, scale_min: float, size: int = IMAGE_SIZE) -> tuple[int, int, int, int]:
-    """A random resized crop's (top, left, height, width), drawn as torchvision's RandomResizedCrop draws it."""
-    from torchvision.transforms import RandomResizedCrop  # noqa: PLC0415
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(torch.randint(2**62, (1,), generator=rng)))
-        top, left, height, width = RandomResizedCrop.get_params(torch.empty(1, size, size), [scale_min, 1.0],
-                                                                list(RATIO_RANGE))
-    return top, left, height, width
+    """A random resized crop's (top, left, height, width), drawn as torchvision's RandomResizedCrop.get_params
+    draws it from the global generator seeded by one draw of `rng`, but from a generator of its own: the same
+    boxes, without forking and reseeding the global state for every sample."""
+    gen = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=rng)))
+    area = size * size
+    log_ratio = torch.log(torch.tensor(RATIO_RANGE))
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale_min, 1.0, generator=gen).item()
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=gen)).item()
+        width = int(round(math.sqrt(target_area * aspect_ratio)))
+        height = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < width <= size and 0 < height <= size:
+            top = int(torch.randint(0, size - height + 1, size=(1,), generator=gen))
+            left = int(torch.randint(0, size - width + 1, size=(1,), generator=gen))
+            return top, left, height, width
+    return 0, 0, size, size  # torchvision's fallback for a square image: the whole image
+
+
+@dataclass
+class DecodedStore:
+    """The training images (and the bg-swap masks and background pool) decoded once, uint8 NCHW and bool NHW,
+    in memory: workers index it instead of decoding each sample every epoch."""
+
+    images: torch.Tensor
+    masks: torch.Tensor | None = None
+    backgrounds: torch.Tensor | None = None
+
+
+def decoded_store(data: TrainingData, fingerprint: dict, workers: int, progress: bool) -> DecodedStore:
+    """The one place training decodes: tools.data.decoding's content-keyed cache (key: the files' bytes and the
+    decoder's version), made on the first run and read back by every later run on the same files."""
+    groups = {"images": data.images, **({"backgrounds": data.backgrounds} if data.backgrounds is not None else {})}
+    decoded, masks = datasets.decode_cached(data.root, groups, data.masks or [], fingerprint,
+                                            datasets.default_cache_dir(), workers=max(1, workers), progress=progress)
+    return DecodedStore(decoded["images"], masks if data.masks is not None else None, decoded.get("backgrounds"))
 
 
 class TrainingSet(Dataset):
     """Item (epoch, index) -> decoded image (and mask and background for a swap) plus its random choices."""
 
-    def __init__(self, data: TrainingData, config: TrainConfig):
-        self.data, self.config = data, config
+    def __init__(self, data: TrainingData, config: TrainConfig, store: DecodedStore):
+        self.data, self.config, self.store = data, config, store
         if data.backgrounds is not None:
             labels = np.asarray(data.background_labels)
             self.pool_by_class = [np.flatnonzero(labels == k) for k in range(NUM_IN9_CLASSES)]
 
     def __len__(self) -> int:
         return len(self.data)
-
-    def _decode(self, relpath: str) -> torch.Tensor:
-        return torch.from_numpy(datasets.decode_rgb(self.data.root / relpath).copy()).permute(2, 0, 1)
 
     def _background(self, rng: np.random.Generator, label: int) -> int:
         same = rng.random() < self.config.swap_same_class_prob
@@ -144,16 +171,14 @@ class TrainingSet(Dataset):
     def __getitem__(self, item: tuple[int, int]) -> dict:
         epoch, index = item
         label = self.data.labels[index]
-        sample = {"image": self._decode(self.data.images[index]), "label": label}
+        sample = {"image": self.store.images[index], "label": label}
         rng = np.random.default_rng(derived_seed(self.config.seed, "sample", epoch, index))
         if self.data.masks is not None:
             swap = bool(rng.random() < self.config.swap_prob)
             background = self._background(rng, label) if swap else index
-            mask = datasets.load_mask(self.data.root / self.data.masks[index]) if swap else None
             sample["swap"] = swap
-            sample["mask"] = torch.from_numpy(mask) if swap else torch.ones(IMAGE_SIZE, IMAGE_SIZE, dtype=torch.bool)
-            sample["background"] = (self._decode(self.data.backgrounds[background]) if swap
-                                    else sample["image"])
+            sample["mask"] = self.store.masks[index] if swap else torch.ones(IMAGE_SIZE, IMAGE_SIZE, dtype=torch.bool)
+            sample["background"] = self.store.backgrounds[background] if swap else sample["image"]
         if self.config.augment:
             gen = torch.Generator().manual_seed(derived_seed(self.config.seed, "crop", epoch, index))
             sample["crop"] = torch.tensor(crop_box(gen, self.config.crop_scale))
@@ -161,9 +186,10 @@ class TrainingSet(Dataset):
         return sample
 
 
-def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, pin_memory: bool) -> DataLoader:
+def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, pin_memory: bool,
+                store: DecodedStore) -> DataLoader:
     workers = config.workers
-    return DataLoader(TrainingSet(data, config), batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
+    return DataLoader(TrainingSet(data, config, store), batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
                       persistent_workers=False, prefetch_factor=4 if workers else None)
 
 
@@ -174,10 +200,15 @@ def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torc
         masks = to_device(batch["mask"], device)
         images = composite(images, to_device(batch["background"], device), byte_masks(masks))
     if augment:
-        from torchvision.transforms.v2 import functional as F  # noqa: PLC0415
-        out = torch.empty_like(images)
-        for i, (top, left, height, width) in enumerate(batch["crop"].tolist()):
-            out[i] = F.resized_crop(images[i], top, left, height, width, [IMAGE_SIZE, IMAGE_SIZE], antialias=True)
-        flips = to_device(batch["flip"], device)
-        images = torch.where(flips.view(-1, 1, 1, 1), out.flip(-1), out)
+        if device.type == "cpu":  # torch's vectorised uint8 kernel: faster per image than the matmuls on a CPU
+            from torchvision.transforms.v2 import functional as F  # noqa: PLC0415
+            out = torch.empty_like(images)
+            for i, (top, left, height, width) in enumerate(batch["crop"].tolist()):
+                out[i] = F.resized_crop(images[i], top, left, height, width, [IMAGE_SIZE, IMAGE_SIZE],
+                                        antialias=True)
+        else:  # one batched resample for the batch (within one uint8 level of the loop above)
+            out = resized_crops(images, to_device(batch["crop"], device), IMAGE_SIZE)
+        flipped = to_device(batch["flip"], device).nonzero().view(-1)  # only the flipped images are copied
+        out[flipped] = out[flipped].flip(-1)
+        images = out
     return images, to_device(batch["label"], device)

@@ -33,7 +33,8 @@ from tools.training import adapters
 from tools.training.checkpoint import (CHECKPOINT_NAME, STATE_NAME, load_resume_state, save_atomic,
                                        trained_checkpoint)
 from tools.training.config import RANDOM_INIT, Optimizer, TrainConfig
-from tools.training.data import StepSampler, derived_seed, device_batch, list_training_data, make_loader
+from tools.training.data import (StepSampler, decoded_store, derived_seed, device_batch, list_training_data,
+                                 make_loader)
 from tools.training.methods import WeightAveraging, batch_mixer
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,7 @@ class StepLog:
 
 def train(config: TrainConfig) -> TrainResult:
     """Train as configured and write checkpoint.pt (rank 0); returns where it is and how the run went."""
+    launched = time.perf_counter()
     requested = resolve_device(config.device)
     group = distributed.setup(requested, config.dist_timeout)
     device = group.device(requested)
@@ -211,6 +213,7 @@ def train(config: TrainConfig) -> TrainResult:
                         f"lower the batch size")
     total_steps = steps_per_epoch * config.epochs
     fingerprint = content_fingerprint(data.root, data.relpaths(), config.workers or 1)
+    store = decoded_store(data, fingerprint, config.workers, config.progress and group.is_main)
 
     head_keys = classifier_keys(start.arch)
     net = adapters.TrainingModel(adapters.attach(start.classifier, config, head_keys), start.mean, start.std)
@@ -253,12 +256,14 @@ def train(config: TrainConfig) -> TrainResult:
     bar = tqdm(total=total_steps, initial=step, unit="step", desc="training", dynamic_ncols=True,
                disable=not (config.progress and group.is_main))
     started = time.perf_counter()
+    log.info("start-up: %.1f s (model, content hashes, decoded store); rates below are from here on",
+             started - launched)
     steps_log = StepLog(journal, bar, device, started)
     with bar:
         for epoch in range(step // steps_per_epoch, config.epochs):
             sampler = StepSampler(len(data), config.batch_size, config.seed, epoch, step - epoch * steps_per_epoch,
                                   group.rank, group.world_size)
-            for batch in make_loader(data, config, sampler, runtime.pin()):
+            for batch in make_loader(data, config, sampler, runtime.pin(), store):
                 torch.manual_seed(sampler.batch_seed(step))  # mixing: the batch's draws, as one process makes them
                 images, labels = device_batch(batch, device, config.augment)
                 images = runtime.to_device(images)
@@ -287,7 +292,7 @@ def train(config: TrainConfig) -> TrainResult:
     if swa is not None:
         sampler = StepSampler(len(data), config.batch_size, config.seed, config.epochs, 0, group.rank, group.world_size)
         batches = (runtime.to_device(device_batch(b, device, config.augment)[0]) for b in
-                   make_loader(data, config, sampler, runtime.pin()))
+                   make_loader(data, config, sampler, runtime.pin(), store))
         final = swa.finish(batches, device)
     classifier = adapters.merged(final.classifier, config)
     path = config.output_dir / CHECKPOINT_NAME

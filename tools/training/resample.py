@@ -1,0 +1,42 @@
+"""One batched, antialiased crop-and-resize for a whole batch: a box per image, two batched matmuls.
+
+torch's antialiased bilinear resize (upsample_bilinear2d_aa, what torchvision's resized_crop runs) is separable:
+each output row (column) is a weighted sum of input rows (columns), with a triangle filter whose support is
+stretched by the downscale factor. The weights depend on the box only, so the crops of a batch, each with its
+own box, are one (B, out, in) weight matrix per axis and `rows @ image @ columns^T`: a few kernels for the whole
+batch instead of several per image.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def antialias_weights(starts: torch.Tensor, lengths: torch.Tensor, in_size: int, out_size: int) -> torch.Tensor:
+    """(B, out_size, in_size) float32: row i of image b holds the weights of input pixels start..start+length-1
+    for output pixel i, as torch computes them for an antialiased bilinear resize of `length` to `out_size`
+    (align_corners=False): scale = length/out, support = max(scale, 1), center = scale * (i + 0.5), window
+    [trunc(center - support + 0.5), trunc(center + support + 0.5)) within the crop, triangle filter of
+    (j - center + 0.5) / max(scale, 1), normalised to sum 1."""
+    device = starts.device
+    lengths = lengths.to(torch.float64).view(-1, 1, 1)
+    scale = lengths / out_size
+    support = scale.clamp(min=1.0)
+    center = scale * (torch.arange(out_size, device=device, dtype=torch.float64).view(1, -1, 1) + 0.5)
+    j = torch.arange(in_size, device=device, dtype=torch.float64).view(1, 1, -1) - starts.view(-1, 1, 1)
+    low = (center - support + 0.5).trunc().clamp(min=0)
+    high = torch.minimum((center + support + 0.5).trunc(), lengths)
+    weights = (1 - ((j - center + 0.5) / support).abs()).clamp(min=0)
+    weights = weights * ((j >= low) & (j < high))
+    return (weights / weights.sum(-1, keepdim=True)).to(torch.float32)
+
+
+def resized_crops(images: torch.Tensor, boxes: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 (B, C, size, size): image b's box (top, left, height, width) resized with antialiasing, within one
+    uint8 level of torchvision's per-image `resized_crop(..., antialias=True)` (float weights here; torch's CPU
+    uint8 kernel uses fixed-point ones)."""
+    boxes = boxes.to(images.device)
+    rows = antialias_weights(boxes[:, 0], boxes[:, 2], images.shape[-2], size)
+    columns = antialias_weights(boxes[:, 1], boxes[:, 3], images.shape[-1], size)
+    out = rows.unsqueeze(1) @ images.to(torch.float32) @ columns.unsqueeze(1).transpose(-1, -2)
+    return out.round_().clamp_(0, 255).to(torch.uint8)
