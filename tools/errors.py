@@ -3,6 +3,8 @@
 import importlib
 import zipfile
 
+from tools.threads import wait_for_background_imports
+
 
 class UserError(Exception):
     """Bad input from the user: the scripts print its message as one line and exit with code 2."""
@@ -22,9 +24,24 @@ def first_line(exc: BaseException) -> str:
 
 def optional_module(name: str, needed_by: str, pip_name: str, extra: str, called: str | None = None, also: str = ""):
     """An optional extra's module, imported when first needed; without it, one error line: what needs it (named
-    `called`, default its pip name) and the command that installs it, then `also` (what else the user can do)."""
+    `called`, default its pip name) and the command that installs it, then `also` (what else the user can do).
+
+    Only the module itself missing reads "not installed"; any other failure (a dependency of it missing, a broken
+    install) says the module is installed but failed to import, with the failure's first line. The model
+    libraries imported in the background (tools.threads.import_in_background) are finished first, so that two
+    threads never import them at once (Python would hand one a half-initialised module)."""
+    wait_for_background_imports()
     try:
         return importlib.import_module(name)
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        if exc.name is None or name != exc.name and not name.startswith(exc.name + "."):
+            raise _broken(name, called or pip_name, exc) from exc
         raise UserError(f"{needed_by} needs {called or pip_name}, which is not installed; run `pip install {pip_name}` "
                         f"(or install this project with the [{extra}] extra){also}") from None
+    except Exception as exc:  # noqa: BLE001 (an installed module's own failure, whatever it raises, is named)
+        raise _broken(name, called or pip_name, exc) from exc
+
+
+def _broken(name: str, what: str, exc: BaseException) -> UserError:
+    return UserError(f"{what} is installed but failed to import ({name}): {first_line(exc)}; "
+                     f"reinstall it, or run `python -c 'import {name}'` to see the whole error")

@@ -5,9 +5,7 @@ the model from them: every cheap input is checked before any model is built."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +24,7 @@ from tools.models.spec import ModelSpec
 from tools.shards import shard_spec
 from tools.runtime import CPU_BATCH_CANDIDATES, CPU_BATCH_SIZE, GPU_BATCH_SIZE, Precision, Runtime, resolve_device, \
     seed_everything
-from tools.threads import default_workers
+from tools.threads import default_workers, import_in_background, wait_for_background_imports
 
 log = logging.getLogger(__name__)
 
@@ -223,18 +221,11 @@ def preload_model_libraries(arch: str | None, checkpoint: Path | None) -> None:
             names += [name for name in architecture_family(spec).libraries if name not in names]
         except UserError:  # not an architecture: its source says so where the model is loaded
             pass
-
-    def work() -> None:
-        for name in names:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 (reported where the model is built)
-                return
-
-    threading.Thread(target=work, name="preload", daemon=True).start()
+    import_in_background(names)  # model building waits for it (tools.threads.wait_for_background_imports)
 
 
 def model_from_args(args: argparse.Namespace, runtime: Runtime, progress: bool) -> LoadedModel:
+    wait_for_background_imports()  # never import a model library while the preload thread imports one
     loaded = load_model(args.arch, args.weights, args.checkpoint, args.in9, args.normalize, args.trust_checkpoint,
                         args.checkpoint_key, runtime, progress, args.lora_alpha, args.lora_rslora,
                         trust_remote_code=args.trust_remote_code)

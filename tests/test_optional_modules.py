@@ -1,0 +1,74 @@
+"""Optional extras (tools.errors.optional_module): a missing module reads "not installed", a module that is
+installed but fails to import says so with its own first line, and an import started in the background
+(tools.threads.import_in_background, as the scripts preload torchvision) never races the same libraries
+imported where the model is built."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tools.errors import UserError, optional_module
+from tools.threads import import_in_background, wait_for_background_imports
+
+
+def _write_package(root, name: str, source: str) -> None:
+    (root / f"{name}.py").write_text(textwrap.dedent(source))
+
+
+@pytest.fixture
+def fake_modules(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    wait_for_background_imports()
+    for name in [n for n in sys.modules if n.startswith("fake_")]:
+        del sys.modules[name]
+
+
+def test_a_missing_module_is_not_installed(fake_modules):
+    with pytest.raises(UserError, match=r"^a clip: model needs open_clip_torch, which is not installed; "
+                                        r"run `pip install open_clip_torch`"):
+        optional_module("fake_missing", "a clip: model", "open_clip_torch", "clip")
+
+
+def test_a_module_whose_dependency_is_missing_is_installed_but_broken(fake_modules):
+    _write_package(fake_modules, "fake_broken_dep", "import fake_not_there\n")
+    with pytest.raises(UserError, match=r"^open_clip_torch is installed but failed to import \(fake_broken_dep\): "
+                                        r"No module named 'fake_not_there'"):
+        optional_module("fake_broken_dep", "a clip: model", "open_clip_torch", "clip")
+
+
+def test_a_module_that_raises_on_import_is_installed_but_broken(fake_modules):
+    _write_package(fake_modules, "fake_raises", "raise RuntimeError('CUDA driver too old\\nmore detail')\n")
+    with pytest.raises(UserError, match=r"^open_clip_torch is installed but failed to import \(fake_raises\): "
+                                        r"CUDA driver too old;") as caught:
+        optional_module("fake_raises", "a clip: model", "open_clip_torch", "clip")
+    assert "not installed" not in str(caught.value)
+
+
+def test_a_background_import_never_races_the_model_libraries(fake_modules):
+    """Two threads importing modules that import each other (torchvision in the background, open_clip's import of
+    torchvision.ops in the main thread) each hold one module's import lock and want the other's; Python breaks
+    that deadlock by handing one of them a half-initialised module, a false ImportError. So optional_module waits
+    for the background imports: the main thread's import starts only after the background one has finished."""
+    _write_package(fake_modules, "fake_events", "EVENTS = []\n")
+    _write_package(fake_modules, "fake_vision", """
+        import time
+        import fake_events
+        fake_events.EVENTS.append("vision started")
+        time.sleep(0.3)
+        fake_events.EVENTS.append("vision finished")
+    """)
+    _write_package(fake_modules, "fake_clip", """
+        import fake_events
+        fake_events.EVENTS.append("clip started")
+        import fake_vision
+    """)
+    import fake_events
+    import_in_background(["fake_vision"])
+    time.sleep(0.1)  # the background thread is inside fake_vision's import
+    optional_module("fake_clip", "a clip: model", "open_clip_torch", "clip")
+    assert fake_events.EVENTS == ["vision started", "vision finished", "clip started"]
