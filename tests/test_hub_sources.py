@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -35,16 +34,23 @@ def data(tmp_path_factory):
     return synthetic.generate(tmp_path_factory.mktemp("hubdata") / "bg_challenge", per_class=2, seed=5).root
 
 
-def put_in_cache(hub_cache: Path, repo_id: str, files: dict[str, Path]) -> Path:
-    """Files in the hub cache's layout, as a download of `repo_id`'s main branch leaves them; the snapshot folder."""
+def put_in_cache(hub_cache: Path, repo_id: str, files: dict[str, Path], commit: str | None = None) -> Path:
+    """Files in the hub cache's own layout, as huggingface_hub's download of `repo_id`'s main branch at `commit`
+    leaves them: each file's content once under blobs/ (named by its SHA-256 for LFS files such as weights, by its
+    git blob hash otherwise), snapshots/COMMIT/NAME a relative symlink to it, and refs/main holding COMMIT. The
+    snapshot folder."""
     repo = hub_cache / f"models--{repo_id.replace('/', '--')}"
-    commit = hashlib.sha1(repo_id.encode()).hexdigest()
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
+    commit = commit or hashlib.sha1(repo_id.encode()).hexdigest()
     snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
+    for folder in (repo / "refs", repo / "blobs", snapshot):
+        folder.mkdir(parents=True, exist_ok=True)
     for name, source in files.items():
-        shutil.copy(source, snapshot / name)
+        content = source.read_bytes()
+        lfs = name.endswith((".safetensors", ".bin", ".pth"))
+        blob = (hashlib.sha256(content) if lfs else hashlib.sha1(b"blob %d\0" % len(content) + content)).hexdigest()
+        (repo / "blobs" / blob).write_bytes(content)
+        (snapshot / name).symlink_to(Path("..") / ".." / "blobs" / blob)
+    (repo / "refs" / "main").write_text(commit)
     return snapshot
 
 
@@ -342,17 +348,14 @@ def test_the_zoo_reruns_a_timm_model_when_the_hubs_main_moved(timm_weights, hub_
     first = put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors",
                                                  "config.json": folder / "config.json"})
     line, payload = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
-    assert ": done:" in line and payload["weights_file"] == str((first / "model.safetensors").resolve())
+    assert ": done:" in line and payload["weights_file"] == str(first / "model.safetensors")
     other = tmp_path / "other.safetensors"
     pytest.importorskip("safetensors.torch").save_file(seeded(module, 9).state_dict(), other)
-    repo = first.parent.parent
-    moved = repo / "snapshots" / ("b" * 40)
-    moved.mkdir()
-    shutil.copy(other, moved / "model.safetensors")
-    shutil.copy(folder / "config.json", moved / "config.json")
-    (repo / "refs" / "main").write_text("b" * 40)
-    line, payload = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
-    assert ": done:" in line and payload["weights_file"] == str((moved / "model.safetensors").resolve())
+    moved = put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": other, "config.json": folder / "config.json"},
+                         commit="b" * 40)
+    line, again = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
+    assert ": done:" in line and again["weights_file"] == str(moved / "model.safetensors")
+    assert again["identity"]["weights_sha256"] != payload["identity"]["weights_sha256"]
 
 
 def test_the_zoo_reruns_a_transformers_model_whose_processor_changed(tmp_path, data, hub_cache, capsys, one_thread):
