@@ -128,7 +128,8 @@ def test_timm_pretrained_weights_from_the_hub_cache(name, timm_weights, hub_cach
     with caplog.at_level(logging.INFO, logger="tools"):
         loaded = load_model(name)
     weights_file = snapshot / "model.safetensors"
-    assert (loaded.weights, loaded.source, loaded.sha256) == (TIMM_TAG, str(weights_file), sha256_file(weights_file))
+    assert (loaded.weights, loaded.source) == (TIMM_TAG, str(weights_file))
+    assert loaded.sha256 not in (None, sha256_file(weights_file))  # the weights and the pixel pipeline
     assert loaded.num_classes == 1000 and "0.5" in loaded.normalization
     assert sum("resized" in r.getMessage() for r in caplog.records) == 1  # said once, when loading
     batch = images()
@@ -234,6 +235,42 @@ def save_vit(folder: Path, labels: list[str] | None, seed: int, num_labels: int 
     transformers.ViTImageProcessor(size={"height": HF_SIZE, "width": HF_SIZE}, image_mean=list(HF_MEAN),
                                    image_std=list(HF_STD)).save_pretrained(folder)
     return module
+
+
+@pytest.mark.parametrize("setting", ["mean", "interpolation"])
+def test_a_timm_models_identity_holds_its_pixel_pipeline(setting, timm_weights, hub_cache):
+    """The same weights under a hub config with another mean (or interpolation) are another model."""
+    module, folder = timm_weights
+    put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors",
+                                        "config.json": folder / "config.json"})
+    first = load_model(f"timm:hf-hub:{TIMM_REPO}")
+    config = json.loads((folder / "config.json").read_text())
+    config["pretrained_cfg"][setting] = {"mean": [0.4, 0.5, 0.6], "interpolation": "bilinear"}[setting]
+    changed = folder.parent / f"config-{setting}.json"
+    changed.write_text(json.dumps(config))
+    put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors", "config.json": changed},
+                 commit="c" * 40)
+    again = load_model(f"timm:hf-hub:{TIMM_REPO}")
+    assert again.sha256 != first.sha256
+
+
+def test_a_transformers_models_identity_holds_its_resampling(tmp_path, hub_cache):
+    """Bilinear and bicubic resizing give other predictions: the processor's `resample` is in the identity."""
+    save_vit(tmp_path / "vit", [n.title() for n in class_names()], seed=6)
+    first = load_model(f"hf:{tmp_path / 'vit'}")
+    pytest.importorskip("transformers").ViTImageProcessor(
+        size={"height": HF_SIZE, "width": HF_SIZE}, image_mean=list(HF_MEAN), image_std=list(HF_STD),
+        resample=3).save_pretrained(tmp_path / "vit")
+    assert load_model(f"hf:{tmp_path / 'vit'}").sha256 != first.sha256
+
+
+def test_stray_weights_files_beside_a_transformers_model_leave_its_identity(tmp_path, hub_cache):
+    """Only the files the model loads are its weights: another *.safetensors in the folder changes nothing."""
+    save_vit(tmp_path / "vit", [n.title() for n in class_names()], seed=6)
+    first = load_model(f"hf:{tmp_path / 'vit'}")
+    pytest.importorskip("safetensors.torch").save_file({"x": torch.zeros(2)}, tmp_path / "vit" / "a-stray.safetensors")
+    again = load_model(f"hf:{tmp_path / 'vit'}")
+    assert (again.sha256, again.source) == (first.sha256, first.source)
 
 
 @pytest.mark.parametrize("labels", ["imagenet", "in9", "in9-placeholders"])

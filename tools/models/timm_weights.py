@@ -11,7 +11,9 @@ than 224x224 are resized inside the model. The provenance names the tag, the fil
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -106,6 +108,15 @@ def _not_loaded_line(spec: ModelSpec, cfg: dict | None, exc: Exception) -> str:
     return hub.not_cached_line(what, fetch, first_line(exc))
 
 
+def pipeline_identity(weights_sha256: str, data_cfg: dict, timm_version: str) -> str:
+    """A timm model's identity: its weights' hash, the pixel pipeline timm's data config gives it (mean, std, input
+    size, interpolation, crop) and timm's version, which decides that config for a registered name."""
+    pixels = json.dumps({key: list(value) if isinstance(value, tuple) else value
+                         for key, value in sorted(data_cfg.items())}, sort_keys=True)
+    text = f"weights {weights_sha256}\npixels {pixels}\ntimm {timm_version}\n"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Normalization,
               runtime=None) -> LoadedModel:
     """`timm:` + `body` with timm's pretrained weights (or seeded random ones for `weights` none)."""
@@ -150,6 +161,7 @@ def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Norma
     from timm.data import resolve_data_config  # noqa: PLC0415 (an optional extra)
     data_cfg = resolve_data_config({}, model=model)
     mode = data_cfg.get("interpolation", "bicubic")
+    origin = dataclasses.replace(origin, sha256=pipeline_identity(origin.sha256, data_cfg, timm.__version__))
     classifier = fit_input_size(model, data_cfg["input_size"][1:], str(spec),
                                 mode if mode in ("bilinear", "bicubic") else "bicubic", runtime)
     return wrap(classifier, num_classes=NUM_IMAGENET_CLASSES, normalize=normalize, origin=origin,
