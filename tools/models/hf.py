@@ -90,8 +90,21 @@ def _config(transformers, name: str, revision: str | None, what: str, trust_remo
         if Path(name).expanduser().exists():
             raise UserError(f"{what}: {first_line(exc)}") from None
         raise UserError(hub.not_cached_line(what, _fetch_command(name), first_line(exc))) from None
+    if not isinstance(config, dict):
+        raise UserError(f"{what}: its config.json holds a {type(config).__name__}, not an object of settings: "
+                        f"re-save the model with save_pretrained")
     check_remote_code(config, what, trust_remote_code)
     return config
+
+
+def _id2label(config: dict, what: str) -> dict[int, str]:
+    """The config's labels by class index (transformers' placeholders when it names none), or one line."""
+    id2label = config.get("id2label") or {i: f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
+    try:
+        return {int(k): v for k, v in id2label.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise UserError(f"{what}: its config.json's id2label must map class numbers to names ({{\"0\": \"tench\", "
+                        f"...}}); fix the file or re-save the model with save_pretrained") from None
 
 
 def check_labels(id2label: dict, what: str) -> str:
@@ -234,8 +247,7 @@ def load_transformers(name: str, normalize: Normalization, runtime=None,
     local = Path(name).expanduser()
     source, revision = (str(local), None) if local.is_dir() else hub.split_revision(name)
     config = _config(transformers, source, revision, what, trust_remote_code)
-    kind = check_labels({int(k): v for k, v in (config.get("id2label") or {}).items()}
-                        or {i: f"LABEL_{i}" for i in range(config.get("num_labels", 2))}, what)
+    kind = check_labels(_id2label(config, what), what)
     try:
         model = transformers.AutoModelForImageClassification.from_pretrained(
             source, revision=revision, trust_remote_code=trust_remote_code, weights_only=True, dtype=torch.float32)
