@@ -117,7 +117,9 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     options = ModelOptions(weights, checkpoint, in9, normalize, trust, checkpoint_key,
                            spec.model if names_architecture and arch else None, lora, runtime, progress,
                            trust_remote_code)
-    if checkpoint is not None and (names_architecture or spec.file is not None):
+    # a checkpoint goes into an architecture that is built without weights, or is a whole model (file:); a model
+    # whose weights come from its own source (hf:, clip:) refuses it, however it is named
+    if checkpoint is not None and (names_architecture or spec.model is None):
         loaded = SOURCES[FILE_PREFIX](str(checkpoint), options)
     else:
         source = SOURCES.get(spec.prefix)
