@@ -410,3 +410,21 @@ def test_a_checkpoint_file_for_a_model_with_its_own_weights_is_one_refusal(model
     with pytest.raises(UserError) as given:
         load_model(model, checkpoint=path)
     assert str(named.value) == str(given.value) and model in str(named.value) and "checkpoint" in str(named.value)
+
+
+@pytest.mark.parametrize("arch", ["timm:resnet18", None])
+def test_a_timm_training_checkpoint_loads_as_the_timm_model_it_records(arch, tmp_path):
+    """timm's train.py saves {'epoch', 'arch': its --model (a bare timm name), 'state_dict', 'optimizer',
+    'version', 'args'}: that name is a timm architecture (not torchvision's resnet18), named or not."""
+    import argparse  # noqa: PLC0415
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(2)
+    module = timm.create_model("resnet18", num_classes=9).eval()
+    path = tmp_path / "model_best.pth.tar"
+    torch.save({"epoch": 3, "arch": "resnet18", "state_dict": module.state_dict(), "optimizer": {}, "version": 2,
+                "args": argparse.Namespace(model="resnet18", num_classes=9)}, path)
+    loaded = load_model(arch, checkpoint=path, trust=True)
+    assert loaded.arch == "timm:resnet18" and loaded.num_classes == 9
+    batch = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded.model.classifier(batch), module(batch))
