@@ -237,6 +237,18 @@ def save_vit(folder: Path, labels: list[str] | None, seed: int, num_labels: int 
     return module
 
 
+def test_a_timm_tag_with_a_checkpoint_file_takes_the_tags_data_config(timm_weights, tmp_path):
+    """`timm:NAME.TAG@file:CKPT` is NAME.TAG with the file's weights: timm's data config for the tag gives its
+    mean, std, input size (160 here, not 224) and interpolation, as `timm:NAME.TAG` does."""
+    module, folder = timm_weights
+    path = tmp_path / "weights.pt"
+    torch.save(module.state_dict(), path)
+    loaded = load_model(f"timm:{TIMM_NAME}.{TIMM_TAG}@file:{path}")
+    assert "0.5" in loaded.normalization and "timm" in loaded.normalization
+    batch = images()
+    check_same_predictions(loaded, own_logits(module, batch, (0.5,) * 3, (0.5,) * 3, 160), batch)
+
+
 @pytest.mark.parametrize("setting", ["mean", "interpolation"])
 def test_a_timm_models_identity_holds_its_pixel_pipeline(setting, timm_weights, hub_cache):
     """The same weights under a hub config with another mean (or interpolation) are another model."""

@@ -244,9 +244,21 @@ def checkpoint_file(path: str, options: ModelOptions) -> LoadedModel:
                                          options.checkpoint_key, options.device, options.lora)
     if options.in9 is None and loaded.num_classes == NUM_IN9_CLASSES:
         log.info("the checkpoint has 9 classes: evaluating as an IN-9 model (as with --in9)")
-    return wrap(loaded.classifier, num_classes=loaded.num_classes, normalize=options.normalize,
-                stats=loaded.normalizer, stats_origin="checkpoint normaliser",
-                origin=ModelOrigin(loaded.arch, None, str(path), sha256_file(path), loaded.layout))
+    classifier, stats, stats_origin = loaded.classifier, loaded.normalizer, "checkpoint normaliser"
+    identity = sha256_file(path)
+    if loaded.arch is not None and loaded.arch.startswith(TIMM_PREFIX):  # timm:NAME.TAG: the tag's data config
+        from tools.models.timm_weights import (  # noqa: PLC0415 (timm, an optional extra)
+            fit_data_config, pipeline_identity, tag_data_config)
+        tagged = tag_data_config(loaded.arch)
+        if tagged is not None:
+            data_cfg, timm_version = tagged
+            classifier = fit_data_config(classifier, data_cfg, loaded.arch, options.runtime)
+            if stats is None:
+                stats, stats_origin = (data_cfg["mean"], data_cfg["std"]), f"timm pretrained config of {loaded.arch}"
+            identity = pipeline_identity(identity, data_cfg, timm_version)
+    return wrap(classifier, num_classes=loaded.num_classes, normalize=options.normalize,
+                stats=stats, stats_origin=stats_origin,
+                origin=ModelOrigin(loaded.arch, None, str(path), identity, loaded.layout))
 
 
 @register_source(TOOLKIT_PREFIX)
