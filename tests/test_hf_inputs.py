@@ -136,3 +136,19 @@ def test_a_model_needing_remote_code_names_the_flag(tmp_path, hub_cache):  # noq
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="--trust-remote-code"):
         load_model(f"hf:{tmp_path / 'm'}")
+
+
+@pytest.mark.parametrize("damage", ["a list", "a label key that is no number", "labels that are a list"])
+def test_a_malformed_config_is_one_line(damage, tmp_path, hub_cache):  # noqa: F811
+    save_resnet(tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    config = json.loads(path.read_text())
+    if damage == "a list":
+        config = [config]
+    elif damage == "labels that are a list":
+        config["id2label"] = list(config["id2label"].values())
+    else:
+        config["id2label"] = {("x" if k == "0" else k): v for k, v in config["id2label"].items()}
+    path.write_text(json.dumps(config))
+    with pytest.raises(UserError, match="config.json"):
+        load_model(f"hf:{tmp_path / 'm'}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -35,16 +34,23 @@ def data(tmp_path_factory):
     return synthetic.generate(tmp_path_factory.mktemp("hubdata") / "bg_challenge", per_class=2, seed=5).root
 
 
-def put_in_cache(hub_cache: Path, repo_id: str, files: dict[str, Path]) -> Path:
-    """Files in the hub cache's layout, as a download of `repo_id`'s main branch leaves them; the snapshot folder."""
+def put_in_cache(hub_cache: Path, repo_id: str, files: dict[str, Path], commit: str | None = None) -> Path:
+    """Files in the hub cache's own layout, as huggingface_hub's download of `repo_id`'s main branch at `commit`
+    leaves them: each file's content once under blobs/ (named by its SHA-256 for LFS files such as weights, by its
+    git blob hash otherwise), snapshots/COMMIT/NAME a relative symlink to it, and refs/main holding COMMIT. The
+    snapshot folder."""
     repo = hub_cache / f"models--{repo_id.replace('/', '--')}"
-    commit = hashlib.sha1(repo_id.encode()).hexdigest()
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
+    commit = commit or hashlib.sha1(repo_id.encode()).hexdigest()
     snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
+    for folder in (repo / "refs", repo / "blobs", snapshot):
+        folder.mkdir(parents=True, exist_ok=True)
     for name, source in files.items():
-        shutil.copy(source, snapshot / name)
+        content = source.read_bytes()
+        lfs = name.endswith((".safetensors", ".bin", ".pth"))
+        blob = (hashlib.sha256(content) if lfs else hashlib.sha1(b"blob %d\0" % len(content) + content)).hexdigest()
+        (repo / "blobs" / blob).write_bytes(content)
+        (snapshot / name).symlink_to(Path("..") / ".." / "blobs" / blob)
+    (repo / "refs" / "main").write_text(commit)
     return snapshot
 
 
@@ -122,7 +128,8 @@ def test_timm_pretrained_weights_from_the_hub_cache(name, timm_weights, hub_cach
     with caplog.at_level(logging.INFO, logger="tools"):
         loaded = load_model(name)
     weights_file = snapshot / "model.safetensors"
-    assert (loaded.weights, loaded.source, loaded.sha256) == (TIMM_TAG, str(weights_file), sha256_file(weights_file))
+    assert (loaded.weights, loaded.source) == (TIMM_TAG, str(weights_file))
+    assert loaded.sha256 not in (None, sha256_file(weights_file))  # the weights and the pixel pipeline
     assert loaded.num_classes == 1000 and "0.5" in loaded.normalization
     assert sum("resized" in r.getMessage() for r in caplog.records) == 1  # said once, when loading
     batch = images()
@@ -228,6 +235,54 @@ def save_vit(folder: Path, labels: list[str] | None, seed: int, num_labels: int 
     transformers.ViTImageProcessor(size={"height": HF_SIZE, "width": HF_SIZE}, image_mean=list(HF_MEAN),
                                    image_std=list(HF_STD)).save_pretrained(folder)
     return module
+
+
+def test_a_timm_tag_with_a_checkpoint_file_takes_the_tags_data_config(timm_weights, tmp_path):
+    """`timm:NAME.TAG@file:CKPT` is NAME.TAG with the file's weights: timm's data config for the tag gives its
+    mean, std, input size (160 here, not 224) and interpolation, as `timm:NAME.TAG` does."""
+    module, folder = timm_weights
+    path = tmp_path / "weights.pt"
+    torch.save(module.state_dict(), path)
+    loaded = load_model(f"timm:{TIMM_NAME}.{TIMM_TAG}@file:{path}")
+    assert "0.5" in loaded.normalization and "timm" in loaded.normalization
+    batch = images()
+    check_same_predictions(loaded, own_logits(module, batch, (0.5,) * 3, (0.5,) * 3, 160), batch)
+
+
+@pytest.mark.parametrize("setting", ["mean", "interpolation"])
+def test_a_timm_models_identity_holds_its_pixel_pipeline(setting, timm_weights, hub_cache):
+    """The same weights under a hub config with another mean (or interpolation) are another model."""
+    module, folder = timm_weights
+    put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors",
+                                        "config.json": folder / "config.json"})
+    first = load_model(f"timm:hf-hub:{TIMM_REPO}")
+    config = json.loads((folder / "config.json").read_text())
+    config["pretrained_cfg"][setting] = {"mean": [0.4, 0.5, 0.6], "interpolation": "bilinear"}[setting]
+    changed = folder.parent / f"config-{setting}.json"
+    changed.write_text(json.dumps(config))
+    put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors", "config.json": changed},
+                 commit="c" * 40)
+    again = load_model(f"timm:hf-hub:{TIMM_REPO}")
+    assert again.sha256 != first.sha256
+
+
+def test_a_transformers_models_identity_holds_its_resampling(tmp_path, hub_cache):
+    """Bilinear and bicubic resizing give other predictions: the processor's `resample` is in the identity."""
+    save_vit(tmp_path / "vit", [n.title() for n in class_names()], seed=6)
+    first = load_model(f"hf:{tmp_path / 'vit'}")
+    pytest.importorskip("transformers").ViTImageProcessor(
+        size={"height": HF_SIZE, "width": HF_SIZE}, image_mean=list(HF_MEAN), image_std=list(HF_STD),
+        resample=3).save_pretrained(tmp_path / "vit")
+    assert load_model(f"hf:{tmp_path / 'vit'}").sha256 != first.sha256
+
+
+def test_stray_weights_files_beside_a_transformers_model_leave_its_identity(tmp_path, hub_cache):
+    """Only the files the model loads are its weights: another *.safetensors in the folder changes nothing."""
+    save_vit(tmp_path / "vit", [n.title() for n in class_names()], seed=6)
+    first = load_model(f"hf:{tmp_path / 'vit'}")
+    pytest.importorskip("safetensors.torch").save_file({"x": torch.zeros(2)}, tmp_path / "vit" / "a-stray.safetensors")
+    again = load_model(f"hf:{tmp_path / 'vit'}")
+    assert (again.sha256, again.source) == (first.sha256, first.source)
 
 
 @pytest.mark.parametrize("labels", ["imagenet", "in9", "in9-placeholders"])
@@ -342,17 +397,14 @@ def test_the_zoo_reruns_a_timm_model_when_the_hubs_main_moved(timm_weights, hub_
     first = put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors",
                                                  "config.json": folder / "config.json"})
     line, payload = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
-    assert ": done:" in line and payload["weights_file"] == str((first / "model.safetensors").resolve())
+    assert ": done:" in line and payload["weights_file"] == str(first / "model.safetensors")
     other = tmp_path / "other.safetensors"
     pytest.importorskip("safetensors.torch").save_file(seeded(module, 9).state_dict(), other)
-    repo = first.parent.parent
-    moved = repo / "snapshots" / ("b" * 40)
-    moved.mkdir()
-    shutil.copy(other, moved / "model.safetensors")
-    shutil.copy(folder / "config.json", moved / "config.json")
-    (repo / "refs" / "main").write_text("b" * 40)
-    line, payload = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
-    assert ": done:" in line and payload["weights_file"] == str((moved / "model.safetensors").resolve())
+    moved = put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": other, "config.json": folder / "config.json"},
+                         commit="b" * 40)
+    line, again = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
+    assert ": done:" in line and again["weights_file"] == str(moved / "model.safetensors")
+    assert again["identity"]["weights_sha256"] != payload["identity"]["weights_sha256"]
 
 
 def test_the_zoo_reruns_a_transformers_model_whose_processor_changed(tmp_path, data, hub_cache, capsys, one_thread):

@@ -396,3 +396,35 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     import json  # noqa: PLC0415
     provenance = json.loads((tmp_path / "r.json").read_text())["provenance"]
     assert provenance["arch"] == "toy:colour" and provenance["normalization"].startswith("toy statistics (mean [0.5")
+
+
+@pytest.mark.parametrize("model", ["hf:org/vit", "clip:ViT-B-32/openai"])
+def test_a_checkpoint_file_for_a_model_with_its_own_weights_is_one_refusal(model, tmp_path):
+    """`MODEL@file:CKPT` and `--arch MODEL --checkpoint CKPT` mean one thing: for an hf: or clip: model, whose
+    weights come from its own folder or repository, both are refused with the same line (the file would load as
+    another architecture under the MODEL label)."""
+    path = tmp_path / "weights.pt"
+    torch.save(resnet18(9, seed=1).state_dict(), path)
+    with pytest.raises(UserError) as named:
+        load_model(f"{model}@file:{path}")
+    with pytest.raises(UserError) as given:
+        load_model(model, checkpoint=path)
+    assert str(named.value) == str(given.value) and model in str(named.value) and "checkpoint" in str(named.value)
+
+
+@pytest.mark.parametrize("arch", ["timm:resnet18", None])
+def test_a_timm_training_checkpoint_loads_as_the_timm_model_it_records(arch, tmp_path):
+    """timm's train.py saves {'epoch', 'arch': its --model (a bare timm name), 'state_dict', 'optimizer',
+    'version', 'args'}: that name is a timm architecture (not torchvision's resnet18), named or not."""
+    import argparse  # noqa: PLC0415
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(2)
+    module = timm.create_model("resnet18", num_classes=9).eval()
+    path = tmp_path / "model_best.pth.tar"
+    torch.save({"epoch": 3, "arch": "resnet18", "state_dict": module.state_dict(), "optimizer": {}, "version": 2,
+                "args": argparse.Namespace(model="resnet18", num_classes=9)}, path)
+    loaded = load_model(arch, checkpoint=path, trust=True)
+    assert loaded.arch == "timm:resnet18" and loaded.num_classes == 9
+    batch = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded.model.classifier(batch), module(batch))

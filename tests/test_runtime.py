@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +147,37 @@ def test_no_gpu_is_an_informational_line(caplog):
         assert resolve_device(None) == torch.device("cpu")
     records = [r for r in caplog.records if "no GPU found" in r.message]
     assert len(records) == 1 and records[0].levelno == logging.INFO
+
+
+FREED_MEMORY_KEPT = """
+import ctypes, sys, torch
+from tools import api
+from tools.runtime import Runtime
+{setup}
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+rss = lambda: int(open("/proc/self/statm").read().split()[1])
+size = 64 << 20  # above glibc's largest dynamic mmap threshold: given back to the system when freed, by default
+before = rss()
+block = libc.malloc(size)
+ctypes.memset(block, 1, size)
+libc.free(block)
+print((rss() - before) * 4096 > size // 2)
+"""
+
+
+@pytest.mark.skipif(not __import__("platform").libc_ver()[0] == "glibc", reason="glibc's allocator only")
+@pytest.mark.parametrize("setup", [
+    "Runtime(torch.device('cpu'))",
+    "from tools.data import synthetic\nroot = synthetic.generate(sys.argv[1], per_class=1, seed=1).root\n"
+    "head = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 9))\n"
+    "api.benchmark(head, root, challenge=False, device='cpu', progress=False, workers=1, cache=False)"])
+def test_the_library_leaves_the_callers_allocator_as_it_was(setup, tmp_path):
+    """Only the command lines keep freed memory in the process (tune_cpu_allocator): a library caller's process
+    gives a freed large block back to the system as glibc does by default."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    code = FREED_MEMORY_KEPT.format(setup=setup)
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "data")], capture_output=True, text=True,
+                         cwd=Path.cwd())
+    assert out.stdout.strip() == "False", out.stderr

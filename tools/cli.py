@@ -82,6 +82,8 @@ def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
     `on_interrupt` says what to do after an interruption (default: resume from --output-dir where there is one).
     """
     args = parser.parse_args(argv)
+    from tools.runtime import tune_cpu_allocator  # noqa: PLC0415 (torch: not for --help)
+    tune_cpu_allocator()  # a command line's own process: keep freed memory for reuse
     logging.basicConfig(level=getattr(logging, getattr(args, "log_level", "INFO")),
                         format="%(levelname)s: %(message)s", stream=sys.stderr, force=True)
     try:

@@ -172,7 +172,7 @@ def _weights_sha256(spec: ModelSpec, payload: dict) -> str | None:
         return sha256_file(spec.path) if spec.path.is_file() else None
     recorded = Path(payload["weights_file"]) if payload.get("weights_file") else None
     whole = payload.get("identity", {}).get("weights_sha256") == payload.get("weights_file_sha256")
-    if recorded is None or not whole or hub.snapshot_revision(recorded) is not None or not recorded.is_file():
+    if recorded is None or not whole or hub.in_cache(recorded) or not recorded.is_file():
         return None
     return sha256_file(recorded)
 
@@ -233,7 +233,9 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
         challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,
                                   (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache_dir)
     weights = loaded.weights or (Path(loaded.source).name if loaded.source else None)
-    weights_file = Path(loaded.source).resolve() if loaded.source and Path(loaded.source).is_file() else None
+    # the path as loaded, links kept: a hub cache's snapshots/REV/FILE is a link into blobs/, and only the snapshot
+    # path says which revision was loaded (a moved refs/main loads another)
+    weights_file = Path(loaded.source).absolute() if loaded.source and Path(loaded.source).is_file() else None
     return {"model": spec.text, "source": spec.source, "arch": loaded.arch, "weights": weights,
             "weights_file": str(weights_file) if weights_file else None,
             "weights_file_sha256": sha256_file(weights_file) if weights_file else None,

@@ -31,6 +31,7 @@ from tools.models import adapters, torchscript
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.models.loading import check_fits, key_list, torch_load
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
+from tools.models.spec import TIMM_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -251,10 +252,17 @@ def trained_checkpoint_header(obj) -> dict | None:
     return {k: v for k, v in obj.items() if k != "model"}
 
 
+TIMM_TRAINING_KEYS = {"arch", "state_dict", "version", "args"}  # what timm's train.py (its CheckpointSaver) writes
+
+
 def recorded_architecture(obj) -> str | None:
-    """The architecture a checkpoint records under "arch" (train.py and the zoo write it), if any."""
+    """The architecture a checkpoint records under "arch" (train.py and the zoo write it), if any; timm's own
+    training checkpoints record a bare timm name there (their --model), which is `timm:NAME` here."""
     arch = obj.get("arch") if isinstance(obj, Mapping) else None
-    return arch if isinstance(arch, str) and arch else None
+    if not isinstance(arch, str) or not arch:
+        return None
+    timm_training = TIMM_TRAINING_KEYS <= obj.keys() and obj.get("format") != TRAINED_FORMAT
+    return f"{TIMM_PREFIX}{arch}" if timm_training and not arch.startswith(TIMM_PREFIX) else arch
 
 
 def _architecture(arch: str | None, recorded: str | None, path: Path) -> str:

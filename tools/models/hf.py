@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 IMAGENET_LANDMARKS = {0: "tench", 1: "goldfish", 151: "chihuahua", 281: "tabby", 409: "analog clock",
                       530: "digital clock", 999: "toilet tissue"}
 PLACEHOLDER = re.compile(r"LABEL_(\d+)$")  # transformers' label of a config that names none
-WEIGHTS_FILES = ("*.safetensors", "pytorch_model*.bin")
+WEIGHTS_FILES = (("model.safetensors", "model.safetensors.index.json"),  # (one file, a sharded one's index)
+                 ("pytorch_model.bin", "pytorch_model.bin.index.json"))
 PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's codes, as image processors store `resample`
 PROCESSOR_FILE = "preprocessor_config.json"
 REMOTE_CODE_FLAG = "--trust-remote-code"
@@ -89,8 +90,21 @@ def _config(transformers, name: str, revision: str | None, what: str, trust_remo
         if Path(name).expanduser().exists():
             raise UserError(f"{what}: {first_line(exc)}") from None
         raise UserError(hub.not_cached_line(what, _fetch_command(name), first_line(exc))) from None
+    if not isinstance(config, dict):
+        raise UserError(f"{what}: its config.json holds a {type(config).__name__}, not an object of settings: "
+                        f"re-save the model with save_pretrained")
     check_remote_code(config, what, trust_remote_code)
     return config
+
+
+def _id2label(config: dict, what: str) -> dict[int, str]:
+    """The config's labels by class index (transformers' placeholders when it names none), or one line."""
+    id2label = config.get("id2label") or {i: f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
+    try:
+        return {int(k): v for k, v in id2label.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise UserError(f"{what}: its config.json's id2label must map class numbers to names ({{\"0\": \"tench\", "
+                        f"...}}); fix the file or re-save the model with save_pretrained") from None
 
 
 def check_labels(id2label: dict, what: str) -> str:
@@ -200,19 +214,27 @@ def _json(path: Path) -> dict:
 
 
 def _weights_files(folder: Path) -> list[Path]:
-    for pattern in WEIGHTS_FILES:
-        found = sorted(folder.glob(pattern))
-        if found:
-            return found
+    """The files transformers loads the weights from, in its order of preference: one file, else the shards its
+    index names (other *.safetensors or *.bin files in the folder are not the model's)."""
+    for single, index in WEIGHTS_FILES:
+        if (folder / single).is_file():
+            return [folder / single]
+        if (folder / index).is_file():
+            weight_map = _json(folder / index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise UserError(f"{folder / index} has no weight_map: re-save the model with save_pretrained")
+            return sorted({folder / name for name in weight_map.values()})
     return []
 
 
-def _identity(files: list[Path], folder: Path, stats, order, size) -> str:
-    """The model's identity: its weights' hash, its config's (labels, architecture) and what its processor does to
-    the pixels (mean/std, channel order, input size), so that a changed config or processor is another model."""
+def _identity(files: list[Path], folder: Path, stats, order, size, mode: str) -> str:
+    """The model's identity: its weights' hash, its config's (labels, architecture), what its processor does to
+    the pixels (mean/std, channel order, input size, resampling) and the transformers version that read the
+    processor, so that a changed config or processor is another model."""
     config = folder / "config.json"
-    pixels = json.dumps({"stats": stats, "order": order, "size": size}, sort_keys=True)
-    text = f"weights {hub.files_digest(files)}\nconfig {sha256_file(config)}\npixels {pixels}\n"
+    pixels = json.dumps({"stats": stats, "order": order, "size": size, "resample": mode}, sort_keys=True)
+    text = (f"weights {hub.files_digest(files)}\nconfig {sha256_file(config)}\npixels {pixels}\n"
+            f"transformers {_transformers().__version__}\n")
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -225,8 +247,7 @@ def load_transformers(name: str, normalize: Normalization, runtime=None,
     local = Path(name).expanduser()
     source, revision = (str(local), None) if local.is_dir() else hub.split_revision(name)
     config = _config(transformers, source, revision, what, trust_remote_code)
-    kind = check_labels({int(k): v for k, v in (config.get("id2label") or {}).items()}
-                        or {i: f"LABEL_{i}" for i in range(config.get("num_labels", 2))}, what)
+    kind = check_labels(_id2label(config, what), what)
     try:
         model = transformers.AutoModelForImageClassification.from_pretrained(
             source, revision=revision, trust_remote_code=trust_remote_code, weights_only=True, dtype=torch.float32)
@@ -239,7 +260,7 @@ def load_transformers(name: str, normalize: Normalization, runtime=None,
     stats, order, size, mode = _processor_settings(transformers, source, revision, config, what, trust_remote_code)
     revision = None if local.is_dir() else hub.snapshot_revision(folder / "config.json")
     origin = ModelOrigin(what, revision, str(files[0] if len(files) == 1 else folder),
-                         _identity(files, folder, stats, order, size) if files else None,
+                         _identity(files, folder, stats, order, size, mode) if files else None,
                          f"transformers {type(model).__name__} ({kind} labels)")
     classifier = fit_input_size(Logits(model, order), size, what, mode, runtime)
     order_text = "" if order == (0, 1, 2) else f", channels reordered {order}"

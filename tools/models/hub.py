@@ -43,6 +43,14 @@ def snapshot_revision(path: Path) -> str | None:
     return parts[parts.index("snapshots") + 1] if "snapshots" in parts[:-1] else None
 
 
+def in_cache(path: Path) -> bool:
+    """Whether `path` is a file of a hub cache: a snapshot's (a link) or a blob it links to (recorded resolved by
+    older versions), whose content depends on where refs/ point now."""
+    parts = Path(path).parts
+    return snapshot_revision(path) is not None or (
+        len(parts) >= 3 and parts[-2] == "blobs" and parts[-3].startswith(("models--", "datasets--")))
+
+
 def files_digest(paths: list[Path]) -> str:
     """The SHA-256 of one weights file; of several (shards), the SHA-256 of their names and hashes in order."""
     if len(paths) == 1:

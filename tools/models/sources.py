@@ -117,7 +117,9 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     options = ModelOptions(weights, checkpoint, in9, normalize, trust, checkpoint_key,
                            spec.model if names_architecture and arch else None, lora, runtime, progress,
                            trust_remote_code)
-    if checkpoint is not None and (names_architecture or spec.file is not None):
+    # a checkpoint goes into an architecture that is built without weights, or is a whole model (file:); a model
+    # whose weights come from its own source (hf:, clip:) refuses it, however it is named
+    if checkpoint is not None and (names_architecture or spec.model is None):
         loaded = SOURCES[FILE_PREFIX](str(checkpoint), options)
     else:
         source = SOURCES.get(spec.prefix)
@@ -242,9 +244,21 @@ def checkpoint_file(path: str, options: ModelOptions) -> LoadedModel:
                                          options.checkpoint_key, options.device, options.lora)
     if options.in9 is None and loaded.num_classes == NUM_IN9_CLASSES:
         log.info("the checkpoint has 9 classes: evaluating as an IN-9 model (as with --in9)")
-    return wrap(loaded.classifier, num_classes=loaded.num_classes, normalize=options.normalize,
-                stats=loaded.normalizer, stats_origin="checkpoint normaliser",
-                origin=ModelOrigin(loaded.arch, None, str(path), sha256_file(path), loaded.layout))
+    classifier, stats, stats_origin = loaded.classifier, loaded.normalizer, "checkpoint normaliser"
+    identity = sha256_file(path)
+    if loaded.arch is not None and loaded.arch.startswith(TIMM_PREFIX):  # timm:NAME.TAG: the tag's data config
+        from tools.models.timm_weights import (  # noqa: PLC0415 (timm, an optional extra)
+            fit_data_config, pipeline_identity, tag_data_config)
+        tagged = tag_data_config(loaded.arch)
+        if tagged is not None:
+            data_cfg, timm_version = tagged
+            classifier = fit_data_config(classifier, data_cfg, loaded.arch, options.runtime)
+            if stats is None:
+                stats, stats_origin = (data_cfg["mean"], data_cfg["std"]), f"timm pretrained config of {loaded.arch}"
+            identity = pipeline_identity(identity, data_cfg, timm_version)
+    return wrap(classifier, num_classes=loaded.num_classes, normalize=options.normalize,
+                stats=stats, stats_origin=stats_origin,
+                origin=ModelOrigin(loaded.arch, None, str(path), identity, loaded.layout))
 
 
 @register_source(TOOLKIT_PREFIX)

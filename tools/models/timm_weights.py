@@ -11,7 +11,9 @@ than 224x224 are resized inside the model. The provenance names the tag, the fil
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -106,6 +108,35 @@ def _not_loaded_line(spec: ModelSpec, cfg: dict | None, exc: Exception) -> str:
     return hub.not_cached_line(what, fetch, first_line(exc))
 
 
+def tag_data_config(arch: str) -> tuple[dict, str] | None:
+    """(timm's data config: mean, std, input_size, interpolation, crop; timm's version) for `timm:NAME.TAG`, read
+    from timm's registry without building the model or loading weights; None for other names or an unknown tag."""
+    spec = ModelSpec.parse(arch)
+    if spec.prefix != TIMM_PREFIX or not spec.tag or spec.name.startswith(TIMM_HUB):
+        return None
+    timm = timm_module(spec)
+    from timm.data import resolve_data_config  # noqa: PLC0415 (an optional extra)
+    cfg = timm.models.get_pretrained_cfg(spec.body)
+    return None if cfg is None else (resolve_data_config({}, pretrained_cfg=cfg.to_dict()), timm.__version__)
+
+
+def fit_data_config(model: nn.Module, data_cfg: dict, used_by: str, runtime=None) -> nn.Module:
+    """The model behind a resize to the input size timm's data config gives it, with its interpolation (bilinear or
+    bicubic; bicubic for the others)."""
+    mode = data_cfg.get("interpolation", "bicubic")
+    return fit_input_size(model, data_cfg["input_size"][1:], used_by,
+                          mode if mode in ("bilinear", "bicubic") else "bicubic", runtime)
+
+
+def pipeline_identity(weights_sha256: str, data_cfg: dict, timm_version: str) -> str:
+    """A timm model's identity: its weights' hash, the pixel pipeline timm's data config gives it (mean, std, input
+    size, interpolation, crop) and timm's version, which decides that config for a registered name."""
+    pixels = json.dumps({key: list(value) if isinstance(value, tuple) else value
+                         for key, value in sorted(data_cfg.items())}, sort_keys=True)
+    text = f"weights {weights_sha256}\npixels {pixels}\ntimm {timm_version}\n"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Normalization,
               runtime=None) -> LoadedModel:
     """`timm:` + `body` with timm's pretrained weights (or seeded random ones for `weights` none)."""
@@ -149,8 +180,7 @@ def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Norma
         log.info("timm %s: pretrained weights %s from %s", spec, tag, path)
     from timm.data import resolve_data_config  # noqa: PLC0415 (an optional extra)
     data_cfg = resolve_data_config({}, model=model)
-    mode = data_cfg.get("interpolation", "bicubic")
-    classifier = fit_input_size(model, data_cfg["input_size"][1:], str(spec),
-                                mode if mode in ("bilinear", "bicubic") else "bicubic", runtime)
+    origin = dataclasses.replace(origin, sha256=pipeline_identity(origin.sha256, data_cfg, timm.__version__))
+    classifier = fit_data_config(model, data_cfg, str(spec), runtime)
     return wrap(classifier, num_classes=NUM_IMAGENET_CLASSES, normalize=normalize, origin=origin,
                 stats=(data_cfg["mean"], data_cfg["std"]), stats_origin="timm pretrained config")

@@ -168,8 +168,6 @@ class Runtime:
                         self.device.type, refusal)
             self.precision = Precision.FP32
         set_math_flags(self.precision)
-        if self.device.type == "cpu":
-            tune_cpu_allocator()
         if self.precision is Precision.FP16 and self.device.type == "cpu":
             log.warning("fp16 on the CPU is slow and no more exact than bf16; consider --precision bf16")
 
@@ -258,7 +256,8 @@ def default_batch_size(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def tune_cpu_allocator() -> None:
-    """Keep freed memory in the process on Linux/glibc, once per process.
+    """Keep freed memory in the process on Linux/glibc: called by the command lines only (cli.run_main), never by
+    the library, since glibc cannot give a caller's process its dynamic thresholds back.
 
     By default glibc returns every large block (activations, batches) to the system when it is freed and
     asks for it again on the next forward pass, so a CPU run spends much of its time in page faults
