@@ -162,7 +162,7 @@ def describe(parser: argparse.ArgumentParser) -> list[str]:
     text = (parser.description or "").strip("\n")
     if not text:
         return []
-    if issubclass(parser.formatter_class, argparse.RawDescriptionHelpFormatter):
+    if issubclass(parser.formatter_class, argparse.RawDescriptionHelpFormatter) and "\n" in text:
         return ["```text", text.rstrip(), "```", ""]
     return [escape(" ".join(text.split())), ""]
 

@@ -290,8 +290,7 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
 # Command line
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.zoo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__)
     models = parser.add_argument_group("models")
     models.add_argument("--models", default=None, metavar="SPEC[,SPEC...]",
                         help="comma-separated model specs (see above) (default: none)")

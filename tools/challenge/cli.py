@@ -17,7 +17,7 @@ from tools.results.publish import publish_challenge
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__)
     options.add_common_arguments(parser)
     group = parser.add_argument_group("challenge")
     flags.add_search_arguments(group)
