@@ -163,8 +163,8 @@ def test_a_lora_state_dict_without_its_alpha_is_one_line_that_says_what_to_pass(
     path = tmp_path / "peft_state.pt"
     torch.save({"model_state_dict": model.state_dict(), "epoch": 2}, path)
     code, out, err = run_in_process(in9_eval.main, ["--data-path", str(dataset.root), "--arch", SMALL_CNN,
-                                                    "--checkpoint", str(path), "--device", "cpu", "--no-progress"],
-                                    capsys)
+                                                    "--checkpoint", str(path), "--device", "cpu", "--no-progress",
+                                                    "--output-dir", str(tmp_path / "out")], capsys)
     line = check_error(code, out, err, lines=None)
     assert "state dict of a peft-wrapped model" in line and "LoRA" in line
     assert "--lora-alpha" in line and "classifier keys" not in line
@@ -177,7 +177,8 @@ def test_a_lora_state_dict_without_its_alpha_is_one_line_that_says_what_to_pass(
         results[name] = tmp_path / f"{name}.json"
         code, out, err = run_in_process(in9_eval.main, ["--data-path", str(dataset.root), "--arch", SMALL_CNN, *extra,
                                                         "--device", "cpu", "--no-progress", "--results-file",
-                                                        str(results[name])], capsys)
+                                                        str(results[name]), "--output-dir", str(tmp_path / name)],
+                                        capsys)
         assert code == 0, err
     peft_run, merged_run = (json.loads(results[n].read_text()) for n in ("peft", "merged"))
     assert peft_run["original"] == merged_run["original"] and peft_run["bg_gap"] == merged_run["bg_gap"]
@@ -244,7 +245,8 @@ def test_a_whole_module_without_trust_is_one_line_naming_the_flag(dataset, tmp_p
     path = tmp_path / "whole.pt"
     torch.save(small_cnn(), path)
     code, out, err = run_in_process(in9_eval.main, ["--data-path", str(dataset.root), "--checkpoint", str(path),
-                                                    "--device", "cpu", "--no-progress"], capsys)
+                                                    "--device", "cpu", "--no-progress", "--output-dir",
+                                                    str(tmp_path / "out")], capsys)
     line = check_error(code, out, err, lines=None)
     assert "blocked globals" in line and "--trust-checkpoint" in line
 
