@@ -186,6 +186,8 @@ def render_command(command: Command) -> list[str]:
             value = f"`{metavar(action)}`" if metavar(action) and action.option_strings else ""
             lines.append(f"| {flags} | {value} | {escape(help_text(parser, action))} |")
         lines.append("")
+    if parser.epilog:
+        lines += ["```text", parser.epilog.strip("\n"), "```", ""]
     return lines
 
 

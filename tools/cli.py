@@ -67,13 +67,28 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 class ArgumentParser(argparse.ArgumentParser):
     """Every command's parser: a mistake on the command line is one line on stderr, `error: ...`, that names the
     closest valid choice of a mistyped one and points to -h, and exit code 2 (argparse prints its usage block
-    first); its name is the one the user typed (`python -m tools.zoo` for a package's __main__); its help keeps
-    the description's and the epilog's line breaks (the examples)."""
+    first); its name is the one the user typed (`python -m tools.zoo` for a package's __main__); its help shows
+    the basic groups of flags before the advanced ones and keeps the description's and the epilog's line breaks
+    (the examples)."""
 
     def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
         if kwargs.get("prog") is None and not args:
             kwargs["prog"] = typed_name()
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    def add_argument_group(self, *args, advanced: bool = False, **kwargs):
+        """A named group of flags; `advanced` ones (adapters, several processes, ...) are shown after the basics."""
+        group = super().add_argument_group(*args, **kwargs)
+        group.advanced = advanced
+        return group
+
+    def format_help(self) -> str:
+        groups = self._action_groups
+        self._action_groups = sorted(groups, key=lambda group: getattr(group, "advanced", False))  # stable
+        try:
+            return super().format_help()
+        finally:
+            self._action_groups = groups
 
     def error(self, message: str):
         message = " ".join(message.split())
@@ -106,6 +121,18 @@ def typed_name() -> str:
     if spec is not None and spec.name:  # run as `python -m NAME` (a script run by path has no spec)
         return f"python -m {spec.name.removesuffix('.__main__')}"
     return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+
+
+def reword(parser: argparse.ArgumentParser, dest: str, help: str) -> None:  # noqa: A002 (argparse's word)
+    """Give a shared flag this command's own help text."""
+    for action in parser._actions:
+        if action.dest == dest:
+            action.help = help
+
+
+def examples(*commands: str) -> str:
+    """A command's epilog: the example command lines it ends its -h with."""
+    return "examples:\n" + "\n".join(f"  {command}" for command in commands)
 
 
 def closest(text: str, options) -> str:

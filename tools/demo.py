@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tools.cli import ArgumentParser
+from tools.cli import ArgumentParser, examples
 from tools.data import synthetic
 from tools.in9 import IMAGE_SIZE
 from tools.provenance import atomic_write
@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__, epilog=examples("python -m tools.demo",
+                                                                          "python -m tools.demo --out /tmp/demo --per-class 2"))
     parser.add_argument("--out", type=Path, default=Path("demo"), metavar="DIR",
                         help="where the data, model and results go (default: demo)")
     parser.add_argument("--per-class", type=int, default=10, metavar="N", help="images per class (default: 10)")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from tools import __version__
-from tools.cli import ArgumentParser, add_log_level_argument, run_main
+from tools.cli import ArgumentParser, examples, add_log_level_argument, run_main
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, RELEASE_IMAGES_PER_CLASS, VARIATIONS, class_names
 from tools.provenance import check_outputs, write_text_atomic
@@ -328,7 +328,8 @@ def write_report(path: Path | str, in9: dict | None = None, challenge: dict | No
 # Command line
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(description="Merge results files into one Markdown report.")
+    parser = ArgumentParser(epilog=examples("python -m tools.results.report --in9 in9.json --challenge challenge.json --output report.md"),
+                            description="Merge results files into one Markdown report.")
     parser.add_argument("--in9", type=Path, default=None, metavar="PATH",
                         help="results JSON of in9_eval.py --results-file (default: none)")
     parser.add_argument("--challenge", type=Path, default=None, metavar="PATH",
