@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from tools import zoo
 from tools.data import synthetic
 from tools.errors import UserError
 from tools.in9 import IN9_MEAN, IN9_STD
-from tools.models.adapters import OFT_UNRECORDED_SETTINGS
+from tools.models.adapters import OFT_UNRECORDED_SETTINGS, PEFT_READS_DEPRECATED
 from tools.models.architectures import SMALL_CNN, SmallCNN
 from tools.models.sources import load_model
 
@@ -346,15 +347,20 @@ def tiny_vit(folder, seed: int = 2):
 def test_an_adapter_folder_on_a_transformers_classifier_is_merged(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     base = tiny_vit(tmp_path / "vit")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
-                                                      modules_to_save=["classifier"]))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", PEFT_READS_DEPRECATED, FutureWarning)
+        model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                                          modules_to_save=["classifier"]))
     with torch.no_grad():
         gen = torch.Generator().manual_seed(3)
         for name, param in model.named_parameters():
             if "lora_" in name or "modules_to_save" in name:
                 param.add_(0.3 * torch.randn(param.shape, generator=gen))
     model.eval().save_pretrained(tmp_path / "adapter")
-    loaded = load_model(f"hf:{tmp_path / 'vit'}", checkpoint=tmp_path / "adapter")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_model(f"hf:{tmp_path / 'vit'}", checkpoint=tmp_path / "adapter")
+    assert not caught, [str(w.message) for w in caught]  # not even the libraries' deprecations reach the user
     batch = torch.randint(0, 256, (4, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     x = batch.float() / 255
     x = (x - torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)) / torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1)
