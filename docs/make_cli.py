@@ -162,7 +162,7 @@ def describe(parser: argparse.ArgumentParser) -> list[str]:
     text = (parser.description or "").strip("\n")
     if not text:
         return []
-    if issubclass(parser.formatter_class, argparse.RawDescriptionHelpFormatter):
+    if issubclass(parser.formatter_class, argparse.RawDescriptionHelpFormatter) and "\n" in text:
         return ["```text", text.rstrip(), "```", ""]
     return [escape(" ".join(text.split())), ""]
 
@@ -186,6 +186,8 @@ def render_command(command: Command) -> list[str]:
             value = f"`{metavar(action)}`" if metavar(action) and action.option_strings else ""
             lines.append(f"| {flags} | {value} | {escape(help_text(parser, action))} |")
         lines.append("")
+    if parser.epilog:
+        lines += ["```text", parser.epilog.strip("\n"), "```", ""]
     return lines
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY_CLIP, TINY_CLIP_OPTIONS, save_torchscript
+from tests.tree_guard import pytest_sessionfinish, pytest_sessionstart  # noqa: F401 (hooks: nothing left behind)
 from tools.data import synthetic
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from tools import zoo
 from tools.data import synthetic
 from tools.errors import UserError
 from tools.in9 import IN9_MEAN, IN9_STD
-from tools.models.adapters import OFT_UNRECORDED_SETTINGS
+from tools.models.adapters import OFT_UNRECORDED_SETTINGS, PEFT_READS_DEPRECATED
 from tools.models.architectures import SMALL_CNN, SmallCNN
 from tools.models.sources import load_model
 
@@ -163,8 +164,8 @@ def test_a_lora_state_dict_without_its_alpha_is_one_line_that_says_what_to_pass(
     path = tmp_path / "peft_state.pt"
     torch.save({"model_state_dict": model.state_dict(), "epoch": 2}, path)
     code, out, err = run_in_process(in9_eval.main, ["--data-path", str(dataset.root), "--arch", SMALL_CNN,
-                                                    "--checkpoint", str(path), "--device", "cpu", "--no-progress"],
-                                    capsys)
+                                                    "--checkpoint", str(path), "--device", "cpu", "--no-progress",
+                                                    "--output-dir", str(tmp_path / "out")], capsys)
     line = check_error(code, out, err, lines=None)
     assert "state dict of a peft-wrapped model" in line and "LoRA" in line
     assert "--lora-alpha" in line and "classifier keys" not in line
@@ -177,7 +178,8 @@ def test_a_lora_state_dict_without_its_alpha_is_one_line_that_says_what_to_pass(
         results[name] = tmp_path / f"{name}.json"
         code, out, err = run_in_process(in9_eval.main, ["--data-path", str(dataset.root), "--arch", SMALL_CNN, *extra,
                                                         "--device", "cpu", "--no-progress", "--results-file",
-                                                        str(results[name])], capsys)
+                                                        str(results[name]), "--output-dir", str(tmp_path / name)],
+                                        capsys)
         assert code == 0, err
     peft_run, merged_run = (json.loads(results[n].read_text()) for n in ("peft", "merged"))
     assert peft_run["original"] == merged_run["original"] and peft_run["bg_gap"] == merged_run["bg_gap"]
@@ -244,7 +246,8 @@ def test_a_whole_module_without_trust_is_one_line_naming_the_flag(dataset, tmp_p
     path = tmp_path / "whole.pt"
     torch.save(small_cnn(), path)
     code, out, err = run_in_process(in9_eval.main, ["--data-path", str(dataset.root), "--checkpoint", str(path),
-                                                    "--device", "cpu", "--no-progress"], capsys)
+                                                    "--device", "cpu", "--no-progress", "--output-dir",
+                                                    str(tmp_path / "out")], capsys)
     line = check_error(code, out, err, lines=None)
     assert "blocked globals" in line and "--trust-checkpoint" in line
 
@@ -344,15 +347,20 @@ def tiny_vit(folder, seed: int = 2):
 def test_an_adapter_folder_on_a_transformers_classifier_is_merged(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     base = tiny_vit(tmp_path / "vit")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
-                                                      modules_to_save=["classifier"]))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", PEFT_READS_DEPRECATED, FutureWarning)
+        model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                                          modules_to_save=["classifier"]))
     with torch.no_grad():
         gen = torch.Generator().manual_seed(3)
         for name, param in model.named_parameters():
             if "lora_" in name or "modules_to_save" in name:
                 param.add_(0.3 * torch.randn(param.shape, generator=gen))
     model.eval().save_pretrained(tmp_path / "adapter")
-    loaded = load_model(f"hf:{tmp_path / 'vit'}", checkpoint=tmp_path / "adapter")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_model(f"hf:{tmp_path / 'vit'}", checkpoint=tmp_path / "adapter")
+    assert not caught, [str(w.message) for w in caught]  # not even the libraries' deprecations reach the user
     batch = torch.randint(0, 256, (4, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     x = batch.float() / 255
     x = (x - torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)) / torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1)

@@ -14,6 +14,8 @@ def test_the_demo_report_holds_all_it_ran(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tools.demo", "--out", str(out), "--per-class", "1"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Warning" not in proc.stderr, proc.stderr[:3000]  # its first output was torch.jit.save's deprecation
+    assert (out / "color9.pt2").is_file() and not (out / "color9.ts").exists()  # a torch.export program
     report = (out / "report.md").read_text()
     assert "Not run" not in report
     for heading in ("## IN-9 accuracy", "## Backgrounds Challenge", "## Adversarial backgrounds",

@@ -97,7 +97,8 @@ def test_a_processor_that_cannot_be_loaded_is_one_line(tmp_path, data, hub_cache
     (tmp_path / "m" / "preprocessor_config.json").write_text(json.dumps(
         {"image_processor_type": "NoSuchImageProcessor", "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
     code, out, err = run_in_process(in9_eval.main, ["--arch", f"hf:{tmp_path / 'm'}", "--data-path", str(data),
-                                                    "--device", "cpu", "--no-progress"], capsys)
+                                                    "--device", "cpu", "--no-progress", "--output-dir",
+                                                    str(tmp_path / "out")], capsys)
     assert "preprocessor_config.json" in check_error(code, out, err, lines=None)
 
 
@@ -122,7 +123,8 @@ def test_remote_code_runs_only_with_the_opt_in_flag(tmp_path, data, hub_cache, c
     transformers.ViTImageProcessor(size={"height": 224, "width": 224}).save_pretrained(tmp_path / "m")
     marker = tmp_path / "remote-code-ran"
     with_remote_processor(tmp_path / "m", marker)
-    argv = ["--arch", f"hf:{tmp_path / 'm'}", "--data-path", str(data), "--device", "cpu", "--no-progress"]
+    argv = ["--arch", f"hf:{tmp_path / 'm'}", "--data-path", str(data), "--device", "cpu", "--no-progress",
+            "--output-dir", str(tmp_path / "out")]
     code, out, err = run_in_process(in9_eval.main, argv, capsys)
     assert "--trust-remote-code" in check_error(code, out, err, lines=None) and not marker.exists()
     loaded = load_model(f"hf:{tmp_path / 'm'}", trust_remote_code=True)

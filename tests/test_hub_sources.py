@@ -139,10 +139,11 @@ def test_timm_pretrained_weights_from_the_hub_cache(name, timm_weights, hub_cach
     assert sum("resized" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_timm_offline_without_cached_weights_is_one_line(hub_cache, data, capsys):
+def test_timm_offline_without_cached_weights_is_one_line(hub_cache, data, capsys, tmp_path):
     timm_with_test_model()
     code, out, err = run_in_process(in9_eval.main, ["--arch", f"timm:{TIMM_NAME}.{TIMM_TAG}", "--data-path",
-                                                    str(data), "--device", "cpu", "--no-progress"], capsys)
+                                                    str(data), "--device", "cpu", "--no-progress", "--output-dir",
+                                                    str(tmp_path / "out")], capsys)
     line = check_error(code, out, err, lines=None)
     assert str(hub_cache) in line and f"timm.create_model('{TIMM_NAME}.{TIMM_TAG}', pretrained=True)" in line
 
@@ -306,7 +307,8 @@ def test_transformers_classifier_equals_its_own_predictions(labels, tmp_path, hu
 def test_transformers_classifier_with_other_labels_is_refused(labels, message, tmp_path, data, hub_cache, capsys):
     save_vit(tmp_path / "vit", labels, seed=3)
     code, out, err = run_in_process(in9_eval.main, ["--arch", f"hf:{tmp_path / 'vit'}", "--data-path", str(data),
-                                                    "--device", "cpu", "--no-progress"], capsys)
+                                                    "--device", "cpu", "--no-progress", "--output-dir",
+                                                    str(tmp_path / "out")], capsys)
     assert message in check_error(code, out, err, lines=None)
 
 
@@ -343,10 +345,11 @@ class Exploit:
         return (open, (self.path, "w"))
 
 
-def test_transformers_hub_name_offline_without_cache_is_one_line(hub_cache, data, capsys):
+def test_transformers_hub_name_offline_without_cache_is_one_line(hub_cache, data, capsys, tmp_path):
     pytest.importorskip("transformers")
     code, out, err = run_in_process(in9_eval.main, ["--arch", "hf:someone/missing-vit", "--data-path", str(data),
-                                                    "--device", "cpu", "--no-progress"], capsys)
+                                                    "--device", "cpu", "--no-progress", "--output-dir",
+                                                    str(tmp_path / "out")], capsys)
     line = check_error(code, out, err, lines=None)
     assert str(hub_cache) in line and "snapshot_download('someone/missing-vit')" in line
 

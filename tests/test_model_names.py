@@ -113,7 +113,8 @@ def test_list_sources_says_what_is_registered():
 
 
 def test_an_unknown_prefix_lists_the_registered_ones():
-    with pytest.raises(UserError, match=r"unknown model source 'timn:' in 'timn:convnext_tiny'; valid: .*timm:"):
+    with pytest.raises(UserError, match=r"unknown model source 'timn:' in 'timn:convnext_tiny'; did you mean timm:\?; "
+                                             r"valid: .*timm:"):
         load_model("timn:convnext_tiny")
 
 

@@ -207,7 +207,8 @@ def test_in9_accuracies_are_printed_when_the_results_file_cannot_be_written(data
 
     monkeypatch.setattr(in9_command, "run_in9", run_then_block)
     argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--device", "cpu", "--no-progress",
-            "--workers", "1", "--results-file", str(results), "--log-level", "WARNING"]
+            "--workers", "1", "--results-file", str(results), "--log-level", "WARNING", "--output-dir",
+            str(tmp_path / "out")]
     code, out, err = run_in_process(in9_eval.main, argv, capsys)
     assert str(results) in one_error_line(code, err)
     assert out.startswith("Accuracy on original is ")

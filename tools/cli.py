@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
+import os
 import math
 import signal
 import sys
@@ -50,6 +52,93 @@ class BooleanFlag(argparse.BooleanOptionalAction):
     def __init__(self, *args, help: str | None = None, **kwargs):  # noqa: A002 (argparse's keyword)
         super().__init__(*args, **kwargs)
         self.help = help
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help text as written where it spans lines (a module docstring, the examples), wrapped where it is one
+    line."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text.strip():
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Every command's parser: a mistake on the command line is one line on stderr, `error: ...`, that names the
+    closest valid choice of a mistyped one and points to -h, and exit code 2 (argparse prints its usage block
+    first); its name is the one the user typed (`python -m tools.zoo` for a package's __main__); its help shows
+    the basic groups of flags before the advanced ones and keeps the description's and the epilog's line breaks
+    (the examples)."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        if kwargs.get("prog") is None and not args:
+            kwargs["prog"] = typed_name()
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    def add_argument_group(self, *args, advanced: bool = False, **kwargs):
+        """A named group of flags; `advanced` ones (adapters, several processes, ...) are shown after the basics."""
+        group = super().add_argument_group(*args, **kwargs)
+        group.advanced = advanced
+        return group
+
+    def format_help(self) -> str:
+        groups = self._action_groups
+        self._action_groups = sorted(groups, key=lambda group: getattr(group, "advanced", False))  # stable
+        try:
+            return super().format_help()
+        finally:
+            self._action_groups = groups
+
+    def error(self, message: str):
+        message = " ".join(message.split())
+        self.exit(EXIT_USER_ERROR, f"error: {message}; see `{self.prog} -h`\n")
+
+    def _get_value(self, action, arg_string):
+        try:
+            return super()._get_value(action, arg_string)
+        except argparse.ArgumentError:
+            if action.choices is None:
+                raise
+            raise argparse.ArgumentError(action, _invalid_choice(arg_string, action.choices)) from None
+
+    def _check_value(self, action, value):
+        if action.choices is not None and value not in action.choices:
+            raise argparse.ArgumentError(action, _invalid_choice(value, action.choices))
+
+
+def _invalid_choice(value, choices) -> str:
+    """'invalid choice 'mixed_sam'; did you mean mixed_same? (valid: ...)': enum members shown by their value."""
+    names = [str(getattr(choice, "value", choice)) for choice in choices]
+    text = str(getattr(value, "value", value))
+    return f"invalid choice {text!r}{closest(text, names)} (valid: {', '.join(names)})"
+
+
+def typed_name() -> str:
+    """The command's name as the user typed it: the script's (in9_eval.py, bgc-zoo), or `python -m PACKAGE`
+    for a package's __main__.py (whose basename would say __main__.py)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:  # run as `python -m NAME` (a script run by path has no spec)
+        return f"python -m {spec.name.removesuffix('.__main__')}"
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+
+
+def reword(parser: argparse.ArgumentParser, dest: str, help: str) -> None:  # noqa: A002 (argparse's word)
+    """Give a shared flag this command's own help text."""
+    for action in parser._actions:
+        if action.dest == dest:
+            action.help = help
+
+
+def examples(*commands: str) -> str:
+    """A command's epilog: the example command lines it ends its -h with."""
+    return "examples:\n" + "\n".join(f"  {command}" for command in commands)
+
+
+def closest(text: str, options) -> str:
+    """'; did you mean X?' for the option closest to a mistyped `text`, else ''."""
+    close = difflib.get_close_matches(text, [str(option) for option in options], n=1, cutoff=0.5)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def positive_number(unit: str) -> Callable[[str], float]:

@@ -3,7 +3,7 @@
     python -m tools.demo [--out demo] [--per-class 10]
 
 Needs no download: the data come from tools.data.synthetic and the model is its ColorEvidenceModel saved as
-TorchScript, so the printed numbers are those of a toy model, not of any published result.
+a torch.export program (demo/color9.pt2), so the printed numbers are those of a toy model, not of any published result.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
+from tools.cli import ArgumentParser, examples
 from tools.data import synthetic
 from tools.in9 import IMAGE_SIZE
 from tools.provenance import atomic_write
@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, epilog=examples("python -m tools.demo",
+                                                                          "python -m tools.demo --out /tmp/demo --per-class 2"))
     parser.add_argument("--out", type=Path, default=Path("demo"), metavar="DIR",
                         help="where the data, model and results go (default: demo)")
     parser.add_argument("--per-class", type=int, default=10, metavar="N", help="images per class (default: 10)")
@@ -35,14 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     data = args.out / "bg_challenge"
-    model = args.out / "color9.ts"
+    model = args.out / "color9.pt2"
     print(f"generating {9 * args.per_class} images per variation under {data} ...", flush=True)
     synthetic.generate(data, per_class=args.per_class, seed=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        traced = torch.jit.trace(synthetic.ColorEvidenceModel(9).eval(), torch.zeros(1, 3, IMAGE_SIZE, IMAGE_SIZE))
+    # a torch.export program (TorchScript, which the toolkit still loads, is deprecated): any batch size
+    program = torch.export.export(synthetic.ColorEvidenceModel(9).eval(), (torch.zeros(2, 3, IMAGE_SIZE, IMAGE_SIZE),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch")},))
     with atomic_write(model, "wb") as fh:
-        torch.jit.save(traced, fh)
+        torch.export.save(program, fh)
     common = ["--data-path", str(data), "--checkpoint", str(model), "--in9", "--device", "cpu",
               "--output-dir", str(args.out / "results"), "--log-level", "WARNING"]
     commands = [

@@ -16,7 +16,9 @@ from tools.shards import write_in9_shard
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = cli.ArgumentParser(description=__doc__, epilog=cli.examples(
+        "python in9_eval.py --eval-dataset all --results-file in9.json",
+        "python in9_eval.py --eval-dataset mixed_rand --arch timm:convnext_tiny --device cuda"))
     parser.add_argument("--eval-dataset", default="original", choices=[*VARIATIONS, "all"], metavar="NAME",
                         help=f"variation to evaluate, one of {', '.join(VARIATIONS)}, or all (default: original)")
     parser.add_argument("--categories", action="store_true",

@@ -15,7 +15,7 @@ from tools.challenge.data import ChallengeFiles
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import Criterion
 from tools.challenge.state import SearchState
-from tools.cli import add_log_level_argument, run_main
+from tools.cli import ArgumentParser, examples, add_log_level_argument, run_main
 from tools.errors import UserError
 from tools.evaluate import In9Run, VariationResult
 from tools.provenance import check_outputs
@@ -72,7 +72,9 @@ def merge_in9(shards: list[tuple[Path, dict]]) -> In9Run:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.merge", description=__doc__)
+    parser = ArgumentParser(description=__doc__, epilog=examples(
+        "python -m tools.merge shard0 shard1 shard2 shard3",
+        "python -m tools.merge --kind challenge runs/"))
     parser.add_argument("folders", nargs="+", type=Path, metavar="DIR",
                         help="the --output-dir of every shard (one folder may hold them all)")
     parser.add_argument("--kind", choices=KINDS, default=None,

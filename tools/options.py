@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools import distributed
-from tools.cli import BooleanFlag, add_log_level_argument, positive_number
+from tools.cli import ArgumentParser, BooleanFlag, add_log_level_argument, positive_number
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
@@ -27,6 +27,26 @@ from tools.runtime import CPU_BATCH_CANDIDATES, CPU_BATCH_SIZE, GPU_BATCH_SIZE, 
 from tools.threads import default_workers, import_in_background, wait_for_background_imports
 
 log = logging.getLogger(__name__)
+
+# --batch-size's help in each command's words: the CPU default differs between an IN-9 run and the challenge
+BATCH_HELP = {
+    "in9": f"images per forward pass, halved on out-of-memory (default: {GPU_BATCH_SIZE} on a GPU, {CPU_BATCH_SIZE} on "
+           f"the CPU)",
+    "challenge": f"composite images per forward pass, halved on out-of-memory (default: {GPU_BATCH_SIZE} on a GPU; on "
+                 f"the CPU the fastest of {', '.join(map(str, CPU_BATCH_CANDIDATES[:-1]))} and "
+                 f"{CPU_BATCH_CANDIDATES[-1]}, timed on the first backgrounds and recorded in the results' provenance)",
+    "zoo": f"images per forward pass, halved on out-of-memory (default: {GPU_BATCH_SIZE} on a GPU; on the CPU "
+           f"{CPU_BATCH_SIZE} for the IN-9 runs and for the challenge the fastest of "
+           f"{', '.join(map(str, CPU_BATCH_CANDIDATES[:-1]))} and {CPU_BATCH_CANDIDATES[-1]}, timed on its first "
+           f"backgrounds)",
+}
+
+
+def _group(parser: argparse.ArgumentParser, title: str, advanced: bool = False):
+    """A named group, shown after the basic ones where `advanced` (by tools.cli.ArgumentParser)."""
+    if advanced and isinstance(parser, ArgumentParser):
+        return parser.add_argument_group(title, advanced=True)
+    return parser.add_argument_group(title)
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,16 +67,17 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     add_model_source_arguments(model)
-    add_remote_code_argument(model)
+    special = _group(parser, "model: LoRA state dicts and remote code", advanced=True)
+    add_remote_code_argument(special)
     model.add_argument("--in9", action=BooleanFlag, default=None,
                        help="a 9-class model trained on IN-9 (--in9) or a 1000-class ImageNet model (--no-in9), "
                             "checked against the checkpoint (default: inferred from the checkpoint's class count)")
-    model.add_argument("--lora-alpha", type=positive_number("alpha"), default=None, metavar="ALPHA",
+    special.add_argument("--lora-alpha", type=positive_number("alpha"), default=None, metavar="ALPHA",
                        help="the lora_alpha a LoRA state dict saved from a peft-wrapped model "
                             "(torch.save(model.state_dict())) was trained with, which the file does not hold; its "
                             "rank is read from the tensors; rsLoRA needs --lora-rslora too, and an alpha_pattern a "
                             "folder saved with save_pretrained (default: none; an adapter folder's config holds it)")
-    model.add_argument("--lora-rslora", action=BooleanFlag, default=False,
+    special.add_argument("--lora-rslora", action=BooleanFlag, default=False,
                        help="such a LoRA state dict was trained with rsLoRA (use_rslora=True: scaled by "
                             "lora_alpha/sqrt(rank), not lora_alpha/rank), which the file does not say (default: off)")
     model.add_argument("--normalize", type=Normalization, choices=list(Normalization), default=Normalization.AUTO,
@@ -113,11 +134,7 @@ def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True, d
     """Device, precision, batch and threads; `--shard` where a run can be split into independent shards;
     `--allow-inexact-device` where the start-up device check runs (`tools.models.device_check`)."""
     run = parser.add_argument_group("running")
-    run.add_argument("--batch-size", type=int, default=None, metavar="N",
-                     help=f"images per forward pass, halved on out-of-memory (default: {GPU_BATCH_SIZE} on a GPU; on "
-                          f"the CPU {CPU_BATCH_SIZE} for in9_eval, and for challenge_eval the fastest of "
-                          f"{', '.join(map(str, CPU_BATCH_CANDIDATES[:-1]))} and {CPU_BATCH_CANDIDATES[-1]}, timed on "
-                          f"the first backgrounds and recorded in the results' provenance)")
+    run.add_argument("--batch-size", type=int, default=None, metavar="N", help=BATCH_HELP["in9"])
     run.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                      help=f"image-decoding threads (default: {default_workers()})")
     run.add_argument("--device", default=None, metavar="DEV",
@@ -130,16 +147,17 @@ def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True, d
     run.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
     run.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
     run.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
-    add_dist_timeout_argument(run)
     if device_check:
         run.add_argument(ALLOW_FLAG, action="store_true",
                          help=f"run on even when the start-up check finds the model's fp32 logits on the device (on "
                               f"its first {CHECK_IMAGES} images) further from a float64 reference on the CPU than "
                               f"fp32 rounding allows (relative {TOLERANCE:g}); the finding goes into the results' "
                               f"provenance (default: such a run is refused)")
+    several = _group(parser, "several processes (torchrun, shards)", advanced=True)
+    add_dist_timeout_argument(several)
     if not shard:
         return
-    run.add_argument("--shard", type=shard_spec, default=None, metavar="I/N",
+    several.add_argument("--shard", type=shard_spec, default=None, metavar="I/N",
                      help="do share I of N (0-based) of the run, with no process group (a SLURM array, separate "
                           "machines), and write shard results under --output-dir for `python -m tools.merge`; "
                           "not under torchrun, which shares the work itself (default: the whole run)")

@@ -1,6 +1,6 @@
 """Many models, one command: the IN-9 `all` run and the challenge for each, one results file each, a leaderboard.
 
-    python -m tools.zoo --data-path bg_challenge --output-dir zoo \\
+    python -m tools.zoo --output-dir zoo \\
         --models resnet50,vit_b_16,timm:convnext_tiny,clip:ViT-B-32/openai,file:my.pt,resnet18@file:sd.pt
     python -m tools.zoo --leaderboard-only zoo
 
@@ -294,8 +294,9 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
 # Command line
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.zoo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, epilog=cli.examples(
+        "python -m tools.zoo --models resnet18,resnet50 --output-dir zoo",
+        "python -m tools.zoo --leaderboard-only zoo"))
     models = parser.add_argument_group("models")
     models.add_argument("--models", default=None, metavar="SPEC[,SPEC...]",
                         help="comma-separated model specs (see above) (default: none)")
@@ -305,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_remote_code_argument(models)
     options.add_data_arguments(parser)
     options.add_running_arguments(parser, shard=False)
+    cli.reword(parser, "batch_size", options.BATCH_HELP["zoo"])
     flags.add_search_arguments(parser.add_argument_group("challenge"))
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", type=Path, default=Path("zoo_results"), metavar="DIR",

@@ -18,8 +18,11 @@ from tools.results.publish import publish_challenge
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, epilog=cli.examples(
+        "python challenge_eval.py --results-file challenge.json",
+        "python challenge_eval.py --checkpoint model.pt --full --analysis --report challenge.md"))
     options.add_common_arguments(parser)
+    cli.reword(parser, "batch_size", options.BATCH_HELP["challenge"])
     group = parser.add_argument_group("challenge")
     flags.add_search_arguments(group)
     group.add_argument("--full", action="store_true",

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Iterable
 
 from tools.data import grabcut
-from tools.cli import add_log_level_argument, positive_number, run_main
+from tools.cli import ArgumentParser, examples, add_log_level_argument, positive_number, run_main
 from tools.threads import default_workers
 from tools.errors import UserError
 from tools import data as data_package
@@ -37,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
     add_log_level_argument(common)
-    parser = argparse.ArgumentParser(prog="python -m tools.data", description=data_package.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=data_package.__doc__, epilog=examples(
+        "python -m tools.data fetch", "python -m tools.data verify --data-path data/bg_challenge"))
     commands = parser.add_subparsers(dest="command", required=True, metavar="{fetch,verify,build,provenance}")
 
     fetch_p = commands.add_parser("fetch", parents=[common], help="download, check and extract the IN-9 test release",

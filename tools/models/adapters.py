@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import logging
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # save_pretrained's names, in peft's priority
+PEFT_READS_DEPRECATED = "`is_gradient_checkpointing` is deprecated"  # peft <= 0.21 on transformers 5.x
 PEFT_PREFIX = "base_model.model."  # what a PeftModel's state dict puts before the wrapped model's keys
 MERGE_TOLERANCE = 1e-3  # largest |merged - adapted| logit difference, relative to the logits' scale
 # <module>.<adapter parameter>.<adapter name>[.weight]: LoRA's and OFT's (oft_r/oft_s before peft 0.16, oft_R since)
@@ -142,7 +144,9 @@ def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool,
     kind = str(getattr(config.peft_type, "value", config.peft_type)).lower()
     what = f"the {kind} adapter in {folder}"
     try:
-        wrapped = peft.PeftModel(classifier.eval(), config)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated alias of a property: theirs to change
+            warnings.filterwarnings("ignore", PEFT_READS_DEPRECATED, FutureWarning)
+            wrapped = peft.PeftModel(classifier.eval(), config)
     except Exception as exc:  # noqa: BLE001 (peft's errors for modules it cannot adapt)
         raise UserError(f"{what} does not fit its base model: {first_line(exc)}") from None
     try:

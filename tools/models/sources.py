@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
+from tools.cli import closest
 from tools.models import adapters, checkpoints
 from tools.errors import UserError, first_line
 from tools.data.hashing import sha256_file
@@ -124,8 +125,8 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     else:
         source = SOURCES.get(spec.prefix)
         if source is None:
-            raise UserError(f"unknown model source {spec.prefix!r} in {str(spec)!r}; valid: "
-                            f"{', '.join(repr(p) for p in SOURCES)}")
+            raise UserError(f"unknown model source {spec.prefix!r} in {str(spec)!r}{closest(spec.prefix, SOURCES)}; "
+                            f"valid: {', '.join(repr(p) for p in SOURCES)}")
         loaded = source(spec.body, options)
     return loaded if adapter is None else _with_adapter(loaded, adapter, trust)
 

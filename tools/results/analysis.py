@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tools.cli import add_log_level_argument, run_main
+from tools.cli import ArgumentParser, examples, add_log_level_argument, run_main
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, class_names
 from tools.provenance import atomic_write, check_outputs, write_json_atomic
@@ -331,8 +331,8 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m tools.results.analysis",
+    parser = ArgumentParser(
+        epilog=examples("python -m tools.results.analysis bg_results --top-k 5"),
         description="Redo the adversarial-background analysis (ASR per background, fool rate per class, top "
                     "backgrounds, ASR histograms, figure) from the matrix `challenge_eval.py --full` saved, "
                     "without the model.")

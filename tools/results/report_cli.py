@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tools.cli import add_log_level_argument, run_main
+from tools.cli import ArgumentParser, add_log_level_argument, examples, run_main
 from tools.errors import UserError
 from tools.provenance import check_outputs
 from tools.results.analysis import FIGURE_FILE, SUMMARY_FILE
@@ -17,8 +17,9 @@ from tools.results.report import DEFAULT_OUTPUT, write_report
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.results.report",
-                                     description="Merge results files into one Markdown report.")
+    parser = ArgumentParser(epilog=examples("python -m tools.results.report --in9 in9.json --challenge challenge.json "
+                                            "--output report.md"),
+                            description="Merge results files into one Markdown report.")
     parser.add_argument("--in9", type=Path, default=None, metavar="PATH",
                         help="results JSON of in9_eval.py --results-file (default: none)")
     parser.add_argument("--challenge", type=Path, default=None, metavar="PATH",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tools.cli import BooleanFlag, add_log_level_argument
+from tools.cli import ArgumentParser, examples, BooleanFlag, add_log_level_argument
 from tools.distributed import DEFAULT_TIMEOUT_MINUTES
 from tools.options import add_dist_timeout_argument, add_model_source_arguments
 from tools.errors import UserError
@@ -176,7 +176,9 @@ class TrainConfig:
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
+    parser = ArgumentParser(description=description, epilog=examples(
+        "python train.py --data-path data/in9_train --arch resnet18 --epochs 5 --output-dir runs/r18",
+        "python train.py --data-path data/in9_train --method bg-swap --peft lora --output-dir runs/lora"))
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", type=Path, required=True, metavar="DIR",
                       help="IN-9-style folder with <variation>/train/<class>/ and fg_mask/train/<class>/ (required)")

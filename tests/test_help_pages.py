@@ -1,0 +1,53 @@
+"""Each command's -h: the name the user typed, the basic flags before the advanced groups, and example commands
+at the end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# how a user types each command in a checkout (docs/make_cli.py's forms): the usage line must say the same
+COMMANDS = ["in9_eval.py", "challenge_eval.py", "train.py", "-m tools.data", "-m tools.zoo", "-m tools.merge",
+            "-m tools.results.report", "-m tools.results.analysis", "-m tools.demo"]
+
+
+def help_page(command: str) -> str:
+    proc = subprocess.run([sys.executable, *command.split(), "-h"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_names_the_command_typed_and_ends_with_examples(command):
+    page = help_page(command)
+    typed = command if command.endswith(".py") else f"python {command}"
+    assert page.startswith(f"usage: {typed} "), page[:200]
+    examples = page.split("\nexamples:\n")
+    assert len(examples) == 2, page[-600:]
+    lines = examples[1].strip().splitlines()
+    assert 1 <= len(lines) <= 2 and all(line.strip().startswith(f"python {command.removeprefix('-m ')}")
+                                        or line.strip().startswith(typed) for line in lines), lines
+
+
+def test_challenge_help_shows_the_basics_first_in_its_own_words():
+    page = help_page("challenge_eval.py")
+    body = page.split("\noptions:\n", 1)[1].split("\nexamples:\n")[0]
+    titles = [line[:-1] for line in body.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert titles[-2:] == ["model: LoRA state dicts and remote code", "several processes (torchrun, shards)"], titles
+    for flag, group in (("--lora-alpha", titles[-2]), ("--trust-remote-code", titles[-2]),
+                        ("--dist-timeout", titles[-1])):
+        assert body.index(f"  {flag}") > body.index(f"\n{group}:"), flag
+    batch = body[body.index("  --batch-size"):body.index("  --workers")]
+    assert "in9_eval" not in batch and "composite" in batch
+
+
+def test_the_zoo_examples_use_the_default_data_folder():
+    page = help_page("-m tools.zoo")
+    assert "--data-path bg_challenge" not in page
