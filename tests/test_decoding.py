@@ -135,6 +135,18 @@ def test_a_mismatch_forces_pillow(tmp_path, monkeypatch):
     assert choose_decoder([]) is Decoder.PILLOW  # the generated kinds alone show it too
 
 
+def test_a_damaged_but_readable_jpeg_gives_pillows_pixels(tmp_path, capfd):
+    """Bytes between the scan and its end marker: libjpeg warns (decode_jpeg prints "Corrupt JPEG data" to
+    stderr, Pillow nothing) and both decoders give the same pixels."""
+    data = KINDS["4:2:0"]()
+    path = tmp_path / "damaged.JPEG"
+    path.write_bytes(data[:-2] + b"\x00\x01\x02" + data[-2:])
+    expected = pillow_pixels(path.read_bytes())
+    for decoder in Decoder:
+        assert np.array_equal(decode_rgb(path, decoder=decoder), expected), decoder
+    capfd.readouterr()  # the warning: expected, not shown
+
+
 def test_a_torchvision_that_cannot_decode_at_all_means_pillow(tmp_path, monkeypatch, caplog):
     """A torchvision whose image extension failed to load raises AttributeError (not RuntimeError) from
     decode_jpeg: the probe chooses Pillow, in one log line, rather than stopping the listing."""
