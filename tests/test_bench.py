@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ def test_gpu_command_runs_small_on_the_cpu(tmp_path):
     assert report["environment"]["torch"] and report["environment"]["device"] == "cpu"
     assert report["parts"]["model-fp32-eager"]["images_per_s"] > 0
     assert report["parts"]["in9-fp32"]["images"] == 8 * 9
+    assert report["ratios"]["in9-fp32 cached_ratio"] > 0  # the second run read the decoded variations from memory
     full = report["parts"]["challenge-full"]
     assert full["composites"] == full["foregrounds"] * full["backgrounds"] == 4 * 9
     for name in parts[1:]:
@@ -57,12 +59,58 @@ def test_gpu_command_ratios_take_every_part_that_ran():
     spec = importlib.util.spec_from_file_location("bench_gpu", BENCH / "gpu.py")
     gpu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu)
-    parts = {"in9-bf16": {"status": "ok", "ratio": 0.5, "first_run_ratio": 0.25},
+    parts = {"in9-bf16": {"status": "ok", "ratio": 0.5, "cached_ratio": 0.75},
              "challenge-eval": {"status": "ok", "times_ideal": 1.5},
              "challenge-full": {"status": "timed out"},
              "train": {"status": "ok", "ratio": {"erm": {"median": 0.9, "mean": 0.8}}},
              "model-bf16-eager": {"status": "ok", "images_per_s": 100.0},
              "model-bf16-compiled": {"status": "ok", "images_per_s": 150.0}}
-    assert gpu.ratios(parts) == {"in9-bf16 ratio": 0.5, "in9-bf16 first_run_ratio": 0.25,
+    assert gpu.ratios(parts) == {"in9-bf16 ratio": 0.5, "in9-bf16 cached_ratio": 0.75,
                                  "challenge-eval times_ideal": 1.5, "train erm median ratio": 0.9,
                                  "model bf16 compiled / eager": 1.5}
+
+
+def load_gpu_module():
+    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    return gpu
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # killed, not yet reaped
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_part_that_times_out_is_stopped_with_what_it_started(tmp_path, monkeypatch):
+    """A part's own processes (challenge_eval.py, bench_train.py, pytest) stop with it at its timeout."""
+    gpu = load_gpu_module()
+    pid_file = tmp_path / "grandchild.pid"
+    script = ("import subprocess, sys, time; "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    monkeypatch.setattr(gpu, "child_command", lambda name, args: [sys.executable, "-c", script])
+    assert gpu.run_child("train", None, timeout=5) == {"status": "timed out", "timeout_s": 5}
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not gone(pid):
+        os.kill(pid, 9)
+        pytest.fail("the part's child outlived the part")
+
+
+def test_the_summary_line_is_timed_when_printed(tmp_path):
+    """challenge_eval.py's end-to-end time stops at its summary line, not at its exit, even with block-buffered
+    stdout and a stderr larger than a pipe holds."""
+    gpu = load_gpu_module()
+    script = ("import sys, time; sys.stderr.write('w' * 300_000 + chr(10)); print('Summary: done'); time.sleep(3); "
+              "print('after')")
+    seconds = gpu.seconds_to_line([sys.executable, "-c", script], str(tmp_path), "Summary:")
+    assert seconds is not None and seconds < 2.5
+    with pytest.raises(RuntimeError, match="boom"):
+        gpu.seconds_to_line([sys.executable, "-c", "import sys; sys.exit('boom')"], str(tmp_path), "Summary:")

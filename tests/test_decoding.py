@@ -4,7 +4,10 @@ arrive in order, whatever the job size and thread count, and a run decodes the b
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
+import logging
+import warnings
 
 import numpy as np
 import pytest
@@ -130,6 +133,78 @@ def test_a_mismatch_forces_pillow(tmp_path, monkeypatch):
     monkeypatch.setattr(decoders, "decode_jpeg_bytes", lambda data: real(data).clamp(max=250))
     assert choose_decoder([path]) is Decoder.PILLOW
     assert choose_decoder([]) is Decoder.PILLOW  # the generated kinds alone show it too
+
+
+def test_a_damaged_but_readable_jpeg_gives_pillows_pixels(tmp_path, capfd):
+    """Bytes between the scan and its end marker: libjpeg warns (decode_jpeg prints "Corrupt JPEG data" to
+    stderr, Pillow nothing) and both decoders give the same pixels."""
+    data = KINDS["4:2:0"]()
+    path = tmp_path / "damaged.JPEG"
+    path.write_bytes(data[:-2] + b"\x00\x01\x02" + data[-2:])
+    expected = pillow_pixels(path.read_bytes())
+    for decoder in Decoder:
+        assert np.array_equal(decode_rgb(path, decoder=decoder), expected), decoder
+    capfd.readouterr()  # the warning: expected, not shown
+
+
+def test_a_torchvision_that_cannot_decode_at_all_means_pillow(tmp_path, monkeypatch, caplog):
+    """A torchvision whose image extension failed to load raises AttributeError (not RuntimeError) from
+    decode_jpeg: the probe chooses Pillow, in one log line, rather than stopping the listing."""
+    path = tmp_path / "a.JPEG"
+    path.write_bytes(KINDS["4:2:0"]())
+
+    def broken(data):
+        raise AttributeError("'_OpNamespace' 'image' object has no attribute 'decode_jpeg'")
+
+    monkeypatch.setattr(decoders, "decode_jpeg_bytes", broken)
+    with caplog.at_level(logging.INFO, logger=decoders.__name__):
+        assert choose_decoder([path]) is Decoder.PILLOW
+    assert "AttributeError" in caplog.text
+
+
+def test_torchvisions_deprecation_warning_is_no_error(tmp_path):
+    """Under `python -W error::DeprecationWarning` torchvision 0.29's deprecation warning for decode_jpeg neither
+    turns the probe to Pillow nor fails a decode in a decoding thread."""
+    path = tmp_path / "a.JPEG"
+    path.write_bytes(KINDS["4:2:0"]())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert choose_decoder([path]) is Decoder.TORCHVISION
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            pixels = list(pool.map(lambda _: decoders.decode_jpeg_bytes(path.read_bytes()), range(4)))
+    assert all(torch.equal(p, pixels[0]) for p in pixels)
+
+
+def sof_patched(data: bytes, offset: int, value: int) -> bytes:
+    """`data` with the byte at `offset` from its (first) start-of-frame marker replaced by `value`."""
+    pos = data.index(b"\xff\xc0")
+    return data[:pos + offset] + bytes([value]) + data[pos + offset + 1:]
+
+
+def test_torchvision_takes_only_the_precision_and_samplings_the_probe_tried():
+    """12-bit samples, 4:1:1 or 4:4:0 chroma, extended frames: Pillow's (the probe generates none of them)."""
+    baseline = KINDS["4:2:0"]()
+    assert plain_jpeg(baseline)
+    assert sof_patched(baseline, 4, 8) == baseline and sof_patched(baseline, 11, 0x22) == baseline  # the offsets
+    assert not plain_jpeg(sof_patched(baseline, 4, 12))  # precision
+    assert not plain_jpeg(sof_patched(baseline, 11, 0x41))  # 4:1:1
+    assert not plain_jpeg(sof_patched(baseline, 11, 0x12))  # 4:4:0
+    assert not plain_jpeg(sof_patched(baseline, 14, 0x21))  # chroma sampled finer than luma
+    assert not plain_jpeg(sof_patched(baseline, 1, 0xC1))  # extended sequential
+    assert not plain_jpeg(sof_patched(KINDS["grey"](), 11, 0x22))  # one component, sampled 2x2
+    assert not plain_jpeg(baseline[:baseline.index(b"\xff\xc0") + 12])  # cut inside the frame header
+
+
+def test_the_probe_tries_every_kind_plain_jpeg_takes():
+    """One generated sample of each: 4:4:4, 4:2:2, 4:2:0 and grey, baseline and progressive."""
+    kinds = set()
+    for data in decoders._probe_samples():
+        assert plain_jpeg(data)
+        frame = data.index(b"\xff\xc0") if b"\xff\xc0" in data else data.index(b"\xff\xc2")
+        components = data[frame + 9]
+        kinds.add((data[frame + 1], components, data[frame + 11]))
+    assert kinds == {(frame, 3, sampling) for frame in (0xC0, 0xC2) for sampling in (0x11, 0x21, 0x22)} | \
+        {(0xC0, 1, 0x11), (0xC2, 1, 0x11)}
 
 
 @pytest.mark.parametrize("batch_size,workers", [(5, 1), (40, 2), (100, 3)])

@@ -26,7 +26,7 @@ from torch import nn
 import in9_eval
 from tests import reference
 from tests.helpers import save_torchscript
-from tools import __version__
+from tools import __version__, evaluate
 from tools.data import synthetic
 from tools.data.decoders import Decoder
 from tools.evaluate import In9Config, evaluate_variations, list_in9_files, run_in9
@@ -428,3 +428,28 @@ def test_corner_model_answers_follow_from_the_manifest(dataset, tmp_path):
     order = sorted(images, key=lambda img: (folders[img["label"]], img["stem"]))
     for variation in ("mixed_rand", "mixed_next", "mixed_same"):
         assert state[variation] == [img["mixed_bg"][variation][1] for img in order], variation
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 5, 16, 64])
+def test_kept_variations_are_batched_without_a_copy_of_them_all(batch_size, monkeypatch):
+    """The variations kept in memory (views of one decoded tensor) come in the batches of their concatenation,
+    but only a batch that straddles two of them is copied: never a tensor of them all (4.9 GB on the release)."""
+    whole = torch.randint(0, 256, (30, 3, 4, 4), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    groups = [whole[0:7], whole[7:12], whole[12:12], whole[12:13], whole[13:30]]
+    made = []
+    real_cat = torch.cat
+
+    def recording_cat(tensors, *args, **kwargs):
+        out = real_cat(tensors, *args, **kwargs)
+        made.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(torch, "cat", recording_cat)
+    batches = list(evaluate._batches_in_memory(groups, batch_size))
+    assert [start for start, _ in batches] == list(range(0, 30, batch_size))
+    for start, batch in batches:
+        assert torch.equal(batch, whole[start:start + batch_size])
+        assert batch.is_contiguous(memory_format=torch.channels_last)
+    assert all(rows <= batch_size for rows in made), made
+    inside = [b for s, b in batches if any(lo <= s and s + b.shape[0] <= hi for lo, hi in [(0, 7), (7, 12), (13, 30)])]
+    assert all(b.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() for b in inside)

@@ -244,10 +244,20 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
 
 
 def _batches_in_memory(groups: list[torch.Tensor], batch_size: int):
-    """(start, batch) over decoded groups as if they were one stream of images, in batches of `batch_size`."""
-    whole = groups[0] if len(groups) == 1 else torch.cat(groups)
-    for start in range(0, whole.shape[0], batch_size):
-        yield start, whole[start:start + batch_size]
+    """(start, batch) over decoded groups as if they were one stream of images, in batches of `batch_size`: views
+    of the groups, and a small copy only for a batch that straddles two (never a copy of them all)."""
+    start, pieces, filled = 0, [], 0
+    for group in groups:
+        lo = 0
+        while lo < group.shape[0]:
+            pieces.append(group[lo:lo + batch_size - filled])
+            filled += pieces[-1].shape[0]
+            lo += pieces[-1].shape[0]
+            if filled == batch_size:
+                yield start, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+                start, pieces, filled = start + filled, [], 0
+    if pieces:
+        yield start, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,

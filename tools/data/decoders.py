@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import io
 import logging
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -66,16 +67,40 @@ def _torchvision_rgb(data: bytes) -> np.ndarray | None:
         return None
 
 
-# JPEG start-of-frame markers of Huffman-coded baseline, extended and progressive frames: what both decoders
-# read the same way. Lossless, hierarchical and arithmetic-coded frames go to Pillow.
-_PLAIN_FRAMES = {0xC0, 0xC1, 0xC2}
-_OTHER_FRAMES = {0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+def _silence_deprecation() -> None:
+    """torchvision 0.29 deprecates `decode_jpeg` with a DeprecationWarning on every call, an error under
+    `python -W error`. Ignored by one process-wide filter, installed before the probe's first call, that names
+    that message and torchvision's module only: `warnings.catch_warnings` around each call would not do, since it
+    is not thread-safe and the files decode in threads."""
+    warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
+                            category=DeprecationWarning, module=r"torchvision\.io")
+
+
+# JPEG start-of-frame markers of Huffman-coded baseline and progressive frames: what both decoders read the same
+# way. Extended (which Pillow never writes, so the probe cannot try it), lossless, hierarchical and
+# arithmetic-coded frames go to Pillow.
+_PLAIN_FRAMES = {0xC0, 0xC2}
+_OTHER_FRAMES = {0xC1, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+# The components' sampling factors (H << 4 | V) the probe tries: grey; 4:4:4, 4:2:2 and 4:2:0 with the chroma
+# at 1x1. 8-bit samples only.
+_PLAIN_SAMPLINGS = {(0x11,), (0x11, 0x11, 0x11), (0x21, 0x11, 0x11), (0x22, 0x11, 0x11)}
+
+
+def _plain_frame(data: bytes, pos: int) -> bool:
+    """Whether the frame header at `pos` (its marker) has 8-bit samples and one of `_PLAIN_SAMPLINGS`."""
+    if pos + 10 > len(data) or data[pos + 4] != 8:
+        return False
+    components = data[pos + 9]
+    samplings = tuple(data[pos + 11 + 3 * i] for i in range(components) if pos + 11 + 3 * i < len(data))
+    return len(samplings) == components and samplings in _PLAIN_SAMPLINGS
 
 
 def plain_jpeg(data: bytes) -> bool:
-    """A JPEG (by its bytes, whatever its name) in a Huffman-coded baseline or progressive frame of 1 (grey) or 3
-    (YCbCr or RGB) components: the kind `decode_jpeg` may decode in Pillow's place. CMYK and YCCK (4 components),
-    lossless and arithmetic-coded files, and everything not a JPEG, are Pillow's."""
+    """A JPEG (by its bytes, whatever its name) in a Huffman-coded baseline or progressive frame of 8-bit samples
+    and 1 (grey) or 3 (YCbCr or RGB) components sampled as the probe's samples are (4:4:4, 4:2:2, 4:2:0): the
+    kind `decode_jpeg` may decode in Pillow's place. CMYK and YCCK (4 components), 12-bit samples, other chroma
+    samplings (4:1:1, 4:4:0...), extended, lossless and arithmetic-coded files, and everything not a JPEG, are
+    Pillow's."""
     if data[:2] != b"\xff\xd8":
         return False
     pos = 2
@@ -91,7 +116,7 @@ def plain_jpeg(data: bytes) -> bool:
             continue
         length = int.from_bytes(data[pos + 2:pos + 4], "big")
         if marker in _PLAIN_FRAMES:
-            return pos + 9 < len(data) and data[pos + 9] in (1, 3)
+            return _plain_frame(data, pos)
         if marker in _OTHER_FRAMES or marker == 0xDA:  # another frame, or scan data before any frame
             return False
         pos += 2 + length
@@ -99,17 +124,16 @@ def plain_jpeg(data: bytes) -> bool:
 
 
 def _probe_samples() -> list[bytes]:
-    """Generated JPEGs of every kind `plain_jpeg` accepts: 4:2:0, 4:2:2, 4:4:4, progressive, optimised, with
-    restart markers, RGB (Adobe transform 0), grey."""
+    """Generated JPEGs of every kind `plain_jpeg` accepts: 4:2:0, 4:2:2, 4:4:4 and grey, each baseline and
+    progressive; optimised, with restart markers, RGB (Adobe transform 0)."""
     yy, xx = np.mgrid[0:64, 0:64]
     rng = np.random.default_rng(0)
     pixels = np.stack([xx * 4, yy * 4, (xx + yy) * 2], -1) + rng.integers(0, 24, (64, 64, 3))
     image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+    kinds = [(image, {"subsampling": s}) for s in (2, 1, 0)] + [(image.convert("L"), {})]
     samples = []
-    for img, options in [(image, {"subsampling": 2}), (image, {"subsampling": 1}), (image, {"subsampling": 0}),
-                         (image, {"progressive": True}), (image, {"optimize": True}),
-                         (image, {"restart_marker_blocks": 2}), (image, {"keep_rgb": True}),
-                         (image.convert("L"), {})]:
+    for img, options in kinds + [(img, {**options, "progressive": True}) for img, options in kinds] + [
+            (image, {"optimize": True}), (image, {"restart_marker_blocks": 2}), (image, {"keep_rgb": True})]:
         buffer = io.BytesIO()
         img.save(buffer, "JPEG", quality=87, **options)
         samples.append(buffer.getvalue())
@@ -131,10 +155,15 @@ def choose_decoder(sample_files: Sequence[Path | bytes], requested: Decoder | No
         samples = _probe_samples() + [p if isinstance(p, bytes) else Path(p).read_bytes() for p in sample_files]
     except OSError:
         return Decoder.PILLOW  # an unreadable file: the run's own reading says which, in one line
+    _silence_deprecation()
     for data in samples:
         if not plain_jpeg(data):
             continue
-        ours = _torchvision_rgb(data)
+        try:
+            ours = _torchvision_rgb(data)
+        except Exception as exc:  # noqa: BLE001 (a build without its image extension: AttributeError, ...)
+            log.info("torchvision's decode_jpeg fails here (%s: %s); decoding with Pillow", type(exc).__name__, exc)
+            return Decoder.PILLOW
         try:
             reference = pillow_rgb(data, "probe")
         except UserError:
