@@ -7,6 +7,11 @@ from results files are `measured`. Each row names its source (torchvision, timm,
 and the short SHA-256 of its weights file, and says what its model predicts over (1000 ImageNet classes
 through the map, or the nine IN-9 classes) and, for CLIP, which zero-shot head and templates; a published
 row's note says how its source ran the model where that differs from the scripts.
+
+One table model (`leaderboard_table`: intro, columns, cells, caveat notes) feeds both leaderboard.md and the HTML
+report's leaderboard, so both say when rows are not comparable (9- against 1000-class, another criterion, other
+data). The published rows, measured on the release, are added only where every measured row used the release's
+test set (`used_release`, which the report's published table also goes by).
 """
 
 from __future__ import annotations
