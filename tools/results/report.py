@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tools import __version__
-from tools.in9 import NUM_IN9_CLASSES, VARIATIONS, class_names
+from tools.in9 import VARIATIONS, class_names
 from tools.provenance import write_text_atomic
 from tools.results.analysis import FIGURE_FILE
 from tools.results.categories import CATEGORY_TITLES, Category
