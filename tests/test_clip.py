@@ -176,8 +176,9 @@ def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog
     spec = f"clip:{TINY_CLIP}/{weights}+head=in9"
     first = load_model(spec)
     assert len(builds) == 1 and list((tmp_path / "cache").rglob("*.npy"))
-    # a head encoded on a GPU differs from the CPU's in the last bits: each device type has its own entry
-    assert [json.loads(m.read_text())["device"] for m in (tmp_path / "cache").rglob("meta.json")] == ["cpu"]
+    # a head encoded on a GPU differs from the CPU's in the last bits: each device model has its own entry
+    assert [json.loads(m.read_text())["device"] for m in (tmp_path / "cache").rglob("meta.json")] == \
+        [clip_zero_shot.device_name(torch.device("cpu"))]
     again = load_model(spec)  # read from the cache: the same head, no text encoded
     assert len(builds) == 1 and torch.equal(again.model.classifier.head, first.model.classifier.head)
     assert again.sha256 == first.sha256
@@ -335,3 +336,95 @@ def test_random_initialisation_is_reproducible(tiny_clip, loaded, one_thread):
     with torch.no_grad():
         assert torch.equal(again.model(images), loaded.model(images))
     assert again.sha256 == loaded.sha256 and np.isfinite(float(loaded.model.classifier.logit_scale))
+
+
+@pytest.fixture(scope="module")
+def tiny_coca(tmp_path_factory):
+    """A tiny CoCa architecture (open_clip's CoCa class: its image tower returns (pooled, tokens))."""
+    import open_clip
+    config = {"embed_dim": 16, "custom_text": True,
+              "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16,
+                             "attentional_pool": True, "attn_pooler_heads": 2, "output_tokens": True},
+              "text_cfg": {"context_length": 76, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1,
+                           "embed_cls": True, "output_tokens": True},
+              "multimodal_cfg": {"context_length": 76, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+    path = tmp_path_factory.mktemp("coca") / "tiny-coca.json"
+    path.write_text(json.dumps(config))
+    open_clip.add_model_config(path)
+    return "tiny-coca"
+
+
+def test_a_coca_model_scores_its_pooled_image_embedding(tiny_coca, one_thread):
+    """CoCa's image tower returns (pooled embedding, tokens): the classifier scores the pooled one, as
+    open_clip's encode_image does."""
+    import open_clip
+    loaded = load_model(f"clip:{tiny_coca}/none+head=in9+templates=simple")
+    with torch.random.fork_rng():
+        torch.manual_seed(RANDOM_SEED)
+        model = open_clip.create_model(tiny_coca, pretrained=None).eval()
+    assert isinstance(model, open_clip.CoCa)
+    images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    preprocess = open_clip.get_model_preprocess_cfg(model)
+    x = (images.float() / 255 - torch.tensor(preprocess["mean"]).view(1, 3, 1, 1)) / \
+        torch.tensor(preprocess["std"]).view(1, 3, 1, 1)
+    x = F.interpolate(x, size=(32, 32), mode="bicubic", antialias=True)
+    with torch.no_grad():
+        expected = model.logit_scale.exp() * model.encode_image(x, normalize=True) @ loaded.model.classifier.head.T
+        got = loaded.model(images)
+    assert got.shape == (2, 9)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def with_preprocess(monkeypatch, **settings):
+    """open_clip's create_model as a pretrained tag with these preprocess settings makes it (the tag's
+    pretrained config merged into the model's `preprocess_cfg`, as open_clip does for e.g. MobileCLIP)."""
+    import open_clip
+    create = open_clip.create_model
+
+    def created(*args, **kwargs):
+        model = create(*args, **kwargs)
+        open_clip.set_model_preprocess_cfg(model, {**open_clip.get_model_preprocess_cfg(model), **settings})
+        return model
+    monkeypatch.setattr(open_clip, "create_model", created)
+
+
+def test_the_tags_interpolation_and_preprocessing_are_used_and_in_the_identity(tiny_clip, loaded, monkeypatch,
+                                                                               one_thread):
+    """A tag whose config says bilinear (MobileCLIP, CLIPA, PE) is resized bilinearly, and its preprocess
+    settings are in the model's identity and provenance."""
+    import open_clip
+    assert loaded.describe()["zero_shot"]["preprocess"]["interpolation"] == "bicubic"
+    with_preprocess(monkeypatch, interpolation="bilinear")
+    bilinear = load_model(tiny_clip)
+    assert bilinear.describe()["zero_shot"]["preprocess"]["interpolation"] == "bilinear"
+    assert bilinear.sha256 != loaded.sha256
+    images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    model = same_random_clip()
+    preprocess = open_clip.get_model_preprocess_cfg(model)
+    x = (images.float() / 255 - torch.tensor(preprocess["mean"]).view(1, 3, 1, 1)) / \
+        torch.tensor(preprocess["std"]).view(1, 3, 1, 1)
+    with torch.no_grad():
+        features = model.encode_image(F.interpolate(x, size=(32, 32), mode="bilinear", antialias=True),
+                                      normalize=True)
+        expected = model.logit_scale.exp() * features @ bilinear.model.classifier.head.T
+        got = bilinear.model(images)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, loaded.model(images).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_head_cache_is_keyed_by_the_device_model(tiny_clip, tmp_path, monkeypatch, one_thread):
+    """A head encoded on one GPU model may differ in its last bits from another's: the cache entry names the
+    device model (for the CPU, torch's version), so another device builds its own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    builds = []
+    build = clip_zero_shot.zero_shot_head
+    monkeypatch.setattr(clip_zero_shot, "zero_shot_head", lambda *a, **k: builds.append(1) or build(*a, **k))
+    spec = f"{tiny_clip}+head=in9"
+    load_model(spec)
+    (meta,) = [json.loads(m.read_text()) for m in (tmp_path / "cache").rglob("meta.json")]
+    assert meta["device"] == clip_zero_shot.device_name(torch.device("cpu")) and torch.__version__ in meta["device"]
+    monkeypatch.setattr(clip_zero_shot, "device_name", lambda device: "NVIDIA H100 80GB HBM3 (sm_90)")
+    load_model(spec)
+    assert len(builds) == 2  # another device model: not the first entry
+    load_model(spec)
+    assert len(builds) == 2

@@ -4,6 +4,8 @@ browser (Debian's chromium) it loads without console errors, every image decodes
 from __future__ import annotations
 
 import base64
+import html
+import re
 import io
 import json
 import os
@@ -182,20 +184,22 @@ def test_the_report_command_writes_the_page_and_the_leaderboard(runs, tmp_path, 
     out, inputs = runs
     zoo = tmp_path / "zoo"
     (zoo / "models").mkdir(parents=True)
+    in9 = on_release(json.loads(json.dumps(inputs["in9"])))  # the published rows only beside the release's
     (zoo / "models" / "toy.json").write_text(json.dumps({"model": "toy", "source": "torchscript",
-                                                          "in9": inputs["in9"], "challenge": inputs["challenge"]}))
+                                                          "in9": in9, "challenge": inputs["challenge"]}))
     monkeypatch.chdir(tmp_path)
     target = tmp_path / "page.html"
     assert report_cli.main(["--challenge", str(out / "challenge.json"), "--html", str(target),
                                 "--leaderboard", str(zoo)]) == 0
     assert f"Wrote {target}" in capsys.readouterr().out and not (tmp_path / "report.md").exists()
     page = Page(target.read_text())
-    rows = page.rows("leaderboard")
-    toy = [_number(v) for _, v in rows["toy"][1:]]
+    header = [text for text, _ in page.tables["leaderboard"][0]]
+    rows = {row[1][0]: dict(zip(header, row)) for row in page.tables["leaderboard"][1:]}
+    toy = [_number(rows["toy"][name][1]) for name in ("Original", "Mixed-Same", "Mixed-Rand", "BG-gap", "Challenge")]
     assert toy == [inputs["in9"]["original"]["accuracy"], inputs["in9"]["mixed_same"]["accuracy"],
                    inputs["in9"]["mixed_rand"]["accuracy"], inputs["in9"]["bg_gap"],
                    inputs["challenge"]["challenge_accuracy"]]
-    assert rows["ResNet-50"][0][0] == "published" and "sortable" in target.read_text()
+    assert rows["ResNet-50"]["Kind"][0] == "published" and "sortable" in target.read_text()
     check_images(page)
 
 
@@ -244,13 +248,13 @@ def console_errors(stderr: str) -> list[str]:
 
 def every_sortable_table(runs, tmp_path) -> Path:
     """A page holding every sortable table: the run's results as if on the release (the published rows, with
-    "–" cells), a zoo's leaderboard and a training run's logged steps (in no column's order)."""
+    "–" cells), a zoo's leaderboard (on the release too, so with the published rows) and a training run's logged steps (in no column's order)."""
     out, inputs = runs
     in9 = on_release(json.loads(json.dumps(inputs["in9"])))
     zoo, training = tmp_path / "zoo", tmp_path / "training"
     (zoo / "models").mkdir(parents=True)
     (zoo / "models" / "toy.json").write_text(json.dumps({"model": "toy", "source": "torchscript",
-                                                          "in9": inputs["in9"], "challenge": inputs["challenge"]}))
+                                                          "in9": in9, "challenge": inputs["challenge"]}))
     (training / "eval_trained").mkdir(parents=True)
     (training / "eval_trained" / "in9.json").write_text(json.dumps(inputs["in9"]))
     steps = [(1, 0, 0.9, 0.5, 1e-3), (2, 1, 1.2, 0.25, 3e-3), (3, 0, 0.5, 0.75, 2e-3), (4, 1, 0.7, 0.0, 5e-4)]
@@ -343,3 +347,56 @@ def test_a_line_chart_leaves_out_values_that_are_not_finite():
     assert len(points) == 2 and all(np.isfinite(float(v)) for p in points for v in p.split(","))
     assert "2 values that are not finite (NaN or infinite) are not drawn" in chart
     assert "<polyline" not in html_sections.line_chart([(1, float("nan"))], "Loss", "loss")
+
+
+def zoo_payload(model: str, classes: int, criterion: str, data: str, per_class: int) -> dict:
+    """A zoo results file by hand: `per_class` images of every class in every variation, on data `data`."""
+    provenance = {"num_classes": classes, "data": {"sha256": data * 64}}
+    in9 = {name: {"accuracy": 90.0 - 5 * k, "total": per_class * len(NAMES),
+                  "per_class": {c: {"total": per_class} for c in NAMES}}
+           for k, name in enumerate(VARIATIONS)}
+    in9.update(bg_gap=10.0, provenance=provenance)
+    return {"model": model, "source": "file", "weights": f"{model}.pt", "in9": in9,
+            "challenge": {"challenge_accuracy": 30.0 if classes == 9 else 10.0, "criterion": criterion,
+                          "provenance": provenance}}
+
+
+def leaderboard_paragraphs(markdown: str) -> list[str]:
+    """The Markdown leaderboard's paragraphs around its table (its title and plot left out), markup removed."""
+    lines = [line for line in markdown.split("\n\n")
+             if line.strip() and not line.startswith(("#", "|", "!["))]
+    return [line.replace("**", "").replace("`", "").strip() for line in lines]
+
+
+def html_leaderboard_paragraphs(text: str) -> list[str]:
+    section = re.search(r"<section><h2>Leaderboard</h2>(.*?)</section>", text, re.S).group(1)
+    return [html.unescape(re.sub(r"<[^>]+>", "", p)).strip() for p in re.findall(r"<p[^>]*>(.*?)</p>", section, re.S)]
+
+
+def markdown_cells(markdown: str) -> list[list[str]]:
+    lines = [line for line in markdown.splitlines() if line.startswith("|") and "---" not in line]
+    return [[c.strip().replace("`", "") for c in line.strip("|").split(" | ")] for line in lines]
+
+
+@pytest.mark.parametrize("per_class", [4, 450])
+def test_the_html_leaderboard_has_the_markdown_columns_and_caveats(tmp_path, per_class):
+    """A 9-class model under bg-class beside a 1000-class model under any, on other data: both renderings have
+    the same columns, rows and not-comparable notes; the published rows only beside runs on the release."""
+    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard
+
+    (tmp_path / "models").mkdir()
+    for model, classes, criterion, data in [("nine", 9, "bg-class", "a"), ("thousand", 1000, "any", "b")]:
+        (tmp_path / "models" / f"{model}.json").write_text(json.dumps(
+            zoo_payload(model, classes, criterion, data, per_class)))
+    build_leaderboard(tmp_path)
+    markdown = (tmp_path / MARKDOWN_FILE).read_text()
+    text = write_html(tmp_path / "page.html", leaderboard=tmp_path)
+    table = Page(text).tables["leaderboard"]
+    assert [[t for t, _ in row] for row in table] == markdown_cells(markdown)
+    assert {"Classes", "Criterion", "Data"} <= {t for t, _ in table[0]}
+    notes = leaderboard_paragraphs(markdown)
+    assert html_leaderboard_paragraphs(text) == notes
+    caveats = [n for n in notes if "not comparable" in n]
+    assert len(caveats) == 3 and any("9-class" in n for n in caveats) and any("bg-class" in n for n in caveats)
+    published = "ResNet-50 | torchvision" in markdown
+    assert published == (per_class == 450) == ("IMAGENET1K_V1" in text)

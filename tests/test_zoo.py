@@ -26,8 +26,9 @@ from tools.data import decoding, synthetic
 from tools.errors import UserError
 from tools.data.hashing import sha256_file
 from tools.in9 import VARIATIONS
-from tools.results.leaderboard import (CSV_FILE, MARKDOWN_FILE, MEASURED, PLOT_FILE, PLOT_SIZE, PUBLISHED, nice_ticks,
-                               published_rows)
+from tools.results.leaderboard import (CSV_FILE, MARKDOWN_FILE, MEASURED, MODELS_FOLDER, PLOT_FILE, PLOT_SIZE,
+                                      PUBLISHED, build_leaderboard, leaderboard_rows, nice_ticks, published_rows,
+                                      render_markdown)
 
 TIMING_KEYS = {"wall_time_s", "composites_per_s"}
 
@@ -130,8 +131,39 @@ def test_results_equal_the_scripts(first_run, specs, data, tmp_path, capsys, one
         assert payload["model"] == spec
 
 
-def test_leaderboard_rows_and_order(first_run, specs):
-    output = first_run[0]
+@pytest.fixture(scope="module")
+def release_run(first_run, tmp_path_factory):
+    """The first run's results files as if measured on the release (450 images of every class in every
+    variation), the leaderboard rebuilt from them: now with the published rows."""
+    output = tmp_path_factory.mktemp("release")
+    shutil.copytree(first_run[0] / MODELS_FOLDER, output / MODELS_FOLDER)
+    for path in (output / MODELS_FOLDER).glob("*.json"):
+        payload = json.loads(path.read_text())
+        for name in VARIATIONS:
+            for entry in payload["in9"][name]["per_class"].values():
+                entry["total"] = 450
+        path.write_text(json.dumps(payload))
+    build_leaderboard(output)
+    return output
+
+
+def test_published_rows_only_beside_runs_on_the_release(first_run, release_run):
+    """The zoo's data has 2 images a class: the published rows stay out, and the page says why."""
+    for output, published in [(first_run[0], False), (release_run, True)]:
+        with open(output / CSV_FILE, newline="") as fh:
+            kinds = [r["kind"] for r in csv.DictReader(fh)]
+        markdown = (output / MARKDOWN_FILE).read_text()
+        assert (PUBLISHED in kinds) == published == ("| ResNet-50 |" in markdown)
+        assert ("The published rows are left out" in markdown) != published
+    assert "The published rows are left out" not in render_markdown(measured_rows(first_run[0]))
+
+
+def measured_rows(output: Path) -> list:
+    return leaderboard_rows(output, include_published=False)[0]
+
+
+def test_leaderboard_rows_and_order(first_run, release_run, specs):
+    output = release_run
     with open(output / CSV_FILE, newline="") as fh:
         rows = list(csv.DictReader(fh))
     measured = [r for r in rows if r["kind"] == MEASURED]
@@ -144,7 +176,7 @@ def test_leaderboard_rows_and_order(first_run, specs):
     assert (resnet50["original"], resnet50["bg_gap"], resnet50["challenge_accuracy"]) == ("95.6", "7.3", "22.3")
     assert not resnet50["provenance_sha256"] and resnet50["reference"]
     for row in measured:
-        payload = json.loads(results_file(output, row["model"]).read_text())
+        payload = json.loads(results_file(first_run[0], row["model"]).read_text())
         assert float(row["original"]) == payload["in9"]["original"]["accuracy"]
         assert float(row["mixed_same"]) == payload["in9"]["mixed_same"]["accuracy"]
         assert float(row["mixed_rand"]) == payload["in9"]["mixed_rand"]["accuracy"]
@@ -162,11 +194,11 @@ def test_leaderboard_rows_and_order(first_run, specs):
     assert f"![BG-gap against challenge accuracy]({PLOT_FILE})" in markdown
 
 
-def test_leaderboard_rows_name_what_they_rank(first_run, specs, checkpoints):
+def test_leaderboard_rows_name_what_they_rank(release_run, specs, checkpoints):
     """Each measured row: its source, weights tag and the short hash of its weights file (or, without one, of the
     weights themselves); each published row what it names: the README's ResNet-50 torchvision's IMAGENET1K_V1,
     Paul & Chen's rows their hand-changed mean/std."""
-    output = first_run[0]
+    output = release_run
     with open(output / CSV_FILE, newline="") as fh:
         rows = {r["model"]: r for r in csv.DictReader(fh)}
     color, mobilenet, clip = specs

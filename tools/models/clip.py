@@ -162,17 +162,23 @@ def zero_shot_head(encode_text: Callable[[torch.Tensor], torch.Tensor], tokenize
 class ZeroShotClassifier(nn.Module):
     """CLIP's image encoder and a fixed text-derived head: normalised input in, one logit per head row out.
 
-    Inputs of another size than the encoder's are resized to it first (`resize_input`: bicubic, antialiased)."""
+    Inputs of another size than the encoder's are resized to it first (`resize_input`, antialiased, with the
+    interpolation of the model's preprocess settings: bicubic unless its tag says otherwise). A CoCa image tower
+    returns (pooled embedding, tokens): the pooled one is scored, as open_clip's `encode_image` does."""
 
-    def __init__(self, visual: nn.Module, head: torch.Tensor, logit_scale: float, image_size: tuple[int, int]):
+    def __init__(self, visual: nn.Module, head: torch.Tensor, logit_scale: float, image_size: tuple[int, int],
+                 interpolation: str = "bicubic"):
         super().__init__()
         self.visual = visual
         self.register_buffer("head", head.detach().clone())
         self.register_buffer("logit_scale", torch.tensor(float(logit_scale)))
         self.image_size = tuple(image_size)
+        self.interpolation = interpolation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        features = self.visual(resize_input(x, self.image_size))
+        features = self.visual(resize_input(x, self.image_size, self.interpolation))
+        if isinstance(features, tuple) and features and isinstance(features[0], torch.Tensor):
+            features = features[0]  # CoCa: (pooled, tokens)
         if not isinstance(features, torch.Tensor):
             raise TypeError(f"the CLIP image encoder returned {type(features).__name__}, not a tensor")
         return self.logit_scale * F.normalize(features.float(), dim=-1) @ self.head.T
@@ -242,16 +248,47 @@ def _open_clip_version() -> str:
     return importlib.metadata.version("open_clip_torch")
 
 
+def device_name(device: torch.device) -> str:
+    """What decides a text head's last bits besides its inputs: the GPU model and its compute capability with
+    torch's and CUDA's versions, or the CPU with torch's version."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return (f"{torch.cuda.get_device_name(device)} (sm_{major}{minor}), torch {torch.__version__}, "
+                f"CUDA {torch.version.cuda}")
+    return f"{device.type}, torch {torch.__version__}"
+
+
+INTERPOLATIONS = ("bicubic", "bilinear")  # open_clip's resize interpolations that torch's resize has
+
+
+def preprocess_settings(open_clip, clip_model: nn.Module, what: str) -> dict:
+    """The pixel pipeline open_clip sets for the model (its tag's pretrained config over the defaults): input size,
+    mean, std, interpolation and resize mode. The 224x224 inputs are square, so every resize mode is one plain
+    resize to a square input size."""
+    config = open_clip.get_model_preprocess_cfg(clip_model)
+    settings = {"size": list(_image_size(config.get("size", IMAGE_SIZE))),
+                "mean": [float(v) for v in config["mean"]], "std": [float(v) for v in config["std"]],
+                "interpolation": config.get("interpolation", "bicubic"),
+                "resize_mode": config.get("resize_mode", "shortest")}
+    if settings["interpolation"] not in INTERPOLATIONS:
+        raise UserError(f"{what}: open_clip's preprocess interpolation {settings['interpolation']!r} is not one of "
+                        f"{', '.join(INTERPOLATIONS)}")
+    if settings["size"][0] != settings["size"][1] and settings["resize_mode"] != "squash":
+        raise UserError(f"{what}: a {settings['resize_mode']} resize to the non-square size {settings['size']} is not "
+                        f"supported")
+    return settings
+
+
 def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, class_prompts: list[list[str]],
                weights_sha256: str, runtime: Runtime | None, progress: bool) -> torch.Tensor:
     """The zero-shot head: from the cache when one was built from the same content (the weights, open_clip's
-    configuration of the architecture and tag, the prompts, the device type), else encoded on the runtime's
+    configuration of the architecture and tag, the prompts, the device model: `device_name`), else encoded on the runtime's
     device in true fp32 (TF32 and autocast off) and cached."""
     texts = [text for per_class in class_prompts for text in per_class]
     device = runtime.device if runtime is not None else torch.device("cpu")
-    # the device type too: a head encoded on a GPU differs from the CPU's in the last bits
+    # the device model too: a head encoded on one GPU model differs from another's, and the CPU's, in the last bits
     meta = {"format": HEAD_CACHE_VERSION, "open_clip": _open_clip_version(), "weights_sha256": weights_sha256,
-            "device": device.type,
+            "device": device_name(device),
             "config": open_clip.get_model_config(parsed.arch),
             "pretrained_cfg": open_clip.get_pretrained_cfg(parsed.arch, parsed.pretrained or ""),  # {} for a file
             "head": parsed.head.value, "templates": parsed.templates.value, "classes": len(class_prompts),
@@ -289,19 +326,21 @@ def load_clip(spec: str, runtime: Runtime | None = None, progress: bool = False)
         tokenizer = open_clip.get_tokenizer(parsed.arch)
     clip_model.eval()
     weights_sha256 = state_sha256(clip_model) if weights_file is None else sha256_file(weights_file)
-    preprocess = open_clip.get_model_preprocess_cfg(clip_model)
-    image_size = _image_size(preprocess.get("size", IMAGE_SIZE))
+    preprocess = preprocess_settings(open_clip, clip_model, f"clip:{spec}")
+    image_size = tuple(preprocess["size"])
     if image_size != (IMAGE_SIZE, IMAGE_SIZE):
-        announce_input_size(image_size, f"clip:{spec}", runtime=runtime)
+        announce_input_size(image_size, f"clip:{spec}", preprocess["interpolation"], runtime=runtime)
     class_prompts = prompts(parsed.head, parsed.templates)
     head = _text_head(open_clip, parsed, clip_model, tokenizer, class_prompts, weights_sha256, runtime, progress)
-    classifier = ZeroShotClassifier(clip_model.visual, head, clip_model.logit_scale.exp().item(), image_size)
+    classifier = ZeroShotClassifier(clip_model.visual, head, clip_model.logit_scale.exp().item(), image_size,
+                                    preprocess["interpolation"])
     head_sha256 = _tensor_digest(head)
     classes, templates = len(class_prompts), len(class_prompts[0])
     names = "ImageNet class names" if parsed.head is Head.IMAGENET else "IN-9 classes"
+    pixels = json.dumps(preprocess, sort_keys=True)  # the pixel pipeline is part of the identity
     initialisation = f"random init (seed {RANDOM_SEED}) " if weights_file is None else ""
     origin = ModelOrigin(f"clip:{parsed.arch}", parsed.pretrained or RANDOM_TAG, weights_file,
-                         hashlib.sha256(f"{weights_sha256}\n{head_sha256}".encode()).hexdigest(),
+                         hashlib.sha256(f"{weights_sha256}\n{head_sha256}\n{pixels}".encode()).hexdigest(),
                          f"open_clip {initialisation}zero-shot, {classes} {names} x {templates} "
                          f"{parsed.templates.value} templates")
     loaded = wrap(classifier, num_classes=classes, origin=origin, normalize=Normalization.AUTO,
@@ -311,5 +350,6 @@ def load_clip(spec: str, runtime: Runtime | None = None, progress: bool = False)
         "templates_count": templates, "prompts": classes * templates,
         "class_names": ("open_clip IMAGENET_CLASSNAMES" if parsed.head is Head.IMAGENET
                         else ", ".join(full_class_names())),
-        "weights_sha256": weights_sha256, "head_sha256": head_sha256, "open_clip": _open_clip_version()}
+        "weights_sha256": weights_sha256, "head_sha256": head_sha256, "open_clip": _open_clip_version(),
+        "preprocess": preprocess}
     return loaded

@@ -57,27 +57,28 @@ window.addEventListener('load', function () {
 """
 
 
+WARNING = ' class="warning"'
+
+
 def leaderboard_section(output_dir: Path | None) -> str:
-    """The zoo's leaderboard (with the published rows) as a sortable table beside its scatter plot."""
+    """The zoo's leaderboard as a sortable table beside its scatter plot: the columns, cells and caveat notes of
+    leaderboard.md (`leaderboard.leaderboard_table`), the published rows gated as there."""
     if output_dir is None:
         return ""
     from tools.results import leaderboard  # only a zoo report reads the zoo's results
 
-    rows = leaderboard.sort_rows([leaderboard.measured_row(p) for p in leaderboard.read_results(output_dir)]
-                                 + leaderboard.published_rows())
+    rows, withheld = leaderboard.leaderboard_rows(output_dir)
+    model = leaderboard.leaderboard_table(rows, withheld)
     with tempfile.TemporaryDirectory() as folder:
         plot = Path(folder) / leaderboard.PLOT_FILE
         leaderboard.draw_plot(rows, plot)
         with Image.open(plot) as img:
             uri = sections.data_uri(img.convert("RGB"), "PNG")
-    numbers = ["original", "mixed_same", "mixed_rand", "bg_gap", "challenge_accuracy"]
-    cells = [[sections.cell(row.model), sections.cell(row.kind),
-              *(sections.cell("–" if getattr(row, n) is None else f"{getattr(row, n):.2f}", getattr(row, n))
-                for n in numbers)] for row in rows]
-    body = (f'<img src="{uri}" alt="BG-gap against challenge accuracy, one point per model with both (the table '
-            f'below holds the numbers)">'
-            + sections.table(["Model", "Kind", "original", "mixed_same", "mixed_rand", "BG-gap", "Challenge"], cells,
-                             "leaderboard", True))
+    cells = [[sections.cell(c.text, c.value) for c in row] for row in model.rows]
+    notes = "".join(f"<p{WARNING if note.warning else ''}>{sections.inline_code(note.text)}</p>" for note in model.notes)
+    body = (f"<p>{sections.inline_code(model.intro)}</p>"
+            f'<img src="{uri}" alt="BG-gap against challenge accuracy, one point per model with both (the table '
+            f'below holds the numbers)">' + sections.table(model.header, cells, "leaderboard", True) + notes)
     return f"<section><h2>Leaderboard</h2>{body}</section>"
 
 

@@ -33,6 +33,12 @@ def esc(value) -> str:
     return html.escape(str(value), quote=True)
 
 
+def inline_code(text: str) -> str:
+    """Escaped text whose `backticked` spans become <code>."""
+    parts = str(text).split("`")
+    return "".join(f"<code>{esc(p)}</code>" if i % 2 else esc(p) for i, p in enumerate(parts))
+
+
 def cell(text, value=None) -> str:
     """A table cell; a number's exact value goes in data-value."""
     attr = "" if value is None else f' data-value="{esc(value)}"'

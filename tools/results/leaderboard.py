@@ -7,6 +7,11 @@ from results files are `measured`. Each row names its source (torchvision, timm,
 and the short SHA-256 of its weights file, and says what its model predicts over (1000 ImageNet classes
 through the map, or the nine IN-9 classes) and, for CLIP, which zero-shot head and templates; a published
 row's note says how its source ran the model where that differs from the scripts.
+
+One table model (`leaderboard_table`: intro, columns, cells, caveat notes) feeds both leaderboard.md and the HTML
+report's leaderboard, so both say when rows are not comparable (9- against 1000-class, another criterion, other
+data). The published rows, measured on the release, are added only where every measured row used the release's
+test set (`used_release`, which the report's published table also goes by).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from importlib import resources
 from pathlib import Path
 
 from tools.errors import UserError
-from tools.in9 import Variation
+from tools.in9 import NUM_IN9_CLASSES, RELEASE_IMAGES_PER_CLASS, VARIATIONS, Variation
 from tools.provenance import write_text_atomic
 from tools.results.figures import (AXIS, GRID, TEXT, Box, default_font, draw_text, free_text_position, new_canvas,
                                    paste_vertical_text, save_png)
@@ -119,6 +124,28 @@ def read_results(output_dir: Path) -> list[dict]:
     return payloads
 
 
+def used_release(in9: dict) -> bool:
+    """Whether an IN-9 run evaluated the whole test release: in every variation it ran, every class has the
+    release's count of images. Only such a run compares with the published rows."""
+    ran = [in9[name] for name in VARIATIONS if in9.get(name)]
+    return bool(ran) and all(
+        isinstance(result.get("per_class"), dict) and len(result["per_class"]) == NUM_IN9_CLASSES
+        and all(isinstance(entry, dict) and entry.get("total") == RELEASE_IMAGES_PER_CLASS
+                for entry in result["per_class"].values())
+        for result in ran)
+
+
+def leaderboard_rows(output_dir: Path | str, include_published: bool = True) -> tuple[list[Row], bool]:
+    """The sorted rows of a zoo output folder, and whether the published rows were withheld: they are added
+    only where every measured row used the release's test set (`used_release`)."""
+    payloads = read_results(Path(output_dir))
+    rows = [measured_row(payload) for payload in payloads]
+    withheld = include_published and not all(used_release(p.get("in9") or {}) for p in payloads)
+    if include_published and not withheld:
+        rows += published_rows()
+    return sort_rows(rows), withheld
+
+
 def sort_rows(rows: list[Row]) -> list[Row]:
     """Best challenge accuracy first; rows without one last, then by original accuracy; ties by name."""
     def key(row: Row):
@@ -130,30 +157,57 @@ def sort_rows(rows: list[Row]) -> list[Row]:
 # ----------------------------------------------------------------------------------------------------------
 # Tables
 
-def _number(value) -> str:
-    return "–" if value is None else f"{value:.2f}"
+@dataclass(frozen=True)
+class Cell:
+    text: str
+    value: float | None = None  # a number's exact value (the HTML sorts by it)
+    code: bool = False  # a hash: set as code
 
 
-def _classes(row: Row) -> str:
+@dataclass(frozen=True)
+class Note:
+    text: str  # `code` spans allowed
+    warning: bool = False  # a comparability caveat: set in bold
+
+
+@dataclass(frozen=True)
+class Table:
+    """The leaderboard as both renderings show it: intro, columns, rows of cells, notes (Markdown and HTML alike)."""
+    intro: str
+    header: list[str]
+    align: str  # l or r per column
+    rows: list[list[Cell]]
+    notes: list[Note]
+
+
+def _number(value) -> Cell:
+    return Cell("–" if value is None else f"{value:.2f}", value)
+
+
+def _hash(digest: str | None) -> Cell:
+    return Cell(digest[:HASH_CHARS], code=True) if digest else Cell("–")
+
+
+def _classes(row: Row) -> Cell:
     if row.classes is None:
-        return "–"
-    return f"{row.classes} (CLIP {row.zero_shot})" if row.zero_shot else str(row.classes)
+        return Cell("–")
+    return Cell(f"{row.classes} (CLIP {row.zero_shot})" if row.zero_shot else str(row.classes), row.classes)
 
 
-def classes_notes(rows: list[Row]) -> list[str]:
+def classes_notes(rows: list[Row]) -> list[Note]:
     """What the Classes column means, for the class counts and CLIP heads the rows have."""
     notes = []
     if len({row.classes for row in rows if row.classes is not None}) > 1:
-        notes.append("Classes: what a model predicts over. A 1000-class model's prediction goes through the "
-                     "ImageNet→IN-9 map, and one of the 630 ImageNet classes outside the nine groups is wrong; a "
-                     "9-class model (trained on IN-9, or CLIP's `in9` head) can never be wrong that way, so the "
-                     "9-class rows are not comparable with the 1000-class rows.")
+        notes.append(Note("Classes: what a model predicts over. A 1000-class model's prediction goes through the "
+                          "ImageNet→IN-9 map, and one of the 630 ImageNet classes outside the nine groups is wrong; a "
+                          "9-class model (trained on IN-9, or CLIP's `in9` head) can never be wrong that way, so the "
+                          "9-class rows are not comparable with the 1000-class rows.", True))
     if any(row.zero_shot for row in rows):
-        notes.append("CLIP rows are zero-shot: each class's prompts (its name in every template) are encoded by "
-                     "CLIP's text tower and averaged into one row of a fixed head. The `imagenet` head scores over "
-                     "open_clip's 1000 ImageNet class names (CLIP's standard ImageNet classifier) through the same "
-                     "map as every 1000-class model; the `in9` head over nine prompts, one set per IN-9 class by "
-                     "its full name. Templates: `openai` (CLIP's 80) or `simple` (open_clip's 7).")
+        notes.append(Note("CLIP rows are zero-shot: each class's prompts (its name in every template) are encoded by "
+                          "CLIP's text tower and averaged into one row of a fixed head. The `imagenet` head scores over "
+                          "open_clip's 1000 ImageNet class names (CLIP's standard ImageNet classifier) through the same "
+                          "map as every 1000-class model; the `in9` head over nine prompts, one set per IN-9 class by "
+                          "its full name. Templates: `openai` (CLIP's 80) or `simple` (open_clip's 7)."))
     return notes
 
 
@@ -166,35 +220,53 @@ def note_marks(rows: list[Row]) -> dict[str, str]:
     return {note: SUPERSCRIPTS[i] if i < len(SUPERSCRIPTS) else f"^{i + 1}" for i, note in enumerate(notes)}
 
 
-def render_markdown(rows: list[Row]) -> str:
-    out = ["# Backgrounds Challenge leaderboard", "",
-           "Accuracies in percent on the IN-9 variations and the challenge (`any` criterion); BG-gap = mixed_same − mixed_rand in points. Sorted by challenge accuracy; rows "
-           "without a challenge number come last. **published** rows are quoted from their sources, "
-           "**measured** rows were computed by this toolkit (provenance: a hash of the results file's "
-           "provenance).", ""]
-    table, marks = [], note_marks(rows)
+HEADER = ["#", "Model", "Source", "Weights", "Weights SHA-256", "Classes", "Criterion", "Original", "Mixed-Same",
+          "Mixed-Rand", "BG-gap", "Challenge", "Kind", "Data", "Provenance"]
+ALIGN = "rlllllllrrrrlll"
+INTRO = ("Accuracies in percent on the IN-9 variations and the challenge (under the Criterion column's criterion); "
+         "BG-gap = mixed_same − mixed_rand in points. Sorted by challenge accuracy; rows without a challenge number "
+         "come last. published rows are quoted from their sources, measured rows were computed by this toolkit "
+         "(Data: the short SHA-256 fingerprint of the data; Provenance: a hash of the results file's provenance).")
+
+
+def leaderboard_table(rows: list[Row], published_withheld: bool = False) -> Table:
+    """The leaderboard's columns, cells and caveats, built once for leaderboard.md and the HTML report;
+    `published_withheld`: the published rows were left out because the measured rows are not on the release."""
+    marks, cells = note_marks(rows), []
     for rank, row in enumerate(rows, 1):
-        provenance = f"`{row.provenance_sha256}`" if row.provenance_sha256 else (row.reference or "–")
-        kind = f"{row.kind} {marks[row.note]}" if row.note else row.kind
-        table.append([rank, row.model, row.source or "–", row.weights or "–",
-                      f"`{row.weights_sha256}`" if row.weights_sha256 else "–", _classes(row), _number(row.original),
+        provenance = _hash(row.provenance_sha256) if row.provenance_sha256 else Cell(row.reference or "–")
+        cells.append([Cell(str(rank), rank), Cell(row.model), Cell(row.source or "–"), Cell(row.weights or "–"),
+                      _hash(row.weights_sha256), _classes(row), Cell(row.criterion or "–"), _number(row.original),
                       _number(row.mixed_same), _number(row.mixed_rand), _number(row.bg_gap),
-                      _number(row.challenge_accuracy), kind, provenance])
-    out += markdown_table(["#", "Model", "Source", "Weights", "Weights SHA-256", "Classes", "Original", "Mixed-Same",
-                           "Mixed-Rand", "BG-gap", "Challenge", "Kind", "Provenance"], table, "rlllllrrrrrll")
-    for note, mark in marks.items():
-        out += ["", f"{mark} {', '.join(row.model for row in rows if row.note == note)}: {note}."]
-    for note in classes_notes(rows):
-        out += ["", note]
+                      _number(row.challenge_accuracy), Cell(f"{row.kind} {marks[row.note]}" if row.note else row.kind),
+                      _hash(row.data_sha256), provenance])
+    notes = [Note(f"{mark} {', '.join(row.model for row in rows if row.note == note)}: {note}.")
+             for note, mark in marks.items()]
+    notes += classes_notes(rows)
     fingerprints = sorted({row.data_sha256 for row in rows if row.kind == MEASURED and row.data_sha256})
     if fingerprints:
-        out += ["", "Measured on data with SHA-256 fingerprint " + ", ".join(f"`{f}`" for f in fingerprints) + "."]
+        notes.append(Note("Measured on data with SHA-256 fingerprint " + ", ".join(f"`{f}`" for f in fingerprints)
+                          + "."))
         if len(fingerprints) > 1:
-            out.append("**The measured rows come from different data: they are not comparable.**")
+            notes.append(Note("The measured rows come from different data: they are not comparable.", True))
     others = sorted({row.criterion for row in rows if row.criterion not in (None, "any")})
     if others:
-        out += ["", f"**Some measured rows use the challenge criterion {', '.join(others)}, not `any`: their challenge "
-                f"accuracy is not comparable** (see the `criterion` column of {CSV_FILE})."]
+        notes.append(Note(f"Some measured rows use the challenge criterion {', '.join(others)}, not `any`: their "
+                          f"challenge accuracy is not comparable (the Criterion column).", True))
+    if published_withheld:
+        notes.append(Note(f"The published rows are left out: they compare only with runs on the release's test set "
+                          f"({RELEASE_IMAGES_PER_CLASS} images of every class in every variation), and some measured "
+                          f"rows are not."))
+    return Table(INTRO, HEADER, ALIGN, cells, notes)
+
+
+def render_markdown(rows: list[Row], published_withheld: bool = False) -> str:
+    table = leaderboard_table(rows, published_withheld)
+    cells = [[f"`{c.text}`" if c.code else c.text for c in row] for row in table.rows]
+    out = ["# Backgrounds Challenge leaderboard", "", table.intro, ""]
+    out += markdown_table(table.header, cells, table.align)
+    for note in table.notes:
+        out += ["", f"**{note.text}**" if note.warning else note.text]
     out += ["", f"![BG-gap against challenge accuracy]({PLOT_FILE})", ""]
     return "\n".join(out)
 
@@ -290,11 +362,8 @@ def draw_plot(rows: list[Row], path: Path | str) -> list[Row]:
 def build_leaderboard(output_dir: Path | str, include_published: bool = True) -> list[Row]:
     """Rebuild leaderboard.md, leaderboard.csv and leaderboard.png in output_dir from its results files."""
     output_dir = Path(output_dir)
-    rows = [measured_row(payload) for payload in read_results(output_dir)]
-    if include_published:
-        rows += published_rows()
-    rows = sort_rows(rows)
-    write_text_atomic(output_dir / MARKDOWN_FILE, render_markdown(rows))
+    rows, withheld = leaderboard_rows(output_dir, include_published)
+    write_text_atomic(output_dir / MARKDOWN_FILE, render_markdown(rows, withheld))
     write_text_atomic(output_dir / CSV_FILE, render_csv(rows))
     draw_plot(rows, output_dir / PLOT_FILE)
     log.info("leaderboard of %d rows written to %s", len(rows), output_dir / MARKDOWN_FILE)

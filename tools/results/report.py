@@ -15,17 +15,15 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from tools import __version__
-from tools.in9 import NUM_IN9_CLASSES, RELEASE_IMAGES_PER_CLASS, VARIATIONS, class_names
+from tools.in9 import VARIATIONS, class_names
 from tools.provenance import write_text_atomic
 from tools.results.analysis import FIGURE_FILE
 from tools.results.categories import CATEGORY_TITLES, Category
+from tools.results.leaderboard import Row, published_rows, used_release
 from tools.results.markdown import markdown_table
-
-if TYPE_CHECKING:
-    from tools.results.leaderboard import Row
 
 NOT_RUN = "Not run."
 DEFAULT_OUTPUT = Path("report.md")
@@ -97,20 +95,8 @@ PUBLISHED_INTRO = "The run used the release's test set (450 images per class), s
 PUBLISHED_HEADER = ["Model (published)", "original", "mixed_same", "mixed_rand", "BG-gap", "Challenge", "Source"]
 
 
-def used_release(in9: dict) -> bool:
-    """Whether an IN-9 run evaluated the whole test release: in every variation it ran, every class has the
-    release's count of images."""
-    ran = [in9[name] for name in VARIATIONS if in9.get(name)]
-    return bool(ran) and all(
-        isinstance(result.get("per_class"), dict) and len(result["per_class"]) == NUM_IN9_CLASSES
-        and all(isinstance(entry, dict) and entry.get("total") == RELEASE_IMAGES_PER_CLASS
-                for entry in result["per_class"].values())
-        for result in ran)
-
-
 def published_beside(in9: dict) -> list[Row]:
     """The published rows to show beside an IN-9 run's numbers: all of them where it used the release, else none."""
-    from tools.results.leaderboard import published_rows  # the leaderboard imports this module's table writer
     return published_rows() if used_release(in9) else []
 
 
