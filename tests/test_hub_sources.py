@@ -250,6 +250,18 @@ def test_a_timm_tag_with_a_checkpoint_file_takes_the_tags_data_config(timm_weigh
     check_same_predictions(loaded, own_logits(module, batch, (0.5,) * 3, (0.5,) * 3, 160), batch)
 
 
+def test_an_untagged_timm_name_with_a_checkpoint_file_takes_the_default_tags_data_config(timm_weights, tmp_path):
+    """`timm:NAME@file:CKPT` (and so a timm training checkpoint, which records a bare name) is NAME with its
+    default tag's data config, as `timm:NAME` is: 160 pixels and mean/std 0.5, not 224 and the class-count rule."""
+    module, folder = timm_weights
+    path = tmp_path / "weights.pt"
+    torch.save(module.state_dict(), path)
+    loaded = load_model(f"timm:{TIMM_NAME}@file:{path}")
+    assert "0.5" in loaded.normalization and "timm" in loaded.normalization
+    batch = images()
+    check_same_predictions(loaded, own_logits(module, batch, (0.5,) * 3, (0.5,) * 3, 160), batch)
+
+
 @pytest.mark.parametrize("setting", ["mean", "interpolation"])
 def test_a_timm_models_identity_holds_its_pixel_pipeline(setting, timm_weights, hub_cache):
     """The same weights under a hub config with another mean (or interpolation) are another model."""
@@ -422,3 +434,43 @@ def test_the_zoo_reruns_a_transformers_model_whose_processor_changed(tmp_path, d
         image_std=[0.229, 0.224, 0.225]).save_pretrained(tmp_path / "vit")
     line, again = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
     assert ": done:" in line and again["identity"]["weights_sha256"] != first["identity"]["weights_sha256"]
+
+
+def test_the_zoo_reruns_a_timm_file_whose_pixel_pipeline_changed(timm_weights, data, tmp_path, capsys, one_thread,
+                                                                 monkeypatch):
+    """`timm:NAME.TAG@file:CKPT`'s identity holds timm's data config and version beside the file: the file alone
+    unchanged is not the same model once timm's version (which decides that config) is another."""
+    import timm  # noqa: PLC0415 (timm_weights skips without it)
+
+    module, _ = timm_weights
+    path = tmp_path / "weights.pt"
+    torch.save(module.state_dict(), path)
+    spec = f"timm:{TIMM_NAME}.{TIMM_TAG}@file:{path}"
+    assert ": done:" in zoo_outcome(spec, data, tmp_path / "zoo", capsys)[0]
+    assert ": skipped:" in zoo_outcome(spec, data, tmp_path / "zoo", capsys)[0]
+    monkeypatch.setattr(timm, "__version__", "99.0.0")
+    assert ": done:" in zoo_outcome(spec, data, tmp_path / "zoo", capsys)[0]
+
+
+def test_a_timm_hub_models_identity_holds_its_config(timm_weights, hub_cache):
+    """timm builds a hub model from its config.json (architecture, model_args): another config.json under the same
+    weights and data config is another model."""
+    module, folder = timm_weights
+    put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors",
+                                        "config.json": folder / "config.json"})
+    first = load_model(f"timm:hf-hub:{TIMM_REPO}")
+    config = json.loads((folder / "config.json").read_text())
+    config["model_args"] = {**config.get("model_args", {}), "drop_rate": 0.25}  # no effect in eval, another file
+    changed = folder.parent / "config-args.json"
+    changed.write_text(json.dumps(config))
+    put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors", "config.json": changed},
+                 commit="d" * 40)
+    assert load_model(f"timm:hf-hub:{TIMM_REPO}").sha256 != first.sha256
+
+
+def test_the_snapshot_revision_is_the_one_under_the_repository(tmp_path):
+    """An HF_HOME that itself has a folder named snapshots does not hide the revision."""
+    from tools.models import hub  # noqa: PLC0415
+
+    path = Path("/data/snapshots/hub/models--org--name/snapshots/abc123/model.safetensors")
+    assert hub.snapshot_revision(path) == "abc123"

@@ -166,13 +166,13 @@ def _weights_sha256(spec: ModelSpec, payload: dict) -> str | None:
     spec names, else the one the result was made from (a download of torchvision weights), when the recorded
     identity was that file's hash and the file is not a hub cache snapshot's (a moved refs/main loads another);
     None otherwise, or when a file is only part of the weights (a base checkpoint under a peft adapter)."""
-    if spec.adapter is not None:
+    whole = payload.get("identity", {}).get("weights_sha256") == payload.get("weights_file_sha256")
+    if spec.adapter is not None or not whole:  # the identity holds more than a file (a pixel pipeline, a head)
         return None
     if spec.path is not None:
         return sha256_file(spec.path) if spec.path.is_file() else None
     recorded = Path(payload["weights_file"]) if payload.get("weights_file") else None
-    whole = payload.get("identity", {}).get("weights_sha256") == payload.get("weights_file_sha256")
-    if recorded is None or not whole or hub.in_cache(recorded) or not recorded.is_file():
+    if recorded is None or hub.in_cache(recorded) or not recorded.is_file():
         return None
     return sha256_file(recorded)
 
@@ -196,7 +196,7 @@ def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, 
         log.info("the data's content changed since %s was made: running its model again", path)
         return None, None
     file_digest, loaded = _weights_sha256(spec, payload), None
-    if file_digest is not None:  # the file is compared with the file (a CLIP model's identity also holds its head)
+    if file_digest is not None:  # the identity is that file's hash: the file is compared with the file
         unchanged = file_digest == payload.get("weights_file_sha256")
     else:
         loaded = load(spec, trust, runtime, progress, trust_remote_code)

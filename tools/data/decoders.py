@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from tools.threads import wait_for_background_imports
 from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE
 
@@ -147,6 +148,7 @@ def choose_decoder(sample_files: Sequence[Path | bytes], requested: Decoder | No
     (Pillow always; torchvision still only where the probe passes)."""
     if requested is Decoder.PILLOW:
         return Decoder.PILLOW
+    wait_for_background_imports()  # torchvision may be half imported by the scripts' background import
     try:
         from torchvision.io import decode_jpeg  # noqa: F401, PLC0415 (deprecated in torchvision 0.29: may go)
     except ImportError:

@@ -40,6 +40,9 @@ def cached_file(repo: str, filenames: list[str]) -> Path | None:
 def snapshot_revision(path: Path) -> str | None:
     """The commit a file in the cache was downloaded at (its snapshot folder's name); None outside the cache."""
     parts = Path(path).parts
+    repos = [i for i, part in enumerate(parts[:-3]) if part.startswith(("models--", "datasets--"))]
+    if repos and parts[repos[-1] + 1] == "snapshots":  # .../models--ORG--NAME/snapshots/REV/FILE
+        return parts[repos[-1] + 2]
     return parts[parts.index("snapshots") + 1] if "snapshots" in parts[:-1] else None
 
 

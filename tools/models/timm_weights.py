@@ -109,10 +109,11 @@ def _not_loaded_line(spec: ModelSpec, cfg: dict | None, exc: Exception) -> str:
 
 
 def tag_data_config(arch: str) -> tuple[dict, str] | None:
-    """(timm's data config: mean, std, input_size, interpolation, crop; timm's version) for `timm:NAME.TAG`, read
+    """(timm's data config: mean, std, input_size, interpolation, crop; timm's version) for `timm:NAME.TAG`, or for
+    `timm:NAME` its default tag's (as `timm:NAME` loads it; a timm training checkpoint records such a name), read
     from timm's registry without building the model or loading weights; None for other names or an unknown tag."""
     spec = ModelSpec.parse(arch)
-    if spec.prefix != TIMM_PREFIX or not spec.tag or spec.name.startswith(TIMM_HUB):
+    if spec.prefix != TIMM_PREFIX or spec.name.startswith(TIMM_HUB):
         return None
     timm = timm_module(spec)
     from timm.data import resolve_data_config  # noqa: PLC0415 (an optional extra)
@@ -128,12 +129,15 @@ def fit_data_config(model: nn.Module, data_cfg: dict, used_by: str, runtime=None
                           mode if mode in ("bilinear", "bicubic") else "bicubic", runtime)
 
 
-def pipeline_identity(weights_sha256: str, data_cfg: dict, timm_version: str) -> str:
+def pipeline_identity(weights_sha256: str, data_cfg: dict, timm_version: str,
+                      config_sha256: str | None = None) -> str:
     """A timm model's identity: its weights' hash, the pixel pipeline timm's data config gives it (mean, std, input
     size, interpolation, crop) and timm's version, which decides that config for a registered name."""
     pixels = json.dumps({key: list(value) if isinstance(value, tuple) else value
                          for key, value in sorted(data_cfg.items())}, sort_keys=True)
     text = f"weights {weights_sha256}\npixels {pixels}\ntimm {timm_version}\n"
+    if config_sha256 is not None:  # a hub repository's config.json: the architecture and its arguments
+        text += f"config {config_sha256}\n"
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -180,7 +184,10 @@ def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Norma
         log.info("timm %s: pretrained weights %s from %s", spec, tag, path)
     from timm.data import resolve_data_config  # noqa: PLC0415 (an optional extra)
     data_cfg = resolve_data_config({}, model=model)
-    origin = dataclasses.replace(origin, sha256=pipeline_identity(origin.sha256, data_cfg, timm.__version__))
+    config = Path(origin.source).parent / "config.json" if origin.source is not None else None
+    config_sha256 = sha256_file(config) if config is not None and hub.in_cache(config) and config.is_file() else None
+    origin = dataclasses.replace(origin, sha256=pipeline_identity(origin.sha256, data_cfg, timm.__version__,
+                                                                  config_sha256))
     classifier = fit_data_config(model, data_cfg, str(spec), runtime)
     return wrap(classifier, num_classes=NUM_IMAGENET_CLASSES, normalize=normalize, origin=origin,
                 stats=(data_cfg["mean"], data_cfg["std"]), stats_origin="timm pretrained config")
