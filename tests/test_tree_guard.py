@@ -35,7 +35,7 @@ def test_a_run_that_writes_into_the_checkout_fails_naming_the_path(pytester, che
         "    (Path(__file__).parent / 'bg_results' / 'in9_state.json').write_text('{}')\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "repo")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*the test run left 1 new or changed path(s) in the checkout*",
+    result.stdout.fnmatch_lines(["*the test run left 1 new, changed or removed path(s) in the checkout*",
                                  "*bg_results/in9_state.json"])
     result.assert_outcomes(passed=1)
 
@@ -46,3 +46,17 @@ def test_a_run_that_writes_under_tmp_path_passes(pytester, checkout):
         "    (tmp_path / 'in9_state.json').write_text('{}')\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "repo")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+
+
+def test_a_file_that_was_there_before_and_is_written_again_fails_the_run(pytester, checkout):
+    """A user who ran in9_eval in the checkout already has bg_results/in9_state.json: a test that writes it again
+    leaves the same git status line, and must still be caught."""
+    (checkout / "bg_results").mkdir()
+    (checkout / "bg_results" / "in9_state.json").write_text("{}")
+    (checkout / "test_rewrites.py").write_text(
+        "from pathlib import Path\n\n\n"
+        "def test_default_output_folder():\n"
+        "    (Path(__file__).parent / 'bg_results' / 'in9_state.json').write_text('{\"done\": 1}')\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "repo")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*bg_results*"])

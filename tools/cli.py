@@ -73,7 +73,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
         if kwargs.get("prog") is None and not args:
-            kwargs["prog"] = typed_name()
+            kwargs["prog"] = typed_name(sys._getframe(1).f_globals.get("__name__"))
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def add_argument_group(self, *args, advanced: bool = False, **kwargs):
@@ -114,13 +114,24 @@ def _invalid_choice(value, choices) -> str:
     return f"invalid choice {text!r}{closest(text, names)} (valid: {', '.join(names)})"
 
 
-def typed_name() -> str:
+# argv[0] of an interpreter that is not running a command: `python -c`, an interactive session, a notebook kernel
+NOT_A_COMMAND = ("", "-c", "-m", "ipykernel_launcher.py", "__main__.py")
+
+
+def typed_name(module: str | None = None) -> str:
     """The command's name as the user typed it: the script's (in9_eval.py, bgc-zoo), or `python -m PACKAGE`
-    for a package's __main__.py (whose basename would say __main__.py)."""
+    for a package's __main__.py (whose basename would say __main__.py); where the interpreter runs no command
+    (`main([...])` from `python -c`, a notebook or a script of one's own that is not the toolkit's), `python -m
+    MODULE` of the `module` defining the parser, which runs it."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if spec is not None and spec.name:  # run as `python -m NAME` (a script run by path has no spec)
-        return f"python -m {spec.name.removesuffix('.__main__')}"
-    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    if spec is not None and spec.name and spec.name != "__main__":  # `python -m NAME` (a script by path: no spec)
+        name = spec.name.removesuffix(".__main__")
+        if module is None or name.startswith("tools") or not module.startswith("tools"):
+            return f"python -m {name}"
+    typed = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if typed in NOT_A_COMMAND or (spec is not None and module is not None and module.startswith("tools")):
+        return f"python -m {module}" if module else "python"
+    return typed
 
 
 def reword(parser: argparse.ArgumentParser, dest: str, help: str) -> None:  # noqa: A002 (argparse's word)
