@@ -421,3 +421,39 @@ def test_decoded_store_is_made_once_and_keyed_by_content(tmp_path, monkeypatch):
     shutil.copyfile(root / records.backgrounds[0], root / records.images[0])
     changed = training_data.decoded_store(records, fingerprint(root, records.relpaths(), 1), 1, False)
     assert torch.equal(changed.images[0], first.backgrounds[0])
+
+
+def test_compile_runs_every_step_through_the_compiled_model(tiny, tmp_path, capsys, monkeypatch, one_thread):
+    """--compile: the model (not the loss or optimiser) goes through torch.compile, here with a backend that runs
+    each graph as it is and counts it: one graph, every step through it, the same weights as an eager run, and
+    a checkpoint with the plain model's keys. A resume state of a compiled run is refused by an eager resume."""
+    graphs, calls, real_compile = [], [], torch.compile
+
+    def backend(graph, example_inputs):
+        graphs.append(tuple(example_inputs[0].shape) if example_inputs else ())
+
+        def run(*args):
+            calls.append(1)
+            return graph.forward(*args)
+        return run
+
+    def counting_compile(model, **options):
+        assert isinstance(model, nn.Module) and not isinstance(model, nn.CrossEntropyLoss)
+        return real_compile(model, backend=backend, dynamic=options.get("dynamic"))
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    torch._dynamo.reset()
+    common = ["--data-path", tiny, "--weights", "none", "--epochs", 2, "--batch-size", 6, "--lr", 0.01, *TINY]
+    code, _, err = run_train([*common, "--output-dir", tmp_path / "eager"], capsys)
+    assert code == 0, err
+    assert not graphs  # without --compile nothing is compiled
+    code, _, err = run_train([*common, "--compile", "--output-dir", tmp_path / "compiled"], capsys)
+    assert code == 0, err
+    assert len(graphs) == 1 and len(calls) == 6  # 18 images, batch 6: 3 steps x 2 epochs, one graph
+    a, b = weights(tmp_path / "eager" / CHECKPOINT_NAME), weights(tmp_path / "compiled" / CHECKPOINT_NAME)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    saved = torch.load(tmp_path / "compiled" / CHECKPOINT_NAME, weights_only=True)
+    assert saved["train_args"]["compile"] is True
+    code, stdout, err = run_train([*common, "--output-dir", tmp_path / "compiled", "--resume"], capsys)
+    assert code == 2 and "other settings" in err
+    torch._dynamo.reset()

@@ -105,6 +105,7 @@ class TrainConfig:
     device: str | None = None
     precision: Precision | None = None
     channels_last: bool = False
+    compile: bool = False  # torch.compile the model (not the loss or the optimiser)
     dist_timeout: float = DEFAULT_TIMEOUT_MINUTES  # minutes, under torchrun
     workers: int = field(default_factory=default_workers)  # DataLoader worker processes
     seed: int = 0
@@ -275,6 +276,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                      help="bf16 autocast or exact fp32 (default: bf16 on CUDA GPUs of compute capability 8.0 or more, "
                           "else fp32)")
     run.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
+    run.add_argument("--compile", action="store_true",
+                     help="torch.compile the model's forward and backward (one static batch shape; the loss and "
+                          "the optimiser step stay eager); not bit-equal to eager, so a resume keeps the setting "
+                          "(default: off)")
     run.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                      help=f"DataLoader worker processes per training process (0: the main process) and decoding threads "
                           f"for the decoded store "
@@ -310,6 +315,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         swa=args.swa, swa_start_epoch=args.swa_start_epoch, swa_lr=args.swa_lr, peft=args.peft,
         peft_modules=list(args.peft_modules), lora_rank=args.lora_rank, oft_block_size=args.oft_block_size,
         freeze=args.freeze, device=args.device, precision=args.precision, channels_last=args.channels_last,
+        compile=args.compile,
         dist_timeout=args.dist_timeout, workers=args.workers, seed=args.seed, save_every=args.save_every,
         resume=args.resume,
         eval_data=args.eval_data, eval_challenge=args.eval_challenge, eval_batch_size=args.eval_batch_size,

@@ -202,7 +202,7 @@ def train(config: TrainConfig) -> TrainResult:
     precision = config.precision_on(device)
     if config.precision is None:
         log.info("precision: %s, the default on %s", precision.value, device)
-    runtime = Runtime(device, precision, config.channels_last)  # runtime.precision: the one that runs
+    runtime = Runtime(device, precision, config.channels_last, config.compile)  # runtime.precision: the one that runs
     torch.manual_seed(derived_seed(config.seed, "init"))
     start = starting_point(config)
     data = list_training_data(config)
@@ -219,18 +219,21 @@ def train(config: TrainConfig) -> TrainResult:
 
     head_keys = classifier_keys(start.arch)
     net = adapters.TrainingModel(adapters.attach(start.classifier, config, head_keys), start.mean, start.std)
-    net = runtime.compiled(runtime.prepare(net).train())
+    net = runtime.prepare(net).train()  # the module saved, averaged and evaluated: never the compiled wrapper
     optimizer = _optimizer([p for p in net.parameters() if p.requires_grad], config)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(total_steps, round(config.warmup_epochs * steps_per_epoch)))
     swa = WeightAveraging(net, config, steps_per_epoch) if config.swa else None
     model = (nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
              if group.distributed else net)
+    model = runtime.compiled(model)  # --compile: the forward (and its backward) only, the loss and step eager
     mixer = batch_mixer(config)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
 
     record = config.to_record()
-    run_key = {"config": {k: v for k, v in record.items() if k not in NOT_IN_RUN_KEY}, "data": fingerprint,
+    # compile off is left out of the key, as states saved before the flag existed have no such key
+    run_key = {"config": {k: v for k, v in record.items() if k not in NOT_IN_RUN_KEY and (k != "compile" or v)},
+               "data": fingerprint,
                "precision": runtime.precision.value}
     step = 0
     # a state saved before resume keys named the precision that ran is one of that version's default precision
