@@ -243,8 +243,9 @@ def _batch_norm_after_swa(batches: list[torch.Tensor], world_size: int) -> dict:
     built alike everywhere; the BatchNorm statistics it leaves."""
     rank = distributed.setup(torch.device("cpu")).rank
     torch.manual_seed(0)
-    averaging = WeightAveraging(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)),
-                                TrainConfig(Path("data"), Path("out"), swa=True, epochs=2), len(batches))
+    config = TrainConfig(Path("data"), Path("out"), swa=True, epochs=2)
+    config.settle(torch.device("cpu"))  # the batch size and learning rate, as train() decides them
+    averaging = WeightAveraging(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)), config, len(batches))
     norm = averaging.finish(iter([b[rank::world_size] for b in batches]), torch.device("cpu"))[1]
     return {"mean": norm.running_mean.clone(), "var": norm.running_var.clone()}
 
