@@ -215,7 +215,6 @@ def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torc
                                         antialias=True)
         else:  # one batched resample for the batch (within one uint8 level of the loop above)
             out = resized_crops(images, to_device(batch["crop"], device), IMAGE_SIZE)
-        flipped = to_device(batch["flip"], device).nonzero().view(-1)  # only the flipped images are copied
-        out[flipped] = out[flipped].flip(-1)
-        images = out
+        # a select, not an index of the flipped images: nonzero() would wait for the device every step
+        images = torch.where(to_device(batch["flip"], device).view(-1, 1, 1, 1), out.flip(-1), out)
     return images, to_device(batch["label"], device)
