@@ -179,6 +179,16 @@ class HostReads:
 
         monkeypatch.setattr(training_data, "to_device", runtime_copy)
         make_loader, make_optimizer = loop.make_loader, loop._optimizer
+        store = loop.decoded_store
+
+        def decoded(*args, **kwargs):  # decoding on the host, before any step: host data, not device reads
+            self.loading = True
+            try:
+                return store(*args, **kwargs)
+            finally:
+                self.loading = False
+
+        monkeypatch.setattr(loop, "decoded_store", decoded)
         monkeypatch.setattr(loop, "make_loader", lambda *a, **k: self._uncounted(make_loader(*a, **k)))
         monkeypatch.setattr(loop, "_optimizer", lambda *a, **k: self.optimizers.append(make_optimizer(*a, **k))
                             or self.optimizers[-1])

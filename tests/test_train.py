@@ -106,6 +106,7 @@ def test_each_method_leaves_a_checkpoint_both_scripts_load(name, tiny, tmp_path,
         moved = {key for key, value in saved["model"].items() if not torch.equal(value, initial[key])}
         assert moved == should_move
     assert saved["train_args"]["epochs"] == 2 and len(saved["data"]["sha256"]) == 64
+    assert saved["train_args"]["batch_size"] == 6 and saved["train_args"]["lr"] == 1e-3 * 6 / 32  # the lr that ran
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "loss" in r] == list(range(1, 7))  # 18 images, batch 6: 3 steps x 2 epochs
     # both evaluation scripts, with no model flags at all: architecture and normaliser come from the file
@@ -242,8 +243,9 @@ def _batch_norm_after_swa(batches: list[torch.Tensor], world_size: int) -> dict:
     built alike everywhere; the BatchNorm statistics it leaves."""
     rank = distributed.setup(torch.device("cpu")).rank
     torch.manual_seed(0)
-    averaging = WeightAveraging(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)),
-                                TrainConfig(Path("data"), Path("out"), swa=True, epochs=2), len(batches))
+    config = TrainConfig(Path("data"), Path("out"), swa=True, epochs=2)
+    config.settle(torch.device("cpu"))  # the batch size and learning rate, as train() decides them
+    averaging = WeightAveraging(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)), config, len(batches))
     norm = averaging.finish(iter([b[rank::world_size] for b in batches]), torch.device("cpu"))[1]
     return {"mean": norm.running_mean.clone(), "var": norm.running_var.clone()}
 
@@ -273,6 +275,57 @@ def test_ranks_share_out_exactly_the_one_process_batches():
         assert sorted(i for shard in shards for i in shard[step]) == sorted(batch)
     assert list(StepSampler(23, 6, seed=1, epoch=2, start_step=1)) == whole[1:]  # resuming mid-epoch
     assert list(StepSampler(23, 6, seed=1, epoch=3)) != whole  # a new order every epoch
+
+
+def test_one_sampler_over_the_run_gives_each_epoch_its_own_batches():
+    from tools.training.data import StepSampler
+    for rank in range(2):
+        per_epoch = [batch for epoch in range(2, 5) for batch in
+                     StepSampler(23, 6, seed=1, epoch=epoch, start_step=1 if epoch == 2 else 0, rank=rank, world_size=2)]
+        run = StepSampler(23, 6, seed=1, epoch=2, start_step=1, rank=rank, world_size=2, end_epoch=5)
+        assert len(run) == len(per_epoch) == 8 and list(run) == per_epoch
+
+
+def test_one_loader_with_workers_over_two_epochs_gives_the_per_epoch_batches(tiny, one_thread):
+    """train() iterates one DataLoader (persistent workers) over the whole run; its batches are those of a
+    fresh worker-less loader per epoch, as before."""
+    from tools.data.hashing import fingerprint
+    from tools.training.data import StepSampler, decoded_store, list_training_data, make_loader
+    config = TrainConfig(data_path=tiny, output_dir=tiny.parent / "unused", methods=[Method.BG_SWAP], batch_size=4,
+                         seed=3, workers=2, progress=False)
+    data = list_training_data(config)
+    store = decoded_store(data, fingerprint(data.root, data.relpaths(), 1), 1, False)
+    loader = make_loader(data, config, StepSampler(len(data), 4, 3, 0, 1, end_epoch=2), False, store)
+    assert loader.persistent_workers
+    run = list(loader)
+    config.workers = 0
+    before = [b for epoch in range(2)
+              for b in make_loader(data, config, StepSampler(len(data), 4, 3, epoch, 1 if epoch == 0 else 0), False,
+                                   store)]
+    assert len(run) == len(before) == 7
+    for a, b in zip(run, before):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
+
+
+def test_batch_size_and_learning_rate_defaults_per_device():
+    """256 images a step on a CUDA GPU, 32 elsewhere; without --lr the peak rate is 0.001 x batch / 32, and an
+    explicit --lr is kept as given. The run's record holds the values decided."""
+    from tools.training.config import build_parser, config_from_args
+
+    def settled(device: str, *flags: str) -> TrainConfig:
+        config = config_from_args(build_parser().parse_args(["--data-path", "d", "--output-dir", "o", *flags]))
+        config.settle(torch.device(device))
+        return config
+
+    for device, batch in (("cuda", 256), ("cpu", 32), ("mps", 32)):
+        config = settled(device)
+        assert (config.batch_size, config.lr) == (batch, 1e-3 * batch / 32)
+        assert (config.to_record()["batch_size"], config.to_record()["lr"]) == (batch, 1e-3 * batch / 32)
+        assert (settled(device, "--lr", "0.01").batch_size, settled(device, "--lr", "0.01").lr) == (batch, 0.01)
+    assert settled("cuda", "--batch-size", "64").lr == 2e-3
+    assert (settled("cuda", "--batch-size", "64", "--lr", "0.5").batch_size, settled("cpu", "--lr", "0.5").lr) == \
+        (64, 0.5)
 
 
 def test_process_group_from_torchrun_environment(monkeypatch):
@@ -369,3 +422,39 @@ def test_decoded_store_is_made_once_and_keyed_by_content(tmp_path, monkeypatch):
     shutil.copyfile(root / records.backgrounds[0], root / records.images[0])
     changed = training_data.decoded_store(records, fingerprint(root, records.relpaths(), 1), 1, False)
     assert torch.equal(changed.images[0], first.backgrounds[0])
+
+
+def test_compile_runs_every_step_through_the_compiled_model(tiny, tmp_path, capsys, monkeypatch, one_thread):
+    """--compile: the model (not the loss or optimiser) goes through torch.compile, here with a backend that runs
+    each graph as it is and counts it: one graph, every step through it, the same weights as an eager run, and
+    a checkpoint with the plain model's keys. A resume state of a compiled run is refused by an eager resume."""
+    graphs, calls, real_compile = [], [], torch.compile
+
+    def backend(graph, example_inputs):
+        graphs.append(tuple(example_inputs[0].shape) if example_inputs else ())
+
+        def run(*args):
+            calls.append(1)
+            return graph.forward(*args)
+        return run
+
+    def counting_compile(model, **options):
+        assert isinstance(model, nn.Module) and not isinstance(model, nn.CrossEntropyLoss)
+        return real_compile(model, backend=backend, dynamic=options.get("dynamic"))
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    torch._dynamo.reset()
+    common = ["--data-path", tiny, "--weights", "none", "--epochs", 2, "--batch-size", 6, "--lr", 0.01, *TINY]
+    code, _, err = run_train([*common, "--output-dir", tmp_path / "eager"], capsys)
+    assert code == 0, err
+    assert not graphs  # without --compile nothing is compiled
+    code, _, err = run_train([*common, "--compile", "--output-dir", tmp_path / "compiled"], capsys)
+    assert code == 0, err
+    assert len(graphs) == 1 and len(calls) == 6  # 18 images, batch 6: 3 steps x 2 epochs, one graph
+    a, b = weights(tmp_path / "eager" / CHECKPOINT_NAME), weights(tmp_path / "compiled" / CHECKPOINT_NAME)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    saved = torch.load(tmp_path / "compiled" / CHECKPOINT_NAME, weights_only=True)
+    assert saved["train_args"]["compile"] is True
+    code, stdout, err = run_train([*common, "--output-dir", tmp_path / "compiled", "--resume"], capsys)
+    assert code == 2 and "other settings" in err
+    torch._dynamo.reset()

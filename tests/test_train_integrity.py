@@ -5,6 +5,7 @@ and BatchNorm statistics), and a resume state that `torch.load(weights_only=True
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from tests.helpers import TINY, run_train, weights
 from tools import cli
 from tools.in9 import VARIATIONS
 from tools.models.architectures import SMALL_CNN, build_architecture
+from tools.provenance import WriteError
 from tools.results.report import percent
 from tools.training import loop
 from tools.training.checkpoint import CHECKPOINT_NAME, STATE_NAME
@@ -227,3 +229,60 @@ def test_a_state_saved_before_the_key_held_the_precision_resumes(tiny, tmp_path,
     assert code == 0, err
     a, b = weights(whole / CHECKPOINT_NAME), weights(resumed / CHECKPOINT_NAME)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_loop_goes_on_while_the_resume_state_is_written(tiny, tmp_path, monkeypatch, one_thread):
+    """A slow write of the resume state (step 2 of 3) does not hold the loop: step 3 runs to its end while the
+    write is in flight, and the file written holds the weights as they were at the save, not as step 3 left them."""
+    save, step, seen = torch.save, loop.training_step, {}
+    stepped = threading.Event()
+
+    def counted_step(model, *args, **kwargs):
+        seen["calls"] = seen.get("calls", 0) + 1
+        if seen["calls"] == 3:
+            seen["at_save"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        result = step(model, *args, **kwargs)
+        if seen["calls"] == 3:
+            stepped.set()
+        return result
+
+    def slow_save(payload, fh, *args, **kwargs):
+        if isinstance(payload, dict) and payload.get("step") == 2:
+            seen["went_on"] = stepped.wait(timeout=10)  # the old loop waited here for the write: no step 3
+            seen["written"] = payload["model"]
+        return save(payload, fh, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "training_step", counted_step)
+    monkeypatch.setattr(torch, "save", slow_save)
+    config = TrainConfig(data_path=tiny, weights="none", arch=SMALL_CNN, epochs=1, batch_size=6, lr=1e-2,
+                         device="cpu", workers=0, progress=False, output_dir=tmp_path, save_every=2)
+    result = loop.train(config)
+    assert seen["went_on"], "the loop waited for the write of the resume state"
+    assert seen["written"].keys() == seen["at_save"].keys()
+    assert all(torch.equal(seen["written"][k], v) for k, v in seen["at_save"].items())
+    assert result.steps == 3 and torch.load(tmp_path / STATE_NAME, weights_only=True)["step"] == 3
+
+
+def test_a_failed_write_of_the_resume_state_is_one_error(tiny, tmp_path, capsys, monkeypatch, one_thread):
+    """The writer thread's error reaches train()'s caller, once and as itself (train.py: one error line, exit 2);
+    no writer is left running."""
+    save = torch.save
+
+    def full_disk(payload, fh, *args, **kwargs):
+        if isinstance(payload, dict) and "run_key" in payload:
+            raise OSError(28, "No space left on device")
+        return save(payload, fh, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    config = TrainConfig(data_path=tiny, weights="none", arch=SMALL_CNN, epochs=2, batch_size=6, lr=1e-2,
+                         device="cpu", workers=0, progress=False, output_dir=tmp_path / "direct", save_every=1)
+    with pytest.raises(WriteError, match="No space left") as failure:
+        loop.train(config)
+    assert type(failure.value.__context__) is OSError  # the disk's error only, not one error raised over another
+    assert not any(t.name == "checkpoint-writer" for t in threading.enumerate())
+    out = tmp_path / "script"
+    code, stdout, err = run_train([*TINY, "--data-path", tiny, "--weights", "none", "--batch-size", 6,
+                                   "--save-every", 1, "--output-dir", out], capsys)
+    line = check_error(code, stdout, err)
+    assert f"cannot write {out / STATE_NAME}: No space left on device" in line
+    assert not (out / STATE_NAME).exists() and not (out / CHECKPOINT_NAME).exists()

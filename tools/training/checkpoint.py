@@ -1,13 +1,15 @@
 """Files a training run writes: the trained checkpoint the evaluation scripts load, and the resume state.
 
 Both are written to a temporary file and renamed into place, so a kill at any moment leaves either the
-previous file or the new one, never half of one.
+previous file or the new one, never half of one. The periodic resume state is written by one background thread
+(BackgroundSaver) from a CPU copy taken at the save, so training goes on while the file is written and synced.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+import threading
 from pathlib import Path
 
 import torch
@@ -28,6 +30,63 @@ STATE_NAME = "resume_state.pt"
 def save_atomic(payload, path: Path) -> None:
     with atomic_write(path, "wb") as fh:
         torch.save(payload, fh)
+
+
+def cpu_snapshot(payload):
+    """`payload` with every tensor copied to the CPU (a copy even of a CPU tensor) and every container rebuilt:
+    what a background write may read while training goes on changing the model and optimiser in place."""
+    if isinstance(payload, torch.Tensor):
+        return payload.detach().to("cpu", copy=True)
+    if isinstance(payload, dict):
+        return type(payload)((k, cpu_snapshot(v)) for k, v in payload.items())
+    if isinstance(payload, (list, tuple)):
+        return type(payload)(cpu_snapshot(v) for v in payload)
+    return payload
+
+
+class BackgroundSaver:
+    """Writes payloads with save_atomic in one background thread, at most one write in flight: a save first
+    waits for the write before it. An error of a write is raised, once, by the next save or by `wait`."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, payload, path: Path) -> None:
+        self.wait()
+        snapshot = cpu_snapshot(payload)  # taken now: the caller changes the tensors once this returns
+        self._thread = threading.Thread(target=self._write, args=(snapshot, path), name="checkpoint-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def _write(self, payload, path: Path) -> None:
+        try:
+            save_atomic(payload, path)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which raises it
+            self._error = exc
+
+    def wait(self) -> None:
+        """Wait for the write in flight; raise its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> BackgroundSaver:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        """Wait for the write in flight, so the last state is complete on disk. After another error (Ctrl-C
+        included) an error of the write is logged rather than raised, so the first error is the one reported."""
+        if exc_type is None:
+            self.wait()
+            return
+        try:
+            self.wait()
+        except Exception as error:  # noqa: BLE001
+            log.error("writing the resume state failed too: %s", first_line(error))
 
 
 def trained_checkpoint(classifier: nn.Module, arch: str, mean, std, method: str, data: dict, train_args: dict,

@@ -46,6 +46,21 @@ RANDOM_INIT = "none"  # --weights none: random initialisation
 # CUDA GPUs compute bf16 natively from compute capability 8.0 (Ampere) on; older ones (V100, T4) emulate it,
 # slower than fp32, so the default precision there is fp32.
 BF16_NATIVE_CAPABILITY = (8, 0)
+# The reference recipe: AdamW at peak learning rate 0.001 for a global batch of 32. Without --lr the peak rate
+# is scaled linearly with the global batch (lr = 0.001 x batch / 32, Goyal et al.'s rule), so a larger batch
+# takes the same steps per image seen.
+REFERENCE_BATCH_SIZE, REFERENCE_LR = 32, 1e-3
+GPU_TRAIN_BATCH_SIZE = 256  # the default global batch on a CUDA GPU: enough to keep a ResNet-50 step compute-bound
+
+
+def default_train_batch_size(device: torch.device) -> int:
+    """--batch-size's default on `device`: GPU_TRAIN_BATCH_SIZE on a CUDA GPU, the reference batch elsewhere."""
+    return GPU_TRAIN_BATCH_SIZE if device.type == "cuda" else REFERENCE_BATCH_SIZE
+
+
+def default_lr(batch_size: int) -> float:
+    """--lr's default for a global batch: the reference rate scaled linearly with the batch."""
+    return REFERENCE_LR * batch_size / REFERENCE_BATCH_SIZE
 
 
 def _choices(enum_type) -> str:
@@ -66,9 +81,9 @@ class TrainConfig:
     checkpoint_key: str | None = None
     trust_checkpoint: bool = False
     epochs: int = 1
-    batch_size: int = 32
+    batch_size: int | None = None  # None: decided by `settle` on the device (default_train_batch_size)
     optimizer: Optimizer = Optimizer.ADAMW
-    lr: float = 1e-3
+    lr: float | None = None  # None: decided by `settle` from the batch size (default_lr)
     weight_decay: float = 0.05
     momentum: float = 0.9
     warmup_epochs: float = 0.0
@@ -90,6 +105,7 @@ class TrainConfig:
     device: str | None = None
     precision: Precision | None = None
     channels_last: bool = False
+    compile: bool = False  # torch.compile the model (not the loss or the optimiser)
     dist_timeout: float = DEFAULT_TIMEOUT_MINUTES  # minutes, under torchrun
     workers: int = field(default_factory=default_workers)  # DataLoader worker processes
     seed: int = 0
@@ -105,7 +121,7 @@ class TrainConfig:
 
     def check(self) -> None:
         for name in ("epochs", "batch_size", "lora_rank", "oft_block_size", "save_every"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise UserError(f"--eval-batch-size must be at least 1, not {self.eval_batch_size}")
@@ -116,7 +132,7 @@ class TrainConfig:
                 raise UserError(f"--{name.replace('_', '-')} is a probability in [0, 1], not {getattr(self, name)}")
         if not 0.0 < self.crop_scale <= 1.0:
             raise UserError(f"--crop-scale is the smallest crop's share of the image, in (0, 1], not {self.crop_scale}")
-        if self.lr <= 0:
+        if self.lr is not None and self.lr <= 0:
             raise UserError(f"--lr must be positive, not {self.lr}")
         if Method.ERM in self.methods and len(self.methods) > 1:
             raise UserError(f"--method erm is plain training and combines with nothing; drop erm from "
@@ -157,6 +173,14 @@ class TrainConfig:
         if device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) >= BF16_NATIVE_CAPABILITY:
             return Precision.BF16
         return Precision.FP32
+
+    def settle(self, device: torch.device) -> None:
+        """Fill in the batch size and learning rate left to their defaults, once the device is known; the run's
+        record (checkpoint, resume key) then holds the values that ran."""
+        if self.batch_size is None:
+            self.batch_size = default_train_batch_size(device)
+        if self.lr is None:
+            self.lr = default_lr(self.batch_size)
 
     def swa_start(self) -> int:
         return self.swa_start_epoch if self.swa_start_epoch is not None else (3 * self.epochs) // 4
@@ -227,11 +251,14 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--epochs", type=int, default=1, metavar="N", help="passes over the training set (default: 1)")
-    optim.add_argument("--batch-size", type=int, default=32, metavar="N",
-                       help="global batch size, split over torchrun's processes (default: 32)")
+    optim.add_argument("--batch-size", type=int, default=None, metavar="N",
+                       help=f"global batch size, split over torchrun's processes (default: {GPU_TRAIN_BATCH_SIZE} on a "
+                            f"CUDA GPU, {REFERENCE_BATCH_SIZE} elsewhere)")
     optim.add_argument("--optimizer", type=Optimizer, choices=list(Optimizer), default=Optimizer.ADAMW,
                        metavar=_choices(Optimizer), help="optimiser (default: adamw)")
-    optim.add_argument("--lr", type=float, default=1e-3, metavar="LR", help="peak learning rate (default: 0.001)")
+    optim.add_argument("--lr", type=float, default=None, metavar="LR",
+                       help=f"peak learning rate (default: {REFERENCE_LR:g} x batch size / {REFERENCE_BATCH_SIZE}, "
+                            f"scaled linearly with the batch)")
     optim.add_argument("--weight-decay", type=float, default=0.05, metavar="WD", help="weight decay (default: 0.05)")
     optim.add_argument("--momentum", type=float, default=0.9, metavar="M", help="SGD momentum (default: 0.9)")
     optim.add_argument("--warmup-epochs", type=float, default=0.0, metavar="E",
@@ -251,6 +278,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                      help="bf16 autocast or exact fp32 (default: bf16 on CUDA GPUs of compute capability 8.0 or more, "
                           "else fp32)")
     run.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
+    run.add_argument("--compile", action="store_true",
+                     help="torch.compile the model's forward and backward (one static batch shape; the loss and "
+                          "the optimiser step stay eager); not bit-equal to eager, so a resume keeps the setting "
+                          "(default: off)")
     run.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                      help=f"DataLoader worker processes per training process (0: the main process) and decoding threads "
                           f"for the decoded store "
@@ -286,6 +317,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         swa=args.swa, swa_start_epoch=args.swa_start_epoch, swa_lr=args.swa_lr, peft=args.peft,
         peft_modules=list(args.peft_modules), lora_rank=args.lora_rank, oft_block_size=args.oft_block_size,
         freeze=args.freeze, device=args.device, precision=args.precision, channels_last=args.channels_last,
+        compile=args.compile,
         dist_timeout=args.dist_timeout, workers=args.workers, seed=args.seed, save_every=args.save_every,
         resume=args.resume,
         eval_data=args.eval_data, eval_challenge=args.eval_challenge, eval_batch_size=args.eval_batch_size,

@@ -76,23 +76,26 @@ def list_training_data(config: TrainConfig) -> TrainingData:
 
 
 class StepSampler(Sampler):
-    """Yields, for each step from `start_step` to the epoch's end, this rank's share of the global batch, and
-    seeds the random draws made on it.
+    """Yields, for each step from `start_step` of `epoch` to the end of epoch `end_epoch - 1` (by default the end
+    of `epoch`), this rank's share of the global batch, and seeds the random draws made on it. One sampler over
+    the whole run gives each epoch the batches a sampler of that epoch alone gives.
 
     The global batch of step s is positions s*B .. (s+1)*B-1 of the epoch's seeded permutation; rank r of W
     takes every W-th of them from r, so W processes together see exactly the one-process batch."""
 
     def __init__(self, size: int, batch_size: int, seed: int, epoch: int, start_step: int = 0, rank: int = 0,
-                 world_size: int = 1):
+                 world_size: int = 1, end_epoch: int | None = None):
         self.size, self.batch_size, self.seed, self.epoch = size, batch_size, seed, epoch
         self.start_step, self.rank, self.world_size = start_step, rank, world_size
+        self.end_epoch = epoch + 1 if end_epoch is None else end_epoch
 
     @staticmethod
     def steps_per_epoch(size: int, batch_size: int) -> int:
         return size // batch_size
 
     def __len__(self) -> int:
-        return self.steps_per_epoch(self.size, self.batch_size) - self.start_step
+        epochs = self.end_epoch - self.epoch
+        return max(0, self.steps_per_epoch(self.size, self.batch_size) * epochs - self.start_step)
 
     def batch_seed(self, step: int) -> int:
         """The seed of the draws made once per global batch (MixUp or CutMix, λ, the CutMix box): the same in every
@@ -105,11 +108,13 @@ class StepSampler(Sampler):
         return derived_seed(self.seed, "share", step, self.rank, self.world_size)
 
     def __iter__(self):
-        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(
-            derived_seed(self.seed, "order", self.epoch))).tolist()
-        for step in range(self.start_step, self.steps_per_epoch(self.size, self.batch_size)):
-            batch = order[step * self.batch_size:(step + 1) * self.batch_size]
-            yield [(self.epoch, index) for index in batch[self.rank::self.world_size]]
+        for epoch in range(self.epoch, self.end_epoch):
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(
+                derived_seed(self.seed, "order", epoch))).tolist()
+            for step in range(self.start_step if epoch == self.epoch else 0,
+                              self.steps_per_epoch(self.size, self.batch_size)):
+                batch = order[step * self.batch_size:(step + 1) * self.batch_size]
+                yield [(epoch, index) for index in batch[self.rank::self.world_size]]
 
 
 def crop_box(rng: torch.Generator, scale_min: float, size: int = IMAGE_SIZE) -> tuple[int, int, int, int]:
@@ -188,9 +193,11 @@ class TrainingSet(Dataset):
 
 def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, pin_memory: bool,
                 store: DecodedStore) -> DataLoader:
+    """The batches of `sampler` (one for the whole run: its workers live as long as the loader, and prefetch across
+    epochs), in pinned memory when `pin_memory` (a CUDA device: tools.runtime.to_device copies them without waiting)."""
     workers = config.workers
     return DataLoader(TrainingSet(data, config, store), batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
-                      persistent_workers=False, prefetch_factor=4 if workers else None)
+                      persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
 
 
 def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +215,6 @@ def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torc
                                         antialias=True)
         else:  # one batched resample for the batch (within one uint8 level of the loop above)
             out = resized_crops(images, to_device(batch["crop"], device), IMAGE_SIZE)
-        flipped = to_device(batch["flip"], device).nonzero().view(-1)  # only the flipped images are copied
-        out[flipped] = out[flipped].flip(-1)
-        images = out
+        # a select, not an index of the flipped images: nonzero() would wait for the device every step
+        images = torch.where(to_device(batch["flip"], device).view(-1, 1, 1, 1), out.flip(-1), out)
     return images, to_device(batch["label"], device)

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import time
+from itertools import islice
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +31,8 @@ from tools.provenance import TRAINING_LOG, write_text_atomic
 from tools.models.sources import load_model
 from tools.runtime import Precision, Runtime, check_antialias, resolve_device
 from tools.training import adapters
-from tools.training.checkpoint import (CHECKPOINT_NAME, STATE_NAME, load_resume_state, save_atomic,
-                                       trained_checkpoint)
+from tools.training.checkpoint import (CHECKPOINT_NAME, STATE_NAME, BackgroundSaver, load_resume_state,
+                                       save_atomic, trained_checkpoint)
 from tools.training.config import RANDOM_INIT, Optimizer, TrainConfig
 from tools.training.data import (StepSampler, decoded_store, derived_seed, device_batch, list_training_data,
                                  make_loader)
@@ -197,10 +198,11 @@ def train(config: TrainConfig) -> TrainResult:
     device = group.device(requested)
     if config.augment:
         check_antialias(device, "bilinear", "train.py's random resized crops (--augment)")
+    config.settle(device)  # the batch size and learning rate for this device, before anything uses them
     precision = config.precision_on(device)
     if config.precision is None:
         log.info("precision: %s, the default on %s", precision.value, device)
-    runtime = Runtime(device, precision, config.channels_last)  # runtime.precision: the one that runs
+    runtime = Runtime(device, precision, config.channels_last, config.compile)  # runtime.precision: the one that runs
     torch.manual_seed(derived_seed(config.seed, "init"))
     start = starting_point(config)
     data = list_training_data(config)
@@ -217,18 +219,21 @@ def train(config: TrainConfig) -> TrainResult:
 
     head_keys = classifier_keys(start.arch)
     net = adapters.TrainingModel(adapters.attach(start.classifier, config, head_keys), start.mean, start.std)
-    net = runtime.compiled(runtime.prepare(net).train())
+    net = runtime.prepare(net).train()  # the module saved, averaged and evaluated: never the compiled wrapper
     optimizer = _optimizer([p for p in net.parameters() if p.requires_grad], config)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(total_steps, round(config.warmup_epochs * steps_per_epoch)))
     swa = WeightAveraging(net, config, steps_per_epoch) if config.swa else None
     model = (nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
              if group.distributed else net)
+    model = runtime.compiled(model)  # --compile: the forward (and its backward) only, the loss and step eager
     mixer = batch_mixer(config)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
 
     record = config.to_record()
-    run_key = {"config": {k: v for k, v in record.items() if k not in NOT_IN_RUN_KEY}, "data": fingerprint,
+    # compile off is left out of the key, as states saved before the flag existed have no such key
+    run_key = {"config": {k: v for k, v in record.items() if k not in NOT_IN_RUN_KEY and (k != "compile" or v)},
+               "data": fingerprint,
                "precision": runtime.precision.value}
     step = 0
     # a state saved before resume keys named the precision that ran is one of that version's default precision
@@ -246,10 +251,12 @@ def train(config: TrainConfig) -> TrainResult:
         log.info("resuming at step %d of %d", step, total_steps)
     journal = JsonLog(config.output_dir / TRAINING_LOG, group.is_main, step if saved is not None else None)
 
+    saver = BackgroundSaver()  # the resume state: copied to the CPU at the save, written and synced by a thread
+
     def save_state() -> None:
         steps_log.flush()  # the log reaches the saved step, so a resumed run's log has no gap
         if group.is_main:
-            save_atomic({"run_key": run_key, "step": step, "model": net.state_dict(),
+            saver.save({"run_key": run_key, "step": step, "model": net.state_dict(),
                          "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
                          "swa": swa.state_dict() if swa is not None else None}, config.output_dir / STATE_NAME)
 
@@ -259,11 +266,14 @@ def train(config: TrainConfig) -> TrainResult:
     log.info("start-up: %.1f s (model, content hashes, decoded store); rates below are from here on",
              started - launched)
     steps_log = StepLog(journal, bar, device, started)
-    with bar:
-        for epoch in range(step // steps_per_epoch, config.epochs):
-            sampler = StepSampler(len(data), config.batch_size, config.seed, epoch, step - epoch * steps_per_epoch,
-                                  group.rank, group.world_size)
-            for batch in make_loader(data, config, sampler, runtime.pin(), store):
+    # one loader for the run (and SWA's pass over one more epoch): its workers start once and prefetch across epochs
+    first_epoch = step // steps_per_epoch
+    sampler = StepSampler(len(data), config.batch_size, config.seed, first_epoch, step - first_epoch * steps_per_epoch,
+                          group.rank, group.world_size, config.epochs + (swa is not None))
+    batches = iter(make_loader(data, config, sampler, runtime.pin(), store))
+    with bar, saver:  # leaving it waits for the last write (and raises its error)
+        for epoch in range(first_epoch, config.epochs):
+            for batch in islice(batches, steps_per_epoch - (step - epoch * steps_per_epoch)):
                 torch.manual_seed(sampler.batch_seed(step))  # mixing: the batch's draws, as one process makes them
                 images, labels = device_batch(batch, device, config.augment)
                 images = runtime.to_device(images)
@@ -290,10 +300,7 @@ def train(config: TrainConfig) -> TrainResult:
 
     final = net
     if swa is not None:
-        sampler = StepSampler(len(data), config.batch_size, config.seed, config.epochs, 0, group.rank, group.world_size)
-        batches = (runtime.to_device(device_batch(b, device, config.augment)[0]) for b in
-                   make_loader(data, config, sampler, runtime.pin(), store))
-        final = swa.finish(batches, device)
+        final = swa.finish((runtime.to_device(device_batch(b, device, config.augment)[0]) for b in batches), device)
     classifier = adapters.merged(final.classifier, config)
     path = config.output_dir / CHECKPOINT_NAME
     if group.is_main:
