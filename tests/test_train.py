@@ -323,7 +323,7 @@ def test_batch_size_and_learning_rate_defaults_per_device():
         assert (config.batch_size, config.lr) == (batch, 1e-3 * batch / 32)
         assert (config.to_record()["batch_size"], config.to_record()["lr"]) == (batch, 1e-3 * batch / 32)
         assert (settled(device, "--lr", "0.01").batch_size, settled(device, "--lr", "0.01").lr) == (batch, 0.01)
-    assert settled("cuda", "--batch-size", "64").lr == 2e-3
+    assert settled("cuda", "--batch-size", "64").lr == 1e-3  # a batch size given: the reference rate, as before
     assert (settled("cuda", "--batch-size", "64", "--lr", "0.5").batch_size, settled("cpu", "--lr", "0.5").lr) == \
         (64, 0.5)
 

@@ -177,10 +177,11 @@ class TrainConfig:
     def settle(self, device: torch.device) -> None:
         """Fill in the batch size and learning rate left to their defaults, once the device is known; the run's
         record (checkpoint, resume key) then holds the values that ran."""
-        if self.batch_size is None:
+        chosen = self.batch_size is None  # the toolkit picks the batch: the rate follows it
+        if chosen:
             self.batch_size = default_train_batch_size(device)
-        if self.lr is None:
-            self.lr = default_lr(self.batch_size)
+        if self.lr is None:  # a batch the user gave keeps the reference rate, as before the GPU default existed
+            self.lr = default_lr(self.batch_size) if chosen else REFERENCE_LR
 
     def swa_start(self) -> int:
         return self.swa_start_epoch if self.swa_start_epoch is not None else (3 * self.epochs) // 4
@@ -257,8 +258,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     optim.add_argument("--optimizer", type=Optimizer, choices=list(Optimizer), default=Optimizer.ADAMW,
                        metavar=_choices(Optimizer), help="optimiser (default: adamw)")
     optim.add_argument("--lr", type=float, default=None, metavar="LR",
-                       help=f"peak learning rate (default: {REFERENCE_LR:g} x batch size / {REFERENCE_BATCH_SIZE}, "
-                            f"scaled linearly with the batch)")
+                       help=f"peak learning rate (default: {REFERENCE_LR:g}; with --batch-size left to its default, "
+                            f"{REFERENCE_LR:g} x that batch / {REFERENCE_BATCH_SIZE}, scaled linearly)")
     optim.add_argument("--weight-decay", type=float, default=0.05, metavar="WD", help="weight decay (default: 0.05)")
     optim.add_argument("--momentum", type=float, default=0.9, metavar="M", help="SGD momentum (default: 0.9)")
     optim.add_argument("--warmup-epochs", type=float, default=0.0, metavar="E",
