@@ -140,12 +140,20 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
     """The tensors copied to host memory, and the event to wait for before reading them (None: ready now). From
     a CUDA device the copies go into pinned memory without waiting, so the host launches more work meanwhile;
-    every other copy blocks (see `to_device` for MPS)."""
-    if not any(t.device.type == "cuda" for t in tensors):
+    every other copy blocks (see `to_device` for MPS). The copies are queued on the current stream of the
+    tensors' own device (cuda:N, not the process's current device), and the event is recorded on that stream,
+    so it passes only once they have landed."""
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    if not devices:
         return [t.cpu() for t in tensors], None
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
-    event = torch.cuda.Event()
-    event.record()
+    if len(devices) > 1 or any(t.device.type != "cuda" for t in tensors):
+        return [t.cpu() for t in tensors], None  # no single stream to wait on: copy blocking
+    device = devices.pop()
+    stream = torch.cuda.current_stream(device)
+    with torch.cuda.device(device):
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+        event = torch.cuda.Event()
+        event.record(stream)
     return host, event
 
 
