@@ -239,6 +239,14 @@ def test_other_settings_are_refused_per_model(first_run, data, specs, capsys):
     assert err.count("was made with other settings") == len(specs)
 
 
+def test_another_batch_size_is_refused_per_model(first_run, data, specs, capsys):
+    """Another batch shape may change the last bits: a result made at the CPU's default size is not "done" at 8."""
+    code, out, err = run_zoo_cli([*zoo_args(data, first_run[0], list(specs)), "--batch-size", "8",
+                                  "--no-leaderboard"], capsys)
+    assert code == zoo.EXIT_SOME_FAILED
+    assert err.count("was made with other settings") == len(specs)
+
+
 def test_leaderboard_only_rebuilds_the_files(first_run, tmp_path, capsys):
     output = tmp_path / "copy"
     shutil.copytree(first_run[0], output, ignore=shutil.ignore_patterns("leaderboard.*", "runs"))

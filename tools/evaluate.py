@@ -357,7 +357,8 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, confi
         files = list_in9_files(files, names, config.workers)
     key = {"data": files.fingerprint, "model_sha256": loaded.sha256, "normalization": loaded.normalization,
            "precision": runtime.precision.value, "num_classes": loaded.num_classes,
-           "recheck_margin": 0.0 if runtime.exact else config.recheck_margin}
+           "recheck_margin": 0.0 if runtime.exact else config.recheck_margin,
+           "batch_size": runtime.batch_size(config.batch_size)}  # another shape may change the last bits
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
     results = evaluate_variations(loaded, runtime, files.root, names, runtime.batch_size(config.batch_size),
                                   config.workers, state_path, resume, key, config.progress, files.listings, shard,

@@ -24,7 +24,7 @@ from tools.provenance import check_outputs
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
 from tools.shards import shard_spec
-from tools.runtime import CPU_BATCH_CANDIDATES, CPU_BATCH_SIZE, GPU_BATCH_SIZE, Precision, Runtime, resolve_device, \
+from tools.runtime import CPU_BATCH_SIZE, GPU_BATCH_SIZE, Precision, Runtime, resolve_device, \
     seed_everything
 from tools.threads import default_workers
 
@@ -116,10 +116,9 @@ def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True, d
     `--allow-inexact-device` where the start-up device check runs (`tools.models.device_check`)."""
     run = parser.add_argument_group("running")
     run.add_argument("--batch-size", type=int, default=None, metavar="N",
-                     help=f"images per forward pass, halved on out-of-memory (default: {GPU_BATCH_SIZE} on a GPU; on "
-                          f"the CPU {CPU_BATCH_SIZE} for in9_eval, and for challenge_eval the fastest of "
-                          f"{', '.join(map(str, CPU_BATCH_CANDIDATES[:-1]))} and {CPU_BATCH_CANDIDATES[-1]}, timed on "
-                          f"the first backgrounds and recorded in the results' provenance)")
+                     help=f"images per forward pass, halved on out-of-memory (default: {GPU_BATCH_SIZE} on a GPU, "
+                          f"{CPU_BATCH_SIZE} on the CPU); part of a saved state's key: results may differ in the last "
+                          f"bits at another batch size")
     run.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                      help=f"image-decoding threads (default: {default_workers()})")
     run.add_argument("--device", default=None, metavar="DEV",

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools import cli, distributed, options
+from tools import __version__, cli, distributed, options
 from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, flags, list_challenge_files, run_challenge
 from tools.errors import UserError
 from tools.evaluate import In9Config, In9Files, list_in9_files, run_in9
@@ -107,10 +107,12 @@ class ZooSettings:
     trust_remote_code: bool = False
 
     def fingerprint(self, runtime: Runtime) -> dict:
-        """The settings that change a model's numbers; with the data's and the weights' hashes, a result's identity."""
+        """The settings that change a model's numbers (the batch size too: another batch shape may change the last
+        bits) and the toolkit's version; with the data's and the weights' hashes, a result's identity."""
         return {"precision": runtime.precision.value, "criterion": self.challenge.criterion.value,
                 "recheck_margin": self.challenge.recheck_margin_at(runtime.exact),
-                "mask_arithmetic": self.challenge.mask_arithmetic.value}
+                "mask_arithmetic": self.challenge.mask_arithmetic.value,
+                "batch_size": runtime.batch_size(self.batch_size), "toolkit": __version__}
 
 
 @dataclass
