@@ -113,8 +113,9 @@ class CompositePredictor:
         """The model's prediction on every background alone, at the search's batch shape, near ties re-checked."""
         images = self.data.bg_images
         preds, margins = [], []
-        for begin in range(0, len(images), self.forward.chunk):
-            p, m = self.predict_images(self.runtime.to_device(images[begin:begin + self.forward.chunk]))
+        step = self.forward.chunk  # fixed here: an out-of-memory halving inside the loop lowers forward.chunk
+        for begin in range(0, len(images), step):
+            p, m = self.predict_images(self.runtime.to_device(images[begin:begin + step]))
             preds.append(p.cpu().numpy().astype(np.int64))
             margins.append(None if m is None else m.cpu().numpy())
         preds = np.concatenate(preds) if preds else np.zeros(0, np.int64)

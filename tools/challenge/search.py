@@ -298,7 +298,7 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
             np.array([predictor.rechecked, predictor.recheck_changed], np.int64), "sum", runtime.device))
     info = provenance(runtime.describe(), loaded.describe(), data.fingerprint, data.decoder.value)
     info["mask_arithmetic"] = data.arithmetic.value
-    info["batch_size"] = predictor.forward.chunk
+    info.update(predictor.forward.provenance())
     unsure = None
     if not runtime.exact:
         threshold = config.recheck_margin if config.recheck_margin > 0 else sure_margin

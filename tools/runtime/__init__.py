@@ -256,7 +256,6 @@ class Runtime:
 
 GPU_BATCH_SIZE = 256
 CPU_BATCH_SIZE = 16  # smaller batches stay in the CPU's cache
-CPU_BATCH_CANDIDATES = (8, 16, 32)  # timed at start-up where a batch size is chosen by measurement
 BATCH_SIZE_DEFAULTS = f"{GPU_BATCH_SIZE} on a GPU, {CPU_BATCH_SIZE} on the CPU"  # for help texts
 
 
@@ -299,8 +298,10 @@ class Forward:
     each row alone, but a backend may give other last bits at another batch size (the CPU's 1x1 convolution and
     linear layers pick kernels by batch size, cuDNN its algorithms by shape); at one shape a row's logits do not
     depend on the rows beside it, so `--full`, the early-stopping search, `--shard` and torchrun over any number
-    of processes agree bit for bit, and the speed modes tune or compile for one shape only. Given the chunk, that
-    is: another --batch-size, or a chunk halved after out-of-memory (from then on), is another shape.
+    of processes agree bit for bit on a GPU (on the CPU at one intra-op thread count: see docs/how-it-works.md), and
+    the speed modes tune or compile for one shape only. Given the chunk, that is: another --batch-size, or a chunk
+    halved after out-of-memory (from then on, said in the notice and in `provenance`), is another shape; under
+    torchrun each process halves on its own.
 
     With `runtime.compile` every chunk goes through one static buffer made outside inference mode, so the
     compiled model sees one tensor kind and shape: one graph.
@@ -313,6 +314,7 @@ class Forward:
     def __init__(self, model: Callable, runtime: Runtime, chunk: int, exact: bool = False, what: str = "batch size",
                  pad: bool = True):
         self.model, self.runtime, self.chunk, self.what = model, runtime, max(1, chunk), what
+        self.first_chunk = self.chunk
         self.math = runtime.fp32_math if exact else runtime.math
         self.pad = pad
         self.static = runtime.compile and pad  # a compiled model's one input buffer
@@ -337,8 +339,20 @@ class Forward:
                 continue
             start += rows
         if self.chunk != chunk_before:
-            log.warning("out of memory: %s lowered from %d to %d", self.what, chunk_before, self.chunk)
+            shape = (f"; results from here on may differ in the last bits from a run at {self.first_chunk}"
+                     if self.pad else "")
+            log.warning("out of memory: %s lowered from %d to %d%s", self.what, chunk_before, self.chunk, shape)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    @property
+    def lowered_from(self) -> int | None:
+        """The chunk asked for, where out-of-memory has lowered it (None: it runs at that size)."""
+        return self.first_chunk if self.chunk != self.first_chunk else None
+
+    def provenance(self) -> dict:
+        """The batch size as it runs now, and the one it was lowered from, if it was (for a results file)."""
+        lowered = {} if self.lowered_from is None else {"batch_size_lowered_from": self.lowered_from}
+        return {"batch_size": self.chunk, **lowered}
 
     def _staged(self, piece: torch.Tensor) -> torch.Tensor:
         """`piece` padded into the static buffer (made, and filled, outside inference mode)."""
