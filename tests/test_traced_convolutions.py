@@ -125,3 +125,22 @@ def test_a_convolution_behind_a_traced_function_call_is_rewritten(tmp_path):
     assert baked(program) == []
     with torch.inference_mode():
         assert torch.equal(program(x), net(x))
+
+
+def test_an_in_memory_traced_module_is_rewritten_where_the_toolkit_wraps_it():
+    """A ScriptModule handed to the Python API (the top, or a submodule of the user's module) never goes through
+    the file loader: wrapping it rewrites it."""
+    from tools.in9 import Normalization  # noqa: PLC0415
+    from tools.models.boundary import ModelOrigin, wrap  # noqa: PLC0415
+    net, traced = traced_with_torchs_defaults(frozen=False)
+    holder = nn.Sequential(nn.Identity(), traced_with_torchs_defaults(frozen=False)[1])
+    x = torch.rand(2, 3, 32, 32)
+    with torch.inference_mode():
+        before = traced(x)
+    for model in (traced, holder):
+        assert baked(model)
+        loaded = wrap(model, num_classes=9, origin=ModelOrigin("module"), normalize=Normalization.NONE)
+        assert baked(loaded.model) == []
+    with torch.inference_mode():
+        assert torch.equal(traced(x), before)
+        assert torch.equal(traced(x), net(x))
