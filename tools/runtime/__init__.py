@@ -197,9 +197,10 @@ class Runtime:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def math(self):
-        """An evaluation's math around each forward pass: the precision's autocast, and the exact kernels
-        (`exact_kernels`) when exact."""
-        return exact_kernels() if self.exact else self.autocast()
+        """An evaluation's math around each forward pass: the precision's autocast, or when exact `fp32_math` (fp32's
+        flags set again for the block, so one changed since the runtime was made cannot reach the run, and the
+        exact kernels), the same math the device check runs."""
+        return self.fp32_math() if self.exact else self.autocast()
 
     @contextlib.contextmanager
     def fp32_math(self):
