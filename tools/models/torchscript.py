@@ -13,7 +13,9 @@ every module in them (frozen programs included), once, before the first run.
 Other constants of that kind that tracing bakes are left as they are, because they cannot change a result here:
 `batch_norm`'s and `layer_norm`'s `cudnn_enabled` (`torch.backends.cudnn.enabled`, which the toolkit never turns
 off) and `dropout`'s `train` (False in an eval-mode trace). `scaled_dot_product_attention` stays one operation
-whose backend is chosen when it runs (`tools.runtime.exact_kernels`).
+whose backend is chosen when it runs (`tools.runtime.exact_kernels`). Not rewritten, and able to change the last
+bits: `aten::_native_multi_head_attention`, which a MultiheadAttention traced under no_grad records and which the
+`mha_fastpath` switch cannot reach; it still computes in fp32, by another kernel than the math backend.
 """
 
 from __future__ import annotations
