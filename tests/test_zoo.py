@@ -20,7 +20,7 @@ from PIL import Image
 
 import challenge_eval
 import in9_eval
-from tests.helpers import run_in_process, save_torchscript
+from tests.helpers import TinyCNN, run_in_process, save_torchscript
 from tools import challenge, evaluate, zoo
 from tools.data import decoding, synthetic
 from tools.errors import UserError
@@ -415,3 +415,31 @@ def test_the_zoo_decodes_each_image_once_for_all_its_models(data, checkpoints, t
         for part in ("in9", "challenge"):
             assert {k: v for k, v in run[part].items() if k not in timing} == \
                 {k: v for k, v in runs[0][part].items() if k not in timing}
+
+
+class _HiddenBF16(torch.nn.Module):
+    """Computes in bf16 inside and returns fp32 logits: the start-up device check catches it, on the CPU too."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = TinyCNN(9, seed=1).bfloat16()
+
+    def forward(self, x):
+        return self.inner(x.bfloat16()).float()
+
+
+def test_the_device_check_fails_an_inexact_model_alone(small, tmp_path, capsys, one_thread):
+    """The scripts' start-up check runs for each model: refused, that model's row fails with the one-line reason
+    and the others go on; passed, it is in both results' provenance."""
+    data, model = small
+    inexact = tmp_path / "inexact.ts"
+    save_torchscript(_HiddenBF16().eval(), inexact)
+    good, bad, output = f"file:{model}", f"file:{inexact}", tmp_path / "zoo"
+    code, out, err = run_zoo_cli([*zoo_args(data, output, [bad, good]), "--no-leaderboard", "--batch-size", "8"],
+                                 capsys)
+    assert code == zoo.EXIT_SOME_FAILED
+    assert f"{bad}: failed" in out and f"{good}: done: " in out
+    assert [line for line in err.splitlines() if bad in line and "differ from float64" in line], err
+    payload = json.loads(results_file(output, good).read_text())
+    assert payload["in9"]["provenance"]["device_check"]["passed"] is True
+    assert payload["challenge"]["provenance"]["device_check"] == payload["in9"]["provenance"]["device_check"]
