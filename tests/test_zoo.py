@@ -24,6 +24,7 @@ from tests.helpers import TinyCNN, run_in_process, save_torchscript
 from tools import challenge, evaluate, zoo
 from tools.data import decoding, synthetic
 from tools.errors import UserError
+from tools.models.device_check import CHECK_IMAGES
 from tools.data.hashing import sha256_file
 from tools.in9 import VARIATIONS
 from tools.results.leaderboard import (CSV_FILE, MARKDOWN_FILE, MEASURED, PLOT_FILE, PLOT_SIZE, PUBLISHED, nice_ticks,
@@ -125,6 +126,9 @@ def test_results_equal_the_scripts(first_run, specs, data, tmp_path, capsys, one
         assert code == 0, err
         assert payload["in9"] == json.loads(in9_file.read_text())
         script = json.loads(challenge_file.read_text())
+        # one device check a model, on the in9 run's first images (the challenge script's: on backgrounds)
+        assert payload["challenge"]["provenance"].pop("device_check") == payload["in9"]["provenance"]["device_check"]
+        del script["provenance"]["device_check"]
         assert {k: v for k, v in payload["challenge"].items() if k not in TIMING_KEYS} == \
             {k: v for k, v in script.items() if k not in TIMING_KEYS}
         assert payload["model"] == spec
@@ -407,7 +411,7 @@ def test_the_zoo_decodes_each_image_once_for_all_its_models(data, checkpoints, t
     assert code == 0, err
     in9_images = sum(1 for v in VARIATIONS for _ in (data / v).rglob("*.JPEG"))
     challenge_images = 2 * sum(1 for _ in (data / "only_bg_t").rglob("*.JPEG"))  # foregrounds and backgrounds
-    assert len(decoded) == in9_images + challenge_images
+    assert len(decoded) == in9_images + challenge_images + CHECK_IMAGES  # the device check's, once for all models
     assert len(set(decoded)) == in9_images  # the challenge's foregrounds and backgrounds are original's and only_bg_t's
     runs = [json.loads(results_file(tmp_path / "zoo", spec).read_text()) for spec in copies]
     timing = ("provenance", "wall_time_s", "composites_per_s")

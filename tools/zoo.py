@@ -123,6 +123,7 @@ class ZooData:
 
     in9: In9Files
     challenge: ChallengeFiles
+    check_images: object = None  # the device check's images (in9's first), decoded for the first model that runs
 
     @property
     def sha256(self) -> dict:
@@ -231,8 +232,10 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
     Under torchrun, the processes leave each run together when one of them fails (`distributed.agree`)."""
     state_dir = Path(output_dir) / RUNS_FOLDER / spec.slug
     # the scripts' start-up device check; refused, it fails this model alone (one line, `run_zoo`)
-    first = first_images(data.in9.root, [r.relpath for r in data.in9.listings[VARIATIONS[0]]], settings.workers)
-    device_check = check_run(loaded, runtime, first, settings.allow_inexact_device)
+    if data.check_images is None:
+        data.check_images = first_images(data.in9.root, [r.relpath for r in data.in9.listings[VARIATIONS[0]]],
+                                         settings.workers)
+    device_check = check_run(loaded, runtime, data.check_images, settings.allow_inexact_device)
     with distributed.agree(runtime.group, runtime.device):
         in9 = run_in9(loaded, runtime, data.in9, In9Config(VARIATIONS, settings.batch_size, settings.workers, progress),
                       output_dir=state_dir, resume=True)
