@@ -198,6 +198,42 @@ def test_resume_refuses_another_runs_state(data, models, tmp_path):
         run_challenge(loaded, CPU, data, ChallengeConfig(progress=False), output_dir=tmp_path, resume=True)
 
 
+def test_resume_refuses_a_state_saved_at_another_batch_size(data, models, tmp_path):
+    """Rows computed at another batch shape may differ in the last bits: such a state is another run's."""
+    engine(models["color9"][1], data, tmp_path, batch_size=6)
+    with pytest.raises(Exception, match="belongs to another run"):
+        run_challenge(load_model(checkpoint=models["color9"][1]), CPU, data,
+                      ChallengeConfig(batch_size=8, progress=False), output_dir=tmp_path, resume=True)
+
+
+def test_the_cpu_default_batch_size_is_fixed_not_timed(data, models, tmp_path, monkeypatch):
+    """Without --batch-size the CPU runs CPU_BATCH_SIZE, every forward at that one shape: nothing is timed, so
+    two runs, a resumed run and every shard run the same shape."""
+    from tools.runtime import CPU_BATCH_SIZE, Forward  # noqa: PLC0415
+    shapes, run = set(), Forward._run
+    monkeypatch.setattr(Forward, "_run", lambda self, piece, rows: shapes.add(self.chunk) or run(self, piece, rows))
+    result = run_challenge(load_model(checkpoint=models["color9"][1]), CPU, data,
+                           ChallengeConfig(batch_size=None, progress=False), output_dir=tmp_path, workers=2)
+    assert shapes == {CPU_BATCH_SIZE}
+    assert result.provenance["batch_size"] == CPU_BATCH_SIZE
+
+
+def test_an_out_of_memory_halving_is_in_the_provenance(data, models, tmp_path, monkeypatch):
+    """The search's batch size as it ran, and the size it was lowered from: another shape may change the last bits."""
+    from tools.runtime import Forward  # noqa: PLC0415
+    run = Forward._run
+
+    def small_memory(self, piece, rows):
+        if self.chunk > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return run(self, piece, rows)
+
+    monkeypatch.setattr(Forward, "_run", small_memory)
+    result = engine(models["color9"][1], data, tmp_path, batch_size=16)
+    assert result.provenance["batch_size"] == 4
+    assert result.provenance["batch_size_lowered_from"] == 16
+
+
 def _summary(stdout: str) -> tuple[int, int]:
     match = re.search(r"Summary: (\d+)/(\d+) \(([\d.]+)%\) are vulnerable foregrounds\.", stdout)
     assert match, stdout

@@ -18,7 +18,7 @@ from tests.helpers import TinyCNN, check_error, run_in_process
 from tools.in9 import IN9_MEAN, IN9_STD
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.models.checkpoints import ExportedModule
-from tools.models.device_check import TOLERANCE, Float64Everywhere, check_device, relative_deviation
+from tools.models.device_check import CHECK_IMAGES, TOLERANCE, Float64Everywhere, check_device, relative_deviation
 from tools.errors import UserError
 from tools.runtime import Runtime
 
@@ -161,7 +161,7 @@ def test_the_flag_lets_the_run_go_on_and_records_it(dataset, hidden, tmp_path, c
     assert code == 0, err
     assert "running anyway (--allow-inexact-device" in err
     check = json.loads((tmp_path / "results.json").read_text())["provenance"]["device_check"]
-    assert check["passed"] is False and check["allowed_inexact"] is True and check["images"] == 4
+    assert check["passed"] is False and check["allowed_inexact"] is True and check["images"] == CHECK_IMAGES
     assert check["max_relative_deviation"] > TOLERANCE and check["reference"] == "float64 on the CPU"
 
 

@@ -395,6 +395,22 @@ def test_resume_refuses_a_state_from_another_model(script_runs, models, dataset,
     assert out == ""
 
 
+def test_resume_refuses_a_state_saved_at_another_batch_size(script_runs, tmp_path):
+    """Predictions made at another batch shape may differ in the last bits: that state is another setting's."""
+    first = script_runs("color9")
+    out_dir = tmp_path / "other-size"
+    out_dir.mkdir()
+    (out_dir / STATE_FILE).write_text(json.dumps(first.state))
+    args = [str(a) for a in first.args]
+    args[args.index("--output-dir") + 1] = str(out_dir)
+    args[args.index("--results-file") + 1] = str(out_dir / "results.json")
+    args[args.index("--batch-size") + 1] = "16"
+    code, out, err = run_cli([*args, "--resume", "--log-level", "WARNING"])
+    assert code == 2
+    assert err.splitlines() == [f"error: {out_dir / STATE_FILE} was written for another model, data or setting; "
+                                f"rerun without --resume or use another --output-dir"]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # A hand-built model whose answers are known in advance
 

@@ -186,3 +186,18 @@ def test_the_device_check_passes_honest_fp32_and_catches_tf32():
     forced = LoadedModel(PixelModel(ForcedTF32(net), IN9_MEAN, IN9_STD).eval(), 9, None, None, None, None, "t", "t")
     with pytest.raises(UserError, match="beyond fp32 rounding"):
         check_device(forced, Runtime(torch.device("cuda")), images)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_to_host_waits_for_the_copy_from_a_device_other_than_the_current_one():
+    from tools.runtime import to_host  # noqa: PLC0415
+    torch.cuda.set_device(0)
+    device = torch.device("cuda:1")
+    values = torch.arange(1 << 22, device=device, dtype=torch.float32)
+    for _ in range(5):
+        with torch.cuda.device(device):  # cuda:1's stream busy: an event on cuda:0's would pass at once
+            torch.cuda._sleep(50_000_000)
+        (host,), event = to_host(values * 2)
+        assert event is not None
+        event.synchronize()
+        assert torch.equal(host, torch.arange(1 << 22, dtype=torch.float32) * 2)

@@ -275,3 +275,27 @@ def test_the_fp32_against_fp64_check_passes_fp32_and_catches_bf16(name, tmp_path
     assert 0 <= deviation <= bound
     reduced, bound = fp32_formats.deviations(net, "eager", Runtime(cpu, Precision.BF16), tmp_path, size)
     assert reduced > bound
+
+
+class SeesTheFlags(torch.nn.Module):
+    """Records the math flags in effect when its forward runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append((torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()))
+        return x * 2
+
+
+def test_the_exact_forward_reasserts_fp32_flags_changed_after_the_runtime_was_built():
+    """A flag another library (or the user) changes after the Runtime was made cannot reach an fp32 run."""
+    with math_flags_kept():
+        runtime = Runtime(torch.device("cpu"), Precision.FP32)
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("medium")
+        model = SeesTheFlags()
+        Forward(model, runtime, chunk=4)(torch.zeros(3, 1))
+        assert model.seen == [(False, "highest")]
+        assert torch.backends.cudnn.allow_tf32 and torch.get_float32_matmul_precision() == "medium"  # restored

@@ -156,19 +156,21 @@ def test_a_program_that_names_a_device_refuses_to_be_moved_off_it(save, tmp_path
 
 
 @torch.jit.script
-def _offsets_on_meta(n: int) -> torch.Tensor:
-    return torch.arange(n, device=torch.device("meta"))
+def _offsets_on(n: int, where: str) -> torch.Tensor:
+    return torch.arange(n, device=torch.device(where))  # a device made when it runs: no constant to point
 
 
 class CallsAFunctionThatNamesADevice(nn.Module):
-    """A scripted program whose free function names a device: out of the loader's reach, so the probe finds it."""
+    """A scripted program whose free function makes a device from a string when it runs: out of the loader's reach
+    (it points device constants, the called functions' included), so the probe finds it."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(3, 9)
+        self.where = "meta"  # an attribute, read when it runs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x.mean((2, 3))) + _offsets_on_meta(9)
+        return self.fc(x.mean((2, 3))) + _offsets_on(9, self.where)
 
 
 def test_a_program_that_cannot_run_on_the_runs_device_is_one_error_line_with_the_cause(tmp_path):

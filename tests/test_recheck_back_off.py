@@ -61,7 +61,8 @@ def test_the_fp32_recheck_halves_its_own_batch_on_out_of_memory(dataset, tmp_pat
     assert max(model.fp32_calls) == 16 and model.fp32_calls.count(16) == 1  # tried once at full size
     assert all(n <= 4 for n in model.fp32_calls[3:])  # 16 -> 8 -> 4, kept for the later re-checks
     notices = [r.message for r in caplog.records if "out of memory" in r.message]
-    assert notices == ["out of memory: the fp32 re-check's batch size lowered from 16 to 4"]
+    assert notices == ["out of memory: the fp32 re-check's batch size lowered from 16 to 4; results from here on may "
+                       "differ in the last bits from a run at 16"]
 
 
 def test_the_clip_text_head_halves_its_prompt_batch_on_out_of_memory(tiny_clip, tmp_path, monkeypatch, caplog):

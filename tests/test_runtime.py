@@ -38,7 +38,15 @@ def test_out_of_memory_halves_the_batch_with_one_notice_and_keeps_every_result(c
     assert model.calls[:4] == [32, 16, 8, 4]  # the 24 rows padded to the one batch size
     assert all(n <= 4 for n in model.calls[-6:])
     notices = [r.message for r in caplog.records if "out of memory" in r.message]
-    assert notices == ["out of memory: batch size lowered from 32 to 4"]
+    assert notices == ["out of memory: batch size lowered from 32 to 4; results from here on may differ in the last "
+                       "bits from a run at 32"]
+    assert forward.lowered_from == 32
+
+
+def test_a_forward_that_fits_was_not_lowered():
+    forward = Forward(RunsOutOfMemory(limit=64), Runtime(torch.device("cpu")), chunk=32)
+    forward(torch.zeros(40, 1))
+    assert forward.chunk == 32 and forward.lowered_from is None
 
 
 def test_other_errors_are_not_swallowed():

@@ -50,8 +50,12 @@ def baked(module: nn.Module) -> list[int]:
             yield node
             for inner in node.blocks():
                 yield from nodes(inner)
+    def inlined(graph):  # a copy with every function call (prim::CallFunction) inlined: the code that runs
+        graph = graph.copy()
+        torch._C._jit_pass_inline(graph)
+        return graph
     return [len(list(node.inputs())) for sub in module.modules() if isinstance(sub, torch.jit.ScriptModule)
-            for name in sub._c._method_names() for node in nodes(sub._c._get_method(name).graph)
+            for name in sub._c._method_names() for node in nodes(inlined(sub._c._get_method(name).graph))
             if node.kind() == "aten::_convolution"]
 
 
@@ -66,7 +70,9 @@ def traced_with_torchs_defaults(frozen: bool) -> tuple[nn.Module, torch.jit.Scri
 @pytest.mark.parametrize("frozen", [False, True], ids=["traced", "frozen"])
 def test_a_loaded_traced_program_holds_no_baked_flags_and_computes_what_eager_does(tmp_path, frozen):
     net, traced = traced_with_torchs_defaults(frozen)
-    assert sorted(baked(traced)) == [12, 13, 13, 13]  # the scripted old form; stem, depthwise, transposed
+    # the scripted old form; stem, depthwise, transposed: traced, in each (sub)module's graph and inlined in its
+    # parents' (the top's three, the stem's and its convolution's, the depthwise's, the transposed's)
+    assert sorted(baked(traced)) == ([12, 13, 13, 13] if frozen else [12, 12] + [13] * 7)
     path = tmp_path / "program.ts"
     torch.jit.save(traced, str(path))
     loaded = load_model(checkpoint=path, runtime=Runtime(torch.device("cpu")))
@@ -84,3 +90,57 @@ def test_a_loaded_traced_program_holds_no_baked_flags_and_computes_what_eager_do
     assert baked(again) == []
     with torch.inference_mode():
         assert torch.equal(again(x), unrewritten)
+
+
+def _convolve(x, weight):
+    return torch.nn.functional.conv2d(x, weight, padding=1)
+
+
+class CallsATracedFunction(nn.Module):
+    """A module whose forward calls a traced function: tracing records a `prim::CallFunction` to the function's
+    own graph, with its convolution's flags baked in there."""
+
+    def __init__(self, function):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(9, 3, 3, 3) / 9)
+        self.function = function
+
+    def forward(self, x):
+        return self.function(x, self.weight).mean(dim=(2, 3))
+
+
+def test_a_convolution_behind_a_traced_function_call_is_rewritten(tmp_path):
+    torch.manual_seed(0)
+    x = torch.rand(3, 3, 8, 8)
+    with torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False, allow_tf32=True):
+        function = torch.jit.trace(_convolve, (x, torch.zeros(9, 3, 3, 3)))
+        net = CallsATracedFunction(function).eval()
+        traced = torch.jit.trace(net, x)
+    assert any(node.kind() == "prim::CallFunction" for node in traced.graph.nodes())
+    assert baked(traced) == [13]
+    path = tmp_path / "calls.ts"
+    torch.jit.save(traced, str(path))
+    loaded = load_model(checkpoint=path, runtime=Runtime(torch.device("cpu")))
+    program = next(m for m in loaded.model.modules() if isinstance(m, Program)).program
+    assert baked(program) == []
+    with torch.inference_mode():
+        assert torch.equal(program(x), net(x))
+
+
+def test_an_in_memory_traced_module_is_rewritten_where_the_toolkit_wraps_it():
+    """A ScriptModule handed to the Python API (the top, or a submodule of the user's module) never goes through
+    the file loader: wrapping it rewrites it."""
+    from tools.in9 import Normalization  # noqa: PLC0415
+    from tools.models.boundary import ModelOrigin, wrap  # noqa: PLC0415
+    net, traced = traced_with_torchs_defaults(frozen=False)
+    holder = nn.Sequential(nn.Identity(), traced_with_torchs_defaults(frozen=False)[1])
+    x = torch.rand(2, 3, 32, 32)
+    with torch.inference_mode():
+        before = traced(x)
+    for model in (traced, holder):
+        assert baked(model)
+        loaded = wrap(model, num_classes=9, origin=ModelOrigin("module"), normalize=Normalization.NONE)
+        assert baked(loaded.model) == []
+    with torch.inference_mode():
+        assert torch.equal(traced(x), before)
+        assert torch.equal(traced(x), net(x))

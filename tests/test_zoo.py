@@ -20,10 +20,11 @@ from PIL import Image
 
 import challenge_eval
 import in9_eval
-from tests.helpers import run_in_process, save_torchscript
+from tests.helpers import TinyCNN, run_in_process, save_torchscript
 from tools import challenge, evaluate, zoo
 from tools.data import decoding, synthetic
 from tools.errors import UserError
+from tools.models.device_check import CHECK_IMAGES
 from tools.data.hashing import sha256_file
 from tools.in9 import VARIATIONS
 from tools.results.leaderboard import (CSV_FILE, MARKDOWN_FILE, MEASURED, MODELS_FOLDER, PLOT_FILE, PLOT_SIZE,
@@ -126,6 +127,9 @@ def test_results_equal_the_scripts(first_run, specs, data, tmp_path, capsys, one
         assert code == 0, err
         assert payload["in9"] == json.loads(in9_file.read_text())
         script = json.loads(challenge_file.read_text())
+        # one device check a model, on the in9 run's first images (the challenge script's: on backgrounds)
+        assert payload["challenge"]["provenance"].pop("device_check") == payload["in9"]["provenance"]["device_check"]
+        del script["provenance"]["device_check"]
         assert {k: v for k, v in payload["challenge"].items() if k not in TIMING_KEYS} == \
             {k: v for k, v in script.items() if k not in TIMING_KEYS}
         assert payload["model"] == spec
@@ -266,6 +270,14 @@ def test_a_models_runs_resume_from_their_state(first_run, data, specs, tmp_path,
 
 def test_other_settings_are_refused_per_model(first_run, data, specs, capsys):
     code, out, err = run_zoo_cli([*zoo_args(data, first_run[0], list(specs)), "--criterion", "bg-class",
+                                  "--no-leaderboard"], capsys)
+    assert code == zoo.EXIT_SOME_FAILED
+    assert err.count("was made with other settings") == len(specs)
+
+
+def test_another_batch_size_is_refused_per_model(first_run, data, specs, capsys):
+    """Another batch shape may change the last bits: a result made at the CPU's default size is not "done" at 8."""
+    code, out, err = run_zoo_cli([*zoo_args(data, first_run[0], list(specs)), "--batch-size", "8",
                                   "--no-leaderboard"], capsys)
     assert code == zoo.EXIT_SOME_FAILED
     assert err.count("was made with other settings") == len(specs)
@@ -431,7 +443,7 @@ def test_the_zoo_decodes_each_image_once_for_all_its_models(data, checkpoints, t
     assert code == 0, err
     in9_images = sum(1 for v in VARIATIONS for _ in (data / v).rglob("*.JPEG"))
     challenge_images = 2 * sum(1 for _ in (data / "only_bg_t").rglob("*.JPEG"))  # foregrounds and backgrounds
-    assert len(decoded) == in9_images + challenge_images
+    assert len(decoded) == in9_images + challenge_images + CHECK_IMAGES  # the device check's, once for all models
     assert len(set(decoded)) == in9_images  # the challenge's foregrounds and backgrounds are original's and only_bg_t's
     runs = [json.loads(results_file(tmp_path / "zoo", spec).read_text()) for spec in copies]
     timing = ("provenance", "wall_time_s", "composites_per_s")
@@ -439,3 +451,31 @@ def test_the_zoo_decodes_each_image_once_for_all_its_models(data, checkpoints, t
         for part in ("in9", "challenge"):
             assert {k: v for k, v in run[part].items() if k not in timing} == \
                 {k: v for k, v in runs[0][part].items() if k not in timing}
+
+
+class _HiddenBF16(torch.nn.Module):
+    """Computes in bf16 inside and returns fp32 logits: the start-up device check catches it, on the CPU too."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = TinyCNN(9, seed=1).bfloat16()
+
+    def forward(self, x):
+        return self.inner(x.bfloat16()).float()
+
+
+def test_the_device_check_fails_an_inexact_model_alone(small, tmp_path, capsys, one_thread):
+    """The scripts' start-up check runs for each model: refused, that model's row fails with the one-line reason
+    and the others go on; passed, it is in both results' provenance."""
+    data, model = small
+    inexact = tmp_path / "inexact.ts"
+    save_torchscript(_HiddenBF16().eval(), inexact)
+    good, bad, output = f"file:{model}", f"file:{inexact}", tmp_path / "zoo"
+    code, out, err = run_zoo_cli([*zoo_args(data, output, [bad, good]), "--no-leaderboard", "--batch-size", "8"],
+                                 capsys)
+    assert code == zoo.EXIT_SOME_FAILED
+    assert f"{bad}: failed" in out and f"{good}: done: " in out
+    assert [line for line in err.splitlines() if bad in line and "differ from float64" in line], err
+    payload = json.loads(results_file(output, good).read_text())
+    assert payload["in9"]["provenance"]["device_check"]["passed"] is True
+    assert payload["challenge"]["provenance"]["device_check"] == payload["in9"]["provenance"]["device_check"]

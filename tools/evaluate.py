@@ -160,14 +160,16 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                         listings: dict[str, list[layout.ImageRecord]] | None = None,
                         shard: Shard | None = None, recheck_margin: float = RECHECK_MARGIN,
                         decoder: decoders.Decoder = decoders.Decoder.PILLOW, fingerprint: dict | None = None,
-                        contents: dict[str, bytes] | None = None) -> dict[str, VariationResult]:
+                        contents: dict[str, bytes] | None = None, forwards: list | None = None
+                        ) -> dict[str, VariationResult]:
     """Predict every image of the named variations in one stream of batches; results keyed by variation.
 
     `listings` are the variations' records when the caller has already listed them. In reduced precision, near
     ties (top-two margin below `recheck_margin`; 0: none) are re-run in fp32, as the challenge does. `decoder`
     decodes the JPEGs (`decoders.choose_decoder`). With the files' `fingerprint`, inside `datasets.keep_decoded`
     (the zoo), the decoded variations are kept by content for the next run, which reads them from memory.
-    `contents`: the files' bytes already read (`list_in9_files`), by relative path."""
+    `contents`: the files' bytes already read (`list_in9_files`), by relative path. `forwards`: gets the `Forward`
+    that ran the batches (its batch size as run, for the provenance), if any ran."""
     root = Path(root)
     if listings is None:
         listings = {name: layout.list_variation(root, name) for name in names}
@@ -187,6 +189,8 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
 
     eager = runtime.prepare(loaded.model)
     forward = Forward(runtime.compiled(eager), runtime, batch_size)
+    if forwards is not None:
+        forwards.append(forward)
     to_in9 = PredictionMap(loaded.num_classes)
     recheck = _Recheck(eager, runtime, batch_size, recheck_margin, to_in9)
     all_paths = [p for _, relpaths, _ in todo for p in relpaths]
@@ -367,11 +371,14 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, confi
         files = list_in9_files(files, names, config.workers)
     key = {"data": files.fingerprint, "model_sha256": loaded.sha256, "normalization": loaded.normalization,
            "precision": runtime.precision.value, "num_classes": loaded.num_classes,
-           "recheck_margin": 0.0 if runtime.exact else config.recheck_margin}
+           "recheck_margin": 0.0 if runtime.exact else config.recheck_margin,
+           "batch_size": runtime.batch_size(config.batch_size)}  # another shape may change the last bits
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
+    forwards: list[Forward] = []
     results = evaluate_variations(loaded, runtime, files.root, names, runtime.batch_size(config.batch_size),
                                   config.workers, state_path, resume, key, config.progress, files.listings, shard,
-                                  config.recheck_margin, files.decoder, files.fingerprint, files.contents)
+                                  config.recheck_margin, files.decoder, files.fingerprint, files.contents, forwards)
     files.contents.clear()  # decoded: the bytes are not needed again
-    return In9Run(results, provenance(runtime.describe(), loaded.describe(), files.fingerprint, files.decoder.value),
-                  key)
+    info = provenance(runtime.describe(), loaded.describe(), files.fingerprint, files.decoder.value)
+    info.update(forwards[0].provenance() if forwards else {"batch_size": key["batch_size"]})
+    return In9Run(results, info, key)

@@ -22,23 +22,20 @@ from tools.provenance import check_outputs
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
 from tools.shards import shard_spec
-from tools.runtime import CPU_BATCH_CANDIDATES, CPU_BATCH_SIZE, GPU_BATCH_SIZE, Precision, Runtime, resolve_device, \
+from tools.runtime import CPU_BATCH_SIZE, GPU_BATCH_SIZE, Precision, Runtime, resolve_device, \
     seed_everything
 from tools.threads import default_workers, import_in_background, wait_for_background_imports
 
 log = logging.getLogger(__name__)
 
 # --batch-size's help in each command's words: the CPU default differs between an IN-9 run and the challenge
+_BATCH_KEY = (f"(default: {GPU_BATCH_SIZE} on a GPU, {CPU_BATCH_SIZE} on the CPU); part of a saved state's key: results "
+              f"may differ in the last bits at another batch size")
 BATCH_HELP = {
-    "in9": f"images per forward pass, halved on out-of-memory (default: {GPU_BATCH_SIZE} on a GPU, {CPU_BATCH_SIZE} on "
-           f"the CPU)",
-    "challenge": f"composite images per forward pass, halved on out-of-memory (default: {GPU_BATCH_SIZE} on a GPU; on "
-                 f"the CPU the fastest of {', '.join(map(str, CPU_BATCH_CANDIDATES[:-1]))} and "
-                 f"{CPU_BATCH_CANDIDATES[-1]}, timed on the first backgrounds and recorded in the results' provenance)",
-    "zoo": f"images per forward pass, halved on out-of-memory (default: {GPU_BATCH_SIZE} on a GPU; on the CPU "
-           f"{CPU_BATCH_SIZE} for the IN-9 runs and for the challenge the fastest of "
-           f"{', '.join(map(str, CPU_BATCH_CANDIDATES[:-1]))} and {CPU_BATCH_CANDIDATES[-1]}, timed on its first "
-           f"backgrounds)",
+    "in9": f"images per forward pass, halved on out-of-memory {_BATCH_KEY}",
+    "challenge": f"composite images per forward pass, halved on out-of-memory {_BATCH_KEY}",
+    "zoo": f"images per forward pass of the IN-9 runs and of the challenge's composites, halved on out-of-memory "
+           f"{_BATCH_KEY} and of each model's identity",
 }
 
 

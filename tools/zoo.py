@@ -32,9 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tools import cli, distributed, options
+from tools import __version__, cli, distributed, options
 from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, flags, list_challenge_files, run_challenge
 from tools.errors import UserError
+from tools.models.device_check import check_run, first_images
 from tools.evaluate import In9Config, In9Files, list_in9_files, run_in9
 from tools.data import decoding as datasets
 from tools.data.hashing import sha256_file
@@ -105,12 +106,15 @@ class ZooSettings:
     cache_dir: Path | None = None
     trust: bool = False
     trust_remote_code: bool = False
+    allow_inexact_device: bool = False  # run a model on even when the start-up device check finds it inexact
 
     def fingerprint(self, runtime: Runtime) -> dict:
-        """The settings that change a model's numbers; with the data's and the weights' hashes, a result's identity."""
+        """The settings that change a model's numbers (the batch size too: another batch shape may change the last
+        bits) and the toolkit's version; with the data's and the weights' hashes, a result's identity."""
         return {"precision": runtime.precision.value, "criterion": self.challenge.criterion.value,
                 "recheck_margin": self.challenge.recheck_margin_at(runtime.exact),
-                "mask_arithmetic": self.challenge.mask_arithmetic.value}
+                "mask_arithmetic": self.challenge.mask_arithmetic.value,
+                "batch_size": runtime.batch_size(self.batch_size), "toolkit": __version__}
 
 
 @dataclass
@@ -119,6 +123,7 @@ class ZooData:
 
     in9: In9Files
     challenge: ChallengeFiles
+    check_images: object = None  # the device check's images (in9's first), decoded for the first model that runs
 
     @property
     def sha256(self) -> dict:
@@ -226,12 +231,18 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
 
     Under torchrun, the processes leave each run together when one of them fails (`distributed.agree`)."""
     state_dir = Path(output_dir) / RUNS_FOLDER / spec.slug
+    # the scripts' start-up device check; refused, it fails this model alone (one line, `run_zoo`)
+    if data.check_images is None:
+        data.check_images = first_images(data.in9.root, [r.relpath for r in data.in9.listings[VARIATIONS[0]]],
+                                         settings.workers)
+    device_check = check_run(loaded, runtime, data.check_images, settings.allow_inexact_device)
     with distributed.agree(runtime.group, runtime.device):
         in9 = run_in9(loaded, runtime, data.in9, In9Config(VARIATIONS, settings.batch_size, settings.workers, progress),
                       output_dir=state_dir, resume=True)
     with distributed.agree(runtime.group, runtime.device):
         challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,
                                   (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache_dir)
+    in9.provenance["device_check"] = challenge.provenance["device_check"] = device_check
     weights = loaded.weights or (Path(loaded.source).name if loaded.source else None)
     # the path as loaded, links kept: a hub cache's snapshots/REV/FILE is a link into blobs/, and only the snapshot
     # path says which revision was loaded (a moved refs/main loads another)
@@ -305,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_trust_argument(models)
     options.add_remote_code_argument(models)
     options.add_data_arguments(parser)
-    options.add_running_arguments(parser, shard=False)
+    options.add_running_arguments(parser, shard=False, device_check=True)
     cli.reword(parser, "batch_size", options.BATCH_HELP["zoo"])
     flags.add_search_arguments(parser.add_argument_group("challenge"))
     out = parser.add_argument_group("output")
@@ -350,7 +361,7 @@ def _main(args: argparse.Namespace) -> int:
     runtime = options.runtime_from_args(args, compile=args.compile)
     settings = ZooSettings(checked.data_path, flags.challenge_config_from_args(args, checked.progress),
                            args.batch_size, args.workers, flags.cache_dir_from_args(args), args.trust_checkpoint,
-                           args.trust_remote_code)
+                           args.trust_remote_code, args.allow_inexact_device)
     outcomes = run_zoo(specs, settings, runtime, args.output_dir, progress=checked.progress)
     failed = [o.model for o in outcomes if o.status == "failed"]
     # under torchrun the other processes wait for rank 0's report: one that exits first ends the job

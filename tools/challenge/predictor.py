@@ -5,7 +5,6 @@ points, and the background-alone predictions."""
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -17,7 +16,7 @@ from tools.challenge.data import ChallengeData
 from tools.data.compositing import MaskArithmetic, blend, composite
 from tools.in9 import PredictionMap
 from tools.models.boundary import LoadedModel
-from tools.runtime import CPU_BATCH_CANDIDATES, Forward, Runtime, to_device, to_host
+from tools.runtime import Forward, Runtime, to_device, to_host
 
 log = logging.getLogger(__name__)
 
@@ -110,30 +109,13 @@ class CompositePredictor:
     def recheck_pairs(self, pairs: np.ndarray, preds: np.ndarray) -> np.ndarray:
         return self.recheck_rows(self._pair_images(pairs), preds) if len(pairs) else preds
 
-    def predict_backgrounds(self, measure: bool = False) -> np.ndarray:
-        """The model's prediction on every background alone, at the search's batch shape, near ties re-checked.
-
-        measure: choose the search's batch size here (the CPU default): each of CPU_BATCH_CANDIDATES runs
-        twice on backgrounds that need predicting anyway, the first run warming it up, and the size with
-        the shortest time per image in the second run is kept; the backgrounds run at another size are then
-        predicted again at the kept one, so that every row comes from the run's one batch shape."""
-        images, start = self.data.bg_images, 0
-        timings: dict[int, float] = {}
-        for size in (s for s in CPU_BATCH_CANDIDATES for _ in range(2)) if measure else ():
-            if start + size > len(images):
-                break
-            self.forward.chunk = size
-            began = time.perf_counter()
-            self.predict_images(self.runtime.to_device(images[start:start + size]))[0].cpu()
-            timings[size] = (time.perf_counter() - began) / size
-            start += size
-        if timings:
-            self.forward.chunk = self.recheck.chunk = min(timings, key=timings.get)
-            log.info("batch size %d chosen by timing %s", self.forward.chunk,
-                     ", ".join(f"{k}: {1e3 * v:.1f} ms/image" for k, v in timings.items()))
+    def predict_backgrounds(self) -> np.ndarray:
+        """The model's prediction on every background alone, at the search's batch shape, near ties re-checked."""
+        images = self.data.bg_images
         preds, margins = [], []
-        for begin in range(0, len(images), self.forward.chunk):
-            p, m = self.predict_images(self.runtime.to_device(images[begin:begin + self.forward.chunk]))
+        step = self.forward.chunk  # fixed here: an out-of-memory halving inside the loop lowers forward.chunk
+        for begin in range(0, len(images), step):
+            p, m = self.predict_images(self.runtime.to_device(images[begin:begin + step]))
             preds.append(p.cpu().numpy().astype(np.int64))
             margins.append(None if m is None else m.cpu().numpy())
         preds = np.concatenate(preds) if preds else np.zeros(0, np.int64)

@@ -254,7 +254,7 @@ class ShardedSearch:
 def _run_key(data: ChallengeData, loaded: LoadedModel, runtime: Runtime, config: ChallengeConfig) -> str:
     parts = [STATE_FORMAT, data.fingerprint["sha256"], data.arithmetic.value, loaded.sha256 or "", loaded.normalization,
              runtime.precision.value, config.criterion.value, str(config.full), str(config.first_k),
-             str(config.recheck_margin_at(runtime.exact))]
+             str(config.recheck_margin_at(runtime.exact)), str(runtime.batch_size(config.batch_size))]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
@@ -287,14 +287,10 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
         else:
             if resume:
                 log.warning("no saved state in %s: starting afresh", output_dir)
-            # with --compile, the default size: timing three sizes would compile three graphs
-            measure = config.batch_size is None and runtime.device.type == "cpu" and not runtime.compile
-            bg_pred = predictor.predict_backgrounds(measure=measure)
+            bg_pred = predictor.predict_backgrounds()
     if state is None:
-        # every process plans from rank 0's background predictions (and batch size), so all plan alike
+        # every process plans from rank 0's background predictions, so all plan alike
         bg_pred = distributed.broadcast(bg_pred, runtime.group, runtime.device)
-        predictor.forward.chunk = int(distributed.broadcast(np.array([predictor.forward.chunk]), runtime.group,
-                                                            runtime.device)[0])
         state = SearchState.fresh(len(data.foregrounds), len(data.backgrounds), bg_pred, config.full)
     Search(predictor, data, config, state, state_path, key).run()
     if runtime.group.distributed:
@@ -302,7 +298,7 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
             np.array([predictor.rechecked, predictor.recheck_changed], np.int64), "sum", runtime.device))
     info = provenance(runtime.describe(), loaded.describe(), data.fingerprint, data.decoder.value)
     info["mask_arithmetic"] = data.arithmetic.value
-    info["batch_size"] = predictor.forward.chunk
+    info.update(predictor.forward.provenance())
     unsure = None
     if not runtime.exact:
         threshold = config.recheck_margin if config.recheck_margin > 0 else sure_margin

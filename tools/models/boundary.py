@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tools.models import torchscript
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.data.pixels import normalisation_table, normalised_floats
 from tools.runtime import Runtime, check_antialias
@@ -95,7 +96,10 @@ def wrap(classifier: nn.Module, *, num_classes: int, origin: ModelOrigin, normal
          stats: tuple | None = None, stats_origin: str = "") -> LoadedModel:
     """A classifier as a `LoadedModel`, normalising inside with: the source's own statistics (`stats`, e.g.
     a checkpoint's normaliser or CLIP's, named by `stats_origin`) unless --normalize says otherwise, else the
-    class-count rule."""
+    class-count rule. Every TorchScript module in it (the classifier itself or a submodule, as a traced module
+    passed to the Python API) has its convolutions rewritten to read the run's flags
+    (`torchscript.unbake_convolutions`, in place: the same numbers as its eager code)."""
+    torchscript.unbake_convolutions(classifier)
     if normalize is Normalization.AUTO and stats is not None:
         mean, std = stats
         norm_text = f"{stats_origin} (mean {[round(float(v), 4) for v in mean]}, std " \

@@ -3,6 +3,8 @@ every module in them (frozen programs included), once, before the first run.
 
 - Devices: tracing writes the device it ran on into the code as constants (`torch.zeros(..., device=x.device)`),
   which `.to()` does not move; they are pointed at the run's device.
+- Function calls: a method calling a traced or scripted function (`prim::CallFunction`) is inlined first, so the
+  rewrites reach the function's code too.
 - Convolutions: tracing records `aten::_convolution(..., benchmark, deterministic, cudnn_enabled, allow_tf32)`
   with cuDNN's flags of the tracing process as constants (torch's defaults: TF32 on, any algorithm), so the
   flags a `Runtime` sets never reach them. Each becomes `aten::convolution` of the same first nine inputs,
@@ -11,7 +13,9 @@ every module in them (frozen programs included), once, before the first run.
 Other constants of that kind that tracing bakes are left as they are, because they cannot change a result here:
 `batch_norm`'s and `layer_norm`'s `cudnn_enabled` (`torch.backends.cudnn.enabled`, which the toolkit never turns
 off) and `dropout`'s `train` (False in an eval-mode trace). `scaled_dot_product_attention` stays one operation
-whose backend is chosen when it runs (`tools.runtime.exact_kernels`).
+whose backend is chosen when it runs (`tools.runtime.exact_kernels`). Not rewritten, and able to change the last
+bits: `aten::_native_multi_head_attention`, which a MultiheadAttention traced under no_grad records and which the
+`mha_fastpath` switch cannot reach; it still computes in fp32, by another kernel than the math backend.
 """
 
 from __future__ import annotations
@@ -32,11 +36,16 @@ def graph_nodes(block):
 
 
 def method_graphs(module: torch.jit.ScriptModule):
-    """The graph of every method of every TorchScript module in `module`."""
+    """The graph of every method of every TorchScript module in `module`, each with its function and method calls
+    inlined first (`prim::CallFunction`, as to a traced or scripted function, hides the callee's code in a graph
+    of its own that no module lists): the code that runs, all of it in graphs the rewrites see. Inlining is what
+    the graph executor does before running them anyway."""
     for sub in module.modules():
         if isinstance(sub, torch.jit.ScriptModule):
             for name in sub._c._method_names():
-                yield sub._c._get_method(name).graph
+                graph = sub._c._get_method(name).graph
+                torch._C._jit_pass_inline(graph)
+                yield graph
 
 
 def point_devices(module: torch.jit.ScriptModule, device: torch.device) -> set[str]:

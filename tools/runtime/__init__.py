@@ -140,12 +140,20 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
     """The tensors copied to host memory, and the event to wait for before reading them (None: ready now). From
     a CUDA device the copies go into pinned memory without waiting, so the host launches more work meanwhile;
-    every other copy blocks (see `to_device` for MPS)."""
-    if not any(t.device.type == "cuda" for t in tensors):
+    every other copy blocks (see `to_device` for MPS). The copies are queued on the current stream of the
+    tensors' own device (cuda:N, not the process's current device), and the event is recorded on that stream,
+    so it passes only once they have landed."""
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    if not devices:
         return [t.cpu() for t in tensors], None
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
-    event = torch.cuda.Event()
-    event.record()
+    if len(devices) > 1 or any(t.device.type != "cuda" for t in tensors):
+        return [t.cpu() for t in tensors], None  # no single stream to wait on: copy blocking
+    device = devices.pop()
+    stream = torch.cuda.current_stream(device)
+    with torch.cuda.device(device):
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+        event = torch.cuda.Event()
+        event.record(stream)
     return host, event
 
 
@@ -187,9 +195,10 @@ class Runtime:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def math(self):
-        """An evaluation's math around each forward pass: the precision's autocast, and the exact kernels
-        (`exact_kernels`) when exact."""
-        return exact_kernels() if self.exact else self.autocast()
+        """An evaluation's math around each forward pass: the precision's autocast, or when exact `fp32_math` (fp32's
+        flags set again for the block, so one changed since the runtime was made cannot reach the run, and the
+        exact kernels), the same math the device check runs."""
+        return self.fp32_math() if self.exact else self.autocast()
 
     @contextlib.contextmanager
     def fp32_math(self):
@@ -246,7 +255,6 @@ class Runtime:
 
 GPU_BATCH_SIZE = 256
 CPU_BATCH_SIZE = 16  # smaller batches stay in the CPU's cache
-CPU_BATCH_CANDIDATES = (8, 16, 32)  # timed at start-up where a batch size is chosen by measurement
 BATCH_SIZE_DEFAULTS = f"{GPU_BATCH_SIZE} on a GPU, {CPU_BATCH_SIZE} on the CPU"  # for help texts
 
 
@@ -290,8 +298,10 @@ class Forward:
     each row alone, but a backend may give other last bits at another batch size (the CPU's 1x1 convolution and
     linear layers pick kernels by batch size, cuDNN its algorithms by shape); at one shape a row's logits do not
     depend on the rows beside it, so `--full`, the early-stopping search, `--shard` and torchrun over any number
-    of processes agree bit for bit, and the speed modes tune or compile for one shape only. Given the chunk, that
-    is: another --batch-size, or a chunk halved after out-of-memory (from then on), is another shape.
+    of processes agree bit for bit on a GPU (on the CPU at one intra-op thread count: see docs/how-it-works.md), and
+    the speed modes tune or compile for one shape only. Given the chunk, that is: another --batch-size, or a chunk
+    halved after out-of-memory (from then on, said in the notice and in `provenance`), is another shape; under
+    torchrun each process halves on its own.
 
     With `runtime.compile` every chunk goes through one static buffer made outside inference mode, so the
     compiled model sees one tensor kind and shape: one graph.
@@ -304,6 +314,7 @@ class Forward:
     def __init__(self, model: Callable, runtime: Runtime, chunk: int, exact: bool = False, what: str = "batch size",
                  pad: bool = True):
         self.model, self.runtime, self.chunk, self.what = model, runtime, max(1, chunk), what
+        self.first_chunk = self.chunk
         self.math = runtime.fp32_math if exact else runtime.math
         self.pad = pad
         self.static = runtime.compile and pad  # a compiled model's one input buffer
@@ -328,8 +339,20 @@ class Forward:
                 continue
             start += rows
         if self.chunk != chunk_before:
-            log.warning("out of memory: %s lowered from %d to %d", self.what, chunk_before, self.chunk)
+            shape = (f"; results from here on may differ in the last bits from a run at {self.first_chunk}"
+                     if self.pad else "")
+            log.warning("out of memory: %s lowered from %d to %d%s", self.what, chunk_before, self.chunk, shape)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    @property
+    def lowered_from(self) -> int | None:
+        """The chunk asked for, where out-of-memory has lowered it (None: it runs at that size)."""
+        return self.first_chunk if self.chunk != self.first_chunk else None
+
+    def provenance(self) -> dict:
+        """The batch size as it runs now, and the one it was lowered from, if it was (for a results file)."""
+        lowered = {} if self.lowered_from is None else {"batch_size_lowered_from": self.lowered_from}
+        return {"batch_size": self.chunk, **lowered}
 
     def _staged(self, piece: torch.Tensor) -> torch.Tensor:
         """`piece` padded into the static buffer (made, and filled, outside inference mode)."""
