@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     fetch_p = commands.add_parser("fetch", parents=[common], help="download, check and extract the IN-9 test release",
                                   description="Download the release archive (resuming a partial download), check "
-                                              "its SHA-256 and extract it safely into --data-path.")
+                                              "its SHA-256 and extract it safely into --data-path.",
+                                  epilog=examples("python -m tools.data fetch",
+                                                  "python -m tools.data fetch --archive backgrounds_challenge_data.tar.gz"))
     fetch_p.add_argument("--data-path", type=Path, default=None, metavar="DIR",
                          help=f"folder to hold original/, ..., fg_mask/, created if missing (default: ${DATA_ENV} if "
                               f"set, else {DEFAULT_DATA_ROOT}, where the evaluation scripts look)")
@@ -62,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify_p = commands.add_parser("verify", parents=[common], help="check a data folder and count its images",
                                    description="Check the layout both scripts read; print a variation x class table "
-                                               "and every problem; exit 2 if there is any.")
+                                               "and every problem; exit 2 if there is any.",
+                                   epilog=examples("python -m tools.data verify",
+                                                   "python -m tools.data verify --data-path data/bg_challenge --full"))
     verify_p.add_argument("--data-path", type=Path, default=None, metavar="DIR",
                           help=f"folder holding original/, ..., fg_mask/ (default: ${DATA_ENV} if set, else "
                                f"{DEFAULT_DATA_ROOT})")
@@ -78,7 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     build_p = commands.add_parser("build", parents=[common], help="make the variations from images with boxes",
                                   description="Make the eight variations and fg_mask from labelled images with one "
-                                              "bounding box each, as in the paper's Appendix A.")
+                                              "bounding box each, as in the paper's Appendix A.",
+                                  epilog=examples("python -m tools.data build --images my_images --boxes boxes.csv "
+                                                  "--out data/my_in9",
+                                                  "python -m tools.data build --images train_images --boxes boxes/ "
+                                                  "--out data/my_in9_train --split train"))
     build_p.add_argument("--images", type=Path, required=True, metavar="DIR",
                          help="folder with one sub-folder per IN-9 class, matched to the classes by name (dog or "
                               "Dog, 00_dog, or the class's WordNet id n02084071; written as 00_dog ... 08_fish), or "
@@ -117,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         "provenance", parents=[common], help="find each mixed image's background and each mask's box",
         description="Match every mixed_same/mixed_rand/mixed_next image with the only_bg_t image it was made from "
                     "(by its pixels outside the foreground mask) and box every mask; write provenance.csv, "
-                    "boxes.csv and provenance_summary.json.")
+                    "boxes.csv and provenance_summary.json.",
+        epilog=examples("python -m tools.data provenance --data-path data/bg_challenge --output provenance"))
     provenance_p.add_argument("--data-path", type=Path, default=None, metavar="DIR",
                               help=f"folder holding only_bg_t/, the mixed variations and fg_mask/ (default: "
                                    f"${DATA_ENV} if set, else {DEFAULT_DATA_ROOT})")
