@@ -49,7 +49,7 @@ def test_report_start_column_is_in9_eval_on_the_starting_file(swa, trained_start
     code, _, err = run_in_process(
         in9_eval.main,
         ["--data-path", str(tiny), "--checkpoint", str(trained_start), "--eval-dataset", "all", "--device", "cpu",
-         "--no-progress", "--results-file", str(reference)], capsys)
+         "--no-progress", "--results-file", str(reference), "--output-dir", str(tmp_path / "o")], capsys)
     assert code == 0, err
     expected = json.loads(reference.read_text())
     start = json.loads((out / "eval_start" / "in9.json").read_text())

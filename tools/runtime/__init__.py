@@ -207,7 +207,11 @@ class Runtime:
         runtime's flags are restored afterwards. The reduced-precision re-check runs under it."""
         with math_flags_kept():
             set_math_flags(Precision.FP32)
-            with torch.autocast(device_type=self.device.type, enabled=False), exact_kernels():
+            # autocast switched off only where it is on: torch warns on entering a context for a device type whose
+            # autocast it does not support, even one that turns it off
+            off = torch.autocast(device_type=self.device.type, enabled=False) \
+                if torch.is_autocast_enabled(self.device.type) else contextlib.nullcontext()
+            with off, exact_kernels():
                 yield
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
