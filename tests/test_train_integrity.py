@@ -266,6 +266,11 @@ def test_the_loop_goes_on_while_the_resume_state_is_written(tiny, tmp_path, monk
 def test_a_failed_write_of_the_resume_state_is_one_error(tiny, tmp_path, capsys, monkeypatch, one_thread):
     """The writer thread's error reaches train()'s caller, once and as itself (train.py: one error line, exit 2);
     no writer is left running."""
+    import logging  # noqa: PLC0415
+
+    # a handler an earlier in-process run left on the root logger may hold a stream pytest has closed since: its
+    # "--- Logging error ---" report would be this test's stderr
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
     save = torch.save
 
     def full_disk(payload, fh, *args, **kwargs):
