@@ -238,25 +238,16 @@ def save_vit(folder: Path, labels: list[str] | None, seed: int, num_labels: int 
     return module
 
 
-def test_a_timm_tag_with_a_checkpoint_file_takes_the_tags_data_config(timm_weights, tmp_path):
+@pytest.mark.parametrize("name", [f"{TIMM_NAME}.{TIMM_TAG}", TIMM_NAME])
+def test_a_timm_name_with_a_checkpoint_file_takes_timms_data_config(name, timm_weights, tmp_path):
     """`timm:NAME.TAG@file:CKPT` is NAME.TAG with the file's weights: timm's data config for the tag gives its
-    mean, std, input size (160 here, not 224) and interpolation, as `timm:NAME.TAG` does."""
-    module, folder = timm_weights
+    mean, std, input size (160 here, not 224) and interpolation, as `timm:NAME.TAG` does; `timm:NAME@file:CKPT`
+    (and so a timm training checkpoint, which records a bare name) takes the default tag's, as `timm:NAME` does,
+    not 224 pixels and the class-count rule."""
+    module, _ = timm_weights
     path = tmp_path / "weights.pt"
     torch.save(module.state_dict(), path)
-    loaded = load_model(f"timm:{TIMM_NAME}.{TIMM_TAG}@file:{path}")
-    assert "0.5" in loaded.normalization and "timm" in loaded.normalization
-    batch = images()
-    check_same_predictions(loaded, own_logits(module, batch, (0.5,) * 3, (0.5,) * 3, 160), batch)
-
-
-def test_an_untagged_timm_name_with_a_checkpoint_file_takes_the_default_tags_data_config(timm_weights, tmp_path):
-    """`timm:NAME@file:CKPT` (and so a timm training checkpoint, which records a bare name) is NAME with its
-    default tag's data config, as `timm:NAME` is: 160 pixels and mean/std 0.5, not 224 and the class-count rule."""
-    module, folder = timm_weights
-    path = tmp_path / "weights.pt"
-    torch.save(module.state_dict(), path)
-    loaded = load_model(f"timm:{TIMM_NAME}@file:{path}")
+    loaded = load_model(f"timm:{name}@file:{path}")
     assert "0.5" in loaded.normalization and "timm" in loaded.normalization
     batch = images()
     check_same_predictions(loaded, own_logits(module, batch, (0.5,) * 3, (0.5,) * 3, 160), batch)
