@@ -46,7 +46,15 @@ MISTAKES = [
     ("bgc-report", ["--log-level", "WARN"], "did you mean WARNING?"),
     ("bgc-analysis", [], "the following arguments are required: OUTPUT_DIR"),
     ("bgc-demo", ["--per-class", "ten"], "invalid int value: 'ten'"),
-    ("bgc-demo", ["--outt", "x"], "unrecognized arguments: --outt x"),
+    ("bgc-demo", ["--outt", "x"], "unrecognized arguments: --outt x; did you mean --out?"),
+    # the case a user typed is not a near miss of its own: upper-case choices and flags get their suggestion
+    ("bgc-challenge", ["--criterion", "ANY"], "did you mean any?"),
+    ("bgc-in9", ["--eval-dataset", "MIXED_RAND"], "did you mean mixed_rand?"),
+    ("bgc-report", ["--log-level", "debug"], "did you mean DEBUG?"),
+    # a mistyped flag names the closest flag, also with its value glued on by "="
+    ("bgc-in9", ["--eval-datset", "mixed_same"], "did you mean --eval-dataset?"),
+    ("bgc-challenge", ["--precison=bf16"], "did you mean --precision?"),
+    ("bgc-train", ["--data-path", "d", "--batchsize", "8"], "did you mean --batch-size?"),
 ]
 
 

@@ -32,6 +32,8 @@ def test_help_names_the_command_typed_and_ends_with_examples(command):
     examples = page.split("\nexamples:\n")
     assert len(examples) == 2, page[-600:]
     lines = examples[1].strip().splitlines()
+    usage = page.split("\n\n", 1)[0]  # the usage line names what cannot be left out, and says where the rest is
+    assert len(usage.splitlines()) <= 3 and "[options]" in usage and "--log-level" not in usage, usage
     assert 1 <= len(lines) <= 2 and all(line.strip().startswith(f"python {command.removeprefix('-m ')}")
                                         or line.strip().startswith(typed) for line in lines), lines
 

@@ -86,9 +86,54 @@ class ArgumentParser(argparse.ArgumentParser):
         groups = self._action_groups
         self._action_groups = sorted(groups, key=lambda group: getattr(group, "advanced", False))  # stable
         try:
-            return super().format_help()
+            with self._compact_usage():
+                return super().format_help()
         finally:
             self._action_groups = groups
+
+    def format_usage(self) -> str:
+        with self._compact_usage():
+            return super().format_usage()
+
+    @contextlib.contextmanager
+    def _compact_usage(self) -> Iterator[None]:
+        """The usage line names only what cannot be left out (required flags, positionals) and `[options]`: the
+        help page lists the options below it, in their groups (a usage line of every flag ran to 20 lines)."""
+        if self.usage is not None:
+            yield
+            return
+        flags = [action for action in self._actions if action.option_strings and action.required]
+        positionals = [action for action in self._actions if not action.option_strings]
+        parts = ["%(prog)s [-h]", self._usage_of(flags), "[options]", self._usage_of(positionals)]
+        self.usage = " ".join(part for part in parts if part)
+        try:
+            yield
+        finally:
+            self.usage = None
+
+    def _usage_of(self, actions: list) -> str:
+        if not actions:
+            return ""
+        formatter = self._get_formatter()
+        formatter.add_usage(None, actions, [], prefix="")
+        return formatter.format_help().strip().removeprefix(self.prog).strip().replace("%", "%%")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            flag = next((arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")), None)
+            hint = closest(flag, self._every_flag()) if flag else ""
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        return parsed
+
+    def _every_flag(self) -> list[str]:
+        """This parser's flags and its sub-commands' (an unknown flag after a sub-command comes back up here)."""
+        flags = []
+        for action in self._actions:
+            flags.extend(flag for flag in action.option_strings if flag.startswith("--"))
+            for sub in (action.choices or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+                flags.extend(sub._every_flag() if isinstance(sub, ArgumentParser) else [])
+        return list(dict.fromkeys(flags))
 
     def error(self, message: str):
         message = " ".join(message.split())
@@ -147,9 +192,12 @@ def examples(*commands: str) -> str:
 
 
 def closest(text: str, options) -> str:
-    """'; did you mean X?' for the option closest to a mistyped `text`, else ''."""
-    close = difflib.get_close_matches(text, [str(option) for option in options], n=1, cutoff=0.5)
-    return f"; did you mean {close[0]}?" if close else ""
+    """'; did you mean X?' for the option closest to a mistyped `text`, case aside (ANY -> any), else ''."""
+    by_folded = {}
+    for option in map(str, options):
+        by_folded.setdefault(option.casefold(), option)
+    close = difflib.get_close_matches(text.casefold(), list(by_folded), n=1, cutoff=0.5)
+    return f"; did you mean {by_folded[close[0]]}?" if close else ""
 
 
 def positive_number(unit: str) -> Callable[[str], float]:
