@@ -174,7 +174,7 @@ def in9_speed(args, precision: str) -> dict:
     first, cached = images / seconds[0], images / seconds[1]
     return {"model_images_per_s": model, "images": images, "first_run_s": seconds[0], "cached_s": seconds[1],
             "images_per_s": first, "ratio": first / model, "cached_images_per_s": cached,
-            "cached_ratio": cached / model}
+            "cached_ratio": cached / model, "rechecked_fp32": sum(result.rechecked for result in run.results.values())}
 
 
 def challenge_speed(args, full: bool) -> dict:
