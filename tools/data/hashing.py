@@ -48,9 +48,10 @@ def _hash_and_keep(path: Path, keep: bool) -> tuple[str, bytes | None]:
 
 
 def read_and_fingerprint(root: Path | str, relpaths: Sequence[str], workers: int = 4,
-                         keep: Collection[str] = ()) -> tuple[dict, dict[str, bytes]]:
-    """`fingerprint`, and the bytes of the files named in `keep`, each file read once: a run decodes the very
-    bytes it hashed, without reading them again."""
+                         keep: Collection[str] = ()) -> tuple[dict, dict[str, bytes], dict[str, str]]:
+    """`fingerprint`, the bytes of the files named in `keep`, and every file's SHA-256 (by relative path: the
+    decoded-data cache's keys), each file read once: a run decodes the very bytes it hashed, without reading them
+    again."""
     root = Path(root)
     ordered = sorted(relpaths)
     keep = set(keep)
@@ -68,4 +69,5 @@ def read_and_fingerprint(root: Path | str, relpaths: Sequence[str], workers: int
     total = sum((root / rel).stat().st_size for rel in ordered)
     log.debug("hashed %d files (%.1f MB) in %.2f s", len(ordered), total / 1e6, time.perf_counter() - start)
     return {"files": len(ordered), "bytes": total, "sha256": digest.hexdigest(), "method": FINGERPRINT_METHOD,
-            "folders": {name: folder.hexdigest() for name, folder in sorted(folders.items())}}, contents
+            "folders": {name: folder.hexdigest() for name, folder in sorted(folders.items())}}, contents, \
+        dict(zip(ordered, hashes))
