@@ -165,3 +165,29 @@ def test_the_same_pack_written_twice_keeps_one(tmp_path):
     assert store.Packs(tmp_path, "mask-original", (4,)).lookup(["a" * 64]) == [None]
     incomplete = rows.writer(["c" * 64])
     assert incomplete.commit() is None and packs(tmp_path) == [first.name]
+
+
+def test_the_rule_for_keeping_decoded_data_on_the_device():
+    cuda = torch.device("cuda")
+    gib = 1 << 30
+    assert decoding.fits_on_device(4 * gib, cuda, free=16 * gib)  # 4.9 GB of in9 `all` on a free H100: kept
+    assert not decoding.fits_on_device(4 * gib + 1, cuda, free=16 * gib)
+    assert not decoding.fits_on_device(1, torch.device("cpu"), free=16 * gib)  # the CPU streams, as before
+    assert not decoding.fits_on_device(1, None, free=16 * gib)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cached_run_on_the_device_is_kept_there_and_predicts_the_same(model, data, tmp_path, decodes, caplog):
+    def run(cache_dir):
+        run = run_in9(model, Runtime(torch.device("cuda")), list_in9_files(data, VARIATIONS, 2),
+                      In9Config(batch_size=5, workers=2, progress=False, cache_dir=cache_dir))
+        return {name: (r.accuracy, r.predictions.tolist()) for name, r in run.results.items()}
+
+    cache = tmp_path / "cache"
+    streamed, cold = run(None), run(cache)
+    decodes.clear()
+    with caplog.at_level("INFO", logger="tools.data.decoding"):
+        resident = run(cache)
+    assert decodes == [] and "kept on cuda" in caplog.text
+    assert streamed == cold == resident

@@ -149,6 +149,11 @@ def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, w
     ahead = max(2, -(-2 * workers * JOB_IMAGES // batch_size))  # batches decoding at once
     contents = contents or {}
     cached, writer = _cache_plan(root, relpaths, batch_size, starts, decoder, contents, hashes, cache_dir)
+    count = sum(min(batch_size, len(relpaths) - start) for start in starts)
+    if copies is not None and writer is not None and not writer.hashes and \
+            fits_on_device(count * IMAGE_SIZE * IMAGE_SIZE * 3, device):
+        yield from _resident_batches(relpaths, batch_size, starts, cached, device)
+        return
 
     def submit(pool, start: int):
         count = min(batch_size, len(relpaths) - start)
@@ -185,6 +190,40 @@ def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, w
                     job.cancel()
             if writer is not None:
                 writer.abort()
+
+
+RESIDENT_FRACTION = 0.25  # of the device's free memory: at most this much decoded data is kept on it
+
+
+def fits_on_device(nbytes: int, device: torch.device | None, free: int | None = None) -> bool:
+    """Whether `nbytes` of decoded data are kept on `device` for a run, rather than streamed to it batch by batch:
+    on CUDA, when they take at most `RESIDENT_FRACTION` of its free memory (`free`: as measured, by default
+    `torch.cuda.mem_get_info`), leaving the rest to the model's batches; never elsewhere."""
+    if device is None or device.type != "cuda":
+        return False
+    if free is None:
+        free = torch.cuda.mem_get_info(device)[0]
+    return nbytes <= RESIDENT_FRACTION * free
+
+
+def _resident_batches(relpaths: Sequence[str], batch_size: int, starts: Sequence[int], cached: Sequence,
+                      device: torch.device) -> Iterator[tuple[int, torch.Tensor]]:
+    """The batches at `starts`, every image of them in the cache: copied to `device` once, then sliced there."""
+    spans = [(start, min(batch_size, len(relpaths) - start)) for start in starts]
+    resident = torch.empty((sum(n for _, n in spans), IMAGE_SIZE, IMAGE_SIZE, 3), dtype=torch.uint8, device=device)
+    host = torch.empty((batch_size, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=torch.uint8)
+    at = 0
+    for start, n in spans:
+        array = host[:n].numpy()
+        for i, (rows, row) in enumerate(cached[start:start + n]):
+            array[i] = rows[row]
+        resident[at:at + n].copy_(host[:n])  # from ordinary memory: waits, so `host` may be refilled
+        at += n
+    log.info("%d decoded image(s) kept on %s for this run", at, device)
+    at = 0
+    for start, n in spans:
+        yield start, resident[at:at + n].permute(0, 3, 1, 2)  # NHWC seen as NCHW, as the streamed batches
+        at += n
 
 
 def image_packs(cache_dir: Path | None) -> Packs:
