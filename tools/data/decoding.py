@@ -1,6 +1,6 @@
-"""Decoding what the layout lists: images as uint8 tensors, masks checked and made ready for compositing, and
-the decoded-data cache keyed by content (where the toolkit's caches live, and the array cache that CLIP's
-text heads share)."""
+"""Decoding what the layout lists: images as uint8 tensors, masks checked and made ready for compositing, read
+from and written to the decoded-data cache (`tools.data.store`) as they are decoded, and kept on a CUDA device
+for a run where they fit; where the toolkit's caches live, and the array cache that CLIP's text heads share."""
 
 from __future__ import annotations
 

@@ -81,8 +81,12 @@ class Packs:
         if self.dir is None or not self.dir.is_dir():
             return []
         remove_stale_temporaries(self.dir)
-        return sorted(p for p in self.dir.iterdir() if p.name.startswith(f"{self.kind}-")
-                      and p.name.endswith(f"-v{STORE_VERSION}") and p.is_dir())
+        try:
+            return sorted(p for p in self.dir.iterdir() if p.name.startswith(f"{self.kind}-")
+                          and p.name.endswith(f"-v{STORE_VERSION}") and p.is_dir())
+        except OSError as exc:
+            log.warning("cannot read the cache at %s (%s); continuing without it", self.dir, exc)
+            return []
 
     def lookup(self, hashes: Sequence[str]) -> list[tuple[np.ndarray, int] | None]:
         """Per file hash: (the rows of a pack holding it, read-only and mapped, its row there), or None."""
