@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from tools.data.compositing import MaskArithmetic, original_weights
 from tools.data.decoders import Decoder, decode_bytes, pillow_rgb
-from tools.data.hashing import sha256_file
+from tools.data.hashing import read_and_fingerprint
 from tools.data.store import Packs, PackWriter, remove_stale_temporaries, temporary_prefix
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE
@@ -386,7 +386,8 @@ def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[
         return kept(key)
     contents = contents or {}
     if cache_dir is not None and hashes is None:
-        hashes = _file_hashes(root, [*masks, *(p for relpaths in images.values() for p in relpaths)], contents)
+        hashes = _file_hashes(root, [*masks, *(p for relpaths in images.values() for p in relpaths)], contents,
+                              workers)
     mask_array = _masks_cached(root, masks, arithmetic, contents, hashes, cache_dir)  # a refused mask stops it first
     decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}", decoder, contents, hashes,
                                    cache_dir) for name, relpaths in images.items()}
@@ -394,9 +395,11 @@ def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[
     return decoded, mask_array
 
 
-def _file_hashes(root: Path, relpaths: Sequence[str], contents: Mapping[str, bytes]) -> dict[str, str]:
-    return {rel: hashlib.sha256(contents[rel]).hexdigest() if rel in contents else sha256_file(Path(root) / rel)
-            for rel in relpaths}
+def _file_hashes(root: Path, relpaths: Sequence[str], contents: Mapping[str, bytes], workers: int) -> dict[str, str]:
+    """The files' SHA-256 by relative path, from `contents` where it holds them, else read in `workers` threads."""
+    unread = [rel for rel in relpaths if rel not in contents]
+    hashes = read_and_fingerprint(root, unread, workers)[2] if unread else {}
+    return {**hashes, **{rel: hashlib.sha256(contents[rel]).hexdigest() for rel in relpaths if rel in contents}}
 
 
 def _masks_cached(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic, contents: Mapping[str, bytes],
