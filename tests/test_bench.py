@@ -38,6 +38,7 @@ def test_gpu_command_runs_small_on_the_cpu(tmp_path):
     assert report["parts"]["model-fp32-eager"]["images_per_s"] > 0
     assert report["parts"]["in9-fp32"]["images"] == 8 * 9
     assert report["ratios"]["in9-fp32 cached_ratio"] > 0  # the second run read the decoded variations from memory
+    assert report["ratios"]["in9-fp32 disk_cached_ratio"] > 0  # the third, from the decoded-data cache on disk
     full = report["parts"]["challenge-full"]
     assert full["composites"] == full["foregrounds"] * full["backgrounds"] == 4 * 9
     for name in parts[1:]:

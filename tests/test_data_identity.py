@@ -105,6 +105,7 @@ def test_challenge_sees_a_file_rewritten_in_place(what, capsys, data, model, tmp
     assert code == 0, err
     before = np.load(tmp_path / "first" / "predictions.npy")
     old_hash = results(tmp_path / "first")["provenance"]["data"]["sha256"]
+    packs = {p for p in cache.iterdir() if not p.name.startswith(".")}
 
     change(data, what)
     # the cache: the rewritten data is decoded afresh, and the run equals one without any cache
@@ -115,7 +116,9 @@ def test_challenge_sees_a_file_rewritten_in_place(what, capsys, data, model, tmp
     assert code == 0, err
     assert np.array_equal(after, np.load(tmp_path / "fresh" / "predictions.npy"))
     assert not np.array_equal(after, before)  # the change matters, so a stale cache would have shown
-    assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 2
+    # one new pack in the cache, of the one rewritten file's row
+    (new,) = {p for p in cache.iterdir() if not p.name.startswith(".")} - packs
+    assert json.loads((new / "meta.json").read_text())["count"] == 1
     # the provenance
     new_hash = results(tmp_path / "second")["provenance"]["data"]["sha256"]
     assert new_hash != old_hash
@@ -153,4 +156,6 @@ def test_the_cache_returns_exactly_what_was_decoded(arithmetic, pristine, tmp_pa
     for name in ("fg_images", "masks", "bg_images"):
         assert torch.equal(getattr(fresh, name), getattr(cached, name)), name
         assert torch.equal(getattr(uncached, name), getattr(cached, name)), name
-    assert len(list((tmp_path / "cache").iterdir())) == 1
+    # written once: a pack of masks, and one of images per group decoded (foregrounds, backgrounds)
+    kinds = sorted(p.name.rsplit("-", 2)[0] for p in (tmp_path / "cache").iterdir())
+    assert kinds == ["image", "image", f"mask-{arithmetic}"]

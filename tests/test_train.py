@@ -416,7 +416,7 @@ def test_decoded_store_is_made_once_and_keyed_by_content(tmp_path, monkeypatch):
         raise AssertionError("decoded again")
 
     with monkeypatch.context() as patch:
-        patch.setattr(decoding, "decode_images", refuse)
+        patch.setattr(decoding, "decode_bytes", refuse)
         again = training_data.decoded_store(records, fingerprint(root, records.relpaths(), 1), 1, False)
     assert torch.equal(again.images, first.images) and torch.equal(again.masks, first.masks)
     shutil.copyfile(root / records.backgrounds[0], root / records.images[0])

@@ -100,8 +100,9 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         raise UserError(f"batch_size must be at least 1, not {batch_size}")
     if workers is not None and workers < 1:
         raise UserError(f"workers must be at least 1, not {workers}")
+    cache_root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) if cache else None
     in9_config = In9Config(tuple(_variations(variations)), batch_size, progress=progress and group.is_main,
-                           **({} if workers is None else {"workers": workers}))
+                           cache_dir=cache_root, **({} if workers is None else {"workers": workers}))
     challenge_config = ChallengeConfig(full=full, batch_size=batch_size, progress=in9_config.progress)
     # every cheap input is checked before any model is built or moved
     in9_files = list_in9_files(data_path, in9_config.variations, in9_config.workers)
@@ -119,9 +120,8 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         in9.provenance["device_check"] = in9_check
         found = None
         if challenge_files is not None:
-            data = load_challenge_data(challenge_files, in9_config.workers,
-                                       (Path(cache_dir) if cache_dir is not None else default_cache_dir())
-                                       if cache else None, challenge_config.progress, challenge_config.mask_arithmetic)
+            data = load_challenge_data(challenge_files, in9_config.workers, cache_root, challenge_config.progress,
+                                       challenge_config.mask_arithmetic)
             found = run_challenge(loaded, runtime, data, challenge_config, output_dir, resume)
             found.provenance["device_check"] = in9_check  # one float64 reference a call: it costs (see check_run)
     files = {}

@@ -160,7 +160,8 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                         listings: dict[str, list[layout.ImageRecord]] | None = None,
                         shard: Shard | None = None, recheck_margin: float = RECHECK_MARGIN,
                         decoder: decoders.Decoder = decoders.Decoder.PILLOW, fingerprint: dict | None = None,
-                        contents: dict[str, bytes] | None = None, forwards: list | None = None
+                        contents: dict[str, bytes] | None = None, forwards: list | None = None,
+                        hashes: dict[str, str] | None = None, cache_dir: Path | None = None
                         ) -> dict[str, VariationResult]:
     """Predict every image of the named variations in one stream of batches; results keyed by variation.
 
@@ -168,7 +169,9 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     ties (top-two margin below `recheck_margin`; 0: none) are re-run in fp32, as the challenge does. `decoder`
     decodes the JPEGs (`decoders.choose_decoder`). With the files' `fingerprint`, inside `datasets.keep_decoded`
     (the zoo), the decoded variations are kept by content for the next run, which reads them from memory.
-    `contents`: the files' bytes already read (`list_in9_files`), by relative path. `forwards`: gets the `Forward`
+    `contents`: the files' bytes already read (`list_in9_files`), by relative path. With the files' content
+    `hashes` (by relative path) and a `cache_dir`, images are read from the decoded-data cache where it holds them
+    and cached where decoded (`tools.data.store`). `forwards`: gets the `Forward`
     that ran the batches (its batch size as run, for the provenance), if any ran."""
     root = Path(root)
     if listings is None:
@@ -198,7 +201,7 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     if runtime.group.distributed or shard is not None:
         share = shard or Shard(runtime.group.rank, runtime.group.world_size)
         predictions, rechecked, changed = _predict_share(root, all_paths, batch_size, workers, runtime, forward, recheck,
-                                                         progress, share, decoder, contents)
+                                                         progress, share, decoder, contents, hashes, cache_dir)
         shares = [(name, relpaths, labels, lo, hi, int(rechecked[lo:hi].sum()), int(changed[lo:hi].sum()))
                   for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:])]
         if shard is not None:  # this shard's predictions alone, the others' NOT_MINE: for tools.merge
@@ -218,7 +221,7 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     else:
         batches = datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin(), decoder=decoder,
                                                 device=None if kept is not None else runtime.device,
-                                                contents=contents)
+                                                contents=contents, hashes=hashes, cache_dir=cache_dir)
     pieces: list[torch.Tensor] = []  # predictions on the device for images buffer_start..end-1
     buffer_start = finished = 0
     bar = tqdm(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
@@ -266,7 +269,8 @@ def _batches_in_memory(groups: list[torch.Tensor], batch_size: int):
 
 def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
                    forward: Forward, recheck: _Recheck, progress: bool, share: Shard, decoder: decoders.Decoder,
-                   contents: dict[str, bytes] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   contents: dict[str, bytes] | None, hashes: dict[str, str] | None = None,
+                   cache_dir: Path | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The stream's batches dealt out in turn (batch i to share i mod N), each image predicted in the very batch
     one process would put it in; under torchrun every prediction is then gathered into every process, and an
     independent shard keeps NOT_MINE (-2) where others predict. With the predictions, per position: whether it
@@ -278,7 +282,8 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
         with tqdm(total=len(relpaths), unit="img", desc="evaluating", disable=not progress,
                   dynamic_ncols=True) as bar:
             for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(),
-                                                              starts, decoder, runtime.device, contents):
+                                                              starts, decoder, runtime.device, contents,
+                                                              hashes, cache_dir):
                 images = runtime.to_device(batch)
                 preds[start:start + batch.shape[0]] = recheck.note(forward(images), images, start).cpu().numpy()
                 bar.update(batch.shape[0] * share.count)
@@ -334,6 +339,7 @@ class In9Files:
     decoder: decoders.Decoder = decoders.Decoder.PILLOW  # chosen on a few of these files (`choose_decoder`)
     # the files' bytes, read once when hashed, until evaluated (`run_in9` empties it)
     contents: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+    hashes: dict[str, str] | None = field(default=None, repr=False, compare=False)  # each file's SHA-256
 
 
 def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None) -> In9Files:
@@ -344,9 +350,9 @@ def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None)
     root = Path(root)
     listings = {name: layout.list_variation(root, name) for name in names}
     relpaths = [r.relpath for name in names for r in listings[name]]
-    content_fingerprint, contents = read_and_fingerprint(root, relpaths, workers, keep=relpaths)
+    content_fingerprint, contents, hashes = read_and_fingerprint(root, relpaths, workers, keep=relpaths)
     decoder = decoders.choose_decoder([contents[rel] for rel in decoders.probe_sample(relpaths)])
-    return In9Files(root, listings, content_fingerprint, decoder, contents)
+    return In9Files(root, listings, content_fingerprint, decoder, contents, hashes)
 
 
 @dataclass
@@ -358,6 +364,7 @@ class In9Config:
     workers: int = field(default_factory=default_workers)  # image-decoding threads
     progress: bool = True
     recheck_margin: float = RECHECK_MARGIN  # in reduced precision, near ties below it are re-run in fp32; 0: off
+    cache_dir: Path | None = None  # the decoded-data cache (tools.data.store); None: neither read nor written
 
 
 def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, config: In9Config, *,
@@ -377,7 +384,8 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, confi
     forwards: list[Forward] = []
     results = evaluate_variations(loaded, runtime, files.root, names, runtime.batch_size(config.batch_size),
                                   config.workers, state_path, resume, key, config.progress, files.listings, shard,
-                                  config.recheck_margin, files.decoder, files.fingerprint, files.contents, forwards)
+                                  config.recheck_margin, files.decoder, files.fingerprint, files.contents, forwards,
+                                  files.hashes, config.cache_dir)
     files.contents.clear()  # decoded: the bytes are not needed again
     info = provenance(runtime.describe(), loaded.describe(), files.fingerprint, files.decoder.value)
     info.update(forwards[0].provenance() if forwards else {"batch_size": key["batch_size"]})

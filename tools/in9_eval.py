@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"fp32, as the challenge does, so near ties get fp32's prediction (default: "
                              f"{RECHECK_MARGIN} in reduced precision; 0 turns it off)")
     options.add_common_arguments(parser)
+    options.add_cache_arguments(parser.add_argument_group("cache"))
     return parser
 
 
@@ -44,7 +45,8 @@ def _main(args: argparse.Namespace) -> int:
     names = list(VARIATIONS if args.eval_dataset == "all" else (args.eval_dataset,))
     if args.categories:
         names += [v for v in CATEGORY_VARIATIONS.values() if v not in names]
-    config = In9Config(tuple(names), args.batch_size, args.workers, checked.progress, args.recheck_margin)
+    config = In9Config(tuple(names), args.batch_size, args.workers, checked.progress, args.recheck_margin,
+                       options.cache_dir_from_args(args))
     files = list_in9_files(checked.data_path, names, args.workers)  # every data check before any model is built
     loaded = options.model_from_args(args, runtime, checked.progress)
     first = first_images(files.root, [r.relpath for r in files.listings[names[0]]], args.workers)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tools import distributed
 from tools.cli import ArgumentParser, BooleanFlag, add_log_level_argument, positive_number
+from tools.data.decoding import default_cache_dir
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
@@ -59,6 +60,18 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--data-path", type=Path, default=None, metavar="DIR",
                       help=f"folder holding original/, only_fg/, ..., fg_mask/ (the release's bg_challenge/) "
                            f"(default: ${DATA_ENV} if set, else {DEFAULT_DATA_ROOT})")
+
+
+def add_cache_arguments(group) -> None:
+    """--cache-dir and --no-cache: the decoded-data cache every command shares (tools.data.store)."""
+    group.add_argument("--cache-dir", type=Path, default=default_cache_dir(), metavar="DIR",
+                       help=f"decoded-data cache, keyed by the files' content (default: {default_cache_dir()})")
+    group.add_argument("--no-cache", action="store_true",
+                       help="neither read nor write the decoded-data cache (default: off)")
+
+
+def cache_dir_from_args(args: argparse.Namespace) -> Path | None:
+    return None if args.no_cache else args.cache_dir
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -237,7 +237,8 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
                                          settings.workers)
     device_check = check_run(loaded, runtime, data.check_images, settings.allow_inexact_device)
     with distributed.agree(runtime.group, runtime.device):
-        in9 = run_in9(loaded, runtime, data.in9, In9Config(VARIATIONS, settings.batch_size, settings.workers, progress),
+        in9 = run_in9(loaded, runtime, data.in9, In9Config(VARIATIONS, settings.batch_size, settings.workers, progress,
+                                                         cache_dir=settings.cache_dir),
                       output_dir=state_dir, resume=True)
     with distributed.agree(runtime.group, runtime.device):
         challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,

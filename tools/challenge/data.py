@@ -43,6 +43,7 @@ class ChallengeFiles(Pairs):
     decoder: decoders.Decoder = decoders.Decoder.PILLOW  # chosen on a few of these files (`choose_decoder`)
     # the files' bytes, read once when hashed, until decoded (`load_challenge_data` empties it)
     contents: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+    hashes: dict[str, str] | None = field(default=None, repr=False, compare=False)  # each file's SHA-256
 
 
 @dataclass
@@ -78,22 +79,22 @@ def list_challenge_files(root: Path, workers: int = 4) -> ChallengeFiles:
     backgrounds = layout.list_variation(root, Variation.ONLY_BG_T.value)
     relpaths = [p for r in foregrounds for p in (r.image_relpath, r.mask_relpath)] + [r.relpath for r in backgrounds]
     images = [r.image_relpath for r in foregrounds] + [r.relpath for r in backgrounds]
-    content_fingerprint, contents = read_and_fingerprint(root, relpaths, workers, keep=relpaths)
+    content_fingerprint, contents, hashes = read_and_fingerprint(root, relpaths, workers, keep=relpaths)
     decoder = decoders.choose_decoder([contents[rel] for rel in decoders.probe_sample(images)])
-    return ChallengeFiles(foregrounds, backgrounds, root, content_fingerprint, decoder, contents)
+    return ChallengeFiles(foregrounds, backgrounds, root, content_fingerprint, decoder, contents, hashes)
 
 
 def load_challenge_data(files: ChallengeFiles | Path, workers: int, cache_dir: Path | None = None,
                         progress: bool = True, arithmetic: MaskArithmetic = MaskArithmetic.BINARY) -> ChallengeData:
-    """Decode foregrounds, masks and backgrounds once; reuse a decoded copy from `cache_dir` when the content
-    fingerprint (and the mask arithmetic) match."""
+    """Decode foregrounds, masks and backgrounds once; each read from the decoded-data cache in `cache_dir` where it
+    holds that file's content (for a mask, with this arithmetic), whichever command decoded it."""
     if not isinstance(files, ChallengeFiles):
         files = list_challenge_files(files, workers)
     images, masks = datasets.decode_cached(
         files.root, {"foregrounds": [r.image_relpath for r in files.foregrounds],
                      "backgrounds": [r.relpath for r in files.backgrounds]},
         [r.mask_relpath for r in files.foregrounds], files.fingerprint, cache_dir, arithmetic, workers, progress,
-        files.decoder, files.contents)
+        files.decoder, files.contents, files.hashes)
     files.contents.clear()  # decoded: the bytes are not needed again
     fg, bg = images["foregrounds"], images["backgrounds"]
     masks = byte_masks(masks) if arithmetic is MaskArithmetic.BINARY else masks.unsqueeze(1).contiguous()

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from tools.challenge.scheduler import ChallengeConfig, Criterion
 from tools.data.compositing import MaskArithmetic
-from tools.data.decoding import default_cache_dir
+from tools.options import add_cache_arguments, cache_dir_from_args
+
+__all__ = ["add_search_arguments", "cache_dir_from_args", "challenge_config_from_args"]
 
 DEFAULTS = ChallengeConfig()
 
@@ -34,11 +35,7 @@ def add_search_arguments(group) -> None:
                             f"with other values are refused. original: the original script's arithmetic for any "
                             f"values, weight = (uint8(mask) * 255 mod 256) / 255 blended in float, to reproduce "
                             f"its numbers on such masks (default: {DEFAULTS.mask_arithmetic.value})")
-    group.add_argument("--cache-dir", type=Path, default=default_cache_dir(), metavar="DIR",
-                       help=f"decoded-data cache, keyed by the data's content fingerprint (default: "
-                            f"{default_cache_dir()})")
-    group.add_argument("--no-cache", action="store_true",
-                       help="neither read nor write the decoded-data cache (default: off)")
+    add_cache_arguments(group)
     group.add_argument("--save-every", type=float, default=DEFAULTS.save_every, metavar="SECONDS",
                        help=f"seconds between saves of the search state (default: {DEFAULTS.save_every:g})")
 
@@ -48,7 +45,3 @@ def challenge_config_from_args(args: argparse.Namespace, progress: bool, full: b
     return ChallengeConfig(criterion=args.criterion, full=full, batch_size=args.batch_size,
                            save_every=args.save_every, recheck_margin=args.recheck_margin, progress=progress,
                            mask_arithmetic=args.mask_arithmetic)
-
-
-def cache_dir_from_args(args: argparse.Namespace) -> Path | None:
-    return None if args.no_cache else args.cache_dir

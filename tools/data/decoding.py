@@ -1,18 +1,18 @@
-"""Decoding what the layout lists: images as uint8 tensors, masks checked and made ready for compositing, and
-the decoded-data cache keyed by content (where the toolkit's caches live, and the array cache that CLIP's
-text heads share)."""
+"""Decoding what the layout lists: images as uint8 tensors, masks checked and made ready for compositing, read
+from and written to the decoded-data cache (`tools.data.store`) as they are decoded, and kept on a CUDA device
+for a run where they fit; where the toolkit's caches live, and the array cache that CLIP's text heads share."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import contextlib
+import hashlib
 import io
 import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -22,8 +22,9 @@ import torch
 from tqdm import tqdm
 
 from tools.data.compositing import MaskArithmetic, original_weights
-from tools.data.decoders import Decoder, decode_bytes
-from tools.data.temporary import is_running
+from tools.data.decoders import Decoder, decode_bytes, pillow_rgb
+from tools.data.hashing import read_and_fingerprint
+from tools.data.store import Packs, PackWriter, remove_stale_temporaries, temporary_prefix
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE
 from tools.runtime import to_device
@@ -31,7 +32,6 @@ from tools.runtime import to_device
 log = logging.getLogger(__name__)
 
 DECODE_CHUNK = 64  # images per decoding job
-CACHE_VERSION = 4  # of the decoded-data cache's entries
 
 
 def decode_rgb(path: Path, size: int = IMAGE_SIZE, decoder: Decoder = Decoder.PILLOW,
@@ -95,10 +95,17 @@ JOB_IMAGES = 32  # images per decoding job: small enough that every thread has w
 
 
 def _decode_into(out: torch.Tensor, root: Path, relpaths: Sequence[str], decoder: Decoder,
-                 contents: Mapping[str, bytes]) -> None:
+                 contents: Mapping[str, bytes], cached: Sequence, writer: PackWriter | None = None) -> None:
+    """Fill `out` (NHWC) with the images of `relpaths`: from `cached` (per image: a cache pack's (rows, row), or
+    (None, i): decode it, and write it as row i of `writer`)."""
     array = out.numpy()  # NHWC
-    for i, rel in enumerate(relpaths):
+    for i, (rel, (rows, row)) in enumerate(zip(relpaths, cached)):
+        if rows is not None:
+            array[i] = rows[row]
+            continue
         array[i] = decode_rgb(Path(root) / rel, decoder=decoder, data=contents.get(rel))
+        if writer is not None:
+            writer.put(row, array[i])
 
 
 class _DeviceCopies:
@@ -124,26 +131,36 @@ class _DeviceCopies:
 def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, workers: int,
                          pin_memory: bool = False, starts: Sequence[int] | None = None,
                          decoder: Decoder = Decoder.PILLOW, device: torch.device | None = None,
-                         contents: Mapping[str, bytes] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+                         contents: Mapping[str, bytes] | None = None, hashes: Mapping[str, str] | None = None,
+                         cache_dir: Path | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield (start index, uint8 Nx3xHxW batch) in order (every batch, or those beginning at `starts`), decoded
     ahead by `workers` threads in jobs of `JOB_IMAGES` images straight into each batch's buffer (pinned with
     `pin_memory`: PyTorch's host allocator recycles those blocks only once the copies reading them are done).
 
     `contents`: files' bytes already read (when hashing them), by relative path; the others are read here.
-    With a CUDA `device` the batches come on it, copied on a side stream. Pillow and decode_jpeg release the GIL
-    while they decode, so threads decode in parallel; errors (unreadable files, wrong sizes) surface as they
-    are, naming the file."""
-    starts = range(0, len(relpaths), batch_size) if starts is None else starts
+    With the files' content `hashes` (by relative path) and a `cache_dir`, images the decoded-data cache holds
+    (`tools.data.store`) are copied from it, and those decoded here are cached in one pack when the last batch
+    is out. With a CUDA `device` the batches come on it, copied on a side stream. Pillow and decode_jpeg release
+    the GIL while they decode, so threads decode in parallel; errors (unreadable files, wrong sizes) surface as
+    they are, naming the file."""
+    starts = list(range(0, len(relpaths), batch_size) if starts is None else starts)
     workers = max(1, workers)
     copies = _DeviceCopies(device) if device is not None and device.type == "cuda" else None
     ahead = max(2, -(-2 * workers * JOB_IMAGES // batch_size))  # batches decoding at once
     contents = contents or {}
+    cached, writer = _cache_plan(root, relpaths, batch_size, starts, decoder, contents, hashes, cache_dir)
+    count = sum(min(batch_size, len(relpaths) - start) for start in starts)
+    if copies is not None and writer is not None and not writer.hashes and \
+            fits_on_device(count * IMAGE_SIZE * IMAGE_SIZE * 3, device):
+        yield from _resident_batches(relpaths, batch_size, starts, cached, device)
+        return
 
     def submit(pool, start: int):
         count = min(batch_size, len(relpaths) - start)
         out = torch.empty((count, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=torch.uint8, pin_memory=pin_memory)
         jobs = [pool.submit(_decode_into, out[i:i + JOB_IMAGES], root,
-                            relpaths[start + i:start + min(i + JOB_IMAGES, count)], decoder, contents)
+                            relpaths[start + i:start + min(i + JOB_IMAGES, count)], decoder, contents,
+                            cached[start + i:start + min(i + JOB_IMAGES, count)], writer)
                 for i in range(0, count, JOB_IMAGES)]
         return start, out, jobs
 
@@ -165,20 +182,91 @@ def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, w
                 # NHWC storage seen as NCHW: exactly torch's channels_last layout, no copy.
                 batch = out.permute(0, 3, 1, 2)
                 yield start, (copies(batch) if copies is not None else batch)
+            if writer is not None:
+                writer.commit()
         finally:
             for _, _, jobs in pending:
                 for job in jobs:
                     job.cancel()
+            if writer is not None:
+                writer.abort()
+
+
+RESIDENT_FRACTION = 0.25  # of the device's free memory: at most this much decoded data is kept on it
+
+
+def fits_on_device(nbytes: int, device: torch.device | None, free: int | None = None) -> bool:
+    """Whether `nbytes` of decoded data are kept on `device` for a run, rather than streamed to it batch by batch:
+    on CUDA, when they take at most `RESIDENT_FRACTION` of its free memory (`free`: as measured, by default
+    `torch.cuda.mem_get_info`), leaving the rest to the model's batches; never elsewhere."""
+    if device is None or device.type != "cuda":
+        return False
+    if free is None:
+        free = torch.cuda.mem_get_info(device)[0]
+    return nbytes <= RESIDENT_FRACTION * free
+
+
+def _resident_batches(relpaths: Sequence[str], batch_size: int, starts: Sequence[int], cached: Sequence,
+                      device: torch.device) -> Iterator[tuple[int, torch.Tensor]]:
+    """The batches at `starts`, every image of them in the cache: copied to `device` once, then sliced there."""
+    spans = [(start, min(batch_size, len(relpaths) - start)) for start in starts]
+    resident = torch.empty((sum(n for _, n in spans), IMAGE_SIZE, IMAGE_SIZE, 3), dtype=torch.uint8, device=device)
+    host = torch.empty((batch_size, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=torch.uint8)
+    at = 0
+    for start, n in spans:
+        array = host[:n].numpy()
+        for i, (rows, row) in enumerate(cached[start:start + n]):
+            array[i] = rows[row]
+        resident[at:at + n].copy_(host[:n])  # from ordinary memory: waits, so `host` may be refilled
+        at += n
+    log.info("%d decoded image(s) kept on %s for this run", at, device)
+    at = 0
+    for start, n in spans:
+        yield start, resident[at:at + n].permute(0, 3, 1, 2)  # NHWC seen as NCHW, as the streamed batches
+        at += n
+
+
+def image_packs(cache_dir: Path | None) -> Packs:
+    """The decoded-data cache's image rows (HxWx3 uint8, Pillow's pixels), shared by every command."""
+    return Packs(cache_dir, "image", (IMAGE_SIZE, IMAGE_SIZE, 3))
+
+
+def _cache_plan(root: Path, relpaths: Sequence[str], batch_size: int, starts: Sequence[int], decoder: Decoder,
+                contents: Mapping[str, bytes], hashes: Mapping[str, str] | None,
+                cache_dir: Path | None) -> tuple[list, PackWriter | None]:
+    """Per image of `relpaths`: (rows, row) of a cache pack that holds it, or (None, i) where it is decoded as
+    row i of the writer returned (None without a cache)."""
+    if hashes is None or cache_dir is None:
+        return [(None, 0)] * len(relpaths), None
+    mine = [p for start in starts for p in range(start, min(start + batch_size, len(relpaths)))]
+    found = image_packs(cache_dir).lookup([hashes[relpaths[p]] for p in mine])
+    cached: list = [(None, 0)] * len(relpaths)
+    missing = []
+    for p, hit in zip(mine, found):
+        cached[p] = hit if hit is not None else (None, len(missing))
+        if hit is None:
+            missing.append(p)
+    if mine:
+        log.info("%d of %d image(s) read from the decoded-data cache", len(mine) - len(missing), len(mine))
+
+    def is_pillows(i: int, row: np.ndarray) -> bool:
+        path = Path(root) / relpaths[missing[i]]
+        return np.array_equal(row, pillow_rgb(contents.get(relpaths[missing[i]]) or path.read_bytes(), path))
+
+    return cached, image_packs(cache_dir).writer([hashes[relpaths[p]] for p in missing],
+                                                 is_pillows if decoder is Decoder.TORCHVISION else None)
 
 
 def decode_images(root: Path, relpaths: Sequence[str], workers: int, progress: bool = True,
                   desc: str = "decoding", decoder: Decoder = Decoder.PILLOW,
-                  contents: Mapping[str, bytes] | None = None) -> torch.Tensor:
-    """Every image as one uint8 (N, 3, H, W) tensor, decoded in `workers` threads, with a progress bar."""
+                  contents: Mapping[str, bytes] | None = None, hashes: Mapping[str, str] | None = None,
+                  cache_dir: Path | None = None) -> torch.Tensor:
+    """Every image as one uint8 (N, 3, H, W) tensor, decoded in `workers` threads, with a progress bar (through the
+    decoded-data cache with `hashes` and a `cache_dir`: `iter_decoded_batches`)."""
     out = torch.empty((len(relpaths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8)
     with tqdm(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
         for start, batch in iter_decoded_batches(root, relpaths, DECODE_CHUNK, workers, decoder=decoder,
-                                                 contents=contents):
+                                                 contents=contents, hashes=hashes, cache_dir=cache_dir):
             out[start:start + batch.shape[0]] = batch
             bar.update(batch.shape[0])
     return out
@@ -199,28 +287,6 @@ def default_cache_dir() -> Path:
     ~/.cache/bg-challenge-toolkit."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "bg-challenge-toolkit"
-
-
-def _temporary_prefix(pid: int | None = None) -> str:
-    """`.tmp-HOST@` starts the names of the cache entries being written on this machine, `.tmp-HOST@PID@` those
-    of process PID (no host name holds an @)."""
-    host = f".tmp-{socket.gethostname()}@"
-    return host if pid is None else f"{host}{pid}@"
-
-
-def remove_stale_temporaries(cache_dir: Path) -> None:
-    """Remove the half-written entries of processes of this machine that are no longer running (killed while
-    saving); entries of running processes, and of other machines sharing the folder, are left alone."""
-    mine = _temporary_prefix()
-    try:
-        candidates = [p for p in Path(cache_dir).iterdir() if p.name.startswith(mine) and p.is_dir()]
-    except OSError:
-        return
-    for folder in candidates:
-        pid = folder.name[len(mine):].split("@", 1)[0]
-        if pid.isdigit() and not is_running(int(pid)):
-            log.info("removing %s, left by process %s that was stopped while writing the cache", folder, pid)
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 class DecodedCache:
@@ -259,7 +325,7 @@ class DecodedCache:
         tmp = None
         try:
             self.folder.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=self.folder.parent, prefix=_temporary_prefix(os.getpid())))
+            tmp = Path(tempfile.mkdtemp(dir=self.folder.parent, prefix=temporary_prefix(os.getpid())))
             for name, array in arrays.items():
                 np.save(tmp / f"{name}.npy", array)
             (tmp / "meta.json").write_text(json.dumps(self.meta))
@@ -308,36 +374,56 @@ def keep(key: str, value: object) -> None:
 def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], fingerprint: dict,
                   cache_dir: Path | None, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4,
                   progress: bool = True, decoder: Decoder = Decoder.PILLOW,
-                  contents: Mapping[str, bytes] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Named groups of images as uint8 (N, 3, H, W) tensors and the masks (`load_masks`), decoded once and
-    reused from `cache_dir` when the content fingerprint and the mask arithmetic match (the challenge's data, and
-    train.py's store: tools.training.data.decoded_store). Binary masks are cached as packed bits. The key leaves
-    out the decoder: `choose_decoder` lets torchvision decode only where its pixels are Pillow's."""
-    cache = DecodedCache(cache_dir, f"{fingerprint['sha256'][:24]}-{arithmetic.value}-v{CACHE_VERSION}",
-                         {"fingerprint": fingerprint, "mask_arithmetic": arithmetic.value, "groups": list(images)})
+                  contents: Mapping[str, bytes] | None = None,
+                  hashes: Mapping[str, str] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Named groups of images as uint8 (N, 3, H, W) tensors and the masks (`load_masks`), each image and mask read
+    from the decoded-data cache in `cache_dir` where it holds that file's content (and, for masks, the mask
+    arithmetic), decoded and cached otherwise (the challenge's data, and train.py's store:
+    tools.training.data.decoded_store). `hashes`: the files' SHA-256 by relative path, when already computed.
+    Inside `keep_decoded` (the zoo), kept in memory by the data's fingerprint for the next run."""
     key = f"decoded:{fingerprint['sha256']}:{arithmetic.value}:{','.join(images)}"
     if kept(key) is not None:
         return kept(key)
-    decoded = _decode_cached(root, images, masks, cache, arithmetic, workers, progress, decoder, contents or {})
-    keep(key, decoded)
-    return decoded
+    contents = contents or {}
+    if cache_dir is not None and hashes is None:
+        hashes = _file_hashes(root, [*masks, *(p for relpaths in images.values() for p in relpaths)], contents,
+                              workers)
+    mask_array = _masks_cached(root, masks, arithmetic, contents, hashes, cache_dir)  # a refused mask stops it first
+    decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}", decoder, contents, hashes,
+                                   cache_dir) for name, relpaths in images.items()}
+    keep(key, (decoded, mask_array))
+    return decoded, mask_array
 
 
-def _decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], cache: DecodedCache,
-                   arithmetic: MaskArithmetic, workers: int, progress: bool, decoder: Decoder,
-                   contents: Mapping[str, bytes]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _file_hashes(root: Path, relpaths: Sequence[str], contents: Mapping[str, bytes], workers: int) -> dict[str, str]:
+    """The files' SHA-256 by relative path, from `contents` where it holds them, else read in `workers` threads."""
+    unread = [rel for rel in relpaths if rel not in contents]
+    hashes = read_and_fingerprint(root, unread, workers)[2] if unread else {}
+    return {**hashes, **{rel: hashlib.sha256(contents[rel]).hexdigest() for rel in relpaths if rel in contents}}
+
+
+def _masks_cached(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic, contents: Mapping[str, bytes],
+                  hashes: Mapping[str, str] | None, cache_dir: Path | None) -> torch.Tensor:
+    """`load_masks`, each mask read from the cache where it holds that file's content for this arithmetic; binary
+    masks are cached as packed bits."""
     packed = arithmetic is MaskArithmetic.BINARY
-    cached = cache.load([*images, "masks"])
-    if cached is not None:
-        mask_array = cached["masks"]
-        if packed:
-            pixels = IMAGE_SIZE * IMAGE_SIZE
-            mask_array = np.unpackbits(mask_array, axis=1, count=pixels).astype(bool).reshape(-1, IMAGE_SIZE,
-                                                                                               IMAGE_SIZE)
-        return {name: torch.from_numpy(cached[name]) for name in images}, torch.from_numpy(mask_array)
-    mask_array = load_masks(root, masks, arithmetic, contents)  # first: a refused mask stops the run before decoding
-    decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}", decoder, contents)
-               for name, relpaths in images.items()}
-    stored = np.packbits(mask_array.reshape(len(mask_array), IMAGE_SIZE * IMAGE_SIZE), axis=1) if packed else mask_array
-    cache.save({**{name: tensor.numpy() for name, tensor in decoded.items()}, "masks": stored})
-    return decoded, torch.from_numpy(mask_array)
+    pixels = IMAGE_SIZE * IMAGE_SIZE
+    packs = Packs(cache_dir, f"mask-{arithmetic.value}", (pixels // 8,) if packed else (IMAGE_SIZE, IMAGE_SIZE))
+    found = packs.lookup([hashes[rel] for rel in relpaths]) if hashes is not None else [None] * len(relpaths)
+    missing = [i for i, hit in enumerate(found) if hit is None]
+    fresh = load_masks(root, [relpaths[i] for i in missing], arithmetic, contents)
+    fresh = np.packbits(fresh.reshape(len(fresh), pixels), axis=1) if packed else fresh
+    rows = np.empty((len(relpaths), *packs.row_shape), np.uint8)
+    for i, hit in enumerate(found):
+        if hit is not None:
+            rows[i] = hit[0][hit[1]]
+    rows[missing] = fresh
+    if missing and hashes is not None:
+        writer = packs.writer([hashes[relpaths[i]] for i in missing])
+        for k, row in enumerate(fresh):
+            writer.put(k, row)
+        writer.commit()
+    if packed:
+        return torch.from_numpy(np.unpackbits(rows, axis=1, count=pixels).astype(bool).reshape(-1, IMAGE_SIZE,
+                                                                                                 IMAGE_SIZE))
+    return torch.from_numpy(rows)

@@ -2,8 +2,8 @@
 
 A run's data is identified by what its files hold, not by their names and sizes: every file is read and
 hashed with SHA-256 (streamed, in threads, since hashlib releases the GIL on large buffers), and the
-fingerprint is a SHA-256 over the sorted (relative path, file hash) lines. Provenance carries it, and the
-decoded-data cache and both scripts' resume keys are keyed by it, so a file rewritten in place with the
+fingerprint is a SHA-256 over the sorted (relative path, file hash) lines. Provenance carries it, both
+scripts' resume keys are keyed by it and the decoded-data cache by the file hashes themselves, so a file rewritten in place with the
 same name, size and even modification time is still seen as different data. The same digest per top-level
 folder (`original`, `only_bg_t`, ...) lets runs that read different sets of folders, such as in9_eval.py's
 and challenge_eval.py's, be checked to have read the same data where they overlap.
@@ -48,9 +48,10 @@ def _hash_and_keep(path: Path, keep: bool) -> tuple[str, bytes | None]:
 
 
 def read_and_fingerprint(root: Path | str, relpaths: Sequence[str], workers: int = 4,
-                         keep: Collection[str] = ()) -> tuple[dict, dict[str, bytes]]:
-    """`fingerprint`, and the bytes of the files named in `keep`, each file read once: a run decodes the very
-    bytes it hashed, without reading them again."""
+                         keep: Collection[str] = ()) -> tuple[dict, dict[str, bytes], dict[str, str]]:
+    """`fingerprint`, the bytes of the files named in `keep`, and every file's SHA-256 (by relative path: the
+    decoded-data cache's keys), each file read once: a run decodes the very bytes it hashed, without reading them
+    again."""
     root = Path(root)
     ordered = sorted(relpaths)
     keep = set(keep)
@@ -68,4 +69,5 @@ def read_and_fingerprint(root: Path | str, relpaths: Sequence[str], workers: int
     total = sum((root / rel).stat().st_size for rel in ordered)
     log.debug("hashed %d files (%.1f MB) in %.2f s", len(ordered), total / 1e6, time.perf_counter() - start)
     return {"files": len(ordered), "bytes": total, "sha256": digest.hexdigest(), "method": FINGERPRINT_METHOD,
-            "folders": {name: folder.hexdigest() for name, folder in sorted(folders.items())}}, contents
+            "folders": {name: folder.hexdigest() for name, folder in sorted(folders.items())}}, contents, \
+        dict(zip(ordered, hashes))

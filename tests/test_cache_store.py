@@ -1,0 +1,193 @@
+"""The decoded-data cache shared by in9, the challenge and training (tools.data.store): a second run decodes
+nothing, keys are the files' content (a file rewritten under its name misses, a renamed one hits), the challenge
+reuses what in9 decoded, a pack that is not Pillow's pixels is never kept, and a cached run's predictions are a
+streamed run's, bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.helpers import save_torchscript
+from tests.test_evaluate import tiny_cnn
+from tools.challenge.data import list_challenge_files, load_challenge_data
+from tools.data import decoders, decoding, store, synthetic
+from tools.data.compositing import MaskArithmetic
+from tools.data.decoders import Decoder
+from tools.evaluate import In9Config, list_in9_files, run_in9
+from tools.in9 import VARIATIONS
+from tools.models.sources import load_model
+from tools.runtime import Runtime
+
+
+@pytest.fixture
+def data(tmp_path):
+    return synthetic.generate(tmp_path / "bg_challenge", per_class=1, seed=5).root
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cache_model") / "cnn.ts"
+    save_torchscript(tiny_cnn(9, seed=2), path)
+    return load_model(checkpoint=path)
+
+
+@pytest.fixture
+def decodes(monkeypatch):
+    """Every file decoded (`decode_bytes`, the one conversion of bytes into pixels), by name."""
+    seen: list[str] = []
+    real = decoding.decode_bytes
+
+    def counting(data, name, *args, **kwargs):
+        seen.append(str(name))
+        return real(data, name, *args, **kwargs)
+
+    monkeypatch.setattr(decoding, "decode_bytes", counting)
+    return seen
+
+
+def in9(model, root, cache_dir, decoder: Decoder | None = None, batch_size: int = 5):
+    files = list_in9_files(root, VARIATIONS, 2)
+    if decoder is not None:
+        files = dataclasses.replace(files, decoder=decoder)
+    run = run_in9(model, Runtime(torch.device("cpu")), files,
+                  In9Config(batch_size=batch_size, workers=2, progress=False, cache_dir=cache_dir))
+    return {name: (r.accuracy, r.predictions.tolist()) for name, r in run.results.items()}
+
+
+def packs(cache_dir):
+    return sorted(p.name for p in cache_dir.iterdir()) if cache_dir.exists() else []
+
+
+def test_second_in9_run_decodes_nothing_and_predicts_the_same(model, data, tmp_path, decodes):
+    cache = tmp_path / "cache"
+    streamed = in9(model, data, None)
+    images = len(decodes)
+    assert images == 8 * 9
+    cold = in9(model, data, cache)
+    assert len(decodes) == 2 * images
+    assert [p.split("-")[0] for p in packs(cache)] == ["image"]
+    in9(model, data, cache, batch_size=7)  # another batch shape: the cache is per image
+    assert len(decodes) == 2 * images
+    assert streamed == cold
+    assert in9(model, data, cache) == streamed  # at the cold run's batch size: bit for bit
+
+
+def test_a_file_rewritten_under_its_name_misses_and_a_renamed_one_hits(model, data, tmp_path, decodes):
+    cache = tmp_path / "cache"
+    in9(model, data, cache)
+    decodes.clear()
+    target = sorted((data / "mixed_rand" / "val").rglob("*.JPEG"))[0]
+    source = sorted((data / "original" / "val").rglob("*.JPEG"))[-1]
+    shutil.copyfile(source, target)  # the same name, other bytes: new data; its content is cached already
+    rotated = sorted((data / "no_fg" / "val").rglob("*.JPEG"))[0]
+    with Image.open(source) as image:
+        image.convert("RGB").rotate(90).save(rotated, "JPEG")
+    changed = in9(model, data, cache)
+    assert len(decodes) == 1  # the rotated one alone: the copied one was decoded from `source` before
+    assert changed == in9(model, data, None)
+    decodes.clear()
+    folder = sorted((data / "only_fg" / "val").iterdir())[0]
+    first = sorted(folder.iterdir())[0]
+    first.rename(folder / f"zz_{first.name}")  # renamed: the same content, found by its hash
+    in9(model, data, cache)
+    assert decodes == []
+
+
+def test_challenge_after_in9_decodes_no_image(model, data, tmp_path, decodes, monkeypatch):
+    cache = tmp_path / "cache"
+    in9(model, data, cache)
+    decodes.clear()
+    reads = []  # masks read from their files, per call
+    real = decoding.load_masks
+    monkeypatch.setattr(decoding, "load_masks",
+                        lambda root, relpaths, *rest: reads.append(len(relpaths)) or real(root, relpaths, *rest))
+    cold = load_challenge_data(list_challenge_files(data, 2), 2, cache, progress=False)
+    assert decodes == [] and reads == [9]  # foregrounds (original) and backgrounds (only_bg_t) came from in9
+    warm = load_challenge_data(list_challenge_files(data, 2), 2, cache, progress=False)
+    assert decodes == [] and reads == [9, 0]  # the masks too, now
+    plain = load_challenge_data(list_challenge_files(data, 2), 2, None, progress=False)
+    original = load_challenge_data(list_challenge_files(data, 2), 2, cache, progress=False,
+                                   arithmetic=MaskArithmetic.ORIGINAL)
+    assert reads == [9, 0, 9, 9]  # another arithmetic: other mask rows
+    for got in (cold, warm):
+        assert torch.equal(got.fg_images, plain.fg_images) and torch.equal(got.bg_images, plain.bg_images)
+        assert torch.equal(got.masks, plain.masks)
+    assert torch.equal(original.masks.bool(), plain.masks.bool())
+
+
+def test_torchvision_pixels_that_differ_from_pillow_are_not_cached(model, data, tmp_path, monkeypatch, caplog):
+    real = decoders._torchvision_rgb
+
+    def brighter(raw):
+        rgb = real(raw)
+        return None if rgb is None else np.minimum(rgb.astype(np.int16) + 1, 255).astype(np.uint8)
+
+    monkeypatch.setattr(decoders, "_torchvision_rgb", brighter)
+    cache = tmp_path / "cache"
+    in9(model, data, cache, decoder=Decoder.TORCHVISION)
+    assert "differ from Pillow's; not caching them" in caplog.text
+    assert packs(cache) == []
+    monkeypatch.setattr(decoders, "_torchvision_rgb", real)
+    in9(model, data, cache, decoder=Decoder.TORCHVISION)  # equal: kept
+    assert len(packs(cache)) == 1
+
+
+def test_a_stream_left_early_or_failing_leaves_no_pack(data, tmp_path):
+    cache = tmp_path / "cache"
+    files = list_in9_files(data, ["original"], 1)
+    relpaths = [r.relpath for r in files.listings["original"]]
+    batches = decoding.iter_decoded_batches(data, relpaths, 4, 1, hashes=files.hashes, cache_dir=cache)
+    next(batches)
+    batches.close()
+    assert packs(cache) == []
+    (data / relpaths[-1]).write_bytes(b"not an image")
+    with pytest.raises(Exception, match="cannot read image"):
+        list(decoding.iter_decoded_batches(data, relpaths, 4, 1, hashes=files.hashes, cache_dir=cache))
+    assert packs(cache) == []
+
+
+def test_the_same_pack_written_twice_keeps_one(tmp_path):
+    rows = store.Packs(tmp_path, "mask-binary", (4,))
+    writers = [rows.writer(["a" * 64, "b" * 64]) for _ in range(2)]
+    for writer in writers:
+        writer.put(0, np.arange(4))
+        writer.put(1, np.arange(4) + 1)
+    first, second = (w.commit() for w in writers)
+    assert first == second and packs(tmp_path) == [first.name]
+    (hit_a, row_a), (hit_b, row_b) = rows.lookup(["a" * 64, "b" * 64])
+    assert hit_a[row_a].tolist() == [0, 1, 2, 3] and hit_b[row_b].tolist() == [1, 2, 3, 4]
+    assert store.Packs(tmp_path, "mask-original", (4,)).lookup(["a" * 64]) == [None]
+    incomplete = rows.writer(["c" * 64])
+    assert incomplete.commit() is None and packs(tmp_path) == [first.name]
+
+
+def test_the_rule_for_keeping_decoded_data_on_the_device():
+    cuda = torch.device("cuda")
+    gib = 1 << 30
+    assert decoding.fits_on_device(4 * gib, cuda, free=16 * gib)  # 4.9 GB of in9 `all` on a free H100: kept
+    assert not decoding.fits_on_device(4 * gib + 1, cuda, free=16 * gib)
+    assert not decoding.fits_on_device(1, torch.device("cpu"), free=16 * gib)  # the CPU streams, as before
+    assert not decoding.fits_on_device(1, None, free=16 * gib)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cached_run_on_the_device_is_kept_there_and_predicts_the_same(model, data, tmp_path, decodes, caplog):
+    def run(cache_dir):
+        run = run_in9(model, Runtime(torch.device("cuda")), list_in9_files(data, VARIATIONS, 2),
+                      In9Config(batch_size=5, workers=2, progress=False, cache_dir=cache_dir))
+        return {name: (r.accuracy, r.predictions.tolist()) for name, r in run.results.items()}
+
+    cache = tmp_path / "cache"
+    streamed, cold = run(None), run(cache)
+    decodes.clear()
+    with caplog.at_level("INFO", logger="tools.data.decoding"):
+        resident = run(cache)
+    assert decodes == [] and "kept on cuda" in caplog.text
+    assert streamed == cold == resident

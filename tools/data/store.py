@@ -1,0 +1,186 @@
+"""The decoded-data cache on disk, shared by every command: decoded rows (an image's uint8 HxWx3 pixels, a mask
+made ready for compositing) keyed by the content hash of the file they came from, never by its name.
+
+Rows are written in packs, one per run and kind (all the images a run decoded, in one `rows.npy`, beside
+`hashes.npy`, the SHA-256 of each row's file, and `meta.json`), since one small file per image would make a
+cache of 30,000 images slow to read and write. Lookups are per image: the packs of a kind are indexed by
+file hash, so a run finds each of its images wherever an earlier run (in9, the challenge, training) decoded it,
+and decodes only what no pack holds. A pack is named by a digest of its kind, row size, format version, the
+reference decoder's build and its ordered file hashes; its meta must match on reading. It is written into a
+temporary folder named by host and process and renamed into place (`tools.data.decoding`'s rules: an error,
+Ctrl-C or SIGTERM leaves no half pack, and a folder a killed process left is removed by the next use); a pack
+already there, written by another process from the same content, is kept and ours dropped.
+
+Image rows are Pillow's pixels: Pillow decodes them, or torchvision's `decode_jpeg` where the run's probe found
+it bit-equal (`decoders.choose_decoder`); a pack decoded by torchvision is checked against Pillow on a few of
+its rows before it is kept, and a mismatch keeps nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import PIL
+from PIL import features
+
+from tools.data.temporary import is_running
+from tools.errors import NUMPY_READ_ERRORS
+
+log = logging.getLogger(__name__)
+
+STORE_VERSION = 1  # of the packs' format
+CHECKED_ROWS = 8  # rows of a torchvision-decoded pack re-decoded by Pillow before the pack is kept
+
+
+def reference_build() -> str:
+    """The reference decoder's build (Pillow and its libjpeg): a pack made by another is not read."""
+    return f"Pillow {PIL.__version__}, libjpeg {features.version('jpg')}"
+
+
+def temporary_prefix(pid: int | None = None) -> str:
+    """`.tmp-HOST@` starts the names of the cache entries being written on this machine, `.tmp-HOST@PID@` those
+    of process PID (no host name holds an @)."""
+    host = f".tmp-{socket.gethostname()}@"
+    return host if pid is None else f"{host}{pid}@"
+
+
+def remove_stale_temporaries(cache_dir: Path) -> None:
+    """Remove the half-written entries of processes of this machine that are no longer running (killed while
+    saving); entries of running processes, and of other machines sharing the folder, are left alone."""
+    mine = temporary_prefix()
+    try:
+        candidates = [p for p in Path(cache_dir).iterdir() if p.name.startswith(mine) and p.is_dir()]
+    except OSError:
+        return
+    for folder in candidates:
+        pid = folder.name[len(mine):].split("@", 1)[0]
+        if pid.isdigit() and not is_running(int(pid)):
+            log.info("removing %s, left by process %s that was stopped while writing the cache", folder, pid)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class Packs:
+    """The packs of one kind of row (`kind`: "image" or "mask-<arithmetic>", of shape `row_shape` and `dtype`)
+    under `cache_dir`; None: no cache (every lookup misses, nothing is written)."""
+
+    def __init__(self, cache_dir: Path | None, kind: str, row_shape: tuple[int, ...], dtype=np.uint8):
+        self.dir = Path(cache_dir) if cache_dir is not None else None
+        self.kind, self.row_shape, self.dtype = kind, tuple(row_shape), np.dtype(dtype)
+        self.meta = {"kind": kind, "row_shape": list(self.row_shape), "dtype": self.dtype.str,
+                     "version": STORE_VERSION, "reference": reference_build()}
+
+    def _folders(self) -> list[Path]:
+        if self.dir is None or not self.dir.is_dir():
+            return []
+        remove_stale_temporaries(self.dir)
+        try:
+            return sorted(p for p in self.dir.iterdir() if p.name.startswith(f"{self.kind}-")
+                          and p.name.endswith(f"-v{STORE_VERSION}") and p.is_dir())
+        except OSError as exc:
+            log.warning("cannot read the cache at %s (%s); continuing without it", self.dir, exc)
+            return []
+
+    def lookup(self, hashes: Sequence[str]) -> list[tuple[np.ndarray, int] | None]:
+        """Per file hash: (the rows of a pack holding it, read-only and mapped, its row there), or None."""
+        wanted = set(hashes)
+        found: dict[str, tuple[np.ndarray, int]] = {}
+        for folder in self._folders():
+            if len(found) == len(wanted):
+                break
+            try:
+                meta = json.loads((folder / "meta.json").read_text())
+                if not isinstance(meta, dict) or {k: v for k, v in meta.items() if k != "count"} != self.meta:
+                    continue
+                names = np.load(folder / "hashes.npy", allow_pickle=False)
+                rows = None
+                for row, name in enumerate(names.tolist()):
+                    name = name.decode()
+                    if name in wanted and name not in found:
+                        rows = np.load(folder / "rows.npy", mmap_mode="r") if rows is None else rows
+                        if rows.shape != (len(names), *self.row_shape) or rows.dtype != self.dtype:
+                            log.warning("ignoring the cache pack %s: its rows do not match its meta", folder)
+                            break
+                        found[name] = (rows, row)
+            except (*NUMPY_READ_ERRORS, KeyError, ValueError) as exc:
+                log.warning("ignoring an unreadable cache pack at %s (%s)", folder, exc)
+        return [found.get(h) for h in hashes]
+
+    def writer(self, hashes: Sequence[str], check: Callable[[int, np.ndarray], bool] | None = None) -> "PackWriter":
+        """A pack to fill with the rows of `hashes` (in that order); `check(i, row)`: whether row i is the
+        reference's, asked of a few rows before the pack is kept (None: all are)."""
+        return PackWriter(self, list(hashes), check)
+
+
+class PackWriter:
+    """One pack being written: rows go straight into its file in a temporary folder (`put`, from any thread,
+    one row each), and `commit` renames it into place once every row is in; `abort` (or an incomplete pack)
+    removes it. Without a cache folder, or with no rows, it does nothing."""
+
+    def __init__(self, packs: Packs, hashes: list[str], check: Callable[[int, np.ndarray], bool] | None):
+        self.packs, self.hashes, self.check = packs, hashes, check
+        self.tmp: Path | None = None
+        self.rows: np.ndarray | None = None
+        self.filled = np.zeros(len(hashes), bool)
+        if packs.dir is None or not hashes:
+            return
+        try:
+            packs.dir.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(dir=packs.dir, prefix=temporary_prefix(os.getpid())))
+            self.rows = np.lib.format.open_memmap(self.tmp / "rows.npy", mode="w+", dtype=packs.dtype,
+                                                  shape=(len(hashes), *packs.row_shape))
+        except OSError as exc:
+            log.warning("could not write to the cache at %s (%s); continuing without it", packs.dir, exc)
+            self.abort()
+
+    def put(self, index: int, row: np.ndarray) -> None:
+        if self.rows is not None:
+            self.rows[index] = row
+            self.filled[index] = True
+
+    def commit(self) -> Path | None:
+        """Keep the pack (when every row is in and the checked rows are the reference's); where it went."""
+        if self.rows is None or not self.filled.all():
+            self.abort()
+            return None
+        packs = self.packs
+        try:
+            if self.check is not None:
+                picks = np.unique(np.linspace(0, len(self.hashes) - 1, CHECKED_ROWS).astype(int))
+                if not all(self.check(int(i), np.asarray(self.rows[i])) for i in picks):
+                    log.warning("the decoded pixels differ from Pillow's; not caching them")
+                    self.abort()
+                    return None
+            self.rows.flush()
+            self.rows = None
+            np.save(self.tmp / "hashes.npy", np.array(self.hashes, dtype="S64"))
+            (self.tmp / "meta.json").write_text(json.dumps({**packs.meta, "count": len(self.hashes)}))
+            digest = hashlib.sha256(json.dumps({**packs.meta, "hashes": self.hashes}).encode()).hexdigest()
+            folder = packs.dir / f"{packs.kind}-{digest[:24]}-v{STORE_VERSION}"
+            try:
+                os.replace(self.tmp, folder)
+            except OSError:
+                if not (folder / "meta.json").is_file():
+                    raise
+                log.info("the same pack was cached meanwhile at %s", folder)  # another process, same content
+            else:
+                log.info("%d decoded %s row(s) cached at %s", len(self.hashes), packs.kind, folder)
+            return folder
+        except OSError as exc:
+            log.warning("could not write the cache at %s (%s); continuing without it", packs.dir, exc)
+            return None
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        self.rows = None
+        if self.tmp is not None and self.tmp.exists():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp = None
