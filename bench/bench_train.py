@@ -38,8 +38,11 @@ from tools.runtime import Precision, Runtime, resolve_device  # noqa: E402
 from tools.threads import default_workers  # noqa: E402
 from tools.training.config import Method, TrainConfig  # noqa: E402
 from tools.data.hashing import fingerprint as content_fingerprint  # noqa: E402
-from tools.provenance import TRAINING_LOG  # noqa: E402
-from tools.training.data import StepSampler, decoded_store, list_training_data, make_loader  # noqa: E402
+try:
+    from tools.provenance import TRAINING_LOG  # noqa: E402
+except ImportError:  # a checkout from before it was shared (PYTHONPATH pointed at an older one)
+    TRAINING_LOG = "train_log.jsonl"
+from tools.training import data as training_data  # noqa: E402
 from tools.training.loop import train, training_step  # noqa: E402
 
 log = logging.getLogger("bench_train")
@@ -114,16 +117,21 @@ def loop_throughput(args: argparse.Namespace, data: Path, method: Method, out: P
 
 
 def loader_cost(args: argparse.Namespace, data: Path, method: Method) -> float:
-    """Milliseconds per image of train.py's DataLoader alone (what its workers do: index the decoded store,
-    draw each image's swap and crop, collate), in this process (workers=0), over the second epoch's batches;
-    start-up (hashing, decoding into the store) excluded."""
+    """Milliseconds per image of train.py's DataLoader alone (what its workers do: gather the batch from the
+    decoded store with its random choices), in this process (workers=0), over the second epoch's batches;
+    start-up (hashing, decoding into the store) excluded. Pointed at a checkout from before the decoded store
+    (PYTHONPATH), it times that checkout's loader the same way: Pillow decoding each image and mask, and the
+    per-sample draws, in __getitem__."""
     config = TrainConfig(data_path=data, output_dir=data.parent / "unused", methods=[method], arch=args.arch,
                          weights="none", batch_size=args.batch_size, workers=0, progress=False)
-    records = list_training_data(config)
-    store = decoded_store(records, content_fingerprint(records.root, records.relpaths(), 1), 0, False)
-    sampler = StepSampler(len(records), args.batch_size, config.seed, 1)
+    records = training_data.list_training_data(config)
+    store = ()
+    if hasattr(training_data, "decoded_store"):
+        store = (training_data.decoded_store(records, content_fingerprint(records.root, records.relpaths(), 1), 0,
+                                             False),)
+    sampler = training_data.StepSampler(len(records), args.batch_size, config.seed, 1)
     start, images = time.perf_counter(), 0
-    for batch in make_loader(records, config, sampler, False, store):
+    for batch in training_data.make_loader(records, config, sampler, False, *store):
         images += len(batch["label"])
     return (time.perf_counter() - start) * 1000 / images
 

@@ -114,3 +114,19 @@ def test_a_gathered_batch_equals_the_per_sample_swap_crop_and_flip(tiny, one_thr
             if d.flips[i]:
                 image = image.flip(-1)
             assert torch.equal(images[k], image) and int(labels[k]) == data.labels[i]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_batch_copied_on_the_side_stream_is_the_cpu_batch_within_one_level(tiny, one_thread):
+    from tools.data.hashing import fingerprint
+    from tools.training.data import StepSampler, decoded_store, device_batch, list_training_data, make_loader
+    config = TrainConfig(data_path=tiny, output_dir=tiny.parent / "unused", methods=[Method.BG_SWAP], batch_size=6,
+                         seed=5, workers=0, progress=False)
+    data = list_training_data(config)
+    store = decoded_store(data, fingerprint(data.root, data.relpaths(), 1), 1, False)
+    for batch in make_loader(data, config, StepSampler(len(data), 6, 5, 0), True, store):
+        on_gpu, labels = device_batch(batch, torch.device("cuda"), True)
+        on_cpu, cpu_labels = device_batch(batch, torch.device("cpu"), True)
+        assert torch.equal(labels.cpu(), cpu_labels)
+        assert (on_gpu.cpu().int() - on_cpu.int()).abs().max() <= 1

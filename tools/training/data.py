@@ -8,6 +8,7 @@ the foreground and its mask stay aligned because the augmentation sees one finis
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,12 +184,22 @@ def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, p
                       collate_fn=whole_batch, persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
 
 
+@functools.lru_cache(maxsize=None)
+def _mover(device: torch.device):
+    """How a batch's tensors reach `device`: on CUDA through the decoding's side stream (tools.data.decoding's
+    copies: pinned source, no wait, the consumer's stream waits for the copy), so the next batch's copy overlaps
+    the device's work on this one; elsewhere tools.runtime.to_device."""
+    if device.type == "cuda":
+        return datasets._DeviceCopies(device)
+    return functools.partial(to_device, device=device)
+
+
 def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 NCHW images on the device, swapped and augmented there, and their labels."""
-    images = to_device(batch["image"], device)
+    move = _mover(device)
+    images = move(batch["image"])
     if "mask" in batch:
-        masks = to_device(batch["mask"], device)
-        images = composite(images, to_device(batch["background"], device), byte_masks(masks))
+        images = composite(images, move(batch["background"]), byte_masks(move(batch["mask"])))
     if augment:
         if device.type == "cpu":  # torch's vectorised uint8 kernel: faster per image than the matmuls on a CPU
             from torchvision.transforms.v2 import functional as F  # noqa: PLC0415
@@ -197,7 +208,7 @@ def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torc
                 out[i] = F.resized_crop(images[i], top, left, height, width, [IMAGE_SIZE, IMAGE_SIZE],
                                         antialias=True)
         else:  # one batched resample for the batch (within one uint8 level of the loop above)
-            out = resized_crops(images, to_device(batch["crop"], device), IMAGE_SIZE)
+            out = resized_crops(images, move(batch["crop"]), IMAGE_SIZE)
         # a select, not an index of the flipped images: nonzero() would wait for the device every step
-        images = torch.where(to_device(batch["flip"], device).view(-1, 1, 1, 1), out.flip(-1), out)
-    return images, to_device(batch["label"], device)
+        images = torch.where(move(batch["flip"]).view(-1, 1, 1, 1), out.flip(-1), out)
+    return images, move(batch["label"])
