@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES
@@ -27,7 +28,6 @@ WIDTH = SLOTS.flip + 1
 
 def derived_seed(*parts: int | str) -> int:
     """A 63-bit seed from a tuple such as (seed, "order", epoch): independent streams, reproducible anywhere."""
-    import numpy as np  # noqa: PLC0415
     words = [p if isinstance(p, int) else int.from_bytes(p.encode(), "little") for p in parts]
     return int(np.random.SeedSequence(words).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
