@@ -78,8 +78,9 @@ def step_throughput(args: argparse.Namespace, runtime: Runtime) -> tuple[float, 
     """(a): images/s of forward + loss + backward + AdamW step on a batch already on the device: from the
     median step time (robust to a shared machine's bursts) and from the mean."""
     mean, std = statistics_for(Normalization.IN9, NUM_IN9_CLASSES)
-    model = runtime.compiled(runtime.prepare(PixelModel(build_architecture(args.arch, NUM_IN9_CLASSES), mean,
-                                                        std)).train())
+    model = runtime.prepare(PixelModel(build_architecture(args.arch, NUM_IN9_CLASSES), mean, std)).train()
+    if hasattr(runtime, "compiled"):  # an older checkout (PYTHONPATH) has no --compile
+        model = runtime.compiled(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
     gen = torch.Generator().manual_seed(0)

@@ -88,21 +88,23 @@ def test_an_epoch_of_batches_seeds_no_generator_per_sample(tiny, monkeypatch, on
     assert len([c for c in calls if "draws" in c]) == 2  # one table per epoch
 
 
-def test_a_gathered_batch_equals_the_per_sample_swap_crop_and_flip(tiny, one_thread):
+@pytest.mark.parametrize("swap_prob", [0.5, 1.0])
+def test_a_gathered_batch_equals_the_per_sample_swap_crop_and_flip(swap_prob, tiny, one_thread):
     """The batch gathered from the store and finished by device_batch equals a loop that composites, crops and
     flips one image at a time from the same epoch draws."""
     from torchvision.transforms.v2 import functional as F
     from tools.data.hashing import fingerprint
     from tools.training.data import StepSampler, decoded_store, device_batch, list_training_data, make_loader
     config = TrainConfig(data_path=tiny, output_dir=tiny.parent / "unused", methods=[Method.BG_SWAP], batch_size=6,
-                         seed=5, workers=0, progress=False, swap_prob=0.5)
+                         seed=5, workers=0, progress=False, swap_prob=swap_prob)
     data = list_training_data(config)
     store = decoded_store(data, fingerprint(data.root, data.relpaths(), 1), 1, False)
     sampler = StepSampler(len(data), 6, 5, 1)
     u = epoch_uniforms(5, 1, len(data))
     d = EpochDraws.from_uniforms(u, torch.as_tensor(data.labels), torch.as_tensor(data.background_labels),
                                  config.crop_scale, config.swap_prob, config.swap_same_class_prob)
-    assert 0 < int(d.swaps.sum()) < len(data)
+    assert 0 < int(d.swaps.sum()) < len(data) if swap_prob < 1 else bool(d.swaps.all())
+    assert 0 < int(d.flips.sum()) < len(data)
     for items, batch in zip(sampler, make_loader(data, config, sampler, False, store)):
         images, labels = device_batch(batch, torch.device("cpu"), True)
         for k, (_, i) in enumerate(items):

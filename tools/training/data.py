@@ -160,7 +160,8 @@ class TrainingSet(Dataset):
         if self.data.masks is not None:  # an image not swapped: a full mask keeps all of it
             swaps = draws.swaps[index]
             batch["swap"] = swaps
-            batch["mask"] = self.store.masks[index] | ~swaps.view(-1, 1, 1)
+            masks = self.store.masks[index]
+            batch["mask"] = masks if bool(swaps.all()) else masks | ~swaps.view(-1, 1, 1)
             batch["background"] = self.store.backgrounds[draws.backgrounds[index]]
         if self.config.augment:
             batch["crop"], batch["flip"] = draws.boxes[index], draws.flips[index]
@@ -204,11 +205,13 @@ def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torc
         if device.type == "cpu":  # torch's vectorised uint8 kernel: faster per image than the matmuls on a CPU
             from torchvision.transforms.v2 import functional as F  # noqa: PLC0415
             out = torch.empty_like(images)
-            for i, (top, left, height, width) in enumerate(batch["crop"].tolist()):
-                out[i] = F.resized_crop(images[i], top, left, height, width, [IMAGE_SIZE, IMAGE_SIZE],
-                                        antialias=True)
+            for i, ((top, left, height, width), flip) in enumerate(zip(batch["crop"].tolist(),
+                                                                         batch["flip"].tolist())):
+                crop = F.resized_crop(images[i], top, left, height, width, [IMAGE_SIZE, IMAGE_SIZE], antialias=True)
+                out[i] = crop.flip(-1) if flip else crop  # the flipped ones alone: a batch-wide select costs more
+            images = out
         else:  # one batched resample for the batch (within one uint8 level of the loop above)
             out = resized_crops(images, move(batch["crop"]), IMAGE_SIZE)
-        # a select, not an index of the flipped images: nonzero() would wait for the device every step
-        images = torch.where(move(batch["flip"]).view(-1, 1, 1, 1), out.flip(-1), out)
+            # a select, not an index of the flipped images: nonzero() would wait for the device every step
+            images = torch.where(move(batch["flip"]).view(-1, 1, 1, 1), out.flip(-1), out)
     return images, move(batch["label"])
