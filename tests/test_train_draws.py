@@ -132,3 +132,25 @@ def test_a_batch_copied_on_the_side_stream_is_the_cpu_batch_within_one_level(tin
         on_cpu, cpu_labels = device_batch(batch, torch.device("cpu"), True)
         assert torch.equal(labels.cpu(), cpu_labels)
         assert (on_gpu.cpu().int() - on_cpu.int()).abs().max() <= 1
+
+
+def test_a_cpu_run_seeds_the_cpu_generator_alone_at_each_step(tiny, tmp_path, capsys, monkeypatch, one_thread):
+    """torch.manual_seed also queues a seed for every accelerator runtime with a stack trace (about 1 ms a call,
+    twice a step): on a CPU device the steps seed the CPU generator alone, and the run equals one seeded by
+    torch.manual_seed at every step."""
+    from tests.helpers import TINY, run_train, weights
+    from tools.training import loop
+    from tools.training.checkpoint import CHECKPOINT_NAME
+    common = ["--data-path", tiny, "--weights", "none", "--method", "bg-swap", "mixup", "--batch-size", 6, *TINY]
+    calls = []
+    real = torch.cuda.manual_seed_all
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(seed) or real(seed))
+    code, _, err = run_train([*common, "--output-dir", tmp_path / "cpu"], capsys)
+    assert code == 0, err
+    assert len(calls) == 1  # the model's initialisation, once
+    monkeypatch.setattr(loop, "seed_generators", lambda device, seed: torch.manual_seed(seed))
+    code, _, err = run_train([*common, "--output-dir", tmp_path / "all"], capsys)
+    assert code == 0, err
+    assert len(calls) > 3
+    a, b = weights(tmp_path / "cpu" / CHECKPOINT_NAME), weights(tmp_path / "all" / CHECKPOINT_NAME)
+    assert all(torch.equal(a[k], b[k]) for k in a)
