@@ -2,10 +2,12 @@
 
 Measures (a) images/s of the bare training step (forward, loss, backward, optimiser step) of the wrapped
 model on a uint8 batch already on the device, at the batch size, device and precision given, after a
-warm-up; and (b) images/s of whole train.py runs (tools.training.loop.train: DataLoader workers decoding,
-the background swap and the crops on the device, the step, logging, resume saves), read from the run's
-train_log.jsonl between its first and last step so that start-up is excluded. The target is (b)/(a) >= 0.85:
-the data pipeline, the swap included, must not starve the model.
+warm-up; and (b) images/s of whole train.py runs (tools.training.loop.train: the DataLoader gathering
+batches from the decoded store, the background swap and the crops on the device, the step, logging, resume
+saves), read from the run's train_log.jsonl between its first and last step so that start-up is excluded. The target is (b)/(a) >= 0.85:
+the data pipeline, the swap included, must not starve the model. It also times the data pipeline per image
+alone (the DataLoader, and the DataLoader with the device's swap and crops); with PYTHONPATH pointed at an
+older checkout it times that checkout's code the same way (bench/RESULTS.md, issue 27).
 
     python bench/bench_train.py --device cpu --arch resnet18 --per-class 20 --batch-size 16 --workers 1
     python bench/bench_train.py --device cuda --arch resnet50 --per-class 200 --batch-size 128 --workers 8
