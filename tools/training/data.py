@@ -192,7 +192,7 @@ def _mover(device: torch.device):
     the device's work on this one; elsewhere tools.runtime.to_device."""
     if device.type == "cuda":
         return datasets._DeviceCopies(device)
-    return functools.partial(to_device, device=device)
+    return lambda tensor: to_device(tensor, device)
 
 
 def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torch.Tensor, torch.Tensor]:
