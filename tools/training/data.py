@@ -133,8 +133,8 @@ class TrainingSet(Dataset):
     """A batch of items (epoch, index) -> the decoded images (and masks and backgrounds for a swap) gathered from the
     store at once, plus their random choices from the epoch's draws (made once per epoch, tools.training.draws)."""
 
-    def __init__(self, data: TrainingData, config: TrainConfig, store: DecodedStore):
-        self.data, self.config, self.store = data, config, store
+    def __init__(self, data: TrainingData, config: TrainConfig, store: DecodedStore, pin: bool = False):
+        self.data, self.config, self.store, self.pin = data, config, store, pin
         self.labels = torch.tensor(data.labels)
         self.background_labels = None if data.backgrounds is None else torch.tensor(data.background_labels)
         self._draws: tuple[int, EpochDraws] | None = None
@@ -156,19 +156,27 @@ class TrainingSet(Dataset):
             raise ValueError(f"a batch spans epochs {sorted(epochs)}")
         draws = self.draws(epochs.pop())
         index = torch.tensor([i for _, i in items])
-        batch = {"image": self.store.images[index], "label": self.labels[index]}
+        batch = {"image": self._gather(self.store.images, index), "label": self.labels[index]}
         if self.data.masks is not None:  # an image not swapped: a full mask keeps all of it
             swaps = draws.swaps[index]
             batch["swap"] = swaps
-            masks = self.store.masks[index]
-            batch["mask"] = masks if bool(swaps.all()) else masks | ~swaps.view(-1, 1, 1)
-            batch["background"] = self.store.backgrounds[draws.backgrounds[index]]
+            batch["mask"] = self._gather(self.store.masks, index)
+            if not bool(swaps.all()):
+                batch["mask"] |= ~swaps.view(-1, 1, 1)
+            batch["background"] = self._gather(self.store.backgrounds, draws.backgrounds[index])
         if self.config.augment:
             batch["crop"], batch["flip"] = draws.boxes[index], draws.flips[index]
         return batch
 
     def __getitem__(self, item: tuple[int, int]) -> dict:
         return self.__getitems__([item])
+
+    def _gather(self, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """source[index]; with `pin`, straight into pinned memory (the DataLoader's pinning then copies nothing)."""
+        if not self.pin:
+            return source[index]
+        out = torch.empty((len(index), *source.shape[1:]), dtype=source.dtype, pin_memory=True)
+        return torch.index_select(source, 0, index, out=out)
 
 
 def whole_batch(batch: dict) -> dict:
@@ -179,9 +187,10 @@ def whole_batch(batch: dict) -> dict:
 def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, pin_memory: bool,
                 store: DecodedStore) -> DataLoader:
     """The batches of `sampler` (one for the whole run: its workers live as long as the loader, and prefetch across
-    epochs), in pinned memory when `pin_memory` (a CUDA device: tools.runtime.to_device copies them without waiting)."""
+    epochs), in pinned memory when `pin_memory` (a CUDA device: tools.runtime.to_device copies them without waiting);
+    without workers the training process gathers each batch straight into pinned memory."""
     workers = config.workers
-    return DataLoader(TrainingSet(data, config, store), batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
+    return DataLoader(TrainingSet(data, config, store, pin=pin_memory and not workers), batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
                       collate_fn=whole_batch, persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
 
 
