@@ -201,8 +201,10 @@ def test_two_gloo_processes_equal_one(tiny, tmp_path):
     log = [json.loads(line) for line in (double / "train_log.jsonl").read_text().splitlines() if "loss" in line]
     assert [r["images"] for r in log] == [6] * 6
     a, b = weights(single / CHECKPOINT_NAME), weights(double / CHECKPOINT_NAME)
+    # AdamW divides by the root of the squared gradients' average, which scales the summation order's rounding
+    # in a near-zero gradient up: a few weights of the 4,608 move by up to about 1e-5 (the logged losses agree)
     for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=2e-5)
 
 
 def _recorded_draws(data: Path, out: Path) -> dict:
@@ -355,38 +357,18 @@ def test_bf16_channels_last_training_on_the_gpu_loads_on_the_cpu(tiny, tmp_path,
     assert all(v.device.type == "cpu" and torch.isfinite(v).all() for v in saved["model"].values())
 
 
-def test_crop_boxes_are_torchvision_draws_without_forking_the_global_generator():
-    """crop_box draws from a generator of its own the boxes that RandomResizedCrop.get_params draws from the
-    global generator reseeded per sample (the earlier fork_rng + manual_seed): same seeds, same boxes, and the
-    global generator untouched."""
-    from torchvision.transforms import RandomResizedCrop
-    from tools.training.data import RATIO_RANGE, crop_box
-
-    def forked(seed: int, scale_min: float) -> tuple[int, int, int, int]:
-        rng = torch.Generator().manual_seed(seed)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(torch.randint(2**62, (1,), generator=rng)))
-            return tuple(RandomResizedCrop.get_params(torch.empty(1, 224, 224), [scale_min, 1.0], list(RATIO_RANGE)))
-
-    before = torch.random.get_rng_state()
-    for seed in range(300):
-        for scale_min in (0.08, 0.35, 0.9):
-            assert crop_box(torch.Generator().manual_seed(seed), scale_min) == forked(seed, scale_min)
-    assert torch.equal(torch.random.get_rng_state(), before)
-
-
 def test_batched_resized_crops_are_torchvisions_within_one_level():
     """One batched antialiased crop-and-resize (two matmuls with per-box weights) against torchvision's
     per-image resized_crop(antialias=True) on smooth and noisy images, boxes from downscales to upscales."""
     from torchvision.transforms.v2 import functional as F
-    from tools.training.data import crop_box
+    from tools.training.draws import crop_boxes, epoch_uniforms
     from tools.training.resample import resized_crops
 
     gen = torch.Generator().manual_seed(0)
     noisy = torch.randint(0, 256, (6, 3, 224, 224), dtype=torch.uint8, generator=gen)
     smooth = nn.functional.avg_pool2d(noisy[:6].float(), 7, 1, 3).to(torch.uint8)
     images = torch.cat([noisy, smooth])
-    boxes = torch.tensor([crop_box(torch.Generator().manual_seed(i), 0.08) for i in range(len(images))])
+    boxes = crop_boxes(epoch_uniforms(0, 0, len(images)), 0.08)
     boxes[:4] = torch.tensor([[0, 0, 224, 224], [10, 20, 100, 50], [0, 150, 224, 74], [200, 0, 24, 224]])
     expected = torch.stack([F.resized_crop(image, *box.tolist(), [224, 224], antialias=True)
                             for image, box in zip(images, boxes)])

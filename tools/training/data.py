@@ -1,19 +1,18 @@
 """Training batches: which images, in which order, with which background and crop, all from (seed, epoch, index).
 
-Workers only decode and draw each sample's random choices from its own seed, so a batch is the same with any
-number of workers, processes or restarts. The device then pastes each swapped foreground on its background
-(tools.data.compositing, the challenge's function) and applies the crop and flip to the composite: the label,
+A batch is gathered from the decoded store at once, its random choices taken from the epoch's draws (a row per
+image index, tools.training.draws), so a batch is the same with any number of workers, processes or restarts.
+The device then pastes each swapped foreground on its background (tools.data.compositing, the challenge's function) and applies the crop and flip to the composite: the label,
 the foreground and its mask stay aligned because the augmentation sees one finished image.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -21,22 +20,16 @@ from tools.data import decoding as datasets
 from tools.data import layout
 from tools.data.compositing import byte_masks, composite
 from tools.errors import UserError
-from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, TRAIN_SPLIT, Variation
+from tools.in9 import IMAGE_SIZE, TRAIN_SPLIT, Variation
 from tools.runtime import to_device
 from tools.training.config import TrainConfig
+from tools.training.draws import EpochDraws, derived_seed, epoch_uniforms
 from tools.training.resample import resized_crops
 
 log = logging.getLogger(__name__)
 
 
 BACKGROUND_POOL = Variation.ONLY_BG_T.value  # the paper's Mixed-Rand backgrounds: tiled, no foreground left
-RATIO_RANGE = (3 / 4, 4 / 3)
-
-
-def derived_seed(*parts: int | str) -> int:
-    """A 63-bit seed from a tuple such as (seed, "order", epoch): independent streams, reproducible anywhere."""
-    words = [p if isinstance(p, int) else int.from_bytes(p.encode(), "little") for p in parts]
-    return int(np.random.SeedSequence(words).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
 @dataclass
@@ -117,25 +110,6 @@ class StepSampler(Sampler):
                 yield [(epoch, index) for index in batch[self.rank::self.world_size]]
 
 
-def crop_box(rng: torch.Generator, scale_min: float, size: int = IMAGE_SIZE) -> tuple[int, int, int, int]:
-    """A random resized crop's (top, left, height, width), drawn as torchvision's RandomResizedCrop.get_params
-    draws it from the global generator seeded by one draw of `rng`, but from a generator of its own: the same
-    boxes, without forking and reseeding the global state for every sample."""
-    gen = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=rng)))
-    area = size * size
-    log_ratio = torch.log(torch.tensor(RATIO_RANGE))
-    for _ in range(10):
-        target_area = area * torch.empty(1).uniform_(scale_min, 1.0, generator=gen).item()
-        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=gen)).item()
-        width = int(round(math.sqrt(target_area * aspect_ratio)))
-        height = int(round(math.sqrt(target_area / aspect_ratio)))
-        if 0 < width <= size and 0 < height <= size:
-            top = int(torch.randint(0, size - height + 1, size=(1,), generator=gen))
-            left = int(torch.randint(0, size - width + 1, size=(1,), generator=gen))
-            return top, left, height, width
-    return 0, 0, size, size  # torchvision's fallback for a square image: the whole image
-
-
 @dataclass
 class DecodedStore:
     """The training images (and the bg-swap masks and background pool) decoded once, uint8 NCHW and bool NHW,
@@ -156,65 +130,97 @@ def decoded_store(data: TrainingData, fingerprint: dict, workers: int, progress:
 
 
 class TrainingSet(Dataset):
-    """Item (epoch, index) -> decoded image (and mask and background for a swap) plus its random choices."""
+    """A batch of items (epoch, index) -> the decoded images (and masks and backgrounds for a swap) gathered from the
+    store at once, plus their random choices from the epoch's draws (made once per epoch, tools.training.draws)."""
 
-    def __init__(self, data: TrainingData, config: TrainConfig, store: DecodedStore):
-        self.data, self.config, self.store = data, config, store
-        if data.backgrounds is not None:
-            labels = np.asarray(data.background_labels)
-            self.pool_by_class = [np.flatnonzero(labels == k) for k in range(NUM_IN9_CLASSES)]
+    def __init__(self, data: TrainingData, config: TrainConfig, store: DecodedStore, pin: bool = False):
+        self.data, self.config, self.store, self.pin = data, config, store, pin
+        self.labels = torch.tensor(data.labels)
+        self.background_labels = None if data.backgrounds is None else torch.tensor(data.background_labels)
+        self._draws: tuple[int, EpochDraws] | None = None
 
     def __len__(self) -> int:
         return len(self.data)
 
-    def _background(self, rng: np.random.Generator, label: int) -> int:
-        same = rng.random() < self.config.swap_same_class_prob
-        klass = label if same else int(rng.integers(NUM_IN9_CLASSES))
-        pool = self.pool_by_class[klass]
-        return int(pool[rng.integers(len(pool))])
+    def draws(self, epoch: int) -> EpochDraws:
+        if self._draws is None or self._draws[0] != epoch:
+            c = self.config
+            self._draws = epoch, EpochDraws.from_uniforms(epoch_uniforms(c.seed, epoch, len(self.data)), self.labels,
+                                                          self.background_labels, c.crop_scale, c.swap_prob,
+                                                          c.swap_same_class_prob)
+        return self._draws[1]
+
+    def __getitems__(self, items: list[tuple[int, int]]) -> dict:
+        epochs = {epoch for epoch, _ in items}
+        if len(epochs) != 1:
+            raise ValueError(f"a batch spans epochs {sorted(epochs)}")
+        draws = self.draws(epochs.pop())
+        index = torch.tensor([i for _, i in items])
+        batch = {"image": self._gather(self.store.images, index), "label": self.labels[index]}
+        if self.data.masks is not None:  # an image not swapped: a full mask keeps all of it
+            swaps = draws.swaps[index]
+            batch["swap"] = swaps
+            batch["mask"] = self._gather(self.store.masks, index)
+            if not bool(swaps.all()):
+                batch["mask"] |= ~swaps.view(-1, 1, 1)
+            batch["background"] = self._gather(self.store.backgrounds, draws.backgrounds[index])
+        if self.config.augment:
+            batch["crop"], batch["flip"] = draws.boxes[index], draws.flips[index]
+        return batch
 
     def __getitem__(self, item: tuple[int, int]) -> dict:
-        epoch, index = item
-        label = self.data.labels[index]
-        sample = {"image": self.store.images[index], "label": label}
-        rng = np.random.default_rng(derived_seed(self.config.seed, "sample", epoch, index))
-        if self.data.masks is not None:
-            swap = bool(rng.random() < self.config.swap_prob)
-            background = self._background(rng, label) if swap else index
-            sample["swap"] = swap
-            sample["mask"] = self.store.masks[index] if swap else torch.ones(IMAGE_SIZE, IMAGE_SIZE, dtype=torch.bool)
-            sample["background"] = self.store.backgrounds[background] if swap else sample["image"]
-        if self.config.augment:
-            gen = torch.Generator().manual_seed(derived_seed(self.config.seed, "crop", epoch, index))
-            sample["crop"] = torch.tensor(crop_box(gen, self.config.crop_scale))
-            sample["flip"] = bool(torch.rand((), generator=gen) < 0.5)
-        return sample
+        return self.__getitems__([item])
+
+    def _gather(self, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """source[index]; with `pin`, straight into pinned memory (the DataLoader's pinning then copies nothing)."""
+        if not self.pin:
+            return source[index]
+        out = torch.empty((len(index), *source.shape[1:]), dtype=source.dtype, pin_memory=True)
+        return torch.index_select(source, 0, index, out=out)
+
+
+def whole_batch(batch: dict) -> dict:
+    """The DataLoader's collate function: TrainingSet.__getitems__ returns the batch already stacked."""
+    return batch
 
 
 def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, pin_memory: bool,
                 store: DecodedStore) -> DataLoader:
     """The batches of `sampler` (one for the whole run: its workers live as long as the loader, and prefetch across
-    epochs), in pinned memory when `pin_memory` (a CUDA device: tools.runtime.to_device copies them without waiting)."""
+    epochs), in pinned memory when `pin_memory` (a CUDA device: tools.runtime.to_device copies them without waiting);
+    without workers the training process gathers each batch straight into pinned memory."""
     workers = config.workers
-    return DataLoader(TrainingSet(data, config, store), batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
-                      persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+    return DataLoader(TrainingSet(data, config, store, pin=pin_memory and not workers), batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
+                      collate_fn=whole_batch, persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _mover(device: torch.device):
+    """How a batch's tensors reach `device`: on CUDA through the decoding's side stream (tools.data.decoding's
+    copies: pinned source, no wait, the consumer's stream waits for the copy), so the next batch's copy overlaps
+    the device's work on this one; elsewhere tools.runtime.to_device."""
+    if device.type == "cuda":
+        return datasets._DeviceCopies(device)
+    return lambda tensor: to_device(tensor, device)
 
 
 def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 NCHW images on the device, swapped and augmented there, and their labels."""
-    images = to_device(batch["image"], device)
+    move = _mover(device)
+    images = move(batch["image"])
     if "mask" in batch:
-        masks = to_device(batch["mask"], device)
-        images = composite(images, to_device(batch["background"], device), byte_masks(masks))
+        images = composite(images, move(batch["background"]), byte_masks(move(batch["mask"])))
     if augment:
         if device.type == "cpu":  # torch's vectorised uint8 kernel: faster per image than the matmuls on a CPU
             from torchvision.transforms.v2 import functional as F  # noqa: PLC0415
             out = torch.empty_like(images)
-            for i, (top, left, height, width) in enumerate(batch["crop"].tolist()):
-                out[i] = F.resized_crop(images[i], top, left, height, width, [IMAGE_SIZE, IMAGE_SIZE],
-                                        antialias=True)
+            for i, ((top, left, height, width), flip) in enumerate(zip(batch["crop"].tolist(),
+                                                                         batch["flip"].tolist())):
+                crop = F.resized_crop(images[i], top, left, height, width, [IMAGE_SIZE, IMAGE_SIZE], antialias=True)
+                out[i] = crop.flip(-1) if flip else crop  # the flipped ones alone: a batch-wide select costs more
+            images = out
         else:  # one batched resample for the batch (within one uint8 level of the loop above)
-            out = resized_crops(images, to_device(batch["crop"], device), IMAGE_SIZE)
-        # a select, not an index of the flipped images: nonzero() would wait for the device every step
-        images = torch.where(to_device(batch["flip"], device).view(-1, 1, 1, 1), out.flip(-1), out)
-    return images, to_device(batch["label"], device)
+            out = resized_crops(images, move(batch["crop"]), IMAGE_SIZE)
+            # a select, not an index of the flipped images: nonzero() would wait for the device every step
+            images = torch.where(move(batch["flip"]).view(-1, 1, 1, 1), out.flip(-1), out)
+    return images, move(batch["label"])
