@@ -23,7 +23,7 @@ from tools import challenge
 from tools.data import synthetic
 from tools.data.decoders import Decoder
 from tools.challenge import ChallengeConfig, Criterion, Scheduler, run_challenge
-from tools.challenge.predictor import IN_FLIGHT
+from tools.runtime.inflight import IN_FLIGHT
 from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD
 from tools.models.sources import load_model
 from tools.results.matrix import write_matrix

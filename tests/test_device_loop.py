@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.challenge.predictor import CompositePredictor
-from tools.evaluate import In9Config, run_in9
+from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.data import synthetic
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
 from tools.models.architectures import SmallCNN
@@ -141,3 +141,53 @@ def test_a_bf16_run_with_rechecks_resumed_mid_run_is_the_same_run(dataset, tmp_p
         assert np.array_equal(getattr(resumed.state, name), getattr(whole.state, name)), name
     if full:
         assert np.array_equal(resumed.state.matrix, whole.state.matrix)
+
+
+class RecordsHostReads(torch.overrides.TorchFunctionMode):
+    """Tensor methods that read a tensor's values on the host (a wait for the device where the tensor is there),
+    outside the points allowed to wait (`paused`)."""
+
+    READS = {"cpu", "numpy", "item", "tolist", "nonzero", "__bool__", "__int__", "__float__"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: set[str] = set()
+        self.paused = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if not self.paused and name in self.READS:
+            self.reads.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+def test_in9_launch_path_never_waits_for_the_device(dataset, monkeypatch, precision, one_thread):
+    """in9 in fp32 and in bf16 with near ties everywhere: between the points allowed to wait (a batch's results
+    copied back, waited for `IN_FLIGHT` batches later; the fp32 re-check of the queued ties), the loop calls no
+    op that reads a device value on the host (no `nonzero`, `.item()`, blocking `.cpu()` of a batch's results)."""
+    from tools.runtime import inflight
+    host, ops = RecordsHostReads(), RecordsOps()
+
+    def allowed(method):
+        def run(*args, **kwargs):
+            host.paused += 1
+            try:
+                with torch.utils._python_dispatch._disable_current_modes():
+                    return method(*args, **kwargs)
+            finally:
+                host.paused -= 1
+        return run
+
+    monkeypatch.setattr(inflight.Launched, "wait", allowed(inflight.Launched.wait))
+    monkeypatch.setattr(inflight.Pipeline, "_recheck", allowed(inflight.Pipeline._recheck))
+    monkeypatch.setattr(inflight, "to_host", allowed(inflight.to_host))  # non-blocking from a GPU (a no-op here)
+    runtime = Runtime(torch.device("cpu"), precision)
+    config = In9Config(batch_size=BATCH, workers=1, progress=False, recheck_margin=1e9)
+    files, model = list_in9_files(dataset.root, VARIATIONS, workers=1), small_cnn()  # before any batch
+    with host, ops:
+        run = run_in9(model, runtime, files, config)
+    assert "aten::argmax" in ops.ops  # the recorders saw the batches
+    assert not host.reads, host.reads
+    assert not ops.ops & SYNCS, ops.ops & SYNCS
+    assert (run.to_json()["rechecked_fp32"] > 0) == (precision is Precision.BF16)

@@ -22,7 +22,8 @@ from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variati
 from tools.models.boundary import LoadedModel
 from tools.data.hashing import read_and_fingerprint
 from tools.provenance import provenance, write_json_atomic
-from tools.runtime import RECHECK_MARGIN, Forward, Runtime
+from tools.runtime import RECHECK_MARGIN, Forward, Runtime, to_device
+from tools.runtime.inflight import Launched, Pipeline, launch, near_ties, top_two_margins
 from tools.shards import NOT_MINE, Shard
 from tools.threads import default_workers
 
@@ -110,48 +111,69 @@ class _Resume:
         write_json_atomic(self.path, {"key": self.key, "done": self.done})
 
 
-class _Recheck:
-    """In reduced precision, the images whose top-two logit margin is below `margin`, queued (on the device) and
-    re-run in true fp32 by the eager module in full batches (`Runtime.fp32_math`, `Forward`'s one shape) when
-    `flush` is called; their predictions then replace the fast ones. Positions are the stream's."""
+class _Stream:
+    """in9's stream of batches through a `Pipeline` (tools.runtime.inflight), as the challenge's search runs: each
+    batch launched under its stream positions, its predictions (and in reduced precision its top-two margins)
+    copied back without waiting and read `IN_FLIGHT` batches later, so the host never waits for the device per
+    batch. In reduced precision the images whose margin is below `margin` are kept on the device and re-run in
+    true fp32 by the eager module in full batches (`Runtime.fp32_math`, `Forward`'s one shape) once a batch's
+    worth has gathered and at every `drain` (a variation's end, the stream's end): points fixed by the data alone.
+    Their fp32 predictions replace the fast ones in `preds`, indexed by stream position."""
 
-    def __init__(self, eager: torch.nn.Module, runtime: Runtime, batch_size: int, margin: float, to_in9: PredictionMap):
-        self.on = margin > 0 and not runtime.exact
-        self.margin, self.to_in9 = margin, to_in9
-        self.forward = Forward(eager, runtime, batch_size, exact=True, what="the fp32 re-check's batch size")
-        self.images: list[torch.Tensor] = []
-        self.positions: list[np.ndarray] = []
-        self.rechecked = np.zeros(0, np.int64)  # stream positions re-checked so far
-        self.changed = np.zeros(0, np.int64)  # and of those, the ones whose prediction changed
+    def __init__(self, eager: torch.nn.Module, forward: Forward, runtime: Runtime, batch_size: int, margin: float,
+                 to_in9: PredictionMap, size: int):
+        self.forward, self.to_in9 = forward, to_in9
+        self.margin = 0.0 if runtime.exact else margin
+        self.recheck = Forward(eager, runtime, batch_size, exact=True, what="the fp32 re-check's batch size")
+        self.preds = np.full(size, NOT_MINE, np.int64)  # by stream position, as recorded
+        self.images: dict[int, torch.Tensor] = {}  # a launched batch's images on the device, by its first position
+        self.ties: list[torch.Tensor] = []  # the held batches' near ties, in launch order
+        self.rechecked: list[np.ndarray] = []  # stream positions re-checked so far
+        self.changed: list[np.ndarray] = []  # and of those, the ones whose prediction changed
+        self.pipeline = Pipeline(self, self._record)
 
-    def note(self, logits: torch.Tensor, images: torch.Tensor, start: int) -> torch.Tensor:
-        """The predictions of the batch at stream position `start`, its near ties queued."""
-        preds = self.to_in9(logits)
-        if self.on:
-            top2 = logits.float().topk(2, dim=1).values
-            rows = (top2[:, 0] - top2[:, 1] < self.margin).nonzero().flatten()  # in9's one wait per batch
-            if rows.numel():
-                self.images.append(images[rows])
-                self.positions.append(rows.cpu().numpy() + start)
-        return preds
+    def submit(self, images: torch.Tensor, start: int) -> None:
+        """Launch the batch at stream position `start` (recording the batches `IN_FLIGHT` before it)."""
+        self.images[start] = images
+        self.pipeline.launch(np.arange(start, start + images.shape[0]))
 
-    def flush(self, preds: torch.Tensor | np.ndarray, offset: int) -> None:
-        """Re-check the queued ties and write their fp32 predictions into `preds` (stream position - offset)."""
-        if not self.images:
-            return
-        positions = np.concatenate(self.positions)
-        exact = self.to_in9(self.forward(torch.cat(self.images))).cpu().numpy().astype(np.int64)
-        self.images, self.positions = [], []
-        at = positions - offset
-        fast = preds[at] if isinstance(preds, np.ndarray) else preds[torch.from_numpy(at)].cpu().numpy()
-        self.rechecked = np.concatenate([self.rechecked, positions])
-        self.changed = np.concatenate([self.changed, positions[exact != fast]])
-        preds[at] = exact if isinstance(preds, np.ndarray) else torch.from_numpy(exact).to(preds)
+    def drain(self) -> None:
+        self.pipeline.drain()
+
+    def launch(self, positions: np.ndarray) -> Launched:
+        logits = self.forward(self.images[int(positions[0])])
+        return launch(positions, self.to_in9(logits), top_two_margins(logits) if self.margin > 0 else None)
+
+    def close(self, margins: np.ndarray | None) -> np.ndarray:
+        return near_ties(margins, self.margin)
+
+    def hold(self, positions: np.ndarray, close: np.ndarray) -> None:
+        images = self.images.pop(int(positions[0]))
+        rows = np.flatnonzero(close)
+        if len(rows):
+            self.ties.append(images.index_select(0, to_device(torch.from_numpy(rows), images.device)))
+
+    def recheck_pairs(self, positions: np.ndarray, fast: np.ndarray) -> np.ndarray:
+        if not len(positions):
+            return fast
+        exact = self.to_in9(self.recheck(torch.cat(self.ties))).cpu().numpy().astype(np.int64)
+        self.ties = []
+        self.rechecked.append(positions)
+        self.changed.append(positions[exact != fast])
+        return exact
+
+    def _record(self, positions: np.ndarray, preds: np.ndarray, margins: np.ndarray | None) -> None:
+        self.images.pop(int(positions[0]), None)
+        self.preds[positions] = preds
+
+    def flags(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every stream position re-checked so far, and those whose prediction that changed."""
+        return (np.concatenate(self.rechecked or [np.zeros(0, np.int64)]),
+                np.concatenate(self.changed or [np.zeros(0, np.int64)]))
 
     def counts(self, lo: int, hi: int) -> tuple[int, int]:
         """Re-checked and changed among stream positions lo..hi-1."""
-        return (int(((self.rechecked >= lo) & (self.rechecked < hi)).sum()),
-                int(((self.changed >= lo) & (self.changed < hi)).sum()))
+        return tuple(int(((at >= lo) & (at < hi)).sum()) for at in self.flags())
 
 
 def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names: Sequence[str], batch_size: int,
@@ -195,12 +217,12 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     if forwards is not None:
         forwards.append(forward)
     to_in9 = PredictionMap(loaded.num_classes)
-    recheck = _Recheck(eager, runtime, batch_size, recheck_margin, to_in9)
     all_paths = [p for _, relpaths, _ in todo for p in relpaths]
+    stream = _Stream(eager, forward, runtime, batch_size, recheck_margin, to_in9, len(all_paths))
     bounds = np.cumsum([0] + [len(relpaths) for _, relpaths, _ in todo])
     if runtime.group.distributed or shard is not None:
         share = shard or Shard(runtime.group.rank, runtime.group.world_size)
-        predictions, rechecked, changed = _predict_share(root, all_paths, batch_size, workers, runtime, forward, recheck,
+        predictions, rechecked, changed = _predict_share(root, all_paths, batch_size, workers, runtime, stream,
                                                          progress, share, decoder, contents, hashes, cache_dir)
         shares = [(name, relpaths, labels, lo, hi, int(rechecked[lo:hi].sum()), int(changed[lo:hi].sum()))
                   for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:])]
@@ -222,27 +244,23 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
         batches = datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin(), decoder=decoder,
                                                 device=None if kept is not None else runtime.device,
                                                 contents=contents, hashes=hashes, cache_dir=cache_dir)
-    pieces: list[torch.Tensor] = []  # predictions on the device for images buffer_start..end-1
-    buffer_start = finished = 0
+    finished = 0
     bar = tqdm(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
     with bar:
         for start, batch in batches:
             if kept is not None:
                 kept[start:start + batch.shape[0]] = batch
-            images = runtime.to_device(batch)
-            pieces.append(recheck.note(forward(images), images, start))
+            stream.submit(runtime.to_device(batch), start)
             bar.update(batch.shape[0])
             end = start + batch.shape[0]
+            if finished < len(todo) and end >= bounds[finished + 1]:
+                stream.drain()  # a variation ends in this batch: a fixed point
             while finished < len(todo) and end >= bounds[finished + 1]:
-                buffered = torch.cat(pieces)
-                recheck.flush(buffered, buffer_start)
-                lo, hi = bounds[finished] - buffer_start, bounds[finished + 1] - buffer_start
+                lo, hi = bounds[finished], bounds[finished + 1]
                 name, relpaths, labels = todo[finished]
-                preds = buffered[lo:hi].cpu().numpy().astype(np.int64)
-                results[name] = VariationResult(name, relpaths, labels, preds,
-                                                *recheck.counts(bounds[finished], bounds[finished + 1]))
+                preds = stream.preds[lo:hi].copy()
+                results[name] = VariationResult(name, relpaths, labels, preds, *stream.counts(lo, hi))
                 resumer.save(name, preds)
-                pieces, buffer_start = [buffered[hi:]], bounds[finished + 1]
                 finished += 1
     for key, lo, hi in zip(keys, bounds[:-1], bounds[1:]):
         if kept is not None:
@@ -268,7 +286,7 @@ def _batches_in_memory(groups: list[torch.Tensor], batch_size: int):
 
 
 def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
-                   forward: Forward, recheck: _Recheck, progress: bool, share: Shard, decoder: decoders.Decoder,
+                   stream: _Stream, progress: bool, share: Shard, decoder: decoders.Decoder,
                    contents: dict[str, bytes] | None, hashes: dict[str, str] | None = None,
                    cache_dir: Path | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The stream's batches dealt out in turn (batch i to share i mod N), each image predicted in the very batch
@@ -276,7 +294,6 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
     independent shard keeps NOT_MINE (-2) where others predict. With the predictions, per position: whether it
     was re-checked in fp32, and whether that changed it (gathered alike)."""
     starts = list(range(0, len(relpaths), batch_size))[share.index::share.count]
-    preds = np.full(len(relpaths), NOT_MINE, np.int64)  # this process's predictions, NOT_MINE elsewhere
     # an image only this process decodes may fail: all leave together
     with distributed.agree(runtime.group, runtime.device):
         with tqdm(total=len(relpaths), unit="img", desc="evaluating", disable=not progress,
@@ -284,13 +301,14 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
             for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(),
                                                               starts, decoder, runtime.device, contents,
                                                               hashes, cache_dir):
-                images = runtime.to_device(batch)
-                preds[start:start + batch.shape[0]] = recheck.note(forward(images), images, start).cpu().numpy()
+                stream.submit(runtime.to_device(batch), start)
                 bar.update(batch.shape[0] * share.count)
-            recheck.flush(preds, 0)
+            stream.drain()
+    preds = stream.preds  # this process's predictions, NOT_MINE elsewhere
+    rechecked, changed = stream.flags()
     flags = np.zeros((3, len(relpaths)), np.int64)  # prediction - NOT_MINE where this process predicted, else 0
     flags[0] = preds - NOT_MINE
-    flags[1, recheck.rechecked], flags[2, recheck.changed] = 1, 1
+    flags[1, rechecked], flags[2, changed] = 1, 1
     gathered = distributed.all_reduce(flags.reshape(-1), "sum", runtime.device)
     n = len(relpaths)
     return gathered[:n] + NOT_MINE, gathered[n:2 * n], gathered[2 * n:]

@@ -13,6 +13,8 @@ from tools.in9 import VARIATIONS
 from tools.runtime import RECHECK_MARGIN
 from tools.models.device_check import check_run, first_images
 from tools.shards import write_in9_shard
+from tools.data.check import quick_check
+from tools.threads import alongside
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,9 +49,13 @@ def _main(args: argparse.Namespace) -> int:
         names += [v for v in CATEGORY_VARIATIONS.values() if v not in names]
     config = In9Config(tuple(names), args.batch_size, args.workers, checked.progress, args.recheck_margin,
                        options.cache_dir_from_args(args))
-    files = list_in9_files(checked.data_path, names, args.workers)  # every data check before any model is built
-    loaded = options.model_from_args(args, runtime, checked.progress)
-    first = first_images(files.root, [r.relpath for r in files.listings[names[0]]], args.workers)
+    quick_check(checked.data_path, names)  # every check of the folders before any model is built
+
+    def data():  # listed, hashed and the device check's images decoded in the background while the model is built
+        files = list_in9_files(checked.data_path, names, args.workers)
+        return files, first_images(files.root, [r.relpath for r in files.listings[names[0]]], args.workers)
+
+    (files, first), loaded = alongside(data, lambda: options.model_from_args(args, runtime, checked.progress))
     device_check = check_run(loaded, runtime, first, args.allow_inexact_device)
     run = run_in9(loaded, runtime, files, config, output_dir=args.output_dir, resume=args.resume, shard=args.shard)
     run.provenance["device_check"] = device_check

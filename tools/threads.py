@@ -1,5 +1,6 @@
 """Work in threads: the default thread count, an ordered map with a progress bar, and imports in the background
-(started by tools.options for the model libraries, finished by tools.errors.optional_module and model building)."""
+(started by tools.options for the model libraries, finished by tools.errors.optional_module and model building),
+and a run's data work beside its model building (`alongside`)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,23 @@ def wait_for_background_imports() -> None:
             thread.join()
             if thread in _background:
                 _background.remove(thread)
+
+
+def alongside(data: Callable[[], object], model: Callable[[], object]) -> tuple[object, object]:
+    """(data(), model()): `data` in a background thread started first, `model` in this one meanwhile, so a run's
+    data work (listing, hashing, decoding) overlaps its model building. Both have finished when this returns or
+    raises: no thread outlives the call. A data error wins over a model error (the input is at fault first), so a
+    damaged file is still one `error:` line whatever the model did."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="data")
+    try:
+        future = pool.submit(data)
+        try:
+            built = model()
+        except BaseException:
+            future.exception()  # wait for the data work; its error, if any, replaces the model's
+            if future.exception() is not None:
+                raise future.exception() from None
+            raise
+        return future.result(), built
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

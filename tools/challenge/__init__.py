@@ -18,7 +18,8 @@ mean), `search` (the loop: progress, saving; and `run_challenge`), `result` (the
 per-foreground CSV), `cli` (the command: challenge_eval.py, bgc-challenge).
 """
 
-from tools.challenge.data import ChallengeData, ChallengeFiles, list_challenge_files, load_challenge_data
+from tools.challenge.data import (ChallengeData, ChallengeFiles, check_challenge_files, list_challenge_files,
+                                  load_challenge_data)
 from tools.challenge.predictor import CompositePredictor
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import ChallengeConfig, Criterion, Scheduler
@@ -27,4 +28,4 @@ from tools.challenge.state import ROBUST, STATE_NAME, UNKNOWN, VULNERABLE, Searc
 
 __all__ = ["ChallengeConfig", "ChallengeData", "ChallengeFiles", "ChallengeResult", "CompositePredictor",
            "Criterion", "ROBUST", "STATE_NAME", "Scheduler", "Search", "SearchState", "UNKNOWN", "VULNERABLE",
-           "list_challenge_files", "load_challenge_data", "run_challenge"]
+           "check_challenge_files", "list_challenge_files", "load_challenge_data", "run_challenge"]

@@ -12,7 +12,9 @@ from tools import cli, options
 from tools.errors import UserError
 from tools.models.device_check import check_run
 from tools.shards import write_challenge_shard
-from tools.challenge import flags, list_challenge_files, load_challenge_data, run_challenge
+from tools.challenge import (check_challenge_files, flags, list_challenge_files, load_challenge_data,
+                             run_challenge)
+from tools.threads import alongside
 from tools.results.analysis import DEFAULT_TOP_K
 from tools.results.publish import publish_challenge
 
@@ -52,11 +54,13 @@ def _main(args: argparse.Namespace) -> int:
     checked = options.check_arguments(args)
     runtime = options.runtime_from_args(args, compile=args.compile)
     options.preload_model_libraries(args.arch, args.checkpoint)  # imports while the data is checked
-    # the data is checked, listed, hashed and decoded (or read from the cache) before any model is built
     config = flags.challenge_config_from_args(args, checked.progress, full=args.full)
-    data = load_challenge_data(list_challenge_files(checked.data_path, args.workers), args.workers,
-                               flags.cache_dir_from_args(args), config.progress, config.mask_arithmetic)
-    loaded = options.model_from_args(args, runtime, checked.progress)
+    check_challenge_files(checked.data_path)  # every check of the folders before any model is built
+    # the data listed, hashed and decoded (or read from the cache) in the background while the model is built
+    data, loaded = alongside(
+        lambda: load_challenge_data(list_challenge_files(checked.data_path, args.workers), args.workers,
+                                    flags.cache_dir_from_args(args), config.progress, config.mask_arithmetic),
+        lambda: options.model_from_args(args, runtime, checked.progress))
     device_check = check_run(loaded, runtime, data.bg_images, args.allow_inexact_device)  # the first backgrounds
     result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume, shard=args.shard)
     result.provenance["device_check"] = device_check

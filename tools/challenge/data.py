@@ -71,9 +71,14 @@ class ChallengeData(Pairs):
                              self.bg_images.to(device), self.fingerprint, self.arithmetic, self.decoder)
 
 
-def list_challenge_files(root: Path, workers: int = 4) -> ChallengeFiles:
-    """Check and list the foregrounds and backgrounds, and hash their content: cheap, before any model is built."""
+def check_challenge_files(root: Path) -> None:
+    """The fast checks of the challenge's folders (`quick_check`): directory listings and a header per class."""
     quick_check(root, [Variation.ONLY_BG_T.value], need_masks=True)
+
+
+def list_challenge_files(root: Path, workers: int = 4) -> ChallengeFiles:
+    """Check and list the foregrounds and backgrounds, and hash their content."""
+    check_challenge_files(root)
     root = Path(root)
     foregrounds = layout.list_foregrounds(root)
     backgrounds = layout.list_variation(root, Variation.ONLY_BG_T.value)

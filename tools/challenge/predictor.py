@@ -5,9 +5,6 @@ points, and the background-alone predictions."""
 from __future__ import annotations
 
 import logging
-from collections import deque
-from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -16,29 +13,10 @@ from tools.challenge.data import ChallengeData
 from tools.data.compositing import MaskArithmetic, blend, composite
 from tools.in9 import PredictionMap
 from tools.models.boundary import LoadedModel
-from tools.runtime import Forward, Runtime, to_device, to_host
+from tools.runtime import Forward, Runtime, to_device
+from tools.runtime.inflight import Launched, launch, near_ties, top_two_margins
 
 log = logging.getLogger(__name__)
-
-IN_FLIGHT = 2  # batches launched and not yet waited for
-
-
-@dataclass
-class Launched:
-    """A batch on its way: its pairs, and its predictions and margins (None in fp32) copying into host memory
-    until `event` (None on the CPU, where the copy is done) has passed."""
-
-    pairs: np.ndarray
-    preds: torch.Tensor
-    margins: torch.Tensor | None
-    event: torch.cuda.Event | None
-
-    def wait(self) -> tuple[np.ndarray, np.ndarray | None]:
-        if self.event is not None:
-            self.event.synchronize()
-        return (self.preds.numpy().astype(np.int64),
-                None if self.margins is None else self.margins.numpy().astype(np.float32))
-
 
 class CompositePredictor:
     """IN-9 predictions for (foreground, background) index pairs, composited on the device.
@@ -75,8 +53,7 @@ class CompositePredictor:
         preds = self.to_in9(logits)
         if self.runtime.exact:
             return preds, None
-        top2 = logits.float().topk(2, dim=1).values
-        return preds, top2[:, 0] - top2[:, 1]
+        return preds, top_two_margins(logits)
 
     def _pair_images(self, pairs: np.ndarray) -> torch.Tensor:
         idx = to_device(torch.from_numpy(pairs), self.runtime.device)
@@ -89,15 +66,14 @@ class CompositePredictor:
     def launch(self, pairs: np.ndarray) -> Launched:
         """Predict the pairs, the results copying back to the host: nothing here waits for the device (no
         `.item()`, `nonzero` or copy that blocks)."""
-        preds, margins = self.predict_pairs(pairs)
-        host, event = to_host(*(t for t in (preds, margins) if t is not None))
-        return Launched(pairs, host[0], host[1] if len(host) > 1 else None, event)
+        return launch(pairs, *self.predict_pairs(pairs))
 
     def close(self, margins: np.ndarray | None) -> np.ndarray:
         """Which rows are near ties to re-check in fp32 (none in fp32, or with the re-check off)."""
-        if margins is None or self.recheck_margin <= 0:
-            return np.zeros(0 if margins is None else len(margins), bool)
-        return margins < self.recheck_margin
+        return near_ties(margins, self.recheck_margin)
+
+    def hold(self, pairs: np.ndarray, close: np.ndarray) -> None:
+        """Nothing to keep for a held batch: its ties are composited again from their pairs."""
 
     def recheck_rows(self, images: torch.Tensor, preds: np.ndarray) -> np.ndarray:
         """The fp32 predictions of `images` (near ties whose reduced-precision predictions are `preds`), counted."""
@@ -124,62 +100,3 @@ class CompositePredictor:
             rows = np.flatnonzero(close)
             preds[rows] = self.recheck_rows(self.runtime.to_device(images[torch.from_numpy(rows)]), preds[rows])
         return preds
-
-
-class Pipeline:
-    """Batches of pairs launched `IN_FLIGHT` ahead of the one being recorded, so the host never waits for the
-    device while it has work queued.
-
-    A batch with near ties (reduced precision) is held, with every batch after it, until its ties are re-checked:
-    the ties of the held batches are re-checked in full fp32 batches once a batch's worth of them has gathered,
-    and at every `drain` (a round's end, the end of the work); then the held batches are recorded in launch order.
-    So the points where re-checks run depend on the data alone, results are recorded in the order the pairs were
-    planned, and at one batch shape (`Forward`) no prediction depends on where a run was stopped and resumed."""
-
-    def __init__(self, predictor: CompositePredictor, record: Callable[[np.ndarray, np.ndarray, np.ndarray | None], None]):
-        self.predictor, self.record = predictor, record
-        self.in_flight: deque[Launched] = deque()
-        self.held: list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]] = []
-        self.ties = 0
-
-    def launch(self, pairs: np.ndarray) -> None:
-        self.in_flight.append(self.predictor.launch(pairs))
-        while len(self.in_flight) > IN_FLIGHT:
-            self._finish(self.in_flight.popleft())
-
-    def busy(self) -> bool:
-        return bool(self.in_flight or self.held)
-
-    def unrecorded(self) -> list[np.ndarray]:
-        """The batches launched and not yet recorded, in launch order (a saved state's pending batches)."""
-        return [held[0] for held in self.held] + [launched.pairs for launched in self.in_flight]
-
-    def drain(self) -> None:
-        """Wait for every batch, re-check the held ties and record everything."""
-        while self.in_flight:
-            self._finish(self.in_flight.popleft())
-        self._recheck()
-
-    def _finish(self, launched: Launched) -> None:
-        preds, margins = launched.wait()
-        close = self.predictor.close(margins)
-        if not self.held and not close.any():
-            self.record(launched.pairs, preds, margins)
-            return
-        self.held.append((launched.pairs, preds, margins, close))
-        self.ties += int(close.sum())
-        if self.ties >= self.predictor.recheck.chunk:
-            self._recheck()
-
-    def _recheck(self) -> None:
-        if not self.held:
-            return
-        pairs = np.concatenate([h[0][h[3]] for h in self.held]).astype(np.int64)
-        fast = np.concatenate([h[1][h[3]] for h in self.held])
-        exact, at = self.predictor.recheck_pairs(pairs, fast), 0
-        for batch, preds, margins, close in self.held:
-            rows = np.flatnonzero(close)
-            preds[rows], margins[rows] = exact[at:at + len(rows)], np.inf
-            at += len(rows)
-            self.record(batch, preds, margins)
-        self.held, self.ties = [], 0

@@ -13,7 +13,8 @@ from tqdm import tqdm
 
 from tools import distributed
 from tools.challenge.data import ChallengeData, ChallengeFiles, load_challenge_data
-from tools.challenge.predictor import CompositePredictor, Pipeline
+from tools.challenge.predictor import CompositePredictor
+from tools.runtime.inflight import Pipeline
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import ChallengeConfig, Scheduler, split_untested
 from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState

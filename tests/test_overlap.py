@@ -1,0 +1,88 @@
+"""in9_eval and challenge_eval list, hash and decode their data in the background while the model is built (after
+the fast checks of the folders); an error found only while decoding is still one `error:` line, exit 2, with no
+thread left running."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import challenge_eval
+import in9_eval
+import tools.challenge.data
+import tools.evaluate
+from tests.helpers import check_error, run_in_process, save_torchscript
+from tools import options
+from tools.models.architectures import SmallCNN
+
+WAIT_S = 20  # a run that does not overlap waits this long, then fails
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "model.pt"
+    save_torchscript(SmallCNN(9), path)
+    return path
+
+
+def command(script: str, root, checkpoint, tmp_path) -> tuple:
+    main, extra = (in9_eval.main, ["--eval-dataset", "original"]) if script == "in9" else (challenge_eval.main, [])
+    return main, ["--data-path", str(root), "--checkpoint", str(checkpoint), "--device", "cpu", "--no-progress",
+                  "--batch-size", "16", "--workers", "1", "--output-dir", str(tmp_path / "out"),
+                  "--log-level", "WARNING", *extra]
+
+
+@pytest.mark.parametrize("script", ["in9", "challenge"])
+def test_the_data_is_hashed_while_the_model_is_built(script, dataset, checkpoint, tmp_path, monkeypatch, capsys,
+                                                     one_thread):
+    """Hashing the files waits until the model's building has started (it never starts, in a run that builds the
+    model after the data): the run finishes, and the data work saw the model being built."""
+    building, events = threading.Event(), []
+    build, hashing = options.model_from_args, tools.evaluate.read_and_fingerprint
+
+    def model_from_args(*args, **kwargs):
+        events.append("model: start")
+        building.set()
+        built = build(*args, **kwargs)
+        events.append("model: built")
+        return built
+
+    def read_and_fingerprint(*args, **kwargs):
+        events.append("data: hashing")
+        events.append("data: the model is being built" if building.wait(WAIT_S) else "data: no model in sight")
+        return hashing(*args, **kwargs)
+
+    monkeypatch.setattr(options, "model_from_args", model_from_args)
+    monkeypatch.setattr(tools.evaluate, "read_and_fingerprint", read_and_fingerprint)
+    monkeypatch.setattr(tools.challenge.data, "read_and_fingerprint", read_and_fingerprint)
+    main, argv = command(script, dataset.root, checkpoint, tmp_path)
+    code, out, err = run_in_process(main, argv, capsys)
+    assert code == 0, err
+    assert "data: the model is being built" in events, events
+
+
+@pytest.mark.parametrize("script", ["in9", "challenge"])
+@pytest.mark.parametrize("model_fails", [False, True])
+def test_a_file_found_damaged_while_decoding_is_one_error_line(script, model_fails, dataset, checkpoint, tmp_path,
+                                                               monkeypatch, capsys, one_thread):
+    """A later background (in9: a later image of original) that is not a JPEG passes the fast checks and fails as
+    it is decoded, in the background: one line naming it, exit 2, whether the model was built or failed meanwhile,
+    and no thread of the run still alive."""
+    root = Path(shutil.copytree(dataset.root, tmp_path / "bg_challenge"))  # a copy to break
+    folder = "only_bg_t" if script == "challenge" else "original"
+    path = sorted((root / folder / "val").glob("*/*"))[-1]
+    path.write_bytes(b"this is not a JPEG")
+    if model_fails:
+        checkpoint.write_bytes(b"not a checkpoint")
+    before = set(threading.enumerate())
+    main, argv = command(script, root, checkpoint, tmp_path)
+    code, out, err = run_in_process(main, argv, capsys)
+    line = check_error(code, out, err, lines=None)
+    # in9 decodes its images as it predicts: a model that fails is found first, as before
+    assert ("checkpoint" if script == "in9" and model_fails else path.name) in line, line
+    assert not [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]

@@ -1,0 +1,130 @@
+"""Batches in flight without waiting for the device: results copied back asynchronously and waited for a few
+batches later, near ties of reduced precision held and re-checked in full fp32 batches at points fixed by the data
+alone. Shared by the challenge's search and in9's stream of batches."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from tools.runtime import to_host
+
+IN_FLIGHT = 2  # batches launched and not yet waited for
+
+
+@dataclass
+class Launched:
+    """A batch on its way: its keys (the challenge's pairs, in9's stream positions), and its predictions and
+    margins (None in fp32) copying into host memory until `event` (None on the CPU, where the copy is done) has
+    passed."""
+
+    pairs: np.ndarray
+    preds: torch.Tensor
+    margins: torch.Tensor | None
+    event: torch.cuda.Event | None
+
+    def wait(self) -> tuple[np.ndarray, np.ndarray | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        return (self.preds.numpy().astype(np.int64),
+                None if self.margins is None else self.margins.numpy().astype(np.float32))
+
+
+def launch(keys: np.ndarray, preds: torch.Tensor, margins: torch.Tensor | None) -> Launched:
+    """The batch's device results copying back to the host, without waiting for them."""
+    host, event = to_host(*(t for t in (preds, margins) if t is not None))
+    return Launched(keys, host[0], host[1] if len(host) > 1 else None, event)
+
+
+def top_two_margins(logits: torch.Tensor) -> torch.Tensor:
+    """Per row, the top logit minus the second, in fp32, on the logits' device."""
+    top2 = logits.float().topk(2, dim=1).values
+    return top2[:, 0] - top2[:, 1]
+
+
+def near_ties(margins: np.ndarray | None, margin: float) -> np.ndarray:
+    """Which rows to re-check in fp32: margins below `margin` (none in fp32, where margins are None, or with
+    `margin` 0)."""
+    if margins is None or margin <= 0:
+        return np.zeros(0 if margins is None else len(margins), bool)
+    return margins < margin
+
+
+class Predicts(Protocol):
+    """What a `Pipeline` drives: launching a batch, finding its near ties, re-checking them in fp32 (a `Forward`
+    as `recheck`, whose chunk sets when held ties are re-checked)."""
+
+    recheck: object
+
+    def launch(self, pairs: np.ndarray) -> Launched: ...
+
+    def close(self, margins: np.ndarray | None) -> np.ndarray: ...
+
+    def hold(self, pairs: np.ndarray, close: np.ndarray) -> None:
+        """A waited-for batch is held until its near ties (`close`) are re-checked: keep what that needs."""
+
+    def recheck_pairs(self, pairs: np.ndarray, preds: np.ndarray) -> np.ndarray: ...
+
+
+class Pipeline:
+    """Batches (of pairs, of stream positions) launched `IN_FLIGHT` ahead of the one being recorded, so the host never waits for the
+    device while it has work queued.
+
+    A batch with near ties (reduced precision) is held, with every batch after it, until its ties are re-checked:
+    the ties of the held batches are re-checked in full fp32 batches once a batch's worth of them has gathered,
+    and at every `drain` (a round's end, the end of the work); then the held batches are recorded in launch order.
+    So the points where re-checks run depend on the data alone, results are recorded in the order the pairs were
+    planned, and at one batch shape (`Forward`) no prediction depends on where a run was stopped and resumed."""
+
+    def __init__(self, predictor: Predicts, record: Callable[[np.ndarray, np.ndarray, np.ndarray | None], None]):
+        self.predictor, self.record = predictor, record
+        self.in_flight: deque[Launched] = deque()
+        self.held: list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]] = []
+        self.ties = 0
+
+    def launch(self, pairs: np.ndarray) -> None:
+        self.in_flight.append(self.predictor.launch(pairs))
+        while len(self.in_flight) > IN_FLIGHT:
+            self._finish(self.in_flight.popleft())
+
+    def busy(self) -> bool:
+        return bool(self.in_flight or self.held)
+
+    def unrecorded(self) -> list[np.ndarray]:
+        """The batches launched and not yet recorded, in launch order (a saved state's pending batches)."""
+        return [held[0] for held in self.held] + [launched.pairs for launched in self.in_flight]
+
+    def drain(self) -> None:
+        """Wait for every batch, re-check the held ties and record everything."""
+        while self.in_flight:
+            self._finish(self.in_flight.popleft())
+        self._recheck()
+
+    def _finish(self, launched: Launched) -> None:
+        preds, margins = launched.wait()
+        close = self.predictor.close(margins)
+        if not self.held and not close.any():
+            self.record(launched.pairs, preds, margins)
+            return
+        self.predictor.hold(launched.pairs, close)
+        self.held.append((launched.pairs, preds, margins, close))
+        self.ties += int(close.sum())
+        if self.ties >= self.predictor.recheck.chunk:
+            self._recheck()
+
+    def _recheck(self) -> None:
+        if not self.held:
+            return
+        pairs = np.concatenate([h[0][h[3]] for h in self.held]).astype(np.int64)
+        fast = np.concatenate([h[1][h[3]] for h in self.held])
+        exact, at = self.predictor.recheck_pairs(pairs, fast), 0
+        for batch, preds, margins, close in self.held:
+            rows = np.flatnonzero(close)
+            preds[rows], margins[rows] = exact[at:at + len(rows)], np.inf
+            at += len(rows)
+            self.record(batch, preds, margins)
+        self.held, self.ties = [], 0
