@@ -231,6 +231,20 @@ def test_a_state_saved_before_the_key_held_the_precision_resumes(tiny, tmp_path,
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_state_saved_with_the_per_sample_draws_is_refused(tiny, tmp_path, capsys, monkeypatch, one_thread):
+    """The epoch's draws changed (one table per epoch, not a generator per sample): a state saved by the version
+    that drew per sample (its key names no draws) would go on with other crops and swaps than it began with, a
+    run equal to no uninterrupted one; it is refused in one line."""
+    common = ["--data-path", tiny, "--weights", "none", "--epochs", 2, "--batch-size", 6, "--save-every", 1, *TINY]
+    resumed = tmp_path / "resumed"
+    interrupt_at_step(4, [*common, "--output-dir", resumed], capsys, monkeypatch)
+    state = torch.load(resumed / STATE_NAME, weights_only=True)
+    state["run_key"].pop("draws", None)
+    torch.save(state, resumed / STATE_NAME)  # as the version before wrote it
+    code, _, err = run_train([*common, "--output-dir", resumed, "--resume"], capsys)
+    assert code == 2 and "other settings" in err, err
+
+
 def test_the_loop_goes_on_while_the_resume_state_is_written(tiny, tmp_path, monkeypatch, one_thread):
     """A slow write of the resume state (step 2 of 3) does not hold the loop: step 3 runs to its end while the
     write is in flight, and the file written holds the weights as they were at the save, not as step 3 left them."""

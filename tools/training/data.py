@@ -190,8 +190,8 @@ def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, p
     epochs), in pinned memory when `pin_memory` (a CUDA device: tools.runtime.to_device copies them without waiting);
     without workers the training process gathers each batch straight into pinned memory."""
     workers = config.workers
-    return DataLoader(TrainingSet(data, config, store, pin=pin_memory and not workers), batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
-                      collate_fn=whole_batch, persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+    return DataLoader(TrainingSet(data, config, store, pin=pin_memory and not workers), batch_sampler=sampler,
+                      num_workers=workers, pin_memory=pin_memory, collate_fn=whole_batch, persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
 
 
 @functools.lru_cache(maxsize=None)

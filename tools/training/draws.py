@@ -18,6 +18,9 @@ import torch
 
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES
 
+# which way of drawing made a run's crops, flips and swaps, in its resume key: 2 is this module's table per epoch
+# (1, unnamed in older keys, was a generator per sample), so a state saved with other draws is not continued
+DRAWS_VERSION = 2
 CROP_TRIES = 10  # torchvision's get_params
 RATIO_RANGE = (3 / 4, 4 / 3)
 # a row's columns: swap or not, own class or not, random class, pool member; each try's area and aspect; top, left; flip

@@ -36,6 +36,7 @@ from tools.training.checkpoint import (CHECKPOINT_NAME, STATE_NAME, BackgroundSa
 from tools.training.config import RANDOM_INIT, Optimizer, TrainConfig
 from tools.training.data import (StepSampler, decoded_store, derived_seed, device_batch, list_training_data,
                                  make_loader)
+from tools.training.draws import DRAWS_VERSION
 from tools.training.methods import WeightAveraging, batch_mixer
 
 log = logging.getLogger(__name__)
@@ -244,7 +245,7 @@ def train(config: TrainConfig) -> TrainResult:
     # compile off is left out of the key, as states saved before the flag existed have no such key
     run_key = {"config": {k: v for k, v in record.items() if k not in NOT_IN_RUN_KEY and (k != "compile" or v)},
                "data": fingerprint,
-               "precision": runtime.precision.value}
+               "precision": runtime.precision.value, "draws": DRAWS_VERSION}
     step = 0
     # a state saved before resume keys named the precision that ran is one of that version's default precision
     earlier_default = config.precision or (Precision.BF16 if device.type == "cuda" else Precision.FP32)
