@@ -6,7 +6,11 @@ streamed run's, bit for bit."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -191,3 +195,37 @@ def test_a_cached_run_on_the_device_is_kept_there_and_predicts_the_same(model, d
         resident = run(cache)
     assert decodes == [] and "kept on cuda" in caplog.text
     assert streamed == cold == resident
+
+
+def test_a_pack_is_given_its_disk_space_when_it_is_made(tmp_path):
+    """Rows go into a mapped file: a sparse one would meet a full disk as a SIGBUS on a later write, killing the
+    run; the space is taken when the pack is made, where a full disk is an OSError (a warning)."""
+    writer = store.Packs(tmp_path, "image", (224, 224, 3)).writer([f"{i:064x}" for i in range(20)])
+    rows = writer.tmp / "rows.npy"
+    assert os.stat(rows).st_blocks * 512 >= os.stat(rows).st_size
+    writer.abort()
+
+
+FULL_DISK = """
+import sys, numpy as np
+from tools.data import store
+writer = store.Packs(sys.argv[1], "image", (224, 224, 3)).writer([f"{i:064x}" for i in range(40)])
+for i in range(40):
+    writer.put(i, np.full((224, 224, 3), i, np.uint8))
+print("kept:", writer.commit())
+"""
+
+
+@pytest.mark.skipif(subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0
+                    if shutil.which("unshare") else True, reason="needs unshare to mount a small tmpfs")
+def test_a_full_disk_is_a_warning_not_a_bus_error(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    script = tmp_path / "fill.py"
+    script.write_text(FULL_DISK)
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=1m tmpfs "{small}" && '
+                           f'"{sys.executable}" "{script}" "{small}/cache"'],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert done.returncode == 0, done.stderr
+    assert "kept: None" in done.stdout and "continuing without it" in done.stderr

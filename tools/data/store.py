@@ -119,6 +119,14 @@ class Packs:
         return PackWriter(self, list(hashes), check)
 
 
+def _allocate(path: Path) -> None:
+    """Take the disk space of a mapped file now: a full disk is then an OSError here, where a sparse file would
+    meet it as a SIGBUS on a write to the mapping, killing the process."""
+    if hasattr(os, "posix_fallocate"):
+        with open(path, "r+b") as fh:
+            os.posix_fallocate(fh.fileno(), 0, os.fstat(fh.fileno()).st_size)
+
+
 class PackWriter:
     """One pack being written: rows go straight into its file in a temporary folder (`put`, from any thread,
     one row each), and `commit` renames it into place once every row is in; `abort` (or an incomplete pack)
@@ -136,6 +144,7 @@ class PackWriter:
             self.tmp = Path(tempfile.mkdtemp(dir=packs.dir, prefix=temporary_prefix(os.getpid())))
             self.rows = np.lib.format.open_memmap(self.tmp / "rows.npy", mode="w+", dtype=packs.dtype,
                                                   shape=(len(hashes), *packs.row_shape))
+            _allocate(self.tmp / "rows.npy")
         except OSError as exc:
             log.warning("could not write to the cache at %s (%s); continuing without it", packs.dir, exc)
             self.abort()
