@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -229,3 +230,17 @@ def test_a_full_disk_is_a_warning_not_a_bus_error(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     assert done.returncode == 0, done.stderr
     assert "kept: None" in done.stdout and "continuing without it" in done.stderr
+
+
+def test_a_pack_is_readable_as_the_umask_allows(tmp_path):
+    """A cache folder shared by users (--cache-dir on a group folder): a pack's folder gets the umask's mode, as
+    a folder made by mkdir, not a private temporary folder's 0700."""
+    umask = os.umask(0o022)
+    try:
+        writer = store.Packs(tmp_path, "mask-binary", (4,)).writer(["a" * 64])
+        writer.put(0, np.arange(4))
+        folder = writer.commit()
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in folder.iterdir())

@@ -22,8 +22,8 @@ import json
 import logging
 import os
 import shutil
+import secrets
 import socket
-import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -141,7 +141,8 @@ class PackWriter:
             return
         try:
             packs.dir.mkdir(parents=True, exist_ok=True)
-            self.tmp = Path(tempfile.mkdtemp(dir=packs.dir, prefix=temporary_prefix(os.getpid())))
+            self.tmp = packs.dir / f"{temporary_prefix(os.getpid())}{secrets.token_hex(8)}"
+            self.tmp.mkdir()  # the umask's mode, as the cache's other folders (mkdtemp's 0700 shuts out other users)
             self.rows = np.lib.format.open_memmap(self.tmp / "rows.npy", mode="w+", dtype=packs.dtype,
                                                   shape=(len(hashes), *packs.row_shape))
             _allocate(self.tmp / "rows.npy")
