@@ -244,3 +244,22 @@ def test_a_pack_is_readable_as_the_umask_allows(tmp_path):
         os.umask(umask)
     assert stat.S_IMODE(folder.stat().st_mode) == 0o755
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in folder.iterdir())
+
+
+def test_a_file_rewritten_after_it_was_hashed_is_not_cached_under_the_old_hash(data, tmp_path):
+    """Files listed (hashed) once and decoded later from disk (a listing's bytes already given back, as after a
+    first run, or training's hashing pass): a file rewritten in between must not put its pixels under the hash
+    of the bytes it held when listed, where a later run with those bytes would find them."""
+    cache = tmp_path / "cache"
+    files = list_challenge_files(data, 1)
+    files.contents.clear()
+    image, mask = data / files.foregrounds[0].image_relpath, data / files.foregrounds[0].mask_relpath
+    kept_image, kept_mask = image.read_bytes(), mask.read_bytes()
+    shutil.copyfile(data / files.backgrounds[0].relpath, image)
+    np.save(mask, ~np.load(mask).astype(bool))
+    load_challenge_data(files, 1, cache, progress=False)
+    image.write_bytes(kept_image)
+    mask.write_bytes(kept_mask)
+    cached = load_challenge_data(list_challenge_files(data, 1), 1, cache, progress=False)
+    plain = load_challenge_data(list_challenge_files(data, 1), 1, None, progress=False)
+    assert torch.equal(cached.fg_images, plain.fg_images) and torch.equal(cached.masks, plain.masks)
