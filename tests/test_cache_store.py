@@ -263,3 +263,36 @@ def test_a_file_rewritten_after_it_was_hashed_is_not_cached_under_the_old_hash(d
     cached = load_challenge_data(list_challenge_files(data, 1), 1, cache, progress=False)
     plain = load_challenge_data(list_challenge_files(data, 1), 1, None, progress=False)
     assert torch.equal(cached.fg_images, plain.fg_images) and torch.equal(cached.masks, plain.masks)
+
+
+LOCKED = """
+import os, sys
+import numpy as np
+from tools.data import store
+if os.geteuid() == 0:  # root reads everything: look as nobody
+    os.setgid(65534)
+    os.setuid(65534)
+packs = store.Packs(sys.argv[1], "image", (2,))
+print("found:", packs.lookup(["a" * 64]))
+writer = packs.writer(["a" * 64])
+writer.put(0, np.zeros(2))
+print("kept:", writer.commit())
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX permissions")
+def test_a_cache_folder_that_cannot_be_reached_is_a_warning(tmp_path):
+    """--cache-dir under a folder the user may not enter: `is_dir` raises there before Python 3.12."""
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    locked.chmod(0)
+    script = tmp_path / "look.py"
+    script.write_text(LOCKED)
+    try:
+        done = subprocess.run([sys.executable, str(script), str(locked / "cache")], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    finally:
+        locked.chmod(0o700)
+    assert done.returncode == 0, done.stderr
+    assert "found: [None]" in done.stdout and "kept: None" in done.stdout
+    assert "continuing without it" in done.stderr

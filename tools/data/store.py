@@ -78,10 +78,12 @@ class Packs:
                      "version": STORE_VERSION, "reference": reference_build()}
 
     def _folders(self) -> list[Path]:
-        if self.dir is None or not self.dir.is_dir():
+        if self.dir is None:
             return []
-        remove_stale_temporaries(self.dir)
         try:
+            if not self.dir.is_dir():  # raises where it may not be entered, before Python 3.12
+                return []
+            remove_stale_temporaries(self.dir)
             return sorted(p for p in self.dir.iterdir() if p.name.startswith(f"{self.kind}-")
                           and p.name.endswith(f"-v{STORE_VERSION}") and p.is_dir())
         except OSError as exc:
