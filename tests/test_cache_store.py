@@ -6,6 +6,7 @@ streamed run's, bit for bit."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import shutil
 import stat
@@ -296,3 +297,16 @@ def test_a_cache_folder_that_cannot_be_reached_is_a_warning(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "found: [None]" in done.stdout and "kept: None" in done.stdout
     assert "continuing without it" in done.stderr
+
+
+@pytest.mark.parametrize("code, kept", [(errno.ENOSPC, False), (errno.EOPNOTSUPP, True)])
+def test_a_file_system_without_fallocate_still_caches(tmp_path, monkeypatch, code, kept):
+    """Where the space cannot be taken ahead (musl's posix_fallocate on a file system without it), the pack is
+    written as before; a full disk is still no pack."""
+    def refuse(*args):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse, raising=False)
+    writer = store.Packs(tmp_path, "mask-binary", (4,)).writer(["a" * 64])
+    writer.put(0, np.arange(4))
+    assert (writer.commit() is not None) == kept

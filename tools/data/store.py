@@ -17,6 +17,7 @@ its rows before it is kept, and a mismatch keeps nothing."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -126,7 +127,11 @@ def _allocate(path: Path) -> None:
     meet it as a SIGBUS on a write to the mapping, killing the process."""
     if hasattr(os, "posix_fallocate"):
         with open(path, "r+b") as fh:
-            os.posix_fallocate(fh.fileno(), 0, os.fstat(fh.fileno()).st_size)
+            try:
+                os.posix_fallocate(fh.fileno(), 0, os.fstat(fh.fileno()).st_size)
+            except OSError as exc:  # a file system that cannot (musl does not emulate it): sparse, as it was
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                    raise
 
 
 class PackWriter:
