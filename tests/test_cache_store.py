@@ -6,7 +6,13 @@ streamed run's, bit for bit."""
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -191,3 +197,116 @@ def test_a_cached_run_on_the_device_is_kept_there_and_predicts_the_same(model, d
         resident = run(cache)
     assert decodes == [] and "kept on cuda" in caplog.text
     assert streamed == cold == resident
+
+
+def test_a_pack_is_given_its_disk_space_when_it_is_made(tmp_path):
+    """Rows go into a mapped file: a sparse one would meet a full disk as a SIGBUS on a later write, killing the
+    run; the space is taken when the pack is made, where a full disk is an OSError (a warning)."""
+    writer = store.Packs(tmp_path, "image", (224, 224, 3)).writer([f"{i:064x}" for i in range(20)])
+    rows = writer.tmp / "rows.npy"
+    assert os.stat(rows).st_blocks * 512 >= os.stat(rows).st_size
+    writer.abort()
+
+
+FULL_DISK = """
+import sys, numpy as np
+from tools.data import store
+writer = store.Packs(sys.argv[1], "image", (224, 224, 3)).writer([f"{i:064x}" for i in range(40)])
+for i in range(40):
+    writer.put(i, np.full((224, 224, 3), i, np.uint8))
+print("kept:", writer.commit())
+"""
+
+
+@pytest.mark.skipif(subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0
+                    if shutil.which("unshare") else True, reason="needs unshare to mount a small tmpfs")
+def test_a_full_disk_is_a_warning_not_a_bus_error(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    script = tmp_path / "fill.py"
+    script.write_text(FULL_DISK)
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=1m tmpfs "{small}" && '
+                           f'"{sys.executable}" "{script}" "{small}/cache"'],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert done.returncode == 0, done.stderr
+    assert "kept: None" in done.stdout and "continuing without it" in done.stderr
+
+
+def test_a_pack_is_readable_as_the_umask_allows(tmp_path):
+    """A cache folder shared by users (--cache-dir on a group folder): a pack's folder gets the umask's mode, as
+    a folder made by mkdir, not a private temporary folder's 0700."""
+    umask = os.umask(0o022)
+    try:
+        writer = store.Packs(tmp_path, "mask-binary", (4,)).writer(["a" * 64])
+        writer.put(0, np.arange(4))
+        folder = writer.commit()
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in folder.iterdir())
+
+
+def test_a_file_rewritten_after_it_was_hashed_is_not_cached_under_the_old_hash(data, tmp_path):
+    """Files listed (hashed) once and decoded later from disk (a listing's bytes already given back, as after a
+    first run, or training's hashing pass): a file rewritten in between must not put its pixels under the hash
+    of the bytes it held when listed, where a later run with those bytes would find them."""
+    cache = tmp_path / "cache"
+    files = list_challenge_files(data, 1)
+    files.contents.clear()
+    image, mask = data / files.foregrounds[0].image_relpath, data / files.foregrounds[0].mask_relpath
+    kept_image, kept_mask = image.read_bytes(), mask.read_bytes()
+    shutil.copyfile(data / files.backgrounds[0].relpath, image)
+    np.save(mask, ~np.load(mask).astype(bool))
+    load_challenge_data(files, 1, cache, progress=False)
+    image.write_bytes(kept_image)
+    mask.write_bytes(kept_mask)
+    cached = load_challenge_data(list_challenge_files(data, 1), 1, cache, progress=False)
+    plain = load_challenge_data(list_challenge_files(data, 1), 1, None, progress=False)
+    assert torch.equal(cached.fg_images, plain.fg_images) and torch.equal(cached.masks, plain.masks)
+
+
+LOCKED = """
+import os, sys
+import numpy as np
+from tools.data import store
+if os.geteuid() == 0:  # root reads everything: look as nobody
+    os.setgid(65534)
+    os.setuid(65534)
+packs = store.Packs(sys.argv[1], "image", (2,))
+print("found:", packs.lookup(["a" * 64]))
+writer = packs.writer(["a" * 64])
+writer.put(0, np.zeros(2))
+print("kept:", writer.commit())
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX permissions")
+def test_a_cache_folder_that_cannot_be_reached_is_a_warning(tmp_path):
+    """--cache-dir under a folder the user may not enter: `is_dir` raises there before Python 3.12."""
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    locked.chmod(0)
+    script = tmp_path / "look.py"
+    script.write_text(LOCKED)
+    try:
+        done = subprocess.run([sys.executable, str(script), str(locked / "cache")], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    finally:
+        locked.chmod(0o700)
+    assert done.returncode == 0, done.stderr
+    assert "found: [None]" in done.stdout and "kept: None" in done.stdout
+    assert "continuing without it" in done.stderr
+
+
+@pytest.mark.parametrize("code, kept", [(errno.ENOSPC, False), (errno.EOPNOTSUPP, True)])
+def test_a_file_system_without_fallocate_still_caches(tmp_path, monkeypatch, code, kept):
+    """Where the space cannot be taken ahead (musl's posix_fallocate on a file system without it), the pack is
+    written as before; a full disk is still no pack."""
+    def refuse(*args):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse, raising=False)
+    writer = store.Packs(tmp_path, "mask-binary", (4,)).writer(["a" * 64])
+    writer.put(0, np.arange(4))
+    assert (writer.commit() is not None) == kept

@@ -279,7 +279,7 @@ def test_a_write_that_fails_midway_leaves_the_old_files(writer, full_run, datase
 IN_PLACE_WRITERS = {
     "tools/provenance.py": {"atomic_write"},  # the helper itself
     "tools/data/decoding.py": {"save"},  # a cache entry, written inside a temporary folder renamed into place
-    "tools/data/store.py": {"commit"},  # a cache pack, likewise
+    "tools/data/store.py": {"commit", "_allocate"},  # a cache pack, likewise (its rows file in the temporary folder)
     "tools/training/loop.py": {"write"},  # train_log.jsonl, appended to one line at a time
     "tools/results/figures.py": {"data_uri"},  # an image encoded into memory (io.BytesIO), no file
     "tools/data/synthetic.py": None,  # a generated data set (the whole module)

@@ -103,9 +103,26 @@ def _decode_into(out: torch.Tensor, root: Path, relpaths: Sequence[str], decoder
         if rows is not None:
             array[i] = rows[row]
             continue
-        array[i] = decode_rgb(Path(root) / rel, decoder=decoder, data=contents.get(rel))
-        if writer is not None:
+        data, same = (contents.get(rel), False) if writer is None else \
+            _hashed_bytes(root, rel, contents, writer.hashes[row])
+        array[i] = decode_rgb(Path(root) / rel, decoder=decoder, data=data)
+        if same:
             writer.put(row, array[i])
+
+
+def _hashed_bytes(root: Path, rel: str, contents: Mapping[str, bytes], file_hash: str) -> tuple[bytes | None, bool]:
+    """A file's bytes (None where unreadable: its decoder names the error) and whether they are those hashed as
+    `file_hash` when listed: a file rewritten since is decoded as it is now, but its rows are not cached."""
+    if rel in contents:
+        return contents[rel], True
+    try:
+        data = (Path(root) / rel).read_bytes()
+    except OSError:
+        return None, False
+    if hashlib.sha256(data).hexdigest() != file_hash:
+        log.warning("%s changed since it was listed; not caching what it decodes to", rel)
+        return data, False
+    return data, True
 
 
 class _DeviceCopies:
@@ -411,17 +428,21 @@ def _masks_cached(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmeti
     packs = Packs(cache_dir, f"mask-{arithmetic.value}", (pixels // 8,) if packed else (IMAGE_SIZE, IMAGE_SIZE))
     found = packs.lookup([hashes[rel] for rel in relpaths]) if hashes is not None else [None] * len(relpaths)
     missing = [i for i, hit in enumerate(found) if hit is None]
-    fresh = load_masks(root, [relpaths[i] for i in missing], arithmetic, contents)
+    names = [relpaths[i] for i in missing]
+    read = {rel: _hashed_bytes(root, rel, contents, hashes[rel]) if hashes is not None and cache_dir is not None
+            else (contents.get(rel), False) for rel in names}
+    fresh = load_masks(root, names, arithmetic, {rel: data for rel, (data, _) in read.items() if data is not None})
     fresh = np.packbits(fresh.reshape(len(fresh), pixels), axis=1) if packed else fresh
     rows = np.empty((len(relpaths), *packs.row_shape), np.uint8)
     for i, hit in enumerate(found):
         if hit is not None:
             rows[i] = hit[0][hit[1]]
     rows[missing] = fresh
-    if missing and hashes is not None:
-        writer = packs.writer([hashes[relpaths[i]] for i in missing])
-        for k, row in enumerate(fresh):
-            writer.put(k, row)
+    same = [k for k, rel in enumerate(names) if read[rel][1]]
+    if same:
+        writer = packs.writer([hashes[names[k]] for k in same])
+        for j, k in enumerate(same):
+            writer.put(j, fresh[k])
         writer.commit()
     if packed:
         return torch.from_numpy(np.unpackbits(rows, axis=1, count=pixels).astype(bool).reshape(-1, IMAGE_SIZE,

@@ -17,13 +17,14 @@ its rows before it is kept, and a mismatch keeps nothing."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import shutil
+import secrets
 import socket
-import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -78,10 +79,12 @@ class Packs:
                      "version": STORE_VERSION, "reference": reference_build()}
 
     def _folders(self) -> list[Path]:
-        if self.dir is None or not self.dir.is_dir():
+        if self.dir is None:
             return []
-        remove_stale_temporaries(self.dir)
         try:
+            if not self.dir.is_dir():  # raises where it may not be entered, before Python 3.12
+                return []
+            remove_stale_temporaries(self.dir)
             return sorted(p for p in self.dir.iterdir() if p.name.startswith(f"{self.kind}-")
                           and p.name.endswith(f"-v{STORE_VERSION}") and p.is_dir())
         except OSError as exc:
@@ -119,6 +122,18 @@ class Packs:
         return PackWriter(self, list(hashes), check)
 
 
+def _allocate(path: Path) -> None:
+    """Take the disk space of a mapped file now: a full disk is then an OSError here, where a sparse file would
+    meet it as a SIGBUS on a write to the mapping, killing the process."""
+    if hasattr(os, "posix_fallocate"):
+        with open(path, "r+b") as fh:
+            try:
+                os.posix_fallocate(fh.fileno(), 0, os.fstat(fh.fileno()).st_size)
+            except OSError as exc:  # a file system that cannot (musl does not emulate it): sparse, as it was
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                    raise
+
+
 class PackWriter:
     """One pack being written: rows go straight into its file in a temporary folder (`put`, from any thread,
     one row each), and `commit` renames it into place once every row is in; `abort` (or an incomplete pack)
@@ -133,9 +148,11 @@ class PackWriter:
             return
         try:
             packs.dir.mkdir(parents=True, exist_ok=True)
-            self.tmp = Path(tempfile.mkdtemp(dir=packs.dir, prefix=temporary_prefix(os.getpid())))
+            self.tmp = packs.dir / f"{temporary_prefix(os.getpid())}{secrets.token_hex(8)}"
+            self.tmp.mkdir()  # the umask's mode, as the cache's other folders (mkdtemp's 0700 shuts out other users)
             self.rows = np.lib.format.open_memmap(self.tmp / "rows.npy", mode="w+", dtype=packs.dtype,
                                                   shape=(len(hashes), *packs.row_shape))
+            _allocate(self.tmp / "rows.npy")
         except OSError as exc:
             log.warning("could not write to the cache at %s (%s); continuing without it", packs.dir, exc)
             self.abort()
