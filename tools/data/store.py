@@ -172,7 +172,9 @@ class PackWriter:
             if self.check is not None:
                 picks = np.unique(np.linspace(0, len(self.hashes) - 1, CHECKED_ROWS).astype(int))
                 if not all(self.check(int(i), np.asarray(self.rows[i])) for i in picks):
-                    log.warning("the decoded pixels differ from Pillow's; not caching them")
+                    log.warning("torchvision's decode_jpeg gave other pixels than Pillow's on this data, where the "
+                                "start-up probe found them equal: this run's numbers may differ from the reference "
+                                "decoder's (its provenance names the decoder used); not caching them")
                     self.abort()
                     return None
             self.rows.flush()
