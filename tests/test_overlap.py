@@ -86,3 +86,34 @@ def test_a_file_found_damaged_while_decoding_is_one_error_line(script, model_fai
     # in9 decodes its images as it predicts: a model that fails is found first, as before
     assert ("checkpoint" if script == "in9" and model_fails else path.name) in line, line
     assert not [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+
+
+def test_the_data_side_finds_its_imports_made_before_it_starts(monkeypatch):
+    """What the data side imports on its way (torchvision.io for decoding) is imported before its thread starts:
+    two threads importing torch's modules at once broke a torch.export load (KeyError 'torch._dynamo')."""
+    import sys
+
+    from tools.threads import alongside
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    seen, _ = alongside(lambda: "colorsys" in sys.modules, lambda: None, imports=["colorsys"])
+    assert seen
+
+
+@pytest.mark.parametrize("script", ["in9", "challenge"])
+def test_both_commands_import_the_decoders_before_the_data_thread(script, dataset, checkpoint, tmp_path, monkeypatch,
+                                                                   capsys, one_thread):
+    import tools.challenge.cli
+    import tools.in9_eval
+    from tools import threads
+    from tools.data import decoders
+    asked = []
+
+    def alongside(data, model, imports=()):
+        asked.append(tuple(imports))
+        return threads.alongside(data, model, imports)
+
+    monkeypatch.setattr(tools.in9_eval if script == "in9" else tools.challenge.cli, "alongside", alongside)
+    main, argv = command(script, dataset.root, checkpoint, tmp_path)
+    code, _, err = run_in_process(main, argv, capsys)
+    assert code == 0, err
+    assert asked == [decoders.LAZY_IMPORTS] and "torchvision.io" in decoders.LAZY_IMPORTS

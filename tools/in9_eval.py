@@ -13,6 +13,7 @@ from tools.in9 import VARIATIONS
 from tools.runtime import RECHECK_MARGIN
 from tools.models.device_check import check_run, first_images
 from tools.shards import write_in9_shard
+from tools.data import decoders
 from tools.data.check import quick_check
 from tools.threads import alongside
 
@@ -55,7 +56,8 @@ def _main(args: argparse.Namespace) -> int:
         files = list_in9_files(checked.data_path, names, args.workers)
         return files, first_images(files.root, [r.relpath for r in files.listings[names[0]]], args.workers)
 
-    (files, first), loaded = alongside(data, lambda: options.model_from_args(args, runtime, checked.progress))
+    (files, first), loaded = alongside(data, lambda: options.model_from_args(args, runtime, checked.progress),
+                                       imports=decoders.LAZY_IMPORTS)
     device_check = check_run(loaded, runtime, first, args.allow_inexact_device)
     run = run_in9(loaded, runtime, files, config, output_dir=args.output_dir, resume=args.resume, shard=args.shard)
     run.provenance["device_check"] = device_check

@@ -61,11 +61,19 @@ def wait_for_background_imports() -> None:
                 _background.remove(thread)
 
 
-def alongside(data: Callable[[], object], model: Callable[[], object]) -> tuple[object, object]:
+def alongside(data: Callable[[], object], model: Callable[[], object],
+              imports: Sequence[str] = ()) -> tuple[object, object]:
     """(data(), model()): `data` in a background thread started first, `model` in this one meanwhile, so a run's
     data work (listing, hashing, decoding) overlaps its model building. Both have finished when this returns or
     raises: no thread outlives the call. A data error wins over a model error (the input is at fault first), so a
-    damaged file is still one `error:` line whatever the model did."""
+    damaged file is still one `error:` line whatever the model did.
+
+    `imports`: the modules `data` imports on its way (torchvision.io for decoding), imported here first, with the
+    background imports finished: two threads importing torch's modules at once see each other's half-made modules
+    (seen: loading a torch.export program failed with KeyError 'torch._dynamo' while torchvision was imported)."""
+    wait_for_background_imports()
+    for name in imports:
+        importlib.import_module(name)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="data")
     try:
         future = pool.submit(data)

@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 from tools import cli, options
+from tools.data import decoders
 from tools.errors import UserError
 from tools.models.device_check import check_run
 from tools.shards import write_challenge_shard
@@ -60,7 +61,7 @@ def _main(args: argparse.Namespace) -> int:
     data, loaded = alongside(
         lambda: load_challenge_data(list_challenge_files(checked.data_path, args.workers), args.workers,
                                     flags.cache_dir_from_args(args), config.progress, config.mask_arithmetic),
-        lambda: options.model_from_args(args, runtime, checked.progress))
+        lambda: options.model_from_args(args, runtime, checked.progress), imports=decoders.LAZY_IMPORTS)
     device_check = check_run(loaded, runtime, data.bg_images, args.allow_inexact_device)  # the first backgrounds
     result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume, shard=args.shard)
     result.provenance["device_check"] = device_check

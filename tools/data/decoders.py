@@ -22,6 +22,11 @@ from tools.in9 import IMAGE_SIZE
 log = logging.getLogger(__name__)
 
 
+# what decoding imports on first use (torchvision's import is slow, so it is not made at this module's): a caller
+# that decodes in a background thread imports these first (tools.threads.alongside)
+LAZY_IMPORTS = ("torchvision.io",)
+
+
 class Decoder(str, enum.Enum):
     """Who turns JPEG bytes into pixels: Pillow (the original's loader, the reference) or torchvision's
     `decode_jpeg` (libjpeg-turbo too, faster, and it releases the GIL, so threads scale), used only where a probe
