@@ -164,7 +164,7 @@ def read_challenge_arrays(path: Path, meta: dict) -> dict[str, np.ndarray]:
     if not npz.is_file():
         raise UserError(f"{npz} is missing: the arrays of {path.name}; {_rerun(shard)}")
     try:
-        with np.load(npz, allow_pickle=False) as z:
+        with open(npz, "rb") as fh, np.load(fh, allow_pickle=False) as z:  # closed when numpy refuses it
             arrays = {name: z[name] for name in z.files}
         key = bytes(arrays.pop("key")).decode()
     except (*NUMPY_READ_ERRORS, KeyError) as exc:  # a bad key decodes with a ValueError

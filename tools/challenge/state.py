@@ -78,7 +78,7 @@ class SearchState:
     @classmethod
     def load(cls, path: Path, key: str) -> "SearchState":
         try:
-            with np.load(path) as z:
+            with open(path, "rb") as fh, np.load(fh) as z:  # our handle: closed also when numpy refuses it
                 if bytes(z["key"]).decode() != key:
                     raise UserError(f"{path} belongs to another run (model, data or settings differ); rerun without "
                                     f"--resume, or pick another --output-dir")
