@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,11 @@ import torch
 import challenge_eval
 import in9_eval
 import tools.challenge.data
+import tools.data.hashing
 import tools.evaluate
 from tests.helpers import check_error, run_in_process, save_torchscript
 from tools import options
+from tools.cli import Terminated
 from tools.models.architectures import SmallCNN
 
 WAIT_S = 20  # a run that does not overlap waits this long, then fails
@@ -85,4 +88,34 @@ def test_a_file_found_damaged_while_decoding_is_one_error_line(script, model_fai
     line = check_error(code, out, err, lines=None)
     # in9 decodes its images as it predicts: a model that fails is found first, as before
     assert ("checkpoint" if script == "in9" and model_fails else path.name) in line, line
+    assert not [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+
+
+@pytest.mark.parametrize("script", ["in9", "challenge"])
+@pytest.mark.parametrize("interrupt, code", [(KeyboardInterrupt, 130), (Terminated, 143)])
+def test_an_interrupt_while_the_model_is_built_stops_the_data_work(script, interrupt, code, dataset, checkpoint,
+                                                                   tmp_path, monkeypatch, capsys, one_thread):
+    """Ctrl-C (or SIGTERM) while the model is built and the data is hashed, file by file: the run ends with 130
+    (143), not an error, having hashed only the files it had started on (a run that waits for the data work to
+    finish hashes them all), and no thread of the run is left."""
+    hashing, hashed, started = tools.data.hashing._hash_and_keep, [], threading.Event()
+
+    def hash_slowly(path, keep):
+        hashed.append(path)
+        started.set()
+        time.sleep(0.05)
+        return hashing(path, keep)
+
+    def model_from_args(*args, **kwargs):
+        assert started.wait(WAIT_S)
+        raise interrupt()
+
+    monkeypatch.setattr(tools.data.hashing, "_hash_and_keep", hash_slowly)
+    monkeypatch.setattr(options, "model_from_args", model_from_args)
+    before = set(threading.enumerate())
+    main, argv = command(script, dataset.root, checkpoint, tmp_path)
+    got, out, err = run_in_process(main, argv, capsys)
+    assert got == code, err
+    assert "error:" not in err, err
+    assert len(hashed) <= 4, f"{len(hashed)} files hashed after the interrupt"
     assert not [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
