@@ -32,6 +32,7 @@ def map_in_threads(fn: Callable, items: Sequence, workers: int, progress: bool, 
 
 
 _background: list[threading.Thread] = []
+_forgetting = threading.Lock()
 
 
 def import_in_background(names: Sequence[str]) -> None:
@@ -57,8 +58,9 @@ def wait_for_background_imports() -> None:
     for thread in list(_background):
         if thread is not threading.current_thread():
             thread.join()
-            if thread in _background:
-                _background.remove(thread)
+            with _forgetting:  # the data thread and the main thread may both have waited for it
+                if thread in _background:
+                    _background.remove(thread)
 
 
 _stop = threading.Event()  # set while an interrupted `alongside` waits for its data work to give up
