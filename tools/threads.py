@@ -95,8 +95,9 @@ def alongside(data: Callable[[], object], model: Callable[[], object]) -> tuple[
             raise
         return future.result(), built
     except BaseException as exc:
-        if not isinstance(exc, Exception):
+        if not isinstance(exc, Exception) and not future.done():
             _stop.set()  # interrupted: the data work stops at its next file
+            future.add_done_callback(lambda _: _stop.clear())  # even if a second interrupt cuts the wait short
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
