@@ -191,3 +191,20 @@ def test_in9_launch_path_never_waits_for_the_device(dataset, monkeypatch, precis
     assert not host.reads, host.reads
     assert not ops.ops & SYNCS, ops.ops & SYNCS
     assert (run.to_json()["rechecked_fp32"] > 0) == (precision is Precision.BF16)
+
+
+def test_in9_rechecks_its_near_ties_in_the_runtime_memory_format(dataset, one_thread):
+    """bf16 in channels-last with every prediction a near tie: the held ties' images reach the fp32 re-check in
+    channels-last, as the batches do and as the re-check's padded chunks are (one layout for the model)."""
+    loaded, layouts = small_cnn(), []
+
+    def record(module, inputs):
+        if not torch.is_autocast_enabled("cpu"):  # the fp32 re-check
+            layouts.append(inputs[0].is_contiguous(memory_format=torch.channels_last))
+
+    loaded.model.register_forward_pre_hook(record)
+    runtime = Runtime(torch.device("cpu"), Precision.BF16, channels_last=True)
+    run = run_in9(loaded, runtime, dataset.root, In9Config(("original",), batch_size=BATCH, workers=1,
+                                                           progress=False, recheck_margin=1e9))
+    assert run.results["original"].rechecked == run.results["original"].total
+    assert layouts and all(layouts), layouts

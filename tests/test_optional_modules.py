@@ -72,3 +72,35 @@ def test_a_background_import_never_races_the_model_libraries(fake_modules):
     time.sleep(0.1)  # the background thread is inside fake_vision's import
     optional_module("fake_clip", "a clip: model", "open_clip_torch", "clip")
     assert fake_events.EVENTS == ["vision started", "vision finished", "clip started"]
+
+
+def test_two_threads_may_wait_for_the_background_imports_at_once(monkeypatch):
+    """The data thread (the decoder's probe) and the main thread (model building) wait for the same background
+    imports at once (`tools.threads.alongside`): both return, and neither fails on the other's clean-up (each is
+    made to pause between finding the finished import thread and forgetting it)."""
+    import threading  # noqa: PLC0415
+    from tools import threads  # noqa: PLC0415
+
+    class Pausing(list):
+        def __contains__(self, item):
+            found = super().__contains__(item)
+            time.sleep(0.1)  # the other waiting thread runs here
+            return found
+
+    monkeypatch.setattr(threads, "_background", Pausing())
+    import_in_background(["json"])
+    errors = []
+
+    def wait():
+        try:
+            wait_for_background_imports()
+        except Exception as exc:  # noqa: BLE001 (recorded for the assertion)
+            errors.append(exc)
+
+    waiters = [threading.Thread(target=wait) for _ in range(2)]
+    for waiter in waiters:
+        waiter.start()
+    for waiter in waiters:
+        waiter.join()
+    assert not errors, errors
+    assert not threads._background

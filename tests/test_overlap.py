@@ -4,8 +4,11 @@ thread left running."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,9 +17,12 @@ import torch
 import challenge_eval
 import in9_eval
 import tools.challenge.data
+import tools.data.decoders
+import tools.data.hashing
 import tools.evaluate
 from tests.helpers import check_error, run_in_process, save_torchscript
 from tools import options
+from tools.cli import Terminated
 from tools.models.architectures import SmallCNN
 
 WAIT_S = 20  # a run that does not overlap waits this long, then fails
@@ -117,3 +123,61 @@ def test_both_commands_import_the_decoders_before_the_data_thread(script, datase
     code, _, err = run_in_process(main, argv, capsys)
     assert code == 0, err
     assert asked == [decoders.LAZY_IMPORTS] and "torchvision.io" in decoders.LAZY_IMPORTS
+
+
+@pytest.mark.parametrize("script", ["in9", "challenge"])
+@pytest.mark.parametrize("interrupt, code", [(KeyboardInterrupt, 130), (Terminated, 143)])
+def test_an_interrupt_while_the_model_is_built_stops_the_data_work(script, interrupt, code, dataset, checkpoint,
+                                                                   tmp_path, monkeypatch, capsys, one_thread):
+    """Ctrl-C (or SIGTERM) while the model is built and the data is hashed, file by file: the run ends with 130
+    (143), not an error, having hashed only the files it had started on (a run that waits for the data work to
+    finish hashes them all), and no thread of the run is left."""
+    hashing, hashed, started = tools.data.hashing._hash_and_keep, [], threading.Event()
+
+    def hash_slowly(path, keep):
+        hashed.append(path)
+        started.set()
+        time.sleep(0.05)
+        return hashing(path, keep)
+
+    def model_from_args(*args, **kwargs):
+        assert started.wait(WAIT_S)
+        raise interrupt()
+
+    monkeypatch.setattr(tools.data.hashing, "_hash_and_keep", hash_slowly)
+    monkeypatch.setattr(options, "model_from_args", model_from_args)
+    before = set(threading.enumerate())
+    main, argv = command(script, dataset.root, checkpoint, tmp_path)
+    got, out, err = run_in_process(main, argv, capsys)
+    assert got == code, err
+    assert "error:" not in err, err
+    assert len(hashed) <= 4, f"{len(hashed)} files hashed after the interrupt"
+    assert not [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+
+
+def test_the_decoders_warning_filter_outlives_a_model_load_that_restores_the_filters(dataset, checkpoint, tmp_path,
+                                                                                      monkeypatch, capsys, one_thread):
+    """Under `-W error::DeprecationWarning`: the decoder's probe (in the data thread) silences torchvision's
+    deprecation of decode_jpeg while the main thread loads the TorchScript checkpoint inside
+    `warnings.catch_warnings`, which puts back the filters it saved as it leaves. The images still decode with
+    torchvision, with no warning turned error."""
+    probed, choose, load = threading.Event(), tools.data.decoders.choose_decoder, torch.jit.load
+
+    def choose_and_say(*args, **kwargs):
+        chosen = choose(*args, **kwargs)
+        probed.set()
+        return chosen
+
+    def load_after_the_probe(*args, **kwargs):
+        assert probed.wait(WAIT_S)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(tools.data.decoders, "choose_decoder", choose_and_say)
+    monkeypatch.setattr(torch.jit, "load", load_after_the_probe)
+    main, argv = command("in9", dataset.root, checkpoint, tmp_path)
+    argv += ["--results-file", str(tmp_path / "in9.json")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        code, out, err = run_in_process(main, argv, capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "in9.json").read_text())["provenance"]["decoder"]["used"] == "torchvision"

@@ -25,7 +25,7 @@ from torch import nn
 
 from tools import distributed
 from tools.challenge import ChallengeConfig, list_challenge_files, load_challenge_data, run_challenge
-from tools.data.decoding import default_cache_dir
+from tools.data.store import default_cache_dir
 from tools.data.layout import check_data_root
 from tools.errors import UserError, first_line
 from tools.evaluate import In9Config, bg_gap, list_in9_files, run_in9

@@ -151,7 +151,7 @@ class _Stream:
         images = self.images.pop(int(positions[0]))
         rows = np.flatnonzero(close)
         if len(rows):
-            self.ties.append(images.index_select(0, to_device(torch.from_numpy(rows), images.device)))
+            self.ties.append(images[to_device(torch.from_numpy(rows), images.device)])  # keeps the memory format
 
     def recheck_pairs(self, positions: np.ndarray, fast: np.ndarray) -> np.ndarray:
         if not len(positions):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tools import distributed
 from tools.cli import ArgumentParser, BooleanFlag, add_log_level_argument, positive_number
-from tools.data.decoding import default_cache_dir
+from tools.data.store import default_cache_dir
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization

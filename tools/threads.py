@@ -32,6 +32,7 @@ def map_in_threads(fn: Callable, items: Sequence, workers: int, progress: bool, 
 
 
 _background: list[threading.Thread] = []
+_forgetting = threading.Lock()
 
 
 def import_in_background(names: Sequence[str]) -> None:
@@ -57,8 +58,23 @@ def wait_for_background_imports() -> None:
     for thread in list(_background):
         if thread is not threading.current_thread():
             thread.join()
-            if thread in _background:
-                _background.remove(thread)
+            with _forgetting:  # the data thread and the main thread may both have waited for it
+                if thread in _background:
+                    _background.remove(thread)
+
+
+_stop = threading.Event()  # set while an interrupted `alongside` waits for its data work to give up
+
+
+class Stopped(Exception):
+    """Background data work given up at a `stop_point`: the run was interrupted (Ctrl-C, SIGTERM)."""
+
+
+def stop_point() -> None:
+    """Where data work (hashing, decoding: per file) gives up once the run is interrupted: signals reach only the
+    main thread, so an `alongside` data thread stops here, and the command ends at once."""
+    if _stop.is_set():
+        raise Stopped("interrupted")
 
 
 def alongside(data: Callable[[], object], model: Callable[[], object],
@@ -66,7 +82,8 @@ def alongside(data: Callable[[], object], model: Callable[[], object],
     """(data(), model()): `data` in a background thread started first, `model` in this one meanwhile, so a run's
     data work (listing, hashing, decoding) overlaps its model building. Both have finished when this returns or
     raises: no thread outlives the call. A data error wins over a model error (the input is at fault first), so a
-    damaged file is still one `error:` line whatever the model did.
+    damaged file is still one `error:` line whatever the model did. An interrupt (Ctrl-C, SIGTERM) wins over both:
+    the data work gives up at its next `stop_point`, and the interrupt is raised.
 
     `imports`: the modules `data` imports on its way (torchvision.io for decoding), imported here first, with the
     background imports finished: two threads importing torch's modules at once see each other's half-made modules
@@ -75,15 +92,21 @@ def alongside(data: Callable[[], object], model: Callable[[], object],
     for name in imports:
         importlib.import_module(name)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="data")
+    future = pool.submit(data)
     try:
-        future = pool.submit(data)
         try:
             built = model()
-        except BaseException:
-            future.exception()  # wait for the data work; its error, if any, replaces the model's
-            if future.exception() is not None:
-                raise future.exception() from None
+        except Exception:
+            error = future.exception()  # wait for the data work; its error, if any, replaces the model's
+            if error is not None:
+                raise error from None
             raise
         return future.result(), built
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and not future.done():
+            _stop.set()  # interrupted: the data work stops at its next file
+            future.add_done_callback(lambda _: _stop.clear())  # even if a second interrupt cuts the wait short
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        _stop.clear()

@@ -63,6 +63,7 @@ def decode_jpeg_bytes(data: bytes) -> torch.Tensor:
     """torchvision's decoding of JPEG bytes as a uint8 (3, H, W) tensor, in RGB; raises on what it cannot read.
     Equal to Pillow's only where `choose_decoder` found it so: use `decode_bytes` unless you probed."""
     from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415 (torchvision's import is slow)
+    _silence_deprecation()
     return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
 
 
@@ -73,13 +74,21 @@ def _torchvision_rgb(data: bytes) -> np.ndarray | None:
         return None
 
 
+_silenced: list[tuple] = []  # the filter `_silence_deprecation` installed, as `warnings.filters` holds it
+
+
 def _silence_deprecation() -> None:
     """torchvision 0.29 deprecates `decode_jpeg` with a DeprecationWarning on every call, an error under
     `python -W error`. Ignored by one process-wide filter, installed before the probe's first call, that names
     that message and torchvision's module only: `warnings.catch_warnings` around each call would not do, since it
-    is not thread-safe and the files decode in threads."""
+    is not thread-safe and the files decode in threads. Checked before every call, and installed again if gone: a
+    `warnings.catch_warnings` elsewhere (model loading, in the main thread while the data work runs beside it)
+    puts back the filters it saved as it leaves, dropping one installed meanwhile."""
+    if _silenced and _silenced[0] in warnings.filters:
+        return
     warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
                             category=DeprecationWarning, module=r"torchvision\.io")
+    _silenced[:] = [warnings.filters[0]]
 
 
 # JPEG start-of-frame markers of Huffman-coded baseline and progressive frames: what both decoders read the same

@@ -28,6 +28,7 @@ from tools.data.store import Packs, PackWriter, remove_stale_temporaries, tempor
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE
 from tools.runtime import to_device
+from tools.threads import stop_point
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ def _decode_into(out: torch.Tensor, root: Path, relpaths: Sequence[str], decoder
     (None, i): decode it, and write it as row i of `writer`)."""
     array = out.numpy()  # NHWC
     for i, (rel, (rows, row)) in enumerate(zip(relpaths, cached)):
+        stop_point()
         if rows is not None:
             array[i] = rows[row]
             continue
@@ -295,15 +297,9 @@ def load_masks(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic =
     dtype = np.uint8 if arithmetic is MaskArithmetic.ORIGINAL else bool
     masks = np.empty((len(relpaths), IMAGE_SIZE, IMAGE_SIZE), dtype=dtype)
     for i, rel in enumerate(relpaths):
+        stop_point()
         masks[i] = load_mask(Path(root) / rel, arithmetic, data=(contents or {}).get(rel))
     return masks
-
-
-def default_cache_dir() -> Path:
-    """Where the toolkit's caches live unless told otherwise: $XDG_CACHE_HOME/bg-challenge-toolkit, else
-    ~/.cache/bg-challenge-toolkit."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "bg-challenge-toolkit"
 
 
 class DecodedCache:

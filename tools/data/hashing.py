@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Collection, Sequence
 
+from tools.threads import stop_point
+
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
@@ -40,6 +42,7 @@ def fingerprint(root: Path | str, relpaths: Sequence[str], workers: int = 4) -> 
 
 
 def _hash_and_keep(path: Path, keep: bool) -> tuple[str, bytes | None]:
+    stop_point()
     if not keep:
         return sha256_file(path), None
     with open(path, "rb") as fh:

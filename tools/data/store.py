@@ -37,6 +37,14 @@ from tools.errors import NUMPY_READ_ERRORS
 
 log = logging.getLogger(__name__)
 
+
+def default_cache_dir() -> Path:
+    """Where the toolkit's caches live unless told otherwise: $XDG_CACHE_HOME/bg-challenge-toolkit, else
+    ~/.cache/bg-challenge-toolkit."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "bg-challenge-toolkit"
+
+
 STORE_VERSION = 1  # of the packs' format
 CHECKED_ROWS = 8  # rows of a torchvision-decoded pack re-decoded by Pillow before the pack is kept
 

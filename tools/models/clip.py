@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from tools.data.decoding import DecodedCache, default_cache_dir
+from tools.data.decoding import DecodedCache
+from tools.data.store import default_cache_dir
 from tools.errors import UserError, first_line, optional_module
 from tools.data.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tools.data import decoding as datasets
 from tools.data import layout
 from tools.data.compositing import byte_masks, composite
+from tools.data.store import default_cache_dir
 from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE, TRAIN_SPLIT, Variation
 from tools.runtime import to_device
@@ -125,7 +126,7 @@ def decoded_store(data: TrainingData, fingerprint: dict, workers: int, progress:
     decoder's version), made on the first run and read back by every later run on the same files."""
     groups = {"images": data.images, **({"backgrounds": data.backgrounds} if data.backgrounds is not None else {})}
     decoded, masks = datasets.decode_cached(data.root, groups, data.masks or [], fingerprint,
-                                            datasets.default_cache_dir(), workers=max(1, workers), progress=progress)
+                                            default_cache_dir(), workers=max(1, workers), progress=progress)
     return DecodedStore(decoded["images"], masks if data.masks is not None else None, decoded.get("backgrounds"))
 
 
