@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import challenge_eval
@@ -18,7 +19,9 @@ from tools.data import synthetic
 from tools.data.boxes import CropGeometry
 from tools.data import builder
 from tools.data.decoding import read_mask
+from tools.challenge.state import SearchState
 from tools.errors import UserError
+from tools.shards import read_challenge_arrays
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +175,16 @@ def test_a_checkpoint_with_a_damaged_zip_directory_is_one_error_line(setup, tmp_
     code, _, err = in9(capsys, data, damaged)
     assert code == 2, err
     assert "zip directory is damaged" in one_error_line(err, "damaged.ts")
+
+
+def test_an_npy_array_where_an_npz_archive_belongs_is_one_error(tmp_path):
+    """A .npy file (one array, not an archive) under the name of a resume state or a shard's arrays: refused with
+    the same error as a damaged one (np.load gives an array, which is not a context manager: a TypeError)."""
+    state = tmp_path / "state.npz"
+    np.save(tmp_path / "array.npy", np.zeros(3))
+    (tmp_path / "array.npy").rename(state)
+    with pytest.raises(UserError, match="cannot read the saved state"):
+        SearchState.load(state, "key")
+    shutil.copy(state, tmp_path / "challenge-shard-1-of-2.npz")
+    with pytest.raises(UserError, match="cannot read"):
+        read_challenge_arrays(tmp_path / "challenge-shard-1-of-2.json", {"shard": [1, 2], "key": "key"})

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.errors import NUMPY_READ_ERRORS, UserError
+from tools.errors import NUMPY_READ_ERRORS, UserError, read_npz
 from tools.data.hashing import sha256_file
 from tools.provenance import atomic_write, write_json_atomic
 
@@ -164,8 +164,7 @@ def read_challenge_arrays(path: Path, meta: dict) -> dict[str, np.ndarray]:
     if not npz.is_file():
         raise UserError(f"{npz} is missing: the arrays of {path.name}; {_rerun(shard)}")
     try:
-        with open(npz, "rb") as fh, np.load(fh, allow_pickle=False) as z:  # closed when numpy refuses it
-            arrays = {name: z[name] for name in z.files}
+        arrays = read_npz(npz)
         key = bytes(arrays.pop("key")).decode()
     except (*NUMPY_READ_ERRORS, KeyError) as exc:  # a bad key decodes with a ValueError
         raise UserError(f"cannot read {npz} ({exc}), the arrays of {path.name}; {_rerun(shard)}") from None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.errors import NUMPY_READ_ERRORS, UserError
+from tools.errors import NUMPY_READ_ERRORS, UserError, read_npz
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
 from tools.provenance import atomic_write
 
@@ -78,19 +78,19 @@ class SearchState:
     @classmethod
     def load(cls, path: Path, key: str) -> "SearchState":
         try:
-            with open(path, "rb") as fh, np.load(fh) as z:  # our handle: closed also when numpy refuses it
-                if bytes(z["key"]).decode() != key:
-                    raise UserError(f"{path} belongs to another run (model, data or settings differ); rerun without "
-                                    f"--resume, or pick another --output-dir")
-                shape = tuple(z["shape"])
-                position, round_, evaluated = (int(v) for v in z["scalars"])
-                return cls(verdict=z["verdict"], fool_bg=z["fool_bg"], fool_pred=z["fool_pred"],
-                           min_margin=z["min_margin"],
-                           tested=np.unpackbits(z["tested"], axis=1, count=shape[1]).astype(bool),
-                           successes=z["successes"], trials=z["trials"], bg_pred=z["bg_pred"],
-                           worklist=z["worklist"], position=position, pending=z["pending"], round=round_,
-                           pending_sizes=z["pending_sizes"] if "pending_sizes" in z.files else np.zeros(0, np.int64),
-                           evaluated=evaluated, matrix=z["matrix"] if "matrix" in z.files else None,
-                           elapsed=float(z["elapsed"]))
+            z = read_npz(path)
+            if bytes(z["key"]).decode() != key:
+                raise UserError(f"{path} belongs to another run (model, data or settings differ); rerun without "
+                                f"--resume, or pick another --output-dir")
+            shape = tuple(z["shape"])
+            position, round_, evaluated = (int(v) for v in z["scalars"])
+            return cls(verdict=z["verdict"], fool_bg=z["fool_bg"], fool_pred=z["fool_pred"],
+                       min_margin=z["min_margin"],
+                       tested=np.unpackbits(z["tested"], axis=1, count=shape[1]).astype(bool),
+                       successes=z["successes"], trials=z["trials"], bg_pred=z["bg_pred"],
+                       worklist=z["worklist"], position=position, pending=z["pending"], round=round_,
+                       pending_sizes=z["pending_sizes"] if "pending_sizes" in z else np.zeros(0, np.int64),
+                       evaluated=evaluated, matrix=z["matrix"] if "matrix" in z else None,
+                       elapsed=float(z["elapsed"]))
         except (*NUMPY_READ_ERRORS, KeyError) as exc:
             raise UserError(f"cannot read the saved state {path} ({exc}); rerun without --resume") from None
