@@ -18,6 +18,7 @@ import challenge_eval
 import in9_eval
 import tools.challenge.data
 import tools.data.decoders
+import tools.data.decoding
 import tools.data.hashing
 import tools.evaluate
 from tests.helpers import check_error, run_in_process, save_torchscript
@@ -181,3 +182,31 @@ def test_the_decoders_warning_filter_outlives_a_model_load_that_restores_the_fil
         code, out, err = run_in_process(main, argv, capsys)
     assert code == 0, err
     assert json.loads((tmp_path / "in9.json").read_text())["provenance"]["decoder"]["used"] == "torchvision"
+
+
+@pytest.mark.parametrize("interrupt, code", [(KeyboardInterrupt, 130), (Terminated, 143)])
+def test_an_interrupt_while_the_data_thread_writes_a_cache_pack_leaves_no_part_of_it(interrupt, code, dataset,
+                                                                                   checkpoint, tmp_path, monkeypatch,
+                                                                                   capsys, one_thread):
+    """The challenge's data thread decodes its images into a cache pack's temporary folder while the model is
+    built; an interrupt then ends the run with 130 (143), its pack neither kept nor left half written."""
+    decode, started = tools.data.decoding.decode_bytes, threading.Event()
+    cache = tmp_path / "cache"
+
+    def decode_slowly(*args, **kwargs):
+        if any(p.name.startswith(".tmp-") for p in cache.iterdir()):
+            started.set()  # a pack is being written
+        time.sleep(0.02)
+        return decode(*args, **kwargs)
+
+    def model_from_args(*args, **kwargs):
+        assert started.wait(WAIT_S)
+        raise interrupt()
+
+    monkeypatch.setattr(tools.data.decoding, "decode_bytes", decode_slowly)
+    monkeypatch.setattr(options, "model_from_args", model_from_args)
+    main, argv = command("challenge", dataset.root, checkpoint, tmp_path)
+    got, _, err = run_in_process(main, [*argv, "--cache-dir", str(cache)], capsys)
+    assert got == code, err
+    assert "error:" not in err, err
+    assert not [p.name for p in cache.iterdir() if p.name.startswith((".tmp-", "image-"))]
