@@ -310,3 +310,19 @@ def test_a_file_system_without_fallocate_still_caches(tmp_path, monkeypatch, cod
     writer = store.Packs(tmp_path, "mask-binary", (4,)).writer(["a" * 64])
     writer.put(0, np.arange(4))
     assert (writer.commit() is not None) == kept
+
+
+@pytest.mark.parametrize("names", [np.arange(2), np.array(["a" * 64, "b" * 64]), np.zeros((2, 2), "S64"),
+                                   np.array(b"a" * 64)], ids=["ints", "unicode", "2-d", "0-d"])
+def test_a_pack_whose_hashes_are_not_a_list_of_hashes_is_ignored_with_a_warning(names, tmp_path, caplog):
+    """A damaged pack (its hashes.npy readable, but not the 1-d bytes array a pack writes) is passed over with a
+    warning, as an unreadable one is, not a traceback."""
+    rows = store.Packs(tmp_path, "mask-binary", (4,))
+    writer = rows.writer(["a" * 64, "b" * 64])
+    writer.put(0, np.arange(4))
+    writer.put(1, np.arange(4))
+    folder = writer.commit()
+    np.save(folder / "hashes.npy", names)
+    with caplog.at_level("WARNING", logger="tools.data.store"):
+        assert rows.lookup(["a" * 64]) == [None]
+    assert "ignoring" in caplog.text and folder.name in caplog.text

@@ -111,6 +111,8 @@ class Packs:
                 if not isinstance(meta, dict) or {k: v for k, v in meta.items() if k != "count"} != self.meta:
                     continue
                 names = np.load(folder / "hashes.npy", allow_pickle=False)
+                if names.ndim != 1 or names.dtype.kind != "S":  # damaged: not the file hashes a pack is written with
+                    raise ValueError(f"its hashes are {names.dtype} of shape {names.shape}, not a list of hashes")
                 rows = None
                 for row, name in enumerate(names.tolist()):
                     name = name.decode()
