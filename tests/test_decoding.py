@@ -175,6 +175,27 @@ def test_torchvisions_deprecation_warning_is_no_error(tmp_path):
     assert all(torch.equal(p, pixels[0]) for p in pixels)
 
 
+def test_the_deprecation_filter_dropped_between_its_check_and_the_call_is_no_error(tmp_path, monkeypatch):
+    """A `warnings.catch_warnings` that another thread leaves (a model load, beside the decoding threads) puts back
+    the filters it saved: when that happens after a decoding thread found the filter in place and before its
+    decode_jpeg call warns, the call is still no error under `-W error::DeprecationWarning`."""
+    import torchvision.io
+    data = KINDS["4:2:0"]()
+    real, calls = torchvision.io.decode_jpeg, []
+
+    def dropped_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:  # the other thread's catch_warnings leaves now
+            warnings.filters[:] = [f for f in warnings.filters if f not in decoders._silenced]
+        return real(*args, **kwargs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        expected = decoders.decode_jpeg_bytes(data)
+        monkeypatch.setattr(torchvision.io, "decode_jpeg", dropped_first)
+        assert torch.equal(decoders.decode_jpeg_bytes(data), expected)
+
+
 def sof_patched(data: bytes, offset: int, value: int) -> bytes:
     """`data` with the byte at `offset` from its (first) start-of-frame marker replaced by `value`."""
     pos = data.index(b"\xff\xc0")

@@ -63,8 +63,13 @@ def decode_jpeg_bytes(data: bytes) -> torch.Tensor:
     """torchvision's decoding of JPEG bytes as a uint8 (3, H, W) tensor, in RGB; raises on what it cannot read.
     Equal to Pillow's only where `choose_decoder` found it so: use `decode_bytes` unless you probed."""
     from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415 (torchvision's import is slow)
+    encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     _silence_deprecation()
-    return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    try:
+        return decode_jpeg(encoded, mode=ImageReadMode.RGB)
+    except DeprecationWarning:  # an error filter's, the filter dropped between the check and the call: again
+        _silence_deprecation()
+        return decode_jpeg(encoded, mode=ImageReadMode.RGB)
 
 
 def _torchvision_rgb(data: bytes) -> np.ndarray | None:
@@ -83,7 +88,8 @@ def _silence_deprecation() -> None:
     that message and torchvision's module only: `warnings.catch_warnings` around each call would not do, since it
     is not thread-safe and the files decode in threads. Checked before every call, and installed again if gone: a
     `warnings.catch_warnings` elsewhere (model loading, in the main thread while the data work runs beside it)
-    puts back the filters it saved as it leaves, dropping one installed meanwhile."""
+    puts back the filters it saved as it leaves, dropping one installed meanwhile (`decode_jpeg_bytes` installs it
+    again and decodes once more where that happened between this check and its call)."""
     if _silenced and _silenced[0] in warnings.filters:
         return
     warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
