@@ -245,6 +245,20 @@ def test_a_state_saved_with_the_per_sample_draws_is_refused(tiny, tmp_path, caps
     assert code == 2 and "other settings" in err, err
 
 
+def test_a_run_hashes_its_files_once(tiny, tmp_path, capsys, monkeypatch, one_thread):
+    """The run's fingerprint and the decoded-data cache's keys come from one read of the files: the cache is given
+    the hashes listing made, not left to read every file again."""
+    from tools.data import decoding
+
+    def again(*args, **kwargs):
+        raise AssertionError("the files were hashed a second time")
+
+    monkeypatch.setattr(decoding, "_file_hashes", again)
+    code, _, err = run_train(["--data-path", tiny, "--weights", "none", "--epochs", 1, "--batch-size", 6, *TINY,
+                              "--output-dir", tmp_path / "out"], capsys)
+    assert code == 0, err
+
+
 def test_the_loop_goes_on_while_the_resume_state_is_written(tiny, tmp_path, monkeypatch, one_thread):
     """A slow write of the resume state (step 2 of 3) does not hold the loop: step 3 runs to its end while the
     write is in flight, and the file written holds the weights as they were at the save, not as step 3 left them."""

@@ -121,12 +121,15 @@ class DecodedStore:
     backgrounds: torch.Tensor | None = None
 
 
-def decoded_store(data: TrainingData, fingerprint: dict, workers: int, progress: bool) -> DecodedStore:
+def decoded_store(data: TrainingData, fingerprint: dict, workers: int, progress: bool,
+                  hashes: dict[str, str] | None = None) -> DecodedStore:
     """The one place training decodes: tools.data.decoding's content-keyed cache (key: the files' bytes and the
-    decoder's version), made on the first run and read back by every later run on the same files."""
+    decoder's version), made on the first run and read back by every later run on the same files. `hashes`: the
+    files' SHA-256 by relative path where listing computed them (else they are read again)."""
     groups = {"images": data.images, **({"backgrounds": data.backgrounds} if data.backgrounds is not None else {})}
     decoded, masks = datasets.decode_cached(data.root, groups, data.masks or [], fingerprint,
-                                            default_cache_dir(), workers=max(1, workers), progress=progress)
+                                            default_cache_dir(), workers=max(1, workers), progress=progress,
+                                            hashes=hashes)
     return DecodedStore(decoded["images"], masks if data.masks is not None else None, decoded.get("backgrounds"))
 
 

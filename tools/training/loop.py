@@ -21,7 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tools import distributed
-from tools.data.hashing import fingerprint as content_fingerprint
+from tools.data.hashing import read_and_fingerprint
 from tools.errors import UserError
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
@@ -225,8 +225,8 @@ def train(config: TrainConfig) -> TrainResult:
         raise UserError(f"the training set has {len(data)} images, fewer than --batch-size {config.batch_size}; "
                         f"lower the batch size")
     total_steps = steps_per_epoch * config.epochs
-    fingerprint = content_fingerprint(data.root, data.relpaths(), config.workers or 1)
-    store = decoded_store(data, fingerprint, config.workers, config.progress and group.is_main)
+    fingerprint, _, hashes = read_and_fingerprint(data.root, data.relpaths(), config.workers or 1)
+    store = decoded_store(data, fingerprint, config.workers, config.progress and group.is_main, hashes)
 
     head_keys = classifier_keys(start.arch)
     net = adapters.TrainingModel(adapters.attach(start.classifier, config, head_keys), start.mean, start.std)
