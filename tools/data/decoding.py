@@ -127,7 +127,7 @@ def _hashed_bytes(root: Path, rel: str, contents: Mapping[str, bytes], file_hash
     return data, True
 
 
-class _DeviceCopies:
+class DeviceCopies:
     """Batches copied to a CUDA device on a side stream, so the copy of the next batch overlaps the model's work
     on this one; the consumer's stream waits for each copy before using it. None of this off CUDA."""
 
@@ -164,7 +164,7 @@ def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, w
     they are, naming the file."""
     starts = list(range(0, len(relpaths), batch_size) if starts is None else starts)
     workers = max(1, workers)
-    copies = _DeviceCopies(device) if device is not None and device.type == "cuda" else None
+    copies = DeviceCopies(device) if device is not None and device.type == "cuda" else None
     ahead = max(2, -(-2 * workers * JOB_IMAGES // batch_size))  # batches decoding at once
     contents = contents or {}
     cached, writer = _cache_plan(root, relpaths, batch_size, starts, decoder, contents, hashes, cache_dir)

@@ -195,7 +195,8 @@ def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, p
     without workers the training process gathers each batch straight into pinned memory."""
     workers = config.workers
     return DataLoader(TrainingSet(data, config, store, pin=pin_memory and not workers), batch_sampler=sampler,
-                      num_workers=workers, pin_memory=pin_memory, collate_fn=whole_batch, persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+                      num_workers=workers, pin_memory=pin_memory, collate_fn=whole_batch,
+                      persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,7 +205,7 @@ def _mover(device: torch.device):
     copies: pinned source, no wait, the consumer's stream waits for the copy), so the next batch's copy overlaps
     the device's work on this one; elsewhere tools.runtime.to_device."""
     if device.type == "cuda":
-        return datasets._DeviceCopies(device)
+        return datasets.DeviceCopies(device)
     return lambda tensor: to_device(tensor, device)
 
 
