@@ -122,8 +122,9 @@ def loop_throughput(args: argparse.Namespace, data: Path, method: Method, out: P
 def loader_cost(args: argparse.Namespace, data: Path, method: Method) -> tuple[float, float]:
     """Milliseconds per image of (1) train.py's DataLoader alone (what its workers do: gather the batch from the
     decoded store with its random choices) and (2) the whole data pipeline, the DataLoader and then
-    `device_batch` (swap, crops and flips on the device), in this process (workers=0), over the second epoch's
-    batches; start-up (hashing, decoding into the store) excluded. (2) is measured directly, not as a
+    `device_batch` (swap, crops and flips on the device) and the images put in the model's layout, in this
+    process (workers=0), over the second epoch's batches; start-up (hashing, decoding into the store)
+    excluded. (2) is measured directly, not as a
     difference of two throughputs, so it holds on a machine whose speed drifts. Pointed at a checkout from before
     the decoded store (PYTHONPATH), it times that checkout's pipeline the same way: Pillow decoding each image and
     mask, and the per-sample draws, in __getitem__."""
@@ -136,12 +137,13 @@ def loader_cost(args: argparse.Namespace, data: Path, method: Method) -> tuple[f
                                              False),)
     sampler = training_data.StepSampler(len(records), args.batch_size, config.seed, 1)
     device = resolve_device(args.device)
+    runtime = Runtime(device, Precision.FP32, args.channels_last)  # the model's input layout, as the loop makes it
     loading = finishing = 0.0
     images = 0
     start = time.perf_counter()
     for batch in training_data.make_loader(records, config, sampler, False, *store):
         loaded = time.perf_counter()
-        training_data.device_batch(batch, device, config.augment)
+        runtime.to_device(training_data.device_batch(batch, device, config.augment)[0])
         synchronize(device)
         finished = time.perf_counter()
         loading, finishing = loading + loaded - start, finishing + finished - loaded

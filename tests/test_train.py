@@ -375,6 +375,9 @@ def test_batched_resized_crops_are_torchvisions_within_one_level():
     difference = (resized_crops(images, boxes, 224).int() - expected.int()).abs()
     assert difference.max() <= 1
     assert (difference > 0).float().mean() < 0.3
+    # the training store is channels-last: the same products in any layout
+    assert torch.equal(resized_crops(images.contiguous(memory_format=torch.channels_last), boxes, 224),
+                       resized_crops(images, boxes, 224))
 
 
 def test_decoded_store_is_made_once_and_keyed_by_content(tmp_path, monkeypatch):

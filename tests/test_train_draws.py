@@ -108,7 +108,7 @@ def test_a_gathered_batch_equals_the_per_sample_swap_crop_and_flip(swap_prob, ti
     for items, batch in zip(sampler, make_loader(data, config, sampler, False, store)):
         images, labels = device_batch(batch, torch.device("cpu"), True)
         for k, (_, i) in enumerate(items):
-            image = store.images[i]
+            image = store.images[i].contiguous()  # the reference in torchvision's own layout (the store: NHWC)
             if d.swaps[i]:
                 image = composite(image[None], store.backgrounds[d.backgrounds[i]][None],
                                   byte_masks(store.masks[i][None]))[0]
@@ -116,6 +116,40 @@ def test_a_gathered_batch_equals_the_per_sample_swap_crop_and_flip(swap_prob, ti
             if d.flips[i]:
                 image = image.flip(-1)
             assert torch.equal(images[k], image) and int(labels[k]) == data.labels[i]
+
+
+def test_channels_last_byte_masks_composite_the_same_bytes():
+    """The byte masks for channels-last images (three bytes a pixel) composite exactly the one-channel ones."""
+    gen = torch.Generator().manual_seed(0)
+    fg, bg = (torch.randint(0, 256, (3, 3, 20, 30), dtype=torch.uint8, generator=gen) for _ in range(2))
+    masks = torch.rand(3, 20, 30, generator=gen) > 0.5
+    expected = composite(fg.clone(), bg.clone(), byte_masks(masks))
+    last = torch.channels_last
+    got = composite(fg.contiguous(memory_format=last), bg.contiguous(memory_format=last),
+                    byte_masks(masks, channels_last=True))
+    assert byte_masks(masks, channels_last=True).is_contiguous(memory_format=last)
+    assert torch.equal(got, expected)
+
+
+def test_a_worker_gathers_its_batch_straight_into_shared_memory(tiny, monkeypatch, one_thread):
+    """In a DataLoader worker the batch is gathered into shared memory, so the worker's queue passes it on without
+    copying it again; its contents and the store's layout are those of the training process's own gather."""
+    from tools.data.hashing import fingerprint
+    from tools.training import data as data_module
+    from tools.training.data import TrainingSet, decoded_store, list_training_data
+    config = TrainConfig(data_path=tiny, output_dir=tiny.parent / "unused", methods=[Method.BG_SWAP], batch_size=4,
+                         seed=3, workers=1, progress=False)
+    data = list_training_data(config)
+    store = decoded_store(data, fingerprint(data.root, data.relpaths(), 1), 1, False)
+    assert store.images.is_contiguous(memory_format=torch.channels_last)
+    items = [(0, i) for i in (5, 0, 3, 3)]
+    here = TrainingSet(data, config, store).__getitems__(items)
+    monkeypatch.setattr(data_module, "get_worker_info", lambda: object())
+    there = TrainingSet(data, config, store).__getitems__(items)
+    for key in ("image", "mask", "background"):
+        assert there[key].is_shared() and not here[key].is_shared()
+        assert torch.equal(there[key], here[key]) and there[key].stride() == here[key].stride()
+    assert torch.equal(here["image"], store.images[[5, 0, 3, 3]])
 
 
 @pytest.mark.gpu

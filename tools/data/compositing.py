@@ -29,15 +29,23 @@ class MaskArithmetic(str, enum.Enum):
     ORIGINAL = "original"
 
 
-def byte_masks(masks: torch.Tensor | np.ndarray) -> torch.Tensor:
-    """(N, H, W) bool -> (N, 1, H, W) uint8: 255 on the foreground, 0 elsewhere (one channel for all three)."""
-    masks = torch.as_tensor(masks)
-    return masks.to(torch.uint8).mul_(255).unsqueeze(1).contiguous()
+def byte_masks(masks: torch.Tensor | np.ndarray, channels_last: bool = False) -> torch.Tensor:
+    """(N, H, W) bool -> (N, 1, H, W) uint8: 255 on the foreground, 0 elsewhere (one channel for all three); with
+    `channels_last`, for channels-last images: (N, 3, H, W) in NHWC storage, each pixel's byte three times (bitwise
+    operations broadcasting one channel over an innermost dimension of three are several times slower)."""
+    masks = torch.as_tensor(masks).to(torch.uint8).mul_(255)
+    if not channels_last:
+        return masks.unsqueeze(1).contiguous()
+    if masks.device.type == "cpu":  # numpy's repeat: faster here than torch's copy of a broadcast
+        pixels = torch.from_numpy(np.repeat(masks.numpy()[..., None], 3, axis=-1))
+    else:
+        pixels = masks.unsqueeze(-1).expand(*masks.shape, 3).contiguous()
+    return pixels.permute(0, 3, 1, 2)
 
 
 def composite(fg: torch.Tensor, bg: torch.Tensor, byte_mask: torch.Tensor) -> torch.Tensor:
     """uint8 foregrounds where `byte_mask` is 255, backgrounds elsewhere: fg and bg (N, 3, H, W) uint8, byte_mask
-    (N, 1, H, W) uint8 (`byte_masks`), the same in every channel.
+    (N, 1, H, W) uint8 (`byte_masks`), the same in every channel (or its channels-last form for channels-last images).
 
     Bitwise on bytes: an order of magnitude faster on a CPU than `torch.where` with a broadcast mask, and exact.
     All three are overwritten in place (pass fresh gathers such as `index_select`, or clones); the result is

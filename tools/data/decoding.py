@@ -279,10 +279,13 @@ def _cache_plan(root: Path, relpaths: Sequence[str], batch_size: int, starts: Se
 def decode_images(root: Path, relpaths: Sequence[str], workers: int, progress: bool = True,
                   desc: str = "decoding", decoder: Decoder = Decoder.PILLOW,
                   contents: Mapping[str, bytes] | None = None, hashes: Mapping[str, str] | None = None,
-                  cache_dir: Path | None = None) -> torch.Tensor:
+                  cache_dir: Path | None = None, channels_last: bool = False) -> torch.Tensor:
     """Every image as one uint8 (N, 3, H, W) tensor, decoded in `workers` threads, with a progress bar (through the
-    decoded-data cache with `hashes` and a `cache_dir`: `iter_decoded_batches`)."""
-    out = torch.empty((len(relpaths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8)
+    decoded-data cache with `hashes` and a `cache_dir`: `iter_decoded_batches`); `channels_last`: in NHWC storage,
+    the decoders' own layout (no transposing copy), contiguous otherwise."""
+    shape = (len(relpaths), IMAGE_SIZE, IMAGE_SIZE, 3) if channels_last else (len(relpaths), 3, IMAGE_SIZE, IMAGE_SIZE)
+    out = torch.empty(shape, dtype=torch.uint8)
+    out = out.permute(0, 3, 1, 2) if channels_last else out
     with tqdm(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
         for start, batch in iter_decoded_batches(root, relpaths, DECODE_CHUNK, workers, decoder=decoder,
                                                  contents=contents, hashes=hashes, cache_dir=cache_dir):
@@ -388,13 +391,14 @@ def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[
                   cache_dir: Path | None, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4,
                   progress: bool = True, decoder: Decoder = Decoder.PILLOW,
                   contents: Mapping[str, bytes] | None = None,
-                  hashes: Mapping[str, str] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Named groups of images as uint8 (N, 3, H, W) tensors and the masks (`load_masks`), each image and mask read
-    from the decoded-data cache in `cache_dir` where it holds that file's content (and, for masks, the mask
-    arithmetic), decoded and cached otherwise (the challenge's data, and train.py's store:
-    tools.training.data.decoded_store). `hashes`: the files' SHA-256 by relative path, when already computed.
-    Inside `keep_decoded` (the zoo), kept in memory by the data's fingerprint for the next run."""
-    key = f"decoded:{fingerprint['sha256']}:{arithmetic.value}:{','.join(images)}"
+                  hashes: Mapping[str, str] | None = None,
+                  channels_last: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Named groups of images as uint8 (N, 3, H, W) tensors (`channels_last`: as `decode_images`) and the masks
+    (`load_masks`), each image and mask read from the decoded-data cache in `cache_dir` where it holds that file's
+    content (and, for masks, the mask arithmetic), decoded and cached otherwise (the challenge's data, and
+    train.py's store: tools.training.data.decoded_store). `hashes`: the files' SHA-256 by relative path, when
+    already computed. Inside `keep_decoded` (the zoo), kept in memory by the data's fingerprint for the next run."""
+    key = f"decoded:{fingerprint['sha256']}:{arithmetic.value}:{channels_last}:{','.join(images)}"
     if kept(key) is not None:
         return kept(key)
     contents = contents or {}
@@ -403,7 +407,7 @@ def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[
                               workers)
     mask_array = _masks_cached(root, masks, arithmetic, contents, hashes, cache_dir)  # a refused mask stops it first
     decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}", decoder, contents, hashes,
-                                   cache_dir) for name, relpaths in images.items()}
+                                   cache_dir, channels_last) for name, relpaths in images.items()}
     keep(key, (decoded, mask_array))
     return decoded, mask_array
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from tools.data import decoding as datasets
 from tools.data import layout
@@ -113,8 +114,9 @@ class StepSampler(Sampler):
 
 @dataclass
 class DecodedStore:
-    """The training images (and the bg-swap masks and background pool) decoded once, uint8 NCHW and bool NHW,
-    in memory: workers index it instead of decoding each sample every epoch."""
+    """The training images (and the bg-swap masks and background pool) decoded once, uint8 NCHW in NHWC storage
+    (channels_last: whole images are contiguous rows, and the CPU's crops take torch's channels-last kernel) and
+    bool NHW, in memory: workers index it instead of decoding each sample every epoch."""
 
     images: torch.Tensor
     masks: torch.Tensor | None = None
@@ -129,7 +131,7 @@ def decoded_store(data: TrainingData, fingerprint: dict, workers: int, progress:
     groups = {"images": data.images, **({"backgrounds": data.backgrounds} if data.backgrounds is not None else {})}
     decoded, masks = datasets.decode_cached(data.root, groups, data.masks or [], fingerprint,
                                             default_cache_dir(), workers=max(1, workers), progress=progress,
-                                            hashes=hashes)
+                                            hashes=hashes, channels_last=True)
     return DecodedStore(decoded["images"], masks if data.masks is not None else None, decoded.get("backgrounds"))
 
 
@@ -176,11 +178,18 @@ class TrainingSet(Dataset):
         return self.__getitems__([item])
 
     def _gather(self, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """source[index]; with `pin`, straight into pinned memory (the DataLoader's pinning then copies nothing)."""
-        if not self.pin:
-            return source[index]
-        out = torch.empty((len(index), *source.shape[1:]), dtype=source.dtype, pin_memory=True)
-        return torch.index_select(source, 0, index, out=out)
+        """source[index], row by row in the source's own memory layout (whole images copied at once), written
+        straight to where the batch goes next: pinned memory with `pin` (the DataLoader's pinning then copies
+        nothing), shared memory in a worker process (its queue then copies nothing)."""
+        channels_last = source.dim() == 4 and not source.is_contiguous()
+        rows = source.permute(0, 2, 3, 1) if channels_last else source  # NHWC storage: contiguous rows
+        shape = (len(index), *rows.shape[1:])
+        if get_worker_info() is not None:
+            out = rows.new(rows._typed_storage()._new_shared(math.prod(shape), device=rows.device)).view(shape)
+        else:
+            out = torch.empty(shape, dtype=rows.dtype, pin_memory=self.pin)
+        torch.index_select(rows, 0, index, out=out)
+        return out.permute(0, 3, 1, 2) if channels_last else out
 
 
 def whole_batch(batch: dict) -> dict:
@@ -214,14 +223,17 @@ def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torc
     move = _mover(device)
     images = move(batch["image"])
     if "mask" in batch:
-        images = composite(images, move(batch["background"]), byte_masks(move(batch["mask"])))
+        masks = byte_masks(move(batch["mask"]), channels_last=not images.is_contiguous())  # in the images' layout
+        images = composite(images, move(batch["background"]), masks)
     if augment:
         if device.type == "cpu":  # torch's vectorised uint8 kernel: faster per image than the matmuls on a CPU
-            from torchvision.transforms.v2 import functional as F  # noqa: PLC0415
-            out = torch.empty_like(images)
+            out = torch.empty_like(images)  # the images' layout: channels-last from the store, the kernel's fastest
             for i, ((top, left, height, width), flip) in enumerate(zip(batch["crop"].tolist(),
                                                                          batch["flip"].tolist())):
-                crop = F.resized_crop(images[i], top, left, height, width, [IMAGE_SIZE, IMAGE_SIZE], antialias=True)
+                # torchvision's resized_crop(antialias=True): the box's slice, then torch's antialiased resize
+                crop = torch.nn.functional.interpolate(images[i:i + 1, :, top:top + height, left:left + width],
+                                                       size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear",
+                                                       align_corners=False, antialias=True)[0]
                 out[i] = crop.flip(-1) if flip else crop  # the flipped ones alone: a batch-wide select costs more
             images = out
         else:  # one batched resample for the batch (within one uint8 level of the loop above)

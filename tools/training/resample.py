@@ -38,5 +38,6 @@ def resized_crops(images: torch.Tensor, boxes: torch.Tensor, size: int) -> torch
     boxes = boxes.to(images.device)
     rows = antialias_weights(boxes[:, 0], boxes[:, 2], images.shape[-2], size)
     columns = antialias_weights(boxes[:, 1], boxes[:, 3], images.shape[-1], size)
-    out = rows.unsqueeze(1) @ images.to(torch.float32) @ columns.unsqueeze(1).transpose(-1, -2)
+    pixels = images.to(torch.float32, memory_format=torch.contiguous_format)  # any layout in, the same products
+    out = rows.unsqueeze(1) @ pixels @ columns.unsqueeze(1).transpose(-1, -2)
     return out.round_().clamp_(0, 255).to(torch.uint8)
