@@ -33,14 +33,14 @@ def byte_masks(masks: torch.Tensor | np.ndarray, channels_last: bool = False) ->
     """(N, H, W) bool -> (N, 1, H, W) uint8: 255 on the foreground, 0 elsewhere (one channel for all three); with
     `channels_last`, for channels-last images: (N, 3, H, W) in NHWC storage, each pixel's byte three times (bitwise
     operations broadcasting one channel over an innermost dimension of three are several times slower)."""
-    masks = torch.as_tensor(masks).to(torch.uint8).mul_(255)
+    masks = torch.as_tensor(masks)
     if not channels_last:
-        return masks.unsqueeze(1).contiguous()
+        return masks.to(torch.uint8).mul_(255).unsqueeze(1).contiguous()
     if masks.device.type == "cpu":  # numpy's repeat: faster here than torch's copy of a broadcast
         pixels = torch.from_numpy(np.repeat(masks.numpy()[..., None], 3, axis=-1))
     else:
         pixels = masks.unsqueeze(-1).expand(*masks.shape, 3).contiguous()
-    return pixels.permute(0, 3, 1, 2)
+    return pixels.to(torch.uint8).mul_(255).permute(0, 3, 1, 2)
 
 
 def composite(fg: torch.Tensor, bg: torch.Tensor, byte_mask: torch.Tensor) -> torch.Tensor:
