@@ -120,8 +120,13 @@ def run_in_processes(function, world_size: int, tmp_path: Path, *args) -> list:
 
 def signal_when_ready(code: str, ready: Path, args: list[str], signum: int) -> subprocess.CompletedProcess:
     """Run `python -c code READY ARGS...`, send it `signum` once it has made the file READY (half-way through its
-    work), and wait for it to end; its exit code and text output."""
+    work), and wait for it to end; its exit code and text output.
+
+    The process starts as one started from a terminal, where Ctrl-C raises KeyboardInterrupt: a test run
+    started with SIGINT ignored (seen: the floor check run as a background job of a script) passes that
+    to its children, and Python then installs no handler, so SIGINT would do nothing."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    code = f"import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n{code}"
     process = subprocess.Popen([sys.executable, "-c", code, str(ready), *args], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60

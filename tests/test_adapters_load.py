@@ -344,19 +344,32 @@ def tiny_vit(folder, seed: int = 2):
     return module
 
 
-def test_an_adapter_folder_on_a_transformers_classifier_is_merged(tmp_path, monkeypatch):
+# The base an adapter folder records (adapter_config.json's base_model_name_or_path): none for a base built in
+# memory, its folder for one loaded from disk, a Hub id for one loaded from the Hub. peft's key listing looks
+# that base up (on the Hub unless it is a local folder) to see if the vocabulary grew: the loader must not.
+RECORDED_BASES = {"in memory": None, "a folder": "folder", "the Hub": "google/vit-base-patch16-224"}
+
+
+@pytest.mark.parametrize("recorded", RECORDED_BASES.values(), ids=RECORDED_BASES.keys())
+def test_an_adapter_folder_on_a_transformers_classifier_is_merged(recorded, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     base = tiny_vit(tmp_path / "vit")
+    if recorded == "folder":
+        base = type(base).from_pretrained(tmp_path / "vit").eval()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", PEFT_READS_DEPRECATED, FutureWarning)
         model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
                                                           modules_to_save=["classifier"]))
+    if recorded not in (None, "folder"):  # what get_peft_model records for a base from_pretrained(hub id) gave
+        model.peft_config["default"].base_model_name_or_path = recorded
     with torch.no_grad():
         gen = torch.Generator().manual_seed(3)
         for name, param in model.named_parameters():
             if "lora_" in name or "modules_to_save" in name:
                 param.add_(0.3 * torch.randn(param.shape, generator=gen))
     model.eval().save_pretrained(tmp_path / "adapter")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert (written or None) == (str(tmp_path / "vit") if recorded == "folder" else recorded)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = load_model(f"hf:{tmp_path / 'vit'}", checkpoint=tmp_path / "adapter")

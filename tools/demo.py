@@ -21,6 +21,7 @@ from tools.in9 import IMAGE_SIZE
 from tools.provenance import atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
+MAX_BATCH = 2**31 - 1  # the exported program's largest batch: more than any batch that fits in memory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,9 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     model = args.out / "color9.pt2"
     print(f"generating {9 * args.per_class} images per variation under {data} ...", flush=True)
     synthetic.generate(data, per_class=args.per_class, seed=0)
-    # a torch.export program (TorchScript, which the toolkit still loads, is deprecated): any batch size
+    # a torch.export program (TorchScript, which the toolkit still loads, is deprecated): any batch size up to
+    # MAX_BATCH. The bound is for torch 2.6 (the floor): with an unbounded Dim its export of the model's
+    # `evidence[:, :9]` guards batch != sys.maxsize and refuses the range it was given.
+    batch = torch.export.Dim("batch", max=MAX_BATCH)
     program = torch.export.export(synthetic.ColorEvidenceModel(9).eval(), (torch.zeros(2, 3, IMAGE_SIZE, IMAGE_SIZE),),
-                                  dynamic_shapes=({0: torch.export.Dim("batch")},))
+                                  dynamic_shapes=({0: batch},))
     with atomic_write(model, "wb") as fh:
         torch.export.save(program, fh)
     common = ["--data-path", str(data), "--checkpoint", str(model), "--in9", "--device", "cpu",

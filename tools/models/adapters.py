@@ -155,7 +155,9 @@ def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool,
         raise UserError(f"{what} does not fit its base model: {_shape_problem(exc)}") from None
     if result.unexpected_keys:
         raise UserError(f"{what} does not fit its base model: unexpected keys: {_key_list(result.unexpected_keys)}")
-    expected = set(peft.get_peft_model_state_dict(wrapped))
+    # the adapter's own tensors: with save_embedding_layers' default ("auto") peft would look the recorded base
+    # up, on the Hub unless it is a local folder, to see if the vocabulary grew (and warn where it cannot)
+    expected = set(peft.get_peft_model_state_dict(wrapped, save_embedding_layers=False))
     missing = sorted(expected - set(weights))
     if missing:
         raise UserError(f"{what} does not fit its base model: missing keys: {_key_list(missing)}")
