@@ -103,8 +103,8 @@ class CacheContents:
         return sum(e.size for e in self.entries) + sum(t.size for t in self.temporaries)
 
     def lines(self) -> list[str]:
-        """The table `python -m tools.data cache` prints: per kind (unreadable packs apart), the packs or entries,
-        rows, bytes and last use; the total; the writers at work; the folder."""
+        """What `python -m tools.data cache` prints: the folder; per kind (the unreadable apart) the packs or
+        entries, rows, bytes and day last used; the total; the writers' temporary folders."""
         groups: dict[tuple[bool, bool, str], list[Entry]] = {}
         for entry in self.entries:  # packs first, unreadable ones last
             groups.setdefault((not entry.readable, not entry.is_pack, entry.kind), []).append(entry)
