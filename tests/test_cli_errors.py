@@ -39,6 +39,7 @@ MISTAKES = [
     ("bgc-data", [], "the following arguments are required"),
     ("bgc-data", ["build", "--image-format", "pnj"], "did you mean png?"),
     ("bgc-data", ["verify", "--split", "trian"], "did you mean train?"),
+    ("bgc-data", ["cache", "--max-size", "20X"], "argument --max-size: '20X' is not a size such as 20G"),
     ("bgc-zoo", ["--criterion", "ani"], "did you mean any?"),
     ("bgc-zoo", ["--precision", "tf23"], "did you mean tf32?"),
     ("bgc-merge", ["d", "--kind", "challeng"], "did you mean challenge?"),
@@ -81,8 +82,8 @@ def test_a_mistake_is_one_line_with_a_suggestion(mains, capsys, monkeypatch, scr
     out, err = capsys.readouterr()
     line = check_error(exc.value.code, out, err)
     assert says in line, line
-    assert line.endswith(f"see `{script}{' build' if 'build' in argv else ''}{' verify' if 'verify' in argv else ''}"
-                         " -h`"), line
+    command = next((f" {word}" for word in ("build", "verify", "cache") if word in argv), "")
+    assert line.endswith(f"see `{script}{command} -h`"), line
 
 
 def test_as_a_script_the_line_names_the_script_typed():

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -179,8 +181,11 @@ def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog
     # a head encoded on a GPU differs from the CPU's in the last bits: each device model has its own entry
     assert [json.loads(m.read_text())["device"] for m in (tmp_path / "cache").rglob("meta.json")] == \
         [clip_zero_shot.device_name(torch.device("cpu"))]
+    [meta] = (tmp_path / "cache").rglob("meta.json")
+    os.utime(meta, (time.time() - 3 * 24 * 3600,) * 2)  # last used three days ago
     again = load_model(spec)  # read from the cache: the same head, no text encoded
     assert len(builds) == 1 and torch.equal(again.model.classifier.head, first.model.classifier.head)
+    assert time.time() - meta.stat().st_mtime < 60  # marked as used today, for `python -m tools.data cache`
     assert again.sha256 == first.sha256
     load_model(spec + "+templates=simple")  # other prompts: another head
     assert len(builds) == 2

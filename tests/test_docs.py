@@ -73,7 +73,7 @@ def test_check_fails_on_a_stale_page_and_passes_on_a_fresh_one(make_cli, tmp_pat
 def test_sub_commands_get_one_section_each(make_cli):
     names = [c.name for c in make_cli.load_command("python -m tools.data", "tools.data.cli:build_parser")]
     assert names == ["python -m tools.data fetch", "python -m tools.data verify", "python -m tools.data build",
-                     "python -m tools.data provenance"]
+                     "python -m tools.data provenance", "python -m tools.data cache"]
 
 
 def test_a_command_whose_module_does_not_exist_is_skipped_with_a_note(make_cli):

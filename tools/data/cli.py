@@ -1,4 +1,4 @@
-"""The command line of `python -m tools.data {fetch,verify,build,provenance}`."""
+"""The command line of `python -m tools.data {fetch,verify,build,provenance,cache}`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from tools.data import grabcut
+from tools.data import cache_admin, grabcut
 from tools.cli import ArgumentParser, examples, add_log_level_argument, positive_number, run_main
 from tools.threads import default_workers
 from tools.errors import UserError
@@ -17,6 +17,7 @@ from tools import data as data_package
 from tools.data.builder import DEFAULT_JPEG_QUALITY, ImageFormat, build
 from tools.data.download import DEFAULT_TIMEOUT_S, RELEASE_URL, fetch
 from tools.data.check import verify_layout
+from tools.data.store import default_cache_dir
 from tools.in9 import SPLIT, TRAIN_SPLIT
 from tools.provenance import check_outputs
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, PROVENANCE_FOLDER, check_data_root, default_data_root
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_level_argument(common)
     parser = ArgumentParser(description=data_package.__doc__, epilog=examples(
         "python -m tools.data fetch", "python -m tools.data verify --data-path data/bg_challenge"))
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{fetch,verify,build,provenance}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{fetch,verify,build,provenance,cache}")
 
     fetch_p = commands.add_parser("fetch", parents=[common], help="download, check and extract the IN-9 test release",
                                   description="Download the release archive (resuming a partial download), check "
@@ -136,7 +137,36 @@ def build_parser() -> argparse.ArgumentParser:
     provenance_p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                               help=f"threads decoding images (default: {default_workers()})")
     provenance_p.set_defaults(handler=_run_provenance)
+
+    cache_p = commands.add_parser(
+        "cache", help="see what the decoded-data cache holds; clear it or bound its size",
+        description="Print what the decoded-data cache holds per kind (packs or entries, rows, size, last use), "
+                    "marking the packs this version cannot read; with an option, remove some of it first. A writer "
+                    "at work keeps its folder, and a reader of a removed pack decodes its rows again.",
+        epilog=examples("python -m tools.data cache", "python -m tools.data cache --max-size 20G"))
+    cache_p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), metavar="DIR",
+                         help=f"the decoded-data cache's folder, as the other commands' --cache-dir (default: "
+                              f"{default_cache_dir()})")
+    removal = cache_p.add_mutually_exclusive_group()
+    removal.add_argument("--clear", action="store_true",
+                         help="remove every pack and entry, keeping the folder (default: remove nothing)")
+    removal.add_argument("--max-size", type=_size_arg, default=None, metavar="SIZE",
+                         help="remove the packs this version cannot read, then the least recently used packs and "
+                              "entries (used: read or written, to the day), until the cache takes at most SIZE, "
+                              "e.g. 20G, 500M (K, M, G, T: powers of 1024) (default: no bound)")
+    removal.add_argument("--unreadable", action="store_true",
+                         help="remove only the packs this version cannot read (another format version or decoder "
+                              "build), which no run reads again (default: keep them)")
+    add_log_level_argument(cache_p)
+    cache_p.set_defaults(handler=_run_cache)
     return parser
+
+
+def _size_arg(value: str) -> int:
+    try:
+        return cache_admin.parse_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _run_fetch(args: argparse.Namespace) -> int:
@@ -180,6 +210,19 @@ def _run_provenance(args: argparse.Namespace) -> int:
     result = provenance.find_provenance(root, args.workers, not args.no_progress)
     written = provenance.write_provenance(result, output)
     print("\n".join([*result.lines(), f"wrote {', '.join(map(str, written))}"]))
+    return 0
+
+
+def _run_cache(args: argparse.Namespace) -> int:
+    if args.clear:
+        result = cache_admin.clear(args.cache_dir)
+    elif args.max_size is not None:
+        result = cache_admin.trim(args.cache_dir, args.max_size)
+    elif args.unreadable:
+        result = cache_admin.remove_unreadable(args.cache_dir)
+    else:
+        result = cache_admin.survey(args.cache_dir)
+    print("\n".join(result.lines()))
     return 0
 
 

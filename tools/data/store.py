@@ -5,8 +5,10 @@ Rows are written in packs, one per run and kind (all the images a run decoded, i
 `hashes.npy`, the SHA-256 of each row's file, and `meta.json`), since one small file per image would make a
 cache of 30,000 images slow to read and write. Lookups are per image: the packs of a kind are indexed by
 file hash, so a run finds each of its images wherever an earlier run (in9, the challenge, training) decoded it,
-and decodes only what no pack holds. A pack is named by a digest of its kind, row size, format version, the
-reference decoder's build and its ordered file hashes; its meta must match on reading. It is written into a
+and decodes only what no pack holds; the packs a lookup used are marked so (`mark_used`), for `python -m
+tools.data cache` to remove the least recently used (`tools.data.cache_admin`). A pack is named by a digest of
+its kind, row size, format version, the reference decoder's build and its ordered file hashes; its meta must
+match on reading. It is written into a
 temporary folder named by host and process and renamed into place (`tools.data.decoding`'s rules: an error,
 Ctrl-C or SIGTERM leaves no half pack, and a folder a killed process left is removed by the next use); a pack
 already there, written by another process from the same content, is kept and ours dropped.
@@ -25,6 +27,7 @@ import os
 import shutil
 import secrets
 import socket
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -47,6 +50,7 @@ def default_cache_dir() -> Path:
 
 STORE_VERSION = 1  # of the packs' format
 CHECKED_ROWS = 8  # rows of a torchvision-decoded pack re-decoded by Pillow before the pack is kept
+USE_MARK_INTERVAL_S = 24 * 3600  # a cache entry's use is recorded at most this often (`mark_used`)
 
 
 def reference_build() -> str:
@@ -76,6 +80,20 @@ def remove_stale_temporaries(cache_dir: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def mark_used(folder: Path, now: float | None = None) -> None:
+    """Record that the cache entry `folder` was used: its meta.json's mtime is set to now where it is older than
+    `USE_MARK_INTERVAL_S` (one stat, and a write at most once a day), since atime is unreliable (noatime and
+    relatime mounts). What cannot be marked (a read-only cache, another user's entry, one removed meanwhile) is
+    left as it is: `tools.data.cache_admin` then takes it as used when last marked or written."""
+    meta = Path(folder) / "meta.json"
+    now = time.time() if now is None else now
+    try:
+        if now - meta.stat().st_mtime > USE_MARK_INTERVAL_S:
+            os.utime(meta)
+    except OSError:
+        pass
+
+
 class Packs:
     """The packs of one kind of row (`kind`: "image" or "mask-<arithmetic>", of shape `row_shape` and `dtype`)
     under `cache_dir`; None: no cache (every lookup misses, nothing is written)."""
@@ -103,9 +121,11 @@ class Packs:
         """Per file hash: (the rows of a pack holding it, read-only and mapped, its row there), or None."""
         wanted = set(hashes)
         found: dict[str, tuple[np.ndarray, int]] = {}
+        used = []
         for folder in self._folders():
             if len(found) == len(wanted):
                 break
+            before = len(found)
             try:
                 meta = json.loads((folder / "meta.json").read_text())
                 if not isinstance(meta, dict) or {k: v for k, v in meta.items() if k != "count"} != self.meta:
@@ -122,8 +142,14 @@ class Packs:
                             log.warning("ignoring the cache pack %s: its rows do not match its meta", folder)
                             break
                         found[name] = (rows, row)
+                used += [folder] if len(found) > before else []
             except (*NUMPY_READ_ERRORS, KeyError, ValueError) as exc:
-                log.warning("ignoring an unreadable cache pack at %s (%s)", folder, exc)
+                if isinstance(exc, FileNotFoundError) and not folder.exists():  # removed (tools.data.cache_admin)
+                    log.info("the cache pack %s was removed while it was read; decoding what it held", folder)
+                else:
+                    log.warning("ignoring an unreadable cache pack at %s (%s)", folder, exc)
+        for folder in used:
+            mark_used(folder)
         return [found.get(h) for h in hashes]
 
     def writer(self, hashes: Sequence[str], check: Callable[[int, np.ndarray], bool] | None = None) -> "PackWriter":

@@ -41,7 +41,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tools.data.decoding import DecodedCache
-from tools.data.store import default_cache_dir
+from tools.data.store import default_cache_dir, mark_used
 from tools.errors import UserError, first_line, optional_module
 from tools.data.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
@@ -299,6 +299,7 @@ def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, cl
     cache = DecodedCache(default_cache_dir() / HEAD_CACHE_FOLDER, key, meta, what="CLIP text head")
     cached = cache.load(["head"])
     if cached is not None:
+        mark_used(cache.folder)  # for `python -m tools.data cache --max-size`, which removes the least recently used
         return torch.from_numpy(cached["head"])
     log.info("encoding the %d prompts of clip:%s's %s head on %s", len(texts), parsed.arch, parsed.head.value, device)
     try:

@@ -1,0 +1,279 @@
+"""`python -m tools.data cache` (tools.data.cache_admin) on caches the real writers filled: the listing's numbers,
+the least recently used removed first (readers mark what they use), --clear, the packs this version cannot read,
+the temporary folders of running writers kept and of stopped ones removed, a pack removed under a reader's feet a
+miss and never a half pack, and bad input in one line."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import check_error, run_in_process
+from tools.data import cache_admin, decoding, store, synthetic
+from tools.data.cli import main
+from tools.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+DAY = 24 * 3600
+
+
+def hashes(*names: str) -> list[str]:
+    return [hashlib.sha256(name.encode()).hexdigest() for name in names]
+
+
+def write_pack(cache: Path, kind: str, names: list[str], row_shape=(16,)) -> Path:
+    """A pack written by the store's own writer, row i filled with i."""
+    writer = store.Packs(cache, kind, row_shape).writer(hashes(*names))
+    for i in range(len(names)):
+        writer.put(i, np.full(row_shape, i, np.uint8))
+    folder = writer.commit()
+    assert folder is not None
+    return folder
+
+
+def files_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def used_days_ago(folder: Path, days: float) -> None:
+    when = time.time() - days * DAY
+    os.utime(folder / "meta.json", (when, when))
+
+
+def dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                              check=True).stdout)
+
+
+def listing(cache: Path, capsys, *flags: str) -> list[str]:
+    code, out, err = run_in_process(main, ["cache", "--cache-dir", str(cache), *flags], capsys)
+    assert code == 0, err
+    return out.splitlines()
+
+
+def row_of(lines: list[str], kind: str) -> list[str]:
+    """The cells of the table's line for `kind` (the kind's words, then its numbers)."""
+    found = [line for line in lines if line.startswith(kind + "  ")]
+    assert len(found) == 1, lines
+    return found[0][len(kind):].split()
+
+
+def test_the_listing_counts_what_real_runs_cached(tmp_path, capsys):
+    data = synthetic.generate(tmp_path / "data", per_class=1, seed=3).root
+    images = sorted(p.relative_to(data).as_posix() for p in (data / "original").rglob("*.JPEG"))
+    masks = sorted(p.relative_to(data).as_posix() for p in (data / "fg_mask").rglob("*.npy"))
+    cache = tmp_path / "cache"
+    decoding.decode_cached(data, {"original": images}, masks, {"sha256": "x"}, cache, workers=1, progress=False)
+    decoding.DecodedCache(cache / "clip-heads", "a" * 32, {"format": 1}).save({"head": np.zeros((9, 8), np.float32)})
+    decoding.DecodedCache(cache, "b" * 24 + "-binary-v4", {"fingerprint": "f"}).save({"masks": np.zeros(3)})
+    contents = cache_admin.survey(cache)
+    by_kind = {}
+    for entry in contents.entries:
+        by_kind.setdefault(entry.kind, []).append(entry)
+    assert sorted(by_kind) == ["clip-heads", "image", "mask-binary", cache_admin.EARLIER_KIND]
+    [image], [mask], [head], [earlier] = (by_kind[k] for k in ("image", "mask-binary", "clip-heads",
+                                                               cache_admin.EARLIER_KIND))
+    assert image.rows == len(images) == 9 and mask.rows == len(masks) == 9 and head.rows is None
+    assert image.size == files_size(image.path) > 9 * 224 * 224 * 3 and mask.size == files_size(mask.path)
+    assert image.readable and mask.readable and head.readable and not earlier.readable
+    assert contents.size == files_size(cache)
+    lines = listing(cache, capsys)
+    assert lines[0] == f"decoded-data cache at {cache}"
+    assert row_of(lines, "image") == ["1", "9", cache_admin.format_size(image.size), time.strftime("%Y-%m-%d")]
+    assert row_of(lines, "mask-binary")[:2] == ["1", "9"] and row_of(lines, "clip-heads")[:2] == ["1", "-"]
+    assert row_of(lines, f"{cache_admin.EARLIER_KIND} (unreadable*)")[:2] == ["1", "-"]
+    assert row_of(lines, "total")[:3] == ["4", "18", cache_admin.format_size(files_size(cache))]
+    assert any(line.startswith("* of another format version") for line in lines)
+
+
+def test_the_packs_this_version_cannot_read_are_marked_and_removed_alone(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    current = write_pack(cache, "image", ["a", "b"])
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "reference_build", lambda: "Pillow 9.0.0, libjpeg 8d")  # another decoder build
+        other_build = write_pack(cache, "image", ["c"])
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "STORE_VERSION", 2)  # a later format
+        later = write_pack(cache, "mask-binary", ["d"])
+    damaged = write_pack(cache, "image", ["e"])
+    (damaged / "meta.json").write_text("{")
+    readable = {e.path.name: e.readable for e in cache_admin.survey(cache).entries}
+    assert readable == {current.name: True, other_build.name: False, later.name: False, damaged.name: False}
+    # the marking agrees with what the reader reads
+    assert [hit is not None for hit in store.Packs(cache, "image", (16,)).lookup(hashes("a", "c", "e"))] == \
+           [True, False, False]
+    assert row_of(listing(cache, capsys), "image (unreadable*)")[:2] == ["2", "1"]  # a damaged pack's rows unknown
+    lines = listing(cache, capsys, "--unreadable")
+    assert lines[0].startswith("removed 3 pack(s), 0 other entries")
+    assert sorted(p.name for p in cache.iterdir()) == [current.name]
+    assert store.Packs(cache, "image", (16,)).lookup(hashes("a"))[0] is not None
+
+
+def test_max_size_removes_the_least_recently_used_as_readers_mark_them(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    packs = {name: write_pack(cache, "image", [name], row_shape=(4096,)) for name in "abcd"}
+    for name, days in zip("abcd", (3, 10, 5, 20)):  # written long ago, in another order than the names'
+        used_days_ago(packs[name], days)
+    store.Packs(cache, "image", (4096,)).lookup(hashes("d"))  # d, the oldest, is read today
+    assert time.time() - (packs["d"] / "meta.json").stat().st_mtime < 60
+    sizes = {name: files_size(folder) for name, folder in packs.items()}
+    # least recently used first: b (10 days), c (5), a (3), d (today); room for two packs
+    order = [e.path for e in cache_admin.eviction_order(cache_admin.survey(cache).entries)]
+    assert order == [packs[name] for name in "bcad"]
+    bound = sizes["a"] + sizes["d"]
+    lines = listing(cache, capsys, "--max-size", str(bound))
+    assert lines[0].startswith("removed 2 pack(s)")
+    assert sorted(p.name for p in cache.iterdir()) == sorted([packs["a"].name, packs["d"].name])
+    assert cache_admin.survey(cache).size <= bound
+    listing(cache, capsys, "--max-size", "1G")  # fits: nothing removed
+    assert len(list(cache.iterdir())) == 2
+
+
+def test_a_reader_marks_a_pack_at_most_once_a_day_and_never_fails_to(tmp_path, monkeypatch, caplog):
+    cache = tmp_path / "cache"
+    folder = write_pack(cache, "image", ["a"])
+    rows = store.Packs(cache, "image", (16,))
+
+    def last_used() -> float:
+        return (folder / "meta.json").stat().st_mtime
+
+    used_days_ago(folder, 0.5)
+    before = last_used()
+    assert rows.lookup(hashes("a"))[0] is not None
+    assert last_used() == before  # marked within the day: not again
+    used_days_ago(folder, 1.5)
+    before = last_used()
+    assert rows.lookup(hashes("b")) == [None] and last_used() == before  # a pack that gave nothing was not used
+    rows.lookup(hashes("a"))
+    assert time.time() - last_used() < 60
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(30, "Read-only file system")
+
+    used_days_ago(folder, 2)
+    monkeypatch.setattr(store.os, "utime", read_only)
+    with caplog.at_level(logging.INFO, logger="tools.data.store"):
+        hit = rows.lookup(hashes("a"))[0]
+    assert hit is not None and hit[0][hit[1]].tolist() == [0] * 16 and "WARNING" not in caplog.text
+
+
+def test_clear_keeps_the_folder_and_running_writers_and_removes_stopped_ones(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    write_pack(cache, "image", ["a"])
+    write_pack(cache, "mask-original", ["a"])
+    decoding.DecodedCache(cache / "clip-heads", "k" * 32, {"format": 1}).save({"head": np.ones(3)})
+    host = socket.gethostname()
+    running = [cache / f"{store.temporary_prefix(os.getpid())}0a1b", cache / "clip-heads" / f".tmp-{host}@{os.getpid()}@x"]
+    stopped = [cache / f".tmp-{host}@{dead_pid()}@0a1b", cache / "clip-heads" / f".tmp-{host}@{dead_pid()}@y"]
+    elsewhere = [cache / f".tmp-other-host@{dead_pid()}@0a1b"]  # a shared disk: its process cannot be asked
+    for folder in running + stopped + elsewhere:
+        folder.mkdir()
+        (folder / "rows.npy").write_bytes(b"\0" * 1000)
+    contents = cache_admin.survey(cache)
+    assert sorted(t.path for t in contents.temporaries if t.live) == sorted(running + elsewhere)
+    assert sorted(t.path for t in contents.temporaries if not t.live) == sorted(stopped)
+    lines = listing(cache, capsys)
+    assert "3 writer(s) at work, kept (2.9K, in the total)" in lines
+    lines = listing(cache, capsys, "--clear")
+    assert lines[0] == "removed 2 pack(s), 1 other entry and 2 stopped writer folder(s): " + \
+        cache_admin.format_size(contents.size - 3000)
+    left = sorted(p for p in cache.rglob("*") if p.is_dir())
+    assert left == sorted([cache / "clip-heads", *running, *elsewhere])
+    assert row_of(lines, "total") == ["0", "0", "2.9K", "-"]
+
+
+def test_a_pack_removed_while_a_reader_looks_it_up_is_a_miss_and_decoded_again(tmp_path, monkeypatch, caplog):
+    data = synthetic.generate(tmp_path / "data", per_class=1, seed=4).root
+    relpaths = sorted(p.relative_to(data).as_posix() for p in (data / "original").rglob("*.JPEG"))
+    content = {rel: hashlib.sha256((data / rel).read_bytes()).hexdigest() for rel in relpaths}
+    cache = tmp_path / "cache"
+
+    def decoded() -> torch.Tensor:
+        return torch.cat([b for _, b in decoding.iter_decoded_batches(data, relpaths, 4, 1, hashes=content,
+                                                                      cache_dir=cache)])
+
+    expected = decoded()
+    [pack] = [p for p in cache.iterdir()]
+    mapped = store.Packs(cache, "image", (224, 224, 3)).lookup([content[relpaths[0]]])[0]
+    real_load = np.load
+    for moment in ("listed", "hashes read"):
+        def remove_then(*args, **kwargs):  # the pack is removed after its folder was listed, or its hashes read
+            if moment == "hashes read":
+                value = real_load(*args, **kwargs)
+                cache_admin.remove_entry(pack)
+                return value
+            cache_admin.remove_entry(pack)
+            return real_load(*args, **kwargs)
+
+        monkeypatch.setattr(store.np, "load", remove_then)
+        with caplog.at_level(logging.INFO, logger="tools.data.store"):
+            again = decoded()
+        monkeypatch.setattr(store.np, "load", real_load)
+        assert torch.equal(again, expected), moment
+        assert "removed while it was read" in caplog.text and "WARNING" not in caplog.text, caplog.text
+        caplog.clear()
+        [pack] = [p for p in cache.iterdir()]  # what this reader decoded again, cached
+    # rows mapped before their pack was removed stay readable (a removed file lives on while mapped)
+    cache_admin.remove_entry(pack)
+    rows, row = mapped
+    assert not pack.exists() and np.array_equal(rows[row], expected[0].permute(1, 2, 0).numpy())
+
+
+def test_a_removal_renames_first_and_what_a_killed_one_leaves_goes_as_a_dead_writers(tmp_path):
+    cache = tmp_path / "cache"
+    pack = write_pack(cache, "image", ["a"])
+    code = ("import os, sys; from pathlib import Path; from tools.data import cache_admin\n"
+            "cache_admin.shutil.rmtree = lambda path, **kw: os._exit(9)  # killed between the rename and the delete\n"
+            "cache_admin.remove_entry(Path(sys.argv[1]))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(pack)], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 9, done.stderr
+    [left] = list(cache.iterdir())
+    assert not pack.exists() and left.name.startswith(store.temporary_prefix()) and (left / "rows.npy").is_file()
+    assert store.Packs(cache, "image", (16,)).lookup(hashes("a")) == [None]  # not a pack; and removed by this use
+    assert list(cache.iterdir()) == []
+
+
+@pytest.mark.parametrize("text, size", [("20G", 20 * 2**30), ("500M", 500 * 2**20), ("1.5K", 1536), ("1024", 1024),
+                                        ("2GiB", 2 * 2**30), ("3gb", 3 * 2**30), ("0", 0), (".5T", 2**39)])
+def test_sizes_read_as_du_writes_them(text, size):
+    assert cache_admin.parse_size(text) == size
+    assert cache_admin.parse_size(cache_admin.format_size(size)) == size if size in (0, 1024, 1536) else True
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--max-size", "20X"], "argument --max-size: '20X' is not a size such as 20G"),
+    (["--max-size=-1G"], "argument --max-size: '-1G' is not a size"),
+    (["--clear", "--max-size", "1G"], "not allowed with argument --clear"),
+])
+def test_bad_flags_are_one_line(argv, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["cache", "--cache-dir", str(tmp_path), *argv])
+    line = check_error(exc.value.code, *capsys.readouterr())
+    assert says in line and line.endswith(" cache -h`"), line
+
+
+def test_a_folder_that_is_not_a_cache_is_refused_and_left_alone(tmp_path, capsys):
+    home = tmp_path / "home"
+    write_pack(home, "image", ["a"])
+    (home / "notes.txt").write_text("mine")
+    (home / "photos").mkdir()
+    (home / "photos" / "cat.jpg").write_bytes(b"x")
+    for flags in ([], ["--clear"], ["--max-size", "0"]):
+        line = check_error(*run_in_process(main, ["cache", "--cache-dir", str(home), *flags], capsys))
+        assert f"{home} does not look like the decoded-data cache: it holds {home / 'notes.txt'} and 1 more" in line
+    assert len(list(home.iterdir())) == 3
+    line = check_error(*run_in_process(main, ["cache", "--cache-dir", str(home / "notes.txt")], capsys))
+    assert "is not a folder" in line
+    assert listing(tmp_path / "never-made", capsys)[0].endswith("(not made yet: empty)")
+    with pytest.raises(UserError, match="does not look like"):
+        cache_admin.clear(home)

@@ -1,0 +1,305 @@
+"""Seeing and bounding the decoded-data cache (`python -m tools.data cache`): what it holds per kind, and
+removing all of it, the least recently used entries beyond a size, or the packs this version can no longer read.
+
+The cache folder holds packs (`tools.data.store`: `<kind>-<digest>-v<version>/`), folders of other entries
+(`tools.data.decoding.DecodedCache`'s, e.g. `clip-heads/<key>/`, each with a meta.json) and the temporary
+folders of writers at work (`.tmp-HOST@PID@...`). A folder holding anything else is not taken for a cache, so
+that a mistyped --cache-dir removes nothing.
+
+An entry was last used when its meta.json was last modified: written with the entry, and touched by the readers
+that use it, at most once a day (`store.mark_used`), so the order is by day. An entry is removed by renaming it
+to a temporary name of this process first, then deleting that, so no reader ever finds half an entry (a reader
+that finds it gone decodes its rows again), and what a killed removal leaves is removed by the next use as any
+dead writer's. A reader that mapped a pack's rows before keeps reading them: on POSIX systems a removed file
+stays readable to those that have it open or mapped. Temporary folders of running writers, and of other hosts
+(whose processes cannot be asked), are never removed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+from tools.data.store import STORE_VERSION, reference_build, temporary_prefix
+from tools.data.temporary import is_running
+from tools.errors import UserError
+
+log = logging.getLogger(__name__)
+
+PACK_NAME = re.compile(r"(?P<kind>.+)-[0-9a-f]{24}-v(?P<version>\d+)")  # as `store.PackWriter.commit` names them
+# The whole-data entries that versions before the packs wrote at the top (`<digest>-<mask arithmetic>-v<format>/`):
+# no version since reads them.
+EARLIER_ENTRY = re.compile(r"[0-9a-f]{24}-[a-z]+-v\d+")
+EARLIER_KIND = "pre-pack data"
+TEMPORARY = ".tmp-"  # what `store.temporary_prefix` starts with, whatever the host
+UNITS = "KMGT"  # size suffixes, powers of 1024 as `du -h` writes them
+SIZE = re.compile(r"(?P<number>\d+(\.\d*)?|\.\d+)\s*(?P<unit>[KMGT]?)(i?B)?", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """A size in bytes from `20G`, `500M`, `1.5T`, `100K` or a plain number of bytes (K, M, G, T: powers of 1024;
+    `GB`, `GiB` read as `G`); ValueError for anything else."""
+    match = SIZE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a size such as 20G, 500M or 1048576 (bytes)")
+    unit = match["unit"].upper()
+    return int(float(match["number"]) * 1024 ** (UNITS.index(unit) + 1 if unit else 0))
+
+
+def format_size(nbytes: int) -> str:
+    """`du -h`'s way: 512B, 1.5K, 6.8G (powers of 1024; `parse_size` reads it back)."""
+    size, unit = float(nbytes), "B"
+    for candidate in UNITS:
+        if size < 1024:
+            break
+        size, unit = size / 1024, candidate
+    return f"{int(size)}B" if unit == "B" else f"{size:.1f}{unit}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A pack or another cache entry: its folder, kind (a pack's kind, e.g. `image`; the folder holding another
+    entry, e.g. `clip-heads`), rows (None: not a pack), bytes, last use (seconds since the epoch) and whether
+    this version can read it (False: a pack of another format version or reference build, or a damaged one)."""
+
+    path: Path
+    kind: str
+    rows: int | None
+    size: int
+    last_used: float
+    readable: bool = True
+
+    @property
+    def is_pack(self) -> bool:
+        return self.rows is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Temporary:
+    """A writer's temporary folder; `live`: its process runs, or it is another host's."""
+
+    path: Path
+    size: int
+    live: bool
+
+
+@dataclasses.dataclass
+class CacheContents:
+    """What a cache folder holds (`survey`); `exists`: False where the folder was never made."""
+
+    folder: Path
+    entries: list[Entry]
+    temporaries: list[Temporary]
+    exists: bool = True
+
+    @property
+    def size(self) -> int:
+        return sum(e.size for e in self.entries) + sum(t.size for t in self.temporaries)
+
+    def lines(self) -> list[str]:
+        """What `python -m tools.data cache` prints: the folder; per kind (the unreadable apart) the packs or
+        entries, rows, bytes and day last used; the total; the writers' temporary folders."""
+        groups: dict[tuple[bool, bool, str], list[Entry]] = {}
+        for entry in self.entries:  # packs first, unreadable ones last
+            groups.setdefault((not entry.readable, not entry.is_pack, entry.kind), []).append(entry)
+        table = [("kind", "packs/entries", "rows", "size", "last used")]
+        for (unreadable, _, kind), entries in sorted(groups.items()):
+            rows = sum(e.rows or 0 for e in entries) if entries[0].is_pack else None
+            table.append((f"{kind} (unreadable*)" if unreadable else kind, str(len(entries)), _count(rows),
+                          format_size(sum(e.size for e in entries)), _day(max(e.last_used for e in entries))))
+        rows = sum(e.rows or 0 for e in self.entries)
+        table.append(("total", str(len(self.entries)), _count(rows), format_size(self.size),
+                      _day(max((e.last_used for e in self.entries), default=None))))
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        lines = [f"decoded-data cache at {self.folder}" + ("" if self.exists else " (not made yet: empty)")]
+        lines += ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+                  .rstrip() for row in table]
+        if any(unreadable for unreadable, _, _ in groups):
+            lines += [f"* of another format version or decoder build than this one's (v{STORE_VERSION}, "
+                      f"{reference_build()}),", "  of a version before packs, or damaged: never read again; "
+                      "`--unreadable` removes them"]
+        for live in (True, False):
+            temporaries = [t for t in self.temporaries if t.live == live]
+            if temporaries:
+                what = "writer(s) at work, kept" if live else "folder(s) of stopped writers, removed by the next use"
+                lines.append(f"{len(temporaries)} {what} ({format_size(sum(t.size for t in temporaries))}, in the "
+                             f"total)")
+        return lines
+
+
+def _count(rows: int | None) -> str:
+    return "-" if rows is None else f"{rows:,}"
+
+
+def _day(when: float | None) -> str:
+    return "-" if when is None else time.strftime("%Y-%m-%d", time.localtime(when))
+
+
+def _size(path: Path) -> tuple[int, float]:
+    """The bytes of the files under `path` and their newest mtime (symbolic links not followed)."""
+    total, newest = 0, 0.0
+    for parent, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(parent, name))
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            total, newest = total + st.st_size, max(newest, st.st_mtime)
+    return total, newest
+
+
+def _last_used(path: Path, newest: float) -> float:
+    try:
+        return (path / "meta.json").stat().st_mtime
+    except OSError:
+        return newest
+
+
+def _pack(path: Path, kind: str, version: int) -> Entry:
+    size, newest = _size(path)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        rows = int(meta["count"])
+        readable = version == STORE_VERSION and meta.get("version") == STORE_VERSION and \
+            meta.get("reference") == reference_build() and meta.get("kind") == kind
+    except (OSError, ValueError, KeyError, TypeError):  # damaged: no meta, or not a pack's
+        rows, readable = 0, False
+    return Entry(path, kind, rows, size, _last_used(path, newest), readable)
+
+
+def _entry(path: Path, kind: str, readable: bool = True) -> Entry:
+    size, newest = _size(path)
+    return Entry(path, kind, None, size, _last_used(path, newest), readable)
+
+
+def _temporary(path: Path) -> Temporary:
+    host_prefix = temporary_prefix()
+    pid = path.name[len(host_prefix):].split("@", 1)[0] if path.name.startswith(host_prefix) else ""
+    stale = pid.isdigit() and not is_running(int(pid))
+    return Temporary(path, _size(path)[0], live=not stale)
+
+
+def survey(cache_dir: Path) -> CacheContents:
+    """What `cache_dir` holds. UserError where it is not a folder, cannot be read, or holds what the toolkit does
+    not write there (it is then not taken for a cache); a folder that does not exist is an empty cache."""
+    folder = Path(cache_dir)
+    if not folder.exists():
+        return CacheContents(folder, [], [], exists=False)
+    if not folder.is_dir():
+        raise UserError(f"--cache-dir {folder} is not a folder; give the decoded-data cache's folder")
+    entries, temporaries, foreign = [], [], []
+    try:
+        for path in sorted(folder.iterdir()):
+            pack = PACK_NAME.fullmatch(path.name)
+            if path.is_symlink() or not path.is_dir():
+                foreign.append(path)
+            elif path.name.startswith(TEMPORARY):
+                temporaries.append(_temporary(path))
+            elif pack is not None:
+                entries.append(_pack(path, pack["kind"], int(pack["version"])))
+            elif (path / "meta.json").is_file():  # an entry at the top
+                earlier = EARLIER_ENTRY.fullmatch(path.name) is not None
+                entries.append(_entry(path, EARLIER_KIND if earlier else "other", readable=not earlier))
+            else:
+                for child in sorted(path.iterdir()):
+                    if child.is_symlink() or not child.is_dir():
+                        foreign.append(child)
+                    elif child.name.startswith(TEMPORARY):
+                        temporaries.append(_temporary(child))
+                    elif not (child / "meta.json").is_file():
+                        foreign.append(child)
+                    else:
+                        entries.append(_entry(child, path.name))
+    except OSError as exc:
+        raise UserError(f"cannot read the cache folder {folder}: {exc}") from None
+    if foreign:
+        raise UserError(f"{folder} does not look like the decoded-data cache: it holds {foreign[0]}"
+                        f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}, which the toolkit does not "
+                        f"write there; give --cache-dir the cache's folder, or remove what is not the cache's")
+    return CacheContents(folder, entries, temporaries)
+
+
+@dataclasses.dataclass
+class Removal:
+    """What a clean-up removed (entries and stale temporaries), what it could not, and the cache afterwards."""
+
+    removed: list[Entry | Temporary]
+    failed: list[tuple[Path, str]]
+    after: CacheContents
+
+    def lines(self) -> list[str]:
+        packs = sum(1 for e in self.removed if isinstance(e, Entry) and e.is_pack)
+        entries = sum(1 for e in self.removed if isinstance(e, Entry) and not e.is_pack)
+        stale = len(self.removed) - packs - entries
+        lines = [f"removed {packs} pack(s), {entries} other entr{'y' if entries == 1 else 'ies'} and {stale} "
+                 f"stopped writer folder(s): {format_size(sum(e.size for e in self.removed))}"]
+        lines += [f"could not remove {path}: {reason}" for path, reason in self.failed]
+        return [*lines, *self.after.lines()]
+
+
+def remove_entry(path: Path) -> None:
+    """Remove a cache entry safely for its readers: renamed to a temporary name of this process (so that no reader
+    takes it for an entry any more, and what a killed removal leaves goes as a dead writer's), then deleted.
+    A folder already gone is no error."""
+    doomed = path.parent / f"{temporary_prefix(os.getpid())}removing-{secrets.token_hex(4)}"
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _remove(contents: CacheContents, chosen: list[Entry]) -> Removal:
+    removed: list[Entry | Temporary] = []
+    failed: list[tuple[Path, str]] = []
+    for item in [*(t for t in contents.temporaries if not t.live), *chosen]:
+        try:
+            remove_entry(item.path)
+        except OSError as exc:
+            failed.append((item.path, exc.strerror or str(exc)))
+            log.warning("could not remove %s (%s)", item.path, exc)
+        else:
+            removed.append(item)
+    return Removal(removed, failed, survey(contents.folder))
+
+
+def clear(cache_dir: Path) -> Removal:
+    """Remove every pack and entry (and the folders of stopped writers); the folder and running writers' stay."""
+    contents = survey(cache_dir)
+    return _remove(contents, contents.entries)
+
+
+def remove_unreadable(cache_dir: Path) -> Removal:
+    """Remove the packs this version cannot read (`Entry.readable`), and the folders of stopped writers."""
+    contents = survey(cache_dir)
+    return _remove(contents, [e for e in contents.entries if not e.readable])
+
+
+def eviction_order(entries: list[Entry]) -> list[Entry]:
+    """The order `trim` removes entries in: unreadable packs first (never read again), then the least recently
+    used; ties by path."""
+    return sorted(entries, key=lambda e: (e.readable, e.last_used, str(e.path)))
+
+
+def trim(cache_dir: Path, max_size: int) -> Removal:
+    """Remove entries in `eviction_order` (and the folders of stopped writers) until the cache takes at most
+    `max_size` bytes, counting the running writers' folders, which stay."""
+    contents = survey(cache_dir)
+    total = contents.size - sum(t.size for t in contents.temporaries if not t.live)
+    chosen = []
+    for entry in eviction_order(contents.entries):
+        if total <= max_size:
+            break
+        chosen.append(entry)
+        total -= entry.size
+    removal = _remove(contents, chosen)
+    if removal.after.size > max_size:
+        log.warning("the cache still takes %s, over %s: what is left is running writers' (or could not be removed)",
+                    format_size(removal.after.size), format_size(max_size))
+    return removal
