@@ -196,3 +196,12 @@ def test_a_cpu_run_seeds_the_cpu_generator_alone_at_each_step(tiny, tmp_path, ca
     assert len(calls) > 3
     a, b = weights(tmp_path / "cpu" / CHECKPOINT_NAME), weights(tmp_path / "all" / CHECKPOINT_NAME)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_batches_reach_a_device_other_than_the_cpu_and_cuda_contiguous():
+    """The store's channels-last layout stays on the CPU and CUDA: on another device (MPS) the batch arrives
+    contiguous, since torch 2.6-2.7's MPS bitwise kernels mis-order channels-last operands (pytorch#145203)."""
+    from tools.training.data import _mover
+    batch = torch.zeros(2, 224, 224, 3, dtype=torch.uint8).permute(0, 3, 1, 2)
+    assert _mover(torch.device("meta"))(batch).is_contiguous()
+    assert not _mover(torch.device("cpu"))(batch).is_contiguous()  # the CPU keeps the fast layout

@@ -212,10 +212,13 @@ def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, p
 def _mover(device: torch.device):
     """How a batch's tensors reach `device`: on CUDA through the decoding's side stream (tools.data.decoding's
     copies: pinned source, no wait, the consumer's stream waits for the copy), so the next batch's copy overlaps
-    the device's work on this one; elsewhere tools.runtime.to_device."""
+    the device's work on this one; elsewhere tools.runtime.to_device, and off the CPU contiguous (torch 2.6-2.7's
+    MPS bitwise kernels mis-order channels-last operands, pytorch#145203, which the composite would scramble)."""
     if device.type == "cuda":
         return datasets.DeviceCopies(device)
-    return lambda tensor: to_device(tensor, device)
+    if device.type == "cpu":
+        return lambda tensor: to_device(tensor, device)
+    return lambda tensor: to_device(tensor, device).contiguous()
 
 
 def device_batch(batch: dict, device: torch.device, augment: bool) -> tuple[torch.Tensor, torch.Tensor]:
