@@ -253,7 +253,7 @@ def test_a_run_hashes_its_files_once(tiny, tmp_path, capsys, monkeypatch, one_th
     def again(*args, **kwargs):
         raise AssertionError("the files were hashed a second time")
 
-    monkeypatch.setattr(decoding, "_file_hashes", again)
+    monkeypatch.setattr(decoding, "read_and_fingerprint", again)  # decoding hashes only where not given hashes
     code, _, err = run_train(["--data-path", tiny, "--weights", "none", "--epochs", 1, "--batch-size", 6, *TINY,
                               "--output-dir", tmp_path / "out"], capsys)
     assert code == 0, err

@@ -396,27 +396,22 @@ def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[
     """Named groups of images as uint8 (N, 3, H, W) tensors (`channels_last`: as `decode_images`) and the masks
     (`load_masks`), each image and mask read from the decoded-data cache in `cache_dir` where it holds that file's
     content (and, for masks, the mask arithmetic), decoded and cached otherwise (the challenge's data, and
-    train.py's store: tools.training.data.decoded_store). `hashes`: the files' SHA-256 by relative path, when
-    already computed. Inside `keep_decoded` (the zoo), kept in memory by the data's fingerprint for the next run."""
+    train.py's store: tools.training.data.decoded_store). `contents`: files' bytes already read, which come with
+    their `hashes` (the files' SHA-256 by relative path, as listing computed them); without `hashes` (the tests and
+    the bench call decoded_store so), the files are read in `workers` threads to hash them when there is a cache.
+    Inside `keep_decoded` (the zoo), kept in memory by the data's fingerprint for the next run."""
     key = f"decoded:{fingerprint['sha256']}:{arithmetic.value}:{channels_last}:{','.join(images)}"
     if kept(key) is not None:
         return kept(key)
     contents = contents or {}
     if cache_dir is not None and hashes is None:
-        hashes = _file_hashes(root, [*masks, *(p for relpaths in images.values() for p in relpaths)], contents,
-                              workers)
+        hashes = read_and_fingerprint(root, [*masks, *(p for relpaths in images.values() for p in relpaths)],
+                                      workers)[2]
     mask_array = _masks_cached(root, masks, arithmetic, contents, hashes, cache_dir)  # a refused mask stops it first
     decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}", decoder, contents, hashes,
                                    cache_dir, channels_last) for name, relpaths in images.items()}
     keep(key, (decoded, mask_array))
     return decoded, mask_array
-
-
-def _file_hashes(root: Path, relpaths: Sequence[str], contents: Mapping[str, bytes], workers: int) -> dict[str, str]:
-    """The files' SHA-256 by relative path, from `contents` where it holds them, else read in `workers` threads."""
-    unread = [rel for rel in relpaths if rel not in contents]
-    hashes = read_and_fingerprint(root, unread, workers)[2] if unread else {}
-    return {**hashes, **{rel: hashlib.sha256(contents[rel]).hexdigest() for rel in relpaths if rel in contents}}
 
 
 def _masks_cached(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic, contents: Mapping[str, bytes],
