@@ -2,9 +2,6 @@
 
 import importlib
 import zipfile
-from pathlib import Path
-
-import numpy as np
 
 from tools.threads import wait_for_background_imports
 
@@ -16,17 +13,6 @@ class UserError(Exception):
 # What numpy raises on a damaged .npy or .npz (missing, empty, truncated, not numpy's format): `np.load` gives
 # EOFError for an empty file and zipfile.BadZipFile for a truncated .npz, neither an OSError nor a ValueError.
 NUMPY_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile)
-
-
-def read_npz(path: Path) -> dict[str, np.ndarray]:
-    """Every array of the .npz archive `path`, read through our own file handle (closed also when numpy refuses
-    the file); what is not such an archive raises one of NUMPY_READ_ERRORS (a .npy array: ValueError)."""
-    with open(path, "rb") as fh:
-        archive = np.load(fh, allow_pickle=False)
-        if not isinstance(archive, np.lib.npyio.NpzFile):
-            raise ValueError("a single array, not an .npz archive")
-        with archive:
-            return {name: archive[name] for name in archive.files}
 
 
 def first_line(exc: BaseException) -> str:

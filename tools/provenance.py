@@ -1,5 +1,6 @@
 """What a result came from (versions, device, model, the data read), and writing outputs: every output path
-checked before the work starts, every file written atomically, and a write that fails reported in one line."""
+checked before the work starts, every file written atomically, a write that fails reported in one line, and the
+.npz archives written so (resume states, shards) read back."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import secrets
 import tempfile
 from pathlib import Path
 from typing import IO, Callable, Iterator, Mapping
+
+import numpy as np
 
 from tools import __version__
 from tools.errors import UserError
@@ -153,6 +156,17 @@ TRAINING_LOG = "train_log.jsonl"
 TRAINED_EVAL_DIR, START_EVAL_DIR = "eval_trained", "eval_start"
 
 RESUME_HINT = "fix the cause and rerun the same command with --resume: its saved state makes that quick"
+
+
+def read_npz(path: Path) -> dict[str, np.ndarray]:
+    """Every array of the .npz archive `path`, read through our own file handle (closed also when numpy refuses
+    the file); what is not such an archive raises one of tools.errors.NUMPY_READ_ERRORS (a .npy array: ValueError)."""
+    with open(path, "rb") as fh:
+        archive = np.load(fh, allow_pickle=False)
+        if not isinstance(archive, np.lib.npyio.NpzFile):
+            raise ValueError("a single array, not an .npz archive")
+        with archive:
+            return {name: archive[name] for name in archive.files}
 
 
 class OutputFiles:

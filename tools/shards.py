@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.errors import NUMPY_READ_ERRORS, UserError, read_npz
+from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.data.hashing import sha256_file
-from tools.provenance import atomic_write, write_json_atomic
+from tools.provenance import atomic_write, read_npz, write_json_atomic
 
 CHALLENGE_PATTERN = "challenge-shard-{index}-of-{count}"
 IN9_PATTERN = "in9-shard-{index}-of-{count}.json"

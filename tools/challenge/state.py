@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.errors import NUMPY_READ_ERRORS, UserError, read_npz
+from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
-from tools.provenance import atomic_write
+from tools.provenance import atomic_write, read_npz
 
 UNKNOWN, ROBUST, VULNERABLE = -1, 0, 1
 STATE_NAME = "challenge_state.npz"
