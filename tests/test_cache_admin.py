@@ -74,8 +74,9 @@ def test_the_listing_counts_what_real_runs_cached(tmp_path, capsys):
     masks = sorted(p.relative_to(data).as_posix() for p in (data / "fg_mask").rglob("*.npy"))
     cache = tmp_path / "cache"
     decoding.decode_cached(data, {"original": images}, masks, {"sha256": "x"}, cache, workers=1, progress=False)
-    decoding.DecodedCache(cache / "clip-heads", "a" * 32, {"format": 1}).save({"head": np.zeros((9, 8), np.float32)})
-    decoding.DecodedCache(cache, "b" * 24 + "-binary-v4", {"fingerprint": "f"}).save({"masks": np.zeros(3)})
+    store.CacheEntry(cache / "clip-heads", "a" * 32, {"format": 1}, "CLIP text head").save(
+        {"head": np.zeros((9, 8), np.float32)})
+    store.CacheEntry(cache, "b" * 24 + "-binary-v4", {"fingerprint": "f"}, "decoded data").save({"masks": np.zeros(3)})
     contents = cache_admin.survey(cache)
     by_kind = {}
     for entry in contents.entries:
@@ -171,7 +172,7 @@ def test_clear_keeps_the_folder_and_running_writers_and_removes_stopped_ones(tmp
     cache = tmp_path / "cache"
     write_pack(cache, "image", ["a"])
     write_pack(cache, "mask-original", ["a"])
-    decoding.DecodedCache(cache / "clip-heads", "k" * 32, {"format": 1}).save({"head": np.ones(3)})
+    store.CacheEntry(cache / "clip-heads", "k" * 32, {"format": 1}, "CLIP text head").save({"head": np.ones(3)})
     host = socket.gethostname()
     running = [cache / f"{store.temporary_prefix(os.getpid())}0a1b", cache / "clip-heads" / f".tmp-{host}@{os.getpid()}@x"]
     stopped = [cache / f".tmp-{host}@{dead_pid()}@0a1b", cache / "clip-heads" / f".tmp-{host}@{dead_pid()}@y"]

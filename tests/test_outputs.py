@@ -10,6 +10,7 @@ import os
 import resource
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -27,12 +28,11 @@ from tools import challenge, merge, zoo
 from tools import in9_eval as in9_command
 from tools.challenge import cli as challenge_command
 from tools.results import analysis
-from tools.data import decoding as datasets
 from tools.results import leaderboard
 from tools.results import report, report_cli
 from tools.results.matrix import write_matrix
 from tools.results.publish import publish_in9
-from tools.data import synthetic
+from tools.data import store, synthetic
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.data import cli as data_cli
 from tools.evaluate import In9Config, run_in9
@@ -278,8 +278,8 @@ def test_a_write_that_fails_midway_leaves_the_old_files(writer, full_run, datase
 # Writers that may write in place: they fill a folder that only a finished run renames into place, or append.
 IN_PLACE_WRITERS = {
     "tools/provenance.py": {"atomic_write"},  # the helper itself
-    "tools/data/decoding.py": {"save"},  # a cache entry, written inside a temporary folder renamed into place
-    "tools/data/store.py": {"commit", "_allocate"},  # a cache pack, likewise (its rows file in the temporary folder)
+    "tools/data/store.py": {"save", "commit", "_allocate"},  # cache entries and packs, written inside a temporary
+    # folder renamed into place (a pack's rows file too)
     "tools/training/loop.py": {"write"},  # train_log.jsonl, appended to one line at a time
     "tools/results/figures.py": {"data_uri"},  # an image encoded into memory (io.BytesIO), no file
     "tools/data/synthetic.py": None,  # a generated data set (the whole module)
@@ -421,10 +421,10 @@ def test_sigterm_mid_challenge_keeps_the_state_and_resumes(tmp_path, capsys, one
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The decoded-data cache leaves no temporary folder behind
+# A cache entry (CLIP's text heads; the packs: test_cache_store.py) leaves no temporary folder behind
 
-def _cache(folder: Path) -> datasets.DecodedCache:
-    return datasets.DecodedCache(folder, "entry", {"fingerprint": "f"})
+def _cache(folder: Path) -> store.CacheEntry:
+    return store.CacheEntry(folder, "entry", {"fingerprint": "f"}, "CLIP text head")
 
 
 ARRAYS = {"a": np.arange(10), "b": np.ones((3, 3)), "masks": np.zeros(4, np.uint8)}
@@ -446,7 +446,7 @@ def test_cache_save_that_fails_leaves_no_temporary_folder(failure, tmp_path, mon
             _cache(tmp_path).save(ARRAYS)
     else:
         _cache(tmp_path).save(ARRAYS)  # a warning, and the run goes on without the cache
-        assert "could not write the decoded data cache" in caplog.text
+        assert "could not write the CLIP text head cache" in caplog.text
     assert len(calls) == 2
     assert list(tmp_path.iterdir()) == []
 
@@ -467,3 +467,37 @@ def test_stale_cache_temporaries_of_dead_processes_are_removed(tmp_path):
     cache.save(ARRAYS)
     assert cache.load(list(ARRAYS)) is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["entry", running.name, elsewhere.name])
+
+
+def test_a_cache_entry_is_readable_as_the_umask_allows(tmp_path):
+    """A cache folder shared by users: an entry (CLIP's text head) gets the umask's mode, as the packs do, not a
+    private temporary folder's 0700."""
+    umask = os.umask(0o022)
+    try:
+        _cache(tmp_path).save(ARRAYS)
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "entry").stat().st_mode) == 0o755
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in (tmp_path / "entry").iterdir())
+
+
+def test_the_same_cache_entry_written_meanwhile_by_another_process_is_kept(tmp_path, monkeypatch, caplog):
+    """Two processes writing the same entry (same key, same content): the second rename finds the first's entry,
+    keeps it and drops its own, without a warning."""
+    real = os.replace
+
+    def another_process_first(src, dst):
+        if Path(dst).name == "entry" and not Path(dst).exists():
+            other = tmp_path / "other"
+            other.mkdir()
+            np.save(other / "a.npy", ARRAYS["a"])
+            (other / "meta.json").write_text(json.dumps({"fingerprint": "f"}))
+            real(other, dst)
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", another_process_first)
+    with caplog.at_level("INFO"):
+        _cache(tmp_path).save(ARRAYS)
+    assert "could not write" not in caplog.text and "meanwhile" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
+    assert _cache(tmp_path).load(["a"])["a"].tolist() == ARRAYS["a"].tolist()

@@ -2,7 +2,7 @@
 removing all of it, the least recently used entries beyond a size, or the packs this version can no longer read.
 
 The cache folder holds packs (`tools.data.store`: `<kind>-<digest>-v<version>/`), folders of other entries
-(`tools.data.decoding.DecodedCache`'s, e.g. `clip-heads/<key>/`, each with a meta.json) and the temporary
+(`tools.data.store.CacheEntry`'s, e.g. `clip-heads/<key>/`, each with a meta.json) and the temporary
 folders of writers at work (`.tmp-HOST@PID@...`). A folder holding anything else is not taken for a cache, so
 that a mistyped --cache-dir removes nothing.
 

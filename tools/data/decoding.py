@@ -1,6 +1,6 @@
 """Decoding what the layout lists: images as uint8 tensors, masks checked and made ready for compositing, read
 from and written to the decoded-data cache (`tools.data.store`) as they are decoded, and kept on a CUDA device
-for a run where they fit; where the toolkit's caches live, and the array cache that CLIP's text heads share."""
+for a run where they fit."""
 
 from __future__ import annotations
 
@@ -9,11 +9,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import io
-import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
@@ -24,7 +20,7 @@ from tqdm import tqdm
 from tools.data.compositing import MaskArithmetic, original_weights
 from tools.data.decoders import Decoder, decode_bytes, pillow_rgb
 from tools.data.hashing import read_and_fingerprint
-from tools.data.store import Packs, PackWriter, remove_stale_temporaries, temporary_prefix
+from tools.data.store import Packs, PackWriter
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE
 from tools.runtime import to_device
@@ -303,58 +299,6 @@ def load_masks(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic =
         stop_point()
         masks[i] = load_mask(Path(root) / rel, arithmetic, data=(contents or {}).get(rel))
     return masks
-
-
-class DecodedCache:
-    """Arrays on disk (decoded data, CLIP's text heads), in a folder named by a key derived from their inputs'
-    content; `meta` (JSON) says what they were made from and must match on reading.
-
-    `load` gives None on a miss, and on a broken or foreign entry (with a warning); `save` writes through a
-    temporary folder (named by host and process) and a rename, so an error, Ctrl-C or SIGTERM leaves no half
-    entry, and `load` removes what a killed process left.
-    """
-
-    def __init__(self, cache_dir: Path | None, key: str, meta: dict, what: str = "decoded data"):
-        self.folder = Path(cache_dir) / key if cache_dir is not None else None
-        self.meta = meta
-        self.what = what
-
-    def load(self, names: Sequence[str]) -> dict[str, np.ndarray] | None:
-        if self.folder is None:
-            return None
-        remove_stale_temporaries(self.folder.parent)
-        if not (self.folder / "meta.json").is_file():
-            return None
-        try:
-            if json.loads((self.folder / "meta.json").read_text()) != self.meta:
-                return None
-            arrays = {name: np.load(self.folder / f"{name}.npy", allow_pickle=False) for name in names}
-        except (*NUMPY_READ_ERRORS, KeyError) as exc:
-            log.warning("ignoring an unreadable cache at %s (%s)", self.folder, exc)
-            return None
-        log.info("%s read from the cache %s", self.what, self.folder)
-        return arrays
-
-    def save(self, arrays: dict[str, np.ndarray]) -> None:
-        if self.folder is None:
-            return
-        tmp = None
-        try:
-            self.folder.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=self.folder.parent, prefix=temporary_prefix(os.getpid())))
-            for name, array in arrays.items():
-                np.save(tmp / f"{name}.npy", array)
-            (tmp / "meta.json").write_text(json.dumps(self.meta))
-            if self.folder.exists():
-                shutil.rmtree(self.folder)
-            os.replace(tmp, self.folder)
-            tmp = None
-            log.info("%s cached at %s", self.what, self.folder)
-        except OSError as exc:
-            log.warning("could not write the %s cache at %s (%s); continuing without it", self.what, self.folder, exc)
-        finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
 
 
 _KEPT: dict[str, object] | None = None  # decoded data kept in this process by content key, inside `keep_decoded`

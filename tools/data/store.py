@@ -8,10 +8,13 @@ file hash, so a run finds each of its images wherever an earlier run (in9, the c
 and decodes only what no pack holds; the packs a lookup used are marked so (`mark_used`), for `python -m
 tools.data cache` to remove the least recently used (`tools.data.cache_admin`). A pack is named by a digest of
 its kind, row size, format version, the reference decoder's build and its ordered file hashes; its meta must
-match on reading. It is written into a
-temporary folder named by host and process and renamed into place (`tools.data.decoding`'s rules: an error,
-Ctrl-C or SIGTERM leaves no half pack, and a folder a killed process left is removed by the next use); a pack
-already there, written by another process from the same content, is kept and ours dropped.
+match on reading.
+
+Single entries of arrays (CLIP's text heads: `CacheEntry`) live in a folder named by a digest of their inputs.
+Packs and entries alike are written into a temporary folder named by host and process, with the umask's mode,
+and renamed into place (`temporary_entry`, `publish`): an error, Ctrl-C or SIGTERM leaves no half entry, a
+folder a killed process left is removed by the next use, and an entry already there, written by another process
+from the same content, is kept and ours dropped.
 
 Image rows are Pillow's pixels: Pillow decodes them, or torchvision's `decode_jpeg` where the run's probe found
 it bit-equal (`decoders.choose_decoder`); a pack decoded by torchvision is checked against Pillow on a few of
@@ -92,6 +95,80 @@ def mark_used(folder: Path, now: float | None = None) -> None:
             os.utime(meta)
     except OSError:
         pass
+
+
+def temporary_entry(parent: Path) -> Path:
+    """A new folder in `parent` (made if need be) to write a cache entry into, named by this host and process
+    (`temporary_prefix`) so that `remove_stale_temporaries` knows it; it gets the umask's mode, as the cache's
+    other folders (mkdtemp's 0700 would shut out the other users of a shared cache folder)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    folder = parent / f"{temporary_prefix(os.getpid())}{secrets.token_hex(8)}"
+    folder.mkdir()
+    return folder
+
+
+def publish(tmp: Path, folder: Path, what: str, replace: bool = False) -> bool:
+    """Rename the complete entry `tmp` (its `meta.json` written last) to `folder`; whether ours went in. An entry
+    already at `folder` is kept (named by its content, it is the same), unless `replace` (an entry found broken):
+    then it is removed first. One that another process renamed there meanwhile is kept, and `tmp` left for the
+    caller to remove."""
+    if replace and folder.exists():
+        shutil.rmtree(folder)
+    try:
+        os.replace(tmp, folder)
+    except OSError:
+        if not (folder / "meta.json").is_file():
+            raise
+        log.info("the same %s was cached meanwhile at %s", what, folder)  # another process, same content
+        return False
+    return True
+
+
+class CacheEntry:
+    """Arrays on disk (CLIP's text heads) in `cache_dir`, in a folder named by `key`, a digest of their inputs'
+    content; `meta` (JSON) says what they were made from and must match on reading.
+
+    `load` gives None on a miss, and on a broken or foreign entry (with a warning); `save` writes through
+    `temporary_entry` and `publish`, so an error, Ctrl-C or SIGTERM leaves no half entry, and `load` removes what a
+    killed process left."""
+
+    def __init__(self, cache_dir: Path | None, key: str, meta: dict, what: str):
+        self.folder = Path(cache_dir) / key if cache_dir is not None else None
+        self.meta = meta
+        self.what = what
+
+    def load(self, names: Sequence[str]) -> dict[str, np.ndarray] | None:
+        if self.folder is None:
+            return None
+        remove_stale_temporaries(self.folder.parent)
+        if not (self.folder / "meta.json").is_file():
+            return None
+        try:
+            if json.loads((self.folder / "meta.json").read_text()) != self.meta:
+                return None
+            arrays = {name: np.load(self.folder / f"{name}.npy", allow_pickle=False) for name in names}
+        except (*NUMPY_READ_ERRORS, KeyError) as exc:
+            log.warning("ignoring an unreadable cache at %s (%s)", self.folder, exc)
+            return None
+        log.info("%s read from the cache %s", self.what, self.folder)
+        return arrays
+
+    def save(self, arrays: dict[str, np.ndarray]) -> None:
+        if self.folder is None:
+            return
+        tmp = None
+        try:
+            tmp = temporary_entry(self.folder.parent)
+            for name, array in arrays.items():
+                np.save(tmp / f"{name}.npy", array)
+            (tmp / "meta.json").write_text(json.dumps(self.meta))
+            if publish(tmp, self.folder, self.what, replace=True):
+                log.info("%s cached at %s", self.what, self.folder)
+        except OSError as exc:
+            log.warning("could not write the %s cache at %s (%s); continuing without it", self.what, self.folder, exc)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)  # gone already where it was renamed into place
 
 
 class Packs:
@@ -183,9 +260,7 @@ class PackWriter:
         if packs.dir is None or not hashes:
             return
         try:
-            packs.dir.mkdir(parents=True, exist_ok=True)
-            self.tmp = packs.dir / f"{temporary_prefix(os.getpid())}{secrets.token_hex(8)}"
-            self.tmp.mkdir()  # the umask's mode, as the cache's other folders (mkdtemp's 0700 shuts out other users)
+            self.tmp = temporary_entry(packs.dir)
             self.rows = np.lib.format.open_memmap(self.tmp / "rows.npy", mode="w+", dtype=packs.dtype,
                                                   shape=(len(hashes), *packs.row_shape))
             _allocate(self.tmp / "rows.npy")
@@ -219,13 +294,7 @@ class PackWriter:
             (self.tmp / "meta.json").write_text(json.dumps({**packs.meta, "count": len(self.hashes)}))
             digest = hashlib.sha256(json.dumps({**packs.meta, "hashes": self.hashes}).encode()).hexdigest()
             folder = packs.dir / f"{packs.kind}-{digest[:24]}-v{STORE_VERSION}"
-            try:
-                os.replace(self.tmp, folder)
-            except OSError:
-                if not (folder / "meta.json").is_file():
-                    raise
-                log.info("the same pack was cached meanwhile at %s", folder)  # another process, same content
-            else:
+            if publish(self.tmp, folder, "pack"):
                 log.info("%d decoded %s row(s) cached at %s", len(self.hashes), packs.kind, folder)
             return folder
         except OSError as exc:

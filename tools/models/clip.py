@@ -40,8 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from tools.data.decoding import DecodedCache
-from tools.data.store import default_cache_dir, mark_used
+from tools.data.store import CacheEntry, default_cache_dir, mark_used
 from tools.errors import UserError, first_line, optional_module
 from tools.data.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
@@ -296,7 +295,7 @@ def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, cl
             "prompts_sha256": hashlib.sha256("\n".join(texts).encode()).hexdigest()}
     meta = json.loads(json.dumps(meta))  # as it reads back from the cache
     key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:32]
-    cache = DecodedCache(default_cache_dir() / HEAD_CACHE_FOLDER, key, meta, what="CLIP text head")
+    cache = CacheEntry(default_cache_dir() / HEAD_CACHE_FOLDER, key, meta, what="CLIP text head")
     cached = cache.load(["head"])
     if cached is not None:
         mark_used(cache.folder)  # for `python -m tools.data cache --max-size`, which removes the least recently used
