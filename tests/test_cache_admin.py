@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.helpers import check_error, run_in_process
-from tools.data import cache_admin, decoding, store, synthetic
+from tools.data import cache_admin, decoding, store, synthetic, temporary
 from tools.data.cli import main
 from tools.errors import UserError
 
@@ -174,7 +174,7 @@ def test_clear_keeps_the_folder_and_running_writers_and_removes_stopped_ones(tmp
     write_pack(cache, "mask-original", ["a"])
     store.CacheEntry(cache / "clip-heads", "k" * 32, {"format": 1}, "CLIP text head").save({"head": np.ones(3)})
     host = socket.gethostname()
-    running = [cache / f"{store.temporary_prefix(os.getpid())}0a1b", cache / "clip-heads" / f".tmp-{host}@{os.getpid()}@x"]
+    running = [cache / f"{temporary.temporary_prefix(os.getpid())}0a1b", cache / "clip-heads" / f".tmp-{host}@{os.getpid()}@x"]
     stopped = [cache / f".tmp-{host}@{dead_pid()}@0a1b", cache / "clip-heads" / f".tmp-{host}@{dead_pid()}@y"]
     elsewhere = [cache / f".tmp-other-host@{dead_pid()}@0a1b"]  # a shared disk: its process cannot be asked
     for folder in running + stopped + elsewhere:
@@ -239,7 +239,7 @@ def test_a_removal_renames_first_and_what_a_killed_one_leaves_goes_as_a_dead_wri
     done = subprocess.run([sys.executable, "-c", code, str(pack)], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 9, done.stderr
     [left] = list(cache.iterdir())
-    assert not pack.exists() and left.name.startswith(store.temporary_prefix()) and (left / "rows.npy").is_file()
+    assert not pack.exists() and left.name.startswith(temporary.temporary_prefix()) and (left / "rows.npy").is_file()
     assert store.Packs(cache, "image", (16,)).lookup(hashes("a")) == [None]  # not a pack; and removed by this use
     assert list(cache.iterdir()) == []
 

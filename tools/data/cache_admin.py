@@ -26,8 +26,8 @@ import shutil
 import time
 from pathlib import Path
 
-from tools.data.store import STORE_VERSION, reference_build, temporary_prefix
-from tools.data.temporary import is_running
+from tools.data.store import STORE_VERSION, reference_build
+from tools.data.temporary import ENTRY_PREFIX, is_running, temporary_prefix
 from tools.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,6 @@ PACK_NAME = re.compile(r"(?P<kind>.+)-[0-9a-f]{24}-v(?P<version>\d+)")  # as `st
 # no version since reads them.
 EARLIER_ENTRY = re.compile(r"[0-9a-f]{24}-[a-z]+-v\d+")
 EARLIER_KIND = "pre-pack data"
-TEMPORARY = ".tmp-"  # what `store.temporary_prefix` starts with, whatever the host
 UNITS = "KMGT"  # size suffixes, powers of 1024 as `du -h` writes them
 SIZE = re.compile(r"(?P<number>\d+(\.\d*)?|\.\d+)\s*(?P<unit>[KMGT]?)(i?B)?", re.IGNORECASE)
 
@@ -199,7 +198,7 @@ def survey(cache_dir: Path) -> CacheContents:
             pack = PACK_NAME.fullmatch(path.name)
             if path.is_symlink() or not path.is_dir():
                 foreign.append(path)
-            elif path.name.startswith(TEMPORARY):
+            elif path.name.startswith(ENTRY_PREFIX):
                 temporaries.append(_temporary(path))
             elif pack is not None:
                 entries.append(_pack(path, pack["kind"], int(pack["version"])))
@@ -210,7 +209,7 @@ def survey(cache_dir: Path) -> CacheContents:
                 for child in sorted(path.iterdir()):
                     if child.is_symlink() or not child.is_dir():
                         foreign.append(child)
-                    elif child.name.startswith(TEMPORARY):
+                    elif child.name.startswith(ENTRY_PREFIX):
                         temporaries.append(_temporary(child))
                     elif not (child / "meta.json").is_file():
                         foreign.append(child)

@@ -12,9 +12,9 @@ match on reading.
 
 Single entries of arrays (CLIP's text heads: `CacheEntry`) live in a folder named by a digest of their inputs.
 Packs and entries alike are written into a temporary folder named by host and process, with the umask's mode,
-and renamed into place (`temporary_entry`, `publish`): an error, Ctrl-C or SIGTERM leaves no half entry, a
-folder a killed process left is removed by the next use, and an entry already there, written by another process
-from the same content, is kept and ours dropped.
+and renamed into place (`tools.data.temporary.temporary_entry` and `publish`): an error, Ctrl-C or SIGTERM
+leaves no half entry, a folder a killed process left is removed by the next use, and an entry already there,
+written by another process from the same content, is kept and ours dropped.
 
 Image rows are Pillow's pixels: Pillow decodes them, or torchvision's `decode_jpeg` where the run's probe found
 it bit-equal (`decoders.choose_decoder`); a pack decoded by torchvision is checked against Pillow on a few of
@@ -28,8 +28,6 @@ import json
 import logging
 import os
 import shutil
-import secrets
-import socket
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -38,7 +36,7 @@ import numpy as np
 import PIL
 from PIL import features
 
-from tools.data.temporary import is_running
+from tools.data.temporary import publish, remove_stale_entries, temporary_entry
 from tools.errors import NUMPY_READ_ERRORS
 
 log = logging.getLogger(__name__)
@@ -61,28 +59,6 @@ def reference_build() -> str:
     return f"Pillow {PIL.__version__}, libjpeg {features.version('jpg')}"
 
 
-def temporary_prefix(pid: int | None = None) -> str:
-    """`.tmp-HOST@` starts the names of the cache entries being written on this machine, `.tmp-HOST@PID@` those
-    of process PID (no host name holds an @)."""
-    host = f".tmp-{socket.gethostname()}@"
-    return host if pid is None else f"{host}{pid}@"
-
-
-def remove_stale_temporaries(cache_dir: Path) -> None:
-    """Remove the half-written entries of processes of this machine that are no longer running (killed while
-    saving); entries of running processes, and of other machines sharing the folder, are left alone."""
-    mine = temporary_prefix()
-    try:
-        candidates = [p for p in Path(cache_dir).iterdir() if p.name.startswith(mine) and p.is_dir()]
-    except OSError:
-        return
-    for folder in candidates:
-        pid = folder.name[len(mine):].split("@", 1)[0]
-        if pid.isdigit() and not is_running(int(pid)):
-            log.info("removing %s, left by process %s that was stopped while writing the cache", folder, pid)
-            shutil.rmtree(folder, ignore_errors=True)
-
-
 def mark_used(folder: Path, now: float | None = None) -> None:
     """Record that the cache entry `folder` was used: its meta.json's mtime is set to now where it is older than
     `USE_MARK_INTERVAL_S` (one stat, and a write at most once a day), since atime is unreliable (noatime and
@@ -95,33 +71,6 @@ def mark_used(folder: Path, now: float | None = None) -> None:
             os.utime(meta)
     except OSError:
         pass
-
-
-def temporary_entry(parent: Path) -> Path:
-    """A new folder in `parent` (made if need be) to write a cache entry into, named by this host and process
-    (`temporary_prefix`) so that `remove_stale_temporaries` knows it; it gets the umask's mode, as the cache's
-    other folders (mkdtemp's 0700 would shut out the other users of a shared cache folder)."""
-    parent.mkdir(parents=True, exist_ok=True)
-    folder = parent / f"{temporary_prefix(os.getpid())}{secrets.token_hex(8)}"
-    folder.mkdir()
-    return folder
-
-
-def publish(tmp: Path, folder: Path, what: str, replace: bool = False) -> bool:
-    """Rename the complete entry `tmp` (its `meta.json` written last) to `folder`; whether ours went in. An entry
-    already at `folder` is kept (named by its content, it is the same), unless `replace` (an entry found broken):
-    then it is removed first. One that another process renamed there meanwhile is kept, and `tmp` left for the
-    caller to remove."""
-    if replace and folder.exists():
-        shutil.rmtree(folder)
-    try:
-        os.replace(tmp, folder)
-    except OSError:
-        if not (folder / "meta.json").is_file():
-            raise
-        log.info("the same %s was cached meanwhile at %s", what, folder)  # another process, same content
-        return False
-    return True
 
 
 class CacheEntry:
@@ -140,7 +89,7 @@ class CacheEntry:
     def load(self, names: Sequence[str]) -> dict[str, np.ndarray] | None:
         if self.folder is None:
             return None
-        remove_stale_temporaries(self.folder.parent)
+        remove_stale_entries(self.folder.parent)
         if not (self.folder / "meta.json").is_file():
             return None
         try:
@@ -187,7 +136,7 @@ class Packs:
         try:
             if not self.dir.is_dir():  # raises where it may not be entered, before Python 3.12
                 return []
-            remove_stale_temporaries(self.dir)
+            remove_stale_entries(self.dir)
             return sorted(p for p in self.dir.iterdir() if p.name.startswith(f"{self.kind}-")
                           and p.name.endswith(f"-v{STORE_VERSION}") and p.is_dir())
         except OSError as exc:
