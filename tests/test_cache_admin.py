@@ -94,10 +94,14 @@ def test_the_listing_counts_what_real_runs_cached(tmp_path, capsys):
     assert row_of(lines, "mask-binary")[:2] == ["1", "9"] and row_of(lines, "clip-heads")[:2] == ["1", "-"]
     assert row_of(lines, f"{cache_admin.EARLIER_KIND} (unreadable*)")[:2] == ["1", "-"]
     assert row_of(lines, "total")[:3] == ["4", "18", cache_admin.format_size(files_size(cache))]
-    assert any(line.startswith("* of another format version") for line in lines)
+    assert any(line.startswith("* damaged, or of a version before packs") for line in lines)
 
 
-def test_the_packs_this_version_cannot_read_are_marked_and_removed_alone(tmp_path, monkeypatch, capsys):
+def test_packs_of_another_build_or_version_are_kept_apart_and_only_what_none_reads_is_unreadable(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """Another install sharing the cache (another venv's Pillow, an older or newer toolkit) still reads the packs of
+    its decoder build or format version: they are listed apart and evicted by last use; `--unreadable` removes only
+    the damaged packs and the pre-pack entries, which no version reads."""
     cache = tmp_path / "cache"
     current = write_pack(cache, "image", ["a", "b"])
     with monkeypatch.context() as patch:
@@ -108,16 +112,27 @@ def test_the_packs_this_version_cannot_read_are_marked_and_removed_alone(tmp_pat
         later = write_pack(cache, "mask-binary", ["d"])
     damaged = write_pack(cache, "image", ["e"])
     (damaged / "meta.json").write_text("{")
-    readable = {e.path.name: e.readable for e in cache_admin.survey(cache).entries}
-    assert readable == {current.name: True, other_build.name: False, later.name: False, damaged.name: False}
+    earlier = store.CacheEntry(cache, "b" * 24 + "-binary-v4", {"fingerprint": "f"}, "decoded data")
+    earlier.save({"masks": np.zeros(3)})
     # the marking agrees with what the reader reads
     assert [hit is not None for hit in store.Packs(cache, "image", (16,)).lookup(hashes("a", "c", "e"))] == \
            [True, False, False]
-    assert row_of(listing(cache, capsys), "image (unreadable*)")[:2] == ["2", "1"]  # a damaged pack's rows unknown
+    assert row_of(listing(cache, capsys), "image (unreadable*)")[:2] == ["1", "0"]  # a damaged pack's rows unknown
     lines = listing(cache, capsys, "--unreadable")
-    assert lines[0].startswith("removed 3 pack(s), 0 other entries")
-    assert sorted(p.name for p in cache.iterdir()) == [current.name]
-    assert store.Packs(cache, "image", (16,)).lookup(hashes("a"))[0] is not None
+    assert sorted(p.name for p in cache.iterdir()) == sorted([current.name, other_build.name, later.name])
+    assert lines[0].startswith("removed 1 pack(s), 1 other entry")
+    assert row_of(lines, "image (other build/version**)")[:2] == ["1", "1"]
+    assert row_of(lines, "mask-binary (other build/version**)")[:2] == ["1", "1"]
+    entries = {e.path.name: (e.readable, e.unreadable) for e in cache_admin.survey(cache).entries}
+    assert entries == {current.name: (True, False), other_build.name: (False, False), later.name: (False, False)}
+    # --max-size: by last use alone; the other build's pack, used today, outlives this build's older one
+    used_days_ago(current, 3)
+    used_days_ago(later, 5)
+    lines = listing(cache, capsys, "--max-size", str(files_size(other_build)))
+    assert sorted(p.name for p in cache.iterdir()) == [other_build.name]
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "reference_build", lambda: "Pillow 9.0.0, libjpeg 8d")  # the other install reads it
+        assert store.Packs(cache, "image", (16,)).lookup(hashes("c"))[0] is not None
 
 
 def test_max_size_removes_the_least_recently_used_as_readers_mark_them(tmp_path, capsys):
@@ -176,6 +191,7 @@ def test_clear_keeps_the_folder_and_running_writers_and_removes_stopped_ones(tmp
     host = socket.gethostname()
     running = [cache / f"{temporary.temporary_prefix(os.getpid())}0a1b", cache / "clip-heads" / f".tmp-{host}@{os.getpid()}@x"]
     stopped = [cache / f".tmp-{host}@{dead_pid()}@0a1b", cache / "clip-heads" / f".tmp-{host}@{dead_pid()}@y"]
+    stopped.append(cache / ".tmp-k2v9x_q1")  # an older version's writer (mkdtemp's name, no host or process)
     elsewhere = [cache / f".tmp-other-host@{dead_pid()}@0a1b"]  # a shared disk: its process cannot be asked
     for folder in running + stopped + elsewhere:
         folder.mkdir()
@@ -186,7 +202,7 @@ def test_clear_keeps_the_folder_and_running_writers_and_removes_stopped_ones(tmp
     lines = listing(cache, capsys)
     assert "3 writer(s) at work, kept (2.9K, in the total)" in lines
     lines = listing(cache, capsys, "--clear")
-    assert lines[0] == "removed 2 pack(s), 1 other entry and 2 stopped writer folder(s): " + \
+    assert lines[0] == "removed 2 pack(s), 1 other entry and 3 stopped writer folder(s): " + \
         cache_admin.format_size(contents.size - 3000)
     left = sorted(p for p in cache.rglob("*") if p.is_dir())
     assert left == sorted([cache / "clip-heads", *running, *elsewhere])
@@ -233,8 +249,8 @@ def test_a_pack_removed_while_a_reader_looks_it_up_is_a_miss_and_decoded_again(t
 def test_a_removal_renames_first_and_what_a_killed_one_leaves_goes_as_a_dead_writers(tmp_path):
     cache = tmp_path / "cache"
     pack = write_pack(cache, "image", ["a"])
-    code = ("import os, sys; from pathlib import Path; from tools.data import cache_admin\n"
-            "cache_admin.shutil.rmtree = lambda path, **kw: os._exit(9)  # killed between the rename and the delete\n"
+    code = ("import os, shutil, sys; from pathlib import Path; from tools.data import cache_admin\n"
+            "shutil.rmtree = lambda path, **kw: os._exit(9)  # killed between the rename and the delete\n"
             "cache_admin.remove_entry(Path(sys.argv[1]))\n")
     done = subprocess.run([sys.executable, "-c", code, str(pack)], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 9, done.stderr
@@ -242,6 +258,56 @@ def test_a_removal_renames_first_and_what_a_killed_one_leaves_goes_as_a_dead_wri
     assert not pack.exists() and left.name.startswith(temporary.temporary_prefix()) and (left / "rows.npy").is_file()
     assert store.Packs(cache, "image", (16,)).lookup(hashes("a")) == [None]  # not a pack; and removed by this use
     assert list(cache.iterdir()) == []
+
+
+@pytest.mark.parametrize("deletable", [0, 1])  # files deleted before the failure
+def test_a_pack_that_cannot_be_deleted_is_reported_and_put_back_where_nothing_went(deletable, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """Another user's files, an immutable flag: the removal fails. It is reported (exit 1), not counted as
+    removed; a pack of which nothing was deleted is renamed back and still read; a half-deleted one is left under
+    the removing name, listed as a stopped writer's folder, not as a writer at work."""
+    cache = tmp_path / "cache"
+    pack = write_pack(cache, "image", ["a", "b"])
+    real_unlink, deleted = os.unlink, []
+
+    def refused(path, *args, **kwargs):
+        if len(deleted) >= deletable:
+            raise PermissionError(1, "Operation not permitted", str(path))
+        deleted.append(path)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refused)
+    code, out, err = run_in_process(main, ["cache", "--cache-dir", str(cache), "--clear"], capsys)
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    lines = out.splitlines()
+    assert code == 1, err
+    assert lines[0].startswith("removed 0 pack(s)"), lines
+    assert any(line.startswith(f"could not remove {pack}: ") and "Operation not permitted" in line
+               for line in lines), lines
+    assert not any("writer(s) at work" in line for line in lines), lines
+    if deletable == 0:
+        assert [p.name for p in cache.iterdir()] == [pack.name]
+        assert store.Packs(cache, "image", (16,)).lookup(hashes("a"))[0] is not None
+    else:
+        [left] = [p for p in cache.iterdir() if p.name.startswith(temporary.ENTRY_PREFIX)]
+        assert "@removing-" in left.name and "1 folder(s) of stopped writers" in " ".join(lines)
+        assert [p.name for p in cache.iterdir()] == [left.name]
+
+
+def test_a_cache_folder_that_may_not_be_looked_at_is_one_line(tmp_path, monkeypatch, capsys):
+    """`--cache-dir /root/x` for a user who may not enter /root: Path.exists raises PermissionError."""
+    cache = tmp_path / "locked" / "cache"
+    real_stat = Path.stat
+
+    def refused(self, *args, **kwargs):
+        if self == cache:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", refused)
+    for flags in ([], ["--clear"]):
+        line = check_error(*run_in_process(main, ["cache", "--cache-dir", str(cache), *flags], capsys))
+        assert f"cannot read the cache folder {cache}" in line and "Permission denied" in line, line
 
 
 @pytest.mark.parametrize("text, size", [("20G", 20 * 2**30), ("500M", 500 * 2**20), ("1.5K", 1536), ("1024", 1024),

@@ -458,12 +458,13 @@ def test_stale_cache_temporaries_of_dead_processes_are_removed(tmp_path):
     stale = tmp_path / f".tmp-{host}@{dead.pid}@x1"
     running = tmp_path / f".tmp-{host}@{os.getpid()}@x2"  # this process: an entry being written right now
     elsewhere = tmp_path / f".tmp-{host}-2@{dead.pid}@x3"  # a process of another machine sharing the folder
-    for folder in (stale, running, elsewhere):
+    older = tmp_path / ".tmp-k2v9x_q1"  # an older version's killed writer (mkdtemp's name: no host, no process)
+    for folder in (stale, running, elsewhere, older):
         folder.mkdir()
         (folder / "a.npy").write_bytes(b"x" * 1000)
     cache = _cache(tmp_path)
     assert cache.load(["a"]) is None
-    assert not stale.exists() and running.is_dir() and elsewhere.is_dir()
+    assert not stale.exists() and not older.exists() and running.is_dir() and elsewhere.is_dir()
     cache.save(ARRAYS)
     assert cache.load(list(ARRAYS)) is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["entry", running.name, elsewhere.name])
@@ -501,3 +502,36 @@ def test_the_same_cache_entry_written_meanwhile_by_another_process_is_kept(tmp_p
     assert "could not write" not in caplog.text and "meanwhile" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
     assert _cache(tmp_path).load(["a"])["a"].tolist() == ARRAYS["a"].tolist()
+
+
+def test_two_processes_that_missed_the_same_entry_keep_the_first_ones_and_replace_only_a_broken_one(tmp_path, caplog):
+    """Both missed, both save: the second keeps the first's entry (a reader of it never sees it half removed). An
+    entry that `load` found broken is replaced, renamed away first, so no reader sees meta.json without its
+    arrays."""
+    first, second = _cache(tmp_path), _cache(tmp_path)
+    assert first.load(["a"]) is None and second.load(["a"]) is None
+    first.save(ARRAYS)
+    written = (tmp_path / "entry" / "meta.json").stat().st_ino
+    with caplog.at_level("INFO"):
+        second.save(ARRAYS)
+    assert "meanwhile" in caplog.text
+    assert (tmp_path / "entry" / "meta.json").stat().st_ino == written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
+    (tmp_path / "entry" / "a.npy").write_bytes(b"damaged")
+    broken = _cache(tmp_path)
+    assert broken.load(list(ARRAYS)) is None and "ignoring an unreadable cache" in caplog.text
+    renamed = []
+    real_rename = os.rename
+
+    def watched(src, dst):
+        renamed.append((Path(src).name, Path(dst).name))
+        return real_rename(src, dst)
+
+    os.rename = watched
+    try:
+        broken.save(ARRAYS)
+    finally:
+        os.rename = real_rename
+    assert any(src == "entry" and "@removing-" in dst for src, dst in renamed), renamed
+    assert _cache(tmp_path).load(list(ARRAYS))["a"].tolist() == ARRAYS["a"].tolist()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]

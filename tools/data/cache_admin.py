@@ -1,5 +1,6 @@
 """Seeing and bounding the decoded-data cache (`python -m tools.data cache`): what it holds per kind, and
-removing all of it, the least recently used entries beyond a size, or the packs this version can no longer read.
+removing all of it, the least recently used entries beyond a size, or what no version reads (damaged packs, the
+entries of versions before packs).
 
 The cache folder holds packs (`tools.data.store`: `<kind>-<digest>-v<version>/`), folders of other entries
 (`tools.data.store.CacheEntry`'s, e.g. `clip-heads/<key>/`, each with a meta.json) and the temporary
@@ -8,10 +9,11 @@ that a mistyped --cache-dir removes nothing.
 
 An entry was last used when its meta.json was last modified: written with the entry, and touched by the readers
 that use it, at most once a day (`store.mark_used`), so the order is by day. An entry is removed by renaming it
-to a temporary name of this process first, then deleting that, so no reader ever finds half an entry (a reader
-that finds it gone decodes its rows again), and what a killed removal leaves is removed by the next use as any
-dead writer's. A reader that mapped a pack's rows before keeps reading them: on POSIX systems a removed file
-stays readable to those that have it open or mapped. Temporary folders of running writers, and of other hosts
+to a temporary name of this process first, then deleting that (`temporary.remove_entry`), so no reader ever finds
+half an entry (a reader that finds it gone decodes its rows again), and what a killed removal leaves is removed by
+the next use as any dead writer's. A reader that mapped a pack's rows before keeps reading them: on POSIX systems
+a removed file stays readable to those of the same host that have it open or mapped (over NFS, not to another
+host's). Temporary folders of running writers, and of other hosts
 (whose processes cannot be asked), are never removed."""
 
 from __future__ import annotations
@@ -21,13 +23,12 @@ import json
 import logging
 import os
 import re
-import secrets
-import shutil
+import socket
 import time
 from pathlib import Path
 
 from tools.data.store import STORE_VERSION, reference_build
-from tools.data.temporary import ENTRY_PREFIX, is_running, temporary_prefix
+from tools.data.temporary import ENTRY_PREFIX, ENTRY_SEP, REMOVING, is_stale, remove_entry, temporary_prefix
 from tools.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,10 @@ def format_size(nbytes: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """A pack or another cache entry: its folder, kind (a pack's kind, e.g. `image`; the folder holding another
-    entry, e.g. `clip-heads`), rows (None: not a pack), bytes, last use (seconds since the epoch) and whether
-    this version can read it (False: a pack of another format version or reference build, or a damaged one)."""
+    entry, e.g. `clip-heads`), rows (None: not a pack), bytes, last use (seconds since the epoch), whether
+    this version reads it (False: a pack of another format version or reference build, which another install
+    sharing the cache may read, or one no version reads) and whether no version reads it (`unreadable`: a damaged
+    pack, an entry of a version before packs)."""
 
     path: Path
     kind: str
@@ -73,6 +76,7 @@ class Entry:
     size: int
     last_used: float
     readable: bool = True
+    unreadable: bool = False
 
     @property
     def is_pack(self) -> bool:
@@ -102,15 +106,17 @@ class CacheContents:
         return sum(e.size for e in self.entries) + sum(t.size for t in self.temporaries)
 
     def lines(self) -> list[str]:
-        """What `python -m tools.data cache` prints: the folder; per kind (the unreadable apart) the packs or
-        entries, rows, bytes and day last used; the total; the writers' temporary folders."""
-        groups: dict[tuple[bool, bool, str], list[Entry]] = {}
-        for entry in self.entries:  # packs first, unreadable ones last
-            groups.setdefault((not entry.readable, not entry.is_pack, entry.kind), []).append(entry)
+        """What `python -m tools.data cache` prints: the folder; per kind (those of another build or version, and
+        the unreadable, apart) the packs or entries, rows, bytes and day last used; the total; the writers'
+        temporary folders."""
+        groups: dict[tuple[int, bool, str], list[Entry]] = {}
+        for entry in self.entries:  # packs first, then another build's or version's, unreadable ones last
+            state = 2 if entry.unreadable else 0 if entry.readable else 1
+            groups.setdefault((state, not entry.is_pack, entry.kind), []).append(entry)
         table = [("kind", "packs/entries", "rows", "size", "last used")]
-        for (unreadable, _, kind), entries in sorted(groups.items()):
+        for (state, _, kind), entries in sorted(groups.items()):
             rows = sum(e.rows or 0 for e in entries) if entries[0].is_pack else None
-            table.append((f"{kind} (unreadable*)" if unreadable else kind, str(len(entries)), _count(rows),
+            table.append((kind + STATE_LABELS[state], str(len(entries)), _count(rows),
                           format_size(sum(e.size for e in entries)), _day(max(e.last_used for e in entries))))
         rows = sum(e.rows or 0 for e in self.entries)
         table.append(("total", str(len(self.entries)), _count(rows), format_size(self.size),
@@ -119,10 +125,14 @@ class CacheContents:
         lines = [f"decoded-data cache at {self.folder}" + ("" if self.exists else " (not made yet: empty)")]
         lines += ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
                   .rstrip() for row in table]
-        if any(unreadable for unreadable, _, _ in groups):
-            lines += [f"* of another format version or decoder build than this one's (v{STORE_VERSION}, "
-                      f"{reference_build()}),", "  of a version before packs, or damaged: never read again; "
-                      "`--unreadable` removes them"]
+        states = {state for state, _, _ in groups}
+        if 2 in states:
+            lines += ["* damaged, or of a version before packs: no version reads them; `--unreadable` removes them "
+                      "(and `--max-size` first)"]
+        if 1 in states:
+            lines += [f"** of another format version or decoder build than this one's (v{STORE_VERSION}, "
+                      f"{reference_build()}):", "   another install sharing the cache may read them; removed by "
+                      "last use like the others"]
         for live in (True, False):
             temporaries = [t for t in self.temporaries if t.live == live]
             if temporaries:
@@ -130,6 +140,9 @@ class CacheContents:
                 lines.append(f"{len(temporaries)} {what} ({format_size(sum(t.size for t in temporaries))}, in the "
                              f"total)")
         return lines
+
+
+STATE_LABELS = ("", " (other build/version**)", " (unreadable*)")  # per `Entry`: read by this version, another, none
 
 
 def _count(rows: int | None) -> str:
@@ -165,22 +178,22 @@ def _pack(path: Path, kind: str, version: int) -> Entry:
     try:
         meta = json.loads((path / "meta.json").read_text())
         rows = int(meta["count"])
-        readable = version == STORE_VERSION and meta.get("version") == STORE_VERSION and \
-            meta.get("reference") == reference_build() and meta.get("kind") == kind
-    except (OSError, ValueError, KeyError, TypeError):  # damaged: no meta, or not a pack's
-        rows, readable = 0, False
-    return Entry(path, kind, rows, size, _last_used(path, newest), readable)
+        damaged = meta.get("version") != version or meta.get("kind") != kind  # not as its name says
+        readable = not damaged and version == STORE_VERSION and meta.get("reference") == reference_build()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # damaged: no meta, or not a pack's
+        rows, readable, damaged = 0, False, True
+    return Entry(path, kind, rows, size, _last_used(path, newest), readable, unreadable=damaged)
 
 
-def _entry(path: Path, kind: str, readable: bool = True) -> Entry:
+def _entry(path: Path, kind: str, unreadable: bool = False) -> Entry:
     size, newest = _size(path)
-    return Entry(path, kind, None, size, _last_used(path, newest), readable)
+    return Entry(path, kind, None, size, _last_used(path, newest), not unreadable, unreadable)
 
 
 def _temporary(path: Path) -> Temporary:
-    host_prefix = temporary_prefix()
-    pid = path.name[len(host_prefix):].split("@", 1)[0] if path.name.startswith(host_prefix) else ""
-    stale = pid.isdigit() and not is_running(int(pid))
+    """Live unless stale (`temporary.is_stale`) or what a removal of this process could not delete."""
+    own_removal = path.name.startswith(temporary_prefix(os.getpid()) + REMOVING)
+    stale = own_removal or is_stale(path.name, ENTRY_PREFIX, ENTRY_SEP, socket.gethostname())
     return Temporary(path, _size(path)[0], live=not stale)
 
 
@@ -188,12 +201,12 @@ def survey(cache_dir: Path) -> CacheContents:
     """What `cache_dir` holds. UserError where it is not a folder, cannot be read, or holds what the toolkit does
     not write there (it is then not taken for a cache); a folder that does not exist is an empty cache."""
     folder = Path(cache_dir)
-    if not folder.exists():
-        return CacheContents(folder, [], [], exists=False)
-    if not folder.is_dir():
-        raise UserError(f"--cache-dir {folder} is not a folder; give the decoded-data cache's folder")
     entries, temporaries, foreign = [], [], []
     try:
+        if not folder.exists():
+            return CacheContents(folder, [], [], exists=False)
+        if not folder.is_dir():
+            raise UserError(f"--cache-dir {folder} is not a folder; give the decoded-data cache's folder")
         for path in sorted(folder.iterdir()):
             pack = PACK_NAME.fullmatch(path.name)
             if path.is_symlink() or not path.is_dir():
@@ -204,7 +217,7 @@ def survey(cache_dir: Path) -> CacheContents:
                 entries.append(_pack(path, pack["kind"], int(pack["version"])))
             elif (path / "meta.json").is_file():  # an entry at the top
                 earlier = EARLIER_ENTRY.fullmatch(path.name) is not None
-                entries.append(_entry(path, EARLIER_KIND if earlier else "other", readable=not earlier))
+                entries.append(_entry(path, EARLIER_KIND if earlier else "other", unreadable=earlier))
             else:
                 for child in sorted(path.iterdir()):
                     if child.is_symlink() or not child.is_dir():
@@ -242,18 +255,6 @@ class Removal:
         return [*lines, *self.after.lines()]
 
 
-def remove_entry(path: Path) -> None:
-    """Remove a cache entry safely for its readers: renamed to a temporary name of this process (so that no reader
-    takes it for an entry any more, and what a killed removal leaves goes as a dead writer's), then deleted.
-    A folder already gone is no error."""
-    doomed = path.parent / f"{temporary_prefix(os.getpid())}removing-{secrets.token_hex(4)}"
-    try:
-        os.rename(path, doomed)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
 def _remove(contents: CacheContents, chosen: list[Entry]) -> Removal:
     removed: list[Entry | Temporary] = []
     failed: list[tuple[Path, str]] = []
@@ -275,15 +276,16 @@ def clear(cache_dir: Path) -> Removal:
 
 
 def remove_unreadable(cache_dir: Path) -> Removal:
-    """Remove the packs this version cannot read (`Entry.readable`), and the folders of stopped writers."""
+    """Remove what no version reads (`Entry.unreadable`), and the folders of stopped writers; the packs of another
+    format version or decoder build stay (another install sharing the cache may read them)."""
     contents = survey(cache_dir)
-    return _remove(contents, [e for e in contents.entries if not e.readable])
+    return _remove(contents, [e for e in contents.entries if e.unreadable])
 
 
 def eviction_order(entries: list[Entry]) -> list[Entry]:
-    """The order `trim` removes entries in: unreadable packs first (never read again), then the least recently
-    used; ties by path."""
-    return sorted(entries, key=lambda e: (e.readable, e.last_used, str(e.path)))
+    """The order `trim` removes entries in: what no version reads first, then the least recently used (another
+    build's or version's packs among them); ties by path."""
+    return sorted(entries, key=lambda e: (not e.unreadable, e.last_used, str(e.path)))
 
 
 def trim(cache_dir: Path, max_size: int) -> Removal:

@@ -141,8 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     cache_p = commands.add_parser(
         "cache", help="see what the decoded-data cache holds; clear it or bound its size",
         description="Print what the decoded-data cache holds per kind (packs or entries, rows, size, last use), "
-                    "marking the packs this version cannot read; with an option, remove some of it first. A writer "
-                    "at work keeps its folder, and a reader of a removed pack decodes its rows again.",
+                    "marking apart the packs of another format version or decoder build (another install sharing "
+                    "the cache may read them) and what no version reads; with an option, remove some of it first. "
+                    "A writer at work keeps its folder, and a reader of a removed pack decodes its rows again. Exit "
+                    "code 1 where some could not be removed.",
         epilog=examples("python -m tools.data cache", "python -m tools.data cache --max-size 20G"))
     cache_p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), metavar="DIR",
                          help=f"the decoded-data cache's folder, as the other commands' --cache-dir (default: "
@@ -151,12 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     removal.add_argument("--clear", action="store_true",
                          help="remove every pack and entry, keeping the folder (default: remove nothing)")
     removal.add_argument("--max-size", type=_size_arg, default=None, metavar="SIZE",
-                         help="remove the packs this version cannot read, then the least recently used packs and "
-                              "entries (used: read or written, to the day), until the cache takes at most SIZE, "
+                         help="remove what no version reads, then the least recently used packs and entries "
+                              "(used: read or written, to the day; another build's or version's too), until the "
+                              "cache takes at most SIZE (stopping as soon as it does), "
                               "e.g. 20G, 500M (K, M, G, T: powers of 1024) (default: no bound)")
     removal.add_argument("--unreadable", action="store_true",
-                         help="remove only the packs this version cannot read (another format version or decoder "
-                              "build), which no run reads again (default: keep them)")
+                         help="remove only what no version reads: damaged packs and entries, and the entries of "
+                              "versions before packs; packs of another format version or decoder build stay "
+                              "(default: keep them)")
     add_log_level_argument(cache_p)
     cache_p.set_defaults(handler=_run_cache)
     return parser
@@ -223,7 +227,7 @@ def _run_cache(args: argparse.Namespace) -> int:
     else:
         result = cache_admin.survey(args.cache_dir)
     print("\n".join(result.lines()))
-    return 0
+    return 1 if getattr(result, "failed", None) else 0  # some could not be removed: said above
 
 
 def main(argv: Iterable[str] | None = None) -> int:

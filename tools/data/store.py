@@ -79,12 +79,14 @@ class CacheEntry:
 
     `load` gives None on a miss, and on a broken or foreign entry (with a warning); `save` writes through
     `temporary_entry` and `publish`, so an error, Ctrl-C or SIGTERM leaves no half entry, and `load` removes what a
-    killed process left."""
+    killed process left. `save` replaces only an entry its `load` found broken (renamed away, then deleted); one
+    that another process wrote after this one missed is kept."""
 
     def __init__(self, cache_dir: Path | None, key: str, meta: dict, what: str):
         self.folder = Path(cache_dir) / key if cache_dir is not None else None
         self.meta = meta
         self.what = what
+        self.broken = False  # `load` found an entry it cannot use, which `save` replaces
 
     def load(self, names: Sequence[str]) -> dict[str, np.ndarray] | None:
         if self.folder is None:
@@ -94,10 +96,12 @@ class CacheEntry:
             return None
         try:
             if json.loads((self.folder / "meta.json").read_text()) != self.meta:
+                self.broken = True
                 return None
             arrays = {name: np.load(self.folder / f"{name}.npy", allow_pickle=False) for name in names}
         except (*NUMPY_READ_ERRORS, KeyError) as exc:
             log.warning("ignoring an unreadable cache at %s (%s)", self.folder, exc)
+            self.broken = True
             return None
         log.info("%s read from the cache %s", self.what, self.folder)
         return arrays
@@ -111,7 +115,7 @@ class CacheEntry:
             for name, array in arrays.items():
                 np.save(tmp / f"{name}.npy", array)
             (tmp / "meta.json").write_text(json.dumps(self.meta))
-            if publish(tmp, self.folder, self.what, replace=True):
+            if publish(tmp, self.folder, self.what, replace=self.broken):
                 log.info("%s cached at %s", self.what, self.folder)
         except OSError as exc:
             log.warning("could not write the %s cache at %s (%s); continuing without it", self.what, self.folder, exc)
