@@ -129,6 +129,7 @@ def remove_entry(path: Path) -> None:
         shutil.rmtree(doomed, onexc=lambda function, name, exc: errors.append(exc))
     else:
         shutil.rmtree(doomed, onerror=lambda function, name, info: errors.append(info[1]))
+    errors = [e for e in errors if not isinstance(e, FileNotFoundError)]  # gone meanwhile: removed all the same
     if not errors:
         return
     if sorted(p.relative_to(doomed) for p in doomed.rglob("*")) == before:
