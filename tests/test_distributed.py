@@ -497,3 +497,20 @@ def test_a_resumed_full_run_shares_what_is_left_evenly(uninterrupted, setup, tmp
     _same_findings([run["found"] for run in resumed], whole)
     shares = [run["tested"] for run in resumed]
     assert sum(shares) == (n_fg - rows) * n_bg and max(shares) - min(shares) <= 1, shares
+
+
+@pytest.mark.parametrize(("backend", "version", "waits"), [("gloo", "2.6.0", True), ("gloo", "2.7.1", True),
+                                                          ("gloo", "2.8.0", False), ("nccl", "2.6.0", False)])
+def test_leaving_a_gloo_group_before_torch_2_8_lets_its_workers_drop_finished_work_first(backend, version, waits,
+                                                                                         monkeypatch):
+    """torch < 2.8 destroys a gloo group holding the GIL while its worker threads may need it (pytorch#154976):
+    cleanup waits a moment, the GIL released, before destroying it; the order matters, not the time."""
+    from torch.torch_version import TorchVersion
+    events = []
+    monkeypatch.setattr(torch, "__version__", TorchVersion(version))
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda: backend)
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: events.append("destroy"))
+    monkeypatch.setattr(distributed.time, "sleep", lambda seconds: events.append("sleep"))
+    distributed.cleanup()
+    assert events == (["sleep", "destroy"] if waits else ["destroy"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator
@@ -92,9 +93,18 @@ def _joined() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+# Before torch 2.8 (pytorch#154976) the gloo group's destructor joins its worker threads holding the GIL, while a
+# worker dropping a finished collective's tensors may need the GIL: a rare deadlock at exit (seen at torch 2.6).
+GLOO_DESTRUCTOR_HOLDS_GIL_BEFORE = (2, 8)
+GLOO_DRAIN_SECONDS = 0.05  # the workers' time, the GIL released, to drop the collectives they have finished
+
+
 def cleanup() -> None:
-    if _joined():
-        dist.destroy_process_group()
+    if not _joined():
+        return
+    if dist.get_backend() == GLOO and torch.__version__ < GLOO_DESTRUCTOR_HOLDS_GIL_BEFORE:
+        time.sleep(GLOO_DRAIN_SECONDS)  # not a guarantee, but the window shrinks from microseconds to this
+    dist.destroy_process_group()
 
 
 def reduction_device(device: torch.device) -> torch.device:
