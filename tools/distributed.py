@@ -102,7 +102,7 @@ GLOO_DRAIN_SECONDS = 0.05  # the workers' time, the GIL released, to drop the co
 def cleanup() -> None:
     if not _joined():
         return
-    if dist.get_backend() == GLOO and torch.__version__ < GLOO_DESTRUCTOR_HOLDS_GIL_BEFORE:
+    if GLOO in str(dist.get_backend()) and torch.__version__ < GLOO_DESTRUCTOR_HOLDS_GIL_BEFORE:  # "cpu:gloo,..." too
         time.sleep(GLOO_DRAIN_SECONDS)  # not a guarantee, but the window shrinks from microseconds to this
     dist.destroy_process_group()
 
