@@ -14,6 +14,7 @@ import time
 from itertools import islice
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -137,6 +138,41 @@ def training_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
     return logits, loss
 
 
+@dataclass
+class StepRunner:
+    """One training step from a loader batch: the batch onto the device (swapped and augmented there), mixed,
+    forward, backward, the optimiser's and the learning rate's steps. It reads nothing back from the device, so
+    the host gathers the next batch while the device works (tests/test_train_launch.py runs it on the meta
+    device, where any such read fails); the logged numbers are read in blocks (`StepLog`)."""
+
+    model: nn.Module  # what runs the forward: the DDP or compiled wrapper where there is one
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    swa: WeightAveraging | None
+    mixer: Callable | None
+    loss_fn: nn.Module
+    runtime: Runtime
+    sampler: StepSampler
+    augment: bool
+
+    def __call__(self, batch: dict, step: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step `step` (counted from 0 over the run) of `epoch`; (logits, loss, labels) on the device."""
+        device = self.runtime.device
+        images, labels = device_batch(batch, device, self.augment)
+        images = self.runtime.to_device(images)
+        targets = labels
+        if self.mixer is not None:
+            seed_generators(device, self.sampler.batch_seed(step))  # the batch's draws, as one process makes them
+            images, targets = self.mixer(unit_floats(images), labels)
+        seed_generators(device, self.sampler.share_seed(step))  # dropout: this process's share's own draws
+        logits, loss = training_step(self.model, images, targets, self.loss_fn, self.optimizer, self.runtime)
+        if self.swa is not None and self.swa.active(epoch):
+            self.swa.step(self.optimizer)
+        else:
+            self.schedule.step()
+        return logits, loss, labels
+
+
 def _record_step(line: str, unreadable: int) -> int:
     """The step a train_log.jsonl line belongs to; `unreadable` for a blank line or one cut short (a kill during
     the append), so that it is dropped."""
@@ -238,8 +274,6 @@ def train(config: TrainConfig) -> TrainResult:
     model = (nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
              if group.distributed else net)
     model = runtime.compiled(model)  # --compile: the forward (and its backward) only, the loss and step eager
-    mixer = batch_mixer(config)
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
 
     record = config.to_record()
     # compile off is left out of the key, as states saved before the flag existed have no such key
@@ -282,21 +316,12 @@ def train(config: TrainConfig) -> TrainResult:
     sampler = StepSampler(len(data), config.batch_size, config.seed, first_epoch, step - first_epoch * steps_per_epoch,
                           group.rank, group.world_size, config.epochs + (swa is not None))
     batches = iter(make_loader(data, config, sampler, runtime.pin(), store))
+    run_step = StepRunner(model, optimizer, schedule, swa, batch_mixer(config),
+                          nn.CrossEntropyLoss(label_smoothing=config.label_smoothing), runtime, sampler, config.augment)
     with bar, saver:  # leaving it waits for the last write (and raises its error)
         for epoch in range(first_epoch, config.epochs):
             for batch in islice(batches, steps_per_epoch - (step - epoch * steps_per_epoch)):
-                images, labels = device_batch(batch, device, config.augment)
-                images = runtime.to_device(images)
-                targets = labels
-                if mixer is not None:
-                    seed_generators(device, sampler.batch_seed(step))  # the batch's draws, as one process makes them
-                    images, targets = mixer(unit_floats(images), labels)
-                seed_generators(device, sampler.share_seed(step))  # dropout: this process's share's own draws
-                logits, loss = training_step(model, images, targets, loss_fn, optimizer, runtime)
-                if swa is not None and swa.active(epoch):
-                    swa.step(optimizer)
-                else:
-                    schedule.step()
+                logits, loss, labels = run_step(batch, step, epoch)
                 step += 1
                 steps_log.add(logits, loss, labels, step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"])
                 bar.update(1)

@@ -1,0 +1,155 @@
+"""The training loop, checked on the CPU for what a GPU enforces: a step launches without reading anything back
+from the device (a read waits for the device to finish, so the host could not gather the next batch meanwhile).
+
+A step runs on the meta device, where tensors have shapes and no values: any read of one raises. The whole loop
+runs on the CPU with every op between two loader batches recorded: none reads a value."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from tests.test_device_loop import SYNCS, RecordsOps
+from tools.in9 import IN9_MEAN, IN9_STD
+from tools.models.architectures import SMALL_CNN, SmallCNN
+from tools.runtime import Runtime
+from tools.training import loop
+from tools.training.adapters import TrainingModel
+from tools.training.config import Method, Optimizer, TrainConfig
+from tools.training.data import StepSampler, decoded_store, list_training_data, make_loader
+from tools.training.methods import WeightAveraging, batch_mixer
+from tools.data.hashing import read_and_fingerprint
+
+META = torch.device("meta")
+BATCH = 6
+
+SETTINGS = {
+    "erm": {},
+    "erm-no-augment-sgd": {"augment": False, "optimizer": Optimizer.SGD},
+    "bg-swap-half": {"methods": [Method.BG_SWAP], "swap_prob": 0.5},  # some images keep their own background
+    "mixup+cutmix": {"methods": [Method.MIXUP, Method.CUTMIX]},
+    "bg-swap+mixup-swa": {"methods": [Method.BG_SWAP, Method.MIXUP], "swa": True, "swa_start_epoch": 0},
+}
+
+
+class RecordsReads(RecordsOps):
+    """Also the devices whose values ops read on the host: "cpu" alone is no wait (AdamW's step counts, MixUp's
+    draws are host tensors wherever the model runs); a meta tensor's read raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.devices_read: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in SYNCS:
+            self.devices_read |= {a.device.type for a in args if isinstance(a, torch.Tensor)}
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _cpu_batches(config: TrainConfig, steps: int) -> tuple[StepSampler, list[dict]]:
+    """The loader's first `steps` batches, gathered on the CPU as train.py gathers them."""
+    data = list_training_data(config)
+    fingerprint, _, hashes = read_and_fingerprint(data.root, data.relpaths(), 1)
+    store = decoded_store(data, fingerprint, 0, False, hashes)
+    sampler = StepSampler(len(data), config.batch_size, config.seed, 0, end_epoch=config.epochs)
+    return sampler, list(itertools.islice(make_loader(data, config, sampler, False, store), steps))
+
+
+def _meta_steps(name: str, data, out) -> set[str]:
+    """Three steps of SETTINGS[name] on the meta device, batches gathered on the CPU; the ops they ran."""
+    config = TrainConfig(data, out, arch=SMALL_CNN, weights="none", batch_size=BATCH, lr=0.01, epochs=2,
+                         device="cpu", workers=0, progress=False, **SETTINGS[name])
+    sampler, batches = _cpu_batches(config, 3)
+    torch.manual_seed(0)
+    net = TrainingModel(SmallCNN(9), IN9_MEAN, IN9_STD).to(META).train()  # uint8 in, as train() wraps it
+    optimizer = loop._optimizer(net.parameters(), config)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, loop.warmup_cosine(6, 1))
+    swa = WeightAveraging(net, config, 3) if config.swa else None
+    run_step = loop.StepRunner(net, optimizer, schedule, swa, batch_mixer(config), torch.nn.CrossEntropyLoss(
+        label_smoothing=config.label_smoothing), Runtime(META), sampler, config.augment)
+    steps_log = loop.StepLog(loop.JsonLog(out / "log.jsonl", False, None), None, META, 0.0)
+    with RecordsReads() as recorder:
+        for step, batch in enumerate(batches):
+            logits, loss, labels = run_step(batch, step, 0)
+            steps_log.add(logits, loss, labels, step=step + 1, epoch=0, lr=optimizer.param_groups[0]["lr"])
+    assert logits.device == loss.device == labels.device == META and logits.shape == (BATCH, 9)
+    assert all(p.device == META for p in net.parameters()) and len(steps_log.pending) == 3
+    return recorder
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_a_step_launches_on_the_meta_device_reading_nothing_back(name, tiny, tmp_path, one_thread):
+    """Device batch (swap, crops, flips), mixing, forward, loss, backward, optimiser, learning rate and SWA's rate,
+    and the step's logged sums, on tensors without values: the same code a CUDA run launches."""
+    recorder = _meta_steps(name, tiny, tmp_path)
+    assert "aten::convolution_backward" in recorder.ops  # the step ran, on values nobody can read
+    if SETTINGS[name].get("augment", True):
+        assert "aten::bmm" in recorder.ops  # the device's batched crops, not the CPU's loop
+    assert recorder.devices_read <= {"cpu"}, recorder.devices_read
+
+
+class RecordsBetweenBatches:
+    """Stands in for the loop's `islice`: records the ops of everything the loop does with a batch until it asks
+    for the next one (the loader's own gathering, on the host, is left out)."""
+
+    def __init__(self):
+        self.ops: set[str] = set()
+        self.batches = 0
+        self.recorder: RecordsOps | None = None
+
+    def __call__(self, iterable, stop):
+        for batch in itertools.islice(iterable, stop):
+            self.recorder = RecordsOps()
+            self.recorder.__enter__()
+            yield batch
+            self.stop()
+            self.batches += 1
+
+    def stop(self) -> None:
+        if self.recorder is not None:
+            self.recorder.__exit__(None, None, None)
+            self.ops |= self.recorder.ops
+            self.recorder = None
+
+
+def _loop_ops(methods, data, out, monkeypatch) -> RecordsBetweenBatches:
+    """train() on the CPU for two epochs of three steps, no log block nor save due within an epoch."""
+    monkeypatch.setattr(loop, "LOG_EVERY", 10**6)
+    between = RecordsBetweenBatches()
+    monkeypatch.setattr(loop, "islice", between)
+    try:
+        # SGD: AdamW reads its step counts, host tensors wherever the model runs, indistinguishable here
+        loop.train(TrainConfig(data, out, methods=methods, arch=SMALL_CNN, weights="none", batch_size=BATCH,
+                               lr=0.01, epochs=2, device="cpu", workers=0, progress=False, save_every=10**6,
+                               optimizer=Optimizer.SGD))
+    finally:
+        between.stop()  # a step that raised left its recorder on
+    assert _get_current_dispatch_mode() is None
+    return between
+
+
+@pytest.mark.parametrize("methods", [[Method.ERM], [Method.BG_SWAP]])
+def test_the_loop_reads_the_device_only_to_log_and_save(methods, tiny, tmp_path, monkeypatch, one_thread):
+    """train() on the CPU (its crops are the host's own kernel; the meta test above covers the device's): between
+    one batch and the next, within an epoch, no op reads a value."""
+    between = _loop_ops(methods, tiny, tmp_path, monkeypatch)
+    assert between.batches == 6 and "aten::convolution_backward" in between.ops
+    assert not between.ops & SYNCS, between.ops & SYNCS
+
+
+def test_the_checks_see_a_read(tiny, tmp_path, monkeypatch, one_thread):
+    """The checks above can fail: a loss read after each step raises on the meta device and is seen on the CPU."""
+    step = loop.training_step
+
+    def reading(*args):
+        logits, loss = step(*args)
+        loss.item()
+        return logits, loss
+
+    monkeypatch.setattr(loop, "training_step", reading)
+    with pytest.raises(Exception, match="meta"):
+        _meta_steps("erm", tiny, tmp_path / "meta")
+    assert "aten::_local_scalar_dense" in _loop_ops([Method.ERM], tiny, tmp_path / "cpu", monkeypatch).ops
