@@ -12,6 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from tools.data import synthetic
+from tools.data.layout import list_variation
+from tools.training.config import Method, TrainConfig
+from tools.training.data import list_training_data
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -68,7 +73,24 @@ def test_gpu_command_ratios_take_every_part_that_ran():
              "model-bf16-compiled": {"status": "ok", "images_per_s": 150.0}}
     assert gpu.ratios(parts) == {"in9-bf16 ratio": 0.5, "in9-bf16 cached_ratio": 0.75,
                                  "challenge-eval times_ideal": 1.5, "train erm median ratio": 0.9,
-                                 "model bf16 compiled / eager": 1.5}
+                                 "train erm mean ratio": 0.8, "model bf16 compiled / eager": 1.5}
+
+
+def test_the_training_view_lists_each_generated_image_as_often_as_asked(tmp_path):
+    """train.py reads the view like any training folder: every test image `copies` times under its own name, the
+    bg-swap masks paired with their images and the background pool, all the generated files' bytes."""
+    gpu = load_gpu_module()
+    root = synthetic.generate(tmp_path / "in9", per_class=2, seed=0).root
+    gpu.training_view(root, 3)
+    erm = list_training_data(TrainConfig(root, tmp_path / "out", batch_size=4))
+    swap = list_training_data(TrainConfig(root, tmp_path / "out", methods=[Method.BG_SWAP], batch_size=4))
+    test = list_variation(root, "original")
+    assert len(erm) == len(swap) == len(swap.backgrounds) == 3 * len(test) == 54
+    assert erm.images == swap.images and erm.labels == swap.labels == [r.label for r in test for _ in range(3)]
+    for image, mask in zip(swap.images, swap.masks):
+        assert Path(image).stem == Path(mask).stem
+        original = root / "original" / "val" / Path(image).parent.name / (Path(image).stem.rsplit("_", 1)[0] + ".JPEG")
+        assert (root / image).read_bytes() == original.read_bytes()
 
 
 def load_gpu_module():
