@@ -244,16 +244,19 @@ def seconds_to_line(command: list[str], cwd: str, prefix: str) -> float | None:
     return seen_at
 
 
-def train_speed(args) -> dict:
+def train_command(args, results: str) -> list[str]:
     """bench_train.py on the training view (`training_view`), erm and bg-swap; on a GPU at train.py's default batch
     size (256), bf16, channels-last: one epoch of 21 steps, measured between its first and last step."""
+    command = [sys.executable, str(REPO / "bench" / "bench_train.py"), "--data-path", str(args.data),
+               "--arch", args.arch, "--device", args.device, "--workers", str(min(args.workers, 8)),
+               "--methods", "erm", "bg-swap", "--results-file", results]
+    return command + (["--batch-size", "4", "--warmup", "1", "--iters", "3"] if args.small else
+                      ["--channels-last", "--iters", "20"])
+
+
+def train_speed(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, str(REPO / "bench" / "bench_train.py"), "--data-path", str(args.data),
-                   "--arch", args.arch, "--device", args.device, "--workers", str(min(args.workers, 8)),
-                   "--methods", "erm", "bg-swap", "--results-file", f"{tmp}/train.json"]
-        command += ["--batch-size", "4", "--warmup", "1", "--iters", "3"] if args.small else \
-            ["--channels-last", "--iters", "20"]
-        proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+        proc = subprocess.run(train_command(args, f"{tmp}/train.json"), capture_output=True, text=True, cwd=REPO)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-2000:])
         return json.loads(Path(f"{tmp}/train.json").read_text())

@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tools.data import synthetic
 from tools.data.layout import list_variation
-from tools.training.config import Method, TrainConfig
+from tools.in9 import NUM_IN9_CLASSES
+from tools.training.config import Method, TrainConfig, default_train_batch_size
 from tools.training.data import list_training_data
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -91,6 +93,19 @@ def test_the_training_view_lists_each_generated_image_as_often_as_asked(tmp_path
         assert Path(image).stem == Path(mask).stem
         original = root / "original" / "val" / Path(image).parent.name / (Path(image).stem.rsplit("_", 1)[0] + ".JPEG")
         assert (root / image).read_bytes() == original.read_bytes()
+
+
+def test_the_gpu_train_part_times_twenty_steps_of_the_default_batch(monkeypatch):
+    """On a GPU the train part's run is long enough to measure (bench_train.py needs 3 logged steps; 21 here), at
+    train.py's default GPU batch: the view's images over the batch bench_train.py then takes."""
+    gpu = load_gpu_module()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = gpu.settle(gpu.build_parser().parse_args([]))
+    args.data = Path("data")
+    command = gpu.train_command(args, "out.json")
+    assert not args.small and "--batch-size" not in command and command[command.index("--device") + 1] == "cuda"
+    images = NUM_IN9_CLASSES * args.per_class * gpu.TRAIN_COPIES
+    assert images // default_train_batch_size(torch.device("cuda")) >= 21
 
 
 def load_gpu_module():
