@@ -134,7 +134,7 @@ def model_speed(args, precision: str, compiled: bool) -> dict:
     from bench_in9 import synchronize  # noqa: PLC0415
     from tools.runtime import Forward  # noqa: PLC0415
     runtime = _runtime(args, precision, compiled)
-    forward = Forward(runtime.prepare(_loaded(args).model), runtime, args.batch_size)
+    forward = Forward(runtime.compiled(runtime.prepare(_loaded(args).model)), runtime, args.batch_size)
     batch = runtime.to_device(torch.randint(0, 256, (args.batch_size, 3, 224, 224), dtype=torch.uint8,
                                             generator=torch.Generator().manual_seed(0)))
     start = time.perf_counter()
@@ -241,13 +241,27 @@ def seconds_to_line(command: list[str], cwd: str, prefix: str) -> float | None:
     return seen_at
 
 
+TRAIN_BATCH_SIZE = 128  # the train part's batch on a GPU
+TRAIN_LOGGED_STEPS = 6  # at least: the loop's figure is a median over the steps after its first
+
+
+def train_per_class(per_class: int) -> int:
+    """Images per class of the training split `prepare` generates (a quarter of the test data's)."""
+    return max(2, per_class // 4)
+
+
 def train_speed(args) -> dict:
+    """bench/bench_train.py's figures; on a GPU over as many epochs of the generated training split as give
+    `TRAIN_LOGGED_STEPS` steps (one epoch of 1,350 / 4 images is two steps of 128)."""
+    from tools.in9 import NUM_IN9_CLASSES  # noqa: PLC0415
+    steps_per_epoch = NUM_IN9_CLASSES * train_per_class(args.per_class) // TRAIN_BATCH_SIZE
+    epochs = -(-TRAIN_LOGGED_STEPS // max(1, steps_per_epoch))
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, str(REPO / "bench" / "bench_train.py"), "--data-path", str(args.data),
                    "--arch", args.arch, "--device", args.device, "--workers", str(min(args.workers, 8)),
                    "--methods", "erm", "--results-file", f"{tmp}/train.json"]
         command += ["--batch-size", "4", "--warmup", "1", "--iters", "3"] if args.small else \
-            ["--batch-size", "128", "--channels-last", "--iters", "20"]
+            ["--batch-size", str(TRAIN_BATCH_SIZE), "--epochs", str(epochs), "--channels-last", "--iters", "20"]
         proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-2000:])
@@ -283,7 +297,7 @@ def prepare(args, tmp: Path) -> None:
     from tools.data import synthetic  # noqa: PLC0415
     from tools.models.architectures import build_architecture  # noqa: PLC0415
     args.data = synthetic.generate(tmp / "bg_challenge", per_class=args.per_class, seed=0).root
-    synthetic.generate(args.data, per_class=max(2, args.per_class // 4), seed=1, split="train")
+    synthetic.generate(args.data, per_class=train_per_class(args.per_class), seed=1, split="train")
     args.checkpoint = tmp / "model.pt"
     torch.manual_seed(0)
     torch.save(build_architecture(args.arch, 9).state_dict(), args.checkpoint)

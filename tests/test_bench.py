@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -115,3 +116,61 @@ def test_the_summary_line_is_timed_when_printed(tmp_path):
     assert seconds is not None and seconds < 2.5
     with pytest.raises(RuntimeError, match="boom"):
         gpu.seconds_to_line([sys.executable, "-c", "import sys; sys.exit('boom')"], str(tmp_path), "Summary:")
+
+
+def test_the_compiled_model_parts_time_a_compiled_model(monkeypatch):
+    """model-*-compiled (and challenge-eval-compile's reference speed) time the model through torch.compile, as
+    --compile runs it: else `model bf16 compiled / eager` compares the eager model with itself."""
+    import torch  # noqa: PLC0415
+    gpu = load_gpu_module()
+    args = gpu.settle(gpu.build_parser().parse_args(["--small", "--batch-size", "2", "--window", "0.01"]))
+    runs = []
+
+    def fake_compile(model, **options):  # the eager model, its calls counted
+        def compiled(x):
+            runs.append(x.shape[0])
+            return model(x)
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    gpu.model_speed(args, "fp32", compiled=False)
+    assert runs == []
+    gpu.model_speed(args, "fp32", compiled=True)
+    assert len(runs) >= 3 and set(runs) == {2}  # the first batch, the warm one and the timed ones
+
+
+def test_the_train_part_at_gpu_size_logs_enough_steps(monkeypatch, tmp_path):
+    """At the GPU's default sizes, the train part's bench_train.py run logs the steps it needs for a figure: the
+    training split bench/gpu.py generates, at the batch size and epochs it passes, gives that many steps."""
+    import torch  # noqa: PLC0415
+    from tools.data import synthetic  # noqa: PLC0415
+    from tools.models import architectures  # noqa: PLC0415
+    from tools.training.data import StepSampler  # noqa: PLC0415
+    gpu = load_gpu_module()
+    import bench_train  # noqa: PLC0415 (on the path gpu.py sets)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = gpu.settle(gpu.build_parser().parse_args([]))
+    assert not args.small
+    generated = []
+
+    def fake_generate(root, per_class, seed, split="val"):  # what is generated, counted
+        generated.append((split, per_class))
+        return SimpleNamespace(root=Path(root))
+
+    monkeypatch.setattr(synthetic, "generate", fake_generate)
+    monkeypatch.setattr(architectures, "build_architecture", lambda arch, n: torch.nn.Linear(1, n))
+    gpu.prepare(args, tmp_path)
+    images = sum(per_class * 9 for split, per_class in generated if split == "train")
+    commands = []
+
+    def fake_run(command, **_):
+        commands.append(command)
+        Path(command[command.index("--results-file") + 1]).write_text("{}")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(gpu.subprocess, "run", fake_run)
+    gpu.train_speed(args)
+    (command,) = commands
+    run = bench_train.build_parser().parse_args(command[2:])
+    steps = StepSampler.steps_per_epoch(images, run.batch_size) * run.epochs
+    assert steps >= bench_train.LEAST_LOGGED_STEPS, (images, run.batch_size, run.epochs)
