@@ -174,3 +174,30 @@ def test_the_train_part_at_gpu_size_logs_enough_steps(monkeypatch, tmp_path):
     run = bench_train.build_parser().parse_args(command[2:])
     steps = StepSampler.steps_per_epoch(images, run.batch_size) * run.epochs
     assert steps >= bench_train.LEAST_LOGGED_STEPS, (images, run.batch_size, run.epochs)
+
+
+def test_bench_in9_runs_its_forward_passes_with_the_cudnn_determinism_asked_for(monkeypatch, tmp_path, capsys):
+    """`bench_in9.py --no-cudnn-deterministic` times fp32 with cuDNN's determinism off (RESULTS.md compares it with
+    the default run for the cost of determinism): every forward pass, the model's alone and in9's, sees it off,
+    although the exact mode's math sets it on around each one."""
+    import torch  # noqa: PLC0415
+    load_gpu_module()  # puts bench/ on the path
+    import bench_in9  # noqa: PLC0415
+    from tools.models.boundary import LoadedModel, PixelModel  # noqa: PLC0415
+    seen = []
+
+    class Records(torch.nn.Module):  # nine logits, and the flag each forward pass ran under
+        def forward(self, x):
+            seen.append(torch.backends.cudnn.deterministic)
+            return x.float().mean(dim=(2, 3)).repeat(1, 3)
+
+    monkeypatch.setattr(bench_in9, "build_model", lambda args: LoadedModel(PixelModel(Records()).eval(), 9, "records",
+                                                                          None, None, None, "test", "none"))
+    before = torch.backends.cudnn.deterministic
+    for flag, expected in (("--no-cudnn-deterministic", False), ("--cudnn-deterministic", True)):
+        seen.clear()
+        args = bench_in9.build_parser().parse_args(["--device", "cpu", "--per-class", "1", "--warmup", "1",
+                                                    "--iters", "1", "--repeats", "1", "--workers", "1", flag])
+        assert bench_in9.main(args) == 0
+        assert seen and set(seen) == {expected}, flag
+    torch.backends.cudnn.deterministic = before
