@@ -13,6 +13,7 @@ of the model's speed the pipeline keeps: the target is at least 0.7 on a CPU and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -146,6 +147,21 @@ def pipeline_throughput(loaded: LoadedModel, runtime: Runtime, root: Path, batch
     return images / min(seconds), images, seconds
 
 
+def override_cudnn_deterministic(runtime: Runtime, value: bool) -> None:
+    """cuDNN's determinism as `value` for the whole run, forward passes included: the exact mode's math
+    (`Runtime.fp32_math`) sets it on around every fp32 forward pass, so it is set again inside that block."""
+    torch.backends.cudnn.deterministic = value
+    exact_math = runtime.fp32_math
+
+    @contextlib.contextmanager
+    def fp32_math():
+        with exact_math():
+            torch.backends.cudnn.deterministic = value  # put back as it was when the block ends
+            yield
+
+    runtime.fp32_math = fp32_math
+
+
 def main(args: argparse.Namespace) -> int:
     for flag in ("per_class", "workers", "iters", "repeats"):
         if getattr(args, flag) < 1:
@@ -153,7 +169,7 @@ def main(args: argparse.Namespace) -> int:
     seed_everything(args.seed)
     runtime = Runtime(resolve_device(args.device), args.precision, args.channels_last)
     if args.cudnn_deterministic is not None:
-        torch.backends.cudnn.deterministic = args.cudnn_deterministic
+        override_cudnn_deterministic(runtime, args.cudnn_deterministic)
     batch_size = runtime.batch_size(args.batch_size)
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable, torch uses "

@@ -56,6 +56,8 @@ log = logging.getLogger("bench_train")
 # the paper's Mixed-Rand recipe: a ResNet-50 trained on IN-9L-sized data (about 45,000 images) for 30 epochs
 RECIPE_IMAGES, RECIPE_EPOCHS = 45_000, 30
 
+LEAST_LOGGED_STEPS = 3  # (b)'s figure is taken from the steps after the first logged one: two durations at least
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,7 +123,7 @@ def loop_throughput(args: argparse.Namespace, data: Path, method: Method, out: P
                          progress=False, save_every=10**9)
     train(config)
     steps = [json.loads(line) for line in (out / TRAINING_LOG).read_text().splitlines() if '"loss"' in line]
-    if len(steps) < 3:
+    if len(steps) < LEAST_LOGGED_STEPS:
         raise SystemExit(f"only {len(steps)} steps: raise --per-class or --epochs for a measurable run")
     durations = [b["time_s"] - a["time_s"] for a, b in zip(steps, steps[1:])]
     return args.batch_size / statistics.median(durations), args.batch_size * len(durations) / sum(durations)

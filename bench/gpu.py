@@ -137,7 +137,7 @@ def model_speed(args, precision: str, compiled: bool) -> dict:
     from bench_in9 import synchronize  # noqa: PLC0415
     from tools.runtime import Forward  # noqa: PLC0415
     runtime = _runtime(args, precision, compiled)
-    forward = Forward(runtime.prepare(_loaded(args).model), runtime, args.batch_size)
+    forward = Forward(runtime.compiled(runtime.prepare(_loaded(args).model)), runtime, args.batch_size)
     batch = runtime.to_device(torch.randint(0, 256, (args.batch_size, 3, 224, 224), dtype=torch.uint8,
                                             generator=torch.Generator().manual_seed(0)))
     start = time.perf_counter()

@@ -152,3 +152,51 @@ def test_the_summary_line_is_timed_when_printed(tmp_path):
     assert seconds is not None and seconds < 2.5
     with pytest.raises(RuntimeError, match="boom"):
         gpu.seconds_to_line([sys.executable, "-c", "import sys; sys.exit('boom')"], str(tmp_path), "Summary:")
+
+
+def test_the_compiled_model_parts_time_a_compiled_model(monkeypatch):
+    """model-*-compiled (and challenge-eval-compile's reference speed) time the model through torch.compile, as
+    --compile runs it: else `model bf16 compiled / eager` compares the eager model with itself."""
+    import torch  # noqa: PLC0415
+    gpu = load_gpu_module()
+    args = gpu.settle(gpu.build_parser().parse_args(["--small", "--batch-size", "2", "--window", "0.01"]))
+    runs = []
+
+    def fake_compile(model, **options):  # the eager model, its calls counted
+        def compiled(x):
+            runs.append(x.shape[0])
+            return model(x)
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    gpu.model_speed(args, "fp32", compiled=False)
+    assert runs == []
+    gpu.model_speed(args, "fp32", compiled=True)
+    assert len(runs) >= 3 and set(runs) == {2}  # the first batch, the warm one and the timed ones
+
+
+def test_bench_in9_runs_its_forward_passes_with_the_cudnn_determinism_asked_for(monkeypatch, tmp_path, capsys):
+    """`bench_in9.py --no-cudnn-deterministic` times fp32 with cuDNN's determinism off (RESULTS.md compares it with
+    the default run for the cost of determinism): every forward pass, the model's alone and in9's, sees it off,
+    although the exact mode's math sets it on around each one."""
+    import torch  # noqa: PLC0415
+    load_gpu_module()  # puts bench/ on the path
+    import bench_in9  # noqa: PLC0415
+    from tools.models.boundary import LoadedModel, PixelModel  # noqa: PLC0415
+    seen = []
+
+    class Records(torch.nn.Module):  # nine logits, and the flag each forward pass ran under
+        def forward(self, x):
+            seen.append(torch.backends.cudnn.deterministic)
+            return x.float().mean(dim=(2, 3)).repeat(1, 3)
+
+    monkeypatch.setattr(bench_in9, "build_model", lambda args: LoadedModel(PixelModel(Records()).eval(), 9, "records",
+                                                                          None, None, None, "test", "none"))
+    before = torch.backends.cudnn.deterministic
+    for flag, expected in (("--no-cudnn-deterministic", False), ("--cudnn-deterministic", True)):
+        seen.clear()
+        args = bench_in9.build_parser().parse_args(["--device", "cpu", "--per-class", "1", "--warmup", "1",
+                                                    "--iters", "1", "--repeats", "1", "--workers", "1", flag])
+        assert bench_in9.main(args) == 0
+        assert seen and set(seen) == {expected}, flag
+    torch.backends.cudnn.deterministic = before

@@ -208,3 +208,46 @@ def test_in9_rechecks_its_near_ties_in_the_runtime_memory_format(dataset, one_th
                                                            progress=False, recheck_margin=1e9))
     assert run.results["original"].rechecked == run.results["original"].total
     assert layouts and all(layouts), layouts
+
+
+class OverflowsInReducedPrecision(torch.nn.Module):
+    """The classifier's logits, but under autocast every other image's are NaN, as an activation past fp16's range
+    leaves them (inf - inf): their top-two margin is NaN too."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        logits = self.inner(x)
+        if torch.is_autocast_enabled(x.device.type):
+            logits = logits.clone()
+            logits[::2] = float("nan")
+        return logits
+
+
+def overflowing_model() -> LoadedModel:
+    """The colour model (predictions that vary, with wide margins), overflowing under autocast."""
+    return LoadedModel(PixelModel(OverflowsInReducedPrecision(synthetic.ColorEvidenceModel(9)), IN9_MEAN, IN9_STD), 9,
+                       None, None, None, None, "test", "test")
+
+
+def test_a_nan_margin_of_reduced_precision_is_rechecked_or_unsure(dataset, one_thread):
+    """A prediction from NaN logits (reduced precision's overflow) is no sure one: re-checked in fp32 like a near
+    tie, so in9's predictions and the challenge's verdicts are fp32's; with the re-check off, a verdict resting on
+    it is counted unsure."""
+    config = In9Config(batch_size=BATCH, workers=1, progress=False)
+    exact = run_in9(overflowing_model(), Runtime(torch.device("cpu")), dataset.root, config)
+    fast = run_in9(overflowing_model(), Runtime(torch.device("cpu"), Precision.BF16), dataset.root, config)
+    for name in VARIATIONS:
+        assert np.array_equal(fast.results[name].predictions, exact.results[name].predictions), name
+        assert fast.results[name].rechecked >= fast.results[name].total // 2
+    exact = run_challenge(overflowing_model(), Runtime(torch.device("cpu")), dataset.root,
+                          ChallengeConfig(batch_size=BATCH, progress=False, full=True), workers=1)
+    fast = run_challenge(overflowing_model(), Runtime(torch.device("cpu"), Precision.BF16), dataset.root,
+                         ChallengeConfig(batch_size=BATCH, progress=False), workers=1)
+    assert fast.state.verdict.tolist() == exact.state.verdict.tolist() and fast.unsure == 0
+    off = run_challenge(overflowing_model(), Runtime(torch.device("cpu"), Precision.BF16), dataset.root,
+                        ChallengeConfig(batch_size=BATCH, progress=False, recheck_margin=0.0), workers=1)
+    wrong = off.state.verdict != exact.state.verdict
+    assert wrong.any() and off.unsure >= int(wrong.sum())

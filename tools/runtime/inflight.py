@@ -41,9 +41,11 @@ def launch(keys: np.ndarray, preds: torch.Tensor, margins: torch.Tensor | None) 
 
 
 def top_two_margins(logits: torch.Tensor) -> torch.Tensor:
-    """Per row, the top logit minus the second, in fp32, on the logits' device."""
+    """Per row, the top logit minus the second, in fp32, on the logits' device; 0 where that is NaN (NaN logits, or
+    two infinite ones, as reduced precision's overflow leaves them), so such a row is a near tie, never a sure
+    prediction."""
     top2 = logits.float().topk(2, dim=1).values
-    return top2[:, 0] - top2[:, 1]
+    return (top2[:, 0] - top2[:, 1]).nan_to_num(nan=0.0, posinf=torch.inf)
 
 
 def near_ties(margins: np.ndarray | None, margin: float) -> np.ndarray:
