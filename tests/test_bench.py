@@ -108,6 +108,27 @@ def test_the_gpu_train_part_times_twenty_steps_of_the_default_batch(monkeypatch)
     assert images // default_train_batch_size(torch.device("cuda")) >= 21
 
 
+def test_each_part_runs_under_its_share_and_the_last_under_what_is_left(monkeypatch):
+    """A GPU run's parts each get at most 1.5 times their share of the budget; the last (pytest -m gpu, whose length
+    no session has measured) everything that is left."""
+    gpu = load_gpu_module()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = gpu.settle(gpu.build_parser().parse_args(["--parts", "model-fp32-eager", "in9-fp32", "pytest-gpu"]))
+    monkeypatch.setattr(gpu, "prepare", lambda args, tmp: None)
+    monkeypatch.setattr(gpu, "environment", dict)
+    timeouts = {}
+
+    def fake_child(name, args, timeout):
+        timeouts[name] = timeout
+        return {"status": "ok"}
+
+    monkeypatch.setattr(gpu, "run_child", fake_child)
+    gpu.run_all(args)
+    assert timeouts["model-fp32-eager"] == 1.5 * gpu.PARTS["model-fp32-eager"][0]
+    assert timeouts["in9-fp32"] == 1.5 * gpu.PARTS["in9-fp32"][0]
+    assert 479 < timeouts["pytest-gpu"] <= 480
+
+
 def load_gpu_module():
     spec = importlib.util.spec_from_file_location("bench_gpu", BENCH / "gpu.py")
     gpu = importlib.util.module_from_spec(spec)
