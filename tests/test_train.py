@@ -357,12 +357,18 @@ def test_bf16_channels_last_training_on_the_gpu_loads_on_the_cpu(tiny, tmp_path,
     assert all(v.device.type == "cpu" and torch.isfinite(v).all() for v in saved["model"].values())
 
 
-def test_batched_resized_crops_are_torchvisions_within_one_level():
+@pytest.mark.parametrize("float64", [True, False])
+def test_batched_resized_crops_are_torchvisions_within_one_level(float64, monkeypatch):
     """One batched antialiased crop-and-resize (two matmuls with per-box weights) against torchvision's
-    per-image resized_crop(antialias=True) on smooth and noisy images, boxes from downscales to upscales."""
+    per-image resized_crop(antialias=True) on smooth and noisy images, boxes from downscales to upscales; with the
+    weights in float64, and in float32 as on a device without float64 (MPS)."""
     from torchvision.transforms.v2 import functional as F
+    from tools.training import resample
     from tools.training.draws import crop_boxes, epoch_uniforms
     from tools.training.resample import resized_crops
+
+    if not float64:
+        monkeypatch.setattr(resample, "NO_FLOAT64", frozenset({"cpu"}))
 
     gen = torch.Generator().manual_seed(0)
     noisy = torch.randint(0, 256, (6, 3, 224, 224), dtype=torch.uint8, generator=gen)

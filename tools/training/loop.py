@@ -215,18 +215,20 @@ class StepLog:
         self.images_seen, self.last_loss = 0, float("nan")
 
     def add(self, logits: torch.Tensor, loss: torch.Tensor, labels: torch.Tensor, **record) -> None:
-        """One step's numbers, without reading them: the loss summed over the share, and its right answers."""
-        local = labels.shape[0]
-        sums = torch.stack([loss.detach().double() * local, (logits.argmax(1) == labels).sum().double()])
-        self.pending.append(({**record, "time_s": time.perf_counter() - self.started}, sums, local))
+        """One step's numbers, without reading them: the share's mean loss, and its right answers (float32 on the
+        device, as MPS has no float64; both exact: the loss as computed, a count below 2**24)."""
+        numbers = torch.stack([loss.detach().float(), (logits.argmax(1) == labels).sum().float()])
+        self.pending.append(({**record, "time_s": time.perf_counter() - self.started}, numbers, labels.shape[0]))
 
     def flush(self) -> None:
         """Read the pending steps' numbers (one wait for the device, one collective) and write their lines."""
         if not self.pending:
             return
-        records, sums, counts = zip(*self.pending)
+        records, numbers, counts = zip(*self.pending)
         self.pending = []
-        local = np.column_stack([torch.stack(sums).cpu().numpy(), np.array(counts, np.float64)])
+        counts = np.array(counts, np.float64)
+        losses, correct = torch.stack(numbers).cpu().numpy().astype(np.float64).T
+        local = np.column_stack([losses * counts, correct, counts])  # the share's loss sum, in float64 as before
         for record, (loss_sum, correct, images) in zip(records, distributed.all_reduce(local, "sum", self.device)):
             self.last_loss, accuracy = loss_sum / images, correct / images
             self.images_seen += int(images)

@@ -11,19 +11,29 @@ from __future__ import annotations
 
 import torch
 
+# devices without float64 arithmetic (MPS: pytorch#122602), whose weights are computed in float32 (the crops stay
+# within one uint8 level of torchvision's, tested)
+NO_FLOAT64 = frozenset({"mps"})
+
+
+def weights_dtype(device: torch.device) -> torch.dtype:
+    """The precision the weights are computed in on `device`: float64, or float32 where the device has none."""
+    return torch.float32 if device.type in NO_FLOAT64 else torch.float64
+
 
 def antialias_weights(starts: torch.Tensor, lengths: torch.Tensor, in_size: int, out_size: int) -> torch.Tensor:
     """(B, out_size, in_size) float32: row i of image b holds the weights of input pixels start..start+length-1
     for output pixel i, as torch computes them for an antialiased bilinear resize of `length` to `out_size`
     (align_corners=False): scale = length/out, support = max(scale, 1), center = scale * (i + 0.5), window
     [trunc(center - support + 0.5), trunc(center + support + 0.5)) within the crop, triangle filter of
-    (j - center + 0.5) / max(scale, 1), normalised to sum 1."""
+    (j - center + 0.5) / max(scale, 1), normalised to sum 1; computed in `weights_dtype`."""
     device = starts.device
-    lengths = lengths.to(torch.float64).view(-1, 1, 1)
+    dtype = weights_dtype(device)
+    lengths = lengths.to(dtype).view(-1, 1, 1)
     scale = lengths / out_size
     support = scale.clamp(min=1.0)
-    center = scale * (torch.arange(out_size, device=device, dtype=torch.float64).view(1, -1, 1) + 0.5)
-    j = torch.arange(in_size, device=device, dtype=torch.float64).view(1, 1, -1) - starts.view(-1, 1, 1)
+    center = scale * (torch.arange(out_size, device=device, dtype=dtype).view(1, -1, 1) + 0.5)
+    j = torch.arange(in_size, device=device, dtype=dtype).view(1, 1, -1) - starts.view(-1, 1, 1)
     low = (center - support + 0.5).trunc().clamp(min=0)
     high = torch.minimum((center + support + 0.5).trunc(), lengths)
     weights = (1 - ((j - center + 0.5) / support).abs()).clamp(min=0)
