@@ -10,7 +10,7 @@ alone (the DataLoader, and the DataLoader with the device's swap and crops); wit
 older checkout it times that checkout's code the same way (bench/RESULTS.md, issue 27).
 
     python bench/bench_train.py --device cpu --arch resnet18 --per-class 20 --batch-size 16 --workers 1
-    python bench/bench_train.py --device cuda --arch resnet50 --per-class 200 --batch-size 128 --workers 8
+    python bench/bench_train.py --device cuda --arch resnet50 --per-class 600 --workers 8 --channels-last
 """
 
 from __future__ import annotations
@@ -116,17 +116,25 @@ def step_throughput(args: argparse.Namespace, runtime: Runtime) -> tuple[float, 
 
 
 def loop_throughput(args: argparse.Namespace, data: Path, method: Method, out: Path) -> tuple[float, float]:
-    """(b): images/s of a whole training run after its first logged step: from the median step time and the mean."""
+    """(b): images/s of a whole training run after its first logged step: from the median time between steps, and
+    from the mean: the steps after the first over the time from the first to the last epoch's end. A step's time is
+    when the host queued it, so on a GPU, where the host may run ahead of the device, the median may read fast;
+    the epoch's end is when its steps were done on the device (the log's numbers were read) and its state saved,
+    so the mean counts that wait and the save, and is low by at most one step (the first step's own work)."""
     config = TrainConfig(data_path=data, output_dir=out, methods=[method], arch=args.arch, weights="none",
                          epochs=args.epochs, batch_size=args.batch_size, device=args.device,
                          precision=args.precision, channels_last=args.channels_last, workers=args.workers,
                          progress=False, save_every=10**9)
     train(config)
-    steps = [json.loads(line) for line in (out / TRAINING_LOG).read_text().splitlines() if '"loss"' in line]
+    lines = [json.loads(line) for line in (out / TRAINING_LOG).read_text().splitlines()]
+    steps = [line for line in lines if "loss" in line]
     if len(steps) < LEAST_LOGGED_STEPS:
         raise SystemExit(f"only {len(steps)} steps: raise --per-class or --epochs for a measurable run")
     durations = [b["time_s"] - a["time_s"] for a, b in zip(steps, steps[1:])]
-    return args.batch_size / statistics.median(durations), args.batch_size * len(durations) / sum(durations)
+    # an older checkout's epoch ends have no time (PYTHONPATH): its last step's queuing ends the mean instead
+    end = max([line["time_s"] for line in lines if line.get("event") == "epoch_end" and "time_s" in line],
+              default=steps[-1]["time_s"])
+    return args.batch_size / statistics.median(durations), args.batch_size * len(durations) / (end - steps[0]["time_s"])
 
 
 def loader_cost(args: argparse.Namespace, data: Path, method: Method) -> tuple[float, float]:
@@ -165,11 +173,15 @@ def loader_cost(args: argparse.Namespace, data: Path, method: Method) -> tuple[f
 def measure(args: argparse.Namespace) -> dict:
     """The figures as a JSON-ready dict (what the GPU suite calls): (a), (b), their ratios, the data pipeline's
     cost per image, 1/(b) - 1/(a), in milliseconds (from the median steps), and measured directly, and the
-    minutes the Mixed-Rand recipe would take at (b)'s rate from the mean (epoch ends and saves included)."""
+    minutes the Mixed-Rand recipe's steps would take at (b)'s rate from the mean (its epoch ends included; not the
+    start-up: hashing and decoding the data once, the model, each epoch's first step)."""
     device = resolve_device(args.device)
     if args.batch_size is None:
         args.batch_size = default_train_batch_size(device)
-    precision = args.precision or (Precision.BF16 if device.type == "cuda" else Precision.FP32)
+    # train.py's own default where it has one (bf16 only on GPUs that compute it natively), so (a) and (b) match
+    default = TrainConfig(data_path=Path("."), output_dir=Path("."))
+    precision = args.precision or (default.precision_on(device) if hasattr(default, "precision_on") else
+                                   Precision.BF16 if device.type == "cuda" else Precision.FP32)
     runtime = Runtime(device, precision, args.channels_last)
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         data = args.data_path

@@ -334,7 +334,8 @@ def train(config: TrainConfig) -> TrainResult:
             if swa is not None and swa.active(epoch):
                 swa.averaged.update_parameters(net)
             save_state()
-            journal.write(step=step, event="epoch_end", epoch=epoch)
+            # save_state read the epoch's logged numbers, so its steps are done on the device by now
+            journal.write(step=step, event="epoch_end", epoch=epoch, time_s=round(time.perf_counter() - started, 4))
 
     final = net
     if swa is not None:
