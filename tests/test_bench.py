@@ -78,10 +78,16 @@ def test_gpu_command_ratios_take_every_part_that_ran():
                                  "train erm mean ratio": 0.8, "model bf16 compiled / eager": 1.5}
 
 
-def test_the_training_view_lists_each_generated_image_as_often_as_asked(tmp_path):
+@pytest.mark.parametrize("symlinks", [True, False])
+def test_the_training_view_lists_each_generated_image_as_often_as_asked(symlinks, tmp_path, monkeypatch):
     """train.py reads the view like any training folder: every test image `copies` times under its own name, the
-    bg-swap masks paired with their images and the background pool, all the generated files' bytes."""
+    bg-swap masks paired with their images and the background pool, all the generated files' bytes; where symbolic
+    links cannot be made (Windows without the right), through hard links."""
     gpu = load_gpu_module()
+    if not symlinks:
+        def refused(self, target):
+            raise OSError("symbolic link privilege not held")
+        monkeypatch.setattr(Path, "symlink_to", refused)
     root = synthetic.generate(tmp_path / "in9", per_class=2, seed=0).root
     gpu.training_view(root, 3)
     erm = list_training_data(TrainConfig(root, tmp_path / "out", batch_size=4))
