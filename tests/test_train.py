@@ -310,6 +310,30 @@ def test_one_loader_with_workers_over_two_epochs_gives_the_per_epoch_batches(tin
         assert all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
 
 
+def test_workers_give_way_where_shared_memory_is_short(tiny, tmp_path, monkeypatch, caplog):
+    """A container's small /dev/shm cannot hold what DataLoader workers keep in flight (they would die of a bus
+    error mid-run): the batches are then gathered in the training process, with one warning; elsewhere the
+    workers asked for start. The batches are the same either way (test_one_loader_with_workers_...)."""
+    import collections
+    from tools.training import data as training_data
+    from tools.training.data import StepSampler, decoded_store, list_training_data, make_loader
+    from tools.data.hashing import fingerprint
+    Usage = collections.namedtuple("Usage", "total used free")
+    monkeypatch.setattr(training_data, "SHARED_MEMORY", tmp_path)
+    config = TrainConfig(tiny, tmp_path / "out", methods=[Method.BG_SWAP], batch_size=6, workers=2, progress=False)
+    data = list_training_data(config)
+    store = decoded_store(data, fingerprint(data.root, data.relpaths(), 1), 0, False)
+    in_flight = 2 * 4 * 6 * (3 * 224 * 224 + 224 * 224 + 3 * 224 * 224)  # workers x prefetch x images x bytes
+    for free, workers in [(64 << 20, 2), (2 * in_flight - 1, 0), (2 * in_flight, 2)]:
+        monkeypatch.setattr(training_data.shutil, "disk_usage", lambda path, free=free: Usage(free, 0, free))
+        caplog.clear()
+        loader = make_loader(data, config, StepSampler(len(data), 6, 0, 0), False, store)
+        assert loader.num_workers == workers
+        assert ("gathering the batches in the training process" in caplog.text) == (workers == 0)
+    monkeypatch.setattr(training_data, "SHARED_MEMORY", tmp_path / "none")  # no /dev/shm (macOS, Windows)
+    assert make_loader(data, config, StepSampler(len(data), 6, 0, 0), False, store).num_workers == 2
+
+
 def test_batch_size_and_learning_rate_defaults_per_device():
     """256 images a step on a CUDA GPU, 32 elsewhere; without --lr the peak rate is 0.001 x batch / 32, and an
     explicit --lr is kept as given. The run's record holds the values decided."""

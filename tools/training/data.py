@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,15 +198,38 @@ def whole_batch(batch: dict) -> dict:
     return batch
 
 
+PREFETCH_BATCHES = 4  # per DataLoader worker
+SHARED_MEMORY = Path("/dev/shm")  # where Linux's shared memory lives: a worker's batches pass through it
+
+
+def loader_workers(requested: int, batch_bytes: int) -> int:
+    """The DataLoader workers to start: `requested`, or none where the shared memory cannot hold the batches they
+    keep in flight (a container's default /dev/shm is 64 MB: the workers would die of a bus error mid-run). The
+    batches do not depend on the workers, so running without them changes nothing but the speed."""
+    if not requested or not SHARED_MEMORY.is_dir():
+        return requested
+    in_flight = requested * PREFETCH_BATCHES * batch_bytes
+    free = shutil.disk_usage(SHARED_MEMORY).free
+    if free >= 2 * in_flight:  # room to spare: other processes use it too
+        return requested
+    log.warning("%s has %d MB free, and %d DataLoader workers keep about %d MB of batches there: gathering the "
+                "batches in the training process instead (the same batches; raise the container's --shm-size, or "
+                "pass --workers 0 to silence this)", SHARED_MEMORY, free >> 20, requested, in_flight >> 20)
+    return 0
+
+
 def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, pin_memory: bool,
                 store: DecodedStore) -> DataLoader:
     """The batches of `sampler` (one for the whole run: its workers live as long as the loader, and prefetch across
     epochs), in pinned memory when `pin_memory` (a CUDA device: tools.runtime.to_device copies them without waiting);
     without workers the training process gathers each batch straight into pinned memory."""
-    workers = config.workers
+    share = -(-sampler.batch_size // sampler.world_size)  # the images a worker gathers per batch
+    row_bytes = sum(rows[0].numel() * rows.element_size() for rows in (store.images, store.masks, store.backgrounds)
+                    if rows is not None)
+    workers = loader_workers(config.workers, share * row_bytes)
     return DataLoader(TrainingSet(data, config, store, pin=pin_memory and not workers), batch_sampler=sampler,
                       num_workers=workers, pin_memory=pin_memory, collate_fn=whole_batch,
-                      persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+                      persistent_workers=workers > 0, prefetch_factor=PREFETCH_BATCHES if workers else None)
 
 
 @functools.lru_cache(maxsize=None)
