@@ -331,7 +331,10 @@ def test_workers_give_way_where_shared_memory_is_short(tiny, tmp_path, monkeypat
         assert loader.num_workers == workers
         assert ("gathering the batches in the training process" in caplog.text) == (workers == 0)
     monkeypatch.setattr(training_data, "SHARED_MEMORY", tmp_path / "none")  # no /dev/shm (macOS, Windows)
-    assert make_loader(data, config, StepSampler(len(data), 6, 0, 0), False, store).num_workers == 2
+    loader = make_loader(data, config, StepSampler(len(data), 6, 0, 0), False, store)
+    assert loader.num_workers == 2
+    if sys.platform.startswith("linux"):  # forked, sharing the store, whatever Python's default (3.14: forkserver)
+        assert loader.multiprocessing_context.get_start_method() == "fork"
 
 
 def test_batch_size_and_learning_rate_defaults_per_device():

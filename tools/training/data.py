@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,9 +228,13 @@ def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, p
     row_bytes = sum(rows[0].numel() * rows.element_size() for rows in (store.images, store.masks, store.backgrounds)
                     if rows is not None)
     workers = loader_workers(config.workers, share * row_bytes)
+    # Linux: workers forked, sharing the store's memory, as Python's default start method did up to 3.13 (3.14's
+    # forkserver would pickle the store to them, moving gigabytes into /dev/shm); elsewhere the platform's own
+    context = "fork" if workers and sys.platform.startswith("linux") else None
     return DataLoader(TrainingSet(data, config, store, pin=pin_memory and not workers), batch_sampler=sampler,
                       num_workers=workers, pin_memory=pin_memory, collate_fn=whole_batch,
-                      persistent_workers=workers > 0, prefetch_factor=PREFETCH_BATCHES if workers else None)
+                      persistent_workers=workers > 0, prefetch_factor=PREFETCH_BATCHES if workers else None,
+                      multiprocessing_context=context)
 
 
 @functools.lru_cache(maxsize=None)
