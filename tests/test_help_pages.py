@@ -3,6 +3,7 @@ at the end."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ COMMANDS = ["in9_eval.py", "challenge_eval.py", "train.py", "-m tools.data", "-m
             "-m tools.results.report", "-m tools.results.analysis", "-m tools.demo"]
 
 
+@functools.cache  # one process per command, for every test that reads its page
 def help_page(command: str) -> str:
     proc = subprocess.run([sys.executable, *command.split(), "-h"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
