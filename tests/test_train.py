@@ -157,9 +157,11 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def test_kill_9_then_resume_equals_the_uninterrupted_run(tiny, tmp_path):
+def test_kill_9_then_resume_equals_the_uninterrupted_run(tiny, tmp_path, capsys, one_thread):
+    """Only the killed run is a process of its own (one thread, as this process under `one_thread`); the
+    uninterrupted run and the resumed one run train.py's main here."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    subprocess.run(_train_command(tiny, whole), env=_env(), check=True, capture_output=True)
+    assert run_train(_train_command(tiny, whole)[2:], capsys)[0] == 0
     process = subprocess.Popen(_train_command(tiny, killed, "--save-every", "1"), env=_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state, deadline = killed / STATE_NAME, time.monotonic() + 60
@@ -175,7 +177,7 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(tiny, tmp_path):
     assert not (killed / CHECKPOINT_NAME).exists(), "the run finished before it was killed"
     interrupted_at = torch.load(state, weights_only=True)["step"]
     assert 5 <= interrupted_at < 36
-    subprocess.run(_train_command(tiny, killed, "--resume"), env=_env(), check=True, capture_output=True)
+    assert run_train(_train_command(tiny, killed, "--resume")[2:], capsys)[0] == 0
     a, b = weights(whole / CHECKPOINT_NAME), weights(killed / CHECKPOINT_NAME)
     assert all(torch.equal(a[k], b[k]) for k in a)
     steps = [json.loads(line)["step"] for line in (killed / "train_log.jsonl").read_text().splitlines()
