@@ -185,14 +185,14 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(tiny, tmp_path, capsys,
     assert steps == list(range(1, 37))  # the log, too, reads as one run
 
 
-def test_two_gloo_processes_equal_one(tiny, tmp_path):
+def test_two_gloo_processes_equal_one(tiny, tmp_path, capsys, one_thread):
     # SmallCNN has no BatchNorm, so the per-process batches see the same normalisation as the whole batch.
     common = ["--method", "bg-swap", "--epochs", "2", "--batch-size", "6", "--lr", "0.01"]
     single, double = tmp_path / "one", tmp_path / "two"
     # one DataLoader worker per process: decoding in other processes must not change a batch either
     script = [str(REPO / "train.py"), "--data-path", str(tiny), "--weights", "none", *common, *TINY, "--workers", "1"]
-    subprocess.run([sys.executable, *script, "--output-dir", str(single)], env=_env(), check=True,
-                   capture_output=True)
+    # the one-process reference in this process (one thread, as each torchrun process)
+    assert run_train([*script[1:], "--output-dir", single], capsys)[0] == 0
     result = collective_guard.launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                       "2", "-m", "tests.collective_guard", *script, "--output-dir", str(double),
                                       "--eval-data", str(tiny), "--eval-challenge"], env=_env(), cwd=REPO)
