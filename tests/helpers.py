@@ -93,9 +93,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _gloo_process(rank: int, world_size: int, port: int, function, args, results: Path) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _gloo_process(rank: int, world_size: int, port: int, function, args, results: Path, environ: dict) -> None:
+    os.environ.clear()  # the caller's environment, as a spawned process has it (the fork server's is older)
+    os.environ.update(environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from tests import collective_guard  # noqa: PLC0415
     collective_guard.install()
@@ -107,14 +108,24 @@ def _gloo_process(rank: int, world_size: int, port: int, function, args, results
     torch.save(result, results / f"rank{rank}.pt")
 
 
+# What every process of run_in_processes imports, imported once by the fork server that starts them: each process
+# is a fork of a fresh interpreter that has imported these (and run nothing), not a new interpreter that pays
+# torch's import again (seconds each on a 2-core machine).
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "tools.distributed", "tools.challenge", "tools.training.loop",
+                       "tests.collective_guard"]
+
+
 def run_in_processes(function, world_size: int, tmp_path: Path, *args) -> list:
     """`function(*args)` in `world_size` fresh processes with torchrun's environment (RANK, WORLD_SIZE, ...), so
     that tools.distributed.setup joins them in a gloo group, under tests.collective_guard; the return values
     (tensors, lists, dicts, numbers) in rank order. `function` must be a module-level function."""
+    import multiprocessing  # noqa: PLC0415
     import torch.multiprocessing as mp  # noqa: PLC0415
     results = Path(tmp_path) / f"results-{function.__name__}"
     results.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_gloo_process, args=(world_size, _free_port(), function, args, results), nprocs=world_size)
+    multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)  # used when the server starts: the first call
+    mp.start_processes(_gloo_process, args=(world_size, _free_port(), function, args, results, dict(os.environ)),
+                       nprocs=world_size, start_method="forkserver")
     return [torch.load(results / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
 
 
