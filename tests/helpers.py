@@ -129,6 +129,65 @@ def run_in_processes(function, world_size: int, tmp_path: Path, *args) -> list:
     return [torch.load(results / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
 
 
+# Runs each command in a fork of an interpreter that has imported torch and nothing else of note (no toolkit
+# module): what `python ARGS...` would do after its own `import torch`, less that import.
+_FORKED = r"""
+import json, os, runpy, sys, tempfile, traceback
+import torch  # noqa: F401
+
+def run(argv):
+    if argv[0] == "-m":  # as `python -m NAME`: the current folder first on the path, NAME's file as argv[0]
+        sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:  # a script by path: its folder first on the path
+        sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+results = []
+for argv in json.loads(sys.argv[1]):
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            code = 0
+            try:
+                run(argv)
+            except SystemExit as stop:  # as the interpreter ends on it
+                code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+                if not isinstance(stop.code, (int, type(None))):
+                    print(stop.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        out.seek(0)
+        err.seek(0)
+        results.append([os.waitstatus_to_exitcode(status), out.read().decode(), err.read().decode()])
+print(json.dumps(results))
+"""
+
+
+def run_forked(commands: list[list[str]], cwd: Path, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Each command (the arguments of `python ...`: a script by path, `-m MODULE` or `-c CODE`, then its own) as
+    that command would run, with its exit code and output, but in a fork of one interpreter that imported torch
+    first: one start-up for all instead of seconds each. Each fork starts with no toolkit module loaded, so what
+    a command imports, in which order, is what a fresh interpreter would; torch (which loads none of the toolkit)
+    is already there."""
+    import json  # noqa: PLC0415
+    proc = subprocess.run([sys.executable, "-c", _FORKED, json.dumps(commands)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [subprocess.CompletedProcess([sys.executable, *command], code, out, err)
+            for command, (code, out, err) in zip(commands, json.loads(proc.stdout.splitlines()[-1]))]
+
+
 def signal_when_ready(code: str, ready: Path, args: list[str], signum: int) -> subprocess.CompletedProcess:
     """Run `python -c code READY ARGS...`, send it `signum` once it has made the file READY (half-way through its
     work), and wait for it to end; its exit code and text output.

@@ -12,13 +12,24 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_forked
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("bench_*.py")))
-def test_bench_script_starts(script):
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
-                          timeout=120)
+SCRIPTS = sorted(p.name for p in BENCH.glob("bench_*.py"))
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict:
+    """Each script's `--help` as `python bench/SCRIPT --help` prints it (tests.helpers.run_forked: one start-up for
+    all, each script in a fork that has loaded none of the toolkit)."""
+    return dict(zip(SCRIPTS, run_forked([[str(BENCH / script), "--help"] for script in SCRIPTS], Path.cwd())))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bench_script_starts(script, helps):
+    proc = helps[script]
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage:" in proc.stdout
 
