@@ -133,7 +133,22 @@ def run_in_processes(function, world_size: int, tmp_path: Path, *args) -> list:
 # module): what `python ARGS...` would do after its own `import torch`, less that import.
 _FORKED = r"""
 import json, os, runpy, sys, tempfile, traceback
-import torch  # noqa: F401
+
+def captured(fd, file):
+    os.dup2(file.fileno(), fd)
+
+kept = os.dup(1), os.dup(2)
+with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:  # what the import prints, each command too
+    captured(1, out)
+    captured(2, err)
+    import torch  # noqa: F401
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(kept[0], 1)
+    os.dup2(kept[1], 2)
+    out.seek(0)
+    err.seek(0)
+    start = out.read().decode(), err.read().decode()
 
 def run(argv):
     if argv[0] == "-m":  # as `python -m NAME`: the current folder first on the path, NAME's file as argv[0]
@@ -151,8 +166,8 @@ for argv in json.loads(sys.argv[1]):
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         pid = os.fork()
         if pid == 0:
-            os.dup2(out.fileno(), 1)
-            os.dup2(err.fileno(), 2)
+            captured(1, out)
+            captured(2, err)
             code = 0
             try:
                 run(argv)
@@ -169,7 +184,7 @@ for argv in json.loads(sys.argv[1]):
         _, status = os.waitpid(pid, 0)
         out.seek(0)
         err.seek(0)
-        results.append([os.waitstatus_to_exitcode(status), out.read().decode(), err.read().decode()])
+        results.append([os.waitstatus_to_exitcode(status), start[0] + out.read().decode(), start[1] + err.read().decode()])
 print(json.dumps(results))
 """
 
