@@ -117,9 +117,9 @@ FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "tools.distributed", "tools
 
 def run_in_processes(function, world_size: int, tmp_path: Path, *args) -> list:
     """`function(*args)` in `world_size` new processes (forks of the fork server: FORK_SERVER_PRELOAD) with the
-    caller's environment and torchrun's (RANK, WORLD_SIZE, ...), so
-    that tools.distributed.setup joins them in a gloo group, under tests.collective_guard; the return values
-    (tensors, lists, dicts, numbers) in rank order. `function` must be a module-level function."""
+    caller's environment and torchrun's (RANK, WORLD_SIZE, ...), so that tools.distributed.setup joins them in a
+    gloo group, under tests.collective_guard; the return values (tensors, lists, dicts, numbers) in rank order.
+    `function` must be a module-level function."""
     import multiprocessing  # noqa: PLC0415
     import torch.multiprocessing as mp  # noqa: PLC0415
     results = Path(tmp_path) / f"results-{function.__name__}"
