@@ -185,7 +185,8 @@ for argv in json.loads(sys.argv[1]):
         _, status = os.waitpid(pid, 0)
         out.seek(0)
         err.seek(0)
-        results.append([os.waitstatus_to_exitcode(status), start[0] + out.read().decode(), start[1] + err.read().decode()])
+        code = os.waitstatus_to_exitcode(status)
+        results.append([code, start[0] + out.read().decode(), start[1] + err.read().decode()])
 print(json.dumps(results))
 """
 

@@ -274,9 +274,8 @@ def test_kill_9_then_resume(data, tmp_path, capsys):
     save_torchscript(synthetic.ColorEvidenceModel(9, trunk_width=24, trunk_scale=1e-4), slow)
     base = ["--data-path", str(data), "--checkpoint", str(slow), "--device", "cpu",
             "--no-progress", "--no-cache", "--batch-size", "4", "--save-every", "0", "--workers", "1"]
-    code, whole, _ = run_in_process(challenge_eval.main, base + ["--output-dir", str(tmp_path / "whole"),
-                                                               "--per-foreground-csv", str(tmp_path / "whole.csv")],
-                                    capsys)
+    uninterrupted = ["--output-dir", str(tmp_path / "whole"), "--per-foreground-csv", str(tmp_path / "whole.csv")]
+    code, whole, _ = run_in_process(challenge_eval.main, base + uninterrupted, capsys)
     assert code == 0
     state = tmp_path / "killed" / challenge.STATE_NAME
     proc = subprocess.Popen([sys.executable, "challenge_eval.py", *base, "--output-dir", str(tmp_path / "killed")],
@@ -287,9 +286,9 @@ def test_kill_9_then_resume(data, tmp_path, capsys):
     assert proc.poll() is None, "the run finished before it could be killed; use a slower model"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    code, resumed, err = run_in_process(challenge_eval.main, base + ["--output-dir", str(tmp_path / "killed"), "--resume",
-                                                                     "--per-foreground-csv", str(tmp_path / "resumed.csv")],
-                                        capsys)
+    resume = ["--output-dir", str(tmp_path / "killed"), "--resume",
+              "--per-foreground-csv", str(tmp_path / "resumed.csv")]
+    code, resumed, err = run_in_process(challenge_eval.main, base + resume, capsys)
     assert code == 0
     assert "resuming from" in err
     assert _summary(resumed) == _summary(whole)

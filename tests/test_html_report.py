@@ -307,7 +307,8 @@ def test_a_click_sorts_its_own_column_in_every_sortable_table(runs, tmp_path):
     assert set(tables) == {"training", "published", "challenge", "analysis", "categories", "leaderboard"}
     widest = max(len(rows[0]) for rows in tables.values())
     clicked = tmp_path / "clicked.html"
-    clicked.write_text(page.read_text().replace("</body>", f"<script>{click_each_column(tables, widest)}</script></body>"))
+    script = click_each_column(tables, widest)
+    clicked.write_text(page.read_text().replace("</body>", f"<script>{script}</script></body>"))
     dumped = chromium("--dump-dom", clicked.resolve().as_uri())
     assert console_errors(dumped.stderr) == []
     after = Page(dumped.stdout).tables
