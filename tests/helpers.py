@@ -93,9 +93,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _gloo_process(rank: int, world_size: int, port: int, function, args, results: Path) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _gloo_process(rank: int, world_size: int, port: int, function, args, results: Path, environ: dict) -> None:
+    os.environ.clear()  # the caller's environment, as a spawned process has it (the fork server's is older)
+    os.environ.update(environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from tests import collective_guard  # noqa: PLC0415
     collective_guard.install()
@@ -107,15 +108,101 @@ def _gloo_process(rank: int, world_size: int, port: int, function, args, results
     torch.save(result, results / f"rank{rank}.pt")
 
 
+# What every process of run_in_processes imports, imported once by the fork server that starts them: each process
+# is a fork of a fresh interpreter that has imported these (and run nothing), not a new interpreter that pays
+# torch's import again (seconds each on a 2-core machine).
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "tools.distributed", "tools.challenge", "tools.training.loop",
+                       "tests.collective_guard"]
+
+
 def run_in_processes(function, world_size: int, tmp_path: Path, *args) -> list:
-    """`function(*args)` in `world_size` fresh processes with torchrun's environment (RANK, WORLD_SIZE, ...), so
-    that tools.distributed.setup joins them in a gloo group, under tests.collective_guard; the return values
-    (tensors, lists, dicts, numbers) in rank order. `function` must be a module-level function."""
+    """`function(*args)` in `world_size` new processes (forks of the fork server: FORK_SERVER_PRELOAD) with the
+    caller's environment and torchrun's (RANK, WORLD_SIZE, ...), so that tools.distributed.setup joins them in a
+    gloo group, under tests.collective_guard; the return values (tensors, lists, dicts, numbers) in rank order.
+    `function` must be a module-level function."""
+    import multiprocessing  # noqa: PLC0415
     import torch.multiprocessing as mp  # noqa: PLC0415
     results = Path(tmp_path) / f"results-{function.__name__}"
     results.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_gloo_process, args=(world_size, _free_port(), function, args, results), nprocs=world_size)
+    multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)  # used when the server starts: the first call
+    mp.start_processes(_gloo_process, args=(world_size, _free_port(), function, args, results, dict(os.environ)),
+                       nprocs=world_size, start_method="forkserver")
     return [torch.load(results / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
+
+
+# Runs each command in a fork of an interpreter that has imported torch and nothing else of note (no toolkit
+# module): what `python ARGS...` would do after its own `import torch`, less that import.
+_FORKED = r"""
+import json, os, runpy, sys, tempfile, traceback
+
+def captured(fd, file):
+    os.dup2(file.fileno(), fd)
+
+kept = os.dup(1), os.dup(2)
+with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:  # what the import prints, each command too
+    captured(1, out)
+    captured(2, err)
+    import torch  # noqa: F401
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(kept[0], 1)
+    os.dup2(kept[1], 2)
+    out.seek(0)
+    err.seek(0)
+    start = out.read().decode(), err.read().decode()
+
+def run(argv):
+    if argv[0] == "-m":  # as `python -m NAME`: the current folder first on the path, NAME's file as argv[0]
+        sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:  # a script by path: its folder first on the path
+        sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+results = []
+for argv in json.loads(sys.argv[1]):
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:
+            captured(1, out)
+            captured(2, err)
+            code = 0
+            try:
+                run(argv)
+            except SystemExit as stop:  # as the interpreter ends on it
+                code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+                if not isinstance(stop.code, (int, type(None))):
+                    print(stop.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        out.seek(0)
+        err.seek(0)
+        code = os.waitstatus_to_exitcode(status)
+        results.append([code, start[0] + out.read().decode(), start[1] + err.read().decode()])
+print(json.dumps(results))
+"""
+
+
+def run_forked(commands: list[list[str]], cwd: Path, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Each command (the arguments of `python ...`: a script by path, `-m MODULE` or `-c CODE`, then its own) as
+    that command would run, with its exit code and output, but in a fork of one interpreter that imported torch
+    first: one start-up for all instead of seconds each. Each fork starts with no toolkit module loaded, so what
+    a command imports, in which order, is what a fresh interpreter would; torch (which loads none of the toolkit)
+    is already there."""
+    import json  # noqa: PLC0415
+    proc = subprocess.run([sys.executable, "-c", _FORKED, json.dumps(commands)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [subprocess.CompletedProcess([sys.executable, *command], code, out, err)
+            for command, (code, out, err) in zip(commands, json.loads(proc.stdout.splitlines()[-1]))]
 
 
 def signal_when_ready(code: str, ready: Path, args: list[str], signum: int) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ import torch
 
 from tests.challenge_reference import reference_matrix, reference_verdicts
 import challenge_eval
-from tests.helpers import TinyCNN, save_torchscript
+from tests.helpers import TinyCNN, run_in_process, save_torchscript
 from tools import challenge
 from tools.data import synthetic
 from tools.data.decoders import Decoder
@@ -242,49 +242,56 @@ def _summary(stdout: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("name", ["color9", "color1000"])
-def test_command_line_prints_the_original_summary(name, data, models, references, tmp_path):
+def test_command_line_prints_the_original_summary(name, data, models, references, tmp_path, capsys):
+    """challenge_eval's main in this process (tests/test_distributed.py runs the script as a process, under
+    torchrun, and compares what it prints)."""
     matrix, fg_labels, bg_labels = references[name]
     expected = reference_verdicts(matrix, fg_labels, bg_labels, "any")
-    args = [sys.executable, "challenge_eval.py", "--data-path", str(data), "--checkpoint", str(models[name][1]),
+    args = ["--data-path", str(data), "--checkpoint", str(models[name][1]),
             "--device", "cpu", "--output-dir", str(tmp_path), "--no-progress", "--cache-dir", str(tmp_path / "cache"),
             "--results-file", str(tmp_path / "r.json"), "--per-foreground-csv", str(tmp_path / "fg.csv")]
     if name == "color9":
         args.append("--in9")
-    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, check=True)
-    vulnerable, total = _summary(out.stdout)
+    code, stdout, _ = run_in_process(challenge_eval.main, args, capsys)
+    assert code == 0
+    vulnerable, total = _summary(stdout)
     assert (vulnerable, total) == (int(expected.sum()), len(expected))
     pct = 100 * expected.sum() / len(expected)
-    assert f"({pct:.2f}%)" in out.stdout and f"Challenge accuracy: {100 - pct:.2f}%" in out.stdout
+    assert f"({pct:.2f}%)" in stdout and f"Challenge accuracy: {100 - pct:.2f}%" in stdout
     rows = (tmp_path / "fg.csv").read_text().splitlines()
     assert len(rows) == 1 + len(expected)
     # second run reads the decoded-data cache and agrees
-    again = subprocess.run(args, cwd=REPO, capture_output=True, text=True, check=True)
-    assert re.search(r"^INFO: (\d+) of \1 image\(s\) read from the decoded-data cache$", again.stderr, re.M)
-    assert "cached at" not in again.stderr and _summary(again.stdout) == (vulnerable, total)
+    code, again, again_err = run_in_process(challenge_eval.main, args, capsys)
+    assert code == 0
+    assert re.search(r"^INFO: (\d+) of \1 image\(s\) read from the decoded-data cache$", again_err, re.M)
+    assert "cached at" not in again_err and _summary(again) == (vulnerable, total)
 
 
-def test_kill_9_then_resume(data, tmp_path):
-    """A real process killed with SIGKILL mid-run resumes to the uninterrupted result."""
+def test_kill_9_then_resume(data, tmp_path, capsys):
+    """A real process killed with SIGKILL mid-run resumes to the uninterrupted result (the uninterrupted run and
+    the resumed one in this process: only the killed run needs a process of its own)."""
     slow = tmp_path / "slow.ts"
     save_torchscript(synthetic.ColorEvidenceModel(9, trunk_width=24, trunk_scale=1e-4), slow)
-    base = [sys.executable, "challenge_eval.py", "--data-path", str(data), "--checkpoint", str(slow), "--device", "cpu",
+    base = ["--data-path", str(data), "--checkpoint", str(slow), "--device", "cpu",
             "--no-progress", "--no-cache", "--batch-size", "4", "--save-every", "0", "--workers", "1"]
-    whole = subprocess.run(base + ["--output-dir", str(tmp_path / "whole"), "--per-foreground-csv",
-                                   str(tmp_path / "whole.csv")], cwd=REPO, capture_output=True, text=True, check=True)
+    uninterrupted = ["--output-dir", str(tmp_path / "whole"), "--per-foreground-csv", str(tmp_path / "whole.csv")]
+    code, whole, _ = run_in_process(challenge_eval.main, base + uninterrupted, capsys)
+    assert code == 0
     state = tmp_path / "killed" / challenge.STATE_NAME
-    proc = subprocess.Popen(base + ["--output-dir", str(tmp_path / "killed")], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "challenge_eval.py", *base, "--output-dir", str(tmp_path / "killed")],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while not state.exists() and time.time() < deadline:
         time.sleep(0.01)
     assert proc.poll() is None, "the run finished before it could be killed; use a slower model"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    resumed = subprocess.run(base + ["--output-dir", str(tmp_path / "killed"), "--resume", "--per-foreground-csv",
-                                     str(tmp_path / "resumed.csv")], cwd=REPO, capture_output=True, text=True,
-                             check=True)
-    assert "resuming from" in resumed.stderr
-    assert _summary(resumed.stdout) == _summary(whole.stdout)
+    resume = ["--output-dir", str(tmp_path / "killed"), "--resume",
+              "--per-foreground-csv", str(tmp_path / "resumed.csv")]
+    code, resumed, err = run_in_process(challenge_eval.main, base + resume, capsys)
+    assert code == 0
+    assert "resuming from" in err
+    assert _summary(resumed) == _summary(whole)
     assert (tmp_path / "resumed.csv").read_text() == (tmp_path / "whole.csv").read_text()
 
 

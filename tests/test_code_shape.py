@@ -7,11 +7,11 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools"
@@ -63,25 +63,37 @@ def test_pillow_drawing_and_fonts_live_in_one_module():
     assert drawing == {FIGURES_MODULE}, f"Pillow's ImageDraw/ImageFont imported outside {FIGURES_MODULE}: {drawing}"
 
 
-def loaded_by(statement: str) -> list[str]:
-    """The tools.* modules a fresh interpreter has loaded after `statement`."""
-    code = f"import json, sys\n{statement}\nprint(json.dumps(sorted(m for m in sys.modules if m.startswith('tools'))))"
+LOADING = [f"import {module}" for module in EVALUATION] + ["import tools.data"]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """Each statement of LOADING run as `python -c` runs it, then the tools.* modules loaded printed
+    (tests.helpers.run_forked: one start-up for all, each in a fork that has loaded none of the toolkit)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    commands = [["-c", f"import json, sys\n{statement}\n"
+                       "print(json.dumps(sorted(m for m in sys.modules if m.startswith('tools'))))"]
+                for statement in LOADING]
+    return dict(zip(LOADING, run_forked(commands, ROOT, env)))
+
+
+def loaded_by(runs: dict, statement: str) -> list[str]:
+    """The tools.* modules a fresh interpreter has loaded after `statement`."""
+    done = runs[statement]
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("module", EVALUATION)
-def test_the_evaluation_does_not_load_the_presentation(module):
-    loaded = loaded_by(f"import {module}")
+def test_the_evaluation_does_not_load_the_presentation(module, runs):
+    loaded = loaded_by(runs, f"import {module}")
     assert module in loaded
     presentation = [m for m in loaded if m == PRESENTATION or m.startswith(PRESENTATION + ".")]
     assert not presentation, f"import {module} loads {presentation}; the command layer composes them"
 
 
-def test_importing_tools_data_loads_none_of_its_modules():
-    loaded = loaded_by("import tools.data")
+def test_importing_tools_data_loads_none_of_its_modules(runs):
+    loaded = loaded_by(runs, "import tools.data")
     assert "tools.data" in loaded
     assert [m for m in loaded if m.startswith("tools.data.")] == []
 

@@ -4,8 +4,6 @@ parsed arguments as they were, and parsing a command's flags loads only what the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 import challenge_eval
 import in9_eval
 import train
+from tests.helpers import run_forked
 from tools import options
 from tools.challenge import ChallengeConfig, flags, run_challenge
 from tools.data.layout import DATA_ENV
@@ -24,12 +23,24 @@ from tools.training.config import TrainConfig, config_from_args
 REPO = Path(__file__).resolve().parents[1]
 
 LIST_TOOLS_MODULES = "print(__import__('json').dumps(sorted(m for m in sys.modules if m.startswith('tools'))))"
+TRAIN_FLAGS = "import train\ntrain.build_parser()"
+IN9_EVAL_HELP = ("import runpy\nsys.argv = ['in9_eval.py', '-h']\n"
+                 "try:\n    runpy.run_path('in9_eval.py', run_name='__main__')\nexcept SystemExit:\n    pass")
 
 
-def loaded_modules(code: str) -> list[str]:
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """TRAIN_FLAGS and IN9_EVAL_HELP, each run as `python -c` runs it in the repository root, then the tools.*
+    modules loaded printed (tests.helpers.run_forked: one start-up for both, each in a fork that has loaded none
+    of the toolkit)."""
+    codes = [TRAIN_FLAGS, IN9_EVAL_HELP]
+    return dict(zip(codes, run_forked([["-c", f"import sys\n{code}\n{LIST_TOOLS_MODULES}"] for code in codes], REPO)))
+
+
+def loaded_modules(runs: dict, code: str) -> list[str]:
     """The `tools` modules a fresh interpreter has loaded after running `code` in the repository root."""
-    proc = subprocess.run([sys.executable, "-c", f"import sys\n{code}\n{LIST_TOOLS_MODULES}"], cwd=REPO,
-                          capture_output=True, text=True, check=True)
+    proc = runs[code]
+    assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
 
 
@@ -37,16 +48,14 @@ def under(modules: list[str], *packages: str) -> list[str]:
     return [m for m in modules if any(m == p or m.startswith(p + ".") for p in packages)]
 
 
-def test_train_parses_its_flags_without_the_challenge_the_analysis_or_the_report():
-    modules = loaded_modules("import train\ntrain.build_parser()")
+def test_train_parses_its_flags_without_the_challenge_the_analysis_or_the_report(runs):
+    modules = loaded_modules(runs, TRAIN_FLAGS)
     assert "tools.training.config" in modules  # the flags were built
     assert under(modules, "tools.challenge", "tools.results") == []
 
 
-def test_in9_eval_help_loads_neither_the_challenge_nor_the_data_fetch_and_build():
-    modules = loaded_modules("import runpy\nsys.argv = ['in9_eval.py', '-h']\n"
-                             "try:\n    runpy.run_path('in9_eval.py', run_name='__main__')\n"
-                             "except SystemExit:\n    pass")
+def test_in9_eval_help_loads_neither_the_challenge_nor_the_data_fetch_and_build(runs):
+    modules = loaded_modules(runs, IN9_EVAL_HELP)
     assert "tools.options" in modules  # the flags were built
     assert under(modules, "tools.challenge", "tools.data.download", "tools.data.builder") == []
 

@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import challenge_eval
+import in9_eval
 from tests import collective_guard
 from tests.helpers import run_in_process, run_in_processes, save_torchscript
 from tests.helpers import TinyCNN
@@ -48,14 +50,26 @@ def guarded(processes: int) -> list[str]:
     return [*(launcher if processes > 1 else [sys.executable, "-m"]), "tests.collective_guard"]
 
 
+def flags(out: Path, *args) -> list[str]:
+    return ["--device", "cpu", "--no-progress", "--log-level", "WARNING", "--output-dir", str(out), "--results-file",
+            str(out / "results.json"), *map(str, args)]
+
+
 def run(script: str, out: Path, processes: int, *args) -> str:
-    command = [*guarded(processes), str(REPO / script), "--device", "cpu",
-               "--no-progress", "--log-level", "WARNING", "--output-dir", str(out), "--results-file",
-               str(out / "results.json"), *map(str, args)]
+    command = [*guarded(processes), str(REPO / script), *flags(out, *args)]
     proc = collective_guard.launch(command, cwd=REPO, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
+
+
+def run_here(main, argv: list[str], capsys, monkeypatch) -> str:
+    """The one-process reference: the command's main in this process, under the guard (one thread, as each
+    torchrun process has, from the tests' `one_thread`); a process of its own would only add its start-up."""
+    collective_guard.install(monkeypatch.setattr)
+    code, out, err = run_in_process(main, argv, capsys)
+    assert code == 0, err[-3000:]
+    return out
 
 
 def results(out: Path) -> dict:
@@ -64,7 +78,7 @@ def results(out: Path) -> dict:
 
 
 @pytest.mark.parametrize("model,full", [("color", False), ("cnn", True)])  # robust and vulnerable; every pair
-def test_challenge_two_processes_equal_one(model, full, setup, tmp_path):
+def test_challenge_two_processes_equal_one(model, full, setup, tmp_path, capsys, monkeypatch, one_thread):
     data, models = setup
     args = ["--data-path", data, "--checkpoint", models[model], "--no-cache", "--batch-size", 5]
     if full:
@@ -72,7 +86,9 @@ def test_challenge_two_processes_equal_one(model, full, setup, tmp_path):
     outputs = {}
     for n in (1, 2):
         out = tmp_path / f"n{n}"
-        stdout = run("challenge_eval.py", out, n, *args, "--per-foreground-csv", out / "fg.csv")
+        args_n = [*args, "--per-foreground-csv", out / "fg.csv"]
+        stdout = (run_here(challenge_eval.main, flags(out, *args_n), capsys, monkeypatch) if n == 1
+                  else run("challenge_eval.py", out, n, *args_n))
         outputs[n] = (stdout, results(out), (out / "fg.csv").read_text())
     assert outputs[1] == outputs[2]
     assert outputs[1][0].startswith("Summary: ")
@@ -86,27 +102,29 @@ def test_challenge_two_processes_equal_one(model, full, setup, tmp_path):
                {k: v for k, v in summaries[1].items() if k != "output_dir"}
 
 
-def test_in9_two_processes_equal_one(setup, tmp_path):
+def test_in9_two_processes_equal_one(setup, tmp_path, capsys, monkeypatch, one_thread):
     data, models = setup
     args = ["--data-path", data, "--checkpoint", models["cnn"], "--eval-dataset", "all", "--categories",
             "--batch-size", 5]
-    one = run("in9_eval.py", tmp_path / "n1", 1, *args)
+    one = run_here(in9_eval.main, flags(tmp_path / "n1", *args), capsys, monkeypatch)
     two = run("in9_eval.py", tmp_path / "n2", 2, *args)
     assert one == two and one.startswith("Accuracy on original is ")
     assert results(tmp_path / "n1") == results(tmp_path / "n2")
 
 
-def test_zoo_two_processes_equal_one(setup, tmp_path):
+def test_zoo_two_processes_equal_one(setup, tmp_path, capsys, monkeypatch, one_thread):
     data, models = setup
     outputs = []
     for n in (1, 2):
         out = tmp_path / f"zoo{n}"
-        command = [*guarded(n), "-m", "tools.zoo", "--models",
-                   f"file:{models['color']}", "--data-path", str(data), "--device", "cpu", "--no-progress",
-                   "--no-cache", "--batch-size", "5", "--output-dir", str(out), "--log-level", "WARNING"]
-        proc = collective_guard.launch(command, cwd=REPO, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        argv = ["--models", f"file:{models['color']}", "--data-path", str(data), "--device", "cpu", "--no-progress",
+                "--no-cache", "--batch-size", "5", "--output-dir", str(out), "--log-level", "WARNING"]
+        if n == 1:
+            run_here(zoo.main, argv, capsys, monkeypatch)
+        else:
+            proc = collective_guard.launch([*guarded(n), "-m", "tools.zoo", *argv], cwd=REPO, timeout=300,
+                                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+            assert proc.returncode == 0, proc.stderr[-3000:]
         (path,) = (out / "models").glob("*.json")
         payload = json.loads(path.read_text())
         payload["challenge"] = {k: v for k, v in payload["challenge"].items() if k not in TIMING}

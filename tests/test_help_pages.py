@@ -4,11 +4,11 @@ at the end."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,16 +17,22 @@ COMMANDS = ["in9_eval.py", "challenge_eval.py", "train.py", "-m tools.data", "-m
             "-m tools.results.report", "-m tools.results.analysis", "-m tools.demo"]
 
 
-def help_page(command: str) -> str:
-    proc = subprocess.run([sys.executable, *command.split(), "-h"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+@pytest.fixture(scope="module")
+def pages() -> dict:
+    """Each command's `-h`, as `python COMMAND -h` prints it (tests.helpers.run_forked: one start-up for all)."""
+    done = run_forked([[*command.split(), "-h"] for command in COMMANDS], ROOT, {**os.environ, "OMP_NUM_THREADS": "1"})
+    return dict(zip(COMMANDS, done))
+
+
+def help_page(pages: dict, command: str) -> str:
+    proc = pages[command]
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_help_names_the_command_typed_and_ends_with_examples(command):
-    page = help_page(command)
+def test_help_names_the_command_typed_and_ends_with_examples(command, pages):
+    page = help_page(pages, command)
     typed = command if command.endswith(".py") else f"python {command}"
     assert page.startswith(f"usage: {typed} "), page[:200]
     examples = page.split("\nexamples:\n")
@@ -38,8 +44,8 @@ def test_help_names_the_command_typed_and_ends_with_examples(command):
                                         or line.strip().startswith(typed) for line in lines), lines
 
 
-def test_challenge_help_shows_the_basics_first_in_its_own_words():
-    page = help_page("challenge_eval.py")
+def test_challenge_help_shows_the_basics_first_in_its_own_words(pages):
+    page = help_page(pages, "challenge_eval.py")
     body = page.split("\noptions:\n", 1)[1].split("\nexamples:\n")[0]
     titles = [line[:-1] for line in body.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
     assert titles[-2:] == ["model: LoRA state dicts and remote code", "several processes (torchrun, shards)"], titles
@@ -50,6 +56,6 @@ def test_challenge_help_shows_the_basics_first_in_its_own_words():
     assert "in9_eval" not in batch and "composite" in batch
 
 
-def test_the_zoo_examples_use_the_default_data_folder():
-    page = help_page("-m tools.zoo")
+def test_the_zoo_examples_use_the_default_data_folder(pages):
+    page = help_page(pages, "-m tools.zoo")
     assert "--data-path bg_challenge" not in page

@@ -174,18 +174,27 @@ print((rss() - before) * 4096 > size // 2)
 """
 
 
+SETUPS = ["Runtime(torch.device('cpu'))",
+          "from tools.data import synthetic\nroot = synthetic.generate(sys.argv[1], per_class=1, seed=1).root\n"
+          "head = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 9))\n"
+          "api.benchmark(head, root, challenge=False, device='cpu', progress=False, workers=1, cache=False)"]
+
+
+@pytest.fixture(scope="module")
+def allocator_runs(tmp_path_factory) -> dict:
+    """FREED_MEMORY_KEPT after each setup, as `python -c` runs it (tests.helpers.run_forked: one start-up for
+    both, each in a fork of an interpreter that has only imported torch, as the code's first line does)."""
+    from tests.helpers import run_forked  # noqa: PLC0415
+    folder = tmp_path_factory.mktemp("allocator")
+    commands = [["-c", FREED_MEMORY_KEPT.format(setup=setup), str(folder / f"data{k}")]
+                for k, setup in enumerate(SETUPS)]
+    return dict(zip(SETUPS, run_forked(commands, Path.cwd())))
+
+
 @pytest.mark.skipif(not __import__("platform").libc_ver()[0] == "glibc", reason="glibc's allocator only")
-@pytest.mark.parametrize("setup", [
-    "Runtime(torch.device('cpu'))",
-    "from tools.data import synthetic\nroot = synthetic.generate(sys.argv[1], per_class=1, seed=1).root\n"
-    "head = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 9))\n"
-    "api.benchmark(head, root, challenge=False, device='cpu', progress=False, workers=1, cache=False)"])
-def test_the_library_leaves_the_callers_allocator_as_it_was(setup, tmp_path):
+@pytest.mark.parametrize("setup", SETUPS)
+def test_the_library_leaves_the_callers_allocator_as_it_was(setup, allocator_runs):
     """Only the command lines keep freed memory in the process (tune_cpu_allocator): a library caller's process
     gives a freed large block back to the system as glibc does by default."""
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-    code = FREED_MEMORY_KEPT.format(setup=setup)
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "data")], capture_output=True, text=True,
-                         cwd=Path.cwd())
+    out = allocator_runs[setup]
     assert out.stdout.strip() == "False", out.stderr

@@ -157,9 +157,11 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def test_kill_9_then_resume_equals_the_uninterrupted_run(tiny, tmp_path):
+def test_kill_9_then_resume_equals_the_uninterrupted_run(tiny, tmp_path, capsys, one_thread):
+    """Only the killed run is a process of its own (one thread, as this process under `one_thread`); the
+    uninterrupted run and the resumed one run train.py's main here."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    subprocess.run(_train_command(tiny, whole), env=_env(), check=True, capture_output=True)
+    assert run_train(_train_command(tiny, whole)[2:], capsys)[0] == 0
     process = subprocess.Popen(_train_command(tiny, killed, "--save-every", "1"), env=_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state, deadline = killed / STATE_NAME, time.monotonic() + 60
@@ -175,7 +177,7 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(tiny, tmp_path):
     assert not (killed / CHECKPOINT_NAME).exists(), "the run finished before it was killed"
     interrupted_at = torch.load(state, weights_only=True)["step"]
     assert 5 <= interrupted_at < 36
-    subprocess.run(_train_command(tiny, killed, "--resume"), env=_env(), check=True, capture_output=True)
+    assert run_train(_train_command(tiny, killed, "--resume")[2:], capsys)[0] == 0
     a, b = weights(whole / CHECKPOINT_NAME), weights(killed / CHECKPOINT_NAME)
     assert all(torch.equal(a[k], b[k]) for k in a)
     steps = [json.loads(line)["step"] for line in (killed / "train_log.jsonl").read_text().splitlines()
@@ -183,14 +185,14 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(tiny, tmp_path):
     assert steps == list(range(1, 37))  # the log, too, reads as one run
 
 
-def test_two_gloo_processes_equal_one(tiny, tmp_path):
+def test_two_gloo_processes_equal_one(tiny, tmp_path, capsys, one_thread):
     # SmallCNN has no BatchNorm, so the per-process batches see the same normalisation as the whole batch.
     common = ["--method", "bg-swap", "--epochs", "2", "--batch-size", "6", "--lr", "0.01"]
     single, double = tmp_path / "one", tmp_path / "two"
     # one DataLoader worker per process: decoding in other processes must not change a batch either
     script = [str(REPO / "train.py"), "--data-path", str(tiny), "--weights", "none", *common, *TINY, "--workers", "1"]
-    subprocess.run([sys.executable, *script, "--output-dir", str(single)], env=_env(), check=True,
-                   capture_output=True)
+    # the one-process reference in this process (one thread, as each torchrun process)
+    assert run_train([*script[1:], "--output-dir", single], capsys)[0] == 0
     result = collective_guard.launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                       "2", "-m", "tests.collective_guard", *script, "--output-dir", str(double),
                                       "--eval-data", str(tiny), "--eval-challenge"], env=_env(), cwd=REPO)
