@@ -30,20 +30,6 @@ def color_ts(tmp_path_factory):
     return paths
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_thread_everywhere():
-    """One intra-op thread for the whole run, here and in every process a test starts ($OMP_NUM_THREADS=1, as
-    torchrun sets it), whatever the machine: the models and batches are tiny, so a second thread mostly waits for
-    work, which on CI's 2-core machine cost about half as much CPU time again for the same tests (thread counts
-    enter the last bits of fp32 sums: tests that compare runs compare them at one thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread: these models are tiny, and on a busy machine extra threads only wait."""
