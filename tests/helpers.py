@@ -119,7 +119,9 @@ def run_in_processes(function, world_size: int, tmp_path: Path, *args) -> list:
     """`function(*args)` in `world_size` new processes (forks of the fork server: FORK_SERVER_PRELOAD) with the
     caller's environment and torchrun's (RANK, WORLD_SIZE, ...), so that tools.distributed.setup joins them in a
     gloo group, under tests.collective_guard; the return values (tensors, lists, dicts, numbers) in rank order.
-    `function` must be a module-level function."""
+    `function` must be a module-level function. Forks of one server share its str hash seed (torchrun's processes
+    each draw their own): an order that depends on hashing differs between ranks only under real torchrun (the
+    torchrun tests of tests/test_distributed.py and tests/test_train.py)."""
     import multiprocessing  # noqa: PLC0415
     import torch.multiprocessing as mp  # noqa: PLC0415
     results = Path(tmp_path) / f"results-{function.__name__}"
@@ -133,7 +135,7 @@ def run_in_processes(function, world_size: int, tmp_path: Path, *args) -> list:
 # Runs each command in a fork of an interpreter that has imported torch and nothing else of note (no toolkit
 # module): what `python ARGS...` would do after its own `import torch`, less that import.
 _FORKED = r"""
-import json, os, runpy, sys, tempfile, traceback
+import atexit, json, os, runpy, sys, tempfile, traceback
 
 def captured(fd, file):
     os.dup2(file.fileno(), fd)
@@ -158,9 +160,9 @@ def run(argv):
     elif argv[0] == "-c":
         sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
         exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
-    else:  # a script by path: its folder first on the path
-        sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
-        runpy.run_path(argv[0], run_name="__main__")
+    else:  # a script by path: its folder first on the path (links resolved), its __file__ absolute
+        sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.realpath(argv[0]))
+        runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")
 
 results = []
 for argv in json.loads(sys.argv[1]):
@@ -179,6 +181,7 @@ for argv in json.loads(sys.argv[1]):
             except BaseException:
                 traceback.print_exc()
                 code = 1
+            atexit._run_exitfuncs()  # as the interpreter does at its end
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
@@ -196,7 +199,9 @@ def run_forked(commands: list[list[str]], cwd: Path, env: dict | None = None) ->
     that command would run, with its exit code and output, but in a fork of one interpreter that imported torch
     first: one start-up for all instead of seconds each. Each fork starts with no toolkit module loaded, so what
     a command imports, in which order, is what a fresh interpreter would; torch (which loads none of the toolkit)
-    is already there."""
+    is already there, so no check through it can say a command does not load torch. Unlike a process of its own:
+    non-daemon threads are not waited for at the end, an uncaught KeyboardInterrupt exits 1, and a `-c` command's
+    `import __main__` is the harness's."""
     import json  # noqa: PLC0415
     proc = subprocess.run([sys.executable, "-c", _FORKED, json.dumps(commands)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)

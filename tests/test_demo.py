@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
+from tests.helpers import run_forked
 from tools import demo
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_demo_imports_without_a_warning():
+    """What `python -m tools.demo` prints while importing (torch's import, and the toolkit's and its libraries'),
+    which the in-process run below cannot see: no warning."""
+    (done,) = run_forked([["-c", "import tools.demo"]], REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Warning" not in done.stderr, done.stderr[:3000]
 
 
 def test_the_demo_report_holds_all_it_ran(tmp_path, capfd):
