@@ -77,10 +77,10 @@ class CacheEntry:
     """Arrays on disk (CLIP's text heads) in `cache_dir`, in a folder named by `key`, a digest of their inputs'
     content; `meta` (JSON) says what they were made from and must match on reading.
 
-    `load` gives None on a miss, and on a broken or foreign entry (with a warning); `save` writes through
-    `temporary_entry` and `publish`, so an error, Ctrl-C or SIGTERM leaves no half entry, and `load` removes what a
-    killed process left. `save` replaces only an entry its `load` found broken (renamed away, then deleted); one
-    that another process wrote after this one missed is kept."""
+    `load` gives None on a miss, and on a broken or foreign entry (with a warning), and marks a hit used
+    (`mark_used`); `save` writes through `temporary_entry` and `publish`, so an error, Ctrl-C or SIGTERM leaves no
+    half entry, and `load` removes what a killed process left. `save` replaces only an entry its `load` found broken
+    (renamed away, then deleted); one that another process wrote after this one missed is kept."""
 
     def __init__(self, cache_dir: Path | None, key: str, meta: dict, what: str):
         self.folder = Path(cache_dir) / key if cache_dir is not None else None
@@ -104,6 +104,7 @@ class CacheEntry:
             self.broken = True
             return None
         log.info("%s read from the cache %s", self.what, self.folder)
+        mark_used(self.folder)  # for `python -m tools.data cache --max-size`, which removes the least recently used
         return arrays
 
     def save(self, arrays: dict[str, np.ndarray]) -> None:

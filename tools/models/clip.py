@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from tools.data.store import CacheEntry, default_cache_dir, mark_used
+from tools.data.store import CacheEntry, default_cache_dir
 from tools.errors import UserError, first_line, optional_module
 from tools.data.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
@@ -298,7 +298,6 @@ def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, cl
     cache = CacheEntry(default_cache_dir() / HEAD_CACHE_FOLDER, key, meta, what="CLIP text head")
     cached = cache.load(["head"])
     if cached is not None:
-        mark_used(cache.folder)  # for `python -m tools.data cache --max-size`, which removes the least recently used
         return torch.from_numpy(cached["head"])
     log.info("encoding the %d prompts of clip:%s's %s head on %s", len(texts), parsed.arch, parsed.head.value, device)
     try:
