@@ -372,10 +372,12 @@ def run_all(args) -> dict:
     report["total_s"] = time.perf_counter() - began
     for key, value in report["ratios"].items():
         print(f"ratio {key}: {value:.3f}")
+    from bench_train import RECIPE_EPOCHS, RECIPE_IMAGES  # noqa: PLC0415
     train = report["parts"].get("train", {})
     for method, minutes in train.get("recipe_minutes", {}).items() if not args.small else ():
-        print(f"train {method}: the Mixed-Rand recipe's steps (45,000 images, 30 epochs) projected at {minutes:.1f} "
-              f"min ({train['arch']}, {train['precision']}, batch {train['batch_size']}, {train['device']})")
+        print(f"train {method}: the Mixed-Rand recipe's steps ({RECIPE_IMAGES:,} images, {RECIPE_EPOCHS} epochs) "
+              f"projected at {minutes:.1f} min ({train['arch']}, {train['precision']}, batch {train['batch_size']}, "
+              f"{train['device']})")
     return report
 
 

@@ -74,9 +74,7 @@ def test_gpu_command_runs_small_on_the_cpu(tmp_path, capsys):
 def test_gpu_command_ratios_take_every_part_that_ran():
     """The ratios: each pipeline's against its model, train.py's per method, compiled against eager; none from a
     part that failed or was skipped."""
-    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH / "gpu.py")
-    gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu)
+    gpu = load_gpu_module()
     parts = {"in9-bf16": {"status": "ok", "ratio": 0.5, "cached_ratio": 0.75},
              "challenge-eval": {"status": "ok", "times_ideal": 1.5},
              "challenge-full": {"status": "timed out"},
