@@ -98,8 +98,8 @@ def _cpu_batches(config: TrainConfig, steps: int) -> tuple[StepSampler, list[dic
     return sampler, list(itertools.islice(make_loader(data, config, sampler, False, store), steps))
 
 
-def _meta_steps(name: str, data, out) -> set[str]:
-    """Three steps of SETTINGS[name] on the meta device, batches gathered on the CPU; the ops they ran."""
+def _meta_steps(name: str, data, out) -> RecordsReads:
+    """Three steps of SETTINGS[name] on the meta device, batches gathered on the CPU; what they ran and read."""
     config = TrainConfig(data, out, arch=SMALL_CNN, weights="none", batch_size=BATCH, lr=0.01, epochs=2,
                          device="cpu", workers=0, progress=False, **SETTINGS[name])
     sampler, batches = _cpu_batches(config, 3)
