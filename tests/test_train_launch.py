@@ -9,6 +9,7 @@ Not seen by either: a copy from unpinned host memory (which can wait on CUDA), k
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from tests.test_device_loop import SYNCS, RecordsOps
 from tools.in9 import IN9_MEAN, IN9_STD
+from tools.provenance import TRAINING_LOG
 from tools.models.architectures import SMALL_CNN, build_architecture
 from tools.runtime import Runtime
 from tools.training import loop, resample
@@ -188,6 +190,10 @@ def test_the_loop_reads_the_device_only_to_log_and_save(methods, tiny, tmp_path,
     assert between.batches == 6 and "aten::convolution_backward" in between.ops
     assert not between.ops & SYNCS, between.ops & SYNCS
     assert not between.reads, between.reads
+    # each epoch's end is timed once its steps are read back (bench_train's mean ends there): after its steps
+    lines = [json.loads(line) for line in (tmp_path / TRAINING_LOG).read_text().splitlines()]
+    ends = [i for i, line in enumerate(lines) if line.get("event") == "epoch_end"]
+    assert len(ends) == 2 and all(lines[i]["time_s"] >= lines[i - 1]["time_s"] > 0 for i in ends)
 
 
 @pytest.mark.parametrize("read", ["item", "cpu-numpy", "tolist", "mask"])
