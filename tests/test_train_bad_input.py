@@ -126,7 +126,7 @@ def test_contradictory_or_impossible_settings(args, words, data, fails):
 def test_a_torchscript_start_cannot_be_rebuilt(data, tmp_path, fails):
     path = tmp_path / "model.ts"
     save_torchscript(SmallCNN(9), path)
-    line = fails("--data-path", data, "--checkpoint", path)
+    line = fails("--data-path", data, "--checkpoint", path, "--trust-checkpoint")
     assert "cannot be rebuilt for training" in line
 
 
