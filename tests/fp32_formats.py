@@ -87,7 +87,7 @@ def fp32_logits(net: nn.Module, kind: str, runtime: Runtime, folder: Path, x: to
     if kind == "eager":
         model = runtime.prepare(copy.deepcopy(net))
     else:
-        loaded = load_model(checkpoint=save_program(net, kind, folder), runtime=runtime)
+        loaded = load_model(checkpoint=save_program(net, kind, folder), runtime=runtime, trust=kind != "export")
         model = runtime.prepare(next(m for m in loaded.model.modules() if isinstance(m, Program)))
     return Forward(model, runtime, chunk=len(x))(runtime.to_device(x)).cpu()
 

@@ -302,7 +302,8 @@ def html_runs(dataset, color_ts, out: Path) -> tuple[Path, dict]:
     from tools.results.html import write_html  # noqa: PLC0415
     from tools.results.reading import load_inputs  # noqa: PLC0415
 
-    common = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--in9", "--device", "cpu",
+    common = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--trust-checkpoint", "--in9",
+              "--device", "cpu",
               "--log-level", "WARNING", "--workers", "1"]
     run_command(in9_eval.main, ["--eval-dataset", "all", "--categories", "--results-file", str(out / "in9.json"),
                                 "--html", str(out / "in9.html"), "--output-dir", str(out / "in9_state"), *common])

@@ -57,7 +57,8 @@ def cnn(tmp_path_factory):
 def scripts(dataset, cnn, tmp_path_factory):
     """in9_eval.py --eval-dataset all and challenge_eval.py --full on the CNN's file: their output folders."""
     folder = tmp_path_factory.mktemp("scripts")
-    common = ["--data-path", str(dataset.root), "--checkpoint", str(cnn[1]), "--device", "cpu", "--no-progress",
+    common = ["--data-path", str(dataset.root), "--checkpoint", str(cnn[1]), "--trust-checkpoint", "--device", "cpu",
+              "--no-progress",
               "--batch-size", str(BATCH), "--workers", "1", "--log-level", "WARNING"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -127,7 +128,7 @@ def test_a_module_gives_what_the_scripts_give(dataset, cnn, scripts, tmp_path, o
 
 
 def test_a_model_name_gives_what_the_scripts_give(dataset, cnn, scripts, one_thread):
-    result = benchmark(f"file:{cnn[1]}", dataset.root, full=True, **quick())
+    result = benchmark(f"file:{cnn[1]}", dataset.root, full=True, trust_checkpoint=True, **quick())
     in9_script = json.loads((scripts / "in9.json").read_text())
     assert result.in9 == in9_script  # the same file, so the same provenance too
     challenge_script = json.loads((scripts / "challenge.json").read_text())
@@ -207,7 +208,7 @@ def _benchmark_in_a_group(root, model_path, output_dir):
     """What one of torchrun's processes does: join the group, then call benchmark as in one process."""
     from tools import distributed  # noqa: PLC0415
     distributed.setup(torch.device("cpu"))
-    result = benchmark(f"file:{model_path}", root, output_dir=output_dir, **quick())
+    result = benchmark(f"file:{model_path}", root, output_dir=output_dir, trust_checkpoint=True, **quick())
     return json.dumps({"in9": result.in9, "challenge": without(result.challenge, TIMING_KEYS),
                        "files": sorted(result.files)})
 

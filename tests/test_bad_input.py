@@ -69,7 +69,7 @@ def data(dataset, tmp_path) -> Path:
 
 
 def eval_all(data_root: Path, color_ts) -> list:
-    return ["--data-path", data_root, "--eval-dataset", "all", "--checkpoint", color_ts[9]]
+    return ["--data-path", data_root, "--eval-dataset", "all", "--checkpoint", color_ts[9], "--trust-checkpoint"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def eval_all(data_root: Path, color_ts) -> list:
 
 def test_data_path_missing_as_a_script(tmp_path, color_ts):
     missing = tmp_path / "nowhere"
-    line = run_script("--data-path", missing, "--checkpoint", color_ts[9], "--device", "cpu",
+    line = run_script("--data-path", missing, "--checkpoint", color_ts[9], "--trust-checkpoint", "--device", "cpu",
                       "--output-dir", tmp_path / "out")
     assert mentions(line, f"data path {missing} does not exist", "--data-path")
 
@@ -90,7 +90,7 @@ def test_variation_missing(run, data, color_ts):
 
 def test_variation_missing_when_asked_for_alone(run, data, color_ts):
     shutil.rmtree(data / "only_fg")
-    line = run("--data-path", data, "--eval-dataset", "only_fg", "--checkpoint", color_ts[9])
+    line = run("--data-path", data, "--eval-dataset", "only_fg", "--checkpoint", color_ts[9], "--trust-checkpoint")
     assert mentions(line, "only_fg", "missing")
 
 
@@ -170,7 +170,7 @@ class Linear10(nn.Module):
 def test_torchscript_with_ten_classes(run, dataset, tmp_path):
     path = tmp_path / "ten.ts"
     save_torchscript(Linear10(), path)
-    line = run("--data-path", dataset.root, "--checkpoint", path)
+    line = run("--data-path", dataset.root, "--checkpoint", path, "--trust-checkpoint")
     assert line == (f"error: the model in {path} has 10 classes; the toolkit evaluates 9-class (IN-9) or "
                     f"1000-class (ImageNet) models")
 
@@ -183,7 +183,7 @@ def test_state_dict_with_ten_classes(run, dataset, tmp_path):
 
 
 def test_thousand_classes_with_in9(run, dataset, color_ts):
-    line = run("--data-path", dataset.root, "--checkpoint", color_ts[1000], "--in9")
+    line = run("--data-path", dataset.root, "--checkpoint", color_ts[1000], "--trust-checkpoint", "--in9")
     assert line == (f"error: --in9 says a 9-class model, but the model in {color_ts[1000]} has 1000 classes; "
                     f"drop --in9 or pass the 9-class checkpoint")
 
@@ -270,14 +270,16 @@ def test_pretrained_weights_offline(run, dataset, tmp_path, monkeypatch):
     ("banana", "error: unknown device 'banana'; use cuda, cuda:N, mps or cpu"),
 ])
 def test_unavailable_device(device, message, run, dataset, color_ts):
-    line = run("--data-path", dataset.root, "--checkpoint", color_ts[9], "--device", device)
+    line = run("--data-path", dataset.root, "--checkpoint", color_ts[9], "--trust-checkpoint", "--device", device)
     assert line.startswith(message)
 
 
 @pytest.mark.parametrize("flag", ["--batch-size", "--workers"])
-def test_non_positive_counts(flag, run, dataset, color_ts):
-    line = run("--data-path", dataset.root, "--checkpoint", color_ts[9], flag, "0")
-    assert line == f"error: {flag} must be at least 1, not 0"
+def test_non_positive_counts(flag, dataset, color_ts, capsys):
+    with pytest.raises(SystemExit) as exc:  # refused by the flag's parser type, before anything runs
+        in9_eval.main(["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), flag, "0"])
+    line = check_error(exc.value.code, *capsys.readouterr())
+    assert line.startswith(f"error: argument {flag}: '0' is not a whole number")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -287,11 +289,12 @@ def test_data_path_defaults_to_the_environment_then_data_bg_challenge(run, datas
                                                                       capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("BG_CHALLENGE_DATA", raising=False)
-    line = run("--checkpoint", color_ts[9])
+    line = run("--checkpoint", color_ts[9], "--trust-checkpoint")
     assert mentions(line, "data/bg_challenge", "$BG_CHALLENGE_DATA", "--data-path",
                     "python -m tools.data fetch --data-path data/bg_challenge")
     monkeypatch.setenv("BG_CHALLENGE_DATA", str(dataset.root))
-    argv = ["--checkpoint", str(color_ts[9]), "--device", "cpu", "--output-dir", str(tmp_path / "o"),
+    argv = ["--checkpoint", str(color_ts[9]), "--trust-checkpoint", "--device", "cpu", "--output-dir",
+            str(tmp_path / "o"),
             "--no-progress", "--log-level", "WARNING"]
     assert in9_eval.main(argv) == 0
     assert capsys.readouterr().out.startswith("Accuracy on original is ")
@@ -336,7 +339,8 @@ def test_bad_data_is_reported_before_any_model_is_built(script, breakage, data, 
 def test_results_files_follow_the_umask(dataset, color_ts, tmp_path, capsys):
     previous = os.umask(0o022)
     try:
-        argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--device", "cpu",
+        argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--trust-checkpoint", "--device",
+                "cpu",
                 "--output-dir", str(tmp_path / "o"), "--results-file", str(tmp_path / "r.json"), "--no-progress",
                 "--log-level", "WARNING"]
         assert in9_eval.main(argv) == 0
@@ -347,7 +351,8 @@ def test_results_files_follow_the_umask(dataset, color_ts, tmp_path, capsys):
 
 
 def test_arch_ignored_for_a_torchscript_file_is_said_once(dataset, color_ts, tmp_path, capsys):
-    argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--arch", "resnet18", "--device",
+    argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--trust-checkpoint", "--arch",
+            "resnet18", "--device",
             "cpu", "--output-dir", str(tmp_path / "o"), "--no-progress", "--log-level", "WARNING"]
     assert in9_eval.main(argv) == 0
     err = capsys.readouterr().err
@@ -355,7 +360,7 @@ def test_arch_ignored_for_a_torchscript_file_is_said_once(dataset, color_ts, tmp
 
 
 def test_no_in9_contradicting_a_nine_class_checkpoint(run, dataset, color_ts):
-    line = run("--data-path", dataset.root, "--checkpoint", color_ts[9], "--no-in9")
+    line = run("--data-path", dataset.root, "--checkpoint", color_ts[9], "--trust-checkpoint", "--no-in9")
     assert mentions(line, "--no-in9 says a 1000-class ImageNet model", "9 classes")
 
 

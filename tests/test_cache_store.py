@@ -40,7 +40,7 @@ def data(tmp_path):
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("cache_model") / "cnn.ts"
     save_torchscript(tiny_cnn(9, seed=2), path)
-    return load_model(checkpoint=path)
+    return load_model(trust=True, checkpoint=path)
 
 
 @pytest.fixture

@@ -68,7 +68,7 @@ def references(data, models):
 
 
 def engine(path, data, tmp_path, **config):
-    loaded = load_model(checkpoint=path)
+    loaded = load_model(trust=True, checkpoint=path)
     cfg = ChallengeConfig(batch_size=config.pop("batch_size", 7), progress=False, **config)
     return run_challenge(loaded, CPU, data, cfg, output_dir=tmp_path, workers=2)
 
@@ -152,7 +152,7 @@ def interrupt_at_ninth_batch(path, data, cfg, output_dir, monkeypatch) -> None:
 
     monkeypatch.setattr(challenge.CompositePredictor, "predict_pairs", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        run_challenge(load_model(checkpoint=path), CPU, data, cfg, output_dir=output_dir, workers=2)
+        run_challenge(load_model(trust=True, checkpoint=path), CPU, data, cfg, output_dir=output_dir, workers=2)
     monkeypatch.setattr(challenge.CompositePredictor, "predict_pairs", original)
 
 
@@ -163,7 +163,8 @@ def test_resume_after_interruption_gives_the_uninterrupted_result(full, data, mo
 
     cfg = ChallengeConfig(batch_size=6, progress=False, full=full, save_every=0.0)
     interrupt_at_ninth_batch(path, data, cfg, tmp_path / "part", monkeypatch)
-    resumed = run_challenge(load_model(checkpoint=path), CPU, data, cfg, output_dir=tmp_path / "part", resume=True,
+    resumed = run_challenge(load_model(trust=True, checkpoint=path), CPU, data, cfg, output_dir=tmp_path / "part",
+                            resume=True,
                             workers=2)
     assert resumed.state.verdict.tolist() == whole.state.verdict.tolist()
     assert resumed.state.fool_bg.tolist() == whole.state.fool_bg.tolist()
@@ -185,7 +186,7 @@ def test_a_shared_full_run_resumes_a_single_process_state(data, models, tmp_path
     pending = challenge.SearchState.load(tmp_path / "part" / challenge.STATE_NAME, whole.key).pending
     assert len(pending) == 6 * IN_FLIGHT  # the batches in flight
     shared = Runtime(torch.device("cpu"), group=ProcessGroup(rank=0, world_size=2))
-    resumed = run_challenge(load_model(checkpoint=path), shared, data, cfg, output_dir=tmp_path / "part",
+    resumed = run_challenge(load_model(trust=True, checkpoint=path), shared, data, cfg, output_dir=tmp_path / "part",
                             resume=True, workers=2)
     rows = np.array_split(np.arange(len(whole.state.verdict)), 2)[0]
     assert np.array_equal(resumed.state.matrix[rows], whole.state.matrix[rows])
@@ -193,7 +194,7 @@ def test_a_shared_full_run_resumes_a_single_process_state(data, models, tmp_path
 
 def test_resume_refuses_another_runs_state(data, models, tmp_path):
     engine(models["color9"][1], data, tmp_path)
-    loaded = load_model(checkpoint=models["cnn9"][1])
+    loaded = load_model(trust=True, checkpoint=models["cnn9"][1])
     with pytest.raises(Exception, match="belongs to another run"):
         run_challenge(loaded, CPU, data, ChallengeConfig(progress=False), output_dir=tmp_path, resume=True)
 
@@ -202,7 +203,7 @@ def test_resume_refuses_a_state_saved_at_another_batch_size(data, models, tmp_pa
     """Rows computed at another batch shape may differ in the last bits: such a state is another run's."""
     engine(models["color9"][1], data, tmp_path, batch_size=6)
     with pytest.raises(Exception, match="belongs to another run"):
-        run_challenge(load_model(checkpoint=models["color9"][1]), CPU, data,
+        run_challenge(load_model(trust=True, checkpoint=models["color9"][1]), CPU, data,
                       ChallengeConfig(batch_size=8, progress=False), output_dir=tmp_path, resume=True)
 
 
@@ -212,7 +213,7 @@ def test_the_cpu_default_batch_size_is_fixed_not_timed(data, models, tmp_path, m
     from tools.runtime import CPU_BATCH_SIZE, Forward  # noqa: PLC0415
     shapes, run = set(), Forward._run
     monkeypatch.setattr(Forward, "_run", lambda self, piece, rows: shapes.add(self.chunk) or run(self, piece, rows))
-    result = run_challenge(load_model(checkpoint=models["color9"][1]), CPU, data,
+    result = run_challenge(load_model(trust=True, checkpoint=models["color9"][1]), CPU, data,
                            ChallengeConfig(batch_size=None, progress=False), output_dir=tmp_path, workers=2)
     assert shapes == {CPU_BATCH_SIZE}
     assert result.provenance["batch_size"] == CPU_BATCH_SIZE
@@ -247,7 +248,7 @@ def test_command_line_prints_the_original_summary(name, data, models, references
     torchrun, and compares what it prints)."""
     matrix, fg_labels, bg_labels = references[name]
     expected = reference_verdicts(matrix, fg_labels, bg_labels, "any")
-    args = ["--data-path", str(data), "--checkpoint", str(models[name][1]),
+    args = ["--data-path", str(data), "--checkpoint", str(models[name][1]), "--trust-checkpoint",
             "--device", "cpu", "--output-dir", str(tmp_path), "--no-progress", "--cache-dir", str(tmp_path / "cache"),
             "--results-file", str(tmp_path / "r.json"), "--per-foreground-csv", str(tmp_path / "fg.csv")]
     if name == "color9":
@@ -272,7 +273,7 @@ def test_kill_9_then_resume(data, tmp_path, capsys):
     the resumed one in this process: only the killed run needs a process of its own)."""
     slow = tmp_path / "slow.ts"
     save_torchscript(synthetic.ColorEvidenceModel(9, trunk_width=24, trunk_scale=1e-4), slow)
-    base = ["--data-path", str(data), "--checkpoint", str(slow), "--device", "cpu",
+    base = ["--data-path", str(data), "--checkpoint", str(slow), "--trust-checkpoint", "--device", "cpu",
             "--no-progress", "--no-cache", "--batch-size", "4", "--save-every", "0", "--workers", "1"]
     uninterrupted = ["--output-dir", str(tmp_path / "whole"), "--per-foreground-csv", str(tmp_path / "whole.csv")]
     code, whole, _ = run_in_process(challenge_eval.main, base + uninterrupted, capsys)
@@ -311,7 +312,8 @@ def run_cli(capsys):
     """challenge_eval's main, in process (a subprocess per error case would cost seconds each)."""
 
     def run(data: Path, model: Path, tmp_path: Path) -> _Finished:
-        argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", "--no-cache",
+        argv = ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint", "--device", "cpu",
+                "--no-progress", "--no-cache",
                 "--output-dir", str(tmp_path / "out")]
         code = challenge_eval.main(argv)
         return _Finished(code, capsys.readouterr().err)

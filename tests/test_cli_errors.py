@@ -23,7 +23,7 @@ MISTAKES = [
     ("bgc-in9", ["--precision", "fp61"], "did you mean fp16?"),
     ("bgc-in9", ["--normalize", "imagenett"], "did you mean imagenet?"),
     ("bgc-in9", ["--log-level", "DEBUH"], "did you mean DEBUG?"),
-    ("bgc-in9", ["--batch-size", "many"], "invalid int value: 'many'"),
+    ("bgc-in9", ["--batch-size", "many"], "argument --batch-size: 'many' is not a whole number of at least 1"),
     ("bgc-challenge", ["--criterion", "bg-clas"], "did you mean bg-class?"),
     ("bgc-challenge", ["--mask-arithmetic", "binry"], "did you mean binary?"),
     ("bgc-challenge", ["--precision", "bf61"], "did you mean bf16?"),
@@ -46,7 +46,7 @@ MISTAKES = [
     ("bgc-merge", [], "the following arguments are required: DIR"),
     ("bgc-report", ["--log-level", "WARN"], "did you mean WARNING?"),
     ("bgc-analysis", [], "the following arguments are required: OUTPUT_DIR"),
-    ("bgc-demo", ["--per-class", "ten"], "invalid int value: 'ten'"),
+    ("bgc-demo", ["--per-class", "ten"], "argument --per-class: 'ten' is not a whole number from 1 to 1000"),
     ("bgc-demo", ["--outt", "x"], "unrecognized arguments: --outt x; did you mean --out?"),
     # the case a user typed is not a near miss of its own: upper-case choices and flags get their suggestion
     ("bgc-challenge", ["--criterion", "ANY"], "did you mean any?"),

@@ -114,7 +114,8 @@ def test_a_cuda_copy_goes_through_pinned_memory_and_does_not_wait(copies):
 
 def test_the_challenge_index_copies_go_through_pinned_memory(copies, dataset, color_ts):
     data = load_challenge_data(dataset.root, workers=1, progress=False)
-    predictor = CompositePredictor(load_model(checkpoint=color_ts[9]), Runtime(torch.device("cpu")), data, 8)
+    loaded = load_model(checkpoint=color_ts[9], trust=True)  # TorchScript: code, trusted
+    predictor = CompositePredictor(loaded, Runtime(torch.device("cpu")), data, 8)
     expected = predictor.predict_pairs(np.array([[0, 1], [2, 0], [1, 3]], dtype=np.int64))[0]
     predictor.runtime = Runtime(torch.device("cuda"))  # data and model stay on the CPU: only the copies are seen
     pairs = np.array([[0, 1], [2, 0], [1, 3]], dtype=np.int64)

@@ -42,12 +42,14 @@ def truncate(path: Path) -> None:
 
 
 def challenge(capsys, data, model, *args):
-    argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", *map(str, args)]
+    argv = ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint", "--device", "cpu",
+            "--no-progress", *map(str, args)]
     return run_in_process(challenge_eval.main, argv, capsys)
 
 
 def in9(capsys, data, model, *args):
-    argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", *map(str, args)]
+    argv = ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint", "--device", "cpu",
+            "--no-progress", *map(str, args)]
     return run_in_process(in9_eval.main, argv, capsys)
 
 

@@ -441,7 +441,8 @@ def test_a_built_dataset_runs_through_both_scripts(inputs, tmp_path, capsys, col
                              "--masks", str(inputs.masks), "--no-progress"], capsys)
     assert code == 0, err
     model = synthetic.ColorEvidenceModel(9).eval()  # what color_ts[9] holds
-    common = ["--data-path", str(out), "--checkpoint", str(color_ts[9]), "--device", "cpu", "--no-progress",
+    common = ["--data-path", str(out), "--checkpoint", str(color_ts[9]), "--trust-checkpoint", "--device", "cpu",
+              "--no-progress",
               "--output-dir", str(tmp_path / "runs")]
     code = in9_eval.main(["--eval-dataset", "all", *common])
     stdout = capsys.readouterr().out

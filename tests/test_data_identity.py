@@ -80,7 +80,8 @@ def change(data: Path, what: str) -> Path:
 
 
 def challenge(capsys, data: Path, model: Path, out: Path, *extra: str):
-    argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", "--full",
+    argv = ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint", "--device", "cpu",
+            "--no-progress", "--full",
             "--output-dir", str(out), "--results-file", str(out / "results.json"), "--log-level", "WARNING", *extra]
     code, stdout, err = run_in_process(challenge_eval.main,
                                        argv, capsys)
@@ -88,7 +89,8 @@ def challenge(capsys, data: Path, model: Path, out: Path, *extra: str):
 
 
 def in9(capsys, data: Path, model: Path, out: Path, *extra: str):
-    argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress",
+    argv = ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint", "--device", "cpu",
+            "--no-progress",
             "--eval-dataset", "all", "--output-dir", str(out), "--results-file", str(out / "results.json"),
             "--log-level", "WARNING", *extra]
     return run_in_process(in9_eval.main, argv, capsys)

@@ -256,7 +256,7 @@ def spoil_every_file(root) -> None:
 
 def test_in9_decodes_the_bytes_it_hashed(small_data, color_ts):
     """Each file is read once, when hashed: rewriting them all after listing changes nothing in the run."""
-    loaded = load_model(checkpoint=color_ts[9])
+    loaded = load_model(checkpoint=color_ts[9], trust=True)
     config = In9Config(batch_size=7, workers=2, progress=False)
     expected = run_in9(loaded, CPU, list_in9_files(small_data, VARIATIONS, 2), config)
     files = list_in9_files(small_data, VARIATIONS, 2)

@@ -143,7 +143,8 @@ def hidden(tmp_path_factory):
 
 
 def script_argv(dataset, model, out, *extra) -> list[str]:
-    return ["--data-path", str(dataset.root), "--checkpoint", str(model), "--device", "cpu", "--no-progress",
+    return ["--data-path", str(dataset.root), "--checkpoint", str(model), "--trust-checkpoint", "--device", "cpu",
+            "--no-progress",
             "--output-dir", str(out), "--results-file", str(out / "results.json"), "--log-level", "WARNING", *extra]
 
 

@@ -80,7 +80,7 @@ def results(out: Path) -> dict:
 @pytest.mark.parametrize("model,full", [("color", False), ("cnn", True)])  # robust and vulnerable; every pair
 def test_challenge_two_processes_equal_one(model, full, setup, tmp_path, capsys, monkeypatch, one_thread):
     data, models = setup
-    args = ["--data-path", data, "--checkpoint", models[model], "--no-cache", "--batch-size", 5]
+    args = ["--data-path", data, "--checkpoint", models[model], "--trust-checkpoint", "--no-cache", "--batch-size", 5]
     if full:
         args += ["--full", "--analysis"]
     outputs = {}
@@ -104,7 +104,8 @@ def test_challenge_two_processes_equal_one(model, full, setup, tmp_path, capsys,
 
 def test_in9_two_processes_equal_one(setup, tmp_path, capsys, monkeypatch, one_thread):
     data, models = setup
-    args = ["--data-path", data, "--checkpoint", models["cnn"], "--eval-dataset", "all", "--categories",
+    args = ["--data-path", data, "--checkpoint", models["cnn"], "--trust-checkpoint", "--eval-dataset", "all",
+            "--categories",
             "--batch-size", 5]
     one = run_here(in9_eval.main, flags(tmp_path / "n1", *args), capsys, monkeypatch)
     two = run("in9_eval.py", tmp_path / "n2", 2, *args)
@@ -117,8 +118,9 @@ def test_zoo_two_processes_equal_one(setup, tmp_path, capsys, monkeypatch, one_t
     outputs = []
     for n in (1, 2):
         out = tmp_path / f"zoo{n}"
-        argv = ["--models", f"file:{models['color']}", "--data-path", str(data), "--device", "cpu", "--no-progress",
-                "--no-cache", "--batch-size", "5", "--output-dir", str(out), "--log-level", "WARNING"]
+        argv = ["--models", f"file:{models['color']}", "--trust-checkpoint", "--data-path", str(data), "--device",
+                "cpu", "--no-progress", "--no-cache", "--batch-size", "5", "--output-dir", str(out), "--log-level",
+                "WARNING"]
         if n == 1:
             run_here(zoo.main, argv, capsys, monkeypatch)
         else:
@@ -262,7 +264,7 @@ def test_zoo_failure_in_one_process_fails_the_model_in_every_process(setup, tmp_
         shutil.copyfile(models["color"], tmp_path / f"color-{word}.ts")
         specs[word] = f"file:{tmp_path / f'color-{word}.ts'}"
     common = ["--data-path", str(data), "--device", "cpu", "--no-progress", "--no-cache", "--batch-size", "5",
-              "--log-level", "WARNING", "--no-leaderboard", "--output-dir", str(tmp_path / "zoo")]
+              "--log-level", "WARNING", "--no-leaderboard", "--output-dir", str(tmp_path / "zoo"), "--trust-checkpoint"]
     code, _, err = run_in_process(zoo.main, [*common, "--models", specs["done-before"]], capsys)
     assert code == 0, err
     # no second attempt (collective_guard.launch): a rerun would find the first attempt's results in --output-dir
@@ -321,6 +323,7 @@ def _command(name: str, data: Path, model: Path, tmp_path: Path):
     import train  # noqa: PLC0415
     common = ["--data-path", str(data), "--device", "cpu", "--no-progress", "--log-level", "WARNING",
               "--output-dir", str(tmp_path / name)]
+    common = [*common, "--trust-checkpoint"]  # the model is TorchScript
     return {"in9_eval": (in9_eval.main, [*common, "--checkpoint", str(model)]),
             "challenge_eval": (challenge_eval.main, [*common, "--checkpoint", str(model), "--no-cache"]),
             "zoo": (zoo.main, [*common, "--models", f"file:{model}", "--no-cache"]),
@@ -431,7 +434,7 @@ def _challenge(data: Path, checkpoint: Path, output_dir: Path, full: bool, resum
     from tools.challenge import ChallengeConfig, run_challenge  # noqa: PLC0415
     from tools.models.sources import load_model  # noqa: PLC0415
     config = ChallengeConfig(batch_size=5 if full else 2, full=full, save_every=0.0, progress=False)
-    return run_challenge(load_model(checkpoint=checkpoint), runtime, data, config, output_dir=output_dir,
+    return run_challenge(load_model(trust=True, checkpoint=checkpoint), runtime, data, config, output_dir=output_dir,
                          resume=resume, workers=1)
 
 

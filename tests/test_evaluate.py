@@ -152,7 +152,8 @@ def run_cli(args) -> tuple[int, str, str]:
 
 def eval_args(dataset, model: Model, out_dir: Path, *extra) -> list:
     in9 = ["--in9"] if model.num_classes == 9 else []
-    return ["--data-path", dataset.root, "--eval-dataset", "all", "--checkpoint", model.path, *in9,
+    return ["--data-path", dataset.root, "--eval-dataset", "all", "--checkpoint", model.path, "--trust-checkpoint",
+            *in9,
             "--device", "cpu", "--output-dir", out_dir, "--results-file", out_dir / "results.json",
             "--no-progress", *extra]
 
@@ -317,7 +318,7 @@ def test_two_runs_give_identical_results(script_runs, tmp_path):
                                                               (1000, 1, False)])
 def test_batch_sizes_give_the_same_predictions(batch_size, workers, channels_last, models, dataset, references):
     """Batches that straddle variations, end part-full, or hold everything: the same predictions."""
-    loaded = load_model(checkpoint=models["cnn9"].path)
+    loaded = load_model(trust=True, checkpoint=models["cnn9"].path)
     runtime = Runtime(torch.device("cpu"), channels_last=channels_last)
     results = evaluate_variations(loaded, runtime, dataset.root, VARIATIONS, batch_size, workers, progress=False)
     for variation in VARIATIONS:
@@ -329,7 +330,7 @@ def test_either_decoder_gives_the_references_results(decoder, models, dataset, r
     """In fp32, torchvision's decoder and Pillow's give the brute-force (Pillow) reference's predictions, and the
     run names its decoder in the provenance."""
     files = dataclasses.replace(list_in9_files(dataset.root, VARIATIONS, 2), decoder=decoder)
-    loaded = load_model(checkpoint=models["cnn1000"].path)
+    loaded = load_model(trust=True, checkpoint=models["cnn1000"].path)
     run = run_in9(loaded, Runtime(torch.device("cpu")), files, In9Config(batch_size=11, workers=2, progress=False))
     for variation in VARIATIONS:
         assert run.results[variation].predictions.tolist() == references("cnn1000")[variation].predictions
@@ -342,7 +343,7 @@ def test_torch_export_program_gives_the_same_predictions(models, dataset, refere
     program = torch.export.export(models["cnn9"].module, (torch.zeros(2, 3, 224, 224),),
                                   dynamic_shapes=({0: torch.export.Dim("batch")},))
     torch.export.save(program, path)
-    loaded = load_model(checkpoint=path)
+    loaded = load_model(trust=True, checkpoint=path)
     results = evaluate_variations(loaded, Runtime(torch.device("cpu")), dataset.root, VARIATIONS, 7, 2,
                                   progress=False)
     for variation in VARIATIONS:
@@ -418,7 +419,7 @@ def test_corner_model_answers_follow_from_the_manifest(dataset, tmp_path):
     path = tmp_path / "corner.ts"
     save_torchscript(CornerLookupModel(dataset.root), path)
     out_dir = tmp_path / "out"
-    args = ["--data-path", dataset.root, "--eval-dataset", "all", "--checkpoint", path, "--in9",
+    args = ["--data-path", dataset.root, "--eval-dataset", "all", "--checkpoint", path, "--trust-checkpoint", "--in9",
             "--normalize", "none", "--device", "cpu", "--output-dir", out_dir, "--results-file",
             out_dir / "results.json", "--batch-size", "16", "--no-progress"]
     code, out, err = run_cli(args)

@@ -23,6 +23,11 @@ from tools.runtime import Precision, Runtime
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+def program(path):
+    """The TorchScript file's model (TorchScript is code: trusted)."""
+    return load_model(checkpoint=path, trust=True)
+
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpu") / "color.ts"
@@ -32,9 +37,9 @@ def model_path(tmp_path_factory):
 
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_in9_predictions_match_the_cpu(dataset, model_path, channels_last):
-    loaded = load_model(checkpoint=model_path)
+    loaded = program(model_path)
     cpu = evaluate_variations(loaded, Runtime(torch.device("cpu")), dataset.root, VARIATIONS, 16, 2, progress=False)
-    gpu = evaluate_variations(load_model(checkpoint=model_path), Runtime(torch.device("cuda"), channels_last=channels_last),
+    gpu = evaluate_variations(program(model_path), Runtime(torch.device("cuda"), channels_last=channels_last),
                               dataset.root, VARIATIONS, 16, 2, progress=False)
     for name in VARIATIONS:
         assert np.array_equal(cpu[name].predictions, gpu[name].predictions), name
@@ -42,18 +47,18 @@ def test_in9_predictions_match_the_cpu(dataset, model_path, channels_last):
 
 def test_challenge_verdicts_match_the_cpu(dataset, model_path, tmp_path):
     config = ChallengeConfig(batch_size=32, progress=False)
-    cpu = run_challenge(load_model(checkpoint=model_path), Runtime(torch.device("cpu")), dataset.root, config,
+    cpu = run_challenge(program(model_path), Runtime(torch.device("cpu")), dataset.root, config,
                         output_dir=tmp_path / "cpu")
-    gpu = run_challenge(load_model(checkpoint=model_path), Runtime(torch.device("cuda")), dataset.root, config,
+    gpu = run_challenge(program(model_path), Runtime(torch.device("cuda")), dataset.root, config,
                         output_dir=tmp_path / "gpu")
     assert cpu.state.verdict.tolist() == gpu.state.verdict.tolist()
 
 
 @pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP16, Precision.TF32])
 def test_reduced_precision_with_recheck_gives_fp32_verdicts(dataset, model_path, tmp_path, precision):
-    exact = run_challenge(load_model(checkpoint=model_path), Runtime(torch.device("cuda")), dataset.root,
+    exact = run_challenge(program(model_path), Runtime(torch.device("cuda")), dataset.root,
                           ChallengeConfig(batch_size=32, progress=False, full=True), output_dir=tmp_path / "fp32")
-    fast = run_challenge(load_model(checkpoint=model_path), Runtime(torch.device("cuda"), precision), dataset.root,
+    fast = run_challenge(program(model_path), Runtime(torch.device("cuda"), precision), dataset.root,
                          ChallengeConfig(batch_size=32, progress=False, recheck_margin=1.0), output_dir=tmp_path / "fast")
     assert fast.state.verdict.tolist() == exact.state.verdict.tolist()
     assert fast.unsure == 0
@@ -136,9 +141,9 @@ def test_fp32_logits_of_a_clip_image_tower_are_fp32(tiny_clip, tmp_path):
 def test_full_matrix_equals_the_cpu_cell_by_cell(dataset, model_path, tmp_path):
     """`--full` in fp32 on the GPU: every (foreground, background) prediction the CPU's."""
     config = ChallengeConfig(batch_size=32, progress=False, full=True)
-    cpu = run_challenge(load_model(checkpoint=model_path), Runtime(torch.device("cpu")), dataset.root, config,
+    cpu = run_challenge(program(model_path), Runtime(torch.device("cpu")), dataset.root, config,
                         output_dir=tmp_path / "cpu")
-    gpu = run_challenge(load_model(checkpoint=model_path), Runtime(torch.device("cuda")), dataset.root, config,
+    gpu = run_challenge(program(model_path), Runtime(torch.device("cuda")), dataset.root, config,
                         output_dir=tmp_path / "gpu")
     assert cpu.state.matrix is not None and cpu.state.matrix.size > 0
     assert np.array_equal(cpu.state.matrix, gpu.state.matrix)

@@ -46,7 +46,8 @@ def cnn(tmp_path_factory):
 
 
 def run(capsys, data: Path, model: Path, out: Path, *extra: str):
-    argv = ["--data-path", str(data), "--checkpoint", str(model), "--device", "cpu", "--no-progress", "--no-cache",
+    argv = ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint", "--device", "cpu",
+            "--no-progress", "--no-cache",
             "--output-dir", str(out), "--log-level", "WARNING", *extra]
     return run_in_process(challenge_eval.main,
                           argv, capsys)

@@ -179,7 +179,7 @@ def test_a_file_spec_is_the_checkpoint_source(net9, pixels, tmp_path, caplog):
     path = tmp_path / "model.ts"
     save_torchscript(net9, path)
     with caplog.at_level("WARNING"):
-        loaded = load_model(f"file:{path}")
+        loaded = load_model(f"file:{path}", trust=True)
     assert (loaded.num_classes, loaded.checkpoint_format, loaded.source) == (9, "TorchScript", str(path))
     assert torch.equal(logits_of(loaded, pixels), expected_logits(net9, pixels, (IN9_MEAN, IN9_STD)))
     assert not [r for r in caplog.records if "is ignored" in r.message]
@@ -188,7 +188,7 @@ def test_a_file_spec_is_the_checkpoint_source(net9, pixels, tmp_path, caplog):
 def test_torchscript_round_trips(net9, pixels, tmp_path):
     path = tmp_path / "model.ts"
     save_torchscript(net9, path)
-    loaded = load_model(checkpoint=path)
+    loaded = load_model(checkpoint=path, trust=True)
     assert (loaded.num_classes, loaded.checkpoint_format, loaded.arch) == (9, "TorchScript", None)
     assert torch.equal(logits_of(loaded, pixels), expected_logits(net9, pixels, (IN9_MEAN, IN9_STD)))
 

@@ -179,7 +179,8 @@ def test_a_late_write_failure_keeps_the_other_outputs(lost, dataset, color_ts, t
         return result
 
     monkeypatch.setattr(challenge_command, "run_challenge", run_then_block)
-    argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--device", "cpu", "--no-progress",
+    argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--trust-checkpoint", "--device",
+            "cpu", "--no-progress",
             "--no-cache", "--workers", "1", "--output-dir", str(tmp_path / "out"), "--per-foreground-csv",
             str(outputs["per-foreground csv"]), "--results-file", str(outputs["results file"]),
             "--log-level", "WARNING"]
@@ -206,7 +207,8 @@ def test_in9_accuracies_are_printed_when_the_results_file_cannot_be_written(data
         return run
 
     monkeypatch.setattr(in9_command, "run_in9", run_then_block)
-    argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--device", "cpu", "--no-progress",
+    argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--trust-checkpoint", "--device",
+            "cpu", "--no-progress",
             "--workers", "1", "--results-file", str(results), "--log-level", "WARNING", "--output-dir",
             str(tmp_path / "out")]
     code, out, err = run_in_process(in9_eval.main, argv, capsys)
@@ -233,7 +235,7 @@ def file_size_limit(limit: int):
 @pytest.fixture(scope="module")
 def full_run(dataset, color_ts, tmp_path_factory):
     """A --full challenge result and an in9 `all` run on the generated data."""
-    loaded = load_model(checkpoint=color_ts[9])
+    loaded = load_model(checkpoint=color_ts[9], trust=True)
     out = tmp_path_factory.mktemp("full-run")
     result = run_challenge(loaded, CPU, dataset.root, ChallengeConfig(full=True, progress=False, batch_size=64),
                            output_dir=out / "state", workers=1)
@@ -396,7 +398,8 @@ def test_sigterm_mid_challenge_keeps_the_state_and_resumes(tmp_path, capsys, one
     data = synthetic.generate(tmp_path / "bg", per_class=2, seed=3).root
     slow = tmp_path / "slow.ts"
     save_torchscript(synthetic.ColorEvidenceModel(9, trunk_width=8, trunk_scale=1e-4), slow)
-    argv = ["--data-path", str(data), "--checkpoint", str(slow), "--device", "cpu", "--no-progress", "--no-cache",
+    argv = ["--data-path", str(data), "--checkpoint", str(slow), "--trust-checkpoint", "--device", "cpu",
+            "--no-progress", "--no-cache",
             "--batch-size", "4", "--save-every", "0", "--workers", "1", "--log-level", "WARNING"]
     state = tmp_path / "stopped" / challenge.STATE_NAME
     proc = subprocess.Popen([sys.executable, "challenge_eval.py", *argv, "--output-dir", str(state.parent)],

@@ -39,7 +39,8 @@ def checkpoint(tmp_path):
 
 def command(script: str, root, checkpoint, tmp_path) -> tuple:
     main, extra = (in9_eval.main, ["--eval-dataset", "original"]) if script == "in9" else (challenge_eval.main, [])
-    return main, ["--data-path", str(root), "--checkpoint", str(checkpoint), "--device", "cpu", "--no-progress",
+    return main, ["--data-path", str(root), "--checkpoint", str(checkpoint), "--trust-checkpoint", "--device", "cpu",
+                  "--no-progress",
                   "--batch-size", "16", "--workers", "1", "--output-dir", str(tmp_path / "out"),
                   "--log-level", "WARNING", *extra]
 

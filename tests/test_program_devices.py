@@ -94,7 +94,7 @@ def test_a_traced_program_is_loaded_with_its_device_constants_on_the_runs_device
     traced = torch.jit.load(str(path))
     assert script_devices(traced) == [torch.device("cpu")]  # tracing on the CPU wrote the CPU in
     runtime = Runtime(META)
-    loaded = load_model(checkpoint=path, runtime=runtime)
+    loaded = load_model(checkpoint=path, runtime=runtime, trust=True)
     devices = script_devices(loaded.model)
     assert devices and set(devices) == {META}, devices
     model = runtime.prepare(loaded.model)
@@ -136,7 +136,7 @@ def test_a_program_traced_on_a_gpu_is_probed_and_run_on_the_runs_device(tmp_path
     save_traced(path)
     rewrite_archive(path, b'torch.device("cpu")', b'torch.device("cuda")')
     assert script_devices(torch.jit.load(str(path))) == [torch.device("cuda")]
-    loaded = load_model(checkpoint=path)
+    loaded = load_model(checkpoint=path, trust=True)
     assert set(script_devices(loaded.model)) == {torch.device("cpu")}
     images = pixels()
     with torch.inference_mode():
@@ -149,7 +149,7 @@ def test_a_program_that_names_a_device_refuses_to_be_moved_off_it(save, tmp_path
     a later `.to(other)` that would move only the weights is refused, naming the way to load it for the other."""
     path = tmp_path / "program"
     save(path)
-    loaded = load_model(checkpoint=path)
+    loaded = load_model(checkpoint=path, trust=save is save_traced)
     with pytest.raises(RuntimeError, match=r"loaded for cpu.*load it for meta"):
         Runtime(META).prepare(loaded.model)
     Runtime(torch.device("cpu")).prepare(loaded.model)  # its own device, and other conversions, stay allowed
@@ -179,7 +179,7 @@ def test_a_program_that_cannot_run_on_the_runs_device_is_one_error_line_with_the
         warnings.simplefilter("ignore")
         torch.jit.save(torch.jit.script(CallsAFunctionThatNamesADevice()), str(path))
     with pytest.raises(UserError, match=r"fails on a 3x3x224x224 input on cpu: RuntimeError: .*meta") as info:
-        load_model(checkpoint=path)
+        load_model(checkpoint=path, trust=True)
     assert "\n" not in str(info.value)
 
 
@@ -190,7 +190,7 @@ def test_a_program_made_on_the_cpu_runs_on_the_gpu(save, tmp_path):
     path = tmp_path / "program"
     save(path)
     runtime = Runtime(torch.device("cuda"))
-    model = runtime.prepare(load_model(checkpoint=path, runtime=runtime).model)
+    model = runtime.prepare(load_model(checkpoint=path, runtime=runtime, trust=save is save_traced).model)
     images = pixels()
     with torch.inference_mode():
         logits = model(runtime.to_device(images)).cpu()

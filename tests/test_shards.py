@@ -53,7 +53,8 @@ def vulnerable_column(path: Path) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("full", [True, False])
 def test_merged_challenge_shards_equal_one_run(full, setup, tmp_path, capsys):
     data, model = setup
-    common = ["--data-path", data, "--checkpoint", model, "--no-cache", "--batch-size", 5] + (["--full"] if full else [])
+    common = ["--data-path", data, "--checkpoint", model, "--trust-checkpoint", "--no-cache", "--batch-size", 5,
+              *(["--full"] if full else [])]
     for index in range(3):
         code, out, err = script(challenge_eval, capsys, *common, "--output-dir", tmp_path / "shards", "--shard",
                                 f"{index}/3")
@@ -83,7 +84,8 @@ def test_merged_challenge_shards_equal_one_run(full, setup, tmp_path, capsys):
 
 def test_merged_in9_shards_equal_one_run(setup, tmp_path, capsys):
     data, model = setup
-    common = ["--data-path", data, "--checkpoint", model, "--eval-dataset", "all", "--batch-size", 5]
+    common = ["--data-path", data, "--checkpoint", model, "--trust-checkpoint", "--eval-dataset", "all",
+              "--batch-size", 5]
     for index in range(2):
         code, out, err = script(in9_eval, capsys, *common, "--output-dir", tmp_path / f"s{index}", "--shard",
                                 f"{index}/2")
@@ -100,7 +102,7 @@ def test_merged_in9_shards_equal_one_run(setup, tmp_path, capsys):
 
 def test_merge_refuses_incomplete_or_foreign_shards(setup, tmp_path, capsys):
     data, model = setup
-    common = ["--data-path", data, "--checkpoint", model, "--eval-dataset", "only_fg"]
+    common = ["--data-path", data, "--checkpoint", model, "--trust-checkpoint", "--eval-dataset", "only_fg"]
     script(in9_eval, capsys, *common, "--output-dir", tmp_path / "a", "--shard", "0/2")
     code, _, err = run_in_process(merge.main, [str(tmp_path / "a")], capsys)
     assert code == 2 and err.splitlines()[-1].startswith("error: in9 shards of 2: missing shard(s) 1")
@@ -115,7 +117,8 @@ def test_shard_is_refused_under_torchrun(setup, tmp_path, capsys, monkeypatch):
     data, model = setup
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    code, _, err = script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--shard", "0/2",
+    code, _, err = script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--trust-checkpoint",
+                          "--shard", "0/2",
                           "--output-dir", tmp_path)
     assert code == 2 and "drop --shard" in err.splitlines()[-1]
 
@@ -130,7 +133,8 @@ def one_error_line(err: str) -> str:
 
 def challenge_shards(data, model, folder, capsys, indices=(0, 1)):
     for index in indices:
-        code, _, err = script(challenge_eval, capsys, "--data-path", data, "--checkpoint", model, "--no-cache",
+        code, _, err = script(challenge_eval, capsys, "--data-path", data, "--checkpoint", model, "--trust-checkpoint",
+                              "--no-cache",
                               "--output-dir", folder, "--shard", f"{index}/2")
         assert code == 0, err
 
@@ -150,6 +154,7 @@ def test_merge_refuses_a_challenge_shard_rerun_stopped_between_its_two_files(lef
         with monkeypatch.context() as patch:
             patch.setattr("tools.shards.write_json_atomic", killed)
             code, _, _ = script(challenge_eval, capsys, "--data-path", data, "--checkpoint", other_model,
+                                "--trust-checkpoint",
                                 "--no-cache", "--output-dir", folder, "--shard", "0/2")
         assert code == cli.EXIT_INTERRUPTED and npz.read_bytes() != old_arrays
     else:  # both shards rerun with the other model, but shard 0's arrays are the first run's
@@ -190,7 +195,8 @@ def test_a_damaged_shard_is_refused_with_one_error_line(kind, suffix, how, setup
         challenge_shards(data, model, folder, capsys)
     else:
         for index in range(2):
-            code, _, err = script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--eval-dataset",
+            code, _, err = script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--trust-checkpoint",
+                                  "--eval-dataset",
                                   "only_fg", "--output-dir", folder, "--shard", f"{index}/2")
             assert code == 0, err
     damaged = folder / f"{kind}-shard-1-of-2{suffix}"

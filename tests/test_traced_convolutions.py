@@ -75,7 +75,7 @@ def test_a_loaded_traced_program_holds_no_baked_flags_and_computes_what_eager_do
     assert sorted(baked(traced)) == ([12, 13, 13, 13] if frozen else [12, 12] + [13] * 7)
     path = tmp_path / "program.ts"
     torch.jit.save(traced, str(path))
-    loaded = load_model(checkpoint=path, runtime=Runtime(torch.device("cpu")))
+    loaded = load_model(checkpoint=path, runtime=Runtime(torch.device("cpu")), trust=True)
     program = next(m for m in loaded.model.modules() if isinstance(m, Program)).program
     assert baked(program) == []
     x = torch.rand(5, 3, 32, 32)
@@ -120,7 +120,7 @@ def test_a_convolution_behind_a_traced_function_call_is_rewritten(tmp_path):
     assert baked(traced) == [13]
     path = tmp_path / "calls.ts"
     torch.jit.save(traced, str(path))
-    loaded = load_model(checkpoint=path, runtime=Runtime(torch.device("cpu")))
+    loaded = load_model(checkpoint=path, runtime=Runtime(torch.device("cpu")), trust=True)
     program = next(m for m in loaded.model.modules() if isinstance(m, Program)).program
     assert baked(program) == []
     with torch.inference_mode():

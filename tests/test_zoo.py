@@ -52,7 +52,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def specs(checkpoints, tiny_clip):
     """(spec, script arguments for the same model) for the models that work."""
-    return {f"file:{checkpoints / 'color.ts'}": ["--checkpoint", str(checkpoints / "color.ts")],
+    return {f"file:{checkpoints / 'color.ts'}": ["--checkpoint", str(checkpoints / "color.ts"), "--trust-checkpoint"],
             f"mobilenet_v3_small@file:{checkpoints / 'mobilenet.pt'}":
                 ["--arch", "mobilenet_v3_small", "--checkpoint", str(checkpoints / "mobilenet.pt")],
             tiny_clip: ["--arch", tiny_clip]}
@@ -70,7 +70,7 @@ def run_zoo_cli(argv, capsys):
 
 def zoo_args(data, output, models):
     return ["--data-path", str(data), "--models", ",".join(models), "--output-dir", str(output), "--device", "cpu",
-            "--no-progress", "--no-cache"]
+            "--no-progress", "--no-cache", "--trust-checkpoint"]
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from tools import distributed
+from tools.cli import MAX_SEED, MAX_WORKERS
 from tools.challenge import ChallengeConfig, list_challenge_files, load_challenge_data, run_challenge
 from tools.data.store import default_cache_dir
 from tools.data.layout import check_data_root
@@ -98,8 +99,10 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         raise UserError("full=True is the challenge's whole prediction matrix: it needs challenge=True")
     if batch_size is not None and batch_size < 1:
         raise UserError(f"batch_size must be at least 1, not {batch_size}")
-    if workers is not None and workers < 1:
-        raise UserError(f"workers must be at least 1, not {workers}")
+    if workers is not None and not 1 <= workers <= MAX_WORKERS:
+        raise UserError(f"workers must be from 1 to {MAX_WORKERS}, not {workers}")
+    if not 0 <= seed <= MAX_SEED:
+        raise UserError(f"seed must be from 0 to {MAX_SEED}, not {seed}")
     cache_root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) if cache else None
     in9_config = In9Config(tuple(_variations(variations)), batch_size, progress=progress and group.is_main,
                            cache_dir=cache_root, **({} if workers is None else {"workers": workers}))

@@ -14,12 +14,12 @@ import sys
 import threading
 from typing import Callable, Iterator
 
+from tools import EXIT_INTERRUPTED, interrupted_while_loading
 from tools.errors import UserError
 
 log = logging.getLogger(__name__)
 
 EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, as a shell reports Ctrl-C
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports SIGTERM
 
 
@@ -203,17 +203,60 @@ def closest(text: str, options) -> str:
 def positive_number(unit: str) -> Callable[[str], float]:
     """An argparse type: a positive, finite number of `unit` (seconds, minutes); anything else is refused at
     parse time, naming the flag."""
+    return number(0, unit=unit, above=True)
+
+
+def number(minimum: float, maximum: float | None = None, unit: str | None = None, above: bool = False,
+           below: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number from `minimum` (excluded with `above`) to `maximum` (excluded with
+    `below`); anything else (nan, inf, out of range) is refused at parse time, naming the flag."""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of {unit}")
+        low_ok = value > minimum if above else value >= minimum
+        high_ok = maximum is None or (value < maximum if below else value <= maximum)
+        if not (math.isfinite(value) and low_ok and high_ok):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {_range_words(minimum, maximum, above, below, unit)}")
         return value
 
     return parse
+
+
+def _range_words(minimum: float, maximum: float | None, above: bool, below: bool, unit: str | None) -> str:
+    of = f" of {unit}" if unit else ""
+    if maximum is None:
+        return f"a positive, finite number{of}" if minimum == 0 and above else \
+            f"a finite number{of}, {'above' if above else 'at least'} {minimum:g}"
+    if not above and not below:
+        return f"a number{of} from {minimum:g} to {maximum:g}"
+    return (f"a number{of} {'above' if above else 'at least'} {minimum:g} and "
+            f"{'below' if below else 'at most'} {maximum:g}")
+
+
+def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number from `minimum` to `maximum`; anything else (a fraction, a number out of
+    range) is refused at parse time, naming the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            bounds = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number {bounds}")
+        return value
+
+    return parse
+
+
+MAX_SEED = 2**64 - 1  # the largest seed torch's generator holds (a negative one would alias a large one)
+MAX_WORKERS = 256  # threads (or training's loader processes) a command starts at most
+seed_number = whole_number(0, MAX_SEED)
+worker_count = whole_number(1, MAX_WORKERS)
 
 
 def add_log_level_argument(parser) -> None:
@@ -229,6 +272,8 @@ def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
 
     `on_interrupt` says what to do after an interruption (default: resume from --output-dir where there is one).
     """
+    if signal.getsignal(signal.SIGINT) is interrupted_while_loading:  # loaded: Ctrl-C is Python's again, caught below
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     args = parser.parse_args(argv)
     from tools.runtime import tune_cpu_allocator  # noqa: PLC0415 (torch: not for --help)
     tune_cpu_allocator()  # a command line's own process: keep freed memory for reuse

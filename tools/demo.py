@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
-from tools.cli import ArgumentParser, examples
+from tools.cli import ArgumentParser, examples, whole_number
 from tools.data import synthetic
 from tools.in9 import IMAGE_SIZE
 from tools.provenance import atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_BATCH = 2**31 - 1  # the exported program's largest batch: more than any batch that fits in memory
+MAX_PER_CLASS = 1000  # generated images per class at most (the release has 450)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                           "python -m tools.demo --out /tmp/demo --per-class 2"))
     parser.add_argument("--out", type=Path, default=Path("demo"), metavar="DIR",
                         help="where the data, model and results go (default: demo)")
-    parser.add_argument("--per-class", type=int, default=10, metavar="N", help="images per class (default: 10)")
+    parser.add_argument("--per-class", type=whole_number(1, MAX_PER_CLASS), default=10, metavar="N",
+                        help=f"images per class, at most {MAX_PER_CLASS} (default: 10)")
     return parser
 
 
@@ -40,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     model = args.out / "color9.pt2"
     print(f"generating {9 * args.per_class} images per variation under {data} ...", flush=True)
     synthetic.generate(data, per_class=args.per_class, seed=0)
-    # a torch.export program (TorchScript, which the toolkit still loads, is deprecated): any batch size up to
-    # MAX_BATCH. The bound is for torch 2.6 (the floor): with an unbounded Dim its export of the model's
-    # `evidence[:, :9]` guards batch != sys.maxsize and refuses the range it was given.
+    # a torch.export program, which is data (TorchScript, deprecated, is code: loaded only with --trust-checkpoint):
+    # any batch size up to MAX_BATCH. The bound is for torch 2.6 (the floor): with an unbounded Dim its export of
+    # the model's `evidence[:, :9]` guards batch != sys.maxsize and refuses the range it was given.
     batch = torch.export.Dim("batch", max=MAX_BATCH)
     program = torch.export.export(synthetic.ColorEvidenceModel(9).eval(), (torch.zeros(2, 3, IMAGE_SIZE, IMAGE_SIZE),),
                                   dynamic_shapes=({0: batch},))

@@ -61,10 +61,36 @@ class ProcessGroup:
 
 
 def from_environment() -> ProcessGroup:
-    """RANK / WORLD_SIZE / LOCAL_RANK as torchrun sets them; a single process without them."""
+    """RANK / WORLD_SIZE / LOCAL_RANK as torchrun sets them, checked (and torchrun's MASTER_PORT); a single process
+    without them."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return ProcessGroup()
-    return ProcessGroup(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    world_size = _environment_number("WORLD_SIZE", 1)
+    rank = _environment_number("RANK", 0, world_size - 1)
+    if world_size > 1 and "MASTER_PORT" in os.environ:
+        _environment_number("MASTER_PORT", 1, 65535)
+    return ProcessGroup(rank, world_size, _local_rank())
+
+
+def _local_rank() -> int:
+    local_size = _environment_number("LOCAL_WORLD_SIZE", 1) if "LOCAL_WORLD_SIZE" in os.environ else None
+    return _environment_number("LOCAL_RANK", 0, None if local_size is None else local_size - 1, default=0)
+
+
+def _environment_number(name: str, minimum: int, maximum: int | None = None, default: int | None = None) -> int:
+    """A whole number torchrun's environment holds, from `minimum` to `maximum`; one error line otherwise."""
+    text = os.environ.get(name)
+    if text is None and default is not None:
+        return default
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        bounds = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
+        raise UserError(f"the environment variable {name} is {text!r}, not a whole number {bounds}; torchrun sets "
+                        f"it for each process: launch with torchrun, or unset RANK and WORLD_SIZE for one process")
+    return value
 
 
 def joined_group() -> ProcessGroup:
@@ -72,7 +98,7 @@ def joined_group() -> ProcessGroup:
     LOCAL_RANK from torchrun's environment); a single process when none is joined."""
     if not _joined():
         return ProcessGroup()
-    return ProcessGroup(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+    return ProcessGroup(dist.get_rank(), dist.get_world_size(), _local_rank())
 
 
 def setup(device: torch.device, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> ProcessGroup:

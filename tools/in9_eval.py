@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write a Markdown report of the results (default: none)")
     parser.add_argument("--html", type=Path, default=None, metavar="PATH",
                         help="write the report as one self-contained HTML page with pictures (default: none)")
-    parser.add_argument("--recheck-margin", type=float, default=RECHECK_MARGIN, metavar="M",
+    parser.add_argument("--recheck-margin", type=cli.number(0), default=RECHECK_MARGIN, metavar="M",
                         help=f"in bf16/fp16/tf32, re-run every image whose top-two logit margin is below M in true "
                              f"fp32, as the challenge does, so near ties get fp32's prediction (default: "
                              f"{RECHECK_MARGIN} in reduced precision; 0 turns it off)")

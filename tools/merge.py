@@ -15,7 +15,7 @@ from tools.challenge.data import ChallengeFiles
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import Criterion
 from tools.challenge.state import SearchState
-from tools.cli import ArgumentParser, examples, add_log_level_argument, run_main
+from tools.cli import ArgumentParser, examples, add_log_level_argument, run_main, whole_number
 from tools.errors import UserError
 from tools.evaluate import In9Run, VariationResult
 from tools.provenance import check_outputs
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="challenge: one row per foreground, as challenge_eval.py writes it (default: none)")
     parser.add_argument("--analysis", action="store_true",
                         help="challenge with --full: the adversarial-background analysis (default: off)")
-    parser.add_argument("--top-k", type=int, default=5, metavar="K",
+    parser.add_argument("--top-k", type=whole_number(1), default=5, metavar="K",
                         help="challenge: backgrounds listed and drawn per class by --analysis (default: 5)")
     parser.add_argument("--categories", action="store_true",
                         help="in9: the prediction categories, from original, mixed_rand and only_bg_t (default: off)")

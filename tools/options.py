@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools import distributed
-from tools.cli import ArgumentParser, BooleanFlag, add_log_level_argument, positive_number
+from tools.cli import (MAX_SEED, ArgumentParser, BooleanFlag, add_log_level_argument, positive_number, seed_number,
+                       whole_number, worker_count)
 from tools.data.store import default_cache_dir
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
@@ -111,9 +112,9 @@ def add_model_source_arguments(group, random_init: bool = False) -> None:
                        help=f"torchvision weights name such as IMAGENET1K_V2{none} (default: IMAGENET1K_V1, the "
                             f"weights the published numbers used, where the architecture has them; else DEFAULT)")
     group.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
-                       help="state dict, trained checkpoint (train.py), robustness-library checkpoint, TorchScript "
-                            "or torch.export file, or a peft adapter folder (save_pretrained) that goes on --arch "
-                            "(default: none, use pretrained --weights)")
+                       help="state dict, trained checkpoint (train.py), robustness-library checkpoint, torch.export "
+                            "file, TorchScript file (with --trust-checkpoint), or a peft adapter folder "
+                            "(save_pretrained) that goes on --arch (default: none, use pretrained --weights)")
     group.add_argument("--checkpoint-key", default=None, metavar="KEY",
                        help=f"key holding the state dict (default: the first of {', '.join(STATE_DICT_KEYS)})")
     add_trust_argument(group)
@@ -121,7 +122,9 @@ def add_model_source_arguments(group, random_init: bool = False) -> None:
 
 def add_trust_argument(group) -> None:
     group.add_argument("--trust-checkpoint", action="store_true",
-                       help="allow full unpickling of a checkpoint you trust (default: off, weights_only loading)")
+                       help="load a checkpoint you trust even where that runs code of its own: full unpickling, a "
+                            "TorchScript program, a torch.export program holding more than tensors and tensor "
+                            "operations (default: off: weights_only unpickling, export programs that are data)")
 
 
 def add_remote_code_argument(group) -> None:
@@ -144,8 +147,8 @@ def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True, d
     """Device, precision, batch and threads; `--shard` where a run can be split into independent shards;
     `--allow-inexact-device` where the start-up device check runs (`tools.models.device_check`)."""
     run = parser.add_argument_group("running")
-    run.add_argument("--batch-size", type=int, default=None, metavar="N", help=BATCH_HELP["in9"])
-    run.add_argument("--workers", type=int, default=default_workers(), metavar="N",
+    run.add_argument("--batch-size", type=whole_number(1), default=None, metavar="N", help=BATCH_HELP["in9"])
+    run.add_argument("--workers", type=worker_count, default=default_workers(), metavar="N",
                      help=f"image-decoding threads (default: {default_workers()})")
     run.add_argument("--device", default=None, metavar="DEV",
                      help="cuda, cuda:N, mps or cpu; under torchrun, each process takes the GPU of its LOCAL_RANK "
@@ -155,7 +158,8 @@ def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True, d
                      help="fp32 is exact; tf32, bf16 and fp16 are faster and may change near-tie predictions "
                           "(default: fp32)")
     run.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")
-    run.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    run.add_argument("--seed", type=seed_number, default=0, metavar="N",
+                     help=f"random seed, from 0 to {MAX_SEED} (default: 0)")
     run.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
     if device_check:
         run.add_argument(ALLOW_FLAG, action="store_true",
@@ -230,7 +234,9 @@ def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtim
         if not group.is_main:  # only rank 0 prints and writes; the others say only what goes wrong
             logging.getLogger().setLevel(logging.ERROR)
         log.info("%d processes share the work (this is rank %d, on %s)", group.world_size, group.rank, device)
-    return Runtime(device, args.precision, args.channels_last, compile, group)
+    runtime = Runtime(device, args.precision, args.channels_last, compile, group)
+    runtime.batch_size(args.batch_size)  # a batch the device cannot hold is refused before any model is built
+    return runtime
 
 
 def preload_model_libraries(arch: str | None, checkpoint: Path | None) -> None:

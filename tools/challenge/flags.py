@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from tools.challenge.scheduler import ChallengeConfig, Criterion
+from tools.cli import number
 from tools.data.compositing import MaskArithmetic
 from tools.options import add_cache_arguments, cache_dir_from_args
 
@@ -24,7 +25,7 @@ def add_search_arguments(group) -> None:
     group.add_argument("--compile", action="store_true",
                        help="torch.compile the model; not exact, even in fp32: near ties are re-checked in fp32 as "
                             "in the speed modes (default: off)")
-    group.add_argument("--recheck-margin", type=float, default=DEFAULTS.recheck_margin, metavar="M",
+    group.add_argument("--recheck-margin", type=number(0), default=DEFAULTS.recheck_margin, metavar="M",
                        help=f"in bf16/fp16/tf32, re-run every composite whose top-two logit margin is below M in true "
                             f"fp32 (autocast and TF32 off for that pass), so near ties get fp32's verdict (default: "
                             f"{DEFAULTS.recheck_margin} in reduced precision; 0 turns it off)")
@@ -36,7 +37,7 @@ def add_search_arguments(group) -> None:
                             f"values, weight = (uint8(mask) * 255 mod 256) / 255 blended in float, to reproduce "
                             f"its numbers on such masks (default: {DEFAULTS.mask_arithmetic.value})")
     add_cache_arguments(group)
-    group.add_argument("--save-every", type=float, default=DEFAULTS.save_every, metavar="SECONDS",
+    group.add_argument("--save-every", type=number(0, unit="seconds"), default=DEFAULTS.save_every, metavar="SECONDS",
                        help=f"seconds between saves of the search state (default: {DEFAULTS.save_every:g})")
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Iterable
 
 from tools.data import cache_admin, grabcut
-from tools.cli import ArgumentParser, examples, add_log_level_argument, positive_number, run_main
+from tools.cli import (ArgumentParser, add_log_level_argument, examples, positive_number, run_main, seed_number,
+                       whole_number, worker_count)
 from tools.threads import default_workers
 from tools.errors import UserError
 from tools import data as data_package
@@ -24,6 +25,7 @@ from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, PROVENANCE_FOLDER, ch
 
 log = logging.getLogger(__name__)
 
+MAX_GRABCUT_ITERATIONS = 100  # GrabCut's iterations at most (its default: 5; each costs seconds per image)
 RERUN_ADVICE = ("rerun the same command (fetch resumes its partial download, or extracts the downloaded archive; "
                 "build starts again)")
 
@@ -77,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify_p.add_argument("--split", choices=(SPLIT, TRAIN_SPLIT), default=SPLIT,
                           help=f"the split folder checked, <variation>/<split>/<class>/: {SPLIT} as the test release, "
                                f"{TRAIN_SPLIT} for what `build --split {TRAIN_SPLIT}` writes (default: {SPLIT})")
-    verify_p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
+    verify_p.add_argument("--workers", type=worker_count, default=default_workers(), metavar="N",
                           help=f"threads reading files (default: {default_workers()})")
     verify_p.set_defaults(handler=_run_verify)
 
@@ -102,14 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     build_p.add_argument("--masks", type=Path, default=None, metavar="DIR",
                          help="your own foreground masks <stem>.npy or <stem>.png, at the original image's size or "
                               "224x224 (default: GrabCut from the box, which needs OpenCV)")
-    build_p.add_argument("--seed", type=int, default=0, metavar="N",
+    build_p.add_argument("--seed", type=seed_number, default=0, metavar="N",
                          help="seed for the mixed backgrounds and GrabCut (default: 0)")
-    build_p.add_argument("--jpeg-quality", type=int, default=DEFAULT_JPEG_QUALITY, metavar="Q",
+    build_p.add_argument("--jpeg-quality", type=whole_number(1, 100), default=DEFAULT_JPEG_QUALITY, metavar="Q",
                          help=f"JPEG quality 1-100 (default: {DEFAULT_JPEG_QUALITY})")
     build_p.add_argument("--image-format", type=ImageFormat, choices=list(ImageFormat), default=ImageFormat.JPEG,
                          metavar="{" + ",".join(f.value for f in ImageFormat) + "}",
                          help="jpeg writes <stem>.JPEG as the release; png is lossless (default: jpeg)")
-    build_p.add_argument("--grabcut-iterations", type=int, default=grabcut.DEFAULT_ITERATIONS, metavar="N",
+    build_p.add_argument("--grabcut-iterations", type=whole_number(1, MAX_GRABCUT_ITERATIONS),
+                         default=grabcut.DEFAULT_ITERATIONS, metavar="N",
                          help=f"GrabCut iterations (default: {grabcut.DEFAULT_ITERATIONS})")
     build_p.add_argument("--split", choices=(SPLIT, TRAIN_SPLIT), default=SPLIT,
                          help=f"the split folder written, <variation>/<split>/<class>/: {SPLIT} as the test release, "
@@ -118,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"with --split {TRAIN_SPLIT}: images without a bounding box go to original/ alone "
                               f"(IN-9L-style, usable by erm/mixup/cutmix, not by bg-swap) instead of being dropped "
                               f"(default: off)")
-    build_p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
+    build_p.add_argument("--workers", type=worker_count, default=default_workers(), metavar="N",
                          help=f"threads decoding, segmenting and writing images (default: {default_workers()})")
     build_p.set_defaults(handler=_run_build)
 
@@ -134,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     provenance_p.add_argument("--output", type=Path, default=None, metavar="DIR",
                               help=f"folder the three files are written to, created if missing (default: "
                                    f"{PROVENANCE_FOLDER}/ in the data folder)")
-    provenance_p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
+    provenance_p.add_argument("--workers", type=worker_count, default=default_workers(), metavar="N",
                               help=f"threads decoding images (default: {default_workers()})")
     provenance_p.set_defaults(handler=_run_provenance)
 

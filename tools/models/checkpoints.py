@@ -1,9 +1,11 @@
 """Reading a checkpoint file into a classifier, strictly: no silent partial loads.
 
 Checkpoint formats, told apart by the file's contents, never by its name:
-- a TorchScript archive (`torch.jit.save`) or a `torch.export` program (`torch.export.save`, .pt2):
-  used as the classifier as it is, loaded for the run's device with the devices its code names pointed there
-  (and a TorchScript program's convolutions reading cuDNN's flags when they run: `tools.models.torchscript`);
+- a `torch.export` program (`torch.export.save`, .pt2) of plain tensors and tensor operations (checked before
+  torch reads it: `tools.models.export_archive`; anything more only with `--trust-checkpoint`), or, with
+  `--trust-checkpoint`, a TorchScript archive (`torch.jit.save`; a program, which can do anything the process
+  can): used as the classifier as it is, loaded for the run's device with the devices its code names pointed
+  there (and a TorchScript program's convolutions reading cuDNN's flags when they run: `tools.models.torchscript`);
 - a pickle read by `torch.load(weights_only=True)`: a state dict, directly or under `model`,
   `state_dict`, `state_dict_ema` or `model_state_dict` (PyTorch's tutorial layout) (that priority, or
   `--checkpoint-key`), with `module.` / `_orig_mod.` wrapper prefixes, or the robustness library's layout
@@ -19,6 +21,7 @@ import logging
 import re
 import warnings
 import zipfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +30,7 @@ import torch
 from torch import nn
 
 from tools.errors import UserError, first_line
-from tools.models import adapters, torchscript
+from tools.models import adapters, export_archive, torchscript
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.models.loading import check_fits, key_list, torch_load
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
@@ -216,6 +219,28 @@ def _export_devices(program) -> set[str]:
             if node.kwargs.get("device") is not None}
 
 
+def check_program_trusted(path: Path, kind: str, trust: bool) -> None:
+    """Refuse a program that would run code of its own unless trusted: every TorchScript file (a program, in a
+    language with file operations, that the toolkit cannot check), and a torch.export archive that holds more
+    than tensors and tensor operations."""
+    if trust:
+        log.info("loading the %s program %s unchecked (--trust-checkpoint)", kind, path)
+        return
+    if kind == "torchscript":
+        raise UserError(f"checkpoint {path} is a TorchScript program, which is code (it can read and write any file) "
+                        f"that the toolkit cannot check; if you trust the file, rerun with --trust-checkpoint, or "
+                        f"save the model as a state dict (torch.save(model.state_dict(), PATH), read with --arch) or "
+                        f"a torch.export program (torch.export.save)")
+    try:
+        found = export_archive.untrusted_content(path)
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, NotImplementedError) as exc:
+        raise UserError(f"cannot read checkpoint {path}: {first_line(exc)}; is the file complete?") from None
+    if found:
+        raise UserError(f"checkpoint {path} is a torch.export program with more than tensors and tensor operations "
+                        f"({key_list(found, limit=3)}), which would run code when loaded; if you trust the file, "
+                        f"rerun with --trust-checkpoint")
+
+
 def _read_program(path: Path, kind: str, device: torch.device):
     try:
         if kind == "torchscript":
@@ -289,8 +314,9 @@ class ReadCheckpoint:
 def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: Normalization, trust: bool,
                     checkpoint_key: str | None, device: torch.device,
                     lora: adapters.LoraScaling | None = None) -> ReadCheckpoint:
-    """The classifier in a checkpoint file, told apart by the file's contents: a TorchScript or export program
-    as it is, loaded for `device` (the run's) and probed there; a trusted pickled module as it is; else a state
+    """The classifier in a checkpoint file, told apart by the file's contents: an export program (of plain tensors
+    and operations unless `trust`) or a trusted TorchScript program as it is, loaded for `device` (the run's) and
+    probed there; a trusted pickled module as it is; else a state
     dict loaded strictly into `arch` (default: resnet50), on the CPU, a peft-wrapped model's merged (LoRA's
     scaling from `lora`)."""
     if path.is_dir():
@@ -300,6 +326,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
         raise UserError(f"checkpoint {path} does not exist; check --checkpoint")
     kind = program_kind(path)
     if kind is not None:
+        check_program_trusted(path, kind, trust)
         classifier = _load_program(path, kind, device)
         if arch is not None:
             log.warning("--arch %s is ignored: %s is a %s program, which carries its own architecture", arch, path,

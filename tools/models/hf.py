@@ -76,10 +76,21 @@ def _fetch_command(repo: str) -> str:
 
 
 def check_remote_code(config: dict, what: str, trust_remote_code: bool) -> None:
-    """One line refusing a config whose auto_map names code of its own, unless the user opted in."""
-    if config.get("auto_map") and not trust_remote_code:
-        raise UserError(f"{what} needs its own remote code (auto_map names {', '.join(sorted(config['auto_map']))}); "
+    """One line refusing a config whose auto_map names code of its own, unless the user opted in; trusted, the
+    code it names must be a module of the model's own folder (or `REPO--module`, another repository's)."""
+    auto_map = config.get("auto_map")
+    if auto_map and not trust_remote_code:
+        raise UserError(f"{what} needs its own remote code (auto_map names {', '.join(sorted(auto_map))}); "
                         f"it runs only with {REMOTE_CODE_FLAG}, for a model whose code you trust")
+    if not auto_map:
+        return
+    references = [ref for value in (auto_map.values() if isinstance(auto_map, dict) else [auto_map])
+                  for ref in (value if isinstance(value, (list, tuple)) else [value]) if ref is not None]
+    for reference in references:
+        module = str(reference).split("--")[-1].rpartition(".")[0]
+        if not isinstance(reference, str) or not module or not hub.inside_folder(module):
+            raise UserError(f"{what}: its auto_map names {reference!r}, not a module of the model's folder "
+                            f"(module.Class); fix the config")
 
 
 def _config(transformers, name: str, revision: str | None, what: str, trust_remote_code: bool) -> dict:
@@ -206,6 +217,12 @@ def _processor_settings(transformers, source: str, revision: str | None, config:
     return (mean, std), order, shape, mode
 
 
+def _safetensors_error() -> type[Exception]:
+    """What safetensors raises for a file its header misdescribes (offsets or shapes the bytes do not hold)."""
+    safetensors = optional_module("safetensors", "an hf: model", "safetensors", "hf")
+    return getattr(safetensors, "SafetensorError", OSError)
+
+
 def _json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -213,16 +230,25 @@ def _json(path: Path) -> dict:
         raise UserError(f"cannot read {path}: {first_line(exc)}") from None
 
 
-def _weights_files(folder: Path) -> list[Path]:
+def _weights_files(folder: Path, local: bool) -> list[Path]:
     """The files transformers loads the weights from, in its order of preference: one file, else the shards its
-    index names (other *.safetensors or *.bin files in the folder are not the model's)."""
+    index names (other *.safetensors or *.bin files in the folder are not the model's), each inside the model's
+    folder: named without `..` and, through links, in the folder (a hub snapshot's: in its repository's folder,
+    whose blobs/ its links point to)."""
     for single, index in WEIGHTS_FILES:
         if (folder / single).is_file():
             return [folder / single]
         if (folder / index).is_file():
             weight_map = _json(folder / index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise UserError(f"{folder / index} has no weight_map: re-save the model with save_pretrained")
+            if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+                raise UserError(f"{folder / index} has no weight_map of file names: re-save the model with "
+                                f"save_pretrained")
+            root = (folder if local else folder.parent.parent).resolve()
+            for name in sorted(set(weight_map.values())):
+                if not hub.inside_folder(name) or not (folder / name).resolve().is_relative_to(root):
+                    raise UserError(f"{folder / index} names {name!r}, a file outside the model's folder; the "
+                                    f"shards of a model are files of its folder: fix the index or re-save the "
+                                    f"model with save_pretrained")
             return sorted({folder / name for name in weight_map.values()})
     return []
 
@@ -248,15 +274,18 @@ def load_transformers(name: str, normalize: Normalization, runtime=None,
     source, revision = (str(local), None) if local.is_dir() else hub.split_revision(name)
     config = _config(transformers, source, revision, what, trust_remote_code)
     kind = check_labels(_id2label(config, what), what)
+    folder = local if local.is_dir() else hub.cached_file(name, ["config.json"]).parent
+    files = _weights_files(folder, local.is_dir())  # checked before transformers reads them
     try:
         model = transformers.AutoModelForImageClassification.from_pretrained(
             source, revision=revision, trust_remote_code=trust_remote_code, weights_only=True, dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as exc:
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, _safetensors_error()) as exc:
         raise UserError(f"cannot load {what} safely (safetensors or weights_only unpickling): "
                         f"{first_line(exc)}") from None
+    except (ImportError, AttributeError) as exc:  # remote code (trusted) whose module or class is not there
+        raise UserError(f"cannot load {what}: its code ({', '.join(sorted(config.get('auto_map') or {}))}) does not "
+                        f"load: {first_line(exc)}") from None
     model.eval()
-    folder = local if local.is_dir() else hub.cached_file(name, ["config.json"]).parent
-    files = _weights_files(folder)
     stats, order, size, mode = _processor_settings(transformers, source, revision, config, what, trust_remote_code)
     revision = None if local.is_dir() else hub.snapshot_revision(folder / "config.json")
     origin = ModelOrigin(what, revision, str(files[0] if len(files) == 1 else folder),

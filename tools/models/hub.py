@@ -4,7 +4,7 @@ repository's weights are, and the one line that says what to do when they are no
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from tools.data.hashing import sha256_file
 
@@ -52,6 +52,14 @@ def in_cache(path: Path) -> bool:
     parts = Path(path).parts
     return snapshot_revision(path) is not None or (
         len(parts) >= 3 and parts[-2] == "blobs" and parts[-3].startswith(("models--", "datasets--")))
+
+
+def inside_folder(name: str) -> bool:
+    """Whether a relative name a model's JSON gives (a shard, a module, a weights file) stays inside the folder it
+    is read from: not absolute, no `..`, no drive. (A hub snapshot's files are links to ../../blobs/: the cache's
+    own, not names a JSON gives.)"""
+    path = PurePosixPath(name.replace("\\", "/"))
+    return bool(name) and not path.is_absolute() and ".." not in path.parts and ":" not in name
 
 
 def files_digest(paths: list[Path]) -> str:

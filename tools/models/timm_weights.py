@@ -66,12 +66,18 @@ def _state_digest(module: nn.Module) -> str:
 
 
 def weights_file(pretrained_cfg: dict) -> Path | None:
-    """The file timm read a model's pretrained weights from, by the config timm loaded them by: a local
-    `file`, else the hub repository's cached weights, else the URL's file in torch's hub cache."""
-    if pretrained_cfg.get("file"):
+    """The file timm read a model's pretrained weights from, by the config timm loaded them by and in timm's order
+    (`timm.models._builder._resolve_pretrained_source`): for a hub model (source hf-hub, its config the
+    repository's config.json) the repository's cached weights, whatever `file` that config names; else a local
+    `file` (timm's registry's), else the hub repository's cached weights, else the URL's file in torch's hub
+    cache."""
+    if pretrained_cfg.get("file") and pretrained_cfg.get("source") != "hf-hub":
         return Path(pretrained_cfg["file"])
     if pretrained_cfg.get("hf_hub_id"):
         named = pretrained_cfg.get("hf_hub_filename")
+        if named and not hub.inside_folder(str(named)):
+            raise UserError(f"the config of {pretrained_cfg['hf_hub_id']} names weights {named!r} outside its "
+                            f"repository; fix its config.json")
         names = [named.replace(".bin", ".safetensors"), named] if named else []
         found = hub.cached_file(pretrained_cfg["hf_hub_id"], names + HUB_WEIGHTS_FILES)
         if found is not None:

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tools.cli import ArgumentParser, examples, add_log_level_argument, run_main
+from tools.cli import ArgumentParser, examples, add_log_level_argument, run_main, whole_number
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, class_names
 from tools.provenance import atomic_write, check_outputs, write_json_atomic
@@ -226,7 +226,8 @@ class FigureLayout:
 def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str) -> FigureLayout:
     """Draw the figure to `path` (PNG); a missing image becomes a grey placeholder and one warning."""
     names = class_names()
-    k = summary["top_k"]
+    # as many columns as the longest list holds: --top-k beyond a class's backgrounds draws no empty columns
+    k = max(1, min(summary["top_k"], max(len(info["top_backgrounds"]) for info in summary["per_class"].values())))
     layout = FigureLayout(rows=len(names), cols=k)
     canvas, draw = new_canvas(layout.size)
     title_font, name_font, small_font = default_font(17), default_font(16), default_font(13)
@@ -323,13 +324,6 @@ def summary_lines(summary: dict) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------
 # Command line
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         epilog=examples("python -m tools.results.analysis bg_results --top-k 5"),
@@ -342,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-path", type=Path, default=None, metavar="DIR",
                         help="data root holding only_bg_t/, for the figure's images (default: the path the "
                              "challenge run recorded)")
-    parser.add_argument("--top-k", type=_positive, default=DEFAULT_TOP_K, metavar="K",
+    parser.add_argument("--top-k", type=whole_number(1), default=DEFAULT_TOP_K, metavar="K",
                         help=f"backgrounds per class in the top lists and the figure (default: {DEFAULT_TOP_K})")
     add_log_level_argument(parser)
     return parser

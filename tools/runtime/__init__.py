@@ -20,6 +20,7 @@ import torch
 
 from tools.distributed import ProcessGroup
 from tools.errors import UserError, first_line
+from tools.in9 import IMAGE_SIZE
 from tools.runtime.precision import (AUTOCAST_DTYPES, Precision, exact_kernels, math_flags_kept, math_in_effect,
                                      set_math_flags)
 
@@ -241,8 +242,16 @@ class Runtime:
             torch.cuda.empty_cache()
 
     def batch_size(self, requested: int | None) -> int:
-        """The batch size asked for, else the default on this runtime's device (`default_batch_size`)."""
-        return default_batch_size(self.device) if requested is None else requested
+        """The batch size asked for (one whose images cannot fit in the device's memory refused in one line),
+        else the default on this runtime's device (`default_batch_size`)."""
+        if requested is None:
+            return default_batch_size(self.device)
+        memory = device_memory(self.device)
+        if memory is not None and requested * IMAGE_BYTES > memory:
+            raise UserError(f"a batch of {requested} images takes {requested * IMAGE_BYTES / 2**30:,.0f} GiB in "
+                            f"float32 for its images alone, more than the {memory / 2**30:,.0f} GiB of {self.device}; "
+                            f"pass a smaller --batch-size")
+        return requested
 
     def pin(self) -> bool:
         return self.device.type == "cuda"
@@ -255,6 +264,20 @@ class Runtime:
             math = math_in_effect()
         return {"device": name, "precision": self.precision.value, "channels_last": self.channels_last,
                 "compile": self.compile, "exact": self.exact, "math": math}
+
+
+IMAGE_BYTES = 3 * IMAGE_SIZE * IMAGE_SIZE * 4  # one image as the models take it: 3x224x224 float32
+
+
+def device_memory(device: torch.device) -> int | None:
+    """The most memory one batch on `device` could take: a CUDA GPU's, else the machine's (the CPU's, and MPS's
+    unified memory); None where the system does not say."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 GPU_BATCH_SIZE = 256
@@ -288,9 +311,11 @@ def tune_cpu_allocator() -> None:
 
 
 def _is_oom(exc: BaseException) -> bool:
+    """Out of memory: a GPU's, or the CPU allocator's refusal ("can't allocate memory")."""
     if isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 class Forward:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from tools.cli import ArgumentParser, examples, BooleanFlag, add_log_level_argument
+from tools.cli import (MAX_WORKERS, ArgumentParser, BooleanFlag, add_log_level_argument, examples, number,
+                       seed_number, whole_number)
 from tools.distributed import DEFAULT_TIMEOUT_MINUTES
 from tools.options import add_dist_timeout_argument, add_model_source_arguments
 from tools.errors import UserError
@@ -224,51 +225,53 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         dest="methods", metavar=_choices(Method),
                         help="erm alone, or any of bg-swap, mixup, cutmix together (mixup with cutmix: one of the "
                              "two per batch) (default: erm)")
-    method.add_argument("--swap-prob", type=float, default=1.0, metavar="P",
+    method.add_argument("--swap-prob", type=number(0, 1), default=1.0, metavar="P",
                         help="bg-swap: share of images whose foreground is pasted on another background (default: 1.0)")
-    method.add_argument("--swap-same-class-prob", type=float, default=0.0, metavar="P",
+    method.add_argument("--swap-same-class-prob", type=number(0, 1), default=0.0, metavar="P",
                         help="bg-swap: share of swaps whose background comes from the image's own class, as in "
                              "Mixed-Same; the rest are drawn from all classes as in Mixed-Rand (default: 0.0)")
-    method.add_argument("--mixup-alpha", type=float, default=0.2, metavar="A",
+    method.add_argument("--mixup-alpha", type=number(0, above=True), default=0.2, metavar="A",
                         help="mixup: Beta(A, A) mixing weights (default: 0.2)")
-    method.add_argument("--cutmix-alpha", type=float, default=1.0, metavar="A",
+    method.add_argument("--cutmix-alpha", type=number(0, above=True), default=1.0, metavar="A",
                         help="cutmix: Beta(A, A) box areas (default: 1.0)")
     method.add_argument("--swa", action="store_true",
                         help="stochastic weight averaging of the epochs from --swa-start-epoch on (default: off)")
-    method.add_argument("--swa-start-epoch", type=int, default=None, metavar="E",
+    method.add_argument("--swa-start-epoch", type=whole_number(0), default=None, metavar="E",
                         help="first epoch (from 0) averaged by --swa (default: three quarters of --epochs)")
-    method.add_argument("--swa-lr", type=float, default=None, metavar="LR",
+    method.add_argument("--swa-lr", type=number(0, above=True), default=None, metavar="LR",
                         help="constant learning rate during SWA (default: half of --lr)")
     method.add_argument("--peft", type=Adapter, choices=list(Adapter), default=None, metavar=_choices(Adapter),
                         help="train adapters on --peft-modules with the peft package, merged into the checkpoint "
                              "(default: none, train every weight)")
     method.add_argument("--peft-modules", nargs="+", default=[], metavar="PATTERN",
                         help="module-name patterns to adapt, such as 'layer4.*.conv2' (default: none)")
-    method.add_argument("--lora-rank", type=int, default=4, metavar="R", help="LoRA rank (default: 4)")
-    method.add_argument("--oft-block-size", type=int, default=32, metavar="B",
+    method.add_argument("--lora-rank", type=whole_number(1), default=4, metavar="R", help="LoRA rank (default: 4)")
+    method.add_argument("--oft-block-size", type=whole_number(1), default=32, metavar="B",
                         help="OFT block size; must divide each adapted layer's input size (default: 32)")
     method.add_argument("--freeze", type=Freeze, choices=list(Freeze), default=Freeze.NONE, metavar=_choices(Freeze),
                         help="backbone: train the classification head alone, a linear probe (default: none)")
 
     optim = parser.add_argument_group("optimisation")
-    optim.add_argument("--epochs", type=int, default=1, metavar="N", help="passes over the training set (default: 1)")
-    optim.add_argument("--batch-size", type=int, default=None, metavar="N",
+    optim.add_argument("--epochs", type=whole_number(1), default=1, metavar="N",
+                       help="passes over the training set (default: 1)")
+    optim.add_argument("--batch-size", type=whole_number(1), default=None, metavar="N",
                        help=f"global batch size, split over torchrun's processes (default: {GPU_TRAIN_BATCH_SIZE} on a "
                             f"CUDA GPU, {REFERENCE_BATCH_SIZE} elsewhere)")
     optim.add_argument("--optimizer", type=Optimizer, choices=list(Optimizer), default=Optimizer.ADAMW,
                        metavar=_choices(Optimizer), help="optimiser (default: adamw)")
-    optim.add_argument("--lr", type=float, default=None, metavar="LR",
+    optim.add_argument("--lr", type=number(0, above=True), default=None, metavar="LR",
                        help=f"peak learning rate (default: {REFERENCE_LR:g}; with --batch-size left to its default, "
                             f"{REFERENCE_LR:g} x that batch / {REFERENCE_BATCH_SIZE}, scaled linearly)")
-    optim.add_argument("--weight-decay", type=float, default=0.05, metavar="WD", help="weight decay (default: 0.05)")
-    optim.add_argument("--momentum", type=float, default=0.9, metavar="M", help="SGD momentum (default: 0.9)")
-    optim.add_argument("--warmup-epochs", type=float, default=0.0, metavar="E",
+    optim.add_argument("--weight-decay", type=number(0), default=0.05, metavar="WD",
+                       help="weight decay (default: 0.05)")
+    optim.add_argument("--momentum", type=number(0, 1), default=0.9, metavar="M", help="SGD momentum (default: 0.9)")
+    optim.add_argument("--warmup-epochs", type=number(0, unit="epochs"), default=0.0, metavar="E",
                        help="linear warm-up before the cosine decay, in epochs (default: 0)")
-    optim.add_argument("--label-smoothing", type=float, default=0.1, metavar="S",
+    optim.add_argument("--label-smoothing", type=number(0, 1), default=0.1, metavar="S",
                        help="label smoothing of the cross-entropy (default: 0.1)")
     optim.add_argument("--augment", action=BooleanFlag, default=True,
                        help="random resized crop and horizontal flip, after the swap (default: on)")
-    optim.add_argument("--crop-scale", type=float, default=0.35, metavar="S",
+    optim.add_argument("--crop-scale", type=number(0, 1, above=True), default=0.35, metavar="S",
                        help="smallest random crop, as a share of the image's area (default: 0.35)")
 
     run = parser.add_argument_group("running")
@@ -283,13 +286,13 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                      help="torch.compile the model's forward and backward (one static batch shape; the loss and "
                           "the optimiser step stay eager); not bit-equal to eager, so a resume keeps the setting "
                           "(default: off)")
-    run.add_argument("--workers", type=int, default=default_workers(), metavar="N",
+    run.add_argument("--workers", type=whole_number(0, MAX_WORKERS), default=default_workers(), metavar="N",
                      help=f"DataLoader worker processes per training process (0: the main process) and decoding threads "
                           f"for the decoded store "
                           f"(default: {default_workers()})")
-    run.add_argument("--seed", type=int, default=0, metavar="N",
+    run.add_argument("--seed", type=seed_number, default=0, metavar="N",
                      help="seed of every random choice: order, crops, swaps, mixing, initialisation (default: 0)")
-    run.add_argument("--eval-batch-size", type=int, default=None, metavar="N",
+    run.add_argument("--eval-batch-size", type=whole_number(1), default=None, metavar="N",
                      help=f"batch size of the final evaluation (default: {BATCH_SIZE_DEFAULTS})")
     add_dist_timeout_argument(run)
 
@@ -297,7 +300,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     out.add_argument("--output-dir", type=Path, default=Path("train_runs"), metavar="DIR",
                      help="checkpoint.pt, the resume state, train_log.jsonl and the report go here "
                           "(default: train_runs)")
-    out.add_argument("--save-every", type=int, default=100, metavar="STEPS",
+    out.add_argument("--save-every", type=whole_number(1), default=100, metavar="STEPS",
                      help="steps between saves of the resume state; epochs' ends are always saved (default: 100)")
     out.add_argument("--resume", action="store_true",
                      help="continue from the resume state in --output-dir (default: start afresh)")

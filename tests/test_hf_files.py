@@ -1,0 +1,139 @@
+"""An `hf:` folder's files are believed only as far as they hold: every file its JSON names (the shards a weight map
+lists, the module an auto_map names) stays inside the model's folder (a hub snapshot's links to ../../blobs/ are
+the cache's own), a safetensors file whose header misdescribes its bytes, and remote code (trusted) whose class is
+not there, end in one `error:` line. The hub cache is built as huggingface_hub builds it (blobs and links)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_hub_sources import TIMM_REPO, put_in_cache, save_vit, timm_weights  # noqa: F401 (a fixture)
+from tools.errors import UserError
+from tools.models.sources import load_model
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def shard(folder: Path, outside: Path | None = None, name: str = "model-00002-of-00002.safetensors") -> dict:
+    """Split the folder's model.safetensors into two shards and an index naming them (the second shard written to
+    `outside` instead where given, and named by `name`): what save_pretrained writes for a large model."""
+    state = safetensors_torch.load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    keys = sorted(state)
+    first, second = keys[:len(keys) // 2], keys[len(keys) // 2:]
+    safetensors_torch.save_file({k: state[k] for k in first}, folder / "model-00001-of-00002.safetensors",
+                                metadata={"format": "pt"})
+    target = outside if outside is not None else folder / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    safetensors_torch.save_file({k: state[k] for k in second}, target, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {**{k: "model-00001-of-00002.safetensors" for k in first},
+                                            **{k: name for k in second}}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return state
+
+
+def logits(loaded) -> torch.Tensor:
+    images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return loaded.model(images)
+
+
+def test_a_sharded_model_in_the_hub_cache_loads(tmp_path, hub_cache):
+    """The legitimate case the containment check must keep: shards in a snapshot, each a link to ../../blobs/."""
+    save_vit(tmp_path / "vit", None, seed=4, num_labels=9)
+    whole = load_model(f"hf:{tmp_path / 'vit'}")
+    shard(tmp_path / "vit")
+    snapshot = put_in_cache(hub_cache, "someone/sharded-vit", {p.name: p for p in (tmp_path / "vit").iterdir()})
+    assert (snapshot / "model-00002-of-00002.safetensors").is_symlink()
+    loaded = load_model("hf:someone/sharded-vit")
+    assert torch.equal(logits(loaded), logits(whole))
+
+
+@pytest.mark.parametrize("where", ["local", "hub"])
+def test_a_weight_map_naming_a_file_outside_the_folder_is_refused(where, tmp_path, hub_cache):
+    save_vit(tmp_path / "vit", None, seed=4, num_labels=9)
+    name = "../outside.safetensors" if where == "local" else "../../outside.safetensors"
+    if where == "local":
+        shard(tmp_path / "vit", tmp_path / "outside.safetensors", name)
+        spec = f"hf:{tmp_path / 'vit'}"
+    else:
+        shard(tmp_path / "vit", tmp_path / "unused.safetensors", name)
+        files = {p.name: p for p in (tmp_path / "vit").iterdir()}
+        snapshot = put_in_cache(hub_cache, "someone/vit", files)
+        shutil.copyfile(tmp_path / "unused.safetensors", snapshot / name)  # the file, there, inside the cache
+        spec = "hf:someone/vit"
+    with pytest.raises(UserError, match=r"names '\.\./.*outside\.safetensors', a file outside the model's folder"):
+        load_model(spec)
+
+
+def test_a_shard_linking_outside_the_folder_is_refused(tmp_path, hub_cache):
+    save_vit(tmp_path / "vit", None, seed=4, num_labels=9)
+    shard(tmp_path / "vit", tmp_path / "elsewhere" / "weights.safetensors")
+    (tmp_path / "vit" / "model-00002-of-00002.safetensors").symlink_to(tmp_path / "elsewhere" / "weights.safetensors")
+    with pytest.raises(UserError, match="a file outside the model's folder"):
+        load_model(f"hf:{tmp_path / 'vit'}")
+
+
+def rewrite_header(path: Path, damage: str) -> None:
+    raw = path.read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header, body = json.loads(raw[8:8 + size]), raw[8 + size:]
+    key = next(k for k in header if k != "__metadata__")
+    if damage == "header length":
+        path.write_bytes(struct.pack("<Q", 10**12) + raw[8:])
+        return
+    if damage == "offset beyond the file":
+        header[key]["data_offsets"][1] += 10**9
+    elif damage == "shape not its bytes":
+        header[key]["shape"] = [10**6, *header[key]["shape"][1:]]
+    elif damage == "truncated":
+        body = body[:len(body) // 2]
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + body)
+
+
+@pytest.mark.parametrize("damage", ["offset beyond the file", "shape not its bytes", "truncated", "header length"])
+def test_a_safetensors_header_that_lies_is_one_line(damage, tmp_path, hub_cache):
+    save_vit(tmp_path / "vit", None, seed=4, num_labels=9)
+    rewrite_header(tmp_path / "vit" / "model.safetensors", damage)
+    with pytest.raises(UserError, match="cannot load hf:") as error:
+        load_model(f"hf:{tmp_path / 'vit'}")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("reference, says", [
+    ("modeling_custom.Missing", "does not load: module .* has no attribute 'Missing'"),
+    ("../../elsewhere.Model", "auto_map names '../../elsewhere.Model', not a module of the model's folder"),
+    ("/tmp/elsewhere.Model", "not a module of the model's folder"),
+])
+def test_trusted_remote_code_that_is_not_there_is_one_line(reference, says, tmp_path, hub_cache):
+    save_vit(tmp_path / "vit", None, seed=4, num_labels=9)
+    (tmp_path / "vit" / "modeling_custom.py").write_text("ANSWER = 42\n")
+    config = json.loads((tmp_path / "vit" / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForImageClassification": reference}
+    (tmp_path / "vit" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=says) as error:
+        load_model(f"hf:{tmp_path / 'vit'}", trust_remote_code=True)
+    assert "\n" not in str(error.value)
+
+
+def test_a_timm_hub_config_naming_a_weights_file_elsewhere_is_not_followed(timm_weights, hub_cache, tmp_path):
+    """timm loads a hub model's weights from its repository whatever `file` its config.json names; the toolkit
+    hashes and records that same file, and reads nothing the config points to outside the cache."""
+    module, folder = timm_weights
+    config = json.loads((folder / "config.json").read_text())
+    elsewhere = tmp_path / "elsewhere" / "notes.txt"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text("not the model's")
+    config["pretrained_cfg"]["file"] = str(elsewhere)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    snapshot = put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors",
+                                                    "config.json": tmp_path / "config.json"})
+    loaded = load_model(f"timm:hf-hub:{TIMM_REPO}")
+    assert loaded.source == str(snapshot / "model.safetensors")

@@ -1,0 +1,364 @@
+"""A model file runs no code unless trusted. A torch.export archive is read member by member before torch loads it
+(`tools.models.export_archive`): each crafted archive here is one with which torch's own loader (or the module it
+builds) runs code, shown by a marker file it writes, and the toolkit refuses it in one line with the marker still
+absent, by every route a model file takes (in9_eval, challenge_eval, the zoo, benchmark(), train.py); with
+--trust-checkpoint it loads. A TorchScript file is a program: refused without --trust-checkpoint."""
+
+from __future__ import annotations
+
+import io
+import json
+import operator
+import pathlib
+import pickle
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch._export.serde.schema import SCHEMA_VERSION, Layout, ScalarType
+
+import challenge_eval
+import in9_eval
+import train
+from tests.helpers import check_error, run_in_process
+from tools import benchmark, zoo
+from tools.data import synthetic
+from tools.errors import UserError
+from tools.in9 import IMAGE_SIZE, Normalization
+from tools.models.architectures import SMALL_CNN, build_architecture
+from tools.models.checkpoints import read_checkpoint
+from tools.models.export_archive import untrusted_content
+
+CPU = torch.device("cpu")
+IMAGES = torch.zeros(2, 3, IMAGE_SIZE, IMAGE_SIZE)
+
+
+class Touch:
+    """Unpickles by creating the file `path` (the harmless stand-in for any code)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (pathlib.Path(self.path),)
+
+
+class TouchThen:
+    """Unpickles as `value`, having created the file `path` first."""
+
+    def __init__(self, path: Path, value):
+        self.path, self.value = path, value
+
+    def __reduce__(self):
+        return operator.getitem, ((Touch(self.path), self.value), 1)
+
+
+def pickled(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    """The hand-built colour model exported as the demo exports it (any batch size), torch's own file."""
+    path = tmp_path_factory.mktemp("export") / "color.pt2"
+    program = torch.export.export(synthetic.ColorEvidenceModel(9).eval(), (IMAGES,),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", max=2**31 - 1)},))
+    torch.export.save(program, str(path))
+    return path
+
+
+def rewrite(source: Path, target: Path, edit) -> Path:
+    """A copy of the archive `source` in which `edit(members)` changed, added or removed members
+    ({name: bytes}, names without the root folder; "/"-led names sit at the zip's top level)."""
+    with zipfile.ZipFile(source) as archive:
+        root = archive.namelist()[0].split("/")[0]
+        members = {name[len(root) + 1:]: archive.read(name) for name in archive.namelist()}
+    edit(members)
+    with zipfile.ZipFile(target, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name[1:] if name.startswith("/") else f"{root}/{name}", data)
+    return target
+
+
+def edit_program(change):
+    """An edit of the program's JSON (models/model.json) by `change(program)`."""
+    def edit(members):
+        program = json.loads(members["models/model.json"])
+        change(program)
+        members["models/model.json"] = json.dumps(program).encode()
+    return edit
+
+
+def edit_config(kind: str, change):
+    def edit(members):
+        name = f"data/{kind}/model_{kind}_config.json"
+        config = json.loads(members[name])
+        change(config["config"], members)
+        members[name] = json.dumps(config).encode()
+    return edit
+
+
+def pickled_weight(marker):
+    """The weights config marks a weight `use_pickle` (torch unpickles it with every global allowed)."""
+    def change(config, members):
+        fqn, meta = next(iter(config.items()))
+        meta["use_pickle"] = True
+        weight = torch.frombuffer(bytearray(members[f"data/weights/{meta['path_name']}"]), dtype=torch.float32)
+        members[f"data/weights/{meta['path_name']}"] = pickled(TouchThen(marker, weight.reshape(1, 3, 1, 1)))
+    return edit_config("weights", change)
+
+
+def opaque_constant(marker):
+    """A constant stored as an opaque Python object: plain pickle.loads."""
+    def change(config, members):
+        config["extra"] = {"path_name": "opaque_obj_0", "is_param": False, "use_pickle": True, "tensor_meta": None}
+        members["data/constants/opaque_obj_0"] = pickle.dumps(Touch(marker))
+    return edit_config("constants", change)
+
+
+def pickled_constant(marker):
+    def change(config, members):
+        config["extra"] = {"path_name": "tensor_9", "is_param": False, "use_pickle": True, "tensor_meta": None}
+        members["data/constants/tensor_9"] = pickled(TouchThen(marker, torch.zeros(1)))
+    return edit_config("constants", change)
+
+
+def sample_inputs(marker):
+    """The example inputs: torch tries weights_only, then falls back to full unpickling."""
+    def edit(members):
+        members["data/sample_inputs/model.pt"] = pickled(TouchThen(marker, ((IMAGES,), {})))
+    return edit
+
+
+def legacy_weights(marker):
+    """A legacy `data/weights/model.pt` (torch 2.7's layout), read instead of the weights config."""
+    def edit(members):
+        members["data/weights/model.pt"] = pickled(TouchThen(marker, {}))
+    return edit
+
+
+def python_operator(marker):
+    """A node whose target is any Python function reachable from `torch` (here os.mkdir): torch's deserializer
+    resolves it, its verifier refuses it today (the one craft here that does not run with torch alone)."""
+    def change(program):
+        nodes = program["graph_module"]["graph"]["nodes"]
+        nodes.insert(0, {"target": "torch.os.mkdir", "inputs": [
+            {"name": "path", "arg": {"as_string": str(marker)}, "kind": 1}], "outputs": [], "metadata": {}})
+    return edit_program(change)
+
+
+def file_operation(marker):
+    """ATen's own file operation: aten::from_file maps a file shared (creating it), fill_ writes into it."""
+    def tensor(size):
+        return {"dtype": ScalarType.BYTE.value, "sizes": [{"as_int": size}], "requires_grad": False,
+                "device": {"type": "cpu", "index": None}, "strides": [{"as_int": 1}],
+                "storage_offset": {"as_int": 0}, "layout": Layout.Strided.value}
+
+    def change(program):
+        graph = program["graph_module"]["graph"]
+        graph["nodes"][:0] = [
+            {"target": "torch.ops.aten.from_file.default", "name": "mapped", "metadata": {},
+             "inputs": [{"name": "filename", "arg": {"as_string": str(marker)}, "kind": 1},
+                        {"name": "shared", "arg": {"as_bool": True}, "kind": 1},
+                        {"name": "size", "arg": {"as_int": 6}, "kind": 1},
+                        {"name": "dtype", "arg": {"as_scalar_type": ScalarType.BYTE.value}, "kind": 2}],
+             "outputs": [{"as_tensor": {"name": "mapped"}}]},
+            {"target": "torch.ops.aten.fill_.Scalar", "name": "filled", "metadata": {},
+             "inputs": [{"name": "self", "arg": {"as_tensor": {"name": "mapped"}}, "kind": 1},
+                        {"name": "value", "arg": {"as_int": 88}, "kind": 1}],
+             "outputs": [{"as_tensor": {"name": "filled"}}]}]
+        graph["tensor_values"].update(mapped=tensor(6), filled=tensor(6))
+        program["verifiers"] = ["TRAINING"]
+    return edit_program(change)
+
+
+def guard_code(marker):
+    """`guards_code`: Python that the module runs on every call."""
+    def change(program):
+        program["guards_code"] = [f"__import__('pathlib').Path({str(marker)!r}).touch() is None"]
+    return edit_program(change)
+
+
+def shape_expression(marker):
+    """A shape expression, which torch gives sympy to evaluate."""
+    def change(program):
+        size = program["graph_module"]["graph"]["tensor_values"]["x"]["sizes"][0]["as_expr"]
+        size["expr_str"] = f"Add({size['expr_str']}, 0*int(__import__('pathlib').Path({str(marker)!r}).touch() is None))"
+    return edit_program(change)
+
+
+def buffer_name(marker):
+    """A buffer's name, which becomes an attribute access in the module's generated code."""
+    evil = f'forward") and getattr(__import__("os"), "mkdir")("{marker}") or getattr(self, "forward'
+    def change(config, members):
+        program = json.loads(members["models/model.json"])
+        for spec in program["graph_module"]["signature"]["input_specs"]:
+            if spec.get("buffer", {}).get("buffer_name") == "mean":
+                spec["buffer"]["buffer_name"] = evil
+        members["models/model.json"] = json.dumps(program).encode()
+        config[evil] = config.pop("mean")
+    return edit_config("weights", change)
+
+
+def input_name(marker):
+    """An input's name, which becomes a parameter (and its default value) in the generated code."""
+    evil = f"x=getattr(__import__('os'), 'mkdir')({str(marker)!r})"
+    def edit(members):
+        text = members["models/model.json"].decode().replace('{"name": "x"}', json.dumps({"name": evil}))
+        program = json.loads(text)
+        values = program["graph_module"]["graph"]["tensor_values"]
+        values[evil] = values.pop("x")
+        members["models/model.json"] = json.dumps(program).encode()
+    return edit
+
+
+def compiled_code(marker):
+    """An AOTInductor folder: a shared library torch would load."""
+    def edit(members):
+        members["data/aotinductor/model/model.so"] = b"\x7fELF"
+    return edit
+
+
+def old_format(marker):
+    """The format of torch 2.6 and before (top-level members, read with zipfile), its state dict a pickle."""
+    def edit(members):
+        program = members["models/model.json"]
+        members.clear()
+        members["/version"] = ".".join(map(str, SCHEMA_VERSION)).encode()
+        members["/serialized_exported_program.json"] = program
+        members["/serialized_state_dict.pt"] = pickled(TouchThen(marker, {}))
+        members["/serialized_constants.pt"] = pickled({})
+        members["/serialized_example_inputs.pt"] = pickled(((IMAGES,), {}))
+    return edit
+
+
+CRAFTS = {"pickled weight": pickled_weight, "opaque object": opaque_constant, "pickled constant": pickled_constant,
+          "sample inputs": sample_inputs, "legacy weights": legacy_weights, "python operator": python_operator,
+          "file operation": file_operation, "guard code": guard_code, "shape expression": shape_expression,
+          "buffer name": buffer_name, "input name": input_name, "compiled code": compiled_code,
+          "old format": old_format}
+WORDS = {"pickled weight": "pickled weight 'mean'", "opaque object": "pickled Python object constant 'extra'",
+         "pickled constant": "pickled constant 'extra'", "sample inputs": "weights-only",
+         "legacy weights": "weights-only", "python operator": "operator 'torch.os.mkdir'",
+         "file operation": "operator 'torch.ops.aten.from_file.default'", "guard code": "guard code",
+         "shape expression": "shape expression", "buffer name": "name 'forward\")", "input name": "name \"x=",
+         "compiled code": "AOTInductor", "old format": "serialized_state_dict.pt"}
+
+
+@pytest.mark.parametrize("craft", CRAFTS)
+def test_a_crafted_export_archive_is_refused_before_it_runs(craft, exported, tmp_path):
+    marker = tmp_path / "marker"
+    path = rewrite(exported, tmp_path / "crafted.pt2", CRAFTS[craft](marker))
+    with pytest.raises(UserError, match="--trust-checkpoint") as caught:
+        read_checkpoint(path, None, None, Normalization.AUTO, False, None, CPU)
+    assert WORDS[craft] in str(caught.value)
+    assert "\n" not in str(caught.value)
+    assert not marker.exists()
+
+
+def test_real_exports_are_data(exported, tmp_path):
+    """What torch writes for ordinary classifiers passes: a dynamic batch, kwargs, no_grad in forward (a
+    higher-order operator with a subgraph), submodules in lists, lifted constants, decomposed to core ATen."""
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([build_architecture(SMALL_CNN, 9)])
+
+        def forward(self, x, scale=None):
+            with torch.no_grad():
+                logits = self.blocks[0](x)
+            return logits.reshape(x.shape[0], -1) * (torch.tensor([2.0]) if scale is None else scale)
+
+    program = torch.export.export(Classifier().eval(), (IMAGES,), kwargs={"scale": torch.ones(1)},
+                                  dynamic_shapes={"x": {0: torch.export.Dim("batch")}, "scale": None})
+    for name, version in (("training", program), ("core", program.run_decompositions())):
+        torch.export.save(version, str(tmp_path / f"{name}.pt2"))
+        assert untrusted_content(tmp_path / f"{name}.pt2") == []
+    assert untrusted_content(exported) == []
+
+
+@pytest.fixture
+def weight_pickle(exported, tmp_path) -> tuple[Path, Path]:
+    """(the archive with a pickled weight, the marker its unpickling creates)."""
+    marker = tmp_path / "marker"
+    return rewrite(exported, tmp_path / "pickled.pt2", pickled_weight(marker)), marker
+
+
+@pytest.mark.parametrize("script", [in9_eval, challenge_eval])
+def test_the_scripts_refuse_it_and_trust_loads_it(script, weight_pickle, dataset, tmp_path, capsys):
+    path, marker = weight_pickle
+    common = ["--data-path", str(dataset.root), "--checkpoint", str(path), "--device", "cpu", "--no-progress",
+              "--no-cache", "--log-level", "ERROR", "--output-dir", str(tmp_path / "out")]
+    line = check_error(*run_in_process(script.main, common, capsys))
+    assert "pickled weight 'mean'" in line and "--trust-checkpoint" in line
+    assert not marker.exists()
+    if script is in9_eval:  # the flag the message names: torch's loader, the file's code included
+        code, out, err = run_in_process(script.main, [*common, "--trust-checkpoint"], capsys)
+        assert code == 0, err
+        assert "Accuracy on original is" in out
+        assert marker.exists()
+
+
+def test_the_zoo_refuses_it(weight_pickle, dataset, tmp_path, capsys):
+    path, marker = weight_pickle
+    code, out, err = run_in_process(zoo.main, ["--data-path", str(dataset.root), "--models", f"file:{path}",
+                                               "--output-dir", str(tmp_path / "zoo"), "--device", "cpu",
+                                               "--no-progress", "--no-cache"], capsys)
+    assert code != 0
+    assert "pickled weight 'mean'" in err and "--trust-checkpoint" in err
+    assert not marker.exists()
+
+
+def test_benchmark_refuses_it(weight_pickle, dataset):
+    path, marker = weight_pickle
+    with pytest.raises(UserError, match="pickled weight 'mean'.*--trust-checkpoint"):
+        benchmark(f"file:{path}", dataset.root, device="cpu", progress=False, cache=False)
+    assert not marker.exists()
+
+
+def test_train_refuses_it(weight_pickle, tiny, tmp_path, capsys):
+    path, marker = weight_pickle
+    line = check_error(*run_in_process(train.main, ["--data-path", str(tiny), "--arch", f"file:{path}",
+                                                     "--output-dir", str(tmp_path / "run"), "--device", "cpu",
+                                                     "--no-progress", "--log-level", "ERROR"], capsys))
+    assert "pickled weight 'mean'" in line
+    assert not marker.exists()
+
+
+class OverwritesAFile(nn.Module):
+    """A scripted classifier whose forward maps a file shared and overwrites it (and predicts from its first
+    byte): the file is named in its code, outside every folder a run is given."""
+
+    def __init__(self, victim: str):
+        super().__init__()
+        self.victim = victim
+
+    def forward(self, x):
+        mapped = torch.from_file(self.victim, shared=True, size=6, dtype=torch.uint8)
+        first = mapped[0].float()
+        mapped.fill_(88)
+        return torch.zeros(x.shape[0], 9) + first
+
+
+def test_a_torchscript_file_needs_trust(dataset, tmp_path, capsys):
+    victim = tmp_path / "elsewhere" / "notes.txt"
+    victim.parent.mkdir()
+    victim.write_text("secret")
+    path = tmp_path / "model.ts"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.script(OverwritesAFile(str(victim))), str(path))
+    common = ["--data-path", str(dataset.root), "--checkpoint", str(path), "--device", "cpu", "--no-progress",
+              "--no-cache", "--log-level", "ERROR", "--output-dir", str(tmp_path / "out")]
+    line = check_error(*run_in_process(in9_eval.main, common, capsys))
+    assert "TorchScript program" in line and "--trust-checkpoint" in line and "torch.export" in line
+    assert victim.read_text() == "secret"
+    code, out, err = run_in_process(in9_eval.main, [*common, "--trust-checkpoint"], capsys)  # trusted: it runs
+    assert code == 0, err
+    assert "Accuracy on original is" in out
+    assert victim.read_text() == "X" * 6
