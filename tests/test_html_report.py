@@ -403,7 +403,8 @@ def html_leaderboard_paragraphs(text: str) -> list[str]:
 
 def markdown_cells(markdown: str) -> list[list[str]]:
     lines = [line for line in markdown.splitlines() if line.startswith("|") and "---" not in line]
-    return [[c.strip().replace("`", "") for c in line.strip("|").split(" | ")] for line in lines]
+    return [[re.sub(r"\\(.)", r"\1", c.strip().replace("`", "")) for c in line.strip("|").split(" | ")]
+            for line in lines]
 
 
 @pytest.mark.parametrize("per_class", [4, 450])

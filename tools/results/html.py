@@ -19,6 +19,7 @@ from tools.in9 import class_names
 from tools.provenance import START_EVAL_DIR, TRAINED_EVAL_DIR, TRAINING_LOG, write_text_atomic
 from tools.results import html_sections as sections
 from tools.results import report
+from tools.results.markdown import inline_html
 
 STYLE = """
 body{font-family:sans-serif;margin:24px;color:#141414;max-width:1100px}
@@ -75,8 +76,8 @@ def leaderboard_section(output_dir: Path | None) -> str:
         with Image.open(plot) as img:
             uri = sections.data_uri(img.convert("RGB"), "PNG")
     cells = [[sections.cell(c.text, c.value) for c in row] for row in model.rows]
-    notes = "".join(f"<p{WARNING if note.warning else ''}>{sections.inline_code(note.text)}</p>" for note in model.notes)
-    body = (f"<p>{sections.inline_code(model.intro)}</p>"
+    notes = "".join(f"<p{WARNING if note.warning else ''}>{inline_html(note.text)}</p>" for note in model.notes)
+    body = (f"<p>{inline_html(model.intro)}</p>"
             f'<img src="{uri}" alt="BG-gap against challenge accuracy, one point per model with both (the table '
             f'below holds the numbers)">' + sections.table(model.header, cells, "leaderboard", True) + notes)
     return f"<section><h2>Leaderboard</h2>{body}</section>"

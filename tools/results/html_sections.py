@@ -33,12 +33,6 @@ def esc(value) -> str:
     return html.escape(str(value), quote=True)
 
 
-def inline_code(text: str) -> str:
-    """Escaped text whose `backticked` spans become <code>."""
-    parts = str(text).split("`")
-    return "".join(f"<code>{esc(p)}</code>" if i % 2 else esc(p) for i, p in enumerate(parts))
-
-
 def cell(text, value=None) -> str:
     """A table cell; a number's exact value goes in data-value."""
     attr = "" if value is None else f' data-value="{esc(value)}"'
@@ -154,7 +148,7 @@ def challenge_section(challenge: dict | None) -> str:
                      cell(report.percent(value), value)])
         bars.append((name, value))
     body = [f'<p><strong>Challenge accuracy: <span id="challenge-accuracy" data-value="{esc(accuracy)}">'
-            f'{accuracy:.2f}%</span>.</strong> {esc(report.vulnerable_sentence(challenge, quote=""))}</p>']
+            f'{accuracy:.2f}%</span>.</strong> {esc(report.vulnerable_sentence(challenge, markdown=False))}</p>']
     if rows:
         body += [bar_chart(bars, "Challenge accuracy per class"), table(report.CHALLENGE_HEADER, rows, "challenge", True)]
     cost = report.cost_sentence(challenge)
@@ -287,8 +281,8 @@ def categories_section(categories: dict | None) -> str:
 
 
 def provenance_section(sources: list[tuple[str, dict]]) -> str:
-    found = report.provenance_table(sources)
+    found = report.provenance_table(sources, markdown=False)
     if found is None:
         return _section("Provenance", "<p>No provenance recorded.</p>")
     header, rows = found
-    return _section("Provenance", table(header, [[cell(c.strip("`")) for c in row] for row in rows], "provenance"))
+    return _section("Provenance", table(header, [[cell(c) for c in row] for row in rows], "provenance"))
