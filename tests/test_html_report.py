@@ -141,9 +141,8 @@ def test_the_scripts_pages_hold_their_own_results(runs):
 
 def test_a_gone_data_folder_is_said_not_failed(runs, tmp_path):
     out, inputs = runs
-    analysis = dict(inputs["analysis"], data_path=str(tmp_path / "moved"))
-    text = write_html(tmp_path / "report.html", analysis=analysis)
-    assert f"The data folder {tmp_path / 'moved'} is gone" in text
+    text = write_html(tmp_path / "report.html", analysis=inputs["analysis"], data_path=tmp_path / "moved")
+    assert f"No data folder at {tmp_path / 'moved'}" in text
     page = Page(text)
     assert not page.images and len(page.rows("confusion")) == len(NAMES)
 

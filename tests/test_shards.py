@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +13,12 @@ import pytest
 
 import challenge_eval
 import in9_eval
-from tests.helpers import run_in_process, save_torchscript
+from tests.helpers import page_shows_secret, run_in_process, save_torchscript, secret_image, shows_secret
+from PIL import Image
+
 from tools import cli, merge
 from tools.data import synthetic
+from tools.results.analysis import FigureLayout
 
 TIMING = ("wall_time_s", "composites_per_s", "composites_evaluated")
 
@@ -199,3 +204,37 @@ def test_a_damaged_shard_is_refused_with_one_error_line(kind, suffix, how, setup
     assert code == 2 and out == ""
     line = one_error_line(err)
     assert str(damaged) in line and "--shard 1/2" in line
+
+
+def test_a_merged_analysis_reads_no_file_outside_the_data_folder_it_is_given(setup, tmp_path, capsys):
+    """Shard files name their data folder and the run's files: edited to / and to paths out of it (absolute, climbing,
+    through a link), the merged figure and HTML report still read only the --data-path folder's own files."""
+    data, model = setup
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    secret = secret_image(tmp_path / "private")
+    folder = tmp_path / "shards"
+    for index in range(2):
+        code, _, err = script(challenge_eval, capsys, "--data-path", copy, "--checkpoint", model, "--no-cache", "--full",
+                              "--output-dir", folder, "--shard", f"{index}/2")
+        assert code == 0, err
+    link = copy / "only_bg_t" / "val" / sorted(os.listdir(copy / "only_bg_t" / "val"))[0] / "zz_link.JPEG"
+    link.symlink_to(secret)
+    outside = [str(secret), os.path.relpath(secret, copy), link.relative_to(copy).as_posix()]
+    for path in folder.glob("challenge-shard-*.json"):
+        meta = json.loads(path.read_text())
+        meta["data_path"] = "/"
+        meta["backgrounds"] = [[outside[j % 3], label] for j, (_, label) in enumerate(meta["backgrounds"])]
+        meta["foregrounds"] = [[stem, label, outside[i % 3], mask]
+                               for i, (stem, label, _, mask) in enumerate(meta["foregrounds"])]
+        path.write_text(json.dumps(meta))
+    page = tmp_path / "merged.html"
+    code, out, err = run_in_process(merge.main, [str(folder), "--analysis", "--top-k", "2", "--html", str(page),
+                                                 "--data-path", str(copy)], capsys)
+    assert code == 0, err
+    assert out.startswith("Summary: ") and "not shown" in err
+    assert not page_shows_secret(page.read_text())
+    with Image.open(folder / "top_backgrounds.png") as figure:
+        panels = [figure.crop(FigureLayout(rows=9, cols=2).image_box(r, c)) for r in range(9) for c in range(2)]
+    assert not any(shows_secret(panel) for panel in panels)
+    assert json.loads((folder / "challenge_meta.json").read_text())["data_path"] == str(copy.resolve())

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
          "--results-file", str(args.out / "challenge.json"), *common],
         [sys.executable, "-m", "tools.results.report", "--in9", str(args.out / "in9.json"), "--challenge",
          str(args.out / "challenge.json"), "--analysis-dir", str(args.out / "results"), "--output",
-         str(args.out / "report.md"), "--html", str(args.out / "report.html")],
+         str(args.out / "report.md"), "--html", str(args.out / "report.html"), "--data-path", str(data)],
     ]
     for command in commands:
         print("\n$ " + " ".join(Path(c).name if c == sys.executable else c for c in command), flush=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from tools.data import layout
+from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT
 from tools.challenge.data import ChallengeFiles
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import Criterion
@@ -26,13 +27,14 @@ KINDS = ("challenge", "in9")
 RERUN_HINT = "fix the cause and rerun the merge"
 
 
-def merge_challenge(shards: list[tuple[Path, dict]]) -> tuple[ChallengeResult, Path, int]:
-    """The whole run's result from its shards; with the data path and class count the outputs need."""
+def merge_challenge(shards: list[tuple[Path, dict]], data_path: Path) -> tuple[ChallengeResult, int]:
+    """The whole run's result from its shards, with the class count the outputs need; `data_path` is the data folder
+    the merge was given (the outputs' pictures are read there, never where a shard file says)."""
     first = shards[0][1]
     foregrounds = [layout.ForegroundRecord(stem, label, image, mask) for stem, label, image, mask in first["foregrounds"]]
     backgrounds = [layout.ImageRecord(relpath, label) for relpath, label in first["backgrounds"]]
     results = first["results"]
-    files = ChallengeFiles(foregrounds, backgrounds, Path(first["data_path"]), results["provenance"]["data"])
+    files = ChallengeFiles(foregrounds, backgrounds, Path(data_path), results["provenance"]["data"])
     arrays = [read_challenge_arrays(path, meta) for path, meta in shards]
     state = SearchState.fresh(len(foregrounds), len(backgrounds), arrays[0]["bg_pred"], bool(results["full"]))
     for z in arrays:
@@ -48,7 +50,7 @@ def merge_challenge(shards: list[tuple[Path, dict]]) -> tuple[ChallengeResult, P
     result = ChallengeResult(files, state, Criterion(results["criterion"]), results["provenance"],
                              sum(m["rechecked_fp32"] for m in metas), sum(m["recheck_changed"] for m in metas),
                              unsure, first["key"])
-    return result, files.root, int(first["num_classes"])
+    return result, int(first["num_classes"])
 
 
 def merge_in9(shards: list[tuple[Path, dict]]) -> In9Run:
@@ -87,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write a Markdown report of the results (default: none)")
     parser.add_argument("--html", type=Path, default=None, metavar="PATH",
                         help="write the report as one self-contained HTML page with pictures (default: none)")
+    parser.add_argument("--data-path", type=Path, default=None, metavar="DIR",
+                        help=f"challenge with --analysis: the data folder the figure's and the HTML report's pictures "
+                             f"are read from; only files inside it are shown (default: ${DATA_ENV} if set, else "
+                             f"{DEFAULT_DATA_ROOT})")
     parser.add_argument("--per-foreground-csv", type=Path, default=None, metavar="PATH",
                         help="challenge: one row per foreground, as challenge_eval.py writes it (default: none)")
     parser.add_argument("--analysis", action="store_true",
@@ -110,7 +116,8 @@ def _main(args: argparse.Namespace) -> int:
     if kind not in found:
         raise UserError(f"no {kind} shards in {', '.join(map(str, args.folders))}")
     if kind == "challenge":
-        result, data_path, num_classes = merge_challenge(found[kind])
+        data_path = args.data_path or layout.default_data_root()
+        result, num_classes = merge_challenge(found[kind], data_path)
         if args.analysis and result.state.matrix is None:
             raise UserError("--analysis needs the whole prediction matrix: the shards ran without --full")
         lines = publish_challenge(result, args.output_dir or args.folders[0], data_path, num_classes, args.analysis,

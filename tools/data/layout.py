@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from tools.errors import UserError
 from tools.in9 import MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation, class_folder_names, class_of_folder
@@ -69,6 +70,28 @@ def check_data_root(root: Path | None) -> Path:
             f"original/, mixed_rand/, ... (e.g. {DEFAULT_DATA_ROOT}; `python -m tools.data fetch` downloads it)"
         )
     return root
+
+
+def data_file(root: Path, relpath: str) -> Path:
+    """The regular file `relpath` names under the data folder `root`, with every link resolved: what a results file,
+    which names the data's files relative to the data root, may make a report read. A UserError says why not for a
+    path that is absolute or climbs out (".."), one that resolves outside `root` (through a link), and one that is
+    missing, unreadable or not a regular file (a folder, a FIFO, a device)."""
+    where = Path(root) / str(relpath)
+    named = PurePosixPath(str(relpath))
+    if not str(relpath) or named.is_absolute() or ".." in named.parts:
+        raise UserError(f"{str(relpath)!r} is not a path inside the data folder {root}")
+    try:
+        inside = Path(root).resolve(strict=True)
+        real = (inside / named).resolve(strict=True)
+        mode = real.stat().st_mode
+    except (OSError, RuntimeError) as exc:  # missing, unreadable, a loop of links (RuntimeError before Python 3.13)
+        raise UserError(f"cannot read {where} ({getattr(exc, 'strerror', None) or exc})") from None
+    if not real.is_relative_to(inside):
+        raise UserError(f"{where} resolves to {real}, outside the data folder {inside}")
+    if not stat.S_ISREG(mode):
+        raise UserError(f"{where} is not a regular file")
+    return real
 
 
 def variation_dir(root: Path, name: str, split: str = SPLIT) -> Path:
