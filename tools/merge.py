@@ -14,7 +14,7 @@ from tools.data import layout
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT
 from tools.challenge.data import ChallengeFiles
 from tools.challenge.result import ChallengeResult
-from tools.challenge.scheduler import Criterion
+from tools.challenge.scheduler import Criterion, state_problem
 from tools.challenge.state import SearchState
 from tools.cli import ArgumentParser, examples, add_log_level_argument, run_main
 from tools.errors import UserError
@@ -25,17 +25,31 @@ from tools.shards import NOT_MINE, find_shards, read_challenge_arrays
 
 KINDS = ("challenge", "in9")
 RERUN_HINT = "fix the cause and rerun the merge"
+RERUN_SHARDS = "rerun the shards (--shard I/N) with the run's settings"
 
 
 def merge_challenge(shards: list[tuple[Path, dict]], data_path: Path) -> tuple[ChallengeResult, int]:
     """The whole run's result from its shards, with the class count the outputs need; `data_path` is the data folder
     the merge was given (the outputs' pictures are read there, never where a shard file says)."""
-    first = shards[0][1]
+    (first_path, first), shared = shards[0], ("foregrounds", "backgrounds", "num_classes")
+    for path, meta in shards[1:]:
+        if any(meta[name] != first[name] for name in shared) or any(
+                meta["results"][name] != first["results"][name] for name in ("criterion", "full")):
+            raise UserError(f"{path} and {first_path} list other files or settings, yet claim one run; rerun the "
+                            f"shards of one run")
     foregrounds = [layout.ForegroundRecord(stem, label, image, mask) for stem, label, image, mask in first["foregrounds"]]
     backgrounds = [layout.ImageRecord(relpath, label) for relpath, label in first["backgrounds"]]
     results = first["results"]
-    files = ChallengeFiles(foregrounds, backgrounds, Path(data_path), results["provenance"]["data"])
+    try:
+        criterion = Criterion(results["criterion"])
+    except ValueError:
+        raise UserError(f"{first_path} names no criterion of the challenge ({results['criterion']!r}); {RERUN_SHARDS}") \
+            from None
+    files = ChallengeFiles(foregrounds, backgrounds, Path(data_path), results["provenance"].get("data"))
     arrays = [read_challenge_arrays(path, meta) for path, meta in shards]
+    if any(not np.array_equal(z["bg_pred"], arrays[0]["bg_pred"]) for z in arrays):
+        raise UserError(f"the shards' predictions on the backgrounds alone differ: they are not of one model and data; "
+                        f"{RERUN_SHARDS}")
     state = SearchState.fresh(len(foregrounds), len(backgrounds), arrays[0]["bg_pred"], bool(results["full"]))
     for z in arrays:
         rows = z["indices"]
@@ -43,11 +57,14 @@ def merge_challenge(shards: list[tuple[Path, dict]], data_path: Path) -> tuple[C
         state.min_margin[rows] = z["min_margin"]
         if state.matrix is not None:
             state.matrix[rows] = z["matrix"]
+    problem = state_problem(state, files.fg_labels, files.bg_labels, criterion, tested=False)
+    if problem is not None:
+        raise UserError(f"the shards' verdicts are not what their searches give: {problem}; {RERUN_SHARDS}")
     metas = [meta["results"] for _, meta in shards]
     state.evaluated = sum(m["composites_evaluated"] for m in metas)
     state.elapsed = max(m["wall_time_s"] for m in metas)
     unsure = None if results["unsure_verdicts"] is None else sum(m["unsure_verdicts"] for m in metas)
-    result = ChallengeResult(files, state, Criterion(results["criterion"]), results["provenance"],
+    result = ChallengeResult(files, state, criterion, results["provenance"],
                              sum(m["rechecked_fp32"] for m in metas), sum(m["recheck_changed"] for m in metas),
                              unsure, first["key"])
     return result, int(first["num_classes"])
@@ -55,7 +72,11 @@ def merge_challenge(shards: list[tuple[Path, dict]], data_path: Path) -> tuple[C
 
 def merge_in9(shards: list[tuple[Path, dict]]) -> In9Run:
     """The whole run's predictions from its shards: every image predicted by exactly one of them."""
-    first = shards[0][1]
+    (first_path, first) = shards[0]
+    listing = {name: (v["relpaths"], v["labels"]) for name, v in first["variations"].items()}
+    for path, meta in shards[1:]:
+        if {name: (v["relpaths"], v["labels"]) for name, v in meta["variations"].items()} != listing:
+            raise UserError(f"{path} and {first_path} list other images, yet claim one run; {RERUN_SHARDS}")
     results = {}
     for name, variation in first["variations"].items():
         predictions = np.full(len(variation["predictions"]), NOT_MINE, np.int64)

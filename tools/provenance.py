@@ -169,6 +169,30 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
             return {name: archive[name] for name in archive.files}
 
 
+_KINDS = {"b": "booleans", "iu": "integers", "biu": "integers", "f": "floats", "fiu": "numbers"}
+
+
+def checked_array(arrays: Mapping[str, np.ndarray], name: str, shape: tuple, kind: str, low=None, high=None,
+                  dtype=None) -> np.ndarray:
+    """`arrays[name]` (an array of a saved state or shard, read with `read_npz`) checked against the run reading it
+    back, as `dtype` (its own when None): `shape` (an entry None: any length), `kind` (numpy kind letters: "b"
+    booleans, "iu" integers, "f" floats), every value within [`low`, `high`] (None: unbounded) and no NaN. A
+    ValueError says what is wrong; a missing array is a KeyError."""
+    value = np.asarray(arrays[name])
+    if value.dtype.kind not in kind:
+        raise ValueError(f"{name} holds {value.dtype}, not {_KINDS.get(kind, kind)}")
+    if value.ndim != len(shape) or any(want is not None and want != got for want, got in zip(shape, value.shape)):
+        wanted = " x ".join("any" if n is None else str(n) for n in shape) or "a scalar"
+        raise ValueError(f"{name} is of shape {' x '.join(map(str, value.shape)) or 'a scalar'}, not {wanted}")
+    if value.size and value.dtype.kind == "f" and np.isnan(value).any():
+        raise ValueError(f"{name} holds NaN")
+    if value.size and low is not None and value.min() < low:
+        raise ValueError(f"{name} holds {value.min()}, below {low}")
+    if value.size and high is not None and value.max() > high:
+        raise ValueError(f"{name} holds {value.max()}, above {high}")
+    return value if dtype is None else value.astype(dtype, copy=False)
+
+
 class OutputFiles:
     """A command's output files, written one after another: one that cannot be written does not stop the
     others, and leaving the `with` block raises one user error that names what failed and what was written,

@@ -33,7 +33,7 @@ from tools.models.sources import load_model
 from tools.runtime import Precision, Runtime, check_antialias, resolve_device
 from tools.training import adapters
 from tools.training.checkpoint import (CHECKPOINT_NAME, STATE_NAME, BackgroundSaver, load_resume_state,
-                                       save_atomic, trained_checkpoint)
+                                       restore_resume_state, save_atomic, trained_checkpoint)
 from tools.training.config import RANDOM_INIT, Optimizer, TrainConfig
 from tools.training.data import (StepSampler, decoded_store, derived_seed, device_batch, list_training_data,
                                  make_loader)
@@ -289,12 +289,7 @@ def train(config: TrainConfig) -> TrainResult:
         if earlier_default is runtime.precision else None
     saved = load_resume_state(config.output_dir, run_key, earlier_key) if config.resume else None
     if saved is not None:
-        net.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        schedule.load_state_dict(saved["schedule"])
-        if swa is not None:
-            swa.load_state_dict(saved["swa"], optimizer)
-        step = saved["step"]
+        step = restore_resume_state(saved, config.output_dir, net, optimizer, schedule, swa, total_steps)
         log.info("resuming at step %d of %d", step, total_steps)
     journal = JsonLog(config.output_dir / TRAINING_LOG, group.is_main, step if saved is not None else None)
 
