@@ -197,3 +197,34 @@ def test_a_forged_training_state_is_one_error_line_and_keeps_the_checkpoint(name
     line = check_error(code, stdout, err, lines=None)
     assert TRAINING_STATE in line and "rerun without --resume" in line, name
     assert (out / "checkpoint.pt").read_bytes() == checkpoint  # nothing already made is lost
+
+
+def lying_header(path: Path) -> None:
+    """The state's verdicts replaced by a stored .npy member whose header claims 10^12 of them (8 bytes follow)."""
+    import zipfile  # noqa: PLC0415
+    with np.load(path) as z:
+        arrays = dict(z)
+    arrays.pop("verdict")
+    np.savez(path, **arrays)
+    header = {"descr": "|i1", "fortran_order": False, "shape": (10**12,)}
+    buffer = __import__("io").BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, header)
+    with zipfile.ZipFile(path, "a", compression=zipfile.ZIP_STORED) as archive:
+        archive.writestr("verdict.npy", buffer.getvalue() + bytes(8))
+
+
+@pytest.mark.parametrize("name", ["compressed", "a header claiming 10^12 verdicts"])
+def test_a_state_archive_that_does_not_hold_what_it_claims_is_one_error_line(name, setup, finished, tmp_path, capsys):
+    """The toolkit writes its archives uncompressed: an array is read only when its bytes are all there, so a small
+    file cannot make a huge allocation."""
+    out = tmp_path / "out"
+    shutil.copytree(finished[False], out)
+    if name == "compressed":
+        with np.load(out / STATE_NAME) as z:
+            arrays = dict(z)
+        np.savez_compressed(out / STATE_NAME, **arrays)
+    else:
+        lying_header(out / STATE_NAME)
+    code, stdout, err = run_in_process(challenge_eval.main, challenge_args(setup, out, "--resume"), capsys)
+    line = check_error(code, stdout, err, lines=None)
+    assert str(out / STATE_NAME) in line and "rerun without --resume" in line

@@ -338,3 +338,27 @@ def test_an_in9_shard_predicting_what_it_does_not_own_is_refused(name, setup, tm
     code, out, err = run_in_process(merge.main, [str(folder)], capsys)
     assert code == 2 and out == "", name
     assert "rerun" in one_error_line(err), name
+
+
+def test_shards_listing_300000_foregrounds_and_backgrounds_merge_without_their_product(setup, tmp_path, capsys):
+    """A merge makes nothing of foregrounds x backgrounds but a --full matrix the shards hold: listings forged to
+    300,000 of each (with arrays to match, re-signed) once made it allocate 83.8 GiB."""
+    data, model = setup
+    folder = tmp_path / "shards"
+    challenge_shards(data, model, folder, capsys)
+    size = 300_000
+
+    def listings(meta):
+        meta["foregrounds"] = [meta["foregrounds"][i % 27] for i in range(size)]
+        meta["backgrounds"] = [meta["backgrounds"][j % 27] for j in range(size)]
+
+    for index in range(2):
+        def arrays(a, index=index):
+            n = len(np.arange(index, size, 2))
+            a.update(indices=np.arange(index, size, 2), verdict=np.zeros(n, np.int8), fool_bg=np.full(n, -1),
+                     fool_pred=np.full(n, -1), min_margin=np.full(n, np.inf, np.float32),
+                     bg_pred=np.resize(a["bg_pred"], size))
+        resign(folder, index, arrays, listings)
+    code, out, err = run_in_process(merge.main, [str(folder)], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert out.startswith(f"Summary: 0/{size} ")

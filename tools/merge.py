@@ -50,7 +50,7 @@ def merge_challenge(shards: list[tuple[Path, dict]], data_path: Path) -> tuple[C
     if any(not np.array_equal(z["bg_pred"], arrays[0]["bg_pred"]) for z in arrays):
         raise UserError(f"the shards' predictions on the backgrounds alone differ: they are not of one model and data; "
                         f"{RERUN_SHARDS}")
-    state = SearchState.fresh(len(foregrounds), len(backgrounds), arrays[0]["bg_pred"], bool(results["full"]))
+    state = SearchState.finished(len(foregrounds), arrays[0]["bg_pred"], bool(results["full"]))
     for z in arrays:
         rows = z["indices"]
         state.verdict[rows], state.fool_bg[rows], state.fool_pred[rows] = z["verdict"], z["fool_bg"], z["fool_pred"]

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import secrets
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import IO, Callable, Iterator, Mapping
 
@@ -160,13 +162,31 @@ RESUME_HINT = "fix the cause and rerun the same command with --resume: its saved
 
 def read_npz(path: Path) -> dict[str, np.ndarray]:
     """Every array of the .npz archive `path`, read through our own file handle (closed also when numpy refuses
-    the file); what is not such an archive raises one of tools.errors.NUMPY_READ_ERRORS (a .npy array: ValueError)."""
+    the file); what is not such an archive raises one of tools.errors.NUMPY_READ_ERRORS (a .npy array: ValueError).
+    The toolkit writes its archives uncompressed (`np.savez`), so an array is read only when the archive holds its
+    every byte: a compressed member, or a header claiming more than its member holds, is refused (ValueError)
+    before anything of the size it claims is made."""
     with open(path, "rb") as fh:
         archive = np.load(fh, allow_pickle=False)
         if not isinstance(archive, np.lib.npyio.NpzFile):
             raise ValueError("a single array, not an .npz archive")
         with archive:
+            for member in archive.zip.infolist():
+                _check_member(archive.zip, member)
             return {name: archive[name] for name in archive.files}
+
+
+def _check_member(archive: zipfile.ZipFile, member: zipfile.ZipInfo) -> None:
+    if member.compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"{member.filename} is compressed, which no archive of the toolkit is")
+    with archive.open(member) as fh:
+        version = np.lib.format.read_magic(fh)
+        readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        if version not in readers:
+            raise ValueError(f"{member.filename} is of .npy format {version}, which no archive of the toolkit is")
+        shape, _, dtype = readers[version](fh)
+    if math.prod(shape) * dtype.itemsize > member.file_size:
+        raise ValueError(f"{member.filename} claims an array of shape {shape}, more than its {member.file_size} bytes")
 
 
 _KINDS = {"b": "booleans", "iu": "integers", "biu": "integers", "f": "floats", "fiu": "numbers"}

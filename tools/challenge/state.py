@@ -46,6 +46,16 @@ class SearchState:
                    worklist=np.zeros((0, 2), np.int32),
                    matrix=np.full((n_fg, n_bg), UNMAPPED, np.int8) if full else None)
 
+    @classmethod
+    def finished(cls, n_fg: int, bg_pred: np.ndarray, full: bool) -> "SearchState":
+        """A finished search's state of `n_fg` foregrounds, to be filled with its verdicts (and --full matrix): the
+        merge of shards. Nothing is planned or tested any more, so nothing of foregrounds x backgrounds is made
+        but the matrix."""
+        state = cls.fresh(n_fg, 0, bg_pred, full=False)
+        state.bg_pred = bg_pred
+        state.matrix = np.full((n_fg, len(bg_pred)), UNMAPPED, np.int8) if full else None
+        return state
+
     def snapshot(self, pending: list[np.ndarray]) -> "SearchState":
         """A copy to save while the search goes on, with `pending` (the batches launched and not yet recorded)."""
         copied = {f.name: getattr(self, f.name) for f in fields(self)}
