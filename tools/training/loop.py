@@ -28,7 +28,7 @@ from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, stat
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.models.boundary import LoadedModel
 from tools.data.pixels import unit_floats
-from tools.provenance import TRAINING_LOG, write_text_atomic
+from tools.provenance import TRAINING_LOG, open_own, write_text_atomic
 from tools.models.sources import load_model
 from tools.runtime import Precision, Runtime, check_antialias, resolve_device
 from tools.training import adapters
@@ -198,8 +198,8 @@ class JsonLog:
 
     def write(self, **record) -> None:
         if self.enabled:
-            with open(self.path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            with open_own(self.path, append=True) as fh:  # never through a link placed there
+                fh.write((json.dumps(record) + "\n").encode())
 
 
 class StepLog:
