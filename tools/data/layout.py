@@ -168,7 +168,7 @@ def list_folder(folder: Path) -> Listing:
     """A folder's entries by kind, hidden entries left out: the one listing of the layout, used by the scripts,
     `tools.data verify`, training and the build's inputs alike. Links are followed. A folder that cannot be
     listed, an entry that cannot be looked at (a link loop, a link to nothing, no permission) and a name that is
-    not UTF-8 (which no results file could name) are one UserError each, naming it."""
+    not UTF-8 are one UserError each, naming it."""
     try:
         with os.scandir(folder) as it:
             names = sorted(entry.name for entry in it if not entry.name.startswith("."))
