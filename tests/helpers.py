@@ -311,5 +311,38 @@ def html_runs(dataset, color_ts, out: Path) -> tuple[Path, dict]:
                                      str(out / "challenge.json"), "--html", str(out / "challenge.html"),
                                      "--output-dir", str(out / "matrix"), *common])
     inputs = load_inputs(out / "in9.json", out / "challenge.json", out / "matrix")
-    write_html(out / "report.html", **inputs)
+    write_html(out / "report.html", **inputs, data_path=dataset.root)
     return out, inputs
+
+
+# A file outside every data folder that a report or figure must not show, whatever a results file names: an image of
+# one colour far from every generated image's (tools.data.synthetic's palette), found again in any picture.
+SECRET_COLOUR = (100, 255, 160)
+
+
+def secret_image(folder: Path, name: str = "secret.png") -> Path:
+    from PIL import Image  # noqa: PLC0415
+    folder.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (64, 64), SECRET_COLOUR).save(folder / name)
+    return folder / name
+
+
+def shows_secret(image) -> bool:
+    """Whether a fifth or more of a picture (a PIL image) is SECRET_COLOUR, give or take JPEG's blur."""
+    import numpy as np  # noqa: PLC0415
+    pixels = np.asarray(image.convert("RGB")).astype(int)
+    return bool((np.abs(pixels - np.array(SECRET_COLOUR)).sum(axis=2) < 60).mean() >= 0.2)
+
+
+def page_shows_secret(text: str) -> bool:
+    """Whether any picture of an HTML page (its data URIs) shows SECRET_COLOUR."""
+    import base64  # noqa: PLC0415
+    import io  # noqa: PLC0415
+
+    from PIL import Image  # noqa: PLC0415
+    for img in Page(text).images:
+        if img["src"].startswith("data:"):
+            with Image.open(io.BytesIO(base64.b64decode(img["src"].split(",", 1)[1]))) as shown:
+                if shows_secret(shown):
+                    return True
+    return False

@@ -256,7 +256,7 @@ def test_random_matrix_with_ties_and_unmapped_matches_brute_force(seed, tmp_path
     check_against_references(out, summary, P, fg_labels, bg_labels, k=4)
     fish = summary["per_class"]["fish"]
     assert fish["fool_rate"] is None and fish["top_backgrounds"] == [] and fish["backgrounds"] == 0
-    assert "no data path is known" in caplog.text  # the figure drew placeholders and said so
+    assert "no data folder is known" in caplog.text  # the figure drew placeholders and said so
 
 
 def test_background_only_model_makes_every_background_fool(challenge_data, dataset, tmp_path):
@@ -333,7 +333,7 @@ def test_figure_draws_placeholders_for_missing_images(challenge_data, tmp_path, 
     fgs, bgs, matrices = challenge_data
     out = save_challenge(tmp_path / "run", matrices["colour"], fgs, bgs, data_path=tmp_path / "gone")
     with caplog.at_level(logging.WARNING, logger="tools.results.analysis"):
-        analysis.write_analysis(out, top_k=2)
+        analysis.write_analysis(out, data_path=tmp_path / "gone", top_k=2)
     assert "18 of 18 background image(s)" in caplog.text and str(tmp_path / "gone") in caplog.text
     layout = analysis.FigureLayout(rows=9, cols=2)
     with Image.open(out / "top_backgrounds.png") as img:

@@ -183,7 +183,8 @@ def test_a_shared_full_run_resumes_a_single_process_state(data, models, tmp_path
     whole = engine(path, data, tmp_path / "whole", full=True, batch_size=6)
     cfg = ChallengeConfig(batch_size=6, progress=False, full=True, save_every=0.0)
     interrupt_at_ninth_batch(path, data, cfg, tmp_path / "part", monkeypatch)
-    pending = challenge.SearchState.load(tmp_path / "part" / challenge.STATE_NAME, whole.key).pending
+    pending = challenge.SearchState.load(tmp_path / "part" / challenge.STATE_NAME, whole.key,
+                                         *whole.state.matrix.shape, full=True).pending
     assert len(pending) == 6 * IN_FLIGHT  # the batches in flight
     shared = Runtime(torch.device("cpu"), group=ProcessGroup(rank=0, world_size=2))
     resumed = run_challenge(load_model(trust=True, checkpoint=path), shared, data, cfg, output_dir=tmp_path / "part",

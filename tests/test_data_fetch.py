@@ -456,3 +456,44 @@ def test_an_archive_that_cannot_be_read_is_one_line_that_leaves_it_alone(release
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: cannot read --archive {archive}: Permission denied") and "delete" not in err
     assert archive.read_bytes() == payload
+
+
+@pytest.mark.parametrize("target", ["a file of the user's", "a file of the user's, as long as the archive", "/dev/zero",
+                                    "nothing"])
+def test_a_link_where_the_partial_download_goes_is_never_written_through(target, server, release, tmp_path, capsys):
+    """<data>/<archive>.part a link (to a file of the user's, shorter than the archive or as long, to a device, to
+    nothing): fetch writes nothing through it, and says what to do in one line."""
+    payload, sha = release
+    server.files[ARCHIVE_PATH] = payload
+    root, precious = tmp_path / "data", tmp_path / "precious.txt"
+    root.mkdir()
+    precious.write_bytes(b"x" * (len(payload) if "as long" in target else 10))
+    before = precious.read_bytes()
+    part = root / (download.ARCHIVE_NAME + download.PART_SUFFIX)
+    part.symlink_to(precious if target.startswith("a file") else target if target.startswith("/") else tmp_path / "x")
+    code, out, err = _run_cli(["fetch", "--data-path", str(root), "--url", server.url(ARCHIVE_PATH), "--sha256", sha,
+                               "--no-progress"], capsys)
+    assert code == 2 and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: ") and str(part) in line and "remove it" in line
+    assert precious.read_bytes() == before and part.is_symlink() and not (tmp_path / "x").exists()
+    assert server.requests == []  # nothing downloaded either
+
+
+def test_files_written_in_place_are_never_written_through_a_link(tmp_path):
+    """What the toolkit writes in place rather than whole (fetch's partial download, train.py's train_log.jsonl)
+    is opened by `open_own`: a link there is refused, appending or not, and its target left as it was."""
+    from tools.provenance import open_own  # noqa: PLC0415
+    precious = tmp_path / "precious.txt"
+    precious.write_text("mine\n")
+    link = tmp_path / "train_log.jsonl"
+    link.symlink_to(precious)
+    for append in (True, False):
+        with pytest.raises(OSError):
+            open_own(link, append)
+    assert precious.read_text() == "mine\n"
+    with open_own(tmp_path / "new.jsonl", append=True) as fh:
+        fh.write(b"a\n")
+    with open_own(tmp_path / "new.jsonl", append=True) as fh:
+        fh.write(b"b\n")
+    assert (tmp_path / "new.jsonl").read_bytes() == b"a\nb\n"

@@ -505,9 +505,9 @@ def test_a_resumed_full_run_shares_what_is_left_evenly(uninterrupted, setup, tmp
     the uninterrupted one."""
     data, models = setup
     out, whole = uninterrupted(True)
-    key = bytes(np.load(out / STATE_NAME)["key"]).decode()
-    final = SearchState.load(out / STATE_NAME, key)
-    n_fg, n_bg = final.matrix.shape
+    with np.load(out / STATE_NAME) as saved:
+        key, (n_fg, n_bg) = bytes(saved["key"]).decode(), saved["shape"]
+    final = SearchState.load(out / STATE_NAME, key, n_fg, n_bg, full=True)
     rows = 3 * n_fg // 5
     state = SearchState.fresh(n_fg, n_bg, final.bg_pred, full=True)
     state.tested[:rows], state.matrix[:rows] = True, final.matrix[:rows]

@@ -1,11 +1,14 @@
 """The HTML report on inputs beside the common run: images that cannot be read, the original's mask arithmetic,
-the bg-class criterion, a data path given relative, strings where numbers belong, files left from an older run."""
+the bg-class criterion, a data path given relative, strings where numbers belong, files left from an older run,
+results files that name images outside the data folder."""
 
 from __future__ import annotations
 
 import base64
+import csv
 import io
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -15,14 +18,15 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY, Page, check_error, html_runs, run_command, run_in_process, run_train
+from tests.helpers import (TINY, Page, check_error, html_runs, page_shows_secret, run_command, run_in_process, run_train,
+                           secret_image, shows_secret)
 from tools.data.compositing import blend, original_weights
 from tools.data.decoding import decode_rgb
 from tools.in9 import class_names
 from tools.results import analysis as analysis_cli
 from tools.results import html_sections, report, report_cli
 from tools.results.html import write_html
-from tools.results.matrix import META_FILE, PREDICTIONS_FILE, load_matrix
+from tools.results.matrix import BACKGROUNDS_FILE, FOREGROUNDS_FILE, META_FILE, PREDICTIONS_FILE, load_matrix
 
 EXAMPLE = re.compile(r"(?:alt|<figcaption)[=>]\"?([a-z]+) foreground (\S+) on ([a-z]+) background (\S+), predicted "
                      r"([a-z]+|outside IN-9)")
@@ -56,7 +60,7 @@ def test_unreadable_foregrounds_leave_a_note_not_a_crash(runs, tmp_path):
     data = Path(inputs["analysis"]["data_path"])
     only_backgrounds = tmp_path / "bg_only"
     shutil.copytree(data / "only_bg_t", only_backgrounds / "only_bg_t")
-    text = write_html(tmp_path / "bg_only.html", analysis=dict(inputs["analysis"], data_path=str(only_backgrounds)))
+    text = write_html(tmp_path / "bg_only.html", analysis=inputs["analysis"], data_path=only_backgrounds)
     shown = examples(text)
     assert shown and text.count("composite not shown") == len(shown)
     assert len(Page(text).images) == sum(len(i["top_backgrounds"]) for i in inputs["analysis"]["per_class"].values())
@@ -65,7 +69,7 @@ def test_unreadable_foregrounds_leave_a_note_not_a_crash(runs, tmp_path):
     matrix = load_matrix(inputs["analysis"]["output_dir"])
     first = matrix.fg_stems.index(shown[0][1])
     (corrupt / matrix.fg_images[first]).write_bytes(b"not a JPEG")
-    text = write_html(tmp_path / "corrupt.html", analysis=dict(inputs["analysis"], data_path=str(corrupt)))
+    text = write_html(tmp_path / "corrupt.html", analysis=inputs["analysis"], data_path=corrupt)
     assert text.count("composite not shown") == 1 and f"cannot read image {corrupt / matrix.fg_images[first]}" in text
     assert len(examples(text)) == len(shown)
 
@@ -77,7 +81,7 @@ def test_the_composite_is_the_one_the_original_arithmetic_made(runs, tmp_path):
     for mask in data.rglob("*.npy"):  # 0/255 masks: the original gives the foreground a weight of 1/255
         np.save(mask, (np.load(mask) > 0).astype(np.uint8) * 255)
     analysis = copy_matrix(inputs, tmp_path, provenance={"mask_arithmetic": "original"})
-    page = Page(write_html(tmp_path / "original.html", analysis=dict(analysis, data_path=str(data))))
+    page = Page(write_html(tmp_path / "original.html", analysis=analysis, data_path=data))
     composites = [img for img in page.images if " predicted " in img["alt"]]
     assert composites
     matrix = load_matrix(analysis["output_dir"])
@@ -107,7 +111,7 @@ def test_the_examples_follow_the_runs_criterion(runs, tmp_path):
         p[first] = np.where(bg == other, c, other)
     np.save(Path(analysis["output_dir"]) / PREDICTIONS_FILE, p)
     vulnerable = ((p == bg[None, :]) & (bg[None, :] != fg[:, None])).any(axis=1)
-    text = write_html(tmp_path / "bg_class.html", analysis=dict(analysis, data_path=str(tmp_path / "gone")))
+    text = write_html(tmp_path / "bg_class.html", analysis=analysis, data_path=tmp_path / "gone")
     shown = examples(text)
     assert {NAMES.index(f) for f, *_ in shown} == {int(fg[i]) for i in np.flatnonzero(vulnerable)}
     for fg_name, fg_stem, bg_name, bg_stem, predicted in shown:
@@ -115,7 +119,8 @@ def test_the_examples_follow_the_runs_criterion(runs, tmp_path):
         assert vulnerable[i] and predicted == bg_name == NAMES[bg[j]] == NAMES[p[i, j]] != fg_name
 
 
-def test_a_relative_data_path_is_found_from_another_folder(runs, tmp_path, monkeypatch):
+def test_a_relative_data_path_is_recorded_absolute_and_the_report_reads_the_one_it_is_given(runs, tmp_path,
+                                                                                           monkeypatch):
     _, inputs = runs
     data = Path(inputs["analysis"]["data_path"])
     folder = tmp_path / "matrix"
@@ -124,18 +129,22 @@ def test_a_relative_data_path_is_found_from_another_folder(runs, tmp_path, monke
     run_command(analysis_cli.main, [str(folder), "--data-path", data.name, "--log-level", "WARNING"])
     summary = json.loads((folder / "analysis.json").read_text())
     assert Path(summary["data_path"]) == data.resolve()
-    monkeypatch.chdir(tmp_path)
-    text = write_html(tmp_path / "page.html", analysis=summary)
-    assert "is gone" not in text and Page(text).images
+    run_command(report_cli.main, ["--analysis-dir", str(folder), "--html", str(tmp_path / "given.html"),
+                                  "--data-path", data.name])
+    assert "No data folder" not in (tmp_path / "given.html").read_text()
+    monkeypatch.chdir(tmp_path)  # the recorded folder is not where the pictures come from: --data-path is
+    monkeypatch.delenv("BG_CHALLENGE_DATA", raising=False)
+    run_command(report_cli.main, ["--analysis-dir", str(folder), "--html", str(tmp_path / "default.html")])
+    text = (tmp_path / "default.html").read_text()
+    assert "No data folder at data/bg_challenge" in text and not Page(text).images
 
 
 def test_strings_in_the_results_are_escaped(runs, tmp_path):
     _, inputs = runs
     hostile = "<script>alert(1)</script>"
-    analysis = dict(inputs["analysis"], foregrounds=hostile, backgrounds=hostile, top_k=hostile,
-                    data_path=str(tmp_path / hostile))
+    analysis = dict(inputs["analysis"], foregrounds=hostile, backgrounds=hostile, top_k=hostile)
     challenge = dict(inputs["challenge"], criterion=hostile)
-    text = write_html(tmp_path / "page.html", analysis=analysis, challenge=challenge)
+    text = write_html(tmp_path / "page.html", analysis=analysis, challenge=challenge, data_path=tmp_path / hostile)
     assert "<script>alert" not in text and text.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 5
 
 
@@ -180,3 +189,68 @@ def test_an_analysis_that_does_not_fit_its_matrix_is_one_error_line(runs, tmp_pa
         code, out, err = run_in_process(report_cli.main, ["--analysis-dir", str(folder), "--html", str(folder / "p.html")],
                                         capsys)
         assert "analysis" in check_error(code, out, err), name
+
+
+def names_outside(data: Path, secret: Path) -> list[str]:
+    """What an edited results file may name, relative to the data root, for a file outside the data folder: its
+    absolute path, a path that climbs out, and a link inside the data folder that points at it."""
+    link = data / "only_bg_t" / "val" / sorted(os.listdir(data / "only_bg_t" / "val"))[0] / "zz_link.JPEG"
+    link.symlink_to(secret)
+    return [str(secret), os.path.relpath(secret, data), link.relative_to(data).as_posix()]
+
+
+def rewrite_csv(path: Path, column: str, values: list[str]) -> None:
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(dict(row, **{column: values[i % len(values)]}) for i, row in enumerate(rows))
+
+
+def figure_shows_secret(path: Path, k: int) -> bool:
+    with Image.open(path) as img:
+        figure = img.convert("RGB")
+    boxes = [analysis_cli.FigureLayout(rows=len(NAMES), cols=k).image_box(r, c) for r in range(len(NAMES))
+             for c in range(k)]
+    return any(shows_secret(figure.crop(box)) for box in boxes)
+
+
+def test_reports_and_figures_read_no_file_outside_the_data_folder_whatever_the_results_name(runs, tmp_path, capsys):
+    """analysis.json, the matrix's CSVs and challenge_meta.json edited to name a file outside the data folder (and the
+    data path recorded as /): the report and the analysis's figure read only the --data-path folder's own files."""
+    _, inputs = runs
+    data = tmp_path / "data"
+    shutil.copytree(inputs["analysis"]["data_path"], data)
+    secret = secret_image(tmp_path / "private")
+    outside = names_outside(data, secret)
+    folder = tmp_path / "matrix"
+    shutil.copytree(inputs["analysis"]["output_dir"], folder)
+    rewrite_csv(folder / BACKGROUNDS_FILE, "image", outside)
+    rewrite_csv(folder / FOREGROUNDS_FILE, "image", outside)
+    meta = json.loads((folder / META_FILE).read_text())
+    (folder / META_FILE).write_text(json.dumps(dict(meta, data_path="/")))
+    code, _, err = run_in_process(analysis_cli.main, [str(folder), "--data-path", str(data), "--top-k", "3"], capsys)
+    assert code == 0, err
+    assert not figure_shows_secret(folder / "top_backgrounds.png", 3)
+    assert "27 of 27 background image(s) for the figure are not shown" in err and "inside the data folder" in err
+    summary = json.loads((folder / "analysis.json").read_text())
+    tops = [e for info in summary["per_class"].values() for e in info["top_backgrounds"]]
+    for k, entry in enumerate(tops):
+        entry["image"] = outside[k % len(outside)]
+    (folder / "analysis.json").write_text(json.dumps(dict(summary, data_path="/")))
+    page = tmp_path / "page.html"
+    code, _, err = run_in_process(report_cli.main, ["--analysis-dir", str(folder), "--html", str(page),
+                                                    "--data-path", str(data)], capsys)
+    assert code == 0, err
+    text = page.read_text()
+    assert not page_shows_secret(text) and "not shown" in err
+    assert text.count("composite not shown") == len(examples(text)) > 0
+    # the check can fail: the same picture inside the data folder is shown, in the report and in the figure
+    shutil.copy(secret, data / "only_bg_t" / "val" / "inside.png")
+    tops[0]["image"] = "only_bg_t/val/inside.png"
+    (folder / "analysis.json").write_text(json.dumps(summary))
+    assert page_shows_secret(write_html(tmp_path / "inside.html", analysis=summary, data_path=data))
+    rewrite_csv(folder / BACKGROUNDS_FILE, "image", ["only_bg_t/val/inside.png"])
+    run_command(analysis_cli.main, [str(folder), "--data-path", str(data), "--top-k", "3", "--log-level", "ERROR"])
+    assert figure_shows_secret(folder / "top_backgrounds.png", 3)

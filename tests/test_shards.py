@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +13,12 @@ import pytest
 
 import challenge_eval
 import in9_eval
-from tests.helpers import run_in_process, save_torchscript
+from tests.helpers import page_shows_secret, run_in_process, save_torchscript, secret_image, shows_secret
+from PIL import Image
+
 from tools import cli, merge
 from tools.data import synthetic
+from tools.results.analysis import FigureLayout
 
 TIMING = ("wall_time_s", "composites_per_s", "composites_evaluated")
 
@@ -205,3 +210,161 @@ def test_a_damaged_shard_is_refused_with_one_error_line(kind, suffix, how, setup
     assert code == 2 and out == ""
     line = one_error_line(err)
     assert str(damaged) in line and "--shard 1/2" in line
+
+
+def test_a_merged_analysis_reads_no_file_outside_the_data_folder_it_is_given(setup, tmp_path, capsys):
+    """Shard files name their data folder and the run's files: edited to / and to paths out of it (absolute, climbing,
+    through a link), the merged figure and HTML report still read only the --data-path folder's own files."""
+    data, model = setup
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    secret = secret_image(tmp_path / "private")
+    folder = tmp_path / "shards"
+    for index in range(2):
+        code, _, err = script(challenge_eval, capsys, "--data-path", copy, "--checkpoint", model, "--no-cache", "--full",
+                              "--output-dir", folder, "--shard", f"{index}/2")
+        assert code == 0, err
+    link = copy / "only_bg_t" / "val" / sorted(os.listdir(copy / "only_bg_t" / "val"))[0] / "zz_link.JPEG"
+    link.symlink_to(secret)
+    outside = [str(secret), os.path.relpath(secret, copy), link.relative_to(copy).as_posix()]
+    for path in folder.glob("challenge-shard-*.json"):
+        meta = json.loads(path.read_text())
+        meta["data_path"] = "/"
+        meta["backgrounds"] = [[outside[j % 3], label] for j, (_, label) in enumerate(meta["backgrounds"])]
+        meta["foregrounds"] = [[stem, label, outside[i % 3], mask]
+                               for i, (stem, label, _, mask) in enumerate(meta["foregrounds"])]
+        path.write_text(json.dumps(meta))
+    page = tmp_path / "merged.html"
+    code, out, err = run_in_process(merge.main, [str(folder), "--analysis", "--top-k", "2", "--html", str(page),
+                                                 "--data-path", str(copy)], capsys)
+    assert code == 0, err
+    assert out.startswith("Summary: ") and "not shown" in err
+    assert not page_shows_secret(page.read_text())
+    with Image.open(folder / "top_backgrounds.png") as figure:
+        panels = [figure.crop(FigureLayout(rows=9, cols=2).image_box(r, c)) for r in range(9) for c in range(2)]
+    assert not any(shows_secret(panel) for panel in panels)
+    assert json.loads((folder / "challenge_meta.json").read_text())["data_path"] == str(copy.resolve())
+
+
+def resign(folder: Path, index: int, change_arrays=None, change_meta=None, count: int = 2) -> None:
+    """Edit challenge shard `index`'s arrays and JSON, and record the edited arrays' SHA-256 in the JSON as the merge
+    checks it (a re-signed shard: the hash ties the two files together, it vouches for nothing)."""
+    from tools.data.hashing import sha256_file  # noqa: PLC0415
+    stem = folder / f"challenge-shard-{index}-of-{count}"
+    if change_arrays is not None:
+        with np.load(stem.with_suffix(".npz")) as z:
+            arrays = dict(z)
+        change_arrays(arrays)
+        np.savez(stem.with_suffix(".npz"), **arrays)
+    meta = json.loads(stem.with_suffix(".json").read_text())
+    if change_meta is not None:
+        change_meta(meta)
+    meta["arrays_sha256"] = sha256_file(stem.with_suffix(".npz"))
+    stem.with_suffix(".json").write_text(json.dumps(meta))
+
+
+def claim_shard_0(arrays):  # shard 1 of 2 claims shard 0's foregrounds (and their count)
+    arrays["indices"] = np.arange(0, 27, 2)
+    for name in ("verdict", "fool_bg", "fool_pred", "min_margin"):
+        arrays[name] = np.resize(arrays[name], 14)
+
+
+def all_robust(arrays):  # --full: every foreground robust, though the matrix says otherwise
+    arrays["verdict"][:], arrays["fool_bg"][:], arrays["fool_pred"][:] = 0, -1, -1
+
+
+SHARD_FORGERIES = {
+    "shard 0's foregrounds": (claim_shard_0, None),
+    "negative foregrounds": (lambda a: a.update(indices=-1 - a["indices"]), None),
+    "a verdict of 5": (lambda a: a["verdict"].__setitem__(0, 5), None),
+    "a fooling background past the last": (lambda a: a["fool_bg"].__setitem__(0, 10**6), None),
+    "robust rows its matrix fools": (all_robust, None),
+    "other background predictions": (lambda a: a.update(bg_pred=(a["bg_pred"] + 1) % 9), None),
+    "a matrix of 9 x 9": (lambda a: a.update(matrix=np.zeros((9, 9), np.int8)), None),
+    "the name of shard 0": (None, lambda m: m.update(shard=[0, 2])),
+    "other foregrounds' classes": (None, lambda m: m["foregrounds"][0].__setitem__(1, (m["foregrounds"][0][1] + 1) % 9)),
+    "a class of 12": (None, lambda m: m["backgrounds"][0].__setitem__(1, 12)),
+    "a criterion of its own": (None, lambda m: m["results"].update(criterion="some")),
+    "no provenance": (None, lambda m: m["results"].update(provenance=None)),
+}
+
+
+@pytest.fixture(scope="module")
+def full_shards(setup, tmp_path_factory):
+    """The two --full shards of the setup's challenge (27 foregrounds)."""
+    from tests.helpers import run_command  # noqa: PLC0415
+    data, model = setup
+    folder = tmp_path_factory.mktemp("full_shards")
+    for index in range(2):
+        run_command(challenge_eval.main, ["--data-path", str(data), "--checkpoint", str(model), "--no-cache", "--full",
+                                          "--output-dir", str(folder), "--shard", f"{index}/2", "--device", "cpu",
+                                          "--no-progress", "--log-level", "WARNING"])
+    return folder
+
+
+@pytest.mark.parametrize("name", SHARD_FORGERIES)
+def test_a_resigned_challenge_shard_that_does_not_fit_its_run_is_refused(name, full_shards, tmp_path, capsys):
+    folder = tmp_path / "shards"
+    shutil.copytree(full_shards, folder)
+    resign(folder, 1, *SHARD_FORGERIES[name])
+    code, out, err = run_in_process(merge.main, [str(folder), "--results-file", str(tmp_path / "merged.json")], capsys)
+    assert code == 2 and out == "", name
+    line = one_error_line(err)
+    assert "rerun" in line and not (tmp_path / "merged.json").exists(), name
+
+
+def test_the_resigned_shards_unedited_merge(full_shards, tmp_path, capsys):
+    """Re-signing alone changes nothing: the checks refuse what the edits make, not the files."""
+    folder = tmp_path / "shards"
+    shutil.copytree(full_shards, folder)
+    resign(folder, 1)
+    code, out, err = run_in_process(merge.main, [str(folder)], capsys)
+    assert code == 0 and out.startswith("Summary: "), err
+
+
+@pytest.mark.parametrize("name", ["swapped shares", "a prediction of 11", "another shard's image list"])
+def test_an_in9_shard_predicting_what_it_does_not_own_is_refused(name, setup, tmp_path, capsys):
+    data, model = setup
+    folder = tmp_path / "shards"
+    for index in range(2):
+        code, _, err = script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--eval-dataset",
+                              "only_fg", "--batch-size", 4, "--output-dir", folder, "--shard", f"{index}/2")
+        assert code == 0, err
+    paths = [folder / f"in9-shard-{index}-of-2.json" for index in range(2)]
+    metas = [json.loads(path.read_text()) for path in paths]
+    if name == "swapped shares":  # each predicts the other's images: every image still predicted once
+        metas[0]["variations"], metas[1]["variations"] = metas[1]["variations"], metas[0]["variations"]
+    elif name == "a prediction of 11":
+        predictions = metas[0]["variations"]["only_fg"]["predictions"]
+        predictions[next(i for i, p in enumerate(predictions) if p != merge.NOT_MINE)] = 11
+    else:
+        metas[1]["variations"]["only_fg"]["labels"][0] = (metas[1]["variations"]["only_fg"]["labels"][0] + 1) % 9
+    for path, meta in zip(paths, metas):
+        path.write_text(json.dumps(meta))
+    code, out, err = run_in_process(merge.main, [str(folder)], capsys)
+    assert code == 2 and out == "", name
+    assert "rerun" in one_error_line(err), name
+
+
+def test_shards_listing_300000_foregrounds_and_backgrounds_merge_without_their_product(setup, tmp_path, capsys):
+    """A merge makes nothing of foregrounds x backgrounds but a --full matrix the shards hold: listings forged to
+    300,000 of each (with arrays to match, re-signed) once made it allocate 83.8 GiB."""
+    data, model = setup
+    folder = tmp_path / "shards"
+    challenge_shards(data, model, folder, capsys)
+    size = 300_000
+
+    def listings(meta):
+        meta["foregrounds"] = [meta["foregrounds"][i % 27] for i in range(size)]
+        meta["backgrounds"] = [meta["backgrounds"][j % 27] for j in range(size)]
+
+    for index in range(2):
+        def arrays(a, index=index):
+            n = len(np.arange(index, size, 2))
+            a.update(indices=np.arange(index, size, 2), verdict=np.zeros(n, np.int8), fool_bg=np.full(n, -1),
+                     fool_pred=np.full(n, -1), min_margin=np.full(n, np.inf, np.float32),
+                     bg_pred=np.resize(a["bg_pred"], size))
+        resign(folder, index, arrays, listings)
+    code, out, err = run_in_process(merge.main, [str(folder)], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert out.startswith(f"Summary: 0/{size} ")

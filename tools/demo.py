@@ -41,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     data = args.out / "bg_challenge"
     model = args.out / "color9.pt2"
     print(f"generating {9 * args.per_class} images per variation under {data} ...", flush=True)
-    synthetic.generate(data, per_class=args.per_class, seed=0)
+    try:
+        synthetic.generate(data, per_class=args.per_class, seed=0)
+    except OSError as exc:  # a folder not writable, a link where a file goes (never written through)
+        print(f"error: cannot write the demo's data under {data} ({exc.strerror or exc}); pass another --out",
+              file=sys.stderr)
+        return 2
     # a torch.export program, which is data (TorchScript, deprecated, is code: loaded only with --trust-checkpoint):
     # any batch size up to MAX_BATCH. The bound is for torch 2.6 (the floor): with an unbounded Dim its export of
     # the model's `evidence[:, :9]` guards batch != sys.maxsize and refuses the range it was given.
@@ -59,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
          "--results-file", str(args.out / "challenge.json"), *common],
         [sys.executable, "-m", "tools.results.report", "--in9", str(args.out / "in9.json"), "--challenge",
          str(args.out / "challenge.json"), "--analysis-dir", str(args.out / "results"), "--output",
-         str(args.out / "report.md"), "--html", str(args.out / "report.html")],
+         str(args.out / "report.md"), "--html", str(args.out / "report.html"), "--data-path", str(data)],
     ]
     for command in commands:
         print("\n$ " + " ".join(Path(c).name if c == sys.executable else c for c in command), flush=True)

@@ -101,8 +101,23 @@ class _Resume:
             if not isinstance(saved, dict) or saved.get("key") != key:
                 raise UserError(f"{path} was written for another model, data or setting; rerun without --resume "
                                 f"or use another --output-dir")
-            self.done = saved["done"]
+            done = saved.get("done")
+            if not isinstance(done, dict) or not set(done) <= set(VARIATIONS):
+                raise UserError(f"{path} does not hold predictions by variation name; rerun without --resume")
+            self.done = done
             log.info("resuming: %s already evaluated", ", ".join(self.done) or "nothing")
+
+    def predictions(self, name: str, count: int) -> np.ndarray | None:
+        """The saved predictions of variation `name`, checked to be `count` IN-9 predictions (0..8, or -1 outside
+        IN-9); None when none are saved."""
+        if name not in self.done:
+            return None
+        values = self.done[name]
+        if not (isinstance(values, list) and len(values) == count and all(type(v) is int for v in values)
+                and all(UNMAPPED <= v < NUM_IN9_CLASSES for v in values)):
+            raise UserError(f"{self.path} does not hold {count} IN-9 predictions (0..{NUM_IN9_CLASSES - 1}, or "
+                            f"{UNMAPPED}) for {name}, as this run's {name} has {count} images; rerun without --resume")
+        return np.array(values, dtype=np.int64)
 
     def save(self, name: str, predictions: np.ndarray) -> None:
         if self.path is None:
@@ -205,8 +220,9 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
         records = listings[name]
         labels = np.array([r.label for r in records], dtype=np.int64)
         relpaths = [r.relpath for r in records]
-        if name in resumer.done:
-            results[name] = VariationResult(name, relpaths, labels, np.array(resumer.done[name], dtype=np.int64))
+        saved = resumer.predictions(name, len(records))
+        if saved is not None:
+            results[name] = VariationResult(name, relpaths, labels, saved)
         else:
             todo.append((name, relpaths, labels))
     if not todo:

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from tools.data import layout
+from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT
 from tools.challenge.data import ChallengeFiles
 from tools.challenge.result import ChallengeResult
-from tools.challenge.scheduler import Criterion
+from tools.challenge.scheduler import Criterion, state_problem
 from tools.challenge.state import SearchState
 from tools.cli import ArgumentParser, examples, add_log_level_argument, run_main, whole_number
 from tools.errors import UserError
@@ -24,36 +25,58 @@ from tools.shards import NOT_MINE, find_shards, read_challenge_arrays
 
 KINDS = ("challenge", "in9")
 RERUN_HINT = "fix the cause and rerun the merge"
+RERUN_SHARDS = "rerun the shards (--shard I/N) with the run's settings"
 
 
-def merge_challenge(shards: list[tuple[Path, dict]]) -> tuple[ChallengeResult, Path, int]:
-    """The whole run's result from its shards; with the data path and class count the outputs need."""
-    first = shards[0][1]
+def merge_challenge(shards: list[tuple[Path, dict]], data_path: Path) -> tuple[ChallengeResult, int]:
+    """The whole run's result from its shards, with the class count the outputs need; `data_path` is the data folder
+    the merge was given (the outputs' pictures are read there, never where a shard file says)."""
+    (first_path, first), shared = shards[0], ("foregrounds", "backgrounds", "num_classes")
+    for path, meta in shards[1:]:
+        if any(meta[name] != first[name] for name in shared) or any(
+                meta["results"][name] != first["results"][name] for name in ("criterion", "full")):
+            raise UserError(f"{path} and {first_path} list other files or settings, yet claim one run; rerun the "
+                            f"shards of one run")
     foregrounds = [layout.ForegroundRecord(stem, label, image, mask) for stem, label, image, mask in first["foregrounds"]]
     backgrounds = [layout.ImageRecord(relpath, label) for relpath, label in first["backgrounds"]]
     results = first["results"]
-    files = ChallengeFiles(foregrounds, backgrounds, Path(first["data_path"]), results["provenance"]["data"])
+    try:
+        criterion = Criterion(results["criterion"])
+    except ValueError:
+        raise UserError(f"{first_path} names no criterion of the challenge ({results['criterion']!r}); {RERUN_SHARDS}") \
+            from None
+    files = ChallengeFiles(foregrounds, backgrounds, Path(data_path), results["provenance"].get("data"))
     arrays = [read_challenge_arrays(path, meta) for path, meta in shards]
-    state = SearchState.fresh(len(foregrounds), len(backgrounds), arrays[0]["bg_pred"], bool(results["full"]))
+    if any(not np.array_equal(z["bg_pred"], arrays[0]["bg_pred"]) for z in arrays):
+        raise UserError(f"the shards' predictions on the backgrounds alone differ: they are not of one model and data; "
+                        f"{RERUN_SHARDS}")
+    state = SearchState.finished(len(foregrounds), arrays[0]["bg_pred"], bool(results["full"]))
     for z in arrays:
         rows = z["indices"]
         state.verdict[rows], state.fool_bg[rows], state.fool_pred[rows] = z["verdict"], z["fool_bg"], z["fool_pred"]
         state.min_margin[rows] = z["min_margin"]
         if state.matrix is not None:
             state.matrix[rows] = z["matrix"]
+    problem = state_problem(state, files.fg_labels, files.bg_labels, criterion, tested=False)
+    if problem is not None:
+        raise UserError(f"the shards' verdicts are not what their searches give: {problem}; {RERUN_SHARDS}")
     metas = [meta["results"] for _, meta in shards]
     state.evaluated = sum(m["composites_evaluated"] for m in metas)
     state.elapsed = max(m["wall_time_s"] for m in metas)
     unsure = None if results["unsure_verdicts"] is None else sum(m["unsure_verdicts"] for m in metas)
-    result = ChallengeResult(files, state, Criterion(results["criterion"]), results["provenance"],
+    result = ChallengeResult(files, state, criterion, results["provenance"],
                              sum(m["rechecked_fp32"] for m in metas), sum(m["recheck_changed"] for m in metas),
                              unsure, first["key"])
-    return result, files.root, int(first["num_classes"])
+    return result, int(first["num_classes"])
 
 
 def merge_in9(shards: list[tuple[Path, dict]]) -> In9Run:
     """The whole run's predictions from its shards: every image predicted by exactly one of them."""
-    first = shards[0][1]
+    (first_path, first) = shards[0]
+    listing = {name: (v["relpaths"], v["labels"]) for name, v in first["variations"].items()}
+    for path, meta in shards[1:]:
+        if {name: (v["relpaths"], v["labels"]) for name, v in meta["variations"].items()} != listing:
+            raise UserError(f"{path} and {first_path} list other images, yet claim one run; {RERUN_SHARDS}")
     results = {}
     for name, variation in first["variations"].items():
         predictions = np.full(len(variation["predictions"]), NOT_MINE, np.int64)
@@ -87,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write a Markdown report of the results (default: none)")
     parser.add_argument("--html", type=Path, default=None, metavar="PATH",
                         help="write the report as one self-contained HTML page with pictures (default: none)")
+    parser.add_argument("--data-path", type=Path, default=None, metavar="DIR",
+                        help=f"challenge with --analysis: the data folder the figure's and the HTML report's pictures "
+                             f"are read from; only files inside it are shown (default: ${DATA_ENV} if set, else "
+                             f"{DEFAULT_DATA_ROOT})")
     parser.add_argument("--per-foreground-csv", type=Path, default=None, metavar="PATH",
                         help="challenge: one row per foreground, as challenge_eval.py writes it (default: none)")
     parser.add_argument("--analysis", action="store_true",
@@ -110,7 +137,8 @@ def _main(args: argparse.Namespace) -> int:
     if kind not in found:
         raise UserError(f"no {kind} shards in {', '.join(map(str, args.folders))}")
     if kind == "challenge":
-        result, data_path, num_classes = merge_challenge(found[kind])
+        data_path = args.data_path or layout.default_data_root()
+        result, num_classes = merge_challenge(found[kind], data_path)
         if args.analysis and result.state.matrix is None:
             raise UserError("--analysis needs the whole prediction matrix: the shards ran without --full")
         lines = publish_challenge(result, args.output_dir or args.folders[0], data_path, num_classes, args.analysis,

@@ -5,11 +5,15 @@ checked before the work starts, every file written atomically, a write that fail
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import math
 import os
 import platform
 import secrets
+import stat
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import IO, Callable, Iterator, Mapping
 
@@ -135,6 +139,27 @@ def atomic_write(path: Path | str, mode: str = "w", newline: str | None = None) 
         raise
 
 
+def open_own(path: Path | str, append: bool = False) -> IO[bytes]:
+    """`path` opened to write bytes (appended to, or emptied first), never through a link: a link there (which the
+    toolkit never makes) or anything but a regular file (a FIFO, a device) is refused with an OSError before a byte
+    is written, so a link placed in an output folder cannot send the write to the file it points at. For files
+    written in place (a download resumed, a log appended to); the others are written whole (`atomic_write`)."""
+    flags = (os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else 0) | getattr(os, "O_NOFOLLOW", 0)
+             | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    fd = os.open(path, flags, 0o666)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        if not append:
+            os.ftruncate(fd, 0)
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "ab" if append else "wb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def write_json_atomic(path: Path | str, payload) -> None:
     """Write JSON to `path` atomically (see `atomic_write`)."""
     with atomic_write(path) as fh:
@@ -160,13 +185,78 @@ RESUME_HINT = "fix the cause and rerun the same command with --resume: its saved
 
 def read_npz(path: Path) -> dict[str, np.ndarray]:
     """Every array of the .npz archive `path`, read through our own file handle (closed also when numpy refuses
-    the file); what is not such an archive raises one of tools.errors.NUMPY_READ_ERRORS (a .npy array: ValueError)."""
+    the file); what is not such an archive raises one of tools.errors.NUMPY_READ_ERRORS (a .npy array: ValueError).
+    The toolkit writes its archives uncompressed (`np.savez`), so an array is read only when the archive holds its
+    every byte: a compressed member, or a header claiming more than its member holds, is refused (ValueError)
+    before anything of the size it claims is made."""
     with open(path, "rb") as fh:
         archive = np.load(fh, allow_pickle=False)
         if not isinstance(archive, np.lib.npyio.NpzFile):
             raise ValueError("a single array, not an .npz archive")
         with archive:
+            for member in archive.zip.infolist():
+                if member.compress_type != zipfile.ZIP_STORED:
+                    raise ValueError(f"{member.filename} is compressed, which no archive of the toolkit is")
+                with archive.zip.open(member) as data:
+                    _check_npy_header(data, member.file_size)
             return {name: archive[name] for name in archive.files}
+
+
+def read_npy(source: Path | bytes, mmap: bool = False) -> np.ndarray:
+    """The one .npy array of the file `source` (or of its bytes), read only when the file holds its every byte: an
+    .npz archive, Python objects, or a header claiming more than the file holds are refused (ValueError) before
+    anything of the size it claims is made; the other errors are tools.errors.NUMPY_READ_ERRORS. `mmap`: mapped
+    read-only rather than read (the header alone is then read, for checks that need no values)."""
+    from tools.data.hashing import open_regular  # noqa: PLC0415 (a FIFO is refused, not waited on)
+
+    with (io.BytesIO(source) if isinstance(source, bytes) else open_regular(source)) as fh:
+        size = len(source) if isinstance(source, bytes) else os.fstat(fh.fileno()).st_size
+        _check_npy_header(fh, size)
+        if mmap:
+            return np.load(source, mmap_mode="r", allow_pickle=False)
+        fh.seek(0)
+        return np.load(fh, allow_pickle=False)
+
+
+def _check_npy_header(fh: IO[bytes], size: int) -> None:
+    """Read the .npy header at `fh`'s start (its magic, version 1 or 2, as np.save writes), refusing an .npz archive
+    (a zip), Python objects and an array larger than the `size` bytes the file holds."""
+    if fh.read(2) == b"PK":
+        raise ValueError("an .npz archive (a zip of arrays), not one .npy array")
+    fh.seek(0)
+    version = np.lib.format.read_magic(fh)
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    if version not in readers:
+        raise ValueError(f".npy format {version}, which the toolkit does not read")
+    shape, _, dtype = readers[version](fh)
+    if dtype.hasobject:
+        raise ValueError("an array of Python objects")
+    if math.prod(shape) * dtype.itemsize > size - fh.tell():
+        raise ValueError(f"its header claims an array of shape {shape} ({dtype}), more than its {size} bytes")
+
+
+_KINDS = {"b": "booleans", "iu": "integers", "biu": "integers", "f": "floats", "fiu": "numbers"}
+
+
+def checked_array(arrays: Mapping[str, np.ndarray], name: str, shape: tuple, kind: str, low=None, high=None,
+                  dtype=None) -> np.ndarray:
+    """`arrays[name]` (an array of a saved state or shard, read with `read_npz`) checked against the run reading it
+    back, as `dtype` (its own when None): `shape` (an entry None: any length), `kind` (numpy kind letters: "b"
+    booleans, "iu" integers, "f" floats), every value within [`low`, `high`] (None: unbounded) and no NaN. A
+    ValueError says what is wrong; a missing array is a KeyError."""
+    value = np.asarray(arrays[name])
+    if value.dtype.kind not in kind:
+        raise ValueError(f"{name} holds {value.dtype}, not {_KINDS.get(kind, kind)}")
+    if value.ndim != len(shape) or any(want is not None and want != got for want, got in zip(shape, value.shape)):
+        wanted = " x ".join("any" if n is None else str(n) for n in shape) or "a scalar"
+        raise ValueError(f"{name} is of shape {' x '.join(map(str, value.shape)) or 'a scalar'}, not {wanted}")
+    if value.size and value.dtype.kind == "f" and np.isnan(value).any():
+        raise ValueError(f"{name} holds NaN")
+    if value.size and low is not None and value.min() < low:
+        raise ValueError(f"{name} holds {value.min()}, below {low}")
+    if value.size and high is not None and value.max() > high:
+        raise ValueError(f"{name} holds {value.max()}, above {high}")
+    return value if dtype is None else value.astype(dtype, copy=False)
 
 
 class OutputFiles:

@@ -12,6 +12,11 @@ own foregrounds only.
 A challenge shard is two files, written in order: the arrays (.npz), which carry the run's key, then the
 JSON, which records the arrays' SHA-256. The merge takes the arrays only when both agree with the JSON, so
 a rerun stopped between its two writes (or a file copied in from elsewhere) is refused, never merged.
+
+Neither is believed further than it fits: a shard is the one its file name says (I of N), its arrays are of the
+run's foregrounds and backgrounds, it predicts exactly what shard I of N owns (recomputed: the foregrounds I, I+N,
+...; in9's batches I, I+N, ...), every value is in range, and all shards list the same files. The merge
+(tools.merge) then checks the verdicts against what they rest on.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import numpy as np
 
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.data.hashing import sha256_file
-from tools.provenance import atomic_write, read_npz, write_json_atomic
+from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
+from tools.provenance import atomic_write, checked_array, read_npz, write_json_atomic
 
 CHALLENGE_PATTERN = "challenge-shard-{index}-of-{count}"
 IN9_PATTERN = "in9-shard-{index}-of-{count}.json"
@@ -51,6 +57,11 @@ class Shard:
     def take(self, items: int) -> np.ndarray:
         """The positions of `items` things that fall to this shard: I, I+N, I+2N, ..."""
         return np.arange(self.index, items, self.count)
+
+    def owns_batches(self, items: int, batch_size: int) -> np.ndarray:
+        """Whether each of `items` stream positions falls to this shard when the stream is cut into batches of
+        `batch_size` dealt out in turn (batch i to shard i mod N): in9's share."""
+        return (np.arange(items) // batch_size) % self.count == self.index
 
 
 def shard_spec(text: str) -> Shard:
@@ -154,7 +165,66 @@ def _read_meta(path: Path, kind: str, named: Shard) -> dict:
     if missing or meta.get("format") != FORMAT:
         raise UserError(f"{path} is not a {kind} shard of this toolkit's format {FORMAT} (written by another version, "
                         f"or not a shard{'; lacks ' + ', '.join(missing) if missing else ''}); {_rerun(named)}")
+    if meta["shard"] != [named.index, named.count]:
+        raise UserError(f"{path} holds shard {meta['shard']!r}, not the shard {named} its name says; {_rerun(named)}")
+    problem = _challenge_meta_problem(meta) if kind == "challenge" else _in9_meta_problem(meta, named)
+    if problem is not None:
+        raise UserError(f"{path} is not a shard this toolkit writes: {problem}; {_rerun(named)}")
     return meta
+
+
+def _is_int(value, low: int = 0, high: int | None = None) -> bool:
+    return type(value) is int and value >= low and (high is None or value <= high)
+
+
+def _challenge_meta_problem(meta: dict) -> str | None:
+    """What in a challenge shard's JSON is not of the form the toolkit writes; None when nothing."""
+    foregrounds, backgrounds, results = meta["foregrounds"], meta["backgrounds"], meta["results"]
+    if not (isinstance(foregrounds, list) and all(
+            isinstance(r, list) and len(r) == 4 and _is_int(r[1], 0, NUM_IN9_CLASSES - 1)
+            and all(isinstance(v, str) for v in (r[0], r[2], r[3])) for r in foregrounds)):
+        return "its foregrounds are not [stem, class 0..8, image, mask] rows"
+    if not (isinstance(backgrounds, list) and all(
+            isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and _is_int(r[1], 0, NUM_IN9_CLASSES - 1)
+            for r in backgrounds)):
+        return "its backgrounds are not [image, class 0..8] rows"
+    if not _is_int(meta["num_classes"], 1):
+        return f"its class count {meta['num_classes']!r} is not a positive integer"
+    counts = ("composites_evaluated", "rechecked_fp32", "recheck_changed")
+    if not (isinstance(results, dict) and all(_is_int(results.get(k)) for k in counts)
+            and (results.get("unsure_verdicts") is None or _is_int(results.get("unsure_verdicts")))
+            and isinstance(results.get("wall_time_s"), (int, float)) and results["wall_time_s"] >= 0
+            and isinstance(results.get("full"), bool) and isinstance(results.get("criterion"), str)
+            and isinstance(results.get("provenance"), dict)):
+        return "its results are not a challenge run's (counts, time, criterion, provenance)"
+    return None
+
+
+def _in9_meta_problem(meta: dict, shard: Shard) -> str | None:
+    """What in an in9 shard's JSON is not of the form the toolkit writes, or predicts images shard I of N does not
+    own; None when nothing."""
+    variations, key = meta["variations"], meta["key"]
+    batch_size = key.get("batch_size") if isinstance(key, dict) else None
+    if not _is_int(batch_size, 1):
+        return "its key names no batch size"
+    if not isinstance(variations, dict) or not variations:
+        return "it holds no variations"
+    for name, v in variations.items():
+        if not (isinstance(v, dict) and isinstance(v.get("relpaths"), list) and isinstance(v.get("labels"), list)
+                and isinstance(v.get("predictions"), list)
+                and len(v["relpaths"]) == len(v["labels"]) == len(v["predictions"])
+                and all(isinstance(r, str) for r in v["relpaths"])
+                and all(_is_int(label, 0, NUM_IN9_CLASSES - 1) for label in v["labels"])
+                and all(type(p) is int for p in v["predictions"])
+                and _is_int(v.get("rechecked_fp32", 0)) and _is_int(v.get("recheck_changed", 0))):
+            return f"its {name} is not images with classes 0..8 and integer predictions"
+    predictions = np.array([p for v in variations.values() for p in v["predictions"]], np.int64)
+    owned = shard.owns_batches(len(predictions), batch_size)
+    if (predictions[~owned] != NOT_MINE).any() or ((predictions[owned] < UNMAPPED)
+                                                   | (predictions[owned] >= NUM_IN9_CLASSES)).any():
+        return (f"it does not predict exactly the images of batches {shard.index}, {shard.index + shard.count}, ... "
+                f"(of {batch_size}) as IN-9 classes 0..8 or {UNMAPPED}")
+    return None
 
 
 def read_challenge_arrays(path: Path, meta: dict) -> dict[str, np.ndarray]:
@@ -174,4 +244,32 @@ def read_challenge_arrays(path: Path, meta: dict) -> dict[str, np.ndarray]:
     if sha256_file(npz) != meta["arrays_sha256"]:
         raise UserError(f"{npz} is not the file {path.name} was written with (a rerun stopped between writing the "
                         f"two?); {_rerun(shard)}")
-    return arrays
+    try:
+        return _checked_challenge_arrays(arrays, shard, len(meta["foregrounds"]), len(meta["backgrounds"]),
+                                         bool(meta["results"].get("full")))
+    except (ValueError, KeyError) as exc:
+        raise UserError(f"{npz} does not hold shard {shard}'s results ({exc}); {_rerun(shard)}") from None
+
+
+def _checked_challenge_arrays(arrays: dict[str, np.ndarray], shard: Shard, n_fg: int, n_bg: int,
+                              full: bool) -> dict[str, np.ndarray]:
+    """A challenge shard's arrays, checked to be the finished search of the foregrounds shard I of N owns (I, I+N,
+    ...) of a run of `n_fg` foregrounds x `n_bg` backgrounds, every value in range; a ValueError says what is not."""
+    mine = shard.take(n_fg)
+    n, classes = len(mine), NUM_IN9_CLASSES - 1
+    indices = checked_array(arrays, "indices", (None,), "iu", dtype=np.int64)
+    if not np.array_equal(indices, mine):
+        raise ValueError(f"it claims other foregrounds than {shard.index}, {shard.index + shard.count}, ... of "
+                         f"{n_fg}, which are shard {shard}'s")
+    checked = {"indices": indices,
+               # a finished search: every verdict robust (0) or vulnerable (1)
+               "verdict": checked_array(arrays, "verdict", (n,), "iu", 0, 1, np.int8),
+               "fool_bg": checked_array(arrays, "fool_bg", (n,), "iu", -1, n_bg - 1, np.int64),
+               "fool_pred": checked_array(arrays, "fool_pred", (n,), "iu", UNMAPPED, classes, np.int64),
+               "min_margin": checked_array(arrays, "min_margin", (n,), "f", 0, dtype=np.float32),
+               "bg_pred": checked_array(arrays, "bg_pred", (n_bg,), "iu", UNMAPPED, classes, np.int64)}
+    if full != ("matrix" in arrays):
+        raise ValueError("its --full matrix is missing" if full else "it holds a matrix its results do not make")
+    if full:
+        checked["matrix"] = checked_array(arrays, "matrix", (n, n_bg), "iu", UNMAPPED, classes, np.int8)
+    return checked

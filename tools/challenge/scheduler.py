@@ -67,6 +67,46 @@ def split_untested(tested: np.ndarray, parts: int) -> np.ndarray:
     return bounds
 
 
+def state_problem(state: SearchState, fg_labels: np.ndarray, bg_labels: np.ndarray, criterion: Criterion,
+                  tested: bool = True) -> str | None:
+    """What makes `state` (of arrays already checked for shape and range: `SearchState.load`) other than a state the
+    search writes for foregrounds and backgrounds of these classes under `criterion`; None when nothing does. A
+    vulnerable foreground names a background that fools it (with the matrix, the first one there); one not
+    vulnerable names none; the --full matrix's verdicts are its rows'. With `tested` (a saved state, which records
+    the pairs tested; not a shard's), a verdict rests on tested pairs (a robust foreground was tested against every
+    background that counts), an untested pair has no prediction, and no background fooled more of a class's
+    foregrounds than it was tried on."""
+    s, rows = state, np.arange(len(fg_labels))
+    vulnerable, robust = s.verdict == VULNERABLE, s.verdict == ROBUST
+    fool_bg = np.where(vulnerable, s.fool_bg, 0)
+    named = vulnerable & (s.fool_bg >= 0)
+    fools = fooling(s.fool_pred, fg_labels, bg_labels[fool_bg], criterion)
+    checks = [(vulnerable & ~(named & fools), "vulnerable without a background that fools it"),
+              (~vulnerable & ((s.fool_bg != -1) | (s.fool_pred != UNMAPPED)), "not vulnerable, yet naming a "
+                                                                             "fooling background")]
+    if s.matrix is not None:
+        fooled = fooling(s.matrix.astype(np.int64), fg_labels[:, None], bg_labels[None, :], criterion)
+        first = fooled.argmax(axis=1)
+        done = s.verdict != UNKNOWN
+        checks += [(done & (fooled.any(axis=1) != vulnerable), "of a verdict its matrix row does not give"),
+                   (vulnerable & ((s.fool_bg != first) | (s.matrix[rows, fool_bg] != s.fool_pred)),
+                    "vulnerable to another background or prediction than its matrix row's first")]
+    if tested:
+        eligible = np.ones((NUM_IN9_CLASSES, len(bg_labels)), bool) if criterion is Criterion.ANY else \
+            bg_labels[None, :] != np.arange(NUM_IN9_CLASSES)[:, None]
+        checks += [(robust & (~s.tested & eligible[fg_labels]).any(axis=1), "robust without being tested against "
+                                                                             "every background"),
+                   (vulnerable & ~s.tested[rows, fool_bg], "vulnerable to a background it was not tested on")]
+        if s.matrix is not None and (s.matrix[~s.tested] != UNMAPPED).any():
+            return "its matrix holds predictions of pairs it never tested"
+        if (s.successes > s.trials).any():
+            return "a background fooled more foregrounds than it was tried on"
+    for wrong, what in checks:
+        if wrong.any():
+            return f"{int(wrong.sum())} foreground(s) {what} (the first: foreground {int(np.argmax(wrong))})"
+    return None
+
+
 class Scheduler:
     """Plans the pairs of a `SearchState` and folds their predictions back into it.
 

@@ -16,8 +16,9 @@ from tools.challenge.data import ChallengeData, ChallengeFiles, load_challenge_d
 from tools.challenge.predictor import CompositePredictor
 from tools.runtime.inflight import Pipeline
 from tools.challenge.result import ChallengeResult
-from tools.challenge.scheduler import ChallengeConfig, Scheduler, split_untested
+from tools.challenge.scheduler import ChallengeConfig, Scheduler, split_untested, state_problem
 from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState
+from tools.errors import UserError
 from tools.in9 import UNMAPPED
 from tools.models.boundary import LoadedModel
 from tools.provenance import provenance
@@ -283,7 +284,11 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
         state_path = Path(output_dir) / state_name if output_dir is not None else None
         state = None
         if resume and state_path is not None and state_path.is_file():
-            state = SearchState.load(state_path, key)
+            state = SearchState.load(state_path, key, len(data.foregrounds), len(data.backgrounds), config.full)
+            problem = state_problem(state, data.fg_labels, data.bg_labels, config.criterion)
+            if problem is not None:
+                raise UserError(f"the saved state {state_path} is not one this run writes: {problem}; rerun without "
+                                f"--resume")
             log.info("resuming from %s: %d composites already evaluated", state_path, state.evaluated)
         else:
             if resume:

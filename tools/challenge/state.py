@@ -9,7 +9,7 @@ import numpy as np
 
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
-from tools.provenance import atomic_write, read_npz
+from tools.provenance import atomic_write, checked_array, read_npz
 
 UNKNOWN, ROBUST, VULNERABLE = -1, 0, 1
 STATE_NAME = "challenge_state.npz"
@@ -46,6 +46,16 @@ class SearchState:
                    worklist=np.zeros((0, 2), np.int32),
                    matrix=np.full((n_fg, n_bg), UNMAPPED, np.int8) if full else None)
 
+    @classmethod
+    def finished(cls, n_fg: int, bg_pred: np.ndarray, full: bool) -> "SearchState":
+        """A finished search's state of `n_fg` foregrounds, to be filled with its verdicts (and --full matrix): the
+        merge of shards. Nothing is planned or tested any more, so nothing of foregrounds x backgrounds is made
+        but the matrix."""
+        state = cls.fresh(n_fg, 0, bg_pred, full=False)
+        state.bg_pred = bg_pred
+        state.matrix = np.full((n_fg, len(bg_pred)), UNMAPPED, np.int8) if full else None
+        return state
+
     def snapshot(self, pending: list[np.ndarray]) -> "SearchState":
         """A copy to save while the search goes on, with `pending` (the batches launched and not yet recorded)."""
         copied = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -76,21 +86,59 @@ class SearchState:
             np.savez(fh, **arrays)
 
     @classmethod
-    def load(cls, path: Path, key: str) -> "SearchState":
+    def load(cls, path: Path, key: str, n_fg: int, n_bg: int, full: bool) -> "SearchState":
+        """The state saved at `path` by the run of `key`, checked to be one such a run writes: every array of the
+        shape, kind and range a search of `n_fg` foregrounds x `n_bg` backgrounds (with the --full matrix when
+        `full`) holds, before anything of its size is made (`Scheduler.state_problem` then checks what it says
+        against the foregrounds' and backgrounds' classes). Anything else is one UserError."""
         try:
             z = read_npz(path)
             if bytes(z["key"]).decode() != key:
                 raise UserError(f"{path} belongs to another run (model, data or settings differ); rerun without "
                                 f"--resume, or pick another --output-dir")
-            shape = tuple(z["shape"])
-            position, round_, evaluated = (int(v) for v in z["scalars"])
-            return cls(verdict=z["verdict"], fool_bg=z["fool_bg"], fool_pred=z["fool_pred"],
-                       min_margin=z["min_margin"],
-                       tested=np.unpackbits(z["tested"], axis=1, count=shape[1]).astype(bool),
-                       successes=z["successes"], trials=z["trials"], bg_pred=z["bg_pred"],
-                       worklist=z["worklist"], position=position, pending=z["pending"], round=round_,
-                       pending_sizes=z["pending_sizes"] if "pending_sizes" in z else np.zeros(0, np.int64),
-                       evaluated=evaluated, matrix=z["matrix"] if "matrix" in z else None,
-                       elapsed=float(z["elapsed"]))
+            return cls._checked(z, n_fg, n_bg, full)
         except (*NUMPY_READ_ERRORS, KeyError) as exc:
             raise UserError(f"cannot read the saved state {path} ({exc}); rerun without --resume") from None
+
+    @classmethod
+    def _checked(cls, z: dict[str, np.ndarray], n_fg: int, n_bg: int, full: bool) -> "SearchState":
+        f, b, pairs = n_fg, n_bg, n_fg * n_bg
+        shape = tuple(int(v) for v in checked_array(z, "shape", (2,), "iu"))
+        if shape != (f, b):
+            raise ValueError(f"it is of {shape[0]} foregrounds x {shape[1]} backgrounds, this run of {f} x {b}")
+        if full != ("matrix" in z):
+            raise ValueError("it lacks the --full matrix" if full else "it holds a --full matrix this run does not make")
+        position, round_, evaluated = (int(v) for v in checked_array(z, "scalars", (3,), "iu", 0))
+        worklist = _pairs(z, "worklist", f, b, np.int32)
+        if full and len(worklist):
+            raise ValueError("a --full run plans no rounds, but it holds a worklist")
+        if position > (pairs if full else len(worklist)):
+            raise ValueError(f"its position {position} is past the pairs it plans")
+        sizes = checked_array(z, "pending_sizes", (None,), "iu", 0, dtype=np.int64) if "pending_sizes" in z \
+            else np.zeros(0, np.int64)
+        elapsed = checked_array(z, "elapsed", (), "fiu", 0)
+        if not np.isfinite(elapsed):
+            raise ValueError("elapsed is not a finite number of seconds")
+        tested = np.unpackbits(checked_array(z, "tested", (f, (b + 7) // 8), "u"), axis=1, count=b).astype(bool)
+        return cls(verdict=checked_array(z, "verdict", (f,), "iu", UNKNOWN, VULNERABLE, np.int8),
+                   fool_bg=checked_array(z, "fool_bg", (f,), "iu", -1, b - 1, np.int64),
+                   fool_pred=checked_array(z, "fool_pred", (f,), "iu", UNMAPPED, NUM_IN9_CLASSES - 1, np.int64),
+                   min_margin=checked_array(z, "min_margin", (f,), "f", 0, dtype=np.float32),
+                   tested=tested,
+                   successes=checked_array(z, "successes", (NUM_IN9_CLASSES, b), "iu", 0, f, np.int64),
+                   trials=checked_array(z, "trials", (NUM_IN9_CLASSES, b), "iu", 0, f, np.int64),
+                   bg_pred=checked_array(z, "bg_pred", (b,), "iu", UNMAPPED, NUM_IN9_CLASSES - 1, np.int64),
+                   worklist=worklist, position=position, pending=_pairs(z, "pending", f, b, np.int64), round=round_,
+                   pending_sizes=sizes, evaluated=evaluated, elapsed=float(elapsed),
+                   matrix=checked_array(z, "matrix", (f, b), "iu", UNMAPPED, NUM_IN9_CLASSES - 1, np.int8)
+                   if full else None)
+
+
+def _pairs(z: dict[str, np.ndarray], name: str, n_fg: int, n_bg: int, dtype) -> np.ndarray:
+    """An (N, 2) array of (foreground, background) pairs of a saved state, checked to name this run's."""
+    pairs = checked_array(z, name, (None, 2), "iu", 0, dtype=dtype)
+    if len(pairs) > n_fg * n_bg:
+        raise ValueError(f"{name} holds {len(pairs)} pairs, more than the run's {n_fg} x {n_bg}")
+    if len(pairs) and (pairs[:, 0].max() >= n_fg or pairs[:, 1].max() >= n_bg):
+        raise ValueError(f"{name} names pairs beyond the run's {n_fg} foregrounds x {n_bg} backgrounds")
+    return pairs

@@ -90,7 +90,7 @@ def list_sources(images: Path) -> tuple[list[str], list[SourceImage]]:
     images = Path(images)
     if not images.is_dir():
         raise UserError(f"--images {images} is not a folder; pass the folder holding one sub-folder per IN-9 class")
-    folders, _ = list_folder(images)
+    folders = list_folder(images).dirs
     classes = class_folder_names()
     named = all(class_of_folder(folder) is not None for folder in folders)
     groups = None if named else imagenet_groups(folders)
@@ -101,8 +101,11 @@ def list_sources(images: Path) -> tuple[list[str], list[SourceImage]]:
     members = [(label, classes[label], folder) for folder, label in groups.items()]
     sources, seen = [], {}
     for label, cls, folder in sorted(members):
-        _, files = list_folder(images / folder)
-        for name in files:
+        listing = list_folder(images / folder)
+        if listing.special:
+            log.warning("%s: skipped %d entr(y/ies) that are no regular file (a FIFO, a device or a socket, or a "
+                        "link to one), never opened: %s", images / folder, len(listing.special), listing.special[0])
+        for name in listing.files:
             if not name.lower().endswith(IMAGE_EXTENSIONS):
                 continue
             source = SourceImage(images / folder / name, label, cls)

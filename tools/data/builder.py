@@ -27,7 +27,7 @@ from tools.threads import default_workers, map_in_threads
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.data.temporary import temporary_folder
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, Variation
-from tools.provenance import write_json_atomic
+from tools.provenance import read_npy, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def load_user_mask(path: Path, geometry: boxes_mod.CropGeometry) -> np.ndarray:
             with Image.open(path) as img:
                 raw = np.asarray(img.convert("L"))
         else:
-            raw = np.load(path, allow_pickle=False)
+            raw = read_npy(path)
     except (*NUMPY_READ_ERRORS, UnidentifiedImageError) as exc:
         raise UserError(f"cannot read mask {path}: {exc}; masks are .npy arrays or .png images") from None
     if raw.ndim == 3 and raw.shape[-1] == 1:

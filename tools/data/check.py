@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection, Sequence
@@ -12,10 +13,12 @@ from typing import Collection, Sequence
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from tools.data.layout import MIXED, SUMMARY_NAME, check_data_root, class_order_problem, is_listed, list_folder
+from tools.data.layout import (MIXED, SUMMARY_NAME, check_data_root, class_order_problem, is_listed, list_folder,
+                               outside, outside_note)
 from tools.threads import default_workers, map_in_threads
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation
+from tools.provenance import read_npy
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +112,7 @@ def _check_image(path: Path, decode: bool) -> tuple[str, str] | None:
 def _check_mask(path: Path, load: bool) -> tuple[str, str] | None:
     """(what, example) when the mask is unreadable, of the wrong shape or type, or not 0/1, else None."""
     try:
-        array = np.load(path, mmap_mode=None if load else "r", allow_pickle=False)
+        array = read_npy(path, mmap=not load)
     except NUMPY_READ_ERRORS as exc:
         return "unreadable mask(s)", f"{path.name} ({exc})"
     if array.shape not in MASK_SHAPES:
@@ -163,16 +166,19 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
         if not folder.is_dir():
             problems.add(where, "missing: no such folder")
             continue
-        classes, stray = list_folder(folder)
+        classes, stray, _ = list_folder(folder)
         if stray:
             notes.append(f"{where}: {len(stray)} file(s) outside the class folders, ignored ({stray[0]}, ...)")
         listings[name] = {}
         for cls in classes:
-            _, files = list_folder(folder / cls)
-            kept = [f for f in files if is_listed(name, f)]
-            if len(kept) < len(files):
-                other = [f for f in files if not is_listed(name, f)]
+            listing = list_folder(folder / cls)
+            kept = [f for f in listing.files if is_listed(name, f)]
+            if len(kept) < len(listing.files):
+                other = [f for f in listing.files if not is_listed(name, f)]
                 notes.append(f"{where}/{cls}: {len(other)} file(s) of another type, ignored ({other[0]}, ...)")
+            if listing.special:
+                notes.append(f"{where}/{cls}: {len(listing.special)} entr(y/ies) that are no regular file (a FIFO, "
+                             f"a device or a socket, or a link to one), never opened ({listing.special[0]}, ...)")
             if not kept:
                 problems.add(f"{where}/{cls}", f"no {'masks' if name == MASK_FOLDER else 'images'}")
             listings[name][cls] = kept
@@ -213,6 +219,12 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
         _compare_with_original(listings, original, problems, notes, split)
 
     image_paths, mask_paths = [], []
+    if images != "sample":  # verify: where every file really is (the quick check lists, and the run says it)
+        real_root = os.path.realpath(root)
+        note = outside_note(root, [real for name, per in listings.items() for cls, files in per.items() for f in files
+                                   for real in [outside(real_root, root / name / split / cls / f)] if real])
+        if note:
+            notes.append(note)
     for name, per in listings.items():
         for cls, files in per.items():
             chosen = files[:1] if images == "sample" or (name == MASK_FOLDER and not load_masks) else files

@@ -8,7 +8,6 @@ import collections
 import concurrent.futures
 import contextlib
 import hashlib
-import io
 import logging
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -19,9 +18,10 @@ from tqdm import tqdm
 
 from tools.data.compositing import MaskArithmetic, original_weights
 from tools.data.decoders import Decoder, decode_bytes, pillow_rgb
-from tools.data.hashing import read_and_fingerprint
+from tools.data.hashing import open_regular, read_and_fingerprint
 from tools.data.store import Packs, PackWriter
 from tools.errors import NUMPY_READ_ERRORS, UserError
+from tools.provenance import read_npy
 from tools.in9 import IMAGE_SIZE
 from tools.runtime import to_device
 from tools.threads import stop_point
@@ -38,7 +38,8 @@ def decode_rgb(path: Path, size: int = IMAGE_SIZE, decoder: Decoder = Decoder.PI
     to be size x size."""
     if data is None:
         try:
-            data = Path(path).read_bytes()
+            with open_regular(path) as fh:
+                data = fh.read()
         except OSError as exc:
             raise UserError(f"cannot read image {path}: {exc}; replace or remove the file") from None
     return decode_bytes(data, path, size, decoder)
@@ -48,7 +49,7 @@ def read_mask(path: Path, size: int = IMAGE_SIZE, data: bytes | None = None) -> 
     """A foreground mask's raw values as an HxW array (from `data`, the file's bytes when already read), checked
     for shape and a numeric dtype."""
     try:
-        raw = np.load(path if data is None else io.BytesIO(data), allow_pickle=False)
+        raw = read_npy(path if data is None else data)
     except NUMPY_READ_ERRORS as exc:
         raise UserError(f"cannot read mask {path}: {exc}; masks are .npy arrays of shape ({size}, {size})") from None
     if raw.ndim == 3 and 1 in (raw.shape[0], raw.shape[-1]):

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tarfile
 import urllib.error
 import urllib.parse
@@ -27,6 +28,7 @@ from tools.in9 import MASK_FOLDER, VARIATIONS
 from tools.data.check import VerifyReport, quick_scan
 from tools.data.temporary import temporary_folder
 from tools.data.layout import LAYOUT_NAMES
+from tools.provenance import open_own
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +190,14 @@ def download(url: str, part: Path, dest: Path, progress: bool = True, timeout: f
     Connection failures end in a UserError that says where to put a manual download (`dest`); a
     transfer that stops midway keeps `part` for the next run to resume.
     """
-    offset = part.stat().st_size if part.is_file() else 0
+    try:
+        found = os.lstat(part)  # the link itself, if one is there
+    except FileNotFoundError:
+        found = None
+    if found is not None and not stat.S_ISREG(found.st_mode):
+        raise UserError(f"{part} is not a partial download (fetch writes a plain file there, and this is a link or "
+                        f"a special file), so nothing is written through it; remove it and rerun")
+    offset = found.st_size if found is not None else 0
     headers = {"User-Agent": f"bg-challenge-toolkit/{__version__}"}
     if offset:
         headers["Range"] = f"bytes={offset}-"
@@ -227,7 +236,7 @@ def download(url: str, part: Path, dest: Path, progress: bool = True, timeout: f
         if total is not None:
             _check_free_space(part.parent, total - offset + total)
         received = offset
-        with open(part, "ab" if offset else "wb") as fh, \
+        with _open_part(part, offset) as fh, \
                 tqdm(total=total, initial=offset, unit="B", unit_scale=True, unit_divisor=1024, desc=dest.name,
                      disable=not progress, leave=False) as bar:
             try:
@@ -241,6 +250,14 @@ def download(url: str, part: Path, dest: Path, progress: bool = True, timeout: f
     if total is not None and received < total:
         raise UserError(_interrupted_message(url, part, received, total, "the connection closed early"))
     return received - offset, resumed
+
+
+def _open_part(part: Path, offset: int):
+    """The partial download, opened to append after `offset` bytes (or emptied), never through a link."""
+    try:
+        return open_own(part, append=bool(offset))
+    except OSError as exc:
+        raise UserError(f"cannot write {part} ({exc.strerror or exc}); remove it and rerun") from None
 
 
 def _interrupted_message(url: str, part: Path, received: int, total: int | None, reason: str) -> str:

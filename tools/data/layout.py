@@ -1,13 +1,18 @@
 """The release's folder layout, walked in one place: `<data>/<variation>/<split>/<class>/<file>` and
 `<data>/fg_mask/<split>/<class>/<stem>.npy`, where the split is `val` for the test release and `train` for
-training data. Listings are sorted (ImageFolder order); the class index is the class folder's position."""
+training data. Listings are sorted (ImageFolder order); the class index is the class folder's position.
+
+A data file is a regular file (links followed: a data folder may be assembled from links into a shared store);
+a FIFO, a device or a socket, or a link to one, is never opened (`list_folder`)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 
 from tools.errors import UserError
 from tools.in9 import MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation, class_folder_names, class_of_folder
@@ -71,6 +76,45 @@ def check_data_root(root: Path | None) -> Path:
     return root
 
 
+def data_file(root: Path, relpath: str) -> Path:
+    """The regular file `relpath` names under the data folder `root`, with every link resolved: what a results file,
+    which names the data's files relative to the data root, may make a report read. A UserError says why not for a
+    path that is absolute or climbs out (".."), one that resolves outside `root` (through a link), and one that is
+    missing, unreadable or not a regular file (a folder, a FIFO, a device)."""
+    where = Path(root) / str(relpath)
+    named = PurePosixPath(str(relpath))
+    if not str(relpath) or named.is_absolute() or ".." in named.parts:
+        raise UserError(f"{str(relpath)!r} is not a path inside the data folder {root}")
+    try:
+        inside = Path(root).resolve(strict=True)
+        real = (inside / named).resolve(strict=True)
+        mode = real.stat().st_mode
+    except (OSError, RuntimeError) as exc:  # missing, unreadable, a loop of links (RuntimeError before Python 3.13)
+        raise UserError(f"cannot read {where} ({getattr(exc, 'strerror', None) or exc})") from None
+    if not real.is_relative_to(inside):
+        raise UserError(f"{where} resolves to {real}, outside the data folder {inside}")
+    if not stat.S_ISREG(mode):
+        raise UserError(f"{where} is not a regular file")
+    return real
+
+
+def outside(real_root: str, path: Path | str) -> str | None:
+    """Where `path` really is, links resolved, when that is outside the data folder whose real path
+    (`os.path.realpath`) is `real_root`; None when it is inside."""
+    real = os.path.realpath(path)
+    return None if real.startswith(real_root.rstrip(os.sep) + os.sep) else real
+
+
+def outside_note(root: Path, targets: list[str]) -> str | None:
+    """What to say of the files read from outside the data folder `root` (their real paths), None for none."""
+    if not targets:
+        return None
+    folders = sorted({os.path.dirname(t) for t in targets})
+    more = f" and {len(folders) - 3} more folder(s)" if len(folders) > 3 else ""
+    return (f"{len(targets)} file(s) lie outside the data folder {root}, reached through links (in "
+            f"{', '.join(folders[:3])}{more}): they are read as the data")
+
+
 def variation_dir(root: Path, name: str, split: str = SPLIT) -> Path:
     return Path(root) / name / split
 
@@ -83,7 +127,7 @@ def class_folders(folder: Path, what: str, split: str = SPLIT) -> list[str]:
             f"{what} is missing: no folder {folder}; the layout is <data>/{what}/{split}/<class>/ "
             f"(check --data-path, or regenerate the data)"
         )
-    names = list_folder(folder)[0]
+    names = list_folder(folder).dirs
     if len(names) != NUM_IN9_CLASSES:
         raise UserError(
             f"{folder} has {len(names)} class folders, expected {NUM_IN9_CLASSES} "
@@ -112,15 +156,53 @@ def class_order_problem(names: list[str], examples: int = 3) -> str | None:
             f"{folders[0]} ... {folders[-1]}")
 
 
-def list_folder(folder: Path) -> tuple[list[str], list[str]]:
-    """(sorted sub-folder names, sorted file names) of a folder, hidden entries left out: the one listing of
-    the layout, used by the scripts and by `tools.data verify` alike."""
-    dirs, files = [], []
-    with os.scandir(folder) as it:
-        for entry in it:
-            if not entry.name.startswith("."):
-                (dirs if entry.is_dir() else files).append(entry.name)
-    return sorted(dirs), sorted(files)
+class Listing(NamedTuple):
+    """A folder's entries by kind, each sorted by name, hidden ones left out (`list_folder`)."""
+
+    dirs: list[str]  # folders, or links to one
+    files: list[str]  # regular files, or links to one
+    special: list[str]  # anything else: a FIFO, a device, a socket (or a link to one), which is never read
+
+
+def list_folder(folder: Path) -> Listing:
+    """A folder's entries by kind, hidden entries left out: the one listing of the layout, used by the scripts,
+    `tools.data verify`, training and the build's inputs alike. Links are followed. A folder that cannot be
+    listed, an entry that cannot be looked at (a link loop, a link to nothing, no permission) and a name that is
+    not UTF-8 are one UserError each, naming it."""
+    try:
+        with os.scandir(folder) as it:
+            names = sorted(entry.name for entry in it if not entry.name.startswith("."))
+    except OSError as exc:
+        raise UserError(f"cannot list {folder} ({exc.strerror or exc}); make it readable, or pass another "
+                        f"folder") from None
+    listing = Listing([], [], [])
+    for name in names:
+        path = Path(folder) / name
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"{folder} holds a name that is not UTF-8 ({os.fsencode(name)!r}); rename it "
+                            f"(e.g. with `convmv`), or move it out of the data folder") from None
+        try:
+            mode = os.stat(path).st_mode  # through links; opens nothing (a FIFO would block an open)
+        except OSError as exc:
+            raise UserError(f"cannot read {path} ({exc.strerror or exc}: a link loop, a link to nothing, or no "
+                            f"permission?); fix or remove it") from None
+        kind = listing.dirs if stat.S_ISDIR(mode) else listing.files if stat.S_ISREG(mode) else listing.special
+        kind.append(name)
+    return listing
+
+
+def not_read_note(listing: Listing, kept: list[str], folder_name: str) -> str | None:
+    """What of a class folder's `listing` the scripts do not read (`kept`: the files they do), said once: files that
+    are not images (masks) by their extension, entries that are no regular file; None when all are read."""
+    others = len(listing.files) - len(kept)
+    what = [f"{others} file(s) that are not {'masks' if folder_name == MASK_FOLDER else 'images'} by their "
+            f"extension, as the original does"] if others else []
+    if listing.special:
+        what.append(f"{len(listing.special)} entr(y/ies) that are no regular file (a FIFO, a device or a socket, or "
+                    f"a link to one), never opened: {listing.special[0]}")
+    return "skipped " + "; and ".join(what) if what else None
 
 
 def is_listed(folder_name: str, file_name: str) -> bool:
@@ -136,12 +218,11 @@ def list_variation(root: Path, name: str, split: str = SPLIT) -> list[ImageRecor
     folder = variation_dir(root, name, split)
     records: list[ImageRecord] = []
     for label, cls in enumerate(class_folders(folder, name, split)):
-        files = list_folder(folder / cls)[1]
-        images = [f for f in files if is_listed(name, f)]
-        skipped = len(files) - len(images)
-        if skipped:
-            log.warning("%s: skipped %d file(s) that are not images by their extension, as the original does",
-                        folder / cls, skipped)
+        listing = list_folder(folder / cls)
+        images = [f for f in listing.files if is_listed(name, f)]
+        note = not_read_note(listing, images, name)
+        if note:
+            log.warning("%s: %s", folder / cls, note)
         if not images:
             raise UserError(f"class folder {folder / cls} holds no images; every class needs at least one image")
         records.extend(ImageRecord(f"{name}/{split}/{cls}/{f}", label) for f in images)
@@ -160,8 +241,14 @@ def list_foregrounds(root: Path, split: str = SPLIT) -> list[ForegroundRecord]:
                         f"{image_dir} ({', '.join(image_classes)}); both need the same nine names")
     records: list[ForegroundRecord] = []
     for label, cls in enumerate(mask_classes):
-        masks = {Path(f).stem: f for f in list_folder(mask_dir / cls)[1] if is_listed(MASK_FOLDER, f)}
-        images = {Path(f).stem: f for f in list_folder(image_dir / cls)[1] if is_listed(Variation.ORIGINAL.value, f)}
+        listings = {name: list_folder(folder / cls) for name, folder in ((MASK_FOLDER, mask_dir),
+                                                                         (Variation.ORIGINAL.value, image_dir))}
+        for name, listing in listings.items():
+            if listing.special:
+                log.warning("%s: %s", variation_dir(root, name, split) / cls, not_read_note(listing, listing.files, name))
+        masks = {Path(f).stem: f for f in listings[MASK_FOLDER].files if is_listed(MASK_FOLDER, f)}
+        images = {Path(f).stem: f for f in listings[Variation.ORIGINAL.value].files
+                  if is_listed(Variation.ORIGINAL.value, f)}
         lonely_masks = sorted(set(masks) - set(images))
         if lonely_masks:
             extension = Path(next(iter(images.values()))).suffix if images else ".<image extension>"

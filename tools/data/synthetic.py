@@ -22,6 +22,7 @@ from torch import nn
 from tools.data import variations
 from tools.in9 import (IMAGE_SIZE, IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD, MASK_FOLDER, NUM_IMAGENET_CLASSES,
                        NUM_IN9_CLASSES, SPLIT, UNMAPPED, Variation, class_folder_names, in_to_in9_table)
+from tools.provenance import open_own
 
 MANIFEST_NAME = "synthetic.json"
 
@@ -78,7 +79,8 @@ def _texture(rng: np.random.Generator, color: np.ndarray, size: int, amplitude: 
 
 def _save_jpeg(array: np.ndarray, path: Path, quality: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(array).save(path, format="JPEG", quality=quality)
+    with open_own(path) as fh:  # never through a link already there
+        Image.fromarray(array).save(fh, format="JPEG", quality=quality)
 
 
 def manifest_name(split: str = SPLIT) -> str:
@@ -140,11 +142,13 @@ def generate(root: Path, per_class: int = 4, seed: int = 0, size: int = IMAGE_SI
             _save_jpeg(variations.composite(tiled[k], image, mask), out(variation), quality)
         mask_path = root / MASK_FOLDER / split / folder / f"{rec.stem}.npy"
         mask_path.parent.mkdir(parents=True, exist_ok=True)
-        np.save(mask_path, mask)
+        with open_own(mask_path) as fh:
+            np.save(fh, mask)
 
     manifest = {"seed": seed, "per_class": per_class,
                 "images": [{"stem": r.stem, "label": r.label, "box": r.box, "mixed_bg": r.mixed_bg} for r in records]}
-    (root / manifest_name(split)).write_text(json.dumps(manifest, indent=1))
+    with open_own(root / manifest_name(split)) as fh:
+        fh.write(json.dumps(manifest, indent=1).encode())
     return SyntheticDataset(root, records)
 
 

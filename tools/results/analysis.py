@@ -25,11 +25,12 @@ from typing import Sequence
 import numpy as np
 
 from tools.cli import ArgumentParser, examples, add_log_level_argument, run_main, whole_number
+from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, default_data_root
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, class_names
 from tools.provenance import atomic_write, check_outputs, write_json_atomic
-from tools.results.figures import (MUTED, PLACEHOLDER, TEXT, centered_text, default_font, new_canvas, save_png,
-                                   thumbnail)
+from tools.results.figures import (MUTED, PLACEHOLDER, TEXT, DataImages, centered_text, default_font, new_canvas,
+                                   save_png)
 from tools.results.matrix import ChallengeMatrix, load_matrix
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,8 @@ class FigureLayout:
 
 
 def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str) -> FigureLayout:
-    """Draw the figure to `path` (PNG); a missing image becomes a grey placeholder and one warning."""
+    """Draw the figure to `path` (PNG), its images read from the data folder `data_path` (only files inside it:
+    `DataImages`); an image missing or refused becomes a grey placeholder and one warning."""
     names = class_names()
     # as many columns as the longest list holds: --top-k beyond a class's backgrounds draws no empty columns
     k = max(1, min(summary["top_k"], max(len(info["top_backgrounds"]) for info in summary["per_class"].values())))
@@ -237,6 +239,7 @@ def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str
               "class on that background", font=small_font, fill=MUTED)
     missing: list[str] = []
     shown = 0
+    images = DataImages(data_path)
     for row, name in enumerate(names):
         info = summary["per_class"][name]
         _, y0, _, y1 = layout.image_box(row, 0)
@@ -251,7 +254,7 @@ def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str
             px0, py0, px1, _ = layout.panel_box(row, col)
             centered_text(draw, (px0, py0, px1, py0 + layout.caption), f"ASR {100 * entry['asr']:.1f}%", small_font)
             image_box = layout.image_box(row, col)
-            thumb = thumbnail(None if data_path is None else Path(data_path) / entry["image"], layout.thumb)
+            thumb = images.thumbnail(entry["image"], layout.thumb)
             if thumb is None:
                 missing.append(entry["image"])
                 draw.rectangle((image_box[0], image_box[1], image_box[2] - 1, image_box[3] - 1), fill=PLACEHOLDER)
@@ -259,9 +262,9 @@ def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str
             else:
                 canvas.paste(thumb, image_box[:2])
     if missing:
-        why = "no data path is known (pass --data-path DIR)" if data_path is None else f"not readable under {data_path}"
-        log.warning("%d of %d background image(s) for the figure are missing: %s (e.g. %s); drew grey placeholders",
-                    len(missing), shown, why, missing[0])
+        why = images.refused[0] if images.refused else f"{missing[0]} is no image Pillow reads"
+        log.warning("%d of %d background image(s) for the figure are not shown (%s); drew grey placeholders",
+                    len(missing), shown, why)
     save_png(canvas, path)
     return layout
 
@@ -280,13 +283,12 @@ def write_analysis(output_dir: Path | str, data_path: Path | str | None = None, 
     """Analyse the saved matrix in `output_dir` and write asr.csv, top_backgrounds.csv, asr_histogram.csv,
     analysis.json and top_backgrounds.png there; returns the summary (the content of analysis.json).
 
-    `data_path` locates the background images for the figure (default: the data path the run recorded).
+    `data_path` is the data folder the figure's background images are read from, only from inside it (None: no
+    images, grey placeholders); never the folder the saved files name, which are results anyone may have edited.
     """
     output_dir = Path(output_dir)
     matrix = load_matrix(output_dir)
     summary, fooled, eligible = analyze(matrix, top_k)
-    if data_path is None and matrix.meta.get("data_path"):
-        data_path = Path(matrix.meta["data_path"])
     summary["data_path"] = None if data_path is None else str(Path(data_path).resolve())
     names = class_names()
     asr = fooled / np.maximum(eligible, 1)
@@ -334,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the --output-dir of challenge_eval.py --full (holds predictions.npy); the analysis "
                              "files are written there too")
     parser.add_argument("--data-path", type=Path, default=None, metavar="DIR",
-                        help="data root holding only_bg_t/, for the figure's images (default: the path the "
-                             "challenge run recorded)")
+                        help=f"data root holding only_bg_t/, for the figure's images: only files inside it are drawn "
+                             f"(default: ${DATA_ENV} if set, else {DEFAULT_DATA_ROOT})")
     parser.add_argument("--top-k", type=whole_number(1), default=DEFAULT_TOP_K, metavar="K",
                         help=f"backgrounds per class in the top lists and the figure (default: {DEFAULT_TOP_K})")
     add_log_level_argument(parser)
@@ -344,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main(args: argparse.Namespace) -> int:
     check_outputs(folders={"OUTPUT_DIR": args.output_dir})
-    summary = write_analysis(args.output_dir, args.data_path, args.top_k)
+    summary = write_analysis(args.output_dir, args.data_path or default_data_root(), args.top_k)
     print("\n".join(summary_lines(summary)))
     print(f"Wrote {', '.join(summary['files'].values())} and {SUMMARY_FILE} to {args.output_dir}")
     return 0

@@ -1,5 +1,6 @@
 """Pillow drawing for the toolkit's figures, in one place: the canvas, the default font at a size, text placed by
-an anchor, labels moved clear of each other, thumbnails, the atomic PNG write, and the colours the figures share.
+an anchor, labels moved clear of each other, thumbnails of the data's images (read only from inside the data folder:
+`DataImages`), the atomic PNG write, and the colours the figures share.
 
 The figures are drawn beside their data with these: `analysis.draw_top_backgrounds` and `leaderboard.draw_plot`.
 """
@@ -8,11 +9,16 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
 
+from tools.data.layout import data_file
+from tools.errors import UserError
 from tools.provenance import atomic_write
+
+log = logging.getLogger(__name__)
 
 Box = tuple[float, float, float, float]  # (x0, y0, x1, y1)
 
@@ -88,15 +94,39 @@ def square(image: Image.Image, size: int) -> Image.Image:
     return ImageOps.fit(image.convert("RGB"), (size, size), Image.Resampling.LANCZOS)
 
 
-def thumbnail(path: Path | None, size: int) -> Image.Image | None:
-    """The image at `path` cropped and scaled to a `size` square; None when there is none or it cannot be read."""
-    if path is None:
-        return None
-    try:
-        with Image.open(path) as img:
-            return square(img, size)
-    except (OSError, UnidentifiedImageError, ValueError):
-        return None
+class DataImages:
+    """The data folder's files a figure or report shows, as its results files name them (relative to the data root):
+    each read only when it is a regular file inside `root`, the data folder the command was given, once every link
+    is resolved (`tools.data.layout.data_file`); the refused ones are warned about once (`warn`)."""
+
+    def __init__(self, root: Path | str | None):
+        self.root = None if root is None else Path(root)
+        self.refused: list[str] = []
+
+    def path(self, relpath: str) -> Path:
+        """The file `relpath` names, checked; a UserError (recorded for `warn`) when it may not be read."""
+        try:
+            if self.root is None:
+                raise UserError("no data folder is known (pass --data-path DIR)")
+            return data_file(self.root, relpath)
+        except UserError as exc:
+            self.refused.append(str(exc))
+            raise
+
+    def thumbnail(self, relpath: str, size: int) -> Image.Image | None:
+        """The image `relpath` names, cropped and scaled to a `size` square; None when it may not or cannot be read."""
+        try:
+            with Image.open(self.path(relpath)) as img:
+                return square(img, size)
+        except (UserError, OSError, UnidentifiedImageError, ValueError):
+            return None
+
+    def warn(self, what: str = "image(s)") -> None:
+        """One warning for the files refused so far, if any."""
+        if self.refused:
+            log.warning("%d %s named by the results not shown: %s%s", len(self.refused), what, self.refused[0],
+                        f" (and {len(self.refused) - 1} more)" if len(self.refused) > 1 else "")
+            self.refused = []
 
 
 def data_uri(image: Image.Image, fmt: str = "JPEG", quality: int = 80) -> str:

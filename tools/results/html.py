@@ -19,6 +19,7 @@ from tools.in9 import class_names
 from tools.provenance import START_EVAL_DIR, TRAINED_EVAL_DIR, TRAINING_LOG, write_text_atomic
 from tools.results import html_sections as sections
 from tools.results import report
+from tools.results.markdown import inline_html
 
 STYLE = """
 body{font-family:sans-serif;margin:24px;color:#141414;max-width:1100px}
@@ -75,8 +76,8 @@ def leaderboard_section(output_dir: Path | None) -> str:
         with Image.open(plot) as img:
             uri = sections.data_uri(img.convert("RGB"), "PNG")
     cells = [[sections.cell(c.text, c.value) for c in row] for row in model.rows]
-    notes = "".join(f"<p{WARNING if note.warning else ''}>{sections.inline_code(note.text)}</p>" for note in model.notes)
-    body = (f"<p>{sections.inline_code(model.intro)}</p>"
+    notes = "".join(f"<p{WARNING if note.warning else ''}>{inline_html(note.text)}</p>" for note in model.notes)
+    body = (f"<p>{inline_html(model.intro)}</p>"
             f'<img src="{uri}" alt="BG-gap against challenge accuracy, one point per model with both (the table '
             f'below holds the numbers)">' + sections.table(model.header, cells, "leaderboard", True) + notes)
     return f"<section><h2>Leaderboard</h2>{body}</section>"
@@ -154,15 +155,17 @@ def training_section(output_dir: Path | None, results: tuple[dict, dict | None] 
 
 def render_html(in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
                 categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None,
-                training: Path | None = None, training_results: tuple[dict, dict | None] | None = None) -> str:
+                training: Path | None = None, training_results: tuple[dict, dict | None] | None = None,
+                data_path: Path | None = None) -> str:
     """The report as one HTML page; `leaderboard` is a zoo --output-dir to add its leaderboard, `training` a
     train.py --output-dir (of a run with --eval-data) to add its curves and before/after table (from
-    `training_results`, see `training_section`, when given)."""
+    `training_results`, see `training_section`, when given); `data_path` the data folder the analysis's pictures
+    are read from (only files inside it; None: no pictures)."""
     parts = [f"<p>Written by bg-challenge-toolkit {__version__} from its results files. IN-9 classes: "
              f"{sections.esc(', '.join(class_names()))}.</p>"]
     parts += [f'<p class="warning">Warning: {sections.esc(w)}.</p>' for w in warnings]
     parts.append(training_section(training, training_results))
-    parts += [sections.in9_section(in9), sections.challenge_section(challenge), sections.analysis_section(analysis),
+    parts += [sections.in9_section(in9), sections.challenge_section(challenge), sections.analysis_section(analysis, data_path),
               sections.categories_section(categories), leaderboard_section(leaderboard),
               sections.provenance_section(report.provenance_sources(in9, challenge, analysis, categories))]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Backgrounds Challenge report"
@@ -172,8 +175,10 @@ def render_html(in9: dict | None = None, challenge: dict | None = None, analysis
 
 def write_html(path: Path | str, in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
                categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None,
-               training: Path | None = None, training_results: tuple[dict, dict | None] | None = None) -> str:
-    """Write the HTML report to `path` (atomically) and return its text."""
-    text = render_html(in9, challenge, analysis, categories, warnings, leaderboard, training, training_results)
+               training: Path | None = None, training_results: tuple[dict, dict | None] | None = None,
+               data_path: Path | None = None) -> str:
+    """Write the HTML report to `path` (atomically) and return its text (`render_html`)."""
+    text = render_html(in9, challenge, analysis, categories, warnings, leaderboard, training, training_results,
+                       data_path)
     write_text_atomic(Path(path), text)
     return text

@@ -19,7 +19,7 @@ from tools.in9 import VARIATIONS, class_names
 from tools.results import report
 from tools.results.analysis import asr_counts, fooling_confusion, fooling_examples
 from tools.results.categories import CATEGORY_TITLES, Category
-from tools.results.figures import data_uri, square, thumbnail
+from tools.results.figures import DataImages, data_uri, square
 from tools.results.matrix import load_matrix
 
 log = logging.getLogger(__name__)
@@ -31,12 +31,6 @@ BAR_WIDTH = 320
 
 def esc(value) -> str:
     return html.escape(str(value), quote=True)
-
-
-def inline_code(text: str) -> str:
-    """Escaped text whose `backticked` spans become <code>."""
-    parts = str(text).split("`")
-    return "".join(f"<code>{esc(p)}</code>" if i % 2 else esc(p) for i, p in enumerate(parts))
 
 
 def cell(text, value=None) -> str:
@@ -154,7 +148,7 @@ def challenge_section(challenge: dict | None) -> str:
                      cell(report.percent(value), value)])
         bars.append((name, value))
     body = [f'<p><strong>Challenge accuracy: <span id="challenge-accuracy" data-value="{esc(accuracy)}">'
-            f'{accuracy:.2f}%</span>.</strong> {esc(report.vulnerable_sentence(challenge, quote=""))}</p>']
+            f'{accuracy:.2f}%</span>.</strong> {esc(report.vulnerable_sentence(challenge, markdown=False))}</p>']
     if rows:
         body += [bar_chart(bars, "Challenge accuracy per class"), table(report.CHALLENGE_HEADER, rows, "challenge", True)]
     cost = report.cost_sentence(challenge)
@@ -163,7 +157,7 @@ def challenge_section(challenge: dict | None) -> str:
     return _section(title, "".join(body))
 
 
-def _composite(data_path: Path, fg_image: str, fg_mask: str, bg_image: str, arithmetic: str) -> Image.Image:
+def _composite(images: DataImages, fg_image: str, fg_mask: str, bg_image: str, arithmetic: str) -> Image.Image:
     """The composite the model saw, as a thumbnail: the byte cut-out of a 0/1 mask, or under the original's mask
     arithmetic (`arithmetic` "original") its float blend, rounded back to bytes."""
     import torch  # only a --full report composes images
@@ -171,8 +165,8 @@ def _composite(data_path: Path, fg_image: str, fg_mask: str, bg_image: str, arit
     from tools.data.compositing import MaskArithmetic, blend
     from tools.data.decoding import decode_rgb, load_mask
 
-    fg, bg = decode_rgb(data_path / fg_image), decode_rgb(data_path / bg_image)
-    mask = load_mask(data_path / fg_mask, MaskArithmetic(arithmetic))
+    fg, bg = decode_rgb(images.path(fg_image)), decode_rgb(images.path(bg_image))
+    mask = load_mask(images.path(fg_mask), MaskArithmetic(arithmetic))
     if mask.dtype == np.bool_:
         pixels = np.where(mask[..., None], fg, bg)
     else:
@@ -182,17 +176,19 @@ def _composite(data_path: Path, fg_image: str, fg_mask: str, bg_image: str, arit
     return square(Image.fromarray(pixels), THUMB)
 
 
-def analysis_section(analysis: dict | None) -> str:
+def analysis_section(analysis: dict | None, data_path: Path | None = None) -> str:
+    """The analysis with its pictures: the images are read from `data_path`, the data folder the command was given
+    (never a folder the results files name), and only files inside it."""
     title = "Adversarial backgrounds"
     if not analysis:
         return _not_run(title)
     names = class_names()
-    data_path = Path(analysis["data_path"]) if analysis.get("data_path") else None
-    readable = data_path is not None and data_path.is_dir()
+    readable = data_path is not None and Path(data_path).is_dir()
+    images = DataImages(Path(data_path) if readable else None)
     body = [f"<p>{esc(report.ASR_DEFINITION)} Over {esc(analysis['foregrounds'])} foregrounds × "
             f"{esc(analysis['backgrounds'])} backgrounds.</p>"]
     if not readable:
-        body.append(f'<p class="missing">The data folder {esc(data_path or "(not recorded)")} is gone, so the '
+        body.append(f'<p class="missing">No data folder at {esc(data_path or "(none given)")} (--data-path), so the '
                     f"images are not shown; the numbers are.</p>")
     rows, grid = [], []
     for name, info in analysis["per_class"].items():
@@ -204,7 +200,7 @@ def analysis_section(analysis: dict | None) -> str:
                      cell(", ".join(f"{e['stem']} {report.fraction_percent(e['asr'])}" for e in tops) or "–")])
         pictures = []
         for e in tops:
-            thumb = thumbnail(data_path / e["image"], THUMB) if readable else None
+            thumb = images.thumbnail(e["image"], THUMB) if readable else None
             caption = f"ASR {report.fraction_percent(e['asr'])}"
             pictures.append(image(data_uri(thumb), f"{name} background {e['stem']}, {caption}", caption)
                             if thumb is not None else f"<figure><figcaption>{esc(e['stem'])}: {esc(caption)}"
@@ -213,7 +209,8 @@ def analysis_section(analysis: dict | None) -> str:
     body += [f"<h3>Top-{esc(analysis['top_k'])} backgrounds per class (ASR)</h3>", f'<div class="grid">{"".join(grid)}</div>',
              table(["Class", "Fool rate", "Backgrounds", "Mean ASR", "Max ASR", "Top backgrounds (ASR)"], rows,
                    "analysis", True)]
-    body.append(_matrix_parts(analysis, names, data_path if readable else None))
+    body.append(_matrix_parts(analysis, names, images if readable else None))
+    images.warn()
     return _section(title, "".join(body))
 
 
@@ -233,7 +230,7 @@ def _top_indices(analysis: dict, matrix) -> np.ndarray:
     return np.array(indices, dtype=np.int64)
 
 
-def _matrix_parts(analysis: dict, names: list[str], data_path: Path | None) -> str:
+def _matrix_parts(analysis: dict, names: list[str], images: DataImages | None) -> str:
     """The fooling examples and the confusion under the fooling backgrounds, from the saved matrix."""
     try:
         matrix = load_matrix(analysis["output_dir"])
@@ -248,10 +245,10 @@ def _matrix_parts(analysis: dict, names: list[str], data_path: Path | None) -> s
         caption = f"{names[fg[i]]} → {predicted}"
         alt = f"{names[fg[i]]} foreground {matrix.fg_stems[i]} on {names[bg[j]]} background {matrix.bg_stems[j]}, " \
               f"predicted {predicted}"
-        why = None if data_path is not None and matrix.fg_images else ""
+        why = None if images is not None and matrix.fg_images else ""
         if why is None:
             try:
-                examples.append(image(data_uri(_composite(data_path, matrix.fg_images[i], matrix.fg_masks[i],
+                examples.append(image(data_uri(_composite(images, matrix.fg_images[i], matrix.fg_masks[i],
                                                           matrix.bg_images[j], arithmetic)), alt, caption))
                 continue
             except UserError as exc:  # this composite's files are missing or unreadable: its text stands alone
@@ -287,8 +284,8 @@ def categories_section(categories: dict | None) -> str:
 
 
 def provenance_section(sources: list[tuple[str, dict]]) -> str:
-    found = report.provenance_table(sources)
+    found = report.provenance_table(sources, markdown=False)
     if found is None:
         return _section("Provenance", "<p>No provenance recorded.</p>")
     header, rows = found
-    return _section("Provenance", table(header, [[cell(c.strip("`")) for c in row] for row in rows], "provenance"))
+    return _section("Provenance", table(header, [[cell(c) for c in row] for row in rows], "provenance"))

@@ -31,7 +31,7 @@ from tools.in9 import NUM_IN9_CLASSES, RELEASE_IMAGES_PER_CLASS, VARIATIONS, Var
 from tools.provenance import write_text_atomic
 from tools.results.figures import (AXIS, GRID, TEXT, Box, default_font, draw_text, free_text_position, new_canvas,
                                    paste_vertical_text, save_png)
-from tools.results.markdown import markdown_table
+from tools.results.markdown import code, escape, markdown_table
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class Cell:
 
 @dataclass(frozen=True)
 class Note:
-    text: str  # `code` spans allowed
+    text: str  # Markdown: names from the results files through `escape` and `code` (the HTML renders its code spans)
     warning: bool = False  # a comparability caveat: set in bold
 
 
@@ -240,18 +240,18 @@ def leaderboard_table(rows: list[Row], published_withheld: bool = False) -> Tabl
                       _number(row.mixed_same), _number(row.mixed_rand), _number(row.bg_gap),
                       _number(row.challenge_accuracy), Cell(f"{row.kind} {marks[row.note]}" if row.note else row.kind),
                       _hash(row.data_sha256), provenance])
-    notes = [Note(f"{mark} {', '.join(row.model for row in rows if row.note == note)}: {note}.")
+    notes = [Note(f"{mark} {', '.join(escape(row.model) for row in rows if row.note == note)}: {escape(note)}.")
              for note, mark in marks.items()]
     notes += classes_notes(rows)
     fingerprints = sorted({row.data_sha256 for row in rows if row.kind == MEASURED and row.data_sha256})
     if fingerprints:
-        notes.append(Note("Measured on data with SHA-256 fingerprint " + ", ".join(f"`{f}`" for f in fingerprints)
+        notes.append(Note("Measured on data with SHA-256 fingerprint " + ", ".join(code(f) for f in fingerprints)
                           + "."))
         if len(fingerprints) > 1:
             notes.append(Note("The measured rows come from different data: they are not comparable.", True))
     others = sorted({row.criterion for row in rows if row.criterion not in (None, "any")})
     if others:
-        notes.append(Note(f"Some measured rows use the challenge criterion {', '.join(others)}, not `any`: their "
+        notes.append(Note(f"Some measured rows use the challenge criterion {', '.join(map(code, others))}, not `any`: their "
                           f"challenge accuracy is not comparable (the Criterion column).", True))
     if published_withheld:
         notes.append(Note(f"The published rows are left out: they compare only with runs on the release's test set "
@@ -262,7 +262,7 @@ def leaderboard_table(rows: list[Row], published_withheld: bool = False) -> Tabl
 
 def render_markdown(rows: list[Row], published_withheld: bool = False) -> str:
     table = leaderboard_table(rows, published_withheld)
-    cells = [[f"`{c.text}`" if c.code else c.text for c in row] for row in table.rows]
+    cells = [[code(c.text) if c.code else escape(c.text) for c in row] for row in table.rows]
     out = ["# Backgrounds Challenge leaderboard", "", table.intro, ""]
     out += markdown_table(table.header, cells, table.align)
     for note in table.notes:

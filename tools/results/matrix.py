@@ -18,7 +18,7 @@ import numpy as np
 
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
-from tools.provenance import atomic_write, write_json_atomic
+from tools.provenance import atomic_write, read_npy, write_json_atomic
 
 if TYPE_CHECKING:
     from tools.challenge import ChallengeResult
@@ -103,7 +103,7 @@ def load_matrix(output_dir: Path | str) -> ChallengeMatrix:
         raise UserError(f"{output_dir} lacks {', '.join(missing)}; the analysis reads the saved matrix of "
                         f"`challenge_eval.py --full --output-dir {output_dir}` (run that first)")
     try:
-        raw = np.load(output_dir / PREDICTIONS_FILE, allow_pickle=False)
+        raw = read_npy(output_dir / PREDICTIONS_FILE)
     except NUMPY_READ_ERRORS as exc:
         raise UserError(f"cannot read {output_dir / PREDICTIONS_FILE}: {exc}; rerun challenge_eval.py --full") from None
     try:

@@ -69,5 +69,5 @@ def publish_challenge(result: ChallengeResult, output_dir: Path, data_path: Path
         if report is not None:
             outputs.write(write_report, report, challenge=result.to_json(), analysis=summary)
         if html is not None:
-            outputs.write(write_html, html, challenge=result.to_json(), analysis=summary)
+            outputs.write(write_html, html, challenge=result.to_json(), analysis=summary, data_path=data_path)
     return lines

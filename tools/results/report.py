@@ -23,7 +23,7 @@ from tools.provenance import write_text_atomic
 from tools.results.analysis import FIGURE_FILE
 from tools.results.categories import CATEGORY_TITLES, Category
 from tools.results.leaderboard import Row, published_rows, used_release
-from tools.results.markdown import markdown_table
+from tools.results.markdown import code, destination, escape, markdown_table
 
 NOT_RUN = "Not run."
 DEFAULT_OUTPUT = Path("report.md")
@@ -76,7 +76,7 @@ def in9_section(in9: dict | None) -> list[str]:
         if result is None:
             rows.append([f"`{name}`", "not run", ""])
         else:
-            rows.append([f"`{name}`", percent(result["accuracy"]), f"{result['correct']} / {result['total']}"])
+            rows.append([f"`{name}`", percent(result["accuracy"]), escape(f"{result['correct']} / {result['total']}")])
     out += markdown_table(["Variation", "Accuracy", "Correct / total"], rows, "lrr") + [""]
     gap = in9.get("bg_gap")
     if gap is None:
@@ -111,7 +111,7 @@ def challenge_section(challenge: dict | None) -> list[str]:
         return out + [NOT_RUN, ""]
     out.append(f"**Challenge accuracy: {challenge['challenge_accuracy']:.2f}%.** {vulnerable_sentence(challenge)}")
     out.append("")
-    rows = [[name, entry["vulnerable"], entry["total"], percent(class_challenge_accuracy(entry))]
+    rows = [[escape(name), escape(entry["vulnerable"]), escape(entry["total"]), percent(class_challenge_accuracy(entry))]
             for name, entry in challenge.get("per_class", {}).items()]
     if rows:
         out += markdown_table(CHALLENGE_HEADER, rows, "lrrr") + [""]
@@ -122,11 +122,14 @@ def challenge_section(challenge: dict | None) -> list[str]:
 CHALLENGE_HEADER = ["Class", "Vulnerable", "Foregrounds", "Challenge accuracy"]
 
 
-def vulnerable_sentence(challenge: dict, quote: str = "`") -> str:
-    """How many foregrounds are vulnerable, and what that means; `quote` marks the criterion's name as code."""
+def vulnerable_sentence(challenge: dict, markdown: bool = True) -> str:
+    """How many foregrounds are vulnerable, and what that means: as Markdown (the criterion's name as code), or as
+    plain text (`markdown` False)."""
     criterion = challenge.get("criterion", "any")
-    return (f"{challenge['vulnerable']} of {challenge['total']} foregrounds ({challenge['vulnerable_percent']:.2f}%) "
-            f"are vulnerable under the {quote}{criterion}{quote} criterion: {CRITERIA.get(criterion, 'as the challenge run defined it')}.")
+    text, name = (escape, code) if markdown else (str, str)
+    return (f"{text(challenge['vulnerable'])} of {text(challenge['total'])} foregrounds "
+            f"({challenge['vulnerable_percent']:.2f}%) are vulnerable under the {name(criterion)} criterion: "
+            f"{CRITERIA.get(criterion, 'as the challenge run defined it')}.")
 
 
 def class_challenge_accuracy(entry: dict) -> float | None:
@@ -150,24 +153,25 @@ def analysis_section(analysis: dict | None, report_dir: Path) -> list[str]:
     out = ["## Adversarial backgrounds", ""]
     if not analysis:
         return out + [NOT_RUN, ""]
-    out.append(ASR_DEFINITION_MARKDOWN + f" Over {analysis['foregrounds']} foregrounds × {analysis['backgrounds']} "
-               f"backgrounds.")
+    out.append(ASR_DEFINITION_MARKDOWN + f" Over {escape(analysis['foregrounds'])} foregrounds × "
+               f"{escape(analysis['backgrounds'])} backgrounds.")
     out.append("")
     rows = []
     for name, info in analysis["per_class"].items():
-        tops = ", ".join(f"`{e['stem']}` {fraction_percent(e['asr'])}" for e in info["top_backgrounds"])
-        rows.append([name, fraction_percent(info["fool_rate"]), info["backgrounds"], fraction_percent(info["mean_asr"]),
+        tops = ", ".join(f"{code(e['stem'])} {fraction_percent(e['asr'])}" for e in info["top_backgrounds"])
+        rows.append([escape(name), fraction_percent(info["fool_rate"]), escape(info["backgrounds"]),
+                     fraction_percent(info["mean_asr"]),
                      fraction_percent(info["max_asr"]), f"`{sparkline(info['asr_histogram'])}`", tops or "–"])
     out += markdown_table(["Class", "Fool rate", "Backgrounds", "Mean ASR", "Max ASR", "ASR histogram (0 → 100%)",
-                   f"Top-{analysis['top_k']} backgrounds (ASR)"], rows, "lrrrrll") + [""]
+                   f"Top-{escape(analysis['top_k'])} backgrounds (ASR)"], rows, "lrrrrll") + [""]
     rate = analysis.get("fooled_into_bg_class_rate")
     if rate is not None:
-        out += [f"{analysis['fooled_into_bg_class']} of {analysis['foregrounds']} foregrounds "
+        out += [f"{escape(analysis['fooled_into_bg_class'])} of {escape(analysis['foregrounds'])} foregrounds "
                 f"({fraction_percent(rate, 2)}) are turned into another class by some background of that class.", ""]
-    figure = analysis.get("files", {}).get("figure", FIGURE_FILE)
+    figure = FIGURE_FILE  # the analysis's own file name, whatever its summary says
     if analysis.get("output_dir"):
         figure = Path(os.path.relpath(Path(analysis["output_dir"]) / figure, report_dir)).as_posix()
-    out += [f"![Top-{analysis['top_k']} backgrounds per class]({figure})", ""]
+    out += [f"![Top-{escape(analysis['top_k'])} backgrounds per class]({destination(figure)})", ""]
     return out
 
 
@@ -211,31 +215,35 @@ def categories_section(categories: dict | None) -> list[str]:
         return out + [NOT_RUN, ""]
     v = categories["variations"]
     out.append(f"Each image by how its prediction depends on the background (the paper's Table 3): full image "
-               f"`{v['full']}`, foreground on a random background `{v['foreground']}`, background alone "
-               f"`{v['background']}`. Percent of the class's images (count).")
+               f"{code(v['full'])}, foreground on a random background {code(v['foreground'])}, background alone "
+               f"{code(v['background'])}. Percent of the class's images (count).")
     out.append("")
     rows = []
-    for name, entry in [("**all**", categories["overall"]), *categories["per_class"].items()]:
-        cells = [f"{percent(entry['percent'][cat.value], 1)} ({entry['counts'][cat.value]})" for cat in Category]
-        rows.append([name, entry["images"], *cells])
+    for name, entry in [("**all**", categories["overall"]), *((escape(n), e) for n, e in categories["per_class"].items())]:
+        cells = [f"{percent(entry['percent'][cat.value], 1)} ({escape(entry['counts'][cat.value])})" for cat in Category]
+        rows.append([name, escape(entry["images"]), *cells])
     out += markdown_table(["Class", "Images", *(CATEGORY_TITLES[cat] for cat in Category)], rows, "lrrrrrr") + [""]
     return out
 
 
-def _provenance_value(key: str, value) -> str:
+def _provenance_value(key: str, value, markdown: bool = True) -> str:
+    """A provenance value as Markdown (hashes and structures as code), or as plain text (`markdown` False)."""
+    text, literal = (escape, code) if markdown else (str, str)
     if value is None:
         return "–"
     if key == "data" and isinstance(value, dict):
-        return f"{value.get('files', '?')} files, SHA-256 `{value.get('sha256', '?')}`"
+        return f"{text(value.get('files', '?'))} files, SHA-256 {literal(value.get('sha256', '?'))}"
     if key == "sha256":
-        return f"`{value}`"
+        return literal(value)
     if isinstance(value, (dict, list)):
-        return f"`{json.dumps(value, sort_keys=True)}`"
-    return str(value)
+        return literal(json.dumps(value, sort_keys=True))
+    return text(value)
 
 
-def provenance_table(sources: list[tuple[str, dict]]) -> tuple[list[str], list[list[str]]] | None:
-    """The provenance table's header and rows (one column per distinct provenance); None when none is recorded."""
+def provenance_table(sources: list[tuple[str, dict]],
+                     markdown: bool = True) -> tuple[list[str], list[list[str]]] | None:
+    """The provenance table's header and rows (one column per distinct provenance), as Markdown cells or, with
+    `markdown` False, plain text; None when none is recorded."""
     groups: list[tuple[list[str], dict]] = []  # identical provenance from several results shares a column
     for label, prov in sources:
         if not prov:
@@ -251,7 +259,8 @@ def provenance_table(sources: list[tuple[str, dict]]) -> tuple[list[str], list[l
     keys = [(label, key) for label, key in PROVENANCE_ROWS if any(key in prov for _, prov in groups)]
     known = {key for _, key in PROVENANCE_ROWS}
     extra = sorted({key for _, prov in groups for key in prov} - known)
-    rows = [[label, *(_provenance_value(key, prov.get(key)) for _, prov in groups)]
+    label_text = escape if markdown else str
+    rows = [[label_text(label), *(_provenance_value(key, prov.get(key), markdown) for _, prov in groups)]
             for label, key in keys + [(key, key) for key in extra]]
     return ["", *(", ".join(labels) for labels, _ in groups)], rows
 
@@ -278,7 +287,7 @@ def render_report(in9: dict | None = None, challenge: dict | None = None, analys
     names = ", ".join(class_names())
     out = ["# Backgrounds Challenge report", "",
            f"Written by bg-challenge-toolkit {__version__} from its results files. IN-9 classes: {names}.", ""]
-    out += [line for warning in warnings for line in (f"**Warning: {warning}.**", "")]
+    out += [line for warning in warnings for line in (f"**Warning: {escape(warning)}.**", "")]
     out += in9_section(in9)
     out += challenge_section(challenge)
     out += analysis_section(analysis, Path(report_dir))

@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 
 from tools.cli import ArgumentParser, add_log_level_argument, examples, run_main
+from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, default_data_root
 from tools.errors import UserError
 from tools.provenance import check_outputs
 from tools.results.analysis import FIGURE_FILE, SUMMARY_FILE
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--training", type=Path, default=None, metavar="DIR",
                         help="with --html: add the curves and before/after table of this `train.py --eval-data` "
                              "--output-dir (default: none)")
+    parser.add_argument("--data-path", type=Path, default=None, metavar="DIR",
+                        help=f"with --html and --analysis-dir: the data folder the analysis's pictures are read from; "
+                             f"only files inside it are shown (default: ${DATA_ENV} if set, else {DEFAULT_DATA_ROOT})")
     parser.add_argument("--allow-mixed", action="store_true",
                         help="report results of different models or data together, with a warning at the top "
                              "(default: refuse them)")
@@ -57,7 +61,8 @@ def _main(args: argparse.Namespace) -> int:
         write_report(markdown, **inputs, warnings=warnings)
         print(f"Wrote {markdown}")
     if args.html is not None:
-        write_html(args.html, **inputs, warnings=warnings, leaderboard=args.leaderboard, training=args.training)
+        write_html(args.html, **inputs, warnings=warnings, leaderboard=args.leaderboard, training=args.training,
+                   data_path=args.data_path or default_data_root())
         print(f"Wrote {args.html}")
     return 0
 

@@ -122,3 +122,76 @@ def load_resume_state(output_dir: Path, run_key: dict, earlier_key: dict | None 
         raise UserError(f"{path} was saved by a run with other settings or data; rerun without --resume, or with "
                         f"another --output-dir")
     return state
+
+
+def _tensors_problem(saved, wanted: dict, what: str) -> str | None:
+    """Why the tensors `saved` are not a state dict of the module whose own is `wanted` (the same names, each of
+    the same shape and dtype); None when they are."""
+    if not isinstance(saved, dict) or saved.keys() != wanted.keys():
+        names = sorted(set(saved) ^ set(wanted)) if isinstance(saved, dict) else []
+        return f"its {what} has other weights than this run's" + (f" ({', '.join(names[:3])})" if names else "")
+    for name, tensor in wanted.items():
+        value = saved[name]
+        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape or value.dtype != tensor.dtype:
+            got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+            return f"its {what}'s {name} is {got}, not {tuple(tensor.shape)} {tensor.dtype}"
+    return None
+
+
+def _optimizer_problem(saved, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why `saved` is not a state of `optimizer` over this run's parameters: the same groups of the same parameters,
+    and each parameter's buffers (momentum, moments) of its shape; None when it is."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    wanted = [group["params"] for group in optimizer.state_dict()["param_groups"]]
+    if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)
+            and isinstance(saved.get("param_groups"), list)
+            and [g.get("params") if isinstance(g, dict) else None for g in saved["param_groups"]] == wanted):
+        return "its optimiser state is not over this run's parameters"
+    for index, buffers in saved["state"].items():
+        if not (type(index) is int and 0 <= index < len(params) and isinstance(buffers, dict)):
+            return f"its optimiser state names parameter {index!r}, of {len(params)}"
+        for name, value in buffers.items():
+            if isinstance(value, torch.Tensor) and value.ndim and value.shape != params[index].shape:
+                return (f"its optimiser's {name} of parameter {index} is {tuple(value.shape)}, not "
+                        f"{tuple(params[index].shape)}")
+    return None
+
+
+def restore_resume_state(state: dict, output_dir: Path, net: nn.Module, optimizer: torch.optim.Optimizer, schedule,
+                         swa, total_steps: int) -> int:
+    """Load a resume state (`load_resume_state`) into the run's model, optimiser, schedule and SWA average (None
+    without --swa), each checked first to fit them: the step one of the run's, every weight (the average's too) of
+    its name, shape and dtype, the optimiser's buffers of their parameters' shapes, the schedule at the step. Returns
+    the step; a state that does not fit is one UserError (the run's files stay as they are)."""
+    path = Path(output_dir) / STATE_NAME
+
+    def refuse(why: str):
+        raise UserError(f"{path} does not fit this run: {why}; rerun without --resume, or with another --output-dir")
+
+    missing = [key for key in ("step", "model", "optimizer", "schedule", "swa") if key not in state]
+    if missing:
+        refuse(f"it lacks {', '.join(missing)}")
+    step = state["step"]
+    if type(step) is not int or not 0 <= step <= total_steps:
+        refuse(f"its step {step!r} is not one of the run's 0..{total_steps}")
+    schedule_step = state["schedule"].get("last_epoch") if isinstance(state["schedule"], dict) else None
+    if type(schedule_step) is not int or not (schedule_step == step or swa is not None and 0 <= schedule_step <= step):
+        refuse(f"its schedule is at step {schedule_step!r}, its training at {step}")
+    if (state["swa"] is None) != (swa is None):
+        refuse("it is of a run with other --swa")
+    problem = (_tensors_problem(state["model"], net.state_dict(), "model")
+               or _optimizer_problem(state["optimizer"], optimizer))
+    if problem is None and swa is not None:
+        averaged = state["swa"].get("averaged") if isinstance(state["swa"], dict) else None
+        problem = _tensors_problem(averaged, swa.averaged.state_dict(), "SWA average")
+    if problem:
+        refuse(problem)
+    try:
+        net.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        if swa is not None:
+            swa.load_state_dict(state["swa"], optimizer)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:  # what the checks above do not foresee
+        refuse(first_line(exc))
+    return step

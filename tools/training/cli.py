@@ -10,6 +10,8 @@ import argparse
 import sys
 
 from tools import cli, distributed
+from tools.errors import UserError
+from tools.in9 import VARIATIONS
 from tools.provenance import check_outputs
 from tools.training.config import build_parser as build_training_parser, config_from_args
 
@@ -21,18 +23,25 @@ def build_parser() -> argparse.ArgumentParser:
 def _main(args: argparse.Namespace) -> int:
     # the training loop and the evaluation (with the challenge engine and the report) load only for a run, not
     # for parsing the flags or -h
+    from tools.data.check import quick_check  # noqa: PLC0415
     from tools.training.evaluation import evaluate_and_report  # noqa: PLC0415
     from tools.training.loop import train  # noqa: PLC0415
 
     config = config_from_args(args)
     check_outputs(folders={"--output-dir": config.output_dir})
+    if config.eval_data is not None:  # the test data's folders too, before hours of training
+        quick_check(config.eval_data, VARIATIONS, need_masks=config.eval_challenge)
     try:
         result = train(config)
     finally:
         distributed.cleanup()  # the processes part here: rank 0 evaluates alone, as one process, with no group
     if distributed.from_environment().is_main:
         if config.eval_data is not None:
-            print(f"report: {evaluate_and_report(config, result)}")
+            try:
+                print(f"report: {evaluate_and_report(config, result)}")
+            except UserError as exc:  # what the quick check cannot see (an unreadable image): the model is kept
+                raise UserError(f"{exc} (the trained model is saved: {result.checkpoint}; evaluate it with "
+                                f"`python in9_eval.py --checkpoint {result.checkpoint}` once that is fixed)") from None
         print(f"checkpoint: {result.checkpoint}")
     return 0
 

@@ -15,7 +15,8 @@ from tools.models.boundary import LoadedModel
 from tools.models.sources import load_model
 from tools.provenance import START_EVAL_DIR, TRAINED_EVAL_DIR, write_json_atomic, write_text_atomic
 from tools.results.html import write_html
-from tools.results.report import BG_GAP, before_after, change, markdown_table, percent, points
+from tools.results.markdown import code, escape, markdown_table
+from tools.results.report import BG_GAP, before_after, change, percent, points
 from tools.runtime import Runtime, resolve_device
 from tools.training.config import TrainConfig
 from tools.training.loop import TrainResult
@@ -62,11 +63,11 @@ def render_training_report(config: TrainConfig, result: TrainResult, trained: di
     origin = "random initialisation" if result.start.source is None else (
         result.start.source.source or result.start.source.weights or result.start.arch)
     out = ["# Training report", "",
-           f"Method `{config.method_name}` on `{config.train_variation}` of {config.data_path} "
-           f"({result.data['files']} files, sha256 {result.data['sha256'][:12]}), architecture `{result.start.arch}` "
-           f"from {origin}; {config.epochs} epoch(s), {result.steps} steps of {config.batch_size} images, "
-           f"last loss {result.last_loss:.4f}, {result.images_per_s:.1f} images/s.", "",
-           f"Checkpoint: `{result.checkpoint}`. Test data: {config.eval_data}.", "",
+           f"Method {code(config.method_name)} on {code(config.train_variation)} of {escape(config.data_path)} "
+           f"({result.data['files']} files, sha256 {result.data['sha256'][:12]}), architecture "
+           f"{code(result.start.arch)} from {escape(origin)}; {config.epochs} epoch(s), {result.steps} steps of "
+           f"{config.batch_size} images, last loss {result.last_loss:.4f}, {result.images_per_s:.1f} images/s.", "",
+           f"Checkpoint: {code(result.checkpoint)}. Test data: {escape(config.eval_data)}.", "",
            "## IN-9 accuracy, starting point against trained model", ""]
     out += markdown_table(["", "Starting point", "Trained", "Change"], rows, "lrrr")
     if start is None:

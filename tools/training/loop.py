@@ -28,12 +28,12 @@ from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, stat
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.models.boundary import LoadedModel
 from tools.data.pixels import unit_floats
-from tools.provenance import TRAINING_LOG, write_text_atomic
+from tools.provenance import TRAINING_LOG, open_own, write_text_atomic
 from tools.models.sources import load_model
 from tools.runtime import Precision, Runtime, check_antialias, resolve_device
 from tools.training import adapters
 from tools.training.checkpoint import (CHECKPOINT_NAME, STATE_NAME, BackgroundSaver, load_resume_state,
-                                       save_atomic, trained_checkpoint)
+                                       restore_resume_state, save_atomic, trained_checkpoint)
 from tools.training.config import RANDOM_INIT, Optimizer, TrainConfig
 from tools.training.data import (StepSampler, decoded_store, derived_seed, device_batch, list_training_data,
                                  make_loader)
@@ -198,8 +198,8 @@ class JsonLog:
 
     def write(self, **record) -> None:
         if self.enabled:
-            with open(self.path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            with open_own(self.path, append=True) as fh:  # never through a link placed there
+                fh.write((json.dumps(record) + "\n").encode())
 
 
 class StepLog:
@@ -289,12 +289,7 @@ def train(config: TrainConfig) -> TrainResult:
         if earlier_default is runtime.precision else None
     saved = load_resume_state(config.output_dir, run_key, earlier_key) if config.resume else None
     if saved is not None:
-        net.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        schedule.load_state_dict(saved["schedule"])
-        if swa is not None:
-            swa.load_state_dict(saved["swa"], optimizer)
-        step = saved["step"]
+        step = restore_resume_state(saved, config.output_dir, net, optimizer, schedule, swa, total_steps)
         log.info("resuming at step %d of %d", step, total_steps)
     journal = JsonLog(config.output_dir / TRAINING_LOG, group.is_main, step if saved is not None else None)
 
