@@ -252,5 +252,6 @@ def test_bench_cache_times_warm_runs_with_and_without_the_pack_checks(tmp_path, 
     report = json.loads(out.read_text())
     distinct = report["distinct_images"]  # files of the same content are one row
     assert report["images"] == 72 and report["rows_hashed"] == {"checked": [distinct] * 2, "unchecked": [0, 0]}
-    assert report["ratio"] > 0 and "checked / unchecked: " in capsys.readouterr().out
+    assert report["ratio"] > 0 and len(report["checks_s"]) == 2 and all(s > 0 for s in report["checks_s"])
+    assert "checked / unchecked: " in capsys.readouterr().out
     assert (store._row_checks, store.spot_check) == checks
