@@ -30,6 +30,7 @@ from tools.data.compositing import MaskArithmetic
 from tools.data.cache_checks import OWNERS_CHECKED, ROW_DIGESTS, SPOT_CHECK_ROWS
 from tools.data.decoders import Decoder
 from tools.data.store import DecodedCache
+from tools.errors import UserError
 from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
 from tools.models.sources import load_model
@@ -504,3 +505,26 @@ def test_a_command_that_writes_to_the_cache_says_once_where_and_how_much(data, c
                         if sizes[-1] else []), err
         assert not said or err.rstrip().splitlines()[-1] == said[0]  # at the end
     assert sizes[0] > 72 * 224 * 224 * 3 and 0 < sizes[1] < 9 * 224 * 224 and sizes[2] == 0
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_pack_whose_rows_are_a_link_is_used_in_no_cache(shared, data, tmp_path, caplog, decodes):
+    """The cache never writes a link: a pack's rows file that is one (to rows kept elsewhere, here another
+    pack's, reversed) is not read, shared cache or not, and is not removed by the cache command either."""
+    cache = tmp_path / "cache"
+    plain = original_images(data, None)
+    original_images(data, cache, shared)
+    pack = the_pack(cache)
+    elsewhere = tmp_path / "elsewhere.npy"
+    np.save(elsewhere, np.load(pack / "rows.npy")[::-1].copy())
+    (pack / "rows.npy").unlink()
+    (pack / "rows.npy").symlink_to(elsewhere)
+    new_process()
+    decodes.clear()
+    with caplog.at_level("WARNING"):
+        assert torch.equal(original_images(data, cache, shared), plain)
+    [warning] = warnings_naming(caplog, pack)
+    assert "symbolic link" in warning and len(decodes) == len(plain)
+    with pytest.raises(UserError, match="does not look like the decoded-data cache"):
+        cache_admin.clear(cache)
+    assert (pack / "rows.npy").is_symlink() and elsewhere.is_file()

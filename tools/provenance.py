@@ -125,7 +125,8 @@ def atomic_write(path: Path | str, mode: str = "w", newline: str | None = None) 
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.absolute() not in _swept:
             _swept.add(path.absolute())
-            remove_stale(path.parent, names, folders=False)
+            with contextlib.suppress(OSError):  # a clean-up that cannot be made keeps no output from being written
+                remove_stale(path.parent, names, folders=False)
         while True:
             tmp = path.parent / names.make(secrets.token_hex(6))
             try:

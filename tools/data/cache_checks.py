@@ -31,15 +31,15 @@ CHECK_CHUNK_ROWS = 64  # rows per hashing job
 OWNERS_CHECKED = hasattr(os, "geteuid")  # POSIX owners and modes; not on Windows
 
 
-def others_can_write(path: Path, follow: bool = False) -> str | None:
-    """Why a user other than this one could have written `path` or could change it (another owner, a mode that
-    lets its group or everyone write, a symbolic link where `follow` is off); None where only this user can, and
-    where there are no POSIX owners. OSError where it cannot be looked at."""
-    if not OWNERS_CHECKED:
-        return None
+def others_can_write(path: Path, follow: bool = False, owners: bool = True) -> str | None:
+    """Why a user other than this one could have written `path` or could change it (a symbolic link where `follow`
+    is off; with `owners`, another owner or a mode that lets its group or everyone write); None where only this
+    user can, and where there are no POSIX owners. OSError where it cannot be looked at."""
     info = os.stat(path) if follow else os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
         return "it is a symbolic link, which the cache never writes"
+    if not owners or not OWNERS_CHECKED:
+        return None
     if info.st_uid != os.geteuid():
         return f"it belongs to another user (uid {info.st_uid})"
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -47,10 +47,10 @@ def others_can_write(path: Path, follow: bool = False) -> str | None:
     return None
 
 
-def first_foreign(paths: Sequence[Path]) -> str | None:
+def first_foreign(paths: Sequence[Path], owners: bool = True) -> str | None:
     """`others_can_write` of the first of `paths` that others could write, naming it; None where none."""
     for path in paths:
-        problem = others_can_write(path)
+        problem = others_can_write(path, owners=owners)
         if problem is not None:
             return f"{path}: {problem}"
     return None

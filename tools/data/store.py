@@ -292,10 +292,11 @@ class Packs:
         identity = (str(folder), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
         if identity in _refused:
             return {}
-        foreign = None if self.cache.shared else first_foreign([folder, *(folder / name for name in PACK_FILES)])
+        foreign = first_foreign([folder, *(folder / name for name in PACK_FILES)], owners=not self.cache.shared)
         if foreign is not None:
-            return self._refuse(identity, f"{foreign}; a private cache uses only the packs this user wrote "
-                                          f"(--shared-cache: any user's, each checked)", damaged=False)
+            advice = "" if self.cache.shared else ("; a private cache uses only the packs this user wrote "
+                                                   "(--shared-cache: any user's, each checked)")
+            return self._refuse(identity, foreign + advice, damaged=False)
         meta = json.loads((folder / "meta.json").read_text())
         if not isinstance(meta, dict) or {k: v for k, v in meta.items() if k != "count"} != self.meta:
             return {}  # another decoder build's: another install reads it

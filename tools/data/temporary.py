@@ -118,14 +118,17 @@ def remove_stale(parent: Path, names: TemporaryNames, looks_right: Callable[[Pat
     removed = []
     for entry in sorted(parent.iterdir()) if parent.is_dir() else []:
         owner = names.owner(entry.name)
-        kind = entry.lstat().st_mode if owner is not None else 0
+        try:
+            kind = entry.lstat().st_mode if owner is not None else 0
+        except FileNotFoundError:  # removed meanwhile
+            continue
         if owner is None or not (stat.S_ISDIR(kind) if folders else stat.S_ISREG(kind)):
             continue
         if looks_right is not None and not looks_right(entry):
             continue
         if is_stale(entry, owner):
             _delete(entry)
-            log.info("removed %s, left by a process that no longer runs", entry)
+            log.info("removed %s, left by a process that stopped (or unchanged for a day)", entry)
             removed.append(entry)
     return removed
 
