@@ -163,13 +163,14 @@ def in9_speed(args, precision: str) -> dict:
     (`disk_cached_ratio`; on CUDA, kept on the device where they fit)."""
     from bench_in9 import synchronize  # noqa: PLC0415
     from tools.data import decoding  # noqa: PLC0415
+    from tools.data.store import DecodedCache  # noqa: PLC0415
     from tools.evaluate import In9Config, list_in9_files, run_in9  # noqa: PLC0415
     from tools.in9 import VARIATIONS  # noqa: PLC0415
     loaded, runtime = _loaded(args), _runtime(args, precision)
     model = model_speed(args, precision, False)["images_per_s"]
     seconds = []
     with tempfile.TemporaryDirectory(prefix="bench_cache_") as cache:
-        config = In9Config(VARIATIONS, args.batch_size, args.workers, progress=False, cache_dir=Path(cache))
+        config = In9Config(VARIATIONS, args.batch_size, args.workers, progress=False, cache=DecodedCache(Path(cache)))
         with decoding.keep_decoded():
             start = time.perf_counter()
             files = list_in9_files(args.data, VARIATIONS, args.workers)

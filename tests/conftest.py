@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.helpers import TINY_CLIP, TINY_CLIP_OPTIONS, save_torchscript
-from tests.tree_guard import pytest_sessionfinish, pytest_sessionstart  # noqa: F401 (hooks: nothing left behind)
+from tests.tree_guard import (  # noqa: F401 (hooks: nothing left in the checkout or the user's caches)
+    pytest_configure, pytest_sessionfinish, pytest_sessionstart, pytest_unconfigure)
 from tools.data import synthetic
 
 
@@ -37,15 +38,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def private_cache_home(tmp_path_factory):
-    """$XDG_CACHE_HOME in a temporary folder: the tests neither read nor fill the user's caches (the default
-    decoded-data cache, CLIP's text heads)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache_home")))
-        yield
 
 
 @pytest.fixture(scope="session")

@@ -58,13 +58,13 @@ def scripts(dataset, cnn, tmp_path_factory):
     """in9_eval.py --eval-dataset all and challenge_eval.py --full on the CNN's file: their output folders."""
     folder = tmp_path_factory.mktemp("scripts")
     common = ["--data-path", str(dataset.root), "--checkpoint", str(cnn[1]), "--trust-checkpoint", "--device", "cpu",
-              "--no-progress",
-              "--batch-size", str(BATCH), "--workers", "1", "--log-level", "WARNING"]
+              "--no-progress", "--batch-size", str(BATCH), "--workers", "1", "--log-level", "WARNING",
+              "--no-cache"]  # as quick()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for name, main, extra in (("in9", in9_eval.main, ["--eval-dataset", "all"]),
-                                  ("challenge", challenge_eval.main, ["--full", "--no-cache"])):
+                                  ("challenge", challenge_eval.main, ["--full"])):
             code, _, err = run_in_process(main, [*common, *extra, "--results-file", str(folder / f"{name}.json"),
                                                  "--output-dir", str(folder / name)], _NoCapture())
             assert code == 0, err

@@ -236,3 +236,22 @@ def test_bench_in9_runs_its_forward_passes_with_the_cudnn_determinism_asked_for(
         assert bench_in9.main(args) == 0
         assert seen and set(seen) == {expected}, flag
     torch.backends.cudnn.deterministic = before
+
+
+def test_bench_cache_times_warm_runs_with_and_without_the_pack_checks(tmp_path, capsys):
+    """bench_cache.py at a tiny size: warm in9 `all` runs read every image from the cache; the checked ones hash
+    every row they use (each as a new process), the unchecked ones none; and the toolkit's checks are back after."""
+    load_gpu_module()  # puts bench/ on the path
+    import bench_cache  # noqa: PLC0415
+    from tools.data import store  # noqa: PLC0415
+    checks = (store._row_checks, store.spot_check)
+    out = tmp_path / "cache.json"
+    args = bench_cache.build_parser().parse_args(["--device", "cpu", "--per-class", "1", "--repeats", "2",
+                                                  "--workers", "1", "--trunk-width", "4", "--results-file", str(out)])
+    assert bench_cache.main(args) == 0
+    report = json.loads(out.read_text())
+    distinct = report["distinct_images"]  # files of the same content are one row
+    assert report["images"] == 72 and report["rows_hashed"] == {"checked": [distinct] * 2, "unchecked": [0, 0]}
+    assert report["ratio"] > 0 and len(report["checks_s"]) == 2 and all(s > 0 for s in report["checks_s"])
+    assert "checked / unchecked: " in capsys.readouterr().out
+    assert (store._row_checks, store.spot_check) == checks

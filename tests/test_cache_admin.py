@@ -21,6 +21,7 @@ import torch
 from tests.helpers import check_error, run_in_process
 from tools.data import cache_admin, decoding, store, synthetic, temporary
 from tools.data.cli import main
+from tools.data.store import DecodedCache
 from tools.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,12 +34,18 @@ def hashes(*names: str) -> list[str]:
 
 def write_pack(cache: Path, kind: str, names: list[str], row_shape=(16,)) -> Path:
     """A pack written by the store's own writer, row i filled with i."""
-    writer = store.Packs(cache, kind, row_shape).writer(hashes(*names))
+    writer = store.Packs(DecodedCache(cache), kind, row_shape).writer(hashes(*names))
     for i in range(len(names)):
         writer.put(i, np.full(row_shape, i, np.uint8))
     folder = writer.commit()
     assert folder is not None
     return folder
+
+
+def unchecked(index: int) -> None:
+    """The spot check's reference where these tests look packs up: none (their rows are no files' pixels; the checks
+    a pack passes are tested in test_cache_store.py)."""
+    return None
 
 
 def files_size(folder: Path) -> int:
@@ -73,7 +80,8 @@ def test_the_listing_counts_what_real_runs_cached(tmp_path, capsys):
     images = sorted(p.relative_to(data).as_posix() for p in (data / "original").rglob("*.JPEG"))
     masks = sorted(p.relative_to(data).as_posix() for p in (data / "fg_mask").rglob("*.npy"))
     cache = tmp_path / "cache"
-    decoding.decode_cached(data, {"original": images}, masks, {"sha256": "x"}, cache, workers=1, progress=False)
+    decoding.decode_cached(data, {"original": images}, masks, {"sha256": "x"}, DecodedCache(cache), workers=1,
+                           progress=False)
     store.CacheEntry(cache / "clip-heads", "a" * 32, {"format": 1}, "CLIP text head").save(
         {"head": np.zeros((9, 8), np.float32)})
     store.CacheEntry(cache, "b" * 24 + "-binary-v4", {"fingerprint": "f"}, "decoded data").save({"masks": np.zeros(3)})
@@ -108,15 +116,15 @@ def test_packs_of_another_build_or_version_are_kept_apart_and_only_what_none_rea
         patch.setattr(store, "reference_build", lambda: "Pillow 9.0.0, libjpeg 8d")  # another decoder build
         other_build = write_pack(cache, "image", ["c"])
     with monkeypatch.context() as patch:
-        patch.setattr(store, "STORE_VERSION", 2)  # a later format
+        patch.setattr(store, "STORE_VERSION", store.STORE_VERSION + 1)  # a later format
         later = write_pack(cache, "mask-binary", ["d"])
     damaged = write_pack(cache, "image", ["e"])
     (damaged / "meta.json").write_text("{")
     earlier = store.CacheEntry(cache, "b" * 24 + "-binary-v4", {"fingerprint": "f"}, "decoded data")
     earlier.save({"masks": np.zeros(3)})
     # the marking agrees with what the reader reads
-    assert [hit is not None for hit in store.Packs(cache, "image", (16,)).lookup(hashes("a", "c", "e"))] == \
-           [True, False, False]
+    found = store.Packs(DecodedCache(cache), "image", (16,)).lookup(hashes("a", "c", "e"), unchecked)
+    assert [hit is not None for hit in found] == [True, False, False]
     assert row_of(listing(cache, capsys), "image (unreadable*)")[:2] == ["1", "0"]  # a damaged pack's rows unknown
     lines = listing(cache, capsys, "--unreadable")
     assert sorted(p.name for p in cache.iterdir()) == sorted([current.name, other_build.name, later.name])
@@ -132,7 +140,7 @@ def test_packs_of_another_build_or_version_are_kept_apart_and_only_what_none_rea
     assert sorted(p.name for p in cache.iterdir()) == [other_build.name]
     with monkeypatch.context() as patch:
         patch.setattr(store, "reference_build", lambda: "Pillow 9.0.0, libjpeg 8d")  # the other install reads it
-        assert store.Packs(cache, "image", (16,)).lookup(hashes("c"))[0] is not None
+        assert store.Packs(DecodedCache(cache), "image", (16,)).lookup(hashes("c"), unchecked)[0] is not None
 
 
 def test_max_size_removes_the_least_recently_used_as_readers_mark_them(tmp_path, capsys):
@@ -140,7 +148,7 @@ def test_max_size_removes_the_least_recently_used_as_readers_mark_them(tmp_path,
     packs = {name: write_pack(cache, "image", [name], row_shape=(4096,)) for name in "abcd"}
     for name, days in zip("abcd", (3, 10, 5, 20)):  # written long ago, in another order than the names'
         used_days_ago(packs[name], days)
-    store.Packs(cache, "image", (4096,)).lookup(hashes("d"))  # d, the oldest, is read today
+    store.Packs(DecodedCache(cache), "image", (4096,)).lookup(hashes("d"), unchecked)  # d, the oldest, is read today
     assert time.time() - (packs["d"] / "meta.json").stat().st_mtime < 60
     sizes = {name: files_size(folder) for name, folder in packs.items()}
     # least recently used first: b (10 days), c (5), a (3), d (today); room for two packs
@@ -158,19 +166,19 @@ def test_max_size_removes_the_least_recently_used_as_readers_mark_them(tmp_path,
 def test_a_reader_marks_a_pack_at_most_once_a_day_and_never_fails_to(tmp_path, monkeypatch, caplog):
     cache = tmp_path / "cache"
     folder = write_pack(cache, "image", ["a"])
-    rows = store.Packs(cache, "image", (16,))
+    rows = store.Packs(DecodedCache(cache), "image", (16,))
 
     def last_used() -> float:
         return (folder / "meta.json").stat().st_mtime
 
     used_days_ago(folder, 0.5)
     before = last_used()
-    assert rows.lookup(hashes("a"))[0] is not None
+    assert rows.lookup(hashes("a"), unchecked)[0] is not None
     assert last_used() == before  # marked within the day: not again
     used_days_ago(folder, 1.5)
     before = last_used()
-    assert rows.lookup(hashes("b")) == [None] and last_used() == before  # a pack that gave nothing was not used
-    rows.lookup(hashes("a"))
+    assert rows.lookup(hashes("b"), unchecked) == [None] and last_used() == before  # a pack that gave nothing: unused
+    rows.lookup(hashes("a"), unchecked)
     assert time.time() - last_used() < 60
 
     def read_only(*args, **kwargs):
@@ -179,34 +187,58 @@ def test_a_reader_marks_a_pack_at_most_once_a_day_and_never_fails_to(tmp_path, m
     used_days_ago(folder, 2)
     monkeypatch.setattr(store.os, "utime", read_only)
     with caplog.at_level(logging.INFO, logger="tools.data.store"):
-        hit = rows.lookup(hashes("a"))[0]
+        hit = rows.lookup(hashes("a"), unchecked)[0]
     assert hit is not None and hit[0][hit[1]].tolist() == [0] * 16 and "WARNING" not in caplog.text
 
 
+def aged(folder: Path, days: float) -> Path:
+    """`folder` and everything in it last changed `days` ago."""
+    when = time.time() - days * DAY
+    for path in [*folder.rglob("*"), folder]:
+        os.utime(path, (when, when))
+    return folder
+
+
+def writer_folder(parent: Path, host: str, pid: int) -> Path:
+    """A cache writer's temporary folder, named as `temporary.temporary_entry` names them, holding a rows file."""
+    folder = parent / f".tmp-{host}@{pid}@{os.urandom(8).hex()}"
+    folder.mkdir()
+    (folder / "rows.npy").write_bytes(b"\0" * 1000)
+    return folder
+
+
 def test_clear_keeps_the_folder_and_running_writers_and_removes_stopped_ones(tmp_path, capsys):
+    """Stopped: a writer of this host whose process is gone; any writer, of whatever host, unchanged for more than a
+    day (a killed run in a container, whose host name changes on every start; an older version's, named without
+    host or process). Kept: this host's running writers, and another host's that still changes."""
     cache = tmp_path / "cache"
     write_pack(cache, "image", ["a"])
     write_pack(cache, "mask-original", ["a"])
-    store.CacheEntry(cache / "clip-heads", "k" * 32, {"format": 1}, "CLIP text head").save({"head": np.ones(3)})
+    store.CacheEntry(cache / "clip-heads", "c" * 32, {"format": 1}, "CLIP text head").save({"head": np.ones(3)})
     host = socket.gethostname()
-    running = [cache / f"{temporary.temporary_prefix(os.getpid())}0a1b", cache / "clip-heads" / f".tmp-{host}@{os.getpid()}@x"]
-    stopped = [cache / f".tmp-{host}@{dead_pid()}@0a1b", cache / "clip-heads" / f".tmp-{host}@{dead_pid()}@y"]
-    stopped.append(cache / ".tmp-k2v9x_q1")  # an older version's writer (mkdtemp's name, no host or process)
-    elsewhere = [cache / f".tmp-other-host@{dead_pid()}@0a1b"]  # a shared disk: its process cannot be asked
-    for folder in running + stopped + elsewhere:
-        folder.mkdir()
-        (folder / "rows.npy").write_bytes(b"\0" * 1000)
+    running = [writer_folder(cache, host, os.getpid()), writer_folder(cache / "clip-heads", host, os.getpid())]
+    running.append(aged(writer_folder(cache, host, os.getpid()), 0.5))  # writing still, untouched for hours
+    stopped = [writer_folder(cache, host, dead_pid()), writer_folder(cache / "clip-heads", host, dead_pid())]
+    stopped.append(aged(writer_folder(cache, "b1946ac92492", dead_pid()), 1.5))  # a container's, a run ago
+    legacy = cache / ".tmp-k2v9x_q1"  # an older version's writer (mkdtemp's name, no host or process)
+    legacy.mkdir()
+    (legacy / "rows.npy").write_bytes(b"\0" * 1000)
+    stopped.append(aged(legacy, 2))
+    elsewhere = [writer_folder(cache, "other-host", dead_pid())]  # a shared disk: a writer that still changes
     contents = cache_admin.survey(cache)
     assert sorted(t.path for t in contents.temporaries if t.live) == sorted(running + elsewhere)
     assert sorted(t.path for t in contents.temporaries if not t.live) == sorted(stopped)
     lines = listing(cache, capsys)
-    assert "3 writer(s) at work, kept (2.9K, in the total)" in lines
+    assert "4 writer(s) at work, kept (3.9K, in the total)" in lines
     lines = listing(cache, capsys, "--clear")
-    assert lines[0] == "removed 2 pack(s), 1 other entry and 3 stopped writer folder(s): " + \
-        cache_admin.format_size(contents.size - 3000)
+    assert lines[0] == "removed 2 pack(s), 1 other entry and 4 stopped writer folder(s): " + \
+        cache_admin.format_size(contents.size - 4000)
     left = sorted(p for p in cache.rglob("*") if p.is_dir())
     assert left == sorted([cache / "clip-heads", *running, *elsewhere])
-    assert row_of(lines, "total") == ["0", "0", "2.9K", "-"]
+    assert row_of(lines, "total") == ["0", "0", "3.9K", "-"]
+    gone = aged(writer_folder(cache, "f3a8c1d09e77", dead_pid()), 3)  # an ordinary run removes them too
+    store.Packs(DecodedCache(cache), "image", (16,)).lookup(hashes("a"), unchecked)
+    assert not gone.exists() and all(folder.exists() for folder in running + elsewhere)
 
 
 def test_a_pack_removed_while_a_reader_looks_it_up_is_a_miss_and_decoded_again(tmp_path, monkeypatch, caplog):
@@ -217,11 +249,11 @@ def test_a_pack_removed_while_a_reader_looks_it_up_is_a_miss_and_decoded_again(t
 
     def decoded() -> torch.Tensor:
         return torch.cat([b for _, b in decoding.iter_decoded_batches(data, relpaths, 4, 1, hashes=content,
-                                                                      cache_dir=cache)])
+                                                                      cache=DecodedCache(cache))])
 
     expected = decoded()
     [pack] = [p for p in cache.iterdir()]
-    mapped = store.Packs(cache, "image", (224, 224, 3)).lookup([content[relpaths[0]]])[0]
+    mapped = store.Packs(DecodedCache(cache), "image", (224, 224, 3)).lookup([content[relpaths[0]]], unchecked)[0]
     real_load = np.load
     for moment in ("listed", "hashes read"):
         def remove_then(*args, **kwargs):  # the pack is removed after its folder was listed, or its hashes read
@@ -255,9 +287,10 @@ def test_a_removal_renames_first_and_what_a_killed_one_leaves_goes_as_a_dead_wri
     done = subprocess.run([sys.executable, "-c", code, str(pack)], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 9, done.stderr
     [left] = list(cache.iterdir())
-    assert not pack.exists() and left.name.startswith(temporary.temporary_prefix()) and (left / "rows.npy").is_file()
-    assert store.Packs(cache, "image", (16,)).lookup(hashes("a")) == [None]  # not a pack; and removed by this use
-    assert list(cache.iterdir()) == []
+    assert not pack.exists() and (left / "rows.npy").is_file()
+    assert temporary.ENTRY_NAMES.owner(left.name)[0] == socket.gethostname() and "@removing-" in left.name
+    assert store.Packs(DecodedCache(cache), "image", (16,)).lookup(hashes("a"), unchecked) == [None]  # not a pack;
+    assert list(cache.iterdir()) == []  # and removed by this use, as a dead writer's folder
 
 
 @pytest.mark.parametrize("deletable", [0, 1])  # files deleted before the failure
@@ -287,7 +320,7 @@ def test_a_pack_that_cannot_be_deleted_is_reported_and_put_back_where_nothing_we
     assert not any("writer(s) at work" in line for line in lines), lines
     if deletable == 0:
         assert [p.name for p in cache.iterdir()] == [pack.name]
-        assert store.Packs(cache, "image", (16,)).lookup(hashes("a"))[0] is not None
+        assert store.Packs(DecodedCache(cache), "image", (16,)).lookup(hashes("a"), unchecked)[0] is not None
     else:
         [left] = [p for p in cache.iterdir() if p.name.startswith(temporary.ENTRY_PREFIX)]
         assert "@removing-" in left.name and "1 folder(s) of stopped writers" in " ".join(lines)
@@ -344,3 +377,73 @@ def test_a_folder_that_is_not_a_cache_is_refused_and_left_alone(tmp_path, capsys
     assert listing(tmp_path / "never-made", capsys)[0].endswith("(not made yet: empty)")
     with pytest.raises(UserError, match="does not look like"):
         cache_admin.clear(home)
+
+
+def project_folder(home: Path) -> dict[Path, bytes]:
+    """What a user keeps in an ordinary folder that a mistyped --cache-dir names: a project with a meta.json and its
+    sources, a `.tmp-notes/` folder, and folders that take the cache's temporary names but hold the user's files;
+    with every file's content, to see that none went."""
+    host = socket.gethostname()
+    files = {home / "myproject" / "meta.json": b'{"name": "mine"}', home / "myproject" / "src" / "main.py": b"print()",
+             home / ".tmp-notes" / "notes.txt": b"keep", home / ".tmp-notes2" / "todo.npy": b"mine",
+             home / f".tmp-{host}@{dead_pid()}@{'0' * 16}" / "src" / "main.py": b"not the cache's",
+             home / f".tmp-{host}@{dead_pid()}@{'0' * 16}" / "notes.txt": b"not the cache's"}
+    for path, content in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+    for path in files:
+        aged(path.parent, 30)  # untouched for a month: stale, were they the cache's
+    return files
+
+
+def left_alone(files: dict[Path, bytes]) -> bool:
+    return all(path.is_file() and path.read_bytes() == content for path, content in files.items())
+
+
+@pytest.mark.parametrize("flags", [[], ["--clear"], ["--max-size", "0"], ["--unreadable"]])
+def test_an_ordinary_folder_is_refused_and_nothing_in_it_removed(flags, tmp_path, capsys):
+    """`cache --clear` on a folder that is not the cache (a project with a meta.json, a `.tmp-notes/`, folders
+    named like the cache's temporaries but holding other files): one error line, nothing removed, though some
+    packs are there too."""
+    home = tmp_path / "home"
+    pack = write_pack(home, "image", ["a"])
+    files = project_folder(home)
+    line = check_error(*run_in_process(main, ["cache", "--cache-dir", str(home), *flags], capsys))
+    assert f"{home} does not look like the decoded-data cache: it holds " in line, line
+    assert left_alone(files) and (pack / "rows.npy").is_file()
+
+
+def test_a_run_with_its_cache_in_an_ordinary_folder_removes_nothing_of_it(tmp_path):
+    """An in9 run, a challenge run and CLIP's text heads with --cache-dir on a user's folder: they add their packs
+    and entries, and remove nothing of the user's, whatever its names."""
+    data = synthetic.generate(tmp_path / "data", per_class=1, seed=3).root
+    home = tmp_path / "home"
+    files = project_folder(home)
+    files.update(project_folder(home / "clip-heads"))
+    relpaths = sorted(p.relative_to(data).as_posix() for p in (data / "original").rglob("*.JPEG"))
+    masks = sorted(p.relative_to(data).as_posix() for p in (data / "fg_mask").rglob("*.npy"))
+    for _ in range(2):  # writing, then reading
+        decoding.decode_cached(data, {"original": relpaths}, masks, {"sha256": "x"}, DecodedCache(home), workers=1,
+                               progress=False)
+        entry = store.CacheEntry(home / "clip-heads", "c" * 32, {"format": 1}, "CLIP text head")
+        if entry.load(["head"]) is None:
+            entry.save({"head": np.ones(3)})
+    assert left_alone(files)
+    assert len([p for p in home.iterdir() if cache_admin.PACK_NAME.fullmatch(p.name)]) == 2  # images and masks
+
+
+@pytest.mark.parametrize("prefix", [".extract-", ".built.building-"])
+def test_a_temporary_folder_left_alone_unless_its_name_is_exactly_a_writers(prefix, tmp_path):
+    """The build's and the extraction's clean-up removes a dead writer's folder, named `<prefix><host>-<pid>-<8
+    hex>`, and nothing else that starts with its prefix."""
+    host = socket.gethostname()
+    dead = tmp_path / f"{prefix}{host}-{dead_pid()}-0a1b2c3d"
+    mine = [tmp_path / f"{prefix}notes", tmp_path / f"{prefix}{host}-{dead_pid()}-notes",
+            tmp_path / f"{prefix}{host}-{dead_pid()}-0a1b2c3d-old"]
+    for folder in [dead, *mine]:
+        (folder / "kept.txt").parent.mkdir(parents=True)
+        (folder / "kept.txt").write_text("mine")
+        aged(folder, 30)
+    with temporary.temporary_folder(tmp_path, prefix) as folder:
+        assert folder.is_dir()
+    assert not dead.exists() and all((folder / "kept.txt").is_file() for folder in mine)

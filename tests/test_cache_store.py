@@ -19,12 +19,18 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import save_torchscript
+import challenge_eval
+import in9_eval
+from tests.helpers import run_in_process, save_torchscript
 from tests.test_evaluate import tiny_cnn
+from tools.challenge import ChallengeConfig, run_challenge
 from tools.challenge.data import list_challenge_files, load_challenge_data
-from tools.data import decoders, decoding, store, synthetic
+from tools.data import cache_admin, decoders, decoding, store, synthetic
 from tools.data.compositing import MaskArithmetic
+from tools.data.cache_checks import OWNERS_CHECKED, ROW_DIGESTS, SPOT_CHECK_ROWS
 from tools.data.decoders import Decoder
+from tools.data.store import DecodedCache
+from tools.errors import UserError
 from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
 from tools.models.sources import load_model
@@ -57,12 +63,13 @@ def decodes(monkeypatch):
     return seen
 
 
-def in9(model, root, cache_dir, decoder: Decoder | None = None, batch_size: int = 5):
+def in9(model, root, cache_dir, decoder: Decoder | None = None, batch_size: int = 5, shared: bool = False):
     files = list_in9_files(root, VARIATIONS, 2)
     if decoder is not None:
         files = dataclasses.replace(files, decoder=decoder)
     run = run_in9(model, Runtime(torch.device("cpu")), files,
-                  In9Config(batch_size=batch_size, workers=2, progress=False, cache_dir=cache_dir))
+                  In9Config(batch_size=batch_size, workers=2, progress=False,
+                            cache=DecodedCache(cache_dir, shared) if cache_dir is not None else None))
     return {name: (r.accuracy, r.predictions.tolist()) for name, r in run.results.items()}
 
 
@@ -113,14 +120,15 @@ def test_challenge_after_in9_decodes_no_image(model, data, tmp_path, decodes, mo
     real = decoding.load_masks
     monkeypatch.setattr(decoding, "load_masks",
                         lambda root, relpaths, *rest: reads.append(len(relpaths)) or real(root, relpaths, *rest))
-    cold = load_challenge_data(list_challenge_files(data, 2), 2, cache, progress=False)
+    cold = load_challenge_data(list_challenge_files(data, 2), 2, DecodedCache(cache), progress=False)
     assert decodes == [] and reads == [9]  # foregrounds (original) and backgrounds (only_bg_t) came from in9
-    warm = load_challenge_data(list_challenge_files(data, 2), 2, cache, progress=False)
-    assert decodes == [] and reads == [9, 0]  # the masks too, now
+    warm = load_challenge_data(list_challenge_files(data, 2), 2, DecodedCache(cache), progress=False)
+    spot_checked = [1] * SPOT_CHECK_ROWS  # a few cached masks are read again, one at a time, to check the pack
+    assert decodes == [] and reads == [9, *spot_checked, 0]  # the masks too, now
     plain = load_challenge_data(list_challenge_files(data, 2), 2, None, progress=False)
-    original = load_challenge_data(list_challenge_files(data, 2), 2, cache, progress=False,
+    original = load_challenge_data(list_challenge_files(data, 2), 2, DecodedCache(cache), progress=False,
                                    arithmetic=MaskArithmetic.ORIGINAL)
-    assert reads == [9, 0, 9, 9]  # another arithmetic: other mask rows
+    assert reads == [9, *spot_checked, 0, 9, 9]  # another arithmetic: other mask rows
     for got in (cold, warm):
         assert torch.equal(got.fg_images, plain.fg_images) and torch.equal(got.bg_images, plain.bg_images)
         assert torch.equal(got.masks, plain.masks)
@@ -148,27 +156,27 @@ def test_a_stream_left_early_or_failing_leaves_no_pack(data, tmp_path):
     cache = tmp_path / "cache"
     files = list_in9_files(data, ["original"], 1)
     relpaths = [r.relpath for r in files.listings["original"]]
-    batches = decoding.iter_decoded_batches(data, relpaths, 4, 1, hashes=files.hashes, cache_dir=cache)
+    batches = decoding.iter_decoded_batches(data, relpaths, 4, 1, hashes=files.hashes, cache=DecodedCache(cache))
     next(batches)
     batches.close()
     assert packs(cache) == []
     (data / relpaths[-1]).write_bytes(b"not an image")
     with pytest.raises(Exception, match="cannot read image"):
-        list(decoding.iter_decoded_batches(data, relpaths, 4, 1, hashes=files.hashes, cache_dir=cache))
+        list(decoding.iter_decoded_batches(data, relpaths, 4, 1, hashes=files.hashes, cache=DecodedCache(cache)))
     assert packs(cache) == []
 
 
 def test_the_same_pack_written_twice_keeps_one(tmp_path):
-    rows = store.Packs(tmp_path, "mask-binary", (4,))
+    rows = store.Packs(DecodedCache(tmp_path), "mask-binary", (4,))
     writers = [rows.writer(["a" * 64, "b" * 64]) for _ in range(2)]
     for writer in writers:
         writer.put(0, np.arange(4))
         writer.put(1, np.arange(4) + 1)
     first, second = (w.commit() for w in writers)
     assert first == second and packs(tmp_path) == [first.name]
-    (hit_a, row_a), (hit_b, row_b) = rows.lookup(["a" * 64, "b" * 64])
+    (hit_a, row_a), (hit_b, row_b) = rows.lookup(["a" * 64, "b" * 64], lambda i: np.arange(4) + i)
     assert hit_a[row_a].tolist() == [0, 1, 2, 3] and hit_b[row_b].tolist() == [1, 2, 3, 4]
-    assert store.Packs(tmp_path, "mask-original", (4,)).lookup(["a" * 64]) == [None]
+    assert store.Packs(DecodedCache(tmp_path), "mask-original", (4,)).lookup(["a" * 64], lambda i: None) == [None]
     incomplete = rows.writer(["c" * 64])
     assert incomplete.commit() is None and packs(tmp_path) == [first.name]
 
@@ -187,7 +195,8 @@ def test_the_rule_for_keeping_decoded_data_on_the_device():
 def test_a_cached_run_on_the_device_is_kept_there_and_predicts_the_same(model, data, tmp_path, decodes, caplog):
     def run(cache_dir):
         run = run_in9(model, Runtime(torch.device("cuda")), list_in9_files(data, VARIATIONS, 2),
-                      In9Config(batch_size=5, workers=2, progress=False, cache_dir=cache_dir))
+                      In9Config(batch_size=5, workers=2, progress=False,
+                                cache=DecodedCache(cache_dir) if cache_dir is not None else None))
         return {name: (r.accuracy, r.predictions.tolist()) for name, r in run.results.items()}
 
     cache = tmp_path / "cache"
@@ -202,7 +211,7 @@ def test_a_cached_run_on_the_device_is_kept_there_and_predicts_the_same(model, d
 def test_a_pack_is_given_its_disk_space_when_it_is_made(tmp_path):
     """Rows go into a mapped file: a sparse one would meet a full disk as a SIGBUS on a later write, killing the
     run; the space is taken when the pack is made, where a full disk is an OSError (a warning)."""
-    writer = store.Packs(tmp_path, "image", (224, 224, 3)).writer([f"{i:064x}" for i in range(20)])
+    writer = store.Packs(DecodedCache(tmp_path), "image", (224, 224, 3)).writer([f"{i:064x}" for i in range(20)])
     rows = writer.tmp / "rows.npy"
     assert os.stat(rows).st_blocks * 512 >= os.stat(rows).st_size
     writer.abort()
@@ -210,8 +219,10 @@ def test_a_pack_is_given_its_disk_space_when_it_is_made(tmp_path):
 
 FULL_DISK = """
 import sys, numpy as np
+from pathlib import Path
 from tools.data import store
-writer = store.Packs(sys.argv[1], "image", (224, 224, 3)).writer([f"{i:064x}" for i in range(40)])
+packs = store.Packs(store.DecodedCache(Path(sys.argv[1])), "image", (224, 224, 3))
+writer = packs.writer([f"{i:064x}" for i in range(40)])
 for i in range(40):
     writer.put(i, np.full((224, 224, 3), i, np.uint8))
 print("kept:", writer.commit())
@@ -238,7 +249,7 @@ def test_a_pack_is_readable_as_the_umask_allows(tmp_path):
     a folder made by mkdir, not a private temporary folder's 0700."""
     umask = os.umask(0o022)
     try:
-        writer = store.Packs(tmp_path, "mask-binary", (4,)).writer(["a" * 64])
+        writer = store.Packs(DecodedCache(tmp_path), "mask-binary", (4,)).writer(["a" * 64])
         writer.put(0, np.arange(4))
         folder = writer.commit()
     finally:
@@ -258,23 +269,24 @@ def test_a_file_rewritten_after_it_was_hashed_is_not_cached_under_the_old_hash(d
     kept_image, kept_mask = image.read_bytes(), mask.read_bytes()
     shutil.copyfile(data / files.backgrounds[0].relpath, image)
     np.save(mask, ~np.load(mask).astype(bool))
-    load_challenge_data(files, 1, cache, progress=False)
+    load_challenge_data(files, 1, DecodedCache(cache), progress=False)
     image.write_bytes(kept_image)
     mask.write_bytes(kept_mask)
-    cached = load_challenge_data(list_challenge_files(data, 1), 1, cache, progress=False)
+    cached = load_challenge_data(list_challenge_files(data, 1), 1, DecodedCache(cache), progress=False)
     plain = load_challenge_data(list_challenge_files(data, 1), 1, None, progress=False)
     assert torch.equal(cached.fg_images, plain.fg_images) and torch.equal(cached.masks, plain.masks)
 
 
 LOCKED = """
 import os, sys
+from pathlib import Path
 import numpy as np
 from tools.data import store
 if os.geteuid() == 0:  # root reads everything: look as nobody
     os.setgid(65534)
     os.setuid(65534)
-packs = store.Packs(sys.argv[1], "image", (2,))
-print("found:", packs.lookup(["a" * 64]))
+packs = store.Packs(store.DecodedCache(Path(sys.argv[1])), "image", (2,))
+print("found:", packs.lookup(["a" * 64], lambda i: None))
 writer = packs.writer(["a" * 64])
 writer.put(0, np.zeros(2))
 print("kept:", writer.commit())
@@ -307,7 +319,7 @@ def test_a_file_system_without_fallocate_still_caches(tmp_path, monkeypatch, cod
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(os, "posix_fallocate", refuse, raising=False)
-    writer = store.Packs(tmp_path, "mask-binary", (4,)).writer(["a" * 64])
+    writer = store.Packs(DecodedCache(tmp_path), "mask-binary", (4,)).writer(["a" * 64])
     writer.put(0, np.arange(4))
     assert (writer.commit() is not None) == kept
 
@@ -317,12 +329,202 @@ def test_a_file_system_without_fallocate_still_caches(tmp_path, monkeypatch, cod
 def test_a_pack_whose_hashes_are_not_a_list_of_hashes_is_ignored_with_a_warning(names, tmp_path, caplog):
     """A damaged pack (its hashes.npy readable, but not the 1-d bytes array a pack writes) is passed over with a
     warning, as an unreadable one is, not a traceback."""
-    rows = store.Packs(tmp_path, "mask-binary", (4,))
+    rows = store.Packs(DecodedCache(tmp_path), "mask-binary", (4,))
     writer = rows.writer(["a" * 64, "b" * 64])
     writer.put(0, np.arange(4))
     writer.put(1, np.arange(4))
     folder = writer.commit()
     np.save(folder / "hashes.npy", names)
     with caplog.at_level("WARNING", logger="tools.data.store"):
-        assert rows.lookup(["a" * 64]) == [None]
+        assert rows.lookup(["a" * 64], lambda i: np.arange(4)) == [None]
     assert "ignoring" in caplog.text and folder.name in caplog.text
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A pack proves itself before its rows are used: its owner, its name, its rows' digests, a spot check
+
+
+def original_images(data: Path, cache_dir: Path | None, shared: bool = False) -> torch.Tensor:
+    """`original`'s images as a run decodes them, through the decoded-data cache in `cache_dir` (None: none)."""
+    files = list_in9_files(data, ["original"], 1)
+    return decoding.decode_images(data, [r.relpath for r in files.listings["original"]], 1, progress=False,
+                                  hashes=files.hashes,
+                                  cache=DecodedCache(cache_dir, shared) if cache_dir is not None else None)
+
+
+def the_pack(cache: Path) -> Path:
+    [pack] = [p for p in cache.iterdir() if p.name.startswith("image-")]
+    return pack
+
+
+def reverse_rows(pack: Path) -> None:
+    """The pack's rows in reverse order, and their digests with them, as a forger who knows the format writes it."""
+    for name in ("rows.npy", ROW_DIGESTS):
+        np.save(pack / name, np.load(pack / name)[::-1].copy())
+
+
+def new_process() -> None:
+    store.forget_checks()  # every pack checked again, as by a new process
+
+
+def warnings_naming(caplog, folder: Path) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and str(folder) in r.getMessage()]
+
+
+def test_a_pack_copied_under_a_name_that_sorts_first_is_ignored_with_one_warning(model, data, tmp_path, caplog):
+    """A copy of a pack, its rows (and their digests) reversed, under a name that sorts before the real one: it
+    gave in9's `original` 11.11% instead of 100.00% without a word. Its name is not the digest of its content."""
+    cache = tmp_path / "cache"
+    streamed = in9(model, data, None)
+    plain = original_images(data, None)
+    in9(model, data, cache)
+    pack, copy = the_pack(cache), cache / f"image-{'0' * 24}-v{store.STORE_VERSION}"
+    shutil.copytree(pack, copy)
+    reverse_rows(copy)
+    assert copy.name < pack.name and not np.array_equal(np.load(copy / "rows.npy"), np.load(pack / "rows.npy"))
+    new_process()
+    with caplog.at_level("WARNING"):
+        assert in9(model, data, cache) == streamed
+        assert torch.equal(original_images(data, cache), plain)
+    [warning] = warnings_naming(caplog, copy)
+    assert "its name is not the digest of what it holds" in warning
+
+
+def test_a_pack_forged_with_matching_digests_fails_the_spot_check_and_is_written_over(data, tmp_path, caplog,
+                                                                                      decodes):
+    """The pack itself rewritten, rows and digests reversed alike: name and digests agree, but a few rows decoded
+    again from their files do not. The run decodes the images, and its own pack replaces the forged one."""
+    cache = tmp_path / "cache"
+    plain = original_images(data, None)
+    original_images(data, cache)
+    reverse_rows(the_pack(cache))
+    new_process()
+    decodes.clear()
+    with caplog.at_level("WARNING"):
+        assert torch.equal(original_images(data, cache), plain)
+    [warning] = warnings_naming(caplog, the_pack(cache))
+    assert "is not what its file decodes to" in warning and len(decodes) == len(plain)
+    new_process()
+    decodes.clear()
+    caplog.clear()
+    assert torch.equal(original_images(data, cache), plain) and decodes == []  # the pack written over it
+    assert not warnings_naming(caplog, the_pack(cache))
+
+
+def test_zeroed_bytes_in_a_packs_rows_are_never_served(data, tmp_path, caplog):
+    """1,000 zeroed bytes inside `rows.npy` (a bad copy, bit rot) were served on every read: the rows no longer
+    match their digests, so the pack is ignored with one warning and the images decoded."""
+    cache = tmp_path / "cache"
+    plain = original_images(data, None)
+    original_images(data, cache)
+    pack = the_pack(cache)
+    with open(pack / "rows.npy", "r+b") as fh:
+        np.lib.format.read_magic(fh)
+        np.lib.format.read_array_header_1_0(fh)
+        fh.seek(fh.tell() + 3 * plain[0].numel() + 5000)
+        fh.write(bytes(1000))
+    new_process()
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            assert torch.equal(original_images(data, cache), plain)
+    [warning] = warnings_naming(caplog, pack)
+    assert "1 of the 9 row(s) used do not match their SHA-256" in warning
+
+
+FOREIGN = {"rows file writable by its group": lambda cache, pack: (pack / "rows.npy").chmod(0o664),
+           "pack writable by everyone": lambda cache, pack: pack.chmod(0o777),
+           "cache folder writable by its group": lambda cache, pack: cache.chmod(0o775),
+           "another user's pack": lambda cache, pack: os.chown(pack / "hashes.npy", 65534, -1)}
+
+
+@pytest.mark.skipif(not OWNERS_CHECKED, reason="POSIX owners and modes")
+@pytest.mark.parametrize("how", FOREIGN)
+def test_what_another_user_could_have_written_is_used_only_in_a_shared_cache(how, data, tmp_path, caplog, decodes):
+    if how == "another user's pack" and os.geteuid() != 0:
+        pytest.skip("only root can give a file away")
+    cache = tmp_path / "cache"
+    plain = original_images(data, None)
+    original_images(data, cache)
+    FOREIGN[how](cache, the_pack(cache))
+    before = packs(cache)
+    new_process()
+    decodes.clear()
+    with caplog.at_level("WARNING"):
+        assert torch.equal(original_images(data, cache), plain)
+    assert len(decodes) == len(plain) and packs(cache) == before  # nothing read, nothing written beside it
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "--shared-cache" in warning and str(cache) in warning
+    new_process()
+    decodes.clear()
+    assert torch.equal(original_images(data, cache, shared=True), plain) and decodes == []
+
+
+def test_a_private_cache_is_written_for_this_user_alone_and_a_shared_one_as_the_umask_says(data, tmp_path):
+    """A user whose umask lets the group write (Debian's default for user-private groups): a private cache's new
+    folder and packs are not group-writable, so they pass the owner check; a shared cache's keep the umask's mode."""
+    umask = os.umask(0o002)
+    try:
+        for shared in (False, True):
+            cache = tmp_path / f"cache-{shared}"
+            original_images(data, cache, shared)
+            modes = {stat.S_IMODE(p.stat().st_mode) for p in [cache, the_pack(cache), *the_pack(cache).iterdir()]}
+            assert modes == ({0o755, 0o644} if not shared else {0o775, 0o664}), (shared, modes)
+    finally:
+        os.umask(umask)
+
+
+def test_the_provenance_records_the_cache_and_whether_it_is_shared(model, data, tmp_path):
+    files = list_in9_files(data, ["original"], 1)
+    for cache in (None, DecodedCache(tmp_path / "cache"), DecodedCache(tmp_path / "cache", shared=True)):
+        run = run_in9(model, Runtime(torch.device("cpu")), files,
+                      In9Config(("original",), 5, 1, progress=False, cache=cache))
+        assert run.provenance["decoded_cache"] == (None if cache is None else
+                                                   {"folder": str(tmp_path / "cache"), "shared": cache.shared})
+        loaded = load_challenge_data(list_challenge_files(data, 1), 1, cache, progress=False)
+        challenge = run_challenge(model, Runtime(torch.device("cpu")), loaded, ChallengeConfig(batch_size=9,
+                                                                                                progress=False))
+        assert loaded.cache == challenge.provenance["decoded_cache"] == run.provenance["decoded_cache"]
+
+
+def test_a_command_that_writes_to_the_cache_says_once_where_and_how_much(data, color_ts, tmp_path, capsys):
+    """in9_eval fills the cache with its images, challenge_eval then adds its masks (its images are in9's), a
+    second in9_eval adds nothing: each says once, at the end, how much it wrote and where."""
+    cache = tmp_path / "cache"
+    argv = ["--data-path", str(data), "--checkpoint", str(color_ts[9]), "--device", "cpu", "--no-progress",
+            "--workers", "1", "--cache-dir", str(cache)]
+    sizes = []
+    for main, extra in ((in9_eval.main, ["--eval-dataset", "all", "--output-dir", str(tmp_path / "in9")]),
+                        (challenge_eval.main, ["--output-dir", str(tmp_path / "challenge")]),
+                        (in9_eval.main, ["--eval-dataset", "all", "--output-dir", str(tmp_path / "again")])):
+        code, _, err = run_in_process(main, [*argv, *extra], capsys)
+        assert code == 0, err
+        sizes.append(cache_admin.survey(cache).size - sum(sizes))
+        said = [line for line in err.splitlines() if "decoded data cached" in line]
+        assert said == ([f"INFO: decoded data cached: {cache_admin.format_size(sizes[-1])} in {cache} (`python -m "
+                         f"tools.data cache` lists the cache, `--max-size` bounds it; --no-cache skips it)"]
+                        if sizes[-1] else []), err
+        assert not said or err.rstrip().splitlines()[-1] == said[0]  # at the end
+    assert sizes[0] > 72 * 224 * 224 * 3 and 0 < sizes[1] < 9 * 224 * 224 and sizes[2] == 0
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_pack_whose_rows_are_a_link_is_used_in_no_cache(shared, data, tmp_path, caplog, decodes):
+    """The cache never writes a link: a pack's rows file that is one (to rows kept elsewhere, here another
+    pack's, reversed) is not read, shared cache or not, and is not removed by the cache command either."""
+    cache = tmp_path / "cache"
+    plain = original_images(data, None)
+    original_images(data, cache, shared)
+    pack = the_pack(cache)
+    elsewhere = tmp_path / "elsewhere.npy"
+    np.save(elsewhere, np.load(pack / "rows.npy")[::-1].copy())
+    (pack / "rows.npy").unlink()
+    (pack / "rows.npy").symlink_to(elsewhere)
+    new_process()
+    decodes.clear()
+    with caplog.at_level("WARNING"):
+        assert torch.equal(original_images(data, cache, shared), plain)
+    [warning] = warnings_naming(caplog, pack)
+    assert "symbolic link" in warning and len(decodes) == len(plain)
+    with pytest.raises(UserError, match="does not look like the decoded-data cache"):
+        cache_admin.clear(cache)
+    assert (pack / "rows.npy").is_symlink() and elsewhere.is_file()

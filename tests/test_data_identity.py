@@ -149,11 +149,12 @@ def test_the_cache_returns_exactly_what_was_decoded(arithmetic, pristine, tmp_pa
 
     from tools.challenge import list_challenge_files, load_challenge_data  # noqa: PLC0415
     from tools.data.compositing import MaskArithmetic  # noqa: PLC0415
+    from tools.data.store import DecodedCache  # noqa: PLC0415
 
     files = list_challenge_files(pristine, workers=1)
     mode = MaskArithmetic(arithmetic)
-    fresh = load_challenge_data(files, 1, tmp_path / "cache", progress=False, arithmetic=mode)
-    cached = load_challenge_data(files, 1, tmp_path / "cache", progress=False, arithmetic=mode)
+    fresh = load_challenge_data(files, 1, DecodedCache(tmp_path / "cache"), progress=False, arithmetic=mode)
+    cached = load_challenge_data(files, 1, DecodedCache(tmp_path / "cache"), progress=False, arithmetic=mode)
     uncached = load_challenge_data(files, 1, None, progress=False, arithmetic=mode)
     for name in ("fg_images", "masks", "bg_images"):
         assert torch.equal(getattr(fresh, name), getattr(cached, name)), name

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from tests.helpers import run_forked
 from tools import demo
+from tools.data import cache_admin
+from tools.data.store import default_cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,14 +25,18 @@ def test_the_demo_report_holds_all_it_ran(tmp_path, capfd):
     """The demo's main in this process (it runs the scripts as processes, whose output capfd takes too), under the
     warning filters a Python process starts with rather than the suite's."""
     out = tmp_path / "demo"
+    cached = cache_admin.survey(default_cache_dir()).size
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()  # Python's own defaults, as `python -m tools.demo` has them
         for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
             warnings.simplefilter("ignore", category)
         warnings.filterwarnings("default", category=DeprecationWarning, module="tools.demo")  # its __main__
         code = demo.main(["--out", str(out), "--per-class", "1"])
-    _, stderr = capfd.readouterr()
+    stdout, stderr = capfd.readouterr()
     assert code == 0, stderr[-3000:]
+    added = cache_admin.survey(default_cache_dir()).size - cached  # the suite's cache (tests/tree_guard.py)
+    assert added > 0 and f"decoded images cached in {default_cache_dir()} ({cache_admin.format_size(added)}): " \
+        in stdout, stdout
     assert not caught, [str(w.message) for w in caught]  # its first output was torch.jit.save's deprecation
     assert "Warning" not in stderr, stderr[:3000]
     assert (out / "color9.pt2").is_file() and not (out / "color9.ts").exists()  # a torch.export program

@@ -366,8 +366,9 @@ def test_the_zoo_takes_a_transformers_folder(tmp_path, data, hub_cache, capsys, 
     assert code == 0, err
     payload = json.loads(zoo.results_path(tmp_path / "zoo", zoo.parse_model_spec(spec)).read_text())
     code, _, err = run_in_process(in9_eval.main, ["--arch", spec, "--data-path", str(data), "--device", "cpu",
-                                                  "--no-progress", "--eval-dataset", "all", "--results-file",
-                                                  str(tmp_path / "in9.json"), "--output-dir", str(tmp_path / "o")],
+                                                  "--no-progress", "--no-cache", "--eval-dataset", "all",
+                                                  "--results-file", str(tmp_path / "in9.json"), "--output-dir",
+                                                  str(tmp_path / "o")],
                                   capsys)
     assert code == 0, err
     assert payload["in9"] == json.loads((tmp_path / "in9.json").read_text())

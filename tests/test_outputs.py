@@ -39,6 +39,7 @@ from tools.evaluate import In9Config, run_in9
 from tools.in9 import VARIATIONS
 from tools.models.sources import load_model
 from tools.runtime import Runtime
+from tools.training.checkpoint import STATE_NAME, save_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = Runtime(torch.device("cpu"))
@@ -277,6 +278,40 @@ def test_a_write_that_fails_midway_leaves_the_old_files(writer, full_run, datase
     assert not changed, f"half-written: {changed}"
 
 
+KILLED_WHILE_WRITING = """
+import os, signal, sys
+from tools.provenance import atomic_write
+with atomic_write(sys.argv[1], "wb") as fh:
+    fh.write(b"half a state")
+    fh.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_what_a_write_killed_midway_leaves_is_removed_by_the_next_write(tmp_path):
+    """`kill -9` of train.py during a state write left a `.resume_state.pt.<hex>.tmp` that no later run removed: the
+    next write of the same file removes its own pattern's temporaries whose process is gone (this host), or that
+    nobody changed for a day (any host: a container's name changes on every start); a user's files stay."""
+    state = tmp_path / STATE_NAME
+    for _ in range(2):  # the second write, killed too, removes the first's before it starts
+        killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_WRITING, str(state)], cwd=REPO)
+        assert killed.returncode == -signal.SIGKILL
+        [left] = tmp_path.iterdir()
+        assert left.name.startswith(f".{STATE_NAME}.") and left.name.endswith(".tmp")
+    long_ago = time.time() - 2 * 24 * 3600
+    aged = [tmp_path / f".{STATE_NAME}.{'0a1b2c3d4e5f'}.tmp",  # an older version's name: no host, no process
+            tmp_path / f".{STATE_NAME}.b1946ac92492@{os.getpid()}@{'0a1b2c3d4e5f'}.tmp"]  # a container's, long gone
+    young = tmp_path / f".{STATE_NAME}.other-host@1@{'0a1b2c3d4e5f'}.tmp"  # another host, writing now
+    mine = [tmp_path / f".{STATE_NAME}.notes.tmp", tmp_path / f".{STATE_NAME}.{socket.gethostname()}@1@notes.tmp"]
+    for path in [*aged, young, *mine]:
+        path.write_bytes(b"x")
+    for path in [*aged, *mine]:
+        os.utime(path, (long_ago, long_ago))
+    save_atomic({"step": 1}, state)
+    assert sorted(tmp_path.iterdir()) == sorted([state, young, *mine])
+    assert torch.load(state, weights_only=True) == {"step": 1}
+
+
 # Writers that may write in place: they fill a folder that only a finished run renames into place, or append.
 IN_PLACE_WRITERS = {
     "tools/provenance.py": {"atomic_write"},  # the helper itself
@@ -458,19 +493,47 @@ def test_stale_cache_temporaries_of_dead_processes_are_removed(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     host = socket.gethostname()
-    stale = tmp_path / f".tmp-{host}@{dead.pid}@x1"
-    running = tmp_path / f".tmp-{host}@{os.getpid()}@x2"  # this process: an entry being written right now
-    elsewhere = tmp_path / f".tmp-{host}-2@{dead.pid}@x3"  # a process of another machine sharing the folder
+    stale = tmp_path / f".tmp-{host}@{dead.pid}@{os.urandom(8).hex()}"
+    running = tmp_path / f".tmp-{host}@{os.getpid()}@{os.urandom(8).hex()}"  # this process: an entry being written
+    elsewhere = tmp_path / f".tmp-{host}-2@{dead.pid}@{os.urandom(8).hex()}"  # of another machine sharing the folder
     older = tmp_path / ".tmp-k2v9x_q1"  # an older version's killed writer (mkdtemp's name: no host, no process)
     for folder in (stale, running, elsewhere, older):
         folder.mkdir()
         (folder / "a.npy").write_bytes(b"x" * 1000)
+    long_ago = time.time() - 2 * 24 * 3600  # the older version's: untouched for two days
+    os.utime(older / "a.npy", (long_ago, long_ago))
+    os.utime(older, (long_ago, long_ago))
     cache = _cache(tmp_path)
     assert cache.load(["a"]) is None
     assert not stale.exists() and not older.exists() and running.is_dir() and elsewhere.is_dir()
     cache.save(ARRAYS)
     assert cache.load(list(ARRAYS)) is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["entry", running.name, elsewhere.name])
+
+
+@pytest.mark.parametrize("damage", ["a value changed", "group-writable", "another user's"])
+def test_a_cache_entry_that_is_damaged_or_others_could_write_is_not_used(damage, tmp_path, caplog):
+    """CLIP's text heads live in the decoded-data cache too: an entry whose array no longer matches the SHA-256
+    written with it (one value changed, still a valid .npy) is recomputed and replaced; one that another user
+    could have written is not used (and left as it is)."""
+    if damage == "another user's" and os.geteuid() != 0:
+        pytest.skip("only root can give a file away")
+    _cache(tmp_path).save(ARRAYS)
+    array = tmp_path / "entry" / "a.npy"
+    if damage == "a value changed":
+        np.save(array, ARRAYS["a"] + np.eye(1, 10, 3, dtype=ARRAYS["a"].dtype)[0])
+    elif damage == "group-writable":
+        array.chmod(0o664)
+    else:
+        os.chown(array, 65534, -1)
+    with caplog.at_level("WARNING"):
+        assert _cache(tmp_path).load(["a"]) is None
+    assert "SHA-256" in caplog.text if damage == "a value changed" else "not using the CLIP text head" in caplog.text
+    entry = _cache(tmp_path)
+    entry.load(["a"])
+    entry.save(ARRAYS)
+    replaced = _cache(tmp_path).load(["a"])
+    assert (replaced is not None and replaced["a"].tolist() == ARRAYS["a"].tolist()) == (damage == "a value changed")
 
 
 def test_a_cache_entry_is_readable_as_the_umask_allows(tmp_path):
@@ -489,22 +552,20 @@ def test_the_same_cache_entry_written_meanwhile_by_another_process_is_kept(tmp_p
     """Two processes writing the same entry (same key, same content): the second rename finds the first's entry,
     keeps it and drops its own, without a warning."""
     real = os.replace
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    _cache(elsewhere).save({"a": ARRAYS["a"]})  # the other process's entry, written as every entry is
 
     def another_process_first(src, dst):
-        if Path(dst).name == "entry" and not Path(dst).exists():
-            other = tmp_path / "other"
-            other.mkdir()
-            np.save(other / "a.npy", ARRAYS["a"])
-            (other / "meta.json").write_text(json.dumps({"fingerprint": "f"}))
-            real(other, dst)
+        if Path(dst) == cache / "entry" and not Path(dst).exists():
+            real(elsewhere / "entry", dst)
         return real(src, dst)
 
     monkeypatch.setattr(os, "replace", another_process_first)
     with caplog.at_level("INFO"):
-        _cache(tmp_path).save(ARRAYS)
+        _cache(cache).save(ARRAYS)
     assert "could not write" not in caplog.text and "meanwhile" in caplog.text
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
-    assert _cache(tmp_path).load(["a"])["a"].tolist() == ARRAYS["a"].tolist()
+    assert sorted(p.name for p in cache.iterdir()) == ["entry"]
+    assert _cache(cache).load(["a"])["a"].tolist() == ARRAYS["a"].tolist()
 
 
 def test_two_processes_that_missed_the_same_entry_keep_the_first_ones_and_replace_only_a_broken_one(tmp_path, caplog):

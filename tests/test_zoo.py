@@ -113,7 +113,7 @@ def test_failing_models_do_not_stop_the_others(first_run, specs, failing):
 
 def test_results_equal_the_scripts(first_run, specs, data, tmp_path, capsys, one_thread):
     output = first_run[0]
-    common = ["--data-path", str(data), "--device", "cpu", "--no-progress"]
+    common = ["--data-path", str(data), "--device", "cpu", "--no-progress", "--no-cache"]  # as zoo_args
     for i, (spec, model_args) in enumerate(specs.items()):
         payload = json.loads(results_file(output, spec).read_text())
         in9_file, challenge_file = tmp_path / f"in9-{i}.json", tmp_path / f"challenge-{i}.json"
@@ -122,7 +122,7 @@ def test_results_equal_the_scripts(first_run, specs, data, tmp_path, capsys, one
                                        "--output-dir", str(tmp_path / f"in9-{i}")], capsys)
         assert code == 0, err
         code, _, err = run_in_process(challenge_eval.main,
-                                      [*common, *model_args, "--no-cache", "--results-file", str(challenge_file),
+                                      [*common, *model_args, "--results-file", str(challenge_file),
                                        "--output-dir", str(tmp_path / f"challenge-{i}")], capsys)
         assert code == 0, err
         assert payload["in9"] == json.loads(in9_file.read_text())

@@ -26,7 +26,7 @@ from torch import nn
 from tools import distributed
 from tools.cli import MAX_SEED, MAX_WORKERS
 from tools.challenge import ChallengeConfig, list_challenge_files, load_challenge_data, run_challenge
-from tools.data.store import default_cache_dir
+from tools.data.store import DecodedCache, default_cache_dir
 from tools.data.layout import check_data_root
 from tools.errors import UserError, first_line
 from tools.evaluate import In9Config, bg_gap, list_in9_files, run_in9
@@ -69,7 +69,8 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
               variations: Sequence[str] = VARIATIONS, device: str | torch.device | None = None,
               precision: Precision | str = Precision.FP32, channels_last: bool = False, batch_size: int | None = None, workers: int | None = None,
               output_dir: Path | str | None = None, resume: bool = False, cache_dir: Path | str | None = None,
-              cache: bool = True, weights: str | None = None, trust_checkpoint: bool = False, seed: int = 0,
+              cache: bool = True, shared_cache: bool = False, weights: str | None = None,
+              trust_checkpoint: bool = False, seed: int = 0,
               progress: bool = True, lora_alpha: float | None = None, lora_rslora: bool = False,
               allow_inexact_device: bool = False) -> BenchmarkResult:
     """Evaluate `model` on the IN-9 variations and, with `challenge`, the Backgrounds Challenge.
@@ -83,7 +84,7 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
     the output's width). full: every pair of the challenge (the prediction matrix), as --full.
     output_dir: where the results files (in9.json, challenge.json), the resumable state and --full's matrix
     are written, as the scripts write them (default: nothing is written). device, precision, channels_last, batch_size,
-    workers, cache_dir/cache, seed, progress, lora_alpha, lora_rslora, allow_inexact_device: as the scripts' flags
+    workers, cache_dir/cache/shared_cache, seed, progress, lora_alpha, lora_rslora, allow_inexact_device: as the scripts' flags
     (lora_alpha and lora_rslora: the scaling of a LoRA state dict saved from a peft-wrapped model, named by
     `model`); the scripts' start-up device check runs too (`tools.models.device_check`), once, on the in9 run's
     first images, and both results record it.
@@ -103,9 +104,10 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         raise UserError(f"workers must be from 1 to {MAX_WORKERS}, not {workers}")
     if not 0 <= seed <= MAX_SEED:
         raise UserError(f"seed must be from 0 to {MAX_SEED}, not {seed}")
-    cache_root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) if cache else None
+    decoded_cache = DecodedCache(Path(cache_dir) if cache_dir is not None else default_cache_dir(), shared_cache) \
+        if cache else None
     in9_config = In9Config(tuple(_variations(variations)), batch_size, progress=progress and group.is_main,
-                           cache_dir=cache_root, **({} if workers is None else {"workers": workers}))
+                           cache=decoded_cache, **({} if workers is None else {"workers": workers}))
     challenge_config = ChallengeConfig(full=full, batch_size=batch_size, progress=in9_config.progress)
     # every cheap input is checked before any model is built or moved
     in9_files = list_in9_files(data_path, in9_config.variations, in9_config.workers)
@@ -123,7 +125,7 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         in9.provenance["device_check"] = in9_check
         found = None
         if challenge_files is not None:
-            data = load_challenge_data(challenge_files, in9_config.workers, cache_root, challenge_config.progress,
+            data = load_challenge_data(challenge_files, in9_config.workers, decoded_cache, challenge_config.progress,
                                        challenge_config.mask_arithmetic)
             found = run_challenge(loaded, runtime, data, challenge_config, output_dir, resume)
             found.provenance["device_check"] = in9_check  # one float64 reference a call: it costs (see check_run)

@@ -268,7 +268,8 @@ def add_log_level_argument(parser) -> None:
 def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace], int | None],
              argv: list[str] | None = None, on_interrupt: str | None = None) -> int:
     """Parse, set up logging once, run; a user error is one line on stderr and exit code 2; Ctrl-C (exit 130)
-    and SIGTERM (exit 143) stop the run through its clean-up and say how to go on.
+    and SIGTERM (exit 143) stop the run through its clean-up and say how to go on. A command that wrote into the
+    decoded-data cache says so once, at the end, where and how much (`tools.data.cache_admin.written_line`).
 
     `on_interrupt` says what to do after an interruption (default: resume from --output-dir where there is one).
     """
@@ -279,6 +280,7 @@ def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
     tune_cpu_allocator()  # a command line's own process: keep freed memory for reuse
     logging.basicConfig(level=getattr(logging, getattr(args, "log_level", "INFO")),
                         format="%(levelname)s: %(message)s", stream=sys.stderr, force=True)
+    _cache_written()  # what an earlier command in this process wrote is not this one's
     try:
         from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: PLC0415
         with sigterm_as_interrupt(), logging_redirect_tqdm():
@@ -296,6 +298,17 @@ def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
         print(f"{'terminated' if terminated else 'interrupted'}: {on_interrupt}", file=sys.stderr)
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     finally:
+        written = _cache_written()
+        if written is not None:
+            log.info("%s", written)
         distributed = sys.modules.get("tools.distributed")  # loaded (with torch) only by commands that use it
         if distributed is not None:
             distributed.cleanup()
+
+
+def _cache_written() -> str | None:
+    """`tools.data.cache_admin.written_line`, where the decoded-data cache was loaded (only then can it be written)."""
+    if "tools.data.store" not in sys.modules:
+        return None
+    from tools.data import cache_admin  # noqa: PLC0415 (numpy: only where the cache was used)
+    return cache_admin.written_line()

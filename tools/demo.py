@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 
 from tools.cli import ArgumentParser, examples, whole_number
-from tools.data import synthetic
+from tools.data import cache_admin, synthetic
+from tools.data.store import default_cache_dir
+from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE
 from tools.provenance import atomic_write
 
@@ -66,14 +68,27 @@ def main(argv: list[str] | None = None) -> int:
          str(args.out / "challenge.json"), "--analysis-dir", str(args.out / "results"), "--output",
          str(args.out / "report.md"), "--html", str(args.out / "report.html"), "--data-path", str(data)],
     ]
+    cache, before = default_cache_dir(), _cache_size(default_cache_dir())
     for command in commands:
         print("\n$ " + " ".join(Path(c).name if c == sys.executable else c for c in command), flush=True)
         code = subprocess.call(command)
         if code:
             return code
+    added = _cache_size(cache) - before
+    if added > 0:  # the scripts say it at --log-level INFO; the demo runs them at WARNING
+        print(f"\ndecoded images cached in {cache} ({cache_admin.format_size(added)}): `python -m tools.data cache "
+              f"--clear` removes them, and the scripts' --no-cache writes none")
     print(f"\nresults: {args.out}/in9.json, {args.out}/challenge.json, {args.out}/report.md, "
           f"{args.out}/report.html, {args.out}/results/top_backgrounds.png")
     return 0
+
+
+def _cache_size(folder: Path) -> int:
+    """The bytes the decoded-data cache in `folder` takes (0 where it is not one)."""
+    try:
+        return cache_admin.survey(folder).size
+    except UserError:
+        return 0
 
 
 if __name__ == "__main__":

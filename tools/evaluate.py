@@ -17,6 +17,7 @@ from tools.data import decoders
 from tools.data import decoding as datasets
 from tools.data import layout
 from tools.data.check import quick_check
+from tools.data.store import DecodedCache
 from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, PredictionMap, class_names
 from tools.models.boundary import LoadedModel
@@ -198,7 +199,7 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                         shard: Shard | None = None, recheck_margin: float = RECHECK_MARGIN,
                         decoder: decoders.Decoder = decoders.Decoder.PILLOW, fingerprint: dict | None = None,
                         contents: dict[str, bytes] | None = None, forwards: list | None = None,
-                        hashes: dict[str, str] | None = None, cache_dir: Path | None = None
+                        hashes: dict[str, str] | None = None, cache: DecodedCache | None = None
                         ) -> dict[str, VariationResult]:
     """Predict every image of the named variations in one stream of batches; results keyed by variation.
 
@@ -207,8 +208,8 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     decodes the JPEGs (`decoders.choose_decoder`). With the files' `fingerprint`, inside `datasets.keep_decoded`
     (the zoo), the decoded variations are kept by content for the next run, which reads them from memory.
     `contents`: the files' bytes already read (`list_in9_files`), by relative path. With the files' content
-    `hashes` (by relative path) and a `cache_dir`, images are read from the decoded-data cache where it holds them
-    and cached where decoded (`tools.data.store`). `forwards`: gets the `Forward`
+    `hashes` (by relative path) and a decoded-data `cache`, images are read from it where it holds them and cached
+    where decoded (`tools.data.store`). `forwards`: gets the `Forward`
     that ran the batches (its batch size as run, for the provenance), if any ran."""
     root = Path(root)
     if listings is None:
@@ -239,7 +240,7 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     if runtime.group.distributed or shard is not None:
         share = shard or Shard(runtime.group.rank, runtime.group.world_size)
         predictions, rechecked, changed = _predict_share(root, all_paths, batch_size, workers, runtime, stream,
-                                                         progress, share, decoder, contents, hashes, cache_dir)
+                                                         progress, share, decoder, contents, hashes, cache)
         shares = [(name, relpaths, labels, lo, hi, int(rechecked[lo:hi].sum()), int(changed[lo:hi].sum()))
                   for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:])]
         if shard is not None:  # this shard's predictions alone, the others' NOT_MINE: for tools.merge
@@ -259,7 +260,7 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
     else:
         batches = datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin(), decoder=decoder,
                                                 device=None if kept is not None else runtime.device,
-                                                contents=contents, hashes=hashes, cache_dir=cache_dir)
+                                                contents=contents, hashes=hashes, cache=cache)
     finished = 0
     bar = tqdm(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
     with bar:
@@ -304,7 +305,7 @@ def _batches_in_memory(groups: list[torch.Tensor], batch_size: int):
 def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
                    stream: _Stream, progress: bool, share: Shard, decoder: decoders.Decoder,
                    contents: dict[str, bytes] | None, hashes: dict[str, str] | None = None,
-                   cache_dir: Path | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   cache: DecodedCache | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The stream's batches dealt out in turn (batch i to share i mod N), each image predicted in the very batch
     one process would put it in; under torchrun every prediction is then gathered into every process, and an
     independent shard keeps NOT_MINE (-2) where others predict. With the predictions, per position: whether it
@@ -316,7 +317,7 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
                   dynamic_ncols=True) as bar:
             for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(),
                                                               starts, decoder, runtime.device, contents,
-                                                              hashes, cache_dir):
+                                                              hashes, cache):
                 stream.submit(runtime.to_device(batch), start)
                 bar.update(batch.shape[0] * share.count)
             stream.drain()
@@ -398,7 +399,7 @@ class In9Config:
     workers: int = field(default_factory=default_workers)  # image-decoding threads
     progress: bool = True
     recheck_margin: float = RECHECK_MARGIN  # in reduced precision, near ties below it are re-run in fp32; 0: off
-    cache_dir: Path | None = None  # the decoded-data cache (tools.data.store); None: neither read nor written
+    cache: DecodedCache | None = None  # the decoded-data cache (tools.data.store); None: neither read nor written
 
 
 def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, config: In9Config, *,
@@ -419,8 +420,9 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, confi
     results = evaluate_variations(loaded, runtime, files.root, names, runtime.batch_size(config.batch_size),
                                   config.workers, state_path, resume, key, config.progress, files.listings, shard,
                                   config.recheck_margin, files.decoder, files.fingerprint, files.contents, forwards,
-                                  files.hashes, config.cache_dir)
+                                  files.hashes, config.cache)
     files.contents.clear()  # decoded: the bytes are not needed again
-    info = provenance(runtime.describe(), loaded.describe(), files.fingerprint, files.decoder.value)
+    info = provenance(runtime.describe(), loaded.describe(), files.fingerprint, files.decoder.value,
+                      config.cache.describe() if config.cache is not None else None)
     info.update(forwards[0].provenance() if forwards else {"batch_size": key["batch_size"]})
     return In9Run(results, info, key)

@@ -49,7 +49,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.categories:
         names += [v for v in CATEGORY_VARIATIONS.values() if v not in names]
     config = In9Config(tuple(names), args.batch_size, args.workers, checked.progress, args.recheck_margin,
-                       options.cache_dir_from_args(args))
+                       options.cache_from_args(args))
     quick_check(checked.data_path, names)  # every check of the folders before any model is built
 
     def data():  # listed, hashed and the device check's images decoded in the background while the model is built

@@ -12,7 +12,7 @@ from pathlib import Path
 from tools import distributed
 from tools.cli import (MAX_SEED, ArgumentParser, BooleanFlag, add_log_level_argument, positive_number, seed_number,
                        whole_number, worker_count)
-from tools.data.store import default_cache_dir
+from tools.data.store import DecodedCache, default_cache_dir
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
@@ -64,15 +64,19 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_cache_arguments(group) -> None:
-    """--cache-dir and --no-cache: the decoded-data cache every command shares (tools.data.store)."""
+    """--cache-dir, --shared-cache and --no-cache: the decoded-data cache every command shares (tools.data.store)."""
     group.add_argument("--cache-dir", type=Path, default=default_cache_dir(), metavar="DIR",
                        help=f"decoded-data cache, keyed by the files' content (default: {default_cache_dir()})")
+    group.add_argument("--shared-cache", action="store_true",
+                       help="--cache-dir is shared with other users: use the packs any user wrote there (each still "
+                            "checked against its digests and its files), recorded in the provenance; without it only "
+                            "packs this user wrote, in a folder only this user can write, are used (default: off)")
     group.add_argument("--no-cache", action="store_true",
                        help="neither read nor write the decoded-data cache (default: off)")
 
 
-def cache_dir_from_args(args: argparse.Namespace) -> Path | None:
-    return None if args.no_cache else args.cache_dir
+def cache_from_args(args: argparse.Namespace) -> DecodedCache | None:
+    return None if args.no_cache else DecodedCache(args.cache_dir, args.shared_cache)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,7 @@ from typing import IO, Callable, Iterator, Mapping
 import numpy as np
 
 from tools import __version__
+from tools.data.temporary import atomic_names, remove_stale
 from tools.errors import UserError
 
 
@@ -34,8 +35,10 @@ def decoder(used: str | None = None) -> dict:
             features.version_feature("libjpeg_turbo") if turbo else None}
 
 
-def provenance(runtime_info: dict, model_info: dict, data_info: dict, decoder_used: str | None = None) -> dict:
-    """Versions, device, model and data of a run; `decoder_used`: who decoded the JPEGs (`decoder`)."""
+def provenance(runtime_info: dict, model_info: dict, data_info: dict, decoder_used: str | None = None,
+               decoded_cache: dict | None = None) -> dict:
+    """Versions, device, model and data of a run; `decoder_used`: who decoded the JPEGs (`decoder`);
+    `decoded_cache`: the decoded-data cache it read and wrote (`tools.data.store.DecodedCache.describe`), if any."""
     import torch  # noqa: PLC0415 (only here for the versions: writing results needs neither)
     import torchvision  # noqa: PLC0415
     return {
@@ -47,6 +50,7 @@ def provenance(runtime_info: dict, model_info: dict, data_info: dict, decoder_us
         **runtime_info,
         **model_info,
         "data": data_info,
+        "decoded_cache": decoded_cache,
     }
 
 
@@ -108,17 +112,27 @@ class WriteError(UserError):
         super().__init__(f"cannot write {self.path}: {self.reason}")
 
 
+_swept: set[Path] = set()  # the outputs whose stale temporaries this process has removed (`atomic_write`)
+
+
 @contextlib.contextmanager
 def atomic_write(path: Path | str, mode: str = "w", newline: str | None = None) -> Iterator[IO]:
-    """Open a temporary file beside `path` for writing; on success it is synced and renamed over `path`, so a
-    crash, a full disk or an interruption never leaves half a file (nor the temporary one, short of SIGKILL).
+    """Open a temporary file beside `path` for writing (`.NAME.HOST@PID@<random>.tmp`:
+    `tools.data.temporary.atomic_names`); on success it is synced and renamed over `path`, so a crash, a full disk
+    or an interruption never leaves half a file, and the temporary a SIGKILL left is removed by the next write of
+    the same file in any process (`tools.data.temporary.remove_stale`: its process gone, or a day unchanged).
     The file is created with mode 0666 less the user's umask, as `open` does. An OSError while writing becomes
     a `WriteError` naming `path`. Text is UTF-8; `newline` is `open`'s (an empty string for the csv module)."""
     path = Path(path)
+    names = atomic_names(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.absolute() not in _swept:
+            _swept.add(path.absolute())
+            with contextlib.suppress(OSError):  # a clean-up that cannot be made keeps no output from being written
+                remove_stale(path.parent, names, folders=False)
         while True:
-            tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+            tmp = path.parent / names.make(secrets.token_hex(6))
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
                 break

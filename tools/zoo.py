@@ -39,6 +39,7 @@ from tools.models.device_check import check_run, first_images
 from tools.evaluate import In9Config, In9Files, list_in9_files, run_in9
 from tools.data import decoding as datasets
 from tools.data.hashing import sha256_file
+from tools.data.store import DecodedCache
 from tools.in9 import VARIATIONS
 from tools.results.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
 from tools.models import hub
@@ -103,7 +104,7 @@ class ZooSettings:
     challenge: ChallengeConfig
     batch_size: int | None  # None: the runtime's default
     workers: int
-    cache_dir: Path | None = None
+    cache: DecodedCache | None = None
     trust: bool = False
     trust_remote_code: bool = False
     allow_inexact_device: bool = False  # run a model on even when the start-up device check finds it inexact
@@ -238,11 +239,11 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
     device_check = check_run(loaded, runtime, data.check_images, settings.allow_inexact_device)
     with distributed.agree(runtime.group, runtime.device):
         in9 = run_in9(loaded, runtime, data.in9, In9Config(VARIATIONS, settings.batch_size, settings.workers, progress,
-                                                         cache_dir=settings.cache_dir),
+                                                         cache=settings.cache),
                       output_dir=state_dir, resume=True)
     with distributed.agree(runtime.group, runtime.device):
         challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,
-                                  (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache_dir)
+                                  (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache)
     in9.provenance["device_check"] = challenge.provenance["device_check"] = device_check
     weights = loaded.weights or (Path(loaded.source).name if loaded.source else None)
     # the path as loaded, links kept: a hub cache's snapshots/REV/FILE is a link into blobs/, and only the snapshot
@@ -361,7 +362,7 @@ def _main(args: argparse.Namespace) -> int:
     checked = options.check_arguments(args)
     runtime = options.runtime_from_args(args, compile=args.compile)
     settings = ZooSettings(checked.data_path, flags.challenge_config_from_args(args, checked.progress),
-                           args.batch_size, args.workers, flags.cache_dir_from_args(args), args.trust_checkpoint,
+                           args.batch_size, args.workers, flags.cache_from_args(args), args.trust_checkpoint,
                            args.trust_remote_code, args.allow_inexact_device)
     outcomes = run_zoo(specs, settings, runtime, args.output_dir, progress=checked.progress)
     failed = [o.model for o in outcomes if o.status == "failed"]

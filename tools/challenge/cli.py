@@ -60,7 +60,7 @@ def _main(args: argparse.Namespace) -> int:
     # the data listed, hashed and decoded (or read from the cache) in the background while the model is built
     data, loaded = alongside(
         lambda: load_challenge_data(list_challenge_files(checked.data_path, args.workers), args.workers,
-                                    flags.cache_dir_from_args(args), config.progress, config.mask_arithmetic),
+                                    flags.cache_from_args(args), config.progress, config.mask_arithmetic),
         lambda: options.model_from_args(args, runtime, checked.progress), imports=decoders.LAZY_IMPORTS)
     device_check = check_run(loaded, runtime, data.bg_images, args.allow_inexact_device)  # the first backgrounds
     result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume, shard=args.shard)

@@ -15,6 +15,7 @@ from tools.data import layout
 from tools.data.compositing import MaskArithmetic, byte_masks
 from tools.data.check import quick_check
 from tools.data.hashing import read_and_fingerprint
+from tools.data.store import DecodedCache
 from tools.in9 import Variation
 
 
@@ -58,17 +59,18 @@ class ChallengeData(Pairs):
     fingerprint: dict
     arithmetic: MaskArithmetic = MaskArithmetic.BINARY
     decoder: decoders.Decoder = decoders.Decoder.PILLOW
+    cache: dict | None = None  # the decoded-data cache read and written (`DecodedCache.describe`), for the provenance
 
     def foreground_subset(self, indices: np.ndarray) -> "ChallengeData":
         """The same data with only these foregrounds (a --shard's share), backgrounds unchanged."""
         idx = torch.from_numpy(np.asarray(indices, dtype=np.int64))
         return ChallengeData([self.foregrounds[i] for i in indices], self.backgrounds,
                              self.fg_images.index_select(0, idx), self.masks.index_select(0, idx), self.bg_images,
-                             self.fingerprint, self.arithmetic, self.decoder)
+                             self.fingerprint, self.arithmetic, self.decoder, self.cache)
 
     def to(self, device: torch.device) -> "ChallengeData":
         return ChallengeData(self.foregrounds, self.backgrounds, self.fg_images.to(device), self.masks.to(device),
-                             self.bg_images.to(device), self.fingerprint, self.arithmetic, self.decoder)
+                             self.bg_images.to(device), self.fingerprint, self.arithmetic, self.decoder, self.cache)
 
 
 def check_challenge_files(root: Path) -> None:
@@ -89,19 +91,19 @@ def list_challenge_files(root: Path, workers: int = 4) -> ChallengeFiles:
     return ChallengeFiles(foregrounds, backgrounds, root, content_fingerprint, decoder, contents, hashes)
 
 
-def load_challenge_data(files: ChallengeFiles | Path, workers: int, cache_dir: Path | None = None,
+def load_challenge_data(files: ChallengeFiles | Path, workers: int, cache: DecodedCache | None = None,
                         progress: bool = True, arithmetic: MaskArithmetic = MaskArithmetic.BINARY) -> ChallengeData:
-    """Decode foregrounds, masks and backgrounds once; each read from the decoded-data cache in `cache_dir` where it
-    holds that file's content (for a mask, with this arithmetic), whichever command decoded it."""
+    """Decode foregrounds, masks and backgrounds once; each read from the decoded-data `cache` where it holds that
+    file's content (for a mask, with this arithmetic), whichever command decoded it."""
     if not isinstance(files, ChallengeFiles):
         files = list_challenge_files(files, workers)
     images, masks = datasets.decode_cached(
         files.root, {"foregrounds": [r.image_relpath for r in files.foregrounds],
                      "backgrounds": [r.relpath for r in files.backgrounds]},
-        [r.mask_relpath for r in files.foregrounds], files.fingerprint, cache_dir, arithmetic, workers, progress,
+        [r.mask_relpath for r in files.foregrounds], files.fingerprint, cache, arithmetic, workers, progress,
         files.decoder, files.contents, files.hashes)
     files.contents.clear()  # decoded: the bytes are not needed again
     fg, bg = images["foregrounds"], images["backgrounds"]
     masks = byte_masks(masks) if arithmetic is MaskArithmetic.BINARY else masks.unsqueeze(1).contiguous()
     return ChallengeData(files.foregrounds, files.backgrounds, fg, masks, bg, files.fingerprint, arithmetic,
-                         files.decoder)
+                         files.decoder, cache.describe() if cache is not None else None)

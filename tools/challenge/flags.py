@@ -8,9 +8,9 @@ import argparse
 from tools.challenge.scheduler import ChallengeConfig, Criterion
 from tools.cli import number
 from tools.data.compositing import MaskArithmetic
-from tools.options import add_cache_arguments, cache_dir_from_args
+from tools.options import add_cache_arguments, cache_from_args
 
-__all__ = ["add_search_arguments", "cache_dir_from_args", "challenge_config_from_args"]
+__all__ = ["add_search_arguments", "cache_from_args", "challenge_config_from_args"]
 
 DEFAULTS = ChallengeConfig()
 

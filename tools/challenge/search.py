@@ -19,6 +19,7 @@ from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import ChallengeConfig, Scheduler, split_untested, state_problem
 from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState
 from tools.errors import UserError
+from tools.data.store import DecodedCache
 from tools.in9 import UNMAPPED
 from tools.models.boundary import LoadedModel
 from tools.provenance import provenance
@@ -262,17 +263,17 @@ def _run_key(data: ChallengeData, loaded: LoadedModel, runtime: Runtime, config:
 
 def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | ChallengeFiles | Path,
                   config: ChallengeConfig, output_dir: Path | None = None, resume: bool = False, workers: int = 4,
-                  cache_dir: Path | None = None, sure_margin: float = 1.0, shard: Shard | None = None
+                  cache: DecodedCache | None = None, sure_margin: float = 1.0, shard: Shard | None = None
                   ) -> ChallengeResult:
     """The challenge's verdict for every foreground, exactly as an exhaustive search would give it.
 
     `data`: decoded data (`load_challenge_data`), listed files, or the data folder (decoded here with
-    `config.mask_arithmetic`, through `cache_dir`). `shard`: search only that share of the foregrounds
+    `config.mask_arithmetic`, through the decoded-data `cache`). `shard`: search only that share of the foregrounds
     (tools.shards); the result then covers those alone."""
     # decoding or predicting may fail in one process: all leave together
     with distributed.agree(runtime.group, runtime.device):
         if not isinstance(data, ChallengeData):
-            data = load_challenge_data(data, workers, cache_dir, config.progress, config.mask_arithmetic)
+            data = load_challenge_data(data, workers, cache, config.progress, config.mask_arithmetic)
         key = _run_key(data, loaded, runtime, config)
         state_name = STATE_NAME
         if shard is not None:
@@ -302,7 +303,7 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
     if runtime.group.distributed:
         predictor.rechecked, predictor.recheck_changed = (int(v) for v in distributed.all_reduce(
             np.array([predictor.rechecked, predictor.recheck_changed], np.int64), "sum", runtime.device))
-    info = provenance(runtime.describe(), loaded.describe(), data.fingerprint, data.decoder.value)
+    info = provenance(runtime.describe(), loaded.describe(), data.fingerprint, data.decoder.value, data.cache)
     info["mask_arithmetic"] = data.arithmetic.value
     info.update(predictor.forward.provenance())
     unsure = None

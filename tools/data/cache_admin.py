@@ -3,9 +3,10 @@ removing all of it, the least recently used entries beyond a size, or what no ve
 entries of versions before packs).
 
 The cache folder holds packs (`tools.data.store`: `<kind>-<digest>-v<version>/`), folders of other entries
-(`tools.data.store.CacheEntry`'s, e.g. `clip-heads/<key>/`, each with a meta.json) and the temporary
-folders of writers at work (`.tmp-HOST@PID@...`). A folder holding anything else is not taken for a cache, so
-that a mistyped --cache-dir removes nothing.
+(`tools.data.store.CacheEntry`'s, e.g. `clip-heads/<key>/`) and the temporary folders of writers at work
+(`.tmp-HOST@PID@<random>`). Each is recognised by its name, matched exactly, and by what it holds: only files the
+cache writes (`meta.json`, `*.npy`; a pack or an entry has its meta.json). A folder holding anything else is not
+taken for a cache, so that a mistyped --cache-dir removes nothing: nothing at all is removed from it.
 
 An entry was last used when its meta.json was last modified: written with the entry, and touched by the readers
 that use it, at most once a day (`store.mark_used`), so the order is by day. An entry is removed by renaming it
@@ -13,8 +14,9 @@ to a temporary name of this process first, then deleting that (`temporary.remove
 half an entry (a reader that finds it gone decodes its rows again), and what a killed removal leaves is removed by
 the next use as any dead writer's. A reader that mapped a pack's rows before keeps reading them: on POSIX systems
 a removed file stays readable to those of the same host that have it open or mapped (over NFS, not to another
-host's). Temporary folders of running writers, and of other hosts
-(whose processes cannot be asked), are never removed."""
+host's). Temporary folders of running writers are never removed, nor those of other hosts (whose processes cannot
+be asked) while they change: unchanged for a day (`temporary.STALE_AFTER_S`), they are a killed writer's, whatever
+the host (a container's changes on every start)."""
 
 from __future__ import annotations
 
@@ -23,21 +25,23 @@ import json
 import logging
 import os
 import re
-import socket
+import stat
 import time
 from pathlib import Path
 
-from tools.data.store import STORE_VERSION, reference_build
-from tools.data.temporary import ENTRY_PREFIX, ENTRY_SEP, REMOVING, is_stale, remove_entry, temporary_prefix
+from tools.data import store
+from tools.data.store import PACK_NAME, STORE_VERSION, reference_build
+from tools.data.temporary import ENTRY_NAMES, REMOVING, entry_temporary, holds_entry_files, is_stale, remove_entry
 from tools.errors import UserError
 
 log = logging.getLogger(__name__)
 
-PACK_NAME = re.compile(r"(?P<kind>.+)-[0-9a-f]{24}-v(?P<version>\d+)")  # as `store.PackWriter.commit` names them
 # The whole-data entries that versions before the packs wrote at the top (`<digest>-<mask arithmetic>-v<format>/`):
 # no version since reads them.
 EARLIER_ENTRY = re.compile(r"[0-9a-f]{24}-[a-z]+-v\d+")
 EARLIER_KIND = "pre-pack data"
+ENTRY_FOLDER = re.compile(r"[a-z]+(?:-[a-z]+)*")  # a folder of `store.CacheEntry`s, e.g. clip-heads
+ENTRY_KEY = re.compile(r"[0-9a-f]{16,64}")  # a `store.CacheEntry`'s folder: a digest of its inputs
 UNITS = "KMGT"  # size suffixes, powers of 1024 as `du -h` writes them
 SIZE = re.compile(r"(?P<number>\d+(\.\d*)?|\.\d+)\s*(?P<unit>[KMGT]?)(i?B)?", re.IGNORECASE)
 
@@ -190,11 +194,19 @@ def _entry(path: Path, kind: str, unreadable: bool = False) -> Entry:
     return Entry(path, kind, None, size, _last_used(path, newest), not unreadable, unreadable)
 
 
-def _temporary(path: Path) -> Temporary:
+def _temporary(path: Path, owner: tuple) -> Temporary:
     """Live unless stale (`temporary.is_stale`) or what a removal of this process could not delete."""
-    own_removal = path.name.startswith(temporary_prefix(os.getpid()) + REMOVING)
-    stale = own_removal or is_stale(path.name, ENTRY_PREFIX, ENTRY_SEP, socket.gethostname())
+    stale = path.name.startswith(ENTRY_NAMES.owned_by() + REMOVING) or is_stale(path, owner)
     return Temporary(path, _size(path)[0], live=not stale)
+
+
+def _is_folder(path: Path) -> bool:
+    return stat.S_ISDIR(path.lstat().st_mode)  # a link is not one: the cache makes none
+
+
+def _is_entry(path: Path) -> bool:
+    """Whether `path` holds what a pack or an entry holds: its meta.json, and only files the cache writes."""
+    return (path / "meta.json").is_file() and holds_entry_files(path)
 
 
 def survey(cache_dir: Path) -> CacheContents:
@@ -208,26 +220,24 @@ def survey(cache_dir: Path) -> CacheContents:
         if not folder.is_dir():
             raise UserError(f"--cache-dir {folder} is not a folder; give the decoded-data cache's folder")
         for path in sorted(folder.iterdir()):
-            pack = PACK_NAME.fullmatch(path.name)
-            if path.is_symlink() or not path.is_dir():
-                foreign.append(path)
-            elif path.name.startswith(ENTRY_PREFIX):
-                temporaries.append(_temporary(path))
-            elif pack is not None:
+            pack, owner = PACK_NAME.fullmatch(path.name), entry_temporary(path)
+            if owner is not None:
+                temporaries.append(_temporary(path, owner))
+            elif pack is not None and _is_folder(path) and _is_entry(path):
                 entries.append(_pack(path, pack["kind"], int(pack["version"])))
-            elif (path / "meta.json").is_file():  # an entry at the top
-                earlier = EARLIER_ENTRY.fullmatch(path.name) is not None
-                entries.append(_entry(path, EARLIER_KIND if earlier else "other", unreadable=earlier))
-            else:
+            elif EARLIER_ENTRY.fullmatch(path.name) and _is_folder(path) and _is_entry(path):
+                entries.append(_entry(path, EARLIER_KIND, unreadable=True))
+            elif ENTRY_FOLDER.fullmatch(path.name) and _is_folder(path) and not (path / "meta.json").exists():
                 for child in sorted(path.iterdir()):
-                    if child.is_symlink() or not child.is_dir():
-                        foreign.append(child)
-                    elif child.name.startswith(ENTRY_PREFIX):
-                        temporaries.append(_temporary(child))
-                    elif not (child / "meta.json").is_file():
-                        foreign.append(child)
-                    else:
+                    owner = entry_temporary(child)
+                    if owner is not None:
+                        temporaries.append(_temporary(child, owner))
+                    elif ENTRY_KEY.fullmatch(child.name) and _is_folder(child) and _is_entry(child):
                         entries.append(_entry(child, path.name))
+                    else:
+                        foreign.append(child)
+            else:
+                foreign.append(path)
     except OSError as exc:
         raise UserError(f"cannot read the cache folder {folder}: {exc}") from None
     if foreign:
@@ -304,3 +314,14 @@ def trim(cache_dir: Path, max_size: int) -> Removal:
         log.warning("the cache still takes %s, over %s: what is left is running writers' (or could not be removed)",
                     format_size(removal.after.size), format_size(max_size))
     return removal
+
+
+def written_line() -> str | None:
+    """What a command says, once, about what it wrote into the decoded-data cache (`store.take_written`): where and
+    how much; None where it wrote nothing."""
+    written = store.take_written()
+    if not written:
+        return None
+    places = "; ".join(f"{format_size(size)} in {folder}" for folder, size in written.items())
+    return (f"decoded data cached: {places} (`python -m tools.data cache` lists the cache, `--max-size` bounds it; "
+            f"--no-cache skips it)")

@@ -146,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print what the decoded-data cache holds per kind (packs or entries, rows, size, last use), "
                     "marking apart the packs of another format version or decoder build (another install sharing "
                     "the cache may read them) and what no version reads; with an option, remove some of it first. "
-                    "A writer at work keeps its folder, and a reader of a removed pack decodes its rows again. Exit "
-                    "code 1 where some could not be removed.",
+                    "A writer at work keeps its folder, and a reader of a removed pack decodes its rows again. Only "
+                    "what the cache wrote is removed (its own names, holding only its own files); a folder that "
+                    "holds anything else is refused whole. Exit code 1 where some could not be removed.",
         epilog=examples("python -m tools.data cache", "python -m tools.data cache --max-size 20G"))
     cache_p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), metavar="DIR",
                          help=f"the decoded-data cache's folder, as the other commands' --cache-dir (default: "

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from tools.data.compositing import MaskArithmetic, original_weights
 from tools.data.decoders import Decoder, decode_bytes, pillow_rgb
 from tools.data.hashing import open_regular, read_and_fingerprint
-from tools.data.store import Packs, PackWriter
+from tools.data.store import DecodedCache, Packs, PackWriter
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.provenance import read_npy
 from tools.in9 import IMAGE_SIZE
@@ -148,13 +148,13 @@ def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, w
                          pin_memory: bool = False, starts: Sequence[int] | None = None,
                          decoder: Decoder = Decoder.PILLOW, device: torch.device | None = None,
                          contents: Mapping[str, bytes] | None = None, hashes: Mapping[str, str] | None = None,
-                         cache_dir: Path | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+                         cache: DecodedCache | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield (start index, uint8 Nx3xHxW batch) in order (every batch, or those beginning at `starts`), decoded
     ahead by `workers` threads in jobs of `JOB_IMAGES` images straight into each batch's buffer (pinned with
     `pin_memory`: PyTorch's host allocator recycles those blocks only once the copies reading them are done).
 
     `contents`: files' bytes already read (when hashing them), by relative path; the others are read here.
-    With the files' content `hashes` (by relative path) and a `cache_dir`, images the decoded-data cache holds
+    With the files' content `hashes` (by relative path) and a `cache`, images the decoded-data cache holds
     (`tools.data.store`) are copied from it, and those decoded here are cached in one pack when the last batch
     is out. With a CUDA `device` the batches come on it, copied on a side stream. Pillow and decode_jpeg release
     the GIL while they decode, so threads decode in parallel; errors (unreadable files, wrong sizes) surface as
@@ -164,7 +164,7 @@ def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, w
     copies = DeviceCopies(device) if device is not None and device.type == "cuda" else None
     ahead = max(2, -(-2 * workers * JOB_IMAGES // batch_size))  # batches decoding at once
     contents = contents or {}
-    cached, writer = _cache_plan(root, relpaths, batch_size, starts, decoder, contents, hashes, cache_dir)
+    cached, writer = _cache_plan(root, relpaths, batch_size, starts, decoder, contents, hashes, cache)
     count = sum(min(batch_size, len(relpaths) - start) for start in starts)
     if copies is not None and writer is not None and not writer.hashes and \
             fits_on_device(count * IMAGE_SIZE * IMAGE_SIZE * 3, device):
@@ -242,20 +242,26 @@ def _resident_batches(relpaths: Sequence[str], batch_size: int, starts: Sequence
         at += n
 
 
-def image_packs(cache_dir: Path | None) -> Packs:
+def image_packs(cache: DecodedCache | None) -> Packs:
     """The decoded-data cache's image rows (HxWx3 uint8, Pillow's pixels), shared by every command."""
-    return Packs(cache_dir, "image", (IMAGE_SIZE, IMAGE_SIZE, 3))
+    return Packs(cache, "image", (IMAGE_SIZE, IMAGE_SIZE, 3))
 
 
 def _cache_plan(root: Path, relpaths: Sequence[str], batch_size: int, starts: Sequence[int], decoder: Decoder,
                 contents: Mapping[str, bytes], hashes: Mapping[str, str] | None,
-                cache_dir: Path | None) -> tuple[list, PackWriter | None]:
+                cache: DecodedCache | None) -> tuple[list, PackWriter | None]:
     """Per image of `relpaths`: (rows, row) of a cache pack that holds it, or (None, i) where it is decoded as
     row i of the writer returned (None without a cache)."""
-    if hashes is None or cache_dir is None:
+    if hashes is None or cache is None:
         return [(None, 0)] * len(relpaths), None
     mine = [p for start in starts for p in range(start, min(start + batch_size, len(relpaths)))]
-    found = image_packs(cache_dir).lookup([hashes[relpaths[p]] for p in mine])
+
+    def decoded_again(i: int) -> np.ndarray | None:  # the spot check's reference: Pillow's pixels of the file now
+        rel = relpaths[mine[i]]
+        data, same = _hashed_bytes(root, rel, contents, hashes[rel])
+        return pillow_rgb(data, Path(root) / rel) if same else None
+
+    found = image_packs(cache).lookup([hashes[relpaths[p]] for p in mine], decoded_again)
     cached: list = [(None, 0)] * len(relpaths)
     missing = []
     for p, hit in zip(mine, found):
@@ -269,23 +275,23 @@ def _cache_plan(root: Path, relpaths: Sequence[str], batch_size: int, starts: Se
         path = Path(root) / relpaths[missing[i]]
         return np.array_equal(row, pillow_rgb(contents.get(relpaths[missing[i]]) or path.read_bytes(), path))
 
-    return cached, image_packs(cache_dir).writer([hashes[relpaths[p]] for p in missing],
-                                                 is_pillows if decoder is Decoder.TORCHVISION else None)
+    return cached, image_packs(cache).writer([hashes[relpaths[p]] for p in missing],
+                                             is_pillows if decoder is Decoder.TORCHVISION else None)
 
 
 def decode_images(root: Path, relpaths: Sequence[str], workers: int, progress: bool = True,
                   desc: str = "decoding", decoder: Decoder = Decoder.PILLOW,
                   contents: Mapping[str, bytes] | None = None, hashes: Mapping[str, str] | None = None,
-                  cache_dir: Path | None = None, channels_last: bool = False) -> torch.Tensor:
+                  cache: DecodedCache | None = None, channels_last: bool = False) -> torch.Tensor:
     """Every image as one uint8 (N, 3, H, W) tensor, decoded in `workers` threads, with a progress bar (through the
-    decoded-data cache with `hashes` and a `cache_dir`: `iter_decoded_batches`); `channels_last`: in NHWC storage,
+    decoded-data cache with `hashes` and a `cache`: `iter_decoded_batches`); `channels_last`: in NHWC storage,
     the decoders' own layout (no transposing copy), contiguous otherwise."""
     shape = (len(relpaths), IMAGE_SIZE, IMAGE_SIZE, 3) if channels_last else (len(relpaths), 3, IMAGE_SIZE, IMAGE_SIZE)
     out = torch.empty(shape, dtype=torch.uint8)
     out = out.permute(0, 3, 1, 2) if channels_last else out
     with tqdm(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
         for start, batch in iter_decoded_batches(root, relpaths, DECODE_CHUNK, workers, decoder=decoder,
-                                                 contents=contents, hashes=hashes, cache_dir=cache_dir):
+                                                 contents=contents, hashes=hashes, cache=cache):
             out[start:start + batch.shape[0]] = batch
             bar.update(batch.shape[0])
     return out
@@ -333,13 +339,13 @@ def keep(key: str, value: object) -> None:
 
 
 def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], fingerprint: dict,
-                  cache_dir: Path | None, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4,
+                  cache: DecodedCache | None, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4,
                   progress: bool = True, decoder: Decoder = Decoder.PILLOW,
                   contents: Mapping[str, bytes] | None = None,
                   hashes: Mapping[str, str] | None = None,
                   channels_last: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Named groups of images as uint8 (N, 3, H, W) tensors (`channels_last`: as `decode_images`) and the masks
-    (`load_masks`), each image and mask read from the decoded-data cache in `cache_dir` where it holds that file's
+    (`load_masks`), each image and mask read from the decoded-data `cache` where it holds that file's
     content (and, for masks, the mask arithmetic), decoded and cached otherwise (the challenge's data, and
     train.py's store: tools.training.data.decoded_store). `contents`: files' bytes already read, which come with
     their `hashes` (the files' SHA-256 by relative path, as listing computed them); without `hashes` (the tests and
@@ -349,30 +355,39 @@ def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[
     if kept(key) is not None:
         return kept(key)
     contents = contents or {}
-    if cache_dir is not None and hashes is None:
+    if cache is not None and hashes is None:
         hashes = read_and_fingerprint(root, [*masks, *(p for relpaths in images.values() for p in relpaths)],
                                       workers)[2]
-    mask_array = _masks_cached(root, masks, arithmetic, contents, hashes, cache_dir)  # a refused mask stops it first
+    mask_array = _masks_cached(root, masks, arithmetic, contents, hashes, cache)  # a refused mask stops it first
     decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}", decoder, contents, hashes,
-                                   cache_dir, channels_last) for name, relpaths in images.items()}
+                                   cache, channels_last) for name, relpaths in images.items()}
     keep(key, (decoded, mask_array))
     return decoded, mask_array
 
 
 def _masks_cached(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic, contents: Mapping[str, bytes],
-                  hashes: Mapping[str, str] | None, cache_dir: Path | None) -> torch.Tensor:
+                  hashes: Mapping[str, str] | None, cache: DecodedCache | None) -> torch.Tensor:
     """`load_masks`, each mask read from the cache where it holds that file's content for this arithmetic; binary
     masks are cached as packed bits."""
     packed = arithmetic is MaskArithmetic.BINARY
     pixels = IMAGE_SIZE * IMAGE_SIZE
-    packs = Packs(cache_dir, f"mask-{arithmetic.value}", (pixels // 8,) if packed else (IMAGE_SIZE, IMAGE_SIZE))
-    found = packs.lookup([hashes[rel] for rel in relpaths]) if hashes is not None else [None] * len(relpaths)
+    packs = Packs(cache, f"mask-{arithmetic.value}", (pixels // 8,) if packed else (IMAGE_SIZE, IMAGE_SIZE))
+
+    def as_rows(masks: np.ndarray) -> np.ndarray:
+        return np.packbits(masks.reshape(len(masks), pixels), axis=1) if packed else masks
+
+    def loaded_again(i: int) -> np.ndarray | None:  # the spot check's reference: the mask file read now
+        data, same = _hashed_bytes(root, relpaths[i], contents, hashes[relpaths[i]])
+        return as_rows(load_masks(root, [relpaths[i]], arithmetic, {relpaths[i]: data}))[0] if same else None
+
+    found = packs.lookup([hashes[rel] for rel in relpaths], loaded_again) if hashes is not None \
+        else [None] * len(relpaths)
     missing = [i for i, hit in enumerate(found) if hit is None]
     names = [relpaths[i] for i in missing]
-    read = {rel: _hashed_bytes(root, rel, contents, hashes[rel]) if hashes is not None and cache_dir is not None
+    read = {rel: _hashed_bytes(root, rel, contents, hashes[rel]) if hashes is not None and cache is not None
             else (contents.get(rel), False) for rel in names}
-    fresh = load_masks(root, names, arithmetic, {rel: data for rel, (data, _) in read.items() if data is not None})
-    fresh = np.packbits(fresh.reshape(len(fresh), pixels), axis=1) if packed else fresh
+    fresh = as_rows(load_masks(root, names, arithmetic, {rel: data for rel, (data, _) in read.items()
+                                                         if data is not None}))
     rows = np.empty((len(relpaths), *packs.row_shape), np.uint8)
     for i, hit in enumerate(found):
         if hit is not None:

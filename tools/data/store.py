@@ -2,19 +2,25 @@
 made ready for compositing) keyed by the content hash of the file they came from, never by its name.
 
 Rows are written in packs, one per run and kind (all the images a run decoded, in one `rows.npy`, beside
-`hashes.npy`, the SHA-256 of each row's file, and `meta.json`), since one small file per image would make a
-cache of 30,000 images slow to read and write. Lookups are per image: the packs of a kind are indexed by
-file hash, so a run finds each of its images wherever an earlier run (in9, the challenge, training) decoded it,
-and decodes only what no pack holds; the packs a lookup used are marked so (`mark_used`), for `python -m
-tools.data cache` to remove the least recently used (`tools.data.cache_admin`). A pack is named by a digest of
-its kind, row size, format version, the reference decoder's build and its ordered file hashes; its meta must
-match on reading.
+`hashes.npy`, the SHA-256 of each row's file, `rows_sha256.npy`, the SHA-256 of each row, and `meta.json`), since
+one small file per image would make a cache of 30,000 images slow to read and write. Lookups are per image: the
+packs of a kind are indexed by file hash, so a run finds each of its images wherever an earlier run (in9, the
+challenge, training) decoded it, and decodes only what no pack holds; the packs a lookup used are marked so
+(`mark_used`), for `python -m tools.data cache` to remove the least recently used (`tools.data.cache_admin`). A
+pack is named by a digest of its kind, row size, format version, the reference decoder's build and its ordered
+file hashes (`pack_name`); its meta and its name must match on reading.
 
-Single entries of arrays (CLIP's text heads: `CacheEntry`) live in a folder named by a digest of their inputs.
-Packs and entries alike are written into a temporary folder named by host and process, with the umask's mode,
-and renamed into place (`tools.data.temporary.temporary_entry` and `publish`): an error, Ctrl-C or SIGTERM
-leaves no half entry, a folder a killed process left is removed by the next use, and an entry already there,
-written by another process from the same content, is kept and ours dropped.
+A pack proves itself before its rows are used (`tools.data.cache_checks`): in a private cache (the default) it
+and the cache folder are this user's and nobody else's to write; the rows a run takes match their digests
+(checked once per process); and a few of them, picked at random on each use, equal their files decoded again. A
+pack that fails is passed over with one warning, and its images are decoded. `DecodedCache.shared`
+(--shared-cache) uses other users' packs too, checked alike.
+
+Single entries of arrays (CLIP's text heads: `CacheEntry`) live in a folder named by a digest of their inputs,
+with each array's SHA-256 in their meta. Packs and entries alike are written into a temporary folder named by
+host and process and renamed into place (`tools.data.temporary.temporary_entry` and `publish`): an error, Ctrl-C
+or SIGTERM leaves no half entry, a folder a killed process left is removed by a later use, and an entry already
+there, written by another process from the same content, is kept and ours dropped.
 
 Image rows are Pillow's pixels: Pillow decodes them, or torchvision's `decode_jpeg` where the run's probe found
 it bit-equal (`decoders.choose_decoder`); a pack decoded by torchvision is checked against Pillow on a few of
@@ -22,12 +28,16 @@ its rows before it is kept, and a mismatch keeps nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
+import io
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -36,6 +46,8 @@ import numpy as np
 import PIL
 from PIL import features
 
+from tools.data.cache_checks import (DIGEST_BYTES, ROW_DIGESTS, RowChecks, first_foreign, make_private,
+                                     others_can_write, row_digest, spot_check)
 from tools.data.temporary import publish, remove_stale_entries, temporary_entry
 from tools.errors import NUMPY_READ_ERRORS
 
@@ -49,14 +61,62 @@ def default_cache_dir() -> Path:
     return Path(base) / "bg-challenge-toolkit"
 
 
-STORE_VERSION = 1  # of the packs' format
+@dataclasses.dataclass(frozen=True)
+class DecodedCache:
+    """The decoded-data cache a run reads and writes: its `folder`, and whether it is `shared` by users
+    (--shared-cache). Private (the default): only packs this user wrote, in a folder only this user can write, are
+    used, and packs are written that only this user can change. Shared: any user's packs are used (each checked
+    alike), and packs are written with the umask's mode."""
+
+    folder: Path
+    shared: bool = False
+
+    def describe(self) -> dict:
+        """What the provenance records of it."""
+        return {"folder": str(self.folder), "shared": self.shared}
+
+
+STORE_VERSION = 2  # of the packs' format (2: rows_sha256.npy)
+PACK_NAME = re.compile(r"(?P<kind>[a-z]+(?:-[a-z]+)*)-[0-9a-f]{24}-v(?P<version>\d+)")  # as `pack_name` names them
+PACK_FILES = ("rows.npy", "hashes.npy", ROW_DIGESTS, "meta.json")
 CHECKED_ROWS = 8  # rows of a torchvision-decoded pack re-decoded by Pillow before the pack is kept
 USE_MARK_INTERVAL_S = 24 * 3600  # a cache entry's use is recorded at most this often (`mark_used`)
+
+_row_checks = RowChecks()  # rows found equal to their digests in this process
+_refused: dict[tuple, str] = {}  # packs (by identity) and folders this process passed over, said once each
+_replaceable: set[str] = set()  # packs found damaged, which this process may write over
+_written: dict[Path, int] = {}  # bytes of the packs this process wrote, per cache folder (`take_written`)
 
 
 def reference_build() -> str:
     """The reference decoder's build (Pillow and its libjpeg): a pack made by another is not read."""
     return f"Pillow {PIL.__version__}, libjpeg {features.version('jpg')}"
+
+
+def pack_name(kind: str, meta: dict, hashes: Sequence[str]) -> str:
+    """The folder name of a pack of `kind` with this meta (less its count) and these file hashes, in order."""
+    digest = hashlib.sha256(json.dumps({**meta, "hashes": list(hashes)}).encode()).hexdigest()
+    return f"{kind}-{digest[:24]}-v{meta['version']}"
+
+
+def take_written() -> dict[Path, int]:
+    """The bytes of the packs this process wrote since the last call, per cache folder (for the one line a command
+    says about it: `tools.data.cache_admin.written_line`)."""
+    written = dict(_written)
+    _written.clear()
+    return written
+
+
+def forget_checks() -> None:
+    """Check every pack again, and say again what is wrong with one, as a new process would (the bench's runs)."""
+    _row_checks.forget()
+    _refused.clear()
+
+
+def _warn_once(key: tuple, message: str) -> None:
+    if key not in _refused:
+        _refused[key] = message
+        log.warning("%s", message)
 
 
 def mark_used(folder: Path, now: float | None = None) -> None:
@@ -73,9 +133,30 @@ def mark_used(folder: Path, now: float | None = None) -> None:
         pass
 
 
+def _make_folder(folder: Path, shared: bool) -> None:
+    """`folder` (and its parents) where missing; a private cache's own folder writable by this user alone."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o777 if shared else 0o755, exist_ok=True)
+
+
+def _private_folder(folder: Path, what: str) -> bool:
+    """Whether the private cache folder `folder` is this user's alone (said once where not)."""
+    try:
+        problem = others_can_write(folder, follow=True)
+    except OSError as exc:
+        problem = f"it cannot be looked at ({exc.strerror or exc})"
+    if problem is not None:
+        _warn_once(("folder", str(folder)), f"not using the {what} in {folder}: {problem}; a private cache is used "
+                   f"only where nobody else can write it: make it yours alone (chmod go-w), choose another "
+                   f"--cache-dir, or pass --shared-cache to use a cache other users write")
+    return problem is None
+
+
 class CacheEntry:
     """Arrays on disk (CLIP's text heads) in `cache_dir`, in a folder named by `key`, a digest of their inputs'
-    content; `meta` (JSON) says what they were made from and must match on reading.
+    content; `meta` (JSON) says what they were made from and must match on reading, and each array must match the
+    SHA-256 stored beside it. A private cache's rules hold (`DecodedCache`): an entry, or its folder, that another
+    user could have written is not used.
 
     `load` gives None on a miss, and on a broken or foreign entry (with a warning), and marks a hit used
     (`mark_used`); `save` writes through `temporary_entry` and `publish`, so an error, Ctrl-C or SIGTERM leaves no
@@ -89,16 +170,28 @@ class CacheEntry:
         self.broken = False  # `load` found an entry it cannot use, which `save` replaces
 
     def load(self, names: Sequence[str]) -> dict[str, np.ndarray] | None:
-        if self.folder is None:
+        if self.folder is None or not self.folder.parent.is_dir() or not _private_folder(self.folder.parent,
+                                                                                          f"{self.what} cache"):
             return None
         remove_stale_entries(self.folder.parent)
         if not (self.folder / "meta.json").is_file():
             return None
         try:
-            if json.loads((self.folder / "meta.json").read_text()) != self.meta:
+            problem = first_foreign([self.folder, *sorted(self.folder.iterdir())])
+            if problem is not None:
+                _warn_once(("entry", str(self.folder)), f"not using the {self.what} cached at {problem}")
+                return None
+            stored = json.loads((self.folder / "meta.json").read_text())
+            digests = stored.pop("sha256", None) if isinstance(stored, dict) else None
+            if stored != self.meta or not isinstance(digests, dict):
                 self.broken = True
                 return None
-            arrays = {name: np.load(self.folder / f"{name}.npy", allow_pickle=False) for name in names}
+            arrays = {}
+            for name in names:
+                data = (self.folder / f"{name}.npy").read_bytes()
+                if hashlib.sha256(data).hexdigest() != digests[name]:
+                    raise ValueError(f"{name}.npy does not match its SHA-256")
+                arrays[name] = np.load(io.BytesIO(data), allow_pickle=False)
         except (*NUMPY_READ_ERRORS, KeyError) as exc:
             log.warning("ignoring an unreadable cache at %s (%s)", self.folder, exc)
             self.broken = True
@@ -112,10 +205,19 @@ class CacheEntry:
             return
         tmp = None
         try:
+            _make_folder(self.folder.parent.parent, shared=False)
+            _make_folder(self.folder.parent, shared=False)
+            if not _private_folder(self.folder.parent, f"{self.what} cache"):
+                return
             tmp = temporary_entry(self.folder.parent)
+            digests = {}
             for name, array in arrays.items():
-                np.save(tmp / f"{name}.npy", array)
-            (tmp / "meta.json").write_text(json.dumps(self.meta))
+                buffer = io.BytesIO()
+                np.save(buffer, array)
+                (tmp / f"{name}.npy").write_bytes(buffer.getvalue())
+                digests[name] = hashlib.sha256(buffer.getvalue()).hexdigest()
+            (tmp / "meta.json").write_text(json.dumps({**self.meta, "sha256": digests}))
+            make_private([tmp, *tmp.iterdir()])
             if publish(tmp, self.folder, self.what, replace=self.broken):
                 log.info("%s cached at %s", self.what, self.folder)
         except OSError as exc:
@@ -127,66 +229,119 @@ class CacheEntry:
 
 class Packs:
     """The packs of one kind of row (`kind`: "image" or "mask-<arithmetic>", of shape `row_shape` and `dtype`)
-    under `cache_dir`; None: no cache (every lookup misses, nothing is written)."""
+    in `cache`; None: no cache (every lookup misses, nothing is written)."""
 
-    def __init__(self, cache_dir: Path | None, kind: str, row_shape: tuple[int, ...], dtype=np.uint8):
-        self.dir = Path(cache_dir) if cache_dir is not None else None
+    def __init__(self, cache: DecodedCache | None, kind: str, row_shape: tuple[int, ...], dtype=np.uint8):
+        self.cache = cache
+        self.dir = cache.folder if cache is not None else None
         self.kind, self.row_shape, self.dtype = kind, tuple(row_shape), np.dtype(dtype)
         self.meta = {"kind": kind, "row_shape": list(self.row_shape), "dtype": self.dtype.str,
                      "version": STORE_VERSION, "reference": reference_build()}
+
+    def usable(self) -> bool:
+        """Whether the cache folder may be used: any, shared; in a private cache, one only this user can write."""
+        return self.cache.shared or _private_folder(self.dir, "decoded-data cache")
 
     def _folders(self) -> list[Path]:
         if self.dir is None:
             return []
         try:
-            if not self.dir.is_dir():  # raises where it may not be entered, before Python 3.12
+            if not self.dir.is_dir() or not self.usable():  # is_dir raises where it may not be entered (< 3.12)
                 return []
             remove_stale_entries(self.dir)
-            return sorted(p for p in self.dir.iterdir() if p.name.startswith(f"{self.kind}-")
-                          and p.name.endswith(f"-v{STORE_VERSION}") and p.is_dir())
+            return sorted(p for p in self.dir.iterdir() if _pack_of(p.name) == (self.kind, STORE_VERSION)
+                          and stat.S_ISDIR(p.lstat().st_mode))
         except OSError as exc:
             log.warning("cannot read the cache at %s (%s); continuing without it", self.dir, exc)
             return []
 
-    def lookup(self, hashes: Sequence[str]) -> list[tuple[np.ndarray, int] | None]:
-        """Per file hash: (the rows of a pack holding it, read-only and mapped, its row there), or None."""
-        wanted = set(hashes)
+    def lookup(self, hashes: Sequence[str],
+               reference: Callable[[int], np.ndarray | None]) -> list[tuple[np.ndarray, int] | None]:
+        """Per file hash: (the rows of a pack holding it, read-only and mapped, its row there), or None. Only packs
+        that pass the checks (`_hits`) are used; `reference(i)`: the row of `hashes[i]`'s file decoded again (None:
+        not to be checked), for the spot check."""
+        wanted: dict[str, int] = {}
+        for index, name in enumerate(hashes):
+            wanted.setdefault(name, index)
         found: dict[str, tuple[np.ndarray, int]] = {}
         used = []
         for folder in self._folders():
             if len(found) == len(wanted):
                 break
-            before = len(found)
             try:
-                meta = json.loads((folder / "meta.json").read_text())
-                if not isinstance(meta, dict) or {k: v for k, v in meta.items() if k != "count"} != self.meta:
-                    continue
-                names = np.load(folder / "hashes.npy", allow_pickle=False)
-                if names.ndim != 1 or names.dtype.kind != "S":  # damaged: not the file hashes a pack is written with
-                    raise ValueError(f"its hashes are {names.dtype} of shape {names.shape}, not a list of hashes")
-                rows = None
-                for row, name in enumerate(names.tolist()):
-                    name = name.decode()
-                    if name in wanted and name not in found:
-                        rows = np.load(folder / "rows.npy", mmap_mode="r") if rows is None else rows
-                        if rows.shape != (len(names), *self.row_shape) or rows.dtype != self.dtype:
-                            log.warning("ignoring the cache pack %s: its rows do not match its meta", folder)
-                            break
-                        found[name] = (rows, row)
-                used += [folder] if len(found) > before else []
+                hits = self._hits(folder, wanted, found, reference)
             except (*NUMPY_READ_ERRORS, KeyError, ValueError) as exc:
                 if isinstance(exc, FileNotFoundError) and not folder.exists():  # removed (tools.data.cache_admin)
                     log.info("the cache pack %s was removed while it was read; decoding what it held", folder)
                 else:
                     log.warning("ignoring an unreadable cache pack at %s (%s)", folder, exc)
+                continue
+            found.update(hits)
+            used += [folder] if hits else []
         for folder in used:
             mark_used(folder)
         return [found.get(h) for h in hashes]
+
+    def _hits(self, folder: Path, wanted: dict[str, int], found: dict,
+              reference: Callable[[int], np.ndarray | None]) -> dict[str, tuple[np.ndarray, int]]:
+        """The rows of `wanted` hashes not yet `found` that `folder` holds, where it proves itself: its meta is this
+        kind's, in a private cache it and its files are this user's alone, its name is the digest of what it holds,
+        the rows taken match their digests (once per process) and a few of them their files decoded again (each
+        time). Else nothing, said once per pack."""
+        info = os.stat(folder / "rows.npy")
+        identity = (str(folder), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+        if identity in _refused:
+            return {}
+        foreign = first_foreign([folder, *(folder / name for name in PACK_FILES)], owners=not self.cache.shared)
+        if foreign is not None:
+            advice = "" if self.cache.shared else ("; a private cache uses only the packs this user wrote "
+                                                   "(--shared-cache: any user's, each checked)")
+            return self._refuse(identity, foreign + advice, damaged=False)
+        meta = json.loads((folder / "meta.json").read_text())
+        if not isinstance(meta, dict) or {k: v for k, v in meta.items() if k != "count"} != self.meta:
+            return {}  # another decoder build's: another install reads it
+        names = np.load(folder / "hashes.npy", allow_pickle=False)
+        if names.ndim != 1 or names.dtype.kind != "S":  # damaged: not the file hashes a pack is written with
+            raise ValueError(f"its hashes are {names.dtype} of shape {names.shape}, not a list of hashes")
+        names = [name.decode() for name in names.tolist()]
+        if folder.name != pack_name(self.kind, self.meta, names):
+            return self._refuse(identity, "its name is not the digest of what it holds (a copy under another name, "
+                                          "or an edited list of files)")
+        used = list({name: (wanted[name], row) for row, name in enumerate(names)
+                     if name in wanted and name not in found}.values())
+        if not used:
+            return {}
+        rows = np.load(folder / "rows.npy", mmap_mode="r")
+        digests = np.load(folder / ROW_DIGESTS, allow_pickle=False)
+        if rows.shape != (len(names), *self.row_shape) or rows.dtype != self.dtype or \
+                digests.shape != (len(names), DIGEST_BYTES) or digests.dtype != np.uint8:
+            return self._refuse(identity, "its rows or their digests do not match its meta")
+        failing = _row_checks.failing(identity, rows, digests, [row for _, row in used])
+        if failing:
+            return self._refuse(identity, f"{len(failing)} of the {len(used)} row(s) used do not match their SHA-256 "
+                                          f"(damaged: a bad copy, a failing disk, an edit)")
+        differing = spot_check(rows, used, reference)
+        if differing is not None:
+            return self._refuse(identity, f"its row {differing} is not what its file decodes to (its rows belong to "
+                                          f"other files than its list says)")
+        return {names[row]: (rows, row) for _, row in used}
+
+    def _refuse(self, identity: tuple, why: str, damaged: bool = True) -> dict:
+        _warn_once(identity, f"ignoring the cache pack {identity[0]}: {why}; decoding its images instead")
+        if damaged:
+            _replaceable.add(identity[0])
+        return {}
 
     def writer(self, hashes: Sequence[str], check: Callable[[int, np.ndarray], bool] | None = None) -> "PackWriter":
         """A pack to fill with the rows of `hashes` (in that order); `check(i, row)`: whether row i is the
         reference's, asked of a few rows before the pack is kept (None: all are)."""
         return PackWriter(self, list(hashes), check)
+
+
+def _pack_of(name: str) -> tuple[str, int] | None:
+    """(kind, format version) of a pack's folder name; None for any other name."""
+    match = PACK_NAME.fullmatch(name)
+    return None if match is None else (match["kind"], int(match["version"]))
 
 
 def _allocate(path: Path) -> None:
@@ -204,16 +359,21 @@ def _allocate(path: Path) -> None:
 class PackWriter:
     """One pack being written: rows go straight into its file in a temporary folder (`put`, from any thread,
     one row each), and `commit` renames it into place once every row is in; `abort` (or an incomplete pack)
-    removes it. Without a cache folder, or with no rows, it does nothing."""
+    removes it. Each row's SHA-256 is taken as it is put. Without a cache folder, in a private cache's folder that
+    others can write (`Packs.usable`), or with no rows, it does nothing."""
 
     def __init__(self, packs: Packs, hashes: list[str], check: Callable[[int, np.ndarray], bool] | None):
         self.packs, self.hashes, self.check = packs, hashes, check
         self.tmp: Path | None = None
         self.rows: np.ndarray | None = None
+        self.digests = np.zeros((len(hashes), DIGEST_BYTES), np.uint8)
         self.filled = np.zeros(len(hashes), bool)
         if packs.dir is None or not hashes:
             return
         try:
+            _make_folder(packs.dir, packs.cache.shared)
+            if not packs.usable():
+                return
             self.tmp = temporary_entry(packs.dir)
             self.rows = np.lib.format.open_memmap(self.tmp / "rows.npy", mode="w+", dtype=packs.dtype,
                                                   shape=(len(hashes), *packs.row_shape))
@@ -225,6 +385,7 @@ class PackWriter:
     def put(self, index: int, row: np.ndarray) -> None:
         if self.rows is not None:
             self.rows[index] = row
+            self.digests[index] = row_digest(self.rows[index])
             self.filled[index] = True
 
     def commit(self) -> Path | None:
@@ -245,11 +406,16 @@ class PackWriter:
             self.rows.flush()
             self.rows = None
             np.save(self.tmp / "hashes.npy", np.array(self.hashes, dtype="S64"))
+            np.save(self.tmp / ROW_DIGESTS, self.digests)
             (self.tmp / "meta.json").write_text(json.dumps({**packs.meta, "count": len(self.hashes)}))
-            digest = hashlib.sha256(json.dumps({**packs.meta, "hashes": self.hashes}).encode()).hexdigest()
-            folder = packs.dir / f"{packs.kind}-{digest[:24]}-v{STORE_VERSION}"
-            if publish(self.tmp, folder, "pack"):
-                log.info("%d decoded %s row(s) cached at %s", len(self.hashes), packs.kind, folder)
+            if not packs.cache.shared:
+                make_private([self.tmp, *self.tmp.iterdir()])
+            folder = packs.dir / pack_name(packs.kind, packs.meta, self.hashes)
+            size = sum(p.stat().st_size for p in self.tmp.iterdir())
+            if publish(self.tmp, folder, "pack", replace=str(folder) in _replaceable):
+                log.debug("%d decoded %s row(s) cached at %s", len(self.hashes), packs.kind, folder)
+                _replaceable.discard(str(folder))
+                _written[packs.dir] = _written.get(packs.dir, 0) + size
             return folder
         except OSError as exc:
             log.warning("could not write the cache at %s (%s); continuing without it", packs.dir, exc)

@@ -1,26 +1,35 @@
-"""Temporary folders renamed into place once their content is complete: a build's output, an archive's extraction
-(`temporary_folder`) and the decoded-data cache's entries (`temporary_entry`, `publish`, and their removal,
-`remove_entry`). Each is made beside where its content goes, with the umask's mode, named after the host and
-process that own it, removed when the work fails or is interrupted, and, when its process died without removing
-it (SIGKILL, a crash, a power cut), by the next command that looks in the same place (`remove_stale`)."""
+"""Temporary folders and files renamed into place once their content is complete: a build's output, an archive's
+extraction (`temporary_folder`), the decoded-data cache's entries (`temporary_entry`, `publish`, and their removal,
+`remove_entry`) and every output file (`tools.provenance.atomic_write`, named by `atomic_names`). Each is made
+beside where its content goes, named after the host and process that own it, and removed when the work fails or
+is interrupted; when its process died without removing it (SIGKILL, a crash, a power cut), the next command that
+looks in the same place removes it (`remove_stale`).
+
+Only names that match a writer's pattern exactly are touched (`TemporaryNames`: a user's `.tmp-notes/` is not a
+temporary), and a cache temporary only where it holds what a cache writer writes (`holds_entry_files`). One is
+stale when its process is known to be dead (this host, no such process) or, whatever its host, when nothing in it
+changed for `STALE_AFTER_S`: a container's host name changes on every start, so a killed run's temporaries
+would otherwise be another host's forever."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import re
 import secrets
 import shutil
 import socket
+import stat
 import sys
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
-
-def _owner() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-"
+STALE_AFTER_S = 24 * 3600  # a temporary unchanged this long is stale, whatever its host (a writer changes it)
 
 
 def is_running(pid: int) -> bool:
@@ -36,30 +45,90 @@ def is_running(pid: int) -> bool:
     return True
 
 
-def is_stale(name: str, prefix: str, sep: str, host: str) -> bool:
-    """Whether the temporary folder `name` (`<prefix><host><sep><pid><sep><random>`) was left by a process of `host`
-    that no longer runs. A cache entry's (`ENTRY_PREFIX`) without `ENTRY_SEP` is an older version's (mkdtemp's
-    `.tmp-<random>`, which no writer makes any more): stale too."""
-    rest = name[len(prefix):]
-    if prefix == ENTRY_PREFIX and ENTRY_SEP not in rest:
+@dataclasses.dataclass(frozen=True)
+class TemporaryNames:
+    """The names one kind of writer gives its temporaries: `<prefix><host><sep><pid><sep><random><suffix>`, the
+    random part matching `random` (a regular expression) exactly; `legacy`: the whole name as an older version
+    gave it, without host or process (stale by age alone)."""
+
+    prefix: str
+    sep: str
+    random: str
+    suffix: str = ""
+    legacy: str | None = None
+
+    def make(self, token: str, pid: int | None = None) -> str:
+        return f"{self.owned_by(pid)}{token}{self.suffix}"
+
+    def owned_by(self, pid: int | None = None) -> str:
+        """How the names of process `pid`'s temporaries (by default this process's) begin."""
+        return f"{self.prefix}{socket.gethostname()}{self.sep}{os.getpid() if pid is None else pid}{self.sep}"
+
+    def owner(self, name: str) -> tuple[str, int] | tuple[None, None] | None:
+        """(host, pid) of the temporary named `name`; (None, None) for a legacy name; None where `name` is not one
+        of these names."""
+        sep = re.escape(self.sep)
+        host = "[^/]+" if self.sep == "-" else f"[^/{sep}]+"  # host names hold dashes, never an @
+        match = re.fullmatch(f"{re.escape(self.prefix)}(?P<host>{host}){sep}(?P<pid>[0-9]+){sep}(?:{self.random})"
+                             f"{re.escape(self.suffix)}", name)
+        if match is not None:
+            return match["host"], int(match["pid"])
+        if self.legacy is not None and re.fullmatch(self.legacy, name):
+            return None, None
+        return None
+
+
+def newest_change(path: Path) -> float:
+    """The newest modification time of `path` and everything under it (links not followed)."""
+    info = os.lstat(path)
+    newest = info.st_mtime
+    if stat.S_ISDIR(info.st_mode):
+        for parent, folders, files in os.walk(path):
+            for name in folders + files:
+                with contextlib.suppress(OSError):
+                    newest = max(newest, os.lstat(os.path.join(parent, name)).st_mtime)
+    return newest
+
+
+def is_stale(path: Path, owner: tuple, now: float | None = None) -> bool:
+    """Whether the temporary `path` of `owner` ((host, pid), or (None, None) for a legacy name) was left behind:
+    its process is of this host and no longer runs, or nothing in it changed for `STALE_AFTER_S`."""
+    host, pid = owner
+    if host == socket.gethostname() and not is_running(pid):
         return True
-    owner_host, _, pid_text = rest.rpartition(sep)[0].rpartition(sep)
-    return owner_host == host and pid_text.isdigit() and not is_running(int(pid_text))
+    try:
+        return (time.time() if now is None else now) - newest_change(path) > STALE_AFTER_S
+    except OSError:  # gone meanwhile
+        return False
 
 
-def remove_stale(parent: Path, prefix: str, sep: str = "-") -> list[Path]:
-    """Remove the `prefix` folders in `parent` (named `<prefix><host><sep><pid><sep><random>`) left by a process of
-    this host that no longer runs; returns them.
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
-    Folders of another host (a shared file system) or of a running process are left alone."""
-    parent, host = Path(parent), socket.gethostname()
+
+def remove_stale(parent: Path, names: TemporaryNames, looks_right: Callable[[Path], bool] | None = None,
+                 folders: bool = True) -> list[Path]:
+    """Remove the stale temporaries (`is_stale`) in `parent` whose names are exactly `names`' (folders, or with
+    `folders=False` files; neither links) and, with `looks_right`, whose content it accepts; returns them."""
+    parent = Path(parent)
     removed = []
     for entry in sorted(parent.iterdir()) if parent.is_dir() else []:
-        if not entry.name.startswith(prefix):
+        owner = names.owner(entry.name)
+        try:
+            kind = entry.lstat().st_mode if owner is not None else 0
+        except FileNotFoundError:  # removed meanwhile
             continue
-        if entry.is_dir() and is_stale(entry.name, prefix, sep, host):
-            shutil.rmtree(entry, ignore_errors=True)
-            log.info("removed %s, left by a process that no longer runs", entry)
+        if owner is None or not (stat.S_ISDIR(kind) if folders else stat.S_ISREG(kind)):
+            continue
+        if looks_right is not None and not looks_right(entry):
+            continue
+        if is_stale(entry, owner):
+            _delete(entry)
+            log.info("removed %s, left by a process that stopped (or unchanged for a day)", entry)
             removed.append(entry)
     return removed
 
@@ -72,8 +141,9 @@ def temporary_folder(parent: Path, prefix: str) -> Iterator[Path]:
     KeyboardInterrupt and SIGTERM's `tools.cli.Terminated` included, removes the folder before it
     goes on."""
     parent = Path(parent)
-    remove_stale(parent, prefix)
-    folder = parent / f"{prefix}{_owner()}{secrets.token_hex(4)}"
+    names = TemporaryNames(prefix, "-", "[0-9a-f]{8}")
+    remove_stale(parent, names)
+    folder = parent / names.make(secrets.token_hex(4))
     folder.mkdir()
     try:
         yield folder
@@ -81,20 +151,42 @@ def temporary_folder(parent: Path, prefix: str) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)  # already gone when the work renamed it into place
 
 
-ENTRY_PREFIX, ENTRY_SEP = ".tmp-", "@"  # a cache entry being written: .tmp-HOST@PID@<random> (no host name holds an @)
+def atomic_names(path: Path) -> TemporaryNames:
+    """The temporary files `tools.provenance.atomic_write` writes `path` through: `.NAME.HOST@PID@<random>.tmp`
+    (before: `.NAME.<random>.tmp`, without host or process)."""
+    prefix = f".{Path(path).name}."
+    return TemporaryNames(prefix, "@", "[0-9a-f]{12}", ".tmp", legacy=f"{re.escape(prefix)}[0-9a-f]{{12}}\\.tmp")
 
 
-def temporary_prefix(pid: int | None = None) -> str:
-    """`.tmp-HOST@` starts the names of the cache entries being written on this machine, `.tmp-HOST@PID@` those
-    of process PID."""
-    host = f"{ENTRY_PREFIX}{socket.gethostname()}{ENTRY_SEP}"
-    return host if pid is None else f"{host}{pid}{ENTRY_SEP}"
+# A cache entry being written: .tmp-HOST@PID@<random> (no host name holds an @), or being removed:
+# .tmp-HOST@PID@removing-<random>; older versions wrote through mkdtemp's .tmp-<8 characters>.
+REMOVING = "removing-"  # what follows `ENTRY_NAMES.owned_by(pid)` in the name of an entry being removed
+ENTRY_NAMES = TemporaryNames(".tmp-", "@", f"[0-9a-f]{{16}}|{REMOVING}[0-9a-f]{{8}}", legacy=r"\.tmp-[a-z0-9_]{8}")
+ENTRY_PREFIX = ENTRY_NAMES.prefix
+
+
+def holds_entry_files(folder: Path) -> bool:
+    """Whether `folder` holds only what the cache's writers write: regular files named `meta.json` or `*.npy`."""
+    try:
+        return all(stat.S_ISREG(child.lstat().st_mode) and (child.name == "meta.json" or child.suffix == ".npy")
+                   and not child.name.startswith(".") for child in folder.iterdir())
+    except OSError:
+        return False
+
+
+def entry_temporary(path: Path) -> tuple | None:
+    """The owner of the cache temporary `path` (`TemporaryNames.owner`), or None where it is not one: its name is
+    not exactly a writer's, or it holds what no writer writes, or it is a link."""
+    owner = ENTRY_NAMES.owner(path.name)
+    if owner is None or path.is_symlink() or not path.is_dir() or not holds_entry_files(path):
+        return None
+    return owner
 
 
 def remove_stale_entries(cache_dir: Path) -> None:
     """`remove_stale` for the cache entries being written in `cache_dir`; a folder that cannot be read is left."""
     try:
-        remove_stale(cache_dir, ENTRY_PREFIX, ENTRY_SEP)
+        remove_stale(cache_dir, ENTRY_NAMES, holds_entry_files)
     except OSError:
         return
 
@@ -104,12 +196,9 @@ def temporary_entry(parent: Path) -> Path:
     and the caller removes where it is still there; with the umask's mode, as the cache's other folders (mkdtemp's
     0700 would shut out the other users of a shared cache folder)."""
     parent.mkdir(parents=True, exist_ok=True)
-    folder = parent / f"{temporary_prefix(os.getpid())}{secrets.token_hex(8)}"
+    folder = parent / ENTRY_NAMES.make(secrets.token_hex(8))
     folder.mkdir()
     return folder
-
-
-REMOVING = "removing-"  # what follows `temporary_prefix(pid)` in the name of an entry being removed
 
 
 def remove_entry(path: Path) -> None:
@@ -118,7 +207,7 @@ def remove_entry(path: Path) -> None:
     A folder already gone is no error. OSError where some of it cannot be deleted (another user's files, an
     immutable flag): the entry is renamed back where nothing of it was deleted yet, else left under its removing
     name (removed by a later use, where it can be)."""
-    doomed = path.parent / f"{temporary_prefix(os.getpid())}{REMOVING}{secrets.token_hex(4)}"
+    doomed = path.parent / ENTRY_NAMES.make(REMOVING + secrets.token_hex(4))
     try:
         os.rename(path, doomed)
     except FileNotFoundError:
@@ -141,9 +230,10 @@ def remove_entry(path: Path) -> None:
 def publish(tmp: Path, folder: Path, what: str, replace: bool = False) -> bool:
     """Rename the complete entry `tmp` (its `meta.json` written last) to `folder`; whether ours went in. An entry
     already at `folder` is kept (named by its content, it is the same), unless `replace` (an entry its reader found
-    broken): then it is removed first by `remove_entry` (renamed away, so no reader sees half of it). One that
-    another process renamed there meanwhile is kept, and `tmp` left for the caller to remove."""
-    if replace:
+    broken, and holding only what the cache writes): then it is removed first by `remove_entry` (renamed away, so
+    no reader sees half of it). One that another process renamed there meanwhile is kept, and `tmp` left for the
+    caller to remove."""
+    if replace and holds_entry_files(folder):
         remove_entry(folder)
     try:
         os.replace(tmp, folder)

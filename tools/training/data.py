@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 from tools.data import decoding as datasets
 from tools.data import layout
 from tools.data.compositing import byte_masks, composite
-from tools.data.store import default_cache_dir
+from tools.data.store import DecodedCache, default_cache_dir
 from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE, TRAIN_SPLIT, Variation
 from tools.runtime import to_device
@@ -132,8 +132,8 @@ def decoded_store(data: TrainingData, fingerprint: dict, workers: int, progress:
     files' SHA-256 by relative path where listing computed them (else they are read again)."""
     groups = {"images": data.images, **({"backgrounds": data.backgrounds} if data.backgrounds is not None else {})}
     decoded, masks = datasets.decode_cached(data.root, groups, data.masks or [], fingerprint,
-                                            default_cache_dir(), workers=max(1, workers), progress=progress,
-                                            hashes=hashes, channels_last=True)
+                                            DecodedCache(default_cache_dir()), workers=max(1, workers),
+                                            progress=progress, hashes=hashes, channels_last=True)
     return DecodedStore(decoded["images"], masks if data.masks is not None else None, decoded.get("backgrounds"))
 
 
