@@ -160,11 +160,40 @@ def test_head_and_templates_are_part_of_the_model_identity(tiny_clip, tmp_path, 
     digests = {}
     for options in ("+templates=simple", "+head=in9+templates=simple", "+head=in9"):
         loaded = load_model(f"clip:{TINY_CLIP}/{weights}{options}")
-        digests[options] = loaded.sha256
+        digests[options] = loaded.identity
         assert loaded.describe()["zero_shot"]["weights_sha256"] == sha256_file(weights)
         assert loaded.source == str(weights)
     assert len(set(digests.values())) == 3
-    assert load_model(f"clip:{TINY_CLIP}/{weights}+head=in9").sha256 == digests["+head=in9"]
+    assert load_model(f"clip:{TINY_CLIP}/{weights}+head=in9").identity == digests["+head=in9"]
+
+
+@pytest.mark.parametrize("change", ["pooling", "version"])
+def test_open_clips_model_config_and_version_are_part_of_the_model_identity(change, tiny_clip, tmp_path, monkeypatch,
+                                                                            one_thread):
+    """One weights file under another open_clip configuration of its architecture (the image tower's pooling,
+    which changes every image embedding and no weight), or read by another open_clip: another model."""
+    import open_clip
+    weights = tmp_path / "tiny.pt"
+    torch.save(same_random_clip().state_dict(), weights)
+    spec = f"clip:{TINY_CLIP}/{weights}+head=in9+templates=simple"
+    first = load_model(spec)
+    if change == "pooling":
+        config = open_clip.get_model_config(TINY_CLIP)
+        config["vision_cfg"]["pool_type"] = "avg"
+        monkeypatch.setitem(open_clip.factory._MODEL_CONFIGS, TINY_CLIP, config)
+    else:
+        monkeypatch.setattr(open_clip, "__version__", "99.0.0", raising=False)
+    again = load_model(spec)
+    assert again.identity != first.identity
+    settings = again.record.describe()
+    if change == "pooling":
+        assert settings["settings"]["open_clip model config"]["vision_cfg"]["pool_type"] == "avg"
+        images = torch.randint(0, 256, (4, 3, 224, 224), dtype=torch.uint8,
+                               generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert not torch.allclose(again.model(images), first.model(images))
+    else:
+        assert settings["libraries"]["open_clip"] == "99.0.0"
 
 
 def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog, one_thread):
@@ -186,7 +215,7 @@ def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog
     again = load_model(spec)  # read from the cache: the same head, no text encoded
     assert len(builds) == 1 and torch.equal(again.model.classifier.head, first.model.classifier.head)
     assert time.time() - meta.stat().st_mtime < 60  # marked as used today, for `python -m tools.data cache`
-    assert again.sha256 == first.sha256
+    assert again.identity == first.identity
     load_model(spec + "+templates=simple")  # other prompts: another head
     assert len(builds) == 2
     with torch.no_grad():  # the same file name, other text weights: built again, and different
@@ -195,7 +224,7 @@ def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog
     changed = load_model(spec)
     assert len(builds) == 3
     torch.testing.assert_close(changed.model.classifier.head, -first.model.classifier.head)
-    assert changed.sha256 != first.sha256
+    assert changed.identity != first.identity
     for entry in (tmp_path / "cache").rglob("head.npy"):  # a damaged entry is built again, with a warning
         entry.write_bytes(b"not an array")
     with caplog.at_level(logging.WARNING):
@@ -340,7 +369,7 @@ def test_random_initialisation_is_reproducible(tiny_clip, loaded, one_thread):
     images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(again.model(images), loaded.model(images))
-    assert again.sha256 == loaded.sha256 and np.isfinite(float(loaded.model.classifier.logit_scale))
+    assert again.identity == loaded.identity and np.isfinite(float(loaded.model.classifier.logit_scale))
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +431,7 @@ def test_the_tags_interpolation_and_preprocessing_are_used_and_in_the_identity(t
     with_preprocess(monkeypatch, interpolation="bilinear")
     bilinear = load_model(tiny_clip)
     assert bilinear.describe()["zero_shot"]["preprocess"]["interpolation"] == "bilinear"
-    assert bilinear.sha256 != loaded.sha256
+    assert bilinear.identity != loaded.identity
     images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     model = same_random_clip()
     preprocess = open_clip.get_model_preprocess_cfg(model)

@@ -211,7 +211,7 @@ def test_leaderboard_rows_name_what_they_rank(release_run, specs, checkpoints):
     assert rows[mobilenet]["weights_sha256"] == sha256_file(checkpoints / "mobilenet.pt")[:12]
     clip_payload = json.loads(results_file(output, clip).read_text())
     assert (rows[clip]["source"], rows[clip]["weights"]) == ("clip", "none")
-    assert rows[clip]["weights_sha256"] == clip_payload["identity"]["weights_sha256"][:12]  # no file: the weights'
+    assert rows[clip]["weights_sha256"] == clip_payload["identity"]["model"][:12]  # no file: the model's
     resnet50 = rows["ResNet-50"]
     assert (resnet50["source"], resnet50["weights"], resnet50["weights_sha256"]) == \
         ("torchvision", "IMAGENET1K_V1", "19c8e357")  # the hash prefix torch names resnet50-19c8e357.pth by
@@ -372,8 +372,10 @@ def test_checkpoint_overwritten_in_place_is_recomputed(small, tmp_path, capsys, 
     assert code == 0, err
     assert f"{spec}: done: " in out
     new = json.loads(results_file(output, spec).read_text())
-    assert new["in9"]["provenance"]["sha256"] == sha256_file(model) != old["in9"]["provenance"]["sha256"]
-    assert new["identity"]["weights_sha256"] == sha256_file(model)
+    checkpoint = new["in9"]["provenance"]["model_record"]["files"]["checkpoint"]
+    assert checkpoint["sha256"] == sha256_file(model) != old["in9"]["provenance"]["model_record"]["files"][
+        "checkpoint"]["sha256"]
+    assert new["identity"]["model"] == new["in9"]["provenance"]["identity"] != old["identity"]["model"]
 
 
 def test_same_content_under_another_path_is_reused(small, tmp_path, capsys, monkeypatch, one_thread):
@@ -420,7 +422,7 @@ def test_a_clip_model_from_a_weights_file_is_reused_until_the_file_changes(small
     code, out, err = small_zoo(data, output, spec, capsys)
     assert code == 0 and f"{spec}: done: " in out, err
     recorded = json.loads(results_file(output, spec).read_text())
-    assert recorded["weights_file_sha256"] == sha256_file(weights) != recorded["identity"]["weights_sha256"]
+    assert recorded["weights_file_sha256"] == sha256_file(weights) != recorded["identity"]["model"]
     code, out, err = small_zoo(data, output, spec, capsys)
     assert code == 0 and f"{spec}: skipped: " in out, err
     torch.manual_seed(1)

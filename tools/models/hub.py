@@ -3,10 +3,7 @@ repository's weights are, and the one line that says what to do when they are no
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
-
-from tools.data.hashing import sha256_file
 
 
 def cache_folder() -> Path:
@@ -52,14 +49,6 @@ def in_cache(path: Path) -> bool:
     parts = Path(path).parts
     return snapshot_revision(path) is not None or (
         len(parts) >= 3 and parts[-2] == "blobs" and parts[-3].startswith(("models--", "datasets--")))
-
-
-def files_digest(paths: list[Path]) -> str:
-    """The SHA-256 of one weights file; of several (shards), the SHA-256 of their names and hashes in order."""
-    if len(paths) == 1:
-        return sha256_file(paths[0])
-    lines = "".join(f"{p.name} {sha256_file(p)}\n" for p in sorted(paths))
-    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def not_cached_line(what: str, fetch: str, reason: str) -> str:

@@ -59,7 +59,7 @@ class Row:
     criterion: str | None = "any"  # the challenge's criterion
     classes: int | None = None  # what the model predicts over: 1000 ImageNet classes (mapped) or the 9 of IN-9
     zero_shot: str | None = None  # a CLIP row's head and templates, e.g. "imagenet, openai templates"
-    weights_sha256: str | None = None  # short: of the weights file, else of the weights (a random CLIP, a module)
+    weights_sha256: str | None = None  # short: of the weights file, else the model's identity (a random CLIP)
     note: str | None = None  # how a published row's source ran the model, where it differs from the scripts
 
 
@@ -83,8 +83,8 @@ def _zero_shot(provenance: dict) -> str | None:
 
 
 def _weights_hash(payload: dict) -> str | None:
-    """The weights file's SHA-256, else the weights' own (a random CLIP), short."""
-    digest = payload.get("weights_file_sha256") or (payload.get("identity") or {}).get("weights_sha256")
+    """The weights file's SHA-256, else the model's identity (a random CLIP), short."""
+    digest = payload.get("weights_file_sha256") or (payload.get("identity") or {}).get("model")
     return digest[:HASH_CHARS] if digest else None
 
 
