@@ -391,6 +391,27 @@ def test_same_content_under_another_path_is_reused(small, tmp_path, capsys, monk
     assert calls == [] and f"{spec}: skipped: " in out
 
 
+def test_a_done_model_whose_files_are_unchanged_is_skipped_without_building_it(small, tmp_path, capsys, monkeypatch,
+                                                                             one_thread):
+    """The results file's record names every input of the model's loader: when each of its files hashes as
+    recorded (and each library has its version), the model is skipped unbuilt; when one does not, it runs again."""
+    data, model = small
+    spec, output = f"file:{model}", tmp_path / "zoo"
+    assert small_zoo(data, output, spec, capsys)[0] == 0
+    built = []
+    monkeypatch.setattr(zoo, "load_model", lambda *a, **k: built.append(a) or pytest.fail("the model was built"))
+    code, out, err = small_zoo(data, output, spec, capsys)
+    assert code == 0 and f"{spec}: skipped: " in out and built == [], err
+    payload = json.loads(results_file(output, spec).read_text())
+    assert zoo.recorded_model_unchanged(payload) is True
+    record = payload["in9"]["provenance"]["model_record"]
+    assert record["files"]["checkpoint"]["path"] == str(model)
+    save_torchscript(synthetic.ColorEvidenceModel(9, fg_weight=0.5, bg_weight=4.0), model)  # same path, other weights
+    assert zoo.recorded_model_unchanged(payload) is False
+    payload["in9"]["provenance"]["model_record"]["settings"]["arch"] = "resnet18"  # not the identity's record
+    assert zoo.recorded_model_unchanged(payload) is None
+
+
 def test_run_state_of_other_settings_is_set_aside_once(small, tmp_path, capsys, one_thread):
     """A model interrupted under one criterion and rerun under another: its state is moved aside with one line."""
     data, model = small

@@ -168,17 +168,23 @@ def _read_json(path: Path) -> dict | None:
     return payload if isinstance(payload, dict) else None
 
 
+# The files a loader reads at a path its model's name fixes: the checkpoint the name (or --checkpoint) names, and
+# pretrained weights at their URL's place in torch's hub cache. Where the record holds others, the files a loader
+# would read now may be others (a folder's new processor config, an adapter's .safetensors beside its .bin).
+FIXED_FILES = {"checkpoint", "weights"}
+
+
 def recorded_model_unchanged(payload: dict) -> bool | None:
     """Whether the model a results file was made of is still that model, told without building it, from the record
     in its provenance: each file it names hashes as recorded and each library has the recorded version. None where
-    only building the model can tell: a record of an older file or not its identity's, a file of a hub cache (a
-    moved refs/main loads another), code found through the import path, several files under one role, or a part
-    computed at load time (CLIP's text head)."""
+    only building the model can tell: a record of an older file or not its identity's, a file other than those
+    `FIXED_FILES` names, a file of a hub cache (a moved refs/main loads another), or a part computed at load time
+    (CLIP's text head, seeded random weights)."""
     described = ((payload.get("in9") or {}).get("provenance") or {}).get("model_record")
     if not isinstance(described, dict) or ModelRecord.digest_of(described) != payload["identity"].get("model"):
         return None
     files = described.get("files", {})
-    if described.get("computed") or any("path" not in entry or role.startswith("code ") or
+    if described.get("computed") or any(role not in FIXED_FILES or "path" not in entry or
                                         hub.in_cache(Path(entry["path"])) for role, entry in files.items()):
         return None
     for entry in files.values():

@@ -187,7 +187,8 @@ def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Norma
         path = weights_file(cfg)
         if path is None:
             raise RuntimeError(f"timm loaded {spec}'s pretrained weights, but from no file this toolkit can find")
-        tag = record.setting("timm tag", cfg.get("tag") or hub.snapshot_revision(path))
+        record.setting("timm tag", cfg.get("tag"))  # a hub repository's weights have none: their content says it
+        tag = cfg.get("tag") or hub.snapshot_revision(path)
         record.read_file(path, "weights")
         origin = ModelOrigin(spec.model, tag, str(path),
                              f"timm pretrained ({cfg.get('hf_hub_id') or cfg.get('url') or 'file'})")
