@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import in9_eval
-from tests.helpers import check_error, run_in_process
+from tests.helpers import check_error, files_read, run_in_process, unrecorded_reads
 from tools import zoo
 from tools.data import synthetic
 from tools.errors import UserError
@@ -93,7 +93,9 @@ def test_an_adapter_folder_on_a_base_checkpoint_is_merged(kind, safe, pixels, tm
     model = adapted(kind)
     model.save_pretrained(tmp_path / "adapter", safe_serialization=safe)
     base = save_base(tmp_path / "base.pt")
-    loaded = load_model(f"{SMALL_CNN}@file:{base}", checkpoint=tmp_path / "adapter")
+    with files_read() as read:
+        loaded = load_model(f"{SMALL_CNN}@file:{base}", checkpoint=tmp_path / "adapter")
+    assert unrecorded_reads(read, loaded.record) == []
     assert_same_predictions(loaded, model, pixels)
     assert loaded.num_classes == 9
     assert f"peft {kind} adapter" in loaded.checkpoint_format
@@ -266,7 +268,9 @@ def test_a_trusted_modules_code_is_in_its_identity(pixels, tmp_path, monkeypatch
     first = load_model(checkpoint=path, trust=True)
     write_module_code(tmp_path, -1)
     monkeypatch.delitem(sys.modules, "signed_net")  # a later run imports the code as it is now
-    again = load_model(checkpoint=path, trust=True)
+    with files_read() as read:
+        again = load_model(checkpoint=path, trust=True)
+    assert unrecorded_reads(read, again.record) == [] and tmp_path / "signed_net.py" in read
     assert torch.equal(loaded_logits(again, pixels), -loaded_logits(first, pixels))
     assert again.identity != first.identity
     assert again.record.describe()["files"]["code signed_net"]["path"] == str(tmp_path / "signed_net.py")

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import challenge_eval
 import in9_eval
-from tests.helpers import TINY_CLIP, TINY_CLIP_OPTIONS, run_in_process
+from tests.helpers import TINY_CLIP, TINY_CLIP_OPTIONS, files_read, run_in_process, unrecorded_reads
 from tests.reference import evaluate as reference_evaluate
 from tests.challenge_reference import reference_matrix, reference_verdicts
 from tools.models import clip as clip_zero_shot
@@ -176,7 +176,9 @@ def test_open_clips_model_config_and_version_are_part_of_the_model_identity(chan
     weights = tmp_path / "tiny.pt"
     torch.save(same_random_clip().state_dict(), weights)
     spec = f"clip:{TINY_CLIP}/{weights}+head=in9+templates=simple"
-    first = load_model(spec)
+    with files_read() as read:
+        first = load_model(spec)
+    assert unrecorded_reads(read, first.record) == []
     if change == "pooling":
         config = open_clip.get_model_config(TINY_CLIP)
         config["vision_cfg"]["pool_type"] = "avg"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import in9_eval
-from tests.helpers import check_error, run_in_process
+from tests.helpers import check_error, files_read, run_in_process, unrecorded_reads
 from tools.errors import UserError
 from tools.in9 import class_names
 from tools.models.sources import load_model
@@ -165,7 +165,9 @@ def test_a_models_remote_code_is_in_its_identity(tmp_path, hub_cache, monkeypatc
     with_remote_model(tmp_path / "m", 1.0)
     first = load_model(f"hf:{tmp_path / 'm'}", trust_remote_code=True)
     with_remote_model(tmp_path / "m", -1.0)
-    again = load_model(f"hf:{tmp_path / 'm'}", trust_remote_code=True)
+    with files_read() as read:
+        again = load_model(f"hf:{tmp_path / 'm'}", trust_remote_code=True)
+    assert unrecorded_reads(read, again.record) == []
     batch = images()
     with torch.no_grad():
         assert not torch.equal(first.model(batch).argmax(1), again.model(batch).argmax(1))

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import in9_eval
-from tests.helpers import check_error, run_in_process
+from tests.helpers import check_error, files_read, run_in_process, unrecorded_reads
 from tools import zoo
 from tools.data import synthetic
 from tools.data.hashing import sha256_file
@@ -125,8 +125,9 @@ def test_timm_pretrained_weights_from_the_hub_cache(name, timm_weights, hub_cach
     module, folder = timm_weights
     snapshot = put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors",
                                                     "config.json": folder / "config.json"})
-    with caplog.at_level(logging.INFO, logger="tools"):
+    with caplog.at_level(logging.INFO, logger="tools"), files_read() as read:
         loaded = load_model(name)
+    assert unrecorded_reads(read, loaded.record) == []  # a hub name's config.json (timm reads it) is recorded
     weights_file = snapshot / "model.safetensors"
     assert (loaded.weights, loaded.source) == (TIMM_TAG, str(weights_file))
     record = loaded.record.describe()  # the weights and the pixel pipeline
@@ -268,7 +269,9 @@ def test_a_timm_hub_name_with_a_checkpoint_file_takes_the_hubs_data_config(timm_
                                                     "config.json": changed})
     path = tmp_path / "weights.pt"
     torch.save(module.state_dict(), path)
-    loaded = load_model(f"timm:hf-hub:{TIMM_REPO}@file:{path}")
+    with files_read() as read:
+        loaded = load_model(f"timm:hf-hub:{TIMM_REPO}@file:{path}")
+    assert unrecorded_reads(read, loaded.record) == []
     assert "0.4" in loaded.normalization
     batch = images()
     check_same_predictions(loaded, own_logits(module, batch, (0.4, 0.5, 0.6), (0.5,) * 3, 160), batch)
@@ -337,7 +340,9 @@ def test_transformers_classifier_equals_its_own_predictions(labels, tmp_path, hu
     names = {"imagenet": imagenet_labels, "in9": lambda: [n.title() for n in class_names()],
              "in9-placeholders": lambda: None}[labels]()
     module = save_vit(tmp_path / "vit", names, seed=2, num_labels=9)
-    loaded = load_model(f"hf:{tmp_path / 'vit'}")
+    with files_read() as read:
+        loaded = load_model(f"hf:{tmp_path / 'vit'}")
+    assert unrecorded_reads(read, loaded.record) == []
     assert loaded.num_classes == (1000 if labels == "imagenet" else 9)
     assert loaded.source == str(tmp_path / "vit" / "model.safetensors")
     record = loaded.record.describe()  # weights and configs

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import in9_eval
-from tests.helpers import check_error, run_in_process
+from tests.helpers import check_error, files_read, run_in_process, unrecorded_reads
 from tools import options, zoo
 from tools.challenge import cli as challenge_cli
 from tools.data import synthetic
@@ -47,7 +47,9 @@ def loader_inputs() -> set[str]:
 
 
 def test_every_input_of_the_loader_is_in_its_record_or_declared(two_keys):
-    loaded = load_model(SMALL_CNN, checkpoint=two_keys, checkpoint_key="state_dict_ema")
+    with files_read() as read:
+        loaded = load_model(SMALL_CNN, checkpoint=two_keys, checkpoint_key="state_dict_ema")
+    assert unrecorded_reads(read, loaded.record) == [] and two_keys in read
     record = loaded.record.describe()
     recorded = set(record["settings"]) | set(record["files"])
     missing = sorted(name for name in loader_inputs() if name not in recorded and name not in NOT_IN_IDENTITY)

@@ -17,7 +17,7 @@ from torch import nn
 from torchvision.transforms import Normalize
 from torchvision.transforms.functional import to_tensor
 
-from tests.helpers import save_torchscript
+from tests.helpers import files_read, save_torchscript, unrecorded_reads
 from tools.errors import UserError
 from tools.data.hashing import sha256_file
 from tools.in9 import Normalization
@@ -276,7 +276,9 @@ def test_pretrained_weights_download_once_into_torch_cache_and_print_nothing(pix
     monkeypatch.setattr(torch.hub, "download_url_to_file", download)
     capsys.readouterr()
     for _ in range(2):
-        loaded = load_model("resnet18", weights="IMAGENET1K_V1")
+        with files_read() as read:
+            loaded = load_model("resnet18", weights="IMAGENET1K_V1")
+        assert unrecorded_reads(read, loaded.record) == []
         assert torch.equal(logits_of(loaded, pixels), expected_logits(served, pixels, (IMAGENET_MEAN, IMAGENET_STD)))
     path = tmp_path / "torch_home" / "hub" / "checkpoints" / Path(url).name
     assert fetched == [url] and path.is_file()

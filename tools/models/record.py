@@ -33,11 +33,13 @@ from pathlib import Path, PurePath
 import torch
 from torch import nn
 
+from tools import __version__
 from tools.data.hashing import sha256_file
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # of the digested text: another format is another identity
+TOOLKIT = "toolkit"  # the libraries' name of this toolkit, the loader itself
 LIBRARY_FOLDERS = ("site-packages", "dist-packages")  # where installed libraries' code lies (their versions cover it)
 
 
@@ -78,7 +80,9 @@ def _version(module) -> str | None:
 
 
 def installed_version(name: str) -> str | None:
-    """The version `ModelRecord.library` would record for the library `name` now (None when it cannot be imported)."""
+    """The version a record would hold for the library `name` now (None when it cannot be imported)."""
+    if name == TOOLKIT:
+        return __version__
     try:
         return _version(importlib.import_module(name))
     except ImportError:
@@ -96,7 +100,7 @@ class ModelRecord:
     def __init__(self):
         self.settings: dict[str, object] = {}
         self.files: dict[str, dict] = {}  # role -> {"path" or "paths", "sha256"}
-        self.libraries: dict[str, str | None] = {}
+        self.libraries: dict[str, str | None] = {TOOLKIT: __version__}  # this loader's own version
         self.computed: dict[str, object] = {}
         self._hashes: dict[Path, str] = {}  # each file hashed once per record
         self._closed = False
