@@ -24,7 +24,8 @@ from tools.in9 import VARIATIONS
 from tools.results.matrix import BACKGROUNDS_FILE, FOREGROUNDS_FILE, PREDICTIONS_FILE
 
 TIMING_KEYS = {"wall_time_s", "composites_per_s"}
-MODEL_KEYS = {"arch", "weights", "checkpoint", "identity", "model_record", "checkpoint_format"}  # where the model came from
+# where the model came from
+MODEL_KEYS = {"arch", "weights", "checkpoint", "identity", "model_record", "checkpoint_format"}
 BATCH = 8
 
 

@@ -404,7 +404,8 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     assert provenance["arch"] == "toy:colour" and provenance["normalization"].startswith("toy statistics (mean [0.5")
     # a source that records nothing itself: its name, the options and the normalisation are its identity
     settings = provenance["model_record"]["settings"]
-    assert settings["arch"] == "toy:colour" and settings["normalization"]["mean"] == [0.5] * 3 and provenance["identity"]
+    assert settings["arch"] == "toy:colour" and settings["normalization"]["mean"] == [0.5] * 3
+    assert len(provenance["identity"]) == 64
 
 
 @pytest.mark.parametrize("model", ["hf:org/vit", "clip:ViT-B-32/openai"])

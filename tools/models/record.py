@@ -167,7 +167,8 @@ class ModelRecord:
         """Record the code a module runs: for each class in it, its library's version, or the source file of a
         class from outside the installed libraries (a pickled module's own classes, a notebook's), and the code of
         each TorchScript module in it; the classes themselves by name."""
-        self.setting("module classes", sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}))
+        self.setting("module classes",
+                     sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}))
         for name, module in model.named_modules():
             if isinstance(module, torch.jit.ScriptModule):
                 text = getattr(module, "code", "") or ""

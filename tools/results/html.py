@@ -80,7 +80,8 @@ def leaderboard_section(output_dir: Path | None) -> str:
         caption = f"<p>{sections.inline_code(table.caption)}</p>" if table.caption else ""
         tables += caption + sections.table(table.header, cells, "leaderboard" if index == 1 else f"leaderboard-{index}",
                                            True)
-    notes = "".join(f"<p{WARNING if note.warning else ''}>{sections.inline_code(note.text)}</p>" for note in board.notes)
+    notes = "".join(f"<p{WARNING if note.warning else ''}>{sections.inline_code(note.text)}</p>"
+                    for note in board.notes)
     body = (f"<p>{sections.inline_code(board.intro)}</p>"
             f'<img src="{uri}" alt="BG-gap against challenge accuracy, one point per model with both (the tables '
             f'below hold the numbers)">' + tables + notes)

@@ -25,7 +25,6 @@ import io
 import json
 import logging
 import math
-import re
 from dataclasses import asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
@@ -36,6 +35,7 @@ from tools.provenance import write_text_atomic
 from tools.results.figures import (AXIS, GRID, TEXT, Box, default_font, draw_text, free_text_position, new_canvas,
                                    paste_vertical_text, save_png)
 from tools.results.markdown import markdown_table
+from tools.results.run_settings import differing_settings, parse_settings, run_settings, settings_text
 
 log = logging.getLogger(__name__)
 
@@ -91,69 +91,6 @@ def _weights_hash(payload: dict) -> str | None:
     """The weights file's SHA-256, else the model's identity (a random CLIP), short."""
     digest = payload.get("weights_file_sha256") or (payload.get("identity") or {}).get("model")
     return digest[:HASH_CHARS] if digest else None
-
-
-def _device(text: str | None) -> str | None:
-    """A device as the provenance names it, less its index: `cuda:1 (NVIDIA H200)` is `cuda (NVIDIA H200)`."""
-    return None if text is None else re.sub(r"^(\w+):\d+", r"\1", str(text))
-
-
-def _batch_size(provenance: dict) -> str | None:
-    size, lowered = provenance.get("batch_size"), provenance.get("batch_size_lowered_from")
-    return None if size is None else f"{size}" + (f" (lowered from {lowered})" if lowered is not None else "")
-
-
-def _jpeg_decoder(decoder) -> str | None:
-    """The libjpeg that decoded the JPEGs (Pillow's, which torchvision's decoder is used only where it equals): another
-    gives other pixels for the same file."""
-    if not isinstance(decoder, dict) or decoder.get("libjpeg") is None:
-        return None
-    turbo = decoder.get("libjpeg_turbo")
-    return f"libjpeg {decoder['libjpeg']}" + (f" (libjpeg-turbo {turbo})" if turbo else "")
-
-
-def _text(value) -> str:
-    return ("on" if value else "off") if isinstance(value, bool) else str(value)
-
-
-# A run's settings that can change a number, by the label a leaderboard shows them under: how to read each from a
-# run's provenance (the IN-9 run's and the challenge's alike)
-PROVENANCE_SETTINGS = {
-    "device": lambda p: _device(p.get("device")),
-    "precision": lambda p: p.get("precision"),
-    "compiled": lambda p: p.get("compile"),
-    "channels last": lambda p: p.get("channels_last"),
-    "batch size": _batch_size,
-    "JPEG decoder": lambda p: _jpeg_decoder(p.get("decoder")),
-    "inexact device allowed": lambda p: (p.get("device_check") or {}).get("allowed_inexact"),
-}
-
-
-def run_settings(payload: dict) -> dict[str, str]:
-    """How a zoo results file's runs were made: each of their settings that can change a number (the device,
-    precision, compilation, channels-last layout, batch size, JPEG decoder and an inexact device allowed, from both
-    runs' provenance, and the challenge's criterion, mask arithmetic and fp32 re-check margin), as text by label; a
-    setting the runs differ in names both."""
-    in9, challenge = payload.get("in9") or {}, payload.get("challenge") or {}
-    runs = {"IN-9": in9.get("provenance") or {}, "challenge": challenge.get("provenance") or {}}
-    settings = {}
-    for label, read in PROVENANCE_SETTINGS.items():
-        values = {run: _text(read(provenance)) for run, provenance in runs.items() if read(provenance) is not None}
-        if len(set(values.values())) == 1:
-            settings[label] = next(iter(values.values()))
-        elif values:
-            settings[label] = ", ".join(f"{value} ({run})" for run, value in values.items())
-    margin = ((payload.get("identity") or {}).get("settings") or {}).get("recheck_margin")
-    for label, value in (("criterion", challenge.get("criterion")), ("mask arithmetic",
-                         runs["challenge"].get("mask_arithmetic")), ("re-check margin", margin)):
-        if value is not None:
-            settings[label] = str(value)
-    return settings
-
-
-def settings_text(settings: dict[str, str]) -> str:
-    """`run_settings` as one line, `label: value; ...` ("" when none are recorded)."""
-    return "; ".join(f"{label}: {value}" for label, value in settings.items())
 
 
 def measured_row(payload: dict) -> Row:
@@ -314,13 +251,9 @@ def settings_groups(rows: list[Row]) -> list[list[Row]]:
     return [[row for row in rows if row.kind != MEASURED or row.settings == group] for group in settings]
 
 
-def _settings(text: str | None) -> dict[str, str]:
-    """`settings_text` read back: value by label."""
-    return dict(part.split(": ", 1) for part in (text or "").split("; ") if ": " in part)
-
-
 def _caption(settings: str | None, several: bool) -> str:
-    text = ", ".join(f"{label} `{value}`" for label, value in _settings(settings).items()) or "settings not recorded"
+    text = ", ".join(f"{label} `{value}`" for label, value in parse_settings(settings).items())
+    text = text or "settings not recorded"
     return f"Rows measured with {text}:" if several else f"Every measured row was made with {text}."
 
 
@@ -346,7 +279,7 @@ def leaderboard_table(rows: list[Row], published_withheld: bool = False) -> Lead
     notes = [Note(f"{mark} {', '.join(row.model for row in rows if row.note == note)}: {note}.")
              for note, mark in marks.items()]
     if len(groups) > 1:
-        differ = _differing_settings([row.settings for row in rows if row.kind == MEASURED])
+        differ = differing_settings([row.settings for row in rows if row.kind == MEASURED])
         listed = " and ".join([", ".join(differ[:-1]), differ[-1]] if len(differ) > 1 else differ)
         notes.append(Note(f"The measured rows were not all made alike (they differ in {listed}): each table ranks "
                           f"the rows made alike, and rows of different tables are not comparable.", True))
@@ -366,13 +299,6 @@ def leaderboard_table(rows: list[Row], published_withheld: bool = False) -> Lead
                           f"({RELEASE_IMAGES_PER_CLASS} images of every class in every variation), and some measured "
                           f"rows are not."))
     return Leaderboard(INTRO, tables, notes)
-
-
-def _differing_settings(all_settings: list[str | None]) -> list[str]:
-    """The labels of the settings whose values differ between the groups."""
-    parsed = [_settings(text) for text in all_settings]
-    labels = list(dict.fromkeys(label for settings in parsed for label in settings))
-    return [label for label in labels if len({settings.get(label) for settings in parsed}) > 1]
 
 
 def render_markdown(rows: list[Row], published_withheld: bool = False) -> str:
