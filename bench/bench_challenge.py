@@ -235,7 +235,7 @@ def main() -> None:
     batch = runtime.batch_size(args.batch_size)
     module, num_classes = make_model(args)
     mean, std = statistics_for(Normalization.AUTO, num_classes)
-    loaded = LoadedModel(PixelModel(module, mean, std).eval(), num_classes, args.model, None, None, "bench", "bench",
+    loaded = LoadedModel(PixelModel(module, mean, std).eval(), num_classes, args.model, None, None, None, "bench",
                          "auto")
     with tempfile.TemporaryDirectory() as tmp:
         root = args.data_path or synthetic.generate(Path(tmp) / "bg", per_class=args.per_class, seed=0).root

@@ -3,12 +3,15 @@ or in torchrun-like processes, saving hand-built models, checking an error line,
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.util
 import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from html.parser import HTMLParser
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+import tools
 from tools.models.architectures import SMALL_CNN
 
 # train.py's flags for a small CNN trained on the CPU, quietly
@@ -81,6 +85,63 @@ class TinyCNN(torch.nn.Module):
 
     def forward(self, x):
         return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+
+
+# Files a loader reads: an audit hook (Python's `open` event, raised for every file opened from Python: builtins,
+# io, os, imports) records those opened for reading in the thread of an open `files_read` block. Files opened by
+# native code (safetensors' Rust, TorchScript's C++) raise no event: a source records those where it names them.
+_READS: list[tuple[int, list[Path]]] = []
+TOOLKIT = Path(tools.__file__).resolve().parent
+_AUDITING: list[bool] = []
+
+
+def _audit(event: str, args) -> None:
+    if event != "open" or not _READS or _READS[-1][0] != threading.get_ident():
+        return
+    path, mode, flags = args
+    if isinstance(path, (str, bytes, os.PathLike)):
+        writes = any(c in str(mode) for c in "wax+") if mode else bool(flags & (os.O_WRONLY | os.O_RDWR))
+        if not writes:
+            _READS[-1][1].append(Path(os.fsdecode(path)))
+
+
+@contextlib.contextmanager
+def files_read():
+    """The files opened for reading in this thread inside the block (a list, filled as they are opened)."""
+    if not _AUDITING:  # an audit hook cannot be removed: one for the session, idle outside the blocks
+        sys.addaudithook(_audit)
+        _AUDITING.append(True)
+    read: list[Path] = []
+    _READS.append((threading.get_ident(), read))
+    try:
+        yield read
+    finally:
+        _READS.pop()
+
+
+def unrecorded_reads(read: list[Path], record) -> list[str]:
+    """The files read that hold content the model's record does not: each file read must be a recorded file (or a
+    copy of one: transformers imports a model's code from its own copy), library code or data (site-packages, the
+    standard library, compiled caches, the toolkit's own code: the record holds their versions), the toolkit's
+    cache (a CLIP text head computed before: the record holds its digest), a hub cache's `refs/` pointer to the
+    snapshot whose files are recorded, or an empty package marker."""
+    from tools.data.store import default_cache_dir  # noqa: PLC0415 (where the session's fixture points it)
+    described = record.describe()
+    recorded = {entry["sha256"] for entry in described["files"].values() if "path" in entry}
+    recorded |= {hashlib.sha256(Path(path).read_bytes()).hexdigest() for entry in described["files"].values()
+                 for path in entry.get("paths", [])}
+    missing = []
+    for path in dict.fromkeys(p.resolve() for p in read):
+        parts = path.parts
+        if (not path.is_file() or "site-packages" in parts or "__pycache__" in parts or path.is_relative_to(TOOLKIT)
+                or path.is_relative_to(default_cache_dir().resolve())
+                or str(path).startswith((sys.base_prefix, "/proc", "/sys", "/dev"))
+                or (len(parts) > 2 and parts[-2] == "refs" and parts[-3].startswith("models--"))):
+            continue
+        content = path.read_bytes()
+        if hashlib.sha256(content).hexdigest() not in recorded and (content or path.name != "__init__.py"):
+            missing.append(str(path))
+    return missing
 
 
 TINY_CLIP = "bgc-tiny-clip"

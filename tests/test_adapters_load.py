@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import in9_eval
-from tests.helpers import check_error, run_in_process
+from tests.helpers import check_error, files_read, run_in_process, unrecorded_reads
 from tools import zoo
 from tools.data import synthetic
 from tools.errors import UserError
@@ -93,22 +93,28 @@ def test_an_adapter_folder_on_a_base_checkpoint_is_merged(kind, safe, pixels, tm
     model = adapted(kind)
     model.save_pretrained(tmp_path / "adapter", safe_serialization=safe)
     base = save_base(tmp_path / "base.pt")
-    loaded = load_model(f"{SMALL_CNN}@file:{base}", checkpoint=tmp_path / "adapter")
+    with files_read() as read:
+        loaded = load_model(f"{SMALL_CNN}@file:{base}", checkpoint=tmp_path / "adapter")
+    assert unrecorded_reads(read, loaded.record) == []
     assert_same_predictions(loaded, model, pixels)
     assert loaded.num_classes == 9
     assert f"peft {kind} adapter" in loaded.checkpoint_format
     # the same model named in one spec (the zoo's form)
     again = load_model(f"{SMALL_CNN}@file:{base}@file:{tmp_path / 'adapter'}")
     assert torch.equal(loaded_logits(again, pixels), loaded_logits(loaded, pixels))
-    assert again.sha256 == loaded.sha256 != base and len(loaded.sha256) == 64
+    assert again.identity == loaded.identity and len(loaded.identity) == 64
+    files = loaded.record.describe()["files"]  # base and adapter, by content
+    assert {role: entry["path"] for role, entry in files.items()} == {
+        "checkpoint": str(base), "adapter config": str(tmp_path / "adapter" / "adapter_config.json"),
+        "adapter weights": str(tmp_path / "adapter" / ("adapter_model.safetensors" if safe else "adapter_model.bin"))}
 
 
 def test_the_identity_of_an_adapter_is_base_and_adapter(pixels, tmp_path):
-    """Another adapter on the same base, or the same adapter on another base: another sha256."""
+    """Another adapter on the same base, or the same adapter on another base: another identity."""
     base, other_base = save_base(tmp_path / "base.pt"), save_base(tmp_path / "other.pt", seed=5)
     adapted("lora").save_pretrained(tmp_path / "a")
     adapted("lora", seed=3).save_pretrained(tmp_path / "b")
-    digests = {load_model(f"{SMALL_CNN}@file:{b}", checkpoint=tmp_path / a).sha256
+    digests = {load_model(f"{SMALL_CNN}@file:{b}", checkpoint=tmp_path / a).identity
                for b in (base, other_base) for a in ("a", "b")}
     assert len(digests) == 4
 
@@ -153,10 +159,18 @@ def test_a_peft_state_dict_is_merged(kind, head, pixels, tmp_path):
 
 
 def test_a_lora_state_dict_with_another_alpha_computes_another_model(pixels, tmp_path):
+    """Another alpha (or rsLoRA's scaling) on the same file: other logits, so another identity, each recorded."""
     model = adapted("lora")
     torch.save(model.state_dict(), tmp_path / "peft_state.pt")
     loaded = load_model(SMALL_CNN, checkpoint=tmp_path / "peft_state.pt", lora_alpha=2 * ALPHA)
     assert not torch.allclose(loaded_logits(loaded, pixels), own_logits(model, pixels), atol=1e-3)
+    scalings = [{"lora_alpha": 4}, {"lora_alpha": 16}, {"lora_alpha": 16, "lora_rslora": True}]
+    models = [load_model(SMALL_CNN, checkpoint=tmp_path / "peft_state.pt", **scaling) for scaling in scalings]
+    assert len({m.identity for m in models}) == len(scalings)
+    for scaling, m in zip(scalings, models):
+        settings = m.record.describe()["settings"]
+        assert (settings["lora_alpha"], settings["lora_rslora"]) == (scaling["lora_alpha"],
+                                                                    scaling.get("lora_rslora", False))
 
 
 def test_a_lora_state_dict_without_its_alpha_is_one_line_that_says_what_to_pass(dataset, tmp_path, capsys):
@@ -232,6 +246,34 @@ def test_a_trusted_whole_module_is_used_as_it_is(pixels, tmp_path):
     # probing its class count changed none of its batch-norm statistics
     assert all(torch.equal(loaded.model.classifier.state_dict()[k], v) for k, v in before.items())
     assert "Unregistered" in loaded.checkpoint_format
+
+
+def write_module_code(folder, sign: int) -> None:
+    """A module file defining `Signed`, a linear head whose logits are multiplied by `sign` in its forward."""
+    (folder / "signed_net.py").write_text(
+        "from torch import nn\n\n\nclass Signed(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.pool = nn.AdaptiveAvgPool2d(1)\n        self.head = nn.Linear(3, 9)\n\n"
+        f"    def forward(self, x):\n        return {sign} * self.head(self.pool(x).flatten(1))\n")
+
+
+def test_a_trusted_modules_code_is_in_its_identity(pixels, tmp_path, monkeypatch):
+    """A pickled module holds its weights but not its classes' code: the same file under changed code (in the
+    class's own file) computes another model, and is another identity."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "signed_net", raising=False)  # imported here: gone afterwards
+    write_module_code(tmp_path, 1)
+    import signed_net  # noqa: PLC0415 (written just now)
+    path = tmp_path / "whole.pt"
+    torch.save(signed_net.Signed(), path)
+    first = load_model(checkpoint=path, trust=True)
+    write_module_code(tmp_path, -1)
+    monkeypatch.delitem(sys.modules, "signed_net")  # a later run imports the code as it is now
+    with files_read() as read:
+        again = load_model(checkpoint=path, trust=True)
+    assert unrecorded_reads(read, again.record) == [] and tmp_path / "signed_net.py" in read
+    assert torch.equal(loaded_logits(again, pixels), -loaded_logits(first, pixels))
+    assert again.identity != first.identity
+    assert again.record.describe()["files"]["code signed_net"]["path"] == str(tmp_path / "signed_net.py")
 
 
 def test_a_trusted_module_under_a_key_is_used_as_it_is(pixels, tmp_path):

@@ -24,7 +24,8 @@ from tools.in9 import VARIATIONS
 from tools.results.matrix import BACKGROUNDS_FILE, FOREGROUNDS_FILE, PREDICTIONS_FILE
 
 TIMING_KEYS = {"wall_time_s", "composites_per_s"}
-MODEL_KEYS = {"arch", "weights", "checkpoint", "sha256", "checkpoint_format"}  # where the model came from
+# where the model came from
+MODEL_KEYS = {"arch", "weights", "checkpoint", "identity", "model_record", "checkpoint_format"}
 BATCH = 8
 
 
@@ -42,6 +43,28 @@ class ColorAndNoise(nn.Module):
 
     def forward(self, x):
         return self.color(x) + 0.03 * self.noise(x)
+
+
+class Negated(ColorAndNoise):
+    """ColorAndNoise's weights under other code: its logits negated."""
+
+    def forward(self, x):
+        return -super().forward(x)
+
+
+def test_a_modules_code_is_in_its_identity(dataset, tmp_path, one_thread):
+    """A run resumed with a module of the same weights but other code (another class) is refused, not served the
+    first module's numbers; the record names the class and the file of its code."""
+    model, other = ColorAndNoise().eval(), Negated().eval()
+    other.load_state_dict(model.state_dict())
+    run = {"num_classes": 1000, "challenge": False, "variations": ["original"], "output_dir": tmp_path / "out",
+           **quick()}
+    benchmark(model, dataset.root, **run)
+    with pytest.raises(UserError, match="another model"):
+        benchmark(other, dataset.root, resume=True, **run)
+    record = json.loads((tmp_path / "out" / IN9_RESULTS_FILE).read_text())["provenance"]["model_record"]
+    assert "tests.test_api.ColorAndNoise" in record["settings"]["module classes"]
+    assert record["files"]["code tests.test_api"]["path"] == __file__
 
 
 @pytest.fixture(scope="module")

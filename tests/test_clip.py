@@ -6,6 +6,7 @@ references, the leaderboard's classes column, and the one-line errors (bad optio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 import challenge_eval
 import in9_eval
-from tests.helpers import TINY_CLIP, TINY_CLIP_OPTIONS, run_in_process
+from tests.helpers import TINY_CLIP, TINY_CLIP_OPTIONS, files_read, run_in_process, unrecorded_reads
 from tests.reference import evaluate as reference_evaluate
 from tests.challenge_reference import reference_matrix, reference_verdicts
 from tools.models import clip as clip_zero_shot
@@ -160,11 +161,45 @@ def test_head_and_templates_are_part_of_the_model_identity(tiny_clip, tmp_path, 
     digests = {}
     for options in ("+templates=simple", "+head=in9+templates=simple", "+head=in9"):
         loaded = load_model(f"clip:{TINY_CLIP}/{weights}{options}")
-        digests[options] = loaded.sha256
+        digests[options] = loaded.identity
         assert loaded.describe()["zero_shot"]["weights_sha256"] == sha256_file(weights)
         assert loaded.source == str(weights)
     assert len(set(digests.values())) == 3
-    assert load_model(f"clip:{TINY_CLIP}/{weights}+head=in9").sha256 == digests["+head=in9"]
+    assert load_model(f"clip:{TINY_CLIP}/{weights}+head=in9").identity == digests["+head=in9"]
+
+
+@pytest.mark.parametrize("change", ["pooling", "version"])
+def test_open_clips_model_config_and_version_are_part_of_the_model_identity(change, tiny_clip, tmp_path, monkeypatch,
+                                                                            one_thread):
+    """One weights file under another open_clip configuration of its architecture (the image tower's pooling,
+    which changes every image embedding, no weight and not the text head), or read by another open_clip: another
+    model."""
+    import open_clip
+    weights = tmp_path / "tiny.pt"
+    torch.save(same_random_clip().state_dict(), weights)
+    spec = f"clip:{TINY_CLIP}/{weights}+head=in9+templates=simple"
+    with files_read() as read:
+        first = load_model(spec)
+    assert unrecorded_reads(read, first.record) == []
+    if change == "pooling":
+        if "pool_type" not in {field.name for field in dataclasses.fields(open_clip.model.CLIPVisionCfg)}:
+            pytest.skip(f"open_clip {open_clip.__version__} has no pool_type")
+        config = open_clip.get_model_config(TINY_CLIP)
+        config["vision_cfg"]["pool_type"] = "avg"
+        monkeypatch.setitem(open_clip.factory._MODEL_CONFIGS, TINY_CLIP, config)
+    else:
+        monkeypatch.setattr(open_clip, "__version__", "99.0.0", raising=False)
+    again = load_model(spec)
+    assert again.identity != first.identity
+    settings = again.record.describe()
+    if change == "pooling":
+        assert settings["settings"]["open_clip model config"]["vision_cfg"]["pool_type"] == "avg"
+        images = torch.randint(0, 256, (4, 3, 224, 224), dtype=torch.uint8,
+                               generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert not torch.allclose(again.model(images), first.model(images))
+    else:
+        assert settings["libraries"]["open_clip"] == "99.0.0"
 
 
 def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog, one_thread):
@@ -186,7 +221,7 @@ def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog
     again = load_model(spec)  # read from the cache: the same head, no text encoded
     assert len(builds) == 1 and torch.equal(again.model.classifier.head, first.model.classifier.head)
     assert time.time() - meta.stat().st_mtime < 60  # marked as used today, for `python -m tools.data cache`
-    assert again.sha256 == first.sha256
+    assert again.identity == first.identity
     load_model(spec + "+templates=simple")  # other prompts: another head
     assert len(builds) == 2
     with torch.no_grad():  # the same file name, other text weights: built again, and different
@@ -195,7 +230,7 @@ def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog
     changed = load_model(spec)
     assert len(builds) == 3
     torch.testing.assert_close(changed.model.classifier.head, -first.model.classifier.head)
-    assert changed.sha256 != first.sha256
+    assert changed.identity != first.identity
     for entry in (tmp_path / "cache").rglob("head.npy"):  # a damaged entry is built again, with a warning
         entry.write_bytes(b"not an array")
     with caplog.at_level(logging.WARNING):
@@ -340,7 +375,7 @@ def test_random_initialisation_is_reproducible(tiny_clip, loaded, one_thread):
     images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(again.model(images), loaded.model(images))
-    assert again.sha256 == loaded.sha256 and np.isfinite(float(loaded.model.classifier.logit_scale))
+    assert again.identity == loaded.identity and np.isfinite(float(loaded.model.classifier.logit_scale))
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +437,7 @@ def test_the_tags_interpolation_and_preprocessing_are_used_and_in_the_identity(t
     with_preprocess(monkeypatch, interpolation="bilinear")
     bilinear = load_model(tiny_clip)
     assert bilinear.describe()["zero_shot"]["preprocess"]["interpolation"] == "bilinear"
-    assert bilinear.sha256 != loaded.sha256
+    assert bilinear.identity != loaded.identity
     images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     model = same_random_clip()
     preprocess = open_clip.get_model_preprocess_cfg(model)

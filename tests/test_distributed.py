@@ -290,9 +290,13 @@ def test_zoo_failure_in_one_process_fails_the_model_in_every_process(setup, tmp_
 
 
 def copy_independent(run: dict) -> dict:
-    """A run's results less what differs between two copies of one checkpoint: the timing and the file's path."""
+    """A run's results less what differs between two copies of one checkpoint: the timing and the file's path (the
+    model's identity is its content's: the same)."""
     kept = {k: v for k, v in run.items() if k not in TIMING}
     kept["provenance"] = {k: v for k, v in run["provenance"].items() if k != "checkpoint"}
+    record = kept["provenance"]["model_record"]
+    kept["provenance"]["model_record"] = {**record, "files": {role: {k: v for k, v in entry.items() if k != "path"}
+                                                              for role, entry in record["files"].items()}}
     return kept
 
 

@@ -286,7 +286,8 @@ def test_results_json_fields(script_runs, models, dataset):
     assert provenance["device"] == "cpu"
     assert provenance["precision"] == "fp32"
     assert provenance["checkpoint"] == str(models["color9"].path)
-    assert provenance["sha256"] == hashlib.sha256(models["color9"].path.read_bytes()).hexdigest()
+    assert provenance["model_record"]["files"]["checkpoint"]["sha256"] == \
+        hashlib.sha256(models["color9"].path.read_bytes()).hexdigest()
     assert provenance["num_classes"] == 9
     assert provenance["checkpoint_format"] == "TorchScript"
     assert provenance["normalization"].startswith("in9")

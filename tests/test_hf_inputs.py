@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import in9_eval
-from tests.helpers import check_error, run_in_process
+from tests.helpers import check_error, files_read, run_in_process, unrecorded_reads
 from tools.errors import UserError
 from tools.in9 import class_names
 from tools.models.sources import load_model
@@ -138,6 +139,41 @@ def test_a_model_needing_remote_code_names_the_flag(tmp_path, hub_cache):  # noq
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="--trust-remote-code"):
         load_model(f"hf:{tmp_path / 'm'}")
+
+
+def with_remote_model(folder: Path, sign: float) -> None:
+    """The folder's model is a class of its own code (auto_map): ResNet's logits times `sign`."""
+    (folder / "modeling_custom.py").write_text(
+        "from transformers import ResNetForImageClassification\n\n\n"
+        "class CustomModel(ResNetForImageClassification):\n"
+        "    def forward(self, pixel_values=None, **kwargs):\n"
+        "        out = super().forward(pixel_values=pixel_values, **kwargs)\n"
+        f"        out.logits = out.logits * {sign}\n"
+        "        return out\n")
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForImageClassification": "modeling_custom.CustomModel"}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_models_remote_code_is_in_its_identity(tmp_path, hub_cache, monkeypatch):  # noqa: F811
+    """The same weights and configs under changed code (--trust-remote-code): other predictions, another
+    identity, and the code file named in the record."""
+    monkeypatch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # transformers puts its modules folder there
+    save_resnet(tmp_path / "m")
+    transformers.ViTImageProcessor(size={"height": 224, "width": 224}).save_pretrained(tmp_path / "m")
+    with_remote_model(tmp_path / "m", 1.0)
+    first = load_model(f"hf:{tmp_path / 'm'}", trust_remote_code=True)
+    with_remote_model(tmp_path / "m", -1.0)
+    with files_read() as read:
+        again = load_model(f"hf:{tmp_path / 'm'}", trust_remote_code=True)
+    assert unrecorded_reads(read, again.record) == []
+    batch = images()
+    with torch.no_grad():
+        assert not torch.equal(first.model(batch).argmax(1), again.model(batch).argmax(1))
+    assert again.identity != first.identity
+    code = again.record.describe()["files"]["remote code"]
+    assert [Path(path).name for path in code["paths"]] == ["modeling_custom.py"]
 
 
 @pytest.mark.parametrize("damage", ["a list", "a label key that is no number", "labels that are a list"])

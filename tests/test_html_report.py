@@ -400,10 +400,53 @@ def html_leaderboard_paragraphs(text: str) -> list[str]:
     return [html.unescape(re.sub(r"<[^>]+>", "", p)).strip() for p in re.findall(r"<p[^>]*>(.*?)</p>", section, re.S)]
 
 
+def leaderboard_tables(text: str) -> list[list[list[str]]]:
+    """The HTML leaderboard's tables in order (leaderboard, leaderboard-2, ...), as cell texts."""
+    tables = Page(text).tables
+    names = ["leaderboard"] + [f"leaderboard-{i}" for i in range(2, len(tables) + 2) if f"leaderboard-{i}" in tables]
+    return [[[t for t, _ in row] for row in tables[name]] for name in names]
+
+
 def markdown_cells(markdown: str) -> list[list[str]]:
     lines = [line for line in markdown.splitlines() if line.startswith("|") and "---" not in line]
     return [[re.sub(r"\\(.)", r"\1", c.strip().replace("`", "")) for c in line.strip("|").split(" | ")]
             for line in lines]
+
+
+def test_rows_made_with_other_settings_are_ranked_apart(tmp_path):
+    """Three models of one zoo folder, two measured in fp32 with binary masks and one in bf16 with the original mask
+    arithmetic: two tables, each ranking only the rows made alike under a caption that says how they were made,
+    and a warning naming the settings that differ; the Markdown and the HTML alike."""
+    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard
+
+    (tmp_path / "models").mkdir()
+    for model, precision, arithmetic, accuracy in [("a", "fp32", "binary", 30.0), ("b", "bf16", "original", 40.0),
+                                                   ("c", "fp32", "binary", 20.0)]:
+        payload = zoo_payload(model, 1000, "any", "a", 4)
+        made = {"device": "cpu", "precision": precision, "batch_size": 16}
+        payload["in9"]["provenance"] = {**payload["in9"]["provenance"], **made}
+        payload["challenge"]["provenance"] = {**payload["in9"]["provenance"], "mask_arithmetic": arithmetic}
+        payload["challenge"]["challenge_accuracy"] = accuracy
+        (tmp_path / "models" / f"{model}.json").write_text(json.dumps(payload))
+    build_leaderboard(tmp_path)
+    markdown = (tmp_path / MARKDOWN_FILE).read_text()
+    text = write_html(tmp_path / "page.html", leaderboard=tmp_path)
+    html_tables = leaderboard_tables(text)
+    assert len(html_tables) == 2 and [row for table in html_tables for row in table] == markdown_cells(markdown)
+    assert [[row[:2] for row in table[1:]] for table in html_tables] == [[["1", "b"]], [["1", "a"], ["2", "c"]]]
+    notes = leaderboard_paragraphs(markdown)
+    assert html_leaderboard_paragraphs(text) == notes
+    captions = [n for n in notes if n.startswith("Rows measured with")]
+    assert captions == ["Rows measured with device cpu, precision bf16, batch size 16, criterion any, mask arithmetic "
+                        "original:", "Rows measured with device cpu, precision fp32, batch size 16, criterion any, "
+                        "mask arithmetic binary:"]
+    assert any("(they differ in precision and mask arithmetic)" in n and "not comparable" in n for n in notes)
+    assert "**The measured rows were not all made alike" in markdown  # a warning, in bold
+    single = tmp_path / "one"
+    (single / "models").mkdir(parents=True)
+    (single / "models" / "a.json").write_text((tmp_path / "models" / "a.json").read_text())
+    build_leaderboard(single)
+    assert "Every measured row was made with device `cpu`, precision `fp32`" in (single / MARKDOWN_FILE).read_text()
 
 
 @pytest.mark.parametrize("per_class", [4, 450])
@@ -419,12 +462,13 @@ def test_the_html_leaderboard_has_the_markdown_columns_and_caveats(tmp_path, per
     build_leaderboard(tmp_path)
     markdown = (tmp_path / MARKDOWN_FILE).read_text()
     text = write_html(tmp_path / "page.html", leaderboard=tmp_path)
-    table = Page(text).tables["leaderboard"]
-    assert [[t for t, _ in row] for row in table] == markdown_cells(markdown)
-    assert {"Classes", "Criterion", "Data"} <= {t for t, _ in table[0]}
+    tables = leaderboard_tables(text)
+    assert [row for table in tables for row in table] == markdown_cells(markdown)
+    assert {"Classes", "Criterion", "Data"} <= set(tables[0][0])
     notes = leaderboard_paragraphs(markdown)
     assert html_leaderboard_paragraphs(text) == notes
     caveats = [n for n in notes if "not comparable" in n]
-    assert len(caveats) == 3 and any("9-class" in n for n in caveats) and any("bg-class" in n for n in caveats)
+    assert len(caveats) == 4 and any("9-class" in n for n in caveats) and any("bg-class" in n for n in caveats)
+    assert any("(they differ in criterion)" in n for n in caveats)  # ranked apart: one table per criterion
     published = "ResNet-50 | torchvision" in markdown
     assert published == (per_class == 450) == ("IMAGENET1K_V1" in text)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import in9_eval
-from tests.helpers import check_error, run_in_process
+from tests.helpers import check_error, files_read, run_in_process, unrecorded_reads
 from tools import zoo
 from tools.data import synthetic
 from tools.data.hashing import sha256_file
@@ -125,11 +125,14 @@ def test_timm_pretrained_weights_from_the_hub_cache(name, timm_weights, hub_cach
     module, folder = timm_weights
     snapshot = put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors",
                                                     "config.json": folder / "config.json"})
-    with caplog.at_level(logging.INFO, logger="tools"):
+    with caplog.at_level(logging.INFO, logger="tools"), files_read() as read:
         loaded = load_model(name)
+    assert unrecorded_reads(read, loaded.record) == []  # a hub name's config.json (timm reads it) is recorded
     weights_file = snapshot / "model.safetensors"
     assert (loaded.weights, loaded.source) == (TIMM_TAG, str(weights_file))
-    assert loaded.sha256 not in (None, sha256_file(weights_file))  # the weights and the pixel pipeline
+    record = loaded.record.describe()  # the weights and the pixel pipeline
+    assert record["files"]["weights"] == {"path": str(weights_file), "sha256": sha256_file(weights_file)}
+    assert record["settings"]["timm data config"]["input_size"] == [3, 160, 160]
     assert loaded.num_classes == 1000 and "0.5" in loaded.normalization
     assert sum("resized" in r.getMessage() for r in caplog.records) == 1  # said once, when loading
     batch = images()
@@ -253,6 +256,49 @@ def test_a_timm_name_with_a_checkpoint_file_takes_timms_data_config(name, timm_w
     check_same_predictions(loaded, own_logits(module, batch, (0.5,) * 3, (0.5,) * 3, 160), batch)
 
 
+def test_a_timm_hub_name_with_a_checkpoint_file_takes_the_hubs_data_config(timm_weights, hub_cache, tmp_path):
+    """`timm:hf-hub:ORG/NAME@file:CKPT` is the hub repository's model with the file's weights: the mean, std and
+    input size of the hub's config.json (which timm builds it from), as `timm:hf-hub:ORG/NAME` takes them; that
+    config.json is in its record, so another one under the same file is another model."""
+    module, folder = timm_weights
+    config = json.loads((folder / "config.json").read_text())
+    config["pretrained_cfg"]["mean"] = [0.4, 0.5, 0.6]
+    changed = tmp_path / "config.json"
+    changed.write_text(json.dumps(config))
+    snapshot = put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors",
+                                                    "config.json": changed})
+    path = tmp_path / "weights.pt"
+    torch.save(module.state_dict(), path)
+    with files_read() as read:
+        loaded = load_model(f"timm:hf-hub:{TIMM_REPO}@file:{path}")
+    assert unrecorded_reads(read, loaded.record) == []
+    assert "0.4" in loaded.normalization
+    batch = images()
+    check_same_predictions(loaded, own_logits(module, batch, (0.4, 0.5, 0.6), (0.5,) * 3, 160), batch)
+    record = loaded.record.describe()
+    assert record["files"]["timm hub config.json"]["path"] == str(snapshot / "config.json")
+    put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors",
+                                        "config.json": folder / "config.json"}, commit="e" * 40)
+    assert load_model(f"timm:hf-hub:{TIMM_REPO}@file:{path}").identity != loaded.identity
+
+
+@pytest.mark.parametrize("name", [f"timm:{TIMM_NAME}.{TIMM_TAG}", f"timm:{TIMM_NAME}.{TIMM_TAG}@file:weights.pt"])
+def test_a_config_json_timm_never_reads_stays_out_of_a_registered_names_identity(name, timm_weights, hub_cache,
+                                                                                 tmp_path):
+    """A registered name takes its data config from timm's registry, never from the hub repository's config.json:
+    the cache gaining one later (another download of the repository) leaves the model as it was."""
+    module, folder = timm_weights
+    torch.save(module.state_dict(), tmp_path / "weights.pt")
+    name = name.replace("weights.pt", str(tmp_path / "weights.pt"))
+    snapshot = put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors"})
+    first = load_model(name)
+    put_in_cache(hub_cache, TIMM_REPO, {"config.json": folder / "config.json"})  # into the same snapshot
+    assert (snapshot / "config.json").is_file()
+    again = load_model(name)
+    assert again.identity == first.identity
+    assert not [role for role in again.record.describe()["files"] if "config" in role]
+
+
 @pytest.mark.parametrize("setting", ["mean", "interpolation"])
 def test_a_timm_models_identity_holds_its_pixel_pipeline(setting, timm_weights, hub_cache):
     """The same weights under a hub config with another mean (or interpolation) are another model."""
@@ -267,7 +313,7 @@ def test_a_timm_models_identity_holds_its_pixel_pipeline(setting, timm_weights, 
     put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors", "config.json": changed},
                  commit="c" * 40)
     again = load_model(f"timm:hf-hub:{TIMM_REPO}")
-    assert again.sha256 != first.sha256
+    assert again.identity != first.identity
 
 
 def test_a_transformers_models_identity_holds_its_resampling(tmp_path, hub_cache):
@@ -277,7 +323,7 @@ def test_a_transformers_models_identity_holds_its_resampling(tmp_path, hub_cache
     pytest.importorskip("transformers").ViTImageProcessor(
         size={"height": HF_SIZE, "width": HF_SIZE}, image_mean=list(HF_MEAN), image_std=list(HF_STD),
         resample=3).save_pretrained(tmp_path / "vit")
-    assert load_model(f"hf:{tmp_path / 'vit'}").sha256 != first.sha256
+    assert load_model(f"hf:{tmp_path / 'vit'}").identity != first.identity
 
 
 def test_stray_weights_files_beside_a_transformers_model_leave_its_identity(tmp_path, hub_cache):
@@ -286,7 +332,7 @@ def test_stray_weights_files_beside_a_transformers_model_leave_its_identity(tmp_
     first = load_model(f"hf:{tmp_path / 'vit'}")
     pytest.importorskip("safetensors.torch").save_file({"x": torch.zeros(2)}, tmp_path / "vit" / "a-stray.safetensors")
     again = load_model(f"hf:{tmp_path / 'vit'}")
-    assert (again.sha256, again.source) == (first.sha256, first.source)
+    assert (again.identity, again.source) == (first.identity, first.source)
 
 
 @pytest.mark.parametrize("labels", ["imagenet", "in9", "in9-placeholders"])
@@ -294,10 +340,14 @@ def test_transformers_classifier_equals_its_own_predictions(labels, tmp_path, hu
     names = {"imagenet": imagenet_labels, "in9": lambda: [n.title() for n in class_names()],
              "in9-placeholders": lambda: None}[labels]()
     module = save_vit(tmp_path / "vit", names, seed=2, num_labels=9)
-    loaded = load_model(f"hf:{tmp_path / 'vit'}")
+    with files_read() as read:
+        loaded = load_model(f"hf:{tmp_path / 'vit'}")
+    assert unrecorded_reads(read, loaded.record) == []
     assert loaded.num_classes == (1000 if labels == "imagenet" else 9)
     assert loaded.source == str(tmp_path / "vit" / "model.safetensors")
-    assert loaded.sha256 not in (None, sha256_file(tmp_path / "vit" / "model.safetensors"))  # weights and configs
+    record = loaded.record.describe()  # weights and configs
+    assert record["files"]["weights"]["sha256"] == sha256_file(tmp_path / "vit" / "model.safetensors")
+    assert {"config.json", "preprocessor_config.json"} <= set(record["files"])
     batch = images(seed=1)
     check_same_predictions(loaded, own_logits(module, batch, HF_MEAN, HF_STD, HF_SIZE, "bilinear"), batch)
 
@@ -411,7 +461,7 @@ def test_the_zoo_reruns_a_timm_model_when_the_hubs_main_moved(timm_weights, hub_
                          commit="b" * 40)
     line, again = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
     assert ": done:" in line and again["weights_file"] == str(moved / "model.safetensors")
-    assert again["identity"]["weights_sha256"] != payload["identity"]["weights_sha256"]
+    assert again["identity"]["model"] != payload["identity"]["model"]
 
 
 def test_the_zoo_reruns_a_transformers_model_whose_processor_changed(tmp_path, data, hub_cache, capsys, one_thread):
@@ -425,7 +475,7 @@ def test_the_zoo_reruns_a_transformers_model_whose_processor_changed(tmp_path, d
         size={"height": HF_SIZE, "width": HF_SIZE}, image_mean=[0.485, 0.456, 0.406],
         image_std=[0.229, 0.224, 0.225]).save_pretrained(tmp_path / "vit")
     line, again = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
-    assert ": done:" in line and again["identity"]["weights_sha256"] != first["identity"]["weights_sha256"]
+    assert ": done:" in line and again["identity"]["model"] != first["identity"]["model"]
 
 
 def test_the_zoo_reruns_a_timm_file_whose_pixel_pipeline_changed(timm_weights, data, tmp_path, capsys, one_thread,
@@ -444,6 +494,21 @@ def test_the_zoo_reruns_a_timm_file_whose_pixel_pipeline_changed(timm_weights, d
     assert ": done:" in zoo_outcome(spec, data, tmp_path / "zoo", capsys)[0]
 
 
+def test_the_zoo_skips_a_timm_model_whose_cache_gained_a_config_it_never_reads(timm_weights, hub_cache, data,
+                                                                                tmp_path, capsys, one_thread):
+    """The zoo's "already done" is the model's identity: a config.json timm does not read for a registered name,
+    added to the cache after the run, neither reruns the model nor makes its saved state another's."""
+    module, folder = timm_weights
+    spec = f"timm:{TIMM_NAME}.{TIMM_TAG}"
+    snapshot = put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors"})
+    line, first = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
+    assert ": done:" in line
+    put_in_cache(hub_cache, TIMM_REPO, {"config.json": folder / "config.json"})  # into the same snapshot
+    assert (snapshot / "config.json").is_file()
+    line, again = zoo_outcome(spec, data, tmp_path / "zoo", capsys)
+    assert ": skipped:" in line and again == first
+
+
 def test_a_timm_hub_models_identity_holds_its_config(timm_weights, hub_cache):
     """timm builds a hub model from its config.json (architecture, model_args): another config.json under the same
     weights and data config is another model."""
@@ -457,7 +522,7 @@ def test_a_timm_hub_models_identity_holds_its_config(timm_weights, hub_cache):
     changed.write_text(json.dumps(config))
     put_in_cache(hub_cache, TIMM_REPO, {"model.safetensors": folder / "model.safetensors", "config.json": changed},
                  commit="d" * 40)
-    assert load_model(f"timm:hf-hub:{TIMM_REPO}").sha256 != first.sha256
+    assert load_model(f"timm:hf-hub:{TIMM_REPO}").identity != first.identity
 
 
 def test_the_snapshot_revision_is_the_one_under_the_repository(tmp_path):

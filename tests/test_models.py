@@ -17,7 +17,7 @@ from torch import nn
 from torchvision.transforms import Normalize
 from torchvision.transforms.functional import to_tensor
 
-from tests.helpers import save_torchscript
+from tests.helpers import files_read, save_torchscript, unrecorded_reads
 from tools.errors import UserError
 from tools.data.hashing import sha256_file
 from tools.in9 import Normalization
@@ -276,10 +276,13 @@ def test_pretrained_weights_download_once_into_torch_cache_and_print_nothing(pix
     monkeypatch.setattr(torch.hub, "download_url_to_file", download)
     capsys.readouterr()
     for _ in range(2):
-        loaded = load_model("resnet18", weights="IMAGENET1K_V1")
+        with files_read() as read:
+            loaded = load_model("resnet18", weights="IMAGENET1K_V1")
+        assert unrecorded_reads(read, loaded.record) == []
         assert torch.equal(logits_of(loaded, pixels), expected_logits(served, pixels, (IMAGENET_MEAN, IMAGENET_STD)))
     path = tmp_path / "torch_home" / "hub" / "checkpoints" / Path(url).name
-    assert fetched == [url] and path.is_file() and loaded.sha256 == sha256_file(path)
+    assert fetched == [url] and path.is_file()
+    assert loaded.record.describe()["files"]["weights"] == {"path": str(path), "sha256": sha256_file(path)}
     assert capsys.readouterr() == ("", "")
     assert [r.getMessage() for r in caplog.records if "download" in r.getMessage()] == [f"downloading {url} to {path}"]
 
@@ -367,6 +370,7 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     from tools.data import synthetic  # noqa: PLC0415
     from tools.evaluate import evaluate_variations  # noqa: PLC0415
     from tools.models.boundary import ModelOrigin, wrap  # noqa: PLC0415
+    from tools.models.record import ModelRecord  # noqa: PLC0415
     from tools.runtime import Runtime  # noqa: PLC0415
     from tools.models.sources import SOURCES, register_source  # noqa: PLC0415
 
@@ -374,10 +378,11 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     built = []
 
     @register_source("toy:")
-    def toy(name, options):
+    def toy(name, options, record):
         built.append(name)
         return wrap(synthetic.ColorEvidenceModel(9), num_classes=9, normalize=options.normalize, stats=stats,
-                    stats_origin="toy statistics", origin=ModelOrigin(f"toy:{name}", checkpoint_format="toy source"))
+                    stats_origin="toy statistics", origin=ModelOrigin(f"toy:{name}", checkpoint_format="toy source"),
+                    record=record)
 
     try:
         argv = ["--data-path", str(dataset.root), "--arch", "toy:colour", "--device", "cpu", "--eval-dataset",
@@ -389,13 +394,18 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     assert code == 0, err
     assert built == ["colour"]
     same_model = wrap(synthetic.ColorEvidenceModel(9), num_classes=9, normalize=Normalization.AUTO, stats=stats,
-                      stats_origin="toy statistics", origin=ModelOrigin(None, checkpoint_format="toy"))
+                      stats_origin="toy statistics", origin=ModelOrigin(None, checkpoint_format="toy"),
+                      record=ModelRecord())
     expected = evaluate_variations(same_model, Runtime(torch.device("cpu")), dataset.root, ["mixed_rand"], 16, 1,
                                    progress=False)
     assert out.splitlines()[0] == f"Accuracy on mixed_rand is {expected['mixed_rand'].accuracy:.2f}%"
     import json  # noqa: PLC0415
     provenance = json.loads((tmp_path / "r.json").read_text())["provenance"]
     assert provenance["arch"] == "toy:colour" and provenance["normalization"].startswith("toy statistics (mean [0.5")
+    # a source that records nothing itself: its name, the options and the normalisation are its identity
+    settings = provenance["model_record"]["settings"]
+    assert settings["arch"] == "toy:colour" and settings["normalization"]["mean"] == [0.5] * 3
+    assert len(provenance["identity"]) == 64
 
 
 @pytest.mark.parametrize("model", ["hf:org/vit", "clip:ViT-B-32/openai"])

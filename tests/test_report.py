@@ -21,6 +21,7 @@ from tools.challenge import list_challenge_files
 from tools.evaluate import In9Config, run_in9
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS, class_names
 from tools.models.boundary import LoadedModel, PixelModel
+from tools.models.record import ModelRecord
 from tools.provenance import provenance
 from tools.runtime import Runtime
 
@@ -41,8 +42,10 @@ class GridColourModel(torch.nn.Module):
 @pytest.fixture(scope="module")
 def loaded():
     """The hand-built model in the toolkit's pixel wrapper, described as a loaded checkpoint."""
+    record = ModelRecord()
+    record.setting("arch", "color-evidence")
     return LoadedModel(PixelModel(GridColourModel().eval(), IN9_MEAN, IN9_STD), num_classes=9,
-                       arch="color-evidence", weights=None, source="color9.pt", sha256="ab" * 32,
+                       arch="color-evidence", weights=None, source="color9.pt", record=record,
                        checkpoint_format="module", normalization="in9")
 
 
@@ -131,7 +134,7 @@ def test_every_section_renders_from_generated_results(in9_results, challenge_res
     assert f"| **all** | {overall['images']} | {cells} |" in text
     provenance = in9["provenance"]
     assert provenance["toolkit_version"] in text and provenance["data"]["sha256"] in text
-    assert f"`{provenance['sha256']}`" in text  # the checkpoint's hash
+    assert f"`{provenance['identity']}`" in text  # the model's identity
     header = next(line for line in text.splitlines() if line.startswith("|  | IN-9 evaluation"))
     assert header == "|  | IN-9 evaluation | challenge, analysis |"  # identical provenance shares a column
 
@@ -279,7 +282,7 @@ def test_results_of_other_data_or_another_model_are_refused(in9_results, challen
     other = synthetic.generate(tmp_path / "other", per_class=2, seed=7).root
     other_data = {**challenge, "provenance": {**challenge["provenance"],
                                               "data": list_challenge_files(other, workers=1).fingerprint}}
-    other_model = {**challenge, "provenance": {**challenge["provenance"], "sha256": "cd" * 32}}
+    other_model = {**challenge, "provenance": {**challenge["provenance"], "identity": "cd" * 32}}
     files = _write(tmp_path, in9=in9, same=challenge, other_data=other_data, other_model=other_model)
     target = tmp_path / "r.md"
     assert report_cli.main(["--in9", str(files["in9"]), "--challenge", str(files["same"]), "--analysis-dir", str(out),
@@ -290,7 +293,7 @@ def test_results_of_other_data_or_another_model_are_refused(in9_results, challen
     assert "the IN-9 results and the challenge results come from different data" in err
     assert "original" in err and "only_bg_t" in err and "--allow-mixed" in err
     err = _report_error(["--challenge", files["other_model"], "--analysis-dir", out, "--output", target], capsys)
-    assert "the challenge results and the analysis come from different models" in err and "sha256" in err
+    assert "the challenge results and the analysis come from different models" in err and "identity" in err
     assert report_cli.main(["--in9", str(files["in9"]), "--challenge", str(files["other_data"]), "--allow-mixed",
                         "--output", str(target)]) == 0
     text = target.read_text(encoding="utf-8")

@@ -132,6 +132,7 @@ def test_an_in_memory_traced_module_is_rewritten_where_the_toolkit_wraps_it():
     the file loader: wrapping it rewrites it."""
     from tools.in9 import Normalization  # noqa: PLC0415
     from tools.models.boundary import ModelOrigin, wrap  # noqa: PLC0415
+    from tools.models.record import ModelRecord  # noqa: PLC0415
     net, traced = traced_with_torchs_defaults(frozen=False)
     holder = nn.Sequential(nn.Identity(), traced_with_torchs_defaults(frozen=False)[1])
     x = torch.rand(2, 3, 32, 32)
@@ -139,7 +140,8 @@ def test_an_in_memory_traced_module_is_rewritten_where_the_toolkit_wraps_it():
         before = traced(x)
     for model in (traced, holder):
         assert baked(model)
-        loaded = wrap(model, num_classes=9, origin=ModelOrigin("module"), normalize=Normalization.NONE)
+        loaded = wrap(model, num_classes=9, origin=ModelOrigin("module"), normalize=Normalization.NONE,
+                      record=ModelRecord())
         assert baked(loaded.model) == []
     with torch.inference_mode():
         assert torch.equal(traced(x), before)

@@ -213,22 +213,38 @@ def test_a_log_line_cut_short_is_dropped_on_resume(tmp_path):
     assert path.read_text().splitlines() == lines[:3]
 
 
-def test_a_state_saved_before_the_key_held_the_precision_resumes(tiny, tmp_path, capsys, monkeypatch, one_thread):
-    """Resume keys name the precision that ran since it may differ from the one asked for; a state saved by the
-    version before, whose key has no precision, resumes where that version's default is the precision that
-    runs now (fp32 on the CPU) and ends where the uninterrupted run does."""
+@pytest.mark.parametrize("missing", [("start",), ("start", "precision")])
+def test_a_state_saved_before_the_key_held_the_precision_resumes(missing, tiny, tmp_path, capsys, monkeypatch,
+                                                                 one_thread):
+    """Resume keys name the precision that ran since it may differ from the one asked for, and the starting
+    model's identity; a state saved by a version before, whose key has neither (or no starting model), resumes
+    where that version's default is the precision that runs now (fp32 on the CPU) and ends where the
+    uninterrupted run does."""
     common = ["--data-path", tiny, "--weights", "none", "--epochs", 2, "--batch-size", 6, "--save-every", 1, *TINY]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     code, _, err = run_train([*common, "--output-dir", whole], capsys)
     assert code == 0, err
     interrupt_at_step(4, [*common, "--output-dir", resumed], capsys, monkeypatch)
     state = torch.load(resumed / STATE_NAME, weights_only=True)
-    assert state["run_key"].pop("precision") == "fp32"
-    torch.save(state, resumed / STATE_NAME)  # as the version before wrote it
+    popped = {key: state["run_key"].pop(key) for key in missing}
+    assert popped == {key: {"start": None, "precision": "fp32"}[key] for key in missing}
+    torch.save(state, resumed / STATE_NAME)  # as a version before wrote it
     code, _, err = run_train([*common, "--output-dir", resumed, "--resume"], capsys)
     assert code == 0, err
     a, b = weights(whole / CHECKPOINT_NAME), weights(resumed / CHECKPOINT_NAME)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_state_of_another_starting_model_is_refused(tiny, tmp_path, capsys, monkeypatch, one_thread):
+    """The starting checkpoint rewritten in place between a run and its --resume: the saved state is of training
+    another model, and the run's evaluation of its starting point would be of this one; refused in one line."""
+    start = tmp_path / "start.pt"
+    torch.save(build_architecture(SMALL_CNN, 9).state_dict(), start)
+    common = ["--data-path", tiny, "--checkpoint", start, "--epochs", 2, "--batch-size", 6, "--save-every", 1, *TINY]
+    interrupt_at_step(4, [*common, "--output-dir", tmp_path / "run"], capsys, monkeypatch)
+    torch.save(build_architecture(SMALL_CNN, 9).state_dict(), start)  # other random weights, the same path
+    code, out, err = run_train([*common, "--output-dir", tmp_path / "run", "--resume"], capsys)
+    assert "starting model" in check_error(code, out, err, lines=None)
 
 
 def test_a_state_saved_with_the_per_sample_draws_is_refused(tiny, tmp_path, capsys, monkeypatch, one_thread):

@@ -31,6 +31,7 @@ from tools.in9 import IMAGE_SIZE, Normalization
 from tools.models.architectures import SMALL_CNN, build_architecture
 from tools.models.checkpoints import read_checkpoint
 from tools.models.export_archive import untrusted_content
+from tools.models.record import ModelRecord
 
 CPU = torch.device("cpu")
 IMAGES = torch.zeros(2, 3, IMAGE_SIZE, IMAGE_SIZE)
@@ -255,7 +256,7 @@ def test_a_crafted_export_archive_is_refused_before_it_runs(craft, exported, tmp
     marker = tmp_path / "marker"
     path = rewrite(exported, tmp_path / "crafted.pt2", CRAFTS[craft](marker))
     with pytest.raises(UserError, match="--trust-checkpoint") as caught:
-        read_checkpoint(path, None, None, Normalization.AUTO, False, None, CPU)
+        read_checkpoint(path, None, None, Normalization.AUTO, False, None, CPU, ModelRecord())
     assert WORDS[craft] in str(caught.value)
     assert "\n" not in str(caught.value)
     assert not marker.exists()

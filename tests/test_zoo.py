@@ -211,7 +211,7 @@ def test_leaderboard_rows_name_what_they_rank(release_run, specs, checkpoints):
     assert rows[mobilenet]["weights_sha256"] == sha256_file(checkpoints / "mobilenet.pt")[:12]
     clip_payload = json.loads(results_file(output, clip).read_text())
     assert (rows[clip]["source"], rows[clip]["weights"]) == ("clip", "none")
-    assert rows[clip]["weights_sha256"] == clip_payload["identity"]["weights_sha256"][:12]  # no file: the weights'
+    assert rows[clip]["weights_sha256"] == clip_payload["identity"]["model"][:12]  # no file: the model's
     resnet50 = rows["ResNet-50"]
     assert (resnet50["source"], resnet50["weights"], resnet50["weights_sha256"]) == \
         ("torchvision", "IMAGENET1K_V1", "19c8e357")  # the hash prefix torch names resnet50-19c8e357.pth by
@@ -372,8 +372,10 @@ def test_checkpoint_overwritten_in_place_is_recomputed(small, tmp_path, capsys, 
     assert code == 0, err
     assert f"{spec}: done: " in out
     new = json.loads(results_file(output, spec).read_text())
-    assert new["in9"]["provenance"]["sha256"] == sha256_file(model) != old["in9"]["provenance"]["sha256"]
-    assert new["identity"]["weights_sha256"] == sha256_file(model)
+    checkpoint = new["in9"]["provenance"]["model_record"]["files"]["checkpoint"]
+    assert checkpoint["sha256"] == sha256_file(model) != old["in9"]["provenance"]["model_record"]["files"][
+        "checkpoint"]["sha256"]
+    assert new["identity"]["model"] == new["in9"]["provenance"]["identity"] != old["identity"]["model"]
 
 
 def test_same_content_under_another_path_is_reused(small, tmp_path, capsys, monkeypatch, one_thread):
@@ -387,6 +389,31 @@ def test_same_content_under_another_path_is_reused(small, tmp_path, capsys, monk
     code, out, err = small_zoo(moved, output, spec, capsys)
     assert code == 0, err
     assert calls == [] and f"{spec}: skipped: " in out
+
+
+def test_a_done_model_whose_files_are_unchanged_is_skipped_without_building_it(small, tmp_path, capsys, monkeypatch,
+                                                                             one_thread):
+    """The results file's record names every input of the model's loader: when each of its files hashes as
+    recorded (and each library has its version), the model is skipped unbuilt; when one does not, it runs again."""
+    data, model = small
+    spec, output = f"file:{model}", tmp_path / "zoo"
+    assert small_zoo(data, output, spec, capsys)[0] == 0
+    built = []
+    monkeypatch.setattr(zoo, "load_model", lambda *a, **k: built.append(a) or pytest.fail("the model was built"))
+    code, out, err = small_zoo(data, output, spec, capsys)
+    assert code == 0 and f"{spec}: skipped: " in out and built == [], err
+    payload = json.loads(results_file(output, spec).read_text())
+    assert zoo.recorded_model_unchanged(payload) is True
+    from tools.models import record as records  # noqa: PLC0415
+    with monkeypatch.context() as patch:  # another toolkit (a library the record names) may load it otherwise
+        patch.setattr(records, "__version__", "99.0")
+        assert zoo.recorded_model_unchanged(payload) is False
+    record = payload["in9"]["provenance"]["model_record"]
+    assert record["files"]["checkpoint"]["path"] == str(model)
+    save_torchscript(synthetic.ColorEvidenceModel(9, fg_weight=0.5, bg_weight=4.0), model)  # same path, other weights
+    assert zoo.recorded_model_unchanged(payload) is False
+    payload["in9"]["provenance"]["model_record"]["settings"]["arch"] = "resnet18"  # not the identity's record
+    assert zoo.recorded_model_unchanged(payload) is None
 
 
 def test_run_state_of_other_settings_is_set_aside_once(small, tmp_path, capsys, one_thread):
@@ -420,7 +447,7 @@ def test_a_clip_model_from_a_weights_file_is_reused_until_the_file_changes(small
     code, out, err = small_zoo(data, output, spec, capsys)
     assert code == 0 and f"{spec}: done: " in out, err
     recorded = json.loads(results_file(output, spec).read_text())
-    assert recorded["weights_file_sha256"] == sha256_file(weights) != recorded["identity"]["weights_sha256"]
+    assert recorded["weights_file_sha256"] == sha256_file(weights) != recorded["identity"]["model"]
     code, out, err = small_zoo(data, output, spec, capsys)
     assert code == 0 and f"{spec}: skipped: " in out, err
     torch.manual_seed(1)

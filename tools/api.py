@@ -32,6 +32,7 @@ from tools.errors import UserError, first_line
 from tools.evaluate import In9Config, bg_gap, list_in9_files, run_in9
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, VARIATIONS, Normalization
 from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
+from tools.models.record import ModelRecord
 from tools.models.adapters import LoraScaling
 from tools.models.checkpoints import check_class_count
 from tools.models.device_check import check_run, first_images
@@ -184,10 +185,13 @@ def _loaded(model: nn.Module | str, mean, std, num_classes: int | None, weights:
     stats = None if mean is None or _is_auto(mean) else _statistics(mean, std)
     width = _output_width(model, runtime.device)
     check_class_count(width, in9, f"the module ({type(model).__name__})")
-    origin = ModelOrigin(f"module:{type(model).__qualname__}", sha256=state_sha256(model),
-                         checkpoint_format=MODULE_FORMAT)
-    loaded = wrap(model, num_classes=width, origin=origin, stats=stats, stats_origin="mean/std given",
+    origin = ModelOrigin(f"module:{type(model).__qualname__}", checkpoint_format=MODULE_FORMAT)
+    record = ModelRecord()  # a module's weights and the code it runs
+    record.setting("module state sha256", state_sha256(model))
+    record.code(model)
+    loaded = wrap(model, num_classes=width, origin=origin, stats=stats, stats_origin="mean/std given", record=record,
                   normalize=Normalization.NONE if mean is None else Normalization.AUTO)
+    record.close()
     if mean is None:
         loaded.normalization = "none (mean=None: the module normalises its input itself)"
     return loaded

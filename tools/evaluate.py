@@ -411,7 +411,7 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, confi
     names = list(config.variations)
     if not isinstance(files, In9Files):
         files = list_in9_files(files, names, config.workers)
-    key = {"data": files.fingerprint, "model_sha256": loaded.sha256, "normalization": loaded.normalization,
+    key = {"data": files.fingerprint, "model_identity": loaded.identity, "normalization": loaded.normalization,
            "precision": runtime.precision.value, "num_classes": loaded.num_classes,
            "recheck_margin": 0.0 if runtime.exact else config.recheck_margin,
            "batch_size": runtime.batch_size(config.batch_size)}  # another shape may change the last bits

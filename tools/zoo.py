@@ -13,9 +13,9 @@ Model specs:
 These are the names --arch takes in the scripts and train.py (one grammar: tools.models.spec).
 
 Each model writes OUTPUT/models/<name>.json when both of its runs are done; a model whose file is of the
-same data content, weights (by their SHA-256) and settings is skipped, and one whose data or weights
-changed runs again. Its runs keep their resumable state in OUTPUT/runs/<name>/; state of other data,
-weights or settings is set aside. A model that fails (in any process under torchrun) is reported in one
+same data content, model (its identity: every input of its loader, `tools.models.record`) and settings is
+skipped, and one whose data or model changed runs again. Its runs keep their resumable state in
+OUTPUT/runs/<name>/; state of other data, models or settings is set aside. A model that fails (in any process under torchrun) is reported in one
 line and the others go on; the exit code is 0 when all succeeded, 1 when some failed, 2 for bad input to
 the command itself.
 """
@@ -44,6 +44,7 @@ from tools.in9 import VARIATIONS
 from tools.results.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
 from tools.models import hub
 from tools.models.boundary import LoadedModel
+from tools.models.record import ModelRecord, installed_version
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
 from tools.provenance import check_outputs, write_json_atomic
@@ -135,9 +136,10 @@ def list_zoo_data(root: Path, workers: int) -> ZooData:
     return ZooData(list_in9_files(root, list(VARIATIONS), workers), list_challenge_files(root, workers))
 
 
-def identity(data: ZooData, weights_sha256: str | None, settings: dict) -> dict:
-    """What a result (and its runs' saved state) is of: the data's content, the model's weights, the settings."""
-    return {"data_sha256": data.sha256, "weights_sha256": weights_sha256, "settings": settings}
+def identity(data: ZooData, model_identity: str | None, settings: dict) -> dict:
+    """What a result (and its runs' saved state) is of: the data's content, the model (its record's digest), the
+    settings."""
+    return {"data_sha256": data.sha256, "model": model_identity, "settings": settings}
 
 
 @dataclass
@@ -167,31 +169,41 @@ def _read_json(path: Path) -> dict | None:
     return payload if isinstance(payload, dict) else None
 
 
-def _weights_sha256(spec: ModelSpec, payload: dict) -> str | None:
-    """The hash of the model's weights without building it, where one file is their whole identity: the file the
-    spec names, else the one the result was made from (a download of torchvision weights), when the recorded
-    identity was that file's hash and the file is not a hub cache snapshot's (a moved refs/main loads another);
-    None otherwise, or when a file is only part of the weights (a base checkpoint under a peft adapter)."""
-    whole = payload.get("identity", {}).get("weights_sha256") == payload.get("weights_file_sha256")
-    if spec.adapter is not None or not whole:  # the identity holds more than a file (a pixel pipeline, a head)
+# The files a loader reads at a path its model's name fixes: the checkpoint the name (or --checkpoint) names, and
+# pretrained weights at their URL's place in torch's hub cache. Where the record holds others, the files a loader
+# would read now may be others (a folder's new processor config, an adapter's .safetensors beside its .bin).
+FIXED_FILES = {"checkpoint", "weights"}
+
+
+def recorded_model_unchanged(payload: dict) -> bool | None:
+    """Whether the model a results file was made of is still that model, told without building it, from the record
+    in its provenance: each file it names hashes as recorded and each library has the recorded version. None where
+    only building the model can tell: a record of an older file or not its identity's, a file other than those
+    `FIXED_FILES` names, a file of a hub cache (a moved refs/main loads another), or a part computed at load time
+    (CLIP's text head, seeded random weights)."""
+    described = ((payload.get("in9") or {}).get("provenance") or {}).get("model_record")
+    if not isinstance(described, dict) or ModelRecord.digest_of(described) != payload["identity"].get("model"):
         return None
-    if spec.path is not None:
-        return sha256_file(spec.path) if spec.path.is_file() else None
-    recorded = Path(payload["weights_file"]) if payload.get("weights_file") else None
-    if recorded is None or hub.in_cache(recorded) or not recorded.is_file():
+    files = described.get("files", {})
+    if described.get("computed") or any(role not in FIXED_FILES or "path" not in entry or
+                                        hub.in_cache(Path(entry["path"])) for role, entry in files.items()):
         return None
-    return sha256_file(recorded)
+    for entry in files.values():
+        path = Path(entry["path"])
+        if not path.is_file() or sha256_file(path) != entry["sha256"]:
+            return False
+    return all(installed_version(name) == version for name, version in described.get("libraries", {}).items())
 
 
 def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, trust: bool = False,
                     runtime: Runtime | None = None, progress: bool = False, trust_remote_code: bool = False) -> tuple[dict | None, LoadedModel | None]:
-    """(the results file's contents if they are of this data, these weights and these settings, else None; the
-    model when it had to be loaded to learn its weights' hash). A results file of other settings is refused."""
+    """(the results file's contents if they are of this data, this model and these settings, else None; the
+    model when it had to be loaded to learn its identity). A results file of other settings is refused."""
     if not path.is_file():
         return None, None
     payload = _read_json(path)
-    if payload is None or "identity" not in payload:
-        log.warning("%s is unreadable or older than the data and weights hashes it must hold: running its model "
+    if payload is None or "model" not in payload.get("identity", {}):
+        log.warning("%s is unreadable or older than the data and model identities it must hold: running its model "
                     "again", path)
         return None, None
     recorded = payload["identity"]
@@ -201,27 +213,26 @@ def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, 
     if recorded.get("data_sha256") != data.sha256:
         log.info("the data's content changed since %s was made: running its model again", path)
         return None, None
-    file_digest, loaded = _weights_sha256(spec, payload), None
-    if file_digest is not None:  # the identity is that file's hash: the file is compared with the file
-        unchanged = file_digest == payload.get("weights_file_sha256")
-    else:
+    unchanged, loaded = recorded_model_unchanged(payload), None
+    if unchanged is None:
         loaded = load(spec, trust, runtime, progress, trust_remote_code)
-        unchanged = loaded.sha256 == recorded.get("weights_sha256")
+        unchanged = loaded.identity == recorded.get("model")
     if not unchanged:
-        log.info("the weights of %s changed since %s was made: running it again", spec.text, path)
+        log.info("the model %s changed since %s was made (its record says what it is made of): running it again",
+                 spec.text, path)
         return None, loaded
     return payload, loaded
 
 
 def set_aside_other_state(state_dir: Path, wanted: dict) -> None:
     """Keep a model's resumable state only for the identity it was made for: a folder holding another's (other
-    data, weights or settings) is renamed to NAME.stale-N with one log line, and `wanted` recorded in its place."""
+    data, model or settings) is renamed to NAME.stale-N with one log line, and `wanted` recorded in its place."""
     record = state_dir / RUN_IDENTITY_FILE
     if state_dir.is_dir() and any(state_dir.iterdir()) and _read_json(record) != wanted:
         aside = next(path for path in (state_dir.with_name(f"{state_dir.name}.stale-{n}") for n in itertools.count(1))
                      if not path.exists())
         state_dir.rename(aside)
-        log.warning("%s holds the state of a run on other data, weights or settings: set aside as %s", state_dir,
+        log.warning("%s holds the state of a run on other data, model or settings: set aside as %s", state_dir,
                     aside.name)
     write_json_atomic(record, wanted)
 
@@ -252,7 +263,7 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
     return {"model": spec.text, "source": spec.source, "arch": loaded.arch, "weights": weights,
             "weights_file": str(weights_file) if weights_file else None,
             "weights_file_sha256": sha256_file(weights_file) if weights_file else None,
-            "identity": identity(data, loaded.sha256, settings.fingerprint(runtime)),
+            "identity": identity(data, loaded.identity, settings.fingerprint(runtime)),
             "in9": in9.to_json(), "challenge": challenge.to_json()}
 
 
@@ -283,7 +294,7 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
                     loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code)
                     if runtime.group.is_main:
                         set_aside_other_state(Path(output_dir) / RUNS_FOLDER / spec.slug,
-                                              identity(data, loaded.sha256, fingerprint))
+                                              identity(data, loaded.identity, fingerprint))
                 payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir, progress)
                 with distributed.agree(runtime.group, device):
                     if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes

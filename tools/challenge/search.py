@@ -255,9 +255,10 @@ class ShardedSearch:
 
 
 def _run_key(data: ChallengeData, loaded: LoadedModel, runtime: Runtime, config: ChallengeConfig) -> str:
-    parts = [STATE_FORMAT, data.fingerprint["sha256"], data.arithmetic.value, loaded.sha256 or "", loaded.normalization,
-             runtime.precision.value, config.criterion.value, str(config.full), str(config.first_k),
-             str(config.recheck_margin_at(runtime.exact)), str(runtime.batch_size(config.batch_size))]
+    parts = [STATE_FORMAT, data.fingerprint["sha256"], data.arithmetic.value, loaded.identity or "",
+             loaded.normalization, runtime.precision.value, config.criterion.value, str(config.full),
+             str(config.first_k), str(config.recheck_margin_at(runtime.exact)),
+             str(runtime.batch_size(config.batch_size))]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 

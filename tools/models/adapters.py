@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import logging
 import re
 import warnings
@@ -22,10 +21,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tools.data.hashing import sha256_file
 from tools.errors import UserError, first_line, optional_module
 from tools.in9 import IMAGE_SIZE
 from tools.models.loading import check_fits, torch_load
+from tools.models.record import ModelRecord
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,6 @@ def _probe() -> torch.Tensor:
 class MergedAdapter:
     classifier: nn.Module
     kind: str  # "lora", "oft", ...: peft's type, lower case
-    sha256: str  # of the adapter's config and weights files together
 
 
 def _read_adapter_weights(folder: Path, trust: bool) -> tuple[dict, Path]:
@@ -130,17 +128,21 @@ def _read_adapter_weights(folder: Path, trust: bool) -> tuple[dict, Path]:
                     f"folder complete?")
 
 
-def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool,
+def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool, record: ModelRecord,
                          place: Callable[[nn.Module], nn.Module] | None = None) -> MergedAdapter:
     """The base classifier (the module the adapter was saved on) with the folder's adapter put on and merged;
-    place: as `merge_checked`'s, for a classifier inside wrappers."""
+    place: as `merge_checked`'s, for a classifier inside wrappers. The adapter's config and weights files go into
+    `record` by their content, with peft's version."""
     peft = peft_module(f"the adapter folder {folder}")
+    record.library(peft)
+    record.read_file(folder / ADAPTER_CONFIG, "adapter config")
     try:
         config = peft.PeftConfig.from_pretrained(str(folder))
     except Exception as exc:  # noqa: BLE001 (a config another peft wrote, or a damaged file)
         raise UserError(f"cannot read {folder / ADAPTER_CONFIG} with the installed peft {peft.__version__}: "
                         f"{first_line(exc)}") from None
     weights, weights_file = _read_adapter_weights(folder, trust)
+    record.read_file(weights_file, "adapter weights")
     kind = str(getattr(config.peft_type, "value", config.peft_type)).lower()
     what = f"the {kind} adapter in {folder}"
     try:
@@ -163,8 +165,7 @@ def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool,
         raise UserError(f"{what} does not fit its base model: missing keys: {_key_list(missing)}")
     merged = merge_checked(wrapped, _probe(), what, place)
     log.info("merged %s (%d tensors from %s)", what, len(weights), weights_file.name)
-    digest = hashlib.sha256(f"{sha256_file(folder / ADAPTER_CONFIG)} {sha256_file(weights_file)}".encode())
-    return MergedAdapter(merged, kind, digest.hexdigest())
+    return MergedAdapter(merged, kind)
 
 
 def _shape_problem(exc: Exception) -> str:
@@ -177,11 +178,6 @@ def _key_list(keys, limit: int = 6) -> str:
     keys = list(keys)
     more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
     return ", ".join(keys[:limit]) + more
-
-
-def combined_sha256(*digests: str | None) -> str:
-    """One identity for a model made of several files (a base and its adapter)."""
-    return hashlib.sha256(" ".join(d or "-" for d in digests).encode()).hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -278,10 +274,12 @@ def anchored(names) -> str:
 
 
 def merge_peft_state(classifier: nn.Module, state: dict, peft_state: PeftState, lora: LoraScaling | None,
-                     path: Path) -> nn.Module:
+                     path: Path, record: ModelRecord) -> nn.Module:
     """The base classifier (the architecture, untrained) wrapped as the state dict's adapters say, loaded from it
-    strictly, and merged."""
+    strictly, and merged; peft's version and the settings it was rebuilt with that the file does not hold go
+    into `record`."""
     peft = peft_module(f"checkpoint {path} (the state dict of a peft-wrapped model)")
+    record.library(peft)
     targets = anchored(peft_state.ranks)
     counts = collections.Counter(peft_state.ranks.values())
     rank = counts.most_common(1)[0][0]
@@ -302,6 +300,8 @@ def merge_peft_state(classifier: nn.Module, state: dict, peft_state: PeftState, 
                                 modules_to_save=peft_state.saved_modules or None)
         assumed = ", ".join(f"{name}={getattr(config, name)!r}" for name in OFT_UNRECORDED_SETTINGS
                             if hasattr(config, name))
+        record.setting("OFT settings assumed", {name: getattr(config, name) for name in OFT_UNRECORDED_SETTINGS
+                                                if hasattr(config, name)})
         log.warning("%s: OFT adapters rebuilt with the installed peft %s's settings (%s), which a state dict does not "
                     "record; adapters trained with other settings would compute another model: save them with "
                     "save_pretrained to be sure", path, peft.__version__, assumed)

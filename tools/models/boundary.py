@@ -1,6 +1,7 @@
-"""The model boundary: `PixelModel` (pixels in, normalised inside, logits out), `LoadedModel` (a ready model
-and what it is), `wrap`, which makes a classifier of known origin (`ModelOrigin`) a `LoadedModel`, and the
-resizing inside the model for classifiers whose input is not 224x224 (`resize_input`, `fit_input_size`)."""
+"""The model boundary: `PixelModel` (pixels in, normalised inside, logits out), `LoadedModel` (a ready model,
+what it is and the record of what made it, `tools.models.record`), `wrap`, which makes a classifier of known
+origin (`ModelOrigin`) a `LoadedModel`, and the resizing inside the model for classifiers whose input is not
+224x224 (`resize_input`, `fit_input_size`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tools.models import torchscript
+from tools.models.record import ModelRecord
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.data.pixels import normalisation_table, normalised_floats
 from tools.runtime import Runtime, check_antialias
@@ -63,40 +65,47 @@ class PixelModel(nn.Module):
 
 @dataclass
 class LoadedModel:
-    """A ready classifier and what it is: where it came from, its class count and its normalisation."""
+    """A ready classifier and what it is: where it came from, its class count, its normalisation, and the record of
+    every input its loader was given and read, whose digest is its identity."""
 
     model: PixelModel
     num_classes: int
     arch: str | None
     weights: str | None
     source: str | None  # checkpoint or weights file
-    sha256: str | None
+    record: ModelRecord | None  # None only for a LoadedModel built by hand (a test's, a benchmark's)
     checkpoint_format: str
     normalization: str
     details: dict = field(default_factory=dict)  # what else its source records, e.g. CLIP's zero-shot head
 
+    @property
+    def identity(self) -> str | None:
+        """The model's identity: the digest of its record (resume states, the zoo's "already done")."""
+        return None if self.record is None else self.record.digest
+
     def describe(self) -> dict:
-        return {"arch": self.arch, "weights": self.weights, "checkpoint": self.source, "sha256": self.sha256,
+        return {"arch": self.arch, "weights": self.weights, "checkpoint": self.source, "identity": self.identity,
                 "checkpoint_format": self.checkpoint_format, "num_classes": self.num_classes,
-                "normalization": self.normalization, **self.details}
+                "normalization": self.normalization,
+                "model_record": None if self.record is None else self.record.describe(), **self.details}
 
 
 @dataclass(frozen=True)
 class ModelOrigin:
-    """Where a classifier came from, as its `LoadedModel` records it."""
+    """Where a classifier came from, as its `LoadedModel` names it (what it is made of is its `ModelRecord`)."""
 
     arch: str | None  # None for a program, which carries its own
     weights: str | None = None  # the named weights (torchvision's, CLIP's pretrained tag)
     source: str | None = None  # the checkpoint or weights file
-    sha256: str | None = None
     checkpoint_format: str = ""
 
 
 def wrap(classifier: nn.Module, *, num_classes: int, origin: ModelOrigin, normalize: Normalization,
-         stats: tuple | None = None, stats_origin: str = "") -> LoadedModel:
+         record: ModelRecord, stats: tuple | None = None, stats_origin: str = "") -> LoadedModel:
     """A classifier as a `LoadedModel`, normalising inside with: the source's own statistics (`stats`, e.g.
     a checkpoint's normaliser or CLIP's, named by `stats_origin`) unless --normalize says otherwise, else the
-    class-count rule. Every TorchScript module in it (the classifier itself or a submodule, as a traced module
+    class-count rule; the class count and the statistics used go into `record`, the loader's record of the model.
+    Every TorchScript module in it (the classifier itself or a submodule, as a traced module
     passed to the Python API) has its convolutions rewritten to read the run's flags
     (`torchscript.unbake_convolutions`, in place: the same numbers as its eager code)."""
     torchscript.unbake_convolutions(classifier)
@@ -111,9 +120,12 @@ def wrap(classifier: nn.Module, *, num_classes: int, origin: ModelOrigin, normal
             norm_text = "in9 (9-class rule)" if num_classes == NUM_IN9_CLASSES else "imagenet (1000-class rule)"
         else:
             norm_text = f"{normalize.value} (--normalize)"
+    record.setting("num_classes", num_classes)
+    record.setting("normalization", None if mean is None else {"mean": [float(v) for v in mean],
+                                                               "std": [float(v) for v in std]})
     classifier.eval()
     return LoadedModel(PixelModel(classifier, mean, std).eval(), num_classes, origin.arch, origin.weights,
-                       origin.source, origin.sha256, origin.checkpoint_format, norm_text)
+                       origin.source, record, origin.checkpoint_format, norm_text)
 
 
 # ----------------------------------------------------------------------------------------------------------

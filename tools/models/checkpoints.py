@@ -33,6 +33,7 @@ from tools.errors import UserError, first_line
 from tools.models import adapters, export_archive, torchscript
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.models.loading import check_fits, key_list, torch_load
+from tools.models.record import ModelRecord
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
 from tools.models.spec import TIMM_PREFIX
 
@@ -312,18 +313,20 @@ class ReadCheckpoint:
 
 
 def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: Normalization, trust: bool,
-                    checkpoint_key: str | None, device: torch.device,
+                    checkpoint_key: str | None, device: torch.device, record: ModelRecord,
                     lora: adapters.LoraScaling | None = None) -> ReadCheckpoint:
     """The classifier in a checkpoint file, told apart by the file's contents: an export program (of plain tensors
     and operations unless `trust`) or a trusted TorchScript program as it is, loaded for `device` (the run's) and
     probed there; a trusted pickled module as it is; else a state
     dict loaded strictly into `arch` (default: resnet50), on the CPU, a peft-wrapped model's merged (LoRA's
-    scaling from `lora`)."""
+    scaling from `lora`). The file goes into `record` by its content, a pickled module's code and the peft that
+    merges adapters with it."""
     if path.is_dir():
         raise UserError(f"checkpoint {path} is a folder without {adapters.ADAPTER_CONFIG}; pass a checkpoint file, "
                         f"or a peft adapter folder on a base model (--arch ARCH --checkpoint ADAPTER_DIR)")
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist; check --checkpoint")
+    record.read_file(path, "checkpoint")
     kind = program_kind(path)
     if kind is not None:
         check_program_trusted(path, kind, trust)
@@ -338,6 +341,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     obj = torch_load(path, trust)
     module = _pickled_module(obj, checkpoint_key)
     if module is not None:  # only unpickled with --trust-checkpoint
+        record.code(module)  # its classes' code is not in the file
         return _read_module(module, path, arch, in9, lora)
     recorded = recorded_architecture(obj)
     named = arch is not None or recorded is not None
@@ -363,7 +367,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     check_class_count(num_classes, in9, f"checkpoint {path}")
     classifier = build_architecture(arch, num_classes)
     if peft_state is not None:
-        classifier = adapters.merge_peft_state(classifier, state.state_dict, peft_state, lora, path)
+        classifier = adapters.merge_peft_state(classifier, state.state_dict, peft_state, lora, path, record)
         return ReadCheckpoint(classifier, num_classes, arch, state.normalizer,
                               f"{state.layout}, peft {peft_state.kind} (merged)")
     check_fits(state.state_dict, classifier.state_dict(), f"checkpoint {path} does not fit --arch {arch}")

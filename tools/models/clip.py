@@ -18,8 +18,9 @@ an open_clip architecture (`open_clip.list_models()`) and a pretrained tag
 ask for a randomly initialised model (seeded, so the same every time), which needs no download: tests use it.
 
 The head is built on the runtime's device in true fp32 and cached by content (the weights, the architecture,
-the prompts) under the toolkit's cache folder, `clip-heads/`; the model's SHA-256 covers its weights and its
-head, so resume states and the zoo tell two heads of one weights file apart.
+the prompts) under the toolkit's cache folder, `clip-heads/`; the model's record (its identity) holds open_clip's
+version and configuration of the architecture, the weights, the pixel pipeline and the head, so resume states and
+the zoo tell two heads of one weights file apart, and one file under another open_clip configuration.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ from tqdm import tqdm
 
 from tools.data.store import CacheEntry, default_cache_dir
 from tools.errors import UserError, first_line, optional_module
-from tools.data.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
 from tools.models.architectures import close_matches
 from tools.models.boundary import LoadedModel, ModelOrigin, announce_input_size, resize_input, state_sha256, wrap
+from tools.models.record import ModelRecord
 from tools.runtime import Forward, Runtime
 
 log = logging.getLogger(__name__)
@@ -313,20 +314,29 @@ def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, cl
     return head
 
 
-def load_clip(spec: str, runtime: Runtime | None = None, progress: bool = False) -> LoadedModel:
+def load_clip(spec: str, record: ModelRecord, runtime: Runtime | None = None, progress: bool = False) -> LoadedModel:
     """A zero-shot IN-9 classifier from an open_clip model; `spec` is what follows `clip:`. The text head is
-    built on the runtime's device (default: the CPU); the model is returned on the CPU."""
+    built on the runtime's device (default: the CPU); the model is returned on the CPU. `record` gets what makes
+    the model: open_clip's version and its configuration of the architecture (and of the pretrained tag), the
+    weights file (or the seeded random weights), the pixel pipeline and the text head."""
     open_clip = _open_clip()
     parsed = parse_spec(spec)
     if parsed.arch not in open_clip.list_models():
         raise UserError(f"unknown open_clip architecture {parsed.arch!r}"
                         f"{close_matches(parsed.arch, open_clip.list_models()) or '; see open_clip.list_models()'}")
+    record.library(open_clip)
+    record.setting("open_clip model config", open_clip.get_model_config(parsed.arch))
     with _quiet(level=logging.WARNING):
         clip_model, weights_file = _create(open_clip, parsed.arch, parsed.pretrained)
         tokenizer = open_clip.get_tokenizer(parsed.arch)
     clip_model.eval()
-    weights_sha256 = state_sha256(clip_model) if weights_file is None else sha256_file(weights_file)
-    preprocess = preprocess_settings(open_clip, clip_model, f"clip:{spec}")
+    if weights_file is None:  # drawn with the seed by the installed torch
+        record.setting("open_clip random weights seed", RANDOM_SEED)
+        weights_sha256 = record.compute("open_clip random weights sha256", state_sha256(clip_model))
+    else:
+        weights_sha256 = record.read_file(weights_file, "weights")
+        record.setting("open_clip pretrained config", open_clip.get_pretrained_cfg(parsed.arch, parsed.pretrained))
+    preprocess = record.setting("preprocess", preprocess_settings(open_clip, clip_model, f"clip:{spec}"))
     image_size = tuple(preprocess["size"])
     if image_size != (IMAGE_SIZE, IMAGE_SIZE):
         announce_input_size(image_size, f"clip:{spec}", preprocess["interpolation"], runtime=runtime)
@@ -336,14 +346,17 @@ def load_clip(spec: str, runtime: Runtime | None = None, progress: bool = False)
                                     preprocess["interpolation"])
     head_sha256 = _tensor_digest(head)
     classes, templates = len(class_prompts), len(class_prompts[0])
+    record.setting("zero-shot prompts", {"head": parsed.head.value, "templates": parsed.templates.value,
+                                         "sha256": hashlib.sha256("\n".join(
+                                             text for per_class in class_prompts for text in per_class).encode())
+                                         .hexdigest()})
+    record.compute("zero-shot head sha256", head_sha256)  # encoded on the run's device
     names = "ImageNet class names" if parsed.head is Head.IMAGENET else "IN-9 classes"
-    pixels = json.dumps(preprocess, sort_keys=True)  # the pixel pipeline is part of the identity
     initialisation = f"random init (seed {RANDOM_SEED}) " if weights_file is None else ""
     origin = ModelOrigin(f"clip:{parsed.arch}", parsed.pretrained or RANDOM_TAG, weights_file,
-                         hashlib.sha256(f"{weights_sha256}\n{head_sha256}\n{pixels}".encode()).hexdigest(),
                          f"open_clip {initialisation}zero-shot, {classes} {names} x {templates} "
                          f"{parsed.templates.value} templates")
-    loaded = wrap(classifier, num_classes=classes, origin=origin, normalize=Normalization.AUTO,
+    loaded = wrap(classifier, num_classes=classes, origin=origin, normalize=Normalization.AUTO, record=record,
                   stats=(preprocess["mean"], preprocess["std"]), stats_origin="CLIP")
     loaded.details["zero_shot"] = {
         "head": parsed.head.value, "classes": classes, "templates": parsed.templates.value,

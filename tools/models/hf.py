@@ -20,7 +20,6 @@ in their `id2label` order:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import pickle
@@ -31,11 +30,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from tools.data.hashing import sha256_file
 from tools.errors import UserError, first_line, optional_module
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, class_names, class_of_folder
 from tools.models import hub
 from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
+from tools.models.record import ModelRecord
 from tools.models.spec import HF_PREFIX
 
 log = logging.getLogger(__name__)
@@ -77,17 +76,22 @@ def _fetch_command(repo: str) -> str:
 
 def check_remote_code(config: dict, what: str, trust_remote_code: bool) -> None:
     """One line refusing a config whose auto_map names code of its own, unless the user opted in; trusted, the
-    code it names must be a module of the model's own folder (or `REPO--module`, another repository's)."""
+    code it names must be a module of the model's own folder: code of another repository (`ORG/NAME--module.Class`)
+    is refused either way, since it would not be in the model's record."""
     auto_map = config.get("auto_map")
-    if auto_map and not trust_remote_code:
-        raise UserError(f"{what} needs its own remote code (auto_map names {', '.join(sorted(auto_map))}); "
-                        f"it runs only with {REMOTE_CODE_FLAG}, for a model whose code you trust")
     if not auto_map:
         return
+    if not trust_remote_code:
+        raise UserError(f"{what} needs its own remote code (auto_map names {', '.join(sorted(auto_map))}); "
+                        f"it runs only with {REMOTE_CODE_FLAG}, for a model whose code you trust")
     references = [ref for value in (auto_map.values() if isinstance(auto_map, dict) else [auto_map])
                   for ref in (value if isinstance(value, (list, tuple)) else [value]) if ref is not None]
+    elsewhere = sorted({ref.split("--")[0] for ref in references if isinstance(ref, str) and "--" in ref})
+    if elsewhere:
+        raise UserError(f"{what}: its auto_map takes code from other repositories ({', '.join(elsewhere)}), which "
+                        f"would not be recorded in the model's identity; copy that code into the model's folder")
     for reference in references:
-        module = str(reference).split("--")[-1].rpartition(".")[0]
+        module = str(reference).rpartition(".")[0]
         if not isinstance(reference, str) or not module or not hub.inside_folder(module):
             raise UserError(f"{what}: its auto_map names {reference!r}, not a module of the model's folder "
                             f"(module.Class); fix the config")
@@ -190,20 +194,24 @@ def pixel_map(processor, shape: tuple[int, int], what: str):
     return tuple(mean), tuple(std), order
 
 
-def _processor_settings(transformers, source: str, revision: str | None, config: dict, what: str,
-                        trust_remote_code: bool):
-    """(mean, std) or None, the channel order, the input size and the resize mode, from the model's image
-    processor; without a processor config, the class-count rule (with a warning) and the config's image size."""
+def _processor_file(transformers, source: str, revision: str | None) -> Path | None:
+    """The model's image processor config, where transformers finds it; None without one."""
     found = transformers.utils.cached_file(source, PROCESSOR_FILE, revision=revision,
                                            _raise_exceptions_for_missing_entries=False)
+    return None if found is None else Path(found)
+
+
+def _processor_settings(transformers, source: str, revision: str | None, config: dict, found: Path | None,
+                        what: str, trust_remote_code: bool):
+    """(mean, std) or None, the channel order, the input size and the resize mode, from the model's image
+    processor (its config `found`); without a processor config, the class-count rule (with a warning) and the
+    config's image size."""
     if found is None:
         size = config.get("image_size", IMAGE_SIZE)
         shape = (size, size) if isinstance(size, int) else tuple(size)
         log.warning("%s has no %s: normalised with the class-count rule's mean/std, %dx%d inputs", what,
                     PROCESSOR_FILE, *shape)
         return None, (0, 1, 2), shape, "bicubic"
-    processor_config = _json(Path(found))
-    check_remote_code(processor_config, f"{what}'s image processor", trust_remote_code)
     try:
         processor = transformers.AutoImageProcessor.from_pretrained(source, revision=revision,
                                                                     trust_remote_code=trust_remote_code)
@@ -253,21 +261,39 @@ def _weights_files(folder: Path, local: bool) -> list[Path]:
     return []
 
 
-def _identity(files: list[Path], folder: Path, stats, order, size, mode: str) -> str:
-    """The model's identity: its weights' hash, its config's (labels, architecture), what its processor does to
-    the pixels (mean/std, channel order, input size, resampling) and the transformers version that read the
-    processor, so that a changed config or processor is another model."""
-    config = folder / "config.json"
-    pixels = json.dumps({"stats": stats, "order": order, "size": size, "resample": mode}, sort_keys=True)
-    text = (f"weights {hub.files_digest(files)}\nconfig {sha256_file(config)}\npixels {pixels}\n"
-            f"transformers {_transformers().__version__}\n")
-    return hashlib.sha256(text.encode()).hexdigest()
+def _record_inputs(record: ModelRecord, files: list[Path], folder: Path, processor_file: Path | None,
+                   code: list[Path], pixels: dict) -> None:
+    """What the model is made of, into its record: its weights (a sharded checkpoint's index and shards), its config
+    (labels, architecture), its processor's config and what that processor does to the pixels (mean/std, channel
+    order, input size, resampling), the code it ships (with --trust-remote-code) and the transformers version that
+    read them all, so that a changed config, processor or code is another model."""
+    record.library(_transformers())
+    if len(files) == 1:
+        record.read_file(files[0], "weights")
+    elif files:
+        index = [folder / index for _, index in WEIGHTS_FILES if (folder / index).is_file()][:1]
+        record.read_files(files + index, "weights", folder)
+    record.read_file(folder / "config.json", "config.json")
+    if processor_file is not None:
+        record.read_file(processor_file, PROCESSOR_FILE)
+    if code:
+        record.read_files(code, "remote code", folder)
+    record.setting("pixels", pixels)
 
 
-def load_transformers(name: str, normalize: Normalization, runtime=None,
+def remote_code_files(folder: Path, *configs: dict) -> list[Path]:
+    """The code a model or processor that ships its own (an auto_map in its config) runs: the Python files of its
+    folder, which transformers copies and imports them from (`check_remote_code` refuses code from elsewhere)."""
+    if not any(config.get("auto_map") for config in configs):
+        return []
+    return sorted(path for path in folder.rglob("*.py") if path.is_file())
+
+
+def load_transformers(name: str, normalize: Normalization, record: ModelRecord, runtime=None,
                       trust_remote_code: bool = False) -> LoadedModel:
     """`hf:` + `name`: a local save_pretrained folder, else a hub repository (`ORG/NAME[@REVISION]`, from its
-    cache, HF_HUB_OFFLINE honoured). trust_remote_code: run the code a model or processor ships (--trust-remote-code)."""
+    cache, HF_HUB_OFFLINE honoured), recorded in `record`. trust_remote_code: run the code a model or processor
+    ships (--trust-remote-code)."""
     transformers = _transformers()
     what = f"{HF_PREFIX}{name}"
     local = Path(name).expanduser()
@@ -276,6 +302,9 @@ def load_transformers(name: str, normalize: Normalization, runtime=None,
     kind = check_labels(_id2label(config, what), what)
     folder = local if local.is_dir() else hub.cached_file(name, ["config.json"]).parent
     files = _weights_files(folder, local.is_dir())  # checked before transformers reads them
+    processor_file = _processor_file(transformers, source, revision)
+    processor_config = _json(processor_file) if processor_file is not None else {}
+    check_remote_code(processor_config, f"{what}'s image processor", trust_remote_code)
     try:
         model = transformers.AutoModelForImageClassification.from_pretrained(
             source, revision=revision, trust_remote_code=trust_remote_code, weights_only=True, dtype=torch.float32)
@@ -286,12 +315,14 @@ def load_transformers(name: str, normalize: Normalization, runtime=None,
         raise UserError(f"cannot load {what}: its code ({', '.join(sorted(config.get('auto_map') or {}))}) does not "
                         f"load: {first_line(exc)}") from None
     model.eval()
-    stats, order, size, mode = _processor_settings(transformers, source, revision, config, what, trust_remote_code)
+    stats, order, size, mode = _processor_settings(transformers, source, revision, config, processor_file, what,
+                                                   trust_remote_code)
+    _record_inputs(record, files, folder, processor_file, remote_code_files(folder, config, processor_config),
+                   {"stats": stats, "order": order, "size": size, "resample": mode})
     revision = None if local.is_dir() else hub.snapshot_revision(folder / "config.json")
     origin = ModelOrigin(what, revision, str(files[0] if len(files) == 1 else folder),
-                         _identity(files, folder, stats, order, size, mode) if files else None,
                          f"transformers {type(model).__name__} ({kind} labels)")
     classifier = fit_input_size(Logits(model, order), size, what, mode, runtime)
     order_text = "" if order == (0, 1, 2) else f", channels reordered {order}"
-    return wrap(classifier, num_classes=model.config.num_labels, normalize=normalize, origin=origin, stats=stats,
-                stats_origin=f"image processor{order_text}")
+    return wrap(classifier, num_classes=model.config.num_labels, normalize=normalize, origin=origin, record=record,
+                stats=stats, stats_origin=f"image processor{order_text}")

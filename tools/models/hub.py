@@ -3,10 +3,7 @@ repository's weights are, and the one line that says what to do when they are no
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path, PurePosixPath
-
-from tools.data.hashing import sha256_file
 
 
 def cache_folder() -> Path:
@@ -60,14 +57,6 @@ def inside_folder(name: str) -> bool:
     own, not names a JSON gives.)"""
     path = PurePosixPath(name.replace("\\", "/"))
     return bool(name) and not path.is_absolute() and ".." not in path.parts and ":" not in name
-
-
-def files_digest(paths: list[Path]) -> str:
-    """The SHA-256 of one weights file; of several (shards), the SHA-256 of their names and hashes in order."""
-    if len(paths) == 1:
-        return sha256_file(paths[0])
-    lines = "".join(f"{p.name} {sha256_file(p)}\n" for p in sorted(paths))
-    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def not_cached_line(what: str, fetch: str, reason: str) -> str:

@@ -1,6 +1,10 @@
 """Where models come from: a registry of sources chosen by a model name's prefix (`tools.models.spec`).
 
-A source is one function `(name, options) -> LoadedModel`, registered with `@register_source("prefix:")`:
+A source is one function `(name, options, record) -> LoadedModel`, registered with `@register_source("prefix:")`;
+it records in `record` (`tools.models.record.ModelRecord`) every file it reads and every setting it resolves, and
+hands it to `wrap`. `load_model` records what it was given first, so that the model's identity (the record's
+digest) holds every input of the loader but those `NOT_IN_IDENTITY` lists, each with the reason it cannot change
+the logits. The sources:
 `resnet50` (no prefix: a torchvision architecture with its pretrained weights), `timm:NAME`, `toolkit:NAME`,
 `file:PATH` (a checkpoint file; `--checkpoint PATH` is the same source), `clip:ARCH/PRETRAINED`
 (CLIP zero-shot, by default over the 1000 ImageNet class names) and `hf:ORG/NAME` or `hf:PATH` (a transformers
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.client
+import importlib
 import logging
 import os
 import pickle
@@ -27,11 +32,11 @@ from torch import nn
 from tools.cli import closest
 from tools.models import adapters, checkpoints
 from tools.errors import UserError, first_line
-from tools.data.hashing import sha256_file
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
-from tools.models.architectures import (ARCHITECTURES, DEFAULT_ARCH, build_architecture,
+from tools.models.architectures import (ARCHITECTURES, DEFAULT_ARCH, architecture_family, build_architecture,
                                        check_torchvision_architecture, close_matches, torchvision_module)
 from tools.models.boundary import InputResize, LoadedModel, ModelOrigin, wrap
+from tools.models.record import ModelRecord
 from tools.models.spec import CLIP_PREFIX, FILE_PREFIX, HF_PREFIX, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
 if TYPE_CHECKING:
@@ -64,12 +69,26 @@ class ModelOptions:
         return self.runtime.device if self.runtime is not None else torch.device("cpu")
 
 
-Source = Callable[[str, ModelOptions], LoadedModel]
+# What reaches the loader (load_model's parameters, the fields of ModelOptions) but not the model's identity, and
+# why it cannot change the logits; every other input is in the model's record (tests/test_model_identity.py).
+NOT_IN_IDENTITY = {
+    "in9": "a check of the model's class count: it refuses a model, never changes one",
+    "trust": "lets a checkpoint unpickle fully: a file that loads either way loads the same objects, and what it "
+             "loads is recorded (the file, a pickled module's code)",
+    "trust_remote_code": "lets the code an hf: model ships run, or refuses the model: that code is recorded by content",
+    "runtime": "where load-time work runs; what that work computes is recorded (CLIP's text head), and the device "
+               "is the run's own, in its provenance",
+    "progress": "shows a progress bar for load-time work and nothing else",
+    "lora_options": "how the caller's messages name the LoRA scaling's flags or keywords",
+    "lora": "the LoRA scaling, made of lora_alpha and lora_rslora, which are recorded, and lora_options",
+}
+
+Source = Callable[[str, ModelOptions, ModelRecord], LoadedModel]
 SOURCES: dict[str, Source] = {}
 
 
 def register_source(prefix: str) -> Callable[[Source], Source]:
-    """Register `fn(name, options) -> LoadedModel` for model names starting with `prefix` ("" for none)."""
+    """Register `fn(name, options, record) -> LoadedModel` for model names starting with `prefix` ("" for none)."""
     def register(fn: Source) -> Source:
         SOURCES[prefix] = fn
         return fn
@@ -82,7 +101,8 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
                progress: bool = False, lora_alpha: float | None = None, lora_rslora: bool = False,
                lora_options: tuple[str, str] | None = adapters.CLI_LORA_OPTIONS,
                trust_remote_code: bool = False) -> LoadedModel:
-    """The model the command line describes, wrapped to take pixels.
+    """The model the command line describes, wrapped to take pixels, with the record of every input it was given
+    and read (`LoadedModel.record`; its digest, `LoadedModel.identity`, is the model's identity).
 
     arch: a model name (`tools.models.spec`; default: resnet50); with a checkpoint (`checkpoint`, or the
     name's own `@file:PATH`), the architecture its weights go into (a TorchScript or export program carries
@@ -98,6 +118,13 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     """
     lora = adapters.LoraScaling(lora_alpha, lora_rslora, lora_options)
     spec = ModelSpec.parse(arch or DEFAULT_ARCH)
+    record = ModelRecord()
+    # what the loader is given, as given (the name less the files it names, which are recorded by content where
+    # they are read, as `checkpoint` is)
+    record.setting("arch", spec.model if arch else None)
+    for name, value in (("weights", weights), ("checkpoint_key", checkpoint_key), ("normalize", normalize),
+                        ("lora_alpha", lora_alpha), ("lora_rslora", lora_rslora)):
+        record.setting(name, value)
     checkpoint = Path(checkpoint) if checkpoint is not None else None
     adapter = spec.adapter_path
     if checkpoint is not None and spec.file is not None and adapter is None and adapters.is_adapter_folder(checkpoint):
@@ -121,29 +148,34 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     # a checkpoint goes into an architecture that is built without weights, or is a whole model (file:); a model
     # whose weights come from its own source (hf:, clip:) refuses it, however it is named
     if checkpoint is not None and (names_architecture or spec.model is None):
-        loaded = SOURCES[FILE_PREFIX](str(checkpoint), options)
+        loaded = SOURCES[FILE_PREFIX](str(checkpoint), options, record)
     else:
         source = SOURCES.get(spec.prefix)
         if source is None:
             raise UserError(f"unknown model source {spec.prefix!r} in {str(spec)!r}{closest(spec.prefix, SOURCES)}; "
                             f"valid: {', '.join(repr(p) for p in SOURCES)}")
-        loaded = source(spec.body, options)
-    return loaded if adapter is None else _with_adapter(loaded, adapter, trust)
+        loaded = source(spec.body, options, record)
+    if adapter is not None:
+        loaded = _with_adapter(loaded, adapter, trust)
+    if loaded.record is not record:
+        raise RuntimeError(f"the source of {spec} did not record its model in the record it was given")
+    record.close()
+    return loaded
 
 
 def _with_adapter(base: LoadedModel, folder: Path, trust: bool) -> LoadedModel:
     """The base model with the folder's peft adapter merged into the module its source loaded (the one the
-    adapter was saved on, inside the toolkit's wrappers); its identity that of both."""
+    adapter was saved on, inside the toolkit's wrappers); the adapter's files and settings go into the base's
+    record."""
     owner, attribute = _innermost(base.model, "classifier")
 
     def place(module: nn.Module) -> nn.Module:
         setattr(owner, attribute, module)
         return base.model.classifier
 
-    merged = adapters.merge_adapter_folder(getattr(owner, attribute), folder, trust, place)
+    merged = adapters.merge_adapter_folder(getattr(owner, attribute), folder, trust, base.record, place)
     place(merged.classifier.eval())
     return dataclasses.replace(base, source=f"{base.source} + {folder}",
-                               sha256=adapters.combined_sha256(base.sha256, merged.sha256),
                                checkpoint_format=f"{base.checkpoint_format} + peft {merged.kind} adapter (merged)")
 
 
@@ -180,8 +212,8 @@ def resolve_weights(arch: str, name: str | None):
     return enum[short]
 
 
-def _download_weights(weights) -> tuple[dict, str, str]:
-    """The weights' state dict, the file it was read from (in torch's hub cache) and that file's SHA-256.
+def _download_weights(weights, record: ModelRecord) -> tuple[dict, str]:
+    """The weights' state dict and the file it was read from (in torch's hub cache), recorded as the weights.
 
     A missing file is downloaded here, checked against the hash prefix in its name as torch checks it, so that
     torch's own download line is never printed (it went to stderr on older torch, and goes to stdout on newer,
@@ -203,7 +235,7 @@ def _download_weights(weights) -> tuple[dict, str, str]:
                             f"{path.parent.parent.parent})") from None
     if not path.is_file():
         raise UserError(f"{path} is not a file; remove it and rerun to download {url}")
-    digest = sha256_file(path)
+    digest = record.read_file(path, "weights")
     if prefix is not None and not digest.startswith(prefix):
         raise UserError(f"{path} is not the file {url} names: its SHA-256 starts {digest[:len(prefix)]}, not "
                         f"{prefix}; delete it and rerun (or put the right file there)")
@@ -211,84 +243,86 @@ def _download_weights(weights) -> tuple[dict, str, str]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
         raise UserError(f"cannot read {path} ({first_line(exc)}); delete it and rerun") from None
-    return state, str(path), digest
+    return state, str(path)
 
 
 @register_source("")
-def torchvision_pretrained(name: str, options: ModelOptions) -> LoadedModel:
+def torchvision_pretrained(name: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
     """A torchvision architecture with its pretrained ImageNet weights (default: the published IMAGENET1K_V1)."""
     if options.in9:
         raise UserError("--in9 needs --checkpoint: there are no pretrained 9-class weights to download")
     member = resolve_weights(name, options.weights)
+    weights = record.setting("torchvision weights", f"{type(member).__name__}.{member.name}")
     classifier = build_architecture(name, NUM_IMAGENET_CLASSES)
-    state, source, digest = _download_weights(member)
+    record.library(torchvision_module())
+    state, source = _download_weights(member, record)
     classifier.load_state_dict(state, strict=True)
-    return wrap(classifier, num_classes=NUM_IMAGENET_CLASSES, normalize=options.normalize,
-                origin=ModelOrigin(name, f"{type(member).__name__}.{member.name}", source, digest,
-                                   "torchvision weights"))
+    return wrap(classifier, num_classes=NUM_IMAGENET_CLASSES, normalize=options.normalize, record=record,
+                origin=ModelOrigin(name, weights, source, "torchvision weights"))
 
 
 @register_source(TIMM_PREFIX)
-def timm_pretrained(name: str, options: ModelOptions) -> LoadedModel:
+def timm_pretrained(name: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
     """timm models with timm's pretrained weights (timm:NAME[.TAG], timm:hf-hub:ORG/NAME; tools.models.timm_weights;
     --weights none: random weights)."""
     from tools.models.timm_weights import load_timm  # noqa: PLC0415 (timm, an optional extra, is imported there)
-    return load_timm(name, options.weights, options.in9, options.normalize, options.runtime)
+    return load_timm(name, options.weights, options.in9, options.normalize, record, options.runtime)
 
 
 @register_source(FILE_PREFIX)
-def checkpoint_file(path: str, options: ModelOptions) -> LoadedModel:
+def checkpoint_file(path: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
     """A checkpoint file: a TorchScript or export program as it is, or a state dict loaded into --arch."""
     if options.weights is not None:
         raise UserError("--weights and --checkpoint both give the model's weights; pass one of them")
     loaded = checkpoints.read_checkpoint(Path(path), options.arch, options.in9, options.normalize, options.trust,
-                                         options.checkpoint_key, options.device, options.lora)
+                                         options.checkpoint_key, options.device, record, options.lora)
     if options.in9 is None and loaded.num_classes == NUM_IN9_CLASSES:
         log.info("the checkpoint has 9 classes: evaluating as an IN-9 model (as with --in9)")
+    record.setting("checkpoint layout", loaded.layout)  # where in the file the weights were, read how
+    record.setting("architecture", loaded.arch)  # as named, recorded in the file, or the default
+    if loaded.arch is not None:
+        for library in architecture_family(ModelSpec.parse(loaded.arch)).libraries:
+            record.library(importlib.import_module(library))
     classifier, stats, stats_origin = loaded.classifier, loaded.normalizer, "checkpoint normaliser"
-    identity = sha256_file(path)
     if loaded.arch is not None and loaded.arch.startswith(TIMM_PREFIX):  # timm:NAME.TAG: the tag's data config
-        from tools.models.timm_weights import (  # noqa: PLC0415 (timm, an optional extra)
-            fit_data_config, pipeline_identity, tag_data_config)
-        tagged = tag_data_config(loaded.arch)
-        if tagged is not None:
-            data_cfg, timm_version = tagged
+        from tools.models.timm_weights import fit_data_config, tag_data_config  # noqa: PLC0415 (an optional extra)
+        data_cfg = tag_data_config(loaded.arch, record)
+        if data_cfg is not None:
             classifier = fit_data_config(classifier, data_cfg, loaded.arch, options.runtime)
             if stats is None:
                 stats, stats_origin = (data_cfg["mean"], data_cfg["std"]), f"timm pretrained config of {loaded.arch}"
-            identity = pipeline_identity(identity, data_cfg, timm_version)
     return wrap(classifier, num_classes=loaded.num_classes, normalize=options.normalize,
-                stats=stats, stats_origin=stats_origin,
-                origin=ModelOrigin(loaded.arch, None, str(path), identity, loaded.layout))
+                stats=stats, stats_origin=stats_origin, record=record,
+                origin=ModelOrigin(loaded.arch, None, str(path), loaded.layout))
 
 
 @register_source(TOOLKIT_PREFIX)
-def toolkit_untrained(name: str, options: ModelOptions) -> LoadedModel:
+def toolkit_untrained(name: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
     """This toolkit's own architectures, which have no pretrained weights: a checkpoint gives them."""
     raise UserError(f"{TOOLKIT_PREFIX}{name} has no pretrained weights; pass --checkpoint (or train it from scratch)")
 
 
 @register_source(CLIP_PREFIX)
-def clip_zero_shot(spec: str, options: ModelOptions) -> LoadedModel:
+def clip_zero_shot(spec: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
     """CLIP zero-shot over the 1000 ImageNet class names, or nine IN-9 prompts (tools.models.clip; needs
     open_clip_torch)."""
     if options.checkpoint is not None or options.weights is not None or options.normalize is not Normalization.AUTO:
         raise UserError(f"--arch {CLIP_PREFIX}{spec} takes its weights and normalisation from open_clip: drop "
                         f"--checkpoint, --weights and --normalize")
     from tools.models.clip import load_clip  # noqa: PLC0415 (the optional extra is imported only here)
-    loaded = load_clip(spec, options.runtime, options.progress)
+    loaded = load_clip(spec, record, options.runtime, options.progress)
     checkpoints.check_class_count(loaded.num_classes, options.in9, f"{CLIP_PREFIX}{spec}")
     return loaded
 
 
 @register_source(HF_PREFIX)
-def transformers_classifier(name: str, options: ModelOptions) -> LoadedModel:
+def transformers_classifier(name: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
     """Hugging Face transformers image classifiers, hf:ORG/NAME or hf:PATH (a save_pretrained folder), with 1000
     ImageNet or 9 IN-9 labels (tools.models.hf; needs transformers)."""
     if options.checkpoint is not None or options.weights is not None:
         raise UserError(f"--arch {HF_PREFIX}{name} takes its weights from its folder or hub repository: drop "
                         f"--checkpoint and --weights")
     from tools.models.hf import load_transformers  # noqa: PLC0415 (the optional extra is imported there)
-    loaded = load_transformers(name, options.normalize, options.runtime, options.trust_remote_code)
+    loaded = load_transformers(name, options.normalize, record, options.runtime, options.trust_remote_code)
     checkpoints.check_class_count(loaded.num_classes, options.in9, f"{HF_PREFIX}{name}")
     return loaded

@@ -5,15 +5,14 @@ cache, `HF_HUB_OFFLINE` honoured, or torch's hub cache for weights at a URL; saf
 unpickling, which timm does on every such path from `SAFE_TIMM` on: older timm is refused), the mean/std, input
 size and
 interpolation from the model's pretrained config (`timm.data.resolve_data_config`); inputs of another size
-than 224x224 are resized inside the model. The provenance names the tag, the file timm read and its SHA-256.
+than 224x224 are resized inside the model. The model's record holds the tag, the weights file timm read, the data
+config, timm's version and, for a hub name, the hub's config.json, which timm builds it from (a registered name's
+config comes from timm's registry: a config.json beside its weights is not read, nor recorded).
 `--weights none` builds the architecture with seeded random weights instead.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
 import os
 import pickle
@@ -24,11 +23,11 @@ import torch
 from torch import nn
 
 from tools.errors import UserError, first_line
-from tools.data.hashing import sha256_file
 from tools.in9 import NUM_IMAGENET_CLASSES, Normalization
 from tools.models import hub
 from tools.models.architectures import check_timm_name, timm_module
-from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
+from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, state_sha256, wrap
+from tools.models.record import ModelRecord
 from tools.models.spec import TIMM_HUB, TIMM_PREFIX, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -55,14 +54,6 @@ def _random_model(timm, name: str) -> nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(RANDOM_SEED)
         return timm.create_model(name, pretrained=False)
-
-
-def _state_digest(module: nn.Module) -> str:
-    digest = hashlib.sha256()
-    for key, tensor in module.state_dict().items():
-        digest.update(key.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def weights_file(pretrained_cfg: dict) -> Path | None:
@@ -114,17 +105,43 @@ def _not_loaded_line(spec: ModelSpec, cfg: dict | None, exc: Exception) -> str:
     return hub.not_cached_line(what, fetch, first_line(exc))
 
 
-def tag_data_config(arch: str) -> tuple[dict, str] | None:
-    """(timm's data config: mean, std, input_size, interpolation, crop; timm's version) for `timm:NAME.TAG`, or for
-    `timm:NAME` its default tag's (as `timm:NAME` loads it; a timm training checkpoint records such a name), read
-    from timm's registry without building the model or loading weights; None for other names or an unknown tag."""
+def hub_config_file(spec: ModelSpec) -> Path:
+    """The config.json in the hub cache that timm builds `timm:hf-hub:ORG/NAME` from (architecture, arguments,
+    pretrained config): read by timm from the same cache, so present once the model is built."""
+    path = hub.cached_file(spec.name[len(TIMM_HUB):], ["config.json"])
+    if path is None:
+        raise RuntimeError(f"timm built {spec}, but its config.json is not in the hub cache {hub.cache_folder()}")
+    return path
+
+
+def tag_data_config(arch: str, record: ModelRecord) -> dict | None:
+    """timm's data config (mean, std, input_size, interpolation, crop) for `timm:NAME.TAG`, or for `timm:NAME` its
+    default tag's (as `timm:NAME` loads it; a timm training checkpoint records such a name), read from timm's
+    registry without building the model or loading weights; for `timm:hf-hub:ORG/NAME`, from the hub's config.json
+    (as that name loads it). None for other names or an unknown tag. What it reads goes into `record`: the
+    config.json, timm's version and the data config."""
     spec = ModelSpec.parse(arch)
-    if spec.prefix != TIMM_PREFIX or spec.name.startswith(TIMM_HUB):
+    if spec.prefix != TIMM_PREFIX:
         return None
     timm = timm_module(spec)
     from timm.data import resolve_data_config  # noqa: PLC0415 (an optional extra)
-    cfg = timm.models.get_pretrained_cfg(spec.body)
-    return None if cfg is None else (resolve_data_config({}, pretrained_cfg=cfg.to_dict()), timm.__version__)
+    if spec.name.startswith(TIMM_HUB):  # the hub's config.json, parsed by timm as timm.create_model does
+        record.read_file(hub_config_file(spec), "timm hub config.json")
+        cfg = timm.models.load_model_config_from_hf(spec.name[len(TIMM_HUB):])[0]
+    else:
+        registered = timm.models.get_pretrained_cfg(spec.body)
+        cfg = None if registered is None else registered.to_dict()
+    if cfg is None:
+        return None
+    return _record_data_config(resolve_data_config({}, pretrained_cfg=cfg), timm, record)
+
+
+def _record_data_config(data_cfg: dict, timm, record: ModelRecord) -> dict:
+    """The data config, recorded with timm's version (which decides it for a registered name)."""
+    record.library(timm)
+    record.setting("timm data config", {key: list(value) if isinstance(value, tuple) else value
+                                        for key, value in sorted(data_cfg.items())})
+    return data_cfg
 
 
 def fit_data_config(model: nn.Module, data_cfg: dict, used_by: str, runtime=None) -> nn.Module:
@@ -135,21 +152,10 @@ def fit_data_config(model: nn.Module, data_cfg: dict, used_by: str, runtime=None
                           mode if mode in ("bilinear", "bicubic") else "bicubic", runtime)
 
 
-def pipeline_identity(weights_sha256: str, data_cfg: dict, timm_version: str,
-                      config_sha256: str | None = None) -> str:
-    """A timm model's identity: its weights' hash, the pixel pipeline timm's data config gives it (mean, std, input
-    size, interpolation, crop) and timm's version, which decides that config for a registered name."""
-    pixels = json.dumps({key: list(value) if isinstance(value, tuple) else value
-                         for key, value in sorted(data_cfg.items())}, sort_keys=True)
-    text = f"weights {weights_sha256}\npixels {pixels}\ntimm {timm_version}\n"
-    if config_sha256 is not None:  # a hub repository's config.json: the architecture and its arguments
-        text += f"config {config_sha256}\n"
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Normalization,
+def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Normalization, record: ModelRecord,
               runtime=None) -> LoadedModel:
-    """`timm:` + `body` with timm's pretrained weights (or seeded random ones for `weights` none)."""
+    """`timm:` + `body` with timm's pretrained weights (or seeded random ones for `weights` none), recorded in
+    `record`."""
     spec = ModelSpec.parse(TIMM_PREFIX + body)
     timm = timm_module(spec)
     check_timm_name(timm, spec)
@@ -177,23 +183,24 @@ def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Norma
     if model.num_classes != NUM_IMAGENET_CLASSES:
         raise UserError(f"{spec} has {model.num_classes} classes; the toolkit evaluates 1000-class (ImageNet) timm "
                         f"models: pick an ImageNet-1k tag (timm.list_pretrained('{spec.name}.*'))")
+    if spec.name.startswith(TIMM_HUB):  # timm built it from the hub's config.json
+        record.read_file(hub_config_file(spec), "timm hub config.json")
     if random_init:
-        origin = ModelOrigin(spec.model, RANDOM_WEIGHTS, None, _state_digest(model),
-                             f"timm random init (seed {RANDOM_SEED})")
+        record.setting("timm random weights seed", RANDOM_SEED)
+        record.compute("timm random weights sha256", state_sha256(model))  # drawn by the installed torch
+        origin = ModelOrigin(spec.model, RANDOM_WEIGHTS, None, f"timm random init (seed {RANDOM_SEED})")
     else:
         path = weights_file(cfg)
         if path is None:
             raise RuntimeError(f"timm loaded {spec}'s pretrained weights, but from no file this toolkit can find")
+        record.setting("timm tag", cfg.get("tag"))  # a hub repository's weights have none: their content says it
         tag = cfg.get("tag") or hub.snapshot_revision(path)
-        origin = ModelOrigin(spec.model, tag, str(path), sha256_file(path),
+        record.read_file(path, "weights")
+        origin = ModelOrigin(spec.model, tag, str(path),
                              f"timm pretrained ({cfg.get('hf_hub_id') or cfg.get('url') or 'file'})")
         log.info("timm %s: pretrained weights %s from %s", spec, tag, path)
     from timm.data import resolve_data_config  # noqa: PLC0415 (an optional extra)
-    data_cfg = resolve_data_config({}, model=model)
-    config = Path(origin.source).parent / "config.json" if origin.source is not None else None
-    config_sha256 = sha256_file(config) if config is not None and hub.in_cache(config) and config.is_file() else None
-    origin = dataclasses.replace(origin, sha256=pipeline_identity(origin.sha256, data_cfg, timm.__version__,
-                                                                  config_sha256))
+    data_cfg = _record_data_config(resolve_data_config({}, model=model), timm, record)
     classifier = fit_data_config(model, data_cfg, str(spec), runtime)
-    return wrap(classifier, num_classes=NUM_IMAGENET_CLASSES, normalize=normalize, origin=origin,
+    return wrap(classifier, num_classes=NUM_IMAGENET_CLASSES, normalize=normalize, origin=origin, record=record,
                 stats=(data_cfg["mean"], data_cfg["std"]), stats_origin="timm pretrained config")

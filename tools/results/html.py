@@ -69,17 +69,22 @@ def leaderboard_section(output_dir: Path | None) -> str:
     from tools.results import leaderboard  # only a zoo report reads the zoo's results
 
     rows, withheld = leaderboard.leaderboard_rows(output_dir)
-    model = leaderboard.leaderboard_table(rows, withheld)
+    board = leaderboard.leaderboard_table(rows, withheld)
     with tempfile.TemporaryDirectory() as folder:
         plot = Path(folder) / leaderboard.PLOT_FILE
         leaderboard.draw_plot(rows, plot)
         with Image.open(plot) as img:
             uri = sections.data_uri(img.convert("RGB"), "PNG")
-    cells = [[sections.cell(c.text, c.value) for c in row] for row in model.rows]
-    notes = "".join(f"<p{WARNING if note.warning else ''}>{inline_html(note.text)}</p>" for note in model.notes)
-    body = (f"<p>{inline_html(model.intro)}</p>"
-            f'<img src="{uri}" alt="BG-gap against challenge accuracy, one point per model with both (the table '
-            f'below holds the numbers)">' + sections.table(model.header, cells, "leaderboard", True) + notes)
+    tables = ""
+    for index, table in enumerate(board.tables, 1):  # one per group of rows made alike, each sortable alone
+        cells = [[sections.cell(c.text, c.value) for c in row] for row in table.rows]
+        caption = f"<p>{inline_html(table.caption)}</p>" if table.caption else ""
+        tables += caption + sections.table(table.header, cells, "leaderboard" if index == 1 else f"leaderboard-{index}",
+                                           True)
+    notes = "".join(f"<p{WARNING if note.warning else ''}>{inline_html(note.text)}</p>" for note in board.notes)
+    body = (f"<p>{inline_html(board.intro)}</p>"
+            f'<img src="{uri}" alt="BG-gap against challenge accuracy, one point per model with both (the tables '
+            f'below hold the numbers)">' + tables + notes)
     return f"<section><h2>Leaderboard</h2>{body}</section>"
 
 

@@ -8,10 +8,13 @@ and the short SHA-256 of its weights file, and says what its model predicts over
 through the map, or the nine IN-9 classes) and, for CLIP, which zero-shot head and templates; a published
 row's note says how its source ran the model where that differs from the scripts.
 
-One table model (`leaderboard_table`: intro, columns, cells, caveat notes) feeds both leaderboard.md and the HTML
+One table model (`leaderboard_table`: intro, tables, caveat notes) feeds both leaderboard.md and the HTML
 report's leaderboard, so both say when rows are not comparable (9- against 1000-class, another criterion, other
-data). The published rows, measured on the release, are added only where every measured row used the release's
-test set (`used_release`, which the report's published table also goes by).
+data). Rows are ranked only beside rows made alike: the measured rows are grouped by their runs' settings that can
+change a number (`run_settings`: device, precision, compilation, batch size, criterion, mask arithmetic, ...),
+each group is its own table under a caption that says how its rows were made, with a warning when there are
+several. The published rows, measured on the release, are added (to each table) only where every measured row used
+the release's test set (`used_release`, which the report's published table also goes by).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from tools.provenance import write_text_atomic
 from tools.results.figures import (AXIS, GRID, TEXT, Box, default_font, draw_text, free_text_position, new_canvas,
                                    paste_vertical_text, save_png)
 from tools.results.markdown import code, escape, markdown_table
+from tools.results.run_settings import differing_settings, parse_settings, run_settings, settings_text
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +63,9 @@ class Row:
     criterion: str | None = "any"  # the challenge's criterion
     classes: int | None = None  # what the model predicts over: 1000 ImageNet classes (mapped) or the 9 of IN-9
     zero_shot: str | None = None  # a CLIP row's head and templates, e.g. "imagenet, openai templates"
-    weights_sha256: str | None = None  # short: of the weights file, else of the weights (a random CLIP, a module)
+    weights_sha256: str | None = None  # short: of the weights file, else the model's identity (a random CLIP)
     note: str | None = None  # how a published row's source ran the model, where it differs from the scripts
+    settings: str | None = None  # how a measured row was made (`run_settings`, `settings_text`)
 
 
 COLUMNS = [f.name for f in fields(Row)]
@@ -83,8 +88,8 @@ def _zero_shot(provenance: dict) -> str | None:
 
 
 def _weights_hash(payload: dict) -> str | None:
-    """The weights file's SHA-256, else the weights' own (a random CLIP), short."""
-    digest = payload.get("weights_file_sha256") or (payload.get("identity") or {}).get("weights_sha256")
+    """The weights file's SHA-256, else the model's identity (a random CLIP), short."""
+    digest = payload.get("weights_file_sha256") or (payload.get("identity") or {}).get("model")
     return digest[:HASH_CHARS] if digest else None
 
 
@@ -97,7 +102,7 @@ def measured_row(payload: dict) -> Row:
                _accuracy(in9, Variation.MIXED_SAME), _accuracy(in9, Variation.MIXED_RAND), in9.get("bg_gap"),
                challenge.get("challenge_accuracy"), provenance_hash(payload), MEASURED, None, data.get("sha256"),
                challenge.get("criterion"), provenance.get("num_classes"), _zero_shot(provenance),
-               _weights_hash(payload))
+               _weights_hash(payload), settings=settings_text(run_settings(payload)))
 
 
 def published_rows() -> list[Row]:
@@ -172,11 +177,19 @@ class Note:
 
 @dataclass(frozen=True)
 class Table:
-    """The leaderboard as both renderings show it: intro, columns, rows of cells, notes (Markdown and HTML alike)."""
-    intro: str
+    """One ranking of rows made alike: what its caption says they were made with, its columns and rows of cells."""
+    caption: str  # `code` spans allowed
     header: list[str]
     align: str  # l or r per column
     rows: list[list[Cell]]
+
+
+@dataclass(frozen=True)
+class Leaderboard:
+    """The leaderboard as both renderings show it: intro, one table per settings group, notes (Markdown and HTML
+    alike)."""
+    intro: str
+    tables: list[Table]
     notes: list[Note]
 
 
@@ -229,19 +242,47 @@ INTRO = ("Accuracies in percent on the IN-9 variations and the challenge (under 
          "(Data: the short SHA-256 fingerprint of the data; Provenance: a hash of the results file's provenance).")
 
 
-def leaderboard_table(rows: list[Row], published_withheld: bool = False) -> Table:
-    """The leaderboard's columns, cells and caveats, built once for leaderboard.md and the HTML report;
-    `published_withheld`: the published rows were left out because the measured rows are not on the release."""
-    marks, cells = note_marks(rows), []
-    for rank, row in enumerate(rows, 1):
-        provenance = _hash(row.provenance_sha256) if row.provenance_sha256 else Cell(row.reference or "–")
-        cells.append([Cell(str(rank), rank), Cell(row.model), Cell(row.source or "–"), Cell(row.weights or "–"),
-                      _hash(row.weights_sha256), _classes(row), Cell(row.criterion or "–"), _number(row.original),
-                      _number(row.mixed_same), _number(row.mixed_rand), _number(row.bg_gap),
-                      _number(row.challenge_accuracy), Cell(f"{row.kind} {marks[row.note]}" if row.note else row.kind),
-                      _hash(row.data_sha256), provenance])
+def settings_groups(rows: list[Row]) -> list[list[Row]]:
+    """The rows by how they were made: one group per distinct `settings` of the measured rows (in the order the
+    sorted rows first give them), each with the published rows, which are quoted and compared with every group."""
+    settings = list(dict.fromkeys(row.settings for row in rows if row.kind == MEASURED))
+    if len(settings) <= 1:
+        return [rows]
+    return [[row for row in rows if row.kind != MEASURED or row.settings == group] for group in settings]
+
+
+def _caption(settings: str | None, several: bool) -> str:
+    text = ", ".join(f"{label} {code(value)}" for label, value in parse_settings(settings).items())
+    text = text or "settings not recorded"
+    return f"Rows measured with {text}:" if several else f"Every measured row was made with {text}."
+
+
+def leaderboard_table(rows: list[Row], published_withheld: bool = False) -> Leaderboard:
+    """The leaderboard's tables (one per group of rows made alike, `settings_groups`), cells and caveats, built
+    once for leaderboard.md and the HTML report; `published_withheld`: the published rows were left out because
+    the measured rows are not on the release."""
+    marks, tables = note_marks(rows), []
+    groups = settings_groups(rows)
+    for group in groups:
+        cells = []
+        for rank, row in enumerate(group, 1):
+            provenance = _hash(row.provenance_sha256) if row.provenance_sha256 else Cell(row.reference or "–")
+            cells.append([Cell(str(rank), rank), Cell(row.model), Cell(row.source or "–"), Cell(row.weights or "–"),
+                          _hash(row.weights_sha256), _classes(row), Cell(row.criterion or "–"), _number(row.original),
+                          _number(row.mixed_same), _number(row.mixed_rand), _number(row.bg_gap),
+                          _number(row.challenge_accuracy),
+                          Cell(f"{row.kind} {marks[row.note]}" if row.note else row.kind), _hash(row.data_sha256),
+                          provenance])
+        measured = next((row.settings for row in group if row.kind == MEASURED), None)
+        caption = _caption(measured, len(groups) > 1) if any(row.kind == MEASURED for row in group) else ""
+        tables.append(Table(caption, HEADER, ALIGN, cells))
     notes = [Note(f"{mark} {', '.join(escape(row.model) for row in rows if row.note == note)}: {escape(note)}.")
              for note, mark in marks.items()]
+    if len(groups) > 1:
+        differ = differing_settings([row.settings for row in rows if row.kind == MEASURED])
+        listed = " and ".join([", ".join(differ[:-1]), differ[-1]] if len(differ) > 1 else differ)
+        notes.append(Note(f"The measured rows were not all made alike (they differ in {listed}): each table ranks "
+                          f"the rows made alike, and rows of different tables are not comparable.", True))
     notes += classes_notes(rows)
     fingerprints = sorted({row.data_sha256 for row in rows if row.kind == MEASURED and row.data_sha256})
     if fingerprints:
@@ -257,15 +298,17 @@ def leaderboard_table(rows: list[Row], published_withheld: bool = False) -> Tabl
         notes.append(Note(f"The published rows are left out: they compare only with runs on the release's test set "
                           f"({RELEASE_IMAGES_PER_CLASS} images of every class in every variation), and some measured "
                           f"rows are not."))
-    return Table(INTRO, HEADER, ALIGN, cells, notes)
+    return Leaderboard(INTRO, tables, notes)
 
 
 def render_markdown(rows: list[Row], published_withheld: bool = False) -> str:
-    table = leaderboard_table(rows, published_withheld)
-    cells = [[code(c.text) if c.code else escape(c.text) for c in row] for row in table.rows]
-    out = ["# Backgrounds Challenge leaderboard", "", table.intro, ""]
-    out += markdown_table(table.header, cells, table.align)
-    for note in table.notes:
+    board = leaderboard_table(rows, published_withheld)
+    out = ["# Backgrounds Challenge leaderboard", "", board.intro]
+    for table in board.tables:
+        cells = [[code(c.text) if c.code else escape(c.text) for c in row] for row in table.rows]
+        out += ["", table.caption, ""] if table.caption else [""]
+        out += markdown_table(table.header, cells, table.align)
+    for note in board.notes:
         out += ["", f"**{note.text}**" if note.warning else note.text]
     out += ["", f"![BG-gap against challenge accuracy]({PLOT_FILE})", ""]
     return "\n".join(out)

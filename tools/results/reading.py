@@ -156,7 +156,9 @@ def load_inputs(in9: Path | None = None, challenge: Path | None = None, analysis
 
 LABELS = {"in9": "the IN-9 results", "challenge": "the challenge results", "analysis": "the analysis",
           "categories": "the prediction categories"}
-MODEL_KEYS = ("arch", "weights", "sha256", "num_classes", "normalization")  # what identifies the model evaluated
+# what identifies the model evaluated: its identity (the digest of its record, `tools.models.record`), and the
+# checkpoint hash results files written before it hold
+MODEL_KEYS = ("arch", "weights", "identity", "sha256", "num_classes", "normalization")
 
 
 def _model_difference(a: dict, b: dict) -> list[str]:

@@ -39,8 +39,8 @@ PROVENANCE_ROWS = [
     ("Toolkit version", "toolkit_version"), ("torch", "torch"), ("torchvision", "torchvision"), ("Python", "python"),
     ("Device", "device"), ("Precision", "precision"), ("Channels last", "channels_last"), ("Compiled", "compile"),
     ("Architecture", "arch"), ("Weights", "weights"), ("Checkpoint", "checkpoint"),
-    ("Checkpoint format", "checkpoint_format"), ("Checkpoint SHA-256", "sha256"), ("Classes", "num_classes"),
-    ("Normalisation", "normalization"), ("Data fingerprint", "data"),
+    ("Checkpoint format", "checkpoint_format"), ("Model identity", "identity"), ("Classes", "num_classes"),
+    ("Normalisation", "normalization"), ("Model record", "model_record"), ("Data fingerprint", "data"),
 ]
 
 
@@ -233,7 +233,7 @@ def _provenance_value(key: str, value, markdown: bool = True) -> str:
         return "–"
     if key == "data" and isinstance(value, dict):
         return f"{text(value.get('files', '?'))} files, SHA-256 {literal(value.get('sha256', '?'))}"
-    if key == "sha256":
+    if key in ("identity", "sha256"):
         return literal(value)
     if isinstance(value, (dict, list)):
         return literal(json.dumps(value, sort_keys=True))

@@ -11,6 +11,7 @@ import logging
 import pickle
 import threading
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -100,9 +101,9 @@ def trained_checkpoint(classifier: nn.Module, arch: str, mean, std, method: str,
             "method": method, "data": data, "train_args": train_args, "precision": precision.value}
 
 
-def load_resume_state(output_dir: Path, run_key: dict, earlier_key: dict | None = None) -> dict | None:
-    """The saved state of an interrupted run with the same settings, or None when there is none. `earlier_key`:
-    the same settings as an earlier version keyed them, accepted too."""
+def load_resume_state(output_dir: Path, run_key: dict, earlier_keys: Sequence[dict] = ()) -> dict | None:
+    """The saved state of an interrupted run with the same settings, or None when there is none. `earlier_keys`:
+    the same settings as earlier versions keyed them, accepted too."""
     path = Path(output_dir) / STATE_NAME
     if not path.is_file():
         log.warning("--resume: no saved state in %s, starting afresh", output_dir)
@@ -118,9 +119,9 @@ def load_resume_state(output_dir: Path, run_key: dict, earlier_key: dict | None 
     if not isinstance(state, dict):
         raise UserError(f"{path} is not a resume state of train.py; rerun without --resume, or with another "
                         f"--output-dir")
-    if state.get("run_key") not in (run_key, earlier_key or run_key):
-        raise UserError(f"{path} was saved by a run with other settings or data; rerun without --resume, or with "
-                        f"another --output-dir")
+    if state.get("run_key") not in (run_key, *earlier_keys):
+        raise UserError(f"{path} was saved by a run with other settings, data or starting model; rerun without "
+                        f"--resume, or with another --output-dir")
     return state
 
 

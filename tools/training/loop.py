@@ -281,13 +281,16 @@ def train(config: TrainConfig) -> TrainResult:
     # compile off is left out of the key, as states saved before the flag existed have no such key
     run_key = {"config": {k: v for k, v in record.items() if k not in NOT_IN_RUN_KEY and (k != "compile" or v)},
                "data": fingerprint,
-               "precision": runtime.precision.value, "draws": DRAWS_VERSION}
+               "precision": runtime.precision.value, "draws": DRAWS_VERSION,
+               "start": start.source.identity if start.source is not None else None}  # the model's identity
     step = 0
-    # a state saved before resume keys named the precision that ran is one of that version's default precision
+    # the keys of states saved by earlier versions, accepted too: before the key held the starting model's identity,
+    # and before it named the precision that ran (one of that version's default precision)
+    earlier_keys = [{k: v for k, v in run_key.items() if k != "start"}]
     earlier_default = config.precision or (Precision.BF16 if device.type == "cuda" else Precision.FP32)
-    earlier_key = {k: v for k, v in run_key.items() if k != "precision"} \
-        if earlier_default is runtime.precision else None
-    saved = load_resume_state(config.output_dir, run_key, earlier_key) if config.resume else None
+    if earlier_default is runtime.precision:
+        earlier_keys.append({k: v for k, v in run_key.items() if k not in ("start", "precision")})
+    saved = load_resume_state(config.output_dir, run_key, earlier_keys) if config.resume else None
     if saved is not None:
         step = restore_resume_state(saved, config.output_dir, net, optimizer, schedule, swa, total_steps)
         log.info("resuming at step %d of %d", step, total_steps)
