@@ -4,8 +4,9 @@ every module in them (frozen programs included), once, before the first run.
 - Devices: tracing writes the device it ran on into the code as constants (`torch.zeros(..., device=x.device)`),
   which `.to()` does not move; they are pointed at the run's device.
 - Function calls: a method calling a traced or scripted function (`prim::CallFunction`) or another module's method
-  (`prim::CallMethod`) is inlined first, so the rewrites reach the callee's code too; so is every graph a node
-  holds (`torch.jit.fork`'s subgraph, an awaitable's), which runs beside the method's own code.
+  (`prim::CallMethod`) is inlined first, so the rewrites reach the callee's code too; every graph a node holds
+  (`torch.jit.fork`'s subgraph, an awaitable's: code that runs beside the method's own) is rewritten as a graph
+  of its own, its calls inlined as well.
 - Convolutions: tracing records `aten::_convolution(..., benchmark, deterministic, cudnn_enabled, allow_tf32)`
   with cuDNN's flags of the tracing process as constants (torch's defaults: TF32 on, any algorithm), so the
   flags a `Runtime` sets never reach them. Each becomes `aten::convolution` of the same first nine inputs,
@@ -13,7 +14,8 @@ every module in them (frozen programs included), once, before the first run.
 
 Other constants of that kind that tracing bakes are left as they are, because they cannot change a result here:
 `batch_norm`'s and `layer_norm`'s `cudnn_enabled` (`torch.backends.cudnn.enabled`, which the toolkit never turns
-off) and `dropout`'s `train` (False in an eval-mode trace). `scaled_dot_product_attention` stays one operation
+off) and `dropout`'s `train` (False in an eval-mode trace; a trace in training mode is refused by the start-up
+check, `tools.models.device_check.training_mode_operations`). `scaled_dot_product_attention` stays one operation
 whose backend is chosen when it runs (`tools.runtime.exact_kernels`). Not rewritten, and able to change the last
 bits: `aten::_native_multi_head_attention`, which a MultiheadAttention traced under no_grad records and which the
 `mha_fastpath` switch cannot reach; it still computes in fp32, by another kernel than the math backend.
@@ -58,7 +60,7 @@ def _inlined(graph):
         yield from _inlined(sub)
 
 
-def method_graphs(module: torch.jit.ScriptModule):
+def method_graphs(module: torch.nn.Module):
     """The graph of every method of every TorchScript module in `module`, and every graph its nodes hold (a forked
     call's), each with its function and method calls inlined first (`prim::CallFunction`, as to a traced or
     scripted function, hides the callee's code in a graph of its own that no module lists): the code that runs,

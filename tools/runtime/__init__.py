@@ -253,8 +253,9 @@ class Runtime:
             name += f" ({torch.cuda.get_device_name(self.device)})"
         with self.math():
             math = math_in_effect()
+        # `exact` is a claim only the start-up check makes (tools.models.device_check.record): false until it does
         return {"device": name, "precision": self.precision.value, "channels_last": self.channels_last,
-                "compile": self.compile, "exact": self.exact, "math": math}
+                "compile": self.compile, "exact_mode": self.exact, "exact": False, "math": math}
 
 
 GPU_BATCH_SIZE = 256
