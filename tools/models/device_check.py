@@ -130,7 +130,8 @@ def _training_form(name: str, arguments: dict) -> str | None:
             return None
         if arguments.get("running_mean") is None:  # no running statistics that eval mode would use
             return None
-        return "batch statistics" + "".join(f", {k}=True" for k in given)
+        whose = "each image's" if name == "instance_norm" else "the batch's"
+        return f"{whose} statistics, not the running ones" + "".join(f", {k}=True" for k in given)
     if name in RANDOM_IN_TRAINING:
         mode = next(((k, v) for k, v in arguments.items() if k in MODE_ARGUMENTS), None)
         # native_dropout's train=None is training, as its kernel reads it
@@ -156,15 +157,14 @@ def _fx_arguments(node: torch.fx.Node) -> tuple[str, dict] | None:
     traced module's, which bakes `training=self.training` in); else None."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        name = target._schema.name.split("::")[-1]
+        name, schema = target._schema.name.split("::")[-1], target._schema.arguments
     elif callable(target) and getattr(target, "__module__", None) == "torch.nn.functional":
-        name = target.__name__
+        name, schema = target.__name__, None
     else:
         return None
     if name not in BATCH_STATISTICS and name not in RANDOM_IN_TRAINING:
         return None
-    if isinstance(target, torch._ops.OpOverload):
-        schema = target._schema.arguments
+    if schema is not None:
         arguments = {argument.name: argument.default_value for argument in schema if argument.has_default_value()}
         arguments.update(zip([argument.name for argument in schema], node.args))
         arguments.update(node.kwargs)
@@ -305,6 +305,7 @@ def device_logits(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, b
             finding = (f"the model's fp32 logits for an image on {device} change with the other images in its batch "
                        f"of {forward.chunk} (batch statistics: a BatchNorm without running statistics, or the like), "
                        f"so its results depend on --batch-size and on which images share a batch")
+        finding += " (if it was traced or exported in training mode, call model.eval() before tracing or exporting it)"
     return beside[:len(images)].float().cpu(), finding
 
 
@@ -335,9 +336,9 @@ def check_device(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, al
 
     training = training_mode_operations(loaded.model)
     if training:
-        unverified(f"the model is a program traced or exported in training mode: {', '.join(training)} compute what "
-                   f"eval mode would not, so its results depend on --batch-size and on chance; call model.eval() "
-                   f"before tracing or exporting it")
+        unverified(f"the model is a program traced or exported in training mode: {'; '.join(training)} compute what "
+                   f"eval mode would not, so its results are not the trained model's and may depend on --batch-size "
+                   f"and on chance; call model.eval() before tracing or exporting it")
     if not len(images):
         return DeviceCheck(**found, deviation=None, unavailable="no images to check on", training_mode=training)
     try:  # first, while the model may still be on the CPU
