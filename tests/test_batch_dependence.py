@@ -58,13 +58,19 @@ def traced(module: nn.Module, size: int = SIZE) -> torch.jit.ScriptModule:
         return torch.jit.trace(module, torch.rand(4, 3, size, size), check_trace=False)
 
 
-def exported(module: nn.Module, size: int = SIZE) -> nn.Module:
+def exported(module: nn.Module, size: int = SIZE, decomposed: bool = False) -> nn.Module:
     program = torch.export.export(module, (torch.rand(4, 3, size, size),),
-                                  dynamic_shapes=({0: torch.export.Dim("batch")},)).module()
-    return ExportedModule(program, "export", CPU, names_devices=False)  # as the loader wraps it
+                                  dynamic_shapes=({0: torch.export.Dim("batch")},))
+    if decomposed:  # the core aten operations (`_native_batch_norm_legit_functional`, `native_dropout`)
+        program = program.run_decompositions()
+    return ExportedModule(program.module(), "export", CPU, names_devices=False)  # as the loader wraps it
 
 
-FORMATS = {"traced": traced, "exported": exported}
+def decomposed(module: nn.Module, size: int = SIZE) -> nn.Module:
+    return exported(module, size, decomposed=True)
+
+
+FORMATS = {"traced": traced, "exported": exported, "decomposed": decomposed}
 
 
 class Normed(nn.Module):
@@ -94,6 +100,8 @@ CULPRITS = {  # made in training mode, each computes what model.eval() would not
 @pytest.mark.parametrize("culprit", CULPRITS)
 def test_a_program_made_in_training_mode_is_refused_with_the_advice_to_call_eval(form, culprit):
     make, operation = CULPRITS[culprit]
+    if form == "decomposed" and culprit == "instance_norm":  # decomposed, a batch norm over (1, N * C, H, W)
+        operation = "_native_batch_norm_legit_functional"
     program = loaded(FORMATS[form](make().train()))
     with pytest.raises(UserError, match=EVAL_ADVICE) as info:
         check_device(program, Runtime(CPU), images())
@@ -242,7 +250,7 @@ HONEST = {"resnet": tiny_resnet, "vit": tiny_vit}
 @pytest.mark.parametrize("name", HONEST)
 @pytest.mark.parametrize("form", ["eager", "traced", "exported"])
 def test_honest_models_pass_at_every_batch_size_and_memory_format(name, form):
-    model = loaded({"eager": lambda m: m, **FORMATS}[form](HONEST[name]()))
+    model = loaded({"eager": lambda m: m, **FORMATS}[form](HONEST[name]()))  # (decomposed: as exported)
     for batch_size in (16, 5, 1):
         for channels_last in (False, True):
             check = check_device(model, Runtime(CPU, channels_last=channels_last), images(), batch_size=batch_size)
