@@ -14,9 +14,10 @@ has no reference: it cannot be verified.
 Logits that depend on the batch: a program traced or exported in training mode carries batch statistics and
 dropout in its graph (`training_mode_operations` finds them); anything else (statistics computed by hand, a
 BatchNorm without running statistics, randomness) shows when an image's logits in a batch of copies of itself (how
-the run pads a short batch) differ, bit for bit, from its logits beside other images, at the run's batch shape. At
-one shape an honest model's rows do not depend on each other bit for bit (the backends choose kernels by shape,
-not by values); across shapes they may differ in the last bits, so the comparison is never across shapes.
+the run pads a short batch) differ, bit for bit, from its logits beside other images, at the run's batch shape
+(within the tolerance where the device's passes are not repeatable bit for bit: `device_logits`). At one shape an
+honest model's rows do not depend on each other bit for bit (the backends choose kernels by shape, not by values);
+across shapes they may differ in the last bits, so the comparison is never across shapes.
 
 The tolerance (`TOLERANCE`, relative to each image's largest reference logit): fp32's unit roundoff is 6e-8, and
 an honest fp32 forward pass deviates from float64 by 2e-7 to 1.3e-6 of the largest logit (six torchvision
