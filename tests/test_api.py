@@ -168,15 +168,19 @@ def test_nothing_is_left_changed(dataset, one_thread):
     seen = []
 
     class Recorder(nn.Module):
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
         def forward(self, x):
             seen.append((torch.is_autocast_enabled("cpu"), torch.is_grad_enabled(), x.dtype))
-            return model(x)
+            return self.inner(x)
 
     model = TinyCNN(9, seed=3)
     model.fc.requires_grad_(False)
+    recorder = Recorder(model).train()
     model.conv.train()  # modes as a training loop may leave them: mixed
     model.fc.eval()
-    recorder = Recorder().train()
     flags = (True, True, True, False)  # TF32 on, autotuning, not deterministic: none of them fp32's
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark, \
         torch.backends.cudnn.deterministic = flags

@@ -1,6 +1,8 @@
 """The start-up device check: a hidden cast to bf16 is caught on the CPU and refused in one line (exit 2) unless
---allow-inexact-device, which the provenance records; an honest model passes; a model with no float64 reference
-is run, and the provenance says why it was not checked."""
+--allow-inexact-device, which the provenance records; an honest model passes, and only then do the results say
+`exact: true`; a model with no float64 reference (an fp8 head, a kernel only one device has) is refused the same
+way on every route that evaluates (the scripts, the zoo, the Python API, train.py's evaluation), and with the flag
+runs recorded as unverified."""
 
 from __future__ import annotations
 
@@ -118,10 +120,46 @@ def test_the_reference_widens_every_cast_a_program_makes():
     assert relative_deviation(widened, exact) < 1e-12
 
 
-def test_a_model_without_a_reference_runs_and_says_why():
-    check = check_device(loaded(Unreferenceable(TinyCNN(9, seed=1))), Runtime(CPU), images())
-    assert check.passed is None and "lock" in check.unavailable
-    assert check.describe()["reference"] is None
+E4M3 = torch.float8_e4m3fn
+
+
+class Float8Head(nn.Module):
+    """TinyCNN's features classified by a layer that multiplies in fp8 through `torch._scaled_mm`, as float8
+    training libraries' linear layers do: it runs on the CPU, and its float64 copy cannot (fp8 operands only)."""
+
+    def __init__(self, num_classes: int = 9):
+        super().__init__()
+        gen = torch.Generator().manual_seed(5)
+        self.conv = nn.Conv2d(3, 16, 5, stride=4)
+        self.weight = nn.Parameter(torch.randn(16, 16, generator=gen))
+        self.num_classes = num_classes
+        with torch.no_grad():
+            self.conv.weight.copy_(torch.randn(self.conv.weight.shape, generator=gen))
+
+    def forward(self, x):
+        features = torch.relu(self.conv(x)).mean(dim=(2, 3))
+        one = torch.ones((), device=x.device)
+        logits = torch._scaled_mm(features.to(E4M3), self.weight.to(E4M3).t(), scale_a=one, scale_b=one,
+                                  out_dtype=torch.float32)
+        return logits[:, :self.num_classes]
+
+
+@pytest.mark.parametrize("model", [Unreferenceable(TinyCNN(9, seed=1)), Float8Head()], ids=["uncopyable", "fp8"])
+def test_a_model_without_a_reference_is_refused_unless_allowed_and_then_unverified(model):
+    with pytest.raises(UserError, match=r"no float64 reference of the model .*--allow-inexact-device") as info:
+        check_device(loaded(model), Runtime(CPU), images())
+    assert "\n" not in str(info.value)
+    check = check_device(loaded(model), Runtime(CPU), images(), allow_inexact=True)
+    assert check.passed is None and check.verified is False
+    record = check.describe()
+    assert record["reference"] is None and record["verified"] is False and record["allowed_inexact"] is True
+
+
+def test_the_reason_names_the_operation_with_no_float64_form():
+    with pytest.raises(UserError, match=r"aten\._scaled_mm"):
+        check_device(loaded(Float8Head()), Runtime(CPU), images())
+    with pytest.raises(UserError, match=r"aten\._scaled_mm"):  # a program's too, out of its interpreter's message
+        check_device(loaded(traced(Float8Head())), Runtime(CPU), images())
 
 
 def test_relative_deviation_is_relative_to_each_image_s_largest_logit():
@@ -161,13 +199,133 @@ def test_the_flag_lets_the_run_go_on_and_records_it(dataset, hidden, tmp_path, c
                                   capsys)
     assert code == 0, err
     assert "running anyway (--allow-inexact-device" in err
-    check = json.loads((tmp_path / "results.json").read_text())["provenance"]["device_check"]
+    provenance = json.loads((tmp_path / "results.json").read_text())["provenance"]
+    check = provenance["device_check"]
     assert check["passed"] is False and check["allowed_inexact"] is True and check["images"] == CHECK_IMAGES
     assert check["max_relative_deviation"] > TOLERANCE and check["reference"] == "float64 on the CPU"
+    assert check["verified"] is False and provenance["exact"] is False and provenance["exact_mode"] is True
 
 
 def test_an_honest_run_records_its_check(dataset, color_ts, tmp_path, capsys):
     code, _, err = run_in_process(in9_eval.main, script_argv(dataset, color_ts[9], tmp_path), capsys)
     assert code == 0, err
-    check = json.loads((tmp_path / "results.json").read_text())["provenance"]["device_check"]
+    provenance = json.loads((tmp_path / "results.json").read_text())["provenance"]
+    check = provenance["device_check"]
     assert check["passed"] is True and check["device"] == "cpu" and check["max_relative_deviation"] <= TOLERANCE
+    assert check["verified"] is True and check["batch_dependence"] is None and check["batch_size"] == 16
+    assert provenance["exact"] is True and provenance["exact_mode"] is True
+
+
+def test_exact_is_never_a_default(dataset, color_ts, tmp_path):
+    """A run that no start-up check verified (the library's run_in9 called alone) does not say it is exact."""
+    from tools.evaluate import In9Config, run_in9  # noqa: PLC0415
+    from tools.models.sources import load_model  # noqa: PLC0415
+    run = run_in9(load_model(checkpoint=color_ts[9]), Runtime(CPU), dataset.root,
+                  In9Config(("original",), progress=False, workers=1))
+    assert run.provenance["exact"] is False and run.provenance["exact_mode"] is True
+    assert "device_check" not in run.provenance
+
+
+# ----------------------------------------------------------------------------------------------------------
+# No float64 reference, on every route that evaluates
+
+@pytest.fixture(scope="module")
+def float8(tmp_path_factory):
+    """The fp8-head model as a TorchScript file (what a user would hand the scripts and the zoo)."""
+    path = tmp_path_factory.mktemp("float8") / "float8.ts"
+    torch.jit.save(traced(Float8Head()), str(path))
+    return path
+
+
+def unverified(provenance: dict) -> None:
+    """The record of a run that went on with --allow-inexact-device without a reference: not exact, unverified."""
+    assert provenance["exact"] is False and provenance["exact_mode"] is True
+    check = provenance["device_check"]
+    assert check["verified"] is False and check["reference"] is None and "_scaled_mm" in check["unavailable"]
+    assert check["allowed_inexact"] is True
+
+
+@pytest.mark.parametrize("main", [in9_eval.main, challenge_eval.main], ids=["in9_eval", "challenge_eval"])
+def test_the_scripts_refuse_a_model_without_a_reference_unless_allowed(main, dataset, float8, tmp_path, capsys):
+    extra = ["--no-cache"] if main is challenge_eval.main else []
+    line = check_error(*run_in_process(main, script_argv(dataset, float8, tmp_path, *extra), capsys))
+    assert "no float64 reference" in line and "_scaled_mm" in line and "--allow-inexact-device" in line
+    assert not (tmp_path / "results.json").exists()
+    code, _, err = run_in_process(main, script_argv(dataset, float8, tmp_path, *extra, "--allow-inexact-device"),
+                                  capsys)
+    assert code == 0, err
+    unverified(json.loads((tmp_path / "results.json").read_text())["provenance"])
+
+
+def test_the_python_api_refuses_a_model_without_a_reference_unless_allowed(dataset, tmp_path):
+    from tools import benchmark  # noqa: PLC0415
+    settings = {"num_classes": 9, "device": "cpu", "batch_size": 8, "workers": 1, "progress": False,
+                "cache": False, "variations": ["original"]}
+    with pytest.raises(UserError, match="no float64 reference"):
+        benchmark(Float8Head().eval(), dataset.root, **settings)
+    result = benchmark(Float8Head().eval(), dataset.root, allow_inexact_device=True, **settings)
+    unverified(result.in9["provenance"])
+    unverified(result.challenge["provenance"])
+
+
+def test_the_zoo_refuses_a_model_without_a_reference_unless_allowed(dataset, float8, tmp_path, capsys):
+    from tools import zoo  # noqa: PLC0415
+    spec, output = f"file:{float8}", tmp_path / "zoo"
+    argv = ["--data-path", str(dataset.root), "--models", spec, "--output-dir", str(output), "--device", "cpu",
+            "--no-progress", "--no-cache", "--no-leaderboard", "--batch-size", "8"]
+    code, out, err = run_in_process(zoo.main, argv, capsys)
+    assert code == zoo.EXIT_SOME_FAILED and f"{spec}: failed" in out
+    assert [line for line in err.splitlines() if "no float64 reference" in line], err
+    code, out, err = run_in_process(zoo.main, [*argv, "--allow-inexact-device"], capsys)
+    assert code == 0, err
+    payload = json.loads(zoo.results_path(output, zoo.parse_model_spec(spec)).read_text())
+    unverified(payload["in9"]["provenance"])
+    unverified(payload["challenge"]["provenance"])
+
+
+def test_train_s_evaluation_checks_the_model_as_the_scripts_do(dataset, tmp_path):
+    """train.py evaluates its checkpoint and starting point through `evaluate`: it runs the start-up check too."""
+    from tools.training.config import TrainConfig  # noqa: PLC0415
+    from tools.training.evaluation import evaluate  # noqa: PLC0415
+    settings = {"data_path": dataset.root, "output_dir": tmp_path, "eval_data": dataset.root, "eval_batch_size": 8,
+                "workers": 1, "progress": False, "device": "cpu"}
+    with pytest.raises(UserError, match="no float64 reference"):
+        evaluate(loaded(Float8Head()), TrainConfig(**settings), Runtime(CPU), tmp_path / "refused")
+    assert not (tmp_path / "refused" / "in9.json").exists()
+    found = evaluate(loaded(Float8Head()), TrainConfig(**settings, allow_inexact_device=True), Runtime(CPU),
+                     tmp_path / "allowed")
+    unverified(found["in9"]["provenance"])
+    honest = evaluate(loaded(TinyCNN(9, seed=1)), TrainConfig(**settings), Runtime(CPU), tmp_path / "honest")
+    assert honest["in9"]["provenance"]["exact"] is True
+    assert honest["in9"]["provenance"]["device_check"]["verified"] is True
+    from tools.training.config import build_parser, config_from_args  # noqa: PLC0415 (train.py's flag reaches it)
+    argv = ["--data-path", str(dataset.root), "--eval-data", str(dataset.root), "--allow-inexact-device"]
+    assert config_from_args(build_parser().parse_args(argv)).allow_inexact_device
+
+
+def _checked_in_a_group() -> dict:
+    """Rank 1's model has no reference (allowed), rank 0's is honest: rank 0's record, which it would write."""
+    from tools import distributed  # noqa: PLC0415
+    from tools.models.device_check import check_run  # noqa: PLC0415
+    group = distributed.setup(CPU)
+    model = Unreferenceable(TinyCNN(9, seed=1)) if group.rank == 1 else TinyCNN(9, seed=1)
+    return check_run(loaded(model), Runtime(CPU, group=group), images(), allow_inexact=True, batch_size=4)
+
+
+def test_under_torchrun_a_run_is_verified_only_where_every_process_verified_it(tmp_path):
+    from tests.helpers import run_in_processes  # noqa: PLC0415
+    first, second = run_in_processes(_checked_in_a_group, 2, tmp_path)
+    assert second["verified"] is False and second["reference"] is None
+    assert first["passed"] is True and first["verified"] is False and first["unverified_elsewhere"] is True
+
+
+def test_merged_shards_are_exact_only_where_every_shard_was():
+    from tools.models.device_check import combined, record_check  # noqa: PLC0415
+    verified, unverified_check = ({"verified": flag, "device": f"cuda:{i}"} for i, flag in enumerate((True, False)))
+    shards = [{"exact_mode": True, "exact": False, "data": i} for i in range(3)]
+    for shard, check in zip(shards, (verified, unverified_check, verified)):
+        record_check(shard, check)
+    assert [shard["exact"] for shard in shards] == [True, False, True]
+    merged = combined(shards)
+    assert merged["exact"] is False and merged["device_check"] == unverified_check and merged["data"] == 0
+    assert combined([shards[0], shards[2]])["exact"] is True

@@ -193,6 +193,41 @@ def test_the_device_check_passes_honest_fp32_and_catches_tf32():
         check_device(forced, Runtime(torch.device("cuda")), images)
 
 
+@pytest.mark.parametrize("name, batch_size, channels_last", [
+    ("resnet18", 256, False), ("resnet18", 256, True), ("resnet18", 7, False), ("resnet18", 1, False),
+    ("vit_b_16", 256, False), ("vit_b_16", 7, False)])
+def test_honest_models_are_verified_at_every_batch_shape_on_the_gpu(name, batch_size, channels_last):
+    """An image's fp32 logits alone (a batch of copies of it) equal its logits beside other images, bit for bit, at
+    one batch shape on the GPU too (cuDNN and cuBLAS choose by shape), so honest models never fail the start-up
+    check's comparison; and a model computing batch statistics does."""
+    import torchvision  # noqa: PLC0415
+
+    from tools.errors import UserError  # noqa: PLC0415
+    from tools.models.boundary import LoadedModel  # noqa: PLC0415
+    from tools.models.device_check import check_device  # noqa: PLC0415
+
+    class BatchStatistics(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x - x.mean(dim=0, keepdim=True))
+
+    torch.manual_seed(0)
+    net = getattr(torchvision.models, name)(num_classes=9).eval()
+    images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8)
+    runtime = Runtime(torch.device("cuda"), channels_last=channels_last)
+    honest = LoadedModel(PixelModel(net, IN9_MEAN, IN9_STD).eval(), 9, None, None, None, None, "test", "test")
+    check = check_device(honest, runtime, images, batch_size=batch_size)
+    assert check.verified and check.batch_dependence is None, check
+    if batch_size > 1:
+        dependent = LoadedModel(PixelModel(BatchStatistics(net), IN9_MEAN, IN9_STD).eval(), 9, None, None, None, None,
+                                "test", "test")
+        with pytest.raises(UserError, match="change with the other images in its batch"):
+            check_device(dependent, runtime, images, batch_size=batch_size)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_to_host_waits_for_the_copy_from_a_device_other_than_the_current_one():
     from tools.runtime import to_host  # noqa: PLC0415

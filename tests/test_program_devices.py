@@ -61,12 +61,16 @@ def save_exported(path) -> torch.export.ExportedProgram:
 
 
 def script_devices(model: nn.Module) -> list[torch.device]:
-    """Every device constant in the code of every method of the TorchScript modules in `model`, blocks included."""
+    """Every device constant in the code of every method of the TorchScript modules in `model`, blocks and the graphs
+    nodes hold (a fork's subgraph) included."""
     def nodes(block):
         for node in block.nodes():
             yield node
             for inner in node.blocks():
                 yield from nodes(inner)
+            for name in node.attributeNames():
+                if node.kindOf(name) == "g":
+                    yield from nodes(node.g(name))
     return [node.output().toIValue() for sub in model.modules() if isinstance(sub, torch.jit.ScriptModule)
             for name in sub._c._method_names()
             for node in nodes(sub._c._get_method(name).graph)
@@ -101,6 +105,37 @@ def test_a_traced_program_is_loaded_with_its_device_constants_on_the_runs_device
     with torch.inference_mode():
         logits = model(runtime.to_device(pixels()))
     assert (logits.device, tuple(logits.shape)) == (META, (2, 9))
+
+
+def _offsets(x: torch.Tensor) -> torch.Tensor:
+    return torch.arange(9, dtype=x.dtype, device=x.device)
+
+
+class ForksAWorkOnItsInputsDevice(MakesTensorsOnItsInputsDevice):
+    """The same classifier, its tensor made in a branch run by `torch.jit.fork`: tracing writes that device into the
+    fork node's subgraph, which no method's own nodes show."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offset = torch.jit.fork(_offsets, x)
+        return self.fc(x.mean((2, 3))) + torch.jit.wait(offset)
+
+
+def test_a_device_in_a_forked_branch_is_pointed_at_the_runs_device(tmp_path):
+    path = tmp_path / "forks.ts"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.trace(ForksAWorkOnItsInputsDevice().eval(), torch.zeros(2, *IMAGE)), str(path))
+    assert script_devices(torch.jit.load(str(path))) == [torch.device("cpu")]
+    runtime = Runtime(META)
+    loaded = load_model(checkpoint=path, runtime=runtime)  # the probe on meta failed before: a cpu tensor in a fork
+    assert set(script_devices(loaded.model)) == {META}
+    with torch.inference_mode():
+        logits = runtime.prepare(loaded.model)(runtime.to_device(pixels()))
+    assert (logits.device, tuple(logits.shape)) == (META, (2, 9))
+    images = pixels()
+    cpu = load_model(checkpoint=path)
+    with torch.inference_mode():
+        assert torch.equal(cpu.model(images), expected_logits(MakesTensorsOnItsInputsDevice().eval(), images))
 
 
 def test_an_exported_program_is_moved_with_the_device_of_its_operations(tmp_path):

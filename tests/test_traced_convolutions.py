@@ -44,12 +44,15 @@ class Convolutions(nn.Module):
 
 def baked(module: nn.Module) -> list[int]:
     """The input counts of the `aten::_convolution` nodes in the graphs of every method of every TorchScript module
-    in `module`."""
+    in `module`, and in the graphs their nodes hold (a fork's subgraph: the forked code)."""
     def nodes(block):
         for node in block.nodes():
             yield node
             for inner in node.blocks():
                 yield from nodes(inner)
+            for name in node.attributeNames():
+                if node.kindOf(name) == "g":
+                    yield from nodes(inlined(node.g(name)))
     def inlined(graph):  # a copy with every function call (prim::CallFunction) inlined: the code that runs
         graph = graph.copy()
         torch._C._jit_pass_inline(graph)
@@ -125,6 +128,44 @@ def test_a_convolution_behind_a_traced_function_call_is_rewritten(tmp_path):
     assert baked(program) == []
     with torch.inference_mode():
         assert torch.equal(program(x), net(x))
+
+
+class Forks(nn.Module):
+    """A module that runs two branches with `torch.jit.fork`: tracing records each in its fork node's subgraph, one
+    with a convolution (its flags baked in there), the other calling a traced function (`prim::CallFunction`)."""
+
+    def __init__(self, function):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(9, 3, 3, 3) / 9)
+        self.other = nn.Parameter(torch.randn(9, 3, 3, 3) / 9)
+        self.function = function
+
+    def forward(self, x):
+        first = torch.jit.fork(_convolve, x, self.weight)
+        second = torch.jit.fork(self.function, x, self.other)
+        return (torch.jit.wait(first) + torch.jit.wait(second)).mean(dim=(2, 3))
+
+
+def test_a_convolution_in_a_forked_branch_is_rewritten(tmp_path):
+    """A fork's subgraph is code no method's own nodes show: the rewrite reaches it, and the functions it calls."""
+    torch.manual_seed(0)
+    x = torch.rand(3, 3, 8, 8)
+    with torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False, allow_tf32=True):
+        function = torch.jit.trace(_convolve, (x, torch.zeros(9, 3, 3, 3)))
+        net = Forks(function).eval()
+        traced = torch.jit.trace(net, x)
+    assert len(traced.graph.findAllNodes("prim::fork")) == 2
+    assert baked(traced) == [13, 13]
+    path = tmp_path / "forks.ts"
+    torch.jit.save(traced, str(path))
+    loaded = load_model(checkpoint=path, runtime=Runtime(torch.device("cpu")))
+    program = next(m for m in loaded.model.modules() if isinstance(m, Program)).program
+    assert baked(program) == []
+    with torch.inference_mode():
+        assert torch.equal(program(x), net(x))
+    again_path = tmp_path / "again.ts"  # the rewrite is the program's code
+    torch.jit.save(program, str(again_path))
+    assert baked(torch.jit.load(str(again_path))) == []
 
 
 def test_an_in_memory_traced_module_is_rewritten_where_the_toolkit_wraps_it():

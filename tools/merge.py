@@ -18,6 +18,7 @@ from tools.challenge.scheduler import Criterion, state_problem
 from tools.challenge.state import SearchState
 from tools.cli import ArgumentParser, examples, add_log_level_argument, run_main, whole_number
 from tools.errors import UserError
+from tools.models import device_check
 from tools.evaluate import In9Run, VariationResult
 from tools.provenance import check_outputs
 from tools.results.publish import publish_challenge, publish_in9
@@ -64,7 +65,8 @@ def merge_challenge(shards: list[tuple[Path, dict]], data_path: Path) -> tuple[C
     state.evaluated = sum(m["composites_evaluated"] for m in metas)
     state.elapsed = max(m["wall_time_s"] for m in metas)
     unsure = None if results["unsure_verdicts"] is None else sum(m["unsure_verdicts"] for m in metas)
-    result = ChallengeResult(files, state, criterion, results["provenance"],
+    provenance = device_check.combined([meta["provenance"] for meta in metas])
+    result = ChallengeResult(files, state, criterion, provenance,
                              sum(m["rechecked_fp32"] for m in metas), sum(m["recheck_changed"] for m in metas),
                              unsure, first["key"])
     return result, int(first["num_classes"])
@@ -91,7 +93,7 @@ def merge_in9(shards: list[tuple[Path, dict]]) -> In9Run:
                   for field in ("rechecked_fp32", "recheck_changed")]
         results[name] = VariationResult(name, variation["relpaths"], np.asarray(variation["labels"], np.int64),
                                         predictions, *counts)
-    return In9Run(results, first["provenance"], first["key"])
+    return In9Run(results, device_check.combined([meta["provenance"] for _, meta in shards]), first["key"])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -167,10 +167,12 @@ def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True, d
     run.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
     if device_check:
         run.add_argument(ALLOW_FLAG, action="store_true",
-                         help=f"run on even when the start-up check finds the model's fp32 logits on the device (on "
-                              f"its first {CHECK_IMAGES} images) further from a float64 reference on the CPU than "
-                              f"fp32 rounding allows (relative {TOLERANCE:g}); the finding goes into the results' "
-                              f"provenance (default: such a run is refused)")
+                         help=f"run on even when the start-up check cannot verify the model: its fp32 logits on the "
+                              f"device (on its first {CHECK_IMAGES} images) further from a float64 reference on the "
+                              f"CPU than fp32 rounding allows (relative {TOLERANCE:g}), no float64 reference possible "
+                              f"(an fp8 matmul, a kernel of one device), or logits that depend on the other images "
+                              f"of the batch or on chance (a program traced in training mode); the run is then "
+                              f"recorded as unverified, exact: false (default: such a run is refused)")
     several = _group(parser, "several processes (torchrun, shards)", advanced=True)
     add_dist_timeout_argument(several)
     if not shard:

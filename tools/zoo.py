@@ -35,7 +35,7 @@ import numpy as np
 from tools import __version__, cli, distributed, options
 from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, flags, list_challenge_files, run_challenge
 from tools.errors import UserError
-from tools.models.device_check import check_run, first_images
+from tools.models.device_check import check_run, first_images, record_check
 from tools.evaluate import In9Config, In9Files, list_in9_files, run_in9
 from tools.data import decoding as datasets
 from tools.data.hashing import sha256_file
@@ -247,7 +247,7 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
     if data.check_images is None:
         data.check_images = first_images(data.in9.root, [r.relpath for r in data.in9.listings[VARIATIONS[0]]],
                                          settings.workers)
-    device_check = check_run(loaded, runtime, data.check_images, settings.allow_inexact_device)
+    device_check = check_run(loaded, runtime, data.check_images, settings.allow_inexact_device, settings.batch_size)
     with distributed.agree(runtime.group, runtime.device):
         in9 = run_in9(loaded, runtime, data.in9, In9Config(VARIATIONS, settings.batch_size, settings.workers, progress,
                                                          cache=settings.cache),
@@ -255,7 +255,8 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
     with distributed.agree(runtime.group, runtime.device):
         challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,
                                   (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache)
-    in9.provenance["device_check"] = challenge.provenance["device_check"] = device_check
+    record_check(in9.provenance, device_check)
+    record_check(challenge.provenance, device_check)
     weights = loaded.weights or (Path(loaded.source).name if loaded.source else None)
     # the path as loaded, links kept: a hub cache's snapshots/REV/FILE is a link into blobs/, and only the snapshot
     # path says which revision was loaded (a moved refs/main loads another)

@@ -163,13 +163,13 @@ def _probe_classes(classifier: nn.Module, path: Path, kind: str, device: torch.d
         hint = ("; export it with a dynamic batch dimension (dynamic_shapes with torch.export.Dim) or save it as "
                 "TorchScript/state dict") if kind == "export" else ""
         raise UserError(f"the model in {path} fails on a 3x3x{IMAGE_SIZE}x{IMAGE_SIZE} input on {device}: "
-                        f"{_program_problem(exc)}{hint}") from None
+                        f"{program_problem(exc)}{hint}") from None
     if not isinstance(out, torch.Tensor) or out.ndim != 2:
         raise UserError(f"the model in {path} does not return a (batch, classes) tensor of logits")
     return int(out.shape[1])
 
 
-def _program_problem(exc: Exception) -> str:
+def program_problem(exc: Exception) -> str:
     """The useful line of a program's failure: TorchScript's interpreter puts the cause (`SomeError: ...`) after
     the program's code, sometimes followed by a Python stack."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]

@@ -3,8 +3,10 @@ every module in them (frozen programs included), once, before the first run.
 
 - Devices: tracing writes the device it ran on into the code as constants (`torch.zeros(..., device=x.device)`),
   which `.to()` does not move; they are pointed at the run's device.
-- Function calls: a method calling a traced or scripted function (`prim::CallFunction`) is inlined first, so the
-  rewrites reach the function's code too.
+- Function calls: a method calling a traced or scripted function (`prim::CallFunction`) or another module's method
+  (`prim::CallMethod`) is inlined first, so the rewrites reach the callee's code too; every graph a node holds
+  (`torch.jit.fork`'s subgraph, an awaitable's: code that runs beside the method's own) is rewritten as a graph
+  of its own, its calls inlined as well.
 - Convolutions: tracing records `aten::_convolution(..., benchmark, deterministic, cudnn_enabled, allow_tf32)`
   with cuDNN's flags of the tracing process as constants (torch's defaults: TF32 on, any algorithm), so the
   flags a `Runtime` sets never reach them. Each becomes `aten::convolution` of the same first nine inputs,
@@ -12,7 +14,8 @@ every module in them (frozen programs included), once, before the first run.
 
 Other constants of that kind that tracing bakes are left as they are, because they cannot change a result here:
 `batch_norm`'s and `layer_norm`'s `cudnn_enabled` (`torch.backends.cudnn.enabled`, which the toolkit never turns
-off) and `dropout`'s `train` (False in an eval-mode trace). `scaled_dot_product_attention` stays one operation
+off) and `dropout`'s `train` (False in an eval-mode trace; a trace in training mode is refused by the start-up
+check, `tools.models.device_check.training_mode_operations`). `scaled_dot_product_attention` stays one operation
 whose backend is chosen when it runs (`tools.runtime.exact_kernels`). Not rewritten, and able to change the last
 bits: `aten::_native_multi_head_attention`, which a MultiheadAttention traced under no_grad records and which the
 `mha_fastpath` switch cannot reach; it still computes in fp32, by another kernel than the math backend.
@@ -28,24 +31,45 @@ CONVOLUTION_INPUTS = 9  # input, weight, bias, stride, padding, dilation, transp
 
 
 def graph_nodes(block):
-    """Every node of a graph or block, the nodes of nested blocks (if, loop) included."""
+    """Every node of a graph or block, the nodes of nested blocks (if, loop) included. A node may also hold graphs of
+    its own (`subgraphs`): they are not entered here, since their nodes are inserted through their own graph."""
     for node in block.nodes():
         yield node
         for inner in node.blocks():
             yield from graph_nodes(inner)
 
 
-def method_graphs(module: torch.jit.ScriptModule):
-    """The graph of every method of every TorchScript module in `module`, each with its function and method calls
-    inlined first (`prim::CallFunction`, as to a traced or scripted function, hides the callee's code in a graph
-    of its own that no module lists): the code that runs, all of it in graphs the rewrites see. Inlining is what
-    the graph executor does before running them anyway."""
+def subgraphs(graph):
+    """The graphs the nodes of `graph` hold (at any depth of blocks, not within each other): `torch.jit.fork`'s
+    `Subgraph`, which runs the forked code, an awaitable's, any graph attribute."""
+    for node in graph_nodes(graph):
+        for name in node.attributeNames():
+            kind = node.kindOf(name)
+            if kind == "g":
+                yield node.g(name)
+            elif kind == "gs":
+                yield from node.gs(name)
+
+
+def _inlined(graph):
+    """`graph` with its function and method calls inlined, then every graph its nodes hold, the same way."""
+    torch._C._jit_pass_inline(graph)
+    held = list(subgraphs(graph))
+    yield graph
+    for sub in held:
+        yield from _inlined(sub)
+
+
+def method_graphs(module: torch.nn.Module):
+    """The graph of every method of every TorchScript module in `module`, and every graph its nodes hold (a forked
+    call's), each with its function and method calls inlined first (`prim::CallFunction`, as to a traced or
+    scripted function, hides the callee's code in a graph of its own that no module lists): the code that runs,
+    all of it in graphs the rewrites see, each graph with nodes of its own (`graph_nodes`). Inlining is what the
+    graph executor does before running them anyway."""
     for sub in module.modules():
         if isinstance(sub, torch.jit.ScriptModule):
             for name in sub._c._method_names():
-                graph = sub._c._get_method(name).graph
-                torch._C._jit_pass_inline(graph)
-                yield graph
+                yield from _inlined(sub._c._get_method(name).graph)
 
 
 def point_devices(module: torch.jit.ScriptModule, device: torch.device) -> set[str]:

@@ -15,6 +15,7 @@ from tools.distributed import DEFAULT_TIMEOUT_MINUTES
 from tools.options import add_dist_timeout_argument, add_model_source_arguments
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, Variation
+from tools.models.device_check import ALLOW_FLAG
 from tools.runtime import BATCH_SIZE_DEFAULTS, Precision
 from tools.threads import default_workers
 
@@ -115,6 +116,7 @@ class TrainConfig:
     eval_data: Path | None = None
     eval_challenge: bool = False
     eval_batch_size: int | None = None
+    allow_inexact_device: bool = False  # evaluate past a start-up device check that cannot verify the model
     progress: bool = True
 
     def __post_init__(self):
@@ -294,6 +296,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                      help="seed of every random choice: order, crops, swaps, mixing, initialisation (default: 0)")
     run.add_argument("--eval-batch-size", type=whole_number(1), default=None, metavar="N",
                      help=f"batch size of the final evaluation (default: {BATCH_SIZE_DEFAULTS})")
+    run.add_argument(ALLOW_FLAG, action="store_true",
+                     help="with --eval-data, evaluate even when the start-up device check (as in9_eval.py's) cannot "
+                          "verify the model's fp32 arithmetic on the device; the evaluation's results then say "
+                          "exact: false (default: such an evaluation is refused)")
     add_dist_timeout_argument(run)
 
     out = parser.add_argument_group("output")
@@ -325,4 +331,4 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         dist_timeout=args.dist_timeout, workers=args.workers, seed=args.seed, save_every=args.save_every,
         resume=args.resume,
         eval_data=args.eval_data, eval_challenge=args.eval_challenge, eval_batch_size=args.eval_batch_size,
-        progress=not args.no_progress)
+        allow_inexact_device=args.allow_inexact_device, progress=not args.no_progress)

@@ -9,9 +9,10 @@ from pathlib import Path
 
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.errors import UserError
-from tools.evaluate import In9Config, run_in9
+from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
 from tools.models.boundary import LoadedModel
+from tools.models.device_check import check_run, first_images, record_check
 from tools.models.sources import load_model
 from tools.provenance import START_EVAL_DIR, TRAINED_EVAL_DIR, write_json_atomic, write_text_atomic
 from tools.results.html import write_html
@@ -27,16 +28,25 @@ REPORT_NAME, HTML_REPORT_NAME = "report.md", "report.html"
 
 
 def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir: Path) -> dict:
-    """{'in9': in9 payload, 'challenge': challenge payload or None}, also written as JSON under out_dir."""
+    """{'in9': in9 payload, 'challenge': challenge payload or None}, also written as JSON under out_dir; after the
+    scripts' start-up device check, on the in9 run's first images, recorded in both (refused unless
+    --allow-inexact-device, as in the scripts)."""
     batch = runtime.batch_size(config.eval_batch_size)
     workers = max(1, config.workers)
-    in9 = run_in9(loaded, runtime, config.eval_data, In9Config(VARIATIONS, batch, workers, config.progress),
-                  output_dir=out_dir).to_json()
+    files = list_in9_files(config.eval_data, VARIATIONS, workers)
+    check = check_run(loaded, runtime, first_images(files.root, [r.relpath for r in files.listings[VARIATIONS[0]]],
+                                                    workers), config.allow_inexact_device, batch)
+    in9_run = run_in9(loaded, runtime, files, In9Config(VARIATIONS, batch, workers, config.progress),
+                      output_dir=out_dir)
+    record_check(in9_run.provenance, check)
+    in9 = in9_run.to_json()
     write_json_atomic(out_dir / "in9.json", in9)
     challenge = None
     if config.eval_challenge:
         settings = ChallengeConfig(batch_size=batch, progress=config.progress)
-        challenge = run_challenge(loaded, runtime, config.eval_data, settings, out_dir, False, workers).to_json()
+        found = run_challenge(loaded, runtime, config.eval_data, settings, out_dir, False, workers)
+        record_check(found.provenance, check)
+        challenge = found.to_json()
         write_json_atomic(out_dir / "challenge.json", challenge)
     else:
         forget_results(out_dir, ("challenge.json",))
@@ -79,8 +89,11 @@ def evaluate_and_report(config: TrainConfig, result: TrainResult) -> Path:
     """Evaluate the saved checkpoint as in9_eval.py loads it, and the starting point, and write report.md and report.html."""
     runtime = Runtime(resolve_device(config.device))
     out = Path(config.output_dir)
-    trained = evaluate(load_model(checkpoint=result.checkpoint, runtime=runtime), config, runtime,
-                       out / TRAINED_EVAL_DIR)
+    try:
+        trained = evaluate(load_model(checkpoint=result.checkpoint, runtime=runtime), config, runtime,
+                           out / TRAINED_EVAL_DIR)
+    except UserError as exc:  # a refused device check, say: the training is not lost
+        raise UserError(f"{exc}; the trained checkpoint is saved: {result.checkpoint}") from None
     start = None
     if result.start.source is not None:
         try:

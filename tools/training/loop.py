@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 LOG_EVERY = 50  # steps between reads of the logged numbers from the device (each read waits for the device)
 # Settings that do not change the weights a run produces, so a resumed run may differ in them.
 NOT_IN_RUN_KEY = ("output_dir", "resume", "progress", "workers", "save_every", "eval_data", "eval_challenge",
-                  "eval_batch_size", "device", "dist_timeout")
+                  "eval_batch_size", "allow_inexact_device", "device", "dist_timeout")
 
 
 @dataclass
