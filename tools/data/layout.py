@@ -53,8 +53,8 @@ def default_data_root() -> Path:
     return Path(os.environ.get(DATA_ENV) or DEFAULT_DATA_ROOT)
 
 
-def check_data_root(root: Path | None) -> Path:
-    """The data folder (`default_data_root()` when None), checked to exist."""
+def check_data_root(root: Path | None, option: str = "--data-path") -> Path:
+    """The data folder (`default_data_root()` when None), checked to exist; `option` names it in the message."""
     if root is None:
         root = default_data_root()
         if not root.is_dir():
@@ -65,7 +65,7 @@ def check_data_root(root: Path | None) -> Path:
     root = Path(root)
     if not root.is_dir():
         raise UserError(
-            f"data path {root} does not exist or is not a folder; pass --data-path the folder that holds "
+            f"data path {root} does not exist or is not a folder; pass {option} the folder that holds "
             f"original/, mixed_rand/, ... (e.g. {DEFAULT_DATA_ROOT}; `python -m tools.data fetch` downloads it)"
         )
     return root

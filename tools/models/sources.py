@@ -265,7 +265,8 @@ def checkpoint_file(path: str, options: ModelOptions) -> LoadedModel:
 @register_source(TOOLKIT_PREFIX)
 def toolkit_untrained(name: str, options: ModelOptions) -> LoadedModel:
     """This toolkit's own architectures, which have no pretrained weights: a checkpoint gives them."""
-    raise UserError(f"{TOOLKIT_PREFIX}{name} has no pretrained weights; pass --checkpoint (or train it from scratch)")
+    raise UserError(f"{TOOLKIT_PREFIX}{name} has no pretrained weights; pass --checkpoint PATH, or train it from "
+                    f"random weights with train.py --weights none")
 
 
 @register_source(CLIP_PREFIX)

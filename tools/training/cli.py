@@ -21,11 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _main(args: argparse.Namespace) -> int:
     # the training loop and the evaluation (with the challenge engine and the report) load only for a run, not
     # for parsing the flags or -h
-    from tools.training.evaluation import evaluate_and_report  # noqa: PLC0415
+    from tools.training.evaluation import check_eval_data, evaluate_and_report  # noqa: PLC0415
     from tools.training.loop import train  # noqa: PLC0415
 
-    config = config_from_args(args)
+    config = config_from_args(args)  # every flag checked
     check_outputs(folders={"--output-dir": config.output_dir})
+    check_eval_data(config)  # and the test data; the training data is checked by `train` before the model is built
     try:
         result = train(config)
     finally:
