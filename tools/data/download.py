@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import http.client
 import logging
@@ -15,7 +16,7 @@ import urllib.request
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -101,10 +102,34 @@ def fetch(data_path: Path, url: str = RELEASE_URL, sha256: str | None = None, ke
     if present:
         raise UserError(f"{root} already holds part of a dataset ({', '.join(present)}); remove those folders or "
                         f"pass an empty --data-path, then rerun fetch")
+    with _created(root):
+        return _fetch_into(root, url, sha256, keep_archive, archive, progress, timeout)
+
+
+@contextlib.contextmanager
+def _created(root: Path) -> Iterator[None]:
+    """`root` created (with its missing parents) for the block; when the block fails, the folders it created that
+    are still empty are removed again, so a failed fetch leaves no empty folder (one that holds a partial
+    download, kept to resume from, or a download moved aside stays)."""
+    created = [folder for folder in (root, *root.parents) if not folder.exists()]  # the deepest first
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create --data-path {root}: {exc.strerror}; pass a folder you can write to") from None
+    try:
+        yield
+    except BaseException:
+        for folder in created:
+            try:
+                folder.rmdir()  # only an empty folder
+            except OSError:
+                break
+        raise
+
+
+def _fetch_into(root: Path, url: str, sha256: str | None, keep_archive: bool, archive: Path | None, progress: bool,
+                timeout: float) -> FetchResult:
+    """`fetch` once `root` exists and holds none of the release."""
     expected = sha256.lower() if sha256 else (RELEASE_SHA256 if url == RELEASE_URL else None)
 
     if archive is not None:
