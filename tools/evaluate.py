@@ -10,7 +10,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from tools import distributed
 from tools.data import decoders
@@ -21,6 +20,7 @@ from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, PredictionMap, class_names
 from tools.models.boundary import LoadedModel
 from tools.data.hashing import read_and_fingerprint
+from tools.progress import progress_bar
 from tools.provenance import provenance, write_json_atomic
 from tools.runtime import RECHECK_MARGIN, Forward, Runtime, to_device
 from tools.runtime.inflight import Launched, Pipeline, launch, near_ties, top_two_margins
@@ -245,7 +245,7 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                                                 device=None if kept is not None else runtime.device,
                                                 contents=contents, hashes=hashes, cache_dir=cache_dir)
     finished = 0
-    bar = tqdm(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
     with bar:
         for start, batch in batches:
             if kept is not None:
@@ -296,8 +296,8 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
     starts = list(range(0, len(relpaths), batch_size))[share.index::share.count]
     # an image only this process decodes may fail: all leave together
     with distributed.agree(runtime.group, runtime.device):
-        with tqdm(total=len(relpaths), unit="img", desc="evaluating", disable=not progress,
-                  dynamic_ncols=True) as bar:
+        with progress_bar(total=len(relpaths), unit="img", desc="evaluating", disable=not progress,
+                          dynamic_ncols=True) as bar:
             for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(),
                                                               starts, decoder, runtime.device, contents,
                                                               hashes, cache_dir):

@@ -10,7 +10,7 @@ import os
 import threading
 from typing import Callable, Iterator, Sequence
 
-from tqdm import tqdm
+from tools.progress import progress_bar
 
 
 def default_workers() -> int:
@@ -26,7 +26,7 @@ def map_in_threads(fn: Callable, items: Sequence, workers: int, progress: bool, 
     """
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="work")
     try:
-        yield from tqdm(pool.map(fn, items), total=len(items), desc=desc, disable=not progress, leave=False)
+        yield from progress_bar(pool.map(fn, items), total=len(items), desc=desc, disable=not progress, leave=False)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 

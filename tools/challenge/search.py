@@ -9,11 +9,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from tools import distributed
 from tools.challenge.data import ChallengeData, ChallengeFiles, load_challenge_data
 from tools.challenge.predictor import CompositePredictor
+from tools.progress import ProgressBar, progress_bar
 from tools.runtime.inflight import Pipeline
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import ChallengeConfig, Scheduler, split_untested
@@ -59,11 +59,11 @@ class Search:
             self._saving.result()
             self._saving = None
 
-    def progress_bar(self) -> tqdm:
+    def progress_bar(self) -> ProgressBar:
         plan = self.scheduler
-        return tqdm(total=plan.total(), initial=plan.resolved(), unit="pair" if plan.full else "fg",
-                    desc="all pairs" if plan.full else "searching", disable=not self.config.progress,
-                    dynamic_ncols=True, smoothing=0.05)
+        return progress_bar(total=plan.total(), initial=plan.resolved(), unit="pair" if plan.full else "fg",
+                            desc="all pairs" if plan.full else "searching", disable=not self.config.progress,
+                            dynamic_ncols=True, smoothing=0.05)
 
     def run(self) -> SearchState:
         if self.predictor.runtime.group.distributed:

@@ -15,7 +15,6 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from tools.data.compositing import MaskArithmetic, original_weights
 from tools.data.decoders import Decoder, decode_bytes, pillow_rgb
@@ -23,6 +22,7 @@ from tools.data.hashing import read_and_fingerprint
 from tools.data.store import Packs, PackWriter
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE
+from tools.progress import progress_bar
 from tools.runtime import to_device
 from tools.threads import stop_point
 
@@ -282,7 +282,7 @@ def decode_images(root: Path, relpaths: Sequence[str], workers: int, progress: b
     shape = (len(relpaths), IMAGE_SIZE, IMAGE_SIZE, 3) if channels_last else (len(relpaths), 3, IMAGE_SIZE, IMAGE_SIZE)
     out = torch.empty(shape, dtype=torch.uint8)
     out = out.permute(0, 3, 1, 2) if channels_last else out
-    with tqdm(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
         for start, batch in iter_decoded_batches(root, relpaths, DECODE_CHUNK, workers, decoder=decoder,
                                                  contents=contents, hashes=hashes, cache_dir=cache_dir):
             out[start:start + batch.shape[0]] = batch

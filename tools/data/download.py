@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Iterator, Sequence
 
-from tqdm import tqdm
-
 from tools import __version__
 from tools.errors import UserError
 from tools.data.hashing import sha256_file
@@ -28,6 +26,7 @@ from tools.in9 import MASK_FOLDER, VARIATIONS
 from tools.data.check import VerifyReport, quick_scan
 from tools.data.temporary import temporary_folder
 from tools.data.layout import LAYOUT_NAMES
+from tools.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +252,8 @@ def download(url: str, part: Path, dest: Path, progress: bool = True, timeout: f
             _check_free_space(part.parent, total - offset + total)
         received = offset
         with open(part, "ab" if offset else "wb") as fh, \
-                tqdm(total=total, initial=offset, unit="B", unit_scale=True, unit_divisor=1024, desc=dest.name,
-                     disable=not progress, leave=False) as bar:
+                progress_bar(total=total, initial=offset, unit="B", unit_scale=True, unit_divisor=1024,
+                             desc=dest.name, disable=not progress, leave=False) as bar:
             try:
                 for chunk in iter(lambda: response.read(CHUNK_SIZE), b""):
                     fh.write(chunk)
@@ -364,7 +363,7 @@ def _extract_members(tar: tarfile.TarFile, plan: list[tuple[tarfile.TarInfo, tup
     """Write the planned members under `folder` as plain files and folders; returns the file count."""
     base = os.path.realpath(folder) + os.sep
     files = 0
-    for member, parts in tqdm(plan, desc="extract", unit="file", disable=not progress, leave=False):
+    for member, parts in progress_bar(plan, desc="extract", unit="file", disable=not progress, leave=False):
         target = folder.joinpath(*parts)
         if not os.path.realpath(target).startswith(base):
             raise UserError(f"refusing to extract {archive}: member {member.name!r} would land outside the data "

@@ -19,7 +19,6 @@ from typing import Callable
 import numpy as np
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from tools import distributed
 from tools.data.hashing import read_and_fingerprint
@@ -28,6 +27,7 @@ from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, stat
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.models.boundary import LoadedModel
 from tools.data.pixels import unit_floats
+from tools.progress import ProgressBar, progress_bar
 from tools.provenance import TRAINING_LOG, write_text_atomic
 from tools.models.sources import load_model
 from tools.runtime import Precision, Runtime, check_antialias, resolve_device
@@ -209,7 +209,7 @@ class StepLog:
     and are read, added over the processes and written to train_log.jsonl once every LOG_EVERY steps, before
     each save of the resume state and at each epoch's end: the same lines, written later."""
 
-    def __init__(self, journal: JsonLog, bar: tqdm, device: torch.device, started: float):
+    def __init__(self, journal: JsonLog, bar: ProgressBar, device: torch.device, started: float):
         self.journal, self.bar, self.device, self.started = journal, bar, device, started
         self.pending: list[tuple[dict, torch.Tensor, int]] = []
         self.images_seen, self.last_loss = 0, float("nan")
@@ -307,8 +307,8 @@ def train(config: TrainConfig) -> TrainResult:
                          "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
                          "swa": swa.state_dict() if swa is not None else None}, config.output_dir / STATE_NAME)
 
-    bar = tqdm(total=total_steps, initial=step, unit="step", desc="training", dynamic_ncols=True,
-               disable=not (config.progress and group.is_main))
+    bar = progress_bar(total=total_steps, initial=step, unit="step", desc="training", dynamic_ncols=True,
+                       disable=not (config.progress and group.is_main))
     started = time.perf_counter()
     log.info("start-up: %.1f s (model, content hashes, decoded store); rates below are from here on",
              started - launched)
