@@ -16,7 +16,7 @@ from tools.data import decoders
 from tools.data import decoding as datasets
 from tools.data import layout
 from tools.data.check import quick_check
-from tools.errors import UserError
+from tools.errors import UserError, option
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, PredictionMap, class_names
 from tools.models.boundary import LoadedModel
 from tools.data.hashing import read_and_fingerprint
@@ -97,10 +97,11 @@ class _Resume:
             try:
                 saved = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError) as exc:
-                raise UserError(f"cannot read the saved state {path} ({exc}); rerun without --resume") from None
+                raise UserError(f"cannot read the saved state {path} ({exc}); rerun without {option('--resume')}") \
+                    from None
             if not isinstance(saved, dict) or saved.get("key") != key:
-                raise UserError(f"{path} was written for another model, data or setting; rerun without --resume "
-                                f"or use another --output-dir")
+                raise UserError(f"{path} was written for another model, data or setting; rerun without "
+                                f"{option('--resume')} or use another {option('--output-dir')}")
             self.done = saved["done"]
             log.info("resuming: %s already evaluated", ", ".join(self.done) or "nothing")
 

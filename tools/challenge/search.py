@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ from tools.models.boundary import LoadedModel
 from tools.provenance import provenance
 from tools.runtime import Runtime
 from tools.shards import Shard
+from tools.threads import ContextThreadPool
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class Search:
         self.scheduler = Scheduler(state, data.fg_labels, data.bg_labels, config)
         self.pipeline = Pipeline(predictor, self.scheduler.record)
         self.state_path, self.key = state_path, key
-        self._saver: ThreadPoolExecutor | None = None  # made at the first save
+        self._saver: ContextThreadPool | None = None  # made at the first save
         self._saving: Future | None = None
 
     def save(self) -> None:
@@ -51,7 +52,7 @@ class Search:
         self.wait_saved()
         snapshot = self.state.snapshot(self.pipeline.unrecorded())
         if self._saver is None:
-            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-save")
+            self._saver = ContextThreadPool(max_workers=1, thread_name_prefix="state-save")
         self._saving = self._saver.submit(snapshot.save, self.state_path, self.key)
 
     def wait_saved(self) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.errors import NUMPY_READ_ERRORS, UserError
+from tools.errors import NUMPY_READ_ERRORS, UserError, option
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
 from tools.provenance import atomic_write, read_npz
 
@@ -81,7 +81,7 @@ class SearchState:
             z = read_npz(path)
             if bytes(z["key"]).decode() != key:
                 raise UserError(f"{path} belongs to another run (model, data or settings differ); rerun without "
-                                f"--resume, or pick another --output-dir")
+                                f"{option('--resume')}, or pick another {option('--output-dir')}")
             shape = tuple(z["shape"])
             position, round_, evaluated = (int(v) for v in z["scalars"])
             return cls(verdict=z["verdict"], fool_bg=z["fool_bg"], fool_pred=z["fool_pred"],
@@ -93,4 +93,5 @@ class SearchState:
                        evaluated=evaluated, matrix=z["matrix"] if "matrix" in z else None,
                        elapsed=float(z["elapsed"]))
         except (*NUMPY_READ_ERRORS, KeyError) as exc:
-            raise UserError(f"cannot read the saved state {path} ({exc}); rerun without --resume") from None
+            raise UserError(f"cannot read the saved state {path} ({exc}); rerun without {option('--resume')}") \
+                from None

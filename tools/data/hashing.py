@@ -11,14 +11,13 @@ and challenge_eval.py's, be checked to have read the same data where they overla
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import logging
 import time
 from pathlib import Path
 from typing import Collection, Sequence
 
-from tools.threads import stop_point
+from tools.threads import ContextThreadPool, stop_point
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ def read_and_fingerprint(root: Path | str, relpaths: Sequence[str], workers: int
     ordered = sorted(relpaths)
     keep = set(keep)
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hash") as pool:
+    with ContextThreadPool(max_workers=max(1, workers), thread_name_prefix="hash") as pool:
         read = list(pool.map(lambda rel: _hash_and_keep(root / rel, rel in keep), ordered, chunksize=64))
     hashes = [file_hash for file_hash, _ in read]
     contents = {rel: data for rel, (_, data) in zip(ordered, read) if data is not None}

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tools.errors import option
 from tools.models import torchscript
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.data.pixels import normalisation_table, normalised_floats
@@ -110,7 +111,7 @@ def wrap(classifier: nn.Module, *, num_classes: int, origin: ModelOrigin, normal
         if normalize is Normalization.AUTO:
             norm_text = "in9 (9-class rule)" if num_classes == NUM_IN9_CLASSES else "imagenet (1000-class rule)"
         else:
-            norm_text = f"{normalize.value} (--normalize)"
+            norm_text = f"{normalize.value} ({option('--normalize', normalize.value)})"
     classifier.eval()
     return LoadedModel(PixelModel(classifier, mean, std).eval(), num_classes, origin.arch, origin.weights,
                        origin.source, origin.sha256, origin.checkpoint_format, norm_text)

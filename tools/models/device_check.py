@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_map
 
 from tools import distributed
 from tools.data.decoding import decode_images
-from tools.errors import UserError, first_line
+from tools.errors import UserError, first_line, option
 from tools.models.boundary import LoadedModel
 from tools.models.checkpoints import Program
 from tools.runtime import Runtime
@@ -147,8 +147,8 @@ def check_device(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, al
                f"largest logit on the run's first {len(images)} images, beyond fp32 rounding (tolerance "
                f"{TOLERANCE:g}): the model or the device computes in lower precision (a cast to bf16 or fp16, TF32)")
     if not allow_inexact:
-        raise UserError(f"{message}; pass {ALLOW_FLAG} to run anyway (recorded in the results' provenance)")
-    log.warning("%s; running anyway (%s, recorded in the provenance)", message, ALLOW_FLAG)
+        raise UserError(f"{message}; pass {option(ALLOW_FLAG)} to run anyway (recorded in the results' provenance)")
+    log.warning("%s; running anyway (%s, recorded in the provenance)", message, option(ALLOW_FLAG))
     return check
 
 

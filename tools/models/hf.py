@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from tools.data.hashing import sha256_file
-from tools.errors import UserError, first_line, optional_module
+from tools.errors import UserError, first_line, option, optional_module
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, class_names, class_of_folder
 from tools.models import hub
 from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
@@ -79,7 +79,7 @@ def check_remote_code(config: dict, what: str, trust_remote_code: bool) -> None:
     """One line refusing a config whose auto_map names code of its own, unless the user opted in."""
     if config.get("auto_map") and not trust_remote_code:
         raise UserError(f"{what} needs its own remote code (auto_map names {', '.join(sorted(config['auto_map']))}); "
-                        f"it runs only with {REMOTE_CODE_FLAG}, for a model whose code you trust")
+                        f"it runs only with {option(REMOTE_CODE_FLAG)}, for a model whose code you trust")
 
 
 def _config(transformers, name: str, revision: str | None, what: str, trust_remote_code: bool) -> dict:
