@@ -66,12 +66,12 @@ def default_lr(batch_size: int) -> float:
     return REFERENCE_LR * batch_size / REFERENCE_BATCH_SIZE
 
 
+FLAGS = {"methods": "--method", "progress": "--no-progress"}  # settings whose flag is not named after them
+
+
 def flag_of(setting: str) -> str:
     """The flag that sets a TrainConfig setting."""
     return FLAGS.get(setting, "--" + setting.replace("_", "-"))
-
-
-FLAGS = {"methods": "--method", "progress": "--no-progress"}  # settings whose flag is not named after them
 
 
 def _choices(enum_type) -> str:
