@@ -1,12 +1,16 @@
-"""The declared floor, checked: the test suite in a virtual environment at pyproject.toml's lowest versions.
+"""The declared range, checked at both ends: the test suite in a virtual environment at pyproject.toml's lowest
+versions, or (--newest) at the newest releases with the newest Python it declares.
 
     python .ci/check_floor.py [--python PYTHON3.10] [--venv DIR]
+    python .ci/check_floor.py --newest [--python PYTHON3.13] [--venv DIR]
 
-Every direct requirement (the dependencies and every extra's) is installed at exactly its declared lower bound,
-with the lowest Python that `requires-python` allows; everything else resolves as pip resolves it for a user
-(the newest releases that fit). Then the README's test command runs there. When it passes, the environment is
-written to .ci/floor.txt, which tests/test_floor.py holds against pyproject.toml: a floor that is raised or
-lowered without this check fails the suite. Run this script with Python >= 3.11 (or with `tomli` installed).
+The floor: every direct requirement (the dependencies and every extra's) is installed at exactly its declared
+lower bound, with the lowest Python that `requires-python` allows; everything else resolves as pip resolves it
+for a user (the newest releases that fit). The newest end: the project with every extra, as pip resolves it
+today, with the newest Python of the `Programming Language :: Python :: 3.X` classifiers. Then the README's
+test command runs there. When it passes, the environment is written to .ci/floor.txt (or .ci/newest.txt),
+which tests/test_floor.py holds against pyproject.toml: a floor, or a newest Python, declared without this
+check fails the suite. Run this script with Python >= 3.11 (or with `tomli` installed).
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ except ModuleNotFoundError:  # Python 3.10: pytest's own dependency tomli is the
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = ROOT / "pyproject.toml"
 RECORD = ROOT / ".ci" / "floor.txt"
+NEWEST_RECORD = ROOT / ".ci" / "newest.txt"
 PYTHON = "python"  # the record's name for the interpreter, beside the packages
 RESULT_PREFIX = "# pytest: "
-# the README's test command; the check of this record is left out, as the record is what the run will write
-TEST_COMMAND = ("-m", "pytest", "-q",
-                "--deselect", "tests/test_floor.py::test_the_recorded_floor_is_the_declared_floor")
+# the README's test command; the check of the record a run writes is left out, as the record is what it will write
+TEST_COMMAND = ("-m", "pytest", "-q")
+RECORD_TESTS = {RECORD: "tests/test_floor.py::test_the_recorded_floor_is_the_declared_floor",
+                NEWEST_RECORD: "tests/test_floor.py::test_the_recorded_newest_python_is_the_declared_newest"}
+PYTHON_CLASSIFIER = re.compile(r"Programming Language :: Python :: (3\.\d+)$")
 
 REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*([^;]*)")
 
@@ -88,6 +95,21 @@ def python_floor(path: Path = PYPROJECT) -> str:
     return _floor(_pyproject(path)["requires-python"], "requires-python")
 
 
+def declared_pythons(path: Path = PYPROJECT) -> list[str]:
+    """The Python versions the `Programming Language :: Python :: 3.X` classifiers declare, oldest first."""
+    found = [m.group(1) for c in _pyproject(path).get("classifiers", []) if (m := PYTHON_CLASSIFIER.match(c))]
+    return sorted(found, key=release)
+
+
+def python_newest(path: Path = PYPROJECT) -> str:
+    """The newest Python the classifiers declare, such as "3.13"."""
+    pythons = declared_pythons(path)
+    if not pythons:
+        raise FloorError("pyproject.toml declares no `Programming Language :: Python :: 3.X` classifier: the newest "
+                         "Python supported is the newest one run")
+    return pythons[-1]
+
+
 def extras(path: Path = PYPROJECT) -> list[str]:
     return sorted(_pyproject(path).get("optional-dependencies", {}))
 
@@ -127,69 +149,106 @@ def read_versions(frozen: str) -> dict[str, str]:
     return {canonical(name): version for name, version in pairs}
 
 
-def check(python: str, venv: Path) -> Record:
-    """Build (or bring to the floor) the environment in `venv`, run the suite there, and return its record."""
-    floors = declared_floors()
+def declared_python(newest: bool) -> str:
+    """The Python a check runs with: the newest the classifiers declare, or requires-python's floor."""
+    return python_newest() if newest else python_floor()
+
+
+def prepare(python: str, venv: Path, newest: bool = False) -> tuple[str, dict[str, str]]:
+    """Build (or bring up to date) the environment in `venv`: the project with every extra, at the floors or
+    (`newest`) as pip resolves it today; (its python, {canonical name: version} of what is installed)."""
     if not (venv / "bin" / "python").exists():
         _run([python, "-m", "venv", str(venv)])
     venv_python = str(venv / "bin" / "python")
     version = _run([venv_python, "-c", "import platform; print(platform.python_version())"],
                    capture_output=True, text=True).stdout.strip()
-    if release(version)[:2] != release(python_floor()):
-        raise FloorError(f"{python} is Python {version}, not the declared floor {python_floor()}; pass --python")
-    constraints = venv / "floor-constraints.txt"
-    constraints.write_text("".join(f"{name}=={floor}\n" for name, floor in sorted(floors.items())))
-    _run([venv_python, "-m", "pip", "install", "-c", str(constraints), "-e", f".[{','.join(extras())}]"], cwd=ROOT)
+    wanted = declared_python(newest)
+    if release(version)[:2] != release(wanted):
+        raise FloorError(f"{python} is Python {version}, not the declared {'newest' if newest else 'floor'} "
+                         f"{wanted}; pass --python")
+    project = f".[{','.join(extras())}]"
+    if newest:  # a kept environment is brought to today's releases too
+        _run([venv_python, "-m", "pip", "install", "--upgrade", "--upgrade-strategy", "eager", "-e", project], cwd=ROOT)
+    else:
+        floors = declared_floors()
+        constraints = venv / "floor-constraints.txt"
+        constraints.write_text("".join(f"{name}=={floor}\n" for name, floor in sorted(floors.items())))
+        _run([venv_python, "-m", "pip", "install", "-c", str(constraints), "-e", project], cwd=ROOT)
     frozen = _run([venv_python, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True, text=True).stdout
     installed = read_versions(frozen)
-    wrong = {n: installed.get(n) for n, v in floors.items() if release(installed.get(n, "0")) != release(v)}
-    if wrong:
-        raise FloorError(f"not installed at their floors: {wrong}")
+    if not newest:
+        wrong = {n: installed.get(n) for n, v in floors.items() if release(installed.get(n, "0")) != release(v)}
+        if wrong:
+            raise FloorError(f"not installed at their floors: {wrong}")
+    return venv_python, {PYTHON: version, **installed}
+
+
+def check(python: str, venv: Path, newest: bool = False) -> Record:
+    """Build the environment in `venv` (`prepare`), run the suite there, and return its record."""
+    venv_python, versions = prepare(python, venv, newest)
+    record_path = NEWEST_RECORD if newest else RECORD
+    command = [venv_python, *TEST_COMMAND, "--deselect", RECORD_TESTS[record_path]]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the venv's editable install of this checkout
-    print("+", venv_python, *TEST_COMMAND, flush=True)
+    print("+", *command, flush=True)
     output = []
-    with subprocess.Popen([venv_python, *TEST_COMMAND], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True) as tests:
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as tests:
         for line in tests.stdout:
             print(line, end="", flush=True)
             output.append(line)
     if tests.returncode != 0:
-        raise FloorError(f"the suite fails at the floor ({_summary(''.join(output))}); {RECORD.name} is unchanged")
-    return Record({PYTHON: version, **installed}, _summary("".join(output)))
+        raise FloorError(f"the suite fails there ({_summary(''.join(output))}); {record_path.name} is unchanged")
+    return Record(versions, _summary("".join(output)))
+
+
+RECORD_HEADERS = {
+    RECORD: ["# Written by `python .ci/check_floor.py`: the environment in which the test suite last passed with every",
+             "# direct requirement of pyproject.toml at its lowest declared version (the others as pip resolved",
+             "# them). tests/test_floor.py checks that these are pyproject.toml's floors."],
+    NEWEST_RECORD: ["# Written by `python .ci/check_floor.py --newest`: the environment in which the test suite last passed",
+                    "# with the newest Python pyproject.toml's classifiers declare and every requirement as pip resolved it",
+                    "# then. tests/test_floor.py checks that this Python is the newest one declared."],
+}
 
 
 def write_record(record: Record, path: Path = RECORD) -> None:
-    lines = ["# Written by `python .ci/check_floor.py`: the environment in which the test suite last passed with every",
-             "# direct requirement of pyproject.toml at its lowest declared version (the others as pip resolved",
-             "# them). tests/test_floor.py checks that these are pyproject.toml's floors.",
-             f"{RESULT_PREFIX}{record.result}"]
+    lines = [*RECORD_HEADERS[path], f"{RESULT_PREFIX}{record.result}"]
     lines += [f"{name}=={version}" for name, version in sorted(record.versions.items())]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--newest", action="store_true",
+                        help="check the newest end instead: the newest declared Python, today's releases; writes "
+                             f"{NEWEST_RECORD.name} (default: the floor, {RECORD.name})")
     parser.add_argument("--python", metavar="PATH",
                         help="the interpreter to build the environment with (default: pythonX.Y on PATH, X.Y being "
-                             "requires-python's floor)")
+                             "requires-python's floor, or with --newest the newest Python the classifiers declare)")
     parser.add_argument("--venv", metavar="DIR", type=Path,
                         help="build (or reuse) the environment there and keep it (default: a temporary folder, "
                              "removed afterwards)")
     args = parser.parse_args(argv)
-    python = args.python or shutil.which(f"python{python_floor()}")
+    try:
+        wanted = declared_python(args.newest)
+    except FloorError as exc:
+        parser.error(str(exc))
+    python = args.python or shutil.which(f"python{wanted}")
     if python is None:
-        parser.error(f"no python{python_floor()} on PATH; pass --python PATH to a Python {python_floor()}")
+        parser.error(f"no python{wanted} on PATH; pass --python PATH to a Python {wanted}")
+    record_path = NEWEST_RECORD if args.newest else RECORD
     try:
         if args.venv is not None:
-            record = check(python, args.venv)
+            record = check(python, args.venv, args.newest)
         else:
             with tempfile.TemporaryDirectory(prefix="floor-venv-") as folder:
-                record = check(python, Path(folder))
+                record = check(python, Path(folder), args.newest)
     except (FloorError, subprocess.CalledProcessError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    write_record(record)
-    print(f"floor check passed ({record.result}); wrote {RECORD.relative_to(ROOT)}")
+    write_record(record, record_path)
+    print(f"{'newest' if args.newest else 'floor'} check passed ({record.result}); wrote "
+          f"{record_path.relative_to(ROOT)}")
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 
 import numpy as np
 import pytest
@@ -224,7 +225,7 @@ def test_nothing_is_left_changed(dataset, one_thread):
     (lambda root: benchmark("resnet50", root, mean=(0.5,) * 3, std=(0.5,) * 3, **quick()),
      "takes its normalisation from its source"),
     (lambda root: benchmark("nosuchsource:x", root, **quick()), "unknown model source"),
-    (lambda root: benchmark(42, root, **quick()), "must be an nn.Module or a model name"),
+    (lambda root: benchmark(42, root, **quick()), "must be an nn.Module, a torch.export program or a model name"),
 ])
 def test_bad_input_is_one_user_error(dataset, call, message):
     with pytest.raises(UserError, match=message):
@@ -277,3 +278,140 @@ def test_benchmark_leaves_a_module_with_gradients_as_it_was(dataset, one_thread)
     for name, (grad, pointer, stride, values) in before.items():
         assert after[name][:3] == (grad, pointer, stride), name
         assert torch.equal(after[name][3], values), name
+
+
+def _graded_masks(root, tmp_path):
+    """A copy of the dataset whose first mask holds 0 and 255: a mask the default arithmetic refuses."""
+    import shutil  # noqa: PLC0415
+    copy = tmp_path / "graded"
+    shutil.copytree(root, copy)
+    mask = sorted((copy / "fg_mask").rglob("*.npy"))[0]
+    np.save(mask, np.load(mask).astype(np.uint8) * 255)
+    return copy
+
+
+def _recorded_small_cnn(tmp_path):
+    """A train.py-style checkpoint that records its architecture (toolkit:small_cnn)."""
+    from tools.models.architectures import SMALL_CNN, SmallCNN  # noqa: PLC0415
+    path = tmp_path / "small.pth"
+    torch.save({"arch": SMALL_CNN, "state_dict": SmallCNN(9).state_dict()}, path)
+    return path
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda root, tmp: benchmark(TinyCNN(9, 0), root, num_classes=1000, **quick()),
+     "num_classes=1000 says a 1000-class ImageNet model, but the module (TinyCNN) has 9 classes; drop num_classes=1000"),
+    (lambda root, tmp: benchmark(TinyCNN(1000, 0), root, num_classes=9, **quick()), "drop num_classes=9"),
+    (lambda root, tmp: benchmark(TinyCNN(9, 0), root / "missing", **quick()), "pass data_path the folder"),
+    (lambda root, tmp: benchmark("toolkit:small_cnn", root, **quick()), "pass model='ARCH@file:PATH'"),
+    (lambda root, tmp: benchmark("resnet18", root, num_classes=9, **quick()),
+     "num_classes=9 needs model='ARCH@file:PATH'"),
+    (lambda root, tmp: benchmark(f"resnet18@file:{_recorded_small_cnn(tmp)}", root, **quick()),
+     "model='resnet18' contradicts checkpoint"),
+    (lambda root, tmp: benchmark(f"file:{_recorded_small_cnn(tmp)}", root, checkpoint_key="weights", **quick()),
+     "checkpoint_key 'weights' is not in the checkpoint"),
+    (lambda root, tmp: benchmark("file:" + str(tmp / "none.pth"), root, **quick()), "does not exist; check the path"),
+    (lambda root, tmp: benchmark(TinyCNN(9, 0), _graded_masks(root, tmp), variations=["original"], **quick()),
+     "pass mask_arithmetic='original'"),  # raised in a decoding thread
+    (lambda root, tmp: benchmark(TinyCNN(9, 0), root, output_dir=tmp / "out", resume=True, challenge=False,
+                                 **quick()) and benchmark(TinyCNN(9, 1), root, output_dir=tmp / "out", resume=True,
+                                                          challenge=False, **quick()),
+     "rerun without resume=True or use another output_dir"),
+])
+def test_errors_name_benchmarks_arguments_not_the_scripts_flags(dataset, tmp_path, call, words, monkeypatch):
+    """The same mistakes that name flags on the command line name benchmark()'s arguments here, whichever module
+    or thread raised them."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # no cached weights: nothing downloaded first
+    with pytest.raises(UserError) as raised:
+        call(dataset.root, tmp_path)
+    assert words in str(raised.value) and "--" not in re.sub(r"`[^`]*`", "", str(raised.value)), str(raised.value)
+
+
+def test_a_missing_device_names_the_device_argument(dataset):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    with pytest.raises(UserError, match=r"\(use device='cpu'\)$"):
+        benchmark(TinyCNN(9, 0), dataset.root, **quick(device="cuda"))
+
+
+# Modules benchmark() loads whose messages speak of other commands' runs, raised only by those commands: merging
+# --shard results (tools.merge), reading a --full matrix back (the analysis), the leaderboard, the training report.
+COMMANDS_OWN = {"tools.shards", "tools.results.matrix", "tools.results.analysis", "tools.results.leaderboard",
+                "tools.results.html"}
+
+
+def _text(node) -> str:
+    """A message argument's literal text, "{}" for what is formatted into it (an option() call's words among them)."""
+    import ast  # noqa: PLC0415
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else ""
+    if isinstance(node, ast.JoinedStr):
+        return "".join(part.value if isinstance(part, ast.Constant) else "{}" for part in node.values)
+    return ""
+
+
+def test_every_option_a_message_names_has_api_words():
+    """Every flag the library's messages name through tools.errors.option has benchmark()'s words for it, and no
+    message of a module benchmark() loads writes a flag itself (commands to run, in backquotes, aside)."""
+    import ast  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+    from tools.api import API_WORDS  # noqa: PLC0415
+    root = Path(__file__).resolve().parents[1]
+    named, written = set(), []
+    loaded = subprocess.run([sys.executable, "-c", "import sys, tools.api; print(' '.join(m for m in sys.modules "
+                             "if m.startswith('tools')))"], cwd=root, capture_output=True, text=True, check=True)
+    for module in set(loaded.stdout.split()) - COMMANDS_OWN:
+        path = root / (module.replace(".", "/") + ".py")
+        path = path if path.is_file() else root / module.replace(".", "/") / "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if callee == "option" and node.args and isinstance(node.args[0], ast.Constant):
+                named.add(node.args[0].value)
+            if callee in ("UserError", "warning", "info", "error", "optional_module"):
+                for text in map(_text, node.args):
+                    if re.search(r"(?<![\w`-])--[a-z]", re.sub(r"`[^`]*`", "", text)):
+                        written.append(f"{module}: {text}")
+    assert named and named <= set(API_WORDS), sorted(named - set(API_WORDS))
+    assert written == [], written
+
+
+def _exported(model: nn.Module):
+    """The model exported in evaluation mode, for any batch size."""
+    batch = torch.export.Dim("batch", min=1, max=2 ** 31 - 1)  # bounded: torch 2.6 guards the batch against maxsize
+    return torch.export.export(model.eval(), (torch.zeros(2, 3, 224, 224),), dynamic_shapes=({0: batch},))
+
+
+def test_a_torch_export_program_and_its_module_give_what_the_module_gives(dataset, one_thread):
+    """An ExportedProgram, and its .module() (whose train()/eval() raise: it runs in the mode it was exported in),
+    are models like the module they were exported from: the same accuracies and verdicts; the caller's program is
+    left as it was."""
+    model = TinyCNN(9, seed=4)
+    program = _exported(model)
+    state = {name: (t, t.data_ptr()) for name, t in program.state_dict.items()}
+    args = dict(num_classes=9, **quick())
+    expected = benchmark(model, dataset.root, **args)
+    for exported in (program, program.module()):
+        result = benchmark(exported, dataset.root, **args)
+        assert result.accuracy == expected.accuracy and result.challenge_accuracy == expected.challenge_accuracy
+        assert result.in9["provenance"]["checkpoint_format"] == "torch.export program (Python API)"
+    assert {name: (t, t.data_ptr()) for name, t in program.state_dict.items()} == state
+
+
+def test_an_exported_module_whose_code_names_another_device_is_refused(dataset):
+    """Export writes the device a tensor is made on into the code; .module() cannot be moved off it, while the
+    program itself can (move_to_device_pass): the line says so."""
+
+    class MakesTensors(nn.Module):
+        def forward(self, x):
+            return x.mean((2, 3)).repeat(1, 3) + torch.zeros(9, device=x.device)
+
+    program = torch.export.export(MakesTensors().eval(), (torch.zeros(2, 3, 224, 224),))
+    from tools.api import _as_module  # noqa: PLC0415
+    assert _as_module(program.module(), torch.device("cpu")) is not None
+    with pytest.raises(UserError, match="names cpu, where it was exported, and cannot be moved to meta: pass the "
+                                        "ExportedProgram itself"):
+        _as_module(program.module(), torch.device("meta"))

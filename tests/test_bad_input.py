@@ -241,7 +241,7 @@ def test_corrupt_checkpoint(run, dataset, tmp_path):
 
 def test_missing_checkpoint(run, dataset, tmp_path):
     line = run("--data-path", dataset.root, "--checkpoint", tmp_path / "absent.pth")
-    assert line == f"error: checkpoint {tmp_path / 'absent.pth'} does not exist; check --checkpoint"
+    assert line == f"error: checkpoint {tmp_path / 'absent.pth'} does not exist; check the path"
 
 
 def test_pretrained_weights_offline(run, dataset, tmp_path, monkeypatch):

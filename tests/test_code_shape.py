@@ -190,3 +190,16 @@ def test_the_results_package_knows_nothing_of_training():
     offenders = {name: sorted(m for m in imported if m.startswith("tools.training"))
                  for name, imported in graph.items() if name.startswith("tools.results")}
     assert not {name: found for name, found in offenders.items() if found}
+
+
+def test_every_thread_pool_carries_its_callers_context():
+    """The toolkit's worker threads run with the context of the thread that gave them work (tools.threads.
+    ContextThreadPool), so a message raised in one names options as its caller does (the Python API's words)."""
+    made = []
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) \
+                    in ("ThreadPoolExecutor", "Thread"):
+                made.append(f"{relative(path)}:{node.lineno}")
+    # the background imports (tools.threads) and the checkpoint writer raise no user error
+    assert all(place.startswith(("tools/threads.py", "tools/training/checkpoint.py")) for place in made), made

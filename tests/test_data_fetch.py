@@ -266,6 +266,31 @@ def test_offline_is_one_line_saying_what_to_download_and_where(tmp_path, capsys)
     assert "verifies and extracts" in err and "--archive" in err
 
 
+def test_a_failed_fetch_leaves_no_empty_folder(server, release, tmp_path, capsys):
+    """Offline, a missing URL or a missing --archive: the folders fetch created for the data are gone again (an
+    empty data/ in a clone would look like data); a folder that was there stays, and so does one that keeps a
+    partial download to resume from."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        offline = f"http://127.0.0.1:{sock.getsockname()[1]}/release/{download.ARCHIVE_NAME}"
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    for root in (tmp_path / "data" / "bg_challenge", existing / "in9"):
+        for flags in (["--url", offline, "--timeout", "5"], ["--url", server.url("/missing.tar.gz")],
+                      ["--archive", str(tmp_path / "nowhere.tar.gz")]):
+            code, _, err = _run_cli(["fetch", "--data-path", str(root), "--sha256", "a" * 64, "--no-progress", *flags],
+                                    capsys)
+            assert code == 2 and err.startswith("error: "), err
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"], flags
+            assert existing.is_dir() and list(existing.iterdir()) == []
+    payload, sha = release
+    server.files[ARCHIVE_PATH], server.cut_after = payload, 5000
+    root = tmp_path / "data" / "bg_challenge"
+    with pytest.raises(UserError, match="rerun the same command to resume"):
+        download.fetch(root, server.url(ARCHIVE_PATH), sha, progress=False)
+    assert _leftovers(root) == [download.ARCHIVE_NAME + download.PART_SUFFIX]
+
+
 def test_http_errors_are_user_errors(server, tmp_path):
     with pytest.raises(UserError, match="HTTP 404"):
         download.fetch(tmp_path / "data", server.url("/missing.tar.gz"), "a" * 64, progress=False)

@@ -1,6 +1,8 @@
-"""The declared range is the tested range at its floor: pyproject.toml's lowest versions (every direct
+"""The declared range is the tested range at both ends: pyproject.toml's lowest versions (every direct
 requirement, the extras' included, and Python) are those of the environment in which `.ci/check_floor.py`
-last saw the whole suite pass, recorded in .ci/floor.txt."""
+last saw the whole suite pass, recorded in .ci/floor.txt; the Pythons its classifiers declare run from that
+floor to the newest, with which `.ci/check_floor.py --newest` last saw the whole suite pass, recorded in
+.ci/newest.txt."""
 
 from __future__ import annotations
 
@@ -52,3 +54,42 @@ def test_floors_are_read_as_pip_compares_them(floor, tmp_path):
         pyproject.write_text(f'[project]\ndependencies = [{", ".join(requirements)}]\n')
         with pytest.raises(floor.FloorError, match=problem):
             floor.declared_floors(pyproject)
+
+
+def test_the_declared_pythons_run_from_the_floor_to_the_newest(floor):
+    """The classifiers name every minor version from requires-python's floor (the floor check's Python) to the
+    newest, with no gap: the range a user reads is the range between the two recorded runs."""
+    pythons = floor.declared_pythons()
+    assert pythons[0] == floor.python_floor() == ".".join(map(str, floor.release(floor.read_record().versions["python"])[:2]))
+    minors = [floor.release(p)[1] for p in pythons]
+    assert minors == list(range(minors[0], minors[-1] + 1)), pythons
+
+
+def test_the_recorded_newest_python_is_the_declared_newest(floor):
+    path = floor.NEWEST_RECORD
+    assert path.is_file(), (f"no record of a run with the newest declared Python ({floor.python_newest()}): run "
+                            f"`python .ci/check_floor.py --newest` (docs/how-it-works.md, Supported versions)")
+    record = floor.read_record(path)
+    assert record.result and "failed" not in record.result and "error" not in record.result, record.result
+    assert floor.release(record.versions[floor.PYTHON])[:2] == floor.release(floor.python_newest()), (
+        f"pyproject.toml's classifiers declare Python {floor.python_newest()} as the newest, but the suite last "
+        f"passed with Python {record.versions[floor.PYTHON]}: run `python .ci/check_floor.py --newest`")
+
+
+def test_the_declared_pythons_are_read_from_the_classifiers(floor, tmp_path):
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nrequires-python = ">=3.10"\nclassifiers = ["Programming Language :: Python :: 3",'
+                         ' "Programming Language :: Python :: 3.13", "Programming Language :: Python :: 3.10",'
+                         ' "Programming Language :: Python :: 3 :: Only", "License :: OSI Approved"]\n')
+    assert floor.declared_pythons(pyproject) == ["3.10", "3.13"] and floor.python_newest(pyproject) == "3.13"
+    pyproject.write_text('[project]\nrequires-python = ">=3.10"\n')
+    with pytest.raises(floor.FloorError, match="declares no"):
+        floor.python_newest(pyproject)
+
+
+def test_each_check_leaves_out_only_the_check_of_the_record_it_writes(floor):
+    """A run that writes a record cannot pass that record's check beforehand; it runs every other test."""
+    assert set(floor.RECORD_TESTS) == {floor.RECORD, floor.NEWEST_RECORD}
+    for path, test in floor.RECORD_TESTS.items():
+        name = test.split("::")[1]
+        assert name in globals() and test.startswith("tests/test_floor.py::")

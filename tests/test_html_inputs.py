@@ -24,7 +24,7 @@ from tools.data.compositing import blend, original_weights
 from tools.data.decoding import decode_rgb
 from tools.in9 import class_names
 from tools.results import analysis as analysis_cli
-from tools.results import html_sections, report, report_cli
+from tools.results import html_sections, report_cli
 from tools.results.html import write_html
 from tools.results.matrix import BACKGROUNDS_FILE, FOREGROUNDS_FILE, META_FILE, PREDICTIONS_FILE, load_matrix
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import challenge_eval
 import in9_eval
@@ -106,7 +107,7 @@ def test_each_method_leaves_a_checkpoint_both_scripts_load(name, tiny, tmp_path,
         moved = {key for key, value in saved["model"].items() if not torch.equal(value, initial[key])}
         assert moved == should_move
     assert saved["train_args"]["epochs"] == 2 and len(saved["data"]["sha256"]) == 64
-    assert saved["train_args"]["batch_size"] == 6 and saved["train_args"]["lr"] == 1e-3  # given batch: reference lr
+    assert saved["train_args"]["batch_size"] == 6 and saved["train_args"]["lr"] == 1e-3 * 6 / 32  # scaled to the batch
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "loss" in r] == list(range(1, 7))  # 18 images, batch 6: 3 steps x 2 epochs
     # both evaluation scripts, with no model flags at all: architecture and normaliser come from the file
@@ -340,8 +341,9 @@ def test_workers_give_way_where_shared_memory_is_short(tiny, tmp_path, monkeypat
 
 
 def test_batch_size_and_learning_rate_defaults_per_device():
-    """256 images a step on a CUDA GPU, 32 elsewhere; without --lr the peak rate is 0.001 x batch / 32, and an
-    explicit --lr is kept as given. The run's record holds the values decided."""
+    """256 images a step on a CUDA GPU, 32 elsewhere; without --lr the peak rate is 0.001 x batch / 32, whether
+    the batch is the device's default or given, and an explicit --lr is kept as given. The run's record holds
+    the values decided. (The device is only named: settle decides the defaults from it, no GPU is needed.)"""
     from tools.training.config import build_parser, config_from_args
 
     def settled(device: str, *flags: str) -> TrainConfig:
@@ -354,9 +356,39 @@ def test_batch_size_and_learning_rate_defaults_per_device():
         assert (config.batch_size, config.lr) == (batch, 1e-3 * batch / 32)
         assert (config.to_record()["batch_size"], config.to_record()["lr"]) == (batch, 1e-3 * batch / 32)
         assert (settled(device, "--lr", "0.01").batch_size, settled(device, "--lr", "0.01").lr) == (batch, 0.01)
-    assert settled("cuda", "--batch-size", "64").lr == 1e-3  # a batch size given: the reference rate, as before
+        # the same batch given explicitly: the same rate as the device's default batch
+        assert settled(device, "--batch-size", str(batch)).lr == config.lr
+    assert settled("cpu", "--batch-size", "256").lr == settled("cuda").lr == 0.008
+    assert settled("cuda", "--batch-size", "64").lr == 0.002
     assert (settled("cuda", "--batch-size", "64", "--lr", "0.5").batch_size, settled("cpu", "--lr", "0.5").lr) == \
         (64, 0.5)
+    config = TrainConfig(Path("d"), Path("o"))
+    assert config.settle(torch.device("cuda")) == ("global batch 256 (the default on cuda), peak learning rate 0.008 "
+                                                   "(0.001 x 256 / 32, scaled with the batch)")
+
+
+def test_the_logged_rate_is_the_rate_each_step_used(tiny, tmp_path, capsys, one_thread):
+    """train_log.jsonl (and the report's curves, which read it) give each step the rate its optimiser step used,
+    as the optimiser saw it (a hook on every optimiser step): the warm-up's first rate first, the peak, and the
+    cosine decay's last non-zero rate last; the start-up line says the batch and the rate."""
+    used = []
+    hook = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: used.append(optimizer.param_groups[0]["lr"]))
+    try:
+        out = tmp_path / "run"
+        code, _, err = run_train(["--data-path", tiny, "--weights", "none", "--epochs", 2, "--batch-size", 6,
+                                  "--lr", 0.003, "--warmup-epochs", 1, "--output-dir", out, *TINY, "--log-level", "INFO"],
+                                 capsys)
+    finally:
+        hook.remove()
+    assert code == 0, err
+    logged = [r["lr"] for r in map(json.loads, (out / "train_log.jsonl").read_text().splitlines()) if "lr" in r]
+    peak = 0.003
+    # 18 images, batch 6: 3 steps an epoch, 6 in all; a warm-up of 3 steps to the peak, then the cosine to 0
+    expected = [peak / 3, peak * 2 / 3, peak, peak, peak * 0.75, peak * 0.25]
+    assert used == pytest.approx(expected, rel=1e-12)
+    assert logged == used
+    assert "global batch 6 (--batch-size), peak learning rate 0.003 (--lr)" in err
 
 
 def test_process_group_from_torchrun_environment(monkeypatch):

@@ -126,6 +126,114 @@ def test_contradictory_or_impossible_settings(args, words, data, fails):
     assert words in line
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--swap-prob", "0.5"], "--swap-prob does nothing without --method bg-swap"),
+    (["--swap-same-class-prob", "0.5"], "--swap-same-class-prob does nothing without --method bg-swap"),
+    (["--method", "bg-swap", "--swap-prob", "0", "--swap-same-class-prob", "0.5"], "with --swap-prob 0"),
+    (["--method", "cutmix", "--mixup-alpha", "0.4"], "--mixup-alpha does nothing without mixup in --method"),
+    (["--method", "bg-swap", "mixup", "--cutmix-alpha", "0.5"], "--cutmix-alpha does nothing without cutmix"),
+    (["--swa-start-epoch", "0"], "--swa-start-epoch does nothing without --swa"),
+    (["--swa-lr", "0.01"], "--swa-lr does nothing without --swa"),
+    (["--lora-rank", "8"], "--lora-rank does nothing without --peft lora"),
+    (["--peft", "oft", "--peft-modules", "fc", "--lora-rank", "8"], "--lora-rank does nothing without --peft lora"),
+    (["--peft", "lora", "--peft-modules", "fc", "--oft-block-size", "4"], "--oft-block-size does nothing without"),
+    (["--momentum", "0.9"], "--momentum does nothing without --optimizer sgd"),  # its default value, given
+    (["--optimizer", "adamw", "--momentum", "0.5"], "--momentum does nothing without --optimizer sgd"),
+    (["--no-augment", "--crop-scale", "0.5"], "--crop-scale does nothing with --no-augment"),
+    (["--eval-batch-size", "4"], "--eval-batch-size does nothing without --eval-data"),
+    (["--checkpoint-key", "model"], "--checkpoint-key does nothing without a checkpoint"),
+    (["--trust-checkpoint"], "--trust-checkpoint does nothing without a checkpoint"),
+])
+def test_a_flag_that_would_do_nothing_is_refused(args, words, data, fails):
+    line = fails("--data-path", data, "--weights", "none", *args)
+    assert words in line and "drop it" in line
+
+
+@pytest.mark.parametrize("args", [
+    ["--method", "bg-swap", "--swap-prob", "0.5", "--swap-same-class-prob", "0.5"],
+    ["--method", "cutmix", "mixup", "--mixup-alpha", "0.4", "--cutmix-alpha", "0.5"],
+    ["--swa", "--swa-start-epoch", "0", "--swa-lr", "0.01"],
+    ["--optimizer", "sgd", "--momentum", "0.5"],
+    ["--augment", "--crop-scale", "0.5"],
+    ["--eval-data", "d", "--eval-batch-size", "4", "--eval-challenge"],
+    ["--checkpoint", "c.pt", "--checkpoint-key", "model", "--trust-checkpoint"],
+    ["--arch", f"{SMALL_CNN}@file:c.pt", "--trust-checkpoint"],
+])
+def test_the_same_flags_where_they_act_are_taken(args):
+    """Each of those flags where it acts, even at its default value: the settings take the values given."""
+    from tools.training.config import config_from_args  # noqa: PLC0415
+    config = config_from_args(train.build_parser().parse_args(["--data-path", "d", *args]))
+    given = train.build_parser().parse_args(["--data-path", "d", *args])
+    for name in ("swap_prob", "swap_same_class_prob", "mixup_alpha", "cutmix_alpha", "swa_start_epoch", "swa_lr",
+                 "momentum", "crop_scale", "eval_batch_size", "checkpoint_key"):
+        if getattr(given, name) is not None:
+            assert getattr(config, name) == getattr(given, name)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--lr", "-0.1"], "--lr must be a positive number"),
+    (["--lr", "nan"], "--lr must be a positive number"),
+    (["--swa", "--swa-lr", "0"], "--swa-lr must be a positive number"),
+    (["--weight-decay", "-0.05"], "--weight-decay must be 0 or more"),
+    (["--weight-decay", "inf"], "--weight-decay must be 0 or more"),
+    (["--optimizer", "sgd", "--momentum", "-0.5"], "--momentum is the share of the last update kept, in [0, 1)"),
+    (["--warmup-epochs", "-1"], "--warmup-epochs must be 0 or more"),
+    (["--warmup-epochs", "1"], "--warmup-epochs 1 is as long as training (--epochs 1) or longer"),
+    (["--epochs", "2", "--warmup-epochs", "3"], "--warmup-epochs 3 is as long as training (--epochs 2) or longer"),
+    (["--epochs", "4", "--swa", "--warmup-epochs", "3.5"], "outlasts the epochs before --swa averages"),
+    (["--epochs", "4", "--swa", "--swa-start-epoch", "0", "--warmup-epochs", "0.5"], "outlasts the epochs before"),
+])
+def test_negative_rates_and_decays_and_a_warm_up_that_never_ends(args, words, data, fails):
+    assert words in fails("--data-path", data, "--weights", "none", *args)
+
+
+@pytest.fixture
+def no_downloads(tmp_path, monkeypatch):
+    """An empty torch hub cache whose downloads are recorded and refused: the URLs asked for."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    asked = []
+
+    def refuse(url, *args, **kwargs):
+        asked.append(url)
+        raise AssertionError(f"downloaded {url}")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", refuse)
+    return asked
+
+
+def test_a_missing_data_folder_is_found_before_the_weights_are_downloaded(tmp_path, fails, no_downloads):
+    """The defaults (resnet50 with ImageNet weights) and a folder that does not exist: the folder is the error,
+    and nothing was downloaded."""
+    line = fails("--data-path", tmp_path / "nonexistent")
+    assert "nonexistent does not exist" in line and "--data-path" in line
+    assert no_downloads == []
+
+
+def test_a_training_folder_without_a_class_is_found_before_the_weights_are_downloaded(copy, fails, no_downloads):
+    shutil.rmtree(copy / "original" / "train" / "08_fish")
+    assert "has 8 class folders, expected 9" in fails("--data-path", copy)
+    assert no_downloads == []
+
+
+def test_the_eval_data_is_checked_before_training(data, tmp_path, fails, no_downloads):
+    """A missing --eval-data folder, or one without the challenge's masks, ends the run before the model is
+    downloaded or trained: no checkpoint is written, and the line names --eval-data."""
+    out = tmp_path / "out"
+    line = fails("--data-path", data, "--eval-data", tmp_path / "missing", "--output-dir", out)
+    assert "missing does not exist" in line and "pass --eval-data" in line
+    test = synthetic.generate(tmp_path / "test", per_class=1, seed=9).root
+    shutil.rmtree(test / "fg_mask")
+    line = fails("--data-path", data, "--eval-data", test, "--eval-challenge", "--output-dir", out)
+    assert "fg_mask" in line
+    assert no_downloads == [] and not (out / CHECKPOINT_NAME).exists()
+
+
+def test_the_small_cnn_without_weights_says_how_to_start_from_random_ones(data, fails):
+    """The toolkit's own architecture has no pretrained weights: the line names train.py's --weights none."""
+    line = fails("--data-path", data, "--arch", SMALL_CNN)
+    assert "has no pretrained weights" in line and "--weights none" in line
+
+
 def test_a_torchscript_start_cannot_be_rebuilt(data, tmp_path, fails):
     path = tmp_path / "model.ts"
     save_torchscript(SmallCNN(9), path)

@@ -12,8 +12,11 @@ writes the files.
 from __future__ import annotations
 
 import contextlib
+import functools
+import io
 import logging
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -28,13 +31,14 @@ from tools.cli import MAX_SEED, MAX_WORKERS
 from tools.challenge import ChallengeConfig, list_challenge_files, load_challenge_data, run_challenge
 from tools.data.store import DecodedCache, default_cache_dir
 from tools.data.layout import check_data_root
-from tools.errors import UserError, first_line
+from tools.data.compositing import MaskArithmetic
+from tools.errors import UserError, Word, first_line, spoken_as
 from tools.evaluate import In9Config, bg_gap, list_in9_files, run_in9
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, VARIATIONS, Normalization
 from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
 from tools.models.record import ModelRecord
 from tools.models.adapters import LoraScaling
-from tools.models.checkpoints import check_class_count
+from tools.models.checkpoints import ExportedModule, check_class_count, exported_module, graph_devices
 from tools.models.device_check import check_run, first_images, record_check
 from tools.models.sources import load_model
 from tools.provenance import check_outputs
@@ -45,8 +49,31 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"  # mean/std: the class-count rule (ImageNet statistics for 1000 classes, IN-9's for 9)
 IN9_RESULTS_FILE, CHALLENGE_RESULTS_FILE = "in9.json", "challenge.json"  # under output_dir
-MODULE_FORMAT = "nn.Module (Python API)"
+MODULE_FORMAT, EXPORT_FORMAT = "nn.Module (Python API)", "torch.export program (Python API)"
 LORA_KEYWORDS = ("lora_alpha=ALPHA", "lora_rslora=True")  # how benchmark() takes a LoRA state dict's scaling
+
+
+def _normalisation(value) -> str:
+    if value is None:
+        return "mean"
+    if value == Normalization.NONE.value:
+        return "mean=None"
+    return f"the module itself as model with {value}'s statistics as mean= and std="
+
+
+# How benchmark() takes what each flag of the scripts says, for every message a call passes on (tools.errors.option):
+# an argument (written name=value with a value), a setting, or a function of the flag's value (None: no value).
+API_WORDS: Mapping[str, Word] = MappingProxyType({
+    "--data-path": "data_path", "--output-dir": "output_dir", "--resume": "resume=True",
+    "--arch": "model", "--checkpoint": lambda path: f"model='ARCH@file:{path or 'PATH'}'", "--weights": "weights",
+    "--in9": "num_classes=9", "--no-in9": "num_classes=1000", "--normalize": _normalisation,
+    "--trust-checkpoint": "trust_checkpoint=True", "--checkpoint-key": "checkpoint_key",
+    "--trust-remote-code": "trust_remote_code=True", "--lora-alpha": "lora_alpha", "--lora-rslora": "lora_rslora=True",
+    "--device": "device", "--precision": "precision", "--batch-size": "batch_size", "--workers": "workers",
+    "--seed": "seed", "--cache-dir": "cache_dir", "--no-cache": "cache=False", "--eval-dataset": "variations",
+    "--full": "full=True", "--mask-arithmetic": "mask_arithmetic",
+    "--allow-inexact-device": "allow_inexact_device=True",
+})
 
 
 @dataclass(frozen=True)
@@ -64,6 +91,16 @@ class BenchmarkResult:
     files: Mapping[str, Path] = field(default_factory=dict)  # what was written: in9, challenge, state, matrix files
 
 
+def _in_api_words(function):
+    """`function` with the messages it causes naming its arguments (API_WORDS), not the scripts' flags."""
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with spoken_as(API_WORDS):
+            return function(*args, **kwargs)
+    return call
+
+
+@_in_api_words
 def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
               mean: Sequence[float] | str | None = AUTO, std: Sequence[float] | None = None,
               num_classes: int | None = None, challenge: bool = True, full: bool = False,
@@ -73,7 +110,8 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
               cache: bool = True, shared_cache: bool = False, weights: str | None = None,
               trust_checkpoint: bool = False, seed: int = 0,
               progress: bool = True, lora_alpha: float | None = None, lora_rslora: bool = False,
-              allow_inexact_device: bool = False) -> BenchmarkResult:
+              allow_inexact_device: bool = False, checkpoint_key: str | None = None, trust_remote_code: bool = False,
+              mask_arithmetic: MaskArithmetic | str = MaskArithmetic.BINARY) -> BenchmarkResult:
     """Evaluate `model` on the IN-9 variations and, with `challenge`, the Backgrounds Challenge.
 
     model: an `nn.Module` taking a normalised (N, 3, 224, 224) float batch, wrapped to normalise with `mean`
@@ -85,12 +123,14 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
     the output's width). full: every pair of the challenge (the prediction matrix), as --full.
     output_dir: where the results files (in9.json, challenge.json), the resumable state and --full's matrix
     are written, as the scripts write them (default: nothing is written). device, precision, channels_last, batch_size,
-    workers, cache_dir/cache/shared_cache, seed, progress, lora_alpha, lora_rslora, allow_inexact_device: as the scripts' flags
-    (lora_alpha and lora_rslora: the scaling of a LoRA state dict saved from a peft-wrapped model, named by
-    `model`); the scripts' start-up device check runs too (`tools.models.device_check`), once, on the in9 run's
-    first images, and both results record it.
+    workers, cache_dir/cache/shared_cache, seed, progress, lora_alpha, lora_rslora, allow_inexact_device,
+    checkpoint_key, trust_remote_code, mask_arithmetic: as the scripts' flags (lora_alpha and lora_rslora: the
+    scaling of a LoRA state dict saved from a peft-wrapped model, named by `model`); the scripts' start-up device
+    check runs too (`tools.models.device_check`), once, on the in9 run's first images, and both results record it.
+    Its errors (`UserError`) and log lines name these arguments, not the scripts' flags (`API_WORDS`).
     """
     precision = _precision(precision)
+    arithmetic = _choice(MaskArithmetic, mask_arithmetic, "mask_arithmetic")
     group = distributed.joined_group()
     data_path = check_data_root(Path(data_path) if data_path is not None else None)
     output_dir = Path(output_dir) if output_dir is not None else None
@@ -109,7 +149,8 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         if cache else None
     in9_config = In9Config(tuple(_variations(variations)), batch_size, progress=progress and group.is_main,
                            cache=decoded_cache, **({} if workers is None else {"workers": workers}))
-    challenge_config = ChallengeConfig(full=full, batch_size=batch_size, progress=in9_config.progress)
+    challenge_config = ChallengeConfig(full=full, batch_size=batch_size, progress=in9_config.progress,
+                                       mask_arithmetic=arithmetic)
     # every cheap input is checked before any model is built or moved
     in9_files = list_in9_files(data_path, in9_config.variations, in9_config.workers)
     challenge_files = list_challenge_files(data_path, in9_config.workers) if challenge else None
@@ -118,7 +159,8 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
                           channels_last, group=group)
         seed_everything(seed)
         lora = LoraScaling(lora_alpha, lora_rslora, LORA_KEYWORDS)
-        loaded = _loaded(model, mean, std, num_classes, weights, trust_checkpoint, lora, runtime, in9_config.progress)
+        loaded = _loaded(model, mean, std, num_classes, weights, trust_checkpoint, lora, runtime, in9_config.progress,
+                         checkpoint_key, trust_remote_code)
         first = first_images(in9_files.root, [r.relpath for r in in9_files.listings[in9_config.variations[0]]],
                              in9_config.workers)
         in9_check = check_run(loaded, runtime, first, allow_inexact_device, batch_size)
@@ -146,10 +188,14 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
 
 
 def _precision(value: Precision | str) -> Precision:
+    return _choice(Precision, value, "precision")
+
+
+def _choice(vocabulary, value, argument: str):
     try:
-        return Precision(value)
+        return vocabulary(value)
     except ValueError:
-        raise UserError(f"unknown precision {value!r}; valid: {', '.join(p.value for p in Precision)}") from None
+        raise UserError(f"unknown {argument} {value!r}; valid: {', '.join(v.value for v in vocabulary)}") from None
 
 
 def _variations(names: Sequence[str]) -> list[str]:
@@ -162,7 +208,8 @@ def _variations(names: Sequence[str]) -> list[str]:
 
 
 def _loaded(model: nn.Module | str, mean, std, num_classes: int | None, weights: str | None, trust: bool,
-            lora: LoraScaling, runtime: Runtime, progress: bool) -> LoadedModel:
+            lora: LoraScaling, runtime: Runtime, progress: bool, checkpoint_key: str | None = None,
+            trust_remote_code: bool = False) -> LoadedModel:
     """The model wrapped to take pixels: a module with the given statistics, a name through its source."""
     in9 = None if num_classes is None else num_classes == NUM_IN9_CLASSES
     if isinstance(model, str):
@@ -170,12 +217,16 @@ def _loaded(model: nn.Module | str, mean, std, num_classes: int | None, weights:
             raise UserError(f"{model} takes its normalisation from its source: pass mean=None (no normalisation) "
                             f"or leave mean and std out")
         normalize = Normalization.AUTO if _is_auto(mean) else Normalization.NONE
-        return load_model(model, weights, in9=in9, normalize=normalize, trust=trust, runtime=runtime,
-                          progress=progress, lora_alpha=lora.alpha, lora_rslora=lora.rslora, lora_options=lora.options)
-    if not isinstance(model, nn.Module):
-        raise UserError(f"model must be an nn.Module or a model name, not {type(model).__name__}")
+        return load_model(model, weights, in9=in9, normalize=normalize, trust=trust, checkpoint_key=checkpoint_key,
+                          runtime=runtime, progress=progress, lora_alpha=lora.alpha, lora_rslora=lora.rslora,
+                          lora_options=lora.options, trust_remote_code=trust_remote_code)
+    name = type(model).__qualname__
+    model = _as_module(model, runtime.device)
     if weights is not None:
         raise UserError("weights= names the pretrained weights of a model name; a module brings its own")
+    if checkpoint_key is not None or trust_remote_code:
+        raise UserError(f"{'checkpoint_key=' if checkpoint_key is not None else 'trust_remote_code=True'} applies to "
+                        f"a model name that loads a file or a hub model; a module is loaded already")
     if lora.given():
         raise lora.misplaced("named as model; a module brings its own weights")
     if isinstance(mean, str) and not _is_auto(mean):
@@ -184,8 +235,9 @@ def _loaded(model: nn.Module | str, mean, std, num_classes: int | None, weights:
         raise UserError("std without mean: pass both (or neither, for the class-count rule)")
     stats = None if mean is None or _is_auto(mean) else _statistics(mean, std)
     width = _output_width(model, runtime.device)
-    check_class_count(width, in9, f"the module ({type(model).__name__})")
-    origin = ModelOrigin(f"module:{type(model).__qualname__}", checkpoint_format=MODULE_FORMAT)
+    check_class_count(width, in9, f"the module ({name.rpartition('.')[2]})")
+    origin = ModelOrigin(f"module:{name}",
+                         checkpoint_format=EXPORT_FORMAT if isinstance(model, ExportedModule) else MODULE_FORMAT)
     record = ModelRecord()  # a module's weights and the code it runs
     record.setting("module state sha256", state_sha256(model))
     record.code(model)
@@ -195,6 +247,33 @@ def _loaded(model: nn.Module | str, mean, std, num_classes: int | None, weights:
     if mean is None:
         loaded.normalization = "none (mean=None: the module normalises its input itself)"
     return loaded
+
+
+def _as_module(model, device: torch.device) -> nn.Module:
+    """The caller's model as a module the toolkit can evaluate: a `torch.export` program (`ExportedProgram`) as its
+    module on the run's device (the devices its code names moved there too); a module whose mode was fixed when it
+    was exported, so that its train()/eval() raise (an ExportedProgram's `.module()`), inside a wrapper that keeps
+    that mode; any other module as it is."""
+    export = sys.modules.get("torch.export")  # loaded wherever a caller holds an ExportedProgram
+    if export is not None and isinstance(model, export.ExportedProgram):
+        buffer = io.BytesIO()  # a copy to move: torch's move_to_device_pass changes the program it is given
+        export.save(model, buffer)
+        buffer.seek(0)
+        return exported_module(export.load(buffer), device)[0]
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model must be an nn.Module, a torch.export program or a model name, not "
+                        f"{type(model).__name__}")
+    try:
+        model.train(model.training)  # the modes are restored after the call (_state_kept)
+    except NotImplementedError:  # torch.export's .module(): it runs in the mode it was exported in
+        named = graph_devices(model) - {str(torch.empty(0, device=device).device)}
+        if named:
+            raise UserError(f"the exported module's code names {', '.join(sorted(named))}, where it was exported, "
+                            f"and cannot be moved to {device}: pass the ExportedProgram itself (before .module()), "
+                            f"which benchmark() moves, or export it on {device}") from None
+        parameter = next(iter(model.parameters()), None)
+        return ExportedModule(model, "export", parameter.device if parameter is not None else device, False)
+    return model
 
 
 def _is_auto(mean) -> bool:

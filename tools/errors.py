@@ -1,13 +1,46 @@
-"""The one exception type for mistakes a user can make and fix, and what reading a damaged file raises."""
+"""The one exception type for mistakes a user can make and fix, how its messages name the user's options (the
+command line's flags, or the Python API's arguments), and what reading a damaged file raises."""
 
+import contextlib
+import contextvars
 import importlib
 import zipfile
+from typing import Callable, Iterator, Mapping, Union
 
 from tools.threads import wait_for_background_imports
 
 
 class UserError(Exception):
     """Bad input from the user: the scripts print its message as one line and exit with code 2."""
+
+
+# How a caller other than the command line names an option: the argument a flag becomes (written `name=value`
+# with a value, as it is when it holds "="), or a function from the flag's value (None: none given) to the words.
+Word = Union[str, Callable[[object], str]]
+_WORDS: contextvars.ContextVar[Mapping[str, Word] | None] = contextvars.ContextVar("option_words", default=None)
+
+
+def option(flag: str, value: object = None) -> str:
+    """The option `flag` (given `value`) as the current caller sets it, for a message: `--flag value` on the
+    command line; within `spoken_as(words)`, the caller's own words for it (tools.api's, for `benchmark()`)."""
+    words = _WORDS.get()
+    word = None if words is None else words.get(flag)
+    if word is None:
+        return flag if value is None else f"{flag} {value}"
+    if callable(word):
+        return word(value)
+    return word if value is None or "=" in word else f"{word}={value!r}"
+
+
+@contextlib.contextmanager
+def spoken_as(words: Mapping[str, Word]) -> Iterator[None]:
+    """Within the block (and the toolkit's worker threads it starts: tools.threads.ContextThreadPool), messages
+    name options in `words` (a mapping from flag to `Word`)."""
+    token = _WORDS.set(words)
+    try:
+        yield
+    finally:
+        _WORDS.reset(token)
 
 
 # What numpy raises on a damaged .npy or .npz (missing, empty, truncated, not numpy's format): `np.load` gives

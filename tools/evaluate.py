@@ -10,7 +10,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from tools import distributed
 from tools.data import decoders
@@ -18,10 +17,11 @@ from tools.data import decoding as datasets
 from tools.data import layout
 from tools.data.check import quick_check
 from tools.data.store import DecodedCache
-from tools.errors import UserError
+from tools.errors import UserError, option
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, PredictionMap, class_names
 from tools.models.boundary import LoadedModel
 from tools.data.hashing import read_and_fingerprint
+from tools.progress import progress_bar
 from tools.provenance import provenance, write_json_atomic
 from tools.runtime import RECHECK_MARGIN, Forward, Runtime, to_device
 from tools.runtime.inflight import Launched, Pipeline, launch, near_ties, top_two_margins
@@ -98,13 +98,15 @@ class _Resume:
             try:
                 saved = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError) as exc:
-                raise UserError(f"cannot read the saved state {path} ({exc}); rerun without --resume") from None
+                raise UserError(f"cannot read the saved state {path} ({exc}); rerun without {option('--resume')}") \
+                    from None
             if not isinstance(saved, dict) or saved.get("key") != key:
-                raise UserError(f"{path} was written for another model, data or setting; rerun without --resume "
-                                f"or use another --output-dir")
+                raise UserError(f"{path} was written for another model, data or setting; rerun without "
+                                f"{option('--resume')} or use another {option('--output-dir')}")
             done = saved.get("done")
             if not isinstance(done, dict) or not set(done) <= set(VARIATIONS):
-                raise UserError(f"{path} does not hold predictions by variation name; rerun without --resume")
+                raise UserError(f"{path} does not hold predictions by variation name; rerun without "
+                                f"{option('--resume')}")
             self.done = done
             log.info("resuming: %s already evaluated", ", ".join(self.done) or "nothing")
 
@@ -262,7 +264,7 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                                                 device=None if kept is not None else runtime.device,
                                                 contents=contents, hashes=hashes, cache=cache)
     finished = 0
-    bar = tqdm(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
     with bar:
         for start, batch in batches:
             if kept is not None:
@@ -313,8 +315,8 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
     starts = list(range(0, len(relpaths), batch_size))[share.index::share.count]
     # an image only this process decodes may fail: all leave together
     with distributed.agree(runtime.group, runtime.device):
-        with tqdm(total=len(relpaths), unit="img", desc="evaluating", disable=not progress,
-                  dynamic_ncols=True) as bar:
+        with progress_bar(total=len(relpaths), unit="img", desc="evaluating", disable=not progress,
+                          dynamic_ncols=True) as bar:
             for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(),
                                                               starts, decoder, runtime.device, contents,
                                                               hashes, cache):

@@ -5,17 +5,26 @@ and a run's data work beside its model building (`alongside`)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import importlib
 import os
 import threading
 from typing import Callable, Iterator, Sequence
 
-from tqdm import tqdm
+from tools.progress import progress_bar
 
 
 def default_workers() -> int:
     """Threads for decoding, hashing and checking files: one per CPU, at most 8."""
     return max(1, min(8, os.cpu_count() or 1))
+
+
+class ContextThreadPool(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool whose tasks run with the submitting thread's context variables, each in its own copy: what
+    the caller set for its work (the wording of messages, tools.errors.spoken_as) holds in the workers too."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        return super().submit(contextvars.copy_context().run, fn, *args, **kwargs)
 
 
 def map_in_threads(fn: Callable, items: Sequence, workers: int, progress: bool, desc: str) -> Iterator:
@@ -24,9 +33,9 @@ def map_in_threads(fn: Callable, items: Sequence, workers: int, progress: bool, 
     Pillow, NumPy's file reading, hashlib and OpenCV release the GIL, so threads decode, hash and segment
     in parallel. On an error or an interrupt, work not yet started is cancelled.
     """
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="work")
+    pool = ContextThreadPool(max_workers=max(1, workers), thread_name_prefix="work")
     try:
-        yield from tqdm(pool.map(fn, items), total=len(items), desc=desc, disable=not progress, leave=False)
+        yield from progress_bar(pool.map(fn, items), total=len(items), desc=desc, disable=not progress, leave=False)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -91,7 +100,7 @@ def alongside(data: Callable[[], object], model: Callable[[], object],
     wait_for_background_imports()
     for name in imports:
         importlib.import_module(name)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="data")
+    pool = ContextThreadPool(max_workers=1, thread_name_prefix="data")
     future = pool.submit(data)
     try:
         try:

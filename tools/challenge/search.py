@@ -5,15 +5,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from tools import distributed
 from tools.challenge.data import ChallengeData, ChallengeFiles, load_challenge_data
 from tools.challenge.predictor import CompositePredictor
+from tools.progress import ProgressBar, progress_bar
 from tools.runtime.inflight import Pipeline
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import ChallengeConfig, Scheduler, split_untested, state_problem
@@ -25,6 +25,7 @@ from tools.models.boundary import LoadedModel
 from tools.provenance import provenance
 from tools.runtime import Runtime
 from tools.shards import Shard
+from tools.threads import ContextThreadPool
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class Search:
         self.scheduler = Scheduler(state, data.fg_labels, data.bg_labels, config)
         self.pipeline = Pipeline(predictor, self.scheduler.record)
         self.state_path, self.key = state_path, key
-        self._saver: ThreadPoolExecutor | None = None  # made at the first save
+        self._saver: ContextThreadPool | None = None  # made at the first save
         self._saving: Future | None = None
 
     def save(self) -> None:
@@ -53,7 +54,7 @@ class Search:
         self.wait_saved()
         snapshot = self.state.snapshot(self.pipeline.unrecorded())
         if self._saver is None:
-            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-save")
+            self._saver = ContextThreadPool(max_workers=1, thread_name_prefix="state-save")
         self._saving = self._saver.submit(snapshot.save, self.state_path, self.key)
 
     def wait_saved(self) -> None:
@@ -61,11 +62,11 @@ class Search:
             self._saving.result()
             self._saving = None
 
-    def progress_bar(self) -> tqdm:
+    def progress_bar(self) -> ProgressBar:
         plan = self.scheduler
-        return tqdm(total=plan.total(), initial=plan.resolved(), unit="pair" if plan.full else "fg",
-                    desc="all pairs" if plan.full else "searching", disable=not self.config.progress,
-                    dynamic_ncols=True, smoothing=0.05)
+        return progress_bar(total=plan.total(), initial=plan.resolved(), unit="pair" if plan.full else "fg",
+                            desc="all pairs" if plan.full else "searching", disable=not self.config.progress,
+                            dynamic_ncols=True, smoothing=0.05)
 
     def run(self) -> SearchState:
         if self.predictor.runtime.group.distributed:

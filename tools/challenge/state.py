@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.errors import NUMPY_READ_ERRORS, UserError
+from tools.errors import NUMPY_READ_ERRORS, UserError, option
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
 from tools.provenance import atomic_write, checked_array, read_npz
 
@@ -95,10 +95,11 @@ class SearchState:
             z = read_npz(path)
             if bytes(z["key"]).decode() != key:
                 raise UserError(f"{path} belongs to another run (model, data or settings differ); rerun without "
-                                f"--resume, or pick another --output-dir")
+                                f"{option('--resume')}, or pick another {option('--output-dir')}")
             return cls._checked(z, n_fg, n_bg, full)
         except (*NUMPY_READ_ERRORS, KeyError) as exc:
-            raise UserError(f"cannot read the saved state {path} ({exc}); rerun without --resume") from None
+            raise UserError(f"cannot read the saved state {path} ({exc}); rerun without {option('--resume')}") \
+                from None
 
     @classmethod
     def _checked(cls, z: dict[str, np.ndarray], n_fg: int, n_bg: int, full: bool) -> "SearchState":

@@ -5,7 +5,6 @@ for a run where they fit."""
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -14,17 +13,17 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from tools.data.compositing import MaskArithmetic, original_weights
 from tools.data.decoders import Decoder, decode_bytes, pillow_rgb
 from tools.data.hashing import open_regular, read_and_fingerprint
 from tools.data.store import DecodedCache, Packs, PackWriter
-from tools.errors import NUMPY_READ_ERRORS, UserError
+from tools.errors import NUMPY_READ_ERRORS, UserError, option
 from tools.provenance import read_npy
 from tools.in9 import IMAGE_SIZE
+from tools.progress import progress_bar
 from tools.runtime import to_device
-from tools.threads import stop_point
+from tools.threads import ContextThreadPool, stop_point
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ def load_mask(path: Path, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, si
             f"mask {path} holds values other than 0 and 1 ({shown}); the original script would blend "
             f"bg * (1 - w) + fg * w with w = (uint8(value) * 255 mod 256) / 255, so 255 gives the foreground a "
             f"weight of 1/255 and 128 about one half; convert the masks to 0/1 "
-            f"(np.save(path, np.load(path) > 0)), or pass --mask-arithmetic original to reproduce the "
+            f"(np.save(path, np.load(path) > 0)), or pass {option('--mask-arithmetic', 'original')} to reproduce the "
             f"original's numbers on them")
     return raw.astype(bool, copy=False)
 
@@ -180,7 +179,7 @@ def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, w
                 for i in range(0, count, JOB_IMAGES)]
         return start, out, jobs
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="decode") as pool:
+    with ContextThreadPool(max_workers=workers, thread_name_prefix="decode") as pool:
         pending: collections.deque = collections.deque()
         it = iter(starts)
         try:
@@ -289,7 +288,7 @@ def decode_images(root: Path, relpaths: Sequence[str], workers: int, progress: b
     shape = (len(relpaths), IMAGE_SIZE, IMAGE_SIZE, 3) if channels_last else (len(relpaths), 3, IMAGE_SIZE, IMAGE_SIZE)
     out = torch.empty(shape, dtype=torch.uint8)
     out = out.permute(0, 3, 1, 2) if channels_last else out
-    with tqdm(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
         for start, batch in iter_decoded_batches(root, relpaths, DECODE_CHUNK, workers, decoder=decoder,
                                                  contents=contents, hashes=hashes, cache=cache):
             out[start:start + batch.shape[0]] = batch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import http.client
 import logging
@@ -16,9 +17,7 @@ import urllib.request
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Sequence
-
-from tqdm import tqdm
+from typing import Iterator, Sequence
 
 from tools import __version__
 from tools.errors import UserError
@@ -29,6 +28,7 @@ from tools.data.check import VerifyReport, quick_scan
 from tools.data.temporary import temporary_folder
 from tools.data.layout import LAYOUT_NAMES
 from tools.provenance import open_own
+from tools.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,34 @@ def fetch(data_path: Path, url: str = RELEASE_URL, sha256: str | None = None, ke
     if present:
         raise UserError(f"{root} already holds part of a dataset ({', '.join(present)}); remove those folders or "
                         f"pass an empty --data-path, then rerun fetch")
+    with _created(root):
+        return _fetch_into(root, url, sha256, keep_archive, archive, progress, timeout)
+
+
+@contextlib.contextmanager
+def _created(root: Path) -> Iterator[None]:
+    """`root` created (with its missing parents) for the block; when the block fails, the folders it created that
+    are still empty are removed again, so a failed fetch leaves no empty folder (one that holds a partial
+    download, kept to resume from, or a download moved aside stays)."""
+    created = [folder for folder in (root, *root.parents) if not folder.exists()]  # the deepest first
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create --data-path {root}: {exc.strerror}; pass a folder you can write to") from None
+    try:
+        yield
+    except BaseException:
+        for folder in created:
+            try:
+                folder.rmdir()  # only an empty folder
+            except OSError:
+                break
+        raise
+
+
+def _fetch_into(root: Path, url: str, sha256: str | None, keep_archive: bool, archive: Path | None, progress: bool,
+                timeout: float) -> FetchResult:
+    """`fetch` once `root` exists and holds none of the release."""
     expected = sha256.lower() if sha256 else (RELEASE_SHA256 if url == RELEASE_URL else None)
 
     if archive is not None:
@@ -237,8 +261,8 @@ def download(url: str, part: Path, dest: Path, progress: bool = True, timeout: f
             _check_free_space(part.parent, total - offset + total)
         received = offset
         with _open_part(part, offset) as fh, \
-                tqdm(total=total, initial=offset, unit="B", unit_scale=True, unit_divisor=1024, desc=dest.name,
-                     disable=not progress, leave=False) as bar:
+                progress_bar(total=total, initial=offset, unit="B", unit_scale=True, unit_divisor=1024,
+                             desc=dest.name, disable=not progress, leave=False) as bar:
             try:
                 for chunk in iter(lambda: response.read(CHUNK_SIZE), b""):
                     fh.write(chunk)
@@ -356,7 +380,7 @@ def _extract_members(tar: tarfile.TarFile, plan: list[tuple[tarfile.TarInfo, tup
     """Write the planned members under `folder` as plain files and folders; returns the file count."""
     base = os.path.realpath(folder) + os.sep
     files = 0
-    for member, parts in tqdm(plan, desc="extract", unit="file", disable=not progress, leave=False):
+    for member, parts in progress_bar(plan, desc="extract", unit="file", disable=not progress, leave=False):
         target = folder.joinpath(*parts)
         if not os.path.realpath(target).startswith(base):
             raise UserError(f"refusing to extract {archive}: member {member.name!r} would land outside the data "

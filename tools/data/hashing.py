@@ -16,7 +16,6 @@ like any other's.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import logging
 import os
@@ -27,7 +26,7 @@ from typing import Collection, Sequence
 
 from tools.data.layout import outside, outside_note
 from tools.errors import UserError
-from tools.threads import stop_point
+from tools.threads import ContextThreadPool, stop_point
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +102,7 @@ def read_and_fingerprint(root: Path | str, relpaths: Sequence[str], workers: int
     keep = set(keep)
     start = time.perf_counter()
     real_root = os.path.realpath(root)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hash") as pool:
+    with ContextThreadPool(max_workers=max(1, workers), thread_name_prefix="hash") as pool:
         read = list(pool.map(lambda rel: _hash_and_keep(root / rel, rel in keep, real_root), ordered, chunksize=64))
     hashes = [file_hash for file_hash, _, _ in read]
     contents = {rel: data for rel, (_, data, _) in zip(ordered, read) if data is not None}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
-from tools.errors import UserError
+from tools.errors import UserError, option
 from tools.in9 import MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation, class_folder_names, class_of_folder
 
 log = logging.getLogger(__name__)
@@ -58,19 +58,19 @@ def default_data_root() -> Path:
     return Path(os.environ.get(DATA_ENV) or DEFAULT_DATA_ROOT)
 
 
-def check_data_root(root: Path | None) -> Path:
-    """The data folder (`default_data_root()` when None), checked to exist."""
+def check_data_root(root: Path | None, flag: str = "--data-path") -> Path:
+    """The data folder (`default_data_root()` when None), checked to exist; `flag` names it in the message."""
     if root is None:
         root = default_data_root()
         if not root.is_dir():
             raise UserError(
-                f"no data folder given and none at {root} (--data-path, else ${DATA_ENV}, else "
-                f"{DEFAULT_DATA_ROOT}); pass --data-path, set {DATA_ENV}, or download the release with "
+                f"no data folder given and none at {root} ({option(flag)}, else ${DATA_ENV}, else "
+                f"{DEFAULT_DATA_ROOT}); pass {option(flag)}, set {DATA_ENV}, or download the release with "
                 f"`python -m tools.data fetch --data-path {DEFAULT_DATA_ROOT}`")
     root = Path(root)
     if not root.is_dir():
         raise UserError(
-            f"data path {root} does not exist or is not a folder; pass --data-path the folder that holds "
+            f"data path {root} does not exist or is not a folder; pass {option(flag)} the folder that holds "
             f"original/, mixed_rand/, ... (e.g. {DEFAULT_DATA_ROOT}; `python -m tools.data fetch` downloads it)"
         )
     return root
@@ -125,7 +125,7 @@ def class_folders(folder: Path, what: str, split: str = SPLIT) -> list[str]:
     if not folder.is_dir():
         raise UserError(
             f"{what} is missing: no folder {folder}; the layout is <data>/{what}/{split}/<class>/ "
-            f"(check --data-path, or regenerate the data)"
+            f"(check {option('--data-path')}, or regenerate the data)"
         )
     names = list_folder(folder).dirs
     if len(names) != NUM_IN9_CLASSES:

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import numpy as np
-from tqdm import tqdm
 
 from tools.data.decoding import decode_images, iter_decoded_batches, read_mask
 from tools.data.layout import MIXED, check_data_root, class_folders, list_variation, variation_dir
 from tools.data.variations import Box
 from tools.errors import UserError
 from tools.in9 import MASK_FOLDER, Variation
+from tools.progress import progress_bar
 from tools.provenance import OutputFiles, atomic_write, write_json_atomic
 from tools.threads import map_in_threads
 
@@ -281,8 +281,8 @@ def find_provenance(root: Path, workers: int = 4, progress: bool = True) -> Prov
                                 "reading masks"))
     index = BackgroundIndex(decode_images(root, backgrounds, workers, progress, "decoding only_bg_t").numpy())
     matches: list[Match] = []
-    with tqdm(total=len(mixed), unit="img", desc="matching mixed images", disable=not progress,
-              dynamic_ncols=True) as bar:
+    with progress_bar(total=len(mixed), unit="img", desc="matching mixed images", disable=not progress,
+                      dynamic_ncols=True) as bar:
         for start, batch in iter_decoded_batches(root, mixed, BATCH, workers):
             names = mixed[start:start + len(batch)]
             found = index.match(batch.numpy(), [masks[mask_index[mask_key(relpath)]] for relpath in names])

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tools.errors import UserError, first_line, optional_module
+from tools.errors import UserError, first_line, option, optional_module
 from tools.in9 import IMAGE_SIZE
 from tools.models.loading import check_fits, torch_load
 from tools.models.record import ModelRecord
@@ -228,7 +228,7 @@ def read_peft_state(state: dict, path: Path) -> PeftState:
         raise UserError(f"checkpoint {path} is the state dict of a peft-wrapped model, with adapters this toolkit "
                         f"cannot rebuild from it (adapter types: {found}; adapter names: "
                         f"{', '.join(sorted(names)) or 'none'}); save the adapter with save_pretrained and pass its "
-                        f"folder as --checkpoint")
+                        f"folder as {option('--checkpoint')}")
     return PeftState(kinds.pop(), names.pop(), ranks, saved, dora, base)
 
 

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tools.errors import UserError, optional_module
+from tools.errors import UserError, option, optional_module
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES
 from tools.models.spec import TIMM_HUB, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
@@ -45,7 +45,7 @@ def architecture_family(spec: ModelSpec) -> Family:
     """The family a spec's architecture belongs to; a name that is not an architecture is an error."""
     family = ARCHITECTURES.get(spec.prefix)
     if family is None or spec.file is not None or spec.model is None:
-        raise UserError(f"{spec} is not an architecture; --arch takes NAME (torchvision), "
+        raise UserError(f"{spec} is not an architecture; {option('--arch')} takes NAME (torchvision), "
                         f"{', '.join(p + 'NAME' for p in ARCHITECTURES if p)}")
     return family
 
@@ -90,7 +90,7 @@ def torchvision_architectures() -> list[str]:
 def check_torchvision_architecture(arch: str) -> None:
     names = torchvision_architectures()
     if arch not in names:
-        raise UserError(f"unknown architecture {arch!r}{close_matches(arch, names)}; --arch takes a torchvision "
+        raise UserError(f"unknown architecture {arch!r}{close_matches(arch, names)}; {option('--arch')} takes a torchvision "
                         f"classification model name, or timm:NAME with timm installed")
 
 
@@ -103,7 +103,7 @@ def torchvision_architecture(spec: ModelSpec, num_classes: int) -> nn.Module:
 
 def timm_module(spec: ModelSpec):
     """timm, or one line saying how to install it."""
-    return optional_module("timm", f"--arch {spec}", "timm", "timm")
+    return optional_module("timm", option("--arch", spec), "timm", "timm")
 
 
 def check_timm_name(timm, spec: ModelSpec) -> None:

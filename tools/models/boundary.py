@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tools.errors import option
 from tools.models import torchscript
 from tools.models.record import ModelRecord
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for
@@ -119,7 +120,7 @@ def wrap(classifier: nn.Module, *, num_classes: int, origin: ModelOrigin, normal
         if normalize is Normalization.AUTO:
             norm_text = "in9 (9-class rule)" if num_classes == NUM_IN9_CLASSES else "imagenet (1000-class rule)"
         else:
-            norm_text = f"{normalize.value} (--normalize)"
+            norm_text = f"{normalize.value} ({option('--normalize', normalize.value)})"
     record.setting("num_classes", num_classes)
     record.setting("normalization", None if mean is None else {"mean": [float(v) for v in mean],
                                                                "std": [float(v) for v in std]})

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tools.errors import UserError, first_line
+from tools.errors import UserError, first_line, option
 from tools.models import adapters, export_archive, torchscript
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.models.loading import check_fits, key_list, torch_load
@@ -86,7 +86,7 @@ def _select(obj, key: str | None) -> tuple[object, str]:
     if key is not None:
         if not isinstance(obj, Mapping) or key not in obj:
             found = ", ".join(map(str, obj.keys())) if isinstance(obj, Mapping) else type(obj).__name__
-            raise UserError(f"--checkpoint-key {key!r} is not in the checkpoint (it has: {found})")
+            raise UserError(f"{option('--checkpoint-key')} {key!r} is not in the checkpoint (it has: {found})")
         return obj[key], f"key {key!r}"
     if isinstance(obj, Mapping) and not _is_tensor_dict(obj):
         for candidate in STATE_DICT_KEYS:
@@ -112,7 +112,7 @@ def extract_state_dict(obj, key: str | None = None, ignore_normalizer: bool = Fa
     if not _is_tensor_dict(obj):
         found = ", ".join(map(str, obj.keys())) if isinstance(obj, Mapping) else type(obj).__name__
         raise UserError(f"found no state dict in the checkpoint (top-level keys: {found}); pass "
-                        f"--checkpoint-key with the key that holds the weights")
+                        f"{option('--checkpoint-key')} with the key that holds the weights")
     log.info("reading the state dict at %s", where)
     state = _strip_prefixes(dict(obj))
     normalizer = None
@@ -123,7 +123,8 @@ def extract_state_dict(obj, key: str | None = None, ignore_normalizer: bool = Fa
             normalizer = (state.pop("normalizer.new_mean").flatten(), state.pop("normalizer.new_std").flatten())
         elif not ignore_normalizer:
             raise UserError(f"robustness-library checkpoint whose normaliser buffers are not normalizer.new_mean/"
-                            f"new_std (it has: {', '.join(buffers)}); pass --normalize imagenet, in9 or none to say "
+                            f"new_std (it has: {', '.join(buffers)}); pass {option('--normalize', 'imagenet')}, "
+                            f"{option('--normalize', 'in9')} or {option('--normalize', 'none')} to say "
                             f"which statistics the model was trained with")
         for k in buffers:
             state.pop(k, None)
@@ -146,11 +147,12 @@ def check_class_count(num_classes: int, in9: bool | None, what: str) -> None:
         raise UserError(f"{what} has {num_classes} classes; the toolkit evaluates 9-class (IN-9) or 1000-class "
                         f"(ImageNet) models")
     if in9 is True and num_classes != NUM_IN9_CLASSES:
-        raise UserError(f"--in9 says a 9-class model, but {what} has {num_classes} classes; drop --in9 or pass "
+        raise UserError(f"{option('--in9')} says a 9-class model, but {what} has {num_classes} classes; drop "
+                        f"{option('--in9')} or pass "
                         f"the 9-class checkpoint")
     if in9 is False and num_classes != NUM_IMAGENET_CLASSES:
-        raise UserError(f"--no-in9 says a 1000-class ImageNet model, but {what} has {num_classes} classes; drop "
-                        f"--no-in9 or pass the ImageNet checkpoint")
+        raise UserError(f"{option('--no-in9')} says a 1000-class ImageNet model, but {what} has {num_classes} classes; "
+                        f"drop {option('--no-in9')} or pass the ImageNet checkpoint")
 
 
 def _probe_classes(classifier: nn.Module, path: Path, kind: str, device: torch.device) -> int:
@@ -213,9 +215,17 @@ class ExportedModule(Program):
         return self
 
 
-def _export_devices(program) -> set[str]:
-    """The devices the operations of an exported program are given (tensor-creating ones, `to`)."""
-    return {str(torch.device(node.kwargs["device"])) for sub in program.graph_module.modules()
+def exported_module(program, device: torch.device) -> tuple[ExportedModule, set[str]]:
+    """A torch.export program (`ExportedProgram`) as a module on `device`, the devices its code names moved there
+    too (torch's move_to_device_pass); and the devices its code named."""
+    from torch.export.passes import move_to_device_pass  # noqa: PLC0415 (torch.export loads only for programs)
+    named = _export_devices(program)
+    return ExportedModule(move_to_device_pass(program, device).module(), "export", device, bool(named)), named
+
+
+def graph_devices(module: nn.Module) -> set[str]:
+    """The devices the operations of a torch.fx graph module (and its graph submodules) are given."""
+    return {str(torch.device(node.kwargs["device"])) for sub in module.modules()
             if isinstance(sub, torch.fx.GraphModule) for node in sub.graph.nodes
             if node.kwargs.get("device") is not None}
 
@@ -229,9 +239,10 @@ def check_program_trusted(path: Path, kind: str, trust: bool) -> None:
         return
     if kind == "torchscript":
         raise UserError(f"checkpoint {path} is a TorchScript program, which is code (it can read and write any file) "
-                        f"that the toolkit cannot check; if you trust the file, rerun with --trust-checkpoint, or "
-                        f"save the model as a state dict (torch.save(model.state_dict(), PATH), read with --arch) or "
-                        f"a torch.export program (torch.export.save)")
+                        f"that the toolkit cannot check; if you trust the file, rerun with "
+                        f"{option('--trust-checkpoint')}, or save the model as a state dict "
+                        f"(torch.save(model.state_dict(), PATH), read with --arch) or a torch.export program "
+                        f"(torch.export.save)")
     try:
         found = export_archive.untrusted_content(path)
     except (zipfile.BadZipFile, zlib.error, OSError, EOFError, NotImplementedError) as exc:
@@ -239,7 +250,12 @@ def check_program_trusted(path: Path, kind: str, trust: bool) -> None:
     if found:
         raise UserError(f"checkpoint {path} is a torch.export program with more than tensors and tensor operations "
                         f"({key_list(found, limit=3)}), which would run code when loaded; if you trust the file, "
-                        f"rerun with --trust-checkpoint")
+                        f"rerun with {option('--trust-checkpoint')}")
+
+
+def _export_devices(program) -> set[str]:
+    """The devices the operations of an exported program are given (tensor-creating ones, `to`)."""
+    return graph_devices(program.graph_module)
 
 
 def _read_program(path: Path, kind: str, device: torch.device):
@@ -261,9 +277,7 @@ def _load_program(path: Path, kind: str, device: torch.device) -> Program:
         torchscript.unbake_convolutions(loaded)
         program = Program(loaded, kind, device, bool(named))
     else:
-        from torch.export.passes import move_to_device_pass  # noqa: PLC0415 (torch.export loads only for programs)
-        named = _export_devices(loaded)
-        program = ExportedModule(move_to_device_pass(loaded, device).module(), kind, device, bool(named))
+        program, named = exported_module(loaded, device)
     elsewhere = sorted(named - {str(device)})
     if elsewhere:
         log.info("the %s program in %s names %s in its code (where it was made); pointed at %s", kind, path,
@@ -294,8 +308,8 @@ def recorded_architecture(obj) -> str | None:
 def _architecture(arch: str | None, recorded: str | None, path: Path) -> str:
     """--arch, else the recorded architecture, else resnet50; a recorded one that --arch contradicts is an error."""
     if arch is not None and recorded is not None and arch != recorded:
-        raise UserError(f"--arch {arch} contradicts checkpoint {path}, which records architecture {recorded}; drop "
-                        f"--arch or pass the right checkpoint")
+        raise UserError(f"{option('--arch', arch)} contradicts checkpoint {path}, which records architecture "
+                        f"{recorded}; name {recorded} (or no architecture) or pass the right checkpoint")
     if arch is None and recorded is not None:
         log.info("architecture %s, as the checkpoint records", recorded)
     return arch or recorded or DEFAULT_ARCH
@@ -323,17 +337,17 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     merges adapters with it."""
     if path.is_dir():
         raise UserError(f"checkpoint {path} is a folder without {adapters.ADAPTER_CONFIG}; pass a checkpoint file, "
-                        f"or a peft adapter folder on a base model (--arch ARCH --checkpoint ADAPTER_DIR)")
+                        f"or a peft adapter folder on a base model ({option('--arch', 'ARCH@file:ADAPTER_DIR')})")
     if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist; check --checkpoint")
+        raise UserError(f"checkpoint {path} does not exist; check the path")
     record.read_file(path, "checkpoint")
     kind = program_kind(path)
     if kind is not None:
         check_program_trusted(path, kind, trust)
         classifier = _load_program(path, kind, device)
         if arch is not None:
-            log.warning("--arch %s is ignored: %s is a %s program, which carries its own architecture", arch, path,
-                        kind)
+            log.warning("%s is ignored: %s is a %s program, which carries its own architecture",
+                        option("--arch", arch), path, kind)
         num_classes = _probe_classes(classifier, path, kind, device)
         check_class_count(num_classes, in9, f"the model in {path}")
         return ReadCheckpoint(classifier, num_classes, None, None,
@@ -360,8 +374,8 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     keys = classifier_keys(arch)
     present = [k for k in keys if k in base]
     if not present:
-        hint = ("is --arch right?" if named else "the checkpoint does not record its architecture, so resnet50 was "
-                "tried; name it with --arch NAME (NAME@file:PATH in the zoo)")
+        hint = (f"is {option('--arch', arch)} right?" if named else "the checkpoint does not record its "
+                f"architecture, so resnet50 was tried; name it with {option('--arch', f'NAME@file:{path}')}")
         raise UserError(f"checkpoint {path} has no classifier keys of {arch} ({key_list(keys)}); {hint}")
     num_classes = int(base[present[0]].shape[0])
     check_class_count(num_classes, in9, f"checkpoint {path}")
@@ -370,7 +384,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
         classifier = adapters.merge_peft_state(classifier, state.state_dict, peft_state, lora, path, record)
         return ReadCheckpoint(classifier, num_classes, arch, state.normalizer,
                               f"{state.layout}, peft {peft_state.kind} (merged)")
-    check_fits(state.state_dict, classifier.state_dict(), f"checkpoint {path} does not fit --arch {arch}")
+    check_fits(state.state_dict, classifier.state_dict(), f"checkpoint {path} does not fit {option('--arch', arch)}")
     classifier.load_state_dict(state.state_dict, strict=True)
     return ReadCheckpoint(classifier, num_classes, arch, state.normalizer, state.layout)
 
@@ -388,8 +402,8 @@ def _read_module(module: nn.Module, path: Path, arch: str | None, in9: bool | No
     if lora is not None and lora.given():
         raise lora.misplaced(f"and {path} holds a whole module")
     if arch is not None:
-        log.warning("--arch %s is ignored: %s holds a whole pickled module, which carries its own architecture",
-                    arch, path)
+        log.warning("%s is ignored: %s holds a whole pickled module, which carries its own architecture",
+                    option("--arch", arch), path)
     cls = type(module)
     module.eval()
     num_classes = _probe_classes(module, path, "module", torch.device("cpu"))

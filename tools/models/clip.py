@@ -39,7 +39,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from tools.data.store import CacheEntry, default_cache_dir
 from tools.errors import UserError, first_line, optional_module
@@ -47,6 +46,7 @@ from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_clas
 from tools.models.architectures import close_matches
 from tools.models.boundary import LoadedModel, ModelOrigin, announce_input_size, resize_input, state_sha256, wrap
 from tools.models.record import ModelRecord
+from tools.progress import progress_bar
 from tools.runtime import Forward, Runtime
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,8 @@ def zero_shot_head(encode_text: Callable[[torch.Tensor], torch.Tensor], tokenize
     time."""
     texts = [text for per_class in class_prompts for text in per_class]
     embeddings = []
-    with torch.inference_mode(), tqdm(total=len(texts), unit="prompt", desc="encoding CLIP prompts",
-                                      disable=not progress) as bar:
+    with torch.inference_mode(), progress_bar(total=len(texts), unit="prompt", desc="encoding CLIP prompts",
+                                              disable=not progress) as bar:
         for start in range(0, len(texts), TEXT_BATCH):
             tokens = tokenizer(texts[start:start + TEXT_BATCH]).to(device)
             embeddings.append(F.normalize(encode_text(tokens).float(), dim=-1).cpu())

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_map
 
 from tools import distributed
 from tools.data.decoding import decode_images
-from tools.errors import UserError
+from tools.errors import UserError, option
 from tools.models import torchscript
 from tools.models.boundary import LoadedModel
 from tools.models.checkpoints import Program, program_problem
@@ -327,9 +327,9 @@ def device_logits(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, b
 def _unverified(message: str, allow_inexact: bool) -> None:
     """Refuse a finding in one line, or with `allow_inexact` say it and go on (recorded as unverified)."""
     if not allow_inexact:
-        raise UserError(f"{message}; pass {ALLOW_FLAG} to run anyway (recorded in the results' provenance as "
+        raise UserError(f"{message}; pass {option(ALLOW_FLAG)} to run anyway (recorded in the results' provenance as "
                         f"unverified, exact: false)")
-    log.warning("%s; running anyway (%s, recorded in the provenance as unverified)", message, ALLOW_FLAG)
+    log.warning("%s; running anyway (%s, recorded in the provenance as unverified)", message, option(ALLOW_FLAG))
 
 
 def check_device(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, allow_inexact: bool = False,
@@ -352,8 +352,8 @@ def check_device(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, al
     training = training_mode_operations(loaded.model)
     if training:
         unverified(f"the model is a program traced or exported in training mode: {'; '.join(training)} compute what "
-                   f"eval mode would not, so its results are not the trained model's and may depend on --batch-size "
-                   f"and on chance; call model.eval() before tracing or exporting it")
+                   f"eval mode would not, so its results are not the trained model's and may depend on "
+                   f"{option('--batch-size')} and on chance; call model.eval() before tracing or exporting it")
     if not len(images):
         return DeviceCheck(**found, deviation=None, unavailable="no images to check on", training_mode=training)
     try:  # first, while the model may still be on the CPU

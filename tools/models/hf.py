@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tools.errors import UserError, first_line, optional_module
+from tools.errors import UserError, first_line, option, optional_module
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, class_names, class_of_folder
 from tools.models import hub
 from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
@@ -83,7 +83,7 @@ def check_remote_code(config: dict, what: str, trust_remote_code: bool) -> None:
         return
     if not trust_remote_code:
         raise UserError(f"{what} needs its own remote code (auto_map names {', '.join(sorted(auto_map))}); "
-                        f"it runs only with {REMOTE_CODE_FLAG}, for a model whose code you trust")
+                        f"it runs only with {option(REMOTE_CODE_FLAG)}, for a model whose code you trust")
     references = [ref for value in (auto_map.values() if isinstance(auto_map, dict) else [auto_map])
                   for ref in (value if isinstance(value, (list, tuple)) else [value]) if ref is not None]
     elsewhere = sorted({ref.split("--")[0] for ref in references if isinstance(ref, str) and "--" in ref})

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tools.errors import UserError, first_line
+from tools.errors import UserError, first_line, option
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,15 @@ def _unpickling_problem(exc: Exception) -> str:
 def torch_load(path: Path, trust: bool):
     """The unpickled file: `weights_only=True` unless trusted; an unsafe or unreadable file is one error line."""
     if trust:
-        log.warning("loading %s with full unpickling (--trust-checkpoint): only do this for files you trust", path)
+        log.warning("loading %s with full unpickling (%s): only do this for files you trust", path,
+                    option("--trust-checkpoint"))
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust)
     except pickle.UnpicklingError as exc:
         blocked = [] if trust else _blocked_globals(path, exc)
         if blocked:
             raise UserError(f"checkpoint {path} needs arbitrary unpickling (blocked globals: {', '.join(blocked)}); "
-                            f"if you trust the file, rerun with --trust-checkpoint") from None
+                            f"if you trust the file, rerun with {option('--trust-checkpoint')}") from None
         raise UserError(f"cannot read checkpoint {path}: it does not unpickle ({_unpickling_problem(exc)}); "
                         f"is it a PyTorch file?") from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:

@@ -174,6 +174,9 @@ class ModelRecord:
                 text = getattr(module, "code", "") or ""
                 self.setting(f"TorchScript code {name or '(top)'}", hashlib.sha256(text.encode()).hexdigest())
                 continue
+            if isinstance(module, torch.fx.GraphModule):  # an exported program's module: its graph is its code
+                self.setting(f"graph code {name or '(top)'}", hashlib.sha256(module.code.encode()).hexdigest())
+                continue
             cls = type(module)
             source = sys.modules.get(cls.__module__)
             file = getattr(source, "__file__", None)

@@ -31,7 +31,7 @@ from torch import nn
 
 from tools.cli import closest
 from tools.models import adapters, checkpoints
-from tools.errors import UserError, first_line
+from tools.errors import UserError, first_line, option
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
 from tools.models.architectures import (ARCHITECTURES, DEFAULT_ARCH, architecture_family, build_architecture,
                                        check_torchvision_architecture, close_matches, torchvision_module)
@@ -131,13 +131,14 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
         adapter, checkpoint = checkpoint, None  # --arch ARCH@file:BASE --checkpoint ADAPTER_DIR
     if spec.file is not None:
         if checkpoint is not None:
-            raise UserError(f"--arch {spec} and --checkpoint both name a checkpoint file; pass one of them")
+            raise UserError(f"{option('--arch', spec)} and {option('--checkpoint')} both name a checkpoint file; pass "
+                            f"one of them")
         checkpoint = spec.path
     if adapter is None and checkpoint is not None and adapters.is_adapter_folder(checkpoint):
         adapter, checkpoint = checkpoint, None  # the adapter goes on ARCH's pretrained weights
     if adapter is not None and (spec.model is None or not arch):
-        raise UserError(f"{adapter} is a peft adapter folder, which goes on a base model: name it with --arch ARCH "
-                        f"--checkpoint {adapter} (ARCH@file:{adapter} in the zoo), or ARCH@file:BASE@file:{adapter} "
+        raise UserError(f"{adapter} is a peft adapter folder, which goes on a base model: name it with "
+                        f"{option('--arch', f'ARCH@file:{adapter}')}, or ARCH@file:BASE@file:{adapter} "
                         f"for base weights from the checkpoint BASE")
     if lora.given() and (checkpoint is None or adapter is not None):
         raise lora.misplaced("given as a checkpoint (an adapter folder's config holds its scaling)")
@@ -200,7 +201,8 @@ def resolve_weights(arch: str, name: str | None):
     try:
         enum = tv.models.get_model_weights(arch)
     except (ValueError, KeyError):
-        raise UserError(f"architecture {arch!r} has no torchvision pretrained weights; pass --checkpoint") from None
+        raise UserError(f"architecture {arch!r} has no torchvision pretrained weights; pass "
+                        f"{option('--checkpoint', 'PATH')}") from None
     members = [m for m in enum.__members__ if m != "DEFAULT"]
     if name is None:
         name = PUBLISHED_WEIGHTS if PUBLISHED_WEIGHTS in members else "DEFAULT"
@@ -250,7 +252,8 @@ def _download_weights(weights, record: ModelRecord) -> tuple[dict, str]:
 def torchvision_pretrained(name: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
     """A torchvision architecture with its pretrained ImageNet weights (default: the published IMAGENET1K_V1)."""
     if options.in9:
-        raise UserError("--in9 needs --checkpoint: there are no pretrained 9-class weights to download")
+        raise UserError(f"{option('--in9')} needs {option('--checkpoint', 'PATH')}: there are no pretrained 9-class "
+                        f"weights to download")
     member = resolve_weights(name, options.weights)
     weights = record.setting("torchvision weights", f"{type(member).__name__}.{member.name}")
     classifier = build_architecture(name, NUM_IMAGENET_CLASSES)
@@ -273,11 +276,12 @@ def timm_pretrained(name: str, options: ModelOptions, record: ModelRecord) -> Lo
 def checkpoint_file(path: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
     """A checkpoint file: a TorchScript or export program as it is, or a state dict loaded into --arch."""
     if options.weights is not None:
-        raise UserError("--weights and --checkpoint both give the model's weights; pass one of them")
+        raise UserError(f"{option('--weights')} and {option('--checkpoint')} both give the model's weights; pass one "
+                        f"of them")
     loaded = checkpoints.read_checkpoint(Path(path), options.arch, options.in9, options.normalize, options.trust,
                                          options.checkpoint_key, options.device, record, options.lora)
     if options.in9 is None and loaded.num_classes == NUM_IN9_CLASSES:
-        log.info("the checkpoint has 9 classes: evaluating as an IN-9 model (as with --in9)")
+        log.info("the checkpoint has 9 classes: evaluating as an IN-9 model (as with %s)", option("--in9"))
     record.setting("checkpoint layout", loaded.layout)  # where in the file the weights were, read how
     record.setting("architecture", loaded.arch)  # as named, recorded in the file, or the default
     if loaded.arch is not None:
@@ -299,16 +303,29 @@ def checkpoint_file(path: str, options: ModelOptions, record: ModelRecord) -> Lo
 @register_source(TOOLKIT_PREFIX)
 def toolkit_untrained(name: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
     """This toolkit's own architectures, which have no pretrained weights: a checkpoint gives them."""
-    raise UserError(f"{TOOLKIT_PREFIX}{name} has no pretrained weights; pass --checkpoint (or train it from scratch)")
+    raise UserError(f"{TOOLKIT_PREFIX}{name} has no pretrained weights; pass {option('--checkpoint', 'PATH')}, or "
+                    f"train it from random weights with `train.py --weights none`")
+
+
+def _given(options: ModelOptions, normalize: bool = False) -> str:
+    """The options given for a model whose source brings its own weights (and normalisation), as the caller names
+    them: "--checkpoint and --weights"; "" when none is."""
+    given = [option("--checkpoint", options.checkpoint) if options.checkpoint is not None else None,
+             option("--weights", options.weights) if options.weights is not None else None,
+             option("--normalize", options.normalize.value)
+             if normalize and options.normalize is not Normalization.AUTO else None]
+    given = [text for text in given if text is not None]
+    return " and ".join([", ".join(given[:-1]), given[-1]] if len(given) > 1 else given)
 
 
 @register_source(CLIP_PREFIX)
 def clip_zero_shot(spec: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
     """CLIP zero-shot over the 1000 ImageNet class names, or nine IN-9 prompts (tools.models.clip; needs
     open_clip_torch)."""
-    if options.checkpoint is not None or options.weights is not None or options.normalize is not Normalization.AUTO:
-        raise UserError(f"--arch {CLIP_PREFIX}{spec} takes its weights and normalisation from open_clip: drop "
-                        f"--checkpoint, --weights and --normalize")
+    given = _given(options, normalize=True)
+    if given:
+        raise UserError(f"{option('--arch', CLIP_PREFIX + spec)} takes its weights and normalisation from open_clip: "
+                        f"drop {given}")
     from tools.models.clip import load_clip  # noqa: PLC0415 (the optional extra is imported only here)
     loaded = load_clip(spec, record, options.runtime, options.progress)
     checkpoints.check_class_count(loaded.num_classes, options.in9, f"{CLIP_PREFIX}{spec}")
@@ -319,9 +336,10 @@ def clip_zero_shot(spec: str, options: ModelOptions, record: ModelRecord) -> Loa
 def transformers_classifier(name: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
     """Hugging Face transformers image classifiers, hf:ORG/NAME or hf:PATH (a save_pretrained folder), with 1000
     ImageNet or 9 IN-9 labels (tools.models.hf; needs transformers)."""
-    if options.checkpoint is not None or options.weights is not None:
-        raise UserError(f"--arch {HF_PREFIX}{name} takes its weights from its folder or hub repository: drop "
-                        f"--checkpoint and --weights")
+    given = _given(options)
+    if given:
+        raise UserError(f"{option('--arch', HF_PREFIX + name)} takes its weights from its folder or hub repository: "
+                        f"drop {given}")
     from tools.models.hf import load_transformers  # noqa: PLC0415 (the optional extra is imported there)
     loaded = load_transformers(name, options.normalize, record, options.runtime, options.trust_remote_code)
     checkpoints.check_class_count(loaded.num_classes, options.in9, f"{HF_PREFIX}{name}")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tools.errors import UserError, first_line
+from tools.errors import UserError, first_line, option
 from tools.in9 import NUM_IMAGENET_CLASSES, Normalization
 from tools.models import hub
 from tools.models.architectures import check_timm_name, timm_module
@@ -47,7 +47,7 @@ def check_safe_timm(timm, spec: ModelSpec) -> None:
         floor = ".".join(map(str, SAFE_TIMM))
         raise UserError(f"timm {timm.__version__} may unpickle the pretrained weights of {spec} without "
                         f"weights_only (code in the file would run); pretrained timm weights need timm>={floor}: "
-                        f"run `pip install 'timm>={floor}'` (--weights {RANDOM_WEIGHTS} works with this timm)")
+                        f"run `pip install 'timm>={floor}'` ({option('--weights', RANDOM_WEIGHTS)} works with this timm)")
 
 
 def _random_model(timm, name: str) -> nn.Module:
@@ -160,10 +160,11 @@ def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Norma
     timm = timm_module(spec)
     check_timm_name(timm, spec)
     if in9:
-        raise UserError(f"--in9 needs --checkpoint: timm's pretrained weights of {spec} are ImageNet's")
+        raise UserError(f"{option('--in9')} needs {option('--checkpoint', 'PATH')}: timm's pretrained weights of {spec} "
+                        f"are ImageNet's")
     random_init = weights is not None and weights.lower() == RANDOM_WEIGHTS
     if weights is not None and not random_init:
-        raise UserError(f"--weights takes only {RANDOM_WEIGHTS} for {spec}: the tag after the name picks timm's "
+        raise UserError(f"{option('--weights')} takes only {RANDOM_WEIGHTS} for {spec}: the tag after the name picks timm's "
                         f"pretrained weights ({TIMM_PREFIX}NAME.TAG)")
     cfg = None
     if not random_init:
@@ -171,7 +172,7 @@ def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Norma
         cfg = _registered_cfg(timm, spec)
         if cfg is not None and not any(cfg.get(key) for key in ("hf_hub_id", "url", "file")):
             raise UserError(f"timm has no pretrained weights for {spec}: pick a name or tag with weights "
-                            f"(timm.list_pretrained('{spec.name}*')) or pass --weights {RANDOM_WEIGHTS}")
+                            f"(timm.list_pretrained('{spec.name}*')) or pass {option('--weights', RANDOM_WEIGHTS)}")
     try:
         model = _random_model(timm, body) if random_init else timm.create_model(body, pretrained=True)
     except Exception as exc:  # noqa: BLE001 (huggingface_hub, urllib, OS and timm's own errors all mean: not loaded)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tools.distributed import ProcessGroup
-from tools.errors import UserError, first_line
+from tools.errors import UserError, first_line, option
 from tools.in9 import IMAGE_SIZE
 from tools.runtime.precision import (AUTOCAST_DTYPES, Precision, exact_kernels, math_flags_kept, math_in_effect,
                                      set_math_flags)
@@ -64,9 +64,9 @@ def check_antialias(device: torch.device, mode: str, used_by: str, version: str 
         log.warning("%s resizes with anti-aliased %s, which MPS has from torch %s (this is %s): it runs on the "
                     "CPU (%s=1)", used_by, mode, needed, version, MPS_FALLBACK_VARIABLE)
         return
-    raise UserError(f"--device mps needs torch>={needed} for the anti-aliased {mode} resizing of {used_by} (this is "
+    raise UserError(f"{option('--device', 'mps')} needs torch>={needed} for the anti-aliased {mode} resizing of {used_by} (this is "
                     f"torch {version}); upgrade torch, set {MPS_FALLBACK_VARIABLE}=1 to run it on the CPU, "
-                    f"or use --device cpu")
+                    f"or use {option('--device', 'cpu')}")
 
 
 def autocast_refusal(device_type: str, dtype: torch.dtype) -> str | None:
@@ -97,7 +97,7 @@ def resolve_device(name: str | None) -> torch.device:
             return torch.device("cuda")
         if _mps_available():
             return torch.device("mps")
-        log.info("no GPU found: running on the CPU (pass --device to choose)")
+        log.info("no GPU found: running on the CPU (pass %s to choose)", option("--device"))
         return torch.device("cpu")
     try:
         device = torch.device(name)
@@ -105,14 +105,16 @@ def resolve_device(name: str | None) -> torch.device:
         raise UserError(f"unknown device {name!r}; use cuda, cuda:N, mps or cpu") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise UserError(f"device {name} is not available: this machine has no CUDA GPU (use --device cpu)")
+            raise UserError(f"device {name} is not available: this machine has no CUDA GPU (use "
+                            f"{option('--device', 'cpu')})")
         index = device.index or 0
         if index >= torch.cuda.device_count():
             raise UserError(f"device {name} is not available: this machine has {torch.cuda.device_count()} CUDA "
                             f"device(s), cuda:0..cuda:{torch.cuda.device_count() - 1}")
     elif device.type == "mps":
         if not _mps_available():
-            raise UserError(f"device {name} is not available: no Apple MPS device here (use --device cpu)")
+            raise UserError(f"device {name} is not available: no Apple MPS device here (use "
+                            f"{option('--device', 'cpu')})")
     elif device.type != "cpu":
         raise UserError(f"unsupported device {name!r}; use cuda, cuda:N, mps or cpu")
     return device
@@ -178,7 +180,8 @@ class Runtime:
             self.precision = Precision.FP32
         set_math_flags(self.precision)
         if self.precision is Precision.FP16 and self.device.type == "cpu":
-            log.warning("fp16 on the CPU is slow and no more exact than bf16; consider --precision bf16")
+            log.warning("fp16 on the CPU is slow and no more exact than bf16; consider %s",
+                        option("--precision", "bf16"))
 
     @property
     def exact(self) -> bool:

@@ -11,7 +11,6 @@ import sys
 
 from tools import cli, distributed
 from tools.errors import UserError
-from tools.in9 import VARIATIONS
 from tools.provenance import check_outputs
 from tools.training.config import build_parser as build_training_parser, config_from_args
 
@@ -23,14 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _main(args: argparse.Namespace) -> int:
     # the training loop and the evaluation (with the challenge engine and the report) load only for a run, not
     # for parsing the flags or -h
-    from tools.data.check import quick_check  # noqa: PLC0415
-    from tools.training.evaluation import evaluate_and_report  # noqa: PLC0415
+    from tools.training.evaluation import check_eval_data, evaluate_and_report  # noqa: PLC0415
     from tools.training.loop import train  # noqa: PLC0415
 
-    config = config_from_args(args)
+    config = config_from_args(args)  # every flag checked
     check_outputs(folders={"--output-dir": config.output_dir})
-    if config.eval_data is not None:  # the test data's folders too, before hours of training
-        quick_check(config.eval_data, VARIATIONS, need_masks=config.eval_challenge)
+    check_eval_data(config)  # and the test data; the training data is checked by `train` before the model is built
     try:
         result = train(config)
     finally:

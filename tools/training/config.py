@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import enum
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -16,6 +18,7 @@ from tools.options import add_dist_timeout_argument, add_model_source_arguments
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, Variation
 from tools.models.device_check import ALLOW_FLAG
+from tools.models.spec import ModelSpec
 from tools.runtime import BATCH_SIZE_DEFAULTS, Precision
 from tools.threads import default_workers
 
@@ -63,6 +66,14 @@ def default_train_batch_size(device: torch.device) -> int:
 def default_lr(batch_size: int) -> float:
     """--lr's default for a global batch: the reference rate scaled linearly with the batch."""
     return REFERENCE_LR * batch_size / REFERENCE_BATCH_SIZE
+
+
+FLAGS = {"methods": "--method", "progress": "--no-progress"}  # settings whose flag is not named after them
+
+
+def flag_of(setting: str) -> str:
+    """The flag that sets a TrainConfig setting."""
+    return FLAGS.get(setting, "--" + setting.replace("_", "-"))
 
 
 def _choices(enum_type) -> str:
@@ -135,8 +146,6 @@ class TrainConfig:
                 raise UserError(f"--{name.replace('_', '-')} is a probability in [0, 1], not {getattr(self, name)}")
         if not 0.0 < self.crop_scale <= 1.0:
             raise UserError(f"--crop-scale is the smallest crop's share of the image, in (0, 1], not {self.crop_scale}")
-        if self.lr is not None and self.lr <= 0:
-            raise UserError(f"--lr must be positive, not {self.lr}")
         if Method.ERM in self.methods and len(self.methods) > 1:
             raise UserError(f"--method erm is plain training and combines with nothing; drop erm from "
                             f"{' '.join(m.value for m in self.methods)}")
@@ -152,6 +161,32 @@ class TrainConfig:
                             f"not {self.swa_start_epoch}")
         if self.eval_challenge and self.eval_data is None:
             raise UserError("--eval-challenge runs on the test data: add --eval-data DIR")
+        self._check_rates()
+
+    def _check_rates(self) -> None:
+        """Rates, decays and the warm-up: finite, not negative, and a warm-up that ends before the schedule does."""
+        for name in ("lr", "swa_lr"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise UserError(f"{flag_of(name)} must be a positive number, not {value}")
+        for name in ("weight_decay", "warmup_epochs"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise UserError(f"{flag_of(name)} must be 0 or more, not {value}")
+        if not (math.isfinite(self.momentum) and 0 <= self.momentum < 1):
+            raise UserError(f"--momentum is the share of the last update kept, in [0, 1), not {self.momentum}")
+        if self.warmup_epochs > 0 and self.warmup_epochs >= self.epochs:
+            raise UserError(f"--warmup-epochs {self.warmup_epochs:g} is as long as training (--epochs {self.epochs}) "
+                            f"or longer: the rate would never reach its peak; warm up for fewer epochs")
+        if self.swa and self.warmup_epochs > 0 and self.warmup_epochs > self.swa_start():
+            raise UserError(f"--warmup-epochs {self.warmup_epochs:g} outlasts the epochs before --swa averages (from "
+                            f"epoch {self.swa_start()}), whose constant rate would cut the warm-up short; warm up for "
+                            f"at most {self.swa_start()} epochs or start averaging later (--swa-start-epoch)")
+
+    @property
+    def names_checkpoint(self) -> bool:
+        """Whether the starting point is read from a file: --checkpoint, or file:PATH in --arch."""
+        return self.checkpoint is not None or (self.arch is not None and ModelSpec.parse(self.arch).file is not None)
 
     @property
     def swap(self) -> bool:
@@ -177,14 +212,18 @@ class TrainConfig:
             return Precision.BF16
         return Precision.FP32
 
-    def settle(self, device: torch.device) -> None:
+    def settle(self, device: torch.device) -> str:
         """Fill in the batch size and learning rate left to their defaults, once the device is known; the run's
-        record (checkpoint, resume key) then holds the values that ran."""
-        chosen = self.batch_size is None  # the toolkit picks the batch: the rate follows it
-        if chosen:
+        record (checkpoint, resume key) then holds the values that ran. Returns a line that says what they are
+        and where they come from."""
+        batch_origin = "--batch-size" if self.batch_size is not None else f"the default on {device.type}"
+        if self.batch_size is None:
             self.batch_size = default_train_batch_size(device)
-        if self.lr is None:  # a batch the user gave keeps the reference rate, as before the GPU default existed
-            self.lr = default_lr(self.batch_size) if chosen else REFERENCE_LR
+        lr_origin = "--lr"
+        if self.lr is None:  # the reference rate scaled with the batch, whoever chose the batch
+            self.lr = default_lr(self.batch_size)
+            lr_origin = f"{REFERENCE_LR:g} x {self.batch_size} / {REFERENCE_BATCH_SIZE}, scaled with the batch"
+        return f"global batch {self.batch_size} ({batch_origin}), peak learning rate {self.lr:g} ({lr_origin})"
 
     def swa_start(self) -> int:
         return self.swa_start_epoch if self.swa_start_epoch is not None else (3 * self.epochs) // 4
@@ -201,6 +240,51 @@ class TrainConfig:
                 value = [v.value if isinstance(v, enum.Enum) else v for v in value]
             record[key] = value
         return record
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Settings that act only where `acts(config)` holds, which `condition` names: "without --swa"."""
+
+    settings: tuple[str, ...]
+    acts: Callable[[TrainConfig], bool]
+    condition: str
+    remedy: str  # what to do instead of dropping the flag: "add --swa"
+
+
+# Every flag of train.py whose setting can go unused; a flag given where it would do nothing is refused, as a
+# mistake in the command line (the user meant something that will not happen) rather than ignored.
+NEEDS = (
+    Needs(("swap_prob", "swap_same_class_prob"), lambda c: c.swap, "without --method bg-swap", "add bg-swap to --method"),
+    Needs(("swap_same_class_prob",), lambda c: c.swap_prob > 0, "with --swap-prob 0 (no swaps)", "raise --swap-prob"),
+    Needs(("mixup_alpha",), lambda c: Method.MIXUP in c.methods, "without mixup in --method", "add mixup to --method"),
+    Needs(("cutmix_alpha",), lambda c: Method.CUTMIX in c.methods, "without cutmix in --method",
+          "add cutmix to --method"),
+    Needs(("swa_start_epoch", "swa_lr"), lambda c: c.swa, "without --swa", "add --swa"),
+    Needs(("lora_rank",), lambda c: c.peft is Adapter.LORA, "without --peft lora", "add --peft lora"),
+    Needs(("oft_block_size",), lambda c: c.peft is Adapter.OFT, "without --peft oft", "add --peft oft"),
+    Needs(("momentum",), lambda c: c.optimizer is Optimizer.SGD,
+          "without --optimizer sgd (AdamW keeps its own moment estimates)", "add --optimizer sgd"),
+    Needs(("crop_scale",), lambda c: c.augment, "with --no-augment (no crops)", "drop --no-augment"),
+    Needs(("eval_batch_size",), lambda c: c.eval_data is not None, "without --eval-data (no evaluation)",
+          "add --eval-data DIR"),
+    Needs(("checkpoint_key", "trust_checkpoint"), lambda c: c.names_checkpoint,
+          "without a checkpoint to read (--checkpoint, or file:PATH in --arch)", "add --checkpoint PATH"),
+)
+
+
+def refuse_idle_flags(config: TrainConfig, given: set[str]) -> None:
+    """A UserError for the first flag in `given` (settings set on the command line) that `config` would not use."""
+    for needs in NEEDS:
+        for setting in needs.settings:
+            if setting in given and not needs.acts(config):
+                raise UserError(f"{flag_of(setting)} does nothing {needs.condition}: drop it, or {needs.remedy}")
+
+
+def _default(setting: str):
+    """TrainConfig's default for a setting: the help shows it, the dataclass decides it."""
+    found = next(f for f in fields(TrainConfig) if f.name == setting)
+    return found.default if found.default is not MISSING else found.default_factory()
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
@@ -227,15 +311,18 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         dest="methods", metavar=_choices(Method),
                         help="erm alone, or any of bg-swap, mixup, cutmix together (mixup with cutmix: one of the "
                              "two per batch) (default: erm)")
-    method.add_argument("--swap-prob", type=number(0, 1), default=1.0, metavar="P",
-                        help="bg-swap: share of images whose foreground is pasted on another background (default: 1.0)")
-    method.add_argument("--swap-same-class-prob", type=number(0, 1), default=0.0, metavar="P",
-                        help="bg-swap: share of swaps whose background comes from the image's own class, as in "
-                             "Mixed-Same; the rest are drawn from all classes as in Mixed-Rand (default: 0.0)")
-    method.add_argument("--mixup-alpha", type=number(0, above=True), default=0.2, metavar="A",
-                        help="mixup: Beta(A, A) mixing weights (default: 0.2)")
-    method.add_argument("--cutmix-alpha", type=number(0, above=True), default=1.0, metavar="A",
-                        help="cutmix: Beta(A, A) box areas (default: 1.0)")
+    # flags that act only with another (NEEDS) default to None, "not given"; TrainConfig holds their defaults
+    method.add_argument("--swap-prob", type=number(0, 1), default=None, metavar="P",
+                        help=f"bg-swap: share of images whose foreground is pasted on another background "
+                             f"(default: {_default('swap_prob')})")
+    method.add_argument("--swap-same-class-prob", type=number(0, 1), default=None, metavar="P",
+                        help=f"bg-swap: share of swaps whose background comes from the image's own class, as in "
+                             f"Mixed-Same; the rest are drawn from all classes as in Mixed-Rand "
+                             f"(default: {_default('swap_same_class_prob')})")
+    method.add_argument("--mixup-alpha", type=number(0, above=True), default=None, metavar="A",
+                        help=f"mixup: Beta(A, A) mixing weights (default: {_default('mixup_alpha')})")
+    method.add_argument("--cutmix-alpha", type=number(0, above=True), default=None, metavar="A",
+                        help=f"cutmix: Beta(A, A) box areas (default: {_default('cutmix_alpha')})")
     method.add_argument("--swa", action="store_true",
                         help="stochastic weight averaging of the epochs from --swa-start-epoch on (default: off)")
     method.add_argument("--swa-start-epoch", type=whole_number(0), default=None, metavar="E",
@@ -247,9 +334,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                              "(default: none, train every weight)")
     method.add_argument("--peft-modules", nargs="+", default=[], metavar="PATTERN",
                         help="module-name patterns to adapt, such as 'layer4.*.conv2' (default: none)")
-    method.add_argument("--lora-rank", type=whole_number(1), default=4, metavar="R", help="LoRA rank (default: 4)")
-    method.add_argument("--oft-block-size", type=whole_number(1), default=32, metavar="B",
-                        help="OFT block size; must divide each adapted layer's input size (default: 32)")
+    method.add_argument("--lora-rank", type=whole_number(1), default=None, metavar="R",
+                        help=f"LoRA rank (default: {_default('lora_rank')})")
+    method.add_argument("--oft-block-size", type=whole_number(1), default=None, metavar="B",
+                        help=f"OFT block size; must divide each adapted layer's input size "
+                             f"(default: {_default('oft_block_size')})")
     method.add_argument("--freeze", type=Freeze, choices=list(Freeze), default=Freeze.NONE, metavar=_choices(Freeze),
                         help="backbone: train the classification head alone, a linear probe (default: none)")
 
@@ -262,19 +351,19 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     optim.add_argument("--optimizer", type=Optimizer, choices=list(Optimizer), default=Optimizer.ADAMW,
                        metavar=_choices(Optimizer), help="optimiser (default: adamw)")
     optim.add_argument("--lr", type=number(0, above=True), default=None, metavar="LR",
-                       help=f"peak learning rate (default: {REFERENCE_LR:g}; with --batch-size left to its default, "
-                            f"{REFERENCE_LR:g} x that batch / {REFERENCE_BATCH_SIZE}, scaled linearly)")
-    optim.add_argument("--weight-decay", type=number(0), default=0.05, metavar="WD",
-                       help="weight decay (default: 0.05)")
-    optim.add_argument("--momentum", type=number(0, 1), default=0.9, metavar="M", help="SGD momentum (default: 0.9)")
+                       help=f"peak learning rate (default: {REFERENCE_LR:g} x the global batch / "
+                            f"{REFERENCE_BATCH_SIZE}, scaled linearly with the batch)")
+    optim.add_argument("--weight-decay", type=number(0), default=0.05, metavar="WD", help="weight decay (default: 0.05)")
+    optim.add_argument("--momentum", type=number(0, 1, below=True), default=None, metavar="M",
+                       help=f"SGD momentum (default: {_default('momentum')})")
     optim.add_argument("--warmup-epochs", type=number(0, unit="epochs"), default=0.0, metavar="E",
                        help="linear warm-up before the cosine decay, in epochs (default: 0)")
     optim.add_argument("--label-smoothing", type=number(0, 1), default=0.1, metavar="S",
                        help="label smoothing of the cross-entropy (default: 0.1)")
     optim.add_argument("--augment", action=BooleanFlag, default=True,
                        help="random resized crop and horizontal flip, after the swap (default: on)")
-    optim.add_argument("--crop-scale", type=number(0, 1, above=True), default=0.35, metavar="S",
-                       help="smallest random crop, as a share of the image's area (default: 0.35)")
+    optim.add_argument("--crop-scale", type=number(0, 1, above=True), default=None, metavar="S",
+                       help=f"smallest random crop, as a share of the image's area (default: {_default('crop_scale')})")
 
     run = parser.add_argument_group("running")
     run.add_argument("--device", default=None, metavar="DEV", help="cuda, cuda:N, mps or cpu (default: the best "
@@ -316,19 +405,13 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        data_path=args.data_path, output_dir=args.output_dir, methods=list(dict.fromkeys(args.methods)),
-        train_variation=args.train_variation, arch=args.arch, weights=args.weights, checkpoint=args.checkpoint,
-        checkpoint_key=args.checkpoint_key, trust_checkpoint=args.trust_checkpoint, epochs=args.epochs,
-        batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-        momentum=args.momentum, warmup_epochs=args.warmup_epochs, label_smoothing=args.label_smoothing,
-        augment=args.augment, crop_scale=args.crop_scale, swap_prob=args.swap_prob,
-        swap_same_class_prob=args.swap_same_class_prob, mixup_alpha=args.mixup_alpha, cutmix_alpha=args.cutmix_alpha,
-        swa=args.swa, swa_start_epoch=args.swa_start_epoch, swa_lr=args.swa_lr, peft=args.peft,
-        peft_modules=list(args.peft_modules), lora_rank=args.lora_rank, oft_block_size=args.oft_block_size,
-        freeze=args.freeze, device=args.device, precision=args.precision, channels_last=args.channels_last,
-        compile=args.compile,
-        dist_timeout=args.dist_timeout, workers=args.workers, seed=args.seed, save_every=args.save_every,
-        resume=args.resume,
-        eval_data=args.eval_data, eval_challenge=args.eval_challenge, eval_batch_size=args.eval_batch_size,
-        allow_inexact_device=args.allow_inexact_device, progress=not args.no_progress)
+    """The TrainConfig the flags describe: a flag left out (None) takes the dataclass's default, and a flag given
+    where it would do nothing is refused (`refuse_idle_flags`). The arguments are left as parsed."""
+    names = {f.name for f in fields(TrainConfig)}
+    settings = {name: value for name, value in vars(args).items() if name in names}
+    settings.update(methods=list(dict.fromkeys(args.methods)), peft_modules=list(args.peft_modules),
+                    progress=not args.no_progress)
+    config = TrainConfig(**{name: value for name, value in settings.items() if value is not None})
+    # given: a value flag's value (None when left out), a switch's True (False when left out)
+    refuse_idle_flags(config, {name for name, value in settings.items() if value is not None and value is not False})
+    return config

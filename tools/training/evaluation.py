@@ -7,7 +7,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tools.challenge import ChallengeConfig, run_challenge
+from tools.challenge import ChallengeConfig, check_challenge_files, run_challenge
+from tools.data.check import quick_check
+from tools.data.layout import check_data_root
 from tools.errors import UserError
 from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
@@ -25,6 +27,16 @@ from tools.training.loop import TrainResult
 log = logging.getLogger(__name__)
 
 REPORT_NAME, HTML_REPORT_NAME = "report.md", "report.html"
+
+
+def check_eval_data(config: TrainConfig) -> None:
+    """The test data's folders (--eval-data), checked as the evaluation scripts check theirs: before training, so
+    that a run does not end, after hours, on a missing folder."""
+    if config.eval_data is None:
+        return
+    quick_check(check_data_root(config.eval_data, "--eval-data"), VARIATIONS)
+    if config.eval_challenge:
+        check_challenge_files(config.eval_data)
 
 
 def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir: Path) -> dict:

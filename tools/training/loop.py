@@ -19,7 +19,6 @@ from typing import Callable
 import numpy as np
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from tools import distributed
 from tools.data.hashing import read_and_fingerprint
@@ -28,6 +27,7 @@ from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, stat
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.models.boundary import LoadedModel
 from tools.data.pixels import unit_floats
+from tools.progress import ProgressBar, progress_bar
 from tools.provenance import TRAINING_LOG, open_own, write_text_atomic
 from tools.models.sources import load_model
 from tools.runtime import Precision, Runtime, check_antialias, resolve_device
@@ -209,7 +209,7 @@ class StepLog:
     and are read, added over the processes and written to train_log.jsonl once every LOG_EVERY steps, before
     each save of the resume state and at each epoch's end: the same lines, written later."""
 
-    def __init__(self, journal: JsonLog, bar: tqdm, device: torch.device, started: float):
+    def __init__(self, journal: JsonLog, bar: ProgressBar, device: torch.device, started: float):
         self.journal, self.bar, self.device, self.started = journal, bar, device, started
         self.pending: list[tuple[dict, torch.Tensor, int]] = []
         self.images_seen, self.last_loss = 0, float("nan")
@@ -247,14 +247,12 @@ def train(config: TrainConfig) -> TrainResult:
     device = group.device(requested)
     if config.augment:
         check_antialias(device, "bilinear", "train.py's random resized crops (--augment)")
-    config.settle(device)  # the batch size and learning rate for this device, before anything uses them
+    log.info("%s", config.settle(device))  # the batch size and learning rate for this device, before any use
     precision = config.precision_on(device)
     if config.precision is None:
         log.info("precision: %s, the default on %s", precision.value, device)
     runtime = Runtime(device, precision, config.channels_last, config.compile)  # runtime.precision: the one that runs
-    torch.manual_seed(derived_seed(config.seed, "init"))
-    start = starting_point(config)
-    data = list_training_data(config)
+    data = list_training_data(config)  # the data and what it allows checked before any model is built or downloaded
     if config.batch_size % group.world_size:
         raise UserError(f"--batch-size {config.batch_size} does not split evenly over {group.world_size} processes; "
                         f"pick a multiple of {group.world_size}")
@@ -263,6 +261,8 @@ def train(config: TrainConfig) -> TrainResult:
         raise UserError(f"the training set has {len(data)} images, fewer than --batch-size {config.batch_size}; "
                         f"lower the batch size")
     total_steps = steps_per_epoch * config.epochs
+    torch.manual_seed(derived_seed(config.seed, "init"))
+    start = starting_point(config)
     fingerprint, _, hashes = read_and_fingerprint(data.root, data.relpaths(), config.workers or 1)
     store = decoded_store(data, fingerprint, config.workers, config.progress and group.is_main, hashes)
 
@@ -305,8 +305,8 @@ def train(config: TrainConfig) -> TrainResult:
                          "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
                          "swa": swa.state_dict() if swa is not None else None}, config.output_dir / STATE_NAME)
 
-    bar = tqdm(total=total_steps, initial=step, unit="step", desc="training", dynamic_ncols=True,
-               disable=not (config.progress and group.is_main))
+    bar = progress_bar(total=total_steps, initial=step, unit="step", desc="training", dynamic_ncols=True,
+                       disable=not (config.progress and group.is_main))
     started = time.perf_counter()
     log.info("start-up: %.1f s (model, content hashes, decoded store); rates below are from here on",
              started - launched)
@@ -321,9 +321,10 @@ def train(config: TrainConfig) -> TrainResult:
     with bar, saver:  # leaving it waits for the last write (and raises its error)
         for epoch in range(first_epoch, config.epochs):
             for batch in islice(batches, steps_per_epoch - (step - epoch * steps_per_epoch)):
+                lr = optimizer.param_groups[0]["lr"]  # the rate this step uses: the schedule steps after it
                 logits, loss, labels = run_step(batch, step, epoch)
                 step += 1
-                steps_log.add(logits, loss, labels, step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"])
+                steps_log.add(logits, loss, labels, step=step, epoch=epoch, lr=lr)
                 bar.update(1)
                 if step % config.save_every == 0 and step % steps_per_epoch:
                     save_state()
