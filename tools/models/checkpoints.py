@@ -20,7 +20,7 @@ import re
 import warnings
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -253,6 +253,40 @@ def trained_checkpoint_header(obj) -> dict | None:
 
 
 TIMM_TRAINING_KEYS = {"arch", "state_dict", "version", "args"}  # what timm's train.py (its CheckpointSaver) writes
+# The settings of timm's train.py that `timm.data.resolve_data_config` reads: the pixel pipeline the model trained on
+TIMM_DATA_ARGS = ("in_chans", "chans", "input_size", "img_size", "interpolation", "mean", "std", "crop_pct",
+                  "crop_mode")
+
+
+def is_timm_training_checkpoint(obj) -> bool:
+    """A checkpoint of timm's own train.py (`model_best.pth.tar`, `last.pth.tar`), told by its keys."""
+    return isinstance(obj, Mapping) and TIMM_TRAINING_KEYS <= obj.keys() and obj.get("format") != TRAINED_FORMAT
+
+
+def _timm_args(obj) -> dict:
+    """timm's train.py `args` (an argparse.Namespace; a mapping in some forks) as a dict."""
+    args = obj.get("args")
+    if isinstance(args, Mapping):
+        return dict(args)
+    return dict(vars(args)) if hasattr(args, "__dict__") else {}
+
+
+def timm_training_weights(obj) -> tuple[str, str]:
+    """(the key of the weights timm's train.py ranked a checkpoint of it by, which weights those are). With an EMA
+    (`--model-ema`) it validates the EMA's weights and ranks its checkpoints (model_best) by their metric, unless
+    the EMA stays on the CPU unvalidated (`--model-ema-force-cpu`); it saves them as state_dict_ema."""
+    has_ema = isinstance(obj.get("state_dict_ema"), Mapping) and bool(obj["state_dict_ema"])
+    if has_ema and not _timm_args(obj).get("model_ema_force_cpu"):
+        return "state_dict_ema", "the EMA's weights, by whose validation timm's train.py ranked it"
+    if has_ema:
+        return "state_dict", "the model's weights: its EMA stayed on the CPU unvalidated (--model-ema-force-cpu)"
+    return "state_dict", "the model's weights (it kept no EMA)"
+
+
+def timm_data_args(obj) -> dict:
+    """The data settings a timm training checkpoint records (TIMM_DATA_ARGS that are set)."""
+    args = _timm_args(obj)
+    return {key: args[key] for key in TIMM_DATA_ARGS if args.get(key) not in (None, "")}
 
 
 def recorded_architecture(obj) -> str | None:
@@ -261,8 +295,25 @@ def recorded_architecture(obj) -> str | None:
     arch = obj.get("arch") if isinstance(obj, Mapping) else None
     if not isinstance(arch, str) or not arch:
         return None
-    timm_training = TIMM_TRAINING_KEYS <= obj.keys() and obj.get("format") != TRAINED_FORMAT
-    return f"{TIMM_PREFIX}{arch}" if timm_training and not arch.startswith(TIMM_PREFIX) else arch
+    return f"{TIMM_PREFIX}{arch}" if is_timm_training_checkpoint(obj) and not arch.startswith(TIMM_PREFIX) else arch
+
+
+def _recorded_network(header: dict, path: Path) -> tuple[dict, tuple | None]:
+    """(the builder arguments, ((height, width), interpolation) of the input) a trained checkpoint records; older
+    ones record neither (their networks took 224x224 inputs, or those their timm tag gives)."""
+    arch_args, size = header.get("arch_args") or {}, header.get("input_size")
+    mode = header.get("interpolation") or "bicubic"
+    if not isinstance(arch_args, Mapping) or not all(isinstance(k, str) for k in arch_args):
+        raise UserError(f"checkpoint {path} records builder arguments that are not a mapping of names ({arch_args!r}); "
+                        f"is it a checkpoint train.py wrote?")
+    if size is None:
+        return dict(arch_args), None
+    if (not isinstance(size, (list, tuple)) or len(size) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)
+            or mode not in ("bilinear", "bicubic")):
+        raise UserError(f"checkpoint {path} records an input of {size!r} pixels resized {mode!r}; a trained checkpoint "
+                        f"records [height, width] and bilinear or bicubic: is it a checkpoint train.py wrote?")
+    return dict(arch_args), (tuple(size), mode)
 
 
 def _architecture(arch: str | None, recorded: str | None, path: Path) -> str:
@@ -284,6 +335,9 @@ class ReadCheckpoint:
     arch: str | None  # None for a program, which carries its own
     normalizer: tuple | None  # (mean, std) from the file, if it has them
     layout: str
+    arch_args: dict = field(default_factory=dict)  # the builder's other arguments, as train.py's checkpoints record
+    input: tuple | None = None  # ((height, width), interpolation) the network is fed at, where the file records it
+    data_args: dict | None = None  # the data settings of timm's train.py, for a checkpoint of it
 
 
 def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: Normalization, trust: bool,
@@ -315,13 +369,24 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     recorded = recorded_architecture(obj)
     named = arch is not None or recorded is not None
     arch = _architecture(arch, recorded, path)
+    data_args, weights_chosen = None, "as --checkpoint-key says"
+    if is_timm_training_checkpoint(obj):
+        data_args = timm_data_args(obj)
+        if checkpoint_key is None:
+            checkpoint_key, weights_chosen = timm_training_weights(obj)
+        log.info("timm training checkpoint (%s): weights at %r, %s; data settings from its args: %s", arch,
+                 checkpoint_key, weights_chosen, data_args or "none (the tag's)")
     state = extract_state_dict(obj, checkpoint_key, ignore_normalizer=normalize is not Normalization.AUTO)
+    if data_args is not None:
+        state.layout = f"timm training checkpoint, {checkpoint_key}: {weights_chosen}"
     header = trained_checkpoint_header(obj)
-    if header is not None:  # train.py's checkpoint: its architecture (above) and its normaliser
+    arch_args, network_input = {}, None
+    if header is not None:  # train.py's checkpoint: its architecture (above), builder arguments, input and normaliser
         log.info("trained checkpoint (%s, method %s): architecture and normaliser from the file", arch,
                  header.get("method"))
         state.normalizer = (torch.tensor(header["mean"]), torch.tensor(header["std"]))
         state.layout = f"trained checkpoint {TRAINED_FORMAT}"
+        arch_args, network_input = _recorded_network(header, path)
     peft_state = adapters.read_peft_state(state.state_dict, path) if adapters.is_peft_state(state.state_dict) else None
     if lora is not None and lora.given() and (peft_state is None or peft_state.kind != "lora"):
         raise lora.misplaced(f"which checkpoint {path} is not")
@@ -334,14 +399,22 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
         raise UserError(f"checkpoint {path} has no classifier keys of {arch} ({key_list(keys)}); {hint}")
     num_classes = int(base[present[0]].shape[0])
     check_class_count(num_classes, in9, f"checkpoint {path}")
-    classifier = build_architecture(arch, num_classes)
+    try:
+        classifier = build_architecture(arch, num_classes, arch_args)
+    except TypeError as exc:  # arguments the installed library's builder does not take
+        if not arch_args:
+            raise
+        raise UserError(f"checkpoint {path} records builder arguments {arch_args} that {arch} does not take here "
+                        f"({first_line(exc)}); is the library that defines {arch} older than the one it was "
+                        f"trained with?") from None
     if peft_state is not None:
         classifier = adapters.merge_peft_state(classifier, state.state_dict, peft_state, lora, path)
         return ReadCheckpoint(classifier, num_classes, arch, state.normalizer,
-                              f"{state.layout}, peft {peft_state.kind} (merged)")
+                              f"{state.layout}, peft {peft_state.kind} (merged)", arch_args, network_input, data_args)
     check_fits(state.state_dict, classifier.state_dict(), f"checkpoint {path} does not fit --arch {arch}")
     classifier.load_state_dict(state.state_dict, strict=True)
-    return ReadCheckpoint(classifier, num_classes, arch, state.normalizer, state.layout)
+    return ReadCheckpoint(classifier, num_classes, arch, state.normalizer, state.layout, arch_args, network_input,
+                          data_args)
 
 
 def _pickled_module(obj, key: str | None) -> nn.Module | None:

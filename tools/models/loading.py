@@ -4,6 +4,7 @@ line) and loading a state dict strictly (every missing, unexpected or misshapen 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import pickle
 import re
@@ -19,10 +20,12 @@ log = logging.getLogger(__name__)
 
 def _blocked_globals(path: Path, exc: Exception) -> list[str]:
     """The globals a weights-only load refused: listed from a zip checkpoint, else read off the error."""
+    allowed = {f"{cls.__module__}.{cls.__qualname__}" for cls in SAFE_CLASSES}
     try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        found = list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
     except Exception:  # noqa: BLE001 (legacy, non-zip files: torch's message names the first one)
-        return re.findall(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        found = re.findall(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    return [name for name in found if name not in allowed]
 
 
 def _unpickling_problem(exc: Exception) -> str:
@@ -34,12 +37,21 @@ def _unpickling_problem(exc: Exception) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+# Classes the weights-only unpickler may build besides tensors and plain data, for this reading alone: an
+# argparse.Namespace (timm's train.py saves its command line as one, `args`) is a bag of attributes, no code.
+SAFE_CLASSES = (argparse.Namespace,)
+
+
 def torch_load(path: Path, trust: bool):
-    """The unpickled file: `weights_only=True` unless trusted; an unsafe or unreadable file is one error line."""
+    """The unpickled file: `weights_only=True` unless trusted (with SAFE_CLASSES allowed); an unsafe or unreadable
+    file is one error line."""
     if trust:
         log.warning("loading %s with full unpickling (--trust-checkpoint): only do this for files you trust", path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=not trust)
+        if trust:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(list(SAFE_CLASSES)):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         blocked = [] if trust else _blocked_globals(path, exc)
         if blocked:

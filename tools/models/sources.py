@@ -31,7 +31,7 @@ from tools.data.hashing import sha256_file
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
 from tools.models.architectures import (ARCHITECTURES, DEFAULT_ARCH, build_architecture,
                                        check_torchvision_architecture, close_matches, torchvision_module)
-from tools.models.boundary import InputResize, LoadedModel, ModelOrigin, wrap
+from tools.models.boundary import InputResize, LoadedModel, ModelOrigin, fit_input_size, wrap
 from tools.models.spec import CLIP_PREFIX, FILE_PREFIX, HF_PREFIX, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
 if TYPE_CHECKING:
@@ -247,19 +247,41 @@ def checkpoint_file(path: str, options: ModelOptions) -> LoadedModel:
         log.info("the checkpoint has 9 classes: evaluating as an IN-9 model (as with --in9)")
     classifier, stats, stats_origin = loaded.classifier, loaded.normalizer, "checkpoint normaliser"
     identity = sha256_file(path)
-    if loaded.arch is not None and loaded.arch.startswith(TIMM_PREFIX):  # timm:NAME.TAG: the tag's data config
-        from tools.models.timm_weights import (  # noqa: PLC0415 (timm, an optional extra)
-            fit_data_config, pipeline_identity, tag_data_config)
-        tagged = tag_data_config(loaded.arch)
-        if tagged is not None:
+    if loaded.input is not None:  # a trained checkpoint records the input its network was trained at
+        size, mode = loaded.input
+        classifier = fit_input_size(classifier, size, str(loaded.arch), mode, options.runtime)
+    else:
+        classifier, tagged = fit_named_input(classifier, loaded.arch, options.runtime, loaded.data_args, path)
+        if tagged is not None:  # timm:NAME.TAG: the tag's data config (under a timm training checkpoint's settings)
+            from tools.models.timm_weights import pipeline_identity  # noqa: PLC0415 (timm, an optional extra)
             data_cfg, timm_version = tagged
-            classifier = fit_data_config(classifier, data_cfg, loaded.arch, options.runtime)
             if stats is None:
-                stats, stats_origin = (data_cfg["mean"], data_cfg["std"]), f"timm pretrained config of {loaded.arch}"
+                stats = data_cfg["mean"], data_cfg["std"]
+                stats_origin = (f"timm pretrained config of {loaded.arch}" if not loaded.data_args else
+                                f"timm training checkpoint's data settings over {loaded.arch}'s config")
             identity = pipeline_identity(identity, data_cfg, timm_version)
-    return wrap(classifier, num_classes=loaded.num_classes, normalize=options.normalize,
-                stats=stats, stats_origin=stats_origin,
-                origin=ModelOrigin(loaded.arch, None, str(path), identity, loaded.layout))
+    model = wrap(classifier, num_classes=loaded.num_classes, normalize=options.normalize,
+                 stats=stats, stats_origin=stats_origin,
+                 origin=ModelOrigin(loaded.arch, None, str(path), identity, loaded.layout))
+    if loaded.arch_args:
+        model.details["arch_args"] = loaded.arch_args
+    return model
+
+
+def fit_named_input(classifier: nn.Module, arch: str | None, runtime: Runtime | None = None,
+                    data_args: dict | None = None, path: Path | str | None = None
+                    ) -> tuple[nn.Module, tuple[dict, str] | None]:
+    """The classifier behind a resize to the input size its architecture's name gives it: a timm tag's data config
+    (`timm:NAME.TAG`, or the default tag of `timm:NAME`) under `data_args` (the settings a timm training checkpoint,
+    `path`, records), and (that data config, timm's version); other names give 224x224, the classifier as it is and
+    None."""
+    if arch is None or not arch.startswith(TIMM_PREFIX):
+        return classifier, None
+    from tools.models.timm_weights import fit_data_config, tag_data_config  # noqa: PLC0415 (timm, an optional extra)
+    tagged = tag_data_config(arch, data_args, f"checkpoint {path}" if path is not None else "")
+    if tagged is None:
+        return classifier, None
+    return fit_data_config(classifier, tagged[0], arch, runtime), tagged
 
 
 @register_source(TOOLKIT_PREFIX)

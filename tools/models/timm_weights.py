@@ -108,17 +108,25 @@ def _not_loaded_line(spec: ModelSpec, cfg: dict | None, exc: Exception) -> str:
     return hub.not_cached_line(what, fetch, first_line(exc))
 
 
-def tag_data_config(arch: str) -> tuple[dict, str] | None:
+def tag_data_config(arch: str, args: dict | None = None, what: str = "") -> tuple[dict, str] | None:
     """(timm's data config: mean, std, input_size, interpolation, crop; timm's version) for `timm:NAME.TAG`, or for
     `timm:NAME` its default tag's (as `timm:NAME` loads it; a timm training checkpoint records such a name), read
-    from timm's registry without building the model or loading weights; None for other names or an unknown tag."""
+    from timm's registry without building the model or loading weights; None for other names or an unknown tag.
+    args: settings that override the tag's, as timm's train.py resolves them (its `args`, which `what` records)."""
     spec = ModelSpec.parse(arch)
     if spec.prefix != TIMM_PREFIX or spec.name.startswith(TIMM_HUB):
         return None
     timm = timm_module(spec)
     from timm.data import resolve_data_config  # noqa: PLC0415 (an optional extra)
     cfg = timm.models.get_pretrained_cfg(spec.body)
-    return None if cfg is None else (resolve_data_config({}, pretrained_cfg=cfg.to_dict()), timm.__version__)
+    if cfg is None and not args:
+        return None
+    try:
+        data_cfg = resolve_data_config(dict(args or {}), pretrained_cfg=cfg.to_dict() if cfg is not None else {})
+    except (AssertionError, TypeError, ValueError) as exc:  # timm asserts the settings' shapes
+        raise UserError(f"{what or arch} records data settings timm cannot use ({args}: {first_line(exc) or 'rejected'}"
+                        f"); a timm input_size is [channels, height, width]") from None
+    return data_cfg, timm.__version__
 
 
 def fit_data_config(model: nn.Module, data_cfg: dict, used_by: str, runtime=None) -> nn.Module:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from tools.errors import UserError, first_line
-from tools.in9 import NUM_IN9_CLASSES
+from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES
 from tools.models.checkpoints import TRAINED_FORMAT
 from tools.provenance import atomic_write
 from tools.runtime import Precision
@@ -89,11 +90,24 @@ class BackgroundSaver:
             log.error("writing the resume state failed too: %s", first_line(error))
 
 
+@dataclass(frozen=True)
+class NetworkInput:
+    """How a trained network is rebuilt and fed besides its architecture's name: the builder's other arguments
+    (`build_architecture`), its input size, and the interpolation that resizes the 224x224 images to it (None: 224)."""
+
+    arch_args: dict = field(default_factory=dict)
+    input_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)
+    interpolation: str | None = None
+
+
 def trained_checkpoint(classifier: nn.Module, arch: str, mean, std, method: str, data: dict, train_args: dict,
-                       precision: Precision) -> dict:
-    """The toolkit's checkpoint format: a 9-class state dict with what is needed to rebuild and normalise it, and
-    the precision training ran in (train_args holds --precision as given, None for the device's default)."""
+                       precision: Precision, network: NetworkInput = NetworkInput()) -> dict:
+    """The toolkit's checkpoint format: a 9-class state dict of the network itself with what is needed to rebuild,
+    feed and normalise it, and the precision training ran in (train_args holds --precision as given, None for the
+    device's default)."""
     return {"format": TRAINED_FORMAT, "arch": arch, "num_classes": NUM_IN9_CLASSES,
+            "arch_args": dict(network.arch_args), "input_size": [int(v) for v in network.input_size],
+            "interpolation": network.interpolation,
             "mean": [float(v) for v in torch.as_tensor(mean).flatten()],
             "std": [float(v) for v in torch.as_tensor(std).flatten()],
             "model": {k: v.detach().cpu().clone() for k, v in classifier.state_dict().items()},
