@@ -8,14 +8,16 @@ toolkit's own. A checkpoint's weights go into one of them; `classifier_keys` fin
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-from tools.errors import UserError, optional_module
+from tools.errors import UserError, first_line, optional_module
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES
+from tools.models.loading import key_list
 from tools.models.spec import TIMM_HUB, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
 DEFAULT_ARCH = "resnet50"  # the paper's model, where neither --arch nor the checkpoint names one
@@ -106,13 +108,45 @@ def torchvision_architecture(spec: ModelSpec, num_classes: int, **arguments) -> 
 # weights (torchvision 0.13 to 0.29, read from its source; tests/test_torchvision_weights.py holds every
 # classification weights to its builder): the input size that ViT and MaxViT fix when they are built, and GoogLeNet's
 # and Inception-v3's input transform (their weights take inputs normalised to 0.5, which `transform_input` makes of
-# ImageNet-normalised ones) and auxiliary head.
+# ImageNet-normalised ones) and auxiliary heads (loaded, then dropped by GoogLeNet's builder and kept by Inception's).
 _WEIGHTS_ARGUMENTS = {
     "vision_transformer": lambda meta: {"image_size": int(meta["min_size"][0])},
     "maxvit": lambda meta: {"input_size": [int(v) for v in meta["min_size"]]},
-    "googlenet": lambda meta: {"transform_input": True, "aux_logits": True, "init_weights": False},
+    "googlenet": lambda meta: {"transform_input": True, "aux_logits": False, "init_weights": False},
     "inception": lambda meta: {"transform_input": True, "aux_logits": True, "init_weights": False},
 }
+
+
+def build_with_weights(arch: str, weights, state: dict) -> nn.Module:
+    """torchvision's own builder of `arch` given `weights`, so that the architecture takes their settings as
+    torchvision gives them (a ViT's image size, Inception's input transform, DenseNet's older key names), with their
+    state dict `state` (read and checked by the caller) where torchvision would download and unpickle it itself.
+    A state dict that does not fit is one error line."""
+    check_torchvision_architecture(arch)
+    weights.get_state_dict = lambda *args, **kwargs: state  # this member's alone, for this call alone
+    try:
+        return torchvision_module().models.get_model(arch, weights=weights)
+    except NotImplementedError:  # a RuntimeError too, but a bug, not a file that does not fit
+        raise
+    except RuntimeError as exc:  # load_state_dict: missing, unexpected or misshapen keys, a kind per line
+        raise UserError(f"the weights file of {weights} does not fit {arch} as torchvision builds it for them "
+                        f"({_load_problems(exc)})") from None
+    finally:
+        del weights.get_state_dict
+
+
+QUOTED = re.compile(r'"([^"]+)"')  # a key as load_state_dict's message quotes it
+
+
+def _load_problems(exc: RuntimeError) -> str:
+    """load_state_dict's complaint in one line: each kind of problem with its first keys (`key_list`)."""
+    problems = []
+    for line in str(exc).splitlines()[1:]:
+        kind, _, keys = line.strip().partition(":")
+        if keys:
+            names = re.findall(QUOTED, keys) or [keys.strip()]
+            problems.append(f"{kind}: {key_list(names, limit=3)}")
+    return "; ".join(problems) or first_line(exc)
 
 
 def torchvision_weights_arguments(weights) -> dict:

@@ -12,10 +12,11 @@ loaded into it. Adding a source (CLIP zero-shot, a model hub) is one function an
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import http.client
+import json
 import logging
 import os
-import pickle
 import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +29,11 @@ from tools.cli import closest
 from tools.models import adapters, checkpoints
 from tools.errors import UserError, first_line
 from tools.data.hashing import sha256_file
-from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
-from tools.models.architectures import (ARCHITECTURES, DEFAULT_ARCH, build_architecture,
-                                       check_torchvision_architecture, close_matches, torchvision_module)
+from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
+from tools.models.architectures import (ARCHITECTURES, DEFAULT_ARCH, build_with_weights,
+                                       check_torchvision_architecture, close_matches, torchvision_module,
+                                       torchvision_weights_arguments)
+from tools.models.loading import read_problem
 from tools.models.boundary import InputResize, LoadedModel, ModelOrigin, fit_input_size, wrap
 from tools.models.spec import CLIP_PREFIX, FILE_PREFIX, HF_PREFIX, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
@@ -209,8 +212,8 @@ def _download_weights(weights) -> tuple[dict, str, str]:
                         f"{prefix}; delete it and rerun (or put the right file there)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path} ({first_line(exc)}); delete it and rerun") from None
+    except Exception as exc:  # noqa: BLE001 (a damaged file fails anywhere in torch's readers)
+        raise UserError(f"cannot read {path} ({read_problem(exc)}); delete it and rerun") from None
     return state, str(path), digest
 
 
@@ -220,12 +223,41 @@ def torchvision_pretrained(name: str, options: ModelOptions) -> LoadedModel:
     if options.in9:
         raise UserError("--in9 needs --checkpoint: there are no pretrained 9-class weights to download")
     member = resolve_weights(name, options.weights)
-    classifier = build_architecture(name, NUM_IMAGENET_CLASSES)
     state, source, digest = _download_weights(member)
-    classifier.load_state_dict(state, strict=True)
-    return wrap(classifier, num_classes=NUM_IMAGENET_CLASSES, normalize=options.normalize,
-                origin=ModelOrigin(name, f"{type(member).__name__}.{member.name}", source, digest,
-                                   "torchvision weights"))
+    classifier = build_with_weights(name, member, state)
+    size, mode, mean, std = weights_pipeline(member)
+    weights_name = f"{type(member).__name__}.{member.name}"
+    classifier = fit_input_size(classifier, size, f"{name} with {weights_name}", mode, options.runtime)
+    model = wrap(classifier, num_classes=NUM_IMAGENET_CLASSES, normalize=options.normalize, stats=(mean, std),
+                 stats_origin="the weights' transforms",
+                 origin=ModelOrigin(name, weights_name, source, _pipeline_identity(digest, size, mode, mean, std),
+                                    "torchvision weights"))
+    arch_args = torchvision_weights_arguments(member)
+    if arch_args:
+        model.details["arch_args"] = arch_args
+    return model
+
+
+def weights_pipeline(weights) -> tuple[tuple[int, int], str, list[float], list[float]]:
+    """(input size, interpolation, mean, std) of torchvision weights, from their transforms (ImageClassification):
+    the size they crop to, to which the 224x224 images are resized (as a timm model's are to its input size)."""
+    transforms = weights.transforms()
+    crop = [int(v) for v in transforms.crop_size]
+    size = (crop[0], crop[-1])
+    return size, transforms.interpolation.value, list(transforms.mean), list(transforms.std)
+
+
+def _pipeline_identity(digest: str, size: tuple[int, int], mode: str, mean, std) -> str:
+    """Torchvision weights' identity: their file's SHA-256, with their pixel pipeline where it is not the one the
+    toolkit gave every torchvision model before it read the weights' transforms (224x224, ImageNet's statistics),
+    so that results made at 224 are never taken for results at the weights' size."""
+    imagenet_mean, imagenet_std = statistics_for(Normalization.IMAGENET, NUM_IMAGENET_CLASSES)
+    if (tuple(size) == (IMAGE_SIZE, IMAGE_SIZE) and list(map(float, mean)) == list(map(float, imagenet_mean))
+            and list(map(float, std)) == list(map(float, imagenet_std))):
+        return digest
+    pixels = json.dumps({"input_size": list(size), "interpolation": mode, "mean": list(mean), "std": list(std)},
+                        sort_keys=True)
+    return hashlib.sha256(f"weights {digest}\npixels {pixels}\n".encode()).hexdigest()
 
 
 @register_source(TIMM_PREFIX)
