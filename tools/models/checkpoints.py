@@ -16,6 +16,7 @@ Checkpoint formats, told apart by the file's contents, never by its name:
 from __future__ import annotations
 
 import logging
+import math
 import re
 import warnings
 import zipfile
@@ -60,7 +61,8 @@ def program_kind(path: Path) -> str | None:
 
 
 def _is_tensor_dict(obj) -> bool:
-    return isinstance(obj, Mapping) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+    return (isinstance(obj, Mapping) and bool(obj)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()))
 
 
 def _strip_prefixes(state: dict) -> dict:
@@ -298,6 +300,21 @@ def recorded_architecture(obj) -> str | None:
     return f"{TIMM_PREFIX}{arch}" if is_timm_training_checkpoint(obj) and not arch.startswith(TIMM_PREFIX) else arch
 
 
+def _recorded_normaliser(header: dict, path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) a trained checkpoint records: three numbers each, the deviations positive."""
+    stats = []
+    for name in ("mean", "std"):
+        values = header.get(name)
+        if (not isinstance(values, (list, tuple)) or len(values) != 3
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                           for v in values)
+                or (name == "std" and min(values) <= 0)):
+            raise UserError(f"checkpoint {path} records a normaliser {name} of {values!r}, not three numbers (the "
+                            f"deviations positive); is it a checkpoint train.py wrote?")
+        stats.append(torch.tensor([float(v) for v in values]))
+    return stats[0], stats[1]
+
+
 def _recorded_network(header: dict, path: Path) -> tuple[dict, tuple | None]:
     """(the builder arguments, ((height, width), interpolation) of the input) a trained checkpoint records; older
     ones record neither (their networks took 224x224 inputs, or those their timm tag gives)."""
@@ -384,7 +401,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     if header is not None:  # train.py's checkpoint: its architecture (above), builder arguments, input and normaliser
         log.info("trained checkpoint (%s, method %s): architecture and normaliser from the file", arch,
                  header.get("method"))
-        state.normalizer = (torch.tensor(header["mean"]), torch.tensor(header["std"]))
+        state.normalizer = _recorded_normaliser(header, path)
         state.layout = f"trained checkpoint {TRAINED_FORMAT}"
         arch_args, network_input = _recorded_network(header, path)
     peft_state = adapters.read_peft_state(state.state_dict, path) if adapters.is_peft_state(state.state_dict) else None
@@ -397,6 +414,9 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
         hint = ("is --arch right?" if named else "the checkpoint does not record its architecture, so resnet50 was "
                 "tried; name it with --arch NAME (NAME@file:PATH in the zoo)")
         raise UserError(f"checkpoint {path} has no classifier keys of {arch} ({key_list(keys)}); {hint}")
+    if base[present[0]].ndim == 0:
+        raise UserError(f"checkpoint {path} holds a single number at {present[0]}, where {arch} has its classifier's "
+                        f"weights; is it a checkpoint of {arch}?")
     num_classes = int(base[present[0]].shape[0])
     check_class_count(num_classes, in9, f"checkpoint {path}")
     try:

@@ -59,11 +59,22 @@ def torch_load(path: Path, trust: bool):
                             f"if you trust the file, rerun with --trust-checkpoint") from None
         raise UserError(f"cannot read checkpoint {path}: it does not unpickle ({_unpickling_problem(exc)}); "
                         f"is it a PyTorch file?") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise UserError(f"cannot read checkpoint {path}: {first_line(exc)}; is it a PyTorch file?") from None
-    except (ImportError, AttributeError) as exc:  # only with --trust-checkpoint: a class the file needs is missing
-        raise UserError(f"cannot unpickle checkpoint {path}: {exc}; install the code that defines its classes, "
-                        f"or save a state dict instead") from None
+    except (ImportError, AttributeError) as exc:
+        if trust:  # a class the file needs is missing
+            raise UserError(f"cannot unpickle checkpoint {path}: {first_line(exc)}; install the code that defines its "
+                            f"classes, or save a state dict instead") from None
+        raise UserError(f"cannot read checkpoint {path}: {read_problem(exc)}; is it a PyTorch file?") from None
+    except Exception as exc:  # noqa: BLE001 (a damaged or foreign file fails anywhere in torch's readers)
+        raise UserError(f"cannot read checkpoint {path}: {read_problem(exc)}; is it a PyTorch file?") from None
+
+
+def read_problem(exc: Exception) -> str:
+    """Why torch.load could not read a file, in one line: the message of an error about the file (torch's archive
+    reader, a file cut short), or, for what an unpickler meeting bytes that are no pickle raises (an IndexError,
+    KeyError, struct.error, ...), that it does not unpickle and the error with its type."""
+    if isinstance(exc, (RuntimeError, EOFError, OSError, ValueError)) and type(exc).__module__ == "builtins":
+        return first_line(exc)
+    return f"it does not unpickle ({type(exc).__name__}: {first_line(exc)})"
 
 
 def key_list(keys, limit: int = 8) -> str:

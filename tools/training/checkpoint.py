@@ -19,6 +19,7 @@ from torch import nn
 from tools.errors import UserError, first_line
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES
 from tools.models.checkpoints import TRAINED_FORMAT
+from tools.models.loading import read_problem
 from tools.provenance import atomic_write
 from tools.runtime import Precision
 
@@ -126,8 +127,8 @@ def load_resume_state(output_dir: Path, run_key: dict, earlier_key: dict | None 
     except pickle.UnpicklingError:
         raise UserError(f"{path} holds more than tensors and plain data (saved by an older version?), so it is not "
                         f"read; rerun without --resume, or with another --output-dir") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:  # empty, truncated, unreadable
-        raise UserError(f"cannot read {path} ({first_line(exc)}); rerun without "
+    except Exception as exc:  # noqa: BLE001 (empty, truncated, damaged: it fails anywhere in torch's readers)
+        raise UserError(f"cannot read {path} ({read_problem(exc)}); rerun without "
                         f"--resume, or with another --output-dir") from None
     if not isinstance(state, dict):
         raise UserError(f"{path} is not a resume state of train.py; rerun without --resume, or with another "
