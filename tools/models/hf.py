@@ -99,7 +99,12 @@ def _config(transformers, name: str, revision: str | None, what: str, trust_remo
 
 def _id2label(config: dict, what: str) -> dict[int, str]:
     """The config's labels by class index (transformers' placeholders when it names none), or one line."""
-    id2label = config.get("id2label") or {i: f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
+    num_labels = config.get("num_labels", 2)
+    if not config.get("id2label") and not (isinstance(num_labels, int) and not isinstance(num_labels, bool)
+                                           and num_labels > 0):
+        raise UserError(f"{what}: its config.json's num_labels is {num_labels!r}, not a whole number of classes; "
+                        f"fix the file or re-save the model with save_pretrained")
+    id2label = config.get("id2label") or {i: f"LABEL_{i}" for i in range(num_labels)}
     try:
         return {int(k): v for k, v in id2label.items()}
     except (AttributeError, TypeError, ValueError):
@@ -134,13 +139,36 @@ def check_labels(id2label: dict, what: str) -> str:
                     f"9-label IN-9 heads")
 
 
-def _processor_shape(processor) -> tuple[int, int]:
+def _processor_shape(processor, what: str) -> tuple[int, int]:
     crop = getattr(processor, "crop_size", None) if getattr(processor, "do_center_crop", False) else None
     size = dict(crop or getattr(processor, "size", None) or {})
     if "height" in size:
-        return size["height"], size["width"]
-    edge = size.get("shortest_edge", IMAGE_SIZE)
-    return edge, edge
+        return _input_shape([size["height"], size.get("width")], f"{what}'s {PROCESSOR_FILE} size")
+    return _input_shape(size.get("shortest_edge", IMAGE_SIZE), f"{what}'s {PROCESSOR_FILE} shortest_edge")
+
+
+def _input_shape(size, what: str) -> tuple[int, int]:
+    """(height, width) from a config's size: a number of pixels, or [height, width]; else one line."""
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v > 0
+    if whole(size):
+        return size, size
+    if isinstance(size, (list, tuple)) and len(size) == 2 and all(whole(v) for v in size):
+        return int(size[0]), int(size[1])
+    raise UserError(f"{what} is {size!r}, not an image size (a number of pixels, or [height, width]); fix the file "
+                    f"or re-save the model with save_pretrained")
+
+
+def _resample_mode(resample, what: str) -> str:
+    """The interpolation of an image processor's `resample`, PIL's code (2 bilinear, 3 bicubic; others: bicubic);
+    else one line."""
+    code = getattr(resample, "value", resample)
+    if code is None:
+        return "bicubic"
+    if not isinstance(code, int) or isinstance(code, bool):
+        raise UserError(f"{what}'s {PROCESSOR_FILE} has resample {code!r}, not PIL's code of a resampling filter "
+                        f"(2 for bilinear, 3 for bicubic); fix the file or re-save the processor with save_pretrained")
+    return PIL_RESAMPLE.get(code, "bicubic")
 
 
 def pixel_map(processor, shape: tuple[int, int], what: str):
@@ -186,8 +214,7 @@ def _processor_settings(transformers, source: str, revision: str | None, config:
     found = transformers.utils.cached_file(source, PROCESSOR_FILE, revision=revision,
                                            _raise_exceptions_for_missing_entries=False)
     if found is None:
-        size = config.get("image_size", IMAGE_SIZE)
-        shape = (size, size) if isinstance(size, int) else tuple(size)
+        shape = _input_shape(config.get("image_size", IMAGE_SIZE), f"{what}'s config.json image_size")
         log.warning("%s has no %s: normalised with the class-count rule's mean/std, %dx%d inputs", what,
                     PROCESSOR_FILE, *shape)
         return None, (0, 1, 2), shape, "bicubic"
@@ -199,11 +226,16 @@ def _processor_settings(transformers, source: str, revision: str | None, config:
     except Exception as exc:  # noqa: BLE001 (transformers' errors for an unknown or broken processor)
         raise UserError(f"{what}: cannot load its image processor from {PROCESSOR_FILE} "
                         f"({first_line(exc)})") from None
-    shape = _processor_shape(processor)
+    shape = _processor_shape(processor, what)
     mean, std, order = pixel_map(processor, shape, what)
-    resample = getattr(processor, "resample", None)
-    mode = PIL_RESAMPLE.get(int(getattr(resample, "value", resample)) if resample is not None else 3, "bicubic")
-    return (mean, std), order, shape, mode
+    return (mean, std), order, shape, _resample_mode(getattr(processor, "resample", None), what)
+
+
+def _problem(exc: Exception) -> str:
+    """A transformers error in one line: its type and first two lines (a validation error names the field on its
+    first line and what is wrong on the next)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {' '.join(lines[:2]) or 'no message'}"
 
 
 def _json(path: Path) -> dict:
@@ -251,9 +283,12 @@ def load_transformers(name: str, normalize: Normalization, runtime=None,
     try:
         model = transformers.AutoModelForImageClassification.from_pretrained(
             source, revision=revision, trust_remote_code=trust_remote_code, weights_only=True, dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as exc:
+    except pickle.UnpicklingError as exc:
         raise UserError(f"cannot load {what} safely (safetensors or weights_only unpickling): "
                         f"{first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 (transformers validates a config and reads weights with errors of many types)
+        raise UserError(f"cannot load {what}: {_problem(exc)}; fix its config.json or re-save the model with "
+                        f"save_pretrained") from None
     model.eval()
     folder = local if local.is_dir() else hub.cached_file(name, ["config.json"]).parent
     files = _weights_files(folder)
