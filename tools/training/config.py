@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -134,6 +135,10 @@ class TrainConfig:
             raise UserError(f"--crop-scale is the smallest crop's share of the image, in (0, 1], not {self.crop_scale}")
         if self.lr is not None and self.lr <= 0:
             raise UserError(f"--lr must be positive, not {self.lr}")
+        for name in ("mixup_alpha", "cutmix_alpha"):  # the A of Beta(A, A)
+            if not 0 < getattr(self, name) < math.inf:
+                raise UserError(f"--{name.replace('_', '-')} is the parameter A of Beta(A, A), which must be positive "
+                                f"and finite, not {getattr(self, name)}")
         if Method.ERM in self.methods and len(self.methods) > 1:
             raise UserError(f"--method erm is plain training and combines with nothing; drop erm from "
                             f"{' '.join(m.value for m in self.methods)}")
