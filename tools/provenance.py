@@ -16,7 +16,7 @@ from typing import IO, Callable, Iterator, Mapping
 import numpy as np
 
 from tools import __version__
-from tools.errors import UserError
+from tools.errors import UserError, import_torchvision
 
 
 def decoder(used: str | None = None) -> dict:
@@ -33,7 +33,7 @@ def decoder(used: str | None = None) -> dict:
 def provenance(runtime_info: dict, model_info: dict, data_info: dict, decoder_used: str | None = None) -> dict:
     """Versions, device, model and data of a run; `decoder_used`: who decoded the JPEGs (`decoder`)."""
     import torch  # noqa: PLC0415 (only here for the versions: writing results needs neither)
-    import torchvision  # noqa: PLC0415
+    torchvision = import_torchvision()
     return {
         "toolkit_version": __version__,
         "torch": torch.__version__,

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tools.errors import UserError, first_line, optional_module
+from tools.errors import UserError, first_line, import_torchvision, optional_module
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES
 from tools.models.loading import key_list
 from tools.models.spec import TIMM_HUB, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
@@ -81,8 +81,7 @@ def close_matches(name: str, options) -> str:
 # The families
 
 def torchvision_module():
-    import torchvision  # noqa: PLC0415 (imported lazily: only model building needs it)
-    return torchvision
+    return import_torchvision()  # imported lazily: only model building needs it
 
 
 def torchvision_architectures() -> list[str]:

@@ -27,7 +27,7 @@ from torch import nn
 
 from tools.cli import closest
 from tools.models import adapters, checkpoints
-from tools.errors import UserError, first_line
+from tools.errors import UserError, first_line, import_torchvision
 from tools.data.hashing import sha256_file
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.models.architectures import (ARCHITECTURES, DEFAULT_ARCH, build_with_weights,
@@ -99,6 +99,7 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     (`tools.models.adapters.LoraScaling`).
     trust_remote_code: run the code an `hf:` model or its image processor ships (off: such a model is refused).
     """
+    import_torchvision()  # every model library imports it: one that does not match torch is said here, in one line
     lora = adapters.LoraScaling(lora_alpha, lora_rslora, lora_options)
     spec = ModelSpec.parse(arch or DEFAULT_ARCH)
     checkpoint = Path(checkpoint) if checkpoint is not None else None
