@@ -24,6 +24,13 @@ def first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def error_summary(exc: BaseException, lines: int = 2, limit: int = 300) -> str:
+    """A library's error in one short line: its type and its first `lines` lines (a validation or loading error
+    names what failed on its first line and how on the next), cut at `limit` characters."""
+    text = " ".join([line.strip() for line in str(exc).splitlines() if line.strip()][:lines]) or "no message"
+    return f"{type(exc).__name__}: {text if len(text) <= limit else text[:limit - 3] + '...'}"
+
+
 def optional_module(name: str, needed_by: str, pip_name: str, extra: str, called: str | None = None, also: str = ""):
     """An optional extra's module, imported when first needed; without it, one error line: what needs it (named
     `called`, default its pip name) and the command that installs it, then `also` (what else the user can do).

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from tools.data.hashing import sha256_file
-from tools.errors import UserError, first_line, optional_module
+from tools.errors import UserError, error_summary, first_line, optional_module
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, class_names, class_of_folder
 from tools.models import hub
 from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
@@ -231,13 +231,6 @@ def _processor_settings(transformers, source: str, revision: str | None, config:
     return (mean, std), order, shape, _resample_mode(getattr(processor, "resample", None), what)
 
 
-def _problem(exc: Exception) -> str:
-    """A transformers error in one line: its type and first two lines (a validation error names the field on its
-    first line and what is wrong on the next)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {' '.join(lines[:2]) or 'no message'}"
-
-
 def _json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -287,7 +280,7 @@ def load_transformers(name: str, normalize: Normalization, runtime=None,
         raise UserError(f"cannot load {what} safely (safetensors or weights_only unpickling): "
                         f"{first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 (transformers validates a config and reads weights with errors of many types)
-        raise UserError(f"cannot load {what}: {_problem(exc)}; fix its config.json or re-save the model with "
+        raise UserError(f"cannot load {what}: {error_summary(exc)}; fix its config.json or re-save the model with "
                         f"save_pretrained") from None
     model.eval()
     folder = local if local.is_dir() else hub.cached_file(name, ["config.json"]).parent

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import http.client
 import json
 import logging
 import os
 import pickle
 import re
+import urllib.error
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tools.errors import UserError, first_line
+from tools.errors import UserError, error_summary, first_line
 from tools.data.hashing import sha256_file
 from tools.in9 import NUM_IMAGENET_CLASSES, Normalization
 from tools.models import hub
@@ -95,12 +97,33 @@ def _registered_cfg(timm, spec: ModelSpec) -> dict | None:
     return cfg.to_dict() if cfg is not None else {}
 
 
+# What timm raises when a file is neither cached nor downloadable now (huggingface_hub's LocalEntryNotFoundError is a
+# FileNotFoundError, its OfflineModeIsEnabled a ConnectionError; urllib's errors for weights at a URL)
+NOT_FETCHED = (FileNotFoundError, ConnectionError, TimeoutError, urllib.error.URLError, http.client.HTTPException)
+
+
+def _cached_files(spec: ModelSpec, cfg: dict | None) -> Path | None:
+    """The cached file timm was reading when it failed: the weights file of a registered tag (`weights_file`), or a
+    hub repository's cached weights, else its config.json; None when nothing is cached."""
+    if cfg is not None:
+        return weights_file(cfg)
+    repo = spec.name[len(TIMM_HUB):]
+    return hub.cached_file(repo, HUB_WEIGHTS_FILES) or hub.cached_file(repo, ["config.json"])
+
+
 def _not_loaded_line(spec: ModelSpec, cfg: dict | None, exc: Exception) -> str:
-    """Why timm did not load the weights: an unsafe pickle, or the cache timm reads (Hugging Face's or, for
-    weights at a URL, torch's hub cache) and the command that fetches them."""
+    """Why timm did not load the weights: an unsafe pickle; cached files timm failed on (damaged, or a config it
+    rejects), named with the cause; or the cache timm reads (Hugging Face's or, for weights at a URL, torch's hub
+    cache) and the command that fetches them."""
     what, fetch = f"the pretrained weights of {spec}", _fetch_command(spec.body)
     if isinstance(exc, pickle.UnpicklingError):
         return f"cannot load {what} safely: weights_only unpickling refused the file ({first_line(exc)})"
+    cached = None if isinstance(exc, NOT_FETCHED) else _cached_files(spec, cfg)
+    if cached is not None:
+        snapshot = hub.snapshot_revision(cached) is not None
+        where, download = (cached.parent, cached.parents[2]) if snapshot else (cached, cached)
+        return (f"cannot load {what}: timm failed on the cached files in {where} ({error_summary(exc)}); if they "
+                f"are damaged, delete {download} and fetch them again with `{fetch}`")
     if cfg is not None and not cfg.get("hf_hub_id") and cfg.get("url"):
         folder = Path(torch.hub.get_dir()) / "checkpoints"
         return (f"cannot load {what}: not in torch's hub cache {folder} and not downloadable from {cfg['url']} "
