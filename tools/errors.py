@@ -24,6 +24,13 @@ def first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def key_list(keys, limit: int = 8, separator: str = ", ") -> str:
+    """Names for an error line: the first `limit`, and how many more (a message never lists thousands of keys)."""
+    keys = [str(key) for key in keys]
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return separator.join(keys[:limit]) + more
+
+
 def error_summary(exc: BaseException, lines: int = 2, limit: int = 300) -> str:
     """A library's error in one short line: its type and its first `lines` lines (a validation or loading error
     names what failed on its first line and how on the next), cut at `limit` characters."""

@@ -124,7 +124,7 @@ def extract_state_dict(obj, key: str | None = None, ignore_normalizer: bool = Fa
             normalizer = (state.pop("normalizer.new_mean").flatten(), state.pop("normalizer.new_std").flatten())
         elif not ignore_normalizer:
             raise UserError(f"robustness-library checkpoint whose normaliser buffers are not normalizer.new_mean/"
-                            f"new_std (it has: {', '.join(buffers)}); pass --normalize imagenet, in9 or none to say "
+                            f"new_std (it has: {key_list(buffers)}); pass --normalize imagenet, in9 or none to say "
                             f"which statistics the model was trained with")
         for k in buffers:
             state.pop(k, None)
@@ -136,7 +136,7 @@ def extract_state_dict(obj, key: str | None = None, ignore_normalizer: bool = Fa
         rest = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
         others = [k for k in state if not k.startswith("model.")]
         if others:
-            raise UserError(f"unexpected keys in the robustness-library checkpoint: {', '.join(others[:8])}")
+            raise UserError(f"unexpected keys in the robustness-library checkpoint: {key_list(others)}")
         state = _strip_prefixes(rest)
         layout = f"robustness library (at {where})"
     return CheckpointState(state, layout, normalizer)

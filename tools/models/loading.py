@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tools.errors import UserError, first_line
+from tools.errors import UserError, first_line, key_list
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def torch_load(path: Path, trust: bool):
     except pickle.UnpicklingError as exc:
         blocked = [] if trust else _blocked_globals(path, exc)
         if blocked:
-            raise UserError(f"checkpoint {path} needs arbitrary unpickling (blocked globals: {', '.join(blocked)}); "
+            raise UserError(f"checkpoint {path} needs arbitrary unpickling (blocked globals: {key_list(blocked)}); "
                             f"if you trust the file, rerun with --trust-checkpoint") from None
         raise UserError(f"cannot read checkpoint {path}: it does not unpickle ({_unpickling_problem(exc)}); "
                         f"is it a PyTorch file?") from None
@@ -75,12 +75,6 @@ def read_problem(exc: Exception) -> str:
     if isinstance(exc, (RuntimeError, EOFError, OSError, ValueError)) and type(exc).__module__ == "builtins":
         return first_line(exc)
     return f"it does not unpickle ({type(exc).__name__}: {first_line(exc)})"
-
-
-def key_list(keys, limit: int = 8) -> str:
-    keys = list(keys)
-    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(keys[:limit]) + more
 
 
 def check_fits(state: Mapping, expected: Mapping, what: str) -> None:
