@@ -101,3 +101,17 @@ def test_train_py_from_random_weights_of_a_tag_trains_at_its_size(timm_files, hu
     saved = torch.load(out / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
     assert saved["input_size"] == [160, 160]
     assert load_model(checkpoint=out / CHECKPOINT_NAME).model(images(2)).shape == (2, 9)
+
+
+def test_a_hub_name_with_a_checkpoint_file_takes_the_hub_configs_input(timm_files, hub_cache, tmp_path):
+    """`timm:hf-hub:ORG/NAME@file:CKPT`, a plain state dict: the repository's config gives the architecture and
+    the pixel pipeline (384x384, mean and std 0.5), as `timm:NAME.TAG@file:CKPT` takes the tag's."""
+    module, repo, files = timm_files[384]
+    put_in_cache(hub_cache, repo, files)
+    path = tmp_path / "weights.pt"
+    torch.save(module.state_dict(), path)
+    loaded = load_model(f"timm:hf-hub:{repo}@file:{path}")
+    batch = images(2)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(batch), own_logits(module, batch, (0.5,) * 3, (0.5,) * 3, 384),
+                                   rtol=1e-4, atol=1e-4)

@@ -134,22 +134,38 @@ def _not_loaded_line(spec: ModelSpec, cfg: dict | None, exc: Exception) -> str:
 def tag_data_config(arch: str, args: dict | None = None, what: str = "") -> tuple[dict, str] | None:
     """(timm's data config: mean, std, input_size, interpolation, crop; timm's version) for `timm:NAME.TAG`, or for
     `timm:NAME` its default tag's (as `timm:NAME` loads it; a timm training checkpoint records such a name), read
-    from timm's registry without building the model or loading weights; None for other names or an unknown tag.
-    args: settings that override the tag's, as timm's train.py resolves them (its `args`, which `what` records)."""
+    from timm's registry without building the model or loading weights, or for `timm:hf-hub:ORG/NAME` from the
+    repository's cached config.json (which its architecture was built from); None for other names or an unknown
+    tag. args: settings that override the tag's, as timm's train.py resolves them (its `args`, which `what`
+    records)."""
     spec = ModelSpec.parse(arch)
-    if spec.prefix != TIMM_PREFIX or spec.name.startswith(TIMM_HUB):
+    if spec.prefix != TIMM_PREFIX:
         return None
     timm = timm_module(spec)
     from timm.data import resolve_data_config  # noqa: PLC0415 (an optional extra)
-    cfg = timm.models.get_pretrained_cfg(spec.body)
+    if spec.name.startswith(TIMM_HUB):
+        cfg = _hub_pretrained_cfg(timm, spec)
+    else:
+        registered = timm.models.get_pretrained_cfg(spec.body)
+        cfg = registered.to_dict() if registered is not None else None
     if cfg is None and not args:
         return None
     try:
-        data_cfg = resolve_data_config(dict(args or {}), pretrained_cfg=cfg.to_dict() if cfg is not None else {})
+        data_cfg = resolve_data_config(dict(args or {}), pretrained_cfg=cfg or {})
     except (AssertionError, TypeError, ValueError) as exc:  # timm asserts the settings' shapes
         raise UserError(f"{what or arch} records data settings timm cannot use ({args}: {first_line(exc) or 'rejected'}"
                         f"); a timm input_size is [channels, height, width]") from None
     return data_cfg, timm.__version__
+
+
+def _hub_pretrained_cfg(timm, spec: ModelSpec) -> dict:
+    """The pretrained config in a timm hub repository's config.json (from the cache when offline)."""
+    try:
+        cfg = timm.models.load_model_config_from_hf(spec.name[len(TIMM_HUB):])[0]
+    except Exception as exc:  # noqa: BLE001 (huggingface_hub's and timm's errors all mean: no config to read)
+        raise UserError(hub.not_cached_line(f"the config of {spec}", _fetch_command(spec.body),
+                                            first_line(exc))) from None
+    return dict(cfg)
 
 
 def fit_data_config(model: nn.Module, data_cfg: dict, used_by: str, runtime=None) -> nn.Module:
