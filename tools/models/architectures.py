@@ -15,9 +15,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tools.errors import UserError, first_line, import_torchvision, optional_module
+from tools.errors import UserError, first_line, import_torchvision, key_list, optional_module
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES
-from tools.models.loading import key_list
 from tools.models.spec import TIMM_HUB, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
 DEFAULT_ARCH = "resnet50"  # the paper's model, where neither --arch nor the checkpoint names one

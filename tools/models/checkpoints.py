@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tools.errors import UserError, first_line
+from tools.errors import UserError, first_line, key_list
 from tools.models import adapters, torchscript
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
-from tools.models.loading import check_fits, key_list, torch_load
+from tools.models.loading import check_fits, torch_load
 from tools.models.recorded import (TRAINED_FORMAT, is_timm_training_checkpoint, recorded_architecture,
                                     recorded_network, recorded_normaliser, timm_data_args, timm_training_weights,
                                     trained_checkpoint_header)

@@ -18,6 +18,7 @@ from torch import nn
 
 from tools.errors import UserError, first_line
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES
+from tools.models.boundary import InputResize
 from tools.models.checkpoints import TRAINED_FORMAT
 from tools.models.loading import read_problem
 from tools.provenance import atomic_write
@@ -93,12 +94,16 @@ class BackgroundSaver:
 
 @dataclass(frozen=True)
 class NetworkInput:
-    """How a trained network is rebuilt and fed besides its architecture's name: the builder's other arguments
+    """How a network is rebuilt and fed besides its architecture's name: the builder's other arguments
     (`build_architecture`), its input size, and the interpolation that resizes the 224x224 images to it (None: 224)."""
 
     arch_args: dict = field(default_factory=dict)
     input_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)
     interpolation: str | None = None
+
+    def in_front(self, network: nn.Module) -> nn.Module:
+        """The network behind the resize to its input size, as the evaluation feeds it (`fit_input_size`)."""
+        return network if self.interpolation is None else InputResize(network, self.input_size, self.interpolation)
 
 
 def trained_checkpoint(classifier: nn.Module, arch: str, mean, std, method: str, data: dict, train_args: dict,

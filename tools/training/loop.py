@@ -23,11 +23,10 @@ from tqdm import tqdm
 
 from tools import distributed
 from tools.data.hashing import read_and_fingerprint
-from tools.errors import UserError
-from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
+from tools.errors import UserError, key_list
+from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
-from tools.models.boundary import InputResize, LoadedModel, network_input
-from tools.models.loading import key_list
+from tools.models.boundary import LoadedModel, network_input
 from tools.data.pixels import unit_floats
 from tools.provenance import TRAINING_LOG, write_text_atomic
 from tools.models.sources import fit_named_input, load_model
@@ -58,15 +57,7 @@ class StartingPoint:
     mean: tuple
     std: tuple
     source: LoadedModel | None  # untouched by training (the report's starting point); None for a random initialisation
-    arch_args: dict = field(default_factory=dict)  # the builder's other arguments (`build_architecture`)
-    input_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)  # the network's input: the 224x224 images resized to it
-    interpolation: str | None = None  # how they are resized (None: they are not)
-
-    def model_input(self, network: nn.Module) -> nn.Module:
-        """The network behind the resize to its input size, as the evaluation feeds it (`fit_input_size`)."""
-        if self.interpolation is None:
-            return network
-        return InputResize(network, self.input_size, self.interpolation)
+    fed: NetworkInput = field(default_factory=NetworkInput)  # how the network is built and fed besides its name
 
 
 @dataclass
@@ -81,7 +72,7 @@ class TrainResult:
 
 def starting_point(config: TrainConfig) -> StartingPoint:
     """The network to fine-tune, from the evaluation's model sources, without the resize to its input size that the
-    source puts in front of it (training puts it back: `StartingPoint.model_input`); a 1000-class network gets a new
+    source puts in front of it (training puts it back: `NetworkInput.in_front`); a 1000-class network gets a new
     9-class head."""
     if config.weights is not None and config.weights.lower() == RANDOM_INIT:
         if config.checkpoint is not None:
@@ -89,7 +80,7 @@ def starting_point(config: TrainConfig) -> StartingPoint:
         arch = config.arch or DEFAULT_ARCH
         mean, std = statistics_for(Normalization.IN9, NUM_IN9_CLASSES)
         network, size, mode = network_input(fit_named_input(build_architecture(arch, NUM_IN9_CLASSES), arch)[0])
-        return StartingPoint(network, arch, mean, std, None, {}, size, mode)
+        return StartingPoint(network, arch, mean, std, None, NetworkInput({}, size, mode))
     loaded = load_model(config.arch, config.weights, config.checkpoint, None, Normalization.AUTO,
                         config.trust_checkpoint, config.checkpoint_key, lora_options=None)
     if loaded.arch is None:
@@ -112,7 +103,7 @@ def starting_point(config: TrainConfig) -> StartingPoint:
         network = fresh
     else:
         network = copy.deepcopy(network)  # trained in place, so the source stays the starting point
-    return StartingPoint(network, loaded.arch, tuple(mean), tuple(std), loaded, arch_args, size, mode)
+    return StartingPoint(network, loaded.arch, tuple(mean), tuple(std), loaded, NetworkInput(arch_args, size, mode))
 
 
 def _optimizer(params, config: TrainConfig) -> torch.optim.Optimizer:
@@ -282,11 +273,11 @@ def train(config: TrainConfig) -> TrainResult:
     store = decoded_store(data, fingerprint, config.workers, config.progress and group.is_main, hashes)
 
     head_keys = classifier_keys(start.arch)
-    if start.interpolation is not None:
-        check_antialias(device, start.interpolation, f"{start.arch}, whose {start.input_size[0]}x"
-                                                     f"{start.input_size[1]} inputs are resized from 224x224")
-    network = adapters.attach(start.classifier, config, head_keys, start.input_size)
-    net = adapters.TrainingModel(start.model_input(network), start.mean, start.std)
+    if start.fed.interpolation is not None:
+        check_antialias(device, start.fed.interpolation, f"{start.arch}, whose {start.fed.input_size[0]}x"
+                                                         f"{start.fed.input_size[1]} inputs are resized from 224x224")
+    network = adapters.attach(start.classifier, config, head_keys, start.fed.input_size)
+    net = adapters.TrainingModel(start.fed.in_front(network), start.mean, start.std)
     net = runtime.prepare(net).train()  # the module saved, averaged and evaluated: never the compiled wrapper
     optimizer = _optimizer([p for p in net.parameters() if p.requires_grad], config)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -359,13 +350,12 @@ def train(config: TrainConfig) -> TrainResult:
     final = net
     if swa is not None:
         final = swa.finish((runtime.to_device(device_batch(b, device, config.augment)[0]) for b in batches), device)
-    classifier = adapters.merged(network_input(final.classifier)[0], config, start.input_size)
+    classifier = adapters.merged(network_input(final.classifier)[0], config, start.fed.input_size)
     path = config.output_dir / CHECKPOINT_NAME
     if group.is_main:
         save_atomic(trained_checkpoint(classifier, start.arch, start.mean, start.std, config.method_name,
                                        {"path": str(data.root), "train_variation": config.train_variation,
-                                        **fingerprint}, record, runtime.precision,
-                                       NetworkInput(start.arch_args, start.input_size, start.interpolation)), path)
+                                        **fingerprint}, record, runtime.precision, start.fed), path)
         log.info("wrote %s (%s, %d steps)", path, config.method_name, step)
     group.barrier()
     rate = steps_log.images_seen / max(1e-9, time.perf_counter() - started)
