@@ -190,3 +190,53 @@ def test_a_malformed_config_is_one_line(damage, tmp_path, hub_cache):  # noqa: F
     path.write_text(json.dumps(config))
     with pytest.raises(UserError, match="config.json"):
         load_model(f"hf:{tmp_path / 'm'}")
+
+
+def without_labels(config: dict, num_labels) -> None:
+    config.pop("id2label"), config.pop("label2id")
+    config["num_labels"] = num_labels
+
+
+CONFIG_DAMAGE = {  # what a hand-edited config.json may hold, and a word the line says
+    "num_labels a string": (lambda c: without_labels(c, "9"), "num_labels"),
+    "num_labels a float": (lambda c: without_labels(c, 9.0), "num_labels"),
+    "image_size a string": (lambda c: c.update(image_size="224"), "image_size"),
+    "image_size a list of one": (lambda c: c.update(image_size=[160]), "image_size"),
+    "an activation transformers lacks": (lambda c: c.update(hidden_act="no_such"), "KeyError"),
+    "depths a string": (lambda c: c.update(depths="1,1"), "depths"),
+    "a width of words": (lambda c: c.update(embedding_size="eight"), "embedding_size"),
+    "widths that do not fit the weights": (lambda c: c.update(hidden_sizes=[8, 32]), "config.json"),
+}
+
+
+@pytest.mark.parametrize("damage", list(CONFIG_DAMAGE))
+def test_a_config_transformers_or_the_toolkit_rejects_is_one_line(damage, tmp_path, hub_cache):  # noqa: F811
+    save_resnet(tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    config = json.loads(path.read_text())
+    change, word = CONFIG_DAMAGE[damage]
+    change(config)
+    path.write_text(json.dumps(config))
+    with pytest.raises(UserError, match=word) as error:
+        load_model(f"hf:{tmp_path / 'm'}")
+    assert "\n" not in str(error.value)
+
+
+def test_an_image_size_of_height_and_width_is_taken(tmp_path, hub_cache):  # noqa: F811
+    module = save_resnet(tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "image_size": [160, 192]}))
+    loaded = load_model(f"hf:{tmp_path / 'm'}")
+    assert loaded.model.classifier.size == (160, 192)
+    assert loaded.model(images(1)).shape == (1, 9) and module is not None
+
+
+@pytest.mark.parametrize("resample", ["bicubic", 2.5, [3], True])
+def test_a_resample_that_is_no_pil_code_is_one_line(resample, tmp_path, hub_cache):  # noqa: F811
+    save_resnet(tmp_path / "m")
+    transformers.ViTImageProcessor(size={"height": 224, "width": 224}).save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "preprocessor_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "resample": resample}))
+    with pytest.raises(UserError) as error:
+        load_model(f"hf:{tmp_path / 'm'}")
+    assert "resample" in str(error.value) and "\n" not in str(error.value)

@@ -234,6 +234,17 @@ def test_the_small_cnn_without_weights_says_how_to_start_from_random_ones(data, 
     assert "has no pretrained weights" in line and "--weights none" in line
 
 
+@pytest.mark.parametrize("method, flag, value", [("mixup", "--mixup-alpha", "0"), ("cutmix", "--cutmix-alpha", "-1"),
+                                                ("mixup", "--mixup-alpha", "nan"), ("cutmix", "--cutmix-alpha", "inf")])
+def test_a_mixing_parameter_that_is_no_beta_parameter_is_refused_before_start_up(method, flag, value, data, fails,
+                                                                                 monkeypatch):
+    """Beta(A, A) needs a positive, finite A: refused when the settings are read, before any model or data."""
+    from tools.training import loop  # noqa: PLC0415
+    monkeypatch.setattr(loop, "starting_point", lambda config: pytest.fail("the run started"))
+    line = fails("--data-path", data, "--arch", SMALL_CNN, "--weights", "none", "--method", method, flag, value)
+    assert flag in line and "positive" in line
+
+
 def test_a_torchscript_start_cannot_be_rebuilt(data, tmp_path, fails):
     path = tmp_path / "model.ts"
     save_torchscript(SmallCNN(9), path)

@@ -15,7 +15,7 @@ import threading
 from typing import Callable, Iterator
 
 from tools import EXIT_INTERRUPTED, interrupted_while_loading
-from tools.errors import UserError
+from tools.errors import UserError, mismatched_torchvision
 
 log = logging.getLogger(__name__)
 
@@ -285,10 +285,13 @@ def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
         from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: PLC0415
         with sigterm_as_interrupt(), logging_redirect_tqdm():
             return int(main(args) or 0)
-    except UserError as exc:
-        if getattr(exc, "stdout", None):  # what the command had computed before the error: printed all the same
-            print("\n".join(exc.stdout))
-        print(f"error: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 (a user's error, or a torchvision that does not match torch, is one line)
+        error = exc if isinstance(exc, UserError) else mismatched_torchvision(exc)
+        if error is None:
+            raise
+        if getattr(error, "stdout", None):  # what the command had computed before the error: printed all the same
+            print("\n".join(error.stdout))
+        print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt as exc:
         if on_interrupt is None:

@@ -4,6 +4,8 @@ command line's flags, or the Python API's arguments), and what reading a damaged
 import contextlib
 import contextvars
 import importlib
+import importlib.metadata
+import re
 import zipfile
 from typing import Callable, Iterator, Mapping, Union
 
@@ -55,6 +57,20 @@ def first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def key_list(keys, limit: int = 8, separator: str = ", ") -> str:
+    """Names for an error line: the first `limit`, and how many more (a message never lists thousands of keys)."""
+    keys = [str(key) for key in keys]
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return separator.join(keys[:limit]) + more
+
+
+def error_summary(exc: BaseException, lines: int = 2, limit: int = 300) -> str:
+    """A library's error in one short line: its type and its first `lines` lines (a validation or loading error
+    names what failed on its first line and how on the next), cut at `limit` characters."""
+    text = " ".join([line.strip() for line in str(exc).splitlines() if line.strip()][:lines]) or "no message"
+    return f"{type(exc).__name__}: {text if len(text) <= limit else text[:limit - 3] + '...'}"
+
+
 def optional_module(name: str, needed_by: str, pip_name: str, extra: str, called: str | None = None, also: str = ""):
     """An optional extra's module, imported when first needed; without it, one error line: what needs it (named
     `called`, default its pip name) and the command that installs it, then `also` (what else the user can do).
@@ -72,7 +88,44 @@ def optional_module(name: str, needed_by: str, pip_name: str, extra: str, called
         raise UserError(f"{needed_by} needs {called or pip_name}, which is not installed; run `pip install {pip_name}` "
                         f"(or install this project with the [{extra}] extra){also}") from None
     except Exception as exc:  # noqa: BLE001 (an installed module's own failure, whatever it raises, is named)
-        raise _broken(name, called or pip_name, exc) from exc
+        raise mismatched_torchvision(exc) or _broken(name, called or pip_name, exc) from exc
+
+
+# What importing (or first using) a torchvision built for another torch release raises: its compiled operators
+# do not register ("operator torchvision::nms does not exist" from `import torchvision`), or its ops refuse.
+TORCHVISION_MISMATCH = re.compile(r"operator torchvision::\w+ does not exist|PyTorch and torchvision versions are "
+                                  r"incompatible")
+
+
+def mismatched_torchvision(exc: BaseException) -> UserError | None:
+    """One line for a torchvision that does not match the installed torch, which every model library imports
+    (timm, open_clip and transformers too); None for any other error."""
+    if not TORCHVISION_MISMATCH.search(str(exc)):
+        return None
+    versions = {}
+    for package in ("torch", "torchvision"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = "(version unknown)"
+    return UserError(f"torchvision {versions['torchvision']} does not match torch {versions['torch']} "
+                     f"({first_line(exc)}): torch and torchvision are built for each other and must be installed as "
+                     f"a pair; run `pip install --upgrade torch torchvision` (the two together), or install the "
+                     f"torchvision release made for torch {versions['torch']} (https://github.com/pytorch/vision"
+                     f"#installation)")
+
+
+def import_torchvision(name: str = "torchvision"):
+    """torchvision (or its module `name`), imported where it is first needed (it is slow to import); a torchvision
+    that does not match torch is one line (`mismatched_torchvision`)."""
+    wait_for_background_imports()
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 (the mismatch raises RuntimeError; anything else goes on as it is)
+        mismatch = mismatched_torchvision(exc)
+        if mismatch is None:
+            raise
+        raise mismatch from None
 
 
 def _broken(name: str, what: str, exc: BaseException) -> UserError:

@@ -21,7 +21,7 @@ import numpy as np
 
 from tools import __version__
 from tools.data.temporary import atomic_names, remove_stale
-from tools.errors import UserError
+from tools.errors import UserError, import_torchvision
 
 
 def decoder(used: str | None = None) -> dict:
@@ -40,7 +40,7 @@ def provenance(runtime_info: dict, model_info: dict, data_info: dict, decoder_us
     """Versions, device, model and data of a run; `decoder_used`: who decoded the JPEGs (`decoder`);
     `decoded_cache`: the decoded-data cache it read and wrote (`tools.data.store.DecodedCache.describe`), if any."""
     import torch  # noqa: PLC0415 (only here for the versions: writing results needs neither)
-    import torchvision  # noqa: PLC0415
+    torchvision = import_torchvision()
     return {
         "toolkit_version": __version__,
         "torch": torch.__version__,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.data.layout import IMAGE_EXTENSIONS, list_folder
-from tools.errors import UserError
+from tools.errors import UserError, key_list
 from tools.in9 import (NUM_IMAGENET_CLASSES, UNMAPPED, class_folder_names, class_names, class_of_folder,
                        class_wordnet_ids, in_to_in9_list)
 
@@ -64,7 +64,7 @@ def class_folder_labels(images: Path, folders: list[str]) -> dict[str, int]:
     matches = {folder: class_of_folder(folder) for folder in folders}
     unknown = [folder for folder, label in matches.items() if label is None]
     if unknown:
-        raise UserError(f"--images {images}: the folder(s) {', '.join(unknown)} name no IN-9 class; name the nine "
+        raise UserError(f"--images {images}: the folder(s) {key_list(unknown)} name no IN-9 class; name the nine "
                         f"class folders {_expected_folders()}, or pass an ImageNet-style folder with all "
                         f"{NUM_IMAGENET_CLASSES} of its WordNet-id folders")
     labels = {folder: label for folder, label in matches.items() if label is not None}

@@ -15,8 +15,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from tools.threads import wait_for_background_imports
-from tools.errors import UserError
+from tools.errors import UserError, import_torchvision
 from tools.in9 import IMAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -62,14 +61,14 @@ def pillow_rgb(data: bytes, name: Path | str) -> np.ndarray:
 def decode_jpeg_bytes(data: bytes) -> torch.Tensor:
     """torchvision's decoding of JPEG bytes as a uint8 (3, H, W) tensor, in RGB; raises on what it cannot read.
     Equal to Pillow's only where `choose_decoder` found it so: use `decode_bytes` unless you probed."""
-    from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415 (torchvision's import is slow)
+    torchvision_io = import_torchvision("torchvision.io")
     encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     _silence_deprecation()
     try:
-        return decode_jpeg(encoded, mode=ImageReadMode.RGB)
+        return torchvision_io.decode_jpeg(encoded, mode=torchvision_io.ImageReadMode.RGB)
     except DeprecationWarning:  # an error filter's, the filter dropped between the check and the call: again
         _silence_deprecation()
-        return decode_jpeg(encoded, mode=ImageReadMode.RGB)
+        return torchvision_io.decode_jpeg(encoded, mode=torchvision_io.ImageReadMode.RGB)
 
 
 def _torchvision_rgb(data: bytes) -> np.ndarray | None:
@@ -168,10 +167,8 @@ def choose_decoder(sample_files: Sequence[Path | bytes], requested: Decoder | No
     (Pillow always; torchvision still only where the probe passes)."""
     if requested is Decoder.PILLOW:
         return Decoder.PILLOW
-    wait_for_background_imports()  # torchvision may be half imported by the scripts' background import
-    try:
-        from torchvision.io import decode_jpeg  # noqa: F401, PLC0415 (deprecated in torchvision 0.29: may go)
-    except ImportError:
+    torchvision_io = import_torchvision("torchvision.io")  # after the scripts' background import of it
+    if not hasattr(torchvision_io, "decode_jpeg"):  # deprecated in torchvision 0.29: may go
         return Decoder.PILLOW
     try:
         samples = _probe_samples() + [p if isinstance(p, bytes) else Path(p).read_bytes() for p in sample_files]

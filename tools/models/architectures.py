@@ -8,13 +8,14 @@ toolkit's own. A checkpoint's weights go into one of them; `classifier_keys` fin
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-from tools.errors import UserError, option, optional_module
+from tools.errors import UserError, first_line, import_torchvision, key_list, option, optional_module
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES
 from tools.models.spec import TIMM_HUB, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
@@ -26,7 +27,7 @@ SMALL_CNN = f"{TOOLKIT_PREFIX}small_cnn"  # a tiny BatchNorm-free CNN for tests,
 class Family:
     """Architectures of one prefix: how to build one, and the libraries that building imports."""
 
-    build: Callable[[ModelSpec, int], nn.Module]
+    build: Callable[..., nn.Module]  # (spec, num_classes, **builder arguments)
     libraries: tuple[str, ...]
 
 
@@ -34,8 +35,8 @@ ARCHITECTURES: dict[str, Family] = {}
 
 
 def register_architectures(prefix: str, libraries: tuple[str, ...] = ()):
-    """Register `build(spec, num_classes) -> nn.Module` for architecture names starting with `prefix`."""
-    def register(build: Callable[[ModelSpec, int], nn.Module]):
+    """Register `build(spec, num_classes, **arguments) -> nn.Module` for architecture names starting with `prefix`."""
+    def register(build: Callable[..., nn.Module]):
         ARCHITECTURES[prefix] = Family(build, libraries)
         return build
     return register
@@ -50,10 +51,11 @@ def architecture_family(spec: ModelSpec) -> Family:
     return family
 
 
-def build_architecture(arch: str, num_classes: int) -> nn.Module:
-    """An untrained classifier of the architecture with `num_classes` outputs."""
+def build_architecture(arch: str, num_classes: int, arch_args: dict | None = None) -> nn.Module:
+    """An untrained classifier of the architecture with `num_classes` outputs; `arch_args`: the builder's other
+    arguments (those pretrained weights fix, such as a torchvision ViT's image_size: `torchvision_weights_arguments`)."""
     spec = ModelSpec.parse(arch)
-    return architecture_family(spec).build(spec, num_classes)
+    return architecture_family(spec).build(spec, num_classes, **(arch_args or {}))
 
 
 def classifier_keys(arch: str) -> list[str]:
@@ -78,8 +80,7 @@ def close_matches(name: str, options) -> str:
 # The families
 
 def torchvision_module():
-    import torchvision  # noqa: PLC0415 (imported lazily: only model building needs it)
-    return torchvision
+    return import_torchvision()  # imported lazily: only model building needs it
 
 
 def torchvision_architectures() -> list[str]:
@@ -95,10 +96,62 @@ def check_torchvision_architecture(arch: str) -> None:
 
 
 @register_architectures("", libraries=("torchvision",))
-def torchvision_architecture(spec: ModelSpec, num_classes: int) -> nn.Module:
+def torchvision_architecture(spec: ModelSpec, num_classes: int, **arguments) -> nn.Module:
     """torchvision classification models, by builder name (resnet50, vit_b_16, ...)."""
     check_torchvision_architecture(spec.name)
-    return torchvision_module().models.get_model(spec.name, weights=None, num_classes=num_classes)
+    return torchvision_module().models.get_model(spec.name, weights=None, num_classes=num_classes, **arguments)
+
+
+# What torchvision's builders take from pretrained weights besides the class count, by the module that defines the
+# weights (torchvision 0.13 to 0.29, read from its source; tests/test_torchvision_weights.py holds every
+# classification weights to its builder): the input size that ViT and MaxViT fix when they are built, and GoogLeNet's
+# and Inception-v3's input transform (their weights take inputs normalised to 0.5, which `transform_input` makes of
+# ImageNet-normalised ones) and auxiliary heads (loaded, then dropped by GoogLeNet's builder and kept by Inception's).
+_WEIGHTS_ARGUMENTS = {
+    "vision_transformer": lambda meta: {"image_size": int(meta["min_size"][0])},
+    "maxvit": lambda meta: {"input_size": [int(v) for v in meta["min_size"]]},
+    "googlenet": lambda meta: {"transform_input": True, "aux_logits": False, "init_weights": False},
+    "inception": lambda meta: {"transform_input": True, "aux_logits": True, "init_weights": False},
+}
+
+
+def build_with_weights(arch: str, weights, state: dict) -> nn.Module:
+    """torchvision's own builder of `arch` given `weights`, so that the architecture takes their settings as
+    torchvision gives them (a ViT's image size, Inception's input transform, DenseNet's older key names), with their
+    state dict `state` (read and checked by the caller) where torchvision would download and unpickle it itself.
+    A state dict that does not fit is one error line."""
+    check_torchvision_architecture(arch)
+    weights.get_state_dict = lambda *args, **kwargs: state  # this member's alone, for this call alone
+    try:
+        return torchvision_module().models.get_model(arch, weights=weights)
+    except NotImplementedError:  # a RuntimeError too, but a bug, not a file that does not fit
+        raise
+    except RuntimeError as exc:  # load_state_dict: missing, unexpected or misshapen keys, a kind per line
+        raise UserError(f"the weights file of {weights} does not fit {arch} as torchvision builds it for them "
+                        f"({_load_problems(exc)})") from None
+    finally:
+        del weights.get_state_dict
+
+
+QUOTED = re.compile(r'"([^"]+)"')  # a key as load_state_dict's message quotes it
+
+
+def _load_problems(exc: RuntimeError) -> str:
+    """load_state_dict's complaint in one line: each kind of problem with its first keys (`key_list`)."""
+    problems = []
+    for line in str(exc).splitlines()[1:]:
+        kind, _, keys = line.strip().partition(":")
+        if keys:
+            names = re.findall(QUOTED, keys) or [keys.strip()]
+            problems.append(f"{kind}: {key_list(names, limit=3)}")
+    return "; ".join(problems) or first_line(exc)
+
+
+def torchvision_weights_arguments(weights) -> dict:
+    """The builder arguments torchvision's builder gives an architecture for `weights` (a weights enum member),
+    besides the class count: what the same architecture needs to hold those weights, or a fine-tuned copy of them."""
+    arguments = _WEIGHTS_ARGUMENTS.get(type(weights).__module__.rsplit(".", 1)[-1])
+    return arguments(weights.meta) if arguments is not None else {}
 
 
 def timm_module(spec: ModelSpec):
@@ -120,11 +173,11 @@ def check_timm_name(timm, spec: ModelSpec) -> None:
 
 
 @register_architectures(TIMM_PREFIX, libraries=("timm",))
-def timm_architecture(spec: ModelSpec, num_classes: int) -> nn.Module:
+def timm_architecture(spec: ModelSpec, num_classes: int, **arguments) -> nn.Module:
     """timm models, timm:NAME or timm:NAME.TAG (a pretrained tag, which may set the input size), timm installed."""
     timm = timm_module(spec)
     check_timm_name(timm, spec)
-    return timm.create_model(spec.body, pretrained=False, num_classes=num_classes)
+    return timm.create_model(spec.body, pretrained=False, num_classes=num_classes, **arguments)
 
 
 class SmallCNN(nn.Module):
@@ -149,10 +202,10 @@ TOOLKIT_ARCHITECTURES = {SMALL_CNN[len(TOOLKIT_PREFIX):]: SmallCNN}
 
 
 @register_architectures(TOOLKIT_PREFIX)
-def toolkit_architecture(spec: ModelSpec, num_classes: int) -> nn.Module:
+def toolkit_architecture(spec: ModelSpec, num_classes: int, **arguments) -> nn.Module:
     """This toolkit's own: toolkit:small_cnn, a tiny CNN for tests, demos and smoke runs."""
     builder = TOOLKIT_ARCHITECTURES.get(spec.name)
     if builder is None:
         raise UserError(f"unknown toolkit architecture {spec.name!r}"
                         f"{close_matches(spec.name, TOOLKIT_ARCHITECTURES)}; valid: {', '.join(TOOLKIT_ARCHITECTURES)}")
-    return builder(num_classes)
+    return builder(num_classes, **arguments)

@@ -1,7 +1,7 @@
 """The model boundary: `PixelModel` (pixels in, normalised inside, logits out), `LoadedModel` (a ready model,
 what it is and the record of what made it, `tools.models.record`), `wrap`, which makes a classifier of known
 origin (`ModelOrigin`) a `LoadedModel`, and the resizing inside the model for classifiers whose input is not
-224x224 (`resize_input`, `fit_input_size`)."""
+224x224 (`resize_input`, `fit_input_size`, and `network_input`, which finds the network behind it)."""
 
 from __future__ import annotations
 
@@ -171,3 +171,12 @@ def fit_input_size(classifier: nn.Module, size: tuple[int, int], used_by: str, m
         return classifier
     announce_input_size(size, used_by, mode, runtime)
     return InputResize(classifier, size, mode)
+
+
+def network_input(classifier: nn.Module) -> tuple[nn.Module, tuple[int, int], str | None]:
+    """(the network behind `fit_input_size`'s resize, its input size, the interpolation that resizes to it); 224x224
+    and no interpolation for a classifier without one. Training changes and saves the network, behind the same
+    resize."""
+    if isinstance(classifier, InputResize):
+        return classifier.classifier, classifier.size, classifier.mode
+    return classifier, (IMAGE_SIZE, IMAGE_SIZE), None

@@ -10,7 +10,10 @@ Checkpoint formats, told apart by the file's contents, never by its name:
   `state_dict`, `state_dict_ema` or `model_state_dict` (PyTorch's tutorial layout) (that priority, or
   `--checkpoint-key`), with `module.` / `_orig_mod.` wrapper prefixes, or the robustness library's layout
   (`normalizer.new_mean/new_std`, `model.<arch keys>`, a duplicate `attacker.*` copy that is dropped), or a
-  peft-wrapped model's (`base_model.model.*`, its adapters merged: `tools.models.adapters`);
+  peft-wrapped model's (`base_model.model.*`, its adapters merged: `tools.models.adapters`); what train.py's
+  checkpoints record besides the weights (architecture, builder arguments, input size, normaliser) and timm's own
+  training checkpoints (their model, data settings and the weights they were ranked by, the EMA's where timm
+  validated one) are read by `tools.models.recorded`;
 - with `--trust-checkpoint`, a whole pickled module (`torch.save(model)`, there or under those keys): used as it
   is, its class count probed.
 """
@@ -23,24 +26,25 @@ import warnings
 import zipfile
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tools.errors import UserError, first_line, option
+from tools.errors import UserError, first_line, key_list, option
 from tools.models import adapters, export_archive, torchscript
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
-from tools.models.loading import check_fits, key_list, torch_load
+from tools.models.loading import check_fits, torch_load
 from tools.models.record import ModelRecord
+from tools.models.recorded import (TRAINED_FORMAT, is_timm_training_checkpoint, recorded_architecture,
+                                    recorded_network, recorded_normaliser, timm_data_args, timm_training_weights,
+                                    trained_checkpoint_header)
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
-from tools.models.spec import TIMM_PREFIX
 
 log = logging.getLogger(__name__)
 
 STATE_DICT_KEYS = ("model", "state_dict", "state_dict_ema", "model_state_dict")
-TRAINED_FORMAT = "bg-challenge-toolkit/1"  # the `format` value of the checkpoints train.py writes
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
@@ -64,7 +68,8 @@ def program_kind(path: Path) -> str | None:
 
 
 def _is_tensor_dict(obj) -> bool:
-    return isinstance(obj, Mapping) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+    return (isinstance(obj, Mapping) and bool(obj)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()))
 
 
 def _strip_prefixes(state: dict) -> dict:
@@ -123,7 +128,7 @@ def extract_state_dict(obj, key: str | None = None, ignore_normalizer: bool = Fa
             normalizer = (state.pop("normalizer.new_mean").flatten(), state.pop("normalizer.new_std").flatten())
         elif not ignore_normalizer:
             raise UserError(f"robustness-library checkpoint whose normaliser buffers are not normalizer.new_mean/"
-                            f"new_std (it has: {', '.join(buffers)}); pass {option('--normalize', 'imagenet')}, "
+                            f"new_std (it has: {key_list(buffers)}); pass {option('--normalize', 'imagenet')}, "
                             f"{option('--normalize', 'in9')} or {option('--normalize', 'none')} to say "
                             f"which statistics the model was trained with")
         for k in buffers:
@@ -136,7 +141,7 @@ def extract_state_dict(obj, key: str | None = None, ignore_normalizer: bool = Fa
         rest = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
         others = [k for k in state if not k.startswith("model.")]
         if others:
-            raise UserError(f"unexpected keys in the robustness-library checkpoint: {', '.join(others[:8])}")
+            raise UserError(f"unexpected keys in the robustness-library checkpoint: {key_list(others)}")
         state = _strip_prefixes(rest)
         layout = f"robustness library (at {where})"
     return CheckpointState(state, layout, normalizer)
@@ -285,26 +290,6 @@ def _load_program(path: Path, kind: str, device: torch.device) -> Program:
     return program
 
 
-def trained_checkpoint_header(obj) -> dict | None:
-    """The toolkit's trained-checkpoint fields (arch, mean, std, method, ...) when `obj` is one, else None."""
-    if not isinstance(obj, Mapping) or obj.get("format") != TRAINED_FORMAT:
-        return None
-    return {k: v for k, v in obj.items() if k != "model"}
-
-
-TIMM_TRAINING_KEYS = {"arch", "state_dict", "version", "args"}  # what timm's train.py (its CheckpointSaver) writes
-
-
-def recorded_architecture(obj) -> str | None:
-    """The architecture a checkpoint records under "arch" (train.py and the zoo write it), if any; timm's own
-    training checkpoints record a bare timm name there (their --model), which is `timm:NAME` here."""
-    arch = obj.get("arch") if isinstance(obj, Mapping) else None
-    if not isinstance(arch, str) or not arch:
-        return None
-    timm_training = TIMM_TRAINING_KEYS <= obj.keys() and obj.get("format") != TRAINED_FORMAT
-    return f"{TIMM_PREFIX}{arch}" if timm_training and not arch.startswith(TIMM_PREFIX) else arch
-
-
 def _architecture(arch: str | None, recorded: str | None, path: Path) -> str:
     """--arch, else the recorded architecture, else resnet50; a recorded one that --arch contradicts is an error."""
     if arch is not None and recorded is not None and arch != recorded:
@@ -324,6 +309,9 @@ class ReadCheckpoint:
     arch: str | None  # None for a program, which carries its own
     normalizer: tuple | None  # (mean, std) from the file, if it has them
     layout: str
+    arch_args: dict = field(default_factory=dict)  # the builder's other arguments, as train.py's checkpoints record
+    input: tuple | None = None  # ((height, width), interpolation) the network is fed at, where the file records it
+    data_args: dict | None = None  # the data settings of timm's train.py, for a checkpoint of it
 
 
 def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: Normalization, trust: bool,
@@ -360,13 +348,24 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     recorded = recorded_architecture(obj)
     named = arch is not None or recorded is not None
     arch = _architecture(arch, recorded, path)
+    data_args, weights_chosen = None, "as --checkpoint-key says"
+    if is_timm_training_checkpoint(obj):
+        data_args = timm_data_args(obj)
+        if checkpoint_key is None:
+            checkpoint_key, weights_chosen = timm_training_weights(obj)
+        log.info("timm training checkpoint (%s): weights at %r, %s; data settings from its args: %s", arch,
+                 checkpoint_key, weights_chosen, data_args or "none (the tag's)")
     state = extract_state_dict(obj, checkpoint_key, ignore_normalizer=normalize is not Normalization.AUTO)
+    if data_args is not None:
+        state.layout = f"timm training checkpoint, {checkpoint_key}: {weights_chosen}"
     header = trained_checkpoint_header(obj)
-    if header is not None:  # train.py's checkpoint: its architecture (above) and its normaliser
+    arch_args, network_input = {}, None
+    if header is not None:  # train.py's checkpoint: its architecture (above), builder arguments, input and normaliser
         log.info("trained checkpoint (%s, method %s): architecture and normaliser from the file", arch,
                  header.get("method"))
-        state.normalizer = (torch.tensor(header["mean"]), torch.tensor(header["std"]))
+        state.normalizer = recorded_normaliser(header, path)
         state.layout = f"trained checkpoint {TRAINED_FORMAT}"
+        arch_args, network_input = recorded_network(header, path)
     peft_state = adapters.read_peft_state(state.state_dict, path) if adapters.is_peft_state(state.state_dict) else None
     if lora is not None and lora.given() and (peft_state is None or peft_state.kind != "lora"):
         raise lora.misplaced(f"which checkpoint {path} is not")
@@ -377,16 +376,27 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
         hint = (f"is {option('--arch', arch)} right?" if named else "the checkpoint does not record its "
                 f"architecture, so resnet50 was tried; name it with {option('--arch', f'NAME@file:{path}')}")
         raise UserError(f"checkpoint {path} has no classifier keys of {arch} ({key_list(keys)}); {hint}")
+    if base[present[0]].ndim == 0:
+        raise UserError(f"checkpoint {path} holds a single number at {present[0]}, where {arch} has its classifier's "
+                        f"weights; is it a checkpoint of {arch}?")
     num_classes = int(base[present[0]].shape[0])
     check_class_count(num_classes, in9, f"checkpoint {path}")
-    classifier = build_architecture(arch, num_classes)
+    try:
+        classifier = build_architecture(arch, num_classes, arch_args)
+    except TypeError as exc:  # arguments the installed library's builder does not take
+        if not arch_args:
+            raise
+        raise UserError(f"checkpoint {path} records builder arguments {arch_args} that {arch} does not take here "
+                        f"({first_line(exc)}); is the library that defines {arch} older than the one it was "
+                        f"trained with?") from None
     if peft_state is not None:
         classifier = adapters.merge_peft_state(classifier, state.state_dict, peft_state, lora, path, record)
         return ReadCheckpoint(classifier, num_classes, arch, state.normalizer,
-                              f"{state.layout}, peft {peft_state.kind} (merged)")
+                              f"{state.layout}, peft {peft_state.kind} (merged)", arch_args, network_input, data_args)
     check_fits(state.state_dict, classifier.state_dict(), f"checkpoint {path} does not fit {option('--arch', arch)}")
     classifier.load_state_dict(state.state_dict, strict=True)
-    return ReadCheckpoint(classifier, num_classes, arch, state.normalizer, state.layout)
+    return ReadCheckpoint(classifier, num_classes, arch, state.normalizer, state.layout, arch_args, network_input,
+                          data_args)
 
 
 def _pickled_module(obj, key: str | None) -> nn.Module | None:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tools.errors import UserError, first_line, option, optional_module
+from tools.errors import UserError, error_summary, first_line, option, optional_module
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, class_names, class_of_folder
 from tools.models import hub
 from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
@@ -114,7 +114,12 @@ def _config(transformers, name: str, revision: str | None, what: str, trust_remo
 
 def _id2label(config: dict, what: str) -> dict[int, str]:
     """The config's labels by class index (transformers' placeholders when it names none), or one line."""
-    id2label = config.get("id2label") or {i: f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
+    num_labels = config.get("num_labels", 2)
+    if not config.get("id2label") and not (isinstance(num_labels, int) and not isinstance(num_labels, bool)
+                                           and num_labels > 0):
+        raise UserError(f"{what}: its config.json's num_labels is {num_labels!r}, not a whole number of classes; "
+                        f"fix the file or re-save the model with save_pretrained")
+    id2label = config.get("id2label") or {i: f"LABEL_{i}" for i in range(num_labels)}
     try:
         return {int(k): v for k, v in id2label.items()}
     except (AttributeError, TypeError, ValueError):
@@ -149,13 +154,36 @@ def check_labels(id2label: dict, what: str) -> str:
                     f"9-label IN-9 heads")
 
 
-def _processor_shape(processor) -> tuple[int, int]:
+def _processor_shape(processor, what: str) -> tuple[int, int]:
     crop = getattr(processor, "crop_size", None) if getattr(processor, "do_center_crop", False) else None
     size = dict(crop or getattr(processor, "size", None) or {})
     if "height" in size:
-        return size["height"], size["width"]
-    edge = size.get("shortest_edge", IMAGE_SIZE)
-    return edge, edge
+        return _input_shape([size["height"], size.get("width")], f"{what}'s {PROCESSOR_FILE} size")
+    return _input_shape(size.get("shortest_edge", IMAGE_SIZE), f"{what}'s {PROCESSOR_FILE} shortest_edge")
+
+
+def _input_shape(size, what: str) -> tuple[int, int]:
+    """(height, width) from a config's size: a number of pixels, or [height, width]; else one line."""
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v > 0
+    if whole(size):
+        return size, size
+    if isinstance(size, (list, tuple)) and len(size) == 2 and all(whole(v) for v in size):
+        return int(size[0]), int(size[1])
+    raise UserError(f"{what} is {size!r}, not an image size (a number of pixels, or [height, width]); fix the file "
+                    f"or re-save the model with save_pretrained")
+
+
+def _resample_mode(resample, what: str) -> str:
+    """The interpolation of an image processor's `resample`, PIL's code (2 bilinear, 3 bicubic; others: bicubic);
+    else one line."""
+    code = getattr(resample, "value", resample)
+    if code is None:
+        return "bicubic"
+    if not isinstance(code, int) or isinstance(code, bool):
+        raise UserError(f"{what}'s {PROCESSOR_FILE} has resample {code!r}, not PIL's code of a resampling filter "
+                        f"(2 for bilinear, 3 for bicubic); fix the file or re-save the processor with save_pretrained")
+    return PIL_RESAMPLE.get(code, "bicubic")
 
 
 def pixel_map(processor, shape: tuple[int, int], what: str):
@@ -207,8 +235,7 @@ def _processor_settings(transformers, source: str, revision: str | None, config:
     processor (its config `found`); without a processor config, the class-count rule (with a warning) and the
     config's image size."""
     if found is None:
-        size = config.get("image_size", IMAGE_SIZE)
-        shape = (size, size) if isinstance(size, int) else tuple(size)
+        shape = _input_shape(config.get("image_size", IMAGE_SIZE), f"{what}'s config.json image_size")
         log.warning("%s has no %s: normalised with the class-count rule's mean/std, %dx%d inputs", what,
                     PROCESSOR_FILE, *shape)
         return None, (0, 1, 2), shape, "bicubic"
@@ -218,11 +245,9 @@ def _processor_settings(transformers, source: str, revision: str | None, config:
     except Exception as exc:  # noqa: BLE001 (transformers' errors for an unknown or broken processor)
         raise UserError(f"{what}: cannot load its image processor from {PROCESSOR_FILE} "
                         f"({first_line(exc)})") from None
-    shape = _processor_shape(processor)
+    shape = _processor_shape(processor, what)
     mean, std, order = pixel_map(processor, shape, what)
-    resample = getattr(processor, "resample", None)
-    mode = PIL_RESAMPLE.get(int(getattr(resample, "value", resample)) if resample is not None else 3, "bicubic")
-    return (mean, std), order, shape, mode
+    return (mean, std), order, shape, _resample_mode(getattr(processor, "resample", None), what)
 
 
 def _safetensors_error() -> type[Exception]:
@@ -308,12 +333,15 @@ def load_transformers(name: str, normalize: Normalization, record: ModelRecord, 
     try:
         model = transformers.AutoModelForImageClassification.from_pretrained(
             source, revision=revision, trust_remote_code=trust_remote_code, weights_only=True, dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, _safetensors_error()) as exc:
-        raise UserError(f"cannot load {what} safely (safetensors or weights_only unpickling): "
-                        f"{first_line(exc)}") from None
-    except (ImportError, AttributeError) as exc:  # remote code (trusted) whose module or class is not there
-        raise UserError(f"cannot load {what}: its code ({', '.join(sorted(config.get('auto_map') or {}))}) does not "
-                        f"load: {first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 (transformers validates a config and reads weights with errors of many types)
+        if isinstance(exc, (pickle.UnpicklingError, _safetensors_error())):
+            raise UserError(f"cannot load {what} safely (safetensors or weights_only unpickling): "
+                            f"{first_line(exc)}") from None
+        if isinstance(exc, (ImportError, AttributeError)) and config.get("auto_map"):  # trusted code not there
+            raise UserError(f"cannot load {what}: its code ({', '.join(sorted(config['auto_map']))}) does not "
+                            f"load: {first_line(exc)}") from None
+        raise UserError(f"cannot load {what}: {error_summary(exc)}; fix its config.json or re-save the model with "
+                        f"save_pretrained") from None
     model.eval()
     stats, order, size, mode = _processor_settings(transformers, source, revision, config, processor_file, what,
                                                    trust_remote_code)

@@ -4,6 +4,7 @@ line) and loading a state dict strictly (every missing, unexpected or misshapen 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import pickle
 import re
@@ -12,17 +13,19 @@ from pathlib import Path
 
 import torch
 
-from tools.errors import UserError, first_line, option
+from tools.errors import UserError, first_line, key_list, option
 
 log = logging.getLogger(__name__)
 
 
 def _blocked_globals(path: Path, exc: Exception) -> list[str]:
     """The globals a weights-only load refused: listed from a zip checkpoint, else read off the error."""
+    allowed = {f"{cls.__module__}.{cls.__qualname__}" for cls in SAFE_CLASSES}
     try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        found = list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
     except Exception:  # noqa: BLE001 (legacy, non-zip files: torch's message names the first one)
-        return re.findall(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        found = re.findall(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    return [name for name in found if name not in allowed]
 
 
 def _unpickling_problem(exc: Exception) -> str:
@@ -34,31 +37,45 @@ def _unpickling_problem(exc: Exception) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+# Classes the weights-only unpickler may build besides tensors and plain data, for this reading alone: an
+# argparse.Namespace (timm's train.py saves its command line as one, `args`) is a bag of attributes, no code.
+SAFE_CLASSES = (argparse.Namespace,)
+
+
 def torch_load(path: Path, trust: bool):
-    """The unpickled file: `weights_only=True` unless trusted; an unsafe or unreadable file is one error line."""
+    """The unpickled file: `weights_only=True` unless trusted (with SAFE_CLASSES allowed); an unsafe or unreadable
+    file is one error line."""
     if trust:
         log.warning("loading %s with full unpickling (%s): only do this for files you trust", path,
                     option("--trust-checkpoint"))
     try:
-        return torch.load(path, map_location="cpu", weights_only=not trust)
+        if trust:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(list(SAFE_CLASSES)):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         blocked = [] if trust else _blocked_globals(path, exc)
         if blocked:
-            raise UserError(f"checkpoint {path} needs arbitrary unpickling (blocked globals: {', '.join(blocked)}); "
+            raise UserError(f"checkpoint {path} needs arbitrary unpickling (blocked globals: {key_list(blocked)}); "
                             f"if you trust the file, rerun with {option('--trust-checkpoint')}") from None
         raise UserError(f"cannot read checkpoint {path}: it does not unpickle ({_unpickling_problem(exc)}); "
                         f"is it a PyTorch file?") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise UserError(f"cannot read checkpoint {path}: {first_line(exc)}; is it a PyTorch file?") from None
-    except (ImportError, AttributeError) as exc:  # only with --trust-checkpoint: a class the file needs is missing
-        raise UserError(f"cannot unpickle checkpoint {path}: {exc}; install the code that defines its classes, "
-                        f"or save a state dict instead") from None
+    except (ImportError, AttributeError) as exc:
+        if trust:  # a class the file needs is missing
+            raise UserError(f"cannot unpickle checkpoint {path}: {first_line(exc)}; install the code that defines its "
+                            f"classes, or save a state dict instead") from None
+        raise UserError(f"cannot read checkpoint {path}: {read_problem(exc)}; is it a PyTorch file?") from None
+    except Exception as exc:  # noqa: BLE001 (a damaged or foreign file fails anywhere in torch's readers)
+        raise UserError(f"cannot read checkpoint {path}: {read_problem(exc)}; is it a PyTorch file?") from None
 
 
-def key_list(keys, limit: int = 8) -> str:
-    keys = list(keys)
-    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(keys[:limit]) + more
+def read_problem(exc: Exception) -> str:
+    """Why torch.load could not read a file, in one line: the message of an error about the file (torch's archive
+    reader, a file cut short), or, for what an unpickler meeting bytes that are no pickle raises (an IndexError,
+    KeyError, struct.error, ...), that it does not unpickle and the error with its type."""
+    if isinstance(exc, (RuntimeError, EOFError, OSError, ValueError)) and type(exc).__module__ == "builtins":
+        return first_line(exc)
+    return f"it does not unpickle ({type(exc).__name__}: {first_line(exc)})"
 
 
 def check_fits(state: Mapping, expected: Mapping, what: str) -> None:

@@ -20,7 +20,6 @@ import http.client
 import importlib
 import logging
 import os
-import pickle
 import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +30,13 @@ from torch import nn
 
 from tools.cli import closest
 from tools.models import adapters, checkpoints
-from tools.errors import UserError, first_line, option
+from tools.errors import UserError, first_line, import_torchvision, option
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
-from tools.models.architectures import (ARCHITECTURES, DEFAULT_ARCH, architecture_family, build_architecture,
-                                       check_torchvision_architecture, close_matches, torchvision_module)
-from tools.models.boundary import InputResize, LoadedModel, ModelOrigin, wrap
+from tools.models.architectures import (ARCHITECTURES, DEFAULT_ARCH, architecture_family, build_with_weights,
+                                       check_torchvision_architecture, close_matches, torchvision_module,
+                                       torchvision_weights_arguments)
+from tools.models.loading import read_problem
+from tools.models.boundary import InputResize, LoadedModel, ModelOrigin, fit_input_size, wrap
 from tools.models.record import ModelRecord
 from tools.models.spec import CLIP_PREFIX, FILE_PREFIX, HF_PREFIX, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
@@ -116,6 +117,7 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     (`tools.models.adapters.LoraScaling`).
     trust_remote_code: run the code an `hf:` model or its image processor ships (off: such a model is refused).
     """
+    import_torchvision()  # every model library imports it: one that does not match torch is said here, in one line
     lora = adapters.LoraScaling(lora_alpha, lora_rslora, lora_options)
     spec = ModelSpec.parse(arch or DEFAULT_ARCH)
     record = ModelRecord()
@@ -243,8 +245,8 @@ def _download_weights(weights, record: ModelRecord) -> tuple[dict, str]:
                         f"{prefix}; delete it and rerun (or put the right file there)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path} ({first_line(exc)}); delete it and rerun") from None
+    except Exception as exc:  # noqa: BLE001 (a damaged file fails anywhere in torch's readers)
+        raise UserError(f"cannot read {path} ({read_problem(exc)}); delete it and rerun") from None
     return state, str(path)
 
 
@@ -255,13 +257,31 @@ def torchvision_pretrained(name: str, options: ModelOptions, record: ModelRecord
         raise UserError(f"{option('--in9')} needs {option('--checkpoint', 'PATH')}: there are no pretrained 9-class "
                         f"weights to download")
     member = resolve_weights(name, options.weights)
-    weights = record.setting("torchvision weights", f"{type(member).__name__}.{member.name}")
-    classifier = build_architecture(name, NUM_IMAGENET_CLASSES)
+    weights_name = record.setting("torchvision weights", f"{type(member).__name__}.{member.name}")
     record.library(torchvision_module())
     state, source = _download_weights(member, record)
-    classifier.load_state_dict(state, strict=True)
-    return wrap(classifier, num_classes=NUM_IMAGENET_CLASSES, normalize=options.normalize, record=record,
-                origin=ModelOrigin(name, weights, source, "torchvision weights"))
+    classifier = build_with_weights(name, member, state)
+    size, mode, mean, std = weights_pipeline(member)
+    # what the weights' transforms give the model: its input size, interpolation and statistics
+    record.setting("torchvision pipeline", {"input_size": list(size), "interpolation": mode, "mean": list(mean),
+                                            "std": list(std)})
+    classifier = fit_input_size(classifier, size, f"{name} with {weights_name}", mode, options.runtime)
+    model = wrap(classifier, num_classes=NUM_IMAGENET_CLASSES, normalize=options.normalize, stats=(mean, std),
+                 stats_origin="the weights' transforms", record=record,
+                 origin=ModelOrigin(name, weights_name, source, "torchvision weights"))
+    arch_args = torchvision_weights_arguments(member)
+    if arch_args:
+        model.details["arch_args"] = arch_args
+    return model
+
+
+def weights_pipeline(weights) -> tuple[tuple[int, int], str, list[float], list[float]]:
+    """(input size, interpolation, mean, std) of torchvision weights, from their transforms (ImageClassification):
+    the size they crop to, to which the 224x224 images are resized (as a timm model's are to its input size)."""
+    transforms = weights.transforms()
+    crop = [int(v) for v in transforms.crop_size]
+    size = (crop[0], crop[-1])
+    return size, transforms.interpolation.value, list(transforms.mean), list(transforms.std)
 
 
 @register_source(TIMM_PREFIX)
@@ -288,16 +308,38 @@ def checkpoint_file(path: str, options: ModelOptions, record: ModelRecord) -> Lo
         for library in architecture_family(ModelSpec.parse(loaded.arch)).libraries:
             record.library(importlib.import_module(library))
     classifier, stats, stats_origin = loaded.classifier, loaded.normalizer, "checkpoint normaliser"
-    if loaded.arch is not None and loaded.arch.startswith(TIMM_PREFIX):  # timm:NAME.TAG: the tag's data config
-        from tools.models.timm_weights import fit_data_config, tag_data_config  # noqa: PLC0415 (an optional extra)
-        data_cfg = tag_data_config(loaded.arch, record)
-        if data_cfg is not None:
-            classifier = fit_data_config(classifier, data_cfg, loaded.arch, options.runtime)
-            if stats is None:
-                stats, stats_origin = (data_cfg["mean"], data_cfg["std"]), f"timm pretrained config of {loaded.arch}"
-    return wrap(classifier, num_classes=loaded.num_classes, normalize=options.normalize,
-                stats=stats, stats_origin=stats_origin, record=record,
-                origin=ModelOrigin(loaded.arch, None, str(path), loaded.layout))
+    if loaded.input is not None:  # a trained checkpoint records the input its network was trained at
+        size, mode = loaded.input
+        classifier = fit_input_size(classifier, size, str(loaded.arch), mode, options.runtime)
+    else:
+        classifier, data_cfg = fit_named_input(classifier, loaded.arch, options.runtime, loaded.data_args, path,
+                                               record)
+        if data_cfg is not None and stats is None:  # timm:NAME.TAG: the tag's data config (under a timm training
+            stats = data_cfg["mean"], data_cfg["std"]  # checkpoint's settings)
+            stats_origin = (f"timm pretrained config of {loaded.arch}" if not loaded.data_args else
+                            f"timm training checkpoint's data settings over {loaded.arch}'s config")
+    model = wrap(classifier, num_classes=loaded.num_classes, normalize=options.normalize,
+                 stats=stats, stats_origin=stats_origin, record=record,
+                 origin=ModelOrigin(loaded.arch, None, str(path), loaded.layout))
+    if loaded.arch_args:
+        model.details["arch_args"] = loaded.arch_args
+    return model
+
+
+def fit_named_input(classifier: nn.Module, arch: str | None, runtime: Runtime | None = None,
+                    data_args: dict | None = None, path: Path | str | None = None,
+                    record: ModelRecord | None = None) -> tuple[nn.Module, dict | None]:
+    """The classifier behind a resize to the input size its architecture's name gives it: a timm tag's data config
+    (`timm:NAME.TAG`, or the default tag of `timm:NAME`) under `data_args` (the settings a timm training checkpoint,
+    `path`, records), and that data config (what it read in `record`); other names give 224x224, the classifier as
+    it is and None."""
+    if arch is None or not arch.startswith(TIMM_PREFIX):
+        return classifier, None
+    from tools.models.timm_weights import fit_data_config, tag_data_config  # noqa: PLC0415 (timm, an optional extra)
+    data_cfg = tag_data_config(arch, record, data_args, f"checkpoint {path}" if path is not None else "")
+    if data_cfg is None:
+        return classifier, None
+    return fit_data_config(classifier, data_cfg, arch, runtime), data_cfg
 
 
 @register_source(TOOLKIT_PREFIX)

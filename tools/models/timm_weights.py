@@ -13,16 +13,18 @@ config comes from timm's registry: a config.json beside its weights is not read,
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import pickle
 import re
+import urllib.error
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tools.errors import UserError, first_line, option
+from tools.errors import UserError, error_summary, first_line, option
 from tools.in9 import NUM_IMAGENET_CLASSES, Normalization
 from tools.models import hub
 from tools.models.architectures import check_timm_name, timm_module
@@ -92,12 +94,33 @@ def _registered_cfg(timm, spec: ModelSpec) -> dict | None:
     return cfg.to_dict() if cfg is not None else {}
 
 
+# What timm raises when a file is neither cached nor downloadable now (huggingface_hub's LocalEntryNotFoundError is a
+# FileNotFoundError, its OfflineModeIsEnabled a ConnectionError; urllib's errors for weights at a URL)
+NOT_FETCHED = (FileNotFoundError, ConnectionError, TimeoutError, urllib.error.URLError, http.client.HTTPException)
+
+
+def _cached_files(spec: ModelSpec, cfg: dict | None) -> Path | None:
+    """The cached file timm was reading when it failed: the weights file of a registered tag (`weights_file`), or a
+    hub repository's cached weights, else its config.json; None when nothing is cached."""
+    if cfg is not None:
+        return weights_file(cfg)
+    repo = spec.name[len(TIMM_HUB):]
+    return hub.cached_file(repo, HUB_WEIGHTS_FILES) or hub.cached_file(repo, ["config.json"])
+
+
 def _not_loaded_line(spec: ModelSpec, cfg: dict | None, exc: Exception) -> str:
-    """Why timm did not load the weights: an unsafe pickle, or the cache timm reads (Hugging Face's or, for
-    weights at a URL, torch's hub cache) and the command that fetches them."""
+    """Why timm did not load the weights: an unsafe pickle; cached files timm failed on (damaged, or a config it
+    rejects), named with the cause; or the cache timm reads (Hugging Face's or, for weights at a URL, torch's hub
+    cache) and the command that fetches them."""
     what, fetch = f"the pretrained weights of {spec}", _fetch_command(spec.body)
     if isinstance(exc, pickle.UnpicklingError):
         return f"cannot load {what} safely: weights_only unpickling refused the file ({first_line(exc)})"
+    cached = None if isinstance(exc, NOT_FETCHED) else _cached_files(spec, cfg)
+    if cached is not None:
+        snapshot = hub.snapshot_revision(cached) is not None
+        where, download = (cached.parent, cached.parents[2]) if snapshot else (cached, cached)
+        return (f"cannot load {what}: timm failed on the cached files in {where} ({error_summary(exc)}); if they "
+                f"are damaged, delete {download} and fetch them again with `{fetch}`")
     if cfg is not None and not cfg.get("hf_hub_id") and cfg.get("url"):
         folder = Path(torch.hub.get_dir()) / "checkpoints"
         return (f"cannot load {what}: not in torch's hub cache {folder} and not downloadable from {cfg['url']} "
@@ -114,26 +137,44 @@ def hub_config_file(spec: ModelSpec) -> Path:
     return path
 
 
-def tag_data_config(arch: str, record: ModelRecord) -> dict | None:
+def tag_data_config(arch: str, record: ModelRecord | None = None, args: dict | None = None,
+                    what: str = "") -> dict | None:
     """timm's data config (mean, std, input_size, interpolation, crop) for `timm:NAME.TAG`, or for `timm:NAME` its
     default tag's (as `timm:NAME` loads it; a timm training checkpoint records such a name), read from timm's
-    registry without building the model or loading weights; for `timm:hf-hub:ORG/NAME`, from the hub's config.json
-    (as that name loads it). None for other names or an unknown tag. What it reads goes into `record`: the
-    config.json, timm's version and the data config."""
+    registry without building the model or loading weights; for `timm:hf-hub:ORG/NAME`, from the repository's
+    cached config.json (as that name loads it). None for other names or an unknown tag. args: settings that
+    override the tag's, as timm's train.py resolves them (its `args`, which `what` records). What it reads goes
+    into `record`: the config.json, timm's version and the data config."""
     spec = ModelSpec.parse(arch)
     if spec.prefix != TIMM_PREFIX:
         return None
     timm = timm_module(spec)
     from timm.data import resolve_data_config  # noqa: PLC0415 (an optional extra)
     if spec.name.startswith(TIMM_HUB):  # the hub's config.json, parsed by timm as timm.create_model does
-        record.read_file(hub_config_file(spec), "timm hub config.json")
-        cfg = timm.models.load_model_config_from_hf(spec.name[len(TIMM_HUB):])[0]
+        cfg = _hub_pretrained_cfg(timm, spec)
+        if record is not None:
+            record.read_file(hub_config_file(spec), "timm hub config.json")
     else:
         registered = timm.models.get_pretrained_cfg(spec.body)
         cfg = None if registered is None else registered.to_dict()
-    if cfg is None:
+    if cfg is None and not args:
         return None
-    return _record_data_config(resolve_data_config({}, pretrained_cfg=cfg), timm, record)
+    try:
+        data_cfg = resolve_data_config(dict(args or {}), pretrained_cfg=cfg or {})
+    except (AssertionError, TypeError, ValueError) as exc:  # timm asserts the settings' shapes
+        raise UserError(f"{what or arch} records data settings timm cannot use ({args}: {first_line(exc) or 'rejected'}"
+                        f"); a timm input_size is [channels, height, width]") from None
+    return data_cfg if record is None else _record_data_config(data_cfg, timm, record)
+
+
+def _hub_pretrained_cfg(timm, spec: ModelSpec) -> dict:
+    """The pretrained config in a timm hub repository's config.json (from the cache when offline)."""
+    try:
+        cfg = timm.models.load_model_config_from_hf(spec.name[len(TIMM_HUB):])[0]
+    except Exception as exc:  # noqa: BLE001 (huggingface_hub's and timm's errors all mean: no config to read)
+        raise UserError(hub.not_cached_line(f"the config of {spec}", _fetch_command(spec.body),
+                                            first_line(exc))) from None
+    return dict(cfg)
 
 
 def _record_data_config(data_cfg: dict, timm, record: ModelRecord) -> dict:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tools.errors import NUMPY_READ_ERRORS, UserError
+from tools.errors import NUMPY_READ_ERRORS, UserError, key_list
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
 from tools.provenance import atomic_write, read_npy, write_json_atomic
 
@@ -76,7 +76,7 @@ def _read_index_csv(path: Path, columns: list[str]) -> list[dict]:
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc}") from None
     if header != columns:
-        raise UserError(f"{path} has columns {','.join(header) or '(none)'}, expected {','.join(columns)}; "
+        raise UserError(f"{path} has columns {key_list(header, separator=',') or '(none)'}, expected {','.join(columns)}; "
                         f"it was not written by challenge_eval.py --full (rerun it)")
     for position, row in enumerate(rows):
         try:

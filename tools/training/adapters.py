@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tools.errors import UserError
+from tools.in9 import IMAGE_SIZE
 from tools.models.adapters import MERGE_TOLERANCE, logits, peft_module, relative_difference
 from tools.models.boundary import PixelModel
 from tools.training.config import Adapter, Freeze, TrainConfig
@@ -73,8 +74,10 @@ def head_modules(model: nn.Module, head_keys: list[str]) -> list[str]:
     return sorted({key.rsplit(".", 1)[0] for key in head_keys})
 
 
-def attach(model: nn.Module, config: TrainConfig, head_keys: list[str]) -> nn.Module:
-    """The model to train: with frozen backbone, or wrapped with adapters, or as it is."""
+def attach(model: nn.Module, config: TrainConfig, head_keys: list[str],
+           input_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)) -> nn.Module:
+    """The model to train: with frozen backbone, or wrapped with adapters (checked on probe images of its
+    `input_size`), or as it is."""
     head = head_modules(model, head_keys)
     if config.freeze is Freeze.BACKBONE:
         for name, param in model.named_parameters():
@@ -101,7 +104,7 @@ def attach(model: nn.Module, config: TrainConfig, head_keys: list[str]) -> nn.Mo
                                 f"{name}; pick a divisor of it")
         # r=0 said explicitly: peft takes either a block count r or a block size, and before 0.16 it defaults r to 8
         adapter_config = peft.OFTConfig(r=0, oft_block_size=config.oft_block_size, target_modules=targets)
-    probe = _probe(config.seed, next(model.parameters()).device)
+    probe = _probe(config.seed, next(model.parameters()).device, input_size)
     before = logits(model, probe)
     wrapped = peft.get_peft_model(model, adapter_config)
     _check_close(logits(wrapped, probe), before, f"at initialisation the {config.peft.value} adapters change the "
@@ -115,8 +118,9 @@ def attach(model: nn.Module, config: TrainConfig, head_keys: list[str]) -> nn.Mo
     return wrapped
 
 
-def _probe(seed: int, device: torch.device) -> torch.Tensor:
-    return torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(seed)).to(device)
+def _probe(seed: int, device: torch.device, input_size: tuple[int, int]) -> torch.Tensor:
+    """Two images of the network's input size (a ViT takes no other)."""
+    return torch.randn(2, 3, *input_size, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def _check_close(got: torch.Tensor, expected: torch.Tensor, problem: str) -> None:
@@ -127,11 +131,11 @@ def _check_close(got: torch.Tensor, expected: torch.Tensor, problem: str) -> Non
                         f"or use --peft lora")
 
 
-def merged(model: nn.Module, config: TrainConfig) -> nn.Module:
+def merged(model: nn.Module, config: TrainConfig, input_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)) -> nn.Module:
     """The plain classifier to save: adapters merged into their modules (checked on a probe batch)."""
     if config.peft is None:
         return model
-    probe = _probe(config.seed, next(model.parameters()).device)
+    probe = _probe(config.seed, next(model.parameters()).device, input_size)
     adapted = logits(model, probe)
     plain = model.merge_and_unload()
     _check_close(logits(plain, probe), adapted, f"the merged {config.peft.value} weights compute other logits than "

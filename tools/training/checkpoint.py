@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -17,8 +18,10 @@ import torch
 from torch import nn
 
 from tools.errors import UserError, first_line
-from tools.in9 import NUM_IN9_CLASSES
+from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES
+from tools.models.boundary import InputResize
 from tools.models.checkpoints import TRAINED_FORMAT
+from tools.models.loading import read_problem
 from tools.provenance import atomic_write
 from tools.runtime import Precision
 
@@ -90,11 +93,28 @@ class BackgroundSaver:
             log.error("writing the resume state failed too: %s", first_line(error))
 
 
+@dataclass(frozen=True)
+class NetworkInput:
+    """How a network is rebuilt and fed besides its architecture's name: the builder's other arguments
+    (`build_architecture`), its input size, and the interpolation that resizes the 224x224 images to it (None: 224)."""
+
+    arch_args: dict = field(default_factory=dict)
+    input_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)
+    interpolation: str | None = None
+
+    def in_front(self, network: nn.Module) -> nn.Module:
+        """The network behind the resize to its input size, as the evaluation feeds it (`fit_input_size`)."""
+        return network if self.interpolation is None else InputResize(network, self.input_size, self.interpolation)
+
+
 def trained_checkpoint(classifier: nn.Module, arch: str, mean, std, method: str, data: dict, train_args: dict,
-                       precision: Precision) -> dict:
-    """The toolkit's checkpoint format: a 9-class state dict with what is needed to rebuild and normalise it, and
-    the precision training ran in (train_args holds --precision as given, None for the device's default)."""
+                       precision: Precision, network: NetworkInput = NetworkInput()) -> dict:
+    """The toolkit's checkpoint format: a 9-class state dict of the network itself with what is needed to rebuild,
+    feed and normalise it, and the precision training ran in (train_args holds --precision as given, None for the
+    device's default)."""
     return {"format": TRAINED_FORMAT, "arch": arch, "num_classes": NUM_IN9_CLASSES,
+            "arch_args": dict(network.arch_args), "input_size": [int(v) for v in network.input_size],
+            "interpolation": network.interpolation,
             "mean": [float(v) for v in torch.as_tensor(mean).flatten()],
             "std": [float(v) for v in torch.as_tensor(std).flatten()],
             "model": {k: v.detach().cpu().clone() for k, v in classifier.state_dict().items()},
@@ -113,8 +133,8 @@ def load_resume_state(output_dir: Path, run_key: dict, earlier_keys: Sequence[di
     except pickle.UnpicklingError:
         raise UserError(f"{path} holds more than tensors and plain data (saved by an older version?), so it is not "
                         f"read; rerun without --resume, or with another --output-dir") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:  # empty, truncated, unreadable
-        raise UserError(f"cannot read {path} ({first_line(exc)}); rerun without "
+    except Exception as exc:  # noqa: BLE001 (empty, truncated, damaged: it fails anywhere in torch's readers)
+        raise UserError(f"cannot read {path} ({read_problem(exc)}); rerun without "
                         f"--resume, or with another --output-dir") from None
     if not isinstance(state, dict):
         raise UserError(f"{path} is not a resume state of train.py; rerun without --resume, or with another "

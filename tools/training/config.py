@@ -146,6 +146,10 @@ class TrainConfig:
                 raise UserError(f"--{name.replace('_', '-')} is a probability in [0, 1], not {getattr(self, name)}")
         if not 0.0 < self.crop_scale <= 1.0:
             raise UserError(f"--crop-scale is the smallest crop's share of the image, in (0, 1], not {self.crop_scale}")
+        for name in ("mixup_alpha", "cutmix_alpha"):  # the A of Beta(A, A)
+            if not 0 < getattr(self, name) < math.inf:
+                raise UserError(f"--{name.replace('_', '-')} is the parameter A of Beta(A, A), which must be positive "
+                                f"and finite, not {getattr(self, name)}")
         if Method.ERM in self.methods and len(self.methods) > 1:
             raise UserError(f"--method erm is plain training and combines with nothing; drop erm from "
                             f"{' '.join(m.value for m in self.methods)}")

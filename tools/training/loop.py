@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from itertools import islice
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -22,18 +22,18 @@ from torch import nn
 
 from tools import distributed
 from tools.data.hashing import read_and_fingerprint
-from tools.errors import UserError
+from tools.errors import UserError, key_list
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
-from tools.models.boundary import LoadedModel
+from tools.models.boundary import LoadedModel, network_input
 from tools.data.pixels import unit_floats
 from tools.progress import ProgressBar, progress_bar
 from tools.provenance import TRAINING_LOG, open_own, write_text_atomic
-from tools.models.sources import load_model
+from tools.models.sources import fit_named_input, load_model
 from tools.runtime import Precision, Runtime, check_antialias, resolve_device
 from tools.training import adapters
-from tools.training.checkpoint import (CHECKPOINT_NAME, STATE_NAME, BackgroundSaver, load_resume_state,
-                                       restore_resume_state, save_atomic, trained_checkpoint)
+from tools.training.checkpoint import (CHECKPOINT_NAME, STATE_NAME, BackgroundSaver, NetworkInput,
+                                       load_resume_state, restore_resume_state, save_atomic, trained_checkpoint)
 from tools.training.config import RANDOM_INIT, Optimizer, TrainConfig
 from tools.training.data import (StepSampler, decoded_store, derived_seed, device_batch, list_training_data,
                                  make_loader)
@@ -50,13 +50,14 @@ NOT_IN_RUN_KEY = ("output_dir", "resume", "progress", "workers", "save_every", "
 
 @dataclass
 class StartingPoint:
-    """The 9-class classifier training starts from, its normalisation, and the model it came from."""
+    """The 9-class network training starts from, how it is built and fed, and the model it came from."""
 
-    classifier: nn.Module  # the module training changes
+    classifier: nn.Module  # the network training changes and saves (never a resize in front of it)
     arch: str
     mean: tuple
     std: tuple
     source: LoadedModel | None  # untouched by training (the report's starting point); None for a random initialisation
+    fed: NetworkInput = field(default_factory=NetworkInput)  # how the network is built and fed besides its name
 
 
 @dataclass
@@ -70,13 +71,16 @@ class TrainResult:
 
 
 def starting_point(config: TrainConfig) -> StartingPoint:
-    """The model to fine-tune, from the evaluation's model sources; a 1000-class model gets a new 9-class head."""
+    """The network to fine-tune, from the evaluation's model sources, without the resize to its input size that the
+    source puts in front of it (training puts it back: `NetworkInput.in_front`); a 1000-class network gets a new
+    9-class head."""
     if config.weights is not None and config.weights.lower() == RANDOM_INIT:
         if config.checkpoint is not None:
             raise UserError("--weights none (random initialisation) and --checkpoint contradict; pass one of them")
         arch = config.arch or DEFAULT_ARCH
         mean, std = statistics_for(Normalization.IN9, NUM_IN9_CLASSES)
-        return StartingPoint(build_architecture(arch, NUM_IN9_CLASSES), arch, mean, std, None)
+        network, size, mode = network_input(fit_named_input(build_architecture(arch, NUM_IN9_CLASSES), arch)[0])
+        return StartingPoint(network, arch, mean, std, None, NetworkInput({}, size, mode))
     loaded = load_model(config.arch, config.weights, config.checkpoint, None, Normalization.AUTO,
                         config.trust_checkpoint, config.checkpoint_key, lora_options=None)
     if loaded.arch is None:
@@ -85,19 +89,21 @@ def starting_point(config: TrainConfig) -> StartingPoint:
     wrapper = loaded.model
     mean, std = ((wrapper.mean.flatten().tolist(), wrapper.std.flatten().tolist()) if wrapper.normalize
                  else ([0.0] * 3, [1.0] * 3))
-    classifier = wrapper.classifier
+    network, size, mode = network_input(wrapper.classifier)
+    arch_args = dict(loaded.details.get("arch_args") or {})
     if loaded.num_classes == NUM_IMAGENET_CLASSES:
         head = set(classifier_keys(loaded.arch))
-        fresh = build_architecture(loaded.arch, NUM_IN9_CLASSES)
-        body = {k: v for k, v in classifier.state_dict().items() if k not in head}
+        fresh = build_architecture(loaded.arch, NUM_IN9_CLASSES, arch_args)
+        body = {k: v for k, v in network.state_dict().items() if k not in head}
         missing, unexpected = fresh.load_state_dict(body, strict=False)
         if set(missing) != head or unexpected:
-            raise UserError(f"cannot give {loaded.arch} a new 9-class head: missing {missing}, unexpected {unexpected}")
+            raise UserError(f"cannot give {loaded.arch} a new 9-class head: missing {key_list(missing)}; "
+                            f"unexpected {key_list(unexpected)}")
         log.info("new 9-class head (%s) on the 1000-class %s", ", ".join(sorted(head)), loaded.arch)
-        classifier = fresh
+        network = fresh
     else:
-        classifier = copy.deepcopy(classifier)  # trained in place, so the source stays the starting point
-    return StartingPoint(classifier, loaded.arch, tuple(mean), tuple(std), loaded)
+        network = copy.deepcopy(network)  # trained in place, so the source stays the starting point
+    return StartingPoint(network, loaded.arch, tuple(mean), tuple(std), loaded, NetworkInput(arch_args, size, mode))
 
 
 def _optimizer(params, config: TrainConfig) -> torch.optim.Optimizer:
@@ -267,7 +273,11 @@ def train(config: TrainConfig) -> TrainResult:
     store = decoded_store(data, fingerprint, config.workers, config.progress and group.is_main, hashes)
 
     head_keys = classifier_keys(start.arch)
-    net = adapters.TrainingModel(adapters.attach(start.classifier, config, head_keys), start.mean, start.std)
+    if start.fed.interpolation is not None:
+        check_antialias(device, start.fed.interpolation, f"{start.arch}, whose {start.fed.input_size[0]}x"
+                                                         f"{start.fed.input_size[1]} inputs are resized from 224x224")
+    network = adapters.attach(start.classifier, config, head_keys, start.fed.input_size)
+    net = adapters.TrainingModel(start.fed.in_front(network), start.mean, start.std)
     net = runtime.prepare(net).train()  # the module saved, averaged and evaluated: never the compiled wrapper
     optimizer = _optimizer([p for p in net.parameters() if p.requires_grad], config)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -339,12 +349,12 @@ def train(config: TrainConfig) -> TrainResult:
     final = net
     if swa is not None:
         final = swa.finish((runtime.to_device(device_batch(b, device, config.augment)[0]) for b in batches), device)
-    classifier = adapters.merged(final.classifier, config)
+    classifier = adapters.merged(network_input(final.classifier)[0], config, start.fed.input_size)
     path = config.output_dir / CHECKPOINT_NAME
     if group.is_main:
         save_atomic(trained_checkpoint(classifier, start.arch, start.mean, start.std, config.method_name,
                                        {"path": str(data.root), "train_variation": config.train_variation,
-                                        **fingerprint}, record, runtime.precision), path)
+                                        **fingerprint}, record, runtime.precision, start.fed), path)
         log.info("wrote %s (%s, %d steps)", path, config.method_name, step)
     group.barrier()
     rate = steps_log.images_seen / max(1e-9, time.perf_counter() - started)

@@ -9,6 +9,7 @@ from torch import nn
 from torch.optim import swa_utils
 
 from tools import distributed
+from tools.errors import import_torchvision
 from tools.in9 import NUM_IN9_CLASSES
 from tools.training.adapters import frozen_modules
 from tools.training.config import Method, TrainConfig
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def batch_mixer(config: TrainConfig):
     """MixUp, CutMix, or one of the two per batch; None when neither is asked for. Takes float images."""
-    from torchvision.transforms import v2  # noqa: PLC0415
+    v2 = import_torchvision("torchvision.transforms.v2")
     mixers = []
     if Method.MIXUP in config.methods:
         mixers.append(v2.MixUp(alpha=config.mixup_alpha, num_classes=NUM_IN9_CLASSES))

@@ -1,0 +1,103 @@
+"""What a checkpoint file records about its model besides the weights: the header of train.py's checkpoints
+(architecture, builder arguments, input size, normaliser) and what timm's own train.py saves (its model's name,
+its data settings, and which weights it ranked the checkpoint by). Each is checked as it is read: a malformed
+record is one error line."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from tools.errors import UserError
+from tools.models.spec import TIMM_PREFIX
+
+TRAINED_FORMAT = "bg-challenge-toolkit/1"  # the `format` value of the checkpoints train.py writes
+
+
+def trained_checkpoint_header(obj) -> dict | None:
+    """The toolkit's trained-checkpoint fields (arch, mean, std, method, ...) when `obj` is one, else None."""
+    if not isinstance(obj, Mapping) or obj.get("format") != TRAINED_FORMAT:
+        return None
+    return {k: v for k, v in obj.items() if k != "model"}
+
+
+TIMM_TRAINING_KEYS = {"arch", "state_dict", "version", "args"}  # what timm's train.py (its CheckpointSaver) writes
+# The settings of timm's train.py that `timm.data.resolve_data_config` reads: the pixel pipeline the model trained on
+TIMM_DATA_ARGS = ("in_chans", "chans", "input_size", "img_size", "interpolation", "mean", "std", "crop_pct",
+                  "crop_mode")
+
+
+def is_timm_training_checkpoint(obj) -> bool:
+    """A checkpoint of timm's own train.py (`model_best.pth.tar`, `last.pth.tar`), told by its keys."""
+    return isinstance(obj, Mapping) and TIMM_TRAINING_KEYS <= obj.keys() and obj.get("format") != TRAINED_FORMAT
+
+
+def _timm_args(obj) -> dict:
+    """timm's train.py `args` (an argparse.Namespace; a mapping in some forks) as a dict."""
+    args = obj.get("args")
+    if isinstance(args, Mapping):
+        return dict(args)
+    return dict(vars(args)) if hasattr(args, "__dict__") else {}
+
+
+def timm_training_weights(obj) -> tuple[str, str]:
+    """(the key of the weights timm's train.py ranked a checkpoint of it by, which weights those are). With an EMA
+    (`--model-ema`) it validates the EMA's weights and ranks its checkpoints (model_best) by their metric, unless
+    the EMA stays on the CPU unvalidated (`--model-ema-force-cpu`); it saves them as state_dict_ema."""
+    has_ema = isinstance(obj.get("state_dict_ema"), Mapping) and bool(obj["state_dict_ema"])
+    if has_ema and not _timm_args(obj).get("model_ema_force_cpu"):
+        return "state_dict_ema", "the EMA's weights, by whose validation timm's train.py ranked it"
+    if has_ema:
+        return "state_dict", "the model's weights: its EMA stayed on the CPU unvalidated (--model-ema-force-cpu)"
+    return "state_dict", "the model's weights (it kept no EMA)"
+
+
+def timm_data_args(obj) -> dict:
+    """The data settings a timm training checkpoint records (TIMM_DATA_ARGS that are set)."""
+    args = _timm_args(obj)
+    return {key: args[key] for key in TIMM_DATA_ARGS if args.get(key) not in (None, "")}
+
+
+def recorded_architecture(obj) -> str | None:
+    """The architecture a checkpoint records under "arch" (train.py and the zoo write it), if any; timm's own
+    training checkpoints record a bare timm name there (their --model), which is `timm:NAME` here."""
+    arch = obj.get("arch") if isinstance(obj, Mapping) else None
+    if not isinstance(arch, str) or not arch:
+        return None
+    return f"{TIMM_PREFIX}{arch}" if is_timm_training_checkpoint(obj) and not arch.startswith(TIMM_PREFIX) else arch
+
+
+def recorded_normaliser(header: dict, path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) a trained checkpoint records: three numbers each, the deviations positive."""
+    stats = []
+    for name in ("mean", "std"):
+        values = header.get(name)
+        if (not isinstance(values, (list, tuple)) or len(values) != 3
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                           for v in values)
+                or (name == "std" and min(values) <= 0)):
+            raise UserError(f"checkpoint {path} records a normaliser {name} of {values!r}, not three numbers (the "
+                            f"deviations positive); is it a checkpoint train.py wrote?")
+        stats.append(torch.tensor([float(v) for v in values]))
+    return stats[0], stats[1]
+
+
+def recorded_network(header: dict, path: Path) -> tuple[dict, tuple | None]:
+    """(the builder arguments, ((height, width), interpolation) of the input) a trained checkpoint records; older
+    ones record neither (their networks took 224x224 inputs, or those their timm tag gives)."""
+    arch_args, size = header.get("arch_args") or {}, header.get("input_size")
+    mode = header.get("interpolation") or "bicubic"
+    if not isinstance(arch_args, Mapping) or not all(isinstance(k, str) for k in arch_args):
+        raise UserError(f"checkpoint {path} records builder arguments that are not a mapping of names ({arch_args!r}); "
+                        f"is it a checkpoint train.py wrote?")
+    if size is None:
+        return dict(arch_args), None
+    if (not isinstance(size, (list, tuple)) or len(size) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)
+            or mode not in ("bilinear", "bicubic")):
+        raise UserError(f"checkpoint {path} records an input of {size!r} pixels resized {mode!r}; a trained checkpoint "
+                        f"records [height, width] and bilinear or bicubic: is it a checkpoint train.py wrote?")
+    return dict(arch_args), (tuple(size), mode)
