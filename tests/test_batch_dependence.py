@@ -287,7 +287,8 @@ def test_in9_eval_refuses_a_program_traced_in_training_mode_in_one_line(dataset,
     """The issue's case: such a program gave 11.11%, 16.67% and 19.44% at batch sizes 16, 7 and 5, and passed."""
     path = tmp_path / "train_mode.ts"
     torch.jit.save(traced(Normed(nn.BatchNorm2d(8)).train(), size=224), str(path))
-    argv = ["--data-path", str(dataset.root), "--checkpoint", str(path), "--device", "cpu", "--no-progress",
+    argv = ["--data-path", str(dataset.root), "--checkpoint", str(path), "--trust-checkpoint", "--device", "cpu",
+            "--no-progress",
             "--results-file", str(tmp_path / "results.json"), "--output-dir", str(tmp_path), "--log-level", "WARNING"]
     for batch_size in ("16", "7", "5"):
         line = check_error(*run_in_process(in9_eval.main, [*argv, "--batch-size", batch_size], capsys))

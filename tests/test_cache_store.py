@@ -490,7 +490,8 @@ def test_a_command_that_writes_to_the_cache_says_once_where_and_how_much(data, c
     """in9_eval fills the cache with its images, challenge_eval then adds its masks (its images are in9's), a
     second in9_eval adds nothing: each says once, at the end, how much it wrote and where."""
     cache = tmp_path / "cache"
-    argv = ["--data-path", str(data), "--checkpoint", str(color_ts[9]), "--device", "cpu", "--no-progress",
+    argv = ["--data-path", str(data), "--checkpoint", str(color_ts[9]), "--trust-checkpoint", "--device", "cpu",
+            "--no-progress",
             "--workers", "1", "--cache-dir", str(cache)]
     sizes = []
     for main, extra in ((in9_eval.main, ["--eval-dataset", "all", "--output-dir", str(tmp_path / "in9")]),

@@ -184,6 +184,7 @@ def test_a_text_file_as_checkpoint_is_one_error_line_from_the_script(first, data
 
 def test_the_other_weights_only_readers_refuse_broken_files_in_one_line(tmp_path, monkeypatch):
     """train.py's resume state and a torchvision weights file in torch's hub cache, read the same way."""
+    from tools.models.record import ModelRecord  # noqa: PLC0415
     from tools.models.sources import _download_weights  # noqa: PLC0415
     from tools.training.checkpoint import STATE_NAME, load_resume_state  # noqa: PLC0415
     rng = random.Random(SEED)
@@ -202,5 +203,5 @@ def test_the_other_weights_only_readers_refuse_broken_files_in_one_line(tmp_path
         (cache / name).write_bytes(content)
         monkeypatch.setattr(weights.value, "url", f"https://download.invalid/{name}")
         with pytest.raises(UserError, match="delete it and rerun") as error:
-            _download_weights(weights)
+            _download_weights(weights, ModelRecord())
         assert "\n" not in str(error.value), i

@@ -220,7 +220,7 @@ def test_exact_is_never_a_default(dataset, color_ts, tmp_path):
     """A run that no start-up check verified (the library's run_in9 called alone) does not say it is exact."""
     from tools.evaluate import In9Config, run_in9  # noqa: PLC0415
     from tools.models.sources import load_model  # noqa: PLC0415
-    run = run_in9(load_model(checkpoint=color_ts[9]), Runtime(CPU), dataset.root,
+    run = run_in9(load_model(checkpoint=color_ts[9], trust=True), Runtime(CPU), dataset.root,
                   In9Config(("original",), progress=False, workers=1))
     assert run.provenance["exact"] is False and run.provenance["exact_mode"] is True
     assert "device_check" not in run.provenance
@@ -272,7 +272,7 @@ def test_the_zoo_refuses_a_model_without_a_reference_unless_allowed(dataset, flo
     from tools import zoo  # noqa: PLC0415
     spec, output = f"file:{float8}", tmp_path / "zoo"
     argv = ["--data-path", str(dataset.root), "--models", spec, "--output-dir", str(output), "--device", "cpu",
-            "--no-progress", "--no-cache", "--no-leaderboard", "--batch-size", "8"]
+            "--no-progress", "--no-cache", "--no-leaderboard", "--batch-size", "8", "--trust-checkpoint"]
     code, out, err = run_in_process(zoo.main, argv, capsys)
     assert code == zoo.EXIT_SOME_FAILED and f"{spec}: failed" in out
     assert [line for line in err.splitlines() if "no float64 reference" in line], err

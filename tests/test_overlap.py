@@ -136,11 +136,11 @@ def test_an_interrupt_while_the_model_is_built_stops_the_data_work(script, inter
     finish hashes them all), and no thread of the run is left."""
     hashing, hashed, started = tools.data.hashing._hash_and_keep, [], threading.Event()
 
-    def hash_slowly(path, keep):
+    def hash_slowly(path, *args):
         hashed.append(path)
         started.set()
         time.sleep(0.05)
-        return hashing(path, keep)
+        return hashing(path, *args)
 
     def model_from_args(*args, **kwargs):
         assert started.wait(WAIT_S)

@@ -33,7 +33,8 @@ def setup(tmp_path_factory):
 
 def challenge_args(setup, out: Path, *extra) -> list[str]:
     data, model = setup
-    return ["--data-path", str(data), "--checkpoint", str(model), "--no-cache", "--output-dir", str(out), *QUIET,
+    return ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint",
+            "--no-cache", "--output-dir", str(out), *QUIET,
             *map(str, extra)]
 
 
@@ -124,7 +125,8 @@ def test_the_unedited_states_resume_to_the_same_numbers(setup, finished, tmp_pat
 def in9_state(setup, tmp_path_factory):
     data, model = setup
     out = tmp_path_factory.mktemp("in9")
-    run_command(in9_eval.main, ["--data-path", str(data), "--checkpoint", str(model), "--eval-dataset", "all",
+    run_command(in9_eval.main, ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint",
+                                "--eval-dataset", "all",
                                 "--output-dir", str(out), *QUIET])
     return out
 
@@ -148,7 +150,7 @@ def test_a_forged_in9_state_is_one_error_line(name, change, setup, in9_state, tm
     state = json.loads((out / "in9_state.json").read_text())
     change(state)
     (out / "in9_state.json").write_text(json.dumps(state))
-    code, stdout, err = run_in_process(in9_eval.main, ["--data-path", str(data), "--checkpoint", str(model),
+    code, stdout, err = run_in_process(in9_eval.main, ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint",
                                                        "--eval-dataset", "all", "--output-dir", str(out), "--resume",
                                                        *QUIET], capsys)
     line = check_error(code, stdout, err, lines=None)

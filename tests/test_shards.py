@@ -158,7 +158,7 @@ def test_merge_refuses_a_challenge_shard_rerun_stopped_between_its_two_files(lef
             raise KeyboardInterrupt
         with monkeypatch.context() as patch:
             patch.setattr("tools.shards.write_json_atomic", killed)
-            code, _, _ = script(challenge_eval, capsys, "--data-path", data, "--checkpoint", other_model,
+            code, _, _ = script(challenge_eval, capsys, "--data-path", data, "--checkpoint", other_model, "--trust-checkpoint",
                                 "--trust-checkpoint",
                                 "--no-cache", "--output-dir", folder, "--shard", "0/2")
         assert code == cli.EXIT_INTERRUPTED and npz.read_bytes() != old_arrays
@@ -221,7 +221,8 @@ def test_a_merged_analysis_reads_no_file_outside_the_data_folder_it_is_given(set
     secret = secret_image(tmp_path / "private")
     folder = tmp_path / "shards"
     for index in range(2):
-        code, _, err = script(challenge_eval, capsys, "--data-path", copy, "--checkpoint", model, "--no-cache", "--full",
+        code, _, err = script(challenge_eval, capsys, "--data-path", copy, "--checkpoint", model, "--trust-checkpoint",
+                              "--no-cache", "--full",
                               "--output-dir", folder, "--shard", f"{index}/2")
         assert code == 0, err
     link = copy / "only_bg_t" / "val" / sorted(os.listdir(copy / "only_bg_t" / "val"))[0] / "zz_link.JPEG"
@@ -296,7 +297,8 @@ def full_shards(setup, tmp_path_factory):
     data, model = setup
     folder = tmp_path_factory.mktemp("full_shards")
     for index in range(2):
-        run_command(challenge_eval.main, ["--data-path", str(data), "--checkpoint", str(model), "--no-cache", "--full",
+        run_command(challenge_eval.main, ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint",
+                                          "--no-cache", "--full",
                                           "--output-dir", str(folder), "--shard", f"{index}/2", "--device", "cpu",
                                           "--no-progress", "--log-level", "WARNING"])
     return folder
@@ -327,7 +329,8 @@ def test_an_in9_shard_predicting_what_it_does_not_own_is_refused(name, setup, tm
     data, model = setup
     folder = tmp_path / "shards"
     for index in range(2):
-        code, _, err = script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--eval-dataset",
+        code, _, err = script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--trust-checkpoint",
+                              "--eval-dataset",
                               "only_fg", "--batch-size", 4, "--output-dir", folder, "--shard", f"{index}/2")
         assert code == 0, err
     paths = [folder / f"in9-shard-{index}-of-2.json" for index in range(2)]

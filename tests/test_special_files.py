@@ -51,14 +51,16 @@ def copy(data: Path, tmp_path: Path) -> Path:
 
 def in9(capsys, data, model, *extra):
     """in9_eval.py on `original`, its state beside the data folder."""
-    return run_in_process(in9_eval.main, ["--data-path", str(data), "--checkpoint", str(model), "--eval-dataset",
+    return run_in_process(in9_eval.main, ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint",
+                                          "--eval-dataset",
                                           "original", "--output-dir", str(data.parent / "in9_out"),
                                           *[a for a in QUIET if a != "--no-cache"], *map(str, extra)], capsys)
 
 
 def challenge(capsys, data, model, *extra):
     """challenge_eval.py, its state beside the data folder."""
-    return run_in_process(challenge_eval.main, ["--data-path", str(data), "--checkpoint", str(model), "--output-dir",
+    return run_in_process(challenge_eval.main, ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint",
+                                                "--output-dir",
                                                 str(data.parent / "challenge_out"), *QUIET, *map(str, extra)], capsys)
 
 
@@ -74,8 +76,8 @@ import challenge_eval, in9_eval
 from tools.data import cli
 out = []
 for data in sys.argv[3:]:
-    for main, argv in [(in9_eval.main, ["--eval-dataset", "original", "--checkpoint", sys.argv[1]]),
-                       (challenge_eval.main, ["--no-cache", "--checkpoint", sys.argv[1]]),
+    for main, argv in [(in9_eval.main, ["--eval-dataset", "original", "--checkpoint", sys.argv[1], "--trust-checkpoint"]),
+                       (challenge_eval.main, ["--no-cache", "--checkpoint", sys.argv[1], "--trust-checkpoint"]),
                        (cli.main, ["verify", "--full"])]:
         if main is not cli.main:
             argv += ["--device", "cpu", "--no-progress"]

@@ -158,7 +158,7 @@ def test_a_convolution_in_a_forked_branch_is_rewritten(tmp_path):
     assert baked(traced) == [13, 13]
     path = tmp_path / "forks.ts"
     torch.jit.save(traced, str(path))
-    loaded = load_model(checkpoint=path, runtime=Runtime(torch.device("cpu")))
+    loaded = load_model(checkpoint=path, runtime=Runtime(torch.device("cpu")), trust=True)
     program = next(m for m in loaded.model.modules() if isinstance(m, Program)).program
     assert baked(program) == []
     with torch.inference_mode():

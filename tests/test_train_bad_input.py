@@ -171,13 +171,13 @@ def test_the_same_flags_where_they_act_are_taken(args):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--lr", "-0.1"], "--lr must be a positive number"),
-    (["--lr", "nan"], "--lr must be a positive number"),
-    (["--swa", "--swa-lr", "0"], "--swa-lr must be a positive number"),
-    (["--weight-decay", "-0.05"], "--weight-decay must be 0 or more"),
-    (["--weight-decay", "inf"], "--weight-decay must be 0 or more"),
-    (["--optimizer", "sgd", "--momentum", "-0.5"], "--momentum is the share of the last update kept, in [0, 1)"),
-    (["--warmup-epochs", "-1"], "--warmup-epochs must be 0 or more"),
+    (["--lr", "-0.1"], "argument --lr: '-0.1' is not a positive, finite number"),
+    (["--lr", "nan"], "argument --lr: 'nan' is not a positive, finite number"),
+    (["--swa", "--swa-lr", "0"], "argument --swa-lr: '0' is not a positive, finite number"),
+    (["--weight-decay", "-0.05"], "argument --weight-decay: '-0.05' is not a finite number, at least 0"),
+    (["--weight-decay", "inf"], "argument --weight-decay: 'inf' is not a finite number, at least 0"),
+    (["--optimizer", "sgd", "--momentum", "-0.5"], "argument --momentum: '-0.5' is not a number at least 0 and below 1"),
+    (["--warmup-epochs", "-1"], "argument --warmup-epochs: '-1' is not a finite number of epochs, at least 0"),
     (["--warmup-epochs", "1"], "--warmup-epochs 1 is as long as training (--epochs 1) or longer"),
     (["--epochs", "2", "--warmup-epochs", "3"], "--warmup-epochs 3 is as long as training (--epochs 2) or longer"),
     (["--epochs", "4", "--swa", "--warmup-epochs", "3.5"], "outlasts the epochs before --swa averages"),

@@ -317,7 +317,7 @@ def test_the_zoo_refuses_it(weight_pickle, dataset, tmp_path, capsys):
 
 def test_benchmark_refuses_it(weight_pickle, dataset):
     path, marker = weight_pickle
-    with pytest.raises(UserError, match="pickled weight 'mean'.*--trust-checkpoint"):
+    with pytest.raises(UserError, match="pickled weight 'mean'.*trust_checkpoint=True"):
         benchmark(f"file:{path}", dataset.root, device="cpu", progress=False, cache=False)
     assert not marker.exists()
 
@@ -326,7 +326,8 @@ def test_train_refuses_it(weight_pickle, tiny, tmp_path, capsys):
     path, marker = weight_pickle
     line = check_error(*run_in_process(train.main, ["--data-path", str(tiny), "--arch", f"file:{path}",
                                                      "--output-dir", str(tmp_path / "run"), "--device", "cpu",
-                                                     "--no-progress", "--log-level", "ERROR"], capsys))
+                                                     "--batch-size", "4", "--no-progress", "--log-level", "ERROR"],
+                                        capsys))
     assert "pickled weight 'mean'" in line
     assert not marker.exists()
 

@@ -119,7 +119,8 @@ class _Resume:
         if not (isinstance(values, list) and len(values) == count and all(type(v) is int for v in values)
                 and all(UNMAPPED <= v < NUM_IN9_CLASSES for v in values)):
             raise UserError(f"{self.path} does not hold {count} IN-9 predictions (0..{NUM_IN9_CLASSES - 1}, or "
-                            f"{UNMAPPED}) for {name}, as this run's {name} has {count} images; rerun without --resume")
+                            f"{UNMAPPED}) for {name}, as this run's {name} has {count} images; rerun without "
+                            f"{option('--resume')}")
         return np.array(values, dtype=np.int64)
 
     def save(self, name: str, predictions: np.ndarray) -> None:

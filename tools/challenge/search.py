@@ -18,7 +18,7 @@ from tools.runtime.inflight import Pipeline
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import ChallengeConfig, Scheduler, split_untested, state_problem
 from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState
-from tools.errors import UserError
+from tools.errors import UserError, option
 from tools.data.store import DecodedCache
 from tools.in9 import UNMAPPED
 from tools.models.boundary import LoadedModel
@@ -291,7 +291,7 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
             problem = state_problem(state, data.fg_labels, data.bg_labels, config.criterion)
             if problem is not None:
                 raise UserError(f"the saved state {state_path} is not one this run writes: {problem}; rerun without "
-                                f"--resume")
+                                f"{option('--resume')}")
             log.info("resuming from %s: %d composites already evaluated", state_path, state.evaluated)
         else:
             if resume:

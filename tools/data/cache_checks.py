@@ -12,7 +12,6 @@ user's profile is what keeps other users out there."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import os
 import secrets
@@ -22,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tools.threads import default_workers
+from tools.threads import ContextThreadPool, default_workers
 
 ROW_DIGESTS = "rows_sha256.npy"  # in a pack: row i's SHA-256, (rows, 32) uint8
 DIGEST_BYTES = 32
@@ -91,7 +90,7 @@ class RowChecks:
 
         workers = default_workers() if workers is None else workers
         if len(chunks) > 1 and workers > 1:
-            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="pack-check") as pool:
+            with ContextThreadPool(workers, thread_name_prefix="pack-check") as pool:
                 failing = [i for bad in pool.map(bad_rows, chunks) for i in bad]
         else:
             failing = [i for chunk in chunks for i in bad_rows(chunk)]

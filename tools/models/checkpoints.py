@@ -240,13 +240,13 @@ def check_program_trusted(path: Path, kind: str, trust: bool) -> None:
     language with file operations, that the toolkit cannot check), and a torch.export archive that holds more
     than tensors and tensor operations."""
     if trust:
-        log.info("loading the %s program %s unchecked (--trust-checkpoint)", kind, path)
+        log.info("loading the %s program %s unchecked (%s)", kind, path, option("--trust-checkpoint"))
         return
     if kind == "torchscript":
         raise UserError(f"checkpoint {path} is a TorchScript program, which is code (it can read and write any file) "
                         f"that the toolkit cannot check; if you trust the file, rerun with "
                         f"{option('--trust-checkpoint')}, or save the model as a state dict "
-                        f"(torch.save(model.state_dict(), PATH), read with --arch) or a torch.export program "
+                        f"(torch.save(model.state_dict(), PATH), read with {option('--arch')}) or a torch.export program "
                         f"(torch.export.save)")
     try:
         found = export_archive.untrusted_content(path)
@@ -374,7 +374,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     present = [k for k in keys if k in base]
     if not present:
         hint = (f"is {option('--arch', arch)} right?" if named else "the checkpoint does not record its "
-                f"architecture, so resnet50 was tried; name it with {option('--arch', f'NAME@file:{path}')}")
+                f"architecture, so resnet50 was tried; name it with {option('--arch', 'NAME@file:PATH')}")
         raise UserError(f"checkpoint {path} has no classifier keys of {arch} ({key_list(keys)}); {hint}")
     if base[present[0]].ndim == 0:
         raise UserError(f"checkpoint {path} holds a single number at {present[0]}, where {arch} has its classifier's "

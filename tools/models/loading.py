@@ -73,7 +73,9 @@ def read_problem(exc: Exception) -> str:
     """Why torch.load could not read a file, in one line: the message of an error about the file (torch's archive
     reader, a file cut short), or, for what an unpickler meeting bytes that are no pickle raises (an IndexError,
     KeyError, struct.error, ...), that it does not unpickle and the error with its type."""
-    if isinstance(exc, (RuntimeError, EOFError, OSError, ValueError)) and type(exc).__module__ == "builtins":
+    if isinstance(exc, EOFError):  # an empty or cut file: torch's message, if any, says only "Ran out of input"
+        return f"it ends too early ({type(exc).__name__}{': ' + first_line(exc) if str(exc).strip() else ''})"
+    if isinstance(exc, (RuntimeError, OSError, ValueError)) and type(exc).__module__ == "builtins":
         return first_line(exc)
     return f"it does not unpickle ({type(exc).__name__}: {first_line(exc)})"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
 
 from tools.data.layout import data_file
-from tools.errors import UserError
+from tools.errors import UserError, option
 from tools.provenance import atomic_write
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class DataImages:
         """The file `relpath` names, checked; a UserError (recorded for `warn`) when it may not be read."""
         try:
             if self.root is None:
-                raise UserError("no data folder is known (pass --data-path DIR)")
+                raise UserError(f"no data folder is known (pass {option('--data-path', 'DIR')})")
             return data_file(self.root, relpath)
         except UserError as exc:
             self.refused.append(str(exc))

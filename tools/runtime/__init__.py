@@ -253,7 +253,7 @@ class Runtime:
         if memory is not None and requested * IMAGE_BYTES > memory:
             raise UserError(f"a batch of {requested} images takes {requested * IMAGE_BYTES / 2**30:,.0f} GiB in "
                             f"float32 for its images alone, more than the {memory / 2**30:,.0f} GiB of {self.device}; "
-                            f"pass a smaller --batch-size")
+                            f"pass a smaller {option('--batch-size')}")
         return requested
 
     def pin(self) -> bool:
