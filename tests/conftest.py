@@ -4,6 +4,7 @@ fixtures are in tests/helpers.py)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -12,6 +13,18 @@ from tests.helpers import TINY_CLIP, TINY_CLIP_OPTIONS, save_torchscript
 from tests.tree_guard import (  # noqa: F401 (hooks: nothing left in the checkout or the user's caches)
     pytest_configure, pytest_sessionfinish, pytest_sessionstart, pytest_unconfigure)
 from tools.data import synthetic
+
+
+@pytest.fixture(autouse=True)
+def logging_as_it_was():
+    """The root logger's handlers and level after each test as before it: a command's main run in the test's process
+    sets up logging to that test's captured stderr (closed once the test ends), where any later log line would
+    fail ("--- Logging error ---" in another test's output)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,7 @@ def check_error(code: int, out: str, err: str, lines: int | None = 1) -> str:
     """Exit code 2, no traceback, nothing on stdout, and the error as the one (last) line of stderr
     (the only line, unless `lines` says otherwise)."""
     assert code == 2, err
-    assert "Traceback" not in err
+    assert "Traceback" not in err, err
     assert out == ""
     err_lines = err.splitlines()
     errors = [line for line in err_lines if line.startswith("error: ")]
