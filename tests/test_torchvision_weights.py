@@ -185,3 +185,18 @@ def test_a_trained_checkpoint_rebuilds_its_network_with_the_builder_arguments_it
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(batch), own_logits(network, batch, (0.485, 0.456, 0.406),
                                                                    (0.229, 0.224, 0.225), 224), rtol=1e-4, atol=1e-4)
+
+
+def test_weights_that_are_no_classifier_are_refused_before_they_are_downloaded(tmp_path, monkeypatch, dataset,
+                                                                               capsys):
+    """VGG16's IMAGENET1K_FEATURES (SSD's backbone) has no categories and NaN classifier weights, which torchvision
+    says cannot classify: every logit would be NaN, every prediction class 0, and an accuracy printed. One line,
+    before any download, naming the weights that classify."""
+    import in9_eval  # noqa: PLC0415
+    from tests.helpers import check_error, run_in_process  # noqa: PLC0415
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # empty: a download would be tried first
+    code, out, err = run_in_process(in9_eval.main, ["--data-path", str(dataset.root), "--arch", "vgg16", "--weights",
+                                                    "IMAGENET1K_FEATURES", "--device", "cpu"], capsys)
+    line = check_error(code, out, err, lines=None)
+    assert "IMAGENET1K_FEATURES" in line and "no classifier" in line and "IMAGENET1K_V1" in line
+    assert not (tmp_path / "torch_home").exists()
