@@ -371,7 +371,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     if lora is not None and lora.given() and (peft_state is None or peft_state.kind != "lora"):
         raise lora.misplaced(f"which checkpoint {path} is not")
     base = peft_state.base if peft_state is not None else state.state_dict
-    keys = classifier_keys(arch)
+    keys = classifier_keys(arch, arch_args)
     present = [k for k in keys if k in base]
     if not present:
         hint = (f"is {option('--arch', arch)} right?" if named else "the checkpoint does not record its "

@@ -92,7 +92,7 @@ def starting_point(config: TrainConfig) -> StartingPoint:
     network, size, mode = network_input(wrapper.classifier)
     arch_args = dict(loaded.details.get("arch_args") or {})
     if loaded.num_classes == NUM_IMAGENET_CLASSES:
-        head = set(classifier_keys(loaded.arch))
+        head = set(classifier_keys(loaded.arch, arch_args))
         fresh = build_architecture(loaded.arch, NUM_IN9_CLASSES, arch_args)
         body = {k: v for k, v in network.state_dict().items() if k not in head}
         missing, unexpected = fresh.load_state_dict(body, strict=False)
@@ -272,7 +272,7 @@ def train(config: TrainConfig) -> TrainResult:
     fingerprint, _, hashes = read_and_fingerprint(data.root, data.relpaths(), config.workers or 1)
     store = decoded_store(data, fingerprint, config.workers, config.progress and group.is_main, hashes)
 
-    head_keys = classifier_keys(start.arch)
+    head_keys = classifier_keys(start.arch, start.fed.arch_args)
     if start.fed.interpolation is not None:
         check_antialias(device, start.fed.interpolation, f"{start.arch}, whose {start.fed.input_size[0]}x"
                                                          f"{start.fed.input_size[1]} inputs are resized from 224x224")
