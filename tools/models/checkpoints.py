@@ -348,7 +348,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     recorded = recorded_architecture(obj)
     named = arch is not None or recorded is not None
     arch = _architecture(arch, recorded, path)
-    data_args, weights_chosen = None, "as --checkpoint-key says"
+    data_args, weights_chosen = None, f"as {option('--checkpoint-key')} says"
     arch_args, network_input = {}, None
     if is_timm_training_checkpoint(obj):
         data_args, arch_args = timm_data_args(obj), timm_architecture_args(obj)
