@@ -313,6 +313,9 @@ def _recorded_small_cnn(tmp_path):
     (lambda root, tmp: benchmark("file:" + str(tmp / "none.pth"), root, **quick()), "does not exist; check the path"),
     (lambda root, tmp: benchmark(TinyCNN(9, 0), _graded_masks(root, tmp), variations=["original"], **quick()),
      "pass mask_arithmetic='original'"),  # raised in a decoding thread
+    (lambda root, tmp: benchmark(nn.Sequential(nn.Conv2d(3, 4, 8, stride=8), nn.BatchNorm2d(4, track_running_stats=False),
+                                               nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 9)), root, **quick()),
+     "depend on batch_size and on which images share a batch"),  # a message the device check returns
     (lambda root, tmp: benchmark(TinyCNN(9, 0), root, output_dir=tmp / "out", resume=True, challenge=False,
                                  **quick()) and benchmark(TinyCNN(9, 1), root, output_dir=tmp / "out", resume=True,
                                                           challenge=False, **quick()),
@@ -350,9 +353,44 @@ def _text(node) -> str:
     return ""
 
 
+# Modules benchmark() loads that only the command lines run: the scripts' shared flags and logging (tools.cli), the
+# HTML report's sections, a data folder's check (`python -m tools.data verify`).
+COMMAND_LINE_ONLY = {"tools.cli", "tools.results.html_sections", "tools.data.check"}
+# Text that names flags for the command line's use alone: the flags' words (tools.api's table, the data folder's
+# flag a script passes on), and the scaling flags a LoRA state dict's message names where no caller says otherwise.
+FLAG_TABLES = {("tools.api", "API_WORDS"), ("tools.data.layout", "check_data_root"), ("tools.models.adapters", "options"),
+               ("tools.models.device_check", "ALLOW_FLAG")}
+
+
+def _message_texts(tree):
+    """(line, text, where) of every string of a module that may reach a message: not a docstring, not inside
+    argparse's or option()'s calls; `where`: the assignment or function it is in."""
+    import ast  # noqa: PLC0415
+    skipped, where = set(), {}
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):  # a docstring
+            skipped.add(id(body[0].value))
+        if isinstance(node, ast.Call) and (node.func.attr if isinstance(node.func, ast.Attribute) else
+                                           getattr(node.func, "id", "")) in ("add_argument", "option"):
+            skipped.update(id(sub) for sub in ast.walk(node))
+        if isinstance(node, ast.JoinedStr):
+            skipped.update(id(part) for part in node.values)
+        names = ([t.id for t in node.targets if isinstance(t, ast.Name)] if isinstance(node, ast.Assign) else
+                 [node.target.id] if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) else
+                 [node.name] if isinstance(node, ast.FunctionDef) else [])
+        for name in names:
+            for sub in ast.walk(node):
+                where.setdefault(id(sub), name)
+    for node in ast.walk(tree):
+        if id(node) not in skipped and isinstance(node, (ast.Constant, ast.JoinedStr)):
+            yield node.lineno, _text(node), where.get(id(node), "")
+
+
 def test_every_option_a_message_names_has_api_words():
     """Every flag the library's messages name through tools.errors.option has benchmark()'s words for it, and no
-    message of a module benchmark() loads writes a flag itself (commands to run, in backquotes, aside)."""
+    string of a module benchmark() loads, wherever a message is made of it (a message returned, a constant, a
+    log line), writes a flag itself (commands to run, in backquotes, aside)."""
     import ast  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
@@ -362,19 +400,18 @@ def test_every_option_a_message_names_has_api_words():
     named, written = set(), []
     loaded = subprocess.run([sys.executable, "-c", "import sys, tools.api; print(' '.join(m for m in sys.modules "
                              "if m.startswith('tools')))"], cwd=root, capture_output=True, text=True, check=True)
-    for module in set(loaded.stdout.split()) - COMMANDS_OWN:
+    for module in sorted(set(loaded.stdout.split()) - COMMANDS_OWN - COMMAND_LINE_ONLY):
         path = root / (module.replace(".", "/") + ".py")
         path = path if path.is_file() else root / module.replace(".", "/") / "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not isinstance(node, ast.Call):
-                continue
-            callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            callee = "" if not isinstance(node, ast.Call) else (
+                node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", ""))
             if callee == "option" and node.args and isinstance(node.args[0], ast.Constant):
                 named.add(node.args[0].value)
-            if callee in ("UserError", "warning", "info", "error", "optional_module"):
-                for text in map(_text, node.args):
-                    if re.search(r"(?<![\w`-])--[a-z]", re.sub(r"`[^`]*`", "", text)):
-                        written.append(f"{module}: {text}")
+        for line, text, where in _message_texts(tree):
+            if (module, where) not in FLAG_TABLES and re.search(r"(?<![\w`-])--[a-z]", re.sub(r"`[^`]*`", "", text)):
+                written.append(f"{module}:{line}: {text}")
     assert named and named <= set(API_WORDS), sorted(named - set(API_WORDS))
     assert written == [], written
 

@@ -115,3 +115,24 @@ def test_a_hub_name_with_a_checkpoint_file_takes_the_hub_configs_input(timm_file
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(batch), own_logits(module, batch, (0.5,) * 3, (0.5,) * 3, 384),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_a_state_saved_before_networks_were_fed_at_their_size_is_refused(timm_files, hub_cache, tiny, tmp_path,
+                                                                         capsys, monkeypatch, one_thread):
+    """Versions before the resume key held the starting model's identity fed every network 224x224 images (and
+    built torchvision's without their weights' arguments): a state of theirs resumes only a run fed the same way.
+    For a network fed at another size it would go on training, silently, on other inputs than it began with."""
+    from tests.helpers import check_error  # noqa: PLC0415
+    from tests.test_train_integrity import interrupt_at_step  # noqa: PLC0415
+    from tools.training.checkpoint import STATE_NAME  # noqa: PLC0415
+    module, repo, files = timm_files[160]
+    put_in_cache(hub_cache, repo, files)
+    common = ["--data-path", tiny, "--arch", timm_name(160), "--epochs", 2, "--batch-size", 6, "--save-every", 1,
+              *QUIET]
+    out = tmp_path / "run"
+    interrupt_at_step(2, [*common, "--output-dir", out], capsys, monkeypatch)
+    state = torch.load(out / STATE_NAME, weights_only=True)
+    del state["run_key"]["start"]  # as a version before wrote it
+    torch.save(state, out / STATE_NAME)
+    code, stdout, err = run_train([*common, "--output-dir", out, "--resume"], capsys)
+    assert "saved by a run with other settings" in check_error(code, stdout, err, lines=None)

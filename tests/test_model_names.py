@@ -187,8 +187,8 @@ def test_classifier_keys_of_an_architecture_that_cannot_be_built_on_meta(monkeyp
     from tools.models import architectures  # noqa: PLC0415
     build = architectures.build_architecture
 
-    def reads_values(arch, num_classes):
-        model = build(arch, num_classes)
+    def reads_values(arch, num_classes, arch_args=None):
+        model = build(arch, num_classes, arch_args)
         torch.zeros(1).tolist()  # what such an architecture does while it is built
         return model
 

@@ -1,7 +1,8 @@
 """Checkpoints of timm's own train.py (`model_best.pth.tar`), written here by timm's own CheckpointSaver with a tiny
-model: read without --trust-checkpoint (their `args` is an argparse.Namespace, which holds no code), fed with the
-data settings they record (mean, std, size, interpolation) over the tag's, and with the weights timm's training
-ranked them by: the EMA's when it validated one, said in the log and the provenance."""
+model: read without --trust-checkpoint (their `args` is an argparse.Namespace, which holds no code), built with the
+architecture settings they record (global pool, model kwargs), fed with the data settings they record (mean, std,
+size, interpolation) over the tag's, and with the weights timm's training ranked them by: the EMA's when it
+validated one, said in the log and the provenance."""
 
 from __future__ import annotations
 
@@ -37,11 +38,13 @@ def train_args(**changes) -> argparse.Namespace:
     return argparse.Namespace(**{**values, **changes})
 
 
-def save_with_timms_saver(folder, args: argparse.Namespace, ema: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """model_best.pth.tar as timm's train.py leaves it (CheckpointSaver, a ranked epoch); (the model, its EMA)."""
+def save_with_timms_saver(folder, args: argparse.Namespace, ema: bool,
+                          build=None) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """model_best.pth.tar as timm's train.py leaves it (CheckpointSaver, a ranked epoch), its model made by `build`
+    (default: the 9-class ARCH); (the model, its EMA)."""
     timm = timm_or_skip()
     from timm.utils import CheckpointSaver, ModelEmaV3  # noqa: PLC0415
-    model = seeded(timm.create_model(ARCH, num_classes=9), 1)
+    model = seeded(build() if build is not None else timm.create_model(ARCH, num_classes=9), 1)
     model_ema = ModelEmaV3(model) if ema else None
     if model_ema is not None:
         seeded(model_ema.module, 2)  # an average that has moved away from the model
@@ -86,3 +89,32 @@ def test_recorded_data_settings_that_timm_rejects_are_one_line(dataset, tmp_path
                                                     str(tmp_path / "model_best.pth.tar"), "--device", "cpu"], capsys)
     line = check_error(code, out, err, lines=None)
     assert "input_size" in line and "model_best.pth.tar" in line
+
+
+def test_without_a_validation_split_the_model_ranked_it_not_its_ema(tmp_path, caplog):
+    """timm's train.py with `--val-split ''` (timm 0.9.16 on) validates nothing: it ranks its checkpoints by the
+    model's training loss, never by its EMA's, so the model's weights are the ones it chose."""
+    model, _ = save_with_timms_saver(tmp_path, train_args(val_split=""), ema=True)
+    with caplog.at_level(logging.INFO, logger="tools"):
+        loaded = load_model(checkpoint=tmp_path / "model_best.pth.tar")
+    batch = images(2)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(batch), own_logits(model.eval(), batch, MEAN, STD, SIZE),
+                                   rtol=1e-4, atol=1e-4)
+    assert "state_dict:" in loaded.checkpoint_format and "validation" in loaded.checkpoint_format
+
+
+def test_the_recorded_architecture_settings_build_the_network(tmp_path):
+    """The settings timm's train.py built its model with besides the name (`--gp`, `--model-kwargs`) build it
+    here too: a max-pooled network is not evaluated with an average pool, whose weights fit it all the same."""
+    timm = timm_or_skip()
+    args = train_args(model_ema=False, gp="max", model_kwargs={"stem_width": 32})
+    model, _ = save_with_timms_saver(tmp_path, args, ema=False,
+                                     build=lambda: timm.create_model(ARCH, num_classes=9, global_pool="max",
+                                                                     stem_width=32))
+    loaded = load_model(checkpoint=tmp_path / "model_best.pth.tar")
+    batch = images(2)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(batch), own_logits(model.eval(), batch, MEAN, STD, SIZE),
+                                   rtol=1e-4, atol=1e-4)
+    assert loaded.details["arch_args"] == {"global_pool": "max", "stem_width": 32}

@@ -185,3 +185,55 @@ def test_a_trained_checkpoint_rebuilds_its_network_with_the_builder_arguments_it
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(batch), own_logits(network, batch, (0.485, 0.456, 0.406),
                                                                    (0.229, 0.224, 0.225), 224), rtol=1e-4, atol=1e-4)
+
+
+def test_weights_that_are_no_classifier_are_refused_before_they_are_downloaded(tmp_path, monkeypatch, dataset,
+                                                                               capsys):
+    """VGG16's IMAGENET1K_FEATURES (SSD's backbone) has no categories and NaN classifier weights, which torchvision
+    says cannot classify: every logit would be NaN, every prediction class 0, and an accuracy printed. One line,
+    before any download, naming the weights that classify."""
+    import in9_eval  # noqa: PLC0415
+    from tests.helpers import check_error, run_in_process  # noqa: PLC0415
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # empty: a download would be tried first
+    code, out, err = run_in_process(in9_eval.main, ["--data-path", str(dataset.root), "--arch", "vgg16", "--weights",
+                                                    "IMAGENET1K_FEATURES", "--device", "cpu"], capsys)
+    line = check_error(code, out, err, lines=None)
+    assert "IMAGENET1K_FEATURES" in line and "no classifier" in line and "IMAGENET1K_V1" in line
+    assert not (tmp_path / "torch_home").exists()
+
+
+def test_train_py_fine_tunes_googlenet_from_its_weights(tiny, tmp_path, monkeypatch, capsys, one_thread):
+    """GoogLeNet's weights build it without its auxiliary heads (torchvision's builder drops them): its 9-class head
+    is the one of that network (not of the default one, which has two more), and its checkpoint keeps the input
+    transform."""
+    member = torchvision.models.GoogLeNet_Weights.IMAGENET1K_V1
+    serve(member, seeded(torchvision.models.googlenet(transform_input=True, aux_logits=True, init_weights=False), 6),
+          tmp_path, monkeypatch)
+    out = tmp_path / "run"
+    code, _, err = run_train(["--data-path", tiny, "--arch", "googlenet", "--weights", "IMAGENET1K_V1", "--freeze",
+                              "backbone", "--epochs", 1, "--batch-size", 6, "--output-dir", out, *QUIET], capsys)
+    assert code == 0, err
+    saved = torch.load(out / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
+    assert saved["arch_args"] == torchvision_weights_arguments(member) and saved["arch_args"]["transform_input"]
+    assert load_model(checkpoint=out / CHECKPOINT_NAME).model(images(2)).shape == (2, 9)
+
+
+@pytest.mark.parametrize("arch", ["googlenet", "inception_v3"])
+def test_networks_built_for_weights_train_on_their_logits_alone(arch):
+    """In training mode a network built for its weights (and its 9-class copy) gives its logits, not a tuple with
+    auxiliary heads' outputs, which the toolkit's loss does not take: torchvision's builder drops GoogLeNet's
+    auxiliary heads after loading its weights, and Inception-v3's are dropped the same way; the heads the class
+    count shapes are those of that network."""
+    member = torchvision.models.get_model_weights(arch).IMAGENET1K_V1
+    size = member.meta["min_size"][0] if arch == "googlenet" else 299
+    with torch.device("meta"):
+        full = torchvision.models.get_model(arch, weights=None, **{**torchvision_weights_arguments(member),
+                                                                    "aux_logits": True})
+    state = {key: torch.zeros(value.shape) for key, value in full.state_dict().items()}
+    for network in (build_with_weights(arch, member, state),
+                    torchvision.models.get_model(arch, weights=None, num_classes=9,
+                                                 **torchvision_weights_arguments(member))):
+        out = network.train()(torch.zeros(2, 3, max(size, 75), max(size, 75)))
+        assert isinstance(out, torch.Tensor), type(out)
+    from tools.models.architectures import classifier_keys  # noqa: PLC0415
+    assert classifier_keys(arch, torchvision_weights_arguments(member)) == ["fc.weight", "fc.bias"]

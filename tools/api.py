@@ -70,7 +70,8 @@ API_WORDS: Mapping[str, Word] = MappingProxyType({
     "--trust-checkpoint": "trust_checkpoint=True", "--checkpoint-key": "checkpoint_key",
     "--trust-remote-code": "trust_remote_code=True", "--lora-alpha": "lora_alpha", "--lora-rslora": "lora_rslora=True",
     "--device": "device", "--precision": "precision", "--batch-size": "batch_size", "--workers": "workers",
-    "--seed": "seed", "--cache-dir": "cache_dir", "--no-cache": "cache=False", "--eval-dataset": "variations",
+    "--seed": "seed", "--cache-dir": "cache_dir", "--no-cache": "cache=False", "--shared-cache": "shared_cache=True",
+    "--eval-dataset": "variations",
     "--full": "full=True", "--mask-arithmetic": "mask_arithmetic",
     "--allow-inexact-device": "allow_inexact_device=True",
 })

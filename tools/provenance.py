@@ -21,7 +21,7 @@ import numpy as np
 
 from tools import __version__
 from tools.data.temporary import atomic_names, remove_stale
-from tools.errors import UserError, import_torchvision
+from tools.errors import UserError, import_torchvision, option
 
 
 def decoder(used: str | None = None) -> dict:
@@ -194,7 +194,9 @@ def write_text_atomic(path: Path | str, text: str) -> None:
 TRAINING_LOG = "train_log.jsonl"
 TRAINED_EVAL_DIR, START_EVAL_DIR = "eval_trained", "eval_start"
 
-RESUME_HINT = "fix the cause and rerun the same command with --resume: its saved state makes that quick"
+def resume_hint() -> str:
+    """How to go on after a failure that left a resumable state, in the caller's words (`tools.errors.option`)."""
+    return f"fix the cause and run it again with {option('--resume')}: its saved state makes that quick"
 
 
 def read_npz(path: Path) -> dict[str, np.ndarray]:
@@ -278,7 +280,7 @@ class OutputFiles:
     others, and leaving the `with` block raises one user error that names what failed and what was written,
     carrying the command's `lines` (its `stdout`), which are printed before it.
 
-        with OutputFiles(RESUME_HINT) as outputs:
+        with OutputFiles(resume_hint()) as outputs:
             outputs.write(write_json_atomic, results_file, payload)
     """
 

@@ -108,11 +108,12 @@ class SearchState:
         if shape != (f, b):
             raise ValueError(f"it is of {shape[0]} foregrounds x {shape[1]} backgrounds, this run of {f} x {b}")
         if full != ("matrix" in z):
-            raise ValueError("it lacks the --full matrix" if full else "it holds a --full matrix this run does not make")
+            raise ValueError(f"it lacks the whole prediction matrix ({option('--full')})" if full else
+                             f"it holds the whole prediction matrix ({option('--full')}), which this run does not make")
         position, round_, evaluated = (int(v) for v in checked_array(z, "scalars", (3,), "iu", 0))
         worklist = _pairs(z, "worklist", f, b, np.int32)
         if full and len(worklist):
-            raise ValueError("a --full run plans no rounds, but it holds a worklist")
+            raise ValueError(f"a run with {option('--full')} plans no rounds, but it holds a worklist")
         if position > (pairs if full else len(worklist)):
             raise ValueError(f"its position {position} is past the pairs it plans")
         sizes = checked_array(z, "pending_sizes", (None,), "iu", 0, dtype=np.int64) if "pending_sizes" in z \

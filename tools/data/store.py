@@ -49,7 +49,7 @@ from PIL import features
 from tools.data.cache_checks import (DIGEST_BYTES, ROW_DIGESTS, RowChecks, first_foreign, make_private,
                                      others_can_write, row_digest, spot_check)
 from tools.data.temporary import publish, remove_stale_entries, temporary_entry
-from tools.errors import NUMPY_READ_ERRORS
+from tools.errors import NUMPY_READ_ERRORS, option
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def _private_folder(folder: Path, what: str) -> bool:
     if problem is not None:
         _warn_once(("folder", str(folder)), f"not using the {what} in {folder}: {problem}; a private cache is used "
                    f"only where nobody else can write it: make it yours alone (chmod go-w), choose another "
-                   f"--cache-dir, or pass --shared-cache to use a cache other users write")
+                   f"{option('--cache-dir')}, or pass {option('--shared-cache')} to use a cache other users write")
     return problem is None
 
 
@@ -294,8 +294,8 @@ class Packs:
             return {}
         foreign = first_foreign([folder, *(folder / name for name in PACK_FILES)], owners=not self.cache.shared)
         if foreign is not None:
-            advice = "" if self.cache.shared else ("; a private cache uses only the packs this user wrote "
-                                                   "(--shared-cache: any user's, each checked)")
+            advice = "" if self.cache.shared else (f"; a private cache uses only the packs this user wrote "
+                                                   f"({option('--shared-cache')}: any user's, each checked)")
             return self._refuse(identity, foreign + advice, damaged=False)
         meta = json.loads((folder / "meta.json").read_text())
         if not isinstance(meta, dict) or {k: v for k, v in meta.items() if k != "count"} != self.meta:

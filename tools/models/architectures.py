@@ -58,16 +58,18 @@ def build_architecture(arch: str, num_classes: int, arch_args: dict | None = Non
     return architecture_family(spec).build(spec, num_classes, **(arch_args or {}))
 
 
-def classifier_keys(arch: str) -> list[str]:
-    """State-dict keys whose shapes depend on the class count (the classifier), found by building both: on the
-    meta device (no memory, no time), or on the CPU for an architecture that reads tensor values while it is built."""
+def classifier_keys(arch: str, arch_args: dict | None = None) -> list[str]:
+    """State-dict keys whose shapes depend on the class count (the classifier) of the architecture built with
+    `arch_args` (GoogLeNet's weights build it without the auxiliary heads its default has), found by building both:
+    on the meta device (no memory, no time), or on the CPU for an architecture that reads tensor values while it is
+    built."""
     try:
         with torch.device("meta"):
-            nine = build_architecture(arch, NUM_IN9_CLASSES).state_dict()
-            full = build_architecture(arch, NUM_IMAGENET_CLASSES).state_dict()
+            nine = build_architecture(arch, NUM_IN9_CLASSES, arch_args).state_dict()
+            full = build_architecture(arch, NUM_IMAGENET_CLASSES, arch_args).state_dict()
     except (NotImplementedError, RuntimeError):  # "Cannot copy out of meta tensor; no data!"
-        nine = build_architecture(arch, NUM_IN9_CLASSES).state_dict()
-        full = build_architecture(arch, NUM_IMAGENET_CLASSES).state_dict()
+        nine = build_architecture(arch, NUM_IN9_CLASSES, arch_args).state_dict()
+        full = build_architecture(arch, NUM_IMAGENET_CLASSES, arch_args).state_dict()
     return [k for k in nine if nine[k].shape != full[k].shape]
 
 
@@ -106,13 +108,19 @@ def torchvision_architecture(spec: ModelSpec, num_classes: int, **arguments) -> 
 # weights (torchvision 0.13 to 0.29, read from its source; tests/test_torchvision_weights.py holds every
 # classification weights to its builder): the input size that ViT and MaxViT fix when they are built, and GoogLeNet's
 # and Inception-v3's input transform (their weights take inputs normalised to 0.5, which `transform_input` makes of
-# ImageNet-normalised ones) and auxiliary heads (loaded, then dropped by GoogLeNet's builder and kept by Inception's).
+# ImageNet-normalised ones) and auxiliary heads: loaded with the weights, then dropped (`aux_logits` False), as
+# GoogLeNet's builder does by default and Inception's when asked. In training mode a network with auxiliary heads
+# returns their outputs beside its logits, which no loss here takes (and DDP would find their weights unused); in
+# evaluation they compute nothing.
 _WEIGHTS_ARGUMENTS = {
     "vision_transformer": lambda meta: {"image_size": int(meta["min_size"][0])},
     "maxvit": lambda meta: {"input_size": [int(v) for v in meta["min_size"]]},
     "googlenet": lambda meta: {"transform_input": True, "aux_logits": False, "init_weights": False},
-    "inception": lambda meta: {"transform_input": True, "aux_logits": True, "init_weights": False},
+    "inception": lambda meta: {"transform_input": True, "aux_logits": False, "init_weights": False},
 }
+# The auxiliary heads a builder keeps with weights unless asked not to (which it refuses with weights given, in
+# torchvision 0.29): dropped here as the builder drops them when asked (`aux_logits` False, the heads None)
+_KEPT_HEADS = {"inception": ("AuxLogits",)}
 
 
 def build_with_weights(arch: str, weights, state: dict) -> nn.Module:
@@ -123,7 +131,7 @@ def build_with_weights(arch: str, weights, state: dict) -> nn.Module:
     check_torchvision_architecture(arch)
     weights.get_state_dict = lambda *args, **kwargs: state  # this member's alone, for this call alone
     try:
-        return torchvision_module().models.get_model(arch, weights=weights)
+        network = torchvision_module().models.get_model(arch, weights=weights)
     except NotImplementedError:  # a RuntimeError too, but a bug, not a file that does not fit
         raise
     except RuntimeError as exc:  # load_state_dict: missing, unexpected or misshapen keys, a kind per line
@@ -131,6 +139,10 @@ def build_with_weights(arch: str, weights, state: dict) -> nn.Module:
                         f"({_load_problems(exc)})") from None
     finally:
         del weights.get_state_dict
+    for head in _KEPT_HEADS.get(_weights_module(weights), ()):
+        network.aux_logits = False
+        setattr(network, head, None)
+    return network
 
 
 QUOTED = re.compile(r'"([^"]+)"')  # a key as load_state_dict's message quotes it
@@ -150,8 +162,13 @@ def _load_problems(exc: RuntimeError) -> str:
 def torchvision_weights_arguments(weights) -> dict:
     """The builder arguments torchvision's builder gives an architecture for `weights` (a weights enum member),
     besides the class count: what the same architecture needs to hold those weights, or a fine-tuned copy of them."""
-    arguments = _WEIGHTS_ARGUMENTS.get(type(weights).__module__.rsplit(".", 1)[-1])
+    arguments = _WEIGHTS_ARGUMENTS.get(_weights_module(weights))
     return arguments(weights.meta) if arguments is not None else {}
+
+
+def _weights_module(weights) -> str:
+    """The name of the torchvision module that defines `weights` (a weights enum member): "inception"."""
+    return type(weights).__module__.rsplit(".", 1)[-1]
 
 
 def timm_module(spec: ModelSpec):

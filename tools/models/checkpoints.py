@@ -38,8 +38,8 @@ from tools.models.architectures import DEFAULT_ARCH, build_architecture, classif
 from tools.models.loading import check_fits, torch_load
 from tools.models.record import ModelRecord
 from tools.models.recorded import (TRAINED_FORMAT, is_timm_training_checkpoint, recorded_architecture,
-                                    recorded_network, recorded_normaliser, timm_data_args, timm_training_weights,
-                                    trained_checkpoint_header)
+                                    recorded_network, recorded_normaliser, timm_architecture_args, timm_data_args,
+                                    timm_training_weights, trained_checkpoint_header)
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
 
 log = logging.getLogger(__name__)
@@ -348,18 +348,19 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     recorded = recorded_architecture(obj)
     named = arch is not None or recorded is not None
     arch = _architecture(arch, recorded, path)
-    data_args, weights_chosen = None, "as --checkpoint-key says"
+    data_args, weights_chosen = None, f"as {option('--checkpoint-key')} says"
+    arch_args, network_input = {}, None
     if is_timm_training_checkpoint(obj):
-        data_args = timm_data_args(obj)
+        data_args, arch_args = timm_data_args(obj), timm_architecture_args(obj)
         if checkpoint_key is None:
             checkpoint_key, weights_chosen = timm_training_weights(obj)
-        log.info("timm training checkpoint (%s): weights at %r, %s; data settings from its args: %s", arch,
-                 checkpoint_key, weights_chosen, data_args or "none (the tag's)")
+        log.info("timm training checkpoint (%s%s): weights at %r, %s; data settings from its args: %s", arch,
+                 f", built with {arch_args}" if arch_args else "", checkpoint_key, weights_chosen,
+                 data_args or "none (the tag's)")
     state = extract_state_dict(obj, checkpoint_key, ignore_normalizer=normalize is not Normalization.AUTO)
     if data_args is not None:
         state.layout = f"timm training checkpoint, {checkpoint_key}: {weights_chosen}"
     header = trained_checkpoint_header(obj)
-    arch_args, network_input = {}, None
     if header is not None:  # train.py's checkpoint: its architecture (above), builder arguments, input and normaliser
         log.info("trained checkpoint (%s, method %s): architecture and normaliser from the file", arch,
                  header.get("method"))
@@ -370,7 +371,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     if lora is not None and lora.given() and (peft_state is None or peft_state.kind != "lora"):
         raise lora.misplaced(f"which checkpoint {path} is not")
     base = peft_state.base if peft_state is not None else state.state_dict
-    keys = classifier_keys(arch)
+    keys = classifier_keys(arch, arch_args)
     present = [k for k in keys if k in base]
     if not present:
         hint = (f"is {option('--arch', arch)} right?" if named else "the checkpoint does not record its "

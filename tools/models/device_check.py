@@ -319,7 +319,8 @@ def device_logits(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, b
     if repeatable or relative_deviation(beside[:1].cpu(), alone.cpu()) > TOLERANCE:
         return logits, (f"the model's fp32 logits for an image on {device} change with the other images in its "
                         f"batch of {forward.chunk} (batch statistics: a BatchNorm without running statistics, or the "
-                        f"like), so its results depend on --batch-size and on which images share a batch"
+                        f"like), so its results depend on {option('--batch-size')} and on which images share a "
+                        f"batch"
                         f"{eval_hint}"), repeatable
     return logits, None, repeatable
 

@@ -200,7 +200,7 @@ def pixel_map(processor, shape: tuple[int, int], what: str):
         out = processor(images=probes, return_tensors="pt", do_resize=False, do_center_crop=False)["pixel_values"]
     except Exception as exc:  # noqa: BLE001 (a processor's own errors: it cannot be measured)
         raise UserError(f"{what}: cannot run its image processor {type(processor).__name__} on probe images "
-                        f"({first_line(exc)})") from None
+                        f"({error_summary(exc, lines=1)})") from None
     out = out.to(torch.float64)
     if tuple(out.shape) != (len(probes), 3, height, width):
         raise UserError(f"{what}: its image processor {type(processor).__name__} turns {height}x{width} RGB images "
@@ -244,7 +244,7 @@ def _processor_settings(transformers, source: str, revision: str | None, config:
                                                                     trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 (transformers' errors for an unknown or broken processor)
         raise UserError(f"{what}: cannot load its image processor from {PROCESSOR_FILE} "
-                        f"({first_line(exc)})") from None
+                        f"({error_summary(exc, lines=1)})") from None
     shape = _processor_shape(processor, what)
     mean, std, order = pixel_map(processor, shape, what)
     return (mean, std), order, shape, _resample_mode(getattr(processor, "resample", None), what)
@@ -336,7 +336,7 @@ def load_transformers(name: str, normalize: Normalization, record: ModelRecord, 
     except Exception as exc:  # noqa: BLE001 (transformers validates a config and reads weights with errors of many types)
         if isinstance(exc, (pickle.UnpicklingError, _safetensors_error())):
             raise UserError(f"cannot load {what} safely (safetensors or weights_only unpickling): "
-                            f"{first_line(exc)}") from None
+                            f"{error_summary(exc, lines=1)}") from None
         if isinstance(exc, (ImportError, AttributeError)) and config.get("auto_map"):  # trusted code not there
             raise UserError(f"cannot load {what}: its code ({', '.join(sorted(config['auto_map']))}) does not "
                             f"load: {first_line(exc)}") from None

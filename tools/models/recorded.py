@@ -46,13 +46,34 @@ def _timm_args(obj) -> dict:
 def timm_training_weights(obj) -> tuple[str, str]:
     """(the key of the weights timm's train.py ranked a checkpoint of it by, which weights those are). With an EMA
     (`--model-ema`) it validates the EMA's weights and ranks its checkpoints (model_best) by their metric, unless
-    the EMA stays on the CPU unvalidated (`--model-ema-force-cpu`); it saves them as state_dict_ema."""
+    the EMA stays on the CPU unvalidated (`--model-ema-force-cpu`) or nothing is validated (`--val-split ''`, timm
+    0.9.16 on: the model's training loss ranks them); it saves them as state_dict_ema."""
     has_ema = isinstance(obj.get("state_dict_ema"), Mapping) and bool(obj["state_dict_ema"])
-    if has_ema and not _timm_args(obj).get("model_ema_force_cpu"):
-        return "state_dict_ema", "the EMA's weights, by whose validation timm's train.py ranked it"
-    if has_ema:
-        return "state_dict", "the model's weights: its EMA stayed on the CPU unvalidated (--model-ema-force-cpu)"
-    return "state_dict", "the model's weights (it kept no EMA)"
+    args = _timm_args(obj)
+    if not has_ema:
+        return "state_dict", "the model's weights (it kept no EMA)"
+    if args.get("model_ema_force_cpu"):
+        return "state_dict", "the model's weights: its EMA stayed on the CPU unvalidated (timm's `--model-ema-force-cpu`)"
+    if not args.get("val_split", "validation"):  # timm's default split when its args predate the setting
+        return "state_dict", "the model's weights: no validation split (timm's `--val-split ''`), so no EMA was validated"
+    return "state_dict_ema", "the EMA's weights, by whose validation timm's train.py ranked it"
+
+
+# The settings timm's train.py builds its model with besides the name and the class count (`create_model`'s
+# arguments, a None left out as timm leaves it out) that make the evaluated network: its global pool, BatchNorm's
+# epsilon and `--model-kwargs`. The rest act in training alone (drop rates, BatchNorm's momentum) or are refused by
+# the weights' shapes (in_chans).
+TIMM_ARCH_ARGS = {"gp": "global_pool", "bn_eps": "bn_eps"}
+
+
+def timm_architecture_args(obj) -> dict:
+    """The builder arguments a timm training checkpoint records (TIMM_ARCH_ARGS and `model_kwargs`) that are set."""
+    args = _timm_args(obj)
+    built = {argument: args.get(setting) for setting, argument in TIMM_ARCH_ARGS.items()}
+    model_kwargs = args.get("model_kwargs")
+    if isinstance(model_kwargs, Mapping):
+        built.update(model_kwargs)
+    return {key: value for key, value in built.items() if value is not None}
 
 
 def timm_data_args(obj) -> dict:

@@ -213,6 +213,11 @@ def resolve_weights(arch: str, name: str | None):
     if short != "DEFAULT" and short not in members:
         raise UserError(f"unknown weights {name!r} for {arch}{close_matches(short, members)}; "
                         f"valid: {', '.join(members + ['DEFAULT'])}")
+    if enum[short].meta.get("categories") is None:  # torchvision's mark of weights that cannot classify
+        classifying = [m for m in members if enum[m].meta.get("categories") is not None]
+        raise UserError(f"{arch}'s {short} weights have no classifier (torchvision ships only their features: the "
+                        f"classifier's weights are not values, so every prediction would be the same); pass "
+                        f"{' or '.join(option('--weights', m) for m in classifying)}")
     return enum[short]
 
 

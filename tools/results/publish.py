@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tools.provenance import RESUME_HINT, OutputFiles, write_json_atomic
+from tools.provenance import OutputFiles, resume_hint, write_json_atomic
 from tools.results.analysis import DEFAULT_TOP_K, summary_lines, write_analysis
 from tools.results.categories import CATEGORY_VARIATIONS, format_categories, prediction_categories
 from tools.results.matrix import write_matrix
@@ -24,18 +24,18 @@ if TYPE_CHECKING:
 
 
 def publish_in9(run: In9Run, categories: bool = False, results_file: Path | None = None, report: Path | None = None,
-                rerun_hint: str = RESUME_HINT, html: Path | None = None) -> list[str]:
+                rerun_hint: str | None = None, html: Path | None = None) -> list[str]:
     """Write what in9_eval.py writes (and tools.merge for shards); returns the lines to print.
 
     A file that cannot be written does not stop the other; the failure is then one user error
-    (`rerun_hint` says how to go on)."""
+    (`rerun_hint` says how to go on; default `resume_hint()`)."""
     lines = run.lines()
     payload = run.to_json()
     if categories:
         counts = prediction_categories(*(run.results[v] for v in CATEGORY_VARIATIONS.values()))
         lines.append(format_categories(counts))
         payload["categories"] = counts
-    with OutputFiles(rerun_hint, lines) as outputs:
+    with OutputFiles(rerun_hint or resume_hint(), lines) as outputs:
         if results_file is not None:
             outputs.write(write_json_atomic, results_file, payload)
         if report is not None:
@@ -48,14 +48,14 @@ def publish_in9(run: In9Run, categories: bool = False, results_file: Path | None
 def publish_challenge(result: ChallengeResult, output_dir: Path, data_path: Path, num_classes: int,
                       analysis: bool = False, top_k: int = DEFAULT_TOP_K, per_foreground_csv: Path | None = None,
                       results_file: Path | None = None, report: Path | None = None,
-                      rerun_hint: str = RESUME_HINT, html: Path | None = None) -> list[str]:
+                      rerun_hint: str | None = None, html: Path | None = None) -> list[str]:
     """Write what challenge_eval.py writes (and tools.merge for shards); returns the lines to print.
 
     The results file comes first; a file that cannot be written does not stop the others, and the failure
-    is then one user error (`rerun_hint` says how to go on)."""
+    is then one user error (`rerun_hint` says how to go on; default `resume_hint()`)."""
     lines = result.lines()
     summary = None
-    with OutputFiles(rerun_hint, lines) as outputs:
+    with OutputFiles(rerun_hint or resume_hint(), lines) as outputs:
         if results_file is not None:
             outputs.write(write_json_atomic, results_file, result.to_json())
         if per_foreground_csv is not None:

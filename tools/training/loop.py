@@ -92,7 +92,7 @@ def starting_point(config: TrainConfig) -> StartingPoint:
     network, size, mode = network_input(wrapper.classifier)
     arch_args = dict(loaded.details.get("arch_args") or {})
     if loaded.num_classes == NUM_IMAGENET_CLASSES:
-        head = set(classifier_keys(loaded.arch))
+        head = set(classifier_keys(loaded.arch, arch_args))
         fresh = build_architecture(loaded.arch, NUM_IN9_CLASSES, arch_args)
         body = {k: v for k, v in network.state_dict().items() if k not in head}
         missing, unexpected = fresh.load_state_dict(body, strict=False)
@@ -272,7 +272,7 @@ def train(config: TrainConfig) -> TrainResult:
     fingerprint, _, hashes = read_and_fingerprint(data.root, data.relpaths(), config.workers or 1)
     store = decoded_store(data, fingerprint, config.workers, config.progress and group.is_main, hashes)
 
-    head_keys = classifier_keys(start.arch)
+    head_keys = classifier_keys(start.arch, start.fed.arch_args)
     if start.fed.interpolation is not None:
         check_antialias(device, start.fed.interpolation, f"{start.arch}, whose {start.fed.input_size[0]}x"
                                                          f"{start.fed.input_size[1]} inputs are resized from 224x224")
@@ -295,11 +295,15 @@ def train(config: TrainConfig) -> TrainResult:
                "start": start.source.identity if start.source is not None else None}  # the model's identity
     step = 0
     # the keys of states saved by earlier versions, accepted too: before the key held the starting model's identity,
-    # and before it named the precision that ran (one of that version's default precision)
-    earlier_keys = [{k: v for k, v in run_key.items() if k != "start"}]
-    earlier_default = config.precision or (Precision.BF16 if device.type == "cuda" else Precision.FP32)
-    if earlier_default is runtime.precision:
-        earlier_keys.append({k: v for k, v in run_key.items() if k not in ("start", "precision")})
+    # and before it named the precision that ran (one of that version's default precision). Those versions fed every
+    # network 224x224 images and built it without its weights' arguments: a network fed otherwise now (a torchvision
+    # EfficientNet-B3 at 300, GoogLeNet with its input transform) is not the one their states trained
+    earlier_keys = []
+    if start.fed == NetworkInput():
+        earlier_keys.append({k: v for k, v in run_key.items() if k != "start"})
+        earlier_default = config.precision or (Precision.BF16 if device.type == "cuda" else Precision.FP32)
+        if earlier_default is runtime.precision:
+            earlier_keys.append({k: v for k, v in run_key.items() if k not in ("start", "precision")})
     saved = load_resume_state(config.output_dir, run_key, earlier_keys) if config.resume else None
     if saved is not None:
         step = restore_resume_state(saved, config.output_dir, net, optimizer, schedule, swa, total_steps)
