@@ -184,6 +184,9 @@ def test_an_in_memory_traced_module_is_rewritten_where_the_toolkit_wraps_it():
         loaded = wrap(model, num_classes=9, origin=ModelOrigin("module"), normalize=Normalization.NONE,
                       record=ModelRecord())
         assert baked(loaded.model) == []
+        with torch.inference_mode():  # what runs is the rewritten code (a program that ran keeps its first code)
+            assert torch.equal(loaded.model(x), before)
+            assert "aten::_convolution" not in str(torch.jit.last_executed_optimized_graph())
     with torch.inference_mode():
         assert torch.equal(traced(x), before)
         assert torch.equal(traced(x), net(x))
