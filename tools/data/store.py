@@ -46,9 +46,8 @@ import numpy as np
 import PIL
 from PIL import features
 
-from tools.data.cache_checks import (DIGEST_BYTES, ROW_DIGESTS, RowChecks, first_foreign, make_private,
-                                     others_can_write, row_digest, spot_check)
-from tools.data.hashing import open_regular
+from tools.data.cache_checks import (DIGEST_BYTES, ROW_DIGESTS, RowChecks, first_foreign, make_private, map_rows,
+                                     others_can_write, read_regular, row_digest, spot_check)
 from tools.data.temporary import publish, remove_stale_entries, temporary_entry
 from tools.errors import NUMPY_READ_ERRORS
 from tools.provenance import read_npy
@@ -183,14 +182,14 @@ class CacheEntry:
             if problem is not None:
                 _warn_once(("entry", str(self.folder)), f"not using the {self.what} cached at {problem}")
                 return None
-            stored = json.loads(_read_regular(self.folder / "meta.json"))
+            stored = json.loads(read_regular(self.folder / "meta.json"))
             digests = stored.pop("sha256", None) if isinstance(stored, dict) else None
             if stored != self.meta or not isinstance(digests, dict):
                 self.broken = True
                 return None
             arrays = {}
             for name in names:
-                data = _read_regular(self.folder / f"{name}.npy")
+                data = read_regular(self.folder / f"{name}.npy")
                 if hashlib.sha256(data).hexdigest() != digests[name]:
                     raise ValueError(f"{name}.npy does not match its SHA-256")
                 arrays[name] = np.load(io.BytesIO(data), allow_pickle=False)
@@ -303,7 +302,7 @@ class Packs:
         if special is not None:  # a FIFO would be waited on forever: every file is read as a regular file alone
             return self._refuse(identity, f"its {special} is not a regular file (a FIFO, a device?), which the cache "
                                           f"never writes", damaged=False)
-        meta = json.loads(_read_regular(folder / "meta.json"))
+        meta = json.loads(read_regular(folder / "meta.json"))
         if not isinstance(meta, dict) or {k: v for k, v in meta.items() if k != "count"} != self.meta:
             return {}  # another decoder build's: another install reads it
         names = read_npy(folder / "hashes.npy")
@@ -317,7 +316,7 @@ class Packs:
                      if name in wanted and name not in found}.values())
         if not used:
             return {}
-        rows = _map_rows(folder / "rows.npy")
+        rows = map_rows(folder / "rows.npy")
         digests = read_npy(folder / ROW_DIGESTS)
         if rows.shape != (len(names), *self.row_shape) or rows.dtype != self.dtype or \
                 digests.shape != (len(names), DIGEST_BYTES) or digests.dtype != np.uint8:
@@ -342,26 +341,6 @@ class Packs:
         """A pack to fill with the rows of `hashes` (in that order); `check(i, row)`: whether row i is the
         reference's, asked of a few rows before the pack is kept (None: all are)."""
         return PackWriter(self, list(hashes), check)
-
-
-def _read_regular(path: Path) -> bytes:
-    """The bytes of the regular file `path` (`open_regular`: a FIFO or a device is refused, not waited on)."""
-    with open_regular(path) as fh:
-        return fh.read()
-
-
-def _map_rows(path: Path) -> np.ndarray:
-    """The array of the .npy file `path`, mapped read-only from the regular file opened (`open_regular`), so that
-    what is mapped is what was checked."""
-    with open_regular(path) as fh:
-        version = np.lib.format.read_magic(fh)
-        readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-        if version not in readers:
-            raise ValueError(f".npy format {version}, which a pack is not written in")
-        shape, fortran, dtype = readers[version](fh)
-        if dtype.hasobject:
-            raise ValueError("an array of Python objects")
-        return np.memmap(fh, dtype=dtype, mode="r", offset=fh.tell(), shape=shape, order="F" if fortran else "C")
 
 
 def _pack_of(name: str) -> tuple[str, int] | None:
