@@ -186,8 +186,8 @@ def _configuration_digest(model: nn.Module) -> str:
             continue  # a program: its code holds its constants
         attributes = {key: _configuration_value(value) for key, value in sorted(vars(module).items())
                       if key != "training" and (not key.startswith("_") or type(value) is torch.Tensor)}
-        attributes.update({f"buffer {key}": _tensor_digest(module._buffers[key])
-                           for key in sorted(module._non_persistent_buffers_set) if module._buffers.get(key) is not None})
+        attributes.update({f"buffer {key}": _tensor_digest(module._buffers[key]) for key in
+                           sorted(module._non_persistent_buffers_set) if module._buffers.get(key) is not None})
         configuration[name] = {key: value for key, value in attributes.items() if value is not _SKIPPED}
     return hashlib.sha256(json.dumps(configuration, sort_keys=True).encode()).hexdigest()
 
