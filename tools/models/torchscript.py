@@ -27,6 +27,7 @@ API) is therefore rewritten as a copy, saved and loaded again, that has not run 
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 
@@ -130,8 +131,10 @@ def rewritten(module: torch.nn.Module) -> torch.nn.Module:
     """`module` with the convolutions of every TorchScript program in it reading the run's flags, as they run: each
     program (the module itself or one inside it) that bakes a convolution is replaced by a copy, saved and loaded
     again so that no graph executor holds its old code, with its convolutions rewritten (`unbake_convolutions`)
-    before it first runs. A program that cannot be saved (code left in Python, `torch.jit.ignore`) keeps its
-    flags, with a warning; the start-up device check still measures what it computes."""
+    before it first runs. The caller's module is left as it is: the modules on the way to a replaced program are
+    shallow copies (their parameters and the other submodules shared). A program that cannot be saved (code left
+    in Python, `torch.jit.ignore`) keeps its flags, with a warning; the start-up device check still measures what
+    it computes."""
     if isinstance(module, torch.jit.ScriptModule):
         if not baked_convolutions(module):
             return module
@@ -143,11 +146,13 @@ def rewritten(module: torch.nn.Module) -> torch.nn.Module:
                         "torch's defaults): it cannot be copied to rewrite them (%s)", str(exc).splitlines()[0])
             return module
         buffer.seek(0)
-        copy = torch.jit.load(buffer)
-        unbake_convolutions(copy)
-        return copy
-    for name, child in list(module.named_children()):
-        replaced = rewritten(child)
-        if replaced is not child:
-            setattr(module, name, replaced)
-    return module
+        fresh = torch.jit.load(buffer)
+        unbake_convolutions(fresh)
+        return fresh
+    replaced = {name: rewritten(child) for name, child in module.named_children()}
+    changed = {name: new for name, new in replaced.items() if new is not module._modules[name]}
+    if not changed:
+        return module
+    holder = copy.copy(module)
+    holder._modules = {**module._modules, **changed}
+    return holder
