@@ -68,6 +68,77 @@ def test_a_modules_code_is_in_its_identity(dataset, tmp_path, one_thread):
     assert record["files"]["code tests.test_api"]["path"] == __file__
 
 
+def strided(stride: int) -> nn.Module:
+    """A 9-class convolution of stride `stride`: the same weights and classes at every stride, other logits."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 9, 8, stride=stride), nn.AdaptiveAvgPool2d(1), nn.Flatten()).eval()
+
+
+def test_a_modules_configuration_is_in_its_identity(dataset, tmp_path, one_thread):
+    """Two modules of the same classes, code and weights that are built differently (a convolution's stride: an
+    attribute, in no state dict) compute other logits: the second is not served the first's numbers on resume."""
+    model, other = strided(1), strided(4)
+    assert torch.equal(model[0].weight, other[0].weight)
+    x = torch.rand(1, 3, 32, 32)
+    assert not torch.allclose(model(x), other(x))
+    run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
+           "output_dir": tmp_path / "out", **quick()}
+    benchmark(model, dataset.root, **run)
+    with pytest.raises(UserError, match="another model"):
+        benchmark(other, dataset.root, resume=True, **run)
+
+
+NOTEBOOK_CELL = """
+import torch
+from torch import nn
+
+
+def {helper}(x):
+    return {body}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Conv2d(3, 9, 1)
+
+    def forward(self, x):
+        return {helper}(self.fc(x).mean(dim=(2, 3)))
+"""
+
+
+def notebook_net(cell: int, body: str, monkeypatch, helper: str = "finish") -> nn.Module:
+    """`Net` as a notebook defines it: in a module no file holds (IPython's `__main__`), its source kept by linecache
+    under the cell's name; its forward pass ends in a helper function of the same cell, `body` of `x`."""
+    import linecache  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import types  # noqa: PLC0415
+    source = NOTEBOOK_CELL.format(helper=helper, body=body)
+    name = f"<notebook-cell-{cell}>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    notebook = types.ModuleType("notebook")  # no __file__, as a notebook's __main__
+    monkeypatch.setitem(sys.modules, "notebook", notebook)
+    exec(compile(source, name, "exec"), notebook.__dict__)  # noqa: S102 (the test's own code)
+    torch.manual_seed(0)
+    return notebook.Net().eval()
+
+
+@pytest.mark.parametrize("edited", ["forward", "helper"])
+def test_the_code_of_a_notebooks_module_is_in_its_identity(dataset, tmp_path, one_thread, monkeypatch, edited):
+    """A notebook's module (its class in no file): its forward pass edited, or a function it calls, is another
+    model, whose run is not served the first one's numbers."""
+    model = notebook_net(1, "x", monkeypatch)
+    other = notebook_net(2, "-x", monkeypatch) if edited == "helper" else notebook_net(2, "-x", monkeypatch, "negate")
+    other.load_state_dict(model.state_dict())
+    x = torch.rand(1, 3, 8, 8)
+    assert torch.equal(model(x), -other(x))
+    run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
+           "output_dir": tmp_path / "out", **quick()}
+    benchmark(model, dataset.root, **run)
+    with pytest.raises(UserError, match="another model"):
+        benchmark(other, dataset.root, resume=True, **run)
+
+
 @pytest.fixture(scope="module")
 def cnn(tmp_path_factory):
     """A 1000-class model and its TorchScript file."""

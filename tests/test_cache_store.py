@@ -529,3 +529,31 @@ def test_a_pack_whose_rows_are_a_link_is_used_in_no_cache(shared, data, tmp_path
     with pytest.raises(UserError, match="does not look like the decoded-data cache"):
         cache_admin.clear(cache)
     assert (pack / "rows.npy").is_symlink() and elsewhere.is_file()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
+@pytest.mark.parametrize("name", store.PACK_FILES)
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_pack_file_that_is_a_fifo_is_refused_not_waited_on(shared, name, data, tmp_path, caplog, decodes):
+    """A pack's file replaced by a FIFO (in a shared cache, any user can make one): opening it to read would wait
+    for a writer forever, hanging every run that looks in the cache. It is not read: the images are decoded."""
+    import threading  # noqa: PLC0415
+    cache = tmp_path / "cache"
+    plain = original_images(data, None)
+    original_images(data, cache, shared)
+    pack = the_pack(cache)
+    (pack / name).unlink()
+    os.mkfifo(pack / name)
+    new_process()
+    decodes.clear()
+    got = []
+    with caplog.at_level("WARNING"):
+        reader = threading.Thread(target=lambda: got.append(original_images(data, cache, shared)), daemon=True)
+        reader.start()
+        reader.join(timeout=60)
+        if reader.is_alive():  # let it go: a writer that closes at once ends its read
+            os.close(os.open(pack / name, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(timeout=10)
+            pytest.fail(f"the run waited on the FIFO {name}")
+    assert torch.equal(got[0], plain) and len(decodes) == len(plain)
+    assert any(name in message and "regular file" in message for message in warnings_naming(caplog, pack))

@@ -23,6 +23,7 @@ from tools import challenge
 from tools.data import synthetic
 from tools.data.decoders import Decoder
 from tools.challenge import ChallengeConfig, Criterion, Scheduler, run_challenge
+from tools.challenge.search import state_key
 from tools.runtime.inflight import IN_FLIGHT
 from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD
 from tools.models.sources import load_model
@@ -183,7 +184,7 @@ def test_a_shared_full_run_resumes_a_single_process_state(data, models, tmp_path
     whole = engine(path, data, tmp_path / "whole", full=True, batch_size=6)
     cfg = ChallengeConfig(batch_size=6, progress=False, full=True, save_every=0.0)
     interrupt_at_ninth_batch(path, data, cfg, tmp_path / "part", monkeypatch)
-    pending = challenge.SearchState.load(tmp_path / "part" / challenge.STATE_NAME, whole.key,
+    pending = challenge.SearchState.load(tmp_path / "part" / challenge.STATE_NAME, state_key(whole.key, None),
                                          *whole.state.matrix.shape, full=True).pending
     assert len(pending) == 6 * IN_FLIGHT  # the batches in flight
     shared = Runtime(torch.device("cpu"), group=ProcessGroup(rank=0, world_size=2))

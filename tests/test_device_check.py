@@ -329,3 +329,63 @@ def test_merged_shards_are_exact_only_where_every_shard_was():
     merged = combined(shards)
     assert merged["exact"] is False and merged["device_check"] == unverified_check and merged["data"] == 0
     assert combined([shards[0], shards[2]])["exact"] is True
+
+
+class CastsInChannelsLast(nn.Module):
+    """fp32 logits, except where its input is laid out channels-last: then rounded through bf16 first (a kernel of
+    lower precision in one setting that the resume key does not hold, as on one device and not another)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 9, 16, stride=16)
+
+    def forward(self, x):
+        if not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+            x = x.bfloat16().float()
+        return self.conv(x).mean((2, 3))
+
+
+@pytest.mark.parametrize("first_verified", [False, True])
+def test_a_run_resumes_only_predictions_made_under_its_own_verdict(dataset, tmp_path, first_verified):
+    """A run the check did not verify (allowed on a device where the model computes in bf16), resumed where it
+    verifies: the resumed predictions are the unverified run's, so the results may not say `exact: true`; the
+    resume is refused, for in9 and the challenge alike, naming why (and the other way round)."""
+    from tools import benchmark  # noqa: PLC0415
+    settings = {"num_classes": 9, "mean": None, "device": "cpu", "batch_size": 4, "workers": 1, "progress": False,
+                "cache": False, "variations": ["original"], "output_dir": tmp_path / "out"}
+    inexact = {"channels_last": True, "allow_inexact_device": True}
+    first, then = ({}, inexact) if first_verified else (inexact, {})
+    made = benchmark(CastsInChannelsLast().eval(), dataset.root, **first, **settings)
+    assert made.in9["provenance"]["exact"] is first_verified
+    state = tmp_path / "out" / "in9_state.json"
+    with pytest.raises(UserError, match="the start-up device check verified the model in "
+                                        f"{'the run that wrote it' if first_verified else 'this run'}"):
+        benchmark(CastsInChannelsLast().eval(), dataset.root, resume=True, challenge=False, **then, **settings)
+    state.unlink()  # in9 made afresh: the challenge's state is refused alike
+    with pytest.raises(UserError, match="whether the start-up device check verified the model differ"):
+        benchmark(CastsInChannelsLast().eval(), dataset.root, resume=True, **then, **settings)
+    state.unlink()  # under the first run's verdict, its challenge state is resumed
+    again = benchmark(CastsInChannelsLast().eval(), dataset.root, resume=True, **first, **settings)
+    assert again.in9["provenance"]["exact"] is again.challenge["provenance"]["exact"] is first_verified
+
+
+def test_the_zoo_sets_aside_the_runs_of_another_verdict(dataset, tmp_path, capsys):
+    """The zoo resumes a model's runs from their saved state: one made where the check did not verify the model
+    (allowed) is set aside where it verifies, not resumed into results that say `exact: true`."""
+    from tools import zoo  # noqa: PLC0415
+    path = tmp_path / "casts.pt"
+    torch.save(CastsInChannelsLast().eval(), path)
+    spec, output = f"file:{path}", tmp_path / "zoo"
+    argv = ["--data-path", str(dataset.root), "--models", spec, "--output-dir", str(output), "--device", "cpu",
+            "--no-progress", "--no-cache", "--no-leaderboard", "--batch-size", "8", "--trust-checkpoint"]
+    code, out, err = run_in_process(zoo.main, [*argv, "--channels-last", "--allow-inexact-device"], capsys)
+    assert code == 0, err
+    results = zoo.results_path(output, zoo.parse_model_spec(spec))
+    assert json.loads(results.read_text())["in9"]["provenance"]["exact"] is False
+    results.unlink()  # as if stopped before its results were written: its runs' state is left
+    code, out, err = run_in_process(zoo.main, argv, capsys)
+    assert code == 0, err
+    assert "set aside" in err
+    payload = json.loads(results.read_text())
+    assert payload["in9"]["provenance"]["exact"] is payload["challenge"]["provenance"]["exact"] is True

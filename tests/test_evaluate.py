@@ -392,8 +392,9 @@ def test_resume_refuses_a_state_from_another_model(script_runs, models, dataset,
     args = eval_args(dataset, models["cnn9"], out_dir, "--resume", "--log-level", "WARNING")
     code, out, err = run_cli(args)
     assert code == 2
-    assert err.splitlines() == [f"error: {out_dir / STATE_FILE} was written for another model, data or setting; "
-                                f"rerun without --resume or use another --output-dir"]
+    assert err.splitlines() == [f"error: {out_dir / STATE_FILE} was written for another model, data or setting (it "
+                                f"differs in batch_size, model_identity); rerun without --resume or use another "
+                                f"--output-dir"]
     assert out == ""
 
 
@@ -409,8 +410,8 @@ def test_resume_refuses_a_state_saved_at_another_batch_size(script_runs, tmp_pat
     args[args.index("--batch-size") + 1] = "16"
     code, out, err = run_cli([*args, "--resume", "--log-level", "WARNING"])
     assert code == 2
-    assert err.splitlines() == [f"error: {out_dir / STATE_FILE} was written for another model, data or setting; "
-                                f"rerun without --resume or use another --output-dir"]
+    assert err.splitlines() == [f"error: {out_dir / STATE_FILE} was written for another model, data or setting (it "
+                                f"differs in batch_size); rerun without --resume or use another --output-dir"]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -319,6 +319,7 @@ IN_PLACE_WRITERS = {
     # folder renamed into place (a pack's rows file too)
     "tools/training/loop.py": {"write"},  # train_log.jsonl, appended to one line at a time
     "tools/results/figures.py": {"data_uri"},  # an image encoded into memory (io.BytesIO), no file
+    "tools/models/torchscript.py": {"rewritten"},  # a program copied through memory (io.BytesIO), no file
     "tools/data/synthetic.py": None,  # a generated data set (the whole module)
     "tools/data/builder.py": None,  # a built data set
     "tools/data/download.py": None,  # a resumable download, extracted into a temporary folder

@@ -175,7 +175,8 @@ def test_an_in_memory_traced_module_is_rewritten_where_the_toolkit_wraps_it():
     from tools.models.boundary import ModelOrigin, wrap  # noqa: PLC0415
     from tools.models.record import ModelRecord  # noqa: PLC0415
     net, traced = traced_with_torchs_defaults(frozen=False)
-    holder = nn.Sequential(nn.Identity(), traced_with_torchs_defaults(frozen=False)[1])
+    inner = traced_with_torchs_defaults(frozen=False)[1]
+    holder = nn.Sequential(nn.Identity(), inner)
     x = torch.rand(2, 3, 32, 32)
     with torch.inference_mode():
         before = traced(x)
@@ -184,6 +185,10 @@ def test_an_in_memory_traced_module_is_rewritten_where_the_toolkit_wraps_it():
         loaded = wrap(model, num_classes=9, origin=ModelOrigin("module"), normalize=Normalization.NONE,
                       record=ModelRecord())
         assert baked(loaded.model) == []
+        with torch.inference_mode():  # what runs is the rewritten code (a program that ran keeps its first code)
+            assert torch.equal(loaded.model(x), before)
+            assert "aten::_convolution" not in str(torch.jit.last_executed_optimized_graph())
     with torch.inference_mode():
         assert torch.equal(traced(x), before)
         assert torch.equal(traced(x), net(x))
+    assert holder[1] is inner and baked(holder)  # the caller's module as it was: the copy is the toolkit's

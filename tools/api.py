@@ -39,7 +39,7 @@ from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
 from tools.models.record import ModelRecord
 from tools.models.adapters import LoraScaling
 from tools.models.checkpoints import ExportedModule, check_class_count, exported_module, graph_devices
-from tools.models.device_check import check_run, first_images, record_check
+from tools.models.device_check import check_run, first_images
 from tools.models.sources import load_model
 from tools.provenance import check_outputs
 from tools.results.publish import publish_challenge, publish_in9
@@ -165,14 +165,14 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         first = first_images(in9_files.root, [r.relpath for r in in9_files.listings[in9_config.variations[0]]],
                              in9_config.workers)
         in9_check = check_run(loaded, runtime, first, allow_inexact_device, batch_size)
-        in9 = run_in9(loaded, runtime, in9_files, in9_config, output_dir=output_dir, resume=resume)
-        record_check(in9.provenance, in9_check)
+        in9 = run_in9(loaded, runtime, in9_files, in9_config, output_dir=output_dir, resume=resume,
+                      device_check=in9_check)
         found = None
         if challenge_files is not None:
             data = load_challenge_data(challenge_files, in9_config.workers, decoded_cache, challenge_config.progress,
                                        challenge_config.mask_arithmetic)
-            found = run_challenge(loaded, runtime, data, challenge_config, output_dir, resume)
-            record_check(found.provenance, in9_check)  # one float64 reference a call: it costs (see check_run)
+            # one float64 reference a call: it costs (see check_run)
+            found = run_challenge(loaded, runtime, data, challenge_config, output_dir, resume, device_check=in9_check)
     files = {}
     if output_dir is not None and group.is_main:  # as the scripts: rank 0 writes what one process would
         files["in9"] = output_dir / IN9_RESULTS_FILE

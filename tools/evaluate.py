@@ -20,6 +20,7 @@ from tools.data.store import DecodedCache
 from tools.errors import UserError, option
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, PredictionMap, class_names
 from tools.models.boundary import LoadedModel
+from tools.models.device_check import ALLOW_FLAG, record_check, verified
 from tools.data.hashing import read_and_fingerprint
 from tools.progress import progress_bar
 from tools.provenance import provenance, write_json_atomic
@@ -88,6 +89,19 @@ def accuracy_line(result: VariationResult) -> str:
     return f"Accuracy on {result.name} is {result.accuracy:.2f}%"
 
 
+def _differing(saved, key: dict) -> str:
+    """The parts of a saved state's key that differ from this run's, as a message names them ("" where it has none)."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("key"), dict):
+        return ""
+    differ = sorted(name for name in {*saved["key"], *key} - {"verified"} if saved["key"].get(name) != key.get(name))
+    parts = [f"it differs in {', '.join(differ)}"] if differ else []
+    if saved["key"].get("verified") != key.get("verified"):  # exact results are never made of an unverified run's
+        whose = "the run that wrote it, not in this one" if saved["key"].get("verified") else \
+            f"this run, not in the one that wrote it ({option(ALLOW_FLAG)})"
+        parts.append(f"the start-up device check verified the model in {whose}")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 class _Resume:
     """Finished variations saved under --output-dir, so an interrupted `all` run picks up where it stopped."""
 
@@ -101,8 +115,8 @@ class _Resume:
                 raise UserError(f"cannot read the saved state {path} ({exc}); rerun without {option('--resume')}") \
                     from None
             if not isinstance(saved, dict) or saved.get("key") != key:
-                raise UserError(f"{path} was written for another model, data or setting; rerun without "
-                                f"{option('--resume')} or use another {option('--output-dir')}")
+                raise UserError(f"{path} was written for another model, data or setting{_differing(saved, key)}; "
+                                f"rerun without {option('--resume')} or use another {option('--output-dir')}")
             done = saved.get("done")
             if not isinstance(done, dict) or not set(done) <= set(VARIATIONS):
                 raise UserError(f"{path} does not hold predictions by variation name; rerun without "
@@ -406,11 +420,14 @@ class In9Config:
 
 
 def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, config: In9Config, *,
-            output_dir: Path | None = None, resume: bool = False, shard: Shard | None = None) -> In9Run:
+            output_dir: Path | None = None, resume: bool = False, shard: Shard | None = None,
+            device_check: dict | None = None) -> In9Run:
     """Evaluate the variations and gather the provenance a results file cites (`files`: listed, or the folder).
 
     output_dir: where the finished variations are saved for `resume`. shard: predict only that share
-    (tools.shards); the others' predictions are NOT_MINE, for tools.merge."""
+    (tools.shards); the others' predictions are NOT_MINE, for tools.merge. device_check: the start-up check's record
+    (`device_check.check_run`; None: none, `exact` false), recorded in the provenance, and whether it verified the
+    model in the saved state: a run resumes only predictions made under its own verdict."""
     names = list(config.variations)
     if not isinstance(files, In9Files):
         files = list_in9_files(files, names, config.workers)
@@ -421,11 +438,13 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, confi
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
     forwards: list[Forward] = []
     results = evaluate_variations(loaded, runtime, files.root, names, runtime.batch_size(config.batch_size),
-                                  config.workers, state_path, resume, key, config.progress, files.listings, shard,
-                                  config.recheck_margin, files.decoder, files.fingerprint, files.contents, forwards,
-                                  files.hashes, config.cache)
+                                  config.workers, state_path, resume, {**key, "verified": verified(device_check)},
+                                  config.progress, files.listings, shard, config.recheck_margin, files.decoder,
+                                  files.fingerprint, files.contents, forwards, files.hashes, config.cache)
     files.contents.clear()  # decoded: the bytes are not needed again
     info = provenance(runtime.describe(), loaded.describe(), files.fingerprint, files.decoder.value,
                       config.cache.describe() if config.cache is not None else None)
     info.update(forwards[0].provenance() if forwards else {"batch_size": key["batch_size"]})
+    if device_check is not None:
+        record_check(info, device_check)
     return In9Run(results, info, key)

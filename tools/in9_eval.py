@@ -11,7 +11,7 @@ from tools.results.publish import publish_in9
 from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
 from tools.runtime import RECHECK_MARGIN
-from tools.models.device_check import check_run, first_images, record_check
+from tools.models.device_check import check_run, first_images
 from tools.shards import write_in9_shard
 from tools.data import decoders
 from tools.data.check import quick_check
@@ -59,8 +59,8 @@ def _main(args: argparse.Namespace) -> int:
     (files, first), loaded = alongside(data, lambda: options.model_from_args(args, runtime, checked.progress),
                                        imports=decoders.LAZY_IMPORTS)
     device_check = check_run(loaded, runtime, first, args.allow_inexact_device, args.batch_size)
-    run = run_in9(loaded, runtime, files, config, output_dir=args.output_dir, resume=args.resume, shard=args.shard)
-    record_check(run.provenance, device_check)
+    run = run_in9(loaded, runtime, files, config, output_dir=args.output_dir, resume=args.resume, shard=args.shard,
+                  device_check=device_check)
     if args.shard is not None:
         path = write_in9_shard(args.output_dir, args.shard, run)
         print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")

@@ -35,7 +35,7 @@ import numpy as np
 from tools import __version__, cli, distributed, options
 from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, flags, list_challenge_files, run_challenge
 from tools.errors import UserError
-from tools.models.device_check import check_run, first_images, record_check
+from tools.models.device_check import check_run, first_images, verified
 from tools.evaluate import In9Config, In9Files, list_in9_files, run_in9
 from tools.data import decoding as datasets
 from tools.data.hashing import sha256_file
@@ -226,7 +226,7 @@ def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, 
 
 def set_aside_other_state(state_dir: Path, wanted: dict) -> None:
     """Keep a model's resumable state only for the identity it was made for: a folder holding another's (other
-    data, model or settings) is renamed to NAME.stale-N with one log line, and `wanted` recorded in its place."""
+    data, model, settings, or the start-up device check's verdict) is renamed to NAME.stale-N with one log line, and `wanted` recorded in its place."""
     record = state_dir / RUN_IDENTITY_FILE
     if state_dir.is_dir() and any(state_dir.iterdir()) and _read_json(record) != wanted:
         aside = next(path for path in (state_dir.with_name(f"{state_dir.name}.stale-{n}") for n in itertools.count(1))
@@ -249,14 +249,17 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
                                          settings.workers)
     device_check = check_run(loaded, runtime, data.check_images, settings.allow_inexact_device, settings.batch_size)
     with distributed.agree(runtime.group, runtime.device):
+        if runtime.group.is_main:  # the state of the runs of another model, settings or device check's verdict aside
+            set_aside_other_state(state_dir, {**identity(data, loaded.identity, settings.fingerprint(runtime)),
+                                              "verified": verified(device_check)})
+    with distributed.agree(runtime.group, runtime.device):
         in9 = run_in9(loaded, runtime, data.in9, In9Config(VARIATIONS, settings.batch_size, settings.workers, progress,
                                                          cache=settings.cache),
-                      output_dir=state_dir, resume=True)
+                      output_dir=state_dir, resume=True, device_check=device_check)
     with distributed.agree(runtime.group, runtime.device):
         challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,
-                                  (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache)
-    record_check(in9.provenance, device_check)
-    record_check(challenge.provenance, device_check)
+                                  (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache,
+                                  device_check=device_check)
     weights = loaded.weights or (Path(loaded.source).name if loaded.source else None)
     # the path as loaded, links kept: a hub cache's snapshots/REV/FILE is a link into blobs/, and only the snapshot
     # path says which revision was loaded (a moved refs/main loads another)
@@ -293,9 +296,6 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
                     continue
                 with distributed.agree(runtime.group, device):
                     loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code)
-                    if runtime.group.is_main:
-                        set_aside_other_state(Path(output_dir) / RUNS_FOLDER / spec.slug,
-                                              identity(data, loaded.identity, fingerprint))
                 payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir, progress)
                 with distributed.agree(runtime.group, device):
                     if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes

@@ -11,7 +11,7 @@ from pathlib import Path
 from tools import cli, options
 from tools.data import decoders
 from tools.errors import UserError
-from tools.models.device_check import check_run, record_check
+from tools.models.device_check import check_run
 from tools.shards import write_challenge_shard
 from tools.challenge import (check_challenge_files, flags, list_challenge_files, load_challenge_data,
                              run_challenge)
@@ -64,8 +64,8 @@ def _main(args: argparse.Namespace) -> int:
         lambda: options.model_from_args(args, runtime, checked.progress), imports=decoders.LAZY_IMPORTS)
     # on the first backgrounds
     device_check = check_run(loaded, runtime, data.bg_images, args.allow_inexact_device, config.batch_size)
-    result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume, shard=args.shard)
-    record_check(result.provenance, device_check)
+    result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume, shard=args.shard,
+                           device_check=device_check)
     if args.shard is not None:
         path = write_challenge_shard(args.output_dir, args.shard, result, data, checked.data_path, loaded.num_classes)
         print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")

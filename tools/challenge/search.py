@@ -22,6 +22,7 @@ from tools.errors import UserError, option
 from tools.data.store import DecodedCache
 from tools.in9 import UNMAPPED
 from tools.models.boundary import LoadedModel
+from tools.models.device_check import record_check, verified
 from tools.provenance import provenance
 from tools.runtime import Runtime
 from tools.shards import Shard
@@ -263,20 +264,28 @@ def _run_key(data: ChallengeData, loaded: LoadedModel, runtime: Runtime, config:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
+def state_key(key: str, device_check: dict | None) -> str:
+    """The key a run's saved state is made under: the run's (`_run_key`, which its shards share) and whether its
+    start-up check verified the model, so that no run resumes a state made under another verdict."""
+    return hashlib.sha256(f"{key}|verified={verified(device_check)}".encode()).hexdigest()
+
+
 def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | ChallengeFiles | Path,
                   config: ChallengeConfig, output_dir: Path | None = None, resume: bool = False, workers: int = 4,
-                  cache: DecodedCache | None = None, sure_margin: float = 1.0, shard: Shard | None = None
-                  ) -> ChallengeResult:
+                  cache: DecodedCache | None = None, sure_margin: float = 1.0, shard: Shard | None = None,
+                  device_check: dict | None = None) -> ChallengeResult:
     """The challenge's verdict for every foreground, exactly as an exhaustive search would give it.
 
     `data`: decoded data (`load_challenge_data`), listed files, or the data folder (decoded here with
     `config.mask_arithmetic`, through the decoded-data `cache`). `shard`: search only that share of the foregrounds
-    (tools.shards); the result then covers those alone."""
+    (tools.shards); the result then covers those alone. `device_check`: the run's start-up check, recorded in the
+    provenance and, whether it verified the model, in the saved state (as `tools.evaluate.run_in9` does)."""
     # decoding or predicting may fail in one process: all leave together
     with distributed.agree(runtime.group, runtime.device):
         if not isinstance(data, ChallengeData):
             data = load_challenge_data(data, workers, cache, config.progress, config.mask_arithmetic)
         key = _run_key(data, loaded, runtime, config)
+        saved_as = state_key(key, device_check)
         state_name = STATE_NAME
         if shard is not None:
             data = data.foreground_subset(shard.take(len(data.foregrounds)))
@@ -287,7 +296,7 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
         state_path = Path(output_dir) / state_name if output_dir is not None else None
         state = None
         if resume and state_path is not None and state_path.is_file():
-            state = SearchState.load(state_path, key, len(data.foregrounds), len(data.backgrounds), config.full)
+            state = SearchState.load(state_path, saved_as, len(data.foregrounds), len(data.backgrounds), config.full)
             problem = state_problem(state, data.fg_labels, data.bg_labels, config.criterion)
             if problem is not None:
                 raise UserError(f"the saved state {state_path} is not one this run writes: {problem}; rerun without "
@@ -301,13 +310,15 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
         # every process plans from rank 0's background predictions, so all plan alike
         bg_pred = distributed.broadcast(bg_pred, runtime.group, runtime.device)
         state = SearchState.fresh(len(data.foregrounds), len(data.backgrounds), bg_pred, config.full)
-    Search(predictor, data, config, state, state_path, key).run()
+    Search(predictor, data, config, state, state_path, saved_as).run()
     if runtime.group.distributed:
         predictor.rechecked, predictor.recheck_changed = (int(v) for v in distributed.all_reduce(
             np.array([predictor.rechecked, predictor.recheck_changed], np.int64), "sum", runtime.device))
     info = provenance(runtime.describe(), loaded.describe(), data.fingerprint, data.decoder.value, data.cache)
     info["mask_arithmetic"] = data.arithmetic.value
     info.update(predictor.forward.provenance())
+    if device_check is not None:
+        record_check(info, device_check)
     unsure = None
     if not runtime.exact:
         threshold = config.recheck_margin if config.recheck_margin > 0 else sure_margin

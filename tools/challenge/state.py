@@ -94,7 +94,8 @@ class SearchState:
         try:
             z = read_npz(path)
             if bytes(z["key"]).decode() != key:
-                raise UserError(f"{path} belongs to another run (model, data or settings differ); rerun without "
+                raise UserError(f"{path} belongs to another run (model, data, settings or whether the start-up device "
+                                f"check verified the model differ); rerun without "
                                 f"{option('--resume')}, or pick another {option('--output-dir')}")
             return cls._checked(z, n_fg, n_bg, full)
         except (*NUMPY_READ_ERRORS, KeyError) as exc:

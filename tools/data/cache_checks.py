@@ -2,7 +2,8 @@
 have written it (`others_can_write`: by default only what this user wrote and nobody else can change is used), that
 its rows are the bytes written (`RowChecks`: each row's SHA-256, stored with the pack, checked once per process
 before the row is first used), and that a few of the rows it gives are what their files decode to now
-(`spot_check`, on every use).
+(`spot_check`, on every use); and it reads them only as regular files (`read_regular`, `map_rows`: a FIFO, which
+any user of a shared cache can make, is refused, not waited on).
 
 The digests catch damage (a bad copy, a failing disk, a file edited by mistake); the spot check catches rows that
 are intact but belong to other files (a pack rebuilt with its rows reordered, its digests made to match); the owner
@@ -21,6 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from tools.data.hashing import open_regular
 from tools.threads import ContextThreadPool, default_workers
 
 ROW_DIGESTS = "rows_sha256.npy"  # in a pack: row i's SHA-256, (rows, 32) uint8
@@ -60,6 +62,26 @@ def make_private(paths: Sequence[Path]) -> None:
     entries are this user's alone."""
     for path in paths:
         os.chmod(path, stat.S_IMODE(os.lstat(path).st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+
+
+def read_regular(path: Path) -> bytes:
+    """The bytes of the regular file `path` (`open_regular`: a FIFO or a device is refused, not waited on)."""
+    with open_regular(path) as fh:
+        return fh.read()
+
+
+def map_rows(path: Path) -> np.ndarray:
+    """The array of the .npy file `path`, mapped read-only from the regular file opened (`open_regular`), so that
+    what is mapped is what was checked."""
+    with open_regular(path) as fh:
+        version = np.lib.format.read_magic(fh)
+        readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        if version not in readers:
+            raise ValueError(f".npy format {version}, which a pack is not written in")
+        shape, fortran, dtype = readers[version](fh)
+        if dtype.hasobject:
+            raise ValueError("an array of Python objects")
+        return np.memmap(fh, dtype=dtype, mode="r", offset=fh.tell(), shape=shape, order="F" if fortran else "C")
 
 
 def row_digest(row: np.ndarray) -> np.ndarray:

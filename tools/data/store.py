@@ -46,10 +46,11 @@ import numpy as np
 import PIL
 from PIL import features
 
-from tools.data.cache_checks import (DIGEST_BYTES, ROW_DIGESTS, RowChecks, first_foreign, make_private,
-                                     others_can_write, row_digest, spot_check)
+from tools.data.cache_checks import (DIGEST_BYTES, ROW_DIGESTS, RowChecks, first_foreign, make_private, map_rows,
+                                     others_can_write, read_regular, row_digest, spot_check)
 from tools.data.temporary import publish, remove_stale_entries, temporary_entry
 from tools.errors import NUMPY_READ_ERRORS, option
+from tools.provenance import read_npy
 
 log = logging.getLogger(__name__)
 
@@ -181,14 +182,14 @@ class CacheEntry:
             if problem is not None:
                 _warn_once(("entry", str(self.folder)), f"not using the {self.what} cached at {problem}")
                 return None
-            stored = json.loads((self.folder / "meta.json").read_text())
+            stored = json.loads(read_regular(self.folder / "meta.json"))
             digests = stored.pop("sha256", None) if isinstance(stored, dict) else None
             if stored != self.meta or not isinstance(digests, dict):
                 self.broken = True
                 return None
             arrays = {}
             for name in names:
-                data = (self.folder / f"{name}.npy").read_bytes()
+                data = read_regular(self.folder / f"{name}.npy")
                 if hashlib.sha256(data).hexdigest() != digests[name]:
                     raise ValueError(f"{name}.npy does not match its SHA-256")
                 arrays[name] = np.load(io.BytesIO(data), allow_pickle=False)
@@ -297,10 +298,14 @@ class Packs:
             advice = "" if self.cache.shared else (f"; a private cache uses only the packs this user wrote "
                                                    f"({option('--shared-cache')}: any user's, each checked)")
             return self._refuse(identity, foreign + advice, damaged=False)
-        meta = json.loads((folder / "meta.json").read_text())
+        special = next((name for name in PACK_FILES if not stat.S_ISREG(os.lstat(folder / name).st_mode)), None)
+        if special is not None:  # a FIFO would be waited on forever: every file is read as a regular file alone
+            return self._refuse(identity, f"its {special} is not a regular file (a FIFO, a device?), which the cache "
+                                          f"never writes", damaged=False)
+        meta = json.loads(read_regular(folder / "meta.json"))
         if not isinstance(meta, dict) or {k: v for k, v in meta.items() if k != "count"} != self.meta:
             return {}  # another decoder build's: another install reads it
-        names = np.load(folder / "hashes.npy", allow_pickle=False)
+        names = read_npy(folder / "hashes.npy")
         if names.ndim != 1 or names.dtype.kind != "S":  # damaged: not the file hashes a pack is written with
             raise ValueError(f"its hashes are {names.dtype} of shape {names.shape}, not a list of hashes")
         names = [name.decode() for name in names.tolist()]
@@ -311,8 +316,8 @@ class Packs:
                      if name in wanted and name not in found}.values())
         if not used:
             return {}
-        rows = np.load(folder / "rows.npy", mmap_mode="r")
-        digests = np.load(folder / ROW_DIGESTS, allow_pickle=False)
+        rows = map_rows(folder / "rows.npy")
+        digests = read_npy(folder / ROW_DIGESTS)
         if rows.shape != (len(names), *self.row_shape) or rows.dtype != self.dtype or \
                 digests.shape != (len(names), DIGEST_BYTES) or digests.dtype != np.uint8:
             return self._refuse(identity, "its rows or their digests do not match its meta")

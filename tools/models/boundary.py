@@ -107,9 +107,9 @@ def wrap(classifier: nn.Module, *, num_classes: int, origin: ModelOrigin, normal
     a checkpoint's normaliser or CLIP's, named by `stats_origin`) unless --normalize says otherwise, else the
     class-count rule; the class count and the statistics used go into `record`, the loader's record of the model.
     Every TorchScript module in it (the classifier itself or a submodule, as a traced module
-    passed to the Python API) has its convolutions rewritten to read the run's flags
-    (`torchscript.unbake_convolutions`, in place: the same numbers as its eager code)."""
-    torchscript.unbake_convolutions(classifier)
+    passed to the Python API) has its convolutions rewritten to read the run's flags, as a copy that runs the
+    rewritten code (`torchscript.rewritten`: the same numbers as its eager code)."""
+    classifier = torchscript.rewritten(classifier)
     if normalize is Normalization.AUTO and stats is not None:
         mean, std = stats
         norm_text = f"{stats_origin} (mean {[round(float(v), 4) for v in mean]}, std " \

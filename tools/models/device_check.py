@@ -403,12 +403,18 @@ def check_run(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, allow
     return check
 
 
+def verified(check: dict | None) -> bool:
+    """Whether a run's start-up check (`check_run`'s record; None: no check) verified the model: what the resume
+    states of in9 and the challenge hold, so that a state made without that is not resumed by a run that claims it."""
+    return bool(check is not None and check.get("verified"))
+
+
 def record_check(provenance: dict, check: dict) -> None:
     """A run's provenance given its start-up check (`check_run`'s record) and the claim the check decides: `exact`,
     true only for a run in the exact mode (`exact_mode`: fp32, eager) whose check verified the model on its
     device. A run no check verified is not exact (`Runtime.describe` says so until this is called)."""
     provenance["device_check"] = check
-    provenance["exact"] = bool(provenance.get("exact_mode")) and bool(check.get("verified"))
+    provenance["exact"] = bool(provenance.get("exact_mode")) and verified(check)
 
 
 def combined(provenances: Sequence[dict]) -> dict:

@@ -28,8 +28,11 @@ import inspect
 import json
 import logging
 import sys
+import sysconfig
+import types
 from pathlib import Path, PurePath
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -68,6 +71,12 @@ def _is_library_file(path: Path) -> bool:
     return any(part in LIBRARY_FOLDERS for part in path.parts) or str(path).startswith(sys.base_prefix + "/lib")
 
 
+def _is_standard_library(path: Path) -> bool:
+    folders = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")}
+    return not any(part in LIBRARY_FOLDERS for part in path.parts) and any(
+        path.is_relative_to(folder) for folder in folders)
+
+
 def _version(module) -> str | None:
     """A module's version: its __version__, else its distribution's."""
     version = getattr(module, "__version__", None)
@@ -77,6 +86,120 @@ def _version(module) -> str | None:
     for distribution in importlib.metadata.packages_distributions().get(top, []):
         return importlib.metadata.version(distribution)
     return None
+
+
+def _functions(cls: type) -> list[tuple[str, types.FunctionType]]:
+    """The functions a class defines itself, by name: methods, static and class methods, properties' accessors."""
+    found = []
+    for name, value in sorted(vars(cls).items()):
+        if isinstance(value, property):
+            found += [(f"{name}.{part}", f) for part, f in (("get", value.fget), ("set", value.fset),
+                                                           ("del", value.fdel)) if f is not None]
+            continue
+        value = getattr(value, "__func__", value)
+        if isinstance(value, types.FunctionType):
+            found.append((name, value))
+    return found
+
+
+def _code_text(code: types.CodeType) -> str:
+    """Compiled code as text, where its source is not kept: its bytecode, constants (nested code alike) and names."""
+    constants = [_code_text(c) if isinstance(c, types.CodeType) else  # a frozenset's order varies by process
+                 repr(sorted(map(repr, c))) if isinstance(c, frozenset) else repr(c) for c in code.co_consts]
+    return f"{code.co_code.hex()} {constants} {code.co_names} {code.co_varnames}"
+
+
+def _source_text(thing) -> str:
+    """The source of a class or function defined in no file (linecache keeps a notebook cell's), else its
+    functions' sources, or their compiled code."""
+    try:
+        return inspect.getsource(thing)
+    except (OSError, TypeError):
+        if isinstance(thing, types.FunctionType):
+            return _code_text(thing.__code__)
+        return "\n".join(f"{name}: {_source_text(function)}" for name, function in _functions(thing))
+
+
+def _referenced(function: types.FunctionType) -> tuple[list, dict]:
+    """What a function's code names from its module's globals and its closure: (the classes, functions and modules,
+    the other values as `_configuration_value`s by name)."""
+    names, stack = set(), [function.__code__]
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names)
+        stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    found = {name: function.__globals__[name] for name in sorted(names) if name in function.__globals__}
+    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
+        try:
+            found[name] = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+    code = (type, types.FunctionType, types.ModuleType)
+    values = {name: _configuration_value(v) for name, v in found.items() if not isinstance(v, code)}
+    return [v for v in found.values() if isinstance(v, code)], {k: v for k, v in values.items() if v is not _SKIPPED}
+
+
+def _hooks(module: nn.Module) -> list:
+    """The hooks a module runs around its forward pass (which may change its output)."""
+    return [hook for hooks in (module._forward_pre_hooks, module._forward_hooks) for hook in hooks.values()]
+
+
+_SKIPPED = object()  # a value that holds no setting of its own (a module, a function: recorded as code; any object)
+
+
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{tensor.dtype} {tuple(tensor.shape)} {hashlib.sha256(data).hexdigest()}"
+
+
+def _configuration_value(value):
+    """A value a module was built with as JSON: plain values, tensors by digest, lists and mappings of them;
+    `_SKIPPED` for the rest."""
+    if isinstance(value, enum.Enum):
+        return _configuration_value(value.value)
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return repr(value)  # nan and infinities too
+    if isinstance(value, (torch.dtype, torch.device, torch.memory_format)):
+        return str(value)
+    if isinstance(value, torch.Tensor):
+        return _tensor_digest(value)
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        return f"{value.dtype} {value.shape} {hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()}"
+    if isinstance(value, (list, tuple)):
+        items = [_configuration_value(v) for v in value]
+        return _SKIPPED if any(v is _SKIPPED for v in items) else items
+    if isinstance(value, dict):
+        items = {str(k): _configuration_value(v) for k, v in value.items()}
+        return _SKIPPED if any(v is _SKIPPED for v in items.values()) else items
+    return _SKIPPED
+
+
+def _configuration_digest(model: nn.Module) -> str:
+    """How each module in `model` was built beyond its state dict and code: its attributes (a convolution's stride
+    and padding, a norm's eps, a CLIP head's image size; its mode aside), the tensors no state dict holds (buffers
+    that are not persistent, an exported graph's constants), by digest."""
+    configuration = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.jit.ScriptModule):
+            continue  # a program: its code holds its constants
+        attributes = {key: _configuration_value(value) for key, value in sorted(vars(module).items())
+                      if key != "training" and (not key.startswith("_") or type(value) is torch.Tensor)}
+        attributes.update({f"buffer {key}": _tensor_digest(module._buffers[key]) for key in
+                           sorted(module._non_persistent_buffers_set) if module._buffers.get(key) is not None})
+        configuration[name] = {key: value for key, value in attributes.items() if value is not _SKIPPED}
+    return hashlib.sha256(json.dumps(configuration, sort_keys=True).encode()).hexdigest()
+
+
+def _script_code(module: torch.jit.ScriptModule) -> str:
+    """The digest of a TorchScript module's code: every method's, with the constants it holds (a traced tensor)."""
+    parts = []
+    for name in sorted(module._c._method_names()):
+        code, constants = module._c._get_method(name).code_with_constants
+        parts.append(f"{name}\n{code}\n" + "\n".join(f"{key} {_configuration_value(value)}"
+                                                      for key, value in sorted(constants.const_mapping.items())))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def installed_version(name: str) -> str | None:
@@ -164,35 +287,59 @@ class ModelRecord:
         self.libraries[name or module.__name__.split(".")[0]] = _version(module)
 
     def code(self, model: nn.Module) -> None:
-        """Record the code a module runs: for each class in it, its library's version, or the source file of a
-        class from outside the installed libraries (a pickled module's own classes, a notebook's), and the code of
-        each TorchScript module in it; the classes themselves by name."""
+        """Record what a module runs besides its state dict: for each class in it (and its base classes), its
+        library's version, or the source file of a class from outside the installed libraries (a pickled module's
+        own classes), or, where no file holds it (a notebook's), its source; the same for the functions, classes and
+        modules their code calls, and the values it reads from their globals; the code of each TorchScript module
+        in it; the classes themselves by name; and how each module was built (`module configuration`: its
+        attributes, such as a convolution's stride, tensors no state dict holds, hooks)."""
         self.setting("module classes",
                      sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}))
+        seen: set[int] = set()
         for name, module in model.named_modules():
             if isinstance(module, torch.jit.ScriptModule):
-                text = getattr(module, "code", "") or ""
-                self.setting(f"TorchScript code {name or '(top)'}", hashlib.sha256(text.encode()).hexdigest())
+                self.setting(f"TorchScript code {name or '(top)'}", _script_code(module))
                 continue
             if isinstance(module, torch.fx.GraphModule):  # an exported program's module: its graph is its code
                 self.setting(f"graph code {name or '(top)'}", hashlib.sha256(module.code.encode()).hexdigest())
                 continue
-            cls = type(module)
-            source = sys.modules.get(cls.__module__)
-            file = getattr(source, "__file__", None)
-            if file is not None and _is_library_file(Path(file)):
-                self.library(sys.modules[cls.__module__.split(".")[0]])
-            elif file is not None:
-                self.read_file(file, f"code {cls.__module__}")
-            else:  # a class defined where no file holds it (an interactive session): its own source, if known
-                try:
-                    text = inspect.getsource(cls)
-                except (OSError, TypeError):
-                    text = None
-                    log.warning("the code of %s.%s cannot be read: the model's identity cannot hold it",
-                                cls.__module__, cls.__qualname__)
-                self.setting(f"code {cls.__module__}.{cls.__qualname__}",
-                             None if text is None else hashlib.sha256(text.encode()).hexdigest())
+            self._code_of(type(module), seen)
+            for hook in _hooks(module):
+                self._code_of(hook, seen)
+        self.setting("module configuration", _configuration_digest(model))
+
+    def _code_of(self, thing, seen: set[int]) -> None:
+        """Record the code of a class, function or module (`code`), and what its code calls, once each."""
+        thing = getattr(thing, "__func__", thing)  # a bound method, as a hook may be
+        if id(thing) in seen or thing is object or not isinstance(thing, (type, types.FunctionType, types.ModuleType)):
+            return
+        seen.add(id(thing))
+        module_name = thing.__name__ if isinstance(thing, types.ModuleType) else getattr(thing, "__module__", None)
+        module = sys.modules.get(module_name or "")
+        file = getattr(module, "__file__", None)
+        if file is not None and _is_library_file(Path(file)):
+            if not _is_standard_library(Path(file)):  # which goes with Python
+                self.library(sys.modules[module_name.split(".")[0]])
+            return
+        if file is not None:
+            self.read_file(file, f"code {module_name}")
+        elif isinstance(thing, types.ModuleType):  # built into the interpreter
+            return
+        else:  # defined where no file holds it (an interactive session, a notebook): its own source
+            self.setting(f"code {module_name}.{thing.__qualname__}",
+                         hashlib.sha256(_source_text(thing).encode()).hexdigest())
+        if isinstance(thing, types.ModuleType):  # its file holds its code; what it imports is not followed
+            return
+        for base in thing.__mro__[1:] if isinstance(thing, type) else ():
+            self._code_of(base, seen)
+        functions = [thing] if isinstance(thing, types.FunctionType) else [f for _, f in _functions(thing)]
+        for function in functions:
+            called, values = _referenced(function)
+            for other in called:
+                self._code_of(other, seen)
+            if values:
+                self.setting(f"globals read by {function.__module__}.{function.__qualname__}",
+                             hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest())
 
     def close(self) -> None:
         """The model is built: nothing more may be recorded."""

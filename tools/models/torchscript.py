@@ -19,11 +19,21 @@ check, `tools.models.device_check.training_mode_operations`). `scaled_dot_produc
 whose backend is chosen when it runs (`tools.runtime.exact_kernels`). Not rewritten, and able to change the last
 bits: `aten::_native_multi_head_attention`, which a MultiheadAttention traced under no_grad records and which the
 `mha_fastpath` switch cannot reach; it still computes in fp32, by another kernel than the math backend.
+
+A program that has run once (tracing runs it, to check the trace) keeps running the code it ran first: its graph
+executor holds a copy of the graph, which no later rewrite reaches. A program in memory (one handed to the Python
+API) is therefore rewritten as a copy, saved and loaded again, that has not run yet (`rewritten`).
 """
 
 from __future__ import annotations
 
+import copy
+import io
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 BAKED_CONVOLUTION = "aten::_convolution"  # both forms: 13 inputs (with allow_tf32) and the older 12
 CONVOLUTION = "aten::convolution"
@@ -103,3 +113,46 @@ def unbake_convolutions(module: torch.jit.ScriptModule) -> int:
             node.destroy()
             count += 1
     return count
+
+
+def baked_convolutions(module: torch.nn.Module) -> int:
+    """How many `aten::_convolution` the code of the TorchScript programs in `module` holds (read on copies of their
+    graphs: nothing is changed)."""
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, torch.jit.ScriptModule):
+            for name in sub._c._method_names():
+                for graph in _inlined(sub._c._get_method(name).graph.copy()):
+                    count += sum(node.kind() == BAKED_CONVOLUTION for node in graph_nodes(graph))
+    return count
+
+
+def rewritten(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with the convolutions of every TorchScript program in it reading the run's flags, as they run: each
+    program (the module itself or one inside it) that bakes a convolution is replaced by a copy, saved and loaded
+    again so that no graph executor holds its old code, with its convolutions rewritten (`unbake_convolutions`)
+    before it first runs. The caller's module is left as it is: the modules on the way to a replaced program are
+    shallow copies (their parameters and the other submodules shared). A program that cannot be saved (code left
+    in Python, `torch.jit.ignore`) keeps its flags, with a warning; the start-up device check still measures what
+    it computes."""
+    if isinstance(module, torch.jit.ScriptModule):
+        if not baked_convolutions(module):
+            return module
+        buffer = io.BytesIO()
+        try:
+            torch.jit.save(module, buffer)
+        except Exception as exc:  # noqa: BLE001 (TorchScript's errors for what it cannot serialise)
+            log.warning("a TorchScript program's convolutions keep the cuDNN flags they were traced with (TF32 on, by "
+                        "torch's defaults): it cannot be copied to rewrite them (%s)", str(exc).splitlines()[0])
+            return module
+        buffer.seek(0)
+        fresh = torch.jit.load(buffer)
+        unbake_convolutions(fresh)
+        return fresh
+    replaced = {name: rewritten(child) for name, child in module.named_children()}
+    changed = {name: new for name, new in replaced.items() if new is not module._modules[name]}
+    if not changed:
+        return module
+    holder = copy.copy(module)
+    holder._modules = {**module._modules, **changed}
+    return holder

@@ -14,7 +14,7 @@ from tools.errors import UserError
 from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
 from tools.models.boundary import LoadedModel
-from tools.models.device_check import check_run, first_images, record_check
+from tools.models.device_check import check_run, first_images
 from tools.models.sources import load_model
 from tools.provenance import START_EVAL_DIR, TRAINED_EVAL_DIR, write_json_atomic, write_text_atomic
 from tools.results.html import write_html
@@ -49,15 +49,13 @@ def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir
     check = check_run(loaded, runtime, first_images(files.root, [r.relpath for r in files.listings[VARIATIONS[0]]],
                                                     workers), config.allow_inexact_device, batch)
     in9_run = run_in9(loaded, runtime, files, In9Config(VARIATIONS, batch, workers, config.progress),
-                      output_dir=out_dir)
-    record_check(in9_run.provenance, check)
+                      output_dir=out_dir, device_check=check)
     in9 = in9_run.to_json()
     write_json_atomic(out_dir / "in9.json", in9)
     challenge = None
     if config.eval_challenge:
         settings = ChallengeConfig(batch_size=batch, progress=config.progress)
-        found = run_challenge(loaded, runtime, config.eval_data, settings, out_dir, False, workers)
-        record_check(found.provenance, check)
+        found = run_challenge(loaded, runtime, config.eval_data, settings, out_dir, False, workers, device_check=check)
         challenge = found.to_json()
         write_json_atomic(out_dir / "challenge.json", challenge)
     else:
