@@ -389,3 +389,34 @@ def test_the_zoo_sets_aside_the_runs_of_another_verdict(dataset, tmp_path, capsy
     assert "set aside" in err
     payload = json.loads(results.read_text())
     assert payload["in9"]["provenance"]["exact"] is payload["challenge"]["provenance"]["exact"] is True
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Logits that are no numbers
+
+class NaNWeights(nn.Module):
+    """A classifier whose weights hold NaN (torchvision's IMAGENET1K_FEATURES VGG weights ship such a head): every
+    logit is NaN on the device and in float64 alike, which compare equal."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 9)
+        with torch.no_grad():
+            self.head.weight.fill_(float("nan"))
+
+    def forward(self, x):
+        return self.head(x.mean((2, 3)))
+
+
+def test_nan_logits_are_refused_unless_allowed_and_never_verified(dataset):
+    """NaN logits give an argmax that means nothing: the check refuses them (it passed them before, their NaNs
+    being equal to the reference's), and with allow_inexact_device the run is recorded unverified."""
+    from tools import benchmark  # noqa: PLC0415
+    settings = {"num_classes": 9, "device": "cpu", "batch_size": 8, "workers": 1, "progress": False,
+                "cache": False, "variations": ["original"], "challenge": False}
+    with pytest.raises(UserError, match="NaN") as error:
+        benchmark(NaNWeights().eval(), dataset.root, **settings)
+    assert "\n" not in str(error.value) and "allow_inexact_device=True" in str(error.value)
+    result = benchmark(NaNWeights().eval(), dataset.root, allow_inexact_device=True, **settings)
+    check = result.in9["provenance"]["device_check"]
+    assert result.in9["provenance"]["exact"] is False and check["verified"] is False and check["not_finite"]

@@ -220,6 +220,7 @@ class DeviceCheck:
     batch_dependence: str | None = None  # what differed there, if anything
     training_mode: tuple[str, ...] = ()  # operations of a program made in training mode
     repeatable: bool = True  # False where two passes over one batch gave other last bits (then compared in tolerance)
+    not_finite: bool = False  # a logit on the device was NaN: an argmax of it means nothing, whatever float64 says
 
     @property
     def passed(self) -> bool | None:
@@ -230,13 +231,14 @@ class DeviceCheck:
     def verified(self) -> bool:
         """Every comparison made and passed: the reference within the tolerance, no batch dependence, no
         operation in training mode. Only then is a run in the exact mode `exact`."""
-        return bool(self.passed) and self.batch_dependence is None and not self.training_mode
+        return bool(self.passed) and self.batch_dependence is None and not self.training_mode and not self.not_finite
 
     def describe(self) -> dict:
         info = {"device": self.device, "reference": "float64 on the CPU", "images": self.images,
                 "max_relative_deviation": None if self.deviation is None else float(f"{self.deviation:.3g}"),
                 "tolerance": self.tolerance, "passed": self.passed, "batch_size": self.batch_size,
                 "batch_dependence": self.batch_dependence, "training_mode": list(self.training_mode),
+                "not_finite": self.not_finite,
                 "verified": self.verified}
         if self.unavailable is not None:
             info["reference"], info["unavailable"] = None, self.unavailable
@@ -370,8 +372,12 @@ def check_device(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, al
         log.info("device check: two passes over one batch on %s differ in their last bits (the device's kernels are "
                  "not repeatable bit for bit), so the batch comparison was made within the tolerance", device)
     deviation = None if reference is None else relative_deviation(logits, reference)
+    not_finite = bool(logits.isnan().any())
+    if not_finite:
+        unverified(f"the model's logits on {device} are NaN on the run's first {len(images)} images (its weights or "
+                   f"its code give no number there), so its predictions would mean nothing; check the model")
     check = DeviceCheck(**found, deviation=deviation, unavailable=unavailable, batch_dependence=dependence,
-                        training_mode=training, repeatable=repeatable)
+                        training_mode=training, repeatable=repeatable, not_finite=not_finite)
     if check.passed is False:
         unverified(f"the model's fp32 logits on {device} differ from float64 on the CPU by {deviation:.1e} of the "
                    f"largest logit on the run's first {len(images)} images, beyond fp32 rounding (tolerance "
