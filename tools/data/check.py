@@ -13,6 +13,7 @@ from typing import Collection, Sequence
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from tools.data.hashing import open_regular
 from tools.data.layout import (MIXED, SUMMARY_NAME, check_data_root, class_order_problem, is_listed, list_folder,
                                outside, outside_note)
 from tools.threads import default_workers, map_in_threads
@@ -257,9 +258,11 @@ def verify_layout(root: Path, full: bool = False, workers: int | None = None, pr
 
 def built_original_only(root: Path, split: str) -> set[str]:
     """'class/stem' of the images that `build --keep-unboxed` put in original/ alone (no box, so no mask and no
-    other variation), as the build's summary lists them; none without a summary of this split."""
+    other variation), as the build's summary lists them; none without a summary of this split (or with a special
+    file in its place, never opened)."""
     try:
-        summary = json.loads((root / SUMMARY_NAME).read_text(encoding="utf-8"))
+        with open_regular(root / SUMMARY_NAME) as fh:
+            summary = json.loads(fh.read().decode("utf-8"))
         if summary["config"]["split"] != split:
             return set()
         return {str(key) for key in summary["unboxed_in_original"]}
