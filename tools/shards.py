@@ -32,7 +32,7 @@ import numpy as np
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.data.hashing import sha256_file
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
-from tools.provenance import atomic_write, checked_array, read_npz, write_json_atomic
+from tools.provenance import atomic_write, checked_array, read_json, read_npz, write_json_atomic
 
 CHALLENGE_PATTERN = "challenge-shard-{index}-of-{count}"
 IN9_PATTERN = "in9-shard-{index}-of-{count}.json"
@@ -158,7 +158,7 @@ def _rerun(shard: Shard) -> str:
 def _read_meta(path: Path, kind: str, named: Shard) -> dict:
     """A shard's JSON, refused unless it is whole and of this format (`named`: the shard its file name gives)."""
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = read_json(path)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read shard file {path} ({exc}); {_rerun(named)}") from None
     missing = [field for field in FIELDS[kind] if field not in meta] if isinstance(meta, dict) else list(FIELDS[kind])

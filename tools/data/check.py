@@ -3,7 +3,6 @@ scripts run before they start (`quick_check`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -13,13 +12,12 @@ from typing import Collection, Sequence
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from tools.data.hashing import open_regular
 from tools.data.layout import (MIXED, SUMMARY_NAME, check_data_root, class_order_problem, is_listed, list_folder,
                                outside, outside_note)
 from tools.threads import default_workers, map_in_threads
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation
-from tools.provenance import read_npy
+from tools.provenance import read_json, read_npy
 
 log = logging.getLogger(__name__)
 
@@ -261,8 +259,7 @@ def built_original_only(root: Path, split: str) -> set[str]:
     other variation), as the build's summary lists them; none without a summary of this split (or with a special
     file in its place, never opened)."""
     try:
-        with open_regular(root / SUMMARY_NAME) as fh:
-            summary = json.loads(fh.read().decode("utf-8"))
+        summary = read_json(root / SUMMARY_NAME)
         if summary["config"]["split"] != split:
             return set()
         return {str(key) for key in summary["unboxed_in_original"]}

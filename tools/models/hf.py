@@ -20,7 +20,6 @@ in their `id2label` order:
 
 from __future__ import annotations
 
-import json
 import logging
 import pickle
 import re
@@ -36,6 +35,7 @@ from tools.models import hub
 from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
 from tools.models.record import ModelRecord
 from tools.models.spec import HF_PREFIX
+from tools.provenance import read_json
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def _safetensors_error() -> type[Exception]:
 
 def _json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json(path)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read {path}: {first_line(exc)}") from None
 
