@@ -282,3 +282,16 @@ def test_a_state_archive_that_does_not_hold_what_it_claims_is_one_error_line(nam
     code, stdout, err = run_in_process(challenge_eval.main, challenge_args(setup, out, "--resume"), capsys)
     line = check_error(code, stdout, err, lines=None)
     assert str(out / STATE_NAME) in line and "rerun without --resume" in line
+
+
+def test_a_training_log_line_whose_step_is_not_a_number_is_dropped_on_resume(training_state, tmp_path, capsys):
+    """The resumed run keeps the log's lines up to its step: one whose step is text was compared with it (a
+    traceback); it is dropped, as a line cut short is."""
+    argv, finished_out = training_state
+    out = tmp_path / "out"
+    shutil.copytree(finished_out, out)
+    log = out / "train_log.jsonl"
+    log.write_text(log.read_text() + json.dumps({"step": "3"}) + "\n")
+    code, _, err = run_train([*[str(out) if a == finished_out else a for a in argv], "--resume"], capsys)
+    assert code == 0, err
+    assert '"step": "3"' not in log.read_text()
