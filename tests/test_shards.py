@@ -287,6 +287,9 @@ SHARD_FORGERIES = {
     "a class of 12": (None, lambda m: m["backgrounds"][0].__setitem__(1, 12)),
     "a criterion of its own": (None, lambda m: m["results"].update(criterion="some")),
     "no provenance": (None, lambda m: m["results"].update(provenance=None)),
+    # tracebacks before: a rate of more pairs than a float holds (OverflowError), a time JSON cannot write
+    "more pairs than a float holds": (None, lambda m: m["results"].update(composites_evaluated=10**400)),
+    "an endless time": (None, lambda m: m["results"].update(wall_time_s=float("inf"))),
 }
 
 
@@ -324,7 +327,8 @@ def test_the_resigned_shards_unedited_merge(full_shards, tmp_path, capsys):
     assert code == 0 and out.startswith("Summary: "), err
 
 
-@pytest.mark.parametrize("name", ["swapped shares", "a prediction of 11", "another shard's image list"])
+@pytest.mark.parametrize("name", ["swapped shares", "a prediction of 11", "a prediction beyond 64 bits",
+                                  "another shard's image list"])
 def test_an_in9_shard_predicting_what_it_does_not_own_is_refused(name, setup, tmp_path, capsys):
     data, model = setup
     folder = tmp_path / "shards"
@@ -337,9 +341,9 @@ def test_an_in9_shard_predicting_what_it_does_not_own_is_refused(name, setup, tm
     metas = [json.loads(path.read_text()) for path in paths]
     if name == "swapped shares":  # each predicts the other's images: every image still predicted once
         metas[0]["variations"], metas[1]["variations"] = metas[1]["variations"], metas[0]["variations"]
-    elif name == "a prediction of 11":
+    elif name in ("a prediction of 11", "a prediction beyond 64 bits"):  # the latter: an OverflowError before
         predictions = metas[0]["variations"]["only_fg"]["predictions"]
-        predictions[next(i for i, p in enumerate(predictions) if p != merge.NOT_MINE)] = 11
+        predictions[next(i for i, p in enumerate(predictions) if p != merge.NOT_MINE)] = 11 if "11" in name else 2**64
     else:
         metas[1]["variations"]["only_fg"]["labels"][0] = (metas[1]["variations"]["only_fg"]["labels"][0] + 1) % 9
     for path, meta in zip(paths, metas):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from tools.provenance import atomic_write, checked_array, read_json, read_npz, w
 CHALLENGE_PATTERN = "challenge-shard-{index}-of-{count}"
 IN9_PATTERN = "in9-shard-{index}-of-{count}.json"
 NOT_MINE = -2  # an in9 shard's prediction for an image another shard predicts
+MAX_COUNT = 2**63 - 1  # a count a shard records (of numpy's int64, as the run counted it)
 NAME = re.compile(r"^(challenge|in9)-shard-(\d+)-of-(\d+)\.json$")
 FORMAT = 2  # the layout of the shard files: written into each, and a shard of another layout is refused
 FIELDS = {"challenge": ("shard", "key", "arrays_sha256", "results", "num_classes", "data_path", "foregrounds",
@@ -191,9 +193,9 @@ def _challenge_meta_problem(meta: dict) -> str | None:
     if not _is_int(meta["num_classes"], 1):
         return f"its class count {meta['num_classes']!r} is not a positive integer"
     counts = ("composites_evaluated", "rechecked_fp32", "recheck_changed")
-    if not (isinstance(results, dict) and all(_is_int(results.get(k)) for k in counts)
-            and (results.get("unsure_verdicts") is None or _is_int(results.get("unsure_verdicts")))
-            and isinstance(results.get("wall_time_s"), (int, float)) and results["wall_time_s"] >= 0
+    if not (isinstance(results, dict) and all(_is_int(results.get(k), 0, MAX_COUNT) for k in counts)
+            and (results.get("unsure_verdicts") is None or _is_int(results.get("unsure_verdicts"), 0, MAX_COUNT))
+            and type(results.get("wall_time_s")) in (int, float) and 0 <= results["wall_time_s"] < math.inf
             and isinstance(results.get("full"), bool) and isinstance(results.get("criterion"), str)
             and isinstance(results.get("provenance"), dict)):
         return "its results are not a challenge run's (counts, time, criterion, provenance)"
@@ -215,9 +217,10 @@ def _in9_meta_problem(meta: dict, shard: Shard) -> str | None:
                 and len(v["relpaths"]) == len(v["labels"]) == len(v["predictions"])
                 and all(isinstance(r, str) for r in v["relpaths"])
                 and all(_is_int(label, 0, NUM_IN9_CLASSES - 1) for label in v["labels"])
-                and all(type(p) is int for p in v["predictions"])
+                and all(_is_int(p, min(NOT_MINE, UNMAPPED), NUM_IN9_CLASSES - 1) for p in v["predictions"])
                 and _is_int(v.get("rechecked_fp32", 0)) and _is_int(v.get("recheck_changed", 0))):
-            return f"its {name} is not images with classes 0..8 and integer predictions"
+            return (f"its {name} is not images with classes 0..8 and predictions {UNMAPPED}..8 ({NOT_MINE}: another "
+                    f"shard's)")
     predictions = np.array([p for v in variations.values() for p in v["predictions"]], np.int64)
     owned = shard.owns_batches(len(predictions), batch_size)
     if (predictions[~owned] != NOT_MINE).any() or ((predictions[owned] < UNMAPPED)
