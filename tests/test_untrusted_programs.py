@@ -12,6 +12,7 @@ import operator
 import pathlib
 import pickle
 import struct
+import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -33,6 +34,7 @@ from tools.models.architectures import SMALL_CNN, build_architecture
 from tools.models.checkpoints import read_checkpoint
 from tools.models.export_archive import untrusted_content
 from tools.models.record import ModelRecord
+from tools.models.recorded import TRAINED_FORMAT
 
 CPU = torch.device("cpu")
 IMAGES = torch.zeros(2, 3, IMAGE_SIZE, IMAGE_SIZE)
@@ -445,3 +447,31 @@ def test_the_archive_is_checked_as_torch_reads_it(craft, exported, tmp_path):
         warnings.simplefilter("ignore")
         torch.export.load(str(path))
     assert marker.exists()
+
+
+def test_builder_arguments_a_checkpoint_records_open_no_file(tmp_path):
+    """train.py's checkpoints record the builder's arguments that torchvision weights imply (a ViT's image size, ...):
+    any other is refused before the builder runs, such as timm's checkpoint_path, with which timm.create_model read
+    a file the checkpoint named, anywhere."""
+    timm = pytest.importorskip("timm")
+    if "test_resnet" not in timm.list_models():
+        pytest.skip(f"timm {timm.__version__} has no test_resnet")
+    model = timm.create_model("test_resnet", num_classes=9)
+    elsewhere = tmp_path / "elsewhere" / "weights.pth"
+    elsewhere.parent.mkdir()
+    torch.save(model.state_dict(), elsewhere)
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"format": TRAINED_FORMAT, "arch": "timm:test_resnet", "num_classes": 9,
+                "arch_args": {"checkpoint_path": str(elsewhere)}, "input_size": [160, 160],
+                "interpolation": "bilinear", "mean": [0.5] * 3, "std": [0.5] * 3, "model": model.state_dict(),
+                "method": "erm", "data": {}, "train_args": {}, "precision": "fp32"}, path)
+    opened, watching = [], [True]  # an audit hook stays for the session: it watches during this test alone
+    sys.addaudithook(lambda event, args: opened.append(args[0]) if watching and event == "open" and args and
+                     str(args[0]).startswith(str(elsewhere.parent)) else None)
+    try:
+        with pytest.raises(UserError, match="checkpoint_path") as caught:
+            read_checkpoint(path, None, None, Normalization.AUTO, False, None, CPU, ModelRecord())
+    finally:
+        watching.clear()
+    assert "\n" not in str(caught.value)
+    assert opened == []

@@ -107,6 +107,9 @@ def torchvision_architecture(spec: ModelSpec, num_classes: int, **arguments) -> 
 # classification weights to its builder): the input size that ViT and MaxViT fix when they are built, and GoogLeNet's
 # and Inception-v3's input transform (their weights take inputs normalised to 0.5, which `transform_input` makes of
 # ImageNet-normalised ones) and auxiliary heads (loaded, then dropped by GoogLeNet's builder and kept by Inception's).
+# The builder arguments `torchvision_weights_arguments` gives, the only ones a checkpoint may record (`recorded`): a
+# builder takes others that read a file or download (timm's checkpoint_path, pretrained_cfg_overlay, ...).
+RECORDED_ARGUMENTS = frozenset({"image_size", "input_size", "transform_input", "aux_logits", "init_weights"})
 _WEIGHTS_ARGUMENTS = {
     "vision_transformer": lambda meta: {"image_size": int(meta["min_size"][0])},
     "maxvit": lambda meta: {"input_size": [int(v) for v in meta["min_size"]]},
