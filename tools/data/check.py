@@ -219,9 +219,9 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
 
     image_paths, mask_paths = [], []
     if images != "sample":  # verify: where every file really is (the quick check lists, and the run says it)
-        real_root = os.path.realpath(root)
+        real_root, folders = os.path.realpath(root), {}
         note = outside_note(root, [real for name, per in listings.items() for cls, files in per.items() for f in files
-                                   for real in [outside(real_root, root / name / split / cls / f)] if real])
+                                   for real in [outside(real_root, root / name / split / cls / f, folders)] if real])
         if note:
             notes.append(note)
     for name, per in listings.items():
