@@ -5,7 +5,10 @@ from __future__ import annotations
 import csv
 import json
 import os
+import resource
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -375,3 +378,38 @@ def test_shards_listing_300000_foregrounds_and_backgrounds_merge_without_their_p
     code, out, err = run_in_process(merge.main, [str(folder)], capsys)
     assert code == 0 and "Traceback" not in err, err
     assert out.startswith(f"Summary: 0/{size} ")
+
+
+def test_a_shard_count_beyond_what_a_run_is_split_into_is_one_line(setup, tmp_path, capsys):
+    """--shard 0/N of a count numpy cannot hold was an OverflowError traceback in the run."""
+    data, model = setup
+    with pytest.raises(SystemExit) as exited:  # refused as the command line is read
+        script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--trust-checkpoint", "--eval-dataset",
+               "only_fg", "--output-dir", tmp_path / "out", "--shard", f"0/{10**20}")
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert "--shard" in one_error_line(err)
+
+
+@pytest.mark.parametrize("count", [10**20, 2**31 - 1])
+def test_a_shard_claiming_a_huge_split_is_refused_without_making_it(count, setup, tmp_path, capsys):
+    """A shard file named (and saying) shard 0 of a huge N: beyond what numpy holds it was an OverflowError
+    traceback; within it, the merge listed every shard of N to name the missing ones (2**31 of them: memory ran
+    out). Run in a process of bounded memory."""
+    data, model = setup
+    folder = tmp_path / "shards"
+    code, _, err = script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--trust-checkpoint",
+                          "--eval-dataset", "only_fg", "--batch-size", 4, "--output-dir", folder, "--shard", "0/1")
+    assert code == 0, err
+    meta = json.loads((folder / "in9-shard-0-of-1.json").read_text())
+    meta["shard"] = [0, count]
+    predictions = meta["variations"]["only_fg"]["predictions"]
+    predictions[4:] = [merge.NOT_MINE] * len(predictions[4:])  # shard 0 of N owns the first batch alone
+    (folder / "in9-shard-0-of-1.json").unlink()
+    (folder / f"in9-shard-0-of-{count}.json").write_text(json.dumps(meta))
+    proc = subprocess.run([sys.executable, "-c", "import sys; from tools import merge; sys.exit(merge.main(sys.argv[1:]))",
+                           str(folder)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    one_error_line(proc.stderr)

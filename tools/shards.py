@@ -22,6 +22,7 @@ run's foregrounds and backgrounds, it predicts exactly what shard I of N owns (r
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
@@ -39,6 +40,7 @@ CHALLENGE_PATTERN = "challenge-shard-{index}-of-{count}"
 IN9_PATTERN = "in9-shard-{index}-of-{count}.json"
 NOT_MINE = -2  # an in9 shard's prediction for an image another shard predicts
 MAX_COUNT = 2**63 - 1  # a count a shard records (of numpy's int64, as the run counted it)
+MAX_SHARDS = 2**31 - 1  # the most shards a run is split into (--shard I/N; numpy holds the positions' arithmetic)
 NAME = re.compile(r"^(challenge|in9)-shard-(\d+)-of-(\d+)\.json$")
 FORMAT = 2  # the layout of the shard files: written into each, and a shard of another layout is refused
 FIELDS = {"challenge": ("shard", "key", "arrays_sha256", "results", "num_classes", "data_path", "foregrounds",
@@ -69,8 +71,9 @@ class Shard:
 def shard_spec(text: str) -> Shard:
     """argparse type for --shard I/N."""
     match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
-    if not match or not (0 <= int(match.group(1)) < int(match.group(2))):
-        raise argparse.ArgumentTypeError(f"{text!r} is not I/N with 0 <= I < N (e.g. 0/4 for the first of four)")
+    if not match or not (0 <= int(match.group(1)) < int(match.group(2)) <= MAX_SHARDS):
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N with 0 <= I < N <= {MAX_SHARDS} (e.g. 0/4 for the "
+                                         f"first of four)")
     return Shard(int(match.group(1)), int(match.group(2)))
 
 
@@ -123,6 +126,9 @@ def find_shards(folders: list[Path]) -> dict[str, list[tuple[Path, dict]]]:
             match = NAME.match(path.name)
             if match:
                 kind, index, count = match.group(1), int(match.group(2)), int(match.group(3))
+                if not index < count <= MAX_SHARDS:
+                    raise UserError(f"{path} names shard {index} of {count}, which no run is split into (I < N <= "
+                                    f"{MAX_SHARDS}); move it out of {folder}")
                 found.setdefault(kind, []).append((path, _read_meta(path, kind, Shard(index, count))))
     if not found:
         raise UserError(f"no shard results (challenge-shard-I-of-N.json, in9-shard-I-of-N.json) in "
@@ -139,10 +145,13 @@ def _check_complete(kind: str, shards: list[tuple[Path, dict]]) -> None:
                         f"merge the shards of one run")
     count = counts.pop()
     indices = sorted(meta["shard"][0] for _, meta in shards)
-    missing = sorted(set(range(count)) - set(indices))
+    present = set(indices)
+    missing = list(itertools.islice((i for i in range(count) if i not in present), 8))  # never all of a huge N
+    more = count - len(present) - len(missing)
     twice = sorted({i for i in indices if indices.count(i) > 1})
     if missing or twice:
-        problem = (f"missing shard(s) {', '.join(map(str, missing))}" if missing else "") + \
+        problem = (f"missing shard(s) {', '.join(map(str, missing))}{f' and {more} more' if more else ''}"
+                   if missing else "") + \
                   ("; " if missing and twice else "") + \
                   (f"shard(s) {', '.join(map(str, twice))} found twice" if twice else "")
         raise UserError(f"{kind} shards of {count}: {problem}; run the missing ones (--shard I/{count}) or pass each "
