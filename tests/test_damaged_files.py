@@ -215,6 +215,20 @@ def test_a_checkpoint_with_a_damaged_zip_directory_is_one_error_line(setup, tmp_
     assert "zip directory is damaged" in one_error_line(err, "damaged.ts")
 
 
+def test_a_checkpoint_whose_zip_names_a_member_in_bytes_that_are_not_utf8_is_one_error_line(setup, tmp_path, capsys):
+    """A member name flagged UTF-8 that is not (Python's zipfile raises UnicodeDecodeError listing it)."""
+    data, model = setup
+    damaged = tmp_path / "damaged.ts"
+    content = bytearray(model.read_bytes())
+    start = content.index(b"PK\x01\x02")  # the first entry of the central directory: flag UTF-8, name not
+    content[start + 9] |= 0x08  # general purpose flag bit 11
+    content[start + 46:start + 48] = b"\xff\xfe"
+    damaged.write_bytes(bytes(content))
+    code, _, err = in9(capsys, data, damaged)
+    assert code == 2, err
+    assert "zip directory is damaged" in one_error_line(err, "damaged.ts")
+
+
 def test_an_npy_array_where_an_npz_archive_belongs_is_one_error(tmp_path):
     """A .npy file (one array, not an archive) under the name of a resume state or a shard's arrays: refused with
     the same error as a damaged one (np.load gives an array, which is not a context manager: a TypeError)."""
