@@ -353,6 +353,7 @@ def test_sizes_read_as_du_writes_them(text, size):
 @pytest.mark.parametrize("argv, says", [
     (["--max-size", "20X"], "argument --max-size: '20X' is not a size such as 20G"),
     (["--max-size=-1G"], "argument --max-size: '-1G' is not a size"),
+    (["--max-size", "9" * 400], "is not a size"),  # beyond a float: an OverflowError traceback before
     (["--clear", "--max-size", "1G"], "not allowed with argument --clear"),
 ])
 def test_bad_flags_are_one_line(argv, says, tmp_path, capsys):

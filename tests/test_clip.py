@@ -468,3 +468,32 @@ def test_the_head_cache_is_keyed_by_the_device_model(tiny_clip, tmp_path, monkey
     assert len(builds) == 2  # another device model: not the first entry
     load_model(spec)
     assert len(builds) == 2
+
+
+class _Unsafe:
+    def __reduce__(self):
+        return print, ("unpickled",)
+
+
+def _safetensors_past_its_end(path):
+    """A safetensors file whose header places a tensor past the file's end."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+
+
+@pytest.mark.parametrize("damage", ["needs unpickling", "empty", "text", "safetensors past its end"])
+def test_a_clip_weights_file_that_cannot_be_read_is_one_error_line(damage, tiny_clip, tmp_path):
+    """A local CLIP weights file is read by open_clip (weights-only or safetensors): what it cannot read is one line
+    naming the file, as a --checkpoint is (tracebacks before: UnpicklingError, EOFError, KeyError, SafetensorError)."""
+    weights = tmp_path / ("tiny.safetensors" if "safetensors" in damage else "tiny.pt")
+    if damage == "needs unpickling":
+        torch.save({"w": _Unsafe()}, weights)
+    elif damage == "empty":
+        weights.write_bytes(b"")
+    elif damage == "text":
+        weights.write_text("weights")
+    else:
+        _safetensors_past_its_end(weights)
+    with pytest.raises(UserError) as caught:
+        load_model(f"clip:{TINY_CLIP}/{weights}{TINY_CLIP_OPTIONS}")
+    assert str(weights) in str(caught.value) and "\n" not in str(caught.value)

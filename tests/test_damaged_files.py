@@ -5,7 +5,10 @@ zipfile.BadZipFile for a truncated .npz, which are neither OSError nor ValueErro
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +17,7 @@ import pytest
 import challenge_eval
 import in9_eval
 from tests.helpers import run_in_process, save_torchscript
-from tools.results import analysis, matrix
+from tools.results import analysis, matrix, report_cli
 from tools.data import synthetic
 from tools.data.boxes import CropGeometry
 from tools.data import builder
@@ -39,6 +42,11 @@ def empty(path: Path) -> None:
 
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def deeply_nested(path: Path) -> None:
+    """JSON nested deeper than Python's parser goes: a RecursionError, neither OSError nor ValueError."""
+    path.write_text("[" * 100_000 + "]" * 100_000)
 
 
 def challenge(capsys, data, model, *args):
@@ -89,7 +97,7 @@ def test_a_damaged_resume_state_is_one_error_line(damage, setup, tmp_path, capsy
     one_error_line(err, "challenge_state.npz", "rerun without --resume")
 
 
-@pytest.mark.parametrize("damage", [empty, truncate])
+@pytest.mark.parametrize("damage", [empty, truncate, deeply_nested])
 def test_a_damaged_in9_resume_state_is_one_error_line(damage, setup, tmp_path, capsys):
     data, model = setup
     out = tmp_path / "out"
@@ -111,6 +119,34 @@ def test_a_damaged_saved_matrix_is_one_error_line(damage, setup, tmp_path, capsy
     code, _, err = run_in_process(analysis.main, [str(out)], capsys)
     assert code == 2
     one_error_line(err, matrix.PREDICTIONS_FILE, "rerun challenge_eval.py --full")
+
+
+def test_json_results_nested_too_deep_are_one_error_line(setup, tmp_path, capsys):
+    """A results file (report), the --full matrix's description (analysis): each JSON the toolkit reads back."""
+    data, model = setup
+    out = tmp_path / "out"
+    code, _, err = challenge(capsys, data, model, "--no-cache", "--full", "--output-dir", out)
+    assert code == 0, err
+    deeply_nested(out / matrix.META_FILE)
+    code, _, err = run_in_process(analysis.main, [str(out)], capsys)
+    assert code == 2
+    one_error_line(err, matrix.META_FILE, "nested deeper")
+    deeply_nested(tmp_path / "in9.json")
+    code, _, err = run_in_process(report_cli.main, ["--in9", str(tmp_path / "in9.json"),
+                                                    "--output", str(tmp_path / "report.md")], capsys)
+    assert code == 2
+    one_error_line(err, "in9.json", "nested deeper")
+
+
+def test_a_fifo_where_a_results_file_is_named_is_never_waited_on(tmp_path):
+    """A FIFO named as a results file blocked the report forever (a FIFO among files copied from elsewhere)."""
+    os.mkfifo(tmp_path / "in9.json")
+    proc = subprocess.run([sys.executable, "-c", "import sys; from tools.results import report_cli; "
+                           "sys.exit(report_cli.main(sys.argv[1:]))", "--in9", str(tmp_path / "in9.json"),
+                           "--output", str(tmp_path / "report.md")], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    one_error_line(proc.stderr, "in9.json", "not a regular file")
 
 
 @pytest.mark.parametrize("damage", [empty, truncate])
@@ -173,6 +209,20 @@ def test_a_checkpoint_with_a_damaged_zip_directory_is_one_error_line(setup, tmp_
     content = bytearray(model.read_bytes())
     start = content.index(b"PK\x01\x02")  # the first entry of the central directory
     content[start + 3] = 0x07
+    damaged.write_bytes(bytes(content))
+    code, _, err = in9(capsys, data, damaged)
+    assert code == 2, err
+    assert "zip directory is damaged" in one_error_line(err, "damaged.ts")
+
+
+def test_a_checkpoint_whose_zip_names_a_member_in_bytes_that_are_not_utf8_is_one_error_line(setup, tmp_path, capsys):
+    """A member name flagged UTF-8 that is not (Python's zipfile raises UnicodeDecodeError listing it)."""
+    data, model = setup
+    damaged = tmp_path / "damaged.ts"
+    content = bytearray(model.read_bytes())
+    start = content.index(b"PK\x01\x02")  # the first entry of the central directory: flag UTF-8, name not
+    content[start + 9] |= 0x08  # general purpose flag bit 11
+    content[start + 46:start + 48] = b"\xff\xfe"
     damaged.write_bytes(bytes(content))
     code, _, err = in9(capsys, data, damaged)
     assert code == 2, err

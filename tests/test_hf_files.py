@@ -80,6 +80,17 @@ def test_a_shard_linking_outside_the_folder_is_refused(tmp_path, hub_cache):
         load_model(f"hf:{tmp_path / 'vit'}")
 
 
+def test_a_single_weights_file_linking_outside_the_folder_is_refused(tmp_path, hub_cache):
+    """As a shard: the one weights file of a local folder, a link to a file elsewhere, was read without a word."""
+    save_vit(tmp_path / "vit", None, seed=4, num_labels=9)
+    weights = tmp_path / "vit" / "model.safetensors"
+    (tmp_path / "elsewhere").mkdir()
+    weights.rename(tmp_path / "elsewhere" / "weights.safetensors")
+    weights.symlink_to(tmp_path / "elsewhere" / "weights.safetensors")
+    with pytest.raises(UserError, match="a file outside the model's folder"):
+        load_model(f"hf:{tmp_path / 'vit'}")
+
+
 def rewrite_header(path: Path, damage: str) -> None:
     raw = path.read_bytes()
     size = struct.unpack("<Q", raw[:8])[0]

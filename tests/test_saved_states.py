@@ -185,6 +185,30 @@ TRAINING_FORGERIES = {
 }
 
 
+def mid_run(change):
+    """`change` made to the state rewound to step 1 (its schedule too), as one saved mid-run: its resume trains."""
+    def forge(state):
+        state["step"] = 1
+        state["schedule"].update(last_epoch=1, _step_count=2)
+        change(state)
+    return forge
+
+
+def first_group(**settings):
+    return mid_run(lambda s: s["optimizer"]["param_groups"][0].update(settings))
+
+
+TRAINING_FORGERIES.update({  # each a traceback in training before (a setting torch's load_state_dict takes as it is)
+    "a schedule whose method is a number": mid_run(lambda s: s["schedule"].update(get_lr=0)),
+    "a schedule's base rate that is text": mid_run(lambda s: s["schedule"].update(base_lrs=["x"])),
+    "an optimiser's betas that are text": first_group(betas="xx"),
+    "an optimiser's weight decay that is None": first_group(weight_decay=None),
+    "an optimiser's rate that is text": first_group(lr="x"),
+    "an optimiser's step count that is text": mid_run(lambda s: s["optimizer"]["state"][0].update(step="x")),
+    "an optimiser's decay that is a tensor": first_group(weight_decay=torch.zeros(2)),
+})
+
+
 @pytest.mark.parametrize("name, change", TRAINING_FORGERIES.items())
 def test_a_forged_training_state_is_one_error_line_and_keeps_the_checkpoint(name, change, training_state, tmp_path,
                                                                             capsys):
@@ -199,6 +223,34 @@ def test_a_forged_training_state_is_one_error_line_and_keeps_the_checkpoint(name
     line = check_error(code, stdout, err, lines=None)
     assert TRAINING_STATE in line and "rerun without --resume" in line, name
     assert (out / "checkpoint.pt").read_bytes() == checkpoint  # nothing already made is lost
+
+
+@pytest.fixture(scope="module")
+def swa_state(tmp_path_factory):
+    """A finished 2-epoch run of train.py with --swa (6 steps of 6 images), its resume state holding SWALR's."""
+    root = tmp_path_factory.mktemp("swa")
+    data = synthetic.generate(root / "data", per_class=2, seed=3, split="train").root
+    out = root / "out"
+    argv = ["--data-path", data, "--weights", "none", "--epochs", 2, "--batch-size", 6, "--swa", "--output-dir", out,
+            *TINY]
+    run_command(__import__("train").main, [str(a) for a in argv])
+    return argv, out
+
+
+def test_a_forged_swa_schedule_is_one_error_line(swa_state, tmp_path, capsys):
+    """SWALR's saved state sets its attributes as they are (a method replaced by a number: a traceback when the
+    resumed run stepped it)."""
+    argv, finished_out = swa_state
+    out = tmp_path / "out"
+    shutil.copytree(finished_out, out)
+    state = torch.load(out / TRAINING_STATE, weights_only=True)
+    state["step"] = 5
+    state["schedule"].update(last_epoch=state["swa"]["scheduler"]["last_epoch"])
+    state["swa"]["scheduler"]["get_lr"] = 0
+    torch.save(state, out / TRAINING_STATE)
+    code, stdout, err = run_train([*[str(out) if a == finished_out else a for a in argv], "--resume"], capsys)
+    line = check_error(code, stdout, err, lines=None)
+    assert TRAINING_STATE in line and "get_lr" in line
 
 
 def lying_header(path: Path) -> None:
@@ -230,3 +282,16 @@ def test_a_state_archive_that_does_not_hold_what_it_claims_is_one_error_line(nam
     code, stdout, err = run_in_process(challenge_eval.main, challenge_args(setup, out, "--resume"), capsys)
     line = check_error(code, stdout, err, lines=None)
     assert str(out / STATE_NAME) in line and "rerun without --resume" in line
+
+
+def test_a_training_log_line_whose_step_is_not_a_number_is_dropped_on_resume(training_state, tmp_path, capsys):
+    """The resumed run keeps the log's lines up to its step: one whose step is text was compared with it (a
+    traceback); it is dropped, as a line cut short is."""
+    argv, finished_out = training_state
+    out = tmp_path / "out"
+    shutil.copytree(finished_out, out)
+    log = out / "train_log.jsonl"
+    log.write_text(log.read_text() + json.dumps({"step": "3"}) + "\n")
+    code, _, err = run_train([*[str(out) if a == finished_out else a for a in argv], "--resume"], capsys)
+    assert code == 0, err
+    assert '"step": "3"' not in log.read_text()

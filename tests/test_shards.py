@@ -5,7 +5,10 @@ from __future__ import annotations
 import csv
 import json
 import os
+import resource
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -287,6 +290,9 @@ SHARD_FORGERIES = {
     "a class of 12": (None, lambda m: m["backgrounds"][0].__setitem__(1, 12)),
     "a criterion of its own": (None, lambda m: m["results"].update(criterion="some")),
     "no provenance": (None, lambda m: m["results"].update(provenance=None)),
+    # tracebacks before: a rate of more pairs than a float holds (OverflowError), a time JSON cannot write
+    "more pairs than a float holds": (None, lambda m: m["results"].update(composites_evaluated=10**400)),
+    "an endless time": (None, lambda m: m["results"].update(wall_time_s=float("inf"))),
 }
 
 
@@ -324,7 +330,8 @@ def test_the_resigned_shards_unedited_merge(full_shards, tmp_path, capsys):
     assert code == 0 and out.startswith("Summary: "), err
 
 
-@pytest.mark.parametrize("name", ["swapped shares", "a prediction of 11", "another shard's image list"])
+@pytest.mark.parametrize("name", ["swapped shares", "a prediction of 11", "a prediction beyond 64 bits",
+                                  "another shard's image list"])
 def test_an_in9_shard_predicting_what_it_does_not_own_is_refused(name, setup, tmp_path, capsys):
     data, model = setup
     folder = tmp_path / "shards"
@@ -337,9 +344,9 @@ def test_an_in9_shard_predicting_what_it_does_not_own_is_refused(name, setup, tm
     metas = [json.loads(path.read_text()) for path in paths]
     if name == "swapped shares":  # each predicts the other's images: every image still predicted once
         metas[0]["variations"], metas[1]["variations"] = metas[1]["variations"], metas[0]["variations"]
-    elif name == "a prediction of 11":
+    elif name in ("a prediction of 11", "a prediction beyond 64 bits"):  # the latter: an OverflowError before
         predictions = metas[0]["variations"]["only_fg"]["predictions"]
-        predictions[next(i for i, p in enumerate(predictions) if p != merge.NOT_MINE)] = 11
+        predictions[next(i for i, p in enumerate(predictions) if p != merge.NOT_MINE)] = 11 if "11" in name else 2**64
     else:
         metas[1]["variations"]["only_fg"]["labels"][0] = (metas[1]["variations"]["only_fg"]["labels"][0] + 1) % 9
     for path, meta in zip(paths, metas):
@@ -371,3 +378,38 @@ def test_shards_listing_300000_foregrounds_and_backgrounds_merge_without_their_p
     code, out, err = run_in_process(merge.main, [str(folder)], capsys)
     assert code == 0 and "Traceback" not in err, err
     assert out.startswith(f"Summary: 0/{size} ")
+
+
+def test_a_shard_count_beyond_what_a_run_is_split_into_is_one_line(setup, tmp_path, capsys):
+    """--shard 0/N of a count numpy cannot hold was an OverflowError traceback in the run."""
+    data, model = setup
+    with pytest.raises(SystemExit) as exited:  # refused as the command line is read
+        script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--trust-checkpoint", "--eval-dataset",
+               "only_fg", "--output-dir", tmp_path / "out", "--shard", f"0/{10**20}")
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert "--shard" in one_error_line(err)
+
+
+@pytest.mark.parametrize("count", [10**20, 2**31 - 1])
+def test_a_shard_claiming_a_huge_split_is_refused_without_making_it(count, setup, tmp_path, capsys):
+    """A shard file named (and saying) shard 0 of a huge N: beyond what numpy holds it was an OverflowError
+    traceback; within it, the merge listed every shard of N to name the missing ones (2**31 of them: memory ran
+    out). Run in a process of bounded memory."""
+    data, model = setup
+    folder = tmp_path / "shards"
+    code, _, err = script(in9_eval, capsys, "--data-path", data, "--checkpoint", model, "--trust-checkpoint",
+                          "--eval-dataset", "only_fg", "--batch-size", 4, "--output-dir", folder, "--shard", "0/1")
+    assert code == 0, err
+    meta = json.loads((folder / "in9-shard-0-of-1.json").read_text())
+    meta["shard"] = [0, count]
+    predictions = meta["variations"]["only_fg"]["predictions"]
+    predictions[4:] = [merge.NOT_MINE] * len(predictions[4:])  # shard 0 of N owns the first batch alone
+    (folder / "in9-shard-0-of-1.json").unlink()
+    (folder / f"in9-shard-0-of-{count}.json").write_text(json.dumps(meta))
+    proc = subprocess.run([sys.executable, "-c", "import sys; from tools import merge; sys.exit(merge.main(sys.argv[1:]))",
+                           str(folder)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    one_error_line(proc.stderr)

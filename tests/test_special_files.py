@@ -232,3 +232,20 @@ def test_files_reached_through_links_out_of_the_data_folder_are_said_once_and_re
     assert recorded["outside"] == {"files": 3, "folders": sorted([str(store), str(store / folder.name)])}
     assert recorded["sha256"] == json.loads((tmp_path / "plain.json").read_text())["provenance"]["data"]["sha256"]
     assert "outside" not in json.loads((tmp_path / "plain.json").read_text())["provenance"]["data"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero"])
+def test_a_special_file_where_the_build_summary_goes_is_never_opened(kind, setup, tmp_path):
+    """`verify` reads the build's summary beside the folders: a FIFO there blocked it forever, a link to /dev/zero
+    read until memory ran out; it is no summary."""
+    data, _ = setup
+    special = copy(data, tmp_path)
+    summary = special / "build_summary.json"
+    if kind == "fifo":
+        os.mkfifo(summary)
+    else:
+        summary.symlink_to("/dev/zero")
+    proc = subprocess.run([sys.executable, "-m", "tools.data", "verify", "--data-path", str(special)], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=120, preexec_fn=limited)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -11,6 +11,8 @@ import json
 import operator
 import pathlib
 import pickle
+import struct
+import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -32,6 +34,7 @@ from tools.models.architectures import SMALL_CNN, build_architecture
 from tools.models.checkpoints import read_checkpoint
 from tools.models.export_archive import untrusted_content
 from tools.models.record import ModelRecord
+from tools.models.recorded import TRAINED_FORMAT
 
 CPU = torch.device("cpu")
 IMAGES = torch.zeros(2, 3, IMAGE_SIZE, IMAGE_SIZE)
@@ -364,3 +367,111 @@ def test_a_torchscript_file_needs_trust(dataset, tmp_path, capsys):
     assert code == 0, err
     assert "Accuracy on original is" in out
     assert victim.read_text() == "X" * 6
+
+
+def zip_bytes(members: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+def evil_weights(exported: Path, marker: Path) -> tuple[dict[str, bytes], dict[str, bytes], str]:
+    """(the archive's members, the same with its weights config marking a weight `use_pickle` and that weight a
+    pickle that creates `marker`, the config's name), names with the root folder."""
+    with zipfile.ZipFile(exported) as archive:
+        good = {name: archive.read(name) for name in archive.namelist()}
+    evil = dict(good)
+    rewrite_members = {name.partition("/")[2]: data for name, data in good.items()}
+    pickled_weight(marker)(rewrite_members)
+    root = next(iter(good)).partition("/")[0]
+    evil.update({f"{root}/{name}": data for name, data in rewrite_members.items()})
+    return good, evil, f"{root}/data/weights/model_weights_config.json"
+
+
+def case_variant(exported: Path, target: Path, marker: Path) -> Path:
+    """Beside the weights config, one whose name differs only in case, marking a weight pickled: torch's zip reader
+    (miniz) finds a member by its name in any case and reads this one."""
+    good, evil, config = evil_weights(exported, marker)
+    members = {}
+    for name, data in good.items():
+        members[name] = data
+        if name == config:
+            members[config[:-len("json")] + "JSON"] = evil[config]
+    members.update({name: data for name, data in evil.items() if name not in good or data != good[name]
+                    and name != config})
+    target.write_bytes(zip_bytes(members))
+    return target
+
+
+def two_directories(exported: Path, target: Path, marker: Path) -> Path:
+    """One file, two zip directories: Python's zipfile reads the directory just before the end record (taking the
+    bytes before the archive for a prefix), torch's reader the one the end record's offset names. Python's view is
+    the plain archive, torch's the archive with a pickled weight."""
+    good, evil, _ = evil_weights(exported, marker)
+
+    def parts(data: bytes) -> tuple[bytes, bytearray, bytearray]:
+        end = data.rfind(b"PK\x05\x06")
+        size, offset = struct.unpack("<II", data[end + 12:end + 20])
+        return data[:offset], bytearray(data[offset:offset + size]), bytearray(data[end:])
+
+    evil_body, evil_directory, _ = parts(zip_bytes(evil))
+    good_body, good_directory, end_record = parts(zip_bytes(good))
+    assert len(evil_directory) == len(good_directory)  # the same names: the end record's size fits both
+    evil_at = len(evil_body)
+    good_start = evil_at + len(evil_directory)
+    prefix = good_start + len(good_body) - evil_at  # what Python takes for bytes before the archive
+    at = 0
+    while at < len(good_directory):  # the plain archive's offsets, as Python adds the prefix to them
+        name_length, extra_length, comment_length = struct.unpack("<HHH", good_directory[at + 28:at + 34])
+        offset, = struct.unpack("<I", good_directory[at + 42:at + 46])
+        good_directory[at + 42:at + 46] = struct.pack("<I", good_start + offset - prefix)
+        at += 46 + name_length + extra_length + comment_length
+    end_record[16:20] = struct.pack("<I", evil_at)
+    target.write_bytes(evil_body + evil_directory + good_body + good_directory + end_record)
+    return target
+
+
+@pytest.mark.parametrize("craft", [case_variant, two_directories])
+def test_the_archive_is_checked_as_torch_reads_it(craft, exported, tmp_path):
+    """Members torch's zip reader finds where Python's zipfile sees other ones are checked as torch reads them (the
+    archive was passed as data, then torch's loader unpickled the weight)."""
+    marker = tmp_path / "marker"
+    path = craft(exported, tmp_path / "crafted.pt2", marker)
+    with pytest.raises(UserError, match="--trust-checkpoint") as caught:
+        read_checkpoint(path, None, None, Normalization.AUTO, False, None, CPU, ModelRecord())
+    assert "\n" not in str(caught.value)
+    assert not marker.exists()
+    with warnings.catch_warnings():  # the craft is live: torch's own loader runs it
+        warnings.simplefilter("ignore")
+        torch.export.load(str(path))
+    assert marker.exists()
+
+
+def test_builder_arguments_a_checkpoint_records_open_no_file(tmp_path):
+    """train.py's checkpoints record the builder's arguments that torchvision weights imply (a ViT's image size, ...):
+    any other is refused before the builder runs, such as timm's checkpoint_path, with which timm.create_model read
+    a file the checkpoint named, anywhere."""
+    timm = pytest.importorskip("timm")
+    if "test_resnet" not in timm.list_models():
+        pytest.skip(f"timm {timm.__version__} has no test_resnet")
+    model = timm.create_model("test_resnet", num_classes=9)
+    elsewhere = tmp_path / "elsewhere" / "weights.pth"
+    elsewhere.parent.mkdir()
+    torch.save(model.state_dict(), elsewhere)
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"format": TRAINED_FORMAT, "arch": "timm:test_resnet", "num_classes": 9,
+                "arch_args": {"checkpoint_path": str(elsewhere)}, "input_size": [160, 160],
+                "interpolation": "bilinear", "mean": [0.5] * 3, "std": [0.5] * 3, "model": model.state_dict(),
+                "method": "erm", "data": {}, "train_args": {}, "precision": "fp32"}, path)
+    opened, watching = [], [True]  # an audit hook stays for the session: it watches during this test alone
+    sys.addaudithook(lambda event, args: opened.append(args[0]) if watching and event == "open" and args and
+                     str(args[0]).startswith(str(elsewhere.parent)) else None)
+    try:
+        with pytest.raises(UserError, match="checkpoint_path") as caught:
+            read_checkpoint(path, None, None, Normalization.AUTO, False, None, CPU, ModelRecord())
+    finally:
+        watching.clear()
+    assert "\n" not in str(caught.value)
+    assert opened == []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from tools.models.boundary import LoadedModel
 from tools.models.device_check import ALLOW_FLAG, record_check, verified
 from tools.data.hashing import read_and_fingerprint
 from tools.progress import progress_bar
-from tools.provenance import provenance, write_json_atomic
+from tools.provenance import provenance, read_json, write_json_atomic
 from tools.runtime import RECHECK_MARGIN, Forward, Runtime, to_device
 from tools.runtime.inflight import Launched, Pipeline, launch, near_ties, top_two_margins
 from tools.shards import NOT_MINE, Shard
@@ -110,7 +109,7 @@ class _Resume:
         self.done: dict[str, list[int]] = {}
         if path is not None and resume and path.is_file():
             try:
-                saved = json.loads(path.read_text(encoding="utf-8"))
+                saved = read_json(path)
             except (OSError, ValueError) as exc:
                 raise UserError(f"cannot read the saved state {path} ({exc}); rerun without {option('--resume')}") \
                     from None

@@ -199,6 +199,20 @@ def resume_hint() -> str:
     return f"fix the cause and run it again with {option('--resume')}: its saved state makes that quick"
 
 
+def read_json(path: Path | str):
+    """The JSON a file holds (a results file, a saved state, a model's config), read only from a regular file (a
+    FIFO is refused, not waited on; a device is not read without end). What is not such a file of JSON raises
+    OSError (FileNotFoundError where there is none) or ValueError, nesting deeper than the parser goes too."""
+    from tools.data.hashing import open_regular  # noqa: PLC0415 (as read_npy)
+
+    with open_regular(path) as fh:
+        data = fh.read()
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("JSON nested deeper than it can be read") from None
+
+
 def read_npz(path: Path) -> dict[str, np.ndarray]:
     """Every array of the .npz archive `path`, read through our own file handle (closed also when numpy refuses
     the file); what is not such an archive raises one of tools.errors.NUMPY_READ_ERRORS (a .npy array: ValueError).

@@ -22,7 +22,9 @@ run's foregrounds and backgrounds, it predicts exactly what shard I of N owns (r
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +34,13 @@ import numpy as np
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.data.hashing import sha256_file
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
-from tools.provenance import atomic_write, checked_array, read_npz, write_json_atomic
+from tools.provenance import atomic_write, checked_array, read_json, read_npz, write_json_atomic
 
 CHALLENGE_PATTERN = "challenge-shard-{index}-of-{count}"
 IN9_PATTERN = "in9-shard-{index}-of-{count}.json"
 NOT_MINE = -2  # an in9 shard's prediction for an image another shard predicts
+MAX_COUNT = 2**63 - 1  # a count a shard records (of numpy's int64, as the run counted it)
+MAX_SHARDS = 2**31 - 1  # the most shards a run is split into (--shard I/N; numpy holds the positions' arithmetic)
 NAME = re.compile(r"^(challenge|in9)-shard-(\d+)-of-(\d+)\.json$")
 FORMAT = 2  # the layout of the shard files: written into each, and a shard of another layout is refused
 FIELDS = {"challenge": ("shard", "key", "arrays_sha256", "results", "num_classes", "data_path", "foregrounds",
@@ -67,8 +71,9 @@ class Shard:
 def shard_spec(text: str) -> Shard:
     """argparse type for --shard I/N."""
     match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
-    if not match or not (0 <= int(match.group(1)) < int(match.group(2))):
-        raise argparse.ArgumentTypeError(f"{text!r} is not I/N with 0 <= I < N (e.g. 0/4 for the first of four)")
+    if not match or not (0 <= int(match.group(1)) < int(match.group(2)) <= MAX_SHARDS):
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N with 0 <= I < N <= {MAX_SHARDS} (e.g. 0/4 for the "
+                                         f"first of four)")
     return Shard(int(match.group(1)), int(match.group(2)))
 
 
@@ -121,6 +126,9 @@ def find_shards(folders: list[Path]) -> dict[str, list[tuple[Path, dict]]]:
             match = NAME.match(path.name)
             if match:
                 kind, index, count = match.group(1), int(match.group(2)), int(match.group(3))
+                if not index < count <= MAX_SHARDS:
+                    raise UserError(f"{path} names shard {index} of {count}, which no run is split into (I < N <= "
+                                    f"{MAX_SHARDS}); move it out of {folder}")
                 found.setdefault(kind, []).append((path, _read_meta(path, kind, Shard(index, count))))
     if not found:
         raise UserError(f"no shard results (challenge-shard-I-of-N.json, in9-shard-I-of-N.json) in "
@@ -137,10 +145,13 @@ def _check_complete(kind: str, shards: list[tuple[Path, dict]]) -> None:
                         f"merge the shards of one run")
     count = counts.pop()
     indices = sorted(meta["shard"][0] for _, meta in shards)
-    missing = sorted(set(range(count)) - set(indices))
+    present = set(indices)
+    missing = list(itertools.islice((i for i in range(count) if i not in present), 8))  # never all of a huge N
+    more = count - len(present) - len(missing)
     twice = sorted({i for i in indices if indices.count(i) > 1})
     if missing or twice:
-        problem = (f"missing shard(s) {', '.join(map(str, missing))}" if missing else "") + \
+        problem = (f"missing shard(s) {', '.join(map(str, missing))}{f' and {more} more' if more else ''}"
+                   if missing else "") + \
                   ("; " if missing and twice else "") + \
                   (f"shard(s) {', '.join(map(str, twice))} found twice" if twice else "")
         raise UserError(f"{kind} shards of {count}: {problem}; run the missing ones (--shard I/{count}) or pass each "
@@ -158,7 +169,7 @@ def _rerun(shard: Shard) -> str:
 def _read_meta(path: Path, kind: str, named: Shard) -> dict:
     """A shard's JSON, refused unless it is whole and of this format (`named`: the shard its file name gives)."""
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = read_json(path)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read shard file {path} ({exc}); {_rerun(named)}") from None
     missing = [field for field in FIELDS[kind] if field not in meta] if isinstance(meta, dict) else list(FIELDS[kind])
@@ -191,9 +202,9 @@ def _challenge_meta_problem(meta: dict) -> str | None:
     if not _is_int(meta["num_classes"], 1):
         return f"its class count {meta['num_classes']!r} is not a positive integer"
     counts = ("composites_evaluated", "rechecked_fp32", "recheck_changed")
-    if not (isinstance(results, dict) and all(_is_int(results.get(k)) for k in counts)
-            and (results.get("unsure_verdicts") is None or _is_int(results.get("unsure_verdicts")))
-            and isinstance(results.get("wall_time_s"), (int, float)) and results["wall_time_s"] >= 0
+    if not (isinstance(results, dict) and all(_is_int(results.get(k), 0, MAX_COUNT) for k in counts)
+            and (results.get("unsure_verdicts") is None or _is_int(results.get("unsure_verdicts"), 0, MAX_COUNT))
+            and type(results.get("wall_time_s")) in (int, float) and 0 <= results["wall_time_s"] < math.inf
             and isinstance(results.get("full"), bool) and isinstance(results.get("criterion"), str)
             and isinstance(results.get("provenance"), dict)):
         return "its results are not a challenge run's (counts, time, criterion, provenance)"
@@ -215,9 +226,10 @@ def _in9_meta_problem(meta: dict, shard: Shard) -> str | None:
                 and len(v["relpaths"]) == len(v["labels"]) == len(v["predictions"])
                 and all(isinstance(r, str) for r in v["relpaths"])
                 and all(_is_int(label, 0, NUM_IN9_CLASSES - 1) for label in v["labels"])
-                and all(type(p) is int for p in v["predictions"])
+                and all(_is_int(p, min(NOT_MINE, UNMAPPED), NUM_IN9_CLASSES - 1) for p in v["predictions"])
                 and _is_int(v.get("rechecked_fp32", 0)) and _is_int(v.get("recheck_changed", 0))):
-            return f"its {name} is not images with classes 0..8 and integer predictions"
+            return (f"its {name} is not images with classes 0..8 and predictions {UNMAPPED}..8 ({NOT_MINE}: another "
+                    f"shard's)")
     predictions = np.array([p for v in variations.values() for p in v["predictions"]], np.int64)
     owned = shard.owns_batches(len(predictions), batch_size)
     if (predictions[~owned] != NOT_MINE).any() or ((predictions[owned] < UNMAPPED)

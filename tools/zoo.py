@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from tools.models.boundary import LoadedModel
 from tools.models.record import ModelRecord, installed_version
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
-from tools.provenance import check_outputs, write_json_atomic
+from tools.provenance import check_outputs, read_json, write_json_atomic
 from tools.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -163,7 +162,7 @@ def _summary(payload: dict) -> dict:
 
 def _read_json(path: Path) -> dict | None:
     try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
+        payload = read_json(path)
     except (OSError, ValueError):
         return None
     return payload if isinstance(payload, dict) else None

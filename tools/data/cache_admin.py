@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import stat
@@ -50,10 +51,11 @@ def parse_size(text: str) -> int:
     """A size in bytes from `20G`, `500M`, `1.5T`, `100K` or a plain number of bytes (K, M, G, T: powers of 1024;
     `GB`, `GiB` read as `G`); ValueError for anything else."""
     match = SIZE.fullmatch(text.strip())
-    if match is None:
+    size = math.nan if match is None else \
+        float(match["number"]) * 1024 ** (UNITS.index(match["unit"].upper()) + 1 if match["unit"] else 0)
+    if not math.isfinite(size):  # not a size, or more digits than a number holds
         raise ValueError(f"{text!r} is not a size such as 20G, 500M or 1048576 (bytes)")
-    unit = match["unit"].upper()
-    return int(float(match["number"]) * 1024 ** (UNITS.index(unit) + 1 if unit else 0))
+    return int(size)
 
 
 def format_size(nbytes: int) -> str:

@@ -3,7 +3,6 @@ scripts run before they start (`quick_check`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from tools.data.layout import (MIXED, SUMMARY_NAME, check_data_root, class_order
 from tools.threads import default_workers, map_in_threads
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation
-from tools.provenance import read_npy
+from tools.provenance import read_json, read_npy
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +219,9 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
 
     image_paths, mask_paths = [], []
     if images != "sample":  # verify: where every file really is (the quick check lists, and the run says it)
-        real_root = os.path.realpath(root)
+        real_root, folders = os.path.realpath(root), {}
         note = outside_note(root, [real for name, per in listings.items() for cls, files in per.items() for f in files
-                                   for real in [outside(real_root, root / name / split / cls / f)] if real])
+                                   for real in [outside(real_root, root / name / split / cls / f, folders)] if real])
         if note:
             notes.append(note)
     for name, per in listings.items():
@@ -257,9 +256,10 @@ def verify_layout(root: Path, full: bool = False, workers: int | None = None, pr
 
 def built_original_only(root: Path, split: str) -> set[str]:
     """'class/stem' of the images that `build --keep-unboxed` put in original/ alone (no box, so no mask and no
-    other variation), as the build's summary lists them; none without a summary of this split."""
+    other variation), as the build's summary lists them; none without a summary of this split (or with a special
+    file in its place, never opened)."""
     try:
-        summary = json.loads((root / SUMMARY_NAME).read_text(encoding="utf-8"))
+        summary = read_json(root / SUMMARY_NAME)
         if summary["config"]["split"] != split:
             return set()
         return {str(key) for key in summary["unboxed_in_original"]}

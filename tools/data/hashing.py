@@ -64,9 +64,10 @@ def fingerprint(root: Path | str, relpaths: Sequence[str], workers: int = 4) -> 
     return read_and_fingerprint(root, relpaths, workers)[0]
 
 
-def _hash_and_keep(path: Path, keep: bool, root: str) -> tuple[str, bytes | None, str | None]:
+def _hash_and_keep(path: Path, keep: bool, root: str,
+                   folders: dict[str, str]) -> tuple[str, bytes | None, str | None]:
     """The file's SHA-256, its bytes when kept, and where it really is when that is outside the data folder whose
-    real path is `root` (`layout.outside`)."""
+    real path is `root` (`layout.outside`, `folders` its memo of real folder paths)."""
     stop_point()
     try:
         if not keep:
@@ -75,7 +76,7 @@ def _hash_and_keep(path: Path, keep: bool, root: str) -> tuple[str, bytes | None
             with open_regular(path) as fh:
                 data = fh.read()
             digest = hashlib.sha256(data).hexdigest()
-        real = outside(root, path)
+        real = outside(root, path, folders)
     except OSError as exc:
         raise UserError(f"cannot read {path} ({exc.strerror or exc}); make it readable, or replace or remove it") \
             from None
@@ -101,9 +102,10 @@ def read_and_fingerprint(root: Path | str, relpaths: Sequence[str], workers: int
     ordered = sorted(relpaths)
     keep = set(keep)
     start = time.perf_counter()
-    real_root = os.path.realpath(root)
+    real_root, folders = os.path.realpath(root), {}
     with ContextThreadPool(max_workers=max(1, workers), thread_name_prefix="hash") as pool:
-        read = list(pool.map(lambda rel: _hash_and_keep(root / rel, rel in keep, real_root), ordered, chunksize=64))
+        read = list(pool.map(lambda rel: _hash_and_keep(root / rel, rel in keep, real_root, folders), ordered,
+                             chunksize=64))
     hashes = [file_hash for file_hash, _, _ in read]
     contents = {rel: data for rel, (_, data, _) in zip(ordered, read) if data is not None}
     outside_links = _outside_record(root, [real for _, _, real in read if real is not None])

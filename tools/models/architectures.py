@@ -112,6 +112,10 @@ def torchvision_architecture(spec: ModelSpec, num_classes: int, **arguments) -> 
 # GoogLeNet's builder does by default and Inception's when asked. In training mode a network with auxiliary heads
 # returns their outputs beside its logits, which no loss here takes (and DDP would find their weights unused); in
 # evaluation they compute nothing.
+#
+# The builder arguments `torchvision_weights_arguments` gives, the only ones a checkpoint may record (`recorded`): a
+# builder takes others that read a file or download (timm's checkpoint_path, pretrained_cfg_overlay, ...).
+RECORDED_ARGUMENTS = frozenset({"image_size", "input_size", "transform_input", "aux_logits", "init_weights"})
 _WEIGHTS_ARGUMENTS = {
     "vision_transformer": lambda meta: {"image_size": int(meta["min_size"][0])},
     "maxvit": lambda meta: {"input_size": [int(v) for v in meta["min_size"]]},

@@ -52,10 +52,10 @@ def program_kind(path: Path) -> str | None:
     """"export" or "torchscript" when the file is such a program (read from its zip directory), else None."""
     if not zipfile.is_zipfile(path):
         return None
-    try:
+    try:  # is_zipfile reads only the end record: the rest may be damaged (a name flagged UTF-8 that is not: ValueError)
         with zipfile.ZipFile(path) as zf:
             names = zf.namelist()
-    except (zipfile.BadZipFile, OSError) as exc:  # is_zipfile reads only the end record: the rest may be damaged
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
         raise UserError(f"cannot read checkpoint {path}: its zip directory is damaged ({first_line(exc)}); "
                         f"is the file complete?") from None
     # torch.export's archive: `<name>/archive_format` in the layout of newer torch, a top-level
@@ -250,7 +250,7 @@ def check_program_trusted(path: Path, kind: str, trust: bool) -> None:
                         f"(torch.export.save)")
     try:
         found = export_archive.untrusted_content(path)
-    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, NotImplementedError) as exc:
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, NotImplementedError, ValueError) as exc:
         raise UserError(f"cannot read checkpoint {path}: {first_line(exc)}; is the file complete?") from None
     if found:
         raise UserError(f"checkpoint {path} is a torch.export program with more than tensors and tensor operations "

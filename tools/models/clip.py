@@ -31,6 +31,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ from tools.errors import UserError, first_line, optional_module
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
 from tools.models.architectures import close_matches
 from tools.models.boundary import LoadedModel, ModelOrigin, announce_input_size, resize_input, state_sha256, wrap
+from tools.models.loading import read_problem, unpickling_problem
 from tools.models.record import ModelRecord
 from tools.progress import progress_bar
 from tools.runtime import Forward, Runtime
@@ -240,8 +242,13 @@ def _create(open_clip, arch: str, pretrained: str | None) -> tuple[nn.Module, st
                         f"tags: {', '.join(tags) or 'none'} (or {RANDOM_TAG} for random weights)")
     try:  # a known tag: open_clip finds the file just downloaded in its cache and sets the tag's mean/std
         return open_clip.create_model(arch, pretrained=pretrained), str(path)
-    except RuntimeError as exc:
-        raise UserError(f"cannot load the CLIP weights clip:{arch}/{pretrained}: {first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 (a file that is no weights fails anywhere in torch's or safetensors' readers)
+        if not isinstance(exc, RuntimeError) and pretrained in tags:
+            raise
+        problem = (f"it needs more than the weights-only unpickling CLIP weights are read with "
+                   f"({unpickling_problem(exc)}); save the model's state dict (torch.save(model.state_dict(), PATH))"
+                   if isinstance(exc, pickle.UnpicklingError) else read_problem(exc))
+        raise UserError(f"cannot load the CLIP weights clip:{arch}/{pretrained}: {problem}") from None
 
 
 def _open_clip_version() -> str:

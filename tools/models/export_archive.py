@@ -16,6 +16,12 @@ names, targets and signatures (the module it builds is that source). So an archi
   a field the toolkit does not know is refused too (an allowlist: torch's next format is refused until the
   toolkit has read it).
 
+The archive is read as each of torch's readers reads it: the members torch's own zip reader (miniz, the format of
+torch >= 2.7) lists and finds by name, and those Python's zipfile lists (torch's fallback to the older format). The
+two can differ in one file (miniz finds a name in any case; it reads the directory the end record's offset names,
+where zipfile takes the one just before the end record), so each view is checked, and names that differ only in
+case are refused.
+
 `untrusted_content(path)` lists what breaks that; an empty list is a program the toolkit may load.
 """
 
@@ -92,35 +98,62 @@ def untrusted_content(path: Path) -> list[str]:
     """What in the export archive at `path` is more than tensors and tensor operations (each finding a short
     phrase naming it); [] when the archive is data. Reads the archive; loads nothing from it."""
     findings: list[str] = []
-    with zipfile.ZipFile(path) as archive:
-        infos = archive.infolist()
-        names = [info.filename for info in infos]
-        if len(set(names)) != len(names):  # torch's reader and Python's could read different copies
+    with zipfile.ZipFile(path) as archive:  # the older format's reader (and the newer format's members, as listed)
+        names = archive.namelist()
+        if _same_names(names):
             return ["members of the same name twice"]
         for name in names:
-            _check_member(archive, name, findings)
+            _check_member(archive.read, name, findings)
+    try:  # the newer format's reader, as torch.export.load opens it: what it lists and reads is what it loads
+        reader = torch._C.PyTorchFileReader(str(path))
+        records = reader.get_all_records()
+    except (RuntimeError, UnicodeDecodeError):  # torch's loader cannot read the newer format here either
+        return list(dict.fromkeys(findings))
+    if _same_names(records):
+        return ["members of the same name twice"]
+    for record in records:
+        _check_relative(reader.get_record, record, record, findings)
     return list(dict.fromkeys(findings))
 
 
-def _check_member(archive: zipfile.ZipFile, name: str, findings: list[str]) -> None:
+def _same_names(names: list[str]) -> bool:
+    """Whether two names are one to either zip reader (miniz compares names in any ASCII case)."""
+    return len({name.encode("utf-8", "surrogateescape").lower() for name in names}) != len(names)
+
+
+def _check_member(read, name: str, findings: list[str]) -> None:
+    """A member as Python's zipfile lists it (`read(name)` its bytes): the older format's at the top level, the
+    newer format's under the archive's root folder."""
     if name in (OLD_PROGRAM, "version") or name.startswith("extra_files/") and "/" not in name[12:]:
         if name == OLD_PROGRAM:
-            _check_program(archive.read(name), name, findings)
+            _check_program(read(name), name, findings)
         return
     if name in OLD_PICKLES:
-        _check_pickle(archive.read(name), name, findings)
+        _check_pickle(read(name), name, findings)
         return
     _, slash, relative = name.partition("/")
     if not slash:
         findings.append(f"member {name}, which the toolkit does not know")
-    elif relative in TEXT_MEMBERS or relative.startswith("extra/") or relative.endswith("/"):
+    else:
+        _check_relative(read, name, relative, findings)
+
+
+def _check_relative(read, name: str, relative: str, findings: list[str]) -> None:
+    """A member of the newer format by its name under the root folder (`relative`); `read(name)` its bytes (a
+    member torch's reader lists but cannot read is one torch cannot load either)."""
+    def data() -> bytes:
+        try:
+            return read(name)
+        except RuntimeError:
+            return b""
+    if relative in TEXT_MEMBERS or relative.startswith("extra/") or relative.endswith("/"):
         pass
     elif PROGRAM.fullmatch(relative):
-        _check_program(archive.read(name), name, findings)
+        _check_program(data(), name, findings)
     elif PAYLOAD_CONFIG.fullmatch(relative):
-        _check_payload_config(archive.read(name), name, relative.startswith("data/weights/"), findings)
+        _check_payload_config(data(), name, relative.startswith("data/weights/"), findings)
     elif PICKLE.fullmatch(relative):
-        _check_pickle(archive.read(name), name, findings)
+        _check_pickle(data(), name, findings)
     elif RAW_PAYLOAD.fullmatch(relative):
         pass
     elif relative.startswith("data/aotinductor/"):

@@ -20,7 +20,6 @@ in their `id2label` order:
 
 from __future__ import annotations
 
-import json
 import logging
 import pickle
 import re
@@ -36,6 +35,7 @@ from tools.models import hub
 from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
 from tools.models.record import ModelRecord
 from tools.models.spec import HF_PREFIX
+from tools.provenance import read_json
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def _safetensors_error() -> type[Exception]:
 
 def _json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json(path)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read {path}: {first_line(exc)}") from None
 
@@ -267,16 +267,19 @@ def _weights_files(folder: Path, local: bool) -> list[Path]:
     """The files transformers loads the weights from, in its order of preference: one file, else the shards its
     index names (other *.safetensors or *.bin files in the folder are not the model's), each inside the model's
     folder: named without `..` and, through links, in the folder (a hub snapshot's: in its repository's folder,
-    whose blobs/ its links point to)."""
+    whose blobs/ its links point to), the one file too."""
+    root = (folder if local else folder.parent.parent).resolve()
     for single, index in WEIGHTS_FILES:
         if (folder / single).is_file():
+            if not (folder / single).resolve().is_relative_to(root):
+                raise UserError(f"{folder / single} links to {(folder / single).resolve()}, a file outside the "
+                                f"model's folder; the weights of a model are a file of its folder: copy it there")
             return [folder / single]
         if (folder / index).is_file():
             weight_map = _json(folder / index).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
                 raise UserError(f"{folder / index} has no weight_map of file names: re-save the model with "
                                 f"save_pretrained")
-            root = (folder if local else folder.parent.parent).resolve()
             for name in sorted(set(weight_map.values())):
                 if not hub.inside_folder(name) or not (folder / name).resolve().is_relative_to(root):
                     raise UserError(f"{folder / index} names {name!r}, a file outside the model's folder; the "

@@ -28,7 +28,7 @@ def _blocked_globals(path: Path, exc: Exception) -> list[str]:
     return [name for name in found if name not in allowed]
 
 
-def _unpickling_problem(exc: Exception) -> str:
+def unpickling_problem(exc: Exception) -> str:
     """The useful line of an unpickling error (torch wraps weights-only failures in paragraphs of advice)."""
     text = str(exc)
     if "WeightsUnpickler error:" in text:
@@ -58,7 +58,7 @@ def torch_load(path: Path, trust: bool):
         if blocked:
             raise UserError(f"checkpoint {path} needs arbitrary unpickling (blocked globals: {key_list(blocked)}); "
                             f"if you trust the file, rerun with {option('--trust-checkpoint')}") from None
-        raise UserError(f"cannot read checkpoint {path}: it does not unpickle ({_unpickling_problem(exc)}); "
+        raise UserError(f"cannot read checkpoint {path}: it does not unpickle ({unpickling_problem(exc)}); "
                         f"is it a PyTorch file?") from None
     except (ImportError, AttributeError) as exc:
         if trust:  # a class the file needs is missing

@@ -16,7 +16,7 @@ from PIL import Image
 from tools import __version__
 from tools.errors import UserError
 from tools.in9 import class_names
-from tools.provenance import START_EVAL_DIR, TRAINED_EVAL_DIR, TRAINING_LOG, write_text_atomic
+from tools.provenance import START_EVAL_DIR, TRAINED_EVAL_DIR, TRAINING_LOG, read_json, write_text_atomic
 from tools.results import html_sections as sections
 from tools.results import report
 from tools.results.markdown import inline_html
@@ -90,7 +90,7 @@ def leaderboard_section(output_dir: Path | None) -> str:
 
 def _read_json(path: Path) -> dict | None:
     try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        return read_json(path) if path.is_file() else None
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read {path}: {exc}; rerun train.py with --eval-data") from None
 
@@ -103,7 +103,7 @@ def _step_record(line: str) -> dict | None:
     while writing it), which the training loop also drops."""
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     numbers = isinstance(record, dict) and all(isinstance(record.get(k), (int, float)) for k in STEP_KEYS)
     return record if numbers else None

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, RELEASE_IMAGES_PER_CLASS, VARIATIONS, Variation
-from tools.provenance import write_text_atomic
+from tools.provenance import read_json, write_text_atomic
 from tools.results.figures import (AXIS, GRID, TEXT, Box, default_font, draw_text, free_text_position, new_canvas,
                                    paste_vertical_text, save_png)
 from tools.results.markdown import code, escape, markdown_table
@@ -120,7 +120,7 @@ def read_results(output_dir: Path) -> list[dict]:
     payloads = []
     for path in sorted(folder.glob("*.json")):
         try:
-            payload = json.loads(path.read_text(encoding="utf-8"))
+            payload = read_json(path)
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot read the results file {path}: {exc}; delete it and rerun its model") from None
         if not isinstance(payload, dict) or "model" not in payload:

@@ -9,7 +9,6 @@ for, `challenge_meta.json` where the data was and how the run was made.
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +17,7 @@ import numpy as np
 
 from tools.errors import NUMPY_READ_ERRORS, UserError, key_list
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
-from tools.provenance import atomic_write, read_npy, write_json_atomic
+from tools.provenance import atomic_write, read_json, read_npy, write_json_atomic
 
 if TYPE_CHECKING:
     from tools.challenge import ChallengeResult
@@ -107,7 +106,7 @@ def load_matrix(output_dir: Path | str) -> ChallengeMatrix:
     except NUMPY_READ_ERRORS as exc:
         raise UserError(f"cannot read {output_dir / PREDICTIONS_FILE}: {exc}; rerun challenge_eval.py --full") from None
     try:
-        meta = json.loads((output_dir / META_FILE).read_text())
+        meta = read_json(output_dir / META_FILE)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read {output_dir / META_FILE}: {exc}; rerun challenge_eval.py --full") from None
     if not isinstance(meta, dict):

@@ -4,13 +4,13 @@ section needs, and whether several of them belong together (one model, one data 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from tools.errors import UserError
 from tools.in9 import VARIATIONS
+from tools.provenance import read_json
 from tools.results.analysis import SUMMARY_FILE
 from tools.results.categories import Category
 
@@ -100,7 +100,7 @@ def read_results(path: Path, kind: str, advice: str | None = None) -> dict:
     expected = KINDS[kind]
     advice = advice or expected.advice
     try:
-        payload = json.loads(Path(path).read_text(encoding="utf-8"))
+        payload = read_json(path)
     except FileNotFoundError:
         raise UserError(f"{expected.name} file {path} does not exist; {advice}") from None
     except (OSError, ValueError) as exc:

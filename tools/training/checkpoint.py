@@ -8,6 +8,7 @@ previous file or the new one, never half of one. The periodic resume state is wr
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import threading
 from dataclasses import dataclass, field
@@ -159,22 +160,83 @@ def _tensors_problem(saved, wanted: dict, what: str) -> str | None:
     return None
 
 
+# The optimiser's settings the schedules set as training goes (LambdaLR's rate, SWALR's): numbers, any value; every
+# other setting of a group (betas, decay, momentum, ...) is the run's own
+RATES = frozenset({"lr", "swa_lr"})
+# What a schedule's state holds that changes as it steps: of the kind the schedule's own is; its other keys (base
+# rates, annealing) are the run's settings. torch's load_state_dict sets every key as an attribute.
+SCHEDULE_STEPPING = frozenset({"last_epoch", "_step_count", "_last_lr", "_is_initial", "_get_lr_called_within_step"})
+SCHEDULE_EARLIER = frozenset({"verbose"})  # what the schedules of earlier torch releases also saved
+
+
 def _optimizer_problem(saved, optimizer: torch.optim.Optimizer) -> str | None:
-    """Why `saved` is not a state of `optimizer` over this run's parameters: the same groups of the same parameters,
-    and each parameter's buffers (momentum, moments) of its shape; None when it is."""
+    """Why `saved` is not a state of `optimizer` over this run's parameters: the same groups of the same parameters
+    with the run's settings (numbers for the rates), and each parameter's buffers (momentum, moments) tensors of
+    floats, of its shape or single numbers; None when it is."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    wanted = [group["params"] for group in optimizer.state_dict()["param_groups"]]
+    groups = optimizer.state_dict()["param_groups"]
     if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)
             and isinstance(saved.get("param_groups"), list)
-            and [g.get("params") if isinstance(g, dict) else None for g in saved["param_groups"]] == wanted):
+            and [g.get("params") if isinstance(g, dict) else None for g in saved["param_groups"]]
+            == [group["params"] for group in groups]):
         return "its optimiser state is not over this run's parameters"
+    for saved_group, group in zip(saved["param_groups"], groups):
+        for key, value in saved_group.items():
+            if key in RATES and not _same_kind(value, 0.0):
+                return f"its optimiser's {key} is {value!r}, not a rate"
+            if key not in RATES and key != "params" and key in group and not _same_value(value, group[key]):
+                return f"its optimiser's {key} is {value!r}, this run's {group[key]!r}"
     for index, buffers in saved["state"].items():
         if not (type(index) is int and 0 <= index < len(params) and isinstance(buffers, dict)):
             return f"its optimiser state names parameter {index!r}, of {len(params)}"
         for name, value in buffers.items():
-            if isinstance(value, torch.Tensor) and value.ndim and value.shape != params[index].shape:
+            if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+                return f"its optimiser's {name} of parameter {index} is {type(value).__name__}, not a tensor of floats"
+            if value.ndim and value.shape != params[index].shape:
                 return (f"its optimiser's {name} of parameter {index} is {tuple(value.shape)}, not "
                         f"{tuple(params[index].shape)}")
+    return None
+
+
+def _same_kind(value, made) -> bool:
+    """Whether `value` is of the kind `made` is: a flag, a whole number, a finite number, a list of such of its
+    length."""
+    if isinstance(made, bool) or made is None:
+        return type(value) is type(made)
+    if isinstance(made, int):
+        return type(value) is int
+    if isinstance(made, float):
+        return type(value) in (int, float) and math.isfinite(value)
+    if isinstance(made, list):
+        return isinstance(value, list) and len(value) == len(made) and all(map(_same_kind, value, made))
+    return value == made
+
+
+def _same_value(value, made) -> bool:
+    """Whether `value` is `made`, a setting of plain data (numbers, text, flags, lists, tuples, dicts of them), of the
+    same types throughout (a tensor is never one)."""
+    if type(value) is not type(made):
+        return False
+    if isinstance(made, (list, tuple)):
+        return len(value) == len(made) and all(map(_same_value, value, made))
+    if isinstance(made, dict):
+        return value.keys() == made.keys() and all(_same_value(value[key], made[key]) for key in made)
+    return bool(value == made)
+
+
+def _schedule_problem(saved, made: dict, what: str) -> str | None:
+    """Why `saved` is not a state of the schedule whose state when it was made is `made`: a key it does not hold (a
+    method's name, say), a setting other than the run's, or a stepping value (`SCHEDULE_STEPPING`) of another kind;
+    None when it is."""
+    if not isinstance(saved, dict):
+        return f"its {what} is not a schedule's state"
+    for key, value in saved.items():
+        if key not in made and key not in SCHEDULE_EARLIER:
+            return f"its {what} holds {key!r}, which this run's schedule does not"
+        if key in SCHEDULE_STEPPING and key in made and not _same_kind(value, made[key]):
+            return f"its {what}'s {key} is {value!r}"
+        if key not in SCHEDULE_STEPPING and key in made and not _same_value(value, made[key]):
+            return f"its {what}'s {key} is {value!r}, this run's {made[key]!r}"
     return None
 
 
@@ -183,7 +245,9 @@ def restore_resume_state(state: dict, output_dir: Path, net: nn.Module, optimize
     """Load a resume state (`load_resume_state`) into the run's model, optimiser, schedule and SWA average (None
     without --swa), each checked first to fit them: the step one of the run's, every weight (the average's too) of
     its name, shape and dtype, the optimiser's buffers of their parameters' shapes, the schedule at the step. Returns
-    the step; a state that does not fit is one UserError (the run's files stay as they are)."""
+    the step; a state that does not fit is one UserError (the run's files stay as they are). Settings torch's
+    load_state_dict would take as they are (a group's betas or decay, a schedule's base rate, a method's name among
+    a schedule's keys) are checked to be the run's: they failed in training, or trained at other settings."""
     path = Path(output_dir) / STATE_NAME
 
     def refuse(why: str):
@@ -201,10 +265,13 @@ def restore_resume_state(state: dict, output_dir: Path, net: nn.Module, optimize
     if (state["swa"] is None) != (swa is None):
         refuse("it is of a run with other --swa")
     problem = (_tensors_problem(state["model"], net.state_dict(), "model")
-               or _optimizer_problem(state["optimizer"], optimizer))
+               or _optimizer_problem(state["optimizer"], optimizer)
+               or _schedule_problem(state["schedule"], schedule.state_dict(), "schedule"))
     if problem is None and swa is not None:
-        averaged = state["swa"].get("averaged") if isinstance(state["swa"], dict) else None
-        problem = _tensors_problem(averaged, swa.averaged.state_dict(), "SWA average")
+        saved_swa = state["swa"] if isinstance(state["swa"], dict) else {}
+        problem = _tensors_problem(saved_swa.get("averaged"), swa.averaged.state_dict(), "SWA average")
+        if problem is None and saved_swa.get("scheduler") is not None:
+            problem = _schedule_problem(saved_swa["scheduler"], swa.scheduler_made(optimizer), "SWA schedule")
     if problem:
         refuse(problem)
     try:

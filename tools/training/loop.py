@@ -184,9 +184,10 @@ def _record_step(line: str, unreadable: int) -> int:
     the append), so that it is dropped."""
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return unreadable
-    return record.get("step", 0) if isinstance(record, dict) else unreadable
+    step = record.get("step", 0) if isinstance(record, dict) else None
+    return step if type(step) is int else unreadable
 
 
 class JsonLog:

@@ -53,9 +53,19 @@ class WeightAveraging:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """The learning-rate step of an averaged epoch."""
         if self.scheduler is None:
-            self.scheduler = swa_utils.SWALR(optimizer, swa_lr=self.swa_lr, anneal_epochs=self.anneal_steps,
-                                             anneal_strategy="cos")
+            self.scheduler = self._new_scheduler(optimizer)
         self.scheduler.step()
+
+    def _new_scheduler(self, optimizer: torch.optim.Optimizer) -> swa_utils.SWALR:
+        return swa_utils.SWALR(optimizer, swa_lr=self.swa_lr, anneal_epochs=self.anneal_steps, anneal_strategy="cos")
+
+    def scheduler_made(self, optimizer: torch.optim.Optimizer) -> dict:
+        """What `state_dict` holds of SWALR when it is made on `optimizer`: made on a stand-in of the optimizer's
+        groups (their rates), so that the run's own rates are left as they are."""
+        stand_in = torch.optim.SGD([{"params": [torch.zeros(1)], "lr": group["lr"],
+                                     "initial_lr": group.get("initial_lr", group["lr"])}
+                                    for group in optimizer.param_groups])
+        return {key: value for key, value in self._new_scheduler(stand_in).state_dict().items() if not callable(value)}
 
     def state_dict(self) -> dict:
         """Data only, so that `torch.load(weights_only=True)` reads it: SWALR in torch releases before September
@@ -68,8 +78,7 @@ class WeightAveraging:
         self.averaged.load_state_dict(state["averaged"])
         if state["scheduler"] is not None:
             lrs = [group["lr"] for group in optimizer.param_groups]
-            self.scheduler = swa_utils.SWALR(optimizer, swa_lr=self.swa_lr, anneal_epochs=self.anneal_steps,
-                                             anneal_strategy="cos")
+            self.scheduler = self._new_scheduler(optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
             for group, lr in zip(optimizer.param_groups, lrs):  # creating it stepped the rate: put it back
                 group["lr"] = lr
