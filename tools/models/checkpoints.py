@@ -34,7 +34,7 @@ from torch import nn
 
 from tools.errors import UserError, first_line, key_list, option
 from tools.models import adapters, export_archive, torchscript
-from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
+from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys, recorded_arguments
 from tools.models.loading import check_fits, torch_load
 from tools.models.record import ModelRecord
 from tools.models.recorded import (TRAINED_FORMAT, is_timm_training_checkpoint, recorded_architecture,
@@ -367,6 +367,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
         state.normalizer = recorded_normaliser(header, path)
         state.layout = f"trained checkpoint {TRAINED_FORMAT}"
         arch_args, network_input = recorded_network(header, path)
+    arch_args = recorded_arguments(arch, arch_args, f"checkpoint {path}")  # before any builder runs
     peft_state = adapters.read_peft_state(state.state_dict, path) if adapters.is_peft_state(state.state_dict) else None
     if lora is not None and lora.given() and (peft_state is None or peft_state.kind != "lora"):
         raise lora.misplaced(f"which checkpoint {path} is not")

@@ -32,9 +32,10 @@ from torch import nn
 from tools.errors import UserError, error_summary, first_line, option, optional_module
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, class_names, class_of_folder
 from tools.models import hub
+from tools.models.architectures import recorded_arguments
 from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
 from tools.models.record import ModelRecord
-from tools.models.spec import HF_PREFIX
+from tools.models.spec import HF_PREFIX, TIMM_PREFIX
 from tools.provenance import read_json
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ WEIGHTS_FILES = (("model.safetensors", "model.safetensors.index.json"),  # (one 
 PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's codes, as image processors store `resample`
 PROCESSOR_FILE = "preprocessor_config.json"
 REMOTE_CODE_FLAG = "--trust-remote-code"
+TIMM_WRAPPER = "timm_wrapper"  # the model_type of transformers' wrapper of a timm model
 PROBE_TOLERANCE = 1e-4  # how far a processor's output may be from the affine map measured on the probes
 
 
@@ -97,6 +99,19 @@ def check_remote_code(config: dict, what: str, trust_remote_code: bool) -> None:
                             f"(module.Class); fix the config")
 
 
+def check_timm_wrapper(config: dict, what: str) -> None:
+    """transformers builds a wrapped timm model (model_type timm_wrapper) with `timm.create_model(architecture,
+    **model_args)`: one line refusing an architecture timm would read from a folder or the Hub (`local-dir:`,
+    `hf-hub:`) or model_args that load weights (`recorded_arguments`), before transformers runs."""
+    if config.get("model_type") != TIMM_WRAPPER:
+        return
+    architecture = config.get("architecture")
+    if not isinstance(architecture, str) or not architecture or ":" in architecture:
+        raise UserError(f"{what}: its config.json's architecture is {architecture!r}, not a timm model name (timm "
+                        f"would read it from a folder or the Hub); fix the file or re-save the model")
+    recorded_arguments(f"{TIMM_PREFIX}{architecture}", config.get("model_args") or {}, f"{what}'s config.json")
+
+
 def _config(transformers, name: str, revision: str | None, what: str, trust_remote_code: bool) -> dict:
     """The model's config.json as a dict, read without running any of its code."""
     try:
@@ -109,6 +124,7 @@ def _config(transformers, name: str, revision: str | None, what: str, trust_remo
         raise UserError(f"{what}: its config.json holds a {type(config).__name__}, not an object of settings: "
                         f"re-save the model with save_pretrained")
     check_remote_code(config, what, trust_remote_code)
+    check_timm_wrapper(config, what)
     return config
 
 
