@@ -50,6 +50,11 @@ PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's codes, as image processors
 PROCESSOR_FILE = "preprocessor_config.json"
 REMOTE_CODE_FLAG = "--trust-remote-code"
 TIMM_WRAPPER = "timm_wrapper"  # the model_type of transformers' wrapper of a timm model
+# The attention implementations a config may ask for: transformers' own, which the exact forward runs on torch's
+# math backend (sdpa) or as plain operations (eager). Others are a library's kernels, a torch.compile'd one, or, for
+# an `org/repo` name, compiled code that transformers downloads from the Hub and loads (with `kernels` installed).
+ATTENTION_IMPLEMENTATIONS = (None, "eager", "sdpa")
+ATTENTION_SETTINGS = ("attn_implementation", "_attn_implementation")  # what a config.json may set it as
 PROBE_TOLERANCE = 1e-4  # how far a processor's output may be from the affine map measured on the probes
 
 
@@ -112,10 +117,30 @@ def check_timm_wrapper(config: dict, what: str) -> None:
     recorded_arguments(f"{TIMM_PREFIX}{architecture}", config.get("model_args") or {}, f"{what}'s config.json")
 
 
+def check_attention(config: dict, what: str) -> None:
+    """One line refusing a config (or a sub-config of it) that asks for attention other than transformers' own
+    (`ATTENTION_IMPLEMENTATIONS`); a setting may name one per sub-config, in a dict."""
+    pending = [config]
+    while pending:  # a config nests as deep as the JSON parser goes: no recursion here
+        settings = pending.pop()
+        for key, value in settings.items():
+            asked = list(value.values()) if key in ATTENTION_SETTINGS and isinstance(value, dict) else [value]
+            other = [v for v in asked if v not in ATTENTION_IMPLEMENTATIONS] if key in ATTENTION_SETTINGS else []
+            if other:
+                raise UserError(f"{what}: its config.json asks for attention {other[0]!r:.80} ({key}); the toolkit "
+                                f"runs transformers' own eager or sdpa attention, exact and repeatable (an ORG/NAME "
+                                f"there is compiled code from the Hub): remove {key} from the file")
+            if isinstance(value, dict):
+                pending.append(value)
+
+
 def _config(transformers, name: str, revision: str | None, what: str, trust_remote_code: bool) -> dict:
     """The model's config.json as a dict, read without running any of its code."""
     try:
         config, _ = transformers.PretrainedConfig.get_config_dict(name, revision=revision)
+    except RecursionError:
+        raise UserError(f"{what}: its config.json is JSON nested deeper than it can be read; fix the file or re-save "
+                        f"the model with save_pretrained") from None
     except OSError as exc:
         if Path(name).expanduser().exists():
             raise UserError(f"{what}: {first_line(exc)}") from None
@@ -125,6 +150,7 @@ def _config(transformers, name: str, revision: str | None, what: str, trust_remo
                         f"re-save the model with save_pretrained")
     check_remote_code(config, what, trust_remote_code)
     check_timm_wrapper(config, what)
+    check_attention(config, what)
     return config
 
 
