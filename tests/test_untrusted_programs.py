@@ -35,6 +35,7 @@ from tools.models.architectures import SMALL_CNN, build_architecture
 from tools.models.checkpoints import read_checkpoint
 from tools.models.export_archive import untrusted_content
 from tools.models.record import ModelRecord
+from tools.models.sources import load_model
 from tools.models.recorded import TRAINED_FORMAT
 
 CPU = torch.device("cpu")
@@ -481,3 +482,48 @@ def test_builder_arguments_a_checkpoint_records_open_no_file(writer, tmp_path):
         read_checkpoint(path, None, None, Normalization.AUTO, False, None, CPU, ModelRecord())
     assert "\n" not in str(caught.value)
     assert [opened for opened in read if opened.is_relative_to(elsewhere.parent)] == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch's weights_only default reversed (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD)
+
+def pickled_file(route: str, folder: Path, marker: Path) -> str:
+    """A model of `route` whose weights file is a pickle that makes `marker` when unpickled in full; its name."""
+    from tests.test_hub_sources import Exploit  # noqa: PLC0415
+    exploit = {"x": Exploit(str(marker))}
+    if route == "checkpoint":
+        torch.save(exploit, folder / "weights.pt")
+        return f"file:{folder / 'weights.pt'}"
+    if route == "clip":
+        from tests.helpers import TINY_CLIP, TINY_CLIP_OPTIONS  # noqa: PLC0415
+        torch.save(exploit, folder / "clip.pt")
+        return f"clip:{TINY_CLIP}/{folder / 'clip.pt'}{TINY_CLIP_OPTIONS}"
+    if route == "hf":
+        from tests.test_hub_sources import save_vit  # noqa: PLC0415
+        save_vit(folder / "vit", None, seed=0, num_labels=9)
+        (folder / "vit" / "model.safetensors").unlink()
+        torch.save(exploit, folder / "vit" / "pytorch_model.bin")
+        return f"hf:{folder / 'vit'}"
+    peft = pytest.importorskip("peft")  # an adapter folder's adapter_model.bin
+    model = peft.get_peft_model(build_architecture(SMALL_CNN, 9), peft.LoraConfig(r=2, target_modules=["fc"]))
+    model.save_pretrained(folder / "adapter", safe_serialization=False)
+    torch.save(exploit, folder / "adapter" / "adapter_model.bin")
+    torch.save(build_architecture(SMALL_CNN, 9).state_dict(), folder / "base.pt")
+    return f"{SMALL_CNN}@file:{folder / 'base.pt'}@file:{folder / 'adapter'}"
+
+
+@pytest.mark.parametrize("route", ["checkpoint", "clip", "hf", "adapter"])
+def test_a_pickle_with_code_is_refused_with_torchs_default_reversed(route, tmp_path, monkeypatch, request):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 makes torch unpickle in full wherever a caller does not say weights_only:
+    every reader of a model file says it (open_clip before 2.27 did not, so a local CLIP weights file's code ran
+    there); without --trust-checkpoint such a file is refused in one line, its code unrun."""
+    if route == "clip":
+        request.getfixturevalue("tiny_clip")
+    if route == "hf":
+        request.getfixturevalue("hub_cache")
+    marker = tmp_path / "unpickled"
+    name = pickled_file(route, tmp_path, marker)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(UserError) as refused:
+        load_model(name)
+    assert "\n" not in str(refused.value) and not marker.exists()
