@@ -19,6 +19,7 @@ from torch import nn
 
 from tools.errors import UserError, first_line, import_torchvision, key_list, option, optional_module
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES
+from tools.models import hub
 from tools.models.spec import TIMM_HUB, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
 DEFAULT_ARCH = "resnet50"  # the paper's model, where neither --arch nor the checkpoint names one
@@ -233,7 +234,14 @@ def timm_architecture(spec: ModelSpec, num_classes: int, **arguments) -> nn.Modu
     """timm models, timm:NAME or timm:NAME.TAG (a pretrained tag, which may set the input size), timm installed."""
     timm = timm_module(spec)
     check_timm_name(timm, spec)
-    return timm.create_model(spec.body, pretrained=False, num_classes=num_classes, **arguments)
+    try:
+        return timm.create_model(spec.body, pretrained=False, num_classes=num_classes, **arguments)
+    except (FileNotFoundError, ConnectionError, TimeoutError) as exc:  # a hub name's config.json, not to be had
+        if not spec.name.startswith(TIMM_HUB):
+            raise
+        repo = spec.name[len(TIMM_HUB):]
+        raise UserError(hub.not_cached_line(f"the architecture {spec}", hub.snapshot_command(repo),
+                                            first_line(exc))) from None
 
 
 class SmallCNN(nn.Module):

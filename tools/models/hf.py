@@ -77,10 +77,6 @@ def _transformers():
     return optional_module("transformers", f"an {HF_PREFIX} model", "transformers", "hf")
 
 
-def _fetch_command(repo: str) -> str:
-    return f"python -c \"from huggingface_hub import snapshot_download; snapshot_download('{repo}')\""
-
-
 def check_remote_code(config: dict, what: str, trust_remote_code: bool) -> None:
     """One line refusing a config whose auto_map names code of its own, unless the user opted in; trusted, the
     code it names must be a module of the model's own folder: code of another repository (`ORG/NAME--module.Class`)
@@ -144,7 +140,7 @@ def _config(transformers, name: str, revision: str | None, what: str, trust_remo
     except OSError as exc:
         if Path(name).expanduser().exists():
             raise UserError(f"{what}: {first_line(exc)}") from None
-        raise UserError(hub.not_cached_line(what, _fetch_command(name), first_line(exc))) from None
+        raise UserError(hub.not_cached_line(what, hub.snapshot_command(name), first_line(exc))) from None
     if not isinstance(config, dict):
         raise UserError(f"{what}: its config.json holds a {type(config).__name__}, not an object of settings: "
                         f"re-save the model with save_pretrained")
