@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -481,3 +482,55 @@ def test_benchmark_takes_a_lora_state_dicts_scaling(tmp_path, capsys):
     got = benchmark(f"{SMALL_CNN}@file:{tmp_path / 'peft_state.pt'}", data, lora_alpha=ALPHA, **quick)
     merged = benchmark(f"{SMALL_CNN}@file:{tmp_path / 'merged.pt'}", data, **quick)
     assert got.in9["original"]["per_class"] == merged.in9["original"]["per_class"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Adapter configs that name files, repositories or modules elsewhere
+
+def prompt_tuning(elsewhere: Path, marker: Path) -> dict:
+    """A prompt-tuning adapter whose config has peft load a tokenizer from `elsewhere` with its code trusted (peft
+    before 0.15 passed the config's tokenizer_kwargs on as they were): the tokenizer's module writes `marker`."""
+    (elsewhere / "tokenization_evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (elsewhere / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "EvilTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}}))
+    return {"peft_type": "PROMPT_TUNING", "task_type": None, "num_virtual_tokens": 2, "token_dim": 16,
+            "num_transformer_submodules": 1, "prompt_tuning_init": "TEXT", "prompt_tuning_init_text": "a photo",
+            "tokenizer_name_or_path": str(elsewhere), "tokenizer_kwargs": {"trust_remote_code": True},
+            "inference_mode": False}
+
+
+def mixture_of_adapters(elsewhere: Path, marker: Path) -> dict:
+    """An XLoRA config, which has peft load every adapter it names, from any folder or hub repository."""
+    adapted("lora").save_pretrained(elsewhere)
+    return {"peft_type": "XLORA", "hidden_size": 16, "adapters": {"a": str(elsewhere)}}
+
+
+def megatron_layers(elsewhere: Path, marker: Path) -> dict:
+    """A LoRA config naming Megatron layers, for which peft imports the module its megatron_core names (any module
+    before peft 0.17)."""
+    (elsewhere / "evil_core.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    return {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["classifier"],
+            "megatron_config": {"num_layers": 1}, "megatron_core": "evil_core"}
+
+
+@pytest.mark.parametrize("craft", [prompt_tuning, mixture_of_adapters, megatron_layers])
+def test_an_adapter_config_naming_things_elsewhere_is_refused_before_peft_reads_it(craft, tmp_path, monkeypatch):
+    """An adapter folder holds weights to merge: a config that has peft import a module, load a tokenizer or other
+    adapters (from another folder or the Hub) is refused in one line before peft builds anything, and nothing of
+    the folder it names is read."""
+    from tests.test_hub_sources import save_vit  # noqa: PLC0415 (a transformers base, whose config peft reads)
+    save_vit(tmp_path / "vit", None, seed=0, num_labels=9)
+    config = json.loads((tmp_path / "vit" / "config.json").read_text())
+    (tmp_path / "vit" / "config.json").write_text(json.dumps({**config, "vocab_size": 16}))  # prompt tuning's need
+    elsewhere, marker = tmp_path / "elsewhere", tmp_path / "marker"
+    elsewhere.mkdir()
+    monkeypatch.syspath_prepend(str(elsewhere))  # a module there is importable, as one in the working folder is
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps(craft(elsewhere, marker)))
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    safetensors_torch.save_file({"prompt_embeddings": torch.zeros(2, 16)}, folder / "adapter_model.safetensors")
+    with files_read() as read, pytest.raises(UserError, match="adapter_config.json") as refused:
+        load_model(f"hf:{tmp_path / 'vit'}@file:{folder}")
+    assert "\n" not in str(refused.value)
+    assert [path for path in read if path.is_relative_to(elsewhere)] == [] and not marker.exists()

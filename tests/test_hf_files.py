@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.test_hub_sources import TIMM_REPO, put_in_cache, save_vit, timm_weights  # noqa: F401 (a fixture)
+from tests.helpers import files_read
 from tools.errors import UserError
 from tools.models.sources import load_model
 
@@ -148,3 +149,37 @@ def test_a_timm_hub_config_naming_a_weights_file_elsewhere_is_not_followed(timm_
                                                     "config.json": tmp_path / "config.json"})
     loaded = load_model(f"timm:hf-hub:{TIMM_REPO}")
     assert loaded.source == str(snapshot / "model.safetensors")
+
+
+def save_timm_wrapper(folder: Path, **changes) -> None:
+    """transformers' wrapper of timm's tiny test_resnet as save_pretrained writes it, its 9 labels where the toolkit
+    reads them (id2label), and `changes` made to its config.json."""
+    transformers = pytest.importorskip("transformers")
+    timm = pytest.importorskip("timm")
+    if "test_resnet" not in timm.list_models():
+        pytest.skip(f"timm {timm.__version__} has no test_resnet")
+    model = transformers.TimmWrapperForImageClassification(
+        transformers.TimmWrapperConfig(architecture="test_resnet", num_labels=9))
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update({"id2label": {str(i): f"LABEL_{i}" for i in range(9)}, **changes})
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("change", ["checkpoint_path", "local-dir"])
+def test_a_timm_wrapper_config_naming_files_elsewhere_is_refused(change, tmp_path):
+    """transformers builds a wrapped timm model with timm.create_model(architecture, **model_args): a config whose
+    model_args name weights (checkpoint_path) or whose architecture is a folder (`local-dir:`) or a Hub repository
+    (`hf-hub:`) had timm read them, anywhere; refused in one line, reading nothing there. The plain model loads."""
+    save_timm_wrapper(tmp_path / "plain")
+    assert load_model(f"hf:{tmp_path / 'plain'}").num_classes == 9
+    elsewhere = tmp_path / "elsewhere"
+    save_timm_wrapper(elsewhere)
+    torch.save(safetensors_torch.load_file(elsewhere / "model.safetensors"), elsewhere / "weights.pth")
+    changes = ({"model_args": {"checkpoint_path": str(elsewhere / "weights.pth")}} if change == "checkpoint_path"
+               else {"architecture": f"local-dir:{elsewhere}"})
+    save_timm_wrapper(tmp_path / "crafted", **changes)
+    with files_read() as read, pytest.raises(UserError, match="config.json") as refused:
+        load_model(f"hf:{tmp_path / 'crafted'}")
+    assert "\n" not in str(refused.value)
+    assert [path for path in read if path.is_relative_to(elsewhere)] == []

@@ -224,6 +224,32 @@ def test_a_config_transformers_or_the_toolkit_rejects_is_one_line(damage, tmp_pa
     assert "\n" not in str(error.value)
 
 
+
+@pytest.mark.parametrize("asked", ["kernels-community/flash-attn2", "flex_attention",
+                                   {"": "sdpa", "vision_config": "kernels-community/flash-attn3"}])
+def test_a_config_asking_for_other_attention_is_refused(asked, tmp_path, hub_cache):  # noqa: F811
+    """The toolkit runs transformers' own eager or sdpa attention (torch's math backend under sdpa): a config.json
+    asking for another (a library's kernel, a torch.compile'd one, or compiled code transformers would download
+    from a Hub repository and load, with the kernels package installed) is refused in one line."""
+    from tests.test_hub_sources import save_vit  # noqa: PLC0415
+    save_vit(tmp_path / "m", None, seed=0, num_labels=9)
+    path = tmp_path / "m" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "attn_implementation": asked}))
+    with pytest.raises(UserError, match="attn_implementation") as error:
+        load_model(f"hf:{tmp_path / 'm'}")
+    assert "\n" not in str(error.value)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "attn_implementation": "eager"}))
+    assert load_model(f"hf:{tmp_path / 'm'}").num_classes == 9
+
+
+def test_a_config_nested_deeper_than_json_goes_is_one_line(tmp_path, hub_cache):  # noqa: F811
+    save_resnet(tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    path.write_text(path.read_text().rstrip().rstrip("}") + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(UserError, match="config.json") as error:
+        load_model(f"hf:{tmp_path / 'm'}")
+    assert "\n" not in str(error.value)
+
 def test_an_image_size_of_height_and_width_is_taken(tmp_path, hub_cache):  # noqa: F811
     module = save_resnet(tmp_path / "m")
     path = tmp_path / "m" / "config.json"

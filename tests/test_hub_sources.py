@@ -7,6 +7,7 @@ pickles, a missing extra) is one `error:` line."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -150,6 +151,32 @@ def test_timm_offline_without_cached_weights_is_one_line(hub_cache, data, capsys
     line = check_error(code, out, err, lines=None)
     assert str(hub_cache) in line and f"timm.create_model('{TIMM_NAME}.{TIMM_TAG}', pretrained=True)" in line
 
+
+
+def test_a_timm_hub_architecture_not_in_the_cache_is_one_line(hub_cache, tmp_path):
+    """`timm:hf-hub:ORG/NAME@file:PATH` builds the architecture from the repository's config.json: offline and not
+    cached, one line naming the cache (a LocalEntryNotFoundError traceback before)."""
+    timm_with_test_model()
+    torch.save({"x": torch.zeros(1)}, tmp_path / "weights.pt")
+    with pytest.raises(UserError) as error:
+        load_model(f"timm:hf-hub:{TIMM_REPO}@file:{tmp_path / 'weights.pt'}")
+    assert "\n" not in str(error.value) and str(hub_cache) in str(error.value)
+
+
+def test_a_hub_architecture_a_checkpoint_records_is_built_from_the_cache_alone(timm_weights, hub_cache, tmp_path):
+    """A checkpoint (here timm's train.py's, of `--model hf-hub:ORG/NAME`) that records a hub architecture is built
+    from the repository's cached config.json; one not in the cache is not downloaded for a file's sake: one line
+    says to name it with --arch, which fetches it."""
+    module, folder = timm_weights
+    path = tmp_path / "model_best.pth.tar"
+    torch.save({"arch": f"hf-hub:{TIMM_REPO}", "state_dict": module.state_dict(), "version": 2,
+                "args": argparse.Namespace(model=f"hf-hub:{TIMM_REPO}", num_classes=1000)}, path)
+    with pytest.raises(UserError, match="--arch") as error:
+        load_model(checkpoint=path)
+    assert "\n" not in str(error.value)
+    put_in_cache(hub_cache, TIMM_REPO, {"config.json": folder / "config.json"})
+    batch = images(2)
+    check_same_predictions(load_model(checkpoint=path), own_logits(module, batch, (0.5,) * 3, (0.5,) * 3, 160), batch)
 
 def test_timm_weights_none_keeps_random_weights(hub_cache):
     timm_with_test_model()

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import in9_eval
-from tests.helpers import check_error, run_in_process
+from tests.helpers import TINY, check_error, run_in_process, run_train
 from tests.test_hub_sources import images, own_logits, seeded
 from tools.models.sources import load_model
+from tools.training.checkpoint import CHECKPOINT_NAME
 
 ARCH = "test_resnet"  # timm's tiny test ResNet; its default tag takes 160x160 images, bilinear, mean and std 0.5
 MEAN, STD, SIZE = (0.45, 0.4, 0.35), (0.3, 0.25, 0.2), 192
@@ -118,3 +119,24 @@ def test_the_recorded_architecture_settings_build_the_network(tmp_path):
         torch.testing.assert_close(loaded.model(batch), own_logits(model.eval(), batch, MEAN, STD, SIZE),
                                    rtol=1e-4, atol=1e-4)
     assert loaded.details["arch_args"] == {"global_pool": "max", "stem_width": 32}
+
+
+def test_a_network_fine_tuned_from_it_keeps_its_settings(tiny, tmp_path, capsys):
+    """train.py fine-tuning such a checkpoint records the settings its network was built with (global pool, model
+    kwargs) in its own checkpoint, which then loads: the network it trained, not one refused for its settings."""
+    timm = timm_or_skip()
+    args = train_args(model_ema=False, gp="max", model_kwargs={"stem_width": 32})
+    save_with_timms_saver(tmp_path, args, ema=False,
+                          build=lambda: timm.create_model(ARCH, num_classes=9, global_pool="max", stem_width=32))
+    code, _, err = run_train(["--data-path", tiny, "--checkpoint", tmp_path / "model_best.pth.tar", "--epochs", 1,
+                              "--batch-size", 6, "--output-dir", tmp_path / "out", *TINY[2:]], capsys)
+    assert code == 0, err
+    trained = torch.load(tmp_path / "out" / CHECKPOINT_NAME, weights_only=True)
+    loaded = load_model(checkpoint=tmp_path / "out" / CHECKPOINT_NAME)
+    assert loaded.details["arch_args"] == {"global_pool": "max", "stem_width": 32}
+    network = timm.create_model(ARCH, num_classes=9, global_pool="max", stem_width=32)
+    network.load_state_dict(trained["model"])
+    batch = images(2)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(batch), own_logits(network.eval(), batch, MEAN, STD, SIZE),
+                                   rtol=1e-4, atol=1e-4)

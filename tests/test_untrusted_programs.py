@@ -6,6 +6,7 @@ absent, by every route a model file takes (in9_eval, challenge_eval, the zoo, be
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import operator
@@ -25,7 +26,7 @@ from torch._export.serde.schema import SCHEMA_VERSION, Layout, ScalarType
 import challenge_eval
 import in9_eval
 import train
-from tests.helpers import check_error, run_in_process
+from tests.helpers import check_error, files_read, run_in_process
 from tools import benchmark, zoo
 from tools.data import synthetic
 from tools.errors import UserError
@@ -34,6 +35,7 @@ from tools.models.architectures import SMALL_CNN, build_architecture
 from tools.models.checkpoints import read_checkpoint
 from tools.models.export_archive import untrusted_content
 from tools.models.record import ModelRecord
+from tools.models.sources import load_model
 from tools.models.recorded import TRAINED_FORMAT
 
 CPU = torch.device("cpu")
@@ -449,10 +451,24 @@ def test_the_archive_is_checked_as_torch_reads_it(craft, exported, tmp_path):
     assert marker.exists()
 
 
-def test_builder_arguments_a_checkpoint_records_open_no_file(tmp_path):
-    """train.py's checkpoints record the builder's arguments that torchvision weights imply (a ViT's image size, ...):
-    any other is refused before the builder runs, such as timm's checkpoint_path, with which timm.create_model read
-    a file the checkpoint named, anywhere."""
+def trained_checkpoint(model: nn.Module, arguments: dict, path: Path) -> None:
+    """train.py's checkpoint of timm's test_resnet, recording `arguments` as its builder's."""
+    torch.save({"format": TRAINED_FORMAT, "arch": "timm:test_resnet", "num_classes": 9, "arch_args": arguments,
+                "input_size": [160, 160], "interpolation": "bilinear", "mean": [0.5] * 3, "std": [0.5] * 3,
+                "model": model.state_dict(), "method": "erm", "data": {}, "train_args": {}, "precision": "fp32"}, path)
+
+
+def timm_training_checkpoint(model: nn.Module, arguments: dict, path: Path) -> None:
+    """timm's train.py's checkpoint of test_resnet, whose `--model-kwargs` were `arguments`."""
+    torch.save({"arch": "test_resnet", "state_dict": model.state_dict(), "version": 2, "epoch": 0,
+                "args": argparse.Namespace(model="test_resnet", num_classes=9, model_kwargs=arguments)}, path)
+
+
+@pytest.mark.parametrize("writer", [trained_checkpoint, timm_training_checkpoint])
+def test_builder_arguments_a_checkpoint_records_open_no_file(writer, tmp_path):
+    """A checkpoint records its builder's arguments (a ViT's image size, timm's global pool and `--model-kwargs`):
+    one that makes the builder load weights is refused before the builder runs, such as timm's checkpoint_path,
+    with which timm.create_model read a file the checkpoint named, anywhere."""
     timm = pytest.importorskip("timm")
     if "test_resnet" not in timm.list_models():
         pytest.skip(f"timm {timm.__version__} has no test_resnet")
@@ -461,17 +477,53 @@ def test_builder_arguments_a_checkpoint_records_open_no_file(tmp_path):
     elsewhere.parent.mkdir()
     torch.save(model.state_dict(), elsewhere)
     path = tmp_path / "checkpoint.pt"
-    torch.save({"format": TRAINED_FORMAT, "arch": "timm:test_resnet", "num_classes": 9,
-                "arch_args": {"checkpoint_path": str(elsewhere)}, "input_size": [160, 160],
-                "interpolation": "bilinear", "mean": [0.5] * 3, "std": [0.5] * 3, "model": model.state_dict(),
-                "method": "erm", "data": {}, "train_args": {}, "precision": "fp32"}, path)
-    opened, watching = [], [True]  # an audit hook stays for the session: it watches during this test alone
-    sys.addaudithook(lambda event, args: opened.append(args[0]) if watching and event == "open" and args and
-                     str(args[0]).startswith(str(elsewhere.parent)) else None)
-    try:
-        with pytest.raises(UserError, match="checkpoint_path") as caught:
-            read_checkpoint(path, None, None, Normalization.AUTO, False, None, CPU, ModelRecord())
-    finally:
-        watching.clear()
+    writer(model, {"checkpoint_path": str(elsewhere)}, path)
+    with files_read() as read, pytest.raises(UserError, match="checkpoint_path") as caught:
+        read_checkpoint(path, None, None, Normalization.AUTO, False, None, CPU, ModelRecord())
     assert "\n" not in str(caught.value)
-    assert opened == []
+    assert [opened for opened in read if opened.is_relative_to(elsewhere.parent)] == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch's weights_only default reversed (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD)
+
+def pickled_file(route: str, folder: Path, marker: Path) -> str:
+    """A model of `route` whose weights file is a pickle that makes `marker` when unpickled in full; its name."""
+    from tests.test_hub_sources import Exploit  # noqa: PLC0415
+    exploit = {"x": Exploit(str(marker))}
+    if route == "checkpoint":
+        torch.save(exploit, folder / "weights.pt")
+        return f"file:{folder / 'weights.pt'}"
+    if route == "clip":
+        from tests.helpers import TINY_CLIP, TINY_CLIP_OPTIONS  # noqa: PLC0415
+        torch.save(exploit, folder / "clip.pt")
+        return f"clip:{TINY_CLIP}/{folder / 'clip.pt'}{TINY_CLIP_OPTIONS}"
+    if route == "hf":
+        from tests.test_hub_sources import save_vit  # noqa: PLC0415
+        save_vit(folder / "vit", None, seed=0, num_labels=9)
+        (folder / "vit" / "model.safetensors").unlink()
+        torch.save(exploit, folder / "vit" / "pytorch_model.bin")
+        return f"hf:{folder / 'vit'}"
+    peft = pytest.importorskip("peft")  # an adapter folder's adapter_model.bin
+    model = peft.get_peft_model(build_architecture(SMALL_CNN, 9), peft.LoraConfig(r=2, target_modules=["fc"]))
+    model.save_pretrained(folder / "adapter", safe_serialization=False)
+    torch.save(exploit, folder / "adapter" / "adapter_model.bin")
+    torch.save(build_architecture(SMALL_CNN, 9).state_dict(), folder / "base.pt")
+    return f"{SMALL_CNN}@file:{folder / 'base.pt'}@file:{folder / 'adapter'}"
+
+
+@pytest.mark.parametrize("route", ["checkpoint", "clip", "hf", "adapter"])
+def test_a_pickle_with_code_is_refused_with_torchs_default_reversed(route, tmp_path, monkeypatch, request):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 makes torch unpickle in full wherever a caller does not say weights_only:
+    every reader of a model file says it (open_clip before 2.27 did not, so a local CLIP weights file's code ran
+    there); without --trust-checkpoint such a file is refused in one line, its code unrun."""
+    if route == "clip":
+        request.getfixturevalue("tiny_clip")
+    if route == "hf":
+        request.getfixturevalue("hub_cache")
+    marker = tmp_path / "unpickled"
+    name = pickled_file(route, tmp_path, marker)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(UserError) as refused:
+        load_model(name)
+    assert "\n" not in str(refused.value) and not marker.exists()

@@ -416,6 +416,21 @@ def test_a_done_model_whose_files_are_unchanged_is_skipped_without_building_it(s
     assert zoo.recorded_model_unchanged(payload) is None
 
 
+def test_a_results_file_of_another_model_is_not_taken_for_this_one(small, tmp_path, capsys, one_thread):
+    """A results file is this model's when it says so: one of another model at this model's place (copied, or
+    from someone else's output folder) whose record's files are unchanged is no reason to skip this model, whose
+    numbers it would claim."""
+    data, model = small
+    other = tmp_path / "other.ts"
+    save_torchscript(synthetic.ColorEvidenceModel(9, fg_weight=0.5, bg_weight=4.0), other)
+    spec, other_spec, output = f"file:{model}", f"file:{other}", tmp_path / "zoo"
+    assert small_zoo(data, output, spec, capsys)[0] == 0
+    shutil.copyfile(results_file(output, spec), results_file(output, other_spec))
+    code, out, err = small_zoo(data, output, other_spec, capsys)
+    assert code == 0 and f"{other_spec}: done: " in out, err
+    assert json.loads(results_file(output, other_spec).read_text())["model"] == other_spec
+
+
 def test_run_state_of_other_settings_is_set_aside_once(small, tmp_path, capsys, one_thread):
     """A model interrupted under one criterion and rerun under another: its state is moved aside with one line."""
     data, model = small

@@ -205,6 +205,10 @@ def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, 
         log.warning("%s is unreadable or older than the data and model identities it must hold: running its model "
                     "again", path)
         return None, None
+    if payload.get("model") != spec.text:  # a file of another model (copied here): its record is not this model's
+        log.warning("%s holds the results of %r, not of %s: running %s", path, payload.get("model"), spec.text,
+                    spec.text)
+        return None, None
     recorded = payload["identity"]
     if recorded.get("settings") != settings:
         raise UserError(f"{path} was made with other settings ({recorded.get('settings')}); use another "

@@ -25,11 +25,21 @@ from tools.errors import UserError, first_line, option, optional_module
 from tools.in9 import IMAGE_SIZE
 from tools.models.loading import check_fits, torch_load
 from tools.models.record import ModelRecord
+from tools.provenance import read_json
 
 log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # save_pretrained's names, in peft's priority
+# The adapter types an adapter folder may hold (peft's names): those train.py trains and a peft state dict is rebuilt
+# as, which change weights and merge into them. The others are refused before peft builds anything: prompt-learning
+# adapters add inputs (nothing to merge) and load a tokenizer or a file their config names (with the tokenizer's code
+# trusted as the config asks, peft 0.14 to 0.17), and XLoRA, Shadow and their like load the adapters or models their
+# config names, from any folder or the Hub.
+ADAPTER_TYPES = ("LORA", "OFT")
+# Settings of those types that name something for peft to load: LoRA's Megatron layers, for which peft imports the
+# module `megatron_core` names (any module, peft 0.14 to 0.19); the toolkit's models have no Megatron layers.
+LOADING_SETTINGS = ("megatron_config",)
 PEFT_READS_DEPRECATED = "`is_gradient_checkpointing` is deprecated"  # peft <= 0.21 on transformers 5.x
 PEFT_PREFIX = "base_model.model."  # what a PeftModel's state dict puts before the wrapped model's keys
 MERGE_TOLERANCE = 1e-3  # largest |merged - adapted| logit difference, relative to the logits' scale
@@ -128,6 +138,25 @@ def _read_adapter_weights(folder: Path, trust: bool) -> tuple[dict, Path]:
                     f"folder complete?")
 
 
+def check_adapter_config(folder: Path) -> None:
+    """One line refusing an adapter folder whose config is of a type the toolkit does not merge, or has peft import or
+    load anything it names (`ADAPTER_TYPES`, `LOADING_SETTINGS`); read as JSON, before peft reads it."""
+    path = folder / ADAPTER_CONFIG
+    try:
+        config = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path}: {first_line(exc)}") from None
+    kind = config.get("peft_type") if isinstance(config, dict) else None
+    if kind not in ADAPTER_TYPES:
+        raise UserError(f"{path} describes a {kind!r} adapter; the toolkit merges LoRA and OFT adapters "
+                        f"({', '.join(ADAPTER_TYPES)}) into the weights: other types add inputs instead, or have peft "
+                        f"load the tokenizers, adapters or models their config names")
+    named = [name for name in LOADING_SETTINGS if config.get(name)]
+    if named:
+        raise UserError(f"{path} sets {', '.join(named)}, for which peft imports the module its megatron_core names "
+                        f"({config.get('megatron_core')!r}); the toolkit's models have no Megatron layers: remove it")
+
+
 def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool, record: ModelRecord,
                          place: Callable[[nn.Module], nn.Module] | None = None) -> MergedAdapter:
     """The base classifier (the module the adapter was saved on) with the folder's adapter put on and merged;
@@ -136,6 +165,7 @@ def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool, recor
     peft = peft_module(f"the adapter folder {folder}")
     record.library(peft)
     record.read_file(folder / ADAPTER_CONFIG, "adapter config")
+    check_adapter_config(folder)
     try:
         config = peft.PeftConfig.from_pretrained(str(folder))
     except Exception as exc:  # noqa: BLE001 (a config another peft wrote, or a damaged file)

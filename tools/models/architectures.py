@@ -8,7 +8,9 @@ toolkit's own. A checkpoint's weights go into one of them; `classifier_keys` fin
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +19,7 @@ from torch import nn
 
 from tools.errors import UserError, first_line, import_torchvision, key_list, option, optional_module
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES
+from tools.models import hub
 from tools.models.spec import TIMM_HUB, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
 DEFAULT_ARCH = "resnet50"  # the paper's model, where neither --arch nor the checkpoint names one
@@ -113,8 +116,8 @@ def torchvision_architecture(spec: ModelSpec, num_classes: int, **arguments) -> 
 # returns their outputs beside its logits, which no loss here takes (and DDP would find their weights unused); in
 # evaluation they compute nothing.
 #
-# The builder arguments `torchvision_weights_arguments` gives, the only ones a checkpoint may record (`recorded`): a
-# builder takes others that read a file or download (timm's checkpoint_path, pretrained_cfg_overlay, ...).
+# The builder arguments `torchvision_weights_arguments` gives, the only ones a checkpoint may record for a torchvision
+# (or the toolkit's) architecture (`recorded_arguments`).
 RECORDED_ARGUMENTS = frozenset({"image_size", "input_size", "transform_input", "aux_logits", "init_weights"})
 _WEIGHTS_ARGUMENTS = {
     "vision_transformer": lambda meta: {"image_size": int(meta["min_size"][0])},
@@ -180,6 +183,39 @@ def timm_module(spec: ModelSpec):
     return optional_module("timm", option("--arch", spec), "timm", "timm")
 
 
+def timm_loading_parameters(timm) -> frozenset[str]:
+    """timm.create_model's own parameters besides the name: where weights come from (pretrained, pretrained_cfg,
+    pretrained_cfg_overlay, checkpoint_path, cache_dir) and how the model is compiled; not the network, whose
+    builder gets every other argument."""
+    parameters = inspect.signature(timm.create_model).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind is not p.VAR_KEYWORD) - {"model_name"}
+
+
+def _plain(value) -> bool:
+    """A value a file may give a builder argument: a number, a string, a flag, None, or a list of those."""
+    scalar = (bool, int, float, str, type(None))
+    return type(value) in scalar or type(value) in (list, tuple) and all(type(v) in scalar for v in value)
+
+
+def recorded_arguments(arch: str, arguments, what: str) -> dict:
+    """The builder arguments `what` (a file) records for `arch`, as a dict, where a file may record them: of plain
+    values, for a timm architecture any that shape the network (not `timm_loading_parameters`: timm.create_model's
+    checkpoint_path read any file a checkpoint named), for the others those torchvision weights imply
+    (`RECORDED_ARGUMENTS`). Else one error line, before any builder runs."""
+    if not isinstance(arguments, Mapping) or not all(isinstance(k, str) for k in arguments):
+        raise UserError(f"{what} records builder arguments that are not a mapping of names (a "
+                        f"{type(arguments).__name__}); is it a file its library wrote?")
+    spec = ModelSpec.parse(arch)
+    refused = (set(arguments) & timm_loading_parameters(timm_module(spec)) if spec.prefix == TIMM_PREFIX
+               else set(arguments) - RECORDED_ARGUMENTS)
+    refused |= {name for name, value in arguments.items() if not _plain(value)}
+    if refused:
+        raise UserError(f"{what} records builder arguments for {arch} that could make its builder read a file or "
+                        f"download, or that are not plain values ({key_list(sorted(refused))}); a file's builder "
+                        f"arguments may only shape the network: is it a file its library wrote?")
+    return dict(arguments)
+
+
 def check_timm_name(timm, spec: ModelSpec) -> None:
     """An unknown timm architecture or pretrained tag is one line with the close matches; a hub name
     (`hf-hub:ORG/NAME`) is the hub's to know."""
@@ -198,7 +234,14 @@ def timm_architecture(spec: ModelSpec, num_classes: int, **arguments) -> nn.Modu
     """timm models, timm:NAME or timm:NAME.TAG (a pretrained tag, which may set the input size), timm installed."""
     timm = timm_module(spec)
     check_timm_name(timm, spec)
-    return timm.create_model(spec.body, pretrained=False, num_classes=num_classes, **arguments)
+    try:
+        return timm.create_model(spec.body, pretrained=False, num_classes=num_classes, **arguments)
+    except (FileNotFoundError, ConnectionError, TimeoutError) as exc:  # a hub name's config.json, not to be had
+        if not spec.name.startswith(TIMM_HUB):
+            raise
+        repo = spec.name[len(TIMM_HUB):]
+        raise UserError(hub.not_cached_line(f"the architecture {spec}", hub.snapshot_command(repo),
+                                            first_line(exc))) from None
 
 
 class SmallCNN(nn.Module):

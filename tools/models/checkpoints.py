@@ -33,13 +33,15 @@ import torch
 from torch import nn
 
 from tools.errors import UserError, first_line, key_list, option
-from tools.models import adapters, export_archive, torchscript
-from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
+from tools.models import adapters, export_archive, hub, torchscript
+from tools.models.architectures import (DEFAULT_ARCH, build_architecture, classifier_keys, recorded_arguments,
+                                        timm_module)
 from tools.models.loading import check_fits, torch_load
 from tools.models.record import ModelRecord
 from tools.models.recorded import (TRAINED_FORMAT, is_timm_training_checkpoint, recorded_architecture,
                                     recorded_network, recorded_normaliser, timm_architecture_args, timm_data_args,
                                     timm_training_weights, trained_checkpoint_header)
+from tools.models.spec import TIMM_HUB, TIMM_PREFIX, ModelSpec
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
 
 log = logging.getLogger(__name__)
@@ -296,8 +298,22 @@ def _architecture(arch: str | None, recorded: str | None, path: Path) -> str:
         raise UserError(f"{option('--arch', arch)} contradicts checkpoint {path}, which records architecture "
                         f"{recorded}; name {recorded} (or no architecture) or pass the right checkpoint")
     if arch is None and recorded is not None:
+        _check_cached(recorded, path)
         log.info("architecture %s, as the checkpoint records", recorded)
     return arch or recorded or DEFAULT_ARCH
+
+
+def _check_cached(recorded: str, path: Path) -> None:
+    """A hub architecture a checkpoint records (`timm:hf-hub:ORG/NAME`) is built from its config.json in the cache;
+    one not there is one line: it is not downloaded for a file's sake, only where the user names it."""
+    spec = ModelSpec.parse(recorded)
+    if spec.prefix != TIMM_PREFIX or not spec.name.startswith(TIMM_HUB):
+        return
+    timm_module(spec)  # the line naming its install, before the cache (huggingface_hub comes with timm)
+    if hub.cached_file(spec.name[len(TIMM_HUB):], ["config.json"]) is None:
+        raise UserError(f"checkpoint {path} records the architecture {recorded}, whose config.json is not in the "
+                        f"Hugging Face cache {hub.cache_folder()}; name it with {option('--arch', recorded)} to "
+                        f"fetch it from the Hub")
 
 
 @dataclass
@@ -367,6 +383,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
         state.normalizer = recorded_normaliser(header, path)
         state.layout = f"trained checkpoint {TRAINED_FORMAT}"
         arch_args, network_input = recorded_network(header, path)
+    arch_args = recorded_arguments(arch, arch_args, f"checkpoint {path}")  # before any builder runs
     peft_state = adapters.read_peft_state(state.state_dict, path) if adapters.is_peft_state(state.state_dict) else None
     if lora is not None and lora.given() and (peft_state is None or peft_state.kind != "lora"):
         raise lora.misplaced(f"which checkpoint {path} is not")

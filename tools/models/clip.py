@@ -29,6 +29,7 @@ import contextlib
 import enum
 import hashlib
 import importlib.metadata
+import inspect
 import json
 import logging
 import pickle
@@ -46,7 +47,7 @@ from tools.errors import UserError, first_line, optional_module
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
 from tools.models.architectures import close_matches
 from tools.models.boundary import LoadedModel, ModelOrigin, announce_input_size, resize_input, state_sha256, wrap
-from tools.models.loading import read_problem, unpickling_problem
+from tools.models.loading import FULL_UNPICKLING_SWITCH, full_unpickling_forced, read_problem, unpickling_problem
 from tools.models.record import ModelRecord
 from tools.progress import progress_bar
 from tools.runtime import Forward, Runtime
@@ -240,6 +241,10 @@ def _create(open_clip, arch: str, pretrained: str | None) -> tuple[nn.Module, st
     else:
         raise UserError(f"clip:{arch}/{pretrained}: {pretrained!r} is neither a pretrained tag of {arch} nor a file; "
                         f"tags: {', '.join(tags) or 'none'} (or {RANDOM_TAG} for random weights)")
+    if full_unpickling_forced() and "weights_only" not in inspect.signature(open_clip.load_checkpoint).parameters:
+        raise UserError(f"{FULL_UNPICKLING_SWITCH} is set, and the installed open_clip reads CLIP weights without "
+                        f"saying weights_only, so torch would unpickle clip:{arch}/{pretrained} in full (code in the "
+                        f"file would run): unset it for this command, or install open_clip_torch>=2.27")
     try:  # a known tag: open_clip finds the file just downloaded in its cache and sets the tag's mean/std
         return open_clip.create_model(arch, pretrained=pretrained), str(path)
     except Exception as exc:  # noqa: BLE001 (a file that is no weights fails anywhere in torch's or safetensors' readers)

@@ -32,9 +32,10 @@ from torch import nn
 from tools.errors import UserError, error_summary, first_line, option, optional_module
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, class_names, class_of_folder
 from tools.models import hub
+from tools.models.architectures import recorded_arguments
 from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
 from tools.models.record import ModelRecord
-from tools.models.spec import HF_PREFIX
+from tools.models.spec import HF_PREFIX, TIMM_PREFIX
 from tools.provenance import read_json
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,12 @@ WEIGHTS_FILES = (("model.safetensors", "model.safetensors.index.json"),  # (one 
 PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's codes, as image processors store `resample`
 PROCESSOR_FILE = "preprocessor_config.json"
 REMOTE_CODE_FLAG = "--trust-remote-code"
+TIMM_WRAPPER = "timm_wrapper"  # the model_type of transformers' wrapper of a timm model
+# The attention implementations a config may ask for: transformers' own, which the exact forward runs on torch's
+# math backend (sdpa) or as plain operations (eager). Others are a library's kernels, a torch.compile'd one, or, for
+# an `org/repo` name, compiled code that transformers downloads from the Hub and loads (with `kernels` installed).
+ATTENTION_IMPLEMENTATIONS = (None, "eager", "sdpa")
+ATTENTION_SETTINGS = ("attn_implementation", "_attn_implementation")  # what a config.json may set it as
 PROBE_TOLERANCE = 1e-4  # how far a processor's output may be from the affine map measured on the probes
 
 
@@ -68,10 +75,6 @@ class Logits(nn.Module):
 
 def _transformers():
     return optional_module("transformers", f"an {HF_PREFIX} model", "transformers", "hf")
-
-
-def _fetch_command(repo: str) -> str:
-    return f"python -c \"from huggingface_hub import snapshot_download; snapshot_download('{repo}')\""
 
 
 def check_remote_code(config: dict, what: str, trust_remote_code: bool) -> None:
@@ -97,18 +100,53 @@ def check_remote_code(config: dict, what: str, trust_remote_code: bool) -> None:
                             f"(module.Class); fix the config")
 
 
+def check_timm_wrapper(config: dict, what: str) -> None:
+    """transformers builds a wrapped timm model (model_type timm_wrapper) with `timm.create_model(architecture,
+    **model_args)`: one line refusing an architecture timm would read from a folder or the Hub (`local-dir:`,
+    `hf-hub:`) or model_args that load weights (`recorded_arguments`), before transformers runs."""
+    if config.get("model_type") != TIMM_WRAPPER:
+        return
+    architecture = config.get("architecture")
+    if not isinstance(architecture, str) or not architecture or ":" in architecture:
+        raise UserError(f"{what}: its config.json's architecture is {architecture!r}, not a timm model name (timm "
+                        f"would read it from a folder or the Hub); fix the file or re-save the model")
+    recorded_arguments(f"{TIMM_PREFIX}{architecture}", config.get("model_args") or {}, f"{what}'s config.json")
+
+
+def check_attention(config: dict, what: str) -> None:
+    """One line refusing a config (or a sub-config of it) that asks for attention other than transformers' own
+    (`ATTENTION_IMPLEMENTATIONS`); a setting may name one per sub-config, in a dict."""
+    pending = [config]
+    while pending:  # a config nests as deep as the JSON parser goes: no recursion here
+        settings = pending.pop()
+        for key, value in settings.items():
+            asked = list(value.values()) if key in ATTENTION_SETTINGS and isinstance(value, dict) else [value]
+            other = [v for v in asked if v not in ATTENTION_IMPLEMENTATIONS] if key in ATTENTION_SETTINGS else []
+            if other:
+                raise UserError(f"{what}: its config.json asks for attention {other[0]!r:.80} ({key}); the toolkit "
+                                f"runs transformers' own eager or sdpa attention, exact and repeatable (an ORG/NAME "
+                                f"there is compiled code from the Hub): remove {key} from the file")
+            if isinstance(value, dict):
+                pending.append(value)
+
+
 def _config(transformers, name: str, revision: str | None, what: str, trust_remote_code: bool) -> dict:
     """The model's config.json as a dict, read without running any of its code."""
     try:
         config, _ = transformers.PretrainedConfig.get_config_dict(name, revision=revision)
+    except RecursionError:
+        raise UserError(f"{what}: its config.json is JSON nested deeper than it can be read; fix the file or re-save "
+                        f"the model with save_pretrained") from None
     except OSError as exc:
         if Path(name).expanduser().exists():
             raise UserError(f"{what}: {first_line(exc)}") from None
-        raise UserError(hub.not_cached_line(what, _fetch_command(name), first_line(exc))) from None
+        raise UserError(hub.not_cached_line(what, hub.snapshot_command(name), first_line(exc))) from None
     if not isinstance(config, dict):
         raise UserError(f"{what}: its config.json holds a {type(config).__name__}, not an object of settings: "
                         f"re-save the model with save_pretrained")
     check_remote_code(config, what, trust_remote_code)
+    check_timm_wrapper(config, what)
+    check_attention(config, what)
     return config
 
 

@@ -59,6 +59,13 @@ def inside_folder(name: str) -> bool:
     return bool(name) and not path.is_absolute() and ".." not in path.parts and ":" not in name
 
 
+def snapshot_command(repo: str) -> str:
+    """The command that fetches a repository (`ORG/NAME[@REVISION]`) into the cache."""
+    repo_id, revision = split_revision(repo)
+    at = f", revision='{revision}'" if revision else ""
+    return f"python -c \"from huggingface_hub import snapshot_download; snapshot_download('{repo_id}'{at})\""
+
+
 def not_cached_line(what: str, fetch: str, reason: str) -> str:
     """The one line for weights that are neither in the cache nor downloadable now."""
     state = "offline (HF_HUB_OFFLINE)" if offline() else reason

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import pickle
 import re
 from collections.abc import Mapping
@@ -40,6 +41,16 @@ def unpickling_problem(exc: Exception) -> str:
 # Classes the weights-only unpickler may build besides tensors and plain data, for this reading alone: an
 # argparse.Namespace (timm's train.py saves its command line as one, `args`) is a bag of attributes, no code.
 SAFE_CLASSES = (argparse.Namespace,)
+
+
+# torch's switch that makes torch.load unpickle in full wherever its caller does not say weights_only, as torch reads it
+FULL_UNPICKLING_SWITCH = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+
+
+def full_unpickling_forced() -> bool:
+    """Whether `FULL_UNPICKLING_SWITCH` is on: a library that reads a weights file without saying weights_only then
+    runs the code a pickle holds (the toolkit says it at every torch.load)."""
+    return os.environ.get(FULL_UNPICKLING_SWITCH, "0").lower() in ("1", "y", "yes", "true")
 
 
 def torch_load(path: Path, trust: bool):

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tools.errors import UserError, key_list
-from tools.models.architectures import RECORDED_ARGUMENTS
+from tools.errors import UserError
 from tools.models.spec import TIMM_PREFIX
 
 TRAINED_FORMAT = "bg-challenge-toolkit/1"  # the `format` value of the checkpoints train.py writes
@@ -107,30 +106,17 @@ def recorded_normaliser(header: dict, path: Path) -> tuple[torch.Tensor, torch.T
     return stats[0], stats[1]
 
 
-def _plain_argument(value) -> bool:
-    """A recorded builder argument's value: a flag, a whole number, or a list of whole numbers (a size)."""
-    return type(value) in (bool, int) or isinstance(value, list) and all(type(v) is int for v in value)
-
-
-def recorded_network(header: dict, path: Path) -> tuple[dict, tuple | None]:
+def recorded_network(header: dict, path: Path) -> tuple[object, tuple | None]:
     """(the builder arguments, ((height, width), interpolation) of the input) a trained checkpoint records; older
-    ones record neither (their networks took 224x224 inputs, or those their timm tag gives). Only the builder
-    arguments torchvision weights imply (`RECORDED_ARGUMENTS`), of plain values, are taken."""
+    ones record neither (their networks took 224x224 inputs, or those their timm tag gives). The builder arguments
+    are as recorded, for `tools.models.architectures.recorded_arguments` to check."""
     arch_args, size = header.get("arch_args") or {}, header.get("input_size")
     mode = header.get("interpolation") or "bicubic"
-    if not isinstance(arch_args, Mapping) or not all(isinstance(k, str) for k in arch_args):
-        raise UserError(f"checkpoint {path} records builder arguments that are not a mapping of names ({arch_args!r}); "
-                        f"is it a checkpoint train.py wrote?")
-    others = sorted(set(arch_args) - RECORDED_ARGUMENTS)
-    if others or not all(_plain_argument(value) for value in arch_args.values()):
-        raise UserError(f"checkpoint {path} records builder arguments train.py never records "
-                        f"({key_list(others) if others else arch_args!r}), which could make the builder read files "
-                        f"or download; is it a checkpoint train.py wrote?")
     if size is None:
-        return dict(arch_args), None
+        return arch_args, None
     if (not isinstance(size, (list, tuple)) or len(size) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)
             or mode not in ("bilinear", "bicubic")):
         raise UserError(f"checkpoint {path} records an input of {size!r} pixels resized {mode!r}; a trained checkpoint "
                         f"records [height, width] and bilinear or bicubic: is it a checkpoint train.py wrote?")
-    return dict(arch_args), (tuple(size), mode)
+    return arch_args, (tuple(size), mode)
