@@ -215,7 +215,7 @@ def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog
     assert len(builds) == 1 and list((tmp_path / "cache").rglob("*.npy"))
     # a head encoded on a GPU differs from the CPU's in the last bits: each device model has its own entry
     assert [json.loads(m.read_text())["device"] for m in (tmp_path / "cache").rglob("meta.json")] == \
-        [clip_zero_shot.device_name(torch.device("cpu"))]
+        [clip_zero_shot.device_model(torch.device("cpu"))]
     [meta] = (tmp_path / "cache").rglob("meta.json")
     os.utime(meta, (time.time() - 3 * 24 * 3600,) * 2)  # last used three days ago
     again = load_model(spec)  # read from the cache: the same head, no text encoded
@@ -454,7 +454,7 @@ def test_the_tags_interpolation_and_preprocessing_are_used_and_in_the_identity(t
 
 def test_the_head_cache_is_keyed_by_the_device_model(tiny_clip, tmp_path, monkeypatch, one_thread):
     """A head encoded on one GPU model may differ in its last bits from another's: the cache entry names the
-    device model (for the CPU, torch's version), so another device builds its own."""
+    device model (for the CPU, its instruction set and torch's version), so another device builds its own."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     builds = []
     build = clip_zero_shot.zero_shot_head
@@ -462,8 +462,8 @@ def test_the_head_cache_is_keyed_by_the_device_model(tiny_clip, tmp_path, monkey
     spec = f"{tiny_clip}+head=in9"
     load_model(spec)
     (meta,) = [json.loads(m.read_text()) for m in (tmp_path / "cache").rglob("meta.json")]
-    assert meta["device"] == clip_zero_shot.device_name(torch.device("cpu")) and torch.__version__ in meta["device"]
-    monkeypatch.setattr(clip_zero_shot, "device_name", lambda device: "NVIDIA H100 80GB HBM3 (sm_90)")
+    assert meta["device"] == clip_zero_shot.device_model(torch.device("cpu")) and torch.__version__ in meta["device"]
+    monkeypatch.setattr(clip_zero_shot, "device_model", lambda device: "NVIDIA H100 80GB HBM3 (sm_90)")
     load_model(spec)
     assert len(builds) == 2  # another device model: not the first entry
     load_model(spec)

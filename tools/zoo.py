@@ -46,7 +46,7 @@ from tools.models.boundary import LoadedModel
 from tools.models.record import ModelRecord, installed_version
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
-from tools.provenance import check_outputs, read_json, write_json_atomic
+from tools.provenance import check_outputs, decoder as decoder_build, read_json, write_json_atomic
 from tools.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -111,8 +111,11 @@ class ZooSettings:
 
     def fingerprint(self, runtime: Runtime) -> dict:
         """The settings that change a model's numbers (the batch size too: another batch shape may change the last
-        bits) and the toolkit's version; with the data's and the weights' hashes, a result's identity."""
-        return {"precision": runtime.precision.value, "criterion": self.challenge.criterion.value,
+        bits) and the toolkit's version; with the data's and the weights' hashes, a result's identity. Where the
+        runs were made (the device model, torch's version, the JPEG decoder) is not a setting: a finished result says
+        it in its provenance, and the leaderboard groups rows by it."""
+        return {"precision": runtime.precision.value, "compile": runtime.compile,
+                "channels_last": runtime.channels_last, "criterion": self.challenge.criterion.value,
                 "recheck_margin": self.challenge.recheck_margin_at(runtime.exact),
                 "mask_arithmetic": self.challenge.mask_arithmetic.value,
                 "batch_size": runtime.batch_size(self.batch_size), "toolkit": __version__}
@@ -129,6 +132,11 @@ class ZooData:
     @property
     def sha256(self) -> dict:
         return {"in9": self.in9.fingerprint["sha256"], "challenge": self.challenge.fingerprint["sha256"]}
+
+    @property
+    def decoders(self) -> dict:
+        """Who decodes each run's JPEGs, with which libjpeg (`tools.provenance.decoder`)."""
+        return {"in9": decoder_build(self.in9.decoder.value), "challenge": decoder_build(self.challenge.decoder.value)}
 
 
 def list_zoo_data(root: Path, workers: int) -> ZooData:
@@ -248,12 +256,14 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
                                          settings.workers)
     device_check = check_run(loaded, runtime, data.check_images, settings.allow_inexact_device, settings.batch_size)
     with distributed.agree(runtime.group, runtime.device):
-        if runtime.group.is_main:  # the state of the runs of another model, settings or device check's verdict aside
+        if runtime.group.is_main:  # the state of the runs of another model, settings, arithmetic (the device model,
+            # torch's version), decoder or device check's verdict aside: what their saved states are keyed by
             set_aside_other_state(state_dir, {**identity(data, loaded.identity, settings.fingerprint(runtime)),
+                                              "arithmetic": runtime.arithmetic(), "decoders": data.decoders,
                                               "verified": verified(device_check)})
     with distributed.agree(runtime.group, runtime.device):
         in9 = run_in9(loaded, runtime, data.in9, In9Config(VARIATIONS, settings.batch_size, settings.workers, progress,
-                                                         cache=settings.cache),
+                                                         settings.challenge.recheck_margin, settings.cache),
                       output_dir=state_dir, resume=True, device_check=device_check)
     with distributed.agree(runtime.group, runtime.device):
         challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,

@@ -49,7 +49,7 @@ from tools.models.boundary import LoadedModel, ModelOrigin, announce_input_size,
 from tools.models.loading import read_problem, unpickling_problem
 from tools.models.record import ModelRecord
 from tools.progress import progress_bar
-from tools.runtime import Forward, Runtime
+from tools.runtime import Forward, Runtime, device_model
 
 log = logging.getLogger(__name__)
 
@@ -256,16 +256,6 @@ def _open_clip_version() -> str:
     return importlib.metadata.version("open_clip_torch")
 
 
-def device_name(device: torch.device) -> str:
-    """What decides a text head's last bits besides its inputs: the GPU model and its compute capability with
-    torch's and CUDA's versions, or the CPU with torch's version."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return (f"{torch.cuda.get_device_name(device)} (sm_{major}{minor}), torch {torch.__version__}, "
-                f"CUDA {torch.version.cuda}")
-    return f"{device.type}, torch {torch.__version__}"
-
-
 INTERPOLATIONS = ("bicubic", "bilinear")  # open_clip's resize interpolations that torch's resize has
 
 
@@ -290,13 +280,13 @@ def preprocess_settings(open_clip, clip_model: nn.Module, what: str) -> dict:
 def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, class_prompts: list[list[str]],
                weights_sha256: str, runtime: Runtime | None, progress: bool) -> torch.Tensor:
     """The zero-shot head: from the cache when one was built from the same content (the weights, open_clip's
-    configuration of the architecture and tag, the prompts, the device model: `device_name`), else encoded on the runtime's
+    configuration of the architecture and tag, the prompts, the device model: `device_model`), else encoded on the runtime's
     device in true fp32 (TF32 and autocast off) and cached."""
     texts = [text for per_class in class_prompts for text in per_class]
     device = runtime.device if runtime is not None else torch.device("cpu")
     # the device model too: a head encoded on one GPU model differs from another's, and the CPU's, in the last bits
     meta = {"format": HEAD_CACHE_VERSION, "open_clip": _open_clip_version(), "weights_sha256": weights_sha256,
-            "device": device_name(device),
+            "device": device_model(device),
             "config": open_clip.get_model_config(parsed.arch),
             "pretrained_cfg": open_clip.get_pretrained_cfg(parsed.arch, parsed.pretrained or ""),  # {} for a file
             "head": parsed.head.value, "templates": parsed.templates.value, "classes": len(class_prompts),
