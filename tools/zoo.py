@@ -68,9 +68,9 @@ def parse_model_spec(text: str) -> ModelSpec:
 
 
 def load(spec: ModelSpec, trust: bool = False, runtime: Runtime | None = None, progress: bool = False,
-         trust_remote_code: bool = False) -> LoadedModel:
+         trust_remote_code: bool = False, cache: DecodedCache | None = None) -> LoadedModel:
     return load_model(spec.text, trust=trust, runtime=runtime, progress=progress, lora_options=None,
-                      trust_remote_code=trust_remote_code)
+                      trust_remote_code=trust_remote_code, cache=cache)
 
 
 def read_models_file(path: Path) -> list[str]:
@@ -203,7 +203,8 @@ def recorded_model_unchanged(payload: dict) -> bool | None:
 
 
 def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, trust: bool = False,
-                    runtime: Runtime | None = None, progress: bool = False, trust_remote_code: bool = False) -> tuple[dict | None, LoadedModel | None]:
+                    runtime: Runtime | None = None, progress: bool = False, trust_remote_code: bool = False,
+                    cache: DecodedCache | None = None) -> tuple[dict | None, LoadedModel | None]:
     """(the results file's contents if they are of this data, this model and these settings, else None; the
     model when it had to be loaded to learn its identity). A results file of other settings is refused."""
     if not path.is_file():
@@ -222,7 +223,7 @@ def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, 
         return None, None
     unchanged, loaded = recorded_model_unchanged(payload), None
     if unchanged is None:
-        loaded = load(spec, trust, runtime, progress, trust_remote_code)
+        loaded = load(spec, trust, runtime, progress, trust_remote_code, cache)
         unchanged = loaded.identity == recorded.get("model")
     if not unchanged:
         log.info("the model %s changed since %s was made (its record says what it is made of): running it again",
@@ -298,13 +299,14 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
             try:
                 with distributed.agree(runtime.group, device):
                     payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress,
-                                                      settings.trust_remote_code)
+                                                      settings.trust_remote_code, settings.cache)
                 if distributed.all_reduce(np.array([payload is not None], np.int64), "min", device)[0]:  # all or none
                     log.info("%s is done already (%s): skipped", spec.text, path)
                     outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
                     continue
                 with distributed.agree(runtime.group, device):
-                    loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code)
+                    loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code,
+                                            settings.cache)
                 payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir, progress)
                 with distributed.agree(runtime.group, device):
                     if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes

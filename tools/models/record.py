@@ -286,6 +286,14 @@ class ModelRecord:
         self._check_open("a library")
         self.libraries[name or module.__name__.split(".")[0]] = _version(module)
 
+    def libraries_of(self, module: types.ModuleType) -> None:
+        """Record the versions of the installed libraries (not the standard library) whose modules the library module
+        `module` holds: the code its functions call (open_clip's tokenizer calls ftfy and regex)."""
+        for value in vars(module).values():
+            file = getattr(value, "__file__", None) if isinstance(value, types.ModuleType) else None
+            if file is not None and _is_library_file(Path(file)) and not _is_standard_library(Path(file)):
+                self.library(value)
+
     def code(self, model: nn.Module) -> None:
         """Record what a module runs besides its state dict: for each class in it (and its base classes), its
         library's version, or the source file of a class from outside the installed libraries (a pickled module's
