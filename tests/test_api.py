@@ -4,6 +4,7 @@ modes and tensors, autocast, grad mode, logging, random state); bad input as one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -86,6 +87,46 @@ def test_a_modules_configuration_is_in_its_identity(dataset, tmp_path, one_threa
     benchmark(model, dataset.root, **run)
     with pytest.raises(UserError, match="another model"):
         benchmark(other, dataset.root, resume=True, **run)
+
+
+@dataclasses.dataclass
+class HeadSettings:
+    """A configuration object a module keeps and reads in its forward pass, as many do (a dataclass, a
+    transformers config)."""
+
+    sign: float = 1.0
+
+
+class Configured(nn.Module):
+    """Logits scaled by its configuration's `sign`: the same code and weights, the other sign, the other argmax."""
+
+    def __init__(self, settings):
+        super().__init__()
+        torch.manual_seed(0)
+        self.settings, self.conv = settings, nn.Conv2d(3, 9, 8, stride=8)
+
+    def forward(self, x):
+        return self.conv(x).mean(dim=(2, 3)) * self.settings.sign
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "namespace"])
+def test_a_configuration_object_a_module_reads_is_in_its_identity(kind, dataset, tmp_path, one_thread):
+    """A module whose forward pass reads an object it holds (its `settings`) is another model when that object says
+    otherwise, though code and weights are the same: its run is not served the first one's numbers. Before, only
+    plain values, tensors and lists of them were in the configuration: an object was left out whole."""
+    import types  # noqa: PLC0415
+    make = HeadSettings if kind == "dataclass" else types.SimpleNamespace
+    model = Configured(make(sign=1.0)).eval()
+    run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
+           "output_dir": tmp_path / "out", **quick()}
+    first = benchmark(model, dataset.root, **run)
+    model.settings.sign = -1.0  # the same module, reconfigured between two calls
+    with pytest.raises(UserError, match="another model"):
+        benchmark(model, dataset.root, resume=True, **run)
+    negated = benchmark(model, dataset.root, **run)
+    assert negated.accuracy != first.accuracy
+    assert benchmark(Configured(make(sign=-1.0)).eval(), dataset.root, resume=True, **run).accuracy == \
+        negated.accuracy  # the same module built again: the same model, resumed
 
 
 NOTEBOOK_CELL = """

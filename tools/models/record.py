@@ -152,11 +152,29 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
     return f"{tensor.dtype} {tuple(tensor.shape)} {hashlib.sha256(data).hexdigest()}"
 
 
-def _configuration_value(value):
-    """A value a module was built with as JSON: plain values, tensors by digest, lists and mappings of them;
-    `_SKIPPED` for the rest."""
+OBJECT_DEPTH = 4  # objects inside objects a configuration follows (a config's sub-config), against cycles
+
+
+def _settings_object(value) -> bool:
+    """Whether `value` is an object whose attributes are settings: a dataclass's or a namespace's instance, or one of
+    a class from outside the standard library and torch (a transformers config, a library's or the user's own
+    settings class); not code, a module (walked on its own) or a class."""
+    if isinstance(value, (type, types.FunctionType, types.MethodType, types.ModuleType, nn.Module)) or \
+            not hasattr(value, "__dict__"):
+        return False
+    if dataclasses.is_dataclass(value) or isinstance(value, types.SimpleNamespace):
+        return True
+    module = sys.modules.get(type(value).__module__)
+    file = getattr(module, "__file__", None)
+    return (file is not None and not _is_standard_library(Path(file))
+            and not type(value).__module__.split(".")[0] == "torch")
+
+
+def _configuration_value(value, depth: int = 0):
+    """A value a module was built with as JSON: plain values, tensors by digest, lists and mappings of them, and a
+    settings object (`_settings_object`) as its class and public attributes; `_SKIPPED` for the rest."""
     if isinstance(value, enum.Enum):
-        return _configuration_value(value.value)
+        return _configuration_value(value.value, depth)
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -168,18 +186,24 @@ def _configuration_value(value):
     if isinstance(value, np.ndarray) and value.dtype != object:
         return f"{value.dtype} {value.shape} {hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()}"
     if isinstance(value, (list, tuple)):
-        items = [_configuration_value(v) for v in value]
+        items = [_configuration_value(v, depth) for v in value]
         return _SKIPPED if any(v is _SKIPPED for v in items) else items
     if isinstance(value, dict):
-        items = {str(k): _configuration_value(v) for k, v in value.items()}
+        items = {str(k): _configuration_value(v, depth) for k, v in value.items()}
         return _SKIPPED if any(v is _SKIPPED for v in items.values()) else items
+    if depth < OBJECT_DEPTH and _settings_object(value):  # its public attributes, those that hold settings
+        items = {key: _configuration_value(v, depth + 1) for key, v in sorted(vars(value).items())
+                 if not key.startswith("_")}
+        return {"class": f"{type(value).__module__}.{type(value).__qualname__}",
+                **{key: v for key, v in items.items() if v is not _SKIPPED}}
     return _SKIPPED
 
 
 def _configuration_digest(model: nn.Module) -> str:
     """How each module in `model` was built beyond its state dict and code: its attributes (a convolution's stride
-    and padding, a norm's eps, a CLIP head's image size; its mode aside), the tensors no state dict holds (buffers
-    that are not persistent, an exported graph's constants), by digest."""
+    and padding, a norm's eps, a CLIP head's image size, a settings object it reads: `_settings_object`; its mode
+    aside), the tensors no state dict holds (buffers that are not persistent, an exported graph's constants), by
+    digest."""
     configuration = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.jit.ScriptModule):
