@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import importlib.metadata
 import inspect
@@ -139,6 +140,18 @@ def _referenced(function: types.FunctionType) -> tuple[list, dict]:
     return [v for v in found.values() if isinstance(v, code)], {k: v for k, v in values.items() if v is not _SKIPPED}
 
 
+def _kept_functions(module: nn.Module) -> list:
+    """The functions a module keeps as attributes, which its code may call (`self.activation = F.relu`, a partial's
+    function, a closure)."""
+    found = []
+    for value in vars(module).values():
+        while isinstance(value, functools.partial):
+            value = value.func
+        if isinstance(value, (types.FunctionType, types.MethodType)):
+            found.append(value)
+    return found
+
+
 def _hooks(module: nn.Module) -> list:
     """The hooks a module runs around its forward pass (which may change its output)."""
     return [hook for hooks in (module._forward_pre_hooks, module._forward_hooks) for hook in hooks.values()]
@@ -181,6 +194,11 @@ def _configuration_value(value, depth: int = 0):
         return repr(value)  # nan and infinities too
     if isinstance(value, (torch.dtype, torch.device, torch.memory_format)):
         return str(value)
+    if isinstance(value, functools.partial):  # a function with some arguments given
+        return {"partial": _configuration_value(value.func, depth), "args": _configuration_value(value.args, depth),
+                "keywords": _configuration_value(value.keywords, depth)}
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):  # which function: its
+        return f"function {getattr(value, '__module__', None)}.{getattr(value, '__qualname__', None)}"  # code apart
     if isinstance(value, torch.Tensor):
         return _tensor_digest(value)
     if isinstance(value, np.ndarray) and value.dtype != object:
@@ -324,7 +342,7 @@ class ModelRecord:
         own classes), or, where no file holds it (a notebook's), its source; the same for the functions, classes and
         modules their code calls, and the values it reads from their globals; the code of each TorchScript module
         in it; the classes themselves by name; and how each module was built (`module configuration`: its
-        attributes, such as a convolution's stride, tensors no state dict holds, hooks)."""
+        attributes, such as a convolution's stride, tensors no state dict holds, hooks, the functions it keeps)."""
         self.setting("module classes",
                      sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}))
         seen: set[int] = set()
@@ -336,8 +354,8 @@ class ModelRecord:
                 self.setting(f"graph code {name or '(top)'}", hashlib.sha256(module.code.encode()).hexdigest())
                 continue
             self._code_of(type(module), seen)
-            for hook in _hooks(module):
-                self._code_of(hook, seen)
+            for function in _hooks(module) + _kept_functions(module):
+                self._code_of(function, seen)
         self.setting("module configuration", _configuration_digest(model))
 
     def _code_of(self, thing, seen: set[int]) -> None:
@@ -358,8 +376,8 @@ class ModelRecord:
         elif isinstance(thing, types.ModuleType):  # built into the interpreter
             return
         else:  # defined where no file holds it (an interactive session, a notebook): its own source
-            self.setting(f"code {module_name}.{thing.__qualname__}",
-                         hashlib.sha256(_source_text(thing).encode()).hexdigest())
+            self._numbered_setting(f"code {module_name}.{thing.__qualname__}",
+                                   hashlib.sha256(_source_text(thing).encode()).hexdigest())
         if isinstance(thing, types.ModuleType):  # its file holds its code; what it imports is not followed
             return
         for base in thing.__mro__[1:] if isinstance(thing, type) else ():
@@ -370,8 +388,17 @@ class ModelRecord:
             for other in called:
                 self._code_of(other, seen)
             if values:
-                self.setting(f"globals read by {function.__module__}.{function.__qualname__}",
-                             hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest())
+                self._numbered_setting(f"globals read by {function.__module__}.{function.__qualname__}",
+                                       hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest())
+
+    def _numbered_setting(self, name: str, value: str) -> None:
+        """Record `value` under `name`, or, where another value holds it (two functions of one name: a factory's
+        closures with other values, two lambdas), under the name numbered, in the order the model is walked."""
+        numbered, count = name, 1
+        while self.settings.get(numbered, value) != value:
+            count += 1
+            numbered = f"{name} #{count}"
+        self.setting(numbered, value)
 
     def close(self) -> None:
         """The model is built: nothing more may be recorded."""
