@@ -30,6 +30,7 @@ from tools.models.clip import RANDOM_SEED, ClipSpec, Head, Templates, parse_spec
 from tools.errors import UserError
 from tools.evaluate import In9Config, run_in9
 from tools.data.hashing import sha256_file
+from tools.data.store import DecodedCache
 from tools.in9 import VARIATIONS
 from tools.results.leaderboard import measured_row, published_rows, render_markdown
 from tools.runtime import Precision, Runtime
@@ -203,7 +204,7 @@ def test_open_clips_model_config_and_version_are_part_of_the_model_identity(chan
 
 
 def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog, one_thread):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cache = DecodedCache(tmp_path / "cache")  # the run's (--cache-dir)
     builds = []
     build = clip_zero_shot.zero_shot_head
     monkeypatch.setattr(clip_zero_shot, "zero_shot_head", lambda *a, **k: builds.append(1) or build(*a, **k))
@@ -211,30 +212,30 @@ def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog
     weights = tmp_path / "tiny.pt"
     torch.save(model.state_dict(), weights)
     spec = f"clip:{TINY_CLIP}/{weights}+head=in9"
-    first = load_model(spec)
+    first = load_model(spec, cache=cache)
     assert len(builds) == 1 and list((tmp_path / "cache").rglob("*.npy"))
     # a head encoded on a GPU differs from the CPU's in the last bits: each device model has its own entry
     assert [json.loads(m.read_text())["device"] for m in (tmp_path / "cache").rglob("meta.json")] == \
-        [clip_zero_shot.device_name(torch.device("cpu"))]
+        [clip_zero_shot.device_model(torch.device("cpu"))]
     [meta] = (tmp_path / "cache").rglob("meta.json")
     os.utime(meta, (time.time() - 3 * 24 * 3600,) * 2)  # last used three days ago
-    again = load_model(spec)  # read from the cache: the same head, no text encoded
+    again = load_model(spec, cache=cache)  # read from the cache: the same head, no text encoded
     assert len(builds) == 1 and torch.equal(again.model.classifier.head, first.model.classifier.head)
     assert time.time() - meta.stat().st_mtime < 60  # marked as used today, for `python -m tools.data cache`
     assert again.identity == first.identity
-    load_model(spec + "+templates=simple")  # other prompts: another head
+    load_model(spec + "+templates=simple", cache=cache)  # other prompts: another head
     assert len(builds) == 2
     with torch.no_grad():  # the same file name, other text weights: built again, and different
         model.text_projection.mul_(-1)
     torch.save(model.state_dict(), weights)
-    changed = load_model(spec)
+    changed = load_model(spec, cache=cache)
     assert len(builds) == 3
     torch.testing.assert_close(changed.model.classifier.head, -first.model.classifier.head)
     assert changed.identity != first.identity
     for entry in (tmp_path / "cache").rglob("head.npy"):  # a damaged entry is built again, with a warning
         entry.write_bytes(b"not an array")
     with caplog.at_level(logging.WARNING):
-        assert torch.equal(load_model(spec).model.classifier.head, changed.model.classifier.head)
+        assert torch.equal(load_model(spec, cache=cache).model.classifier.head, changed.model.classifier.head)
     assert len(builds) == 4 and "unreadable cache" in caplog.text
 
 
@@ -454,19 +455,19 @@ def test_the_tags_interpolation_and_preprocessing_are_used_and_in_the_identity(t
 
 def test_the_head_cache_is_keyed_by_the_device_model(tiny_clip, tmp_path, monkeypatch, one_thread):
     """A head encoded on one GPU model may differ in its last bits from another's: the cache entry names the
-    device model (for the CPU, torch's version), so another device builds its own."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    device model (for the CPU, its instruction set and torch's version), so another device builds its own."""
+    cache = DecodedCache(tmp_path / "cache")
     builds = []
     build = clip_zero_shot.zero_shot_head
     monkeypatch.setattr(clip_zero_shot, "zero_shot_head", lambda *a, **k: builds.append(1) or build(*a, **k))
     spec = f"{tiny_clip}+head=in9"
-    load_model(spec)
+    load_model(spec, cache=cache)
     (meta,) = [json.loads(m.read_text()) for m in (tmp_path / "cache").rglob("meta.json")]
-    assert meta["device"] == clip_zero_shot.device_name(torch.device("cpu")) and torch.__version__ in meta["device"]
-    monkeypatch.setattr(clip_zero_shot, "device_name", lambda device: "NVIDIA H100 80GB HBM3 (sm_90)")
-    load_model(spec)
+    assert meta["device"] == clip_zero_shot.device_model(torch.device("cpu")) and torch.__version__ in meta["device"]
+    monkeypatch.setattr(clip_zero_shot, "device_model", lambda device: "NVIDIA H100 80GB HBM3 (sm_90)")
+    load_model(spec, cache=cache)
     assert len(builds) == 2  # another device model: not the first entry
-    load_model(spec)
+    load_model(spec, cache=cache)
     assert len(builds) == 2
 
 
@@ -497,3 +498,88 @@ def test_a_clip_weights_file_that_cannot_be_read_is_one_error_line(damage, tiny_
     with pytest.raises(UserError) as caught:
         load_model(f"clip:{TINY_CLIP}/{weights}{TINY_CLIP_OPTIONS}")
     assert str(weights) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def _save_word_tokenizer(folder, reverse: bool) -> None:
+    """A Hugging Face tokenizer (one id per word of the nine-prompt head's prompts; with `reverse`, the ids in the
+    other order) saved as a hub model's tokenizer files are, for an open_clip config whose text takes an HF
+    tokenizer (as SigLIP's and 48 others of open_clip's do)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+    words = sorted({w for per_class in prompts(Head.IN9, Templates.SIMPLE) for t in per_class
+                    for w in re.findall(r"\w+|[^\w\s]", t.lower())})
+    words = words[::-1] if reverse else words
+    vocab = {"[UNK]": 0, "[PAD]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(folder)
+
+
+@pytest.fixture
+def clip_with_hf_tokenizer(tmp_path):
+    """A tiny open_clip architecture whose text config names a Hugging Face tokenizer (a local folder), its random
+    weights' spec with the nine-prompt head, and the tokenizer's folder."""
+    import open_clip
+    pytest.importorskip("transformers")
+    folder = tmp_path / "tokenizer"
+    _save_word_tokenizer(folder, reverse=False)
+    config = {"embed_dim": 16,
+              "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
+              "text_cfg": {"context_length": 16, "vocab_size": 128, "width": 32, "heads": 2, "layers": 1,
+                           "hf_tokenizer_name": str(folder)}}
+    path = tmp_path / "bgc-tiny-hf-text.json"
+    path.write_text(json.dumps(config))
+    open_clip.add_model_config(path)
+    return "clip:bgc-tiny-hf-text/none+head=in9+templates=simple", folder
+
+
+def test_the_tokenizer_is_part_of_the_identity_and_of_the_head_caches_key(clip_with_hf_tokenizer, tmp_path,
+                                                                          one_thread):
+    """The text head is made of the prompts as the tokenizer cuts them: a Hugging Face tokenizer's files (read from
+    its hub's cache, where a moved refs/main gives others) and its library are inputs of the model. Another
+    tokenizer under the same configuration builds another head, and another identity; before, the head cached with
+    the first tokenizer was served, under the first identity."""
+    cache = DecodedCache(tmp_path / "cache")
+    spec, folder = clip_with_hf_tokenizer
+    first = load_model(spec, cache=cache)
+    _save_word_tokenizer(folder, reverse=True)
+    again = load_model(spec, cache=cache)
+    assert again.identity != first.identity
+    assert not torch.equal(again.model.classifier.head, first.model.classifier.head)
+    assert load_model(spec, cache=cache).identity == again.identity  # the second head, from the cache
+    record = again.record.describe()
+    tokenizer = record["settings"]["tokenizer"]
+    assert tokenizer["context_length"] == 16 and tokenizer["class"] == "open_clip.tokenizer.HFTokenizer"
+    assert tokenizer["hugging face"]["pipeline sha256"] != first.record.describe()["settings"]["tokenizer"][
+        "hugging face"]["pipeline sha256"]
+    assert {"transformers", "tokenizers"} <= set(record["libraries"])
+
+
+@pytest.mark.parametrize("where", ["--cache-dir", "--no-cache", "benchmark"])
+def test_the_head_is_cached_where_the_run_caches_and_said(where, tiny_clip, data, tmp_path, monkeypatch, capsys,
+                                                         caplog, one_thread):
+    """A CLIP text head goes into the run's cache (--cache-dir), and with --no-cache nowhere, as the decoded data;
+    a run that wrote one says so, where and how much, in the one line about the cache (the Python API too, in its
+    own words). Before, every head went into the default cache folder, whatever the flags said, unannounced."""
+    from tools import benchmark  # noqa: PLC0415
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "default"))
+    spec = f"{tiny_clip}+head=in9"
+    if where == "benchmark":
+        with caplog.at_level(logging.INFO):
+            benchmark(spec, data, device="cpu", batch_size=8, workers=1, progress=False, challenge=False,
+                      variations=["original"], cache_dir=tmp_path / "chosen")
+        err = caplog.text
+    else:
+        flags = ["--cache-dir", str(tmp_path / "chosen")] if where == "--cache-dir" else ["--no-cache"]
+        code, out, err = run_script(in9_eval, ["--data-path", str(data), "--arch", spec, "--device", "cpu",
+                                               "--no-progress", "--output-dir", str(tmp_path / "out"), *flags], capsys)
+        assert code == 0, err
+    assert not (tmp_path / "default").exists()
+    heads = list((tmp_path / "chosen" / clip_zero_shot.HEAD_CACHE_FOLDER).glob("*/head.npy"))
+    assert len(heads) == (0 if where == "--no-cache" else 1)
+    said = [line for line in err.splitlines() if "cached:" in line]
+    if where == "--no-cache":
+        assert not said
+    else:
+        assert len(said) == 1 and str(tmp_path / "chosen" / clip_zero_shot.HEAD_CACHE_FOLDER) in said[0]
+        assert ("cache=False" if where == "benchmark" else "--no-cache") in said[0]

@@ -420,3 +420,83 @@ def test_nan_logits_are_refused_unless_allowed_and_never_verified(dataset):
     result = benchmark(NaNWeights().eval(), dataset.root, allow_inexact_device=True, **settings)
     check = result.in9["provenance"]["device_check"]
     assert result.in9["provenance"]["exact"] is False and check["verified"] is False and check["not_finite"]
+
+
+def _compiled_as_other_kernels(model, **options):
+    """A stand-in for torch.compile whose kernels give other logits than eager (Inductor's approximate division
+    does so in the last bits, which turns a near tie): here plainly other, so that a prediction shows it."""
+    return lambda x: -model(x)
+
+
+@pytest.mark.parametrize("other", ["--compile", "--channels-last"])
+def test_a_run_resumes_no_state_saved_under_another_arithmetic(other, dataset, color_ts, tmp_path, monkeypatch,
+                                                              capsys):
+    """A challenge state saved by a --compile run (not exact, its re-check off with --recheck-margin 0; the start-up
+    check, eager, verified the model) or a --channels-last one is resumed by a run without the flag only where they
+    agree: before, the keys were the same, so the eager run resumed the compiled predictions into results that say
+    `exact: true`."""
+    monkeypatch.setattr(torch, "compile", _compiled_as_other_kernels)
+    argv = script_argv(dataset, color_ts[9], tmp_path, "--no-cache", "--recheck-margin", "0", "--batch-size", "8")
+    code, _, err = run_in_process(challenge_eval.main, [*argv, other], capsys)
+    assert code == 0, err
+    line = check_error(*run_in_process(challenge_eval.main, [*argv, "--resume"], capsys))
+    assert "challenge_state.npz belongs to another run" in line
+
+
+def test_the_zoo_sets_aside_the_runs_of_another_arithmetic(dataset, color_ts, tmp_path, monkeypatch, capsys):
+    """The zoo's runs of a model made with --compile (--recheck-margin 0) are set aside, not resumed, by a run
+    without it, whose results then say `exact: true` of eager predictions only."""
+    from tools import zoo  # noqa: PLC0415
+    monkeypatch.setattr(torch, "compile", _compiled_as_other_kernels)
+    spec, output = f"file:{color_ts[9]}", tmp_path / "zoo"
+    argv = ["--data-path", str(dataset.root), "--models", spec, "--output-dir", str(output), "--device", "cpu",
+            "--no-progress", "--no-cache", "--no-leaderboard", "--batch-size", "8", "--trust-checkpoint",
+            "--recheck-margin", "0"]
+    code, out, err = run_in_process(zoo.main, [*argv, "--compile"], capsys)
+    assert code == 0, err
+    results = zoo.results_path(output, zoo.parse_model_spec(spec))
+    compiled = json.loads(results.read_text())
+    results.unlink()  # as if stopped before its results were written: its runs' state is left
+    code, out, err = run_in_process(zoo.main, argv, capsys)
+    assert code == 0, err
+    assert "set aside" in err
+    payload = json.loads(results.read_text())
+    assert payload["in9"]["provenance"]["exact"] is payload["challenge"]["provenance"]["exact"] is True
+    assert payload["in9"]["original"]["accuracy"] != compiled["in9"]["original"]["accuracy"]
+    fresh = tmp_path / "fresh"
+    code, out, err = run_in_process(zoo.main, [*argv[:5], str(fresh), *argv[6:]], capsys)
+    assert code == 0, err
+    again = json.loads(zoo.results_path(fresh, zoo.parse_model_spec(spec)).read_text())
+    assert again["in9"]["original"] == payload["in9"]["original"]
+    assert again["challenge"]["challenge_accuracy"] == payload["challenge"]["challenge_accuracy"]
+
+
+@pytest.mark.parametrize("other", ["channels_last", "decoder", "device"])
+def test_in9_resumes_and_merges_only_predictions_made_alike(other, dataset, color_ts, tmp_path, monkeypatch, capsys):
+    """in9's saved state and its shards hold where their predictions were made: the memory format, the JPEG decoder
+    (another libjpeg decodes a JPEG to other pixels) and the device model (another CPU instruction set or GPU, or
+    torch, picks other kernels). A run made otherwise neither resumes them (naming what differs) nor merges with
+    them."""
+    import PIL  # noqa: PLC0415
+    from tools import merge  # noqa: PLC0415
+    argv = script_argv(dataset, color_ts[9], tmp_path, "--batch-size", "8", "--eval-dataset", "all")
+
+    def made_otherwise():
+        if other == "channels_last":
+            return ["--channels-last"]
+        if other == "decoder":
+            monkeypatch.setattr(PIL, "__version__", "0.0.1")
+        else:
+            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "another ISA")
+        return []
+
+    code, _, err = run_in_process(in9_eval.main, argv, capsys)
+    assert code == 0, err
+    for index in range(2):
+        extra = made_otherwise() if index else []
+        code, _, err = run_in_process(in9_eval.main, [*argv, "--shard", f"{index}/2", *extra], capsys)
+        assert code == 0, err
+    with pytest.raises(UserError, match="the in9 shards come from different runs"):
+        merge.merge_in9(merge.find_shards([tmp_path])["in9"])
+    line = check_error(*run_in_process(in9_eval.main, [*argv, "--resume", *made_otherwise()], capsys))
+    assert f"it differs in {other}" in line

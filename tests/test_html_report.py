@@ -472,3 +472,28 @@ def test_the_html_leaderboard_has_the_markdown_columns_and_caveats(tmp_path, per
     assert any("(they differ in criterion)" in n for n in caveats)  # ranked apart: one table per criterion
     published = "ResNet-50 | torchvision" in markdown
     assert published == (per_class == 450) == ("IMAGENET1K_V1" in text)
+
+
+def test_rows_made_by_other_versions_are_ranked_apart(tmp_path):
+    """Two results files of one zoo folder made alike but by other versions of the toolkit or of torch (an older
+    results file kept, a SLURM array task in another environment: another torch picks other kernels, another toolkit
+    may compute otherwise): ranked apart, each table's caption naming its versions. Before, one table ranked them."""
+    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard
+
+    (tmp_path / "models").mkdir()
+    for model, toolkit, torch_version, accuracy in [("a", "0.1.0", "2.14.1", 30.0), ("b", "0.2.0", "2.14.1", 40.0),
+                                                    ("c", "0.1.0", "2.9.0+cu128", 20.0)]:
+        payload = zoo_payload(model, 1000, "any", "a", 4)
+        made = {"device": "cpu", "precision": "fp32", "batch_size": 16, "toolkit_version": toolkit,
+                "torch": torch_version}
+        payload["in9"]["provenance"] = {**payload["in9"]["provenance"], **made}
+        payload["challenge"]["provenance"] = {**payload["in9"]["provenance"], "mask_arithmetic": "binary"}
+        payload["challenge"]["challenge_accuracy"] = accuracy
+        (tmp_path / "models" / f"{model}.json").write_text(json.dumps(payload))
+    build_leaderboard(tmp_path)
+    markdown = (tmp_path / MARKDOWN_FILE).read_text()
+    tables = leaderboard_tables(write_html(tmp_path / "page.html", leaderboard=tmp_path))
+    assert sorted([row[1] for row in table[1:]] for table in tables) == [["a"], ["b"], ["c"]]
+    notes = leaderboard_paragraphs(markdown)
+    assert any("(they differ in toolkit and torch)" in n for n in notes)
+    assert any(n.startswith("Rows measured with") and "toolkit 0.2.0" in n and "torch 2.14.1" in n for n in notes)

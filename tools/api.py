@@ -29,6 +29,7 @@ from torch import nn
 from tools import distributed
 from tools.cli import MAX_SEED, MAX_WORKERS
 from tools.challenge import ChallengeConfig, list_challenge_files, load_challenge_data, run_challenge
+from tools.data import cache_admin
 from tools.data.store import DecodedCache, default_cache_dir
 from tools.data.layout import check_data_root
 from tools.data.compositing import MaskArithmetic
@@ -153,6 +154,7 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
     challenge_config = ChallengeConfig(full=full, batch_size=batch_size, progress=in9_config.progress,
                                        mask_arithmetic=arithmetic)
     # every cheap input is checked before any model is built or moved
+    cache_admin.written_line()  # what was cached before the call is not this call's to say
     in9_files = list_in9_files(data_path, in9_config.variations, in9_config.workers)
     challenge_files = list_challenge_files(data_path, in9_config.workers) if challenge else None
     with _state_kept(model), math_flags_kept():
@@ -161,7 +163,7 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         seed_everything(seed)
         lora = LoraScaling(lora_alpha, lora_rslora, LORA_KEYWORDS)
         loaded = _loaded(model, mean, std, num_classes, weights, trust_checkpoint, lora, runtime, in9_config.progress,
-                         checkpoint_key, trust_remote_code)
+                         checkpoint_key, trust_remote_code, decoded_cache)
         first = first_images(in9_files.root, [r.relpath for r in in9_files.listings[in9_config.variations[0]]],
                              in9_config.workers)
         in9_check = check_run(loaded, runtime, first, allow_inexact_device, batch_size)
@@ -180,6 +182,9 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         if found is not None:
             files["challenge"] = output_dir / CHALLENGE_RESULTS_FILE
             publish_challenge(found, output_dir, data_path, loaded.num_classes, results_file=files["challenge"])
+    written = cache_admin.written_line()  # where and how much this call cached, as the commands say it
+    if written is not None:
+        log.info("%s", written)
     accuracy = {name: result.accuracy for name, result in in9.results.items()}
     return BenchmarkResult(
         MappingProxyType(accuracy), bg_gap(in9.results),
@@ -210,7 +215,7 @@ def _variations(names: Sequence[str]) -> list[str]:
 
 def _loaded(model: nn.Module | str, mean, std, num_classes: int | None, weights: str | None, trust: bool,
             lora: LoraScaling, runtime: Runtime, progress: bool, checkpoint_key: str | None = None,
-            trust_remote_code: bool = False) -> LoadedModel:
+            trust_remote_code: bool = False, cache: DecodedCache | None = None) -> LoadedModel:
     """The model wrapped to take pixels: a module with the given statistics, a name through its source."""
     in9 = None if num_classes is None else num_classes == NUM_IN9_CLASSES
     if isinstance(model, str):
@@ -220,7 +225,7 @@ def _loaded(model: nn.Module | str, mean, std, num_classes: int | None, weights:
         normalize = Normalization.AUTO if _is_auto(mean) else Normalization.NONE
         return load_model(model, weights, in9=in9, normalize=normalize, trust=trust, checkpoint_key=checkpoint_key,
                           runtime=runtime, progress=progress, lora_alpha=lora.alpha, lora_rslora=lora.rslora,
-                          lora_options=lora.options, trust_remote_code=trust_remote_code)
+                          lora_options=lora.options, trust_remote_code=trust_remote_code, cache=cache)
     name = type(model).__qualname__
     model = _as_module(model, runtime.device)
     if weights is not None:

@@ -22,7 +22,7 @@ from tools.models.boundary import LoadedModel
 from tools.models.device_check import ALLOW_FLAG, record_check, verified
 from tools.data.hashing import read_and_fingerprint
 from tools.progress import progress_bar
-from tools.provenance import provenance, read_json, write_json_atomic
+from tools.provenance import decoder as decoder_build, provenance, read_json, write_json_atomic
 from tools.runtime import RECHECK_MARGIN, Forward, Runtime, to_device
 from tools.runtime.inflight import Launched, Pipeline, launch, near_ties, top_two_margins
 from tools.shards import NOT_MINE, Shard
@@ -430,8 +430,8 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, confi
     names = list(config.variations)
     if not isinstance(files, In9Files):
         files = list_in9_files(files, names, config.workers)
-    key = {"data": files.fingerprint, "model_identity": loaded.identity, "normalization": loaded.normalization,
-           "precision": runtime.precision.value, "num_classes": loaded.num_classes,
+    key = {"data": files.fingerprint, "decoder": decoder_build(files.decoder.value), "model_identity": loaded.identity,
+           "normalization": loaded.normalization, **runtime.arithmetic(), "num_classes": loaded.num_classes,
            "recheck_margin": 0.0 if runtime.exact else config.recheck_margin,
            "batch_size": runtime.batch_size(config.batch_size)}  # another shape may change the last bits
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None

@@ -268,7 +268,7 @@ def model_from_args(args: argparse.Namespace, runtime: Runtime, progress: bool) 
     wait_for_background_imports()  # never import a model library while the preload thread imports one
     loaded = load_model(args.arch, args.weights, args.checkpoint, args.in9, args.normalize, args.trust_checkpoint,
                         args.checkpoint_key, runtime, progress, args.lora_alpha, args.lora_rslora,
-                        trust_remote_code=args.trust_remote_code)
+                        trust_remote_code=args.trust_remote_code, cache=cache_from_args(args))
     log.info("model: %s, %d classes, normalisation %s", loaded.checkpoint_format, loaded.num_classes,
              loaded.normalization)
     return loaded

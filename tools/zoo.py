@@ -46,7 +46,7 @@ from tools.models.boundary import LoadedModel
 from tools.models.record import ModelRecord, installed_version
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
-from tools.provenance import check_outputs, read_json, write_json_atomic
+from tools.provenance import check_outputs, decoder as decoder_build, read_json, write_json_atomic
 from tools.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,9 @@ def parse_model_spec(text: str) -> ModelSpec:
 
 
 def load(spec: ModelSpec, trust: bool = False, runtime: Runtime | None = None, progress: bool = False,
-         trust_remote_code: bool = False) -> LoadedModel:
+         trust_remote_code: bool = False, cache: DecodedCache | None = None) -> LoadedModel:
     return load_model(spec.text, trust=trust, runtime=runtime, progress=progress, lora_options=None,
-                      trust_remote_code=trust_remote_code)
+                      trust_remote_code=trust_remote_code, cache=cache)
 
 
 def read_models_file(path: Path) -> list[str]:
@@ -111,8 +111,11 @@ class ZooSettings:
 
     def fingerprint(self, runtime: Runtime) -> dict:
         """The settings that change a model's numbers (the batch size too: another batch shape may change the last
-        bits) and the toolkit's version; with the data's and the weights' hashes, a result's identity."""
-        return {"precision": runtime.precision.value, "criterion": self.challenge.criterion.value,
+        bits) and the toolkit's version; with the data's and the weights' hashes, a result's identity. Where the
+        runs were made (the device model, torch's version, the JPEG decoder) is not a setting: a finished result says
+        it in its provenance, and the leaderboard groups rows by it."""
+        return {"precision": runtime.precision.value, "compile": runtime.compile,
+                "channels_last": runtime.channels_last, "criterion": self.challenge.criterion.value,
                 "recheck_margin": self.challenge.recheck_margin_at(runtime.exact),
                 "mask_arithmetic": self.challenge.mask_arithmetic.value,
                 "batch_size": runtime.batch_size(self.batch_size), "toolkit": __version__}
@@ -129,6 +132,11 @@ class ZooData:
     @property
     def sha256(self) -> dict:
         return {"in9": self.in9.fingerprint["sha256"], "challenge": self.challenge.fingerprint["sha256"]}
+
+    @property
+    def decoders(self) -> dict:
+        """Who decodes each run's JPEGs, with which libjpeg (`tools.provenance.decoder`)."""
+        return {"in9": decoder_build(self.in9.decoder.value), "challenge": decoder_build(self.challenge.decoder.value)}
 
 
 def list_zoo_data(root: Path, workers: int) -> ZooData:
@@ -195,7 +203,8 @@ def recorded_model_unchanged(payload: dict) -> bool | None:
 
 
 def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, trust: bool = False,
-                    runtime: Runtime | None = None, progress: bool = False, trust_remote_code: bool = False) -> tuple[dict | None, LoadedModel | None]:
+                    runtime: Runtime | None = None, progress: bool = False, trust_remote_code: bool = False,
+                    cache: DecodedCache | None = None) -> tuple[dict | None, LoadedModel | None]:
     """(the results file's contents if they are of this data, this model and these settings, else None; the
     model when it had to be loaded to learn its identity). A results file of other settings is refused."""
     if not path.is_file():
@@ -218,7 +227,7 @@ def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, 
         return None, None
     unchanged, loaded = recorded_model_unchanged(payload), None
     if unchanged is None:
-        loaded = load(spec, trust, runtime, progress, trust_remote_code)
+        loaded = load(spec, trust, runtime, progress, trust_remote_code, cache)
         unchanged = loaded.identity == recorded.get("model")
     if not unchanged:
         log.info("the model %s changed since %s was made (its record says what it is made of): running it again",
@@ -252,12 +261,14 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
                                          settings.workers)
     device_check = check_run(loaded, runtime, data.check_images, settings.allow_inexact_device, settings.batch_size)
     with distributed.agree(runtime.group, runtime.device):
-        if runtime.group.is_main:  # the state of the runs of another model, settings or device check's verdict aside
+        if runtime.group.is_main:  # the state of the runs of another model, settings, arithmetic (the device model,
+            # torch's version), decoder or device check's verdict aside: what their saved states are keyed by
             set_aside_other_state(state_dir, {**identity(data, loaded.identity, settings.fingerprint(runtime)),
+                                              "arithmetic": runtime.arithmetic(), "decoders": data.decoders,
                                               "verified": verified(device_check)})
     with distributed.agree(runtime.group, runtime.device):
         in9 = run_in9(loaded, runtime, data.in9, In9Config(VARIATIONS, settings.batch_size, settings.workers, progress,
-                                                         cache=settings.cache),
+                                                         settings.challenge.recheck_margin, settings.cache),
                       output_dir=state_dir, resume=True, device_check=device_check)
     with distributed.agree(runtime.group, runtime.device):
         challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,
@@ -292,13 +303,14 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
             try:
                 with distributed.agree(runtime.group, device):
                     payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress,
-                                                      settings.trust_remote_code)
+                                                      settings.trust_remote_code, settings.cache)
                 if distributed.all_reduce(np.array([payload is not None], np.int64), "min", device)[0]:  # all or none
                     log.info("%s is done already (%s): skipped", spec.text, path)
                     outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
                     continue
                 with distributed.agree(runtime.group, device):
-                    loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code)
+                    loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code,
+                                            settings.cache)
                 payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir, progress)
                 with distributed.agree(runtime.group, device):
                     if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from concurrent.futures import Future
@@ -23,7 +24,7 @@ from tools.data.store import DecodedCache
 from tools.in9 import UNMAPPED
 from tools.models.boundary import LoadedModel
 from tools.models.device_check import record_check, verified
-from tools.provenance import provenance
+from tools.provenance import decoder as decoder_build, provenance
 from tools.runtime import Runtime
 from tools.shards import Shard
 from tools.threads import ContextThreadPool
@@ -257,8 +258,9 @@ class ShardedSearch:
 
 
 def _run_key(data: ChallengeData, loaded: LoadedModel, runtime: Runtime, config: ChallengeConfig) -> str:
-    parts = [STATE_FORMAT, data.fingerprint["sha256"], data.arithmetic.value, loaded.identity or "",
-             loaded.normalization, runtime.precision.value, config.criterion.value, str(config.full),
+    parts = [STATE_FORMAT, data.fingerprint["sha256"], json.dumps(decoder_build(data.decoder.value), sort_keys=True),
+             data.arithmetic.value, loaded.identity or "", loaded.normalization,
+             json.dumps(runtime.arithmetic(), sort_keys=True), config.criterion.value, str(config.full),
              str(config.first_k), str(config.recheck_margin_at(runtime.exact)),
              str(runtime.batch_size(config.batch_size))]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()

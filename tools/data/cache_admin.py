@@ -33,7 +33,7 @@ from pathlib import Path
 from tools.data import store
 from tools.data.store import PACK_NAME, STORE_VERSION, reference_build
 from tools.data.temporary import ENTRY_NAMES, REMOVING, entry_temporary, holds_entry_files, is_stale, remove_entry
-from tools.errors import UserError
+from tools.errors import UserError, option
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def survey(cache_dir: Path) -> CacheContents:
         if not folder.exists():
             return CacheContents(folder, [], [], exists=False)
         if not folder.is_dir():
-            raise UserError(f"--cache-dir {folder} is not a folder; give the decoded-data cache's folder")
+            raise UserError(f"{option('--cache-dir', folder)} is not a folder; give the decoded-data cache's folder")
         for path in sorted(folder.iterdir()):
             pack, owner = PACK_NAME.fullmatch(path.name), entry_temporary(path)
             if owner is not None:
@@ -245,7 +245,7 @@ def survey(cache_dir: Path) -> CacheContents:
     if foreign:
         raise UserError(f"{folder} does not look like the decoded-data cache: it holds {foreign[0]}"
                         f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}, which the toolkit does not "
-                        f"write there; give --cache-dir the cache's folder, or remove what is not the cache's")
+                        f"write there; give {option('--cache-dir')} the cache's folder, or remove what is not the cache's")
     return CacheContents(folder, entries, temporaries)
 
 
@@ -319,11 +319,14 @@ def trim(cache_dir: Path, max_size: int) -> Removal:
 
 
 def written_line() -> str | None:
-    """What a command says, once, about what it wrote into the decoded-data cache (`store.take_written`): where and
-    how much; None where it wrote nothing."""
+    """What a command (or `tools.benchmark`) says, once, about what it wrote into the cache (`store.take_written`):
+    what (decoded data, CLIP text heads), where and how much; None where it wrote nothing."""
     written = store.take_written()
     if not written:
         return None
-    places = "; ".join(f"{format_size(size)} in {folder}" for folder, size in written.items())
-    return (f"decoded data cached: {places} (`python -m tools.data cache` lists the cache, `--max-size` bounds it; "
-            f"--no-cache skips it)")
+    kinds: dict[str, list[str]] = {}
+    for (what, folder), size in written.items():
+        kinds.setdefault(what, []).append(f"{format_size(size)} in {folder}")
+    places = "; ".join(f"{what} cached: {', '.join(sizes)}" for what, sizes in kinds.items())
+    return (f"{places} (`python -m tools.data cache` lists the cache, `--max-size` bounds it; {option('--no-cache')} "
+            f"skips it)")

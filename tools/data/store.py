@@ -86,7 +86,7 @@ USE_MARK_INTERVAL_S = 24 * 3600  # a cache entry's use is recorded at most this 
 _row_checks = RowChecks()  # rows found equal to their digests in this process
 _refused: dict[tuple, str] = {}  # packs (by identity) and folders this process passed over, said once each
 _replaceable: set[str] = set()  # packs found damaged, which this process may write over
-_written: dict[Path, int] = {}  # bytes of the packs this process wrote, per cache folder (`take_written`)
+_written: dict[tuple[str, Path], int] = {}  # bytes this process wrote, per kind and folder (`take_written`)
 
 
 def reference_build() -> str:
@@ -100,9 +100,9 @@ def pack_name(kind: str, meta: dict, hashes: Sequence[str]) -> str:
     return f"{kind}-{digest[:24]}-v{meta['version']}"
 
 
-def take_written() -> dict[Path, int]:
-    """The bytes of the packs this process wrote since the last call, per cache folder (for the one line a command
-    says about it: `tools.data.cache_admin.written_line`)."""
+def take_written() -> dict[tuple[str, Path], int]:
+    """The bytes this process wrote into the cache since the last call, per kind ("decoded data", "CLIP text head")
+    and folder (for the one line a command says about it: `tools.data.cache_admin.written_line`)."""
     written = dict(_written)
     _written.clear()
     return written
@@ -154,31 +154,35 @@ def _private_folder(folder: Path, what: str) -> bool:
 
 
 class CacheEntry:
-    """Arrays on disk (CLIP's text heads) in `cache_dir`, in a folder named by `key`, a digest of their inputs'
-    content; `meta` (JSON) says what they were made from and must match on reading, and each array must match the
-    SHA-256 stored beside it. A private cache's rules hold (`DecodedCache`): an entry, or its folder, that another
-    user could have written is not used.
+    """Arrays on disk (CLIP's text heads) in `cache_dir` (None: neither read nor written), in a folder named by
+    `key`, a digest of their inputs' content; `meta` (JSON) says what they were made from and must match on reading,
+    and each array must match the SHA-256 stored beside it. A private cache's rules hold (`DecodedCache`): an entry,
+    or its folder, that another user could have written is not used; in a `shared` one any user's is, and the
+    entry is written with the umask's mode.
 
     `load` gives None on a miss, and on a broken or foreign entry (with a warning), and marks a hit used
     (`mark_used`); `save` writes through `temporary_entry` and `publish`, so an error, Ctrl-C or SIGTERM leaves no
     half entry, and `load` removes what a killed process left. `save` replaces only an entry its `load` found broken
     (renamed away, then deleted); one that another process wrote after this one missed is kept."""
 
-    def __init__(self, cache_dir: Path | None, key: str, meta: dict, what: str):
+    def __init__(self, cache_dir: Path | None, key: str, meta: dict, what: str, shared: bool = False):
         self.folder = Path(cache_dir) / key if cache_dir is not None else None
         self.meta = meta
         self.what = what
+        self.shared = shared
         self.broken = False  # `load` found an entry it cannot use, which `save` replaces
 
+    def _usable(self, folder: Path) -> bool:
+        return self.shared or _private_folder(folder, f"{self.what} cache")
+
     def load(self, names: Sequence[str]) -> dict[str, np.ndarray] | None:
-        if self.folder is None or not self.folder.parent.is_dir() or not _private_folder(self.folder.parent,
-                                                                                          f"{self.what} cache"):
+        if self.folder is None or not self.folder.parent.is_dir() or not self._usable(self.folder.parent):
             return None
         remove_stale_entries(self.folder.parent)
         if not (self.folder / "meta.json").is_file():
             return None
         try:
-            problem = first_foreign([self.folder, *sorted(self.folder.iterdir())])
+            problem = first_foreign([self.folder, *sorted(self.folder.iterdir())], owners=not self.shared)
             if problem is not None:
                 _warn_once(("entry", str(self.folder)), f"not using the {self.what} cached at {problem}")
                 return None
@@ -206,9 +210,9 @@ class CacheEntry:
             return
         tmp = None
         try:
-            _make_folder(self.folder.parent.parent, shared=False)
-            _make_folder(self.folder.parent, shared=False)
-            if not _private_folder(self.folder.parent, f"{self.what} cache"):
+            _make_folder(self.folder.parent.parent, self.shared)
+            _make_folder(self.folder.parent, self.shared)
+            if not self._usable(self.folder.parent):
                 return
             tmp = temporary_entry(self.folder.parent)
             digests = {}
@@ -218,9 +222,13 @@ class CacheEntry:
                 (tmp / f"{name}.npy").write_bytes(buffer.getvalue())
                 digests[name] = hashlib.sha256(buffer.getvalue()).hexdigest()
             (tmp / "meta.json").write_text(json.dumps({**self.meta, "sha256": digests}))
-            make_private([tmp, *tmp.iterdir()])
+            if not self.shared:
+                make_private([tmp, *tmp.iterdir()])
+            size = sum(path.stat().st_size for path in tmp.iterdir())
             if publish(tmp, self.folder, self.what, replace=self.broken):
-                log.info("%s cached at %s", self.what, self.folder)
+                log.debug("%s cached at %s", self.what, self.folder)
+                place = (self.what, self.folder.parent)
+                _written[place] = _written.get(place, 0) + size
         except OSError as exc:
             log.warning("could not write the %s cache at %s (%s); continuing without it", self.what, self.folder, exc)
         finally:
@@ -420,7 +428,8 @@ class PackWriter:
             if publish(self.tmp, folder, "pack", replace=str(folder) in _replaceable):
                 log.debug("%d decoded %s row(s) cached at %s", len(self.hashes), packs.kind, folder)
                 _replaceable.discard(str(folder))
-                _written[packs.dir] = _written.get(packs.dir, 0) + size
+                place = ("decoded data", packs.dir)
+                _written[place] = _written.get(place, 0) + size
             return folder
         except OSError as exc:
             log.warning("could not write the cache at %s (%s); continuing without it", packs.dir, exc)

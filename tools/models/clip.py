@@ -18,9 +18,10 @@ an open_clip architecture (`open_clip.list_models()`) and a pretrained tag
 ask for a randomly initialised model (seeded, so the same every time), which needs no download: tests use it.
 
 The head is built on the runtime's device in true fp32 and cached by content (the weights, the architecture,
-the prompts) under the toolkit's cache folder, `clip-heads/`; the model's record (its identity) holds open_clip's
-version and configuration of the architecture, the weights, the pixel pipeline and the head, so resume states and
-the zoo tell two heads of one weights file apart, and one file under another open_clip configuration.
+the tokenizer, the prompts, the device model) in the run's cache (`--cache-dir`), `clip-heads/`; the model's record
+(its identity) holds open_clip's version and configuration of the architecture, the weights, the tokenizer, the
+pixel pipeline and the head, so resume states and the zoo tell two heads of one weights file apart, and one file
+under another open_clip configuration or tokenizer.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+import importlib
 import importlib.metadata
 import inspect
 import json
 import logging
 import pickle
 import re
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -42,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tools.data.store import CacheEntry, default_cache_dir
+from tools.data.store import CacheEntry, DecodedCache
 from tools.errors import UserError, first_line, optional_module
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, Normalization, full_class_names
 from tools.models.architectures import close_matches
@@ -50,14 +54,14 @@ from tools.models.boundary import LoadedModel, ModelOrigin, announce_input_size,
 from tools.models.loading import FULL_UNPICKLING_SWITCH, full_unpickling_forced, read_problem, unpickling_problem
 from tools.models.record import ModelRecord
 from tools.progress import progress_bar
-from tools.runtime import Forward, Runtime
+from tools.runtime import Forward, Runtime, device_model
 
 log = logging.getLogger(__name__)
 
 RANDOM_TAG = "none"
 RANDOM_SEED = 0
 TEXT_BATCH = 256  # prompts per forward pass of the text encoder
-HEAD_CACHE_FOLDER = "clip-heads"  # under the toolkit's cache folder
+HEAD_CACHE_FOLDER = "clip-heads"  # in the run's cache folder
 HEAD_CACHE_VERSION = 1
 
 
@@ -261,14 +265,42 @@ def _open_clip_version() -> str:
     return importlib.metadata.version("open_clip_torch")
 
 
-def device_name(device: torch.device) -> str:
-    """What decides a text head's last bits besides its inputs: the GPU model and its compute capability with
-    torch's and CUDA's versions, or the CPU with torch's version."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return (f"{torch.cuda.get_device_name(device)} (sm_{major}{minor}), torch {torch.__version__}, "
-                f"CUDA {torch.version.cuda}")
-    return f"{device.type}, torch {torch.__version__}"
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def tokenizer_settings(tokenizer, record: ModelRecord | None = None) -> dict:
+    """What the tokenizer makes of a prompt, besides open_clip's version and the model's configuration (recorded):
+    its class, its plain settings (context length, special token ids, ...) and the cleaning function it applies;
+    for a Hugging Face tokenizer (open_clip's `HFTokenizer`, a SigLIP's, ...), which reads its files from the hub's
+    cache (where a moved refs/main gives others) and cuts the text with transformers and tokenizers, its serialised
+    pipeline's SHA-256 (vocabulary, merges, normalisation, special tokens), its special token ids and padding side.
+    Into `record` go the versions of the libraries that cut the text: those the tokenizer's module calls (open_clip's
+    own tokenizer, open_clip's code and vocabulary, calls ftfy and regex), and transformers and tokenizers."""
+    settings = {"class": f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"}
+    if record is not None and type(tokenizer).__module__ in sys.modules:
+        record.libraries_of(sys.modules[type(tokenizer).__module__])
+    for name, value in sorted(vars(tokenizer).items()):
+        if isinstance(value, _PLAIN) or (isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value)):
+            settings[name] = value
+        elif callable(value) and hasattr(value, "__qualname__"):  # a cleaning function, as open_clip's code names it
+            settings[name] = f"{getattr(value, '__module__', None)}.{value.__qualname__}"
+    inner = getattr(tokenizer, "tokenizer", None)
+    if inner is not None and hasattr(inner, "save_pretrained"):
+        backend = getattr(inner, "backend_tokenizer", None)
+        if backend is not None:
+            pipeline = backend.to_str().encode()
+        else:  # a tokenizer of Python code: its vocabulary files
+            with tempfile.TemporaryDirectory() as folder:
+                pipeline = b"".join(Path(file).name.encode() + b"\0" + Path(file).read_bytes()
+                                    for file in sorted(inner.save_vocabulary(folder)))
+        settings["hugging face"] = {
+            "class": type(inner).__qualname__, "pipeline sha256": hashlib.sha256(pipeline).hexdigest(),
+            "special ids": sorted(inner.all_special_ids), "pad id": inner.pad_token_id,
+            "padding side": inner.padding_side, "truncation side": inner.truncation_side}
+        if record is not None:
+            for library in ("transformers", "tokenizers"):
+                record.library(importlib.import_module(library))
+    return settings
 
 
 INTERPOLATIONS = ("bicubic", "bilinear")  # open_clip's resize interpolations that torch's resize has
@@ -293,23 +325,27 @@ def preprocess_settings(open_clip, clip_model: nn.Module, what: str) -> dict:
 
 
 def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, class_prompts: list[list[str]],
-               weights_sha256: str, runtime: Runtime | None, progress: bool) -> torch.Tensor:
+               weights_sha256: str, runtime: Runtime | None, progress: bool,
+               tokenizer_record: dict, cache: DecodedCache | None) -> torch.Tensor:
     """The zero-shot head: from the cache when one was built from the same content (the weights, open_clip's
-    configuration of the architecture and tag, the prompts, the device model: `device_name`), else encoded on the runtime's
-    device in true fp32 (TF32 and autocast off) and cached."""
+    configuration of the architecture and tag, the tokenizer (`tokenizer_settings`), the prompts, the device model:
+    `device_model`), else encoded on the runtime's device in true fp32 (TF32 and autocast off) and cached; `cache`:
+    the run's cache (`clip-heads/` in it; None: neither read nor written)."""
     texts = [text for per_class in class_prompts for text in per_class]
     device = runtime.device if runtime is not None else torch.device("cpu")
     # the device model too: a head encoded on one GPU model differs from another's, and the CPU's, in the last bits
     meta = {"format": HEAD_CACHE_VERSION, "open_clip": _open_clip_version(), "weights_sha256": weights_sha256,
-            "device": device_name(device),
+            "device": device_model(device),
             "config": open_clip.get_model_config(parsed.arch),
             "pretrained_cfg": open_clip.get_pretrained_cfg(parsed.arch, parsed.pretrained or ""),  # {} for a file
+            "tokenizer": tokenizer_record,
             "head": parsed.head.value, "templates": parsed.templates.value, "classes": len(class_prompts),
             "prompts_sha256": hashlib.sha256("\n".join(texts).encode()).hexdigest()}
     meta = json.loads(json.dumps(meta))  # as it reads back from the cache
     key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:32]
-    cache = CacheEntry(default_cache_dir() / HEAD_CACHE_FOLDER, key, meta, what="CLIP text head")
-    cached = cache.load(["head"])
+    entry = CacheEntry(cache.folder / HEAD_CACHE_FOLDER if cache is not None else None, key, meta,
+                       what="CLIP text head", shared=cache is not None and cache.shared)
+    cached = entry.load(["head"])
     if cached is not None:
         return torch.from_numpy(cached["head"])
     log.info("encoding the %d prompts of clip:%s's %s head on %s", len(texts), parsed.arch, parsed.head.value, device)
@@ -322,15 +358,17 @@ def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, cl
         head = zero_shot_head(encode_text, tokenizer, class_prompts, device, progress)
     finally:
         clip_model.to("cpu")
-    cache.save({"head": head.numpy()})
+    entry.save({"head": head.numpy()})
     return head
 
 
-def load_clip(spec: str, record: ModelRecord, runtime: Runtime | None = None, progress: bool = False) -> LoadedModel:
+def load_clip(spec: str, record: ModelRecord, runtime: Runtime | None = None, progress: bool = False,
+              cache: DecodedCache | None = None) -> LoadedModel:
     """A zero-shot IN-9 classifier from an open_clip model; `spec` is what follows `clip:`. The text head is
-    built on the runtime's device (default: the CPU); the model is returned on the CPU. `record` gets what makes
-    the model: open_clip's version and its configuration of the architecture (and of the pretrained tag), the
-    weights file (or the seeded random weights), the pixel pipeline and the text head."""
+    built on the runtime's device (default: the CPU) and kept in `cache` (None: neither read nor written); the model
+    is returned on the CPU. `record` gets what makes the model: open_clip's version and its configuration of the
+    architecture (and of the pretrained tag), the weights file (or the seeded random weights), the tokenizer, the
+    pixel pipeline and the text head."""
     open_clip = _open_clip()
     parsed = parse_spec(spec)
     if parsed.arch not in open_clip.list_models():
@@ -353,7 +391,9 @@ def load_clip(spec: str, record: ModelRecord, runtime: Runtime | None = None, pr
     if image_size != (IMAGE_SIZE, IMAGE_SIZE):
         announce_input_size(image_size, f"clip:{spec}", preprocess["interpolation"], runtime=runtime)
     class_prompts = prompts(parsed.head, parsed.templates)
-    head = _text_head(open_clip, parsed, clip_model, tokenizer, class_prompts, weights_sha256, runtime, progress)
+    tokenizer_record = record.setting("tokenizer", tokenizer_settings(tokenizer, record))
+    head = _text_head(open_clip, parsed, clip_model, tokenizer, class_prompts, weights_sha256, runtime, progress,
+                      tokenizer_record, cache)
     classifier = ZeroShotClassifier(clip_model.visual, head, clip_model.logit_scale.exp().item(), image_size,
                                     preprocess["interpolation"])
     head_sha256 = _tensor_digest(head)

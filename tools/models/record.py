@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import importlib.metadata
 import inspect
@@ -139,6 +140,18 @@ def _referenced(function: types.FunctionType) -> tuple[list, dict]:
     return [v for v in found.values() if isinstance(v, code)], {k: v for k, v in values.items() if v is not _SKIPPED}
 
 
+def _kept_functions(module: nn.Module) -> list:
+    """The functions a module keeps as attributes, which its code may call (`self.activation = F.relu`, a partial's
+    function, a closure)."""
+    found = []
+    for value in vars(module).values():
+        while isinstance(value, functools.partial):
+            value = value.func
+        if isinstance(value, (types.FunctionType, types.MethodType)):
+            found.append(value)
+    return found
+
+
 def _hooks(module: nn.Module) -> list:
     """The hooks a module runs around its forward pass (which may change its output)."""
     return [hook for hooks in (module._forward_pre_hooks, module._forward_hooks) for hook in hooks.values()]
@@ -152,34 +165,63 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
     return f"{tensor.dtype} {tuple(tensor.shape)} {hashlib.sha256(data).hexdigest()}"
 
 
-def _configuration_value(value):
-    """A value a module was built with as JSON: plain values, tensors by digest, lists and mappings of them;
-    `_SKIPPED` for the rest."""
+OBJECT_DEPTH = 4  # objects inside objects a configuration follows (a config's sub-config), against cycles
+
+
+def _settings_object(value) -> bool:
+    """Whether `value` is an object whose attributes are settings: a dataclass's or a namespace's instance, or one of
+    a class from outside the standard library and torch (a transformers config, a library's or the user's own
+    settings class); not code, a module (walked on its own) or a class."""
+    if isinstance(value, (type, types.FunctionType, types.MethodType, types.ModuleType, nn.Module)) or \
+            not hasattr(value, "__dict__"):
+        return False
+    if dataclasses.is_dataclass(value) or isinstance(value, types.SimpleNamespace):
+        return True
+    module = sys.modules.get(type(value).__module__)
+    file = getattr(module, "__file__", None)
+    return (file is not None and not _is_standard_library(Path(file))
+            and not type(value).__module__.split(".")[0] == "torch")
+
+
+def _configuration_value(value, depth: int = 0):
+    """A value a module was built with as JSON: plain values, tensors by digest, lists and mappings of them, and a
+    settings object (`_settings_object`) as its class and public attributes; `_SKIPPED` for the rest."""
     if isinstance(value, enum.Enum):
-        return _configuration_value(value.value)
+        return _configuration_value(value.value, depth)
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         return repr(value)  # nan and infinities too
     if isinstance(value, (torch.dtype, torch.device, torch.memory_format)):
         return str(value)
+    if isinstance(value, functools.partial):  # a function with some arguments given
+        return {"partial": _configuration_value(value.func, depth), "args": _configuration_value(value.args, depth),
+                "keywords": _configuration_value(value.keywords, depth)}
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):  # which function: its
+        return f"function {getattr(value, '__module__', None)}.{getattr(value, '__qualname__', None)}"  # code apart
     if isinstance(value, torch.Tensor):
         return _tensor_digest(value)
     if isinstance(value, np.ndarray) and value.dtype != object:
         return f"{value.dtype} {value.shape} {hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()}"
     if isinstance(value, (list, tuple)):
-        items = [_configuration_value(v) for v in value]
+        items = [_configuration_value(v, depth) for v in value]
         return _SKIPPED if any(v is _SKIPPED for v in items) else items
     if isinstance(value, dict):
-        items = {str(k): _configuration_value(v) for k, v in value.items()}
+        items = {str(k): _configuration_value(v, depth) for k, v in value.items()}
         return _SKIPPED if any(v is _SKIPPED for v in items.values()) else items
+    if depth < OBJECT_DEPTH and _settings_object(value):  # its public attributes, those that hold settings
+        items = {key: _configuration_value(v, depth + 1) for key, v in sorted(vars(value).items())
+                 if not key.startswith("_")}
+        return {"class": f"{type(value).__module__}.{type(value).__qualname__}",
+                **{key: v for key, v in items.items() if v is not _SKIPPED}}
     return _SKIPPED
 
 
 def _configuration_digest(model: nn.Module) -> str:
     """How each module in `model` was built beyond its state dict and code: its attributes (a convolution's stride
-    and padding, a norm's eps, a CLIP head's image size; its mode aside), the tensors no state dict holds (buffers
-    that are not persistent, an exported graph's constants), by digest."""
+    and padding, a norm's eps, a CLIP head's image size, a settings object it reads: `_settings_object`; its mode
+    aside), the tensors no state dict holds (buffers that are not persistent, an exported graph's constants), by
+    digest."""
     configuration = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.jit.ScriptModule):
@@ -286,13 +328,21 @@ class ModelRecord:
         self._check_open("a library")
         self.libraries[name or module.__name__.split(".")[0]] = _version(module)
 
+    def libraries_of(self, module: types.ModuleType) -> None:
+        """Record the versions of the installed libraries (not the standard library) whose modules the library module
+        `module` holds: the code its functions call (open_clip's tokenizer calls ftfy and regex)."""
+        for value in vars(module).values():
+            file = getattr(value, "__file__", None) if isinstance(value, types.ModuleType) else None
+            if file is not None and _is_library_file(Path(file)) and not _is_standard_library(Path(file)):
+                self.library(value)
+
     def code(self, model: nn.Module) -> None:
         """Record what a module runs besides its state dict: for each class in it (and its base classes), its
         library's version, or the source file of a class from outside the installed libraries (a pickled module's
         own classes), or, where no file holds it (a notebook's), its source; the same for the functions, classes and
         modules their code calls, and the values it reads from their globals; the code of each TorchScript module
         in it; the classes themselves by name; and how each module was built (`module configuration`: its
-        attributes, such as a convolution's stride, tensors no state dict holds, hooks)."""
+        attributes, such as a convolution's stride, tensors no state dict holds, hooks, the functions it keeps)."""
         self.setting("module classes",
                      sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}))
         seen: set[int] = set()
@@ -304,8 +354,8 @@ class ModelRecord:
                 self.setting(f"graph code {name or '(top)'}", hashlib.sha256(module.code.encode()).hexdigest())
                 continue
             self._code_of(type(module), seen)
-            for hook in _hooks(module):
-                self._code_of(hook, seen)
+            for function in _hooks(module) + _kept_functions(module):
+                self._code_of(function, seen)
         self.setting("module configuration", _configuration_digest(model))
 
     def _code_of(self, thing, seen: set[int]) -> None:
@@ -326,8 +376,8 @@ class ModelRecord:
         elif isinstance(thing, types.ModuleType):  # built into the interpreter
             return
         else:  # defined where no file holds it (an interactive session, a notebook): its own source
-            self.setting(f"code {module_name}.{thing.__qualname__}",
-                         hashlib.sha256(_source_text(thing).encode()).hexdigest())
+            self._numbered_setting(f"code {module_name}.{thing.__qualname__}",
+                                   hashlib.sha256(_source_text(thing).encode()).hexdigest())
         if isinstance(thing, types.ModuleType):  # its file holds its code; what it imports is not followed
             return
         for base in thing.__mro__[1:] if isinstance(thing, type) else ():
@@ -338,8 +388,17 @@ class ModelRecord:
             for other in called:
                 self._code_of(other, seen)
             if values:
-                self.setting(f"globals read by {function.__module__}.{function.__qualname__}",
-                             hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest())
+                self._numbered_setting(f"globals read by {function.__module__}.{function.__qualname__}",
+                                       hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest())
+
+    def _numbered_setting(self, name: str, value: str) -> None:
+        """Record `value` under `name`, or, where another value holds it (two functions of one name: a factory's
+        closures with other values, two lambdas), under the name numbered, in the order the model is walked."""
+        numbered, count = name, 1
+        while self.settings.get(numbered, value) != value:
+            count += 1
+            numbered = f"{name} #{count}"
+        self.setting(numbered, value)
 
     def close(self) -> None:
         """The model is built: nothing more may be recorded."""

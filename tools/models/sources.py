@@ -41,6 +41,7 @@ from tools.models.record import ModelRecord
 from tools.models.spec import CLIP_PREFIX, FILE_PREFIX, HF_PREFIX, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 
 if TYPE_CHECKING:
+    from tools.data.store import DecodedCache
     from tools.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class ModelOptions:
     runtime: Runtime | None = None  # where a source computes what it builds at load time (CLIP's text head)
     progress: bool = False  # a progress bar for such work
     trust_remote_code: bool = False  # run the code a hub model ships (--trust-remote-code)
+    cache: DecodedCache | None = None  # where what is computed at load time is kept by content (CLIP's text heads)
 
     @property
     def device(self) -> torch.device:
@@ -82,6 +84,8 @@ NOT_IN_IDENTITY = {
     "progress": "shows a progress bar for load-time work and nothing else",
     "lora_options": "how the caller's messages name the LoRA scaling's flags or keywords",
     "lora": "the LoRA scaling, made of lora_alpha and lora_rslora, which are recorded, and lora_options",
+    "cache": "where load-time work is kept for later loads, keyed by all its inputs (CLIP's text heads); what that "
+             "work gives is recorded",
 }
 
 Source = Callable[[str, ModelOptions, ModelRecord], LoadedModel]
@@ -101,7 +105,7 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
                checkpoint_key: str | None = None, runtime: Runtime | None = None,
                progress: bool = False, lora_alpha: float | None = None, lora_rslora: bool = False,
                lora_options: tuple[str, str] | None = adapters.CLI_LORA_OPTIONS,
-               trust_remote_code: bool = False) -> LoadedModel:
+               trust_remote_code: bool = False, cache: DecodedCache | None = None) -> LoadedModel:
     """The model the command line describes, wrapped to take pixels, with the record of every input it was given
     and read (`LoadedModel.record`; its digest, `LoadedModel.identity`, is the model's identity).
 
@@ -116,6 +120,8 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     of a peft-wrapped model's state dict; lora_options: how the caller takes them, as messages name them
     (`tools.models.adapters.LoraScaling`).
     trust_remote_code: run the code an `hf:` model or its image processor ships (off: such a model is refused).
+    cache: the run's cache, where work done at load time is kept by its inputs' content for later loads (CLIP's text
+    heads, under `clip-heads/`); None: neither read nor written.
     """
     import_torchvision()  # every model library imports it: one that does not match torch is said here, in one line
     lora = adapters.LoraScaling(lora_alpha, lora_rslora, lora_options)
@@ -147,7 +153,7 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     names_architecture = spec.prefix in ARCHITECTURES and spec.model is not None
     options = ModelOptions(weights, checkpoint, in9, normalize, trust, checkpoint_key,
                            spec.model if names_architecture and arch else None, lora, runtime, progress,
-                           trust_remote_code)
+                           trust_remote_code, cache)
     # a checkpoint goes into an architecture that is built without weights, or is a whole model (file:); a model
     # whose weights come from its own source (hf:, clip:) refuses it, however it is named
     if checkpoint is not None and (names_architecture or spec.model is None):
@@ -374,7 +380,7 @@ def clip_zero_shot(spec: str, options: ModelOptions, record: ModelRecord) -> Loa
         raise UserError(f"{option('--arch', CLIP_PREFIX + spec)} takes its weights and normalisation from open_clip: "
                         f"drop {given}")
     from tools.models.clip import load_clip  # noqa: PLC0415 (the optional extra is imported only here)
-    loaded = load_clip(spec, record, options.runtime, options.progress)
+    loaded = load_clip(spec, record, options.runtime, options.progress, options.cache)
     checkpoints.check_class_count(loaded.num_classes, options.in9, f"{CLIP_PREFIX}{spec}")
     return loaded
 

@@ -11,7 +11,7 @@ row's note says how its source ran the model where that differs from the scripts
 One table model (`leaderboard_table`: intro, tables, caveat notes) feeds both leaderboard.md and the HTML
 report's leaderboard, so both say when rows are not comparable (9- against 1000-class, another criterion, other
 data). Rows are ranked only beside rows made alike: the measured rows are grouped by their runs' settings that can
-change a number (`run_settings`: device, precision, compilation, batch size, criterion, mask arithmetic, ...),
+change a number (`run_settings`: versions, device, precision, compilation, batch size, criterion, mask arithmetic, ...),
 each group is its own table under a caption that says how its rows were made, with a warning when there are
 several. The published rows, measured on the release, are added (to each table) only where every measured row used
 the release's test set (`used_release`, which the report's published table also goes by).

@@ -32,6 +32,8 @@ def _text(value) -> str:
 # A run's settings that can change a number, by the label a leaderboard shows them under: how to read each from a
 # run's provenance (the IN-9 run's and the challenge's alike)
 PROVENANCE_SETTINGS = {
+    "toolkit": lambda p: p.get("toolkit_version"),  # another version may compute otherwise
+    "torch": lambda p: p.get("torch"),  # its build names CUDA's version: other kernels
     "device": lambda p: _device(p.get("device")),
     "precision": lambda p: p.get("precision"),
     "compiled": lambda p: p.get("compile"),
@@ -43,8 +45,9 @@ PROVENANCE_SETTINGS = {
 
 
 def run_settings(payload: dict) -> dict[str, str]:
-    """How a zoo results file's runs were made: each of their settings that can change a number (the device,
-    precision, compilation, channels-last layout, batch size, JPEG decoder and an inexact device allowed, from both
+    """How a zoo results file's runs were made: each of their settings that can change a number (the toolkit's and
+    torch's versions, the device, precision, compilation, channels-last layout, batch size, JPEG decoder and an
+    inexact device allowed, from both
     runs' provenance, and the challenge's criterion, mask arithmetic and fp32 re-check margin), as text by label; a
     setting the runs differ in names both."""
     in9, challenge = payload.get("in9") or {}, payload.get("challenge") or {}

@@ -120,6 +120,19 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+def device_model(device: torch.device) -> str:
+    """What decides a computation's last bits on `device` besides its inputs and shapes: the GPU model and its
+    compute capability with torch's and CUDA's versions; the CPU's instruction set (torch picks its kernels by it)
+    with torch's version; else the device type with torch's version."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return (f"{torch.cuda.get_device_name(device)} (sm_{major}{minor}), torch {torch.__version__}, "
+                f"CUDA {torch.version.cuda}")
+    if device.type == "cpu":
+        return f"cpu ({torch.backends.cpu.get_cpu_capability()}), torch {torch.__version__}"
+    return f"{device.type}, torch {torch.__version__}"
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -187,6 +200,14 @@ class Runtime:
     def exact(self) -> bool:
         """fp32, eager: Inductor's kernels (torch.compile) divide approximately, so fp32 compiled is re-checked."""
         return self.precision is Precision.FP32 and not self.compile
+
+    def arithmetic(self) -> dict:
+        """What decides the model's logits here besides the model, its inputs and the batch shape: the device model
+        (`device_model`, the same for every process of one kind of device), the precision, compilation and the
+        memory format. Saved states, shards and the zoo's results are keyed by it, so that a prediction made under
+        one is never reused under another (a compiled run's, say, under an exact run's `exact: true`)."""
+        return {"device": device_model(self.device), "precision": self.precision.value, "compile": self.compile,
+                "channels_last": self.channels_last}
 
     @property
     def memory_format(self) -> torch.memory_format:
