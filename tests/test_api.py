@@ -509,6 +509,19 @@ def test_a_torch_export_program_and_its_module_give_what_the_module_gives(datase
     assert {name: (t, t.data_ptr()) for name, t in program.state_dict.items()} == state
 
 
+@pytest.mark.parametrize("make", [torch.jit.script, lambda m: torch.jit.trace(m, torch.zeros(2, 3, 224, 224))])
+def test_a_torchscript_module_in_memory_gives_what_the_module_gives(dataset, make, one_thread):
+    """A scripted or traced module is an nn.Module: the same numbers as the module it was made from (its code's
+    digest read the constants where torch 2.14 has a dict: an AttributeError before)."""
+    import warnings  # noqa: PLC0415
+    model = TinyCNN(9, seed=4).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript is deprecated upstream
+        program = make(model)
+    expected = benchmark(model, dataset.root, challenge=False, **quick())
+    assert benchmark(program, dataset.root, challenge=False, **quick()).accuracy == expected.accuracy
+
+
 def test_an_exported_module_whose_code_names_another_device_is_refused(dataset):
     """Export writes the device a tensor is made on into the code; .module() cannot be moved off it, while the
     program itself can (move_to_device_pass): the line says so."""
