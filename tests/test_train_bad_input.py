@@ -228,6 +228,24 @@ def test_the_eval_data_is_checked_before_training(data, tmp_path, fails, no_down
     assert no_downloads == [] and not (out / CHECKPOINT_NAME).exists()
 
 
+@pytest.mark.parametrize("arch", ["clip:ViT-B-32/openai", "hf:google/vit-base-patch16-224", "hf:/runs/vit"])
+@pytest.mark.parametrize("weights", [[], ["--weights", "none"]])
+def test_a_model_train_py_cannot_build_is_refused_before_anything_is_loaded(arch, weights, tmp_path, fails,
+                                                                             monkeypatch):
+    """CLIP zero-shot and transformers models are evaluated, not trained: named as --arch, they were loaded (the
+    weights downloaded, CLIP's prompts encoded) and then refused as "not an architecture". The flag is refused
+    as train.py's other flags are, before the data is read, saying what train.py trains."""
+    from tools.training import loop  # noqa: PLC0415
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr(loop, "load_model", no_loading)
+    line = fails("--data-path", tmp_path / "nonexistent", "--arch", arch, *weights)
+    assert f"train.py cannot fine-tune {arch}" in line
+    assert "NAME (torchvision), timm:NAME, toolkit:NAME" in line and "in9_eval.py" in line
+
+
 def test_the_small_cnn_without_weights_says_how_to_start_from_random_ones(data, fails):
     """The toolkit's own architecture has no pretrained weights: the line names train.py's --weights none."""
     line = fails("--data-path", data, "--arch", SMALL_CNN)

@@ -17,6 +17,7 @@ from tools.distributed import DEFAULT_TIMEOUT_MINUTES
 from tools.options import add_dist_timeout_argument, add_model_source_arguments
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, Variation
+from tools.models.architectures import ARCHITECTURES, architecture_names
 from tools.models.device_check import ALLOW_FLAG
 from tools.models.spec import ModelSpec
 from tools.runtime import BATCH_SIZE_DEFAULTS, Precision
@@ -165,7 +166,19 @@ class TrainConfig:
                             f"not {self.swa_start_epoch}")
         if self.eval_challenge and self.eval_data is None:
             raise UserError("--eval-challenge runs on the test data: add --eval-data DIR")
+        self._check_arch()
         self._check_rates()
+
+    def _check_arch(self) -> None:
+        """A model of a source that is no architecture (CLIP zero-shot, transformers) cannot be rebuilt and saved
+        as a network: refused from its name, before anything is read or downloaded. (An unknown prefix is the
+        model sources' to name, as in every command.)"""
+        from tools.models.sources import SOURCES  # noqa: PLC0415 (the sources load for a run, not for -h)
+        spec = ModelSpec.parse(self.arch) if self.arch is not None else None
+        if spec is not None and spec.model is not None and spec.prefix in set(SOURCES) - set(ARCHITECTURES):
+            raise UserError(f"train.py cannot fine-tune {spec.model}: it trains the architectures it builds, "
+                            f"{architecture_names()}, from their pretrained weights, random ones (--weights none) "
+                            f"or a checkpoint of one; evaluate {spec.model} with in9_eval.py and challenge_eval.py")
 
     def _check_rates(self) -> None:
         """Rates, decays and the warm-up: finite, not negative, and a warm-up that ends before the schedule does."""
