@@ -15,6 +15,7 @@ import train
 from tests.helpers import run_in_process, save_torchscript
 from tests.helpers import check_error
 from tools.data import synthetic
+from tools.errors import UserError
 from tools.models.architectures import SMALL_CNN, SmallCNN
 from tools.training.checkpoint import CHECKPOINT_NAME
 
@@ -168,6 +169,25 @@ def test_the_same_flags_where_they_act_are_taken(args):
                  "momentum", "crop_scale", "eval_batch_size", "checkpoint_key"):
         if getattr(given, name) is not None:
             assert getattr(config, name) == getattr(given, name)
+
+
+def test_a_list_flag_given_twice_takes_both_lists():
+    """`--method bg-swap --method mixup` and `--peft-modules A --peft-modules B` mean both, as the same words in
+    one flag do: the second flag replaced the first, silently (mixup alone trained, A left unadapted); erm given
+    beside another method in two flags is refused as in one."""
+    from tools.training.config import Method, config_from_args  # noqa: PLC0415
+
+    def config(*args):
+        return config_from_args(train.build_parser().parse_args(["--data-path", "d", *args]))
+
+    assert config("--method", "bg-swap", "--method", "mixup", "cutmix").methods == [Method.BG_SWAP, Method.MIXUP,
+                                                                                     Method.CUTMIX]
+    assert config("--method", "mixup", "--method", "mixup").methods == [Method.MIXUP]
+    assert config().methods == [Method.ERM]
+    assert config("--peft", "lora", "--peft-modules", "layer3.*", "--peft-modules", "layer4.*").peft_modules == [
+        "layer3.*", "layer4.*"]
+    with pytest.raises(UserError, match="erm is plain training and combines with nothing"):
+        config("--method", "erm", "--method", "mixup")
 
 
 @pytest.mark.parametrize("args, words", [

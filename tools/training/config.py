@@ -324,7 +324,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     add_model_source_arguments(model, random_init=True)
 
     method = parser.add_argument_group("method")
-    method.add_argument("--method", nargs="+", type=Method, choices=list(Method), default=[Method.ERM],
+    # list flags given twice add up (action "extend"), as their words in one flag do; None: not given
+    method.add_argument("--method", nargs="+", action="extend", type=Method, choices=list(Method), default=None,
                         dest="methods", metavar=_choices(Method),
                         help="erm alone, or any of bg-swap, mixup, cutmix together (mixup with cutmix: one of the "
                              "two per batch) (default: erm)")
@@ -349,7 +350,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     method.add_argument("--peft", type=Adapter, choices=list(Adapter), default=None, metavar=_choices(Adapter),
                         help="train adapters on --peft-modules with the peft package, merged into the checkpoint "
                              "(default: none, train every weight)")
-    method.add_argument("--peft-modules", nargs="+", default=[], metavar="PATTERN",
+    method.add_argument("--peft-modules", nargs="+", action="extend", default=None, metavar="PATTERN",
                         help="module-name patterns to adapt, such as 'layer4.*.conv2' (default: none)")
     method.add_argument("--lora-rank", type=whole_number(1), default=None, metavar="R",
                         help=f"LoRA rank (default: {_default('lora_rank')})")
@@ -426,7 +427,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     where it would do nothing is refused (`refuse_idle_flags`). The arguments are left as parsed."""
     names = {f.name for f in fields(TrainConfig)}
     settings = {name: value for name, value in vars(args).items() if name in names}
-    settings.update(methods=list(dict.fromkeys(args.methods)), peft_modules=list(args.peft_modules),
+    settings.update(methods=list(dict.fromkeys(args.methods)) if args.methods is not None else None,
+                    peft_modules=list(args.peft_modules) if args.peft_modules is not None else None,
                     progress=not args.no_progress)
     config = TrainConfig(**{name: value for name, value in settings.items() if value is not None})
     # given: a value flag's value (None when left out), a switch's True (False when left out)
