@@ -606,6 +606,30 @@ def test_a_torch_export_program_and_its_module_give_what_the_module_gives(datase
     assert {name: (t, t.data_ptr()) for name, t in program.state_dict.items()} == state
 
 
+@pytest.mark.parametrize("batch", [2, 3])
+def test_a_program_exported_for_one_batch_size_is_one_user_error(dataset, batch, one_thread):
+    """torch.export's default (no dynamic_shapes) fixes the batch size to the example's: such a program, or its
+    .module(), fails on any other batch (an AssertionError traceback after start-up, the width probe of 2 images
+    passing for a program of 2), so it is refused before the run, saying how to export it."""
+    program = torch.export.export(TinyCNN(9, seed=4).eval(), (torch.zeros(batch, 3, 224, 224),))
+    for exported in (program, program.module()):
+        with pytest.raises(UserError, match=f"takes batches of exactly {batch} images.*dynamic batch dimension"):
+            benchmark(exported, dataset.root, challenge=False, **quick())
+
+
+@pytest.mark.parametrize("make", [torch.jit.script, lambda m: torch.jit.trace(m, torch.zeros(2, 3, 224, 224))])
+def test_a_torchscript_module_in_memory_gives_what_the_module_gives(dataset, make, one_thread):
+    """A scripted or traced module is an nn.Module: the same numbers as the module it was made from (its code's
+    digest read the constants where torch 2.14 has a dict: an AttributeError before)."""
+    import warnings  # noqa: PLC0415
+    model = TinyCNN(9, seed=4).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript is deprecated upstream
+        program = make(model)
+    expected = benchmark(model, dataset.root, challenge=False, **quick())
+    assert benchmark(program, dataset.root, challenge=False, **quick()).accuracy == expected.accuracy
+
+
 def test_an_exported_module_whose_code_names_another_device_is_refused(dataset):
     """Export writes the device a tensor is made on into the code; .module() cannot be moved off it, while the
     program itself can (move_to_device_pass): the line says so."""
@@ -614,7 +638,8 @@ def test_an_exported_module_whose_code_names_another_device_is_refused(dataset):
         def forward(self, x):
             return x.mean((2, 3)).repeat(1, 3) + torch.zeros(9, device=x.device)
 
-    program = torch.export.export(MakesTensors().eval(), (torch.zeros(2, 3, 224, 224),))
+    program = torch.export.export(MakesTensors().eval(), (torch.zeros(2, 3, 224, 224),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch")},))
     from tools.api import _as_module  # noqa: PLC0415
     assert _as_module(program.module(), torch.device("cpu")) is not None
     with pytest.raises(UserError, match="names cpu, where it was exported, and cannot be moved to meta: pass the "

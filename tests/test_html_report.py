@@ -208,6 +208,18 @@ def test_a_leaderboard_without_html_is_one_line(tmp_path, capsys):
     assert "--leaderboard adds to the HTML report: add --html PATH" in check_error(code, out, err)
 
 
+@pytest.mark.parametrize("flag", ["--training", "--leaderboard"])
+def test_a_folder_that_is_not_the_run_named_writes_nothing(flag, runs, tmp_path, capsys):
+    """--training or --leaderboard naming a folder without the run's results is one error line before anything is
+    written: the Markdown report was written first, then the command failed on the HTML page's folder."""
+    markdown, page = tmp_path / "r.md", tmp_path / "r.html"
+    code = report_cli.main(["--in9", str(runs[0] / "in9.json"), "--output", str(markdown), "--html", str(page),
+                            flag, str(tmp_path / "empty")])
+    out, err = capsys.readouterr()
+    assert "pass the --output-dir of" in check_error(code, out, err)
+    assert not markdown.exists() and not page.exists()
+
+
 def test_a_training_run_leaves_its_curves_and_before_after_table(tiny, tmp_path, capsys, one_thread):
     out = tmp_path / "run"
     code, _, err = run_train(["--data-path", tiny, "--weights", "none", "--epochs", 2, "--batch-size", 6,

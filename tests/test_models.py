@@ -205,6 +205,22 @@ def test_torch_export_round_trips(net9, pixels224, tmp_path):
     loaded.model.eval().to("cpu")
 
 
+@pytest.mark.parametrize("allow", [[], ["--allow-inexact-device"]])
+def test_a_program_exported_for_one_batch_size_is_one_error_line(allow, dataset, net9, tmp_path, capsys):
+    """torch.export without dynamic_shapes fixes the batch to the example's; a program of 3 passed the loader's probe
+    of 3 images, then failed the device check's float64 reference ("pass --allow-inexact-device", which it is not
+    about) and, allowed, the first batch of another size (an AssertionError traceback)."""
+    import in9_eval  # noqa: PLC0415
+    from tests.helpers import check_error, run_in_process  # noqa: PLC0415
+    path = tmp_path / "fixed.pt2"
+    torch.export.save(torch.export.export(net9, (torch.zeros(3, 3, 224, 224),)), path)
+    argv = ["--data-path", dataset.root, "--checkpoint", path, "--device", "cpu", "--no-progress", "--output-dir",
+            tmp_path / "out", *allow]
+    line = check_error(*run_in_process(in9_eval.main, [str(a) for a in argv], capsys), lines=None)
+    assert f"the torch.export program in {path} takes batches of exactly 3 images" in line
+    assert "dynamic batch dimension" in line
+
+
 def test_pickled_module_needs_trust(net9, pixels, tmp_path):
     path = tmp_path / "whole_model.pth"
     torch.save(net9, path)

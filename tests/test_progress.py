@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import io
+import json
 from pathlib import Path
 
 import torch
@@ -72,6 +73,26 @@ def test_an_evaluation_logged_to_a_file_writes_lines(tmp_path, capsys, one_threa
     bars = [line for line in err.splitlines() if line.startswith("evaluating:")]
     assert bars and bars[-1].startswith("evaluating: 100%")
     assert max(len(line) for line in err.splitlines()) < 200
+
+
+def test_the_challenges_search_bar_ends_at_its_total(tmp_path, capsys, one_thread):
+    """The search's last line counts every foreground: those found robust by the last round (their backgrounds all
+    tried) were left out of it, so a finished search's log ended at, say, "searching:  89%| 16/18"."""
+    import challenge_eval  # noqa: PLC0415
+    data = synthetic.generate(tmp_path / "in9", per_class=2, seed=1).root
+    torch.manual_seed(0)
+    torch.save(SmallCNN(9).state_dict(), tmp_path / "model.pth")
+    results = tmp_path / "challenge.json"
+    code, _, err = run_in_process(challenge_eval.main, ["--data-path", str(data), "--arch", SMALL_CNN, "--checkpoint",
+                                                        str(tmp_path / "model.pth"), "--device", "cpu", "--no-cache",
+                                                        "--output-dir", str(tmp_path / "out"), "--results-file",
+                                                        str(results)], capsys)
+    assert code == 0, err
+    found = json.loads(results.read_text())
+    assert 0 < found["vulnerable"] < found["total"]  # some foregrounds are robust
+    bars = [line for line in err.splitlines() if line.startswith("searching:")]
+    total = found["total"]
+    assert bars and bars[-1].startswith("searching: 100%") and f" {total}/{total} " in bars[-1], bars
 
 
 def test_every_bar_of_the_toolkit_is_made_by_progress_bar():

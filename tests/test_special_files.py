@@ -207,6 +207,7 @@ def test_eval_data_is_checked_before_training_and_a_failure_after_it_keeps_the_m
     assert code == 2 and "Traceback" not in err
     line = err.strip().splitlines()[-1]
     assert line.startswith("error: ") and str(unreadable) in line and str(out / CHECKPOINT_NAME) in line
+    assert line.count(" is saved") == 1, line  # said once (the evaluation and the command each said it)
     assert (out / CHECKPOINT_NAME).is_file()  # the trained model is kept
 
 

@@ -15,6 +15,7 @@ import train
 from tests.helpers import run_in_process, save_torchscript
 from tests.helpers import check_error
 from tools.data import synthetic
+from tools.errors import UserError
 from tools.models.architectures import SMALL_CNN, SmallCNN
 from tools.training.checkpoint import CHECKPOINT_NAME
 
@@ -170,6 +171,25 @@ def test_the_same_flags_where_they_act_are_taken(args):
             assert getattr(config, name) == getattr(given, name)
 
 
+def test_a_list_flag_given_twice_takes_both_lists():
+    """`--method bg-swap --method mixup` and `--peft-modules A --peft-modules B` mean both, as the same words in
+    one flag do: the second flag replaced the first, silently (mixup alone trained, A left unadapted); erm given
+    beside another method in two flags is refused as in one."""
+    from tools.training.config import Method, config_from_args  # noqa: PLC0415
+
+    def config(*args):
+        return config_from_args(train.build_parser().parse_args(["--data-path", "d", *args]))
+
+    assert config("--method", "bg-swap", "--method", "mixup", "cutmix").methods == [Method.BG_SWAP, Method.MIXUP,
+                                                                                     Method.CUTMIX]
+    assert config("--method", "mixup", "--method", "mixup").methods == [Method.MIXUP]
+    assert config().methods == [Method.ERM]
+    assert config("--peft", "lora", "--peft-modules", "layer3.*", "--peft-modules", "layer4.*").peft_modules == [
+        "layer3.*", "layer4.*"]
+    with pytest.raises(UserError, match="erm is plain training and combines with nothing"):
+        config("--method", "erm", "--method", "mixup")
+
+
 @pytest.mark.parametrize("args, words", [
     (["--lr", "-0.1"], "argument --lr: '-0.1' is not a positive, finite number"),
     (["--lr", "nan"], "argument --lr: 'nan' is not a positive, finite number"),
@@ -226,6 +246,24 @@ def test_the_eval_data_is_checked_before_training(data, tmp_path, fails, no_down
     line = fails("--data-path", data, "--eval-data", test, "--eval-challenge", "--output-dir", out)
     assert "fg_mask" in line
     assert no_downloads == [] and not (out / CHECKPOINT_NAME).exists()
+
+
+@pytest.mark.parametrize("arch", ["clip:ViT-B-32/openai", "hf:google/vit-base-patch16-224", "hf:/runs/vit"])
+@pytest.mark.parametrize("weights", [[], ["--weights", "none"]])
+def test_a_model_train_py_cannot_build_is_refused_before_anything_is_loaded(arch, weights, tmp_path, fails,
+                                                                             monkeypatch):
+    """CLIP zero-shot and transformers models are evaluated, not trained: named as --arch, they were loaded (the
+    weights downloaded, CLIP's prompts encoded) and then refused as "not an architecture". The flag is refused
+    as train.py's other flags are, before the data is read, saying what train.py trains."""
+    from tools.training import loop  # noqa: PLC0415
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr(loop, "load_model", no_loading)
+    line = fails("--data-path", tmp_path / "nonexistent", "--arch", arch, *weights)
+    assert f"train.py cannot fine-tune {arch}" in line
+    assert "NAME (torchvision), timm:NAME, toolkit:NAME" in line and "in9_eval.py" in line
 
 
 def test_the_small_cnn_without_weights_says_how_to_start_from_random_ones(data, fails):

@@ -39,7 +39,8 @@ from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, VARIA
 from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
 from tools.models.record import ModelRecord
 from tools.models.adapters import LoraScaling
-from tools.models.checkpoints import ExportedModule, check_class_count, exported_module, graph_devices
+from tools.models.checkpoints import (ExportedModule, check_any_batch, check_class_count, exported_module,
+                                     graph_devices)
 from tools.models.device_check import check_run, first_images
 from tools.models.sources import load_model
 from tools.provenance import check_outputs
@@ -265,7 +266,9 @@ def _as_module(model, device: torch.device) -> nn.Module:
         buffer = io.BytesIO()  # a copy to move: torch's move_to_device_pass changes the program it is given
         export.save(model, buffer)
         buffer.seek(0)
-        return exported_module(export.load(buffer), device)[0]
+        module = exported_module(export.load(buffer), device)[0]
+        check_any_batch(module, "the torch.export program")
+        return module
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be an nn.Module, a torch.export program or a model name, not "
                         f"{type(model).__name__}")
@@ -277,6 +280,7 @@ def _as_module(model, device: torch.device) -> nn.Module:
             raise UserError(f"the exported module's code names {', '.join(sorted(named))}, where it was exported, "
                             f"and cannot be moved to {device}: pass the ExportedProgram itself (before .module()), "
                             f"which benchmark() moves, or export it on {device}") from None
+        check_any_batch(model, "the exported module")
         parameter = next(iter(model.parameters()), None)
         return ExportedModule(model, "export", parameter.device if parameter is not None else device, False)
     return model

@@ -100,6 +100,7 @@ class Search:
                         s.elapsed = elapsed0 + now - start
                         self.save()
                         last_save = now
+                bar.update(plan.resolved() - bar.n)  # the last round's planning found the exhausted ones robust
             s.elapsed = elapsed0 + time.monotonic() - start
             plan.finish()
             self.save()

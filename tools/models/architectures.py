@@ -45,12 +45,16 @@ def register_architectures(prefix: str, libraries: tuple[str, ...] = ()):
     return register
 
 
+def architecture_names() -> str:
+    """How architectures are named, for messages: "NAME (torchvision), timm:NAME, toolkit:NAME"."""
+    return ", ".join(f"{p}NAME" if p else "NAME (torchvision)" for p in sorted(ARCHITECTURES))
+
+
 def architecture_family(spec: ModelSpec) -> Family:
     """The family a spec's architecture belongs to; a name that is not an architecture is an error."""
     family = ARCHITECTURES.get(spec.prefix)
     if family is None or spec.file is not None or spec.model is None:
-        raise UserError(f"{spec} is not an architecture; {option('--arch')} takes NAME (torchvision), "
-                        f"{', '.join(p + 'NAME' for p in ARCHITECTURES if p)}")
+        raise UserError(f"{spec} is not an architecture; {option('--arch')} takes {architecture_names()}")
     return family
 
 

@@ -169,8 +169,7 @@ def _probe_classes(classifier: nn.Module, path: Path, kind: str, device: torch.d
         with torch.inference_mode():
             out = classifier(torch.zeros(3, 3, IMAGE_SIZE, IMAGE_SIZE, device=device))
     except Exception as exc:  # noqa: BLE001 (any failure of a foreign program is the user's file)
-        hint = ("; export it with a dynamic batch dimension (dynamic_shapes with torch.export.Dim) or save it as "
-                "TorchScript/state dict") if kind == "export" else ""
+        hint = f"; {EXPORT_BATCH_HINT} or save it as TorchScript/state dict" if kind == "export" else ""
         raise UserError(f"the model in {path} fails on a 3x3x{IMAGE_SIZE}x{IMAGE_SIZE} input on {device}: "
                         f"{program_problem(exc)}{hint}") from None
     if not isinstance(out, torch.Tensor) or out.ndim != 2:
@@ -230,6 +229,30 @@ def exported_module(program, device: torch.device) -> tuple[ExportedModule, set[
     return ExportedModule(move_to_device_pass(program, device).module(), "export", device, bool(named)), named
 
 
+EXPORT_BATCH_HINT = "export it with a dynamic batch dimension (dynamic_shapes with torch.export.Dim)"
+
+
+def fixed_batch(module: nn.Module) -> int | None:
+    """The one batch size an exported program's module takes where it was exported without a dynamic batch
+    dimension (torch.export's default): its first input's shape as export recorded it. None for a dynamic batch,
+    a shape not recorded, or a module that is not an exported graph."""
+    graph = module.program if isinstance(module, Program) else module
+    if not isinstance(graph, torch.fx.GraphModule):
+        return None
+    first = next((node for node in graph.graph.nodes if node.op == "placeholder"), None)
+    shape = getattr(first.meta.get("val"), "shape", None) if first is not None else None
+    return shape[0] if shape is not None and len(shape) and type(shape[0]) is int else None
+
+
+def check_any_batch(module: nn.Module, what: str, also: str = "") -> None:
+    """Refuse an exported program fixed to one batch size (`fixed_batch`): it fails on every other batch, which a
+    run meets (its last batch, the device check's single images)."""
+    batch = fixed_batch(module)
+    if batch is not None:
+        raise UserError(f"{what} takes batches of exactly {batch} image{'s' if batch != 1 else ''} (it was exported "
+                        f"with a fixed batch size, torch.export's default); {EXPORT_BATCH_HINT}{also}")
+
+
 def graph_devices(module: nn.Module) -> set[str]:
     """The devices the operations of a torch.fx graph module (and its graph submodules) are given."""
     return {str(torch.device(node.kwargs["device"])) for sub in module.modules()
@@ -285,6 +308,7 @@ def _load_program(path: Path, kind: str, device: torch.device) -> Program:
         program = Program(loaded, kind, device, bool(named))
     else:
         program, named = exported_module(loaded, device)
+        check_any_batch(program, f"the torch.export program in {path}", " or save it as TorchScript/state dict")
     elsewhere = sorted(named - {str(device)})
     if elsewhere:
         log.info("the %s program in %s names %s in its code (where it was made); pointed at %s", kind, path,

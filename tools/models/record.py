@@ -238,9 +238,10 @@ def _script_code(module: torch.jit.ScriptModule) -> str:
     """The digest of a TorchScript module's code: every method's, with the constants it holds (a traced tensor)."""
     parts = []
     for name in sorted(module._c._method_names()):
-        code, constants = module._c._get_method(name).code_with_constants
+        code, constants = module._c._get_method(name).code_with_constants  # a dict (torch's ConstMap wraps it)
+        constants = getattr(constants, "const_mapping", constants)
         parts.append(f"{name}\n{code}\n" + "\n".join(f"{key} {_configuration_value(value)}"
-                                                      for key, value in sorted(constants.const_mapping.items())))
+                                                      for key, value in sorted(constants.items())))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 from tools.cli import ArgumentParser, add_log_level_argument, examples, run_main
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, default_data_root
 from tools.errors import UserError
-from tools.provenance import check_outputs
+from tools.provenance import check_outputs, write_text_atomic
 from tools.results.analysis import FIGURE_FILE, SUMMARY_FILE
-from tools.results.html import write_html
+from tools.results.html import render_html
 from tools.results.reading import check_inputs_belong_together, load_inputs
 from tools.results.report import DEFAULT_OUTPUT, write_report
 
@@ -57,12 +57,15 @@ def _main(args: argparse.Namespace) -> int:
     inputs = load_inputs(args.in9, args.challenge, args.analysis_dir, args.categories,
                          allow_none=bool(html_only))
     warnings = check_inputs_belong_together(inputs, args.allow_mixed)
+    # the page is made first: it reads --leaderboard's and --training's folders, whose errors leave nothing written
+    page = None if args.html is None else render_html(
+        **inputs, warnings=warnings, leaderboard=args.leaderboard, training=args.training,
+        data_path=args.data_path or default_data_root())
     if markdown is not None:
         write_report(markdown, **inputs, warnings=warnings)
         print(f"Wrote {markdown}")
-    if args.html is not None:
-        write_html(args.html, **inputs, warnings=warnings, leaderboard=args.leaderboard, training=args.training,
-                   data_path=args.data_path or default_data_root())
+    if page is not None:
+        write_text_atomic(args.html, page)
         print(f"Wrote {args.html}")
     return 0
 

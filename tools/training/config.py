@@ -17,6 +17,7 @@ from tools.distributed import DEFAULT_TIMEOUT_MINUTES
 from tools.options import add_dist_timeout_argument, add_model_source_arguments
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, Variation
+from tools.models.architectures import ARCHITECTURES, architecture_names
 from tools.models.device_check import ALLOW_FLAG
 from tools.models.spec import ModelSpec
 from tools.runtime import BATCH_SIZE_DEFAULTS, Precision
@@ -165,7 +166,19 @@ class TrainConfig:
                             f"not {self.swa_start_epoch}")
         if self.eval_challenge and self.eval_data is None:
             raise UserError("--eval-challenge runs on the test data: add --eval-data DIR")
+        self._check_arch()
         self._check_rates()
+
+    def _check_arch(self) -> None:
+        """A model of a source that is no architecture (CLIP zero-shot, transformers) cannot be rebuilt and saved
+        as a network: refused from its name, before anything is read or downloaded. (An unknown prefix is the
+        model sources' to name, as in every command.)"""
+        from tools.models.sources import SOURCES  # noqa: PLC0415 (the sources load for a run, not for -h)
+        spec = ModelSpec.parse(self.arch) if self.arch is not None else None
+        if spec is not None and spec.model is not None and spec.prefix in set(SOURCES) - set(ARCHITECTURES):
+            raise UserError(f"train.py cannot fine-tune {spec.model}: it trains the architectures it builds, "
+                            f"{architecture_names()}, from their pretrained weights, random ones (--weights none) "
+                            f"or a checkpoint of one; evaluate {spec.model} with in9_eval.py and challenge_eval.py")
 
     def _check_rates(self) -> None:
         """Rates, decays and the warm-up: finite, not negative, and a warm-up that ends before the schedule does."""
@@ -311,7 +324,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     add_model_source_arguments(model, random_init=True)
 
     method = parser.add_argument_group("method")
-    method.add_argument("--method", nargs="+", type=Method, choices=list(Method), default=[Method.ERM],
+    # list flags given twice add up (action "extend"), as their words in one flag do; None: not given
+    method.add_argument("--method", nargs="+", action="extend", type=Method, choices=list(Method), default=None,
                         dest="methods", metavar=_choices(Method),
                         help="erm alone, or any of bg-swap, mixup, cutmix together (mixup with cutmix: one of the "
                              "two per batch) (default: erm)")
@@ -336,7 +350,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     method.add_argument("--peft", type=Adapter, choices=list(Adapter), default=None, metavar=_choices(Adapter),
                         help="train adapters on --peft-modules with the peft package, merged into the checkpoint "
                              "(default: none, train every weight)")
-    method.add_argument("--peft-modules", nargs="+", default=[], metavar="PATTERN",
+    method.add_argument("--peft-modules", nargs="+", action="extend", default=None, metavar="PATTERN",
                         help="module-name patterns to adapt, such as 'layer4.*.conv2' (default: none)")
     method.add_argument("--lora-rank", type=whole_number(1), default=None, metavar="R",
                         help=f"LoRA rank (default: {_default('lora_rank')})")
@@ -413,7 +427,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     where it would do nothing is refused (`refuse_idle_flags`). The arguments are left as parsed."""
     names = {f.name for f in fields(TrainConfig)}
     settings = {name: value for name, value in vars(args).items() if name in names}
-    settings.update(methods=list(dict.fromkeys(args.methods)), peft_modules=list(args.peft_modules),
+    settings.update(methods=list(dict.fromkeys(args.methods)) if args.methods is not None else None,
+                    peft_modules=list(args.peft_modules) if args.peft_modules is not None else None,
                     progress=not args.no_progress)
     config = TrainConfig(**{name: value for name, value in settings.items() if value is not None})
     # given: a value flag's value (None when left out), a switch's True (False when left out)

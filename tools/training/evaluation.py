@@ -99,11 +99,9 @@ def evaluate_and_report(config: TrainConfig, result: TrainResult) -> Path:
     """Evaluate the saved checkpoint as in9_eval.py loads it, and the starting point, and write report.md and report.html."""
     runtime = Runtime(resolve_device(config.device))
     out = Path(config.output_dir)
-    try:
-        trained = evaluate(load_model(checkpoint=result.checkpoint, runtime=runtime), config, runtime,
-                           out / TRAINED_EVAL_DIR)
-    except UserError as exc:  # a refused device check, say: the training is not lost
-        raise UserError(f"{exc}; the trained checkpoint is saved: {result.checkpoint}") from None
+    # a UserError (a refused device check, an unreadable image) keeps the checkpoint: the command says so
+    trained = evaluate(load_model(checkpoint=result.checkpoint, runtime=runtime), config, runtime,
+                       out / TRAINED_EVAL_DIR)
     start = None
     if result.start.source is not None:
         try:
