@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tools.models.checkpoints import Program
+from tools.models.programs import Program
 from tools.models.sources import load_model
 from tools.runtime import Forward, Runtime, exact_kernels
 

@@ -19,7 +19,7 @@ import in9_eval
 from tests.helpers import TinyCNN, check_error, run_in_process
 from tools.in9 import IN9_MEAN, IN9_STD
 from tools.models.boundary import LoadedModel, PixelModel
-from tools.models.checkpoints import ExportedModule
+from tools.models.programs import ExportedModule
 from tools.models.device_check import CHECK_IMAGES, TOLERANCE, Float64Everywhere, check_device, relative_deviation
 from tools.errors import UserError
 from tools.runtime import Runtime

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tools.models.checkpoints import Program
+from tools.models.programs import Program
 from tools.models.sources import load_model
 from tools.runtime import Runtime
 

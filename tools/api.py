@@ -39,8 +39,8 @@ from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, VARIA
 from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
 from tools.models.record import ModelRecord
 from tools.models.adapters import LoraScaling
-from tools.models.checkpoints import (ExportedModule, check_any_batch, check_class_count, exported_module,
-                                     graph_devices)
+from tools.models.checkpoints import check_class_count
+from tools.models.programs import ExportedModule, check_any_batch, exported_module, graph_devices
 from tools.models.device_check import check_run, first_images
 from tools.models.sources import load_model
 from tools.provenance import check_outputs

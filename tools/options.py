@@ -16,7 +16,8 @@ from tools.data.store import DecodedCache, default_cache_dir
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
 from tools.errors import UserError
 from tools.in9 import Normalization
-from tools.models.checkpoints import STATE_DICT_KEYS, program_kind
+from tools.models.checkpoints import STATE_DICT_KEYS
+from tools.models.programs import program_kind
 from tools.models.architectures import DEFAULT_ARCH, SMALL_CNN, architecture_family
 from tools.models.boundary import LoadedModel
 from tools.models.device_check import ALLOW_FLAG, CHECK_IMAGES, TOLERANCE

@@ -2,7 +2,7 @@
 
 Checkpoint formats, told apart by the file's contents, never by its name:
 - a `torch.export` program (`torch.export.save`, .pt2) of plain tensors and tensor operations (checked before
-  torch reads it: `tools.models.export_archive`; anything more only with `--trust-checkpoint`), or, with
+  torch reads it: `tools.models.programs`; anything more only with `--trust-checkpoint`), or, with
   `--trust-checkpoint`, a TorchScript archive (`torch.jit.save`; a program, which can do anything the process
   can): used as the classifier as it is, loaded for the run's device with the devices its code names pointed
   there (and a TorchScript program's convolutions reading cuDNN's flags when they run: `tools.models.torchscript`);
@@ -21,10 +21,6 @@ Checkpoint formats, told apart by the file's contents, never by its name:
 from __future__ import annotations
 
 import logging
-import re
-import warnings
-import zipfile
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +29,12 @@ import torch
 from torch import nn
 
 from tools.errors import UserError, first_line, key_list, option
-from tools.models import adapters, export_archive, hub, torchscript
+from tools.models import adapters, hub
 from tools.models.architectures import (DEFAULT_ARCH, build_architecture, classifier_keys, recorded_arguments,
                                         timm_module)
 from tools.models.loading import check_fits, torch_load
+from tools.models.programs import (EXPORT_BATCH_HINT, check_program_trusted, load_program, program_kind,
+                                   program_problem)
 from tools.models.record import ModelRecord
 from tools.models.recorded import (TRAINED_FORMAT, is_timm_training_checkpoint, recorded_architecture,
                                     recorded_network, recorded_normaliser, timm_architecture_args, timm_data_args,
@@ -48,25 +46,6 @@ log = logging.getLogger(__name__)
 
 STATE_DICT_KEYS = ("model", "state_dict", "state_dict_ema", "model_state_dict")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-def program_kind(path: Path) -> str | None:
-    """"export" or "torchscript" when the file is such a program (read from its zip directory), else None."""
-    if not zipfile.is_zipfile(path):
-        return None
-    try:  # is_zipfile reads only the end record: the rest may be damaged (a name flagged UTF-8 that is not: ValueError)
-        with zipfile.ZipFile(path) as zf:
-            names = zf.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise UserError(f"cannot read checkpoint {path}: its zip directory is damaged ({first_line(exc)}); "
-                        f"is the file complete?") from None
-    # torch.export's archive: `<name>/archive_format` in the layout of newer torch, a top-level
-    # `serialized_exported_program.json` in that of older releases (2.6 and before)
-    if any(n.endswith("/archive_format") for n in names) or "serialized_exported_program.json" in names:
-        return "export"
-    if any(n.endswith("/constants.pkl") for n in names) and any("/code/" in n for n in names):
-        return "torchscript"
-    return None
 
 
 def _is_tensor_dict(obj) -> bool:
@@ -177,145 +156,6 @@ def _probe_classes(classifier: nn.Module, path: Path, kind: str, device: torch.d
     return int(out.shape[1])
 
 
-def program_problem(exc: Exception) -> str:
-    """The useful line of a program's failure: TorchScript's interpreter puts the cause (`SomeError: ...`) after
-    the program's code, sometimes followed by a Python stack."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    causes = [line for line in lines if re.match(r"\w+(Error|Exception): ", line)]
-    if lines and "TorchScript interpreter" in lines[0] and causes:
-        return causes[-1]
-    return first_line(exc)
-
-
-class Program(nn.Module):
-    """A TorchScript or torch.export program as a module, loaded for one device.
-
-    Tracing and export write devices into the program's code as constants (`torch.zeros(..., device=x.device)`
-    becomes "the device it was traced on"), which `.to()` does not move. The loader points them at the run's
-    device before the first run, and a graph that has run keeps its compiled plan; so a program whose code names
-    a device refuses a later move elsewhere, which would take only its weights along."""
-
-    def __init__(self, program: nn.Module, kind: str, device: torch.device, names_devices: bool):
-        super().__init__()
-        self.program, self.kind, self.names_devices = program, kind, names_devices
-        self.device = torch.empty(0, device=device).device  # with its index ("cuda" is "cuda:0"), as tensors say
-
-    def _apply(self, fn, recurse: bool = True):
-        target = fn(torch.empty(0, device=self.device)).device  # where this conversion (to, cuda, cpu) sends tensors
-        if target != self.device and self.names_devices:
-            raise RuntimeError(f"this {self.kind} program was loaded for {self.device}, and its code names devices; "
-                               f"load it for {target} instead (load_model with a runtime on {target})")
-        self.device = target
-        return super()._apply(fn, recurse)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.program(x)
-
-
-class ExportedModule(Program):
-    """An exported program, whose mode was fixed when it was exported: it refuses train()/eval(), so those set
-    this wrapper's flag and do not reach into it."""
-
-    def train(self, mode: bool = True) -> "ExportedModule":
-        self.training = mode
-        return self
-
-
-def exported_module(program, device: torch.device) -> tuple[ExportedModule, set[str]]:
-    """A torch.export program (`ExportedProgram`) as a module on `device`, the devices its code names moved there
-    too (torch's move_to_device_pass); and the devices its code named."""
-    from torch.export.passes import move_to_device_pass  # noqa: PLC0415 (torch.export loads only for programs)
-    named = _export_devices(program)
-    return ExportedModule(move_to_device_pass(program, device).module(), "export", device, bool(named)), named
-
-
-EXPORT_BATCH_HINT = "export it with a dynamic batch dimension (dynamic_shapes with torch.export.Dim)"
-
-
-def fixed_batch(module: nn.Module) -> int | None:
-    """The one batch size an exported program's module takes where it was exported without a dynamic batch
-    dimension (torch.export's default): its first input's shape as export recorded it. None for a dynamic batch,
-    a shape not recorded, or a module that is not an exported graph."""
-    graph = module.program if isinstance(module, Program) else module
-    if not isinstance(graph, torch.fx.GraphModule):
-        return None
-    first = next((node for node in graph.graph.nodes if node.op == "placeholder"), None)
-    shape = getattr(first.meta.get("val"), "shape", None) if first is not None else None
-    return shape[0] if shape is not None and len(shape) and type(shape[0]) is int else None
-
-
-def check_any_batch(module: nn.Module, what: str, also: str = "") -> None:
-    """Refuse an exported program fixed to one batch size (`fixed_batch`): it fails on every other batch, which a
-    run meets (its last batch, the device check's single images)."""
-    batch = fixed_batch(module)
-    if batch is not None:
-        raise UserError(f"{what} takes batches of exactly {batch} image{'s' if batch != 1 else ''} (it was exported "
-                        f"with a fixed batch size, torch.export's default); {EXPORT_BATCH_HINT}{also}")
-
-
-def graph_devices(module: nn.Module) -> set[str]:
-    """The devices the operations of a torch.fx graph module (and its graph submodules) are given."""
-    return {str(torch.device(node.kwargs["device"])) for sub in module.modules()
-            if isinstance(sub, torch.fx.GraphModule) for node in sub.graph.nodes
-            if node.kwargs.get("device") is not None}
-
-
-def check_program_trusted(path: Path, kind: str, trust: bool) -> None:
-    """Refuse a program that would run code of its own unless trusted: every TorchScript file (a program, in a
-    language with file operations, that the toolkit cannot check), and a torch.export archive that holds more
-    than tensors and tensor operations."""
-    if trust:
-        log.info("loading the %s program %s unchecked (%s)", kind, path, option("--trust-checkpoint"))
-        return
-    if kind == "torchscript":
-        raise UserError(f"checkpoint {path} is a TorchScript program, which is code (it can read and write any file) "
-                        f"that the toolkit cannot check; if you trust the file, rerun with "
-                        f"{option('--trust-checkpoint')}, or save the model as a state dict "
-                        f"(torch.save(model.state_dict(), PATH), read with {option('--arch')}) or a torch.export program "
-                        f"(torch.export.save)")
-    try:
-        found = export_archive.untrusted_content(path)
-    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, NotImplementedError, ValueError) as exc:
-        raise UserError(f"cannot read checkpoint {path}: {first_line(exc)}; is the file complete?") from None
-    if found:
-        raise UserError(f"checkpoint {path} is a torch.export program with more than tensors and tensor operations "
-                        f"({key_list(found, limit=3)}), which would run code when loaded; if you trust the file, "
-                        f"rerun with {option('--trust-checkpoint')}")
-
-
-def _export_devices(program) -> set[str]:
-    """The devices the operations of an exported program are given (tensor-creating ones, `to`)."""
-    return graph_devices(program.graph_module)
-
-
-def _read_program(path: Path, kind: str, device: torch.device):
-    try:
-        if kind == "torchscript":
-            with warnings.catch_warnings():  # TorchScript is deprecated upstream, yet users' files are TorchScript
-                warnings.simplefilter("ignore", FutureWarning)
-                return torch.jit.load(str(path), map_location=device)
-        return torch.export.load(str(path))
-    except Exception as exc:  # noqa: BLE001 (a broken archive is the user's file)
-        raise UserError(f"cannot load the {kind} program {path}: {first_line(exc)}") from None
-
-
-def _load_program(path: Path, kind: str, device: torch.device) -> Program:
-    """The program, its weights and the devices its code names all on `device`, before its first run."""
-    loaded = _read_program(path, kind, device)
-    if kind == "torchscript":
-        named = torchscript.point_devices(loaded, device)
-        torchscript.unbake_convolutions(loaded)
-        program = Program(loaded, kind, device, bool(named))
-    else:
-        program, named = exported_module(loaded, device)
-        check_any_batch(program, f"the torch.export program in {path}", " or save it as TorchScript/state dict")
-    elsewhere = sorted(named - {str(device)})
-    if elsewhere:
-        log.info("the %s program in %s names %s in its code (where it was made); pointed at %s", kind, path,
-                 ", ".join(elsewhere), device)
-    return program
-
-
 def _architecture(arch: str | None, recorded: str | None, path: Path) -> str:
     """--arch, else the recorded architecture, else resnet50; a recorded one that --arch contradicts is an error."""
     if arch is not None and recorded is not None and arch != recorded:
@@ -372,7 +212,7 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
     kind = program_kind(path)
     if kind is not None:
         check_program_trusted(path, kind, trust)
-        classifier = _load_program(path, kind, device)
+        classifier = load_program(path, kind, device)
         if arch is not None:
             log.warning("%s is ignored: %s is a %s program, which carries its own architecture",
                         option("--arch", arch), path, kind)

@@ -45,7 +45,7 @@ from tools.data.decoding import decode_images
 from tools.errors import UserError, option
 from tools.models import torchscript
 from tools.models.boundary import LoadedModel
-from tools.models.checkpoints import Program, program_problem
+from tools.models.programs import Program, program_problem
 from tools.runtime import Forward, Runtime
 
 log = logging.getLogger(__name__)
