@@ -617,6 +617,26 @@ def test_a_program_exported_for_one_batch_size_is_one_user_error(dataset, batch,
             benchmark(exported, dataset.root, challenge=False, **quick())
 
 
+def test_a_program_exported_for_a_range_of_batch_sizes_runs_within_it_or_is_one_user_error(dataset, one_thread):
+    """A dynamic batch dimension bounded below past 2 (which export takes to mean any) fails on the device check's
+    single images, and one bounded above on a larger batch: AssertionError ("Guard failed") tracebacks after
+    start-up. The first is refused as a fixed batch is; the second in the API's words, naming the batch size it
+    runs at, where it gives the module's numbers."""
+    model = TinyCNN(9, seed=4).eval()
+    program = torch.export.export(model, (torch.zeros(3, 3, 224, 224),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", min=3)},))
+    for exported in (program, program.module()):
+        with pytest.raises(UserError, match="takes batches of 3 or more images.*dynamic batch dimension"):
+            benchmark(exported, dataset.root, challenge=False, **quick())
+    program = torch.export.export(model, (torch.zeros(3, 3, 224, 224),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", max=4)},))
+    expected = benchmark(model, dataset.root, challenge=False, **quick(batch_size=4)).accuracy
+    for exported in (program, program.module()):
+        with pytest.raises(UserError, match="takes batches of at most 4 images .*not 5; pass batch_size=4 or less"):
+            benchmark(exported, dataset.root, challenge=False, **quick(batch_size=5))
+        assert benchmark(exported, dataset.root, challenge=False, **quick(batch_size=4)).accuracy == expected
+
+
 @pytest.mark.parametrize("make", [torch.jit.script, lambda m: torch.jit.trace(m, torch.zeros(2, 3, 224, 224))])
 def test_a_torchscript_module_in_memory_gives_what_the_module_gives(dataset, make, one_thread):
     """A scripted or traced module is an nn.Module: the same numbers as the module it was made from (its code's

@@ -221,6 +221,23 @@ def test_a_program_exported_for_one_batch_size_is_one_error_line(allow, dataset,
     assert "dynamic batch dimension" in line
 
 
+def test_a_program_exported_for_a_range_of_batch_sizes_is_one_error_line(dataset, net9, tmp_path, capsys):
+    """A batch dimension bounded above (Dim(max=4)) passed the loader's probe of 3 images, then failed the run's
+    batch of 18 with an AssertionError traceback ("Guard failed: x.size()[0] <= 4"); it runs at --batch-size 4."""
+    import in9_eval  # noqa: PLC0415
+    from tests.helpers import check_error, run_in_process  # noqa: PLC0415
+    path = tmp_path / "bounded.pt2"
+    program = torch.export.export(net9, (torch.zeros(3, 3, 224, 224),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", max=4)},))
+    torch.export.save(program, path)
+    argv = ["--data-path", dataset.root, "--checkpoint", path, "--device", "cpu", "--no-progress", "--output-dir",
+            tmp_path / "out"]
+    line = check_error(*run_in_process(in9_eval.main, [str(a) for a in argv], capsys), lines=None)
+    assert "torch.export program takes batches of at most 4 images" in line and "--batch-size 4 or less" in line
+    code, out, _ = run_in_process(in9_eval.main, [str(a) for a in argv] + ["--batch-size", "4"], capsys)
+    assert code == 0 and "Accuracy on original is" in out
+
+
 def test_pickled_module_needs_trust(net9, pixels, tmp_path):
     path = tmp_path / "whole_model.pth"
     torch.save(net9, path)

@@ -75,13 +75,28 @@ class Program(nn.Module):
         return self.program(x)
 
 
+EXPORT_BATCH_HINT = "export it with a dynamic batch dimension (dynamic_shapes with torch.export.Dim)"
+
+
 class ExportedModule(Program):
     """An exported program, whose mode was fixed when it was exported: it refuses train()/eval(), so those set
     this wrapper's flag and do not reach into it."""
 
+    def __init__(self, program: nn.Module, kind: str, device: torch.device, names_devices: bool):
+        super().__init__(program, kind, device, names_devices)
+        found = batch_range(self)
+        self.largest_batch = found[1] if found is not None else None  # a dynamic batch's maximum, if it has one
+
     def train(self, mode: bool = True) -> "ExportedModule":
         self.training = mode
         return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.largest_batch is not None and x.shape[0] > self.largest_batch:  # the program's guard: a traceback
+            raise UserError(f"this torch.export program takes batches of at most {self.largest_batch} images (its "
+                            f"batch dimension was exported with a maximum), not {x.shape[0]}; pass "
+                            f"{option('--batch-size', self.largest_batch)} or less, or {EXPORT_BATCH_HINT}")
+        return super().forward(x)
 
 
 def exported_module(program, device: torch.device) -> tuple[ExportedModule, set[str]]:
@@ -92,28 +107,50 @@ def exported_module(program, device: torch.device) -> tuple[ExportedModule, set[
     return ExportedModule(move_to_device_pass(program, device).module(), "export", device, bool(named)), named
 
 
-EXPORT_BATCH_HINT = "export it with a dynamic batch dimension (dynamic_shapes with torch.export.Dim)"
-
-
-def fixed_batch(module: nn.Module) -> int | None:
-    """The one batch size an exported program's module takes where it was exported without a dynamic batch
-    dimension (torch.export's default): its first input's shape as export recorded it. None for a dynamic batch,
-    a shape not recorded, or a module that is not an exported graph."""
+def batch_range(module: nn.Module) -> tuple[int, int | None] | None:
+    """The batch sizes an exported program's module takes, (lowest, highest or None for no bound), from its first
+    input's shape as export recorded it: one size where it was exported without a dynamic batch dimension
+    (torch.export's default), else the range of the dimension's symbol. None where that is not recorded, or for a
+    module that is not an exported graph."""
     graph = module.program if isinstance(module, Program) else module
     if not isinstance(graph, torch.fx.GraphModule):
         return None
     first = next((node for node in graph.graph.nodes if node.op == "placeholder"), None)
     shape = getattr(first.meta.get("val"), "shape", None) if first is not None else None
-    return shape[0] if shape is not None and len(shape) and type(shape[0]) is int else None
+    if shape is None or not len(shape):
+        return None
+    size = shape[0]
+    if type(size) is int:
+        return size, size
+    try:  # a symbol's range, as export's shape environment keeps it (upper: int_oo where unbounded)
+        bounds = size.node.shape_env.var_to_range[size.node.expr]
+        lowest = int(bounds.lower)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    try:
+        highest = int(bounds.upper)
+    except (AttributeError, TypeError, ValueError, OverflowError):  # int_oo: no bound
+        highest = None
+    return lowest, highest
 
 
 def check_any_batch(module: nn.Module, what: str, also: str = "") -> None:
-    """Refuse an exported program fixed to one batch size (`fixed_batch`): it fails on every other batch, which a
-    run meets (its last batch, the device check's single images)."""
-    batch = fixed_batch(module)
-    if batch is not None:
-        raise UserError(f"{what} takes batches of exactly {batch} image{'s' if batch != 1 else ''} (it was exported "
-                        f"with a fixed batch size, torch.export's default); {EXPORT_BATCH_HINT}{also}")
+    """Refuse an exported program that takes one batch size only (export's default), or a dynamic batch bounded
+    below past 2 (export specialises sizes 0 and 1, so its ranges start at 2 where they take any batch): it fails on
+    the batches a run meets (its last batch, the device check's single images). A maximum (3 or more: a range
+    of 2 is one size) is the run's batch size to keep to: `ExportedModule` refuses a larger batch in one line."""
+    found = batch_range(module)
+    if found is None:
+        return
+    lowest, highest = found
+    sizes = ""
+    if lowest == highest:
+        sizes = f"of exactly {lowest} image{'s' if lowest != 1 else ''} (it was exported with a fixed batch size, " \
+                f"torch.export's default)"
+    elif lowest > 2:
+        sizes = f"of {lowest} or more images (its batch dimension was exported with a minimum)"
+    if sizes:
+        raise UserError(f"{what} takes batches {sizes}; {EXPORT_BATCH_HINT}{also}")
 
 
 def graph_devices(module: nn.Module) -> set[str]:
