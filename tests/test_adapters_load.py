@@ -120,6 +120,31 @@ def test_the_identity_of_an_adapter_is_base_and_adapter(pixels, tmp_path):
     assert len(digests) == 4
 
 
+@pytest.mark.parametrize("linked", ["adapter_model.safetensors", "adapter_config.json"])
+def test_an_adapter_file_linked_out_of_its_folder_is_refused_unread(linked, tmp_path):
+    """An adapter's files are files of its folder (of its repository's, for a Hugging Face cache snapshot, whose
+    files are links to ../../blobs): one linked elsewhere is refused before anything reads it, as a model's are."""
+    adapted("lora").save_pretrained(tmp_path / "saved")
+    base = save_base(tmp_path / "base.pt")
+    folder, elsewhere = tmp_path / "adapter", tmp_path / "elsewhere"
+    folder.mkdir(), elsewhere.mkdir()
+    for file in (tmp_path / "saved").iterdir():
+        target = elsewhere / file.name if file.name == linked else folder / file.name
+        target.write_bytes(file.read_bytes())
+    (folder / linked).symlink_to(elsewhere / linked)
+    with files_read() as read, pytest.raises(UserError, match=r"links to .*outside the adapter's folder"):
+        load_model(f"{SMALL_CNN}@file:{base}", checkpoint=folder)
+    assert elsewhere / linked not in {Path(path).resolve() for path in read}
+    snapshot = tmp_path / "hub" / "models--org--adapter" / "snapshots" / ("0" * 40)  # a cache snapshot: loaded
+    snapshot.mkdir(parents=True), (tmp_path / "hub" / "models--org--adapter" / "blobs").mkdir()
+    for file in (tmp_path / "saved").iterdir():
+        blob = tmp_path / "hub" / "models--org--adapter" / "blobs" / file.name
+        blob.write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", file.name))
+    loaded = load_model(f"{SMALL_CNN}@file:{base}", checkpoint=snapshot)
+    assert loaded.identity == load_model(f"{SMALL_CNN}@file:{base}", checkpoint=tmp_path / "saved").identity
+
+
 def test_an_adapter_folder_needs_a_base(tmp_path):
     adapted("lora").save_pretrained(tmp_path / "adapter")
     with pytest.raises(UserError, match=r"peft adapter folder.* on a base model: .*ARCH@file:BASE"):

@@ -23,6 +23,7 @@ from torch import nn
 
 from tools.errors import UserError, first_line, option, optional_module
 from tools.in9 import IMAGE_SIZE
+from tools.models import hub
 from tools.models.loading import check_fits, torch_load
 from tools.models.record import ModelRecord
 from tools.provenance import read_json
@@ -164,6 +165,10 @@ def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool, recor
     `record` by their content, with peft's version."""
     peft = peft_module(f"the adapter folder {folder}")
     record.library(peft)
+    for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS):  # before anything reads them
+        if (folder / name).exists() and not (folder / name).resolve().is_relative_to(hub.files_root(folder)):
+            raise UserError(f"{folder / name} links to {(folder / name).resolve()}, a file outside the adapter's "
+                            f"folder; the files of an adapter are files of its folder: copy it there")
     record.read_file(folder / ADAPTER_CONFIG, "adapter config")
     check_adapter_config(folder)
     try:

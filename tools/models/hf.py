@@ -301,12 +301,11 @@ def _json(path: Path) -> dict:
         raise UserError(f"cannot read {path}: {first_line(exc)}") from None
 
 
-def _weights_files(folder: Path, local: bool) -> list[Path]:
+def _weights_files(folder: Path) -> list[Path]:
     """The files transformers loads the weights from, in its order of preference: one file, else the shards its
     index names (other *.safetensors or *.bin files in the folder are not the model's), each inside the model's
-    folder: named without `..` and, through links, in the folder (a hub snapshot's: in its repository's folder,
-    whose blobs/ its links point to), the one file too."""
-    root = (folder if local else folder.parent.parent).resolve()
+    folder: named without `..` and, through links, in the folder (`hub.files_root`), the one file too."""
+    root = hub.files_root(folder)
     for single, index in WEIGHTS_FILES:
         if (folder / single).is_file():
             if not (folder / single).resolve().is_relative_to(root):
@@ -367,7 +366,7 @@ def load_transformers(name: str, normalize: Normalization, record: ModelRecord, 
     config = _config(transformers, source, revision, what, trust_remote_code)
     kind = check_labels(_id2label(config, what), what)
     folder = local if local.is_dir() else hub.cached_file(name, ["config.json"]).parent
-    files = _weights_files(folder, local.is_dir())  # checked before transformers reads them
+    files = _weights_files(folder)  # checked before transformers reads them
     processor_file = _processor_file(transformers, source, revision)
     processor_config = _json(processor_file) if processor_file is not None else {}
     check_remote_code(processor_config, f"{what}'s image processor", trust_remote_code)

@@ -59,6 +59,12 @@ def inside_folder(name: str) -> bool:
     return bool(name) and not path.is_absolute() and ".." not in path.parts and ":" not in name
 
 
+def files_root(folder: Path) -> Path:
+    """The folder a model's files may resolve into, through links: a Hugging Face cache snapshot's repository
+    folder (its files are links to ../../blobs/), else the folder itself."""
+    return (folder.parent.parent if folder.parent.name == "snapshots" else folder).resolve()
+
+
 def snapshot_command(repo: str) -> str:
     """The command that fetches a repository (`ORG/NAME[@REVISION]`) into the cache."""
     repo_id, revision = split_revision(repo)
