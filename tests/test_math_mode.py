@@ -224,7 +224,8 @@ def test_fp32_compiled_is_not_exact_and_says_so():
     assert eager.exact and not compiled.exact
     assert eager.describe()["exact_mode"] and not compiled.describe()["exact_mode"]
     assert not eager.describe()["exact"]  # a claim only the start-up check makes (tests/test_device_check.py)
-    assert ChallengeConfig().recheck_margin_at(compiled.exact) == ChallengeConfig().recheck_margin > 0
+    assert compiled.recheck_margin(ChallengeConfig().recheck_margin) == ChallengeConfig().recheck_margin > 0
+    assert eager.recheck_margin(ChallengeConfig().recheck_margin) == 0
 
 
 def test_the_provenance_records_the_math_that_ran():

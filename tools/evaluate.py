@@ -155,7 +155,7 @@ class _Stream:
     def __init__(self, eager: torch.nn.Module, forward: Forward, runtime: Runtime, batch_size: int, margin: float,
                  to_in9: PredictionMap, size: int):
         self.forward, self.to_in9 = forward, to_in9
-        self.margin = 0.0 if runtime.exact else margin
+        self.margin = runtime.recheck_margin(margin)
         self.recheck = Forward(eager, runtime, batch_size, exact=True, what="the fp32 re-check's batch size")
         self.preds = np.full(size, NOT_MINE, np.int64)  # by stream position, as recorded
         self.images: dict[int, torch.Tensor] = {}  # a launched batch's images on the device, by its first position
@@ -432,7 +432,7 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, confi
         files = list_in9_files(files, names, config.workers)
     key = {"data": files.fingerprint, "decoder": decoder_build(files.decoder.value), "model_identity": loaded.identity,
            "normalization": loaded.normalization, **runtime.arithmetic(), "num_classes": loaded.num_classes,
-           "recheck_margin": 0.0 if runtime.exact else config.recheck_margin,
+           "recheck_margin": runtime.recheck_margin(config.recheck_margin),
            "batch_size": runtime.batch_size(config.batch_size)}  # another shape may change the last bits
     state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
     forwards: list[Forward] = []

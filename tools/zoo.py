@@ -116,7 +116,7 @@ class ZooSettings:
         it in its provenance, and the leaderboard groups rows by it."""
         return {"precision": runtime.precision.value, "compile": runtime.compile,
                 "channels_last": runtime.channels_last, "criterion": self.challenge.criterion.value,
-                "recheck_margin": self.challenge.recheck_margin_at(runtime.exact),
+                "recheck_margin": runtime.recheck_margin(self.challenge.recheck_margin),
                 "mask_arithmetic": self.challenge.mask_arithmetic.value,
                 "batch_size": runtime.batch_size(self.batch_size), "toolkit": __version__}
 

@@ -13,6 +13,8 @@ from tools.data.compositing import MaskArithmetic
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
 from tools.runtime import RECHECK_MARGIN
 
+FIRST_ROUND_BACKGROUNDS = 1  # offered to each open foreground in the first round; doubling each round
+
 
 class Criterion(str, enum.Enum):
     """`any`: some background changes the prediction (the leaderboard's). `bg-class`: some background of
@@ -38,15 +40,10 @@ class ChallengeConfig:
     criterion: Criterion = Criterion.ANY
     full: bool = False
     batch_size: int | None = None  # None: the runtime's default on a GPU; on the CPU, measured at start-up
-    first_k: int = 1  # backgrounds offered to each open foreground in the first round; doubles each round
     save_every: float = 5.0  # seconds between state saves
     recheck_margin: float = RECHECK_MARGIN  # in reduced precision, near ties below it are re-run in fp32; 0 turns it off
     progress: bool = True
     mask_arithmetic: MaskArithmetic = MaskArithmetic.BINARY
-
-    def recheck_margin_at(self, exact: bool) -> float:
-        """The re-check margin that applies: none at exact precision (fp32 has no near ties to re-check)."""
-        return 0.0 if exact else self.recheck_margin
 
 
 def split_untested(tested: np.ndarray, parts: int) -> np.ndarray:
@@ -111,7 +108,7 @@ class Scheduler:
     """Plans the pairs of a `SearchState` and folds their predictions back into it.
 
     Each round offers every open foreground its next k untested eligible backgrounds, best score first
-    (k = first_k, doubling each round); a foreground found vulnerable leaves at once, and one with no
+    (k = FIRST_ROUND_BACKGROUNDS, doubling each round); a foreground found vulnerable leaves at once, and one with no
     untested background left is robust. With --full, every pair in foreground-major order instead.
     """
 
@@ -182,7 +179,7 @@ class Scheduler:
     def _round_pairs(self) -> np.ndarray:
         """The next round's pairs: each open foreground's next k untested eligible backgrounds, rank-major."""
         s = self.state
-        k = self.config.first_k << min(s.round, 40)
+        k = FIRST_ROUND_BACKGROUNDS << min(s.round, 40)
         scores = self.scores()
         open_fg = np.nonzero(s.verdict == UNKNOWN)[0]
         fgs, bgs, ranks = [], [], []

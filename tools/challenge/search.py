@@ -25,7 +25,7 @@ from tools.in9 import UNMAPPED
 from tools.models.boundary import LoadedModel
 from tools.models.device_check import record_check, verified
 from tools.provenance import decoder as decoder_build, provenance
-from tools.runtime import Runtime
+from tools.runtime import RECHECK_MARGIN, Runtime
 from tools.shards import Shard
 from tools.threads import ContextThreadPool
 
@@ -262,7 +262,7 @@ def _run_key(data: ChallengeData, loaded: LoadedModel, runtime: Runtime, config:
     parts = [STATE_FORMAT, data.fingerprint["sha256"], json.dumps(decoder_build(data.decoder.value), sort_keys=True),
              data.arithmetic.value, loaded.identity or "", loaded.normalization,
              json.dumps(runtime.arithmetic(), sort_keys=True), config.criterion.value, str(config.full),
-             str(config.first_k), str(config.recheck_margin_at(runtime.exact)),
+             str(runtime.recheck_margin(config.recheck_margin)),
              str(runtime.batch_size(config.batch_size))]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
@@ -275,7 +275,7 @@ def state_key(key: str, device_check: dict | None) -> str:
 
 def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | ChallengeFiles | Path,
                   config: ChallengeConfig, output_dir: Path | None = None, resume: bool = False, workers: int = 4,
-                  cache: DecodedCache | None = None, sure_margin: float = 1.0, shard: Shard | None = None,
+                  cache: DecodedCache | None = None, shard: Shard | None = None,
                   device_check: dict | None = None) -> ChallengeResult:
     """The challenge's verdict for every foreground, exactly as an exhaustive search would give it.
 
@@ -295,7 +295,7 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
             state_name = f"{Path(STATE_NAME).stem}-shard-{shard.index}-of-{shard.count}.npz"
         data = data.to(runtime.device)
         predictor = CompositePredictor(loaded, runtime, data, config.batch_size,
-                                       config.recheck_margin_at(runtime.exact))
+                                       runtime.recheck_margin(config.recheck_margin))
         state_path = Path(output_dir) / state_name if output_dir is not None else None
         state = None
         if resume and state_path is not None and state_path.is_file():
@@ -324,7 +324,7 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
         record_check(info, device_check)
     unsure = None
     if not runtime.exact:
-        threshold = config.recheck_margin if config.recheck_margin > 0 else sure_margin
+        threshold = config.recheck_margin if config.recheck_margin > 0 else RECHECK_MARGIN
         unsure = int((state.min_margin < threshold).sum())
     return ChallengeResult(data, state, config.criterion, info, predictor.rechecked, predictor.recheck_changed, unsure,
                            key)

@@ -201,6 +201,11 @@ class Runtime:
         """fp32, eager: Inductor's kernels (torch.compile) divide approximately, so fp32 compiled is re-checked."""
         return self.precision is Precision.FP32 and not self.compile
 
+    def recheck_margin(self, margin: float) -> float:
+        """The near-tie re-check margin that applies here: `margin` in a speed mode, none when exact (fp32 eager has
+        no near ties to re-check)."""
+        return 0.0 if self.exact else margin
+
     def arithmetic(self) -> dict:
         """What decides the model's logits here besides the model, its inputs and the batch shape: the device model
         (`device_model`, the same for every process of one kind of device), the precision, compilation and the
