@@ -27,7 +27,7 @@ from tools.threads import ContextThreadPool, stop_point
 
 log = logging.getLogger(__name__)
 
-DECODE_CHUNK = 64  # images per decoding job
+DECODE_BATCH = 64  # images decode_images takes from iter_decoded_batches at once (its bar's step); jobs are JOB_IMAGES
 
 
 def decode_rgb(path: Path, size: int = IMAGE_SIZE, decoder: Decoder = Decoder.PILLOW,
@@ -289,7 +289,7 @@ def decode_images(root: Path, relpaths: Sequence[str], workers: int, progress: b
     out = torch.empty(shape, dtype=torch.uint8)
     out = out.permute(0, 3, 1, 2) if channels_last else out
     with progress_bar(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
-        for start, batch in iter_decoded_batches(root, relpaths, DECODE_CHUNK, workers, decoder=decoder,
+        for start, batch in iter_decoded_batches(root, relpaths, DECODE_BATCH, workers, decoder=decoder,
                                                  contents=contents, hashes=hashes, cache=cache):
             out[start:start + batch.shape[0]] = batch
             bar.update(batch.shape[0])
