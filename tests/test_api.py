@@ -171,6 +171,7 @@ def test_the_functions_a_module_keeps_and_its_hooks_closures_are_in_its_identity
     factory with other values are both recorded (before, their closures' values collided: a RuntimeError out of
     benchmark(); a kept function was left out of the identity)."""
     import functools  # noqa: PLC0415
+
     import torch.nn.functional as F  # noqa: PLC0415
     models = {"function": (lambda: activated(F.relu), lambda: activated(F.gelu)),
               "partial": (lambda: activated(functools.partial(F.leaky_relu, negative_slope=0.5)),
@@ -563,6 +564,7 @@ def test_every_option_a_message_names_has_api_words():
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
+
     from tools.api import API_WORDS  # noqa: PLC0415
     root = Path(__file__).resolve().parents[1]
     named, written = set(), []

@@ -26,8 +26,8 @@ from tests.helpers import TinyCNN, check_error, run_in_process
 from tools.errors import UserError
 from tools.in9 import IN9_MEAN, IN9_STD
 from tools.models.boundary import LoadedModel, PixelModel
-from tools.models.programs import ExportedModule
 from tools.models.device_check import check_device
+from tools.models.programs import ExportedModule
 from tools.runtime import Runtime
 
 CPU = torch.device("cpu")

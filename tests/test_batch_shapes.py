@@ -12,8 +12,8 @@ import torch
 import torchvision
 
 from tools import zoo
-from tools.data import synthetic
 from tools.challenge import ChallengeConfig, run_challenge
+from tools.data import synthetic
 from tools.evaluate import evaluate_variations
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
 from tools.models.architectures import SMALL_CNN, SmallCNN

@@ -257,11 +257,11 @@ def test_a_pack_removed_while_a_reader_looks_it_up_is_a_miss_and_decoded_again(t
     real_load = np.load
     for moment in ("listed", "hashes read"):
         def remove_then(*args, **kwargs):  # the pack is removed after its folder was listed, or its hashes read
-            if moment == "hashes read":
+            if moment == "hashes read":  # noqa: B023
                 value = real_load(*args, **kwargs)
-                cache_admin.remove_entry(pack)
+                cache_admin.remove_entry(pack)  # noqa: B023
                 return value
-            cache_admin.remove_entry(pack)
+            cache_admin.remove_entry(pack)  # noqa: B023
             return real_load(*args, **kwargs)
 
         monkeypatch.setattr(store.np, "load", remove_then)

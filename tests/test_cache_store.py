@@ -26,8 +26,8 @@ from tests.test_evaluate import tiny_cnn
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.challenge.data import list_challenge_files, load_challenge_data
 from tools.data import cache_admin, decoders, decoding, store, synthetic
-from tools.data.compositing import MaskArithmetic
 from tools.data.cache_checks import OWNERS_CHECKED, ROW_DIGESTS, SPOT_CHECK_ROWS
+from tools.data.compositing import MaskArithmetic
 from tools.data.decoders import Decoder
 from tools.data.store import DecodedCache
 from tools.errors import UserError

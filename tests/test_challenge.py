@@ -16,19 +16,19 @@ import numpy as np
 import pytest
 import torch
 
-from tests.challenge_reference import reference_matrix, reference_verdicts
 import challenge_eval
+from tests.challenge_reference import reference_matrix, reference_verdicts
 from tests.helpers import TinyCNN, run_in_process, save_torchscript
 from tools import challenge
-from tools.data import synthetic
-from tools.data.decoders import Decoder
 from tools.challenge import ChallengeConfig, Criterion, Scheduler, run_challenge
 from tools.challenge.search import state_key
-from tools.runtime.inflight import IN_FLIGHT
+from tools.data import synthetic
+from tools.data.decoders import Decoder
 from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD
 from tools.models.sources import load_model
 from tools.results.matrix import write_matrix
 from tools.runtime import Runtime
+from tools.runtime.inflight import IN_FLIGHT
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = Runtime(torch.device("cpu"))

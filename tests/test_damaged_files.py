@@ -17,13 +17,12 @@ import pytest
 import challenge_eval
 import in9_eval
 from tests.helpers import run_in_process, save_torchscript
-from tools.results import analysis, matrix, report_cli
-from tools.data import synthetic
-from tools.data.boxes import CropGeometry
-from tools.data import builder
-from tools.data.decoding import read_mask
 from tools.challenge.state import SearchState
+from tools.data import builder, synthetic
+from tools.data.boxes import CropGeometry
+from tools.data.decoding import read_mask
 from tools.errors import UserError
+from tools.results import analysis, matrix, report_cli
 from tools.shards import read_challenge_arrays
 
 
@@ -174,14 +173,13 @@ def _tensor_instead(path: Path) -> None:
 @pytest.mark.parametrize("damage", [empty, truncate, _tensor_instead])
 def test_a_damaged_training_resume_state_is_one_error_line(damage, tmp_path, capsys):
     import train  # noqa: PLC0415
-
     from tools.training.checkpoint import STATE_NAME  # noqa: PLC0415
 
     data = synthetic.generate(tmp_path / "train", per_class=1, seed=3, split="train").root
     out = tmp_path / "out"
     argv = ["--data-path", str(data), "--arch", "toolkit:small_cnn", "--weights", "none", "--device", "cpu",
             "--no-progress", "--workers", "0", "--epochs", "1", "--batch-size", "3", "--output-dir", str(out)]
-    run = train.main  # noqa: E731
+    run = train.main
     code, _, err = run_in_process(run, argv, capsys)
     assert code == 0, err
     damage(out / STATE_NAME)

@@ -19,14 +19,12 @@ from PIL import Image
 from torchvision import transforms
 
 from tests.helpers import run_in_process, signal_when_ready
-from tools.data import builder, check, layout
-from tools.data import boxes
-from tools.data import synthetic
-from tools.data import cli as data_cli
+from tools.data import boxes, builder, check, layout, synthetic
 from tools.data import builder as data_build
+from tools.data import cli as data_cli
 from tools.data.layout import list_foregrounds, list_variation
 from tools.errors import UserError
-from tools.in9 import class_folder_names, MASK_FOLDER, VARIATIONS
+from tools.in9 import MASK_FOLDER, VARIATIONS, class_folder_names
 
 CLASSES = class_folder_names()
 
@@ -389,7 +387,7 @@ def _iou(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_grabcut_recovers_a_high_contrast_disc():
     pytest.importorskip("cv2")
-    from tools.data import grabcut
+    from tools.data import grabcut  # noqa: PLC0415
 
     image, disc = _disc_scene(np.random.default_rng(0))
     mask = grabcut.grabcut_mask(image, (52, 52, 172, 172))
@@ -431,7 +429,6 @@ def test_a_built_dataset_runs_through_both_scripts(inputs, tmp_path, capsys, col
     """The build's output feeds in9_eval.py and challenge_eval.py unchanged, with the reference's numbers."""
     import challenge_eval  # noqa: PLC0415 (the scripts live at the repository root)
     import in9_eval  # noqa: PLC0415
-
     from tests.challenge_reference import reference_matrix, reference_verdicts  # noqa: PLC0415
     from tests.reference import evaluate as reference_evaluate  # noqa: PLC0415
     from tools.in9 import IN9_MEAN, IN9_STD  # noqa: PLC0415

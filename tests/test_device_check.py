@@ -17,11 +17,11 @@ from torch import nn
 import challenge_eval
 import in9_eval
 from tests.helpers import TinyCNN, check_error, run_in_process
+from tools.errors import UserError
 from tools.in9 import IN9_MEAN, IN9_STD
 from tools.models.boundary import LoadedModel, PixelModel
-from tools.models.programs import ExportedModule
 from tools.models.device_check import CHECK_IMAGES, TOLERANCE, Float64Everywhere, check_device, relative_deviation
-from tools.errors import UserError
+from tools.models.programs import ExportedModule
 from tools.runtime import Runtime
 
 CPU = torch.device("cpu")
@@ -478,6 +478,7 @@ def test_in9_resumes_and_merges_only_predictions_made_alike(other, dataset, colo
     torch, picks other kernels). A run made otherwise neither resumes them (naming what differs) nor merges with
     them."""
     import PIL  # noqa: PLC0415
+
     from tools import merge  # noqa: PLC0415
     argv = script_argv(dataset, color_ts[9], tmp_path, "--batch-size", "8", "--eval-dataset", "all")
 

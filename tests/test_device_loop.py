@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.challenge.predictor import CompositePredictor
-from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.data import synthetic
+from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
 from tools.models.architectures import SmallCNN
 from tools.models.boundary import LoadedModel, PixelModel
@@ -166,7 +166,7 @@ def test_in9_launch_path_never_waits_for_the_device(dataset, monkeypatch, precis
     """in9 in fp32 and in bf16 with near ties everywhere: between the points allowed to wait (a batch's results
     copied back, waited for `IN_FLIGHT` batches later; the fp32 re-check of the queued ties), the loop calls no
     op that reads a device value on the host (no `nonzero`, `.item()`, blocking `.cpu()` of a batch's results)."""
-    from tools.runtime import inflight
+    from tools.runtime import inflight  # noqa: PLC0415
     host, ops = RecordsHostReads(), RecordsOps()
 
     def allowed(method):

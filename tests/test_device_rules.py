@@ -15,10 +15,10 @@ from tests.helpers import run_in_process
 from tools import runtime
 from tools.data import synthetic
 from tools.errors import UserError
-from tools.provenance import TRAINING_LOG
 from tools.models.architectures import SMALL_CNN
-from tools.runtime import Precision, Runtime
 from tools.models.sources import load_model
+from tools.provenance import TRAINING_LOG
+from tools.runtime import Precision, Runtime
 from tools.training import data as training_data
 from tools.training import loop
 from tools.training.config import Method, TrainConfig

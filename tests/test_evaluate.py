@@ -30,7 +30,7 @@ from tools import __version__, evaluate
 from tools.data import synthetic
 from tools.data.decoders import Decoder
 from tools.evaluate import In9Config, evaluate_variations, list_in9_files, run_in9
-from tools.in9 import class_folder_names, VARIATIONS, class_names
+from tools.in9 import VARIATIONS, class_folder_names, class_names
 from tools.models.sources import load_model
 from tools.runtime import Runtime
 

@@ -18,8 +18,18 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import (TINY, Page, check_error, html_runs, page_shows_secret, run_command, run_in_process, run_train,
-                           secret_image, shows_secret)
+from tests.helpers import (
+    TINY,
+    Page,
+    check_error,
+    html_runs,
+    page_shows_secret,
+    run_command,
+    run_in_process,
+    run_train,
+    secret_image,
+    shows_secret,
+)
 from tools.data.compositing import blend, original_weights
 from tools.data.decoding import decode_rgb
 from tools.in9 import class_names

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import base64
 import html
-import re
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from tests.helpers import TINY, Page, check_error, html_runs, run_train
-from tools.in9 import VARIATIONS, class_names
 from tools.data.decoding import decode_rgb
+from tools.in9 import VARIATIONS, class_names
 from tools.results import html_sections, report, report_cli
 from tools.results.categories import Category
 from tools.results.html import write_html
@@ -429,7 +429,7 @@ def test_rows_made_with_other_settings_are_ranked_apart(tmp_path):
     """Three models of one zoo folder, two measured in fp32 with binary masks and one in bf16 with the original mask
     arithmetic: two tables, each ranking only the rows made alike under a caption that says how they were made,
     and a warning naming the settings that differ; the Markdown and the HTML alike."""
-    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard
+    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard  # noqa: PLC0415
 
     (tmp_path / "models").mkdir()
     for model, precision, arithmetic, accuracy in [("a", "fp32", "binary", 30.0), ("b", "bf16", "original", 40.0),
@@ -465,7 +465,7 @@ def test_rows_made_with_other_settings_are_ranked_apart(tmp_path):
 def test_the_html_leaderboard_has_the_markdown_columns_and_caveats(tmp_path, per_class):
     """A 9-class model under bg-class beside a 1000-class model under any, on other data: both renderings have
     the same columns, rows and not-comparable notes; the published rows only beside runs on the release."""
-    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard
+    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard  # noqa: PLC0415
 
     (tmp_path / "models").mkdir()
     for model, classes, criterion, data in [("nine", 9, "bg-class", "a"), ("thousand", 1000, "any", "b")]:
@@ -490,7 +490,7 @@ def test_rows_made_by_other_versions_are_ranked_apart(tmp_path):
     """Two results files of one zoo folder made alike but by other versions of the toolkit or of torch (an older
     results file kept, a SLURM array task in another environment: another torch picks other kernels, another toolkit
     may compute otherwise): ranked apart, each table's caption naming its versions. Before, one table ranked them."""
-    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard
+    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard  # noqa: PLC0415
 
     (tmp_path / "models").mkdir()
     for model, toolkit, torch_version, accuracy in [("a", "0.1.0", "2.14.1", 30.0), ("b", "0.2.0", "2.14.1", 40.0),

@@ -453,7 +453,7 @@ def test_the_zoo_takes_a_transformers_folder(tmp_path, data, hub_cache, capsys, 
 
 
 def test_a_missing_extra_is_one_line(monkeypatch, tmp_path):
-    import sys
+    import sys  # noqa: PLC0415
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(UserError, match=r"pip install .*\[hf\]"):
         load_model(f"hf:{tmp_path}")

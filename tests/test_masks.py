@@ -11,10 +11,8 @@ import torch
 
 import challenge_eval
 from tests.challenge_reference import original_weight, reference_matrix
-from tests.helpers import run_in_process, save_torchscript
-from tests.helpers import TinyCNN
-from tools.data import compositing
-from tools.data import synthetic
+from tests.helpers import TinyCNN, run_in_process, save_torchscript
+from tools.data import compositing, synthetic
 from tools.in9 import IN9_MEAN, IN9_STD
 
 VALUES = (0, 1, 2, 128, 200, 255, 256, 511)  # 256 and 511 wrap to 0 and 255 in uint8

@@ -18,8 +18,8 @@ from torchvision.transforms import Normalize
 from torchvision.transforms.functional import to_tensor
 
 from tests.helpers import files_read, save_torchscript, unrecorded_reads
-from tools.errors import UserError
 from tools.data.hashing import sha256_file
+from tools.errors import UserError
 from tools.in9 import Normalization
 from tools.models.boundary import PixelModel
 from tools.models.sources import load_model
@@ -387,8 +387,8 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     from tools.evaluate import evaluate_variations  # noqa: PLC0415
     from tools.models.boundary import ModelOrigin, wrap  # noqa: PLC0415
     from tools.models.record import ModelRecord  # noqa: PLC0415
-    from tools.runtime import Runtime  # noqa: PLC0415
     from tools.models.sources import SOURCES, register_source  # noqa: PLC0415
+    from tools.runtime import Runtime  # noqa: PLC0415
 
     stats = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
     built = []

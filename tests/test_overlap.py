@@ -99,9 +99,9 @@ def test_a_file_found_damaged_while_decoding_is_one_error_line(script, model_fai
 def test_the_data_side_finds_its_imports_made_before_it_starts(monkeypatch):
     """What the data side imports on its way (torchvision.io for decoding) is imported before its thread starts:
     two threads importing torch's modules at once broke a torch.export load (KeyError 'torch._dynamo')."""
-    import sys
+    import sys  # noqa: PLC0415
 
-    from tools.threads import alongside
+    from tools.threads import alongside  # noqa: PLC0415
     monkeypatch.delitem(sys.modules, "colorsys", raising=False)
     seen, _ = alongside(lambda: "colorsys" in sys.modules, lambda: None, imports=["colorsys"])
     assert seen
@@ -110,10 +110,10 @@ def test_the_data_side_finds_its_imports_made_before_it_starts(monkeypatch):
 @pytest.mark.parametrize("script", ["in9", "challenge"])
 def test_both_commands_import_the_decoders_before_the_data_thread(script, dataset, checkpoint, tmp_path, monkeypatch,
                                                                    capsys, one_thread):
-    import tools.challenge.cli
-    import tools.in9_eval
-    from tools import threads
-    from tools.data import decoders
+    import tools.challenge.cli  # noqa: PLC0415
+    import tools.in9_eval  # noqa: PLC0415
+    from tools import threads  # noqa: PLC0415
+    from tools.data import decoders  # noqa: PLC0415
     asked = []
 
     def alongside(data, model, imports=()):

@@ -12,8 +12,8 @@ import torch
 from tests.helpers import TINY_CLIP
 from tools.challenge import ROBUST, VULNERABLE, ChallengeConfig, run_challenge
 from tools.models.boundary import LoadedModel, PixelModel
-from tools.runtime import Precision, Runtime
 from tools.models.sources import load_model
+from tools.runtime import Precision, Runtime
 
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 import challenge_eval
 import in9_eval
 from tests.helpers import page_shows_secret, run_in_process, save_torchscript, secret_image, shows_secret
-from PIL import Image
-
 from tools import cli, merge
 from tools.data import synthetic
 from tools.results.analysis import FigureLayout

@@ -107,7 +107,7 @@ def test_fifos_and_links_to_devices_are_never_opened(setup, tmp_path):
                           capture_output=True, text=True, timeout=300, preexec_fn=limited)
     assert proc.returncode == 0, proc.stderr[-3000:]
     clean, found = (json.loads(results.read_text())[i:i + 3] for i in (0, 3))
-    for (code, out, err), (clean_code, clean_out, _) in zip(found, clean):
+    for (code, _out, err), (clean_code, _clean_out, _) in zip(found, clean):
         assert code == clean_code == 0, err
         assert "Traceback" not in err
     in9_run, challenge_run, verified = found

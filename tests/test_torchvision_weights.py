@@ -17,8 +17,7 @@ import torchvision
 from tests.helpers import run_train
 from tests.test_hub_sources import images, own_logits, seeded
 from tools.data.hashing import sha256_file
-from tools.models.architectures import (build_with_weights, torchvision_architectures,
-                                        torchvision_weights_arguments)
+from tools.models.architectures import build_with_weights, torchvision_architectures, torchvision_weights_arguments
 from tools.models.boundary import InputResize, network_input
 from tools.models.sources import load_model
 from tools.training.checkpoint import CHECKPOINT_NAME
@@ -78,9 +77,9 @@ def test_builder_arguments_are_those_torchvisions_builder_takes_from_every_weigh
             continue
         seen.add(what_builders_read)
         classes = len(member.meta["categories"] or range(1000))  # VGG16's features alone have no categories
-        ours = on_meta(lambda: torchvision.models.get_model(arch, weights=None, num_classes=classes,
-                                                           **torchvision_weights_arguments(member)))
-        theirs = on_meta(lambda: build_with_weights(arch, member, {}))
+        ours = on_meta(lambda: torchvision.models.get_model(arch, weights=None, num_classes=classes,  # noqa: B023
+                                                           **torchvision_weights_arguments(member)))  # noqa: B023
+        theirs = on_meta(lambda: build_with_weights(arch, member, {}))  # noqa: B023
         assert {k: v.shape for k, v in ours.state_dict().items()} == \
             {k: v.shape for k, v in theirs.state_dict().items()}, member
         assert scalar_settings(ours) == scalar_settings(theirs), member
@@ -172,8 +171,8 @@ def test_train_py_from_weights_of_another_size_saves_a_checkpoint_fed_at_it(tiny
 def test_a_trained_checkpoint_rebuilds_its_network_with_the_builder_arguments_it_records(tmp_path):
     """GoogLeNet fine-tuned from ImageNet weights keeps their input transform: the checkpoint says so, and the
     evaluation builds it so."""
-    from tools.training.checkpoint import NetworkInput, trained_checkpoint  # noqa: PLC0415
     from tools.runtime import Precision  # noqa: PLC0415
+    from tools.training.checkpoint import NetworkInput, trained_checkpoint  # noqa: PLC0415
     arguments = torchvision_weights_arguments(torchvision.models.GoogLeNet_Weights.IMAGENET1K_V1)
     network = seeded(torchvision.models.googlenet(num_classes=9, **arguments), 5)
     path = tmp_path / "googlenet9.pt"

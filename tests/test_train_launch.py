@@ -19,16 +19,16 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from tests.test_device_loop import SYNCS, RecordsOps
+from tools.data.hashing import read_and_fingerprint
 from tools.in9 import IN9_MEAN, IN9_STD
-from tools.provenance import TRAINING_LOG
 from tools.models.architectures import SMALL_CNN, build_architecture
+from tools.provenance import TRAINING_LOG
 from tools.runtime import Runtime
 from tools.training import loop, resample
 from tools.training.adapters import TrainingModel
 from tools.training.config import Method, Optimizer, TrainConfig
 from tools.training.data import StepSampler, decoded_store, list_training_data, make_loader
 from tools.training.methods import WeightAveraging, batch_mixer
-from tools.data.hashing import read_and_fingerprint
 
 META = torch.device("meta")
 BATCH = 6

@@ -13,7 +13,6 @@ import operator
 import pathlib
 import pickle
 import struct
-import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -35,8 +34,8 @@ from tools.models.architectures import SMALL_CNN, build_architecture
 from tools.models.checkpoints import read_checkpoint
 from tools.models.export_archive import untrusted_content
 from tools.models.record import ModelRecord
-from tools.models.sources import load_model
 from tools.models.recorded import TRAINED_FORMAT
+from tools.models.sources import load_model
 
 CPU = torch.device("cpu")
 IMAGES = torch.zeros(2, 3, IMAGE_SIZE, IMAGE_SIZE)

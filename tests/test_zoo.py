@@ -23,13 +23,24 @@ import in9_eval
 from tests.helpers import TinyCNN, run_in_process, save_torchscript
 from tools import challenge, evaluate, zoo
 from tools.data import decoding, synthetic
-from tools.errors import UserError
-from tools.models.device_check import CHECK_IMAGES
 from tools.data.hashing import sha256_file
+from tools.errors import UserError
 from tools.in9 import VARIATIONS
-from tools.results.leaderboard import (CSV_FILE, MARKDOWN_FILE, MEASURED, MODELS_FOLDER, PLOT_FILE, PLOT_SIZE,
-                                      PUBLISHED, build_leaderboard, leaderboard_rows, nice_ticks, published_rows,
-                                      render_markdown)
+from tools.models.device_check import CHECK_IMAGES
+from tools.results.leaderboard import (
+    CSV_FILE,
+    MARKDOWN_FILE,
+    MEASURED,
+    MODELS_FOLDER,
+    PLOT_FILE,
+    PLOT_SIZE,
+    PUBLISHED,
+    build_leaderboard,
+    leaderboard_rows,
+    nice_ticks,
+    published_rows,
+    render_markdown,
+)
 
 TIMING_KEYS = {"wall_time_s", "composites_per_s"}
 

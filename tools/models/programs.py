@@ -79,7 +79,7 @@ class ExportedModule(Program):
     """An exported program, whose mode was fixed when it was exported: it refuses train()/eval(), so those set
     this wrapper's flag and do not reach into it."""
 
-    def train(self, mode: bool = True) -> "ExportedModule":
+    def train(self, mode: bool = True) -> ExportedModule:
         self.training = mode
         return self
 
