@@ -227,6 +227,7 @@ def check_against_references(out: Path, summary: dict, P, fg_labels, bg_labels, 
 # ----------------------------------------------------------------------------------------------------------
 # The quantities
 
+@pytest.mark.slow
 def test_generated_challenge_matches_brute_force(challenge_data, dataset, tmp_path):
     fgs, bgs, matrices = challenge_data
     P = matrices["colour"]

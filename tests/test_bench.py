@@ -20,6 +20,8 @@ from tools.in9 import NUM_IN9_CLASSES
 from tools.training.config import Method, TrainConfig, default_train_batch_size
 from tools.training.data import list_training_data
 
+pytestmark = pytest.mark.slow  # end to end: the bench scripts run small
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 

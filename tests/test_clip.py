@@ -116,6 +116,7 @@ def test_nine_prompts_name_the_classes_in_full_with_their_articles():
     assert imagenet[0][0] == "a bad photo of a tench." and "a photo of a goldfish." in imagenet[1]
 
 
+@pytest.mark.slow
 def test_default_head_is_the_1000_imagenet_class_names_by_hand(loaded, one_thread):
     import open_clip  # noqa: PLC0415
     from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: PLC0415
@@ -134,6 +135,7 @@ def test_default_head_is_the_1000_imagenet_class_names_by_hand(loaded, one_threa
         ("imagenet", 1000, "simple", 7000)
 
 
+@pytest.mark.slow
 def test_nine_prompt_head_by_hand(tiny_clip, one_thread):
     import open_clip  # noqa: PLC0415
     loaded = load_model(f"clip:{TINY_CLIP}/none+head=in9")  # CLIP's 80 templates: 720 prompts
@@ -154,6 +156,7 @@ def test_nine_prompt_head_by_hand(tiny_clip, one_thread):
         ("in9", 9, "openai", 720)
 
 
+@pytest.mark.slow
 def test_head_and_templates_are_part_of_the_model_identity(tiny_clip, tmp_path, one_thread):
     """Resume states and the zoo key a model by its SHA-256: one weights file under two heads (or two template
     sets) is two models."""
@@ -203,6 +206,7 @@ def test_open_clips_model_config_and_version_are_part_of_the_model_identity(chan
         assert settings["libraries"]["open_clip"] == "99.0.0"
 
 
+@pytest.mark.slow
 def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog, one_thread):
     cache = DecodedCache(tmp_path / "cache")  # the run's (--cache-dir)
     builds = []
@@ -253,6 +257,7 @@ def test_the_head_is_built_on_the_runtimes_gpu_in_true_fp32(tiny_clip, loaded, t
     assert torch.backends.cuda.matmul.allow_tf32  # the runtime's setting, back after the fp32 head
 
 
+@pytest.mark.slow
 def test_the_default_head_goes_through_the_imagenet_map(tiny_clip, loaded, data, tmp_path, capsys, one_thread):
     """Per image: the argmax over the 1000 class names, then the ImageNet->IN-9 map, as for any 1000-class
     model; an argmax outside the nine groups (-1) is wrong. Both the library's predictions and the script's
@@ -288,6 +293,7 @@ def test_logits_are_scaled_cosines_with_clip_statistics_and_resizing(loaded, one
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_challenge_eval_runs_with_clip_and_matches_a_brute_force_reference(tiny_clip, loaded, data, tmp_path,
                                                                            capsys, one_thread):
     code, out, err = run_script(challenge_eval, ["--data-path", str(data), "--arch", tiny_clip, "--device", "cpu",
@@ -371,6 +377,7 @@ def test_leaderboard_says_what_each_row_predicts_over(loaded, tiny_clip):
     assert "not comparable with the 1000-class rows" not in only_1000
 
 
+@pytest.mark.slow
 def test_random_initialisation_is_reproducible(tiny_clip, loaded, one_thread):
     again = load_model(tiny_clip)
     images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -429,6 +436,7 @@ def with_preprocess(monkeypatch, **settings):
     monkeypatch.setattr(open_clip, "create_model", created)
 
 
+@pytest.mark.slow
 def test_the_tags_interpolation_and_preprocessing_are_used_and_in_the_identity(tiny_clip, loaded, monkeypatch,
                                                                                one_thread):
     """A tag whose config says bilinear (MobileCLIP, CLIPA, PE) is resized bilinearly, and its preprocess
@@ -453,6 +461,7 @@ def test_the_tags_interpolation_and_preprocessing_are_used_and_in_the_identity(t
     assert not torch.allclose(got, loaded.model(images).detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_head_cache_is_keyed_by_the_device_model(tiny_clip, tmp_path, monkeypatch, one_thread):
     """A head encoded on one GPU model may differ in its last bits from another's: the cache entry names the
     device model (for the CPU, its instruction set and torch's version), so another device builds its own."""
@@ -556,6 +565,7 @@ def test_the_tokenizer_is_part_of_the_identity_and_of_the_head_caches_key(clip_w
 
 
 @pytest.mark.parametrize("where", ["--cache-dir", "--no-cache", "benchmark"])
+@pytest.mark.slow
 def test_the_head_is_cached_where_the_run_caches_and_said(where, tiny_clip, data, tmp_path, monkeypatch, capsys,
                                                          caplog, one_thread):
     """A CLIP text head goes into the run's cache (--cache-dir), and with --no-cache nowhere, as the decoded data;

@@ -85,6 +85,7 @@ def test_a_damaged_mask_is_one_error_line(damage, setup, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("damage", [empty, truncate])
+@pytest.mark.slow
 def test_a_damaged_resume_state_is_one_error_line(damage, setup, tmp_path, capsys):
     data, model = setup
     out = tmp_path / "out"
@@ -97,6 +98,7 @@ def test_a_damaged_resume_state_is_one_error_line(damage, setup, tmp_path, capsy
 
 
 @pytest.mark.parametrize("damage", [empty, truncate, deeply_nested])
+@pytest.mark.slow
 def test_a_damaged_in9_resume_state_is_one_error_line(damage, setup, tmp_path, capsys):
     data, model = setup
     out = tmp_path / "out"
@@ -109,6 +111,7 @@ def test_a_damaged_in9_resume_state_is_one_error_line(damage, setup, tmp_path, c
 
 
 @pytest.mark.parametrize("damage", [empty, truncate])
+@pytest.mark.slow
 def test_a_damaged_saved_matrix_is_one_error_line(damage, setup, tmp_path, capsys):
     data, model = setup
     out = tmp_path / "out"
@@ -120,6 +123,7 @@ def test_a_damaged_saved_matrix_is_one_error_line(damage, setup, tmp_path, capsy
     one_error_line(err, matrix.PREDICTIONS_FILE, "rerun challenge_eval.py --full")
 
 
+@pytest.mark.slow
 def test_json_results_nested_too_deep_are_one_error_line(setup, tmp_path, capsys):
     """A results file (report), the --full matrix's description (analysis): each JSON the toolkit reads back."""
     data, model = setup
@@ -137,6 +141,7 @@ def test_json_results_nested_too_deep_are_one_error_line(setup, tmp_path, capsys
     one_error_line(err, "in9.json", "nested deeper")
 
 
+@pytest.mark.slow
 def test_a_fifo_where_a_results_file_is_named_is_never_waited_on(tmp_path):
     """A FIFO named as a results file blocked the report forever (a FIFO among files copied from elsewhere)."""
     os.mkfifo(tmp_path / "in9.json")
@@ -149,6 +154,7 @@ def test_a_fifo_where_a_results_file_is_named_is_never_waited_on(tmp_path):
 
 
 @pytest.mark.parametrize("damage", [empty, truncate])
+@pytest.mark.slow
 def test_a_damaged_cache_is_decoded_afresh(damage, setup, tmp_path, capsys):
     data, model = setup
     cache, out = tmp_path / "cache", tmp_path / "out"

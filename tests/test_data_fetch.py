@@ -422,6 +422,7 @@ sys.exit(cli.main(["fetch", *sys.argv[2:]]))
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+@pytest.mark.slow
 def test_an_interrupted_extraction_leaves_the_archive_and_nothing_else(server, release, tmp_path, signum, code):
     payload, sha = release
     server.files[ARCHIVE_PATH] = payload

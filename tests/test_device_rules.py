@@ -60,6 +60,7 @@ def test_torchs_mps_cpu_fallback_turns_the_refusal_into_one_warning(caplog):
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "runs on the CPU" in caplog.text
 
 
+@pytest.mark.slow
 def test_training_on_mps_before_torch_2_7_is_one_error_line_at_start_up(tmp_path, capsys, mps_here, torch_version):
     torch_version("2.6.0")
     root = tmp_path / "in9"
@@ -219,6 +220,7 @@ class HostReads:
             yield batch
 
 
+@pytest.mark.slow
 def test_training_reads_from_the_device_per_log_block_not_per_step(tmp_path, monkeypatch, one_thread):
     root = tmp_path / "in9"
     synthetic.generate(root, per_class=2, seed=0, split="train")  # 18 images

@@ -28,6 +28,8 @@ from tools.challenge.scheduler import split_untested
 from tools.data import synthetic
 from tools.runtime import Runtime
 
+pytestmark = pytest.mark.slow  # end to end: torchrun-style process groups, every command across processes
+
 REPO = Path(__file__).resolve().parents[1]
 TIMING = ("wall_time_s", "composites_per_s", "composites_evaluated")  # cost, not results
 

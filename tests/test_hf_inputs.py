@@ -59,6 +59,7 @@ def processors():
 
 
 @pytest.mark.parametrize("kind", list(processors()))
+@pytest.mark.slow
 def test_the_loaded_model_equals_the_module_on_its_processors_output(kind, tmp_path, hub_cache):
     module = save_resnet(tmp_path / "m")
     processor = processors()[kind]()
@@ -93,6 +94,7 @@ def test_no_processor_config_is_a_warning_naming_what_is_used(tmp_path, hub_cach
     assert "in9" in loaded.normalization
 
 
+@pytest.mark.slow
 def test_a_processor_that_cannot_be_loaded_is_one_line(tmp_path, data, hub_cache, capsys):
     save_resnet(tmp_path / "m")
     (tmp_path / "m" / "preprocessor_config.json").write_text(json.dumps(
@@ -212,6 +214,7 @@ CONFIG_DAMAGE = {  # what a hand-edited config.json may hold, and a word the lin
 
 
 @pytest.mark.parametrize("damage", list(CONFIG_DAMAGE))
+@pytest.mark.slow
 def test_a_config_transformers_or_the_toolkit_rejects_is_one_line(damage, tmp_path, hub_cache):
     save_resnet(tmp_path / "m")
     path = tmp_path / "m" / "config.json"

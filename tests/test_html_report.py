@@ -112,6 +112,7 @@ def check_composites(composites: list[dict], inputs: dict) -> None:
         assert np.abs(got.astype(int) - expected.astype(int)).mean() < 8  # JPEG at quality 80
 
 
+@pytest.mark.slow
 def test_the_page_holds_the_results_numbers_and_small_embedded_images(runs):
     out, inputs = runs
     text = (out / "report.html").read_text()
@@ -220,6 +221,7 @@ def test_a_folder_that_is_not_the_run_named_writes_nothing(flag, runs, tmp_path,
     assert not markdown.exists() and not page.exists()
 
 
+@pytest.mark.slow
 def test_a_training_run_leaves_its_curves_and_before_after_table(tiny, tmp_path, capsys, one_thread):
     out = tmp_path / "run"
     code, _, err = run_train(["--data-path", tiny, "--weights", "none", "--epochs", 2, "--batch-size", 6,
@@ -311,6 +313,7 @@ def click_each_column(tables: dict[str, list], widest: int) -> str:
 
 
 @pytest.mark.skipif(BROWSER is None and not REQUIRE_BROWSER, reason="chromium is not installed")
+@pytest.mark.slow
 def test_a_click_sorts_its_own_column_in_every_sortable_table(runs, tmp_path):
     page = every_sortable_table(runs, tmp_path)
     tables = {name: rows for name, rows in Page(page.read_text()).tables.items()
@@ -337,6 +340,7 @@ def test_a_click_sorts_its_own_column_in_every_sortable_table(runs, tmp_path):
 @pytest.mark.skipif(BROWSER is None and not REQUIRE_BROWSER,
                     reason="chromium is not installed (apt-get install chromium); CI installs it and sets "
                            "CI_REQUIRE_BROWSER=1")
+@pytest.mark.slow
 def test_the_page_in_a_headless_browser(runs, tmp_path):
     assert BROWSER is not None, "CI_REQUIRE_BROWSER=1 but neither chromium nor chromium-browser is on PATH"
     out, inputs = runs

@@ -106,6 +106,7 @@ def challenge_results(loaded, dataset, tmp_path_factory):
     return out, challenge, summary
 
 
+@pytest.mark.slow
 def test_every_section_renders_from_generated_results(in9_results, challenge_results, tmp_path):
     run, in9, categories = in9_results
     out, challenge, summary = challenge_results

@@ -65,6 +65,7 @@ def on_meta(build):
             return build()
 
 
+@pytest.mark.slow
 def test_builder_arguments_are_those_torchvisions_builder_takes_from_every_weights(monkeypatch):
     """For each classification weights: the architecture built with `torchvision_weights_arguments` is the one
     torchvision's builder makes for the weights: the same tensors, of the same shapes, and the same settings (on
@@ -104,6 +105,7 @@ def serve(member, module: torch.nn.Module | dict, folder: Path, monkeypatch, leg
     return cached
 
 
+@pytest.mark.slow
 def test_swag_vit_weights_build_the_vit_at_384_pixels(tmp_path, monkeypatch):
     """--weights IMAGENET1K_SWAG_E2E_V1 on vit_b_16: the ViT built for 384x384 inputs, the images resized to that
     (bicubic, as the weights' transforms), not a state-dict traceback."""
@@ -133,6 +135,7 @@ def densenet_legacy_key(key: str) -> str | None:
     ("efficientnet_b1", "IMAGENET1K_V1", 240, "bicubic", lambda: torchvision.models.efficientnet_b1()),
     ("densenet121", "IMAGENET1K_V1", 224, None, lambda: torchvision.models.densenet121()),
 ])
+@pytest.mark.slow
 def test_weights_are_fed_as_their_transforms_say(arch, weights, size, mode, build, tmp_path, monkeypatch):
     """Logits equal the architecture torchvision's builder makes for the weights (written out by hand) on the
     images normalised with the transforms' statistics and resized to their crop size with their interpolation."""
@@ -148,6 +151,7 @@ def test_weights_are_fed_as_their_transforms_say(arch, weights, size, mode, buil
                                                                    size, mode or "bicubic"), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_train_py_from_weights_of_another_size_saves_a_checkpoint_fed_at_it(tiny, tmp_path, monkeypatch, capsys,
                                                                            one_thread):
     member = torchvision.models.EfficientNet_B1_Weights.IMAGENET1K_V1
@@ -201,6 +205,7 @@ def test_weights_that_are_no_classifier_are_refused_before_they_are_downloaded(t
     assert not (tmp_path / "torch_home").exists()
 
 
+@pytest.mark.slow
 def test_train_py_fine_tunes_googlenet_from_its_weights(tiny, tmp_path, monkeypatch, capsys, one_thread):
     """GoogLeNet's weights build it without its auxiliary heads (torchvision's builder drops them): its 9-class head
     is the one of that network (not of the default one, which has two more), and its checkpoint keeps the input
@@ -218,6 +223,7 @@ def test_train_py_fine_tunes_googlenet_from_its_weights(tiny, tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("arch", ["googlenet", "inception_v3"])
+@pytest.mark.slow
 def test_networks_built_for_weights_train_on_their_logits_alone(arch):
     """In training mode a network built for its weights (and its 9-class copy) gives its logits, not a tuple with
     auxiliary heads' outputs, which the toolkit's loss does not take: torchvision's builder drops GoogLeNet's

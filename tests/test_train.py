@@ -49,6 +49,7 @@ def in9_results(directory: Path) -> dict:
     return json.loads((directory / "in9.json").read_text())
 
 
+@pytest.mark.slow
 def test_bg_swap_removes_the_background_reliance_erm_learns(tmp_path, capsys, one_thread):
     # Every class has its own foreground colour and its own background colour: erm learns both cues,
     # bg-swap (foregrounds pasted on random classes' backgrounds) can only learn the foreground.
@@ -87,6 +88,7 @@ METHODS = {
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.slow
 def test_each_method_leaves_a_checkpoint_both_scripts_load(name, tiny, tmp_path, capsys, one_thread):
     if "lora" in name or "oft" in name:
         pytest.importorskip("peft")
@@ -158,6 +160,7 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_equals_the_uninterrupted_run(tiny, tmp_path, capsys, one_thread):
     """Only the killed run is a process of its own (one thread, as this process under `one_thread`); the
     uninterrupted run and the resumed one run train.py's main here."""
@@ -186,6 +189,7 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(tiny, tmp_path, capsys,
     assert steps == list(range(1, 37))  # the log, too, reads as one run
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_equal_one(tiny, tmp_path, capsys, one_thread):
     # SmallCNN has no BatchNorm, so the per-process batches see the same normalisation as the whole batch.
     common = ["--method", "bg-swap", "--epochs", "2", "--batch-size", "6", "--lr", "0.01"]
@@ -233,6 +237,7 @@ def _recorded_draws(data: Path, out: Path) -> dict:
     return {"masks": torch.stack(masks), "mixing": mixing}
 
 
+@pytest.mark.slow
 def test_each_process_draws_its_own_dropout_masks_and_the_one_process_mixing(tiny, tmp_path, one_thread):
     one = _recorded_draws(tiny, tmp_path / "one")
     ranks = run_in_processes(_recorded_draws, 2, tmp_path, tiny, tmp_path / "two")

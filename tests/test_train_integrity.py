@@ -35,6 +35,7 @@ def trained_start(tiny, tmp_path_factory):
 
 
 @pytest.mark.parametrize("swa", [False, True], ids=["plain", "swa"])
+@pytest.mark.slow
 def test_report_start_column_is_in9_eval_on_the_starting_file(swa, trained_start, tiny, tmp_path, capsys, one_thread):
     before = trained_start.read_bytes()
     out = tmp_path / "run"
@@ -90,6 +91,7 @@ FROZEN_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(FROZEN_CASES))
+@pytest.mark.slow
 def test_only_the_trained_tensors_move_and_frozen_batch_norm_keeps_its_statistics(case, batch_norm_start, tiny,
                                                                                   tmp_path, capsys, one_thread):
     flags, should_move = FROZEN_CASES[case]

@@ -256,6 +256,7 @@ WORDS = {"pickled weight": "pickled weight 'mean'", "opaque object": "pickled Py
 
 
 @pytest.mark.parametrize("craft", CRAFTS)
+@pytest.mark.slow
 def test_a_crafted_export_archive_is_refused_before_it_runs(craft, exported, tmp_path):
     marker = tmp_path / "marker"
     path = rewrite(exported, tmp_path / "crafted.pt2", CRAFTS[craft](marker))
@@ -309,6 +310,7 @@ def test_the_scripts_refuse_it_and_trust_loads_it(script, weight_pickle, dataset
         assert marker.exists()
 
 
+@pytest.mark.slow
 def test_the_zoo_refuses_it(weight_pickle, dataset, tmp_path, capsys):
     path, marker = weight_pickle
     code, out, err = run_in_process(zoo.main, ["--data-path", str(dataset.root), "--models", f"file:{path}",
