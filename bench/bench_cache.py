@@ -30,13 +30,13 @@ except ImportError:  # run as `python bench/bench_cache.py` from a checkout: the
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_in9, beside it
 
-from bench_in9 import build_model, machine, synchronize  # noqa: E402
-from tools.data import store, synthetic  # noqa: E402
-from tools.data.cache_checks import RowChecks  # noqa: E402
-from tools.evaluate import In9Config, list_in9_files, run_in9  # noqa: E402
-from tools.in9 import VARIATIONS  # noqa: E402
-from tools.runtime import Precision, Runtime, resolve_device, seed_everything  # noqa: E402
-from tools.threads import default_workers  # noqa: E402
+from bench_in9 import build_model, machine, synchronize
+from tools.data import store, synthetic
+from tools.data.cache_checks import RowChecks
+from tools.evaluate import In9Config, list_in9_files, run_in9
+from tools.in9 import VARIATIONS
+from tools.runtime import Precision, Runtime, resolve_device, seed_everything
+from tools.threads import default_workers
 
 log = logging.getLogger("bench_cache")
 TARGET = 1.05  # checked / unchecked warm run, at most

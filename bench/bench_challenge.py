@@ -35,13 +35,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tools import challenge  # noqa: E402
-from tools.data import synthetic  # noqa: E402
 from tools.challenge import ChallengeConfig, Criterion, run_challenge  # noqa: E402
-from tools.in9 import PredictionMap  # noqa: E402
+from tools.data import synthetic  # noqa: E402
+from tools.in9 import Normalization, PredictionMap, statistics_for  # noqa: E402
 from tools.models.architectures import build_architecture  # noqa: E402
 from tools.models.boundary import LoadedModel, PixelModel  # noqa: E402
 from tools.runtime import Forward, Precision, Runtime  # noqa: E402
-from tools.in9 import statistics_for, Normalization  # noqa: E402
 
 
 def machine(device: torch.device) -> str:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's toolkit, one folder up
 
-from tools.data import layout, synthetic  # noqa: E402
-from tools.data.decoders import Decoder, choose_decoder, probe_sample  # noqa: E402
-from tools.data.decoding import decode_images  # noqa: E402
+from tools.data import layout, synthetic
+from tools.data.decoders import Decoder, choose_decoder, probe_sample
+from tools.data.decoding import decode_images
 
 
 def main() -> int:

@@ -19,10 +19,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.data import decoding as datasets  # noqa: E402
-from tools.data import layout  # noqa: E402
-from tools.data import synthetic  # noqa: E402
 from tools.challenge import list_challenge_files  # noqa: E402
+from tools.data import decoding as datasets  # noqa: E402
+from tools.data import layout, synthetic  # noqa: E402
 from tools.data.hashing import fingerprint  # noqa: E402
 from tools.in9 import VARIATIONS  # noqa: E402
 

@@ -31,13 +31,13 @@ try:
 except ImportError:  # run as `python bench/bench_in9.py` from a checkout: the toolkit is one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.data import synthetic  # noqa: E402
-from tools.evaluate import In9Config, run_in9  # noqa: E402
-from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, VARIATIONS, Normalization, statistics_for  # noqa: E402
-from tools.models.architectures import build_architecture  # noqa: E402
-from tools.models.boundary import LoadedModel, PixelModel  # noqa: E402
-from tools.runtime import BATCH_SIZE_DEFAULTS, Forward, Precision, Runtime, resolve_device, seed_everything  # noqa: E402
-from tools.threads import default_workers  # noqa: E402
+from tools.data import synthetic
+from tools.evaluate import In9Config, run_in9
+from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, VARIATIONS, Normalization, statistics_for
+from tools.models.architectures import build_architecture
+from tools.models.boundary import LoadedModel, PixelModel
+from tools.runtime import BATCH_SIZE_DEFAULTS, Forward, Precision, Runtime, resolve_device, seed_everything
+from tools.threads import default_workers
 
 log = logging.getLogger("bench_in9")
 

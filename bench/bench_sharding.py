@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--trunk-width", type=int, default=16, help="conv trunk of the colour model (its cost)")
     args = parser.parse_args()
     import torch  # noqa: PLC0415
+
     from tests.conftest import save_torchscript  # noqa: PLC0415
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -31,26 +31,28 @@ try:
 except ImportError:  # run as `python bench/bench_train.py` from a checkout: the toolkit is one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_in9 import machine, synchronize  # noqa: E402
-from tools.data import synthetic  # noqa: E402
-from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for  # noqa: E402
-from tools.models.architectures import build_architecture  # noqa: E402
-from tools.models.boundary import PixelModel  # noqa: E402
-from tools.runtime import Precision, Runtime, resolve_device  # noqa: E402
-from tools.threads import default_workers  # noqa: E402
-from tools.training.config import Method, TrainConfig  # noqa: E402
+from bench_in9 import machine, synchronize
+from tools.data import synthetic
+from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for
+from tools.models.architectures import build_architecture
+from tools.models.boundary import PixelModel
+from tools.runtime import Precision, Runtime, resolve_device
+from tools.threads import default_workers
+from tools.training.config import Method, TrainConfig
+
 try:
-    from tools.training.config import default_train_batch_size  # noqa: E402
+    from tools.training.config import default_train_batch_size
 except ImportError:  # a checkout from before the GPU's default batch (PYTHONPATH pointed at an older one)
     def default_train_batch_size(device: torch.device) -> int:
         return 32
-from tools.data.hashing import fingerprint as content_fingerprint  # noqa: E402
+from tools.data.hashing import fingerprint as content_fingerprint
+
 try:
-    from tools.provenance import TRAINING_LOG  # noqa: E402
+    from tools.provenance import TRAINING_LOG
 except ImportError:  # a checkout from before it was shared (PYTHONPATH pointed at an older one)
     TRAINING_LOG = "train_log.jsonl"
-from tools.training import data as training_data  # noqa: E402
-from tools.training.loop import train, training_step  # noqa: E402
+from tools.training import data as training_data
+from tools.training.loop import train, training_step
 
 log = logging.getLogger("bench_train")
 # the paper's Mixed-Rand recipe: a ResNet-50 trained on IN-9L-sized data (about 45,000 images) for 30 epochs

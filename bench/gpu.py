@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 def settle(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on the mode (a GPU or --small)."""
     import torch  # noqa: PLC0415
+
     from tools.models.architectures import SMALL_CNN  # noqa: PLC0415
     from tools.threads import default_workers  # noqa: PLC0415
     args.small = args.small or not torch.cuda.is_available()
@@ -103,9 +104,9 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def environment() -> dict:
+    import PIL  # noqa: PLC0415
     import torch  # noqa: PLC0415
     import torchvision  # noqa: PLC0415
-    import PIL  # noqa: PLC0415
     info = {"python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
             "pillow": PIL.__version__, "cuda_runtime": torch.version.cuda, "cpu_cores": os.cpu_count(),
             "device": "cpu", "driver": None}
@@ -129,6 +130,7 @@ def _loaded(args):
 
 def _runtime(args, precision: str, compiled: bool = False):
     import torch  # noqa: PLC0415
+
     from tools.runtime import Precision, Runtime  # noqa: PLC0415
     return Runtime(torch.device(args.device), Precision(precision), channels_last=not args.small, compile=compiled)
 
@@ -136,6 +138,7 @@ def _runtime(args, precision: str, compiled: bool = False):
 def model_speed(args, precision: str, compiled: bool) -> dict:
     """Images/s of the wrapped model alone, and (compiled) how long the first batch took."""
     import torch  # noqa: PLC0415
+
     from bench_in9 import synchronize  # noqa: PLC0415
     from tools.runtime import Forward  # noqa: PLC0415
     runtime = _runtime(args, precision, compiled)
@@ -193,6 +196,7 @@ def in9_speed(args, precision: str) -> dict:
 
 def challenge_speed(args, full: bool) -> dict:
     import numpy as np  # noqa: PLC0415
+
     from tools.challenge import ChallengeConfig, Criterion, load_challenge_data, run_challenge  # noqa: PLC0415
     precision = "fp32" if args.small else "bf16"
     loaded, runtime = _loaded(args), _runtime(args, precision)
@@ -293,6 +297,7 @@ def run_part(name: str, args) -> dict:
 def prepare(args, tmp: Path) -> None:
     """Generate the data in the training layout too (train.py reads the train split), and save the checkpoint."""
     import torch  # noqa: PLC0415
+
     from tools.data import synthetic  # noqa: PLC0415
     from tools.models.architectures import build_architecture  # noqa: PLC0415
     args.data = synthetic.generate(tmp / "bg_challenge", per_class=args.per_class, seed=0).root

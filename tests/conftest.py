@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tests.helpers import TINY_CLIP, TINY_CLIP_OPTIONS, save_torchscript
-from tests.tree_guard import (  # noqa: F401 (hooks: nothing left in the checkout or the user's caches)
-    pytest_configure, pytest_sessionfinish, pytest_sessionstart, pytest_unconfigure)
+
+# the session's hooks: nothing left in the checkout or the user's caches
+from tests.tree_guard import pytest_configure, pytest_sessionfinish, pytest_sessionstart, pytest_unconfigure  # noqa: F401
 from tools.data import synthetic
 
 

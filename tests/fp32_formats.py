@@ -12,8 +12,8 @@ coarser, bf16 2^16."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn

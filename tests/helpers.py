@@ -184,6 +184,7 @@ def run_in_processes(function, world_size: int, tmp_path: Path, *args) -> list:
     each draw their own): an order that depends on hashing differs between ranks only under real torchrun (the
     torchrun tests of tests/test_distributed.py and tests/test_train.py)."""
     import multiprocessing  # noqa: PLC0415
+
     import torch.multiprocessing as mp  # noqa: PLC0415
     results = Path(tmp_path) / f"results-{function.__name__}"
     results.mkdir(parents=True, exist_ok=True)

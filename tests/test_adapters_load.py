@@ -199,6 +199,7 @@ def test_a_lora_state_dict_with_another_alpha_computes_another_model(pixels, tmp
                                                                     scaling.get("lora_rslora", False))
 
 
+@pytest.mark.slow
 def test_a_lora_state_dict_without_its_alpha_is_one_line_that_says_what_to_pass(dataset, tmp_path, capsys):
     model = adapted("lora")
     path = tmp_path / "peft_state.pt"
@@ -329,6 +330,7 @@ def run_zoo(data, output, specs, capsys):
                                      "--batch-size", "8"], capsys)
 
 
+@pytest.mark.slow
 def test_the_zoo_takes_an_adapter_on_a_base(tmp_path, capsys, monkeypatch):
     data = synthetic.generate(tmp_path / "bg", per_class=1, seed=1).root
     model = adapted("lora")

@@ -18,14 +18,12 @@ import pytest
 import torch
 from PIL import Image
 
-from tools.results import analysis
-from tools.results import categories
-from tools.data import layout
-from tools.data import synthetic
-from tools.results.categories import Category
+from tools.data import layout, synthetic
 from tools.errors import UserError
 from tools.evaluate import VariationResult
 from tools.in9 import IN9_MEAN, IN9_STD, NUM_IN9_CLASSES, class_names
+from tools.results import analysis, categories
+from tools.results.categories import Category
 
 NAMES = class_names()
 
@@ -229,6 +227,7 @@ def check_against_references(out: Path, summary: dict, P, fg_labels, bg_labels, 
 # ----------------------------------------------------------------------------------------------------------
 # The quantities
 
+@pytest.mark.slow
 def test_generated_challenge_matches_brute_force(challenge_data, dataset, tmp_path):
     fgs, bgs, matrices = challenge_data
     P = matrices["colour"]

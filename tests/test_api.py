@@ -171,6 +171,7 @@ def test_the_functions_a_module_keeps_and_its_hooks_closures_are_in_its_identity
     factory with other values are both recorded (before, their closures' values collided: a RuntimeError out of
     benchmark(); a kept function was left out of the identity)."""
     import functools  # noqa: PLC0415
+
     import torch.nn.functional as F  # noqa: PLC0415
     models = {"function": (lambda: activated(F.relu), lambda: activated(F.gelu)),
               "partial": (lambda: activated(functools.partial(F.leaky_relu, negative_slope=0.5)),
@@ -282,6 +283,7 @@ def same_apart_from_model(api: dict, script: dict) -> None:
     assert without(api["provenance"], MODEL_KEYS) == without(script["provenance"], MODEL_KEYS)
 
 
+@pytest.mark.slow
 def test_a_module_gives_what_the_scripts_give(dataset, cnn, scripts, tmp_path, one_thread, monkeypatch):
     from tools.models import device_check  # noqa: PLC0415
     checks, check = [], device_check.check_device
@@ -319,6 +321,7 @@ def test_a_module_gives_what_the_scripts_give(dataset, cnn, scripts, tmp_path, o
         result.challenge_accuracy = 0.0  # frozen
 
 
+@pytest.mark.slow
 def test_a_model_name_gives_what_the_scripts_give(dataset, cnn, scripts, one_thread):
     result = benchmark(f"file:{cnn[1]}", dataset.root, full=True, trust_checkpoint=True, **quick())
     in9_script = json.loads((scripts / "in9.json").read_text())
@@ -409,6 +412,7 @@ def _benchmark_in_a_group(root, model_path, output_dir):
                        "files": sorted(result.files)})
 
 
+@pytest.mark.slow
 def test_a_process_group_shares_the_work(dataset, cnn, scripts, tmp_path):
     from tests.helpers import run_in_processes  # noqa: PLC0415
     ranks = run_in_processes(_benchmark_in_a_group, 2, tmp_path, str(dataset.root), str(cnn[1]), str(tmp_path / "out"))
@@ -489,6 +493,7 @@ def _recorded_small_cnn(tmp_path):
                                                           challenge=False, **quick()),
      "rerun without resume=True or use another output_dir"),
 ])
+@pytest.mark.slow
 def test_errors_name_benchmarks_arguments_not_the_scripts_flags(dataset, tmp_path, call, words, monkeypatch):
     """The same mistakes that name flags on the command line name benchmark()'s arguments here, whichever module
     or thread raised them."""
@@ -555,6 +560,7 @@ def _message_texts(tree):
             yield node.lineno, _text(node), where.get(id(node), "")
 
 
+@pytest.mark.slow
 def test_every_option_a_message_names_has_api_words():
     """Every flag the library's messages name through tools.errors.option has benchmark()'s words for it, and no
     string of a module benchmark() loads, wherever a message is made of it (a message returned, a constant, a
@@ -563,6 +569,7 @@ def test_every_option_a_message_names_has_api_words():
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
+
     from tools.api import API_WORDS  # noqa: PLC0415
     root = Path(__file__).resolve().parents[1]
     named, written = set(), []
@@ -590,6 +597,7 @@ def _exported(model: nn.Module):
     return torch.export.export(model.eval(), (torch.zeros(2, 3, 224, 224),), dynamic_shapes=({0: batch},))
 
 
+@pytest.mark.slow
 def test_a_torch_export_program_and_its_module_give_what_the_module_gives(dataset, one_thread):
     """An ExportedProgram, and its .module() (whose train()/eval() raise: it runs in the mode it was exported in),
     are models like the module they were exported from: the same accuracies and verdicts; the caller's program is
@@ -638,6 +646,7 @@ def test_a_program_exported_for_a_range_of_batch_sizes_runs_within_it_or_is_one_
 
 
 @pytest.mark.parametrize("make", [torch.jit.script, lambda m: torch.jit.trace(m, torch.zeros(2, 3, 224, 224))])
+@pytest.mark.slow
 def test_a_torchscript_module_in_memory_gives_what_the_module_gives(dataset, make, one_thread):
     """A scripted or traced module is an nn.Module: the same numbers as the module it was made from (its code's
     digest read the constants where torch 2.14 has a dict: an AttributeError before)."""

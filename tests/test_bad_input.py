@@ -75,6 +75,7 @@ def eval_all(data_root: Path, color_ts) -> list:
 # ----------------------------------------------------------------------------------------------------------
 # Data
 
+@pytest.mark.slow
 def test_data_path_missing_as_a_script(tmp_path, color_ts):
     missing = tmp_path / "nowhere"
     line = run_script("--data-path", missing, "--checkpoint", color_ts[9], "--trust-checkpoint", "--device", "cpu",
@@ -151,6 +152,7 @@ def test_image_of_the_wrong_size_is_named(index, run, data, color_ts):
     assert mentions(line, "only_fg", "07_primate", path.name, "100x80", "224x224")
 
 
+@pytest.mark.slow
 def test_bad_image_as_a_script(data, color_ts, tmp_path):
     """An image that fails to decode also ends as one line from the real script."""
     path = data / "mixed_same" / "val" / "04_carnivore" / "synth4_00003.JPEG"

@@ -26,8 +26,8 @@ from tests.helpers import TinyCNN, check_error, run_in_process
 from tools.errors import UserError
 from tools.in9 import IN9_MEAN, IN9_STD
 from tools.models.boundary import LoadedModel, PixelModel
-from tools.models.programs import ExportedModule
 from tools.models.device_check import check_device
+from tools.models.programs import ExportedModule
 from tools.runtime import Runtime
 
 CPU = torch.device("cpu")
@@ -98,6 +98,7 @@ CULPRITS = {  # made in training mode, each computes what model.eval() would not
 
 @pytest.mark.parametrize("form", FORMATS)
 @pytest.mark.parametrize("culprit", CULPRITS)
+@pytest.mark.slow
 def test_a_program_made_in_training_mode_is_refused_with_the_advice_to_call_eval(form, culprit):
     make, operation = CULPRITS[culprit]
     if form == "decomposed" and culprit == "instance_norm":  # decomposed, a batch norm over (1, N * C, H, W)
@@ -117,6 +118,7 @@ def test_a_program_made_in_training_mode_is_refused_with_the_advice_to_call_eval
 
 @pytest.mark.parametrize("form", FORMATS)
 @pytest.mark.parametrize("norm", ["instance_norm", "dropout_0"])
+@pytest.mark.slow
 def test_what_training_mode_leaves_independent_of_the_batch_passes(form, norm):
     """An InstanceNorm without running statistics normalises each image by its own (in either mode); a dropout of
     probability 0 drops nothing: a program made in training mode with only those computes what eval mode does."""
@@ -272,6 +274,7 @@ HONEST = {"resnet": tiny_resnet, "vit": tiny_vit}
 
 @pytest.mark.parametrize("name", HONEST)
 @pytest.mark.parametrize("form", ["eager", "traced", "exported"])
+@pytest.mark.slow
 def test_honest_models_pass_at_every_batch_size_and_memory_format(name, form):
     model = loaded({"eager": lambda m: m, **FORMATS}[form](HONEST[name]()))  # (decomposed: as exported)
     for batch_size in (16, 5, 1):

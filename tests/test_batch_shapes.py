@@ -12,8 +12,8 @@ import torch
 import torchvision
 
 from tools import zoo
-from tools.data import synthetic
 from tools.challenge import ChallengeConfig, run_challenge
+from tools.data import synthetic
 from tools.evaluate import evaluate_variations
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
 from tools.models.architectures import SMALL_CNN, SmallCNN
@@ -44,6 +44,7 @@ def recording_model() -> tuple[LoadedModel, RecordsBatchSizes]:
 
 @pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
 @pytest.mark.parametrize("shard", [None, Shard(1, 2)])  # share 1 of 2 holds the tail
+@pytest.mark.slow
 def test_the_in9_evaluation_runs_one_batch_shape(dataset, shard, precision, one_thread):
     loaded, recorder = recording_model()
     evaluate_variations(loaded, Runtime(torch.device("cpu"), precision), dataset.root, VARIATIONS, BATCH, 1,
@@ -53,6 +54,7 @@ def test_the_in9_evaluation_runs_one_batch_shape(dataset, shard, precision, one_
 
 @pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
 @pytest.mark.parametrize("full", [False, True])
+@pytest.mark.slow
 def test_the_challenge_runs_one_batch_shape_with_its_rechecks(dataset, full, precision, one_thread):
     loaded, recorder = recording_model()
     config = ChallengeConfig(batch_size=BATCH, progress=False, full=full, recheck_margin=0.5)
@@ -93,6 +95,7 @@ def tiny_resnet() -> torch.nn.Module:
 
 @pytest.mark.parametrize("classifier", [lambda: SmallCNN(9), lambda: synthetic.ColorEvidenceModel(9, trunk_width=8),
                                         tiny_resnet], ids=["small_cnn", "color_trunk", "resnet18"])
+@pytest.mark.slow
 def test_padding_never_changes_a_kept_row(classifier, one_thread):
     """In fp32 on the CPU, each row kept from a padded batch equals, bit for bit, that row run in a batch of the
     same size whose other rows are other images: the copies added never reach the rows kept. (Not always the same
@@ -117,6 +120,7 @@ def test_padding_never_changes_a_kept_row(classifier, one_thread):
         assert padded.shape == others.shape and torch.equal(padded, others), rows
 
 
+@pytest.mark.slow
 def test_the_static_buffer_gives_the_exact_runs_predictions(dataset, monkeypatch, one_thread):
     """fp32 through --compile's static batch buffer (torch.compile left out): the same predictions on every
     variation and the same full challenge matrix as the exact mode's own padding."""
@@ -183,6 +187,7 @@ class CountsGraphs:
 REAL_COMPILE = torch.compile
 
 
+@pytest.mark.slow
 def test_the_zoo_compiles_each_model_afresh_once(tmp_path, monkeypatch, one_thread):
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # noqa: PLC0415 (the compiled code of a frame)
 

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import run_forked
 from tools.data import synthetic
 from tools.data.layout import list_variation
 from tools.in9 import NUM_IN9_CLASSES
 from tools.training.config import Method, TrainConfig, default_train_batch_size
 from tools.training.data import list_training_data
 
-from tests.helpers import run_forked
+pytestmark = pytest.mark.slow  # end to end: the bench scripts run small
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

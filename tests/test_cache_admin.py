@@ -257,11 +257,11 @@ def test_a_pack_removed_while_a_reader_looks_it_up_is_a_miss_and_decoded_again(t
     real_load = np.load
     for moment in ("listed", "hashes read"):
         def remove_then(*args, **kwargs):  # the pack is removed after its folder was listed, or its hashes read
-            if moment == "hashes read":
+            if moment == "hashes read":  # noqa: B023
                 value = real_load(*args, **kwargs)
-                cache_admin.remove_entry(pack)
+                cache_admin.remove_entry(pack)  # noqa: B023
                 return value
-            cache_admin.remove_entry(pack)
+            cache_admin.remove_entry(pack)  # noqa: B023
             return real_load(*args, **kwargs)
 
         monkeypatch.setattr(store.np, "load", remove_then)
@@ -402,6 +402,7 @@ def left_alone(files: dict[Path, bytes]) -> bool:
 
 
 @pytest.mark.parametrize("flags", [[], ["--clear"], ["--max-size", "0"], ["--unreadable"]])
+@pytest.mark.slow
 def test_an_ordinary_folder_is_refused_and_nothing_in_it_removed(flags, tmp_path, capsys):
     """`cache --clear` on a folder that is not the cache (a project with a meta.json, a `.tmp-notes/`, folders
     named like the cache's temporaries but holding other files): one error line, nothing removed, though some
@@ -414,6 +415,7 @@ def test_an_ordinary_folder_is_refused_and_nothing_in_it_removed(flags, tmp_path
     assert left_alone(files) and (pack / "rows.npy").is_file()
 
 
+@pytest.mark.slow
 def test_a_run_with_its_cache_in_an_ordinary_folder_removes_nothing_of_it(tmp_path):
     """An in9 run, a challenge run and CLIP's text heads with --cache-dir on a user's folder: they add their packs
     and entries, and remove nothing of the user's, whatever its names."""

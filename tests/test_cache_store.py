@@ -26,8 +26,8 @@ from tests.test_evaluate import tiny_cnn
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.challenge.data import list_challenge_files, load_challenge_data
 from tools.data import cache_admin, decoders, decoding, store, synthetic
-from tools.data.compositing import MaskArithmetic
 from tools.data.cache_checks import OWNERS_CHECKED, ROW_DIGESTS, SPOT_CHECK_ROWS
+from tools.data.compositing import MaskArithmetic
 from tools.data.decoders import Decoder
 from tools.data.store import DecodedCache
 from tools.errors import UserError
@@ -77,6 +77,7 @@ def packs(cache_dir):
     return sorted(p.name for p in cache_dir.iterdir()) if cache_dir.exists() else []
 
 
+@pytest.mark.slow
 def test_second_in9_run_decodes_nothing_and_predicts_the_same(model, data, tmp_path, decodes):
     cache = tmp_path / "cache"
     streamed = in9(model, data, None)
@@ -91,6 +92,7 @@ def test_second_in9_run_decodes_nothing_and_predicts_the_same(model, data, tmp_p
     assert in9(model, data, cache) == streamed  # at the cold run's batch size: bit for bit
 
 
+@pytest.mark.slow
 def test_a_file_rewritten_under_its_name_misses_and_a_renamed_one_hits(model, data, tmp_path, decodes):
     cache = tmp_path / "cache"
     in9(model, data, cache)
@@ -112,6 +114,7 @@ def test_a_file_rewritten_under_its_name_misses_and_a_renamed_one_hits(model, da
     assert decodes == []
 
 
+@pytest.mark.slow
 def test_challenge_after_in9_decodes_no_image(model, data, tmp_path, decodes, monkeypatch):
     cache = tmp_path / "cache"
     in9(model, data, cache)
@@ -439,6 +442,7 @@ FOREIGN = {"rows file writable by its group": lambda cache, pack: (pack / "rows.
 
 @pytest.mark.skipif(not OWNERS_CHECKED, reason="POSIX owners and modes")
 @pytest.mark.parametrize("how", FOREIGN)
+@pytest.mark.slow
 def test_what_another_user_could_have_written_is_used_only_in_a_shared_cache(how, data, tmp_path, caplog, decodes):
     if how == "another user's pack" and os.geteuid() != 0:
         pytest.skip("only root can give a file away")
@@ -473,6 +477,7 @@ def test_a_private_cache_is_written_for_this_user_alone_and_a_shared_one_as_the_
         os.umask(umask)
 
 
+@pytest.mark.slow
 def test_the_provenance_records_the_cache_and_whether_it_is_shared(model, data, tmp_path):
     files = list_in9_files(data, ["original"], 1)
     for cache in (None, DecodedCache(tmp_path / "cache"), DecodedCache(tmp_path / "cache", shared=True)):
@@ -486,6 +491,7 @@ def test_the_provenance_records_the_cache_and_whether_it_is_shared(model, data, 
         assert loaded.cache == challenge.provenance["decoded_cache"] == run.provenance["decoded_cache"]
 
 
+@pytest.mark.slow
 def test_a_command_that_writes_to_the_cache_says_once_where_and_how_much(data, color_ts, tmp_path, capsys):
     """in9_eval fills the cache with its images, challenge_eval then adds its masks (its images are in9's), a
     second in9_eval adds nothing: each says once, at the end, how much it wrote and where."""
@@ -509,6 +515,7 @@ def test_a_command_that_writes_to_the_cache_says_once_where_and_how_much(data, c
 
 
 @pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.slow
 def test_a_pack_whose_rows_are_a_link_is_used_in_no_cache(shared, data, tmp_path, caplog, decodes):
     """The cache never writes a link: a pack's rows file that is one (to rows kept elsewhere, here another
     pack's, reversed) is not read, shared cache or not, and is not removed by the cache command either."""
@@ -534,6 +541,7 @@ def test_a_pack_whose_rows_are_a_link_is_used_in_no_cache(shared, data, tmp_path
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
 @pytest.mark.parametrize("name", store.PACK_FILES)
 @pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.slow
 def test_a_pack_file_that_is_a_fifo_is_refused_not_waited_on(shared, name, data, tmp_path, caplog, decodes):
     """A pack's file replaced by a FIFO (in a shared cache, any user can make one): opening it to read would wait
     for a writer forever, hanging every run that looks in the cache. It is not read: the images are decoded."""

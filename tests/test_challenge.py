@@ -16,19 +16,19 @@ import numpy as np
 import pytest
 import torch
 
-from tests.challenge_reference import reference_matrix, reference_verdicts
 import challenge_eval
+from tests.challenge_reference import reference_matrix, reference_verdicts
 from tests.helpers import TinyCNN, run_in_process, save_torchscript
 from tools import challenge
-from tools.data import synthetic
-from tools.data.decoders import Decoder
 from tools.challenge import ChallengeConfig, Criterion, Scheduler, run_challenge
 from tools.challenge.search import state_key
-from tools.runtime.inflight import IN_FLIGHT
+from tools.data import synthetic
+from tools.data.decoders import Decoder
 from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD
 from tools.models.sources import load_model
 from tools.results.matrix import write_matrix
 from tools.runtime import Runtime
+from tools.runtime.inflight import IN_FLIGHT
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = Runtime(torch.device("cpu"))
@@ -76,6 +76,7 @@ def engine(path, data, tmp_path, **config):
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("criterion", list(Criterion))
+@pytest.mark.slow
 def test_verdicts_equal_brute_force(name, criterion, data, models, references, tmp_path):
     matrix, fg_labels, bg_labels = references[name]
     expected = reference_verdicts(matrix, fg_labels, bg_labels, criterion.value)
@@ -94,6 +95,7 @@ def test_verdicts_equal_brute_force(name, criterion, data, models, references, t
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.slow
 def test_full_matrix_equals_reference(name, data, models, references, tmp_path):
     matrix, fg_labels, bg_labels = references[name]
     result = engine(models[name][1], data, tmp_path, full=True, batch_size=10)
@@ -106,6 +108,7 @@ def test_full_matrix_equals_reference(name, data, models, references, tmp_path):
 
 
 @pytest.mark.parametrize("decoder", list(Decoder))
+@pytest.mark.slow
 def test_either_decoder_gives_the_references_verdicts_and_matrix(decoder, data, models, references, tmp_path):
     """In fp32, the verdicts and the --full matrix are the brute-force (Pillow) reference's with either decoder."""
     matrix, fg_labels, bg_labels = references["cnn9"]
@@ -131,6 +134,7 @@ def test_search_does_little_more_than_the_minimum(data, models, references, tmp_
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.slow
 def test_verdicts_do_not_depend_on_background_order(seed, data, models, references, tmp_path, monkeypatch):
     matrix, fg_labels, bg_labels = references["color9"]
     expected = reference_verdicts(matrix, fg_labels, bg_labels, "any")
@@ -158,6 +162,7 @@ def interrupt_at_ninth_batch(path, data, cfg, output_dir, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("full", [False, True])
+@pytest.mark.slow
 def test_resume_after_interruption_gives_the_uninterrupted_result(full, data, models, tmp_path, monkeypatch):
     path = models["color9"][1]
     whole = engine(path, data, tmp_path / "whole", full=full, batch_size=6)
@@ -174,6 +179,7 @@ def test_resume_after_interruption_gives_the_uninterrupted_result(full, data, mo
         assert np.array_equal(resumed.state.matrix, whole.state.matrix)
 
 
+@pytest.mark.slow
 def test_a_shared_full_run_resumes_a_single_process_state(data, models, tmp_path, monkeypatch):
     """torchrun resuming an interrupted single-process --full run: its own block of rows, the batches that were in
     flight included, equals the uninterrupted matrix. (Rank 0 of 2 without a real process group: the
@@ -194,6 +200,7 @@ def test_a_shared_full_run_resumes_a_single_process_state(data, models, tmp_path
     assert np.array_equal(resumed.state.matrix[rows], whole.state.matrix[rows])
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_runs_state(data, models, tmp_path):
     engine(models["color9"][1], data, tmp_path)
     loaded = load_model(trust=True, checkpoint=models["cnn9"][1])
@@ -209,6 +216,7 @@ def test_resume_refuses_a_state_saved_at_another_batch_size(data, models, tmp_pa
                       ChallengeConfig(batch_size=8, progress=False), output_dir=tmp_path, resume=True)
 
 
+@pytest.mark.slow
 def test_the_cpu_default_batch_size_is_fixed_not_timed(data, models, tmp_path, monkeypatch):
     """Without --batch-size the CPU runs CPU_BATCH_SIZE, every forward at that one shape: nothing is timed, so
     two runs, a resumed run and every shard run the same shape."""
@@ -245,6 +253,7 @@ def _summary(stdout: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("name", ["color9", "color1000"])
+@pytest.mark.slow
 def test_command_line_prints_the_original_summary(name, data, models, references, tmp_path, capsys):
     """challenge_eval's main in this process (tests/test_distributed.py runs the script as a process, under
     torchrun, and compares what it prints)."""
@@ -270,6 +279,7 @@ def test_command_line_prints_the_original_summary(name, data, models, references
     assert "cached at" not in again_err and _summary(again) == (vulnerable, total)
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume(data, tmp_path, capsys):
     """A real process killed with SIGKILL mid-run resumes to the uninterrupted result (the uninterrupted run and
     the resumed one in this process: only the killed run needs a process of its own)."""

@@ -108,6 +108,7 @@ def test_zip_checkpoints_with_damaged_or_missing_members(tmp_path):
     check_all([written(tmp_path, f"{label}.pt", data) for label, data in cases.items()])
 
 
+@pytest.mark.slow
 def test_random_bytes_and_random_damage_to_the_pickle(tmp_path):
     rng = random.Random(SEED)
     content = saved(trained())
@@ -157,6 +158,7 @@ WRONG_THINGS = {
 
 
 @pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
+@pytest.mark.slow
 def test_pickles_of_the_wrong_things(zip_format, tmp_path):
     check_all([written(tmp_path, f"{label}.pt", saved(obj, zip_format)) for label, obj in WRONG_THINGS.items()])
     check_all([written(tmp_path, f"arch-{label}.pt", saved(obj, zip_format)) for label, obj in WRONG_THINGS.items()],
@@ -175,6 +177,7 @@ TEXT_STARTS = "abehjqrstuMNQR("  # the first characters that made the unpickler 
 
 
 @pytest.mark.parametrize("first", TEXT_STARTS)
+@pytest.mark.slow
 def test_a_text_file_as_checkpoint_is_one_error_line_from_the_script(first, dataset, tmp_path, capsys):
     path = written(tmp_path, "notes.txt", f"{first}ll my notes about the run\n".encode())
     code, out, err = run_in_process(in9_eval.main, ["--data-path", str(dataset.root), "--checkpoint", str(path),

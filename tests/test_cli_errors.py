@@ -86,6 +86,7 @@ def test_a_mistake_is_one_line_with_a_suggestion(mains, capsys, monkeypatch, scr
     assert line.endswith(f"see `{script}{command} -h`"), line
 
 
+@pytest.mark.slow
 def test_as_a_script_the_line_names_the_script_typed():
     proc = subprocess.run([sys.executable, "in9_eval.py", "--eval-dataset", "mixed_sam"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})

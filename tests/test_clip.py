@@ -21,20 +21,20 @@ import torch.nn.functional as F
 
 import challenge_eval
 import in9_eval
+from tests.challenge_reference import reference_matrix, reference_verdicts
 from tests.helpers import TINY_CLIP, TINY_CLIP_OPTIONS, files_read, run_in_process, unrecorded_reads
 from tests.reference import evaluate as reference_evaluate
-from tests.challenge_reference import reference_matrix, reference_verdicts
-from tools.models import clip as clip_zero_shot
 from tools.data import synthetic
-from tools.models.clip import RANDOM_SEED, ClipSpec, Head, Templates, parse_spec, prompts, template_sets
-from tools.errors import UserError
-from tools.evaluate import In9Config, run_in9
 from tools.data.hashing import sha256_file
 from tools.data.store import DecodedCache
+from tools.errors import UserError
+from tools.evaluate import In9Config, run_in9
 from tools.in9 import VARIATIONS
+from tools.models import clip as clip_zero_shot
+from tools.models.clip import RANDOM_SEED, ClipSpec, Head, Templates, parse_spec, prompts, template_sets
+from tools.models.sources import load_model
 from tools.results.leaderboard import measured_row, published_rows, render_markdown
 from tools.runtime import Precision, Runtime
-from tools.models.sources import load_model
 
 ACCURACY_LINE = re.compile(r"^Accuracy on (\w+) is (\d+\.\d\d)%$", re.MULTILINE)
 SUMMARY_LINE = re.compile(r"^Summary: (\d+)/(\d+) ", re.MULTILINE)
@@ -55,7 +55,7 @@ def loaded(tiny_clip):
 
 def same_random_clip():
     """The open_clip model the source builds for clip:TINY/none, text tower included."""
-    import open_clip
+    import open_clip  # noqa: PLC0415
     with torch.random.fork_rng():
         torch.manual_seed(RANDOM_SEED)
         return open_clip.create_model(TINY_CLIP, pretrained=None).eval()
@@ -116,9 +116,10 @@ def test_nine_prompts_name_the_classes_in_full_with_their_articles():
     assert imagenet[0][0] == "a bad photo of a tench." and "a photo of a goldfish." in imagenet[1]
 
 
+@pytest.mark.slow
 def test_default_head_is_the_1000_imagenet_class_names_by_hand(loaded, one_thread):
-    import open_clip
-    from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
+    import open_clip  # noqa: PLC0415
+    from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: PLC0415
     model = same_random_clip()
     tokenizer = open_clip.get_tokenizer(TINY_CLIP)
     classifier = loaded.model.classifier
@@ -134,8 +135,9 @@ def test_default_head_is_the_1000_imagenet_class_names_by_hand(loaded, one_threa
         ("imagenet", 1000, "simple", 7000)
 
 
+@pytest.mark.slow
 def test_nine_prompt_head_by_hand(tiny_clip, one_thread):
-    import open_clip
+    import open_clip  # noqa: PLC0415
     loaded = load_model(f"clip:{TINY_CLIP}/none+head=in9")  # CLIP's 80 templates: 720 prompts
     model = same_random_clip()
     expected = hand_head(model, open_clip.get_tokenizer(TINY_CLIP), FULL_NAMES, template_sets()["openai"],
@@ -154,6 +156,7 @@ def test_nine_prompt_head_by_hand(tiny_clip, one_thread):
         ("in9", 9, "openai", 720)
 
 
+@pytest.mark.slow
 def test_head_and_templates_are_part_of_the_model_identity(tiny_clip, tmp_path, one_thread):
     """Resume states and the zoo key a model by its SHA-256: one weights file under two heads (or two template
     sets) is two models."""
@@ -175,7 +178,7 @@ def test_open_clips_model_config_and_version_are_part_of_the_model_identity(chan
     """One weights file under another open_clip configuration of its architecture (the image tower's pooling,
     which changes every image embedding, no weight and not the text head), or read by another open_clip: another
     model."""
-    import open_clip
+    import open_clip  # noqa: PLC0415
     weights = tmp_path / "tiny.pt"
     torch.save(same_random_clip().state_dict(), weights)
     spec = f"clip:{TINY_CLIP}/{weights}+head=in9+templates=simple"
@@ -203,6 +206,7 @@ def test_open_clips_model_config_and_version_are_part_of_the_model_identity(chan
         assert settings["libraries"]["open_clip"] == "99.0.0"
 
 
+@pytest.mark.slow
 def test_text_head_is_cached_by_content(tiny_clip, tmp_path, monkeypatch, caplog, one_thread):
     cache = DecodedCache(tmp_path / "cache")  # the run's (--cache-dir)
     builds = []
@@ -253,6 +257,7 @@ def test_the_head_is_built_on_the_runtimes_gpu_in_true_fp32(tiny_clip, loaded, t
     assert torch.backends.cuda.matmul.allow_tf32  # the runtime's setting, back after the fp32 head
 
 
+@pytest.mark.slow
 def test_the_default_head_goes_through_the_imagenet_map(tiny_clip, loaded, data, tmp_path, capsys, one_thread):
     """Per image: the argmax over the 1000 class names, then the ImageNet->IN-9 map, as for any 1000-class
     model; an argmax outside the nine groups (-1) is wrong. Both the library's predictions and the script's
@@ -274,7 +279,7 @@ def test_the_default_head_goes_through_the_imagenet_map(tiny_clip, loaded, data,
 
 
 def test_logits_are_scaled_cosines_with_clip_statistics_and_resizing(loaded, one_thread):
-    import open_clip
+    import open_clip  # noqa: PLC0415
     model = same_random_clip()
     preprocess = open_clip.get_model_preprocess_cfg(model)
     images = torch.randint(0, 256, (3, 3, 224, 224), dtype=torch.uint8)
@@ -288,6 +293,7 @@ def test_logits_are_scaled_cosines_with_clip_statistics_and_resizing(loaded, one
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_challenge_eval_runs_with_clip_and_matches_a_brute_force_reference(tiny_clip, loaded, data, tmp_path,
                                                                            capsys, one_thread):
     code, out, err = run_script(challenge_eval, ["--data-path", str(data), "--arch", tiny_clip, "--device", "cpu",
@@ -371,6 +377,7 @@ def test_leaderboard_says_what_each_row_predicts_over(loaded, tiny_clip):
     assert "not comparable with the 1000-class rows" not in only_1000
 
 
+@pytest.mark.slow
 def test_random_initialisation_is_reproducible(tiny_clip, loaded, one_thread):
     again = load_model(tiny_clip)
     images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -382,7 +389,7 @@ def test_random_initialisation_is_reproducible(tiny_clip, loaded, one_thread):
 @pytest.fixture(scope="module")
 def tiny_coca(tmp_path_factory):
     """A tiny CoCa architecture (open_clip's CoCa class: its image tower returns (pooled, tokens))."""
-    import open_clip
+    import open_clip  # noqa: PLC0415
     config = {"embed_dim": 16, "custom_text": True,
               "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16,
                              "attentional_pool": True, "attn_pooler_heads": 2, "output_tokens": True},
@@ -398,7 +405,7 @@ def tiny_coca(tmp_path_factory):
 def test_a_coca_model_scores_its_pooled_image_embedding(tiny_coca, one_thread):
     """CoCa's image tower returns (pooled embedding, tokens): the classifier scores the pooled one, as
     open_clip's encode_image does."""
-    import open_clip
+    import open_clip  # noqa: PLC0415
     loaded = load_model(f"clip:{tiny_coca}/none+head=in9+templates=simple")
     with torch.random.fork_rng():
         torch.manual_seed(RANDOM_SEED)
@@ -419,7 +426,7 @@ def test_a_coca_model_scores_its_pooled_image_embedding(tiny_coca, one_thread):
 def with_preprocess(monkeypatch, **settings):
     """open_clip's create_model as a pretrained tag with these preprocess settings makes it (the tag's
     pretrained config merged into the model's `preprocess_cfg`, as open_clip does for e.g. MobileCLIP)."""
-    import open_clip
+    import open_clip  # noqa: PLC0415
     create = open_clip.create_model
 
     def created(*args, **kwargs):
@@ -429,11 +436,12 @@ def with_preprocess(monkeypatch, **settings):
     monkeypatch.setattr(open_clip, "create_model", created)
 
 
+@pytest.mark.slow
 def test_the_tags_interpolation_and_preprocessing_are_used_and_in_the_identity(tiny_clip, loaded, monkeypatch,
                                                                                one_thread):
     """A tag whose config says bilinear (MobileCLIP, CLIPA, PE) is resized bilinearly, and its preprocess
     settings are in the model's identity and provenance."""
-    import open_clip
+    import open_clip  # noqa: PLC0415
     assert loaded.describe()["zero_shot"]["preprocess"]["interpolation"] == "bicubic"
     with_preprocess(monkeypatch, interpolation="bilinear")
     bilinear = load_model(tiny_clip)
@@ -453,6 +461,7 @@ def test_the_tags_interpolation_and_preprocessing_are_used_and_in_the_identity(t
     assert not torch.allclose(got, loaded.model(images).detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_head_cache_is_keyed_by_the_device_model(tiny_clip, tmp_path, monkeypatch, one_thread):
     """A head encoded on one GPU model may differ in its last bits from another's: the cache entry names the
     device model (for the CPU, its instruction set and torch's version), so another device builds its own."""
@@ -519,7 +528,7 @@ def _save_word_tokenizer(folder, reverse: bool) -> None:
 def clip_with_hf_tokenizer(tmp_path):
     """A tiny open_clip architecture whose text config names a Hugging Face tokenizer (a local folder), its random
     weights' spec with the nine-prompt head, and the tokenizer's folder."""
-    import open_clip
+    import open_clip  # noqa: PLC0415
     pytest.importorskip("transformers")
     folder = tmp_path / "tokenizer"
     _save_word_tokenizer(folder, reverse=False)
@@ -556,6 +565,7 @@ def test_the_tokenizer_is_part_of_the_identity_and_of_the_head_caches_key(clip_w
 
 
 @pytest.mark.parametrize("where", ["--cache-dir", "--no-cache", "benchmark"])
+@pytest.mark.slow
 def test_the_head_is_cached_where_the_run_caches_and_said(where, tiny_clip, data, tmp_path, monkeypatch, capsys,
                                                          caplog, one_thread):
     """A CLIP text head goes into the run's cache (--cache-dir), and with --no-cache nowhere, as the decoded data;

@@ -57,6 +57,7 @@ def imported_modules(tree: ast.AST) -> set[str]:
     return found
 
 
+@pytest.mark.slow
 def test_pillow_drawing_and_fonts_live_in_one_module():
     drawing = {relative(p) for p in modules() if imported_modules(ast.parse(p.read_text(encoding="utf-8")))
                & DRAWING_MODULES}
@@ -85,6 +86,7 @@ def loaded_by(runs: dict, statement: str) -> list[str]:
 
 
 @pytest.mark.parametrize("module", EVALUATION)
+@pytest.mark.slow
 def test_the_evaluation_does_not_load_the_presentation(module, runs):
     loaded = loaded_by(runs, f"import {module}")
     assert module in loaded
@@ -176,6 +178,7 @@ def test_the_circle_finder_finds_a_circle_through_a_deferred_import():
     assert import_circles(graph) == [["a", "b", "c"]]
 
 
+@pytest.mark.slow
 def test_no_import_circles():
     """No two modules import each other, directly or through others, even in a function: a circle makes the
     import order matter and each module's concern unclear (adapters and checkpoints, and the results package
@@ -192,6 +195,7 @@ def test_the_results_package_knows_nothing_of_training():
     assert not {name: found for name, found in offenders.items() if found}
 
 
+@pytest.mark.slow
 def test_every_thread_pool_carries_its_callers_context():
     """The toolkit's worker threads run with the context of the thread that gave them work (tools.threads.
     ContextThreadPool), so a message raised in one names options as its caller does (the Python API's words)."""

@@ -48,6 +48,7 @@ def under(modules: list[str], *packages: str) -> list[str]:
     return [m for m in modules if any(m == p or m.startswith(p + ".") for p in packages)]
 
 
+@pytest.mark.slow
 def test_train_parses_its_flags_without_the_challenge_the_analysis_or_the_report(runs):
     modules = loaded_modules(runs, TRAIN_FLAGS)
     assert "tools.training.config" in modules  # the flags were built

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from tools import runtime
 from tools.challenge.data import load_challenge_data
 from tools.challenge.predictor import CompositePredictor
-from tools import runtime
-from tools.runtime import Runtime
 from tools.models.sources import load_model
+from tools.runtime import Runtime
 from tools.training.data import device_batch
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"

@@ -17,13 +17,12 @@ import pytest
 import challenge_eval
 import in9_eval
 from tests.helpers import run_in_process, save_torchscript
-from tools.results import analysis, matrix, report_cli
-from tools.data import synthetic
-from tools.data.boxes import CropGeometry
-from tools.data import builder
-from tools.data.decoding import read_mask
 from tools.challenge.state import SearchState
+from tools.data import builder, synthetic
+from tools.data.boxes import CropGeometry
+from tools.data.decoding import read_mask
 from tools.errors import UserError
+from tools.results import analysis, matrix, report_cli
 from tools.shards import read_challenge_arrays
 
 
@@ -86,6 +85,7 @@ def test_a_damaged_mask_is_one_error_line(damage, setup, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("damage", [empty, truncate])
+@pytest.mark.slow
 def test_a_damaged_resume_state_is_one_error_line(damage, setup, tmp_path, capsys):
     data, model = setup
     out = tmp_path / "out"
@@ -98,6 +98,7 @@ def test_a_damaged_resume_state_is_one_error_line(damage, setup, tmp_path, capsy
 
 
 @pytest.mark.parametrize("damage", [empty, truncate, deeply_nested])
+@pytest.mark.slow
 def test_a_damaged_in9_resume_state_is_one_error_line(damage, setup, tmp_path, capsys):
     data, model = setup
     out = tmp_path / "out"
@@ -110,6 +111,7 @@ def test_a_damaged_in9_resume_state_is_one_error_line(damage, setup, tmp_path, c
 
 
 @pytest.mark.parametrize("damage", [empty, truncate])
+@pytest.mark.slow
 def test_a_damaged_saved_matrix_is_one_error_line(damage, setup, tmp_path, capsys):
     data, model = setup
     out = tmp_path / "out"
@@ -121,6 +123,7 @@ def test_a_damaged_saved_matrix_is_one_error_line(damage, setup, tmp_path, capsy
     one_error_line(err, matrix.PREDICTIONS_FILE, "rerun challenge_eval.py --full")
 
 
+@pytest.mark.slow
 def test_json_results_nested_too_deep_are_one_error_line(setup, tmp_path, capsys):
     """A results file (report), the --full matrix's description (analysis): each JSON the toolkit reads back."""
     data, model = setup
@@ -138,6 +141,7 @@ def test_json_results_nested_too_deep_are_one_error_line(setup, tmp_path, capsys
     one_error_line(err, "in9.json", "nested deeper")
 
 
+@pytest.mark.slow
 def test_a_fifo_where_a_results_file_is_named_is_never_waited_on(tmp_path):
     """A FIFO named as a results file blocked the report forever (a FIFO among files copied from elsewhere)."""
     os.mkfifo(tmp_path / "in9.json")
@@ -150,6 +154,7 @@ def test_a_fifo_where_a_results_file_is_named_is_never_waited_on(tmp_path):
 
 
 @pytest.mark.parametrize("damage", [empty, truncate])
+@pytest.mark.slow
 def test_a_damaged_cache_is_decoded_afresh(damage, setup, tmp_path, capsys):
     data, model = setup
     cache, out = tmp_path / "cache", tmp_path / "out"
@@ -174,14 +179,13 @@ def _tensor_instead(path: Path) -> None:
 @pytest.mark.parametrize("damage", [empty, truncate, _tensor_instead])
 def test_a_damaged_training_resume_state_is_one_error_line(damage, tmp_path, capsys):
     import train  # noqa: PLC0415
-
     from tools.training.checkpoint import STATE_NAME  # noqa: PLC0415
 
     data = synthetic.generate(tmp_path / "train", per_class=1, seed=3, split="train").root
     out = tmp_path / "out"
     argv = ["--data-path", str(data), "--arch", "toolkit:small_cnn", "--weights", "none", "--device", "cpu",
             "--no-progress", "--workers", "0", "--epochs", "1", "--batch-size", "3", "--output-dir", str(out)]
-    run = train.main  # noqa: E731
+    run = train.main
     code, _, err = run_in_process(run, argv, capsys)
     assert code == 0, err
     damage(out / STATE_NAME)

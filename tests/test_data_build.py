@@ -19,14 +19,12 @@ from PIL import Image
 from torchvision import transforms
 
 from tests.helpers import run_in_process, signal_when_ready
-from tools.data import builder, check, layout
-from tools.data import boxes
-from tools.data import synthetic
-from tools.data import cli as data_cli
+from tools.data import boxes, builder, check, layout, synthetic
 from tools.data import builder as data_build
+from tools.data import cli as data_cli
 from tools.data.layout import list_foregrounds, list_variation
 from tools.errors import UserError
-from tools.in9 import class_folder_names, MASK_FOLDER, VARIATIONS
+from tools.in9 import MASK_FOLDER, VARIATIONS, class_folder_names
 
 CLASSES = class_folder_names()
 
@@ -184,6 +182,7 @@ def built_png(inputs, tmp_path_factory) -> tuple[Path, builder.BuildResult]:
                            progress=False)
 
 
+@pytest.mark.slow
 def test_every_variation_has_exactly_the_expected_pixels(inputs, built_png):
     out, result = built_png
     summary = json.loads((out / builder.SUMMARY_NAME).read_text())
@@ -389,7 +388,7 @@ def _iou(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_grabcut_recovers_a_high_contrast_disc():
     pytest.importorskip("cv2")
-    from tools.data import grabcut
+    from tools.data import grabcut  # noqa: PLC0415
 
     image, disc = _disc_scene(np.random.default_rng(0))
     mask = grabcut.grabcut_mask(image, (52, 52, 172, 172))
@@ -427,11 +426,11 @@ def test_a_build_with_grabcut_and_voc_boxes_passes_verify(tmp_path, capsys):
         assert _iou(np.load(out / record.mask_relpath), expected) > 0.8, record.stem
 
 
+@pytest.mark.slow
 def test_a_built_dataset_runs_through_both_scripts(inputs, tmp_path, capsys, color_ts):
     """The build's output feeds in9_eval.py and challenge_eval.py unchanged, with the reference's numbers."""
     import challenge_eval  # noqa: PLC0415 (the scripts live at the repository root)
     import in9_eval  # noqa: PLC0415
-
     from tests.challenge_reference import reference_matrix, reference_verdicts  # noqa: PLC0415
     from tests.reference import evaluate as reference_evaluate  # noqa: PLC0415
     from tools.in9 import IN9_MEAN, IN9_STD  # noqa: PLC0415
@@ -461,6 +460,7 @@ def test_a_built_dataset_runs_through_both_scripts(inputs, tmp_path, capsys, col
 # ----------------------------------------------------------------------------------------------------------
 # Training data: --split train, ImageNet-style folders, images without boxes
 
+@pytest.mark.slow
 def test_split_train_writes_the_training_layout_that_train_py_reads(inputs, tmp_path, capsys):
     out = tmp_path / "train_set"
     code, stdout, err = _run_cli(["build", "--images", str(inputs.images), "--boxes", str(inputs.boxes), "--out",
@@ -516,6 +516,7 @@ def test_an_imagenet_style_folder_is_grouped_into_the_nine_classes(inputs, tmp_p
     assert code == 2 and "needs all 1000 of ImageNet's" in err.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_keep_unboxed_puts_images_without_a_box_in_original_only(inputs, tmp_path, capsys):
     rows = inputs.boxes.read_text().splitlines()
     unboxed = rows[1].split(",")[0]
@@ -576,6 +577,7 @@ def _images_named(coloured, root: Path, names: list[str]) -> Path:
     ["Dog", WORDNET_IDS[1], "02_vehicle", "REPTILE", WORDNET_IDS[4], "05_insect", "instrument", "Primate",
      WORDNET_IDS[8]],
 ], ids=["plain", "every form"])
+@pytest.mark.slow
 def test_class_folders_are_matched_to_the_in9_classes_by_name(coloured, names, tmp_path, capsys):
     from tests.reference import evaluate as reference_evaluate  # noqa: PLC0415
 
@@ -652,6 +654,7 @@ sys.exit(cli.main(["build", *sys.argv[2:]]))
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+@pytest.mark.slow
 def test_an_interrupted_build_leaves_nothing_that_looks_usable(inputs, tmp_path, signum, code):
     parent = tmp_path / "outputs"
     out = parent / "built"
@@ -671,6 +674,7 @@ def _dead_pid() -> int:
                               check=True).stdout)
 
 
+@pytest.mark.slow
 def test_a_build_removes_the_temporary_folders_of_builds_that_died(inputs, tmp_path):
     host = socket.gethostname()
     parent = tmp_path / "outputs"

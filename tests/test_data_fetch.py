@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_in_process, signal_when_ready
-from tools.data import download
-from tools.data import synthetic
 from tools.data import cli as data_cli
+from tools.data import download, synthetic
 from tools.data import download as data_download
 from tools.data.hashing import sha256_file
 from tools.data.layout import list_foregrounds, list_variation
@@ -51,7 +50,7 @@ def release(tmp_path_factory):
 class _Handler(http.server.BaseHTTPRequestHandler):
     """Serves the server's `files`; honours `Range: bytes=N-` unless the server says not to."""
 
-    def do_GET(self):  # noqa: N802 (the http.server API)
+    def do_GET(self):
         server = self.server
         requested_range = self.headers.get("Range")
         server.requests.append((self.path, requested_range))
@@ -423,6 +422,7 @@ sys.exit(cli.main(["fetch", *sys.argv[2:]]))
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+@pytest.mark.slow
 def test_an_interrupted_extraction_leaves_the_archive_and_nothing_else(server, release, tmp_path, signum, code):
     payload, sha = release
     server.files[ARCHIVE_PATH] = payload

@@ -101,6 +101,7 @@ def results(out: Path) -> dict:
 
 
 @pytest.mark.parametrize("what", ["mask", "image", "background"])
+@pytest.mark.slow
 def test_challenge_sees_a_file_rewritten_in_place(what, capsys, data, model, tmp_path):
     cache = tmp_path / "cache"
     code, _, err = challenge(capsys, data, model, tmp_path / "first", "--cache-dir", str(cache))
@@ -129,6 +130,7 @@ def test_challenge_sees_a_file_rewritten_in_place(what, capsys, data, model, tmp
     assert code == 2 and "belongs to another run" in err.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_in9_sees_an_image_rewritten_in_place(capsys, data, model, tmp_path):
     code, _, err = in9(capsys, data, model, tmp_path / "first")
     assert code == 0, err

@@ -73,6 +73,7 @@ def provenance_run(tmp_path_factory, one_thread):
         json.loads((out / provenance.SUMMARY_FILE).read_text())
 
 
+@pytest.mark.slow
 def test_every_pair_is_recovered_with_the_brute_force_error(provenance_run):
     dataset, rows, _, summary = provenance_run
     truth = _truth(dataset)
@@ -197,6 +198,7 @@ def test_a_mixed_image_without_its_mask_is_one_error_line(tmp_path, capsys):
     assert "argument --workers: '0' is not a whole number" in check_error(exc.value.code, *capsys.readouterr())
 
 
+@pytest.mark.slow
 def test_letterboxed_backgrounds_that_tie_on_the_coarse_cells_are_still_told_apart(tmp_path, capsys, one_thread):
     """Backgrounds with black bars over their top rows, and masks that leave only the bars and a few rows below them:
     every clean thumbnail cell is black, so the coarse cells tie for every background, and only the pixels below

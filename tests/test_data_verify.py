@@ -10,12 +10,11 @@ import pytest
 from PIL import Image
 
 from tests.helpers import run_in_process
-from tools.data import check
-from tools.data import synthetic
+from tools.data import check, synthetic
 from tools.data import cli as data_cli
-from tools.errors import UserError
 from tools.data.layout import list_foregrounds, list_variation
-from tools.in9 import class_folder_names, MASK_FOLDER, VARIATIONS
+from tools.errors import UserError
+from tools.in9 import MASK_FOLDER, VARIATIONS, class_folder_names
 
 CLASSES = class_folder_names()
 

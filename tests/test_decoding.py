@@ -179,7 +179,7 @@ def test_the_deprecation_filter_dropped_between_its_check_and_the_call_is_no_err
     """A `warnings.catch_warnings` that another thread leaves (a model load, beside the decoding threads) puts back
     the filters it saved: when that happens after a decoding thread found the filter in place and before its
     decode_jpeg call warns, the call is still no error under `-W error::DeprecationWarning`."""
-    import torchvision.io
+    import torchvision.io  # noqa: PLC0415
     data = KINDS["4:2:0"]()
     real, calls = torchvision.io.decode_jpeg, []
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import run_forked
 from tools import demo
 from tools.data import cache_admin
 from tools.data.store import default_cache_dir
+
+pytestmark = pytest.mark.slow  # end to end: the demo's whole run
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,11 +17,11 @@ from torch import nn
 import challenge_eval
 import in9_eval
 from tests.helpers import TinyCNN, check_error, run_in_process
+from tools.errors import UserError
 from tools.in9 import IN9_MEAN, IN9_STD
 from tools.models.boundary import LoadedModel, PixelModel
-from tools.models.programs import ExportedModule
 from tools.models.device_check import CHECK_IMAGES, TOLERANCE, Float64Everywhere, check_device, relative_deviation
-from tools.errors import UserError
+from tools.models.programs import ExportedModule
 from tools.runtime import Runtime
 
 CPU = torch.device("cpu")
@@ -246,6 +246,7 @@ def unverified(provenance: dict) -> None:
 
 
 @pytest.mark.parametrize("main", [in9_eval.main, challenge_eval.main], ids=["in9_eval", "challenge_eval"])
+@pytest.mark.slow
 def test_the_scripts_refuse_a_model_without_a_reference_unless_allowed(main, dataset, float8, tmp_path, capsys):
     extra = ["--no-cache"] if main is challenge_eval.main else []
     line = check_error(*run_in_process(main, script_argv(dataset, float8, tmp_path, *extra), capsys))
@@ -268,6 +269,7 @@ def test_the_python_api_refuses_a_model_without_a_reference_unless_allowed(datas
     unverified(result.challenge["provenance"])
 
 
+@pytest.mark.slow
 def test_the_zoo_refuses_a_model_without_a_reference_unless_allowed(dataset, float8, tmp_path, capsys):
     from tools import zoo  # noqa: PLC0415
     spec, output = f"file:{float8}", tmp_path / "zoo"
@@ -283,6 +285,7 @@ def test_the_zoo_refuses_a_model_without_a_reference_unless_allowed(dataset, flo
     unverified(payload["challenge"]["provenance"])
 
 
+@pytest.mark.slow
 def test_train_s_evaluation_checks_the_model_as_the_scripts_do(dataset, tmp_path):
     """train.py evaluates its checkpoint and starting point through `evaluate`: it runs the start-up check too."""
     from tools.training.config import TrainConfig  # noqa: PLC0415
@@ -312,6 +315,7 @@ def _checked_in_a_group() -> dict:
     return check_run(loaded(model), Runtime(CPU, group=group), images(), allow_inexact=True, batch_size=4)
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_run_is_verified_only_where_every_process_verified_it(tmp_path):
     from tests.helpers import run_in_processes  # noqa: PLC0415
     first, second = run_in_processes(_checked_in_a_group, 2, tmp_path)
@@ -347,6 +351,7 @@ class CastsInChannelsLast(nn.Module):
 
 
 @pytest.mark.parametrize("first_verified", [False, True])
+@pytest.mark.slow
 def test_a_run_resumes_only_predictions_made_under_its_own_verdict(dataset, tmp_path, first_verified):
     """A run the check did not verify (allowed on a device where the model computes in bf16), resumed where it
     verifies: the resumed predictions are the unverified run's, so the results may not say `exact: true`; the
@@ -370,6 +375,7 @@ def test_a_run_resumes_only_predictions_made_under_its_own_verdict(dataset, tmp_
     assert again.in9["provenance"]["exact"] is again.challenge["provenance"]["exact"] is first_verified
 
 
+@pytest.mark.slow
 def test_the_zoo_sets_aside_the_runs_of_another_verdict(dataset, tmp_path, capsys):
     """The zoo resumes a model's runs from their saved state: one made where the check did not verify the model
     (allowed) is set aside where it verifies, not resumed into results that say `exact: true`."""
@@ -429,6 +435,7 @@ def _compiled_as_other_kernels(model, **options):
 
 
 @pytest.mark.parametrize("other", ["--compile", "--channels-last"])
+@pytest.mark.slow
 def test_a_run_resumes_no_state_saved_under_another_arithmetic(other, dataset, color_ts, tmp_path, monkeypatch,
                                                               capsys):
     """A challenge state saved by a --compile run (not exact, its re-check off with --recheck-margin 0; the start-up
@@ -443,6 +450,7 @@ def test_a_run_resumes_no_state_saved_under_another_arithmetic(other, dataset, c
     assert "challenge_state.npz belongs to another run" in line
 
 
+@pytest.mark.slow
 def test_the_zoo_sets_aside_the_runs_of_another_arithmetic(dataset, color_ts, tmp_path, monkeypatch, capsys):
     """The zoo's runs of a model made with --compile (--recheck-margin 0) are set aside, not resumed, by a run
     without it, whose results then say `exact: true` of eager predictions only."""
@@ -472,12 +480,14 @@ def test_the_zoo_sets_aside_the_runs_of_another_arithmetic(dataset, color_ts, tm
 
 
 @pytest.mark.parametrize("other", ["channels_last", "decoder", "device"])
+@pytest.mark.slow
 def test_in9_resumes_and_merges_only_predictions_made_alike(other, dataset, color_ts, tmp_path, monkeypatch, capsys):
     """in9's saved state and its shards hold where their predictions were made: the memory format, the JPEG decoder
     (another libjpeg decodes a JPEG to other pixels) and the device model (another CPU instruction set or GPU, or
     torch, picks other kernels). A run made otherwise neither resumes them (naming what differs) nor merges with
     them."""
     import PIL  # noqa: PLC0415
+
     from tools import merge  # noqa: PLC0415
     argv = script_argv(dataset, color_ts[9], tmp_path, "--batch-size", "8", "--eval-dataset", "all")
 

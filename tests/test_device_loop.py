@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.challenge.predictor import CompositePredictor
-from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.data import synthetic
+from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
 from tools.models.architectures import SmallCNN
 from tools.models.boundary import LoadedModel, PixelModel
@@ -38,6 +38,7 @@ class RecordsOps(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("full", [False, True])
+@pytest.mark.slow
 def test_the_launch_path_never_waits_for_the_device(dataset, monkeypatch, full, one_thread):
     """bf16 with a re-check margin that makes near ties everywhere: launching a batch (composite, predict, top-two
     margins, copies back) calls no op that reads a device value on the host."""
@@ -74,6 +75,7 @@ class CountsGraphs:
 
 
 @pytest.mark.parametrize("full", [False, True])
+@pytest.mark.slow
 def test_a_compiled_bf16_challenge_compiles_one_graph_and_rechecks_eagerly(dataset, monkeypatch, full, one_thread):
     counter, real_compile = CountsGraphs(), torch.compile
     monkeypatch.setattr(torch, "compile", lambda model, **options: real_compile(model, backend=counter.backend,
@@ -90,6 +92,7 @@ def test_a_compiled_bf16_challenge_compiles_one_graph_and_rechecks_eagerly(datas
     assert compiled == 1 and counter.autocast and all(counter.autocast)
 
 
+@pytest.mark.slow
 def test_in9_rechecks_near_ties_in_reduced_precision(dataset, one_thread):
     """bf16 with every prediction a near tie: every image re-checked, and the predictions are fp32's; the counts
     are in the results JSON."""
@@ -112,6 +115,7 @@ def colour_model() -> LoadedModel:
 
 
 @pytest.mark.parametrize("full,stop", [(False, 16), (False, 36), (True, 16)])
+@pytest.mark.slow
 def test_a_bf16_run_with_rechecks_resumed_mid_run_is_the_same_run(dataset, tmp_path, monkeypatch, full, stop,
                                                                   one_thread):
     """bf16 with some near ties held for their re-check (the colour model: robust and vulnerable foregrounds, so
@@ -162,11 +166,12 @@ class RecordsHostReads(torch.overrides.TorchFunctionMode):
 
 
 @pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+@pytest.mark.slow
 def test_in9_launch_path_never_waits_for_the_device(dataset, monkeypatch, precision, one_thread):
     """in9 in fp32 and in bf16 with near ties everywhere: between the points allowed to wait (a batch's results
     copied back, waited for `IN_FLIGHT` batches later; the fp32 re-check of the queued ties), the loop calls no
     op that reads a device value on the host (no `nonzero`, `.item()`, blocking `.cpu()` of a batch's results)."""
-    from tools.runtime import inflight
+    from tools.runtime import inflight  # noqa: PLC0415
     host, ops = RecordsHostReads(), RecordsOps()
 
     def allowed(method):
@@ -232,6 +237,7 @@ def overflowing_model() -> LoadedModel:
                        None, None, None, None, "test", "test")
 
 
+@pytest.mark.slow
 def test_a_nan_margin_of_reduced_precision_is_rechecked_or_unsure(dataset, one_thread):
     """A prediction from NaN logits (reduced precision's overflow) is no sure one: re-checked in fp32 like a near
     tie, so in9's predictions and the challenge's verdicts are fp32's; with the re-check off, a verdict resting on

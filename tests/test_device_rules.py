@@ -15,10 +15,10 @@ from tests.helpers import run_in_process
 from tools import runtime
 from tools.data import synthetic
 from tools.errors import UserError
-from tools.provenance import TRAINING_LOG
 from tools.models.architectures import SMALL_CNN
-from tools.runtime import Precision, Runtime
 from tools.models.sources import load_model
+from tools.provenance import TRAINING_LOG
+from tools.runtime import Precision, Runtime
 from tools.training import data as training_data
 from tools.training import loop
 from tools.training.config import Method, TrainConfig
@@ -60,6 +60,7 @@ def test_torchs_mps_cpu_fallback_turns_the_refusal_into_one_warning(caplog):
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "runs on the CPU" in caplog.text
 
 
+@pytest.mark.slow
 def test_training_on_mps_before_torch_2_7_is_one_error_line_at_start_up(tmp_path, capsys, mps_here, torch_version):
     torch_version("2.6.0")
     root = tmp_path / "in9"
@@ -219,6 +220,7 @@ class HostReads:
             yield batch
 
 
+@pytest.mark.slow
 def test_training_reads_from_the_device_per_log_block_not_per_step(tmp_path, monkeypatch, one_thread):
     root = tmp_path / "in9"
     synthetic.generate(root, per_class=2, seed=0, split="train")  # 18 images

@@ -21,13 +21,14 @@ import torch.distributed as dist
 import challenge_eval
 import in9_eval
 from tests import collective_guard
-from tests.helpers import run_in_process, run_in_processes, save_torchscript
-from tests.helpers import TinyCNN
+from tests.helpers import TinyCNN, run_in_process, run_in_processes, save_torchscript
 from tools import distributed, zoo
-from tools.data import synthetic
 from tools.challenge import STATE_NAME, CompositePredictor, SearchState
 from tools.challenge.scheduler import split_untested
+from tools.data import synthetic
 from tools.runtime import Runtime
+
+pytestmark = pytest.mark.slow  # end to end: torchrun-style process groups, every command across processes
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING = ("wall_time_s", "composites_per_s", "composites_evaluated")  # cost, not results
@@ -242,7 +243,7 @@ def test_the_guard_stops_collectives_around_tools_distributed_and_tensors_off_th
         tensor = torch.ones(2)
         from_the_toolkit = compile("dist.all_reduce(tensor)", str(REPO / "tools" / "somewhere.py"), "exec")
         with pytest.raises(collective_guard.CollectiveRuleBroken, match="somewhere.py calls torch.distributed.all_r"):
-            exec(from_the_toolkit, {"dist": dist, "tensor": tensor})
+            exec(from_the_toolkit, {"dist": dist, "tensor": tensor})  # noqa: S102 (the test's own code)
         with pytest.raises(collective_guard.CollectiveRuleBroken, match="tensor on meta under gloo"):
             dist.all_reduce(torch.ones(2, device="meta"))
         # through tools.distributed (and from code outside the toolkit, such as torch's or this test's): allowed
@@ -531,7 +532,7 @@ def test_leaving_a_gloo_group_before_torch_2_8_lets_its_workers_drop_finished_wo
                                                                                          monkeypatch):
     """torch < 2.8 destroys a gloo group holding the GIL while its worker threads may need it (pytorch#154976):
     cleanup waits a moment, the GIL released, before destroying it; the order matters, not the time."""
-    from torch.torch_version import TorchVersion
+    from torch.torch_version import TorchVersion  # noqa: PLC0415
     events = []
     monkeypatch.setattr(torch, "__version__", TorchVersion(version))
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)

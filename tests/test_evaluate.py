@@ -30,7 +30,7 @@ from tools import __version__, evaluate
 from tools.data import synthetic
 from tools.data.decoders import Decoder
 from tools.evaluate import In9Config, evaluate_variations, list_in9_files, run_in9
-from tools.in9 import class_folder_names, VARIATIONS, class_names
+from tools.in9 import VARIATIONS, class_folder_names, class_names
 from tools.models.sources import load_model
 from tools.runtime import Runtime
 
@@ -211,6 +211,7 @@ def printed_accuracies(stdout: str) -> dict[str, str]:
 # Against the brute-force reference
 
 @pytest.mark.parametrize("name", ["color9", "color1000", "cnn9", "cnn1000"])
+@pytest.mark.slow
 def test_printed_accuracies_and_bg_gap_match_reference(name, script_runs, references):
     ref, run = references(name), script_runs(name)
     printed = printed_accuracies(run.stdout)
@@ -317,6 +318,7 @@ def test_two_runs_give_identical_results(script_runs, tmp_path):
 
 @pytest.mark.parametrize("batch_size,workers,channels_last", [(5, 1, False), (7, 2, True), (64, 2, False),
                                                               (1000, 1, False)])
+@pytest.mark.slow
 def test_batch_sizes_give_the_same_predictions(batch_size, workers, channels_last, models, dataset, references):
     """Batches that straddle variations, end part-full, or hold everything: the same predictions."""
     loaded = load_model(trust=True, checkpoint=models["cnn9"].path)
@@ -327,6 +329,7 @@ def test_batch_sizes_give_the_same_predictions(batch_size, workers, channels_las
 
 
 @pytest.mark.parametrize("decoder", list(Decoder))
+@pytest.mark.slow
 def test_either_decoder_gives_the_references_results(decoder, models, dataset, references):
     """In fp32, torchvision's decoder and Pillow's give the brute-force (Pillow) reference's predictions, and the
     run names its decoder in the provenance."""
@@ -338,6 +341,7 @@ def test_either_decoder_gives_the_references_results(decoder, models, dataset, r
     assert run.provenance["decoder"]["used"] == decoder.value
 
 
+@pytest.mark.slow
 def test_torch_export_program_gives_the_same_predictions(models, dataset, references, tmp_path):
     """A .pt2 with a dynamic batch dimension runs full and partial batches like the module it came from."""
     path = tmp_path / "cnn9.pt2"
@@ -354,6 +358,7 @@ def test_torch_export_program_gives_the_same_predictions(models, dataset, refere
 # ----------------------------------------------------------------------------------------------------------
 # --resume
 
+@pytest.mark.slow
 def test_resume_uses_saved_variations(script_runs, tmp_path):
     first = script_runs("color9")
     out_dir = tmp_path / "resume"

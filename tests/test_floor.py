@@ -90,6 +90,6 @@ def test_the_declared_pythons_are_read_from_the_classifiers(floor, tmp_path):
 def test_each_check_leaves_out_only_the_check_of_the_record_it_writes(floor):
     """A run that writes a record cannot pass that record's check beforehand; it runs every other test."""
     assert set(floor.RECORD_TESTS) == {floor.RECORD, floor.NEWEST_RECORD}
-    for path, test in floor.RECORD_TESTS.items():
+    for _path, test in floor.RECORD_TESTS.items():
         name = test.split("::")[1]
         assert name in globals() and test.startswith("tests/test_floor.py::")

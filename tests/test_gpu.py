@@ -10,13 +10,13 @@ import torch
 from tests import fp32_formats
 from tests.helpers import TINY_CLIP, save_torchscript
 from tools import challenge
-from tools.data import synthetic
 from tools.challenge import ChallengeConfig, run_challenge
+from tools.data import synthetic
 from tools.data.compositing import blend
+from tools.data.pixels import unit_floats
 from tools.evaluate import evaluate_variations
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
 from tools.models.boundary import PixelModel
-from tools.data.pixels import unit_floats
 from tools.models.sources import load_model
 from tools.runtime import Precision, Runtime
 

@@ -10,6 +10,8 @@ import pytest
 
 from tests.helpers import run_forked
 
+pytestmark = pytest.mark.slow  # end to end: every command's help, each in its own process
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # how a user types each command in a checkout (docs/make_cli.py's forms): the usage line must say the same

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_hub_sources import TIMM_REPO, put_in_cache, save_vit, timm_weights  # noqa: F401 (a fixture)
 from tests.helpers import files_read
+from tests.test_hub_sources import TIMM_REPO, put_in_cache, save_vit, timm_weights  # noqa: F401 (a fixture)
 from tools.errors import UserError
 from tools.models.sources import load_model
 
@@ -135,7 +135,7 @@ def test_trusted_remote_code_that_is_not_there_is_one_line(reference, says, tmp_
     assert "\n" not in str(error.value)
 
 
-def test_a_timm_hub_config_naming_a_weights_file_elsewhere_is_not_followed(timm_weights, hub_cache, tmp_path):
+def test_a_timm_hub_config_naming_a_weights_file_elsewhere_is_not_followed(timm_weights, hub_cache, tmp_path):  # noqa: F811
     """timm loads a hub model's weights from its repository whatever `file` its config.json names; the toolkit
     hashes and records that same file, and reads nothing the config points to outside the cache."""
     module, folder = timm_weights

@@ -59,7 +59,8 @@ def processors():
 
 
 @pytest.mark.parametrize("kind", list(processors()))
-def test_the_loaded_model_equals_the_module_on_its_processors_output(kind, tmp_path, hub_cache):  # noqa: F811
+@pytest.mark.slow
+def test_the_loaded_model_equals_the_module_on_its_processors_output(kind, tmp_path, hub_cache):
     module = save_resnet(tmp_path / "m")
     processor = processors()[kind]()
     processor.save_pretrained(tmp_path / "m")
@@ -73,7 +74,7 @@ def test_the_loaded_model_equals_the_module_on_its_processors_output(kind, tmp_p
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_checkpoints_load_in_float32(dtype, tmp_path, hub_cache):  # noqa: F811
+def test_half_precision_checkpoints_load_in_float32(dtype, tmp_path, hub_cache):
     module = save_resnet(tmp_path / "m", seed=1, dtype=dtype)
     transformers.ViTImageProcessor(size={"height": 224, "width": 224}).save_pretrained(tmp_path / "m")
     loaded = load_model(f"hf:{tmp_path / 'm'}")
@@ -84,7 +85,7 @@ def test_half_precision_checkpoints_load_in_float32(dtype, tmp_path, hub_cache):
         torch.testing.assert_close(loaded.model(batch), module(pixel_values=x).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_no_processor_config_is_a_warning_naming_what_is_used(tmp_path, hub_cache, caplog):  # noqa: F811
+def test_no_processor_config_is_a_warning_naming_what_is_used(tmp_path, hub_cache, caplog):
     save_resnet(tmp_path / "m")
     with caplog.at_level(logging.INFO, logger="tools"):
         loaded = load_model(f"hf:{tmp_path / 'm'}")
@@ -93,7 +94,8 @@ def test_no_processor_config_is_a_warning_naming_what_is_used(tmp_path, hub_cach
     assert "in9" in loaded.normalization
 
 
-def test_a_processor_that_cannot_be_loaded_is_one_line(tmp_path, data, hub_cache, capsys):  # noqa: F811
+@pytest.mark.slow
+def test_a_processor_that_cannot_be_loaded_is_one_line(tmp_path, data, hub_cache, capsys):
     save_resnet(tmp_path / "m")
     (tmp_path / "m" / "preprocessor_config.json").write_text(json.dumps(
         {"image_processor_type": "NoSuchImageProcessor", "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
@@ -121,7 +123,7 @@ def with_remote_processor(folder: Path, marker: Path) -> None:
     (folder / "preprocessor_config.json").write_text(json.dumps(config))
 
 
-def test_remote_code_runs_only_with_the_opt_in_flag(tmp_path, data, hub_cache, capsys):  # noqa: F811
+def test_remote_code_runs_only_with_the_opt_in_flag(tmp_path, data, hub_cache, capsys):
     save_resnet(tmp_path / "m")
     transformers.ViTImageProcessor(size={"height": 224, "width": 224}).save_pretrained(tmp_path / "m")
     marker = tmp_path / "remote-code-ran"
@@ -134,7 +136,7 @@ def test_remote_code_runs_only_with_the_opt_in_flag(tmp_path, data, hub_cache, c
     assert marker.exists() and loaded.num_classes == 9
 
 
-def test_a_model_needing_remote_code_names_the_flag(tmp_path, hub_cache):  # noqa: F811
+def test_a_model_needing_remote_code_names_the_flag(tmp_path, hub_cache):
     save_resnet(tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     config["auto_map"] = {"AutoModelForImageClassification": "modeling_custom.CustomModel"}
@@ -157,7 +159,7 @@ def with_remote_model(folder: Path, sign: float) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def test_a_models_remote_code_is_in_its_identity(tmp_path, hub_cache, monkeypatch):  # noqa: F811
+def test_a_models_remote_code_is_in_its_identity(tmp_path, hub_cache, monkeypatch):
     """The same weights and configs under changed code (--trust-remote-code): other predictions, another
     identity, and the code file named in the record."""
     monkeypatch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
@@ -179,7 +181,7 @@ def test_a_models_remote_code_is_in_its_identity(tmp_path, hub_cache, monkeypatc
 
 
 @pytest.mark.parametrize("damage", ["a list", "a label key that is no number", "labels that are a list"])
-def test_a_malformed_config_is_one_line(damage, tmp_path, hub_cache):  # noqa: F811
+def test_a_malformed_config_is_one_line(damage, tmp_path, hub_cache):
     save_resnet(tmp_path / "m")
     path = tmp_path / "m" / "config.json"
     config = json.loads(path.read_text())
@@ -212,7 +214,8 @@ CONFIG_DAMAGE = {  # what a hand-edited config.json may hold, and a word the lin
 
 
 @pytest.mark.parametrize("damage", list(CONFIG_DAMAGE))
-def test_a_config_transformers_or_the_toolkit_rejects_is_one_line(damage, tmp_path, hub_cache):  # noqa: F811
+@pytest.mark.slow
+def test_a_config_transformers_or_the_toolkit_rejects_is_one_line(damage, tmp_path, hub_cache):
     save_resnet(tmp_path / "m")
     path = tmp_path / "m" / "config.json"
     config = json.loads(path.read_text())
@@ -227,7 +230,7 @@ def test_a_config_transformers_or_the_toolkit_rejects_is_one_line(damage, tmp_pa
 
 @pytest.mark.parametrize("asked", ["kernels-community/flash-attn2", "flex_attention",
                                    {"": "sdpa", "vision_config": "kernels-community/flash-attn3"}])
-def test_a_config_asking_for_other_attention_is_refused(asked, tmp_path, hub_cache):  # noqa: F811
+def test_a_config_asking_for_other_attention_is_refused(asked, tmp_path, hub_cache):
     """The toolkit runs transformers' own eager or sdpa attention (torch's math backend under sdpa): a config.json
     asking for another (a library's kernel, a torch.compile'd one, or compiled code transformers would download
     from a Hub repository and load, with the kernels package installed) is refused in one line."""
@@ -242,7 +245,7 @@ def test_a_config_asking_for_other_attention_is_refused(asked, tmp_path, hub_cac
     assert load_model(f"hf:{tmp_path / 'm'}").num_classes == 9
 
 
-def test_a_config_nested_deeper_than_json_goes_is_one_line(tmp_path, hub_cache):  # noqa: F811
+def test_a_config_nested_deeper_than_json_goes_is_one_line(tmp_path, hub_cache):
     save_resnet(tmp_path / "m")
     path = tmp_path / "m" / "config.json"
     path.write_text(path.read_text().rstrip().rstrip("}") + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}")
@@ -250,7 +253,7 @@ def test_a_config_nested_deeper_than_json_goes_is_one_line(tmp_path, hub_cache):
         load_model(f"hf:{tmp_path / 'm'}")
     assert "\n" not in str(error.value)
 
-def test_an_image_size_of_height_and_width_is_taken(tmp_path, hub_cache):  # noqa: F811
+def test_an_image_size_of_height_and_width_is_taken(tmp_path, hub_cache):
     module = save_resnet(tmp_path / "m")
     path = tmp_path / "m" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "image_size": [160, 192]}))
@@ -260,7 +263,7 @@ def test_an_image_size_of_height_and_width_is_taken(tmp_path, hub_cache):  # noq
 
 
 @pytest.mark.parametrize("resample", ["bicubic", 2.5, [3], True])
-def test_a_resample_that_is_no_pil_code_is_one_line(resample, tmp_path, hub_cache):  # noqa: F811
+def test_a_resample_that_is_no_pil_code_is_one_line(resample, tmp_path, hub_cache):
     save_resnet(tmp_path / "m")
     transformers.ViTImageProcessor(size={"height": 224, "width": 224}).save_pretrained(tmp_path / "m")
     path = tmp_path / "m" / "preprocessor_config.json"

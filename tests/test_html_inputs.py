@@ -18,8 +18,18 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import (TINY, Page, check_error, html_runs, page_shows_secret, run_command, run_in_process, run_train,
-                           secret_image, shows_secret)
+from tests.helpers import (
+    TINY,
+    Page,
+    check_error,
+    html_runs,
+    page_shows_secret,
+    run_command,
+    run_in_process,
+    run_train,
+    secret_image,
+    shows_secret,
+)
 from tools.data.compositing import blend, original_weights
 from tools.data.decoding import decode_rgb
 from tools.in9 import class_names
@@ -55,6 +65,7 @@ def examples(text: str) -> list[tuple[str, str, str, str, str]]:
     return EXAMPLE.findall(text)
 
 
+@pytest.mark.slow
 def test_unreadable_foregrounds_leave_a_note_not_a_crash(runs, tmp_path):
     _, inputs = runs
     data = Path(inputs["analysis"]["data_path"])
@@ -74,6 +85,7 @@ def test_unreadable_foregrounds_leave_a_note_not_a_crash(runs, tmp_path):
     assert len(examples(text)) == len(shown)
 
 
+@pytest.mark.slow
 def test_the_composite_is_the_one_the_original_arithmetic_made(runs, tmp_path):
     _, inputs = runs
     data = tmp_path / "data"
@@ -119,6 +131,7 @@ def test_the_examples_follow_the_runs_criterion(runs, tmp_path):
         assert vulnerable[i] and predicted == bg_name == NAMES[bg[j]] == NAMES[p[i, j]] != fg_name
 
 
+@pytest.mark.slow
 def test_a_relative_data_path_is_recorded_absolute_and_the_report_reads_the_one_it_is_given(runs, tmp_path,
                                                                                            monkeypatch):
     _, inputs = runs
@@ -148,6 +161,7 @@ def test_strings_in_the_results_are_escaped(runs, tmp_path):
     assert "<script>alert" not in text and text.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 5
 
 
+@pytest.mark.slow
 def test_a_training_rerun_shows_its_own_results_not_older_files(runs, tiny, tmp_path, capsys, one_thread):
     out_dir, _ = runs
     out = tmp_path / "run"
@@ -216,6 +230,7 @@ def figure_shows_secret(path: Path, k: int) -> bool:
     return any(shows_secret(figure.crop(box)) for box in boxes)
 
 
+@pytest.mark.slow
 def test_reports_and_figures_read_no_file_outside_the_data_folder_whatever_the_results_name(runs, tmp_path, capsys):
     """analysis.json, the matrix's CSVs and challenge_meta.json edited to name a file outside the data folder (and the
     data path recorded as /): the report and the analysis's figure read only the --data-path folder's own files."""

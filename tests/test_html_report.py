@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import base64
 import html
-import re
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from tests.helpers import TINY, Page, check_error, html_runs, run_train
-from tools.in9 import VARIATIONS, class_names
 from tools.data.decoding import decode_rgb
+from tools.in9 import VARIATIONS, class_names
 from tools.results import html_sections, report, report_cli
 from tools.results.categories import Category
 from tools.results.html import write_html
@@ -112,6 +112,7 @@ def check_composites(composites: list[dict], inputs: dict) -> None:
         assert np.abs(got.astype(int) - expected.astype(int)).mean() < 8  # JPEG at quality 80
 
 
+@pytest.mark.slow
 def test_the_page_holds_the_results_numbers_and_small_embedded_images(runs):
     out, inputs = runs
     text = (out / "report.html").read_text()
@@ -220,6 +221,7 @@ def test_a_folder_that_is_not_the_run_named_writes_nothing(flag, runs, tmp_path,
     assert not markdown.exists() and not page.exists()
 
 
+@pytest.mark.slow
 def test_a_training_run_leaves_its_curves_and_before_after_table(tiny, tmp_path, capsys, one_thread):
     out = tmp_path / "run"
     code, _, err = run_train(["--data-path", tiny, "--weights", "none", "--epochs", 2, "--batch-size", 6,
@@ -311,6 +313,7 @@ def click_each_column(tables: dict[str, list], widest: int) -> str:
 
 
 @pytest.mark.skipif(BROWSER is None and not REQUIRE_BROWSER, reason="chromium is not installed")
+@pytest.mark.slow
 def test_a_click_sorts_its_own_column_in_every_sortable_table(runs, tmp_path):
     page = every_sortable_table(runs, tmp_path)
     tables = {name: rows for name, rows in Page(page.read_text()).tables.items()
@@ -337,6 +340,7 @@ def test_a_click_sorts_its_own_column_in_every_sortable_table(runs, tmp_path):
 @pytest.mark.skipif(BROWSER is None and not REQUIRE_BROWSER,
                     reason="chromium is not installed (apt-get install chromium); CI installs it and sets "
                            "CI_REQUIRE_BROWSER=1")
+@pytest.mark.slow
 def test_the_page_in_a_headless_browser(runs, tmp_path):
     assert BROWSER is not None, "CI_REQUIRE_BROWSER=1 but neither chromium nor chromium-browser is on PATH"
     out, inputs = runs
@@ -429,7 +433,7 @@ def test_rows_made_with_other_settings_are_ranked_apart(tmp_path):
     """Three models of one zoo folder, two measured in fp32 with binary masks and one in bf16 with the original mask
     arithmetic: two tables, each ranking only the rows made alike under a caption that says how they were made,
     and a warning naming the settings that differ; the Markdown and the HTML alike."""
-    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard
+    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard  # noqa: PLC0415
 
     (tmp_path / "models").mkdir()
     for model, precision, arithmetic, accuracy in [("a", "fp32", "binary", 30.0), ("b", "bf16", "original", 40.0),
@@ -465,7 +469,7 @@ def test_rows_made_with_other_settings_are_ranked_apart(tmp_path):
 def test_the_html_leaderboard_has_the_markdown_columns_and_caveats(tmp_path, per_class):
     """A 9-class model under bg-class beside a 1000-class model under any, on other data: both renderings have
     the same columns, rows and not-comparable notes; the published rows only beside runs on the release."""
-    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard
+    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard  # noqa: PLC0415
 
     (tmp_path / "models").mkdir()
     for model, classes, criterion, data in [("nine", 9, "bg-class", "a"), ("thousand", 1000, "any", "b")]:
@@ -490,7 +494,7 @@ def test_rows_made_by_other_versions_are_ranked_apart(tmp_path):
     """Two results files of one zoo folder made alike but by other versions of the toolkit or of torch (an older
     results file kept, a SLURM array task in another environment: another torch picks other kernels, another toolkit
     may compute otherwise): ranked apart, each table's caption naming its versions. Before, one table ranked them."""
-    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard
+    from tools.results.leaderboard import MARKDOWN_FILE, build_leaderboard  # noqa: PLC0415
 
     (tmp_path / "models").mkdir()
     for model, toolkit, torch_version, accuracy in [("a", "0.1.0", "2.14.1", 30.0), ("b", "0.2.0", "2.14.1", 40.0),

@@ -143,6 +143,7 @@ def test_timm_pretrained_weights_from_the_hub_cache(name, timm_weights, hub_cach
     assert sum("resized" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.slow
 def test_timm_offline_without_cached_weights_is_one_line(hub_cache, data, capsys, tmp_path):
     timm_with_test_model()
     code, out, err = run_in_process(in9_eval.main, ["--arch", f"timm:{TIMM_NAME}.{TIMM_TAG}", "--data-path",
@@ -434,6 +435,7 @@ def test_transformers_hub_name_offline_without_cache_is_one_line(hub_cache, data
     assert str(hub_cache) in line and "snapshot_download('someone/missing-vit')" in line
 
 
+@pytest.mark.slow
 def test_the_zoo_takes_a_transformers_folder(tmp_path, data, hub_cache, capsys, one_thread):
     save_vit(tmp_path / "vit", [n.title() for n in class_names()], seed=6)
     spec = f"hf:{tmp_path / 'vit'}"
@@ -453,7 +455,7 @@ def test_the_zoo_takes_a_transformers_folder(tmp_path, data, hub_cache, capsys, 
 
 
 def test_a_missing_extra_is_one_line(monkeypatch, tmp_path):
-    import sys
+    import sys  # noqa: PLC0415
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(UserError, match=r"pip install .*\[hf\]"):
         load_model(f"hf:{tmp_path}")
@@ -472,6 +474,7 @@ def zoo_outcome(spec: str, data: Path, output: Path, capsys) -> tuple[str, dict]
     return line, json.loads(zoo.results_path(output, zoo.parse_model_spec(spec)).read_text())
 
 
+@pytest.mark.slow
 def test_the_zoo_reruns_a_timm_model_when_the_hubs_main_moved(timm_weights, hub_cache, data, tmp_path, capsys,
                                                             one_thread):
     """A later download moved refs/main to another snapshot: the recorded file (the old snapshot's) is not what
@@ -491,6 +494,7 @@ def test_the_zoo_reruns_a_timm_model_when_the_hubs_main_moved(timm_weights, hub_
     assert again["identity"]["model"] != payload["identity"]["model"]
 
 
+@pytest.mark.slow
 def test_the_zoo_reruns_a_transformers_model_whose_processor_changed(tmp_path, data, hub_cache, capsys, one_thread):
     """The image processor's mean/std are part of an hf: model's identity, beside its weights."""
     save_vit(tmp_path / "vit", [n.title() for n in class_names()], seed=6)
@@ -505,6 +509,7 @@ def test_the_zoo_reruns_a_transformers_model_whose_processor_changed(tmp_path, d
     assert ": done:" in line and again["identity"]["model"] != first["identity"]["model"]
 
 
+@pytest.mark.slow
 def test_the_zoo_reruns_a_timm_file_whose_pixel_pipeline_changed(timm_weights, data, tmp_path, capsys, one_thread,
                                                                  monkeypatch):
     """`timm:NAME.TAG@file:CKPT`'s identity holds timm's data config and version beside the file: the file alone
@@ -521,6 +526,7 @@ def test_the_zoo_reruns_a_timm_file_whose_pixel_pipeline_changed(timm_weights, d
     assert ": done:" in zoo_outcome(spec, data, tmp_path / "zoo", capsys)[0]
 
 
+@pytest.mark.slow
 def test_the_zoo_skips_a_timm_model_whose_cache_gained_a_config_it_never_reads(timm_weights, hub_cache, data,
                                                                                 tmp_path, capsys, one_thread):
     """The zoo's "already done" is the model's identity: a config.json timm does not read for a registered name,

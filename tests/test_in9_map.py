@@ -149,6 +149,7 @@ def test_missing_reference_facts_skip_and_fail_under_ci(ci, outcome, tmp_path, m
         reference_dir(tmp_path / "clone")
 
 
+@pytest.mark.slow
 def test_a_fresh_clone_reads_the_reference_beside_the_repository(tmp_path):
     """A clone with a reference folder beside it (as CI has it) compares the shipped copies with that folder:
     here a copy with one class renamed, which the comparison must catch."""

@@ -52,6 +52,7 @@ def timm_name(size: int) -> str:
 
 
 @pytest.mark.parametrize("size", [160, 384])
+@pytest.mark.slow
 def test_train_py_starts_from_a_timm_model_of_another_size_and_saves_the_network(size, timm_files, hub_cache, tiny,
                                                                                    tmp_path, capsys, one_thread):
     """From the pretrained name: a new 9-class head on the network itself, trained at the network's size (the ViT
@@ -117,6 +118,7 @@ def test_a_hub_name_with_a_checkpoint_file_takes_the_hub_configs_input(timm_file
                                    rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_state_saved_before_networks_were_fed_at_their_size_is_refused(timm_files, hub_cache, tiny, tmp_path,
                                                                          capsys, monkeypatch, one_thread):
     """Versions before the resume key held the starting model's identity fed every network 224x224 images (and

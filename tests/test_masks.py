@@ -11,10 +11,8 @@ import torch
 
 import challenge_eval
 from tests.challenge_reference import original_weight, reference_matrix
-from tests.helpers import run_in_process, save_torchscript
-from tests.helpers import TinyCNN
-from tools.data import compositing
-from tools.data import synthetic
+from tests.helpers import TinyCNN, run_in_process, save_torchscript
+from tools.data import compositing, synthetic
 from tools.in9 import IN9_MEAN, IN9_STD
 
 VALUES = (0, 1, 2, 128, 200, 255, 256, 511)  # 256 and 511 wrap to 0 and 255 in uint8
@@ -62,6 +60,7 @@ def test_original_weights_follow_the_uint8_rule():
     assert torch.equal(original_weight(raw.astype(np.int64))[0], torch.from_numpy(got).float() / 255)
 
 
+@pytest.mark.slow
 def test_non_binary_masks_are_refused_before_the_search(capsys, graded, cnn, tmp_path):
     code, out, err = run(capsys, graded, cnn[1], tmp_path / "out")
     assert code == 2 and out == "" and "Traceback" not in err
@@ -75,6 +74,7 @@ def test_non_binary_masks_are_refused_before_the_search(capsys, graded, cnn, tmp
     assert not (tmp_path / "out" / "challenge_state.npz").exists()
 
 
+@pytest.mark.slow
 def test_original_arithmetic_reproduces_the_original_formula(capsys, graded, cnn, tmp_path):
     code, out, err = run(capsys, graded, cnn[1], tmp_path / "out", "--mask-arithmetic", "original", "--full")
     assert code == 0, err
@@ -85,6 +85,7 @@ def test_original_arithmetic_reproduces_the_original_formula(capsys, graded, cnn
     assert f"Summary: {vulnerable}/{len(fg_labels)} " in out
 
 
+@pytest.mark.slow
 def test_binary_masks_give_the_same_numbers_under_both_arithmetics(capsys, plain, cnn, tmp_path):
     matrices = []
     for arithmetic in ("binary", "original"):

@@ -258,6 +258,7 @@ def test_a_results_provenance_names_the_decoder_and_the_math_that_ran(dataset, c
 
 
 @pytest.mark.parametrize("name", ["torchvision traced", "timm ViT", "transformers ViT", "CLIP image tower"])
+@pytest.mark.slow
 def test_the_fp32_against_fp64_check_passes_fp32_and_catches_bf16(name, tmp_path, request):
     """The check `tests/test_gpu.py` runs on CUDA, run on the CPU: fp32 through the loader and the exact forward
     is within fp32 rounding of fp64, and a bf16 runtime is caught."""

@@ -102,7 +102,7 @@ def test_the_evaluation_scripts_hand_every_model_flag_to_the_loader(tmp_path, mo
         calls = []
 
         def capture(*args, **kwargs):
-            calls.append((args, kwargs))
+            calls.append((args, kwargs))  # noqa: B023
             raise Captured
 
         monkeypatch.setattr(options, "load_model", capture)

@@ -154,6 +154,7 @@ def test_every_command_rejects_the_same_bad_names(bad, dataset, tmp_path, capsys
         zoo.load(zoo.parse_model_spec(bad))
 
 
+@pytest.mark.slow
 def test_every_command_takes_arch_at_file(small_cnn_file, dataset, tmp_path, capsys):
     """`ARCH@file:PATH` is `--arch ARCH --checkpoint PATH` in both scripts, train.py and the zoo."""
     joined = f"{SMALL_CNN}@file:{small_cnn_file}"

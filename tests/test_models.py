@@ -18,8 +18,8 @@ from torchvision.transforms import Normalize
 from torchvision.transforms.functional import to_tensor
 
 from tests.helpers import files_read, save_torchscript, unrecorded_reads
-from tools.errors import UserError
 from tools.data.hashing import sha256_file
+from tools.errors import UserError
 from tools.in9 import Normalization
 from tools.models.boundary import PixelModel
 from tools.models.sources import load_model
@@ -110,6 +110,7 @@ STATE_DICT_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(STATE_DICT_LAYOUTS))
+@pytest.mark.slow
 def test_state_dict_layouts_round_trip(layout, net9, pixels, tmp_path):
     path = tmp_path / "ckpt.pth"
     torch.save(STATE_DICT_LAYOUTS[layout](net9.state_dict()), path)
@@ -123,6 +124,7 @@ def test_state_dict_layouts_round_trip(layout, net9, pixels, tmp_path):
         assert "the top level" in loaded.checkpoint_format
 
 
+@pytest.mark.slow
 def test_state_dict_key_priority_and_checkpoint_key(net9, pixels, tmp_path):
     other = resnet18(9, seed=1)
     path = tmp_path / "both.pth"
@@ -143,6 +145,7 @@ def test_state_dict_key_priority_and_checkpoint_key(net9, pixels, tmp_path):
     (Normalization.IMAGENET, (IMAGENET_MEAN, IMAGENET_STD)),
     (Normalization.NONE, None),
 ])
+@pytest.mark.slow
 def test_robustness_library_layout(normalize, stats, net9, pixels, tmp_path):
     path = tmp_path / "robust.pt"
     torch.save(robustness_checkpoint(net9), path)
@@ -174,6 +177,7 @@ def test_robustness_normaliser_under_other_names(net9, pixels, tmp_path):
     assert torch.equal(logits_of(loaded, pixels), expected_logits(net9, pixels, (IMAGENET_MEAN, IMAGENET_STD)))
 
 
+@pytest.mark.slow
 def test_a_file_spec_is_the_checkpoint_source(net9, pixels, tmp_path, caplog):
     """`--arch file:PATH` (the zoo's spelling) reads the file as `--checkpoint PATH` does."""
     path = tmp_path / "model.ts"
@@ -185,6 +189,7 @@ def test_a_file_spec_is_the_checkpoint_source(net9, pixels, tmp_path, caplog):
     assert not [r for r in caplog.records if "is ignored" in r.message]
 
 
+@pytest.mark.slow
 def test_torchscript_round_trips(net9, pixels, tmp_path):
     path = tmp_path / "model.ts"
     save_torchscript(net9, path)
@@ -193,6 +198,7 @@ def test_torchscript_round_trips(net9, pixels, tmp_path):
     assert torch.equal(logits_of(loaded, pixels), expected_logits(net9, pixels, (IN9_MEAN, IN9_STD)))
 
 
+@pytest.mark.slow
 def test_torch_export_round_trips(net9, pixels224, tmp_path):
     path = tmp_path / "model.pt2"
     program = torch.export.export(net9, (torch.zeros(2, 3, 224, 224),),
@@ -206,6 +212,7 @@ def test_torch_export_round_trips(net9, pixels224, tmp_path):
 
 
 @pytest.mark.parametrize("allow", [[], ["--allow-inexact-device"]])
+@pytest.mark.slow
 def test_a_program_exported_for_one_batch_size_is_one_error_line(allow, dataset, net9, tmp_path, capsys):
     """torch.export without dynamic_shapes fixes the batch to the example's; a program of 3 passed the loader's probe
     of 3 images, then failed the device check's float64 reference ("pass --allow-inexact-device", which it is not
@@ -290,6 +297,7 @@ def test_a_failed_weights_download_is_one_error_line(failure, tmp_path, monkeypa
         load_model("resnet18", weights="IMAGENET1K_V1")
 
 
+@pytest.mark.slow
 def test_pretrained_weights_download_once_into_torch_cache_and_print_nothing(pixels, tmp_path, monkeypatch,
                                                                             capsys, caplog):
     """torchvision weights are fetched into TORCH_HOME's hub cache, then read from there; no line of torch's own
@@ -339,6 +347,7 @@ def test_unexpected_keys_are_named(net9, tmp_path):
         load_model("resnet18", checkpoint=path)
 
 
+@pytest.mark.slow
 def test_prefix_on_some_keys_only_is_not_stripped(net9, tmp_path):
     """A prefix is stripped only where every key has it; otherwise the load fails, naming the keys."""
     state = net9.state_dict()
@@ -354,6 +363,7 @@ def test_prefix_on_some_keys_only_is_not_stripped(net9, tmp_path):
         load_model("resnet18", checkpoint=path)
 
 
+@pytest.mark.slow
 def test_wrong_arch_is_named(net9, tmp_path):
     path = tmp_path / "r18.pth"
     torch.save(net9.state_dict(), path)
@@ -369,6 +379,7 @@ def test_wrong_arch_is_named(net9, tmp_path):
 # ----------------------------------------------------------------------------------------------------------
 # Class count and normalisation
 
+@pytest.mark.slow
 def test_class_count_and_normalisation_rule(net9, tmp_path):
     net1000 = resnet18(1000)
     for module, count, mean, std, rule in ((net9, 9, IN9_MEAN, IN9_STD, "in9"),
@@ -404,8 +415,8 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     from tools.evaluate import evaluate_variations  # noqa: PLC0415
     from tools.models.boundary import ModelOrigin, wrap  # noqa: PLC0415
     from tools.models.record import ModelRecord  # noqa: PLC0415
-    from tools.runtime import Runtime  # noqa: PLC0415
     from tools.models.sources import SOURCES, register_source  # noqa: PLC0415
+    from tools.runtime import Runtime  # noqa: PLC0415
 
     stats = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
     built = []
@@ -442,6 +453,7 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("model", ["hf:org/vit", "clip:ViT-B-32/openai"])
+@pytest.mark.slow
 def test_a_checkpoint_file_for_a_model_with_its_own_weights_is_one_refusal(model, tmp_path):
     """`MODEL@file:CKPT` and `--arch MODEL --checkpoint CKPT` mean one thing: for an hf: or clip: model, whose
     weights come from its own folder or repository, both are refused with the same line (the file would load as
@@ -456,6 +468,7 @@ def test_a_checkpoint_file_for_a_model_with_its_own_weights_is_one_refusal(model
 
 
 @pytest.mark.parametrize("arch", ["timm:resnet18", None])
+@pytest.mark.slow
 def test_a_timm_training_checkpoint_loads_as_the_timm_model_it_records(arch, tmp_path):
     """timm's train.py saves {'epoch', 'arch': its --model (a bare timm name), 'state_dict', 'optimizer',
     'version', 'args'}: that name is a timm architecture (not torchvision's resnet18), named or not."""

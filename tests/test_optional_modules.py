@@ -67,7 +67,7 @@ def test_a_background_import_never_races_the_model_libraries(fake_modules):
         fake_events.EVENTS.append("clip started")
         import fake_vision
     """)
-    import fake_events
+    import fake_events  # noqa: PLC0415
     import_in_background(["fake_vision"])
     time.sleep(0.1)  # the background thread is inside fake_vision's import
     optional_module("fake_clip", "a clip: model", "open_clip_torch", "clip")
@@ -79,6 +79,7 @@ def test_two_threads_may_wait_for_the_background_imports_at_once(monkeypatch):
     imports at once (`tools.threads.alongside`): both return, and neither fails on the other's clean-up (each is
     made to pause between finding the finished import thread and forgetting it)."""
     import threading  # noqa: PLC0415
+
     from tools import threads  # noqa: PLC0415
 
     class Pausing(list):

@@ -136,6 +136,7 @@ sys.meta_path.insert(0, CtrlC())
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_a_command_loads_is_one_line_and_exit_130(make_cli, tmp_path):
     """Every console script (a wrapper as pip writes it, importing the command's module and calling its main), every
     root script, and `python -m tools...`, interrupted while they import torch or numpy."""

@@ -46,6 +46,7 @@ def command(script: str, root, checkpoint, tmp_path) -> tuple:
 
 
 @pytest.mark.parametrize("script", ["in9", "challenge"])
+@pytest.mark.slow
 def test_the_data_is_hashed_while_the_model_is_built(script, dataset, checkpoint, tmp_path, monkeypatch, capsys,
                                                      one_thread):
     """Hashing the files waits until the model's building has started (it never starts, in a run that builds the
@@ -76,6 +77,7 @@ def test_the_data_is_hashed_while_the_model_is_built(script, dataset, checkpoint
 
 @pytest.mark.parametrize("script", ["in9", "challenge"])
 @pytest.mark.parametrize("model_fails", [False, True])
+@pytest.mark.slow
 def test_a_file_found_damaged_while_decoding_is_one_error_line(script, model_fails, dataset, checkpoint, tmp_path,
                                                                monkeypatch, capsys, one_thread):
     """A later background (in9: a later image of original) that is not a JPEG passes the fast checks and fails as
@@ -99,21 +101,22 @@ def test_a_file_found_damaged_while_decoding_is_one_error_line(script, model_fai
 def test_the_data_side_finds_its_imports_made_before_it_starts(monkeypatch):
     """What the data side imports on its way (torchvision.io for decoding) is imported before its thread starts:
     two threads importing torch's modules at once broke a torch.export load (KeyError 'torch._dynamo')."""
-    import sys
+    import sys  # noqa: PLC0415
 
-    from tools.threads import alongside
+    from tools.threads import alongside  # noqa: PLC0415
     monkeypatch.delitem(sys.modules, "colorsys", raising=False)
     seen, _ = alongside(lambda: "colorsys" in sys.modules, lambda: None, imports=["colorsys"])
     assert seen
 
 
 @pytest.mark.parametrize("script", ["in9", "challenge"])
+@pytest.mark.slow
 def test_both_commands_import_the_decoders_before_the_data_thread(script, dataset, checkpoint, tmp_path, monkeypatch,
                                                                    capsys, one_thread):
-    import tools.challenge.cli
-    import tools.in9_eval
-    from tools import threads
-    from tools.data import decoders
+    import tools.challenge.cli  # noqa: PLC0415
+    import tools.in9_eval  # noqa: PLC0415
+    from tools import threads  # noqa: PLC0415
+    from tools.data import decoders  # noqa: PLC0415
     asked = []
 
     def alongside(data, model, imports=()):
@@ -129,6 +132,7 @@ def test_both_commands_import_the_decoders_before_the_data_thread(script, datase
 
 @pytest.mark.parametrize("script", ["in9", "challenge"])
 @pytest.mark.parametrize("interrupt, code", [(KeyboardInterrupt, 130), (Terminated, 143)])
+@pytest.mark.slow
 def test_an_interrupt_while_the_model_is_built_stops_the_data_work(script, interrupt, code, dataset, checkpoint,
                                                                    tmp_path, monkeypatch, capsys, one_thread):
     """Ctrl-C (or SIGTERM) while the model is built and the data is hashed, file by file: the run ends with 130

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from tools.errors import UserError
-from tools.runtime import Runtime
 from tools.models.sources import load_model
+from tools.runtime import Runtime
 
 META = torch.device("meta")
 IMAGE = (3, 224, 224)  # the loader's probe feeds full-size images

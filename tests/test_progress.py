@@ -9,6 +9,7 @@ import io
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from tqdm import tqdm
 
@@ -59,6 +60,7 @@ def test_on_a_terminal_a_bar_is_tqdms_own():
     assert isinstance(progress.progress_bar(total=1, file=io.StringIO(), disable=True), progress.LogLines)
 
 
+@pytest.mark.slow
 def test_an_evaluation_logged_to_a_file_writes_lines(tmp_path, capsys, one_thread):
     """in9_eval.py with its bars on and standard error captured (not a terminal): every line of standard error
     is a short, whole line; the demo's log was one line of 19,731 characters, carriage returns between bars."""
@@ -75,6 +77,7 @@ def test_an_evaluation_logged_to_a_file_writes_lines(tmp_path, capsys, one_threa
     assert max(len(line) for line in err.splitlines()) < 200
 
 
+@pytest.mark.slow
 def test_the_challenges_search_bar_ends_at_its_total(tmp_path, capsys, one_thread):
     """The search's last line counts every foreground: those found robust by the last round (their backgrounds all
     tried) were left out of it, so a finished search's log ended at, say, "searching:  89%| 16/18"."""

@@ -12,8 +12,8 @@ import torch
 from tests.helpers import TINY_CLIP
 from tools.challenge import ROBUST, VULNERABLE, ChallengeConfig, run_challenge
 from tools.models.boundary import LoadedModel, PixelModel
-from tools.runtime import Precision, Runtime
 from tools.models.sources import load_model
+from tools.runtime import Precision, Runtime
 
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -44,6 +44,7 @@ def _loaded(model: torch.nn.Module) -> LoadedModel:
     return LoadedModel(PixelModel(model, (0.5,) * 3, (0.25,) * 3), 9, None, None, None, None, "test", "test")
 
 
+@pytest.mark.slow
 def test_the_fp32_recheck_halves_its_own_batch_on_out_of_memory(dataset, tmp_path, caplog, one_thread):
     exact = run_challenge(_loaded(FitsOnlyInBf16(limit=None)), Runtime(torch.device("cpu")), dataset.root,
                           ChallengeConfig(batch_size=16, progress=False, full=True), workers=1)
@@ -65,6 +66,7 @@ def test_the_fp32_recheck_halves_its_own_batch_on_out_of_memory(dataset, tmp_pat
                        "differ in the last bits from a run at 16"]
 
 
+@pytest.mark.slow
 def test_the_clip_text_head_halves_its_prompt_batch_on_out_of_memory(tiny_clip, tmp_path, monkeypatch, caplog):
     import open_clip  # noqa: PLC0415 (tiny_clip skips without it)
 
@@ -91,6 +93,7 @@ def test_the_clip_text_head_halves_its_prompt_batch_on_out_of_memory(tiny_clip, 
 
 
 @pytest.mark.parametrize("precision", [Precision.BF16, Precision.TF32])
+@pytest.mark.slow
 def test_the_clip_text_head_is_the_fp32_head_in_every_speed_mode(tiny_clip, tmp_path, monkeypatch, precision):
     """The text head is encoded in true fp32 in its own batches, as in the exact mode: neither padded to a fixed
     size (token batches are 2-D, and a head's bits must not depend on the run's precision, which its cache key

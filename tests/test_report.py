@@ -11,18 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from tools.results import analysis
-from tools.data import decoding as datasets
-from tools.data import layout
-from tools.results import report, report_cli
-from tools.data import synthetic
-from tools.results.categories import Category, prediction_categories
 from tools.challenge import list_challenge_files
+from tools.data import decoding as datasets
+from tools.data import layout, synthetic
 from tools.evaluate import In9Config, run_in9
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS, class_names
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.models.record import ModelRecord
 from tools.provenance import provenance
+from tools.results import analysis, report, report_cli
+from tools.results.categories import Category, prediction_categories
 from tools.runtime import Runtime
 
 NAMES = class_names()
@@ -108,6 +106,7 @@ def challenge_results(loaded, dataset, tmp_path_factory):
     return out, challenge, summary
 
 
+@pytest.mark.slow
 def test_every_section_renders_from_generated_results(in9_results, challenge_results, tmp_path):
     run, in9, categories = in9_results
     out, challenge, summary = challenge_results

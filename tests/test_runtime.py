@@ -92,6 +92,7 @@ class RecordsItsMath(torch.nn.Module):
 
 
 @pytest.mark.parametrize("precision", [Precision.TF32, Precision.BF16])
+@pytest.mark.slow
 def test_the_recheck_runs_in_true_fp32_and_restores_the_flags(precision, dataset):
     from tools.challenge import ChallengeConfig, run_challenge  # noqa: PLC0415
     from tools.models.boundary import LoadedModel, PixelModel  # noqa: PLC0415
@@ -193,6 +194,7 @@ def allocator_runs(tmp_path_factory) -> dict:
 
 @pytest.mark.skipif(not __import__("platform").libc_ver()[0] == "glibc", reason="glibc's allocator only")
 @pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.slow
 def test_the_library_leaves_the_callers_allocator_as_it_was(setup, allocator_runs):
     """Only the command lines keep freed memory in the process (tune_cpu_allocator): a library caller's process
     gives a freed large block back to the system as glibc does by default."""

@@ -99,6 +99,7 @@ FULL_FORGERIES = {
 
 @pytest.mark.parametrize("full, name, change", [(False, n, c) for n, c in SEARCH_FORGERIES.items()]
                          + [(True, n, c) for n, c in FULL_FORGERIES.items()])
+@pytest.mark.slow
 def test_a_forged_challenge_state_is_one_error_line(full, name, change, setup, finished, tmp_path, capsys):
     out = tmp_path / "out"
     shutil.copytree(finished[full], out)
@@ -109,6 +110,7 @@ def test_a_forged_challenge_state_is_one_error_line(full, name, change, setup, f
     assert str(out / STATE_NAME) in line and "rerun without --resume" in line, name
 
 
+@pytest.mark.slow
 def test_the_unedited_states_resume_to_the_same_numbers(setup, finished, tmp_path, capsys):
     """The checks refuse only what the search does not write: each finished state, resumed, prints its run again."""
     for full in (False, True):
@@ -143,6 +145,7 @@ IN9_FORGERIES = {
 
 
 @pytest.mark.parametrize("name, change", IN9_FORGERIES.items())
+@pytest.mark.slow
 def test_a_forged_in9_state_is_one_error_line(name, change, setup, in9_state, tmp_path, capsys):
     data, model = setup
     out = tmp_path / "out"
@@ -210,6 +213,7 @@ TRAINING_FORGERIES.update({  # each a traceback in training before (a setting to
 
 
 @pytest.mark.parametrize("name, change", TRAINING_FORGERIES.items())
+@pytest.mark.slow
 def test_a_forged_training_state_is_one_error_line_and_keeps_the_checkpoint(name, change, training_state, tmp_path,
                                                                             capsys):
     argv, finished_out = training_state

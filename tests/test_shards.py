@@ -13,12 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 import challenge_eval
 import in9_eval
 from tests.helpers import page_shows_secret, run_in_process, save_torchscript, secret_image, shows_secret
-from PIL import Image
-
 from tools import cli, merge
 from tools.data import synthetic
 from tools.results.analysis import FigureLayout
@@ -59,6 +58,7 @@ def vulnerable_column(path: Path) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("full", [True, False])
+@pytest.mark.slow
 def test_merged_challenge_shards_equal_one_run(full, setup, tmp_path, capsys):
     data, model = setup
     common = ["--data-path", data, "--checkpoint", model, "--trust-checkpoint", "--no-cache", "--batch-size", 5,
@@ -148,6 +148,7 @@ def challenge_shards(data, model, folder, capsys, indices=(0, 1)):
 
 
 @pytest.mark.parametrize("left", ["new arrays, old json", "old arrays, new json"])
+@pytest.mark.slow
 def test_merge_refuses_a_challenge_shard_rerun_stopped_between_its_two_files(left, setup, other_model, tmp_path,
                                                                            capsys, monkeypatch):
     """Shard 0 rerun with another model: its .npz and .json must not be paired across the two runs."""
@@ -196,6 +197,7 @@ def damage(path: Path, how: str) -> None:
     ("challenge", ".npz", "altered"),
     ("challenge", ".json", "truncated"), ("challenge", ".json", "not this format"),
     ("in9", ".json", "truncated"), ("in9", ".json", "empty"), ("in9", ".json", "not this format")])
+@pytest.mark.slow
 def test_a_damaged_shard_is_refused_with_one_error_line(kind, suffix, how, setup, tmp_path, capsys):
     data, model = setup
     folder = tmp_path / "shards"
@@ -215,6 +217,7 @@ def test_a_damaged_shard_is_refused_with_one_error_line(kind, suffix, how, setup
     assert str(damaged) in line and "--shard 1/2" in line
 
 
+@pytest.mark.slow
 def test_a_merged_analysis_reads_no_file_outside_the_data_folder_it_is_given(setup, tmp_path, capsys):
     """Shard files name their data folder and the run's files: edited to / and to paths out of it (absolute, climbing,
     through a link), the merged figure and HTML report still read only the --data-path folder's own files."""
@@ -311,6 +314,7 @@ def full_shards(setup, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", SHARD_FORGERIES)
+@pytest.mark.slow
 def test_a_resigned_challenge_shard_that_does_not_fit_its_run_is_refused(name, full_shards, tmp_path, capsys):
     folder = tmp_path / "shards"
     shutil.copytree(full_shards, folder)
@@ -332,6 +336,7 @@ def test_the_resigned_shards_unedited_merge(full_shards, tmp_path, capsys):
 
 @pytest.mark.parametrize("name", ["swapped shares", "a prediction of 11", "a prediction beyond 64 bits",
                                   "another shard's image list"])
+@pytest.mark.slow
 def test_an_in9_shard_predicting_what_it_does_not_own_is_refused(name, setup, tmp_path, capsys):
     data, model = setup
     folder = tmp_path / "shards"
@@ -356,6 +361,7 @@ def test_an_in9_shard_predicting_what_it_does_not_own_is_refused(name, setup, tm
     assert "rerun" in one_error_line(err), name
 
 
+@pytest.mark.slow
 def test_shards_listing_300000_foregrounds_and_backgrounds_merge_without_their_product(setup, tmp_path, capsys):
     """A merge makes nothing of foregrounds x backgrounds but a --full matrix the shards hold: listings forged to
     300,000 of each (with arrays to match, re-signed) once made it allocate 83.8 GiB."""
@@ -392,6 +398,7 @@ def test_a_shard_count_beyond_what_a_run_is_split_into_is_one_line(setup, tmp_pa
 
 
 @pytest.mark.parametrize("count", [10**20, 2**31 - 1])
+@pytest.mark.slow
 def test_a_shard_claiming_a_huge_split_is_refused_without_making_it(count, setup, tmp_path, capsys):
     """A shard file named (and saying) shard 0 of a huge N: beyond what numpy holds it was an OverflowError
     traceback; within it, the merge listed every shard of N to name the missing ones (2**31 of them: memory ran

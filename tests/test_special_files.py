@@ -94,6 +94,7 @@ def limited():
     resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))
 
 
+@pytest.mark.slow
 def test_fifos_and_links_to_devices_are_never_opened(setup, tmp_path):
     data, model = setup
     special = copy(data, tmp_path)
@@ -107,7 +108,7 @@ def test_fifos_and_links_to_devices_are_never_opened(setup, tmp_path):
                           capture_output=True, text=True, timeout=300, preexec_fn=limited)
     assert proc.returncode == 0, proc.stderr[-3000:]
     clean, found = (json.loads(results.read_text())[i:i + 3] for i in (0, 3))
-    for (code, out, err), (clean_code, clean_out, _) in zip(found, clean):
+    for (code, _out, err), (clean_code, _clean_out, _) in zip(found, clean):
         assert code == clean_code == 0, err
         assert "Traceback" not in err
     in9_run, challenge_run, verified = found
@@ -236,6 +237,7 @@ def test_files_reached_through_links_out_of_the_data_folder_are_said_once_and_re
 
 
 @pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero"])
+@pytest.mark.slow
 def test_a_special_file_where_the_build_summary_goes_is_never_opened(kind, setup, tmp_path):
     """`verify` reads the build's summary beside the folders: a FIFO there blocked it forever, a link to /dev/zero
     read until memory ran out; it is no summary."""

@@ -121,6 +121,7 @@ def test_the_recorded_architecture_settings_build_the_network(tmp_path):
     assert loaded.details["arch_args"] == {"global_pool": "max", "stem_width": 32}
 
 
+@pytest.mark.slow
 def test_a_network_fine_tuned_from_it_keeps_its_settings(tiny, tmp_path, capsys):
     """train.py fine-tuning such a checkpoint records the settings its network was built with (global pool, model
     kwargs) in its own checkpoint, which then loads: the network it trained, not one refused for its settings."""

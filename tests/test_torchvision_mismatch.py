@@ -49,6 +49,7 @@ def api_call(data: Path, out: Path) -> str:
             f"output_dir={str(out)!r})")
 
 
+@pytest.mark.slow
 def test_every_entry_point_says_torch_and_torchvision_go_together(setup):
     folder, data, train, model = setup
     common = ["--device", "cpu", "--no-progress"]
@@ -80,6 +81,7 @@ def test_every_entry_point_says_torch_and_torchvision_go_together(setup):
             assert lines[-1].startswith("error: torchvision ") and len(said) == 1, (name, lines)
 
 
+@pytest.mark.slow
 def test_the_demo_passes_the_line_on(setup):
     folder, _, _, _ = setup
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder / "hook"), str(ROOT)]), "OMP_NUM_THREADS": "1"}

@@ -17,8 +17,7 @@ import torchvision
 from tests.helpers import run_train
 from tests.test_hub_sources import images, own_logits, seeded
 from tools.data.hashing import sha256_file
-from tools.models.architectures import (build_with_weights, torchvision_architectures,
-                                        torchvision_weights_arguments)
+from tools.models.architectures import build_with_weights, torchvision_architectures, torchvision_weights_arguments
 from tools.models.boundary import InputResize, network_input
 from tools.models.sources import load_model
 from tools.training.checkpoint import CHECKPOINT_NAME
@@ -66,6 +65,7 @@ def on_meta(build):
             return build()
 
 
+@pytest.mark.slow
 def test_builder_arguments_are_those_torchvisions_builder_takes_from_every_weights(monkeypatch):
     """For each classification weights: the architecture built with `torchvision_weights_arguments` is the one
     torchvision's builder makes for the weights: the same tensors, of the same shapes, and the same settings (on
@@ -78,9 +78,9 @@ def test_builder_arguments_are_those_torchvisions_builder_takes_from_every_weigh
             continue
         seen.add(what_builders_read)
         classes = len(member.meta["categories"] or range(1000))  # VGG16's features alone have no categories
-        ours = on_meta(lambda: torchvision.models.get_model(arch, weights=None, num_classes=classes,
-                                                           **torchvision_weights_arguments(member)))
-        theirs = on_meta(lambda: build_with_weights(arch, member, {}))
+        ours = on_meta(lambda: torchvision.models.get_model(arch, weights=None, num_classes=classes,  # noqa: B023
+                                                           **torchvision_weights_arguments(member)))  # noqa: B023
+        theirs = on_meta(lambda: build_with_weights(arch, member, {}))  # noqa: B023
         assert {k: v.shape for k, v in ours.state_dict().items()} == \
             {k: v.shape for k, v in theirs.state_dict().items()}, member
         assert scalar_settings(ours) == scalar_settings(theirs), member
@@ -105,6 +105,7 @@ def serve(member, module: torch.nn.Module | dict, folder: Path, monkeypatch, leg
     return cached
 
 
+@pytest.mark.slow
 def test_swag_vit_weights_build_the_vit_at_384_pixels(tmp_path, monkeypatch):
     """--weights IMAGENET1K_SWAG_E2E_V1 on vit_b_16: the ViT built for 384x384 inputs, the images resized to that
     (bicubic, as the weights' transforms), not a state-dict traceback."""
@@ -134,6 +135,7 @@ def densenet_legacy_key(key: str) -> str | None:
     ("efficientnet_b1", "IMAGENET1K_V1", 240, "bicubic", lambda: torchvision.models.efficientnet_b1()),
     ("densenet121", "IMAGENET1K_V1", 224, None, lambda: torchvision.models.densenet121()),
 ])
+@pytest.mark.slow
 def test_weights_are_fed_as_their_transforms_say(arch, weights, size, mode, build, tmp_path, monkeypatch):
     """Logits equal the architecture torchvision's builder makes for the weights (written out by hand) on the
     images normalised with the transforms' statistics and resized to their crop size with their interpolation."""
@@ -149,6 +151,7 @@ def test_weights_are_fed_as_their_transforms_say(arch, weights, size, mode, buil
                                                                    size, mode or "bicubic"), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_train_py_from_weights_of_another_size_saves_a_checkpoint_fed_at_it(tiny, tmp_path, monkeypatch, capsys,
                                                                            one_thread):
     member = torchvision.models.EfficientNet_B1_Weights.IMAGENET1K_V1
@@ -172,8 +175,8 @@ def test_train_py_from_weights_of_another_size_saves_a_checkpoint_fed_at_it(tiny
 def test_a_trained_checkpoint_rebuilds_its_network_with_the_builder_arguments_it_records(tmp_path):
     """GoogLeNet fine-tuned from ImageNet weights keeps their input transform: the checkpoint says so, and the
     evaluation builds it so."""
-    from tools.training.checkpoint import NetworkInput, trained_checkpoint  # noqa: PLC0415
     from tools.runtime import Precision  # noqa: PLC0415
+    from tools.training.checkpoint import NetworkInput, trained_checkpoint  # noqa: PLC0415
     arguments = torchvision_weights_arguments(torchvision.models.GoogLeNet_Weights.IMAGENET1K_V1)
     network = seeded(torchvision.models.googlenet(num_classes=9, **arguments), 5)
     path = tmp_path / "googlenet9.pt"
@@ -202,6 +205,7 @@ def test_weights_that_are_no_classifier_are_refused_before_they_are_downloaded(t
     assert not (tmp_path / "torch_home").exists()
 
 
+@pytest.mark.slow
 def test_train_py_fine_tunes_googlenet_from_its_weights(tiny, tmp_path, monkeypatch, capsys, one_thread):
     """GoogLeNet's weights build it without its auxiliary heads (torchvision's builder drops them): its 9-class head
     is the one of that network (not of the default one, which has two more), and its checkpoint keeps the input
@@ -219,6 +223,7 @@ def test_train_py_fine_tunes_googlenet_from_its_weights(tiny, tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("arch", ["googlenet", "inception_v3"])
+@pytest.mark.slow
 def test_networks_built_for_weights_train_on_their_logits_alone(arch):
     """In training mode a network built for its weights (and its 9-class copy) gives its logits, not a tuple with
     auxiliary heads' outputs, which the toolkit's loss does not take: torchvision's builder drops GoogLeNet's

@@ -25,8 +25,8 @@ from tests import collective_guard
 from tests.helpers import TINY, run_in_process, run_in_processes, run_train, weights
 from tools import distributed
 from tools.data import synthetic
-from tools.models.checkpoints import TRAINED_FORMAT
 from tools.models.architectures import SMALL_CNN, SmallCNN
+from tools.models.checkpoints import TRAINED_FORMAT
 from tools.training import loop
 from tools.training.checkpoint import CHECKPOINT_NAME, STATE_NAME
 from tools.training.config import Method, TrainConfig
@@ -49,6 +49,7 @@ def in9_results(directory: Path) -> dict:
     return json.loads((directory / "in9.json").read_text())
 
 
+@pytest.mark.slow
 def test_bg_swap_removes_the_background_reliance_erm_learns(tmp_path, capsys, one_thread):
     # Every class has its own foreground colour and its own background colour: erm learns both cues,
     # bg-swap (foregrounds pasted on random classes' backgrounds) can only learn the foreground.
@@ -87,6 +88,7 @@ METHODS = {
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.slow
 def test_each_method_leaves_a_checkpoint_both_scripts_load(name, tiny, tmp_path, capsys, one_thread):
     if "lora" in name or "oft" in name:
         pytest.importorskip("peft")
@@ -158,6 +160,7 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_equals_the_uninterrupted_run(tiny, tmp_path, capsys, one_thread):
     """Only the killed run is a process of its own (one thread, as this process under `one_thread`); the
     uninterrupted run and the resumed one run train.py's main here."""
@@ -186,6 +189,7 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(tiny, tmp_path, capsys,
     assert steps == list(range(1, 37))  # the log, too, reads as one run
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_equal_one(tiny, tmp_path, capsys, one_thread):
     # SmallCNN has no BatchNorm, so the per-process batches see the same normalisation as the whole batch.
     common = ["--method", "bg-swap", "--epochs", "2", "--batch-size", "6", "--lr", "0.01"]
@@ -233,6 +237,7 @@ def _recorded_draws(data: Path, out: Path) -> dict:
     return {"masks": torch.stack(masks), "mixing": mixing}
 
 
+@pytest.mark.slow
 def test_each_process_draws_its_own_dropout_masks_and_the_one_process_mixing(tiny, tmp_path, one_thread):
     one = _recorded_draws(tiny, tmp_path / "one")
     ranks = run_in_processes(_recorded_draws, 2, tmp_path, tiny, tmp_path / "two")
@@ -272,7 +277,7 @@ def test_swa_batch_norm_statistics_come_from_every_process(tmp_path, one_thread)
 
 
 def test_ranks_share_out_exactly_the_one_process_batches():
-    from tools.training.data import StepSampler
+    from tools.training.data import StepSampler  # noqa: PLC0415
     whole = list(StepSampler(23, 6, seed=1, epoch=2))
     assert len(whole) == 3 and all(len(b) == 6 for b in whole)  # 23 // 6 steps, the rest dropped
     shards = [list(StepSampler(23, 6, seed=1, epoch=2, rank=r, world_size=3)) for r in range(3)]
@@ -283,7 +288,7 @@ def test_ranks_share_out_exactly_the_one_process_batches():
 
 
 def test_one_sampler_over_the_run_gives_each_epoch_its_own_batches():
-    from tools.training.data import StepSampler
+    from tools.training.data import StepSampler  # noqa: PLC0415
     for rank in range(2):
         per_epoch = [batch for epoch in range(2, 5) for batch in
                      StepSampler(23, 6, seed=1, epoch=epoch, start_step=1 if epoch == 2 else 0, rank=rank, world_size=2)]
@@ -294,8 +299,8 @@ def test_one_sampler_over_the_run_gives_each_epoch_its_own_batches():
 def test_one_loader_with_workers_over_two_epochs_gives_the_per_epoch_batches(tiny, one_thread):
     """train() iterates one DataLoader (persistent workers) over the whole run; its batches are those of a
     fresh worker-less loader per epoch, as before."""
-    from tools.data.hashing import fingerprint
-    from tools.training.data import StepSampler, decoded_store, list_training_data, make_loader
+    from tools.data.hashing import fingerprint  # noqa: PLC0415
+    from tools.training.data import StepSampler, decoded_store, list_training_data, make_loader  # noqa: PLC0415
     config = TrainConfig(data_path=tiny, output_dir=tiny.parent / "unused", methods=[Method.BG_SWAP], batch_size=4,
                          seed=3, workers=2, progress=False)
     data = list_training_data(config)
@@ -317,10 +322,11 @@ def test_workers_give_way_where_shared_memory_is_short(tiny, tmp_path, monkeypat
     """A container's small /dev/shm cannot hold what DataLoader workers keep in flight (they would die of a bus
     error mid-run): the batches are then gathered in the training process, with one warning; elsewhere the
     workers asked for start. The batches are the same either way (test_one_loader_with_workers_...)."""
-    import collections
-    from tools.training import data as training_data
-    from tools.training.data import StepSampler, decoded_store, list_training_data, make_loader
-    from tools.data.hashing import fingerprint
+    import collections  # noqa: PLC0415
+
+    from tools.data.hashing import fingerprint  # noqa: PLC0415
+    from tools.training import data as training_data  # noqa: PLC0415
+    from tools.training.data import StepSampler, decoded_store, list_training_data, make_loader  # noqa: PLC0415
     Usage = collections.namedtuple("Usage", "total used free")
     monkeypatch.setattr(training_data, "SHARED_MEMORY", tmp_path)
     config = TrainConfig(tiny, tmp_path / "out", methods=[Method.BG_SWAP], batch_size=6, workers=2, progress=False)
@@ -344,7 +350,7 @@ def test_batch_size_and_learning_rate_defaults_per_device():
     """256 images a step on a CUDA GPU, 32 elsewhere; without --lr the peak rate is 0.001 x batch / 32, whether
     the batch is the device's default or given, and an explicit --lr is kept as given. The run's record holds
     the values decided. (The device is only named: settle decides the defaults from it, no GPU is needed.)"""
-    from tools.training.config import build_parser, config_from_args
+    from tools.training.config import build_parser, config_from_args  # noqa: PLC0415
 
     def settled(device: str, *flags: str) -> TrainConfig:
         config = config_from_args(build_parser().parse_args(["--data-path", "d", "--output-dir", "o", *flags]))
@@ -392,7 +398,7 @@ def test_the_logged_rate_is_the_rate_each_step_used(tiny, tmp_path, capsys, one_
 
 
 def test_process_group_from_torchrun_environment(monkeypatch):
-    from tools import distributed
+    from tools import distributed  # noqa: PLC0415
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     assert distributed.from_environment() == distributed.ProcessGroup(0, 1, 0)
@@ -423,10 +429,11 @@ def test_batched_resized_crops_are_torchvisions_within_one_level(float64, monkey
     """One batched antialiased crop-and-resize (two matmuls with per-box weights) against torchvision's
     per-image resized_crop(antialias=True) on smooth and noisy images, boxes from downscales to upscales; with the
     weights in float64, and in float32 as on a device without float64 (MPS)."""
-    from torchvision.transforms.v2 import functional as F
-    from tools.training import resample
-    from tools.training.draws import crop_boxes, epoch_uniforms
-    from tools.training.resample import resized_crops
+    from torchvision.transforms.v2 import functional as F  # noqa: PLC0415
+
+    from tools.training import resample  # noqa: PLC0415
+    from tools.training.draws import crop_boxes, epoch_uniforms  # noqa: PLC0415
+    from tools.training.resample import resized_crops  # noqa: PLC0415
 
     if not float64:
         monkeypatch.setattr(resample, "NO_FLOAT64", frozenset({"cpu"}))
@@ -450,9 +457,9 @@ def test_batched_resized_crops_are_torchvisions_within_one_level(float64, monkey
 def test_decoded_store_is_made_once_and_keyed_by_content(tmp_path, monkeypatch):
     """The second run on the same files reads the store back without decoding; changed bytes decode afresh; the
     store holds what Pillow decodes and the masks as loaded."""
-    from tools.data import decoding
-    from tools.data.hashing import fingerprint
-    from tools.training import data as training_data
+    from tools.data import decoding  # noqa: PLC0415
+    from tools.data.hashing import fingerprint  # noqa: PLC0415
+    from tools.training import data as training_data  # noqa: PLC0415
 
     root = tmp_path / "d"
     synthetic.generate(root, per_class=2, seed=0, split="train")

@@ -12,8 +12,7 @@ from torch import nn
 
 import in9_eval
 import train
-from tests.helpers import run_in_process, save_torchscript
-from tests.helpers import check_error
+from tests.helpers import check_error, run_in_process, save_torchscript
 from tools.data import synthetic
 from tools.errors import UserError
 from tools.models.architectures import SMALL_CNN, SmallCNN

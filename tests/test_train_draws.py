@@ -71,9 +71,9 @@ def test_epoch_draws_depend_on_seed_and_epoch_only():
 
 def test_an_epoch_of_batches_seeds_no_generator_per_sample(tiny, monkeypatch, one_thread):
     """Gathering an epoch's batches derives a seed and builds a generator once per epoch, never per sample."""
-    from tools.data.hashing import fingerprint
-    from tools.training import data as data_module
-    from tools.training.data import StepSampler, decoded_store, list_training_data, make_loader
+    from tools.data.hashing import fingerprint  # noqa: PLC0415
+    from tools.training import data as data_module  # noqa: PLC0415
+    from tools.training.data import StepSampler, decoded_store, list_training_data, make_loader  # noqa: PLC0415
     config = TrainConfig(data_path=tiny, output_dir=tiny.parent / "unused", methods=[Method.BG_SWAP], batch_size=4,
                          seed=3, workers=0, progress=False)
     data = list_training_data(config)
@@ -94,9 +94,10 @@ def test_a_gathered_batch_equals_the_per_sample_swap_crop_and_flip(swap_prob, ti
     flips one image at a time from the same epoch draws, in torchvision's layout: the crop is torch's uint8
     antialiased resize of the box, what torchvision's resized_crop runs where it keeps uint8 (it may compute in
     float32 instead, as 0.21 does on CPUs without "AVX2" in torch's capability name: then within one level)."""
-    from torchvision.transforms.v2 import functional as F
-    from tools.data.hashing import fingerprint
-    from tools.training.data import StepSampler, decoded_store, device_batch, list_training_data, make_loader
+    from torchvision.transforms.v2 import functional as F  # noqa: PLC0415
+
+    from tools.data.hashing import fingerprint  # noqa: PLC0415
+    from tools.training.data import StepSampler, decoded_store, device_batch, list_training_data, make_loader  # noqa: PLC0415
     config = TrainConfig(data_path=tiny, output_dir=tiny.parent / "unused", methods=[Method.BG_SWAP], batch_size=6,
                          seed=5, workers=0, progress=False, swap_prob=swap_prob)
     data = list_training_data(config)
@@ -141,9 +142,9 @@ def test_channels_last_byte_masks_composite_the_same_bytes():
 def test_a_worker_gathers_its_batch_straight_into_shared_memory(tiny, monkeypatch, one_thread):
     """In a DataLoader worker the batch is gathered into shared memory, so the worker's queue passes it on without
     copying it again; its contents and the store's layout are those of the training process's own gather."""
-    from tools.data.hashing import fingerprint
-    from tools.training import data as data_module
-    from tools.training.data import TrainingSet, decoded_store, list_training_data
+    from tools.data.hashing import fingerprint  # noqa: PLC0415
+    from tools.training import data as data_module  # noqa: PLC0415
+    from tools.training.data import TrainingSet, decoded_store, list_training_data  # noqa: PLC0415
     config = TrainConfig(data_path=tiny, output_dir=tiny.parent / "unused", methods=[Method.BG_SWAP], batch_size=4,
                          seed=3, workers=1, progress=False)
     data = list_training_data(config)
@@ -162,8 +163,8 @@ def test_a_worker_gathers_its_batch_straight_into_shared_memory(tiny, monkeypatc
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_batch_copied_on_the_side_stream_is_the_cpu_batch_within_one_level(tiny, one_thread):
-    from tools.data.hashing import fingerprint
-    from tools.training.data import StepSampler, decoded_store, device_batch, list_training_data, make_loader
+    from tools.data.hashing import fingerprint  # noqa: PLC0415
+    from tools.training.data import StepSampler, decoded_store, device_batch, list_training_data, make_loader  # noqa: PLC0415
     config = TrainConfig(data_path=tiny, output_dir=tiny.parent / "unused", methods=[Method.BG_SWAP], batch_size=6,
                          seed=5, workers=0, progress=False)
     data = list_training_data(config)
@@ -180,9 +181,9 @@ def test_a_cpu_run_seeds_the_cpu_generator_alone_at_each_step(tiny, tmp_path, ca
     """torch.manual_seed also queues a seed for every accelerator runtime with a stack trace (about 1 ms a call,
     twice a step): on a CPU device the steps seed the CPU generator alone, and the run equals one seeded by
     torch.manual_seed at every step."""
-    from tests.helpers import TINY, run_train, weights
-    from tools.training import loop
-    from tools.training.checkpoint import CHECKPOINT_NAME
+    from tests.helpers import TINY, run_train, weights  # noqa: PLC0415
+    from tools.training import loop  # noqa: PLC0415
+    from tools.training.checkpoint import CHECKPOINT_NAME  # noqa: PLC0415
     common = ["--data-path", tiny, "--weights", "none", "--method", "bg-swap", "mixup", "--batch-size", 6, *TINY]
     calls = []
     real = torch.cuda.manual_seed_all
@@ -201,7 +202,7 @@ def test_a_cpu_run_seeds_the_cpu_generator_alone_at_each_step(tiny, tmp_path, ca
 def test_batches_reach_a_device_other_than_the_cpu_and_cuda_contiguous():
     """The store's channels-last layout stays on the CPU and CUDA: on another device (MPS) the batch arrives
     contiguous, since torch 2.6-2.7's MPS bitwise kernels mis-order channels-last operands (pytorch#145203)."""
-    from tools.training.data import _mover
+    from tools.training.data import _mover  # noqa: PLC0415
     batch = torch.zeros(2, 224, 224, 3, dtype=torch.uint8).permute(0, 3, 1, 2)
     assert _mover(torch.device("meta"))(batch).is_contiguous()
     assert not _mover(torch.device("cpu"))(batch).is_contiguous()  # the CPU keeps the fast layout

@@ -12,9 +12,7 @@ import torch
 from torch import nn
 
 import in9_eval
-from tests.helpers import run_in_process
-from tests.helpers import check_error
-from tests.helpers import TINY, run_train, weights
+from tests.helpers import TINY, check_error, run_in_process, run_train, weights
 from tools import cli
 from tools.in9 import VARIATIONS
 from tools.models.architectures import SMALL_CNN, build_architecture
@@ -37,6 +35,7 @@ def trained_start(tiny, tmp_path_factory):
 
 
 @pytest.mark.parametrize("swa", [False, True], ids=["plain", "swa"])
+@pytest.mark.slow
 def test_report_start_column_is_in9_eval_on_the_starting_file(swa, trained_start, tiny, tmp_path, capsys, one_thread):
     before = trained_start.read_bytes()
     out = tmp_path / "run"
@@ -92,6 +91,7 @@ FROZEN_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(FROZEN_CASES))
+@pytest.mark.slow
 def test_only_the_trained_tensors_move_and_frozen_batch_norm_keeps_its_statistics(case, batch_norm_start, tiny,
                                                                                   tmp_path, capsys, one_thread):
     flags, should_move = FROZEN_CASES[case]
@@ -128,9 +128,9 @@ class _Net(nn.Module):
 
 
 def test_frozen_modules_run_as_at_evaluation_whatever_train_is_called_on():
-    from torch.optim.swa_utils import AveragedModel
+    from torch.optim.swa_utils import AveragedModel  # noqa: PLC0415
 
-    from tools.training.adapters import TrainingModel
+    from tools.training.adapters import TrainingModel  # noqa: PLC0415
     net = _Net()
     net.block.requires_grad_(False)
     model = TrainingModel(net, (0.5,) * 3, (0.25,) * 3)
@@ -169,7 +169,7 @@ def test_swa_resume_reads_a_scheduler_state_holding_a_function_as_older_torch_sa
     """Before torch fixed it (Sept 2025), SWALR.state_dict() held its annealing function; the resume state is
     read with weights_only=True, which refuses functions. A run interrupted during its averaged epochs resumes
     and ends where the uninterrupted run does."""
-    from torch.optim import swa_utils
+    from torch.optim import swa_utils  # noqa: PLC0415
     data_only = swa_utils.SWALR.state_dict
 
     def as_older_torch(self):
@@ -190,7 +190,7 @@ def test_swa_resume_reads_a_scheduler_state_holding_a_function_as_older_torch_sa
 
 def test_a_resume_state_holding_a_function_is_one_error_line(tiny, tmp_path, capsys, one_thread):
     """One left by an earlier version of this toolkit under an older torch: refused, not a traceback."""
-    from torch.optim import swa_utils
+    from torch.optim import swa_utils  # noqa: PLC0415
     out = tmp_path / "run"
     out.mkdir()
     torch.save({"step": 3, "swa": {"scheduler": {"anneal_func": swa_utils.SWALR._cosine_anneal}}}, out / STATE_NAME)
@@ -264,7 +264,7 @@ def test_a_state_saved_with_the_per_sample_draws_is_refused(tiny, tmp_path, caps
 def test_a_run_hashes_its_files_once(tiny, tmp_path, capsys, monkeypatch, one_thread):
     """The run's fingerprint and the decoded-data cache's keys come from one read of the files: the cache is given
     the hashes listing made, not left to read every file again."""
-    from tools.data import decoding
+    from tools.data import decoding  # noqa: PLC0415
 
     def again(*args, **kwargs):
         raise AssertionError("the files were hashed a second time")

@@ -19,16 +19,16 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from tests.test_device_loop import SYNCS, RecordsOps
+from tools.data.hashing import read_and_fingerprint
 from tools.in9 import IN9_MEAN, IN9_STD
-from tools.provenance import TRAINING_LOG
 from tools.models.architectures import SMALL_CNN, build_architecture
+from tools.provenance import TRAINING_LOG
 from tools.runtime import Runtime
 from tools.training import loop, resample
 from tools.training.adapters import TrainingModel
 from tools.training.config import Method, Optimizer, TrainConfig
 from tools.training.data import StepSampler, decoded_store, list_training_data, make_loader
 from tools.training.methods import WeightAveraging, batch_mixer
-from tools.data.hashing import read_and_fingerprint
 
 META = torch.device("meta")
 BATCH = 6
@@ -126,6 +126,7 @@ def _meta_steps(name: str, data, out) -> RecordsReads:
 
 
 @pytest.mark.parametrize("name", SETTINGS)
+@pytest.mark.slow
 def test_a_step_launches_on_the_meta_device_reading_nothing_back(name, tiny, tmp_path, one_thread):
     """Device batch (swap, crops, flips), mixing, forward, loss, backward, optimiser, learning rate and SWA's rate,
     and the step's logged sums, on tensors without values: the same code a CUDA run launches."""
@@ -197,6 +198,7 @@ def test_the_loop_reads_the_device_only_to_log_and_save(methods, tiny, tmp_path,
 
 
 @pytest.mark.parametrize("read", ["item", "cpu-numpy", "tolist", "mask"])
+@pytest.mark.slow
 def test_the_checks_see_a_read(read, tiny, tmp_path, monkeypatch, one_thread):
     """The checks above can fail: a read of the step's results raises on the meta device and is seen on the CPU."""
     step = loop.training_step
@@ -214,6 +216,7 @@ def test_the_checks_see_a_read(read, tiny, tmp_path, monkeypatch, one_thread):
     assert between.reads or between.ops & SYNCS
 
 
+@pytest.mark.slow
 def test_a_step_on_a_device_without_float64_makes_none(tiny, tmp_path, monkeypatch, one_thread):
     """MPS has no float64: on such a device (the meta device standing in) a step makes no float64 tensor there,
     the crops' weights computed in float32 and the logged numbers read as float32."""

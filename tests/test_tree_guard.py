@@ -27,6 +27,7 @@ def checkout(pytester) -> Path:
     return repo
 
 
+@pytest.mark.slow
 def test_a_run_that_writes_into_the_checkout_fails_naming_the_path(pytester, checkout):
     (checkout / "test_writes.py").write_text(
         "from pathlib import Path\n\n\n"
@@ -40,6 +41,7 @@ def test_a_run_that_writes_into_the_checkout_fails_naming_the_path(pytester, che
     result.assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_a_run_that_writes_under_tmp_path_passes(pytester, checkout):
     (checkout / "test_clean.py").write_text(
         "def test_tmp(tmp_path):\n"
@@ -48,6 +50,7 @@ def test_a_run_that_writes_under_tmp_path_passes(pytester, checkout):
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
 
 
+@pytest.mark.slow
 def test_a_file_that_was_there_before_and_is_written_again_fails_the_run(pytester, checkout):
     """A user who ran in9_eval in the checkout already has bg_results/in9_state.json: a test that writes it again
     leaves the same git status line, and must still be caught."""
@@ -80,6 +83,7 @@ def listing(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
+@pytest.mark.slow
 def test_the_libraries_caches_go_to_a_folder_of_the_session(pytester, checkout, user_home):
     """What the tests write through the variables that place the caches (the remote-code test's module folder,
     the decoded-data cache, torch's hub) lands in a folder of the session, removed at its end; the user's caches
@@ -103,6 +107,7 @@ def test_the_libraries_caches_go_to_a_folder_of_the_session(pytester, checkout, 
     assert listing(user_home) == before
 
 
+@pytest.mark.slow
 def test_a_run_that_writes_into_the_users_caches_fails_naming_the_path(pytester, checkout, user_home):
     """A test that writes where a library's default puts its cache, whatever the variables say (the user's
     ~/.cache/huggingface here): the session fails, naming what changed."""

@@ -13,7 +13,6 @@ import operator
 import pathlib
 import pickle
 import struct
-import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -35,8 +34,8 @@ from tools.models.architectures import SMALL_CNN, build_architecture
 from tools.models.checkpoints import read_checkpoint
 from tools.models.export_archive import untrusted_content
 from tools.models.record import ModelRecord
-from tools.models.sources import load_model
 from tools.models.recorded import TRAINED_FORMAT
+from tools.models.sources import load_model
 
 CPU = torch.device("cpu")
 IMAGES = torch.zeros(2, 3, IMAGE_SIZE, IMAGE_SIZE)
@@ -257,6 +256,7 @@ WORDS = {"pickled weight": "pickled weight 'mean'", "opaque object": "pickled Py
 
 
 @pytest.mark.parametrize("craft", CRAFTS)
+@pytest.mark.slow
 def test_a_crafted_export_archive_is_refused_before_it_runs(craft, exported, tmp_path):
     marker = tmp_path / "marker"
     path = rewrite(exported, tmp_path / "crafted.pt2", CRAFTS[craft](marker))
@@ -310,6 +310,7 @@ def test_the_scripts_refuse_it_and_trust_loads_it(script, weight_pickle, dataset
         assert marker.exists()
 
 
+@pytest.mark.slow
 def test_the_zoo_refuses_it(weight_pickle, dataset, tmp_path, capsys):
     path, marker = weight_pickle
     code, out, err = run_in_process(zoo.main, ["--data-path", str(dataset.root), "--models", f"file:{path}",

@@ -23,13 +23,24 @@ import in9_eval
 from tests.helpers import TinyCNN, run_in_process, save_torchscript
 from tools import challenge, evaluate, zoo
 from tools.data import decoding, synthetic
-from tools.errors import UserError
-from tools.models.device_check import CHECK_IMAGES
 from tools.data.hashing import sha256_file
+from tools.errors import UserError
 from tools.in9 import VARIATIONS
-from tools.results.leaderboard import (CSV_FILE, MARKDOWN_FILE, MEASURED, MODELS_FOLDER, PLOT_FILE, PLOT_SIZE,
-                                      PUBLISHED, build_leaderboard, leaderboard_rows, nice_ticks, published_rows,
-                                      render_markdown)
+from tools.models.device_check import CHECK_IMAGES
+from tools.results.leaderboard import (
+    CSV_FILE,
+    MARKDOWN_FILE,
+    MEASURED,
+    MODELS_FOLDER,
+    PLOT_FILE,
+    PLOT_SIZE,
+    PUBLISHED,
+    build_leaderboard,
+    leaderboard_rows,
+    nice_ticks,
+    published_rows,
+    render_markdown,
+)
 
 TIMING_KEYS = {"wall_time_s", "composites_per_s"}
 
@@ -95,6 +106,7 @@ def results_file(output: Path, spec: str) -> Path:
     return zoo.results_path(output, zoo.parse_model_spec(spec))
 
 
+@pytest.mark.slow
 def test_failing_models_do_not_stop_the_others(first_run, specs, failing):
     output, code, out, err = first_run
     assert code == zoo.EXIT_SOME_FAILED
@@ -111,6 +123,7 @@ def test_failing_models_do_not_stop_the_others(first_run, specs, failing):
     assert "does not record its architecture" in errors[1] and "NAME@file:PATH" in errors[1]  # resnet50 was tried
 
 
+@pytest.mark.slow
 def test_results_equal_the_scripts(first_run, specs, data, tmp_path, capsys, one_thread):
     output = first_run[0]
     common = ["--data-path", str(data), "--device", "cpu", "--no-progress", "--no-cache"]  # as zoo_args
@@ -233,6 +246,7 @@ def test_plot_is_a_png_of_the_stated_size(first_run):
         image.load()
 
 
+@pytest.mark.slow
 def test_second_run_does_no_work(first_run, data, specs, capsys, monkeypatch):
     output = first_run[0]
     mtimes = {spec: results_file(output, spec).stat().st_mtime_ns for spec in specs}
@@ -245,6 +259,7 @@ def test_second_run_does_no_work(first_run, data, specs, capsys, monkeypatch):
     assert {spec: results_file(output, spec).stat().st_mtime_ns for spec in specs} == mtimes
 
 
+@pytest.mark.slow
 def test_a_models_runs_resume_from_their_state(first_run, data, specs, tmp_path, capsys, monkeypatch):
     """With the results file gone but the run state kept, the model is rebuilt from its state: no forward passes."""
     output = tmp_path / "copy"
@@ -268,6 +283,7 @@ def test_a_models_runs_resume_from_their_state(first_run, data, specs, tmp_path,
     assert after["challenge"]["composites_evaluated"] == before["challenge"]["composites_evaluated"]
 
 
+@pytest.mark.slow
 def test_other_settings_are_refused_per_model(first_run, data, specs, capsys):
     code, out, err = run_zoo_cli([*zoo_args(data, first_run[0], list(specs)), "--criterion", "bg-class",
                                   "--no-leaderboard"], capsys)
@@ -275,6 +291,7 @@ def test_other_settings_are_refused_per_model(first_run, data, specs, capsys):
     assert err.count("was made with other settings") == len(specs)
 
 
+@pytest.mark.slow
 def test_another_batch_size_is_refused_per_model(first_run, data, specs, capsys):
     """Another batch shape may change the last bits: a result made at the CPU's default size is not "done" at 8."""
     code, out, err = run_zoo_cli([*zoo_args(data, first_run[0], list(specs)), "--batch-size", "8",
@@ -347,6 +364,7 @@ def small(tmp_path, checkpoints):
     return data, model
 
 
+@pytest.mark.slow
 def test_data_rewritten_in_place_is_recomputed(small, tmp_path, capsys, one_thread):
     data, model = small
     spec, output = f"file:{model}", tmp_path / "zoo"
@@ -362,6 +380,7 @@ def test_data_rewritten_in_place_is_recomputed(small, tmp_path, capsys, one_thre
     assert new["identity"]["data_sha256"]["in9"] == fingerprint["sha256"]
 
 
+@pytest.mark.slow
 def test_checkpoint_overwritten_in_place_is_recomputed(small, tmp_path, capsys, one_thread):
     data, model = small
     spec, output = f"file:{model}", tmp_path / "zoo"
@@ -378,6 +397,7 @@ def test_checkpoint_overwritten_in_place_is_recomputed(small, tmp_path, capsys, 
     assert new["identity"]["model"] == new["in9"]["provenance"]["identity"] != old["identity"]["model"]
 
 
+@pytest.mark.slow
 def test_same_content_under_another_path_is_reused(small, tmp_path, capsys, monkeypatch, one_thread):
     data, model = small
     spec, output = f"file:{model}", tmp_path / "zoo"
@@ -391,6 +411,7 @@ def test_same_content_under_another_path_is_reused(small, tmp_path, capsys, monk
     assert calls == [] and f"{spec}: skipped: " in out
 
 
+@pytest.mark.slow
 def test_a_done_model_whose_files_are_unchanged_is_skipped_without_building_it(small, tmp_path, capsys, monkeypatch,
                                                                              one_thread):
     """The results file's record names every input of the model's loader: when each of its files hashes as
@@ -416,6 +437,7 @@ def test_a_done_model_whose_files_are_unchanged_is_skipped_without_building_it(s
     assert zoo.recorded_model_unchanged(payload) is None
 
 
+@pytest.mark.slow
 def test_a_results_file_of_another_model_is_not_taken_for_this_one(small, tmp_path, capsys, one_thread):
     """A results file is this model's when it says so: one of another model at this model's place (copied, or
     from someone else's output folder) whose record's files are unchanged is no reason to skip this model, whose
@@ -431,6 +453,7 @@ def test_a_results_file_of_another_model_is_not_taken_for_this_one(small, tmp_pa
     assert json.loads(results_file(output, other_spec).read_text())["model"] == other_spec
 
 
+@pytest.mark.slow
 def test_run_state_of_other_settings_is_set_aside_once(small, tmp_path, capsys, one_thread):
     """A model interrupted under one criterion and rerun under another: its state is moved aside with one line."""
     data, model = small
@@ -448,6 +471,7 @@ def test_run_state_of_other_settings_is_set_aside_once(small, tmp_path, capsys, 
     assert code == 0 and f"{spec}: skipped: " in out and "set aside" not in err
 
 
+@pytest.mark.slow
 def test_a_clip_model_from_a_weights_file_is_reused_until_the_file_changes(small, tmp_path, capsys, tiny_clip,
                                                                           one_thread):
     """A CLIP row's weights hash also covers its text head, so the file is compared with the file's own hash."""
@@ -471,6 +495,7 @@ def test_a_clip_model_from_a_weights_file_is_reused_until_the_file_changes(small
     assert code == 0 and f"{spec}: done: " in out, err
 
 
+@pytest.mark.slow
 def test_the_zoo_decodes_each_image_once_for_all_its_models(data, checkpoints, tmp_path, monkeypatch, capsys):
     """in9's images and the challenge's are decoded for the first model and read from memory for the others (by
     content), with the same numbers; a second zoo run decodes afresh."""
@@ -506,6 +531,7 @@ class _HiddenBF16(torch.nn.Module):
         return self.inner(x.bfloat16()).float()
 
 
+@pytest.mark.slow
 def test_the_device_check_fails_an_inexact_model_alone(small, tmp_path, capsys, one_thread):
     """The scripts' start-up check runs for each model: refused, that model's row fails with the one-line reason
     and the others go on; passed, it is in both results' provenance."""

@@ -21,9 +21,8 @@ import os
 import sys
 
 from tools import zoo
+from tools.challenge import CompositePredictor, SearchState, search
 from tools.data import decoding as datasets
-from tools.challenge import CompositePredictor, SearchState
-from tools.challenge import search
 from tools.errors import UserError
 
 RANK = int(os.environ["RANK"])

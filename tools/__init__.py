@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, as a shell reports Ctrl-C
 ROOT_SCRIPTS = ("in9_eval.py", "challenge_eval.py", "train.py")  # the console scripts are bgc-*

@@ -17,31 +17,31 @@ import io
 import logging
 import random
 import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from tools import distributed
-from tools.cli import MAX_SEED, MAX_WORKERS
 from tools.challenge import ChallengeConfig, list_challenge_files, load_challenge_data, run_challenge
+from tools.cli import MAX_SEED, MAX_WORKERS
 from tools.data import cache_admin
-from tools.data.store import DecodedCache, default_cache_dir
-from tools.data.layout import check_data_root
 from tools.data.compositing import MaskArithmetic
+from tools.data.layout import check_data_root
+from tools.data.store import DecodedCache, default_cache_dir
 from tools.errors import UserError, Word, first_line, spoken_as
 from tools.evaluate import In9Config, bg_gap, list_in9_files, run_in9
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, VARIATIONS, Normalization
-from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
-from tools.models.record import ModelRecord
 from tools.models.adapters import LoraScaling
+from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
 from tools.models.checkpoints import check_class_count
-from tools.models.programs import ExportedModule, check_any_batch, exported_module, graph_devices
 from tools.models.device_check import check_run, first_images
+from tools.models.programs import ExportedModule, check_any_batch, exported_module, graph_devices
+from tools.models.record import ModelRecord
 from tools.models.sources import load_model
 from tools.provenance import check_outputs
 from tools.results.publish import publish_challenge, publish_in9

@@ -7,12 +7,12 @@ import argparse
 import contextlib
 import difflib
 import logging
-import os
 import math
+import os
 import signal
 import sys
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from tools import EXIT_INTERRUPTED, interrupted_while_loading
 from tools.errors import UserError, mismatched_torchvision
@@ -285,7 +285,7 @@ def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
         from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: PLC0415
         with sigterm_as_interrupt(), logging_redirect_tqdm():
             return int(main(args) or 0)
-    except Exception as exc:  # noqa: BLE001 (a user's error, or a torchvision that does not match torch, is one line)
+    except Exception as exc:
         error = exc if isinstance(exc, UserError) else mismatched_torchvision(exc)
         if error is None:
             raise

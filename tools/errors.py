@@ -7,7 +7,7 @@ import importlib
 import importlib.metadata
 import re
 import zipfile
-from typing import Callable, Iterator, Mapping, Union
+from collections.abc import Callable, Iterator, Mapping
 
 from tools.threads import wait_for_background_imports
 
@@ -18,7 +18,7 @@ class UserError(Exception):
 
 # How a caller other than the command line names an option: the argument a flag becomes (written `name=value`
 # with a value, as it is when it holds "="), or a function from the flag's value (None: none given) to the words.
-Word = Union[str, Callable[[object], str]]
+Word = str | Callable[[object], str]
 _WORDS: contextvars.ContextVar[Mapping[str, Word] | None] = contextvars.ContextVar("option_words", default=None)
 
 
@@ -87,7 +87,7 @@ def optional_module(name: str, needed_by: str, pip_name: str, extra: str, called
             raise _broken(name, called or pip_name, exc) from exc
         raise UserError(f"{needed_by} needs {called or pip_name}, which is not installed; run `pip install {pip_name}` "
                         f"(or install this project with the [{extra}] extra){also}") from None
-    except Exception as exc:  # noqa: BLE001 (an installed module's own failure, whatever it raises, is named)
+    except Exception as exc:
         raise mismatched_torchvision(exc) or _broken(name, called or pip_name, exc) from exc
 
 
@@ -121,7 +121,7 @@ def import_torchvision(name: str = "torchvision"):
     wait_for_background_imports()
     try:
         return importlib.import_module(name)
-    except Exception as exc:  # noqa: BLE001 (the mismatch raises RuntimeError; anything else goes on as it is)
+    except Exception as exc:
         mismatch = mismatched_torchvision(exc)
         if mismatch is None:
             raise

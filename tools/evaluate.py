@@ -3,26 +3,26 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 
 from tools import distributed
-from tools.data import decoders
+from tools.data import decoders, layout
 from tools.data import decoding as datasets
-from tools.data import layout
 from tools.data.check import quick_check
+from tools.data.hashing import read_and_fingerprint
 from tools.data.store import DecodedCache
 from tools.errors import UserError, option
-from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, Variation, PredictionMap, class_names
+from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, PredictionMap, Variation, class_names
 from tools.models.boundary import LoadedModel
 from tools.models.device_check import ALLOW_FLAG, record_check, verified
-from tools.data.hashing import read_and_fingerprint
 from tools.progress import progress_bar
-from tools.provenance import decoder as decoder_build, provenance, read_json, write_json_atomic
+from tools.provenance import decoder as decoder_build
+from tools.provenance import provenance, read_json, write_json_atomic
 from tools.runtime import RECHECK_MARGIN, Forward, Runtime, to_device
 from tools.runtime.inflight import Launched, Pipeline, launch, near_ties, top_two_margins
 from tools.shards import NOT_MINE, Shard

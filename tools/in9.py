@@ -71,7 +71,7 @@ def _resource_text(name: str) -> str:
     return resources.files("tools.resources").joinpath(name).read_text(encoding="utf-8")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _class_table() -> tuple[tuple[str, str], ...]:
     """(lower-case name, WordNet id of its ancestor synset) of each class, in index order."""
     lines = [line.split() for line in _resource_text("in9_classes.txt").splitlines() if line.strip()]
@@ -103,7 +103,7 @@ def class_folder_names() -> list[str]:
     return [f"{i:02d}_{name}" for i, name in enumerate(class_names())]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _folder_name_index() -> dict[str, int]:
     index: dict[str, int] = {}
     for forms in (class_names(), class_folder_names(), class_wordnet_ids()):
@@ -117,7 +117,7 @@ def class_of_folder(name: str) -> int | None:
     return _folder_name_index().get(name.strip().lower())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def in_to_in9_list() -> tuple[int, ...]:
     """The IN-9 class of each ImageNet class index (-1 for none), as a tuple."""
     raw = json.loads(_resource_text("in_to_in9.json"))

@@ -6,15 +6,15 @@ import argparse
 from pathlib import Path
 
 from tools import cli, options
-from tools.results.categories import CATEGORY_VARIATIONS
-from tools.results.publish import publish_in9
-from tools.evaluate import In9Config, list_in9_files, run_in9
-from tools.in9 import VARIATIONS
-from tools.runtime import RECHECK_MARGIN
-from tools.models.device_check import check_run, first_images
-from tools.shards import write_in9_shard
 from tools.data import decoders
 from tools.data.check import quick_check
+from tools.evaluate import In9Config, list_in9_files, run_in9
+from tools.in9 import VARIATIONS
+from tools.models.device_check import check_run, first_images
+from tools.results.categories import CATEGORY_VARIATIONS
+from tools.results.publish import publish_in9
+from tools.runtime import RECHECK_MARGIN
+from tools.shards import write_in9_shard
 from tools.threads import alongside
 
 

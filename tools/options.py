@@ -10,23 +10,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools import distributed
-from tools.cli import (MAX_SEED, ArgumentParser, BooleanFlag, add_log_level_argument, positive_number, seed_number,
-                       whole_number, worker_count)
-from tools.data.store import DecodedCache, default_cache_dir
+from tools.cli import (
+    MAX_SEED,
+    ArgumentParser,
+    BooleanFlag,
+    add_log_level_argument,
+    positive_number,
+    seed_number,
+    whole_number,
+    worker_count,
+)
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, check_data_root
+from tools.data.store import DecodedCache, default_cache_dir
 from tools.errors import UserError
 from tools.in9 import Normalization
-from tools.models.checkpoints import STATE_DICT_KEYS
-from tools.models.programs import program_kind
 from tools.models.architectures import DEFAULT_ARCH, SMALL_CNN, architecture_family
 from tools.models.boundary import LoadedModel
+from tools.models.checkpoints import STATE_DICT_KEYS
 from tools.models.device_check import ALLOW_FLAG, CHECK_IMAGES, TOLERANCE
-from tools.provenance import check_outputs
+from tools.models.programs import program_kind
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
+from tools.provenance import check_outputs
+from tools.runtime import CPU_BATCH_SIZE, GPU_BATCH_SIZE, Precision, Runtime, resolve_device, seed_everything
 from tools.shards import shard_spec
-from tools.runtime import CPU_BATCH_SIZE, GPU_BATCH_SIZE, Precision, Runtime, resolve_device, \
-    seed_everything
 from tools.threads import default_workers, import_in_background, wait_for_background_imports
 
 log = logging.getLogger(__name__)
@@ -229,7 +236,7 @@ def check_arguments(args: argparse.Namespace) -> CheckedArguments:
     return CheckedArguments(data_path, progress=not args.no_progress and group.is_main)
 
 
-def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtime:
+def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtime:  # noqa: A002 (torch's word)
     """Seed, resolve the device and, under torchrun, join the process group (the arguments checked first by
     `check_arguments`)."""
     seed_everything(args.seed)

@@ -14,8 +14,9 @@ import secrets
 import stat
 import tempfile
 import zipfile
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Callable, Iterator, Mapping
+from typing import IO
 
 import numpy as np
 
@@ -318,7 +319,7 @@ class OutputFiles:
         """Whether the writer given `path` succeeded."""
         return Path(path) in self.written
 
-    def __enter__(self) -> "OutputFiles":
+    def __enter__(self) -> OutputFiles:
         return self
 
     def __exit__(self, kind, value, traceback) -> None:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.data.hashing import sha256_file
+from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
 from tools.provenance import atomic_write, checked_array, read_json, read_npz, write_json_atomic
 

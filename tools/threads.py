@@ -9,7 +9,7 @@ import contextvars
 import importlib
 import os
 import threading
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from tools.progress import progress_bar
 

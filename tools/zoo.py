@@ -33,20 +33,21 @@ import numpy as np
 
 from tools import __version__, cli, distributed, options
 from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, flags, list_challenge_files, run_challenge
-from tools.errors import UserError
-from tools.models.device_check import check_run, first_images, verified
-from tools.evaluate import In9Config, In9Files, list_in9_files, run_in9
 from tools.data import decoding as datasets
 from tools.data.hashing import sha256_file
 from tools.data.store import DecodedCache
+from tools.errors import UserError
+from tools.evaluate import In9Config, In9Files, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
-from tools.results.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
 from tools.models import hub
 from tools.models.boundary import LoadedModel
+from tools.models.device_check import check_run, first_images, verified
 from tools.models.record import ModelRecord, installed_version
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
-from tools.provenance import check_outputs, decoder as decoder_build, read_json, write_json_atomic
+from tools.provenance import check_outputs, read_json, write_json_atomic
+from tools.provenance import decoder as decoder_build
+from tools.results.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
 from tools.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -321,7 +322,7 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
                 outcomes.append(Outcome(spec.text, "failed", message=str(exc)))
             except (KeyboardInterrupt, SystemExit):
                 raise
-            except Exception as exc:  # noqa: BLE001 (one model's crash must not lose the others' runs)
+            except Exception as exc:
                 log.exception("%s failed unexpectedly", spec.text)
                 outcomes.append(Outcome(spec.text, "failed", message=f"{type(exc).__name__}: {exc}"))
             finally:

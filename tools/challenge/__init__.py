@@ -18,8 +18,13 @@ mean), `search` (the loop: progress, saving; and `run_challenge`), `result` (the
 per-foreground CSV), `cli` (the command: challenge_eval.py, bgc-challenge).
 """
 
-from tools.challenge.data import (ChallengeData, ChallengeFiles, check_challenge_files, list_challenge_files,
-                                  load_challenge_data)
+from tools.challenge.data import (
+                                  ChallengeData,
+                                  ChallengeFiles,
+                                  check_challenge_files,
+                                  list_challenge_files,
+                                  load_challenge_data,
+)
 from tools.challenge.predictor import CompositePredictor
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import ChallengeConfig, Criterion, Scheduler

@@ -9,15 +9,14 @@ import argparse
 from pathlib import Path
 
 from tools import cli, options
+from tools.challenge import check_challenge_files, flags, list_challenge_files, load_challenge_data, run_challenge
 from tools.data import decoders
 from tools.errors import UserError
 from tools.models.device_check import check_run
-from tools.shards import write_challenge_shard
-from tools.challenge import (check_challenge_files, flags, list_challenge_files, load_challenge_data,
-                             run_challenge)
-from tools.threads import alongside
 from tools.results.analysis import DEFAULT_TOP_K
 from tools.results.publish import publish_challenge
+from tools.shards import write_challenge_shard
+from tools.threads import alongside
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,11 +9,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tools.data import decoders
+from tools.data import decoders, layout
 from tools.data import decoding as datasets
-from tools.data import layout
-from tools.data.compositing import MaskArithmetic, byte_masks
 from tools.data.check import quick_check
+from tools.data.compositing import MaskArithmetic, byte_masks
 from tools.data.hashing import read_and_fingerprint
 from tools.data.store import DecodedCache
 from tools.in9 import Variation
@@ -61,14 +60,14 @@ class ChallengeData(Pairs):
     decoder: decoders.Decoder = decoders.Decoder.PILLOW
     cache: dict | None = None  # the decoded-data cache read and written (`DecodedCache.describe`), for the provenance
 
-    def foreground_subset(self, indices: np.ndarray) -> "ChallengeData":
+    def foreground_subset(self, indices: np.ndarray) -> ChallengeData:
         """The same data with only these foregrounds (a --shard's share), backgrounds unchanged."""
         idx = torch.from_numpy(np.asarray(indices, dtype=np.int64))
         return ChallengeData([self.foregrounds[i] for i in indices], self.backgrounds,
                              self.fg_images.index_select(0, idx), self.masks.index_select(0, idx), self.bg_images,
                              self.fingerprint, self.arithmetic, self.decoder, self.cache)
 
-    def to(self, device: torch.device) -> "ChallengeData":
+    def to(self, device: torch.device) -> ChallengeData:
         return ChallengeData(self.foregrounds, self.backgrounds, self.fg_images.to(device), self.masks.to(device),
                              self.bg_images.to(device), self.fingerprint, self.arithmetic, self.decoder, self.cache)
 

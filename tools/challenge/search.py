@@ -14,18 +14,19 @@ import numpy as np
 from tools import distributed
 from tools.challenge.data import ChallengeData, ChallengeFiles, load_challenge_data
 from tools.challenge.predictor import CompositePredictor
-from tools.progress import ProgressBar, progress_bar
-from tools.runtime.inflight import Pipeline
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import ChallengeConfig, Scheduler, split_untested, state_problem
 from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState
-from tools.errors import UserError, option
 from tools.data.store import DecodedCache
+from tools.errors import UserError, option
 from tools.in9 import UNMAPPED
 from tools.models.boundary import LoadedModel
 from tools.models.device_check import record_check, verified
-from tools.provenance import decoder as decoder_build, provenance
+from tools.progress import ProgressBar, progress_bar
+from tools.provenance import decoder as decoder_build
+from tools.provenance import provenance
 from tools.runtime import RECHECK_MARGIN, Runtime
+from tools.runtime.inflight import Pipeline
 from tools.shards import Shard
 from tools.threads import ContextThreadPool
 

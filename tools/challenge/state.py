@@ -38,7 +38,7 @@ class SearchState:
     elapsed: float = 0.0
 
     @classmethod
-    def fresh(cls, n_fg: int, n_bg: int, bg_pred: np.ndarray, full: bool) -> "SearchState":
+    def fresh(cls, n_fg: int, n_bg: int, bg_pred: np.ndarray, full: bool) -> SearchState:
         return cls(verdict=np.full(n_fg, UNKNOWN, np.int8), fool_bg=np.full(n_fg, -1, np.int64),
                    fool_pred=np.full(n_fg, UNMAPPED, np.int64), min_margin=np.full(n_fg, np.inf, np.float32),
                    tested=np.zeros((n_fg, n_bg), bool), successes=np.zeros((NUM_IN9_CLASSES, n_bg), np.int64),
@@ -47,7 +47,7 @@ class SearchState:
                    matrix=np.full((n_fg, n_bg), UNMAPPED, np.int8) if full else None)
 
     @classmethod
-    def finished(cls, n_fg: int, bg_pred: np.ndarray, full: bool) -> "SearchState":
+    def finished(cls, n_fg: int, bg_pred: np.ndarray, full: bool) -> SearchState:
         """A finished search's state of `n_fg` foregrounds, to be filled with its verdicts (and --full matrix): the
         merge of shards. Nothing is planned or tested any more, so nothing of foregrounds x backgrounds is made
         but the matrix."""
@@ -56,7 +56,7 @@ class SearchState:
         state.matrix = np.full((n_fg, len(bg_pred)), UNMAPPED, np.int8) if full else None
         return state
 
-    def snapshot(self, pending: list[np.ndarray]) -> "SearchState":
+    def snapshot(self, pending: list[np.ndarray]) -> SearchState:
         """A copy to save while the search goes on, with `pending` (the batches launched and not yet recorded)."""
         copied = {f.name: getattr(self, f.name) for f in fields(self)}
         copied = {name: value.copy() if isinstance(value, np.ndarray) else value for name, value in copied.items()}
@@ -86,7 +86,7 @@ class SearchState:
             np.savez(fh, **arrays)
 
     @classmethod
-    def load(cls, path: Path, key: str, n_fg: int, n_bg: int, full: bool) -> "SearchState":
+    def load(cls, path: Path, key: str, n_fg: int, n_bg: int, full: bool) -> SearchState:
         """The state saved at `path` by the run of `key`, checked to be one such a run writes: every array of the
         shape, kind and range a search of `n_fg` foregrounds x `n_bg` backgrounds (with the --full matrix when
         `full`) holds, before anything of its size is made (`Scheduler.state_problem` then checks what it says
@@ -103,7 +103,7 @@ class SearchState:
                 from None
 
     @classmethod
-    def _checked(cls, z: dict[str, np.ndarray], n_fg: int, n_bg: int, full: bool) -> "SearchState":
+    def _checked(cls, z: dict[str, np.ndarray], n_fg: int, n_bg: int, full: bool) -> SearchState:
         f, b, pairs = n_fg, n_bg, n_fg * n_bg
         shape = tuple(int(v) for v in checked_array(z, "shape", (2,), "iu"))
         if shape != (f, b):

@@ -29,9 +29,9 @@ from pathlib import Path, PurePath
 import numpy as np
 from PIL import Image
 
+from tools.data.variations import Box
 from tools.errors import UserError
 from tools.in9 import IMAGE_SIZE
-from tools.data.variations import Box
 
 RESIZE_SIZE = 256  # the shorter side after resizing, as torchvision's Resize(256) in the original pipeline
 CSV_COLUMNS = ("image", "xmin", "ymin", "xmax", "ymax")
@@ -190,7 +190,7 @@ class CropGeometry:
     size: int = IMAGE_SIZE
 
     @classmethod
-    def for_image(cls, width: int, height: int, resize: int = RESIZE_SIZE, size: int = IMAGE_SIZE) -> "CropGeometry":
+    def for_image(cls, width: int, height: int, resize: int = RESIZE_SIZE, size: int = IMAGE_SIZE) -> CropGeometry:
         if resize < size:
             raise ValueError(f"resize ({resize}) must be at least the crop size ({size})")
         short, long = (width, height) if width <= height else (height, width)

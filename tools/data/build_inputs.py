@@ -11,8 +11,15 @@ from pathlib import Path
 
 from tools.data.layout import IMAGE_EXTENSIONS, list_folder
 from tools.errors import UserError, key_list
-from tools.in9 import (NUM_IMAGENET_CLASSES, UNMAPPED, class_folder_names, class_names, class_of_folder,
-                       class_wordnet_ids, in_to_in9_list)
+from tools.in9 import (
+    NUM_IMAGENET_CLASSES,
+    UNMAPPED,
+    class_folder_names,
+    class_names,
+    class_of_folder,
+    class_wordnet_ids,
+    in_to_in9_list,
+)
 
 log = logging.getLogger(__name__)
 

@@ -10,24 +10,22 @@ import enum
 import logging
 import os
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from tools.data import boxes as boxes_mod
-from tools.data import grabcut
-from tools.data import variations
+from tools.data import grabcut, variations
 from tools.data.build_inputs import SourceImage, index_user_masks, list_sources
 from tools.data.layout import LAYOUT_NAMES, MASK_EXTENSION, MIXED, SUMMARY_NAME
-
-from tools.threads import default_workers, map_in_threads
-from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.data.temporary import temporary_folder
+from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, Variation
 from tools.provenance import read_npy, write_json_atomic
+from tools.threads import default_workers, map_in_threads
 
 log = logging.getLogger(__name__)
 

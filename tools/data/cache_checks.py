@@ -17,8 +17,8 @@ import hashlib
 import os
 import secrets
 import stat
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 

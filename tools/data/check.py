@@ -5,19 +5,27 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Sequence
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from tools.data.layout import (MIXED, SUMMARY_NAME, check_data_root, class_order_problem, is_listed, list_folder,
-                               outside, outside_note)
-from tools.threads import default_workers, map_in_threads
+from tools.data.layout import (
+    MIXED,
+    SUMMARY_NAME,
+    check_data_root,
+    class_order_problem,
+    is_listed,
+    list_folder,
+    outside,
+    outside_note,
+)
 from tools.errors import NUMPY_READ_ERRORS, UserError
 from tools.in9 import IMAGE_SIZE, MASK_FOLDER, NUM_IN9_CLASSES, SPLIT, VARIATIONS, Variation
 from tools.provenance import read_json, read_npy
+from tools.threads import default_workers, map_in_threads
 
 log = logging.getLogger(__name__)
 

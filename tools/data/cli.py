@@ -6,22 +6,30 @@ import argparse
 import logging
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
-from tools.data import cache_admin, grabcut
-from tools.cli import (ArgumentParser, add_log_level_argument, examples, positive_number, run_main, seed_number,
-                       whole_number, worker_count)
-from tools.threads import default_workers
-from tools.errors import UserError
 from tools import data as data_package
+from tools.cli import (
+    ArgumentParser,
+    add_log_level_argument,
+    examples,
+    positive_number,
+    run_main,
+    seed_number,
+    whole_number,
+    worker_count,
+)
+from tools.data import cache_admin, grabcut
 from tools.data.builder import DEFAULT_JPEG_QUALITY, ImageFormat, build
-from tools.data.download import DEFAULT_TIMEOUT_S, RELEASE_URL, fetch
 from tools.data.check import verify_layout
+from tools.data.download import DEFAULT_TIMEOUT_S, RELEASE_URL, fetch
+from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, PROVENANCE_FOLDER, check_data_root, default_data_root
 from tools.data.store import default_cache_dir
+from tools.errors import UserError
 from tools.in9 import SPLIT, TRAIN_SPLIT
 from tools.provenance import check_outputs
-from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, PROVENANCE_FOLDER, check_data_root, default_data_root
+from tools.threads import default_workers
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import enum
 import io
 import logging
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch

@@ -8,8 +8,8 @@ import collections
 import contextlib
 import hashlib
 import logging
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -19,9 +19,9 @@ from tools.data.decoders import Decoder, decode_bytes, pillow_rgb
 from tools.data.hashing import open_regular, read_and_fingerprint
 from tools.data.store import DecodedCache, Packs, PackWriter
 from tools.errors import NUMPY_READ_ERRORS, UserError, option
-from tools.provenance import read_npy
 from tools.in9 import IMAGE_SIZE
 from tools.progress import progress_bar
+from tools.provenance import read_npy
 from tools.runtime import to_device
 from tools.threads import ContextThreadPool, stop_point
 

@@ -15,20 +15,19 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Iterator, Sequence
 
 from tools import __version__
-from tools.errors import UserError
-from tools.data.hashing import sha256_file
-from tools.in9 import MASK_FOLDER, VARIATIONS
-
 from tools.data.check import VerifyReport, quick_scan
-from tools.data.temporary import temporary_folder
+from tools.data.hashing import sha256_file
 from tools.data.layout import LAYOUT_NAMES
-from tools.provenance import open_own
+from tools.data.temporary import temporary_folder
+from tools.errors import UserError
+from tools.in9 import MASK_FOLDER, VARIATIONS
 from tools.progress import progress_bar
+from tools.provenance import open_own
 
 log = logging.getLogger(__name__)
 

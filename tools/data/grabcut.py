@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tools.errors import optional_module
 from tools.data.variations import Box
+from tools.errors import optional_module
 
 DEFAULT_ITERATIONS = 5
 

@@ -21,8 +21,8 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Collection, Sequence
 
 from tools.data.layout import outside, outside_note
 from tools.errors import UserError

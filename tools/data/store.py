@@ -39,14 +39,14 @@ import re
 import shutil
 import stat
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import PIL
 from PIL import features
 
-from tools.data.cache_checks import (DIGEST_BYTES, ROW_DIGESTS, RowChecks, first_foreign, make_private, map_rows,
+from tools.data.cache_checks import (DIGEST_BYTES, ROW_DIGESTS, RowChecks, first_foreign, make_private, map_rows,  # isort: skip
                                      others_can_write, read_regular, row_digest, spot_check)
 from tools.data.temporary import publish, remove_stale_entries, temporary_entry
 from tools.errors import NUMPY_READ_ERRORS, option
@@ -345,7 +345,7 @@ class Packs:
             _replaceable.add(identity[0])
         return {}
 
-    def writer(self, hashes: Sequence[str], check: Callable[[int, np.ndarray], bool] | None = None) -> "PackWriter":
+    def writer(self, hashes: Sequence[str], check: Callable[[int, np.ndarray], bool] | None = None) -> PackWriter:
         """A pack to fill with the rows of `hashes` (in that order); `check(i, row)`: whether row i is the
         reference's, asked of a few rows before the pack is kept (None: all are)."""
         return PackWriter(self, list(hashes), check)

@@ -20,8 +20,21 @@ from PIL import Image
 from torch import nn
 
 from tools.data import variations
-from tools.in9 import (IMAGE_SIZE, IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD, MASK_FOLDER, NUM_IMAGENET_CLASSES,
-                       NUM_IN9_CLASSES, SPLIT, UNMAPPED, Variation, class_folder_names, in_to_in9_table)
+from tools.in9 import (
+    IMAGE_SIZE,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    IN9_MEAN,
+    IN9_STD,
+    MASK_FOLDER,
+    NUM_IMAGENET_CLASSES,
+    NUM_IN9_CLASSES,
+    SPLIT,
+    UNMAPPED,
+    Variation,
+    class_folder_names,
+    in_to_in9_table,
+)
 from tools.provenance import open_own
 
 MANIFEST_NAME = "synthetic.json"
@@ -122,7 +135,7 @@ def generate(root: Path, per_class: int = 4, seed: int = 0, size: int = IMAGE_SI
         name = f"{rec.stem}.JPEG"
 
         def out(variation: Variation) -> Path:
-            return root / variation.value / split / folder / name
+            return root / variation.value / split / folder / name  # noqa: B023
 
         image, mask = originals[j], masks[j]
         _save_jpeg(image, out(Variation.ORIGINAL), quality)

@@ -24,8 +24,8 @@ import socket
 import stat
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tools.data.pixels import normalisation_table, normalised_floats
 from tools.errors import option
+from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.models import torchscript
 from tools.models.record import ModelRecord
-from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for
-from tools.data.pixels import normalisation_table, normalised_floats
 from tools.runtime import Runtime, check_antialias
 
 log = logging.getLogger(__name__)

@@ -29,18 +29,30 @@ import torch
 from torch import nn
 
 from tools.errors import UserError, first_line, key_list, option
-from tools.models import adapters, hub
-from tools.models.architectures import (DEFAULT_ARCH, build_architecture, classifier_keys, recorded_arguments,
-                                        timm_module)
-from tools.models.loading import check_fits, torch_load
-from tools.models.programs import (EXPORT_BATCH_HINT, check_program_trusted, load_program, program_kind,
-                                   program_problem)
-from tools.models.record import ModelRecord
-from tools.models.recorded import (TRAINED_FORMAT, is_timm_training_checkpoint, recorded_architecture,
-                                    recorded_network, recorded_normaliser, timm_architecture_args, timm_data_args,
-                                    timm_training_weights, trained_checkpoint_header)
-from tools.models.spec import TIMM_HUB, TIMM_PREFIX, ModelSpec
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, Normalization
+from tools.models import adapters, hub
+from tools.models.architectures import (
+    DEFAULT_ARCH,
+    build_architecture,
+    classifier_keys,
+    recorded_arguments,
+    timm_module,
+)
+from tools.models.loading import check_fits, torch_load
+from tools.models.programs import EXPORT_BATCH_HINT, check_program_trusted, load_program, program_kind, program_problem
+from tools.models.record import ModelRecord
+from tools.models.recorded import (
+    TRAINED_FORMAT,
+    is_timm_training_checkpoint,
+    recorded_architecture,
+    recorded_network,
+    recorded_normaliser,
+    timm_architecture_args,
+    timm_data_args,
+    timm_training_weights,
+    trained_checkpoint_header,
+)
+from tools.models.spec import TIMM_HUB, TIMM_PREFIX, ModelSpec
 
 log = logging.getLogger(__name__)
 

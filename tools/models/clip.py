@@ -38,9 +38,9 @@ import pickle
 import re
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -251,7 +251,7 @@ def _create(open_clip, arch: str, pretrained: str | None) -> tuple[nn.Module, st
                         f"file would run): unset it for this command, or install open_clip_torch>=2.27")
     try:  # a known tag: open_clip finds the file just downloaded in its cache and sets the tag's mean/std
         return open_clip.create_model(arch, pretrained=pretrained), str(path)
-    except Exception as exc:  # noqa: BLE001 (a file that is no weights fails anywhere in torch's or safetensors' readers)
+    except Exception as exc:
         if not isinstance(exc, RuntimeError) and pretrained in tags:
             raise
         problem = (f"it needs more than the weights-only unpickling CLIP weights are read with "

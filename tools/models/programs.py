@@ -87,7 +87,7 @@ class ExportedModule(Program):
         found = batch_range(self)
         self.largest_batch = found[1] if found is not None else None  # a dynamic batch's maximum, if it has one
 
-    def train(self, mode: bool = True) -> "ExportedModule":
+    def train(self, mode: bool = True) -> ExportedModule:
         self.training = mode
         return self
 

@@ -21,22 +21,30 @@ import importlib
 import logging
 import os
 import urllib.error
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tools.cli import closest
-from tools.models import adapters, checkpoints
 from tools.errors import UserError, first_line, import_torchvision, option
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization
-from tools.models.architectures import (ARCHITECTURES, DEFAULT_ARCH, architecture_family, build_with_weights,
-                                       check_torchvision_architecture, close_matches, torchvision_module,
-                                       torchvision_weights_arguments)
-from tools.models.loading import read_problem
+from tools.models import adapters, checkpoints
+from tools.models.architectures import (
+    ARCHITECTURES,
+    DEFAULT_ARCH,
+    architecture_family,
+    build_with_weights,
+    check_torchvision_architecture,
+    close_matches,
+    torchvision_module,
+    torchvision_weights_arguments,
+)
 from tools.models.boundary import InputResize, LoadedModel, ModelOrigin, fit_input_size, wrap
+from tools.models.loading import read_problem
 from tools.models.record import ModelRecord
 from tools.models.spec import CLIP_PREFIX, FILE_PREFIX, HF_PREFIX, TIMM_PREFIX, TOOLKIT_PREFIX, ModelSpec
 

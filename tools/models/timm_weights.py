@@ -216,7 +216,7 @@ def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Norma
                             f"(timm.list_pretrained('{spec.name}*')) or pass {option('--weights', RANDOM_WEIGHTS)}")
     try:
         model = _random_model(timm, body) if random_init else timm.create_model(body, pretrained=True)
-    except Exception as exc:  # noqa: BLE001 (huggingface_hub, urllib, OS and timm's own errors all mean: not loaded)
+    except Exception as exc:
         if isinstance(exc, UserError):
             raise
         raise UserError(_not_loaded_line(spec, cfg, exc)) from None

@@ -18,19 +18,27 @@ import argparse
 import csv
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
-from tools.cli import ArgumentParser, examples, add_log_level_argument, run_main, whole_number
+from tools.cli import ArgumentParser, add_log_level_argument, examples, run_main, whole_number
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, default_data_root
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, class_names
 from tools.provenance import atomic_write, check_outputs, write_json_atomic
-from tools.results.figures import (MUTED, PLACEHOLDER, TEXT, DataImages, centered_text, default_font, new_canvas,
-                                   save_png)
+from tools.results.figures import (
+    MUTED,
+    PLACEHOLDER,
+    TEXT,
+    DataImages,
+    centered_text,
+    default_font,
+    new_canvas,
+    save_png,
+)
 from tools.results.matrix import ChallengeMatrix, load_matrix
 
 log = logging.getLogger(__name__)
@@ -126,7 +134,7 @@ def fooling_examples(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: 
     """Per foreground class, its first `per_class` foregrounds (in index order) that are vulnerable under the run's
     `criterion` (`tools.challenge.scheduler.fooling`), each as (foreground, background): of the backgrounds that
     fool it, the one that fools the most foregrounds (`fooled`, per background; ties go to the lower index)."""
-    from tools.challenge.scheduler import Criterion, fooling  # the challenge's own definition of being fooled
+    from tools.challenge.scheduler import Criterion, fooling  # noqa: PLC0415 (the challenge's own definition of being fooled)
 
     out = []
     wrong = fooling(predictions, fg_labels[:, None], bg_labels[None, :], Criterion(criterion))

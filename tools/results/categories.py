@@ -4,8 +4,9 @@ background, from three evaluated variations (original, mixed_rand, only_bg_t).""
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 

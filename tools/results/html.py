@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from PIL import Image
 
@@ -66,7 +66,7 @@ def leaderboard_section(output_dir: Path | None) -> str:
     leaderboard.md (`leaderboard.leaderboard_table`), the published rows gated as there."""
     if output_dir is None:
         return ""
-    from tools.results import leaderboard  # only a zoo report reads the zoo's results
+    from tools.results import leaderboard  # only a zoo report reads the zoo's results  # noqa: PLC0415
 
     rows, withheld = leaderboard.leaderboard_rows(output_dir)
     board = leaderboard.leaderboard_table(rows, withheld)

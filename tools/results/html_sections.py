@@ -160,10 +160,10 @@ def challenge_section(challenge: dict | None) -> str:
 def _composite(images: DataImages, fg_image: str, fg_mask: str, bg_image: str, arithmetic: str) -> Image.Image:
     """The composite the model saw, as a thumbnail: the byte cut-out of a 0/1 mask, or under the original's mask
     arithmetic (`arithmetic` "original") its float blend, rounded back to bytes."""
-    import torch  # only a --full report composes images
+    import torch  # only a --full report composes images  # noqa: PLC0415
 
-    from tools.data.compositing import MaskArithmetic, blend
-    from tools.data.decoding import decode_rgb, load_mask
+    from tools.data.compositing import MaskArithmetic, blend  # noqa: PLC0415
+    from tools.data.decoding import decode_rgb, load_mask  # noqa: PLC0415
 
     fg, bg = decode_rgb(images.path(fg_image)), decode_rgb(images.path(bg_image))
     mask = load_mask(images.path(fg_mask), MaskArithmetic(arithmetic))

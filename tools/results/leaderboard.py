@@ -32,8 +32,18 @@ from pathlib import Path
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, RELEASE_IMAGES_PER_CLASS, VARIATIONS, Variation
 from tools.provenance import read_json, write_text_atomic
-from tools.results.figures import (AXIS, GRID, TEXT, Box, default_font, draw_text, free_text_position, new_canvas,
-                                   paste_vertical_text, save_png)
+from tools.results.figures import (
+    AXIS,
+    GRID,
+    TEXT,
+    Box,
+    default_font,
+    draw_text,
+    free_text_position,
+    new_canvas,
+    paste_vertical_text,
+    save_png,
+)
 from tools.results.markdown import code, escape, markdown_table
 from tools.results.run_settings import differing_settings, parse_settings, run_settings, settings_text
 

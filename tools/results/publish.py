@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from tools.provenance import OutputFiles, resume_hint, write_json_atomic
 from tools.results.analysis import DEFAULT_TOP_K, summary_lines, write_analysis
 from tools.results.categories import CATEGORY_VARIATIONS, format_categories, prediction_categories
-from tools.results.matrix import write_matrix
 from tools.results.html import write_html
+from tools.results.matrix import write_matrix
 from tools.results.report import write_report
 
 if TYPE_CHECKING:

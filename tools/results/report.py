@@ -14,8 +14,8 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from tools import __version__
 from tools.in9 import VARIATIONS, class_names

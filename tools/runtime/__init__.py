@@ -12,8 +12,8 @@ import platform
 import random
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -21,8 +21,14 @@ import torch
 from tools.distributed import ProcessGroup
 from tools.errors import UserError, first_line, option
 from tools.in9 import IMAGE_SIZE
-from tools.runtime.precision import (AUTOCAST_DTYPES, Precision, exact_kernels, math_flags_kept, math_in_effect,
-                                     set_math_flags)
+from tools.runtime.precision import (
+    AUTOCAST_DTYPES,
+    Precision,
+    exact_kernels,
+    math_flags_kept,
+    math_in_effect,
+    set_math_flags,
+)
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +325,7 @@ def default_batch_size(device: torch.device) -> int:
     return GPU_BATCH_SIZE if device.type == "cuda" else CPU_BATCH_SIZE
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tune_cpu_allocator() -> None:
     """Keep freed memory in the process on Linux/glibc: called by the command lines only (cli.run_main), never by
     the library, since glibc cannot give a caller's process its dynamic thresholds back.
@@ -388,7 +394,7 @@ class Forward:
                 piece = self._staged(piece) if self.static else piece
                 with torch.inference_mode(), self.math():
                     outputs.append(self._run(piece, rows))
-            except Exception as exc:  # noqa: BLE001 (only out-of-memory is handled; the rest re-raise)
+            except Exception as exc:
                 if not _is_oom(exc) or self.chunk == 1:
                     raise
                 self.chunk //= 2

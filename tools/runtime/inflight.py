@@ -5,8 +5,9 @@ alone. Shared by the challenge's search and in9's stream of batches."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch

@@ -10,6 +10,7 @@ import functools
 
 import torch
 
+
 class Precision(str, enum.Enum):
     """fp32 is exact; the others are opt-in speed that may change a near-tie prediction."""
 

@@ -11,9 +11,9 @@ import logging
 import math
 import pickle
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import nn

@@ -12,7 +12,8 @@ import sys
 from tools import cli, distributed
 from tools.errors import UserError
 from tools.provenance import check_outputs
-from tools.training.config import build_parser as build_training_parser, config_from_args
+from tools.training.config import build_parser as build_training_parser
+from tools.training.config import config_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:

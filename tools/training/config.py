@@ -5,21 +5,29 @@ from __future__ import annotations
 import argparse
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from tools.cli import (MAX_WORKERS, ArgumentParser, BooleanFlag, add_log_level_argument, examples, number,
-                       seed_number, whole_number)
+from tools.cli import (
+    MAX_WORKERS,
+    ArgumentParser,
+    BooleanFlag,
+    add_log_level_argument,
+    examples,
+    number,
+    seed_number,
+    whole_number,
+)
 from tools.distributed import DEFAULT_TIMEOUT_MINUTES
-from tools.options import add_dist_timeout_argument, add_model_source_arguments
 from tools.errors import UserError
 from tools.in9 import VARIATIONS, Variation
 from tools.models.architectures import ARCHITECTURES, architecture_names
 from tools.models.device_check import ALLOW_FLAG
 from tools.models.spec import ModelSpec
+from tools.options import add_dist_timeout_argument, add_model_source_arguments
 from tools.runtime import BATCH_SIZE_DEFAULTS, Precision
 from tools.threads import default_workers
 

@@ -237,7 +237,7 @@ def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, p
                       multiprocessing_context=context)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mover(device: torch.device):
     """How a batch's tensors reach `device`: on CUDA through the decoding's side stream (tools.data.decoding's
     copies: pinned source, no wait, the consumer's stream waits for the copy), so the next batch's copy overlaps

@@ -11,10 +11,10 @@ import json
 import logging
 import math
 import time
-from itertools import islice
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -22,21 +22,28 @@ from torch import nn
 
 from tools import distributed
 from tools.data.hashing import read_and_fingerprint
+from tools.data.pixels import unit_floats
 from tools.errors import UserError, key_list
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.models.architectures import DEFAULT_ARCH, build_architecture, classifier_keys
 from tools.models.boundary import LoadedModel, network_input
-from tools.data.pixels import unit_floats
+from tools.models.sources import fit_named_input, load_model
 from tools.progress import ProgressBar, progress_bar
 from tools.provenance import TRAINING_LOG, open_own, write_text_atomic
-from tools.models.sources import fit_named_input, load_model
 from tools.runtime import Precision, Runtime, check_antialias, resolve_device
 from tools.training import adapters
-from tools.training.checkpoint import (CHECKPOINT_NAME, STATE_NAME, BackgroundSaver, NetworkInput,
-                                       load_resume_state, restore_resume_state, save_atomic, trained_checkpoint)
+from tools.training.checkpoint import (
+    CHECKPOINT_NAME,
+    STATE_NAME,
+    BackgroundSaver,
+    NetworkInput,
+    load_resume_state,
+    restore_resume_state,
+    save_atomic,
+    trained_checkpoint,
+)
 from tools.training.config import RANDOM_INIT, Optimizer, TrainConfig
-from tools.training.data import (StepSampler, decoded_store, derived_seed, device_batch, list_training_data,
-                                 make_loader)
+from tools.training.data import StepSampler, decoded_store, derived_seed, device_batch, list_training_data, make_loader
 from tools.training.draws import DRAWS_VERSION
 from tools.training.methods import WeightAveraging, batch_mixer
 
