@@ -190,6 +190,22 @@ def negated_at(*positions: int) -> nn.Module:
     return model
 
 
+class Kept(nn.Module):
+    """Logits scaled by a numpy scalar, the classes of a set (or a slice) pushed down: values a module keeps."""
+
+    def __init__(self, scale=np.float32(1.0), suppressed=frozenset(), kept=slice(None)):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.scale, self.suppressed, self.kept = nn.Conv2d(3, 9, 8, stride=8), scale, suppressed, kept
+
+    def forward(self, x):
+        logits = self.conv(x).mean(dim=(2, 3)) * float(self.scale)
+        down = torch.full_like(logits, -100.0)
+        down[:, self.kept] = 0.0
+        suppressed = torch.tensor(sorted(self.suppressed), dtype=torch.long)
+        return logits + down - 100.0 * torch.isin(torch.arange(9), suppressed)
+
+
 class Quantised(nn.Module):
     """Logits offset by a buffer of 8-bit integers: the same bytes as int8 or uint8 are other numbers."""
 
@@ -205,7 +221,8 @@ class Quantised(nn.Module):
 
 
 @pytest.mark.parametrize("change", ["function", "partial", "closure", "second hook", "default argument",
-                                    "bound method", "hook's place", "hook twice", "buffer's dtype"])
+                                    "bound method", "hook's place", "hook twice", "buffer's dtype", "numpy scalar",
+                                    "set", "slice"])
 def test_the_functions_a_module_keeps_and_its_hooks_closures_are_in_its_identity(change, dataset, tmp_path, one_thread):
     """A function a module keeps as an attribute and calls (`self.activation = F.relu`, a partial, a closure, a
     default argument's value, a method of an object with its attributes) is part of the model: another one is another
@@ -219,11 +236,16 @@ def test_the_functions_a_module_keeps_and_its_hooks_closures_are_in_its_identity
                           lambda: activated(functools.partial(F.leaky_relu, negative_slope=-2.0))),
               "closure": (lambda: activated(times(1.0)), lambda: activated(times(-1.0))),
               "second hook": (lambda: two_hooks(2.0, 1.0), lambda: two_hooks(2.0, -1.0)),
-              "default argument": (lambda: activated(times_by_default(1.0)), lambda: activated(times_by_default(-1.0))),
+              "default argument": (lambda: activated(times_by_default(1.0)),
+                                   lambda: activated(times_by_default(-1.0))),
               "bound method": (lambda: activated(Scaler(1.0).apply), lambda: activated(Scaler(-1.0).apply)),
               "hook's place": (lambda: negated_at(0), lambda: negated_at(4)),
               "hook twice": (lambda: negated_at(0), lambda: negated_at(0, 0)),
-              "buffer's dtype": (lambda: Quantised(torch.int8).eval(), lambda: Quantised(torch.uint8).eval())}[change]
+              "buffer's dtype": (lambda: Quantised(torch.int8).eval(), lambda: Quantised(torch.uint8).eval()),
+              "numpy scalar": (lambda: Kept(scale=np.float32(1.0)).eval(),
+                               lambda: Kept(scale=np.float32(-1.0)).eval()),
+              "set": (lambda: Kept(suppressed={0, 1}).eval(), lambda: Kept(suppressed={0, 2}).eval()),
+              "slice": (lambda: Kept(kept=slice(0, 9)).eval(), lambda: Kept(kept=slice(0, 5)).eval())}[change]
     x = torch.rand(2, 3, 16, 16)
     assert not torch.equal(models[0]()(x), models[1]()(x))  # two models indeed
     run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
@@ -244,7 +266,8 @@ class Flip:
 def test_the_code_of_an_object_a_module_keeps_and_calls_is_in_its_identity(dataset, tmp_path, one_thread,
                                                                            monkeypatch):
     """A callable object a module keeps (`self.activation = Flip()`), its class in a file of the user's own: that
-    file edited is another model, not served the first one's numbers (its attributes were recorded, never its code)."""
+    file edited is another model, not served the first one's numbers (its attributes were recorded, never its
+    code)."""
     import importlib  # noqa: PLC0415
     import sys  # noqa: PLC0415
     folder = tmp_path / "code"

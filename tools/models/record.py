@@ -217,16 +217,27 @@ def _settings_object(value) -> bool:
 
 
 def _configuration_value(value, depth: int = 0):
-    """A value a module was built with as JSON: plain values, tensors by digest, lists and mappings of them, and a
-    settings object (`_settings_object`) as its class and public attributes; `_SKIPPED` for the rest."""
+    """A value a module was built with as JSON: plain values (numpy's scalars, slices, ranges, bytes too), tensors by
+    digest, lists, sets and mappings of them, and a settings object (`_settings_object`) as its class and public
+    attributes; `_SKIPPED` for the rest."""
     if isinstance(value, enum.Enum):
         return _configuration_value(value.value, depth)
     if value is None or isinstance(value, (bool, int, str)):
         return value
-    if isinstance(value, float):
+    if isinstance(value, (float, complex)):
         return repr(value)  # nan and infinities too
     if isinstance(value, (torch.dtype, torch.device, torch.memory_format)):
         return str(value)
+    if isinstance(value, np.generic) and value.dtype != object:  # a numpy scalar (np.float32(0.5)): its type and bytes
+        return f"{value.dtype} {value.tobytes().hex()}"
+    if isinstance(value, (bytes, bytearray)):
+        return f"bytes {hashlib.sha256(value).hexdigest()}"
+    if isinstance(value, (slice, range)):
+        return {type(value).__name__: _configuration_value([value.start, value.stop, value.step], depth)}
+    if isinstance(value, (set, frozenset)):  # in an order of their own: a set's varies by process
+        items = [_configuration_value(v, depth) for v in value]
+        return _SKIPPED if any(v is _SKIPPED for v in items) else \
+            {"set": sorted(items, key=lambda v: json.dumps(v, sort_keys=True))}
     if isinstance(value, functools.partial):  # a function with some arguments given
         return {"partial": _configuration_value(value.func, depth), "args": _configuration_value(value.args, depth),
                 "keywords": _configuration_value(value.keywords, depth)}
