@@ -290,7 +290,8 @@ class Runtime:
             math = math_in_effect()
         # `exact` is a claim only the start-up check makes (tools.models.device_check.record_check): false until it does
         return {"device": name, "precision": self.precision.value, "channels_last": self.channels_last,
-                "compile": self.compile, "exact_mode": self.exact, "exact": False, "math": math}
+                "compile": self.compile, "exact_mode": self.exact, "exact": False, "math": math,
+                "arithmetic": self.arithmetic()}  # what the saved states are keyed by; the leaderboard groups by it
 
 
 IMAGE_BYTES = 3 * IMAGE_SIZE * IMAGE_SIZE * 4  # one image as the models take it: 3x224x224 float32
