@@ -97,6 +97,22 @@ class HeadSettings:
     sign: float = 1.0
 
 
+@dataclasses.dataclass(slots=True)
+class SlottedSettings:
+    """HeadSettings with `__slots__` (dataclass(slots=True)): no `__dict__`."""
+
+    sign: float = 1.0
+
+
+class SlotsSettings:
+    """A plain class with `__slots__`, as settings classes written for memory are."""
+
+    __slots__ = ("sign",)
+
+    def __init__(self, sign: float = 1.0):
+        self.sign = sign
+
+
 class Configured(nn.Module):
     """Logits scaled by its configuration's `sign`: the same code and weights, the other sign, the other argmax."""
 
@@ -109,13 +125,14 @@ class Configured(nn.Module):
         return self.conv(x).mean(dim=(2, 3)) * self.settings.sign
 
 
-@pytest.mark.parametrize("kind", ["dataclass", "namespace"])
+@pytest.mark.parametrize("kind", ["dataclass", "namespace", "slotted dataclass", "slots"])
 def test_a_configuration_object_a_module_reads_is_in_its_identity(kind, dataset, tmp_path, one_thread):
     """A module whose forward pass reads an object it holds (its `settings`) is another model when that object says
     otherwise, though code and weights are the same: its run is not served the first one's numbers. Before, only
     plain values, tensors and lists of them were in the configuration: an object was left out whole."""
     import types  # noqa: PLC0415
-    make = HeadSettings if kind == "dataclass" else types.SimpleNamespace
+    make = {"dataclass": HeadSettings, "namespace": types.SimpleNamespace, "slotted dataclass": SlottedSettings,
+            "slots": SlotsSettings}[kind]
     model = Configured(make(sign=1.0)).eval()
     run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
            "output_dir": tmp_path / "out", **quick()}

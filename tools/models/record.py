@@ -162,7 +162,7 @@ def _kept_code(value, depth: int = 0) -> list:
     if isinstance(value, dict):
         return [code for item in value.values() for code in _kept_code(item, depth + 1)]
     if _settings_object(value):
-        return [type(value)] + [code for key, item in sorted(vars(value).items()) if not key.startswith("_")
+        return [type(value)] + [code for key, item in _attributes(value).items() if not key.startswith("_")
                                 for code in _kept_code(item, depth + 1)]
     return []
 
@@ -201,12 +201,24 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
 OBJECT_DEPTH = 4  # objects inside objects a configuration follows (a config's sub-config), against cycles
 
 
+def _attributes(value) -> dict:
+    """An object's attributes by name: its `__dict__`'s and those its classes' `__slots__` hold (a
+    dataclass(slots=True)'s), sorted."""
+    found = dict(getattr(value, "__dict__", {}))
+    for cls in type(value).__mro__:
+        slots = vars(cls).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+                found.setdefault(name, getattr(value, name))
+    return dict(sorted(found.items()))
+
+
 def _settings_object(value) -> bool:
     """Whether `value` is an object whose attributes are settings: a dataclass's or a namespace's instance, or one of
     a class from outside the standard library and torch (a transformers config, a library's or the user's own
     settings class); not code, a module (walked on its own) or a class."""
     if isinstance(value, (type, types.FunctionType, types.MethodType, types.ModuleType, nn.Module)) or \
-            not hasattr(value, "__dict__"):
+            not (hasattr(value, "__dict__") or hasattr(type(value), "__slots__")):
         return False
     if dataclasses.is_dataclass(value) or isinstance(value, types.SimpleNamespace):
         return True
@@ -258,7 +270,7 @@ def _configuration_value(value, depth: int = 0):
         items = {str(k): _configuration_value(v, depth) for k, v in value.items()}
         return _SKIPPED if any(v is _SKIPPED for v in items.values()) else items
     if depth < OBJECT_DEPTH and _settings_object(value):  # its public attributes, those that hold settings
-        items = {key: _configuration_value(v, depth + 1) for key, v in sorted(vars(value).items())
+        items = {key: _configuration_value(v, depth + 1) for key, v in _attributes(value).items()
                  if not key.startswith("_")}
         return {"class": f"{type(value).__module__}.{type(value).__qualname__}",
                 **{key: v for key, v in items.items() if v is not _SKIPPED}}
