@@ -97,6 +97,22 @@ class HeadSettings:
     sign: float = 1.0
 
 
+@dataclasses.dataclass(slots=True)
+class SlottedSettings:
+    """HeadSettings with `__slots__` (dataclass(slots=True)): no `__dict__`."""
+
+    sign: float = 1.0
+
+
+class SlotsSettings:
+    """A plain class with `__slots__`, as settings classes written for memory are."""
+
+    __slots__ = ("sign",)
+
+    def __init__(self, sign: float = 1.0):
+        self.sign = sign
+
+
 class Configured(nn.Module):
     """Logits scaled by its configuration's `sign`: the same code and weights, the other sign, the other argmax."""
 
@@ -109,13 +125,14 @@ class Configured(nn.Module):
         return self.conv(x).mean(dim=(2, 3)) * self.settings.sign
 
 
-@pytest.mark.parametrize("kind", ["dataclass", "namespace"])
+@pytest.mark.parametrize("kind", ["dataclass", "namespace", "slotted dataclass", "slots"])
 def test_a_configuration_object_a_module_reads_is_in_its_identity(kind, dataset, tmp_path, one_thread):
     """A module whose forward pass reads an object it holds (its `settings`) is another model when that object says
     otherwise, though code and weights are the same: its run is not served the first one's numbers. Before, only
     plain values, tensors and lists of them were in the configuration: an object was left out whole."""
     import types  # noqa: PLC0415
-    make = HeadSettings if kind == "dataclass" else types.SimpleNamespace
+    make = {"dataclass": HeadSettings, "namespace": types.SimpleNamespace, "slotted dataclass": SlottedSettings,
+            "slots": SlotsSettings}[kind]
     model = Configured(make(sign=1.0)).eval()
     run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
            "output_dir": tmp_path / "out", **quick()}
@@ -164,12 +181,74 @@ def two_hooks(first: float, second: float) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("change", ["function", "partial", "closure", "second hook"])
+def times_by_default(scale: float):
+    """x * scale, `scale` bound as a default argument (no closure)."""
+    return lambda x, scale=scale: x * scale
+
+
+class Scaler:
+    """A plain object whose method scales by its attribute."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def apply(self, x):
+        return x * self.scale
+
+
+def negated_at(*positions: int) -> nn.Module:
+    """A convolution, ReLU and pooling, with one negating hook (of the same code and closure) registered on each of
+    the layers at `positions`: the hook's place and count change the output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 9, 8, stride=8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Identity()).eval()
+    for position in positions:
+        model[position].register_forward_hook(scaled_by(-1.0))
+    return model
+
+
+UNIT_SCALE = np.float32(1.0)
+
+
+class Kept(nn.Module):
+    """Logits scaled by a numpy scalar, the classes of a set (or a slice) pushed down: values a module keeps."""
+
+    def __init__(self, scale=UNIT_SCALE, suppressed=frozenset(), kept=slice(None)):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.scale, self.suppressed, self.kept = nn.Conv2d(3, 9, 8, stride=8), scale, suppressed, kept
+
+    def forward(self, x):
+        logits = self.conv(x).mean(dim=(2, 3)) * float(self.scale)
+        down = torch.full_like(logits, -100.0)
+        down[:, self.kept] = 0.0
+        suppressed = torch.tensor(sorted(self.suppressed), dtype=torch.long)
+        return logits + down - 100.0 * torch.isin(torch.arange(9), suppressed)
+
+
+class Quantised(nn.Module):
+    """Logits offset by a buffer of 8-bit integers: the same bytes as int8 or uint8 are other numbers."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 9, 8, stride=8)
+        self.register_buffer("offset", torch.tensor([-100, 100, -50, 50, 0, -1, 1, -127, 127],
+                                                    dtype=torch.int8).view(dtype))
+
+    def forward(self, x):
+        return self.conv(x).mean(dim=(2, 3)) + self.offset.float()
+
+
+@pytest.mark.parametrize("change", ["function", "partial", "closure", "second hook", "default argument",
+                                    "bound method", "hook's place", "hook twice", "buffer's dtype", "numpy scalar",
+                                    "set", "slice"])
 def test_the_functions_a_module_keeps_and_its_hooks_closures_are_in_its_identity(change, dataset, tmp_path, one_thread):
-    """A function a module keeps as an attribute and calls (`self.activation = F.relu`, a partial, a closure) is part
-    of the model: another one is another model, not served the first one's numbers; and two hooks made by one
-    factory with other values are both recorded (before, their closures' values collided: a RuntimeError out of
-    benchmark(); a kept function was left out of the identity)."""
+    """A function a module keeps as an attribute and calls (`self.activation = F.relu`, a partial, a closure, a
+    default argument's value, a method of an object with its attributes) is part of the model: another one is another
+    model, not served the first one's numbers; two hooks made by one factory with other values are both recorded
+    (before, their closures' values collided: a RuntimeError out of benchmark()); a hook's place and count are the
+    model's too, and so are its tensors' dtypes (before: the same identity for each pair but the first four)."""
     import functools  # noqa: PLC0415
 
     import torch.nn.functional as F  # noqa: PLC0415
@@ -177,13 +256,55 @@ def test_the_functions_a_module_keeps_and_its_hooks_closures_are_in_its_identity
               "partial": (lambda: activated(functools.partial(F.leaky_relu, negative_slope=0.5)),
                           lambda: activated(functools.partial(F.leaky_relu, negative_slope=-2.0))),
               "closure": (lambda: activated(times(1.0)), lambda: activated(times(-1.0))),
-              "second hook": (lambda: two_hooks(2.0, 1.0), lambda: two_hooks(2.0, -1.0))}[change]
+              "second hook": (lambda: two_hooks(2.0, 1.0), lambda: two_hooks(2.0, -1.0)),
+              "default argument": (lambda: activated(times_by_default(1.0)),
+                                   lambda: activated(times_by_default(-1.0))),
+              "bound method": (lambda: activated(Scaler(1.0).apply), lambda: activated(Scaler(-1.0).apply)),
+              "hook's place": (lambda: negated_at(0), lambda: negated_at(4)),
+              "hook twice": (lambda: negated_at(0), lambda: negated_at(0, 0)),
+              "buffer's dtype": (lambda: Quantised(torch.int8).eval(), lambda: Quantised(torch.uint8).eval()),
+              "numpy scalar": (lambda: Kept(scale=np.float32(1.0)).eval(),
+                               lambda: Kept(scale=np.float32(-1.0)).eval()),
+              "set": (lambda: Kept(suppressed={0, 1}).eval(), lambda: Kept(suppressed={0, 2}).eval()),
+              "slice": (lambda: Kept(kept=slice(0, 9)).eval(), lambda: Kept(kept=slice(0, 5)).eval())}[change]
+    x = torch.rand(2, 3, 16, 16)
+    assert not torch.equal(models[0]()(x), models[1]()(x))  # two models indeed
     run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
            "output_dir": tmp_path / "out", **quick()}
     benchmark(models[0](), dataset.root, **run)
     with pytest.raises(UserError, match="another model"):
         benchmark(models[1](), dataset.root, resume=True, **run)
     benchmark(models[0](), dataset.root, resume=True, **run)  # the same model built again: resumed
+
+
+KEPT_OBJECT = """
+class Flip:
+    def __call__(self, x):
+        return x * {sign}
+"""
+
+
+def test_the_code_of_an_object_a_module_keeps_and_calls_is_in_its_identity(dataset, tmp_path, one_thread,
+                                                                           monkeypatch):
+    """A callable object a module keeps (`self.activation = Flip()`), its class in a file of the user's own: that
+    file edited is another model, not served the first one's numbers (its attributes were recorded, never its
+    code)."""
+    import importlib  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    folder = tmp_path / "code"
+    folder.mkdir()
+    (folder / "kept_object.py").write_text(KEPT_OBJECT.format(sign="1.0"))
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, "kept_object", raising=False)
+    module = importlib.import_module("kept_object")
+    run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
+           "output_dir": tmp_path / "out", **quick()}
+    first = benchmark(activated(module.Flip()), dataset.root, **run)
+    (folder / "kept_object.py").write_text(KEPT_OBJECT.format(sign="-1.0"))
+    module = importlib.reload(module)
+    with pytest.raises(UserError, match="another model"):
+        benchmark(activated(module.Flip()), dataset.root, resume=True, **run)
+    assert benchmark(activated(module.Flip()), dataset.root, **run).accuracy != first.accuracy
 
 
 NOTEBOOK_CELL = """

@@ -6,6 +6,7 @@ runs recorded as unverified."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import warnings
@@ -479,13 +480,16 @@ def test_the_zoo_sets_aside_the_runs_of_another_arithmetic(dataset, color_ts, tm
     assert again["challenge"]["challenge_accuracy"] == payload["challenge"]["challenge_accuracy"]
 
 
-@pytest.mark.parametrize("other", ["channels_last", "decoder", "device"])
+@pytest.mark.parametrize("other", ["channels_last", "decoder", "device", "cpu_threads"])
 @pytest.mark.slow
-def test_in9_resumes_and_merges_only_predictions_made_alike(other, dataset, color_ts, tmp_path, monkeypatch, capsys):
+def test_in9_resumes_and_merges_only_predictions_made_alike(other, dataset, color_ts, tmp_path, monkeypatch, capsys,
+                                                             request):
     """in9's saved state and its shards hold where their predictions were made: the memory format, the JPEG decoder
-    (another libjpeg decodes a JPEG to other pixels) and the device model (another CPU instruction set or GPU, or
-    torch, picks other kernels). A run made otherwise neither resumes them (naming what differs) nor merges with
-    them."""
+    (another libjpeg decodes a JPEG to other pixels), the device model (another CPU instruction set or GPU, or
+    torch, picks other kernels) and on the CPU the intra-op thread count (which splits the sums: before, a run at
+    another count resumed and merged them). A run made otherwise neither resumes them (naming what differs) nor
+    merges with them."""
+    request.addfinalizer(functools.partial(torch.set_num_threads, torch.get_num_threads()))
     import PIL  # noqa: PLC0415
 
     from tools import merge  # noqa: PLC0415
@@ -496,6 +500,8 @@ def test_in9_resumes_and_merges_only_predictions_made_alike(other, dataset, colo
             return ["--channels-last"]
         if other == "decoder":
             monkeypatch.setattr(PIL, "__version__", "0.0.1")
+        elif other == "cpu_threads":  # the CPU's sums are split by thread: other last bits
+            torch.set_num_threads(torch.get_num_threads() % 4 + 1)
         else:
             monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "another ISA")
         return []

@@ -490,6 +490,33 @@ def test_the_html_leaderboard_has_the_markdown_columns_and_caveats(tmp_path, per
     assert published == (per_class == 450) == ("IMAGENET1K_V1" in text)
 
 
+def test_rows_made_on_other_cpus_or_thread_counts_are_ranked_apart(tmp_path):
+    """Two results files made alike on the CPU but with another instruction set (torch picks other kernels) or intra-op
+    thread count (the sums are split otherwise): the run's arithmetic, which its provenance records (the same that
+    keys its saved states), ranks them apart. Before, the provenance said "cpu" alone and one table ranked them."""
+    import torch  # noqa: PLC0415
+
+    from tools.results.leaderboard import build_leaderboard  # noqa: PLC0415
+    from tools.runtime import Runtime, device_model  # noqa: PLC0415
+
+    recorded = Runtime(torch.device("cpu")).describe()["arithmetic"]
+    assert recorded["device"] == device_model(torch.device("cpu"))
+    assert recorded["cpu_threads"] == torch.get_num_threads()
+    (tmp_path / "models").mkdir()
+    for model, capability, threads, accuracy in [("a", "AVX2", 1, 30.0), ("b", "AVX512", 1, 40.0),
+                                                 ("c", "AVX2", 2, 20.0)]:
+        payload = zoo_payload(model, 1000, "any", "a", 4)
+        made = {"device": "cpu", "precision": "fp32", "batch_size": 16,
+                "arithmetic": {**recorded, "device": f"cpu ({capability}), torch 2.14.1", "cpu_threads": threads}}
+        payload["in9"]["provenance"] = {**payload["in9"]["provenance"], **made}
+        payload["challenge"]["provenance"] = {**payload["in9"]["provenance"], "mask_arithmetic": "binary"}
+        payload["challenge"]["challenge_accuracy"] = accuracy
+        (tmp_path / "models" / f"{model}.json").write_text(json.dumps(payload))
+    build_leaderboard(tmp_path)
+    tables = leaderboard_tables(write_html(tmp_path / "page.html", leaderboard=tmp_path))
+    assert sorted([row[1] for row in table[1:]] for table in tables) == [["a"], ["b"], ["c"]]
+
+
 def test_rows_made_by_other_versions_are_ranked_apart(tmp_path):
     """Two results files of one zoo folder made alike but by other versions of the toolkit or of torch (an older
     results file kept, a SLURM array task in another environment: another torch picks other kernels, another toolkit

@@ -6,6 +6,7 @@ origin (`ModelOrigin`) a `LoadedModel`, and the resizing inside the model for cl
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -24,12 +25,14 @@ log = logging.getLogger(__name__)
 
 
 def state_sha256(module: nn.Module) -> str:
-    """The SHA-256 of a module's state dict (each key, then its tensor's bytes, in order): the identity of an
-    in-memory model's weights, as a file's hash is of a checkpoint's."""
+    """The SHA-256 of a module's state dict (each key with its tensor's dtype, shape and length, then its bytes, in
+    order): the identity of an in-memory model's weights, as a file's hash is of a checkpoint's. The same bytes as
+    another dtype or shape are other weights (int8 and uint8, say)."""
     digest = hashlib.sha256()
     for key, tensor in module.state_dict().items():
-        digest.update(key.encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        digest.update(json.dumps([key, str(tensor.dtype), list(tensor.shape), len(data)]).encode() + b"\n")
+        digest.update(data)
     return digest.hexdigest()
 
 

@@ -122,8 +122,8 @@ def _source_text(thing) -> str:
 
 
 def _referenced(function: types.FunctionType) -> tuple[list, dict]:
-    """What a function's code names from its module's globals and its closure: (the classes, functions and modules,
-    the other values as `_configuration_value`s by name)."""
+    """What a function's code names from its module's globals and its closure, and its default arguments: (the
+    classes, functions and modules, the other values as `_configuration_value`s by name)."""
     names, stack = set(), [function.__code__]
     while stack:
         code = stack.pop()
@@ -135,26 +135,59 @@ def _referenced(function: types.FunctionType) -> tuple[list, dict]:
             found[name] = cell.cell_contents
         except ValueError:  # a cell not yet filled
             continue
+    # its default arguments' values, bound when it was made (`lambda x, scale=scale: x * scale`)
+    found.update({f"(default {index})": value for index, value in enumerate(function.__defaults__ or ())})
+    found.update({f"(default {name})": value for name, value in sorted((function.__kwdefaults__ or {}).items())})
     code = (type, types.FunctionType, types.ModuleType)
     values = {name: _configuration_value(v) for name, v in found.items() if not isinstance(v, code)}
     return [v for v in found.values() if isinstance(v, code)], {k: v for k, v in values.items() if v is not _SKIPPED}
 
 
-def _kept_functions(module: nn.Module) -> list:
-    """The functions a module keeps as attributes, which its code may call (`self.activation = F.relu`, a partial's
-    function, a closure)."""
-    found = []
-    for value in vars(module).values():
-        while isinstance(value, functools.partial):
-            value = value.func
-        if isinstance(value, (types.FunctionType, types.MethodType)):
-            found.append(value)
-    return found
+def _kept_code(value, depth: int = 0) -> list:
+    """The code a module may call through what it keeps (its attributes, a hook): functions (`self.activation =
+    F.relu`, a closure, a partial's function and arguments), a bound method's function and its object's, the class
+    of a callable or settings object it keeps (`_settings_object`: `self.activation = Flip()`), in lists, tuples and
+    mappings too."""
+    if depth > OBJECT_DEPTH:
+        return []
+    if isinstance(value, functools.partial):
+        return _kept_code(value.func, depth) + _kept_code([value.args, value.keywords], depth + 1)
+    if isinstance(value, types.MethodType):
+        owner = value.__self__
+        return [value.__func__] + ([] if isinstance(owner, nn.Module) else _kept_code(owner, depth + 1))
+    if isinstance(value, types.FunctionType):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [code for item in value for code in _kept_code(item, depth + 1)]
+    if isinstance(value, dict):
+        return [code for item in value.values() for code in _kept_code(item, depth + 1)]
+    if _settings_object(value):
+        return [type(value)] + [code for key, item in _attributes(value).items() if not key.startswith("_")
+                                for code in _kept_code(item, depth + 1)]
+    return []
 
 
 def _hooks(module: nn.Module) -> list:
-    """The hooks a module runs around its forward pass (which may change its output)."""
+    """The hooks a module runs around its forward pass (which may change its output), pre-hooks first, in order."""
     return [hook for hooks in (module._forward_pre_hooks, module._forward_hooks) for hook in hooks.values()]
+
+
+def _hook_values(module: nn.Module) -> dict:
+    """Which hooks a module runs, in order, each as `_configuration_value` gives it (their code and closures are
+    recorded apart), and whether it is given the keyword arguments: a hook's place and count change the output."""
+    described = {}
+    for kind, hooks, with_kwargs in (("forward pre-hooks", module._forward_pre_hooks,
+                                      getattr(module, "_forward_pre_hooks_with_kwargs", {})),
+                                     ("forward hooks", module._forward_hooks,
+                                      getattr(module, "_forward_hooks_with_kwargs", {}))):
+        if hooks:
+            described[kind] = [[_hook_value(hook), key in with_kwargs] for key, hook in hooks.items()]
+    return described
+
+
+def _hook_value(hook):
+    value = _configuration_value(hook)
+    return f"object {type(hook).__module__}.{type(hook).__qualname__}" if value is _SKIPPED else value
 
 
 _SKIPPED = object()  # a value that holds no setting of its own (a module, a function: recorded as code; any object)
@@ -168,12 +201,24 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
 OBJECT_DEPTH = 4  # objects inside objects a configuration follows (a config's sub-config), against cycles
 
 
+def _attributes(value) -> dict:
+    """An object's attributes by name: its `__dict__`'s and those its classes' `__slots__` hold (a
+    dataclass(slots=True)'s), sorted."""
+    found = dict(getattr(value, "__dict__", {}))
+    for cls in type(value).__mro__:
+        slots = vars(cls).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+                found.setdefault(name, getattr(value, name))
+    return dict(sorted(found.items()))
+
+
 def _settings_object(value) -> bool:
     """Whether `value` is an object whose attributes are settings: a dataclass's or a namespace's instance, or one of
     a class from outside the standard library and torch (a transformers config, a library's or the user's own
     settings class); not code, a module (walked on its own) or a class."""
     if isinstance(value, (type, types.FunctionType, types.MethodType, types.ModuleType, nn.Module)) or \
-            not hasattr(value, "__dict__"):
+            not (hasattr(value, "__dict__") or hasattr(type(value), "__slots__")):
         return False
     if dataclasses.is_dataclass(value) or isinstance(value, types.SimpleNamespace):
         return True
@@ -184,19 +229,34 @@ def _settings_object(value) -> bool:
 
 
 def _configuration_value(value, depth: int = 0):
-    """A value a module was built with as JSON: plain values, tensors by digest, lists and mappings of them, and a
-    settings object (`_settings_object`) as its class and public attributes; `_SKIPPED` for the rest."""
+    """A value a module was built with as JSON: plain values (numpy's scalars, slices, ranges, bytes too), tensors by
+    digest, lists, sets and mappings of them, and a settings object (`_settings_object`) as its class and public
+    attributes; `_SKIPPED` for the rest."""
     if isinstance(value, enum.Enum):
         return _configuration_value(value.value, depth)
     if value is None or isinstance(value, (bool, int, str)):
         return value
-    if isinstance(value, float):
+    if isinstance(value, (float, complex)):
         return repr(value)  # nan and infinities too
     if isinstance(value, (torch.dtype, torch.device, torch.memory_format)):
         return str(value)
+    if isinstance(value, np.generic) and value.dtype != object:  # a numpy scalar (np.float32(0.5)): its type and bytes
+        return f"{value.dtype} {value.tobytes().hex()}"
+    if isinstance(value, (bytes, bytearray)):
+        return f"bytes {hashlib.sha256(value).hexdigest()}"
+    if isinstance(value, (slice, range)):
+        return {type(value).__name__: _configuration_value([value.start, value.stop, value.step], depth)}
+    if isinstance(value, (set, frozenset)):  # in an order of their own: a set's varies by process
+        items = [_configuration_value(v, depth) for v in value]
+        return _SKIPPED if any(v is _SKIPPED for v in items) else \
+            {"set": sorted(items, key=lambda v: json.dumps(v, sort_keys=True))}
     if isinstance(value, functools.partial):  # a function with some arguments given
         return {"partial": _configuration_value(value.func, depth), "args": _configuration_value(value.args, depth),
                 "keywords": _configuration_value(value.keywords, depth)}
+    if isinstance(value, types.MethodType) and not isinstance(value.__self__, (nn.Module, type)):
+        owner = _configuration_value(value.__self__, depth + 1)  # a method of an object: the object's settings too
+        return {"method": _configuration_value(value.__func__, depth),
+                "of": owner if owner is not _SKIPPED else f"object {type(value.__self__).__qualname__}"}
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):  # which function: its
         return f"function {getattr(value, '__module__', None)}.{getattr(value, '__qualname__', None)}"  # code apart
     if isinstance(value, torch.Tensor):
@@ -210,7 +270,7 @@ def _configuration_value(value, depth: int = 0):
         items = {str(k): _configuration_value(v, depth) for k, v in value.items()}
         return _SKIPPED if any(v is _SKIPPED for v in items.values()) else items
     if depth < OBJECT_DEPTH and _settings_object(value):  # its public attributes, those that hold settings
-        items = {key: _configuration_value(v, depth + 1) for key, v in sorted(vars(value).items())
+        items = {key: _configuration_value(v, depth + 1) for key, v in _attributes(value).items()
                  if not key.startswith("_")}
         return {"class": f"{type(value).__module__}.{type(value).__qualname__}",
                 **{key: v for key, v in items.items() if v is not _SKIPPED}}
@@ -221,7 +281,7 @@ def _configuration_digest(model: nn.Module) -> str:
     """How each module in `model` was built beyond its state dict and code: its attributes (a convolution's stride
     and padding, a norm's eps, a CLIP head's image size, a settings object it reads: `_settings_object`; its mode
     aside), the tensors no state dict holds (buffers that are not persistent, an exported graph's constants), by
-    digest."""
+    digest; and the hooks it runs, in order (`_hook_values`)."""
     configuration = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.jit.ScriptModule):
@@ -230,6 +290,7 @@ def _configuration_digest(model: nn.Module) -> str:
                       if key != "training" and (not key.startswith("_") or type(value) is torch.Tensor)}
         attributes.update({f"buffer {key}": _tensor_digest(module._buffers[key]) for key in
                            sorted(module._non_persistent_buffers_set) if module._buffers.get(key) is not None})
+        attributes.update(_hook_values(module))
         configuration[name] = {key: value for key, value in attributes.items() if value is not _SKIPPED}
     return hashlib.sha256(json.dumps(configuration, sort_keys=True).encode()).hexdigest()
 
@@ -355,8 +416,9 @@ class ModelRecord:
                 self.setting(f"graph code {name or '(top)'}", hashlib.sha256(module.code.encode()).hexdigest())
                 continue
             self._code_of(type(module), seen)
-            for function in _hooks(module) + _kept_functions(module):
-                self._code_of(function, seen)
+            kept = [value for key, value in sorted(vars(module).items()) if not key.startswith("_")]
+            for code in _kept_code(_hooks(module) + kept):
+                self._code_of(code, seen)
         self.setting("module configuration", _configuration_digest(model))
 
     def _code_of(self, thing, seen: set[int]) -> None:

@@ -34,7 +34,9 @@ def _text(value) -> str:
 PROVENANCE_SETTINGS = {
     "toolkit": lambda p: p.get("toolkit_version"),  # another version may compute otherwise
     "torch": lambda p: p.get("torch"),  # its build names CUDA's version: other kernels
-    "device": lambda p: _device(p.get("device")),
+    # the device model (the CPU's instruction set, the GPU's compute capability: `Runtime.arithmetic`), else as named
+    "device": lambda p: (p.get("arithmetic") or {}).get("device") or _device(p.get("device")),
+    "CPU threads": lambda p: (p.get("arithmetic") or {}).get("cpu_threads"),  # they split the CPU's sums
     "precision": lambda p: p.get("precision"),
     "compiled": lambda p: p.get("compile"),
     "channels last": lambda p: p.get("channels_last"),
@@ -46,8 +48,8 @@ PROVENANCE_SETTINGS = {
 
 def run_settings(payload: dict) -> dict[str, str]:
     """How a zoo results file's runs were made: each of their settings that can change a number (the toolkit's and
-    torch's versions, the device, precision, compilation, channels-last layout, batch size, JPEG decoder and an
-    inexact device allowed, from both
+    torch's versions, the device model and on the CPU the thread count, precision, compilation, channels-last
+    layout, batch size, JPEG decoder and an inexact device allowed, from both
     runs' provenance, and the challenge's criterion, mask arithmetic and fp32 re-check margin), as text by label; a
     setting the runs differ in names both."""
     in9, challenge = payload.get("in9") or {}, payload.get("challenge") or {}

@@ -214,11 +214,13 @@ class Runtime:
 
     def arithmetic(self) -> dict:
         """What decides the model's logits here besides the model, its inputs and the batch shape: the device model
-        (`device_model`, the same for every process of one kind of device), the precision, compilation and the
-        memory format. Saved states, shards and the zoo's results are keyed by it, so that a prediction made under
+        (`device_model`, the same for every process of one kind of device), the precision, compilation, the
+        memory format and on the CPU the intra-op thread count (oneDNN and the matmuls split their sums by thread;
+        none on a GPU). Saved states, shards and the zoo's results are keyed by it, so that a prediction made under
         one is never reused under another (a compiled run's, say, under an exact run's `exact: true`)."""
         return {"device": device_model(self.device), "precision": self.precision.value, "compile": self.compile,
-                "channels_last": self.channels_last}
+                "channels_last": self.channels_last,
+                "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None}
 
     @property
     def memory_format(self) -> torch.memory_format:
@@ -299,7 +301,8 @@ class Runtime:
             math = math_in_effect()
         # `exact` is a claim only the start-up check makes (tools.models.device_check.record_check): false until it does
         return {"device": name, "precision": self.precision.value, "channels_last": self.channels_last,
-                "compile": self.compile, "exact_mode": self.exact, "exact": False, "math": math}
+                "compile": self.compile, "exact_mode": self.exact, "exact": False, "math": math,
+                "arithmetic": self.arithmetic()}  # what the saved states are keyed by; the leaderboard groups by it
 
 
 IMAGE_BYTES = 3 * IMAGE_SIZE * IMAGE_SIZE * 4  # one image as the models take it: 3x224x224 float32
