@@ -4,7 +4,7 @@ On generated data (by default 1,350 foregrounds x 1,350 backgrounds on a GPU) an
 with random weights (ResNet-50), it measures in one run:
   model-{fp32,bf16}-{eager,compiled}  the wrapped model alone on uint8 batches already on the device (and how long
                                       torch.compile took)
-  in9-{fp32,bf16}                     in9_eval's `all` run (tools.evaluate.run_in9): a first run (listing and
+  in9-{fp32,bf16}                     in9_eval's `all` run (tools.in9.evaluate.run_in9): a first run (listing and
                                       decoding), and one reading the decoded variations from memory (the zoo's)
   challenge-any, challenge-full       the challenge's search (tools.challenge.run_challenge), composites/s
   challenge-eval[-compile]            `python challenge_eval.py` from process start to its summary line, against
@@ -167,8 +167,8 @@ def in9_speed(args, precision: str) -> dict:
     from bench_in9 import synchronize  # noqa: PLC0415
     from tools.data import decoding  # noqa: PLC0415
     from tools.data.store import DecodedCache  # noqa: PLC0415
-    from tools.evaluate import In9Config, list_in9_files, run_in9  # noqa: PLC0415
     from tools.in9 import VARIATIONS  # noqa: PLC0415
+    from tools.in9.evaluate import In9Config, list_in9_files, run_in9  # noqa: PLC0415
     loaded, runtime = _loaded(args), _runtime(args, precision)
     model = model_speed(args, precision, False)["images_per_s"]
     seconds = []

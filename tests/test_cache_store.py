@@ -31,8 +31,8 @@ from tools.data.compositing import MaskArithmetic
 from tools.data.decoders import Decoder
 from tools.data.store import DecodedCache
 from tools.errors import UserError
-from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
+from tools.in9.evaluate import In9Config, list_in9_files, run_in9
 from tools.models.sources import load_model
 from tools.runtime import Runtime
 

@@ -19,8 +19,8 @@ from tools.data import decoders, decoding, synthetic
 from tools.data.decoders import Decoder, choose_decoder, plain_jpeg
 from tools.data.decoding import decode_rgb, iter_decoded_batches
 from tools.errors import UserError
-from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
+from tools.in9.evaluate import In9Config, list_in9_files, run_in9
 from tools.models.sources import load_model
 from tools.runtime import Runtime
 

@@ -14,8 +14,8 @@ import torch
 from tools.challenge import list_challenge_files
 from tools.data import decoding as datasets
 from tools.data import layout, synthetic
-from tools.evaluate import In9Config, run_in9
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS, class_names
+from tools.in9.evaluate import In9Config, run_in9
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.models.record import ModelRecord
 from tools.provenance import provenance

@@ -21,11 +21,11 @@ from PIL import Image
 import challenge_eval
 import in9_eval
 from tests.helpers import TinyCNN, run_in_process, save_torchscript
-from tools import challenge, evaluate, zoo
+from tools import challenge, zoo
 from tools.data import decoding, synthetic
 from tools.data.hashing import sha256_file
 from tools.errors import UserError
-from tools.in9 import VARIATIONS
+from tools.in9 import VARIATIONS, evaluate
 from tools.models.device_check import CHECK_IMAGES
 from tools.results.leaderboard import (
     CSV_FILE,

@@ -18,7 +18,7 @@ from tools.cli import ArgumentParser, add_log_level_argument, examples, run_main
 from tools.data import layout
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT
 from tools.errors import UserError
-from tools.evaluate import In9Run, VariationResult
+from tools.in9.evaluate import In9Run, VariationResult
 from tools.models import device_check
 from tools.provenance import check_outputs
 from tools.results.publish import publish_challenge, publish_in9

@@ -37,8 +37,8 @@ from tools.data import decoding as datasets
 from tools.data.hashing import sha256_file
 from tools.data.store import DecodedCache
 from tools.errors import UserError
-from tools.evaluate import In9Config, In9Files, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
+from tools.in9.evaluate import In9Config, In9Files, list_in9_files, run_in9
 from tools.models import hub
 from tools.models.boundary import LoadedModel
 from tools.models.device_check import check_run, first_images, verified
