@@ -165,7 +165,7 @@ def in9_speed(args, precision: str) -> dict:
     run as a second in9_eval.py would make it (listing and hashing again), its images read from the disk cache
     (`disk_cached_ratio`; on CUDA, kept on the device where they fit)."""
     from bench_in9 import synchronize  # noqa: PLC0415
-    from tools.data import decoding  # noqa: PLC0415
+    from tools.data import image_sets  # noqa: PLC0415
     from tools.data.store import DecodedCache  # noqa: PLC0415
     from tools.in9 import VARIATIONS  # noqa: PLC0415
     from tools.in9.evaluate import In9Config, list_in9_files, run_in9  # noqa: PLC0415
@@ -174,7 +174,7 @@ def in9_speed(args, precision: str) -> dict:
     seconds = []
     with tempfile.TemporaryDirectory(prefix="bench_cache_") as cache:
         config = In9Config(VARIATIONS, args.batch_size, args.workers, progress=False, cache=DecodedCache(Path(cache)))
-        with decoding.keep_decoded():
+        with image_sets.keep_decoded():
             start = time.perf_counter()
             files = list_in9_files(args.data, VARIATIONS, args.workers)
             for _ in range(2):

@@ -20,7 +20,7 @@ from tests.helpers import run_in_process, save_torchscript
 from tools.challenge.state import SearchState
 from tools.data import builder, synthetic
 from tools.data.boxes import CropGeometry
-from tools.data.decoding import read_mask
+from tools.data.image_sets import read_mask
 from tools.errors import UserError
 from tools.results import analysis, matrix, report_cli
 from tools.shards import read_challenge_arrays

@@ -31,7 +31,7 @@ from tests.helpers import (
     shows_secret,
 )
 from tools.data.compositing import blend, original_weights
-from tools.data.decoding import decode_rgb
+from tools.data.image_sets import decode_rgb
 from tools.in9 import class_names
 from tools.results import analysis as analysis_cli
 from tools.results import html_sections, report_cli

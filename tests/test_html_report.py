@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from tests.helpers import TINY, Page, check_error, html_runs, run_train
-from tools.data.decoding import decode_rgb
+from tools.data.image_sets import decode_rgb
 from tools.in9 import VARIATIONS, class_names
 from tools.results import html_sections, report, report_cli
 from tools.results.categories import Category

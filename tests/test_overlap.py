@@ -18,8 +18,8 @@ import challenge_eval
 import in9_eval
 import tools.challenge.data
 import tools.data.decoders
-import tools.data.decoding
 import tools.data.hashing
+import tools.data.image_sets
 import tools.in9.evaluate
 from tests.helpers import check_error, run_in_process, save_torchscript
 from tools import options
@@ -195,7 +195,7 @@ def test_an_interrupt_while_the_data_thread_writes_a_cache_pack_leaves_no_part_o
                                                                                    capsys, one_thread):
     """The challenge's data thread decodes its images into a cache pack's temporary folder while the model is
     built; an interrupt then ends the run with 130 (143), its pack neither kept nor left half written."""
-    decode, started = tools.data.decoding.decode_bytes, threading.Event()
+    decode, started = tools.data.image_sets.decode_bytes, threading.Event()
     cache = tmp_path / "cache"
 
     def decode_slowly(*args, **kwargs):
@@ -208,7 +208,7 @@ def test_an_interrupt_while_the_data_thread_writes_a_cache_pack_leaves_no_part_o
         assert started.wait(WAIT_S)
         raise interrupt()
 
-    monkeypatch.setattr(tools.data.decoding, "decode_bytes", decode_slowly)
+    monkeypatch.setattr(tools.data.image_sets, "decode_bytes", decode_slowly)
     monkeypatch.setattr(options, "model_from_args", model_from_args)
     main, argv = command("challenge", dataset.root, checkpoint, tmp_path)
     got, _, err = run_in_process(main, [*argv, "--cache-dir", str(cache)], capsys)

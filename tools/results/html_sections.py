@@ -163,7 +163,7 @@ def _composite(images: DataImages, fg_image: str, fg_mask: str, bg_image: str, a
     import torch  # only a --full report composes images  # noqa: PLC0415
 
     from tools.data.compositing import MaskArithmetic, blend  # noqa: PLC0415
-    from tools.data.decoding import decode_rgb, load_mask  # noqa: PLC0415
+    from tools.data.image_sets import decode_rgb, load_mask  # noqa: PLC0415
 
     fg, bg = decode_rgb(images.path(fg_image)), decode_rgb(images.path(bg_image))
     mask = load_mask(images.path(fg_mask), MaskArithmetic(arithmetic))
