@@ -10,9 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tools.challenge.config import Criterion
 from tools.challenge.data import ChallengeFiles
 from tools.challenge.result import ChallengeResult
-from tools.challenge.scheduler import Criterion, state_problem
+from tools.challenge.scheduler import state_problem
 from tools.challenge.state import SearchState
 from tools.cli import ArgumentParser, add_log_level_argument, examples, run_main, whole_number
 from tools.data import layout

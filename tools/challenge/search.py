@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from tools import distributed
+from tools.challenge.config import ChallengeConfig
 from tools.challenge.data import ChallengeData, ChallengeFiles, load_challenge_data
 from tools.challenge.predictor import CompositePredictor
 from tools.challenge.result import ChallengeResult
-from tools.challenge.scheduler import ChallengeConfig, Scheduler, split_untested, state_problem
+from tools.challenge.scheduler import Scheduler, split_untested, state_problem
 from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState
 from tools.data.store import DecodedCache
 from tools.errors import UserError, option
