@@ -175,7 +175,7 @@ class _Stream:
         logits = self.forward(self.images[int(positions[0])])
         return launch(positions, self.to_in9(logits), top_two_margins(logits) if self.margin > 0 else None)
 
-    def close(self, margins: np.ndarray | None) -> np.ndarray:
+    def near_tie_mask(self, margins: np.ndarray | None) -> np.ndarray:
         return near_ties(margins, self.margin)
 
     def hold(self, positions: np.ndarray, close: np.ndarray) -> None:
