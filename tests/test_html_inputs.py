@@ -34,9 +34,9 @@ from tools.data.compositing import blend, original_weights
 from tools.data.image_sets import decode_rgb
 from tools.in9 import class_names
 from tools.results import analysis as analysis_cli
-from tools.results import report_cli
 from tools.results.html import THUMB, write_html
 from tools.results.matrix import BACKGROUNDS_FILE, FOREGROUNDS_FILE, META_FILE, PREDICTIONS_FILE, load_matrix
+from tools.results.report import cli as report_cli
 
 EXAMPLE = re.compile(r"(?:alt|<figcaption)[=>]\"?([a-z]+) foreground (\S+) on ([a-z]+) background (\S+), predicted "
                      r"([a-z]+|outside IN-9)")

@@ -20,10 +20,11 @@ from PIL import Image
 from tests.helpers import TINY, Page, check_error, html_runs, run_train
 from tools.data.image_sets import decode_rgb
 from tools.in9 import VARIATIONS, class_names
-from tools.results import report, report_cli
+from tools.results import report
 from tools.results.categories import Category
 from tools.results.html import THUMB, in9_section, line_chart, write_html
 from tools.results.matrix import load_matrix
+from tools.results.report import cli as report_cli
 
 NAMES = class_names()
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")  # Debian names it chromium, Ubuntu also chromium-browser

@@ -18,8 +18,9 @@ from tools.in9.evaluate import In9Config, run_in9
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.models.record import ModelRecord
 from tools.provenance import provenance
-from tools.results import analysis, report, report_cli
+from tools.results import analysis, report
 from tools.results.categories import Category, prediction_categories
+from tools.results.report import cli as report_cli
 from tools.runtime import Runtime
 
 NAMES = class_names()
