@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_in9, beside it
 from bench_in9 import build_model, machine, synchronize
 from tools.data import store, synthetic
 from tools.data.cache_checks import RowChecks
-from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
+from tools.in9.evaluate import In9Config, list_in9_files, run_in9
 from tools.runtime import Precision, Runtime, resolve_device, seed_everything
 from tools.threads import default_workers
 

@@ -1,5 +1,5 @@
 """JPEG decoding rate per thread count: Pillow (the reference) against torchvision's decode_jpeg, through the
-toolkit's loader (tools.data.decoding.decode_images: jobs of 32 images in threads), on generated IN-9 images
+toolkit's loader (tools.data.image_sets.decode_images: jobs of 32 images in threads), on generated IN-9 images
 or on --data-path's `original` variation. Also says whether the run's probe would choose decode_jpeg here.
 
     python bench/bench_decoding.py --threads 1 2 --per-class 40
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from tools.data import layout, synthetic
 from tools.data.decoders import Decoder, choose_decoder, probe_sample
-from tools.data.decoding import decode_images
+from tools.data.image_sets import decode_images
 
 
 def main() -> int:

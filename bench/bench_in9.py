@@ -2,7 +2,7 @@
 
 Measures (a) the classifier's forward throughput on random uint8 images through the toolkit's PixelModel
 wrapper, at the batch size, device and precision given, after a warm-up; and (b) the images per second
-of a whole `--eval-dataset all` run through tools.evaluate.run_in9 (listing, decoding, transfer, forward,
+of a whole `--eval-dataset all` run through tools.in9.evaluate.run_in9 (listing, decoding, transfer, forward,
 mapping; the model load excluded), on generated data or on --data-path. The ratio (b)/(a) says how much
 of the model's speed the pipeline keeps: the target is at least 0.7 on a CPU and 0.8 on a GPU.
 
@@ -32,8 +32,8 @@ except ImportError:  # run as `python bench/bench_in9.py` from a checkout: the t
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.data import synthetic
-from tools.evaluate import In9Config, run_in9
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, VARIATIONS, Normalization, statistics_for
+from tools.in9.evaluate import In9Config, run_in9
 from tools.models.architectures import build_architecture
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.runtime import BATCH_SIZE_DEFAULTS, Forward, Precision, Runtime, resolve_device, seed_everything

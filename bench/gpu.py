@@ -4,7 +4,7 @@ On generated data (by default 1,350 foregrounds x 1,350 backgrounds on a GPU) an
 with random weights (ResNet-50), it measures in one run:
   model-{fp32,bf16}-{eager,compiled}  the wrapped model alone on uint8 batches already on the device (and how long
                                       torch.compile took)
-  in9-{fp32,bf16}                     in9_eval's `all` run (tools.evaluate.run_in9): a first run (listing and
+  in9-{fp32,bf16}                     in9_eval's `all` run (tools.in9.evaluate.run_in9): a first run (listing and
                                       decoding), and one reading the decoded variations from memory (the zoo's)
   challenge-any, challenge-full       the challenge's search (tools.challenge.run_challenge), composites/s
   challenge-eval[-compile]            `python challenge_eval.py` from process start to its summary line, against
@@ -165,16 +165,16 @@ def in9_speed(args, precision: str) -> dict:
     run as a second in9_eval.py would make it (listing and hashing again), its images read from the disk cache
     (`disk_cached_ratio`; on CUDA, kept on the device where they fit)."""
     from bench_in9 import synchronize  # noqa: PLC0415
-    from tools.data import decoding  # noqa: PLC0415
+    from tools.data import image_sets  # noqa: PLC0415
     from tools.data.store import DecodedCache  # noqa: PLC0415
-    from tools.evaluate import In9Config, list_in9_files, run_in9  # noqa: PLC0415
     from tools.in9 import VARIATIONS  # noqa: PLC0415
+    from tools.in9.evaluate import In9Config, list_in9_files, run_in9  # noqa: PLC0415
     loaded, runtime = _loaded(args), _runtime(args, precision)
     model = model_speed(args, precision, False)["images_per_s"]
     seconds = []
     with tempfile.TemporaryDirectory(prefix="bench_cache_") as cache:
         config = In9Config(VARIATIONS, args.batch_size, args.workers, progress=False, cache=DecodedCache(Path(cache)))
-        with decoding.keep_decoded():
+        with image_sets.keep_decoded():
             start = time.perf_counter()
             files = list_in9_files(args.data, VARIATIONS, args.workers)
             for _ in range(2):

@@ -359,8 +359,8 @@ def run_command(main, argv: list[str]) -> None:
 def html_runs(dataset, color_ts, out: Path) -> tuple[Path, dict]:
     """in9_eval (all variations, categories) and challenge_eval --full --analysis on the generated data, each
     writing its results JSON and its HTML report; then the report command's page of all of them."""
-    from tools import in9_eval  # noqa: PLC0415 (the commands load only for the tests that run them)
     from tools.challenge import cli as challenge_cli  # noqa: PLC0415
+    from tools.in9 import cli as in9_eval  # noqa: PLC0415 (the commands load only for the tests that run them)
     from tools.results.html import write_html  # noqa: PLC0415
     from tools.results.reading import load_inputs  # noqa: PLC0415
 

@@ -20,8 +20,8 @@ from PIL import Image
 
 from tools.data import layout, synthetic
 from tools.errors import UserError
-from tools.evaluate import VariationResult
 from tools.in9 import IN9_MEAN, IN9_STD, NUM_IN9_CLASSES, class_names
+from tools.in9.evaluate import VariationResult
 from tools.results import analysis, categories
 from tools.results.categories import Category
 

@@ -647,9 +647,9 @@ def _text(node) -> str:
     return ""
 
 
-# Modules benchmark() loads that only the command lines run: the scripts' shared flags and logging (tools.cli), the
-# HTML report's sections, a data folder's check (`python -m tools.data verify`).
-COMMAND_LINE_ONLY = {"tools.cli", "tools.results.html_sections", "tools.data.check"}
+# Modules benchmark() loads that only the command lines run: the scripts' shared flags and logging (tools.cli), a
+# data folder's check (`python -m tools.data verify`).
+COMMAND_LINE_ONLY = {"tools.cli", "tools.data.check"}
 # Text that names flags for the command line's use alone: the flags' words (tools.api's table, the data folder's
 # flag a script passes on), and the scaling flags a LoRA state dict's message names where no caller says otherwise.
 FLAG_TABLES = {("tools.api", "API_WORDS"), ("tools.data.layout", "check_data_root"), ("tools.models.adapters", "options"),

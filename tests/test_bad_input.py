@@ -367,8 +367,7 @@ def test_no_in9_contradicting_a_nine_class_checkpoint(run, dataset, color_ts):
 
 
 def test_lonely_mask_names_the_image_extension_in_use(tmp_path):
-    from tools.data import decoding as datasets  # noqa: PLC0415
-    from tools.data import synthetic  # noqa: PLC0415
+    from tools.data import image_sets, synthetic  # noqa: PLC0415
 
     root = synthetic.generate(tmp_path / "bg", per_class=2, seed=3).root
     for path in sorted((root / "original").rglob("*.JPEG")):  # data built with --image-format png
@@ -377,5 +376,5 @@ def test_lonely_mask_names_the_image_extension_in_use(tmp_path):
         path.unlink()
     victim = sorted((root / "original" / "val" / "01_bird").iterdir())[0]
     victim.unlink()
-    with pytest.raises(datasets.UserError, match=rf"has no image \S*{victim.stem}\.png "):
+    with pytest.raises(image_sets.UserError, match=rf"has no image \S*{victim.stem}\.png "):
         layout.list_foregrounds(root)

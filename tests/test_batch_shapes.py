@@ -14,8 +14,8 @@ import torchvision
 from tools import zoo
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.data import synthetic
-from tools.evaluate import evaluate_variations
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
+from tools.in9.evaluate import evaluate_variations
 from tools.models.architectures import SMALL_CNN, SmallCNN
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.runtime import Forward, Precision, Runtime

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.helpers import check_error, run_in_process
-from tools.data import cache_admin, decoding, store, synthetic, temporary
+from tools.data import cache_admin, image_sets, store, synthetic, temporary
 from tools.data.cli import main
 from tools.data.store import DecodedCache
 from tools.errors import UserError
@@ -80,7 +80,7 @@ def test_the_listing_counts_what_real_runs_cached(tmp_path, capsys):
     images = sorted(p.relative_to(data).as_posix() for p in (data / "original").rglob("*.JPEG"))
     masks = sorted(p.relative_to(data).as_posix() for p in (data / "fg_mask").rglob("*.npy"))
     cache = tmp_path / "cache"
-    decoding.decode_cached(data, {"original": images}, masks, {"sha256": "x"}, DecodedCache(cache), workers=1,
+    image_sets.decode_cached(data, {"original": images}, masks, {"sha256": "x"}, DecodedCache(cache), workers=1,
                            progress=False)
     store.CacheEntry(cache / "clip-heads", "a" * 32, {"format": 1}, "CLIP text head").save(
         {"head": np.zeros((9, 8), np.float32)})
@@ -248,7 +248,7 @@ def test_a_pack_removed_while_a_reader_looks_it_up_is_a_miss_and_decoded_again(t
     cache = tmp_path / "cache"
 
     def decoded() -> torch.Tensor:
-        return torch.cat([b for _, b in decoding.iter_decoded_batches(data, relpaths, 4, 1, hashes=content,
+        return torch.cat([b for _, b in image_sets.iter_decoded_batches(data, relpaths, 4, 1, hashes=content,
                                                                       cache=DecodedCache(cache))])
 
     expected = decoded()
@@ -426,7 +426,7 @@ def test_a_run_with_its_cache_in_an_ordinary_folder_removes_nothing_of_it(tmp_pa
     relpaths = sorted(p.relative_to(data).as_posix() for p in (data / "original").rglob("*.JPEG"))
     masks = sorted(p.relative_to(data).as_posix() for p in (data / "fg_mask").rglob("*.npy"))
     for _ in range(2):  # writing, then reading
-        decoding.decode_cached(data, {"original": relpaths}, masks, {"sha256": "x"}, DecodedCache(home), workers=1,
+        image_sets.decode_cached(data, {"original": relpaths}, masks, {"sha256": "x"}, DecodedCache(home), workers=1,
                                progress=False)
         entry = store.CacheEntry(home / "clip-heads", "c" * 32, {"format": 1}, "CLIP text head")
         if entry.load(["head"]) is None:

@@ -25,14 +25,14 @@ from tests.helpers import run_in_process, save_torchscript
 from tests.test_evaluate import tiny_cnn
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.challenge.data import list_challenge_files, load_challenge_data
-from tools.data import cache_admin, decoders, decoding, store, synthetic
+from tools.data import cache_admin, decoders, image_sets, store, synthetic
 from tools.data.cache_checks import OWNERS_CHECKED, ROW_DIGESTS, SPOT_CHECK_ROWS
 from tools.data.compositing import MaskArithmetic
 from tools.data.decoders import Decoder
 from tools.data.store import DecodedCache
 from tools.errors import UserError
-from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
+from tools.in9.evaluate import In9Config, list_in9_files, run_in9
 from tools.models.sources import load_model
 from tools.runtime import Runtime
 
@@ -53,13 +53,13 @@ def model(tmp_path_factory):
 def decodes(monkeypatch):
     """Every file decoded (`decode_bytes`, the one conversion of bytes into pixels), by name."""
     seen: list[str] = []
-    real = decoding.decode_bytes
+    real = image_sets.decode_bytes
 
     def counting(data, name, *args, **kwargs):
         seen.append(str(name))
         return real(data, name, *args, **kwargs)
 
-    monkeypatch.setattr(decoding, "decode_bytes", counting)
+    monkeypatch.setattr(image_sets, "decode_bytes", counting)
     return seen
 
 
@@ -120,8 +120,8 @@ def test_challenge_after_in9_decodes_no_image(model, data, tmp_path, decodes, mo
     in9(model, data, cache)
     decodes.clear()
     reads = []  # masks read from their files, per call
-    real = decoding.load_masks
-    monkeypatch.setattr(decoding, "load_masks",
+    real = image_sets.load_masks
+    monkeypatch.setattr(image_sets, "load_masks",
                         lambda root, relpaths, *rest: reads.append(len(relpaths)) or real(root, relpaths, *rest))
     cold = load_challenge_data(list_challenge_files(data, 2), 2, DecodedCache(cache), progress=False)
     assert decodes == [] and reads == [9]  # foregrounds (original) and backgrounds (only_bg_t) came from in9
@@ -159,13 +159,13 @@ def test_a_stream_left_early_or_failing_leaves_no_pack(data, tmp_path):
     cache = tmp_path / "cache"
     files = list_in9_files(data, ["original"], 1)
     relpaths = [r.relpath for r in files.listings["original"]]
-    batches = decoding.iter_decoded_batches(data, relpaths, 4, 1, hashes=files.hashes, cache=DecodedCache(cache))
+    batches = image_sets.iter_decoded_batches(data, relpaths, 4, 1, hashes=files.hashes, cache=DecodedCache(cache))
     next(batches)
     batches.close()
     assert packs(cache) == []
     (data / relpaths[-1]).write_bytes(b"not an image")
     with pytest.raises(Exception, match="cannot read image"):
-        list(decoding.iter_decoded_batches(data, relpaths, 4, 1, hashes=files.hashes, cache=DecodedCache(cache)))
+        list(image_sets.iter_decoded_batches(data, relpaths, 4, 1, hashes=files.hashes, cache=DecodedCache(cache)))
     assert packs(cache) == []
 
 
@@ -187,10 +187,10 @@ def test_the_same_pack_written_twice_keeps_one(tmp_path):
 def test_the_rule_for_keeping_decoded_data_on_the_device():
     cuda = torch.device("cuda")
     gib = 1 << 30
-    assert decoding.fits_on_device(4 * gib, cuda, free=16 * gib)  # 4.9 GB of in9 `all` on a free H100: kept
-    assert not decoding.fits_on_device(4 * gib + 1, cuda, free=16 * gib)
-    assert not decoding.fits_on_device(1, torch.device("cpu"), free=16 * gib)  # the CPU streams, as before
-    assert not decoding.fits_on_device(1, None, free=16 * gib)
+    assert image_sets.fits_on_device(4 * gib, cuda, free=16 * gib)  # 4.9 GB of in9 `all` on a free H100: kept
+    assert not image_sets.fits_on_device(4 * gib + 1, cuda, free=16 * gib)
+    assert not image_sets.fits_on_device(1, torch.device("cpu"), free=16 * gib)  # the CPU streams, as before
+    assert not image_sets.fits_on_device(1, None, free=16 * gib)
 
 
 @pytest.mark.gpu
@@ -205,7 +205,7 @@ def test_a_cached_run_on_the_device_is_kept_there_and_predicts_the_same(model, d
     cache = tmp_path / "cache"
     streamed, cold = run(None), run(cache)
     decodes.clear()
-    with caplog.at_level("INFO", logger="tools.data.decoding"):
+    with caplog.at_level("INFO", logger="tools.data.image_sets"):
         resident = run(cache)
     assert decodes == [] and "kept on cuda" in caplog.text
     assert streamed == cold == resident
@@ -350,7 +350,7 @@ def test_a_pack_whose_hashes_are_not_a_list_of_hashes_is_ignored_with_a_warning(
 def original_images(data: Path, cache_dir: Path | None, shared: bool = False) -> torch.Tensor:
     """`original`'s images as a run decodes them, through the decoded-data cache in `cache_dir` (None: none)."""
     files = list_in9_files(data, ["original"], 1)
-    return decoding.decode_images(data, [r.relpath for r in files.listings["original"]], 1, progress=False,
+    return image_sets.decode_images(data, [r.relpath for r in files.listings["original"]], 1, progress=False,
                                   hashes=files.hashes,
                                   cache=DecodedCache(cache_dir, shared) if cache_dir is not None else None)
 

@@ -21,7 +21,7 @@ from tests.challenge_reference import reference_matrix, reference_verdicts
 from tests.helpers import TinyCNN, run_in_process, save_torchscript
 from tools import challenge
 from tools.challenge import ChallengeConfig, Criterion, Scheduler, run_challenge
-from tools.challenge.search import state_key
+from tools.challenge.run import state_key
 from tools.data import synthetic
 from tools.data.decoders import Decoder
 from tools.in9 import IMAGENET_MEAN, IMAGENET_STD, IN9_MEAN, IN9_STD

@@ -28,8 +28,8 @@ from tools.data import synthetic
 from tools.data.hashing import sha256_file
 from tools.data.store import DecodedCache
 from tools.errors import UserError
-from tools.evaluate import In9Config, run_in9
 from tools.in9 import VARIATIONS
+from tools.in9.evaluate import In9Config, run_in9
 from tools.models import clip as clip_zero_shot
 from tools.models.clip import RANDOM_SEED, ClipSpec, Head, Templates, parse_spec, prompts, template_sets
 from tools.models.sources import load_model

@@ -20,9 +20,10 @@ from tests.helpers import run_in_process, save_torchscript
 from tools.challenge.state import SearchState
 from tools.data import builder, synthetic
 from tools.data.boxes import CropGeometry
-from tools.data.decoding import read_mask
+from tools.data.image_sets import read_mask
 from tools.errors import UserError
-from tools.results import analysis, matrix, report_cli
+from tools.results import analysis, matrix
+from tools.results.report import cli as report_cli
 from tools.shards import read_challenge_arrays
 
 
@@ -145,7 +146,7 @@ def test_json_results_nested_too_deep_are_one_error_line(setup, tmp_path, capsys
 def test_a_fifo_where_a_results_file_is_named_is_never_waited_on(tmp_path):
     """A FIFO named as a results file blocked the report forever (a FIFO among files copied from elsewhere)."""
     os.mkfifo(tmp_path / "in9.json")
-    proc = subprocess.run([sys.executable, "-c", "import sys; from tools.results import report_cli; "
+    proc = subprocess.run([sys.executable, "-c", "import sys; from tools.results.report import cli as report_cli; "
                            "sys.exit(report_cli.main(sys.argv[1:]))", "--in9", str(tmp_path / "in9.json"),
                            "--output", str(tmp_path / "report.md")], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, timeout=60)

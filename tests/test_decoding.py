@@ -15,12 +15,12 @@ import torch
 from PIL import Image
 
 from tools.challenge import list_challenge_files, load_challenge_data
-from tools.data import decoders, decoding, synthetic
+from tools.data import decoders, image_sets, synthetic
 from tools.data.decoders import Decoder, choose_decoder, plain_jpeg
-from tools.data.decoding import decode_rgb, iter_decoded_batches
+from tools.data.image_sets import decode_rgb, iter_decoded_batches
 from tools.errors import UserError
-from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
+from tools.in9.evaluate import In9Config, list_in9_files, run_in9
 from tools.models.sources import load_model
 from tools.runtime import Runtime
 
@@ -231,7 +231,7 @@ def test_the_probe_tries_every_kind_plain_jpeg_takes():
 @pytest.mark.parametrize("batch_size,workers", [(5, 1), (40, 2), (100, 3)])
 def test_batches_come_in_order_with_every_image(batch_size, workers, dataset, monkeypatch):
     """Jobs smaller than a batch (and batches smaller than a job) fill each batch in order."""
-    monkeypatch.setattr(decoding, "JOB_IMAGES", 3)
+    monkeypatch.setattr(image_sets, "JOB_IMAGES", 3)
     relpaths = sorted(str(p.relative_to(dataset.root)) for p in (dataset.root / "original").rglob("*.JPEG"))
     expected = np.stack([decode_rgb(dataset.root / rel) for rel in relpaths])
     seen = 0

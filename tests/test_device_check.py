@@ -219,7 +219,7 @@ def test_an_honest_run_records_its_check(dataset, color_ts, tmp_path, capsys):
 
 def test_exact_is_never_a_default(dataset, color_ts, tmp_path):
     """A run that no start-up check verified (the library's run_in9 called alone) does not say it is exact."""
-    from tools.evaluate import In9Config, run_in9  # noqa: PLC0415
+    from tools.in9.evaluate import In9Config, run_in9  # noqa: PLC0415
     from tools.models.sources import load_model  # noqa: PLC0415
     run = run_in9(load_model(checkpoint=color_ts[9], trust=True), Runtime(CPU), dataset.root,
                   In9Config(("original",), progress=False, workers=1))

@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.challenge.predictor import CompositePredictor
 from tools.data import synthetic
-from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
+from tools.in9.evaluate import In9Config, list_in9_files, run_in9
 from tools.models.architectures import SmallCNN
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.runtime import Precision, Runtime

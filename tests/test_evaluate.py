@@ -26,11 +26,11 @@ from torch import nn
 import in9_eval
 from tests import reference
 from tests.helpers import save_torchscript
-from tools import __version__, evaluate
+from tools import __version__
 from tools.data import synthetic
 from tools.data.decoders import Decoder
-from tools.evaluate import In9Config, evaluate_variations, list_in9_files, run_in9
-from tools.in9 import VARIATIONS, class_folder_names, class_names
+from tools.in9 import VARIATIONS, class_folder_names, class_names, evaluate
+from tools.in9.evaluate import In9Config, evaluate_variations, list_in9_files, run_in9
 from tools.models.sources import load_model
 from tools.runtime import Runtime
 

@@ -14,8 +14,8 @@ from tools.challenge import ChallengeConfig, run_challenge
 from tools.data import synthetic
 from tools.data.compositing import blend
 from tools.data.pixels import unit_floats
-from tools.evaluate import evaluate_variations
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
+from tools.in9.evaluate import evaluate_variations
 from tools.models.boundary import PixelModel
 from tools.models.sources import load_model
 from tools.runtime import Precision, Runtime

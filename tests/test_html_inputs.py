@@ -31,12 +31,12 @@ from tests.helpers import (
     shows_secret,
 )
 from tools.data.compositing import blend, original_weights
-from tools.data.decoding import decode_rgb
+from tools.data.image_sets import decode_rgb
 from tools.in9 import class_names
 from tools.results import analysis as analysis_cli
-from tools.results import html_sections, report_cli
-from tools.results.html import write_html
+from tools.results.html import THUMB, write_html
 from tools.results.matrix import BACKGROUNDS_FILE, FOREGROUNDS_FILE, META_FILE, PREDICTIONS_FILE, load_matrix
+from tools.results.report import cli as report_cli
 
 EXAMPLE = re.compile(r"(?:alt|<figcaption)[=>]\"?([a-z]+) foreground (\S+) on ([a-z]+) background (\S+), predicted "
                      r"([a-z]+|outside IN-9)")
@@ -108,7 +108,7 @@ def test_the_composite_is_the_one_the_original_arithmetic_made(runs, tmp_path):
                            decode_rgb(data / matrix.bg_images[j]))
         with Image.open(io.BytesIO(base64.b64decode(img["src"].split(",", 1)[1]))) as shown:
             got = np.asarray(shown.convert("RGB")).astype(int)
-        thumb = [np.asarray(Image.fromarray(a).resize((html_sections.THUMB,) * 2, Image.Resampling.LANCZOS)).astype(int)
+        thumb = [np.asarray(Image.fromarray(a).resize((THUMB,) * 2, Image.Resampling.LANCZOS)).astype(int)
                  for a in (seen, cut_out)]
         assert np.abs(got - thumb[0]).mean() < 8 < np.abs(got - thumb[1]).mean()
 

@@ -18,12 +18,13 @@ import pytest
 from PIL import Image
 
 from tests.helpers import TINY, Page, check_error, html_runs, run_train
-from tools.data.decoding import decode_rgb
+from tools.data.image_sets import decode_rgb
 from tools.in9 import VARIATIONS, class_names
-from tools.results import html_sections, report, report_cli
+from tools.results import report
 from tools.results.categories import Category
-from tools.results.html import write_html
+from tools.results.html import THUMB, in9_section, line_chart, write_html
 from tools.results.matrix import load_matrix
+from tools.results.report import cli as report_cli
 
 NAMES = class_names()
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")  # Debian names it chromium, Ubuntu also chromium-browser
@@ -86,7 +87,7 @@ def check_images(page: Page) -> None:
         with Image.open(io.BytesIO(raw)) as decoded:
             decoded.load()
             if img.get("width"):
-                assert decoded.size == (html_sections.THUMB, html_sections.THUMB)
+                assert decoded.size == (THUMB, THUMB)
                 assert len(raw) < MAX_THUMBNAIL_BYTES
 
 
@@ -106,7 +107,7 @@ def check_composites(composites: list[dict], inputs: dict) -> None:
         assert matrix.predictions[i, j] != matrix.fg_labels[i] and words[-1] == NAMES[matrix.predictions[i, j]]
         mask = np.load(root / matrix.fg_masks[i]) > 0
         truth = np.where(mask[..., None], decode_rgb(root / matrix.fg_images[i]), decode_rgb(root / matrix.bg_images[j]))
-        expected = np.asarray(Image.fromarray(truth).resize((html_sections.THUMB,) * 2, Image.Resampling.LANCZOS))
+        expected = np.asarray(Image.fromarray(truth).resize((THUMB,) * 2, Image.Resampling.LANCZOS))
         with Image.open(io.BytesIO(base64.b64decode(img["src"].split(",", 1)[1]))) as shown:
             got = np.asarray(shown.convert("RGB"))
         assert np.abs(got.astype(int) - expected.astype(int)).mean() < 8  # JPEG at quality 80
@@ -151,15 +152,15 @@ def test_a_gone_data_folder_is_said_not_failed(runs, tmp_path):
 def test_published_rows_beside_a_run_on_the_release(runs):
     _, inputs = runs
     in9 = json.loads(json.dumps(inputs["in9"]))
-    page = Page(html_sections.in9_section(in9))
+    page = Page(in9_section(in9))
     assert "published" not in page.tables  # 4 images per class: not the release
     on_release(in9)
-    rows = Page(html_sections.in9_section(in9)).rows("published")
+    rows = Page(in9_section(in9)).rows("published")
     assert "ResNet-50" in rows and _number(rows["ResNet-50"][3][1]) == 7.3  # the paper's BG-gap
     assert "| ResNet-50 | 95.60 | 86.20 | 78.90 | 7.30 | 22.30 |" in "\n".join(report.in9_section(in9))
     in9["mixed_rand"]["per_class"]["dog"]["total"] += 1  # 4,050 images, but not 450 of every class
     in9["mixed_rand"]["per_class"]["bird"]["total"] -= 1
-    assert in9["mixed_rand"]["total"] == 4050 and "published" not in Page(html_sections.in9_section(in9)).tables
+    assert in9["mixed_rand"]["total"] == 4050 and "published" not in Page(in9_section(in9)).tables
 
 
 def on_release(in9: dict) -> dict:
@@ -385,11 +386,11 @@ def test_the_page_in_a_headless_browser(runs, tmp_path):
 
 
 def test_a_line_chart_leaves_out_values_that_are_not_finite():
-    chart = html_sections.line_chart([(1, 0.9), (2, float("nan")), (3, float("inf")), (4, 0.5)], "Loss", "loss")
+    chart = line_chart([(1, 0.9), (2, float("nan")), (3, float("inf")), (4, 0.5)], "Loss", "loss")
     points = chart.split('<polyline points="')[1].split('"')[0].split()
     assert len(points) == 2 and all(np.isfinite(float(v)) for p in points for v in p.split(","))
     assert "2 values that are not finite (NaN or infinite) are not drawn" in chart
-    assert "<polyline" not in html_sections.line_chart([(1, float("nan"))], "Loss", "loss")
+    assert "<polyline" not in line_chart([(1, float("nan"))], "Loss", "loss")
 
 
 def zoo_payload(model: str, classes: int, criterion: str, data: str, per_class: int) -> dict:

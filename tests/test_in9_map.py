@@ -16,7 +16,7 @@ from tests.reference import REFERENCE_DIR_VARIABLE, reference_dir
 from tools import in9
 from tools.in9 import PredictionMap, class_names, in_to_in9_list, in_to_in9_table
 
-RESOURCES = Path(in9.__file__).resolve().parent / "resources"
+RESOURCES = Path(in9.__file__).resolve().parents[1] / "resources"
 CLASSES = ["dog", "bird", "vehicle", "reptile", "carnivore", "insect", "instrument", "primate", "fish"]
 WNIDS = ["n02084071", "n01503061", "n04576211", "n01661091", "n02075296", "n02159955", "n03800933", "n02469914",
          "n02512053"]

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers import run_in_process
-from tools.results import report_cli
 from tools.results.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
 from tools.results.markdown import code, escape, inline_html, markdown_table
+from tools.results.report import cli as report_cli
 from tools.training.evaluation import render_training_report
 
 HOSTILE = ["<img src=x onerror=alert(1)>", "**b**", "a`b", "``x`` y `", "a|b\\|c\\", "# head", "[l](http://e)",

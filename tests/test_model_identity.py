@@ -19,7 +19,7 @@ from tests.helpers import check_error, files_read, run_in_process, unrecorded_re
 from tools import options, zoo
 from tools.challenge import cli as challenge_cli
 from tools.data import synthetic
-from tools.in9_eval import build_parser as in9_parser
+from tools.in9.cli import build_parser as in9_parser
 from tools.models.architectures import SMALL_CNN, SmallCNN
 from tools.models.sources import NOT_IN_IDENTITY, ModelOptions, load_model
 from tools.training.config import build_parser as train_parser

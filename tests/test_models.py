@@ -412,7 +412,7 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     import in9_eval  # noqa: PLC0415
     from tests.helpers import run_in_process  # noqa: PLC0415
     from tools.data import synthetic  # noqa: PLC0415
-    from tools.evaluate import evaluate_variations  # noqa: PLC0415
+    from tools.in9.evaluate import evaluate_variations  # noqa: PLC0415
     from tools.models.boundary import ModelOrigin, wrap  # noqa: PLC0415
     from tools.models.record import ModelRecord  # noqa: PLC0415
     from tools.models.sources import SOURCES, register_source  # noqa: PLC0415

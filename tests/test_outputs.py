@@ -25,17 +25,18 @@ import in9_eval
 import train
 from tests.helpers import run_in_process, save_torchscript
 from tools import challenge, merge, zoo
-from tools import in9_eval as in9_command
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.challenge import cli as challenge_command
 from tools.data import cli as data_cli
 from tools.data import store, synthetic
-from tools.evaluate import In9Config, run_in9
 from tools.in9 import VARIATIONS
+from tools.in9 import cli as in9_command
+from tools.in9.evaluate import In9Config, run_in9
 from tools.models.sources import load_model
-from tools.results import analysis, leaderboard, report, report_cli
+from tools.results import analysis, leaderboard, report
 from tools.results.matrix import write_matrix
 from tools.results.publish import publish_in9
+from tools.results.report import cli as report_cli
 from tools.runtime import Runtime
 from tools.training.checkpoint import STATE_NAME, save_atomic
 

@@ -18,9 +18,9 @@ import challenge_eval
 import in9_eval
 import tools.challenge.data
 import tools.data.decoders
-import tools.data.decoding
 import tools.data.hashing
-import tools.evaluate
+import tools.data.image_sets
+import tools.in9.evaluate
 from tests.helpers import check_error, run_in_process, save_torchscript
 from tools import options
 from tools.cli import Terminated
@@ -52,7 +52,7 @@ def test_the_data_is_hashed_while_the_model_is_built(script, dataset, checkpoint
     """Hashing the files waits until the model's building has started (it never starts, in a run that builds the
     model after the data): the run finishes, and the data work saw the model being built."""
     building, events = threading.Event(), []
-    build, hashing = options.model_from_args, tools.evaluate.read_and_fingerprint
+    build, hashing = options.model_from_args, tools.in9.evaluate.read_and_fingerprint
 
     def model_from_args(*args, **kwargs):
         events.append("model: start")
@@ -67,7 +67,7 @@ def test_the_data_is_hashed_while_the_model_is_built(script, dataset, checkpoint
         return hashing(*args, **kwargs)
 
     monkeypatch.setattr(options, "model_from_args", model_from_args)
-    monkeypatch.setattr(tools.evaluate, "read_and_fingerprint", read_and_fingerprint)
+    monkeypatch.setattr(tools.in9.evaluate, "read_and_fingerprint", read_and_fingerprint)
     monkeypatch.setattr(tools.challenge.data, "read_and_fingerprint", read_and_fingerprint)
     main, argv = command(script, dataset.root, checkpoint, tmp_path)
     code, out, err = run_in_process(main, argv, capsys)
@@ -114,7 +114,7 @@ def test_the_data_side_finds_its_imports_made_before_it_starts(monkeypatch):
 def test_both_commands_import_the_decoders_before_the_data_thread(script, dataset, checkpoint, tmp_path, monkeypatch,
                                                                    capsys, one_thread):
     import tools.challenge.cli  # noqa: PLC0415
-    import tools.in9_eval  # noqa: PLC0415
+    import tools.in9.cli  # noqa: PLC0415
     from tools import threads  # noqa: PLC0415
     from tools.data import decoders  # noqa: PLC0415
     asked = []
@@ -123,7 +123,7 @@ def test_both_commands_import_the_decoders_before_the_data_thread(script, datase
         asked.append(tuple(imports))
         return threads.alongside(data, model, imports)
 
-    monkeypatch.setattr(tools.in9_eval if script == "in9" else tools.challenge.cli, "alongside", alongside)
+    monkeypatch.setattr(tools.in9.cli if script == "in9" else tools.challenge.cli, "alongside", alongside)
     main, argv = command(script, dataset.root, checkpoint, tmp_path)
     code, _, err = run_in_process(main, argv, capsys)
     assert code == 0, err
@@ -195,7 +195,7 @@ def test_an_interrupt_while_the_data_thread_writes_a_cache_pack_leaves_no_part_o
                                                                                    capsys, one_thread):
     """The challenge's data thread decodes its images into a cache pack's temporary folder while the model is
     built; an interrupt then ends the run with 130 (143), its pack neither kept nor left half written."""
-    decode, started = tools.data.decoding.decode_bytes, threading.Event()
+    decode, started = tools.data.image_sets.decode_bytes, threading.Event()
     cache = tmp_path / "cache"
 
     def decode_slowly(*args, **kwargs):
@@ -208,7 +208,7 @@ def test_an_interrupt_while_the_data_thread_writes_a_cache_pack_leaves_no_part_o
         assert started.wait(WAIT_S)
         raise interrupt()
 
-    monkeypatch.setattr(tools.data.decoding, "decode_bytes", decode_slowly)
+    monkeypatch.setattr(tools.data.image_sets, "decode_bytes", decode_slowly)
     monkeypatch.setattr(options, "model_from_args", model_from_args)
     main, argv = command("challenge", dataset.root, checkpoint, tmp_path)
     got, _, err = run_in_process(main, [*argv, "--cache-dir", str(cache)], capsys)

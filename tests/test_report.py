@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from tools.challenge import list_challenge_files
-from tools.data import decoding as datasets
-from tools.data import layout, synthetic
-from tools.evaluate import In9Config, run_in9
+from tools.data import image_sets, layout, synthetic
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS, class_names
+from tools.in9.evaluate import In9Config, run_in9
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.models.record import ModelRecord
 from tools.provenance import provenance
-from tools.results import analysis, report, report_cli
+from tools.results import analysis, report
 from tools.results.categories import Category, prediction_categories
+from tools.results.report import cli as report_cli
 from tools.runtime import Runtime
 
 NAMES = class_names()
@@ -73,11 +73,11 @@ def challenge_results(loaded, dataset, tmp_path_factory):
     root = dataset.root
     fgs = _first_per_class(layout.list_foregrounds(root), 1)
     bgs = _first_per_class(layout.list_variation(root, "only_bg_t"), 2)
-    bg_images = np.stack([datasets.decode_rgb(root / r.relpath) for r in bgs])
+    bg_images = np.stack([image_sets.decode_rgb(root / r.relpath) for r in bgs])
     P = np.zeros((len(fgs), len(bgs)), dtype=np.int8)
     with torch.inference_mode():
         for i, r in enumerate(fgs):
-            fg, mask = datasets.decode_rgb(root / r.image_relpath), np.load(root / r.mask_relpath)
+            fg, mask = image_sets.decode_rgb(root / r.image_relpath), np.load(root / r.mask_relpath)
             composites = np.where(mask[None, ..., None], fg[None], bg_images)
             P[i] = loaded.model(torch.from_numpy(composites).permute(0, 3, 1, 2)).argmax(dim=1).numpy()
     out = tmp_path_factory.mktemp("challenge")

@@ -457,7 +457,7 @@ def test_batched_resized_crops_are_torchvisions_within_one_level(float64, monkey
 def test_decoded_store_is_made_once_and_keyed_by_content(tmp_path, monkeypatch):
     """The second run on the same files reads the store back without decoding; changed bytes decode afresh; the
     store holds what Pillow decodes and the masks as loaded."""
-    from tools.data import decoding  # noqa: PLC0415
+    from tools.data import image_sets  # noqa: PLC0415
     from tools.data.hashing import fingerprint  # noqa: PLC0415
     from tools.training import data as training_data  # noqa: PLC0415
 
@@ -466,16 +466,16 @@ def test_decoded_store_is_made_once_and_keyed_by_content(tmp_path, monkeypatch):
     config = TrainConfig(data_path=root, output_dir=tmp_path / "o", methods=[Method.BG_SWAP], weights="none")
     records = training_data.list_training_data(config)
     first = training_data.decoded_store(records, fingerprint(root, records.relpaths(), 1), 1, False)
-    assert torch.equal(first.images[3], torch.from_numpy(decoding.decode_rgb(root / records.images[3]).copy()).permute(2, 0, 1))
-    assert torch.equal(first.masks[3], torch.from_numpy(decoding.load_mask(root / records.masks[3])))
+    assert torch.equal(first.images[3], torch.from_numpy(image_sets.decode_rgb(root / records.images[3]).copy()).permute(2, 0, 1))
+    assert torch.equal(first.masks[3], torch.from_numpy(image_sets.load_mask(root / records.masks[3])))
     assert torch.equal(first.backgrounds[5],
-                       torch.from_numpy(decoding.decode_rgb(root / records.backgrounds[5]).copy()).permute(2, 0, 1))
+                       torch.from_numpy(image_sets.decode_rgb(root / records.backgrounds[5]).copy()).permute(2, 0, 1))
 
     def refuse(*args, **kwargs):
         raise AssertionError("decoded again")
 
     with monkeypatch.context() as patch:
-        patch.setattr(decoding, "decode_bytes", refuse)
+        patch.setattr(image_sets, "decode_bytes", refuse)
         again = training_data.decoded_store(records, fingerprint(root, records.relpaths(), 1), 1, False)
     assert torch.equal(again.images, first.images) and torch.equal(again.masks, first.masks)
     shutil.copyfile(root / records.backgrounds[0], root / records.images[0])

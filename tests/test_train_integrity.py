@@ -264,12 +264,12 @@ def test_a_state_saved_with_the_per_sample_draws_is_refused(tiny, tmp_path, caps
 def test_a_run_hashes_its_files_once(tiny, tmp_path, capsys, monkeypatch, one_thread):
     """The run's fingerprint and the decoded-data cache's keys come from one read of the files: the cache is given
     the hashes listing made, not left to read every file again."""
-    from tools.data import decoding  # noqa: PLC0415
+    from tools.data import image_sets  # noqa: PLC0415
 
     def again(*args, **kwargs):
         raise AssertionError("the files were hashed a second time")
 
-    monkeypatch.setattr(decoding, "read_and_fingerprint", again)  # decoding hashes only where not given hashes
+    monkeypatch.setattr(image_sets, "read_and_fingerprint", again)  # decoding hashes only where not given hashes
     code, _, err = run_train(["--data-path", tiny, "--weights", "none", "--epochs", 1, "--batch-size", 6, *TINY,
                               "--output-dir", tmp_path / "out"], capsys)
     assert code == 0, err

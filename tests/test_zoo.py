@@ -21,11 +21,11 @@ from PIL import Image
 import challenge_eval
 import in9_eval
 from tests.helpers import TinyCNN, run_in_process, save_torchscript
-from tools import challenge, evaluate, zoo
-from tools.data import decoding, synthetic
+from tools import challenge, zoo
+from tools.data import image_sets, synthetic
 from tools.data.hashing import sha256_file
 from tools.errors import UserError
-from tools.in9 import VARIATIONS
+from tools.in9 import VARIATIONS, evaluate
 from tools.models.device_check import CHECK_IMAGES
 from tools.results.leaderboard import (
     CSV_FILE,
@@ -500,8 +500,8 @@ def test_the_zoo_decodes_each_image_once_for_all_its_models(data, checkpoints, t
     """in9's images and the challenge's are decoded for the first model and read from memory for the others (by
     content), with the same numbers; a second zoo run decodes afresh."""
     decoded = []
-    real = decoding.decode_rgb
-    monkeypatch.setattr(decoding, "decode_rgb", lambda path, *a, **k: decoded.append(path) or real(path, *a, **k))
+    real = image_sets.decode_rgb
+    monkeypatch.setattr(image_sets, "decode_rgb", lambda path, *a, **k: decoded.append(path) or real(path, *a, **k))
     copies = []
     for n in range(3):
         shutil.copyfile(checkpoints / "color.ts", tmp_path / f"color{n}.ts")

@@ -22,7 +22,7 @@ import sys
 
 from tools import zoo
 from tools.challenge import CompositePredictor, SearchState, search
-from tools.data import decoding as datasets
+from tools.data import image_sets
 from tools.errors import UserError
 
 RANK = int(os.environ["RANK"])
@@ -67,7 +67,7 @@ def failing_on(word: str, rank: int, error: Exception, only=lambda *args: True):
 
 
 patch(zoo, "load", load)
-patch(datasets, "iter_decoded_batches", batches)
+patch(image_sets, "iter_decoded_batches", batches)
 patch(search, "load_challenge_data", failing_on("fail-decode", 1, UserError("cannot read image fg.JPEG: truncated")))
 patch(CompositePredictor, "predict_pairs", failing_on("fail-search", 1, RuntimeError("the model crashed")))
 patch(SearchState, "save", failing_on("fail-save", 0, OSError(28, "No space left on device")))

@@ -34,8 +34,8 @@ from tools.data.compositing import MaskArithmetic
 from tools.data.layout import check_data_root
 from tools.data.store import DecodedCache, default_cache_dir
 from tools.errors import UserError, Word, first_line, spoken_as
-from tools.evaluate import In9Config, bg_gap, list_in9_files, run_in9
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, VARIATIONS, Normalization
+from tools.in9.evaluate import In9Config, bg_gap, list_in9_files, run_in9
 from tools.models.adapters import LoraScaling
 from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
 from tools.models.checkpoints import check_class_count

@@ -10,15 +10,16 @@ from pathlib import Path
 
 import numpy as np
 
+from tools.challenge.config import Criterion
 from tools.challenge.data import ChallengeFiles
 from tools.challenge.result import ChallengeResult
-from tools.challenge.scheduler import Criterion, state_problem
+from tools.challenge.scheduler import state_problem
 from tools.challenge.state import SearchState
 from tools.cli import ArgumentParser, add_log_level_argument, examples, run_main, whole_number
 from tools.data import layout
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT
 from tools.errors import UserError
-from tools.evaluate import In9Run, VariationResult
+from tools.in9.evaluate import In9Run, VariationResult
 from tools.models import device_check
 from tools.provenance import check_outputs
 from tools.results.publish import publish_challenge, publish_in9

@@ -33,12 +33,12 @@ import numpy as np
 
 from tools import __version__, cli, distributed, options
 from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, flags, list_challenge_files, run_challenge
-from tools.data import decoding as datasets
+from tools.data import image_sets
 from tools.data.hashing import sha256_file
 from tools.data.store import DecodedCache
 from tools.errors import UserError
-from tools.evaluate import In9Config, In9Files, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
+from tools.in9.evaluate import In9Config, In9Files, list_in9_files, run_in9
 from tools.models import hub
 from tools.models.boundary import LoadedModel
 from tools.models.device_check import check_run, first_images, verified
@@ -297,7 +297,7 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
         data = list_zoo_data(settings.data_path, settings.workers)
     fingerprint = settings.fingerprint(runtime)
     outcomes = []
-    with datasets.keep_decoded():  # every model reads the same data: decoded for the first, kept for the rest
+    with image_sets.keep_decoded():  # every model reads the same data: decoded for the first, kept for the rest
         for index, spec in enumerate(specs, 1):
             path = results_path(output_dir, spec)
             log.info("[%d/%d] %s", index, len(specs), spec.text)

@@ -12,12 +12,14 @@ with k doubling from round to round.
 All scheduling state lives in `SearchState`, saved atomically under the output folder, so a run stopped
 at any point (even by kill -9) resumes into exactly the sequence of batches it would have run.
 
-The package: `data` (what is read, decoded once), `predictor` (composites on the device, predicted),
-`state` (everything saved for --resume), `scheduler` (which pairs to test next, and what the results
-mean), `search` (the loop: progress, saving; and `run_challenge`), `result` (the summary, the results JSON, the
-per-foreground CSV), `cli` (the command: challenge_eval.py, bgc-challenge).
+The package: `config` (the settings: `ChallengeConfig`, the criterion), `data` (what is read, decoded once),
+`predictor` (composites on the device, predicted), `state` (everything saved for --resume), `scheduler` (which pairs
+to test next, and what the results mean), `run` (`run_challenge`, the whole run, and the search loop it drives:
+progress, saving), `result` (the summary, the results JSON, the per-foreground CSV), `cli` (the command:
+challenge_eval.py, bgc-challenge).
 """
 
+from tools.challenge.config import ChallengeConfig, Criterion
 from tools.challenge.data import (
                                   ChallengeData,
                                   ChallengeFiles,
@@ -27,8 +29,8 @@ from tools.challenge.data import (
 )
 from tools.challenge.predictor import CompositePredictor
 from tools.challenge.result import ChallengeResult
-from tools.challenge.scheduler import ChallengeConfig, Criterion, Scheduler
-from tools.challenge.search import Search, run_challenge
+from tools.challenge.run import Search, run_challenge
+from tools.challenge.scheduler import Scheduler
 from tools.challenge.state import ROBUST, STATE_NAME, UNKNOWN, VULNERABLE, SearchState
 
 __all__ = ["ChallengeConfig", "ChallengeData", "ChallengeFiles", "ChallengeResult", "CompositePredictor",

@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tools.data import decoders, layout
-from tools.data import decoding as datasets
+from tools.data import decoders, image_sets, layout
 from tools.data.check import quick_check
 from tools.data.compositing import MaskArithmetic, byte_masks
 from tools.data.hashing import read_and_fingerprint
@@ -96,7 +95,7 @@ def load_challenge_data(files: ChallengeFiles | Path, workers: int, cache: Decod
     file's content (for a mask, with this arithmetic), whichever command decoded it."""
     if not isinstance(files, ChallengeFiles):
         files = list_challenge_files(files, workers)
-    images, masks = datasets.decode_cached(
+    images, masks = image_sets.decode_cached(
         files.root, {"foregrounds": [r.image_relpath for r in files.foregrounds],
                      "backgrounds": [r.relpath for r in files.backgrounds]},
         [r.mask_relpath for r in files.foregrounds], files.fingerprint, cache, arithmetic, workers, progress,

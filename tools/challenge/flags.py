@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tools.challenge.scheduler import ChallengeConfig, Criterion
+from tools.challenge.config import ChallengeConfig, Criterion
 from tools.cli import number
 from tools.data.compositing import MaskArithmetic
 from tools.options import add_cache_arguments, cache_from_args

@@ -68,7 +68,7 @@ class CompositePredictor:
         `.item()`, `nonzero` or copy that blocks)."""
         return launch(pairs, *self.predict_pairs(pairs))
 
-    def close(self, margins: np.ndarray | None) -> np.ndarray:
+    def near_tie_mask(self, margins: np.ndarray | None) -> np.ndarray:
         """Which rows are near ties to re-check in fp32 (none in fp32, or with the re-check off)."""
         return near_ties(margins, self.recheck_margin)
 
@@ -95,7 +95,7 @@ class CompositePredictor:
             preds.append(p.cpu().numpy().astype(np.int64))
             margins.append(None if m is None else m.cpu().numpy())
         preds = np.concatenate(preds) if preds else np.zeros(0, np.int64)
-        close = self.close(None if self.runtime.exact else np.concatenate(margins))
+        close = self.near_tie_mask(None if self.runtime.exact else np.concatenate(margins))
         if close.any():
             rows = np.flatnonzero(close)
             preds[rows] = self.recheck_rows(self.runtime.to_device(images[torch.from_numpy(rows)]), preds[rows])

@@ -9,8 +9,8 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
+from tools.challenge.config import Criterion
 from tools.challenge.data import Pairs
-from tools.challenge.scheduler import Criterion
 from tools.challenge.state import VULNERABLE, SearchState
 from tools.in9 import class_names
 from tools.provenance import atomic_write

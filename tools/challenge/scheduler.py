@@ -3,25 +3,13 @@ results into the state, and the verdicts of a --full matrix. No model, no I/O: n
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
-
 import numpy as np
 
+from tools.challenge.config import ChallengeConfig, Criterion
 from tools.challenge.state import ROBUST, UNKNOWN, VULNERABLE, SearchState
-from tools.data.compositing import MaskArithmetic
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
-from tools.runtime import RECHECK_MARGIN
 
 FIRST_ROUND_BACKGROUNDS = 1  # offered to each open foreground in the first round; doubling each round
-
-
-class Criterion(str, enum.Enum):
-    """`any`: some background changes the prediction (the leaderboard's). `bg-class`: some background of
-    another class makes the model predict that background's class (the paper's stricter reading)."""
-
-    ANY = "any"
-    BG_CLASS = "bg-class"
 
 
 def fooling(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.ndarray, criterion: Criterion) -> np.ndarray:
@@ -31,19 +19,6 @@ def fooling(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.ndarra
     if criterion is Criterion.ANY:
         return predictions != fg_labels
     return (predictions == bg_labels) & (bg_labels != fg_labels)
-
-
-@dataclass
-class ChallengeConfig:
-    """The challenge run's settings; their defaults are challenge_eval.py's (its flags read them here)."""
-
-    criterion: Criterion = Criterion.ANY
-    full: bool = False
-    batch_size: int | None = None  # None: the runtime's default on a GPU; on the CPU, measured at start-up
-    save_every: float = 5.0  # seconds between state saves
-    recheck_margin: float = RECHECK_MARGIN  # in reduced precision, near ties below it are re-run in fp32; 0 turns it off
-    progress: bool = True
-    mask_arithmetic: MaskArithmetic = MaskArithmetic.BINARY
 
 
 def split_untested(tested: np.ndarray, parts: int) -> np.ndarray:

@@ -137,7 +137,7 @@ def variation_arrays(crop: np.ndarray, box: variations.Box, mask: np.ndarray,
         Variation.NO_FG.value: variations.no_fg(crop, mask),
     }
     for name, background in (backgrounds or {}).items():
-        out[name] = variations.composite(background, crop, mask)
+        out[name] = variations.composite(crop, background, mask)
     return out
 
 

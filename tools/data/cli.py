@@ -222,9 +222,9 @@ def _run_provenance(args: argparse.Namespace) -> int:
     check_outputs(folders={"--output": output})
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, not {args.workers}")
-    from tools.data import provenance  # noqa: PLC0415 (torch, for this command alone)
-    result = provenance.find_provenance(root, args.workers, not args.no_progress)
-    written = provenance.write_provenance(result, output)
+    from tools.data import mixed_origins  # noqa: PLC0415 (torch, for this command alone)
+    result = mixed_origins.find_provenance(root, args.workers, not args.no_progress)
+    written = mixed_origins.write_provenance(result, output)
     print("\n".join([*result.lines(), f"wrote {', '.join(map(str, written))}"]))
     return 0
 

@@ -46,8 +46,18 @@ import numpy as np
 import PIL
 from PIL import features
 
-from tools.data.cache_checks import (DIGEST_BYTES, ROW_DIGESTS, RowChecks, first_foreign, make_private, map_rows,  # isort: skip
-                                     others_can_write, read_regular, row_digest, spot_check)
+from tools.data.cache_checks import (
+    DIGEST_BYTES,
+    ROW_DIGESTS,
+    RowChecks,
+    first_foreign,
+    make_private,
+    map_rows,
+    others_can_write,
+    read_regular,
+    row_digest,
+    spot_check,
+)
 from tools.data.temporary import publish, remove_stale_entries, temporary_entry
 from tools.errors import NUMPY_READ_ERRORS, option
 from tools.provenance import read_npy

@@ -124,7 +124,7 @@ def generate(root: Path, per_class: int = 4, seed: int = 0, size: int = IMAGE_SI
             bg = _texture(rng, BG_COLORS[label], size, rng.uniform(0.02, 0.2))
             fg = _texture(rng, FG_COLORS[label], size, 0.05)
             records.append(SyntheticImage(stem, label, box))
-            originals.append(variations.composite(bg, fg, mask))
+            originals.append(variations.composite(fg, bg, mask))
             backgrounds.append(bg)
             tiled.append(variations.only_bg_t(bg, box))
             masks.append(mask)
@@ -152,7 +152,7 @@ def generate(root: Path, per_class: int = 4, seed: int = 0, size: int = IMAGE_SI
         for variation, pool in choices.items():
             k = int(pool[rng.integers(len(pool))])
             rec.mixed_bg[variation.value] = (records[k].stem, records[k].label)
-            _save_jpeg(variations.composite(tiled[k], image, mask), out(variation), quality)
+            _save_jpeg(variations.composite(image, tiled[k], mask), out(variation), quality)
         mask_path = root / MASK_FOLDER / split / folder / f"{rec.stem}.npy"
         mask_path.parent.mkdir(parents=True, exist_ok=True)
         with open_own(mask_path) as fh:

@@ -10,7 +10,7 @@ import numpy as np
 Box = tuple[int, int, int, int]
 
 
-def composite(background: np.ndarray, foreground: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def composite(foreground: np.ndarray, background: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Foreground pixels where the mask is set, background pixels elsewhere."""
     return np.where(mask[..., None], foreground, background)
 

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from tools import distributed
-from tools.data.decoding import decode_images
+from tools.data.image_sets import decode_images
 from tools.errors import UserError, option
 from tools.models import torchscript
 from tools.models.boundary import LoadedModel

@@ -134,7 +134,8 @@ def fooling_examples(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: 
     """Per foreground class, its first `per_class` foregrounds (in index order) that are vulnerable under the run's
     `criterion` (`tools.challenge.scheduler.fooling`), each as (foreground, background): of the backgrounds that
     fool it, the one that fools the most foregrounds (`fooled`, per background; ties go to the lower index)."""
-    from tools.challenge.scheduler import Criterion, fooling  # noqa: PLC0415 (the challenge's own definition of being fooled)
+    from tools.challenge.config import Criterion  # noqa: PLC0415 (the challenge's own definition of being fooled)
+    from tools.challenge.scheduler import fooling  # noqa: PLC0415
 
     out = []
     wrong = fooling(predictions, fg_labels[:, None], bg_labels[None, :], Criterion(criterion))

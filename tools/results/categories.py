@@ -39,7 +39,7 @@ CATEGORY_VARIATIONS = {"full": Variation.ORIGINAL.value, "foreground": Variation
 
 
 class PredictionsLike(Protocol):
-    """What prediction_categories needs of a variation's result (tools.evaluate.VariationResult has it)."""
+    """What prediction_categories needs of a variation's result (tools.in9.evaluate.VariationResult has it)."""
 
     name: str
     relpaths: list[str]

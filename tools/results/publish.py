@@ -20,7 +20,7 @@ from tools.results.report import write_report
 
 if TYPE_CHECKING:
     from tools.challenge import ChallengeResult
-    from tools.evaluate import In9Run
+    from tools.in9.evaluate import In9Run
 
 
 def publish_in9(run: In9Run, categories: bool = False, results_file: Path | None = None, report: Path | None = None,

@@ -23,7 +23,7 @@ class Launched:
     margins (None in fp32) copying into host memory until `event` (None on the CPU, where the copy is done) has
     passed."""
 
-    pairs: np.ndarray
+    keys: np.ndarray
     preds: torch.Tensor
     margins: torch.Tensor | None
     event: torch.cuda.Event | None
@@ -65,7 +65,7 @@ class Predicts(Protocol):
 
     def launch(self, pairs: np.ndarray) -> Launched: ...
 
-    def close(self, margins: np.ndarray | None) -> np.ndarray: ...
+    def near_tie_mask(self, margins: np.ndarray | None) -> np.ndarray: ...
 
     def hold(self, pairs: np.ndarray, close: np.ndarray) -> None:
         """A waited-for batch is held until its near ties (`close`) are re-checked: keep what that needs."""
@@ -99,7 +99,7 @@ class Pipeline:
 
     def unrecorded(self) -> list[np.ndarray]:
         """The batches launched and not yet recorded, in launch order (a saved state's pending batches)."""
-        return [held[0] for held in self.held] + [launched.pairs for launched in self.in_flight]
+        return [held[0] for held in self.held] + [launched.keys for launched in self.in_flight]
 
     def drain(self) -> None:
         """Wait for every batch, re-check the held ties and record everything."""
@@ -109,12 +109,12 @@ class Pipeline:
 
     def _finish(self, launched: Launched) -> None:
         preds, margins = launched.wait()
-        close = self.predictor.close(margins)
+        close = self.predictor.near_tie_mask(margins)
         if not self.held and not close.any():
-            self.record(launched.pairs, preds, margins)
+            self.record(launched.keys, preds, margins)
             return
-        self.predictor.hold(launched.pairs, close)
-        self.held.append((launched.pairs, preds, margins, close))
+        self.predictor.hold(launched.keys, close)
+        self.held.append((launched.keys, preds, margins, close))
         self.ties += int(close.sum())
         if self.ties >= self.predictor.recheck.chunk:
             self._recheck()

@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from tools.data import decoding as datasets
-from tools.data import layout
+from tools.data import image_sets, layout
 from tools.data.compositing import byte_masks, composite
 from tools.data.store import DecodedCache, default_cache_dir
 from tools.errors import UserError
@@ -127,11 +126,11 @@ class DecodedStore:
 
 def decoded_store(data: TrainingData, fingerprint: dict, workers: int, progress: bool,
                   hashes: dict[str, str] | None = None) -> DecodedStore:
-    """The one place training decodes: tools.data.decoding's content-keyed cache (key: the files' bytes and the
+    """The one place training decodes: tools.data.image_sets's content-keyed cache (key: the files' bytes and the
     decoder's version), made on the first run and read back by every later run on the same files. `hashes`: the
     files' SHA-256 by relative path where listing computed them (else they are read again)."""
     groups = {"images": data.images, **({"backgrounds": data.backgrounds} if data.backgrounds is not None else {})}
-    decoded, masks = datasets.decode_cached(data.root, groups, data.masks or [], fingerprint,
+    decoded, masks = image_sets.decode_cached(data.root, groups, data.masks or [], fingerprint,
                                             DecodedCache(default_cache_dir()), workers=max(1, workers),
                                             progress=progress, hashes=hashes, channels_last=True)
     return DecodedStore(decoded["images"], masks if data.masks is not None else None, decoded.get("backgrounds"))
@@ -239,12 +238,12 @@ def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, p
 
 @functools.cache
 def _mover(device: torch.device):
-    """How a batch's tensors reach `device`: on CUDA through the decoding's side stream (tools.data.decoding's
+    """How a batch's tensors reach `device`: on CUDA through the decoding's side stream (tools.data.image_sets's
     copies: pinned source, no wait, the consumer's stream waits for the copy), so the next batch's copy overlaps
     the device's work on this one; elsewhere tools.runtime.to_device, and off the CPU contiguous (torch 2.6-2.7's
     MPS bitwise kernels mis-order channels-last operands, pytorch#145203, which the composite would scramble)."""
     if device.type == "cuda":
-        return datasets.DeviceCopies(device)
+        return image_sets.DeviceCopies(device)
     if device.type == "cpu":
         return lambda tensor: to_device(tensor, device)
     return lambda tensor: to_device(tensor, device).contiguous()

@@ -11,8 +11,8 @@ from tools.challenge import ChallengeConfig, check_challenge_files, run_challeng
 from tools.data.check import quick_check
 from tools.data.layout import check_data_root
 from tools.errors import UserError
-from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
+from tools.in9.evaluate import In9Config, list_in9_files, run_in9
 from tools.models.boundary import LoadedModel
 from tools.models.device_check import check_run, first_images
 from tools.models.sources import load_model

@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from tools import distributed
+from tools.challenge.config import ChallengeConfig
 from tools.challenge.data import ChallengeData, ChallengeFiles, load_challenge_data
 from tools.challenge.predictor import CompositePredictor
 from tools.challenge.result import ChallengeResult
-from tools.challenge.scheduler import ChallengeConfig, Scheduler, split_untested, state_problem
+from tools.challenge.scheduler import Scheduler, split_untested, state_problem
 from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState
 from tools.data.store import DecodedCache
 from tools.errors import UserError, option
@@ -283,7 +284,7 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
     `data`: decoded data (`load_challenge_data`), listed files, or the data folder (decoded here with
     `config.mask_arithmetic`, through the decoded-data `cache`). `shard`: search only that share of the foregrounds
     (tools.shards); the result then covers those alone. `device_check`: the run's start-up check, recorded in the
-    provenance and, whether it verified the model, in the saved state (as `tools.evaluate.run_in9` does)."""
+    provenance and, whether it verified the model, in the saved state (as `tools.in9.evaluate.run_in9` does)."""
     # decoding or predicting may fail in one process: all leave together
     with distributed.agree(runtime.group, runtime.device):
         if not isinstance(data, ChallengeData):

@@ -1,4 +1,5 @@
-"""Decoding what the layout lists: images as uint8 tensors, masks checked and made ready for compositing, read
+"""The image sets a run reads, decoded (one file's bytes to pixels, and by which decoder: tools.data.decoders):
+what the layout lists as uint8 tensors, masks checked and made ready for compositing, read
 from and written to the decoded-data cache (`tools.data.store`) as they are decoded, and kept on a CUDA device
 for a run where they fit."""
 

@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from tools.data.decoding import decode_images, iter_decoded_batches, read_mask
+from tools.data.image_sets import decode_images, iter_decoded_batches, read_mask
 from tools.data.layout import MIXED, check_data_root, class_folders, list_variation, variation_dir
 from tools.data.variations import Box
 from tools.errors import UserError

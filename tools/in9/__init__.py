@@ -1,4 +1,5 @@
-"""IN-9 facts: class names, variations, normalisation statistics and the ImageNet->IN-9 map."""
+"""IN-9 facts: class names, variations, normalisation statistics and the ImageNet->IN-9 map. The package also holds
+the evaluation of the variations (tools.in9.evaluate, not imported here) and its command (tools.in9.cli)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from PIL import Image
 
 from tests.helpers import check_error, run_in_process
 from tools.data import cli as data_cli
-from tools.data import provenance, synthetic
+from tools.data import mixed_origins, synthetic
 from tools.data.layout import MIXED, PROVENANCE_FOLDER
 from tools.in9 import MASK_FOLDER, class_folder_names
 
@@ -47,7 +47,7 @@ def _pixels(root: Path, relpath: str) -> np.ndarray:
 
 def _outside(mask: np.ndarray) -> np.ndarray:
     """The pixels farther than MASK_MARGIN (in both directions) from every foreground pixel, written as loops."""
-    margin = provenance.MASK_MARGIN
+    margin = mixed_origins.MASK_MARGIN
     far = np.ones_like(mask)
     for y, x in zip(*np.nonzero(mask)):
         far[max(0, y - margin):y + margin + 1, max(0, x - margin):x + margin + 1] = False
@@ -68,9 +68,9 @@ def provenance_run(tmp_path_factory, one_thread):
     """Generated data, and what the command printed and wrote for it."""
     dataset = _generate(tmp_path_factory.mktemp("provenance") / "bg_challenge")
     out = dataset.root / PROVENANCE_FOLDER
-    provenance.write_provenance(provenance.find_provenance(dataset.root, workers=1, progress=False), out)
-    return dataset, _rows(out / provenance.MATCHES_FILE), _rows(out / provenance.BOXES_FILE), \
-        json.loads((out / provenance.SUMMARY_FILE).read_text())
+    mixed_origins.write_provenance(mixed_origins.find_provenance(dataset.root, workers=1, progress=False), out)
+    return dataset, _rows(out / mixed_origins.MATCHES_FILE), _rows(out / mixed_origins.BOXES_FILE), \
+        json.loads((out / mixed_origins.SUMMARY_FILE).read_text())
 
 
 @pytest.mark.slow
@@ -92,7 +92,7 @@ def test_every_pair_is_recovered_with_the_brute_force_error(provenance_run):
         assert float(row["error"]) == pytest.approx(errors[ranked[0]], abs=1e-3)
         assert float(row["runner_up_error"]) == pytest.approx(errors[ranked[1]], abs=1e-3)
         assert row["background_class"] == row["background"].split("/")[2]
-        assert row["doubtful"] == "0" and float(row["ratio"]) < provenance.DOUBT_RATIO
+        assert row["doubtful"] == "0" and float(row["ratio"]) < mixed_origins.DOUBT_RATIO
 
 
 def test_boxes_are_the_masks_extents(provenance_run):
@@ -146,16 +146,16 @@ def test_two_near_identical_backgrounds_make_a_doubtful_match(tmp_path, capsys, 
     code, out, err = _run(["provenance", "--data-path", dataset.root, "--output", tmp_path / "out", "--no-progress",
                            "--workers", "1"], capsys)
     assert code == 0, err
-    rows = _rows(tmp_path / "out" / provenance.MATCHES_FILE)
+    rows = _rows(tmp_path / "out" / mixed_origins.MATCHES_FILE)
     doubtful = {(r["variation"], _stem(r["image"])) for r in rows if r["doubtful"] == "1"}
     assert doubtful == {key for key, stem in truth.items() if stem == copied}
     for row in rows:
         if (row["variation"], _stem(row["image"])) in doubtful:
             assert {_stem(row["background"]), _stem(row["runner_up"])} == {copied, "twin"}
-            assert float(row["ratio"]) > provenance.DOUBT_RATIO
+            assert float(row["ratio"]) > mixed_origins.DOUBT_RATIO
         else:
             assert _stem(row["background"]) == truth[(row["variation"], _stem(row["image"]))]
-    summary = json.loads((tmp_path / "out" / provenance.SUMMARY_FILE).read_text())
+    summary = json.loads((tmp_path / "out" / mixed_origins.SUMMARY_FILE).read_text())
     assert summary["doubtful"] == len(doubtful) and f"{len(doubtful)} doubtful" in out
 
 
@@ -173,14 +173,14 @@ def test_masks_that_leave_little_or_no_background(tmp_path, capsys, one_thread):
     code, out, err = _run(["provenance", "--data-path", dataset.root, "--no-progress", "--workers", "1"], capsys)
     assert code == 0, err
     rows = {(r["variation"], _stem(r["image"])): r for r in
-            _rows(dataset.root / PROVENANCE_FOLDER / provenance.MATCHES_FILE)}
+            _rows(dataset.root / PROVENANCE_FOLDER / mixed_origins.MATCHES_FILE)}
     for variation in MIXED:
         assert _stem(rows[(variation, framed.stem)]["background"]) == truth[(variation, framed.stem)]
         assert rows[(variation, covered.stem)]["background"] == rows[(variation, covered.stem)]["error"] == ""
-    boxes = {r["stem"]: r for r in _rows(dataset.root / PROVENANCE_FOLDER / provenance.BOXES_FILE)}
+    boxes = {r["stem"]: r for r in _rows(dataset.root / PROVENANCE_FOLDER / mixed_origins.BOXES_FILE)}
     assert [boxes[framed.stem][k] for k in ("x0", "y0", "x1", "y1")] == ["5", "5", "219", "219"]
     assert [boxes[covered.stem][k] for k in ("x0", "y0", "x1", "y1")] == ["0", "0", "224", "224"]
-    summary = json.loads((dataset.root / PROVENANCE_FOLDER / provenance.SUMMARY_FILE).read_text())
+    summary = json.loads((dataset.root / PROVENANCE_FOLDER / mixed_origins.SUMMARY_FILE).read_text())
     assert summary["unmatched"] == 3 and "3 with no background pixel to compare" in out
 
 
@@ -225,11 +225,11 @@ def test_letterboxed_backgrounds_that_tie_on_the_coarse_cells_are_still_told_apa
         Image.fromarray(mixed).save(folder / f"{stem}.png")
     code, out, err = _run(["provenance", "--data-path", dataset.root, "--no-progress", "--workers", "1"], capsys)
     assert code == 0, err
-    rows = _rows(dataset.root / PROVENANCE_FOLDER / provenance.MATCHES_FILE)
+    rows = _rows(dataset.root / PROVENANCE_FOLDER / mixed_origins.MATCHES_FILE)
     assert len(rows) == len(truth)
     for row in rows:
         assert _stem(row["background"]) == truth[(row["variation"], _stem(row["image"]))], row
-        assert float(row["error"]) == 0 and float(row["ratio"]) < provenance.DOUBT_RATIO and row["doubtful"] == "0"
+        assert float(row["error"]) == 0 and float(row["ratio"]) < mixed_origins.DOUBT_RATIO and row["doubtful"] == "0"
 
 
 def test_lossless_duplicates_go_to_the_background_listed_first(tmp_path, capsys, one_thread):
@@ -240,13 +240,13 @@ def test_lossless_duplicates_go_to_the_background_listed_first(tmp_path, capsys,
     copied = collections.Counter(truth.values()).most_common(1)[0][0]
     folder = dataset.root / "only_bg_t" / "val" / CLASSES[dataset.by_stem()[copied].label]
     pixels = np.array(Image.open(folder / f"{copied}.JPEG").convert("RGB"))
-    for n in range(2 * provenance.CANDIDATES + 2):
+    for n in range(2 * mixed_origins.CANDIDATES + 2):
         Image.fromarray(pixels).save(folder / f"{copied}_copy{n:02d}.png")  # listed right after the original
     code, out, err = _run(["provenance", "--data-path", dataset.root, "--output", tmp_path / "out", "--no-progress",
                            "--workers", "1"], capsys)
     assert code == 0, err
     first, second = f"only_bg_t/val/{folder.name}/{copied}.JPEG", f"only_bg_t/val/{folder.name}/{copied}_copy00.png"
-    rows = _rows(tmp_path / "out" / provenance.MATCHES_FILE)
+    rows = _rows(tmp_path / "out" / mixed_origins.MATCHES_FILE)
     duplicated = [r for r in rows if truth[(r["variation"], _stem(r["image"]))] == copied]
     assert duplicated
     for row in duplicated:

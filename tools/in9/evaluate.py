@@ -11,8 +11,7 @@ import numpy as np
 import torch
 
 from tools import distributed
-from tools.data import decoders, layout
-from tools.data import decoding as datasets
+from tools.data import decoders, image_sets, layout
 from tools.data.check import quick_check
 from tools.data.hashing import read_and_fingerprint
 from tools.data.store import DecodedCache
@@ -176,7 +175,7 @@ class _Stream:
         logits = self.forward(self.images[int(positions[0])])
         return launch(positions, self.to_in9(logits), top_two_margins(logits) if self.margin > 0 else None)
 
-    def close(self, margins: np.ndarray | None) -> np.ndarray:
+    def near_tie_mask(self, margins: np.ndarray | None) -> np.ndarray:
         return near_ties(margins, self.margin)
 
     def hold(self, positions: np.ndarray, close: np.ndarray) -> None:
@@ -221,7 +220,7 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
 
     `listings` are the variations' records when the caller has already listed them. In reduced precision, near
     ties (top-two margin below `recheck_margin`; 0: none) are re-run in fp32, as the challenge does. `decoder`
-    decodes the JPEGs (`decoders.choose_decoder`). With the files' `fingerprint`, inside `datasets.keep_decoded`
+    decodes the JPEGs (`decoders.choose_decoder`). With the files' `fingerprint`, inside `image_sets.keep_decoded`
     (the zoo), the decoded variations are kept by content for the next run, which reads them from memory.
     `contents`: the files' bytes already read (`list_in9_files`), by relative path. With the files' content
     `hashes` (by relative path) and a decoded-data `cache`, images are read from it where it holds them and cached
@@ -268,13 +267,13 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                 resumer.save(name, predictions[lo:hi])
         return {name: results[name] for name in names}
     keys = [f"in9:{fingerprint['folders'][name]}" for name, _, _ in todo] if fingerprint else []
-    memory = [datasets.kept(key) for key in keys]
+    memory = [image_sets.kept(key) for key in keys]
     kept = torch.empty((len(all_paths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8) \
-        if keys and datasets.keeping() and memory.count(None) else None  # filled on the host for the next runs
+        if keys and image_sets.keeping() and memory.count(None) else None  # filled on the host for the next runs
     if memory and all(m is not None for m in memory):
         batches = _batches_in_memory(memory, batch_size)
     else:
-        batches = datasets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin(), decoder=decoder,
+        batches = image_sets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin(), decoder=decoder,
                                                 device=None if kept is not None else runtime.device,
                                                 contents=contents, hashes=hashes, cache=cache)
     finished = 0
@@ -297,7 +296,7 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                 finished += 1
     for key, lo, hi in zip(keys, bounds[:-1], bounds[1:]):
         if kept is not None:
-            datasets.keep(key, kept[lo:hi])
+            image_sets.keep(key, kept[lo:hi])
     return {name: results[name] for name in names}
 
 
@@ -331,7 +330,7 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
     with distributed.agree(runtime.group, runtime.device):
         with progress_bar(total=len(relpaths), unit="img", desc="evaluating", disable=not progress,
                           dynamic_ncols=True) as bar:
-            for start, batch in datasets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(),
+            for start, batch in image_sets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(),
                                                               starts, decoder, runtime.device, contents,
                                                               hashes, cache):
                 stream.submit(runtime.to_device(batch), start)

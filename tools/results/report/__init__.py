@@ -1,4 +1,5 @@
-"""A Markdown report of the results files, for a paper appendix or a leaderboard pull request.
+"""A Markdown report of the results files, for a paper appendix or a leaderboard pull request. The package also holds
+its command (tools.results.report.cli, run by `python -m tools.results.report`), which adds the HTML page.
 
 Any subset of the inputs works; a section whose results are absent says "Not run." The inputs are checked
 (`tools.results.reading`) to be what their flags say, complete, and of one model on one data set
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -304,11 +304,3 @@ def write_report(path: Path | str, in9: dict | None = None, challenge: dict | No
     write_text_atomic(path, text)
     return text
 
-
-# ----------------------------------------------------------------------------------------------------------
-# Command line
-
-if __name__ == "__main__":  # python -m tools.results.report: the command, tools.results.report_cli
-    from tools.results.report_cli import main
-
-    sys.exit(main())

@@ -8,8 +8,8 @@ from pathlib import Path
 from tools import cli, options
 from tools.data import decoders
 from tools.data.check import quick_check
-from tools.evaluate import In9Config, list_in9_files, run_in9
 from tools.in9 import VARIATIONS
+from tools.in9.evaluate import In9Config, list_in9_files, run_in9
 from tools.models.device_check import check_run, first_images
 from tools.results.categories import CATEGORY_VARIATIONS
 from tools.results.publish import publish_in9
