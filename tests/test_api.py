@@ -126,14 +126,16 @@ class Configured(nn.Module):
         return self.conv(x).mean(dim=(2, 3)) * self.settings.sign
 
 
-@pytest.mark.parametrize("kind", ["dataclass", "namespace", "slotted dataclass", "slots"])
-def test_a_configuration_object_a_module_reads_is_in_its_identity(kind, dataset, tmp_path, one_thread):
+@pytest.mark.parametrize("kind", ["dataclass", "namespace", "slotted dataclass", "slots", "notebook's class"])
+def test_a_configuration_object_a_module_reads_is_in_its_identity(kind, dataset, tmp_path, one_thread, monkeypatch):
     """A module whose forward pass reads an object it holds (its `settings`) is another model when that object says
     otherwise, though code and weights are the same: its run is not served the first one's numbers. Before, only
     plain values, tensors and lists of them were in the configuration: an object was left out whole."""
     import types  # noqa: PLC0415
     make = {"dataclass": HeadSettings, "namespace": types.SimpleNamespace, "slotted dataclass": SlottedSettings,
-            "slots": SlotsSettings}[kind]
+            "slots": SlotsSettings,
+            "notebook's class": lambda sign: notebook_cell(NOTEBOOK_KEPT.format(sign=1.0), 3, monkeypatch).Settings(
+                sign)}[kind]
     model = Configured(make(sign=1.0)).eval()
     run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
            "output_dir": tmp_path / "out", **quick()}
@@ -379,6 +381,44 @@ class Net(nn.Module):
     def forward(self, x):
         return {helper}(self.fc(x).mean(dim=(2, 3)))
 """
+
+
+NOTEBOOK_KEPT = """
+class Settings:
+    def __init__(self, sign):
+        self.sign = sign
+
+
+class Flip:
+    def __call__(self, x):
+        return x * {sign}
+"""
+
+
+def notebook_cell(source: str, cell: int, monkeypatch):
+    """The module a notebook runs `source` in (IPython's `__main__`: no file), the cell's source kept by
+    linecache."""
+    import linecache  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import types  # noqa: PLC0415
+    name = f"<notebook-cell-{cell}>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    notebook = types.ModuleType("notebook")  # no __file__, as a notebook's __main__
+    monkeypatch.setitem(sys.modules, "notebook", notebook)
+    exec(compile(source, name, "exec"), notebook.__dict__)  # noqa: S102 (the test's own code)
+    return notebook
+
+
+def test_the_code_of_an_object_of_a_notebooks_class_a_module_keeps_is_in_its_identity(dataset, tmp_path, one_thread,
+                                                                                     monkeypatch):
+    """A callable object a module keeps, of a class a notebook cell defines (in no file): the cell edited and run
+    again is another model (before, an object of a class in no file was left out, code and attributes)."""
+    run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
+           "output_dir": tmp_path / "out", **quick()}
+    benchmark(activated(notebook_cell(NOTEBOOK_KEPT.format(sign="1.0"), 4, monkeypatch).Flip()), dataset.root, **run)
+    with pytest.raises(UserError, match="another model"):
+        benchmark(activated(notebook_cell(NOTEBOOK_KEPT.format(sign="-1.0"), 5, monkeypatch).Flip()), dataset.root,
+                  resume=True, **run)
 
 
 def notebook_net(cell: int, body: str, monkeypatch, helper: str = "finish") -> nn.Module:

@@ -239,16 +239,20 @@ def _attributes(value) -> dict:
 def _settings_object(value) -> bool:
     """Whether `value` is an object whose attributes are settings: a dataclass's or a namespace's instance, or one of
     a class from outside the standard library and torch (a transformers config, a library's or the user's own
-    settings class); not code, a module (walked on its own) or a class."""
+    settings class, in a file or a notebook's cell); not code, a module (walked on its own) or a class."""
     if isinstance(value, (type, types.FunctionType, types.MethodType, types.ModuleType, nn.Module)) or \
             not (hasattr(value, "__dict__") or hasattr(type(value), "__slots__")):
         return False
     if dataclasses.is_dataclass(value) or isinstance(value, types.SimpleNamespace):
         return True
     module = sys.modules.get(type(value).__module__)
+    if module is None:
+        return False
     file = getattr(module, "__file__", None)
-    return (file is not None and not _is_standard_library(Path(file))
-            and not type(value).__module__.split(".")[0] == "torch")
+    if file is None:  # a notebook's (IPython's __main__ has no file), unless built into the interpreter
+        return module.__name__ not in sys.builtin_module_names and \
+            getattr(getattr(module, "__spec__", None), "origin", None) not in ("built-in", "frozen")
+    return not _is_standard_library(Path(file)) and not type(value).__module__.split(".")[0] == "torch"
 
 
 CYCLE = "(cycle)"  # a list, mapping or object met again within itself
