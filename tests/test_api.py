@@ -334,6 +334,36 @@ def test_modules_as_libraries_build_them_are_evaluated_and_resumed(make, dataset
     assert benchmark(make(), dataset.root, resume=True, **run).accuracy == first.accuracy
 
 
+class TransformersLogits(nn.Module):
+    """A small transformers ViT, its logits out, at the attention implementation `attention` (transformers keeps it in
+    its config's private `_attn_implementation_internal`)."""
+
+    def __init__(self, attention: str):
+        super().__init__()
+        from transformers import ViTConfig, ViTForImageClassification  # noqa: PLC0415
+        config = ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
+                           image_size=224, patch_size=112, num_labels=9)
+        torch.manual_seed(0)
+        self.vit = ViTForImageClassification(config).eval()
+        self.vit.set_attn_implementation(attention)
+
+    def forward(self, x):
+        return self.vit(pixel_values=x).logits
+
+
+def test_a_transformers_models_attention_implementation_is_in_its_identity(dataset, tmp_path, one_thread):
+    """A transformers model given as a module with eager attention, then with sdpa (other arithmetic: other last
+    bits), is another model: not served the first one's numbers (before: one identity, the choice being a private
+    attribute of its config)."""
+    pytest.importorskip("transformers")
+    run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
+           "output_dir": tmp_path / "out", **quick()}
+    benchmark(TransformersLogits("eager"), dataset.root, **run)
+    with pytest.raises(UserError, match="another model"):
+        benchmark(TransformersLogits("sdpa"), dataset.root, resume=True, **run)
+    benchmark(TransformersLogits("eager"), dataset.root, resume=True, **run)
+
+
 KEPT_OBJECT = """
 class Flip:
     def __call__(self, x):

@@ -267,7 +267,7 @@ def _all_or_skipped(items):
 def _configuration_value(value, depth: int = 0, within: frozenset = frozenset()):
     """A value a module was built with as JSON: plain values (numpy's scalars, slices, ranges, bytes too), tensors by
     digest, functions and classes by name, lists, sets and mappings of them, and a settings object
-    (`_settings_object`) as its class and public attributes; `_SKIPPED` for the rest. `within`: the ids of the
+    (`_settings_object`) as its class, public attributes and private plain values; `_SKIPPED` for the rest. `within`: the ids of the
     lists, mappings and objects being walked, each met again (a cycle) recorded as `CYCLE`."""
     if isinstance(value, (list, tuple, dict, set, frozenset)):
         if id(value) in within:
@@ -315,11 +315,11 @@ def _configuration_value(value, depth: int = 0, within: frozenset = frozenset())
             return _SKIPPED
         return _all_or_skipped({k if isinstance(k, str) else json.dumps(k, sort_keys=True):
                                 _configuration_value(v, depth, within) for k, v in zip(keys, value.values())})
-    if depth < OBJECT_DEPTH and _settings_object(value):  # its public attributes, those that hold settings
-        if id(value) in within:
+    if depth < OBJECT_DEPTH and _settings_object(value):  # its public attributes, those that hold settings, and its
+        if id(value) in within:  # private plain values (a transformers config's attention implementation)
             return CYCLE
         items = {key: _configuration_value(v, depth + 1, within | {id(value)}) for key, v in _attributes(value).items()
-                 if not key.startswith("_")}
+                 if not key.startswith("_") or v is None or isinstance(v, (bool, int, float, str))}
         return {"class": f"{type(value).__module__}.{type(value).__qualname__}",
                 **{key: v for key, v in items.items() if v is not _SKIPPED}}
     return _SKIPPED
