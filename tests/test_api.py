@@ -245,7 +245,7 @@ class Quantised(nn.Module):
 
 @pytest.mark.parametrize("change", ["function", "partial", "closure", "second hook", "default argument",
                                     "bound method", "hook's place", "hook twice", "buffer's dtype", "numpy scalar",
-                                    "set", "slice", "quantised buffer's scale"])
+                                    "set", "slice", "quantised buffer's scale", "private value"])
 def test_the_functions_a_module_keeps_and_its_hooks_closures_are_in_its_identity(change, dataset, tmp_path, one_thread):
     """A function a module keeps as an attribute and calls (`self.activation = F.relu`, a partial, a closure, a
     default argument's value, a method of an object with its attributes) is part of the model: another one is another
@@ -270,7 +270,8 @@ def test_the_functions_a_module_keeps_and_its_hooks_closures_are_in_its_identity
                                lambda: Kept(scale=np.float32(-1.0)).eval()),
               "set": (lambda: Kept(suppressed={0, 1}).eval(), lambda: Kept(suppressed={0, 2}).eval()),
               "slice": (lambda: Kept(kept=slice(0, 9)).eval(), lambda: Kept(kept=slice(0, 5)).eval()),
-              "quantised buffer's scale": (lambda: QuantisedScale(1.0).eval(), lambda: QuantisedScale(2.0).eval())}[change]
+              "quantised buffer's scale": (lambda: QuantisedScale(1.0).eval(), lambda: QuantisedScale(2.0).eval()),
+              "private value": (lambda: PrivatelySigned(1.0).eval(), lambda: PrivatelySigned(-1.0).eval())}[change]
     x = torch.rand(2, 3, 16, 16)
     assert not torch.equal(models[0]()(x), models[1]()(x))  # two models indeed
     run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
@@ -293,6 +294,18 @@ class QuantisedScale(nn.Module):
 
     def forward(self, x):
         return self.conv(x).mean(dim=(2, 3)) + 10.0 * self.offset.dequantize()
+
+
+class PrivatelySigned(nn.Module):
+    """Logits scaled by a private attribute, as library modules keep flags (timm's LayerNorm its `_fast_norm`)."""
+
+    def __init__(self, sign: float):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self._sign = nn.Conv2d(3, 9, 8, stride=8), sign
+
+    def forward(self, x):
+        return self.conv(x).mean(dim=(2, 3)) * self._sign
 
 
 def tiny_vision_transformer() -> nn.Module:

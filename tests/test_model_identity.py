@@ -159,7 +159,8 @@ def builds():
                                               intermediate_size=8, image_size=32, patch_size=16, num_labels=9))
     kept = nn.Linear(2, 2)
     kept.names, kept.by_function = {"cat", "dog", "bird", "fish"}, {scale: 1.0, len: 2.0}
-    return {"torchvision ViT": vit, "transformers ViT": hf, "kept set and functions as keys": kept}
+    return {"torchvision ViT": vit, "transformers ViT": hf, "kept set and functions as keys": kept,
+            "torch.compile'd": torch.compile(nn.Sequential(nn.Linear(2, 2)))}
 
 
 identities = {}
@@ -175,8 +176,9 @@ print(json.dumps(identities))
 @pytest.mark.slow
 def test_a_modules_identity_is_the_same_in_every_process(tmp_path):
     """The same build in two processes of other hash seeds (the order of sets and of strings' hashes) and memory
-    layouts has one identity: library models as torchvision and transformers build them, and a module keeping a set
-    of strings and a mapping keyed by functions (recorded by name, not by their addresses)."""
+    layouts has one identity: library models as torchvision and transformers build them, a torch.compile'd module
+    (whose wrapper keeps an id), and a module keeping a set of strings and a mapping keyed by functions (recorded by
+    name, not by their addresses)."""
     import os  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415

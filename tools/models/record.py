@@ -319,10 +319,20 @@ def _configuration_value(value, depth: int = 0, within: frozenset = frozenset())
         if id(value) in within:  # private plain values (a transformers config's attention implementation)
             return CYCLE
         items = {key: _configuration_value(v, depth + 1, within | {id(value)}) for key, v in _attributes(value).items()
-                 if not key.startswith("_") or v is None or isinstance(v, (bool, int, float, str))}
+                 if _kept_setting(key, v)}
         return {"class": f"{type(value).__module__}.{type(value).__qualname__}",
                 **{key: v for key, v in items.items() if v is not _SKIPPED}}
     return _SKIPPED
+
+
+MODULE_INTERNALS = frozenset(vars(nn.Module()))  # torch's own attributes of every module (its mode, hooks, ...)
+
+
+def _kept_setting(name: str, value) -> bool:
+    """Whether an attribute of a module or settings object is a setting to record: a public one, or a private plain
+    value (timm's LayerNorm's `_fast_norm`, a transformers config's `_attn_implementation_internal`; not a torch
+    module's, such as torch.compile's wrapper's `_torchdynamo_wrapper_id`, an address)."""
+    return not name.startswith("_") or value is None or isinstance(value, (bool, int, float, str))
 
 
 def _configuration_digest(model: nn.Module) -> str:
@@ -334,8 +344,10 @@ def _configuration_digest(model: nn.Module) -> str:
     for name, module in model.named_modules():
         if isinstance(module, torch.jit.ScriptModule):
             continue  # a program: its code holds its constants
+        torchs = type(module).__module__.split(".")[0] == "torch"  # its private values: torch's bookkeeping
         attributes = {key: _configuration_value(value) for key, value in sorted(vars(module).items())
-                      if key != "training" and (not key.startswith("_") or type(value) is torch.Tensor)}
+                      if key not in MODULE_INTERNALS and (_kept_setting(key, value) and not (torchs and key[0] == "_")
+                                                          or type(value) is torch.Tensor)}
         attributes.update({f"buffer {key}": _tensor_digest(module._buffers[key]) for key in
                            sorted(module._non_persistent_buffers_set) if module._buffers.get(key) is not None})
         attributes.update(_hook_values(module))
