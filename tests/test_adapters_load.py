@@ -145,6 +145,29 @@ def test_an_adapter_file_linked_out_of_its_folder_is_refused_unread(linked, tmp_
     assert loaded.identity == load_model(f"{SMALL_CNN}@file:{base}", checkpoint=tmp_path / "saved").identity
 
 
+@pytest.mark.parametrize("named", ["snapshot, relative", "subfolder", "subfolder, relative"])
+def test_an_adapter_in_a_hub_cache_snapshot_loads_however_it_is_named(named, tmp_path, monkeypatch):
+    """An adapter in a Hugging Face cache snapshot loads named by a relative path ('.', from the snapshot), and from
+    a subfolder of the snapshot (a repository of several adapters, peft's `subfolder`), whose files link to
+    ../../../blobs: within its repository (before, both were refused as linked out of the folder)."""
+    adapted("lora").save_pretrained(tmp_path / "saved")
+    base = save_base(tmp_path / "base.pt")
+    repository = tmp_path / "hub" / "models--org--adapters"
+    snapshot = repository / "snapshots" / ("0" * 40)
+    inside = "" if named.startswith("snapshot") else "lora"
+    (snapshot / inside).mkdir(parents=True), (repository / "blobs").mkdir()
+    for file in (tmp_path / "saved").iterdir():
+        (repository / "blobs" / file.name).write_bytes(file.read_bytes())
+        up = [".."] * (3 if inside else 2)
+        (snapshot / inside / file.name).symlink_to(Path(*up, "blobs", file.name))
+    folder = snapshot / inside
+    if named.endswith("relative"):
+        monkeypatch.chdir(snapshot)
+        folder = Path(inside or ".")
+    loaded = load_model(f"{SMALL_CNN}@file:{base}", checkpoint=folder)
+    assert loaded.identity == load_model(f"{SMALL_CNN}@file:{base}", checkpoint=tmp_path / "saved").identity
+
+
 def test_an_adapter_folder_needs_a_base(tmp_path):
     adapted("lora").save_pretrained(tmp_path / "adapter")
     with pytest.raises(UserError, match=r"peft adapter folder.* on a base model: .*ARCH@file:BASE"):

@@ -9,6 +9,7 @@ import json
 import logging
 import random
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -125,14 +126,16 @@ class Configured(nn.Module):
         return self.conv(x).mean(dim=(2, 3)) * self.settings.sign
 
 
-@pytest.mark.parametrize("kind", ["dataclass", "namespace", "slotted dataclass", "slots"])
-def test_a_configuration_object_a_module_reads_is_in_its_identity(kind, dataset, tmp_path, one_thread):
+@pytest.mark.parametrize("kind", ["dataclass", "namespace", "slotted dataclass", "slots", "notebook's class"])
+def test_a_configuration_object_a_module_reads_is_in_its_identity(kind, dataset, tmp_path, one_thread, monkeypatch):
     """A module whose forward pass reads an object it holds (its `settings`) is another model when that object says
     otherwise, though code and weights are the same: its run is not served the first one's numbers. Before, only
     plain values, tensors and lists of them were in the configuration: an object was left out whole."""
     import types  # noqa: PLC0415
     make = {"dataclass": HeadSettings, "namespace": types.SimpleNamespace, "slotted dataclass": SlottedSettings,
-            "slots": SlotsSettings}[kind]
+            "slots": SlotsSettings,
+            "notebook's class": lambda sign: notebook_cell(NOTEBOOK_KEPT.format(sign=1.0), 3, monkeypatch).Settings(
+                sign)}[kind]
     model = Configured(make(sign=1.0)).eval()
     run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
            "output_dir": tmp_path / "out", **quick()}
@@ -242,7 +245,7 @@ class Quantised(nn.Module):
 
 @pytest.mark.parametrize("change", ["function", "partial", "closure", "second hook", "default argument",
                                     "bound method", "hook's place", "hook twice", "buffer's dtype", "numpy scalar",
-                                    "set", "slice"])
+                                    "set", "slice", "quantised buffer's scale", "private value"])
 def test_the_functions_a_module_keeps_and_its_hooks_closures_are_in_its_identity(change, dataset, tmp_path, one_thread):
     """A function a module keeps as an attribute and calls (`self.activation = F.relu`, a partial, a closure, a
     default argument's value, a method of an object with its attributes) is part of the model: another one is another
@@ -266,7 +269,9 @@ def test_the_functions_a_module_keeps_and_its_hooks_closures_are_in_its_identity
               "numpy scalar": (lambda: Kept(scale=np.float32(1.0)).eval(),
                                lambda: Kept(scale=np.float32(-1.0)).eval()),
               "set": (lambda: Kept(suppressed={0, 1}).eval(), lambda: Kept(suppressed={0, 2}).eval()),
-              "slice": (lambda: Kept(kept=slice(0, 9)).eval(), lambda: Kept(kept=slice(0, 5)).eval())}[change]
+              "slice": (lambda: Kept(kept=slice(0, 9)).eval(), lambda: Kept(kept=slice(0, 5)).eval()),
+              "quantised buffer's scale": (lambda: QuantisedScale(1.0).eval(), lambda: QuantisedScale(2.0).eval()),
+              "private value": (lambda: PrivatelySigned(1.0).eval(), lambda: PrivatelySigned(-1.0).eval())}[change]
     x = torch.rand(2, 3, 16, 16)
     assert not torch.equal(models[0]()(x), models[1]()(x))  # two models indeed
     run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
@@ -275,6 +280,101 @@ def test_the_functions_a_module_keeps_and_its_hooks_closures_are_in_its_identity
     with pytest.raises(UserError, match="another model"):
         benchmark(models[1](), dataset.root, resume=True, **run)
     benchmark(models[0](), dataset.root, resume=True, **run)  # the same model built again: resumed
+
+
+class QuantisedScale(nn.Module):
+    """Logits offset by a quantised buffer: the same integers at another scale are other numbers."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 9, 8, stride=8)
+        self.register_buffer("offset", torch.quantize_per_tensor(torch.arange(-4.0, 5.0) * scale, scale, 0,
+                                                                 torch.qint8))
+
+    def forward(self, x):
+        return self.conv(x).mean(dim=(2, 3)) + 10.0 * self.offset.dequantize()
+
+
+class PrivatelySigned(nn.Module):
+    """Logits scaled by a private attribute, as library modules keep flags (timm's LayerNorm its `_fast_norm`)."""
+
+    def __init__(self, sign: float):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self._sign = nn.Conv2d(3, 9, 8, stride=8), sign
+
+    def forward(self, x):
+        return self.conv(x).mean(dim=(2, 3)) * self._sign
+
+
+def tiny_vision_transformer() -> nn.Module:
+    """torchvision's ViT, small: its blocks keep their norm layer as partial(nn.LayerNorm, eps=1e-6)."""
+    import torchvision  # noqa: PLC0415
+    torch.manual_seed(0)
+    return torchvision.models.VisionTransformer(image_size=224, patch_size=112, num_layers=1, num_heads=1,
+                                                hidden_dim=8, mlp_dim=8, num_classes=9).eval()
+
+
+def dynamically_quantised() -> nn.Module:
+    """A module quantised by torch (its linear layer's state: a dtype and packed parameters, no tensor)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 8, stride=8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 9))
+    with warnings.catch_warnings():  # torch's eager quantisation is deprecated, yet users' models use it
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(model.eval(), {nn.Linear}, dtype=torch.qint8)
+
+
+def holding_a_cycle() -> nn.Module:
+    """A module keeping a list that holds itself and a mapping that holds itself (a graph of its own)."""
+    model = strided(8)
+    model.kept_list, model.kept_map = [1], {"a": 1}
+    model.kept_list.append(model.kept_list)
+    model.kept_map["self"] = model.kept_map
+    return model
+
+
+@pytest.mark.parametrize("make", [tiny_vision_transformer, dynamically_quantised, holding_a_cycle])
+def test_modules_as_libraries_build_them_are_evaluated_and_resumed(make, dataset, tmp_path, one_thread):
+    """Modules as torchvision and torch build them, and one holding cyclic data, have an identity: evaluated, and
+    resumed when built again (before: a TypeError traceback for a partial of a class, an AttributeError for a
+    quantised module's state, a RecursionError for a cycle)."""
+    run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
+           "output_dir": tmp_path / "out", **quick()}
+    if make is dynamically_quantised:  # its quantised kernels have no float64 form to check them against
+        run["allow_inexact_device"] = True
+    first = benchmark(make(), dataset.root, **run)
+    assert benchmark(make(), dataset.root, resume=True, **run).accuracy == first.accuracy
+
+
+class TransformersLogits(nn.Module):
+    """A small transformers ViT, its logits out, at the attention implementation `attention` (transformers keeps it in
+    its config's private `_attn_implementation_internal`)."""
+
+    def __init__(self, attention: str):
+        super().__init__()
+        from transformers import ViTConfig, ViTForImageClassification  # noqa: PLC0415
+        config = ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
+                           image_size=224, patch_size=112, num_labels=9)
+        torch.manual_seed(0)
+        self.vit = ViTForImageClassification(config).eval()
+        self.vit.set_attn_implementation(attention)
+
+    def forward(self, x):
+        return self.vit(pixel_values=x).logits
+
+
+def test_a_transformers_models_attention_implementation_is_in_its_identity(dataset, tmp_path, one_thread):
+    """A transformers model given as a module with eager attention, then with sdpa (other arithmetic: other last
+    bits), is another model: not served the first one's numbers (before: one identity, the choice being a private
+    attribute of its config)."""
+    pytest.importorskip("transformers")
+    run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
+           "output_dir": tmp_path / "out", **quick()}
+    benchmark(TransformersLogits("eager"), dataset.root, **run)
+    with pytest.raises(UserError, match="another model"):
+        benchmark(TransformersLogits("sdpa"), dataset.root, resume=True, **run)
+    benchmark(TransformersLogits("eager"), dataset.root, resume=True, **run)
 
 
 KEPT_OBJECT = """
@@ -324,6 +424,44 @@ class Net(nn.Module):
     def forward(self, x):
         return {helper}(self.fc(x).mean(dim=(2, 3)))
 """
+
+
+NOTEBOOK_KEPT = """
+class Settings:
+    def __init__(self, sign):
+        self.sign = sign
+
+
+class Flip:
+    def __call__(self, x):
+        return x * {sign}
+"""
+
+
+def notebook_cell(source: str, cell: int, monkeypatch):
+    """The module a notebook runs `source` in (IPython's `__main__`: no file), the cell's source kept by
+    linecache."""
+    import linecache  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import types  # noqa: PLC0415
+    name = f"<notebook-cell-{cell}>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    notebook = types.ModuleType("notebook")  # no __file__, as a notebook's __main__
+    monkeypatch.setitem(sys.modules, "notebook", notebook)
+    exec(compile(source, name, "exec"), notebook.__dict__)  # noqa: S102 (the test's own code)
+    return notebook
+
+
+def test_the_code_of_an_object_of_a_notebooks_class_a_module_keeps_is_in_its_identity(dataset, tmp_path, one_thread,
+                                                                                     monkeypatch):
+    """A callable object a module keeps, of a class a notebook cell defines (in no file): the cell edited and run
+    again is another model (before, an object of a class in no file was left out, code and attributes)."""
+    run = {"num_classes": 9, "mean": None, "challenge": False, "variations": ["original"],
+           "output_dir": tmp_path / "out", **quick()}
+    benchmark(activated(notebook_cell(NOTEBOOK_KEPT.format(sign="1.0"), 4, monkeypatch).Flip()), dataset.root, **run)
+    with pytest.raises(UserError, match="another model"):
+        benchmark(activated(notebook_cell(NOTEBOOK_KEPT.format(sign="-1.0"), 5, monkeypatch).Flip()), dataset.root,
+                  resume=True, **run)
 
 
 def notebook_net(cell: int, body: str, monkeypatch, helper: str = "finish") -> nn.Module:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +137,58 @@ def test_two_checkpoint_keys_of_one_file_are_two_models(two_keys, tmp_path, caps
     assert ema["model_record"]["settings"]["checkpoint_key"] == "state_dict_ema"
     assert plain["model_record"]["settings"]["checkpoint_key"] == "state_dict"
     assert ema["model_record"]["files"]["checkpoint"] == plain["model_record"]["files"]["checkpoint"]
+
+
+STABLE_BUILDS = """
+import json, sys, torch, torchvision
+from torch import nn
+from tools.models.boundary import state_sha256
+from tools.models.record import ModelRecord
+from transformers import ViTConfig, ViTForImageClassification
+
+
+def scale(x):
+    return x
+
+
+def builds():
+    torch.manual_seed(0)
+    vit = torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=1, hidden_dim=8,
+                                               mlp_dim=8, num_classes=9)
+    hf = ViTForImageClassification(ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                              intermediate_size=8, image_size=32, patch_size=16, num_labels=9))
+    kept = nn.Linear(2, 2)
+    kept.names, kept.by_function = {"cat", "dog", "bird", "fish"}, {scale: 1.0, len: 2.0}
+    return {"torchvision ViT": vit, "transformers ViT": hf, "kept set and functions as keys": kept,
+            "torch.compile'd": torch.compile(nn.Sequential(nn.Linear(2, 2)))}
+
+
+identities = {}
+for name, model in builds().items():
+    record = ModelRecord()
+    record.setting("state", state_sha256(model))
+    record.code(model)
+    identities[name] = record.digest
+print(json.dumps(identities))
+"""
+
+
+@pytest.mark.slow
+def test_a_modules_identity_is_the_same_in_every_process(tmp_path):
+    """The same build in two processes of other hash seeds (the order of sets and of strings' hashes) and memory
+    layouts has one identity: library models as torchvision and transformers build them, a torch.compile'd module
+    (whose wrapper keeps an id), and a module keeping a set of strings and a mapping keyed by functions (recorded by
+    name, not by their addresses)."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    pytest.importorskip("transformers")
+    script = tmp_path / "identities.py"
+    script.write_text(STABLE_BUILDS)
+    found = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent.parent)
+        found.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert found[0] == found[1]

@@ -18,21 +18,20 @@ from tools.data.pixels import normalisation_table, normalised_floats
 from tools.errors import option
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, Normalization, statistics_for
 from tools.models import torchscript
-from tools.models.record import ModelRecord
+from tools.models.record import ModelRecord, described_value
 from tools.runtime import Runtime, check_antialias
 
 log = logging.getLogger(__name__)
 
 
 def state_sha256(module: nn.Module) -> str:
-    """The SHA-256 of a module's state dict (each key with its tensor's dtype, shape and length, then its bytes, in
-    order): the identity of an in-memory model's weights, as a file's hash is of a checkpoint's. The same bytes as
-    another dtype or shape are other weights (int8 and uint8, say)."""
+    """The SHA-256 of a module's state dict (each key with its value, in order: a tensor by its dtype, shape and
+    bytes' SHA-256, a quantised one's with its scales; a quantised layer's packed parameters and dtype, an extra
+    state, as `described_value` gives them): the identity of an in-memory model's weights, as a file's hash is of a
+    checkpoint's. The same bytes as another dtype or shape are other weights (int8 and uint8, say)."""
     digest = hashlib.sha256()
-    for key, tensor in module.state_dict().items():
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        digest.update(json.dumps([key, str(tensor.dtype), list(tensor.shape), len(data)]).encode() + b"\n")
-        digest.update(data)
+    for key, value in module.state_dict().items():
+        digest.update(json.dumps([key, described_value(value)], sort_keys=True).encode() + b"\n")
     return digest.hexdigest()
 
 

@@ -60,9 +60,14 @@ def inside_folder(name: str) -> bool:
 
 
 def files_root(folder: Path) -> Path:
-    """The folder a model's files may resolve into, through links: a Hugging Face cache snapshot's repository
-    folder (its files are links to ../../blobs/), else the folder itself."""
-    return (folder.parent.parent if folder.parent.name == "snapshots" else folder).resolve()
+    """The folder a model's files may resolve into, through links: for a Hugging Face cache snapshot and any folder in
+    it (a repository of several models or adapters), however named ('.', a link), the repository's folder (its
+    snapshots' files are links into its blobs/); else the folder itself."""
+    folder = folder.resolve()
+    for inside in (folder, *folder.parents):
+        if inside.parent.name == "snapshots" and (inside.parent.parent / "blobs").is_dir():
+            return inside.parent.parent
+    return folder
 
 
 def snapshot_command(repo: str) -> str:

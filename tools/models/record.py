@@ -145,9 +145,9 @@ def _referenced(function: types.FunctionType) -> tuple[list, dict]:
 
 def _kept_code(value, depth: int = 0) -> list:
     """The code a module may call through what it keeps (its attributes, a hook): functions (`self.activation =
-    F.relu`, a closure, a partial's function and arguments), a bound method's function and its object's, the class
-    of a callable or settings object it keeps (`_settings_object`: `self.activation = Flip()`), in lists, tuples and
-    mappings too."""
+    F.relu`, a closure, a partial's function and arguments), a bound method's function and its object's, a class it
+    keeps (`partial(MyBlock, ...)`), the class of a callable or settings object it keeps (`_settings_object`:
+    `self.activation = Flip()`), in lists, tuples and mappings too."""
     if depth > OBJECT_DEPTH:
         return []
     if isinstance(value, functools.partial):
@@ -155,7 +155,7 @@ def _kept_code(value, depth: int = 0) -> list:
     if isinstance(value, types.MethodType):
         owner = value.__self__
         return [value.__func__] + ([] if isinstance(owner, nn.Module) else _kept_code(owner, depth + 1))
-    if isinstance(value, types.FunctionType):
+    if isinstance(value, (types.FunctionType, type)):
         return [value]
     if isinstance(value, (list, tuple)):
         return [code for item in value for code in _kept_code(item, depth + 1)]
@@ -186,16 +186,39 @@ def _hook_values(module: nn.Module) -> dict:
 
 
 def _hook_value(hook):
-    value = _configuration_value(hook)
-    return f"object {type(hook).__module__}.{type(hook).__qualname__}" if value is _SKIPPED else value
+    return described_value(hook)
+
+
+def described_value(value):
+    """`value` as `_configuration_value` gives it, or, for an object that holds no setting of its own, its class."""
+    described = _configuration_value(value)
+    return f"object {type(value).__module__}.{type(value).__qualname__}" if described is _SKIPPED else described
 
 
 _SKIPPED = object()  # a value that holds no setting of its own (a module, a function: recorded as code; any object)
 
 
 def _tensor_digest(tensor: torch.Tensor) -> str:
-    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return f"{tensor.dtype} {tuple(tensor.shape)} {hashlib.sha256(data).hexdigest()}"
+    """A tensor's dtype, shape and the SHA-256 of its bytes; a quantised tensor's integers with its scales and zero
+    points, a sparse one's as dense, a nested one's parts, a meta tensor's (no data) dtype and shape alone."""
+    tensor = tensor.detach()
+    if tensor.is_nested:
+        return f"nested {[_tensor_digest(part) for part in tensor.unbind()]}"
+    described = f"{tensor.dtype} {tuple(tensor.shape)}"
+    if tensor.is_meta:
+        return f"{described} meta"
+    if tensor.layout != torch.strided:
+        return f"{described} {tensor.layout} {_tensor_digest(tensor.to_dense())}"
+    if tensor.is_quantized:
+        scheme = tensor.qscheme()
+        if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            scales = [repr(tensor.q_scale()), tensor.q_zero_point()]
+        else:
+            scales = [_tensor_digest(tensor.q_per_channel_scales()),
+                      _tensor_digest(tensor.q_per_channel_zero_points()), tensor.q_per_channel_axis()]
+        return f"{described} {scheme} {scales} {_tensor_digest(tensor.int_repr())}"
+    data = tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{described} {hashlib.sha256(data).hexdigest()}"
 
 
 OBJECT_DEPTH = 4  # objects inside objects a configuration follows (a config's sub-config), against cycles
@@ -216,24 +239,42 @@ def _attributes(value) -> dict:
 def _settings_object(value) -> bool:
     """Whether `value` is an object whose attributes are settings: a dataclass's or a namespace's instance, or one of
     a class from outside the standard library and torch (a transformers config, a library's or the user's own
-    settings class); not code, a module (walked on its own) or a class."""
+    settings class, in a file or a notebook's cell); not code, a module (walked on its own) or a class."""
     if isinstance(value, (type, types.FunctionType, types.MethodType, types.ModuleType, nn.Module)) or \
             not (hasattr(value, "__dict__") or hasattr(type(value), "__slots__")):
         return False
     if dataclasses.is_dataclass(value) or isinstance(value, types.SimpleNamespace):
         return True
     module = sys.modules.get(type(value).__module__)
+    if module is None:
+        return False
     file = getattr(module, "__file__", None)
-    return (file is not None and not _is_standard_library(Path(file))
-            and not type(value).__module__.split(".")[0] == "torch")
+    if file is None:  # a notebook's (IPython's __main__ has no file), unless built into the interpreter
+        return module.__name__ not in sys.builtin_module_names and \
+            getattr(getattr(module, "__spec__", None), "origin", None) not in ("built-in", "frozen")
+    return not _is_standard_library(Path(file)) and not type(value).__module__.split(".")[0] == "torch"
 
 
-def _configuration_value(value, depth: int = 0):
+CYCLE = "(cycle)"  # a list, mapping or object met again within itself
+
+
+def _all_or_skipped(items):
+    """`items` (a list or a mapping of `_configuration_value`s), or `_SKIPPED` where one of them is."""
+    values = items.values() if isinstance(items, dict) else items
+    return _SKIPPED if any(v is _SKIPPED for v in values) else items
+
+
+def _configuration_value(value, depth: int = 0, within: frozenset = frozenset()):
     """A value a module was built with as JSON: plain values (numpy's scalars, slices, ranges, bytes too), tensors by
-    digest, lists, sets and mappings of them, and a settings object (`_settings_object`) as its class and public
-    attributes; `_SKIPPED` for the rest."""
+    digest, functions and classes by name, lists, sets and mappings of them, and a settings object
+    (`_settings_object`) as its class, public attributes and private plain values; `_SKIPPED` for the rest. `within`: the ids of the
+    lists, mappings and objects being walked, each met again (a cycle) recorded as `CYCLE`."""
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        if id(value) in within:
+            return CYCLE
+        within = within | {id(value)}
     if isinstance(value, enum.Enum):
-        return _configuration_value(value.value, depth)
+        return _configuration_value(value.value, depth, within)
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, (float, complex)):
@@ -245,36 +286,53 @@ def _configuration_value(value, depth: int = 0):
     if isinstance(value, (bytes, bytearray)):
         return f"bytes {hashlib.sha256(value).hexdigest()}"
     if isinstance(value, (slice, range)):
-        return {type(value).__name__: _configuration_value([value.start, value.stop, value.step], depth)}
+        return _all_or_skipped({type(value).__name__: _configuration_value([value.start, value.stop, value.step],
+                                                                           depth, within)})
     if isinstance(value, (set, frozenset)):  # in an order of their own: a set's varies by process
-        items = [_configuration_value(v, depth) for v in value]
-        return _SKIPPED if any(v is _SKIPPED for v in items) else \
-            {"set": sorted(items, key=lambda v: json.dumps(v, sort_keys=True))}
-    if isinstance(value, functools.partial):  # a function with some arguments given
-        return {"partial": _configuration_value(value.func, depth), "args": _configuration_value(value.args, depth),
-                "keywords": _configuration_value(value.keywords, depth)}
+        items = _all_or_skipped([_configuration_value(v, depth, within) for v in value])
+        return items if items is _SKIPPED else {"set": sorted(items, key=lambda v: json.dumps(v, sort_keys=True))}
+    if isinstance(value, functools.partial):  # a function (or a class: partial(nn.LayerNorm, eps=1e-6)), some
+        return _all_or_skipped({"partial": _configuration_value(value.func, depth, within),  # arguments given
+                                "args": _configuration_value(value.args, depth, within),
+                                "keywords": _configuration_value(value.keywords, depth, within)})
     if isinstance(value, types.MethodType) and not isinstance(value.__self__, (nn.Module, type)):
-        owner = _configuration_value(value.__self__, depth + 1)  # a method of an object: the object's settings too
-        return {"method": _configuration_value(value.__func__, depth),
+        owner = _configuration_value(value.__self__, depth + 1, within)  # a method of an object: its settings too
+        return {"method": _configuration_value(value.__func__, depth, within),
                 "of": owner if owner is not _SKIPPED else f"object {type(value.__self__).__qualname__}"}
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):  # which function: its
         return f"function {getattr(value, '__module__', None)}.{getattr(value, '__qualname__', None)}"  # code apart
+    if isinstance(value, type):  # which class: its code apart
+        return f"class {value.__module__}.{value.__qualname__}"
     if isinstance(value, torch.Tensor):
         return _tensor_digest(value)
     if isinstance(value, np.ndarray) and value.dtype != object:
         return f"{value.dtype} {value.shape} {hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()}"
     if isinstance(value, (list, tuple)):
-        items = [_configuration_value(v, depth) for v in value]
-        return _SKIPPED if any(v is _SKIPPED for v in items) else items
-    if isinstance(value, dict):
-        items = {str(k): _configuration_value(v, depth) for k, v in value.items()}
-        return _SKIPPED if any(v is _SKIPPED for v in items.values()) else items
-    if depth < OBJECT_DEPTH and _settings_object(value):  # its public attributes, those that hold settings
-        items = {key: _configuration_value(v, depth + 1) for key, v in _attributes(value).items()
-                 if not key.startswith("_")}
+        return _all_or_skipped([_configuration_value(v, depth, within) for v in value])
+    if isinstance(value, dict):  # keys that are not strings as values too (a function's: by name, not its address)
+        keys = [k if isinstance(k, str) else _configuration_value(k, depth, within) for k in value]
+        if any(k is _SKIPPED for k in keys):
+            return _SKIPPED
+        return _all_or_skipped({k if isinstance(k, str) else json.dumps(k, sort_keys=True):
+                                _configuration_value(v, depth, within) for k, v in zip(keys, value.values())})
+    if depth < OBJECT_DEPTH and _settings_object(value):  # its public attributes, those that hold settings, and its
+        if id(value) in within:  # private plain values (a transformers config's attention implementation)
+            return CYCLE
+        items = {key: _configuration_value(v, depth + 1, within | {id(value)}) for key, v in _attributes(value).items()
+                 if _kept_setting(key, v)}
         return {"class": f"{type(value).__module__}.{type(value).__qualname__}",
                 **{key: v for key, v in items.items() if v is not _SKIPPED}}
     return _SKIPPED
+
+
+MODULE_INTERNALS = frozenset(vars(nn.Module()))  # torch's own attributes of every module (its mode, hooks, ...)
+
+
+def _kept_setting(name: str, value) -> bool:
+    """Whether an attribute of a module or settings object is a setting to record: a public one, or a private plain
+    value (timm's LayerNorm's `_fast_norm`, a transformers config's `_attn_implementation_internal`; not a torch
+    module's, such as torch.compile's wrapper's `_torchdynamo_wrapper_id`, an address)."""
+    return not name.startswith("_") or value is None or isinstance(value, (bool, int, float, str))
 
 
 def _configuration_digest(model: nn.Module) -> str:
@@ -286,8 +344,10 @@ def _configuration_digest(model: nn.Module) -> str:
     for name, module in model.named_modules():
         if isinstance(module, torch.jit.ScriptModule):
             continue  # a program: its code holds its constants
+        torchs = type(module).__module__.split(".")[0] == "torch"  # its private values: torch's bookkeeping
         attributes = {key: _configuration_value(value) for key, value in sorted(vars(module).items())
-                      if key != "training" and (not key.startswith("_") or type(value) is torch.Tensor)}
+                      if key not in MODULE_INTERNALS and (_kept_setting(key, value) and not (torchs and key[0] == "_")
+                                                          or type(value) is torch.Tensor)}
         attributes.update({f"buffer {key}": _tensor_digest(module._buffers[key]) for key in
                            sorted(module._non_persistent_buffers_set) if module._buffers.get(key) is not None})
         attributes.update(_hook_values(module))
