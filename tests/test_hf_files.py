@@ -16,6 +16,7 @@ import torch
 from tests.helpers import files_read
 from tests.test_hub_sources import TIMM_REPO, put_in_cache, save_vit, timm_weights  # noqa: F401 (a fixture)
 from tools.errors import UserError
+from tools.models.record import ModelRecord
 from tools.models.sources import load_model
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -54,6 +55,24 @@ def test_a_sharded_model_in_the_hub_cache_loads(tmp_path, hub_cache):
     assert (snapshot / "model-00002-of-00002.safetensors").is_symlink()
     loaded = load_model("hf:someone/sharded-vit")
     assert torch.equal(logits(loaded), logits(whole))
+
+
+def test_a_folders_identity_is_the_same_wherever_it_lies(tmp_path):
+    """An `hf:` folder is recorded by its files' content, not by where it lies: the same folder copied elsewhere is
+    the same model (before, its path was in the record's `arch` setting), another folder's content another."""
+    save_vit(tmp_path / "here", None, seed=4, num_labels=9)
+    shutil.copytree(tmp_path / "here", tmp_path / "there")
+    save_vit(tmp_path / "other", None, seed=5, num_labels=9)
+    here, there, other = (load_model(f"hf:{tmp_path / name}") for name in ("here", "there", "other"))
+    assert here.identity == there.identity != other.identity
+    assert str(tmp_path) not in json.dumps(here.record.settings)
+    transformers = pytest.importorskip("transformers")
+    records = []
+    for name in ("here", "there"):  # the module itself, given to benchmark(): its name_or_path says where it was read
+        record = ModelRecord()
+        record.code(transformers.ViTForImageClassification.from_pretrained(tmp_path / name))
+        records.append(record.digest)
+    assert records[0] == records[1]
 
 
 @pytest.mark.parametrize("where", ["local", "hub"])

@@ -328,11 +328,16 @@ def _configuration_value(value, depth: int = 0, within: frozenset = frozenset())
 MODULE_INTERNALS = frozenset(vars(nn.Module()))  # torch's own attributes of every module (its mode, hooks, ...)
 
 
+WHERE_READ = frozenset({"name_or_path", "_name_or_path"})  # where transformers read a model from: not what it is
+
+
 def _kept_setting(name: str, value) -> bool:
     """Whether an attribute of a module or settings object is a setting to record: a public one, or a private plain
     value (timm's LayerNorm's `_fast_norm`, a transformers config's `_attn_implementation_internal`; not a torch
-    module's, such as torch.compile's wrapper's `_torchdynamo_wrapper_id`, an address)."""
-    return not name.startswith("_") or value is None or isinstance(value, (bool, int, float, str))
+    module's, such as torch.compile's wrapper's `_torchdynamo_wrapper_id`, an address); never the folder it was
+    read from (`WHERE_READ`: its files' content is the model)."""
+    plain = value is None or isinstance(value, (bool, int, float, str))
+    return name not in WHERE_READ and (not name.startswith("_") or plain)
 
 
 def _configuration_digest(model: nn.Module) -> str:

@@ -137,7 +137,7 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
     record = ModelRecord()
     # what the loader is given, as given (the name less the files it names, which are recorded by content where
     # they are read, as `checkpoint` is)
-    record.setting("arch", spec.model if arch else None)
+    record.setting("arch", _recorded_name(spec) if arch else None)
     for name, value in (("weights", weights), ("checkpoint_key", checkpoint_key), ("normalize", normalize),
                         ("lora_alpha", lora_alpha), ("lora_rslora", lora_rslora)):
         record.setting(name, value)
@@ -178,6 +178,15 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
         raise RuntimeError(f"the source of {spec} did not record its model in the record it was given")
     record.close()
     return loaded
+
+
+def _recorded_name(spec: ModelSpec) -> str | None:
+    """The model's name as its identity holds it: a local folder it names (`hf:PATH`) as the words "a local
+    folder", whose files are recorded by their content where they are read, so that the same folder anywhere is
+    the same model."""
+    if spec.prefix == HF_PREFIX and Path(spec.body).expanduser().is_dir():
+        return f"{HF_PREFIX}(a local folder)"
+    return spec.model
 
 
 def _with_adapter(base: LoadedModel, folder: Path, trust: bool) -> LoadedModel:
