@@ -20,13 +20,15 @@ log = logging.getLogger(__name__)
 
 
 def _blocked_globals(path: Path, exc: Exception) -> list[str]:
-    """The globals a weights-only load refused: listed from a zip checkpoint, else read off the error."""
+    """The globals a weights-only load refused: listed from a zip checkpoint, else read off the error; the file's own
+    classes first, torch's building blocks after them, each sorted (torch lists them in a set's order, another in
+    every process)."""
     allowed = {f"{cls.__module__}.{cls.__qualname__}" for cls in SAFE_CLASSES}
     try:
         found = list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
     except Exception:  # noqa: BLE001 (legacy, non-zip files: torch's message names the first one)
         found = re.findall(r"Unsupported global: GLOBAL (\S+)", str(exc))
-    return [name for name in found if name not in allowed]
+    return sorted((name for name in found if name not in allowed), key=lambda name: (name.startswith("torch."), name))
 
 
 def unpickling_problem(exc: Exception) -> str:
