@@ -254,10 +254,11 @@ def test_the_guard_stops_collectives_around_tools_distributed_and_tensors_off_th
         distributed.cleanup()  # as the toolkit leaves a gloo group (the wait torch < 2.8 needs)
 
 
-def test_zoo_failure_in_one_process_fails_the_model_in_every_process(setup, tmp_path, capsys):
+def test_zoo_failure_in_one_process_fails_the_model_in_every_process(setup, tmp_path, capsys, one_thread):
     """A model failing on one rank only, in each phase in turn (tests/zoo_failures.py): no process is left waiting
     in a collective, each is reported failed, a model done before is skipped by both, and the model after them
-    gets the numbers of the one done before (the same weights, run by one process)."""
+    gets the numbers of the one done before (the same weights, run by one process at torchrun's one thread, as
+    the processes run)."""
     data, models = setup
     words = ["fail-load", "fail-in9", "done-before", "fail-decode", "fail-search", "fail-save", "fail-write", "works"]
     specs = {}
