@@ -122,9 +122,10 @@ def files_read():
 def unrecorded_reads(read: list[Path], record) -> list[str]:
     """The files read that hold content the model's record does not: each file read must be a recorded file (or a
     copy of one: transformers imports a model's code from its own copy), library code or data (site-packages, the
-    standard library, compiled caches, the toolkit's own code: the record holds their versions), the toolkit's
-    cache (a CLIP text head computed before: the record holds its digest), a hub cache's `refs/` pointer to the
-    snapshot whose files are recorded, or an empty package marker."""
+    standard library, compiled caches, the toolkit's own code, installed packages' metadata wherever it is, as the
+    toolkit's editable egg-info that looking up a library's version reads: the record holds their versions), the
+    toolkit's cache (a CLIP text head computed before: the record holds its digest), a hub cache's `refs/` pointer
+    to the snapshot whose files are recorded, or an empty package marker."""
     from tools.data.store import default_cache_dir  # noqa: PLC0415 (where the session's fixture points it)
     described = record.describe()
     recorded = {entry["sha256"] for entry in described["files"].values() if "path" in entry}
@@ -134,6 +135,7 @@ def unrecorded_reads(read: list[Path], record) -> list[str]:
     for path in dict.fromkeys(p.resolve() for p in read):
         parts = path.parts
         if (not path.is_file() or "site-packages" in parts or "__pycache__" in parts or path.is_relative_to(TOOLKIT)
+                or path.parent.suffix in (".egg-info", ".dist-info")
                 or path.is_relative_to(default_cache_dir().resolve())
                 or str(path).startswith((sys.base_prefix, "/proc", "/sys", "/dev"))
                 or (len(parts) > 2 and parts[-2] == "refs" and parts[-3].startswith("models--"))):

@@ -20,18 +20,21 @@ import pytest
 import torch
 import torchvision
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import in9_eval
 from tests.helpers import TinyCNN, check_error, run_in_process
 from tools.errors import UserError
-from tools.in9 import IN9_MEAN, IN9_STD
+from tools.in9 import IMAGE_SIZE, IN9_MEAN, IN9_STD
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.models.device_check import check_device
 from tools.models.programs import ExportedModule
+from tools.models.sources import load_model
 from tools.runtime import Runtime
 
 CPU = torch.device("cpu")
 SIZE = 32
+BATCH = torch.export.Dim("batch", max=2 ** 31 - 1)  # bounded: torch 2.6 guards a ViT's batch against maxsize
 EVAL_ADVICE = r"call model\.eval\(\) before tracing or exporting"
 
 
@@ -59,8 +62,10 @@ def traced(module: nn.Module, size: int = SIZE) -> torch.jit.ScriptModule:
 
 
 def exported(module: nn.Module, size: int = SIZE, decomposed: bool = False) -> nn.Module:
-    program = torch.export.export(module, (torch.rand(4, 3, size, size),),
-                                  dynamic_shapes=({0: torch.export.Dim("batch")},))
+    # under the math attention kernel, which the exact mode runs: torch 2.6 lays exported attention out as the kernel
+    # it was exported with lays it (test_exported_attention_the_exact_kernels_cannot_run_is_refused_at_load)
+    with sdpa_kernel([SDPBackend.MATH]):
+        program = torch.export.export(module, (torch.rand(4, 3, size, size),), dynamic_shapes=({0: BATCH},))
     if decomposed:  # the core aten operations (`_native_batch_norm_legit_functional`, `native_dropout`)
         program = program.run_decompositions()
     return ExportedModule(program.module(), "export", CPU, names_devices=False)  # as the loader wraps it
@@ -281,6 +286,33 @@ def test_honest_models_pass_at_every_batch_size_and_memory_format(name, form):
         for channels_last in (False, True):
             check = check_device(model, Runtime(CPU, channels_last=channels_last), images(), batch_size=batch_size)
             assert check.verified and check.batch_dependence is None, (batch_size, channels_last, check)
+
+
+def test_exported_attention_the_exact_kernels_cannot_run_is_refused_at_load(tmp_path):
+    """A ViT exported with torch's default attention kernel: torch 2.6 lays the program's attention out as its fused
+    CPU kernel lays it (the `.contiguous()` after it dropped), so the program fails in the math kernel that the
+    exact mode runs; before, it passed the loader's probe and ended the device check in a view error's traceback.
+    Where torch's program runs in the math kernel, it loads and passes; where not, it is refused when loaded, in
+    one line that says how to export it."""
+    torch.manual_seed(0)
+    vit = torchvision.models.VisionTransformer(IMAGE_SIZE, 32, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32,
+                                               num_classes=9).eval()
+    program = torch.export.export(vit, (torch.rand(4, 3, IMAGE_SIZE, IMAGE_SIZE),), dynamic_shapes=({0: BATCH},))
+    torch.export.save(program, str(tmp_path / "vit.pt2"))
+    try:  # torch's own program, run in the math kernel as the exact mode runs it
+        with torch.inference_mode(), sdpa_kernel([SDPBackend.MATH]):
+            program.module()(torch.rand(3, 3, IMAGE_SIZE, IMAGE_SIZE))
+        runs = True
+    except RuntimeError:
+        runs = False
+    spec = f"file:{tmp_path / 'vit.pt2'}"
+    if runs:
+        check = check_device(load_model(spec), Runtime(CPU), images(size=IMAGE_SIZE), batch_size=4)
+        assert check.verified
+        return
+    with pytest.raises(UserError, match="sdpa_kernel") as refused:
+        load_model(spec)
+    assert "\n" not in str(refused.value) and "exact" in str(refused.value)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -542,12 +542,51 @@ def clip_with_hf_tokenizer(tmp_path):
     return "clip:bgc-tiny-hf-text/none+head=in9+templates=simple", folder
 
 
+def _tokenizes_through_batch_encode_plus() -> bool:
+    """Whether the installed open_clip cuts text with a Hugging Face tokenizer through its batch_encode_plus (open_clip
+    before 3.3), which transformers 5 removed."""
+    import open_clip  # noqa: PLC0415
+    return "batch_encode_plus" in open_clip.tokenizer.HFTokenizer.__call__.__code__.co_names
+
+
+def _open_clip_2_24_call(self, texts, context_length=None):
+    """open_clip 2.24's HFTokenizer.__call__ (to 3.2), as it cuts text."""
+    texts = [texts] if isinstance(texts, str) else texts
+    context_length = context_length or self.context_length
+    texts = [self.clean_fn(text) for text in texts]
+    return self.tokenizer.batch_encode_plus(texts, return_tensors="pt", max_length=context_length,
+                                            padding="max_length", truncation=True).input_ids
+
+
+def test_an_open_clip_that_tokenizes_with_what_transformers_removed_is_one_line(clip_with_hf_tokenizer,
+                                                                                monkeypatch):
+    """open_clip before 3.3 cuts text with a Hugging Face tokenizer through transformers' batch_encode_plus, which
+    transformers 5 (the toolkit's floor) removed: a CLIP model with such a tokenizer is refused in one line that
+    says to upgrade open_clip (an AttributeError traceback before, at the floor's open_clip 2.24). Where open_clip
+    is newer, its 2.24 call is put in its place."""
+    import open_clip  # noqa: PLC0415
+    transformers = pytest.importorskip("transformers")
+    if hasattr(transformers.PreTrainedTokenizerFast, "batch_encode_plus"):
+        pytest.skip(f"transformers {transformers.__version__} has batch_encode_plus")
+    if not _tokenizes_through_batch_encode_plus():
+        monkeypatch.setattr(open_clip.tokenizer.HFTokenizer, "__call__", _open_clip_2_24_call)
+    spec, _ = clip_with_hf_tokenizer
+    with pytest.raises(UserError, match="batch_encode_plus") as refused:
+        load_model(spec)
+    assert "open_clip" in str(refused.value) and "3.3" in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_the_tokenizer_is_part_of_the_identity_and_of_the_head_caches_key(clip_with_hf_tokenizer, tmp_path,
                                                                           one_thread):
     """The text head is made of the prompts as the tokenizer cuts them: a Hugging Face tokenizer's files (read from
     its hub's cache, where a moved refs/main gives others) and its library are inputs of the model. Another
     tokenizer under the same configuration builds another head, and another identity; before, the head cached with
     the first tokenizer was served, under the first identity."""
+    import open_clip  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+    if _tokenizes_through_batch_encode_plus() and not hasattr(PreTrainedTokenizerFast, "batch_encode_plus"):
+        pytest.skip(f"open_clip {open_clip.version.__version__} tokenizes through batch_encode_plus, which this "
+                    f"transformers removed (refused in one line: the test before)")
     cache = DecodedCache(tmp_path / "cache")
     spec, folder = clip_with_hf_tokenizer
     first = load_model(spec, cache=cache)

@@ -2,7 +2,10 @@
 (`tools.models.export_archive`): each crafted archive here is one with which torch's own loader (or the module it
 builds) runs code, shown by a marker file it writes, and the toolkit refuses it in one line with the marker still
 absent, by every route a model file takes (in9_eval, challenge_eval, the zoo, benchmark(), train.py); with
---trust-checkpoint it loads. A TorchScript file is a program: refused without --trust-checkpoint."""
+--trust-checkpoint it loads. Both layouts torch reads are crafted: the archive of torch >= 2.7 (`<root>/models/...`,
+`<root>/data/...`), and the older zip of top-level members that torch 2.6 writes and every later torch still
+reads, whose weights, constants and example inputs torch unpickles in full. A TorchScript file is a program:
+refused without --trust-checkpoint."""
 
 from __future__ import annotations
 
@@ -67,35 +70,83 @@ def pickled(obj) -> bytes:
     return buffer.getvalue()
 
 
+ARCHIVE_PROGRAM = "models/model.json"  # the program in the archive layout (torch >= 2.7), under its root folder
+ZIP_PROGRAM = "serialized_exported_program.json"  # in the older zip layout (torch 2.6), at the top level
+ZIP_PICKLES = {"weights": "serialized_state_dict.pt", "constants": "serialized_constants.pt",
+               "inputs": "serialized_example_inputs.pt"}
+
+
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> Path:
-    """The hand-built colour model exported as the demo exports it (any batch size), torch's own file."""
+def program() -> torch.export.ExportedProgram:
+    """The hand-built colour model exported as the demo exports it (any batch size)."""
+    return torch.export.export(synthetic.ColorEvidenceModel(9).eval(), (IMAGES,),
+                               dynamic_shapes=({0: torch.export.Dim("batch", max=2**31 - 1)},))
+
+
+@pytest.fixture(scope="module")
+def exported(program, tmp_path_factory) -> Path:
+    """The program in torch's own file (the archive layout from torch 2.7, the zip layout before)."""
     path = tmp_path_factory.mktemp("export") / "color.pt2"
-    program = torch.export.export(synthetic.ColorEvidenceModel(9).eval(), (IMAGES,),
-                                  dynamic_shapes=({0: torch.export.Dim("batch", max=2**31 - 1)},))
     torch.export.save(program, str(path))
     return path
 
 
+def save_zip(program: torch.export.ExportedProgram, path: Path) -> Path:
+    """`program` in the older zip layout, as torch 2.6's torch.export.save writes it (its serializer's program
+    JSON and pickles, top-level members): torch's own file at 2.6, the format later torch falls back to."""
+    from torch._export.serde.serialize import serialize  # noqa: PLC0415 (torch's private serializer, here only)
+    artifact = serialize(program)
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(ZIP_PROGRAM, artifact.exported_program)
+        archive.writestr(ZIP_PICKLES["weights"], artifact.state_dict)
+        archive.writestr(ZIP_PICKLES["constants"], artifact.constants)
+        archive.writestr(ZIP_PICKLES["inputs"], artifact.example_inputs)
+        archive.writestr("version", ".".join(map(str, SCHEMA_VERSION)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported_zip(program, tmp_path_factory) -> Path:
+    return save_zip(program, tmp_path_factory.mktemp("export") / "color-zip.pt2")
+
+
+def layout(path: Path) -> str:
+    """"zip" (torch 2.6's layout) or "archive" (that of torch >= 2.7)."""
+    with zipfile.ZipFile(path) as archive:
+        return "zip" if ZIP_PROGRAM in archive.namelist() else "archive"
+
+
 def rewrite(source: Path, target: Path, edit) -> Path:
     """A copy of the archive `source` in which `edit(members)` changed, added or removed members
-    ({name: bytes}, names without the root folder; "/"-led names sit at the zip's top level)."""
+    ({name: bytes}, names without the archive layout's root folder; "/"-led names sit at the zip's top level)."""
     with zipfile.ZipFile(source) as archive:
-        root = archive.namelist()[0].split("/")[0]
-        members = {name[len(root) + 1:]: archive.read(name) for name in archive.namelist()}
+        names = archive.namelist()
+        root = "" if ZIP_PROGRAM in names else names[0].split("/")[0] + "/"
+        members = {name[len(root):]: archive.read(name) for name in names}
     edit(members)
     with zipfile.ZipFile(target, "w") as archive:
         for name, data in members.items():
-            archive.writestr(name[1:] if name.startswith("/") else f"{root}/{name}", data)
+            archive.writestr(name[1:] if name.startswith("/") else f"{root}{name}", data)
     return target
 
 
 def edit_program(change):
-    """An edit of the program's JSON (models/model.json) by `change(program)`."""
+    """An edit of the program's JSON (models/model.json, or the zip layout's serialized_exported_program.json)
+    by `change(program)`."""
     def edit(members):
-        program = json.loads(members["models/model.json"])
+        name = ARCHIVE_PROGRAM if ARCHIVE_PROGRAM in members else ZIP_PROGRAM
+        program = json.loads(members[name])
         change(program)
-        members["models/model.json"] = json.dumps(program).encode()
+        members[name] = json.dumps(program).encode()
+    return edit
+
+
+def edit_zip_pickle(kind: str, change, member: str | None = None):
+    """An edit of one of the zip layout's pickles (`kind`: weights, constants or inputs) to `change(its value)`,
+    stored as `member` (default: where torch 2.6 writes it)."""
+    def edit(members):
+        value = torch.load(io.BytesIO(members.pop(ZIP_PICKLES[kind])), weights_only=True)
+        members[member or ZIP_PICKLES[kind]] = pickled(change(value))
     return edit
 
 
@@ -200,25 +251,34 @@ def shape_expression(marker):
 def buffer_name(marker):
     """A buffer's name, which becomes an attribute access in the module's generated code."""
     evil = f'forward") and getattr(__import__("os"), "mkdir")("{marker}") or getattr(self, "forward'
-    def change(config, members):
-        program = json.loads(members["models/model.json"])
+
+    def rename(program):
         for spec in program["graph_module"]["signature"]["input_specs"]:
             if spec.get("buffer", {}).get("buffer_name") == "mean":
                 spec["buffer"]["buffer_name"] = evil
-        members["models/model.json"] = json.dumps(program).encode()
-        config[evil] = config.pop("mean")
-    return edit_config("weights", change)
+
+    def weights(state):
+        state[evil] = state.pop("mean")
+        return state
+
+    def edit(members):
+        edit_program(rename)(members)
+        if ZIP_PROGRAM in members:
+            edit_zip_pickle("weights", weights)(members)
+        else:
+            edit_config("weights", lambda config, _: weights(config))(members)
+    return edit
 
 
 def input_name(marker):
     """An input's name, which becomes a parameter (and its default value) in the generated code."""
     evil = f"x=getattr(__import__('os'), 'mkdir')({str(marker)!r})"
     def edit(members):
-        text = members["models/model.json"].decode().replace('{"name": "x"}', json.dumps({"name": evil}))
-        program = json.loads(text)
+        name = ARCHIVE_PROGRAM if ARCHIVE_PROGRAM in members else ZIP_PROGRAM
+        program = json.loads(members[name].decode().replace('{"name": "x"}', json.dumps({"name": evil})))
         values = program["graph_module"]["graph"]["tensor_values"]
         values[evil] = values.pop("x")
-        members["models/model.json"] = json.dumps(program).encode()
+        members[name] = json.dumps(program).encode()
     return edit
 
 
@@ -242,24 +302,60 @@ def old_format(marker):
     return edit
 
 
-CRAFTS = {"pickled weight": pickled_weight, "opaque object": opaque_constant, "pickled constant": pickled_constant,
-          "sample inputs": sample_inputs, "legacy weights": legacy_weights, "python operator": python_operator,
-          "file operation": file_operation, "guard code": guard_code, "shape expression": shape_expression,
-          "buffer name": buffer_name, "input name": input_name, "compiled code": compiled_code,
-          "old format": old_format}
+def zip_pickled_weights(marker):
+    """The zip layout's state dict, which torch unpickles with every global allowed (weights_only=False)."""
+    return edit_zip_pickle("weights", lambda state: TouchThen(marker, state))
+
+
+def zip_pickled_constants(marker):
+    return edit_zip_pickle("constants", lambda constants: TouchThen(marker, constants))
+
+
+def zip_sample_inputs(marker):
+    return edit_zip_pickle("inputs", lambda inputs: TouchThen(marker, inputs))
+
+
+def zip_json_weights(marker):
+    """The state dict under its deprecated name, serialized_state_dict.json: torch unpickles it the same."""
+    return edit_zip_pickle("weights", lambda state: TouchThen(marker, state), "serialized_state_dict.json")
+
+
+PROGRAM_CRAFTS = {"python operator": python_operator, "file operation": file_operation, "guard code": guard_code,
+                  "shape expression": shape_expression, "buffer name": buffer_name, "input name": input_name}
+CRAFTS = {"archive": {"pickled weight": pickled_weight, "opaque object": opaque_constant,
+                      "pickled constant": pickled_constant, "sample inputs": sample_inputs,
+                      "legacy weights": legacy_weights, "compiled code": compiled_code, "old format": old_format,
+                      **PROGRAM_CRAFTS},
+          "zip": {"pickled weights": zip_pickled_weights, "pickled constants": zip_pickled_constants,
+                  "sample inputs": zip_sample_inputs, "json weights": zip_json_weights, **PROGRAM_CRAFTS}}
+ZIP_PICKLE_CRAFTS = ("pickled weights", "pickled constants", "sample inputs", "json weights")
 WORDS = {"pickled weight": "pickled weight 'mean'", "opaque object": "pickled Python object constant 'extra'",
          "pickled constant": "pickled constant 'extra'", "sample inputs": "weights-only",
          "legacy weights": "weights-only", "python operator": "operator 'torch.os.mkdir'",
          "file operation": "operator 'torch.ops.aten.from_file.default'", "guard code": "guard code",
          "shape expression": "shape expression", "buffer name": "name 'forward\")", "input name": "name \"x=",
-         "compiled code": "AOTInductor", "old format": "serialized_state_dict.pt"}
+         "compiled code": "AOTInductor", "old format": "serialized_state_dict.pt",
+         "pickled weights": "weights-only unpickling (serialized_state_dict.pt)",
+         "pickled constants": "weights-only unpickling (serialized_constants.pt)",
+         "json weights": "weights-only unpickling (serialized_state_dict.json)"}
 
 
-@pytest.mark.parametrize("craft", CRAFTS)
+def crafted_source(form: str, exported: Path, exported_zip: Path) -> Path:
+    """The file a craft of the layout `form` starts from: the zip layout at every torch, the archive layout where
+    torch writes it."""
+    if form == "zip":
+        return exported_zip
+    if layout(exported) != "archive":
+        pytest.skip(f"torch {torch.__version__} writes and reads the zip layout only (the archive layout is torch "
+                    f"2.7's)")
+    return exported
+
+
+@pytest.mark.parametrize(("form", "craft"), [(form, craft) for form, crafts in CRAFTS.items() for craft in crafts])
 @pytest.mark.slow
-def test_a_crafted_export_archive_is_refused_before_it_runs(craft, exported, tmp_path):
+def test_a_crafted_export_archive_is_refused_before_it_runs(form, craft, exported, exported_zip, tmp_path):
     marker = tmp_path / "marker"
-    path = rewrite(exported, tmp_path / "crafted.pt2", CRAFTS[craft](marker))
+    path = rewrite(crafted_source(form, exported, exported_zip), tmp_path / "crafted.pt2", CRAFTS[form][craft](marker))
     with pytest.raises(UserError, match="--trust-checkpoint") as caught:
         read_checkpoint(path, None, None, Normalization.AUTO, False, None, CPU, ModelRecord())
     assert WORDS[craft] in str(caught.value)
@@ -267,7 +363,19 @@ def test_a_crafted_export_archive_is_refused_before_it_runs(craft, exported, tmp
     assert not marker.exists()
 
 
-def test_real_exports_are_data(exported, tmp_path):
+@pytest.mark.parametrize("craft", ZIP_PICKLE_CRAFTS)
+def test_torch_unpickles_the_zip_layouts_pickles_in_full(craft, exported_zip, tmp_path):
+    """The zip layout's crafts are live at every torch: its loader (torch 2.6's, later torch's fallback) unpickles
+    the state dict, constants and example inputs with weights_only=False, so their code runs."""
+    marker = tmp_path / "marker"
+    path = rewrite(exported_zip, tmp_path / "crafted.pt2", CRAFTS["zip"][craft](marker))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.export.load(str(path))
+    assert marker.exists()
+
+
+def test_real_exports_are_data(exported, exported_zip, tmp_path):
     """What torch writes for ordinary classifiers passes: a dynamic batch, kwargs, no_grad in forward (a
     higher-order operator with a subgraph), submodules in lists, lifted constants, decomposed to core ATen."""
     class Classifier(nn.Module):
@@ -285,23 +393,26 @@ def test_real_exports_are_data(exported, tmp_path):
     for name, version in (("training", program), ("core", program.run_decompositions())):
         torch.export.save(version, str(tmp_path / f"{name}.pt2"))
         assert untrusted_content(tmp_path / f"{name}.pt2") == []
-    assert untrusted_content(exported) == []
+        assert untrusted_content(save_zip(version, tmp_path / f"{name}-zip.pt2")) == []  # torch 2.6's layout
+    assert untrusted_content(exported) == [] and untrusted_content(exported_zip) == []
 
 
 @pytest.fixture
-def weight_pickle(exported, tmp_path) -> tuple[Path, Path]:
-    """(the archive with a pickled weight, the marker its unpickling creates)."""
+def weight_pickle(exported, tmp_path) -> tuple[Path, Path, str]:
+    """(torch's own file with a pickled weight, the marker its unpickling creates, what the refusal names)."""
     marker = tmp_path / "marker"
-    return rewrite(exported, tmp_path / "pickled.pt2", pickled_weight(marker)), marker
+    form = layout(exported)
+    craft = "pickled weight" if form == "archive" else "pickled weights"
+    return rewrite(exported, tmp_path / "pickled.pt2", CRAFTS[form][craft](marker)), marker, WORDS[craft]
 
 
 @pytest.mark.parametrize("script", [in9_eval, challenge_eval])
 def test_the_scripts_refuse_it_and_trust_loads_it(script, weight_pickle, dataset, tmp_path, capsys):
-    path, marker = weight_pickle
+    path, marker, words = weight_pickle
     common = ["--data-path", str(dataset.root), "--checkpoint", str(path), "--device", "cpu", "--no-progress",
               "--no-cache", "--log-level", "ERROR", "--output-dir", str(tmp_path / "out")]
     line = check_error(*run_in_process(script.main, common, capsys))
-    assert "pickled weight 'mean'" in line and "--trust-checkpoint" in line
+    assert words in line and "--trust-checkpoint" in line
     assert not marker.exists()
     if script is in9_eval:  # the flag the message names: torch's loader, the file's code included
         code, out, err = run_in_process(script.main, [*common, "--trust-checkpoint"], capsys)
@@ -312,29 +423,30 @@ def test_the_scripts_refuse_it_and_trust_loads_it(script, weight_pickle, dataset
 
 @pytest.mark.slow
 def test_the_zoo_refuses_it(weight_pickle, dataset, tmp_path, capsys):
-    path, marker = weight_pickle
+    path, marker, words = weight_pickle
     code, out, err = run_in_process(zoo.main, ["--data-path", str(dataset.root), "--models", f"file:{path}",
                                                "--output-dir", str(tmp_path / "zoo"), "--device", "cpu",
                                                "--no-progress", "--no-cache"], capsys)
     assert code != 0
-    assert "pickled weight 'mean'" in err and "--trust-checkpoint" in err
+    assert words in err and "--trust-checkpoint" in err
     assert not marker.exists()
 
 
 def test_benchmark_refuses_it(weight_pickle, dataset):
-    path, marker = weight_pickle
-    with pytest.raises(UserError, match="pickled weight 'mean'.*trust_checkpoint=True"):
+    path, marker, words = weight_pickle
+    with pytest.raises(UserError, match="trust_checkpoint=True") as caught:
         benchmark(f"file:{path}", dataset.root, device="cpu", progress=False, cache=False)
+    assert words in str(caught.value)
     assert not marker.exists()
 
 
 def test_train_refuses_it(weight_pickle, tiny, tmp_path, capsys):
-    path, marker = weight_pickle
+    path, marker, words = weight_pickle
     line = check_error(*run_in_process(train.main, ["--data-path", str(tiny), "--arch", f"file:{path}",
                                                      "--output-dir", str(tmp_path / "run"), "--device", "cpu",
                                                      "--batch-size", "4", "--no-progress", "--log-level", "ERROR"],
                                         capsys))
-    assert "pickled weight 'mean'" in line
+    assert words in line
     assert not marker.exists()
 
 
@@ -440,6 +552,9 @@ def two_directories(exported: Path, target: Path, marker: Path) -> Path:
 def test_the_archive_is_checked_as_torch_reads_it(craft, exported, tmp_path):
     """Members torch's zip reader finds where Python's zipfile sees other ones are checked as torch reads them (the
     archive was passed as data, then torch's loader unpickled the weight)."""
+    if layout(exported) != "archive":
+        pytest.skip(f"torch {torch.__version__} reads an export archive with Python's zipfile alone (the archive "
+                    f"layout, read with torch's own zip reader as well, is torch 2.7's)")
     marker = tmp_path / "marker"
     path = craft(exported, tmp_path / "crafted.pt2", marker)
     with pytest.raises(UserError, match="--trust-checkpoint") as caught:

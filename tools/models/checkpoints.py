@@ -39,7 +39,14 @@ from tools.models.architectures import (
     timm_module,
 )
 from tools.models.loading import check_fits, torch_load
-from tools.models.programs import EXPORT_BATCH_HINT, check_program_trusted, load_program, program_kind, program_problem
+from tools.models.programs import (
+    EXPORT_BATCH_HINT,
+    check_program_trusted,
+    exact_kernel_hint,
+    load_program,
+    program_kind,
+    program_problem,
+)
 from tools.models.record import ModelRecord
 from tools.models.recorded import (
     TRAINED_FORMAT,
@@ -53,6 +60,7 @@ from tools.models.recorded import (
     trained_checkpoint_header,
 )
 from tools.models.spec import TIMM_HUB, TIMM_PREFIX, ModelSpec
+from tools.runtime.precision import exact_kernels
 
 log = logging.getLogger(__name__)
 
@@ -154,13 +162,16 @@ def check_class_count(num_classes: int, in9: bool | None, what: str) -> None:
 
 
 def _probe_classes(classifier: nn.Module, path: Path, kind: str, device: torch.device) -> int:
-    """The class count, from a forward pass on a batch of 3 on the run's device (which also finds programs fixed
-    to one batch size, and programs that cannot run there)."""
+    """The class count, from a forward pass on a batch of 3 on the run's device in the exact mode's kernels, which
+    every run's start-up check runs (which also finds programs fixed to one batch size, and programs that cannot
+    run there)."""
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), exact_kernels():
             out = classifier(torch.zeros(3, 3, IMAGE_SIZE, IMAGE_SIZE, device=device))
     except Exception as exc:  # noqa: BLE001 (any failure of a foreign program is the user's file)
-        hint = f"; {EXPORT_BATCH_HINT} or save it as TorchScript/state dict" if kind == "export" else ""
+        hint = exact_kernel_hint(classifier) if kind == "export" else None
+        if hint is None:
+            hint = f"; {EXPORT_BATCH_HINT} or save it as TorchScript/state dict" if kind == "export" else ""
         raise UserError(f"the model in {path} fails on a 3x3x{IMAGE_SIZE}x{IMAGE_SIZE} input on {device}: "
                         f"{program_problem(exc)}{hint}") from None
     if not isinstance(out, torch.Tensor) or out.ndim != 2:

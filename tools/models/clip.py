@@ -260,6 +260,18 @@ def _create(open_clip, arch: str, pretrained: str | None) -> tuple[nn.Module, st
         raise UserError(f"cannot load the CLIP weights clip:{arch}/{pretrained}: {problem}") from None
 
 
+def check_tokenizer_calls(tokenizer, arch: str) -> None:
+    """Refuse a tokenizer whose code calls a method its Hugging Face tokenizer lacks: open_clip before 3.3 cuts text
+    through transformers' batch_encode_plus, which transformers 5 (the toolkit's floor) removed."""
+    inner = getattr(tokenizer, "tokenizer", None)
+    calls = getattr(getattr(type(tokenizer).__call__, "__code__", None), "co_names", ())
+    if inner is not None and "batch_encode_plus" in calls and not hasattr(inner, "batch_encode_plus"):
+        import transformers  # noqa: PLC0415 (the tokenizer's own library, imported by it already)
+        raise UserError(f"open_clip {_open_clip_version()} cuts the text of {arch} with a Hugging Face tokenizer "
+                        f"through batch_encode_plus, which transformers {transformers.__version__} no longer has; "
+                        f"upgrade open_clip to 3.3 or newer (pip install -U open_clip_torch)")
+
+
 def _open_clip_version() -> str:
     """The installed open_clip_torch's version (its module has no __version__ before 2.25 or so)."""
     return importlib.metadata.version("open_clip_torch")
@@ -379,6 +391,7 @@ def load_clip(spec: str, record: ModelRecord, runtime: Runtime | None = None, pr
     with _quiet(level=logging.WARNING):
         clip_model, weights_file = _create(open_clip, parsed.arch, parsed.pretrained)
         tokenizer = open_clip.get_tokenizer(parsed.arch)
+    check_tokenizer_calls(tokenizer, parsed.arch)
     clip_model.eval()
     if weights_file is None:  # drawn with the seed by the installed torch
         record.setting("open_clip random weights seed", RANDOM_SEED)

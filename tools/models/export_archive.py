@@ -2,7 +2,8 @@
 
 torch's loader is not a data reader. Besides plain tensors, an archive can make it unpickle with any globals
 (weights or constants marked `use_pickle`, opaque and custom objects, the legacy `.pt` members, and example
-inputs, for which torch falls back to full unpickling), load compiled AOTInductor libraries, evaluate shape
+inputs, for which torch falls back to full unpickling; in the older format of torch 2.6, the state dict, constants
+and example inputs, which every torch unpickles with weights_only=False), load compiled AOTInductor libraries, evaluate shape
 expressions with sympy (`eval`), run `guards_code` as Python, and generate Python source from the program's
 names, targets and signatures (the module it builds is that source). So an archive is data only when
 
@@ -17,7 +18,8 @@ names, targets and signatures (the module it builds is that source). So an archi
   toolkit has read it).
 
 The archive is read as each of torch's readers reads it: the members torch's own zip reader (miniz, the format of
-torch >= 2.7) lists and finds by name, and those Python's zipfile lists (torch's fallback to the older format). The
+torch >= 2.7) lists and finds by name, and those Python's zipfile lists (torch 2.6's only reader, and later torch's
+fallback to the older format). The
 two can differ in one file (miniz finds a name in any case; it reads the directory the end record's offset names,
 where zipfile takes the one just before the end record), so each view is checked, and names that differ only in
 case are refused.
@@ -43,7 +45,7 @@ PROGRAM = re.compile(r"models/[^/]+\.json")
 PAYLOAD_CONFIG = re.compile(r"data/(weights|constants)/[^/]+_(weights|constants)_config\.json")
 PICKLE = re.compile(r"data/(weights|constants|sample_inputs)/[^/]+\.pt")  # legacy weights, example inputs
 RAW_PAYLOAD = re.compile(r"data/(weights|constants)/[^/]+")  # bytes a payload config points at, never unpickled
-# members of the older format (torch <= 2.6, and 2.7's fallback), at the top level
+# members of the older format (torch <= 2.6, and later torch's fallback), at the top level
 OLD_PROGRAM = "serialized_exported_program.json"
 OLD_PICKLES = frozenset({"serialized_state_dict.pt", "serialized_state_dict.json", "serialized_constants.pt",
                          "serialized_constants.json", "serialized_example_inputs.pt"})

@@ -76,6 +76,19 @@ class Program(nn.Module):
 
 
 EXPORT_BATCH_HINT = "export it with a dynamic batch dimension (dynamic_shapes with torch.export.Dim)"
+ATTENTION = "aten.scaled_dot_product_attention"
+
+
+def exact_kernel_hint(program: nn.Module) -> str | None:
+    """Why a torch.export program that fails in the exact mode's kernels may fail there, where its graph says: an
+    attention exported by torch 2.6 is laid out as the kernel it was exported with lays it (a `.contiguous()` after
+    it dropped), which the math kernel does not. None where the graph holds no attention."""
+    if not any(str(node.target).startswith(ATTENTION) for sub in program.modules()
+               if isinstance(sub, torch.fx.GraphModule) for node in sub.graph.nodes):
+        return None
+    return ("; a program's attention exported by torch 2.6 is laid out for the fused attention kernel, and the exact "
+            "mode runs the math one: export it under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), or with a "
+            "newer torch")
 
 
 class ExportedModule(Program):
