@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import files_read
+from tests.helpers import files_read, unrecorded_reads
 from tests.test_hub_sources import TIMM_REPO, put_in_cache, save_vit, timm_weights  # noqa: F401 (a fixture)
 from tools.errors import UserError
 from tools.models.record import ModelRecord
@@ -73,6 +73,30 @@ def test_a_folders_identity_is_the_same_wherever_it_lies(tmp_path):
         record.code(transformers.ViTForImageClassification.from_pretrained(tmp_path / name))
         records.append(record.digest)
     assert records[0] == records[1]
+
+
+def test_an_adapter_transformers_puts_on_a_folders_model_is_in_its_identity(tmp_path):
+    """A folder that holds a peft adapter beside its model (adapter_config.json, adapter_model.safetensors):
+    transformers puts the adapter on the model it loads, so the adapter's files and peft are inputs of the model.
+    Two folders of one base with other adapters predict otherwise: other identities, every file read recorded
+    (before, the adapter was read unrecorded and, with the folder's path out of the identity, the second folder
+    was the first one's model)."""
+    peft = pytest.importorskip("peft")
+    base = save_vit(tmp_path / "here", None, seed=4, num_labels=9)
+    shutil.copytree(tmp_path / "here", tmp_path / "other")
+    for name, seed in (("here", 1), ("other", 2)):
+        torch.manual_seed(seed)
+        config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        wrapped = peft.get_peft_model(base, config)
+        wrapped.save_pretrained(tmp_path / name)
+        base = wrapped.unload()
+    loaded = {}
+    for name in ("here", "other"):
+        with files_read() as read:
+            loaded[name] = load_model(f"hf:{tmp_path / name}")
+        assert unrecorded_reads(read, loaded[name].record) == []
+    assert not torch.equal(logits(loaded["here"]), logits(loaded["other"]))
+    assert loaded["here"].identity != loaded["other"].identity
 
 
 @pytest.mark.parametrize("where", ["local", "hub"])

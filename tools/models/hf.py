@@ -31,7 +31,7 @@ from torch import nn
 
 from tools.errors import UserError, error_summary, first_line, option, optional_module
 from tools.in9 import IMAGE_SIZE, NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, Normalization, class_names, class_of_folder
-from tools.models import hub
+from tools.models import adapters, hub
 from tools.models.architectures import recorded_arguments
 from tools.models.boundary import LoadedModel, ModelOrigin, fit_input_size, wrap
 from tools.models.record import ModelRecord
@@ -327,11 +327,12 @@ def _weights_files(folder: Path) -> list[Path]:
 
 
 def _record_inputs(record: ModelRecord, files: list[Path], folder: Path, processor_file: Path | None,
-                   code: list[Path], pixels: dict) -> None:
+                   code: list[Path], adapter: list[Path], pixels: dict) -> None:
     """What the model is made of, into its record: its weights (a sharded checkpoint's index and shards), its config
     (labels, architecture), its processor's config and what that processor does to the pixels (mean/std, channel
     order, input size, resampling), the code it ships (with --trust-remote-code) and the transformers version that
-    read them all, so that a changed config, processor or code is another model."""
+    read them all, so that a changed config, processor or code is another model; the peft adapter transformers put
+    on the model (`_adapter_files`) with peft's version."""
     record.library(_transformers())
     if len(files) == 1:
         record.read_file(files[0], "weights")
@@ -343,7 +344,19 @@ def _record_inputs(record: ModelRecord, files: list[Path], folder: Path, process
         record.read_file(processor_file, PROCESSOR_FILE)
     if code:
         record.read_files(code, "remote code", folder)
+    if adapter:
+        record.library(adapters.peft_module(f"the adapter in {folder}"))
+        record.read_files(adapter, "folder's adapter", folder)
     record.setting("pixels", pixels)
+
+
+def _adapter_files(model: nn.Module, folder: Path) -> list[Path]:
+    """The files of the peft adapter that transformers put on the model it loaded from `folder` (one that holds
+    adapter_config.json beside the model's files): its config and the weights file peft reads."""
+    if not getattr(model, "_hf_peft_config_loaded", False):
+        return []
+    weights = [folder / name for name in adapters.ADAPTER_WEIGHTS if (folder / name).is_file()][:1]
+    return [folder / adapters.ADAPTER_CONFIG, *weights]
 
 
 def remote_code_files(folder: Path, *configs: dict) -> list[Path]:
@@ -386,7 +399,7 @@ def load_transformers(name: str, normalize: Normalization, record: ModelRecord, 
     stats, order, size, mode = _processor_settings(transformers, source, revision, config, processor_file, what,
                                                    trust_remote_code)
     _record_inputs(record, files, folder, processor_file, remote_code_files(folder, config, processor_config),
-                   {"stats": stats, "order": order, "size": size, "resample": mode})
+                   _adapter_files(model, folder), {"stats": stats, "order": order, "size": size, "resample": mode})
     revision = None if local.is_dir() else hub.snapshot_revision(folder / "config.json")
     origin = ModelOrigin(what, revision, str(files[0] if len(files) == 1 else folder),
                          f"transformers {type(model).__name__} ({kind} labels)")
