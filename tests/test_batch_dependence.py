@@ -315,6 +315,21 @@ def test_exported_attention_the_exact_kernels_cannot_run_is_refused_at_load(tmp_
     assert "\n" not in str(refused.value) and "exact" in str(refused.value)
 
 
+def test_an_exported_attention_failing_for_another_reason_is_not_blamed_on_the_kernel(tmp_path):
+    """The exact kernels' hint is given only where the program runs outside them: a ViT exported for 64x64 images
+    fails on the probe's 224x224 input in every kernel, and the line names that failure, not the attention kernel
+    (before, any failure of a program holding attention was said to be torch 2.6's attention layout)."""
+    torch.manual_seed(0)
+    vit = torchvision.models.VisionTransformer(64, 32, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32,
+                                               num_classes=9).eval()
+    with sdpa_kernel([SDPBackend.MATH]):
+        program = torch.export.export(vit, (torch.rand(4, 3, 64, 64),), dynamic_shapes=({0: BATCH},))
+    torch.export.save(program, str(tmp_path / "vit64.pt2"))
+    with pytest.raises(UserError) as refused:
+        load_model(f"file:{tmp_path / 'vit64.pt2'}")
+    assert "sdpa_kernel" not in str(refused.value) and "fails on a 3x3x224x224 input" in str(refused.value)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The scripts
 

@@ -57,14 +57,16 @@ def test_a_sharded_model_in_the_hub_cache_loads(tmp_path, hub_cache):
     assert torch.equal(logits(loaded), logits(whole))
 
 
-def test_a_folders_identity_is_the_same_wherever_it_lies(tmp_path):
-    """An `hf:` folder is recorded by its files' content, not by where it lies: the same folder copied elsewhere is
-    the same model (before, its path was in the record's `arch` setting), another folder's content another."""
+def test_a_folders_identity_is_the_same_wherever_it_lies(tmp_path, hub_cache):
+    """An `hf:` model is recorded by its files' content, not by where they lie or the name they are read by: the
+    same folder copied elsewhere, or in the hub cache under a repository's name, is the same model (before, its
+    path or name was in the record's `arch` setting), another folder's content another."""
     save_vit(tmp_path / "here", None, seed=4, num_labels=9)
     shutil.copytree(tmp_path / "here", tmp_path / "there")
+    put_in_cache(hub_cache, "someone/vit", {p.name: p for p in (tmp_path / "here").iterdir()})
     save_vit(tmp_path / "other", None, seed=5, num_labels=9)
     here, there, other = (load_model(f"hf:{tmp_path / name}") for name in ("here", "there", "other"))
-    assert here.identity == there.identity != other.identity
+    assert here.identity == there.identity == load_model("hf:someone/vit").identity != other.identity
     assert str(tmp_path) not in json.dumps(here.record.settings)
     transformers = pytest.importorskip("transformers")
     records = []

@@ -165,11 +165,12 @@ def _probe_classes(classifier: nn.Module, path: Path, kind: str, device: torch.d
     """The class count, from a forward pass on a batch of 3 on the run's device in the exact mode's kernels, which
     every run's start-up check runs (which also finds programs fixed to one batch size, and programs that cannot
     run there)."""
+    probe = torch.zeros(3, 3, IMAGE_SIZE, IMAGE_SIZE, device=device)
     try:
         with torch.inference_mode(), exact_kernels():
-            out = classifier(torch.zeros(3, 3, IMAGE_SIZE, IMAGE_SIZE, device=device))
+            out = classifier(probe)
     except Exception as exc:  # noqa: BLE001 (any failure of a foreign program is the user's file)
-        hint = exact_kernel_hint(classifier) if kind == "export" else None
+        hint = exact_kernel_hint(classifier) if kind == "export" and _runs(classifier, probe) else None
         if hint is None:
             hint = f"; {EXPORT_BATCH_HINT} or save it as TorchScript/state dict" if kind == "export" else ""
         raise UserError(f"the model in {path} fails on a 3x3x{IMAGE_SIZE}x{IMAGE_SIZE} input on {device}: "
@@ -177,6 +178,16 @@ def _probe_classes(classifier: nn.Module, path: Path, kind: str, device: torch.d
     if not isinstance(out, torch.Tensor) or out.ndim != 2:
         raise UserError(f"the model in {path} does not return a (batch, classes) tensor of logits")
     return int(out.shape[1])
+
+
+def _runs(classifier: nn.Module, probe: torch.Tensor) -> bool:
+    """Whether the classifier runs on `probe` in the kernels torch picks itself (outside the exact mode's)."""
+    try:
+        with torch.inference_mode():
+            classifier(probe)
+    except Exception:  # noqa: BLE001 (a foreign program's failure, whatever it is)
+        return False
+    return True
 
 
 def _architecture(arch: str | None, recorded: str | None, path: Path) -> str:

@@ -181,12 +181,10 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
 
 
 def _recorded_name(spec: ModelSpec) -> str | None:
-    """The model's name as its identity holds it: a local folder it names (`hf:PATH`) as the words "a local
-    folder", whose files are recorded by their content where they are read, so that the same folder anywhere is
-    the same model."""
-    if spec.prefix == HF_PREFIX and Path(spec.body).expanduser().is_dir():
-        return f"{HF_PREFIX}(a local folder)"
-    return spec.model
+    """The model's name as its identity holds it: an `hf:` model's (a local folder or a hub repository) is its
+    files, recorded by their content where they are read, so that the same files anywhere, by any name, are the
+    same model."""
+    return f"{HF_PREFIX}(its files)" if spec.prefix == HF_PREFIX else spec.model
 
 
 def _with_adapter(base: LoadedModel, folder: Path, trust: bool) -> LoadedModel:
