@@ -101,6 +101,26 @@ def test_an_adapter_transformers_puts_on_a_folders_model_is_in_its_identity(tmp_
     assert loaded["here"].identity != loaded["other"].identity
 
 
+@pytest.mark.parametrize("craft", ["prompt tuning", "linked out"])
+def test_an_adapter_in_a_folder_is_checked_as_an_adapter_folder_is(craft, tmp_path):
+    """The adapter transformers would put on a folder's model is held to the rules of an adapter folder given with
+    @file: (its type LoRA or OFT, its files inside the folder), before transformers or peft read it: a prompt
+    tuning config names a tokenizer that peft would load from anywhere."""
+    pytest.importorskip("peft")
+    save_vit(tmp_path / "vit", None, seed=4, num_labels=9)
+    config = {"peft_type": "PROMPT_TUNING", "task_type": "SEQ_CLS", "num_virtual_tokens": 2,
+              "tokenizer_name_or_path": str(tmp_path / "elsewhere")}
+    if craft == "linked out":
+        (tmp_path / "elsewhere.json").write_text(json.dumps({"peft_type": "LORA", "r": 2,
+                                                             "target_modules": ["query"]}))
+        (tmp_path / "vit" / "adapter_config.json").symlink_to(tmp_path / "elsewhere.json")
+    else:
+        (tmp_path / "vit" / "adapter_config.json").write_text(json.dumps(config))
+    (tmp_path / "vit" / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError, match="LoRA and OFT" if craft == "prompt tuning" else "outside the adapter"):
+        load_model(f"hf:{tmp_path / 'vit'}")
+
+
 @pytest.mark.parametrize("where", ["local", "hub"])
 def test_a_weight_map_naming_a_file_outside_the_folder_is_refused(where, tmp_path, hub_cache):
     save_vit(tmp_path / "vit", None, seed=4, num_labels=9)

@@ -139,6 +139,17 @@ def _read_adapter_weights(folder: Path, trust: bool) -> tuple[dict, Path]:
                     f"folder complete?")
 
 
+def check_adapter_files(folder: Path) -> None:
+    """One line refusing an adapter whose files lie outside its folder (through links; a Hugging Face cache
+    snapshot's: outside its repository) or whose config is not one the toolkit merges (`check_adapter_config`):
+    before peft, or transformers putting a folder's adapter on its model, reads them."""
+    for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS):
+        if (folder / name).exists() and not (folder / name).resolve().is_relative_to(hub.files_root(folder)):
+            raise UserError(f"{folder / name} links to {(folder / name).resolve()}, a file outside the adapter's "
+                            f"folder; the files of an adapter are files of its folder: copy it there")
+    check_adapter_config(folder)
+
+
 def check_adapter_config(folder: Path) -> None:
     """One line refusing an adapter folder whose config is of a type the toolkit does not merge, or has peft import or
     load anything it names (`ADAPTER_TYPES`, `LOADING_SETTINGS`); read as JSON, before peft reads it."""
@@ -165,12 +176,8 @@ def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool, recor
     `record` by their content, with peft's version."""
     peft = peft_module(f"the adapter folder {folder}")
     record.library(peft)
-    for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS):  # before anything reads them
-        if (folder / name).exists() and not (folder / name).resolve().is_relative_to(hub.files_root(folder)):
-            raise UserError(f"{folder / name} links to {(folder / name).resolve()}, a file outside the adapter's "
-                            f"folder; the files of an adapter are files of its folder: copy it there")
+    check_adapter_files(folder)
     record.read_file(folder / ADAPTER_CONFIG, "adapter config")
-    check_adapter_config(folder)
     try:
         config = peft.PeftConfig.from_pretrained(str(folder))
     except Exception as exc:  # noqa: BLE001 (a config another peft wrote, or a damaged file)

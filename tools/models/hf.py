@@ -380,6 +380,8 @@ def load_transformers(name: str, normalize: Normalization, record: ModelRecord, 
     kind = check_labels(_id2label(config, what), what)
     folder = local if local.is_dir() else hub.cached_file(name, ["config.json"]).parent
     files = _weights_files(folder)  # checked before transformers reads them
+    if (folder / adapters.ADAPTER_CONFIG).exists():  # transformers would put the adapter on the model
+        adapters.check_adapter_files(folder)
     processor_file = _processor_file(transformers, source, revision)
     processor_config = _json(processor_file) if processor_file is not None else {}
     check_remote_code(processor_config, f"{what}'s image processor", trust_remote_code)
