@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import types
@@ -136,6 +137,12 @@ sys.meta_path.insert(0, CtrlC())
 """
 
 
+def ctrl_c_reaches_it() -> None:
+    """In the command's process: Ctrl-C as a terminal delivers it, whatever the suite inherited (a shell runs a
+    command it puts in the background with SIGINT ignored, and an ignored signal stays ignored across exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_a_command_loads_is_one_line_and_exit_130(make_cli, tmp_path):
     """Every console script (a wrapper as pip writes it, importing the command's module and calling its main), every
@@ -152,7 +159,7 @@ def test_ctrl_c_while_a_command_loads_is_one_line_and_exit_130(make_cli, tmp_pat
                    "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     for command in commands:
         proc = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                              env=environment)
+                              env=environment, preexec_fn=ctrl_c_reaches_it)
         assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "interrupted: rerun the same command\n"), \
             (command, proc.stderr[-2000:])
 
