@@ -111,3 +111,25 @@ def test_a_mistyped_model_source_names_the_closest(dataset, capsys, tmp_path):
     out, err = capsys.readouterr()
     line = check_error(code, out, err)
     assert "unknown model source 'tim:'" in line and "did you mean timm:?" in line, line
+
+
+@pytest.mark.parametrize("ending", ["error", "interrupted"])
+def test_what_a_command_cached_is_said_before_its_last_line(ending, tmp_path, capsys):
+    """A command that wrote into the cache and then fails (or is interrupted) says where and how much it cached,
+    and then its error (or how to go on) as its last line (before, the cache's line came after the error)."""
+    from tools import cli  # noqa: PLC0415
+    from tools.data import store  # noqa: PLC0415
+    from tools.errors import UserError  # noqa: PLC0415
+
+    def main(args):
+        store._written[("decoded data", tmp_path)] = 4096  # as a pack writer counts what it wrote
+        if ending == "error":
+            raise UserError("the model failed")
+        raise KeyboardInterrupt
+
+    parser = cli.ArgumentParser(prog="command")
+    code = cli.run_main(parser, main, [], on_interrupt="rerun the same command")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == (2 if ending == "error" else 130)
+    assert "decoded data cached: 4.0K" in lines[-2], lines
+    assert lines[-1] == ("error: the model failed" if ending == "error" else "interrupted: rerun the same command")

@@ -291,6 +291,7 @@ def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
             raise
         if getattr(error, "stdout", None):  # what the command had computed before the error: printed all the same
             print("\n".join(error.stdout))
+        _say_cache_written()  # before the error line, which ends the output
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt as exc:
@@ -298,15 +299,22 @@ def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
             on_interrupt = (f"progress so far is saved under {args.output_dir}; rerun with --resume to continue"
                             if getattr(args, "output_dir", None) is not None else "rerun the same command")
         terminated = isinstance(exc, Terminated)
+        _say_cache_written()
         print(f"{'terminated' if terminated else 'interrupted'}: {on_interrupt}", file=sys.stderr)
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     finally:
-        written = _cache_written()
-        if written is not None:
-            log.info("%s", written)
+        _say_cache_written()
         distributed = sys.modules.get("tools.distributed")  # loaded (with torch) only by commands that use it
         if distributed is not None:
             distributed.cleanup()
+
+
+def _say_cache_written() -> None:
+    """Log what the command wrote into the cache (`_cache_written`), once: at its end, or before its last line (an
+    error, an interruption)."""
+    written = _cache_written()
+    if written is not None:
+        log.info("%s", written)
 
 
 def _cache_written() -> str | None:
