@@ -229,7 +229,7 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
                 if member.compress_type != zipfile.ZIP_STORED:
                     raise ValueError(f"{member.filename} is compressed, which no archive of the toolkit is")
                 with archive.zip.open(member) as data:
-                    _check_npy_header(data, member.file_size)
+                    npy_header(data, member.file_size)
             return {name: archive[name] for name in archive.files}
 
 
@@ -242,16 +242,17 @@ def read_npy(source: Path | bytes, mmap: bool = False) -> np.ndarray:
 
     with (io.BytesIO(source) if isinstance(source, bytes) else open_regular(source)) as fh:
         size = len(source) if isinstance(source, bytes) else os.fstat(fh.fileno()).st_size
-        _check_npy_header(fh, size)
+        npy_header(fh, size)
         if mmap:
             return np.load(source, mmap_mode="r", allow_pickle=False)
         fh.seek(0)
         return np.load(fh, allow_pickle=False)
 
 
-def _check_npy_header(fh: IO[bytes], size: int) -> None:
+def npy_header(fh: IO[bytes], size: int) -> tuple[tuple[int, ...], bool, np.dtype]:
     """Read the .npy header at `fh`'s start (its magic, version 1 or 2, as np.save writes), refusing an .npz archive
-    (a zip), Python objects and an array larger than the `size` bytes the file holds."""
+    (a zip), Python objects and an array larger than the `size` bytes the file holds: (shape, Fortran order, dtype),
+    `fh` left at the array's first byte."""
     if fh.read(2) == b"PK":
         raise ValueError("an .npz archive (a zip of arrays), not one .npy array")
     fh.seek(0)
@@ -259,11 +260,12 @@ def _check_npy_header(fh: IO[bytes], size: int) -> None:
     readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
     if version not in readers:
         raise ValueError(f".npy format {version}, which the toolkit does not read")
-    shape, _, dtype = readers[version](fh)
+    shape, fortran, dtype = readers[version](fh)
     if dtype.hasobject:
         raise ValueError("an array of Python objects")
     if math.prod(shape) * dtype.itemsize > size - fh.tell():
         raise ValueError(f"its header claims an array of shape {shape} ({dtype}), more than its {size} bytes")
+    return shape, fortran, dtype
 
 
 _KINDS = {"b": "booleans", "iu": "integers", "biu": "integers", "f": "floats", "fiu": "numbers"}

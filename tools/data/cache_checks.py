@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from tools.data.hashing import open_regular
+from tools.provenance import npy_header
 from tools.threads import ContextThreadPool, default_workers
 
 ROW_DIGESTS = "rows_sha256.npy"  # in a pack: row i's SHA-256, (rows, 32) uint8
@@ -74,13 +75,7 @@ def map_rows(path: Path) -> np.ndarray:
     """The array of the .npy file `path`, mapped read-only from the regular file opened (`open_regular`), so that
     what is mapped is what was checked."""
     with open_regular(path) as fh:
-        version = np.lib.format.read_magic(fh)
-        readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-        if version not in readers:
-            raise ValueError(f".npy format {version}, which a pack is not written in")
-        shape, fortran, dtype = readers[version](fh)
-        if dtype.hasobject:
-            raise ValueError("an array of Python objects")
+        shape, fortran, dtype = npy_header(fh, os.fstat(fh.fileno()).st_size)
         return np.memmap(fh, dtype=dtype, mode="r", offset=fh.tell(), shape=shape, order="F" if fortran else "C")
 
 
