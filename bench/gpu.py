@@ -168,7 +168,8 @@ def in9_speed(args, precision: str) -> dict:
     from tools.data import image_sets  # noqa: PLC0415
     from tools.data.store import DecodedCache  # noqa: PLC0415
     from tools.in9 import VARIATIONS  # noqa: PLC0415
-    from tools.in9.evaluate import In9Config, list_in9_files, run_in9  # noqa: PLC0415
+    from tools.in9.evaluate import In9Config, run_in9  # noqa: PLC0415
+    from tools.prepared_run import Request, list_data  # noqa: PLC0415
     loaded, runtime = _loaded(args), _runtime(args, precision)
     model = model_speed(args, precision, False)["images_per_s"]
     seconds = []
@@ -176,13 +177,13 @@ def in9_speed(args, precision: str) -> dict:
         config = In9Config(VARIATIONS, args.batch_size, args.workers, progress=False, cache=DecodedCache(Path(cache)))
         with image_sets.keep_decoded():
             start = time.perf_counter()
-            files = list_in9_files(args.data, VARIATIONS, args.workers)
+            files = list_data(Request(args.data, config, workers=args.workers)).in9
             for _ in range(2):
                 run = run_in9(loaded, runtime, files, config)
                 synchronize(runtime.device)
                 seconds.append(time.perf_counter() - start)
                 start = time.perf_counter()
-        run = run_in9(loaded, runtime, list_in9_files(args.data, VARIATIONS, args.workers), config)
+        run = run_in9(loaded, runtime, list_data(Request(args.data, config, workers=args.workers)).in9, config)
         synchronize(runtime.device)
         seconds.append(time.perf_counter() - start)
     images = sum(result.total for result in run.results.values())
@@ -197,14 +198,15 @@ def in9_speed(args, precision: str) -> dict:
 def challenge_speed(args, full: bool) -> dict:
     import numpy as np  # noqa: PLC0415
 
-    from tools.challenge import ChallengeConfig, Criterion, load_challenge_data, run_challenge  # noqa: PLC0415
+    from tools.challenge import ChallengeConfig, Criterion, run_challenge  # noqa: PLC0415
+    from tools.prepared_run import Request, list_data  # noqa: PLC0415
     precision = "fp32" if args.small else "bf16"
     loaded, runtime = _loaded(args), _runtime(args, precision)
     model = model_speed(args, precision, False)["images_per_s"]
     with tempfile.TemporaryDirectory() as out:
         config = ChallengeConfig(batch_size=args.batch_size, progress=False, criterion=Criterion.ANY, full=full)
         start = time.perf_counter()  # the data decoded and the backgrounds predicted too
-        data = load_challenge_data(args.data, args.workers, progress=False)
+        data = list_data(Request(args.data, challenge=config, workers=args.workers, progress=False)).challenge()
         if full and args.full_foregrounds < len(data.foregrounds):
             data = data.foreground_subset(np.linspace(0, len(data.foregrounds) - 1, args.full_foregrounds).astype(int))
         result = run_challenge(loaded, runtime, data, config, output_dir=Path(out), workers=args.workers)

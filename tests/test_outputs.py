@@ -24,13 +24,11 @@ import challenge_eval
 import in9_eval
 import train
 from tests.helpers import run_in_process, save_torchscript
-from tools import challenge, merge, zoo
+from tools import challenge, merge, prepared_run, zoo
 from tools.challenge import ChallengeConfig, run_challenge
-from tools.challenge import cli as challenge_command
 from tools.data import cli as data_cli
 from tools.data import store, synthetic
 from tools.in9 import VARIATIONS
-from tools.in9 import cli as in9_command
 from tools.in9.evaluate import In9Config, run_in9
 from tools.models.sources import load_model
 from tools.results import analysis, leaderboard, report
@@ -172,14 +170,14 @@ def test_a_late_write_failure_keeps_the_other_outputs(lost, dataset, color_ts, t
     the failure is one line naming the lost file and how to go on."""
     outputs = {"per-foreground csv": tmp_path / "tables" / "per_fg.csv",
                "results file": tmp_path / "results" / "challenge.json"}
-    real = challenge_command.run_challenge
+    real = prepared_run.run_challenge
 
     def run_then_block(*args, **kwargs):
         result = real(*args, **kwargs)
         outputs[lost].parent.write_text("the folder is gone")
         return result
 
-    monkeypatch.setattr(challenge_command, "run_challenge", run_then_block)
+    monkeypatch.setattr(prepared_run, "run_challenge", run_then_block)
     argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--trust-checkpoint", "--device",
             "cpu", "--no-progress",
             "--no-cache", "--workers", "1", "--output-dir", str(tmp_path / "out"), "--per-foreground-csv",
@@ -200,14 +198,14 @@ def test_a_late_write_failure_keeps_the_other_outputs(lost, dataset, color_ts, t
 def test_in9_accuracies_are_printed_when_the_results_file_cannot_be_written(dataset, color_ts, tmp_path, capsys,
                                                                            monkeypatch, one_thread):
     results = tmp_path / "results" / "in9.json"
-    real = in9_command.run_in9
+    real = prepared_run.run_in9
 
     def run_then_block(*args, **kwargs):
         run = real(*args, **kwargs)
         results.parent.write_text("the folder is gone")
         return run
 
-    monkeypatch.setattr(in9_command, "run_in9", run_then_block)
+    monkeypatch.setattr(prepared_run, "run_in9", run_then_block)
     argv = ["--data-path", str(dataset.root), "--checkpoint", str(color_ts[9]), "--trust-checkpoint", "--device",
             "cpu", "--no-progress",
             "--workers", "1", "--results-file", str(results), "--log-level", "WARNING", "--output-dir",

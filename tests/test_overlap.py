@@ -113,9 +113,7 @@ def test_the_data_side_finds_its_imports_made_before_it_starts(monkeypatch):
 @pytest.mark.slow
 def test_both_commands_import_the_decoders_before_the_data_thread(script, dataset, checkpoint, tmp_path, monkeypatch,
                                                                    capsys, one_thread):
-    import tools.challenge.cli  # noqa: PLC0415
-    import tools.in9.cli  # noqa: PLC0415
-    from tools import threads  # noqa: PLC0415
+    from tools import prepared_run, threads  # noqa: PLC0415
     from tools.data import decoders  # noqa: PLC0415
     asked = []
 
@@ -123,7 +121,7 @@ def test_both_commands_import_the_decoders_before_the_data_thread(script, datase
         asked.append(tuple(imports))
         return threads.alongside(data, model, imports)
 
-    monkeypatch.setattr(tools.in9.cli if script == "in9" else tools.challenge.cli, "alongside", alongside)
+    monkeypatch.setattr(prepared_run, "alongside", alongside)
     main, argv = command(script, dataset.root, checkpoint, tmp_path)
     code, _, err = run_in_process(main, argv, capsys)
     assert code == 0, err

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tools import distributed
-from tools.challenge import ChallengeConfig, list_challenge_files, load_challenge_data, run_challenge
+from tools.challenge import ChallengeConfig
 from tools.cli import MAX_SEED, MAX_WORKERS
 from tools.data import cache_admin
 from tools.data.compositing import MaskArithmetic
@@ -35,17 +35,18 @@ from tools.data.layout import check_data_root
 from tools.data.store import DecodedCache, default_cache_dir
 from tools.errors import UserError, Word, first_line, spoken_as
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, SUPPORTED_CLASS_COUNTS, VARIATIONS, Normalization
-from tools.in9.evaluate import In9Config, bg_gap, list_in9_files, run_in9
+from tools.in9.evaluate import In9Config, bg_gap
 from tools.models.adapters import LoraScaling
 from tools.models.boundary import LoadedModel, ModelOrigin, state_sha256, wrap
 from tools.models.checkpoints import check_class_count
-from tools.models.device_check import check_run, first_images
 from tools.models.programs import ExportedModule, check_any_batch, exported_module, graph_devices
 from tools.models.record import ModelRecord
 from tools.models.sources import load_model
+from tools.prepared_run import Request, list_data, prepare
 from tools.provenance import check_outputs
 from tools.results.publish import publish_challenge, publish_in9
 from tools.runtime import Precision, Runtime, math_flags_kept, resolve_device, seed_everything
+from tools.threads import default_workers
 
 log = logging.getLogger(__name__)
 
@@ -150,39 +151,33 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         raise UserError(f"seed must be from 0 to {MAX_SEED}, not {seed}")
     decoded_cache = DecodedCache(Path(cache_dir) if cache_dir is not None else default_cache_dir(), shared_cache) \
         if cache else None
-    in9_config = In9Config(tuple(_variations(variations)), batch_size, progress=progress and group.is_main,
-                           cache=decoded_cache, **({} if workers is None else {"workers": workers}))
-    challenge_config = ChallengeConfig(full=full, batch_size=batch_size, progress=in9_config.progress,
-                                       mask_arithmetic=arithmetic)
-    # every cheap input is checked before any model is built or moved
+    workers = default_workers() if workers is None else workers
+    progress = progress and group.is_main
+    request = Request(data_path, In9Config(tuple(_variations(variations)), batch_size, workers, progress,
+                                           cache=decoded_cache),
+                      ChallengeConfig(full=full, batch_size=batch_size, progress=progress,
+                                      mask_arithmetic=arithmetic) if challenge else None,
+                      workers, decoded_cache, progress, allow_inexact_device)
     cache_admin.written_line()  # what was cached before the call is not this call's to say
-    in9_files = list_in9_files(data_path, in9_config.variations, in9_config.workers)
-    challenge_files = list_challenge_files(data_path, in9_config.workers) if challenge else None
+    data = list_data(request)  # every cheap input is checked before any model is built or moved
     with _state_kept(model), math_flags_kept():
         runtime = Runtime(group.device(resolve_device(None if device is None else str(device))), precision,
                           channels_last, group=group)
         seed_everything(seed)
         lora = LoraScaling(lora_alpha, lora_rslora, LORA_KEYWORDS)
-        loaded = _loaded(model, mean, std, num_classes, weights, trust_checkpoint, lora, runtime, in9_config.progress,
-                         checkpoint_key, trust_remote_code, decoded_cache)
-        first = first_images(in9_files.root, [r.relpath for r in in9_files.listings[in9_config.variations[0]]],
-                             in9_config.workers)
-        in9_check = check_run(loaded, runtime, first, allow_inexact_device, batch_size)
-        in9 = run_in9(loaded, runtime, in9_files, in9_config, output_dir=output_dir, resume=resume,
-                      device_check=in9_check)
-        found = None
-        if challenge_files is not None:
-            data = load_challenge_data(challenge_files, in9_config.workers, decoded_cache, challenge_config.progress,
-                                       challenge_config.mask_arithmetic)
-            # one float64 reference a call: it costs (see check_run)
-            found = run_challenge(loaded, runtime, data, challenge_config, output_dir, resume, device_check=in9_check)
+        prepared = prepare(request, runtime, lambda: _loaded(model, mean, std, num_classes, weights, trust_checkpoint,
+                                                             lora, runtime, progress, checkpoint_key,
+                                                             trust_remote_code, decoded_cache), data)
+        in9 = prepared.in9(output_dir, resume)
+        found = prepared.challenge(output_dir, resume) if challenge else None
     files = {}
     if output_dir is not None and group.is_main:  # as the scripts: rank 0 writes what one process would
         files["in9"] = output_dir / IN9_RESULTS_FILE
         publish_in9(in9, results_file=files["in9"])
         if found is not None:
             files["challenge"] = output_dir / CHALLENGE_RESULTS_FILE
-            publish_challenge(found, output_dir, data_path, loaded.num_classes, results_file=files["challenge"])
+            publish_challenge(found, output_dir, data_path, prepared.model.num_classes,
+                              results_file=files["challenge"])
     written = cache_admin.written_line()  # where and how much this call cached, as the commands say it
     if written is not None:
         log.info("%s", written)

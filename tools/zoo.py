@@ -32,21 +32,21 @@ from pathlib import Path
 import numpy as np
 
 from tools import __version__, cli, distributed, options
-from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, flags, list_challenge_files, run_challenge
+from tools.challenge import STATE_NAME, ChallengeConfig, flags
 from tools.data import image_sets
 from tools.data.hashing import sha256_file
 from tools.data.store import DecodedCache
 from tools.errors import UserError
 from tools.in9 import VARIATIONS
-from tools.in9.evaluate import In9Config, In9Files, list_in9_files, run_in9
+from tools.in9.evaluate import In9Config
 from tools.models import hub
 from tools.models.boundary import LoadedModel
-from tools.models.device_check import check_run, first_images, verified
+from tools.models.device_check import verified
 from tools.models.record import ModelRecord, installed_version
 from tools.models.sources import load_model
 from tools.models.spec import ModelSpec
+from tools.prepared_run import EvaluationData, Request, list_data, prepare
 from tools.provenance import check_outputs, read_json, write_json_atomic
-from tools.provenance import decoder as decoder_build
 from tools.results.leaderboard import MARKDOWN_FILE, MODELS_FOLDER, build_leaderboard
 from tools.runtime import Runtime
 
@@ -110,6 +110,12 @@ class ZooSettings:
     trust_remote_code: bool = False
     allow_inexact_device: bool = False  # run a model on even when the start-up device check finds it inexact
 
+    def request(self, progress: bool) -> Request:
+        """Both runs of every model: in9's `all` and the challenge."""
+        return Request(self.data_path, In9Config(VARIATIONS, self.batch_size, self.workers, progress,
+                                                 self.challenge.recheck_margin, self.cache),
+                       self.challenge, self.workers, self.cache, progress, self.allow_inexact_device)
+
     def fingerprint(self, runtime: Runtime) -> dict:
         """The settings that change a model's numbers (the batch size too: another batch shape may change the last
         bits) and the toolkit's version; with the data's and the weights' hashes, a result's identity. Where the
@@ -122,29 +128,7 @@ class ZooSettings:
                 "batch_size": runtime.batch_size(self.batch_size), "toolkit": __version__}
 
 
-@dataclass
-class ZooData:
-    """What every model reads, listed, checked and hashed once: the in9 run's images and the challenge's."""
-
-    in9: In9Files
-    challenge: ChallengeFiles
-    check_images: object = None  # the device check's images (in9's first), decoded for the first model that runs
-
-    @property
-    def sha256(self) -> dict:
-        return {"in9": self.in9.fingerprint["sha256"], "challenge": self.challenge.fingerprint["sha256"]}
-
-    @property
-    def decoders(self) -> dict:
-        """Who decodes each run's JPEGs, with which libjpeg (`tools.provenance.decoder`)."""
-        return {"in9": decoder_build(self.in9.decoder.value), "challenge": decoder_build(self.challenge.decoder.value)}
-
-
-def list_zoo_data(root: Path, workers: int) -> ZooData:
-    return ZooData(list_in9_files(root, list(VARIATIONS), workers), list_challenge_files(root, workers))
-
-
-def identity(data: ZooData, model_identity: str | None, settings: dict) -> dict:
+def identity(data: EvaluationData, model_identity: str | None, settings: dict) -> dict:
     """What a result (and its runs' saved state) is of: the data's content, the model (its record's digest), the
     settings."""
     return {"data_sha256": data.sha256, "model": model_identity, "settings": settings}
@@ -203,7 +187,7 @@ def recorded_model_unchanged(payload: dict) -> bool | None:
     return all(installed_version(name) == version for name, version in described.get("libraries", {}).items())
 
 
-def reusable_result(path: Path, spec: ModelSpec, data: ZooData, settings: dict, trust: bool = False,
+def reusable_result(path: Path, spec: ModelSpec, data: EvaluationData, settings: dict, trust: bool = False,
                     runtime: Runtime | None = None, progress: bool = False, trust_remote_code: bool = False,
                     cache: DecodedCache | None = None) -> tuple[dict | None, LoadedModel | None]:
     """(the results file's contents if they are of this data, this model and these settings, else None; the
@@ -250,31 +234,24 @@ def set_aside_other_state(state_dir: Path, wanted: dict) -> None:
     write_json_atomic(record, wanted)
 
 
-def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, runtime: Runtime, data: ZooData,
-                   output_dir: Path, progress: bool = True) -> dict:
+def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, runtime: Runtime,
+                   data: EvaluationData, output_dir: Path) -> dict:
     """Both runs for one model (each resuming from OUTPUT/runs/<name>/), as the results file's contents.
 
     Under torchrun, the processes leave each run together when one of them fails (`distributed.agree`)."""
     state_dir = Path(output_dir) / RUNS_FOLDER / spec.slug
     # the scripts' start-up device check; refused, it fails this model alone (one line, `run_zoo`)
-    if data.check_images is None:
-        data.check_images = first_images(data.in9.root, [r.relpath for r in data.in9.listings[VARIATIONS[0]]],
-                                         settings.workers)
-    device_check = check_run(loaded, runtime, data.check_images, settings.allow_inexact_device, settings.batch_size)
+    prepared = prepare(data.request, runtime, lambda: loaded, data)
     with distributed.agree(runtime.group, runtime.device):
         if runtime.group.is_main:  # the state of the runs of another model, settings, arithmetic (the device model,
             # torch's version), decoder or device check's verdict aside: what their saved states are keyed by
             set_aside_other_state(state_dir, {**identity(data, loaded.identity, settings.fingerprint(runtime)),
                                               "arithmetic": runtime.arithmetic(), "decoders": data.decoders,
-                                              "verified": verified(device_check)})
+                                              "verified": verified(prepared.device_check)})
     with distributed.agree(runtime.group, runtime.device):
-        in9 = run_in9(loaded, runtime, data.in9, In9Config(VARIATIONS, settings.batch_size, settings.workers, progress,
-                                                         settings.challenge.recheck_margin, settings.cache),
-                      output_dir=state_dir, resume=True, device_check=device_check)
+        in9 = prepared.in9(state_dir, resume=True)
     with distributed.agree(runtime.group, runtime.device):
-        challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,
-                                  (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache,
-                                  device_check=device_check)
+        challenge = prepared.challenge(state_dir, (state_dir / STATE_NAME).is_file())
     weights = loaded.weights or (Path(loaded.source).name if loaded.source else None)
     # the path as loaded, links kept: a hub cache's snapshots/REV/FILE is a link into blobs/, and only the snapshot
     # path says which revision was loaded (a moved refs/main loads another)
@@ -294,7 +271,7 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
     every process reaches each decision with the others: which models to skip, and that a model failed."""
     device = runtime.device
     with distributed.agree(runtime.group, device):
-        data = list_zoo_data(settings.data_path, settings.workers)
+        data = list_data(settings.request(progress))  # listed once; decoded for the first model, held for the rest
     fingerprint = settings.fingerprint(runtime)
     outcomes = []
     with image_sets.keep_decoded():  # every model reads the same data: decoded for the first, kept for the rest
@@ -312,7 +289,7 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
                 with distributed.agree(runtime.group, device):
                     loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code,
                                             settings.cache)
-                payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir, progress)
+                payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir)
                 with distributed.agree(runtime.group, device):
                     if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes
                         write_json_atomic(path, payload)

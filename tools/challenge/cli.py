@@ -9,14 +9,12 @@ import argparse
 from pathlib import Path
 
 from tools import cli, options
-from tools.challenge import check_challenge_files, flags, list_challenge_files, load_challenge_data, run_challenge
-from tools.data import decoders
+from tools.challenge import flags
 from tools.errors import UserError
-from tools.models.device_check import check_run
+from tools.prepared_run import Request, prepare
 from tools.results.analysis import DEFAULT_TOP_K
 from tools.results.publish import publish_challenge
 from tools.shards import write_challenge_shard
-from tools.threads import alongside
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,26 +52,21 @@ def _main(args: argparse.Namespace) -> int:
     checked = options.check_arguments(args)
     runtime = options.runtime_from_args(args, compile=args.compile)
     options.preload_model_libraries(args.arch, args.checkpoint)  # imports while the data is checked
-    config = flags.challenge_config_from_args(args, checked.progress, full=args.full)
-    check_challenge_files(checked.data_path)  # every check of the folders before any model is built
-    # the data listed, hashed and decoded (or read from the cache) in the background while the model is built
-    data, loaded = alongside(
-        lambda: load_challenge_data(list_challenge_files(checked.data_path, args.workers), args.workers,
-                                    flags.cache_from_args(args), config.progress, config.mask_arithmetic),
-        lambda: options.model_from_args(args, runtime, checked.progress), imports=decoders.LAZY_IMPORTS)
-    # on the first backgrounds
-    device_check = check_run(loaded, runtime, data.bg_images, args.allow_inexact_device, config.batch_size)
-    result = run_challenge(loaded, runtime, data, config, args.output_dir, args.resume, shard=args.shard,
-                           device_check=device_check)
+    cache = flags.cache_from_args(args)
+    request = Request(checked.data_path, challenge=flags.challenge_config_from_args(args, checked.progress, args.full),
+                      workers=args.workers, cache=cache, progress=checked.progress,
+                      allow_inexact_device=args.allow_inexact_device)
+    prepared = prepare(request, runtime, lambda: options.model_from_args(args, runtime, checked.progress))
+    result = prepared.challenge(args.output_dir, args.resume, args.shard)
+    num_classes = prepared.model.num_classes
     if args.shard is not None:
-        path = write_challenge_shard(args.output_dir, args.shard, result, data, checked.data_path, loaded.num_classes)
+        path = write_challenge_shard(args.output_dir, args.shard, result, prepared.data.challenge(),
+                                     checked.data_path, num_classes)
         print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")
-        return 0
-    if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
-        return 0
-    print("\n".join(publish_challenge(result, args.output_dir, checked.data_path, loaded.num_classes, args.analysis,
-                                      args.top_k, args.per_foreground_csv, args.results_file, args.report,
-                                      html=args.html)))
+    elif runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
+        print("\n".join(publish_challenge(result, args.output_dir, checked.data_path, num_classes, args.analysis,
+                                          args.top_k, args.per_foreground_csv, args.results_file, args.report,
+                                          html=args.html)))
     return 0
 
 

@@ -6,16 +6,12 @@ import argparse
 from pathlib import Path
 
 from tools import cli, options
-from tools.data import decoders
-from tools.data.check import quick_check
 from tools.in9 import VARIATIONS
-from tools.in9.evaluate import In9Config, list_in9_files, run_in9
-from tools.models.device_check import check_run, first_images
+from tools.in9.evaluate import In9Config
 from tools.results.categories import CATEGORY_VARIATIONS
 from tools.results.publish import publish_in9
 from tools.runtime import RECHECK_MARGIN
 from tools.shards import write_in9_shard
-from tools.threads import alongside
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from tools.prepared_run import Request, prepare  # noqa: PLC0415 (with the challenge's engine: not for -h)
+
     options.check_output_arguments(args)
     checked = options.check_arguments(args)
     runtime = options.runtime_from_args(args)
@@ -48,27 +46,18 @@ def _main(args: argparse.Namespace) -> int:
     names = list(VARIATIONS if args.eval_dataset == "all" else (args.eval_dataset,))
     if args.categories:
         names += [v for v in CATEGORY_VARIATIONS.values() if v not in names]
-    config = In9Config(tuple(names), args.batch_size, args.workers, checked.progress, args.recheck_margin,
-                       options.cache_from_args(args))
-    quick_check(checked.data_path, names)  # every check of the folders before any model is built
-
-    def data():  # listed, hashed and the device check's images decoded in the background while the model is built
-        files = list_in9_files(checked.data_path, names, args.workers)
-        return files, first_images(files.root, [r.relpath for r in files.listings[names[0]]], args.workers)
-
-    (files, first), loaded = alongside(data, lambda: options.model_from_args(args, runtime, checked.progress),
-                                       imports=decoders.LAZY_IMPORTS)
-    device_check = check_run(loaded, runtime, first, args.allow_inexact_device, args.batch_size)
-    run = run_in9(loaded, runtime, files, config, output_dir=args.output_dir, resume=args.resume, shard=args.shard,
-                  device_check=device_check)
+    cache = options.cache_from_args(args)
+    request = Request(checked.data_path, In9Config(tuple(names), args.batch_size, args.workers, checked.progress,
+                                                   args.recheck_margin, cache),
+                      workers=args.workers, cache=cache, progress=checked.progress,
+                      allow_inexact_device=args.allow_inexact_device)
+    prepared = prepare(request, runtime, lambda: options.model_from_args(args, runtime, checked.progress))
+    run = prepared.in9(args.output_dir, args.resume, args.shard)
     if args.shard is not None:
         path = write_in9_shard(args.output_dir, args.shard, run)
         print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")
-        return 0
-    if not runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
-        return 0
-    print("\n".join(publish_in9(run, args.categories, args.results_file, args.report,
-                                 html=args.html)))
+    elif runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
+        print("\n".join(publish_in9(run, args.categories, args.results_file, args.report, html=args.html)))
     return 0
 
 

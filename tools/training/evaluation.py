@@ -5,17 +5,17 @@ training curves)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
-from tools.challenge import ChallengeConfig, check_challenge_files, run_challenge
-from tools.data.check import quick_check
+from tools.challenge import ChallengeConfig
 from tools.data.layout import check_data_root
 from tools.errors import UserError
 from tools.in9 import VARIATIONS
-from tools.in9.evaluate import In9Config, list_in9_files, run_in9
+from tools.in9.evaluate import In9Config
 from tools.models.boundary import LoadedModel
-from tools.models.device_check import check_run, first_images
 from tools.models.sources import load_model
+from tools.prepared_run import Request, check_folders, prepare
 from tools.provenance import START_EVAL_DIR, TRAINED_EVAL_DIR, write_json_atomic, write_text_atomic
 from tools.results.html import write_html
 from tools.results.markdown import code, escape, markdown_table
@@ -29,34 +29,32 @@ log = logging.getLogger(__name__)
 REPORT_NAME, HTML_REPORT_NAME = "report.md", "report.html"
 
 
+def eval_request(config: TrainConfig) -> Request:
+    """The evaluation scripts' runs on the test data (--eval-data): in9's `all`, and the challenge if asked."""
+    batch, workers = config.eval_batch_size, max(1, config.workers)
+    return Request(config.eval_data, In9Config(VARIATIONS, batch, workers, config.progress),
+                   ChallengeConfig(batch_size=batch, progress=config.progress) if config.eval_challenge else None,
+                   workers, progress=config.progress, allow_inexact_device=config.allow_inexact_device)
+
+
 def check_eval_data(config: TrainConfig) -> None:
     """The test data's folders (--eval-data), checked as the evaluation scripts check theirs: before training, so
     that a run does not end, after hours, on a missing folder."""
-    if config.eval_data is None:
-        return
-    quick_check(check_data_root(config.eval_data, "--eval-data"), VARIATIONS)
-    if config.eval_challenge:
-        check_challenge_files(config.eval_data)
+    if config.eval_data is not None:
+        check_data_root(config.eval_data, "--eval-data")
+        check_folders(eval_request(config))
 
 
-def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir: Path) -> dict:
-    """{'in9': in9 payload, 'challenge': challenge payload or None}, also written as JSON under out_dir; after the
-    scripts' start-up device check, on the in9 run's first images, recorded in both (refused unless
-    --allow-inexact-device, as in the scripts)."""
-    batch = runtime.batch_size(config.eval_batch_size)
-    workers = max(1, config.workers)
-    files = list_in9_files(config.eval_data, VARIATIONS, workers)
-    check = check_run(loaded, runtime, first_images(files.root, [r.relpath for r in files.listings[VARIATIONS[0]]],
-                                                    workers), config.allow_inexact_device, batch)
-    in9_run = run_in9(loaded, runtime, files, In9Config(VARIATIONS, batch, workers, config.progress),
-                      output_dir=out_dir, device_check=check)
-    in9 = in9_run.to_json()
+def evaluate(load: Callable[[], LoadedModel], config: TrainConfig, runtime: Runtime, out_dir: Path) -> dict:
+    """{'in9': in9 payload, 'challenge': challenge payload or None}, also written as JSON under out_dir; through the
+    evaluation scripts' prepared run (`tools.prepared_run`): the start-up device check recorded in both, refused
+    unless --allow-inexact-device."""
+    prepared = prepare(eval_request(config), runtime, load)
+    in9 = prepared.in9(out_dir).to_json()
     write_json_atomic(out_dir / "in9.json", in9)
     challenge = None
     if config.eval_challenge:
-        settings = ChallengeConfig(batch_size=batch, progress=config.progress)
-        found = run_challenge(loaded, runtime, config.eval_data, settings, out_dir, False, workers, device_check=check)
-        challenge = found.to_json()
+        challenge = prepared.challenge(out_dir).to_json()
         write_json_atomic(out_dir / "challenge.json", challenge)
     else:
         forget_results(out_dir, ("challenge.json",))
@@ -100,12 +98,12 @@ def evaluate_and_report(config: TrainConfig, result: TrainResult) -> Path:
     runtime = Runtime(resolve_device(config.device))
     out = Path(config.output_dir)
     # a UserError (a refused device check, an unreadable image) keeps the checkpoint: the command says so
-    trained = evaluate(load_model(checkpoint=result.checkpoint, runtime=runtime), config, runtime,
+    trained = evaluate(lambda: load_model(checkpoint=result.checkpoint, runtime=runtime), config, runtime,
                        out / TRAINED_EVAL_DIR)
     start = None
     if result.start.source is not None:
         try:
-            start = evaluate(result.start.source, config, runtime, out / START_EVAL_DIR)
+            start = evaluate(lambda: result.start.source, config, runtime, out / START_EVAL_DIR)
         except UserError as exc:
             log.warning("the starting point could not be evaluated: %s", exc)
     if start is None:

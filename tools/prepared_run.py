@@ -1,0 +1,149 @@
+"""One prepared run: the order every way into an evaluation follows (in9_eval.py, challenge_eval.py, `benchmark()`,
+the zoo, train.py's evaluation, the GPU bench), decided here once. The data's folders are checked before any model
+is built (a missing folder is said before weights are downloaded); the data is listed, hashed and decoded beside
+the model being built; the start-up device check runs before any image is evaluated; then the runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tools.challenge.config import ChallengeConfig
+from tools.challenge.data import ChallengeData, ChallengeFiles, list_challenge_files, load_challenge_data
+from tools.challenge.result import ChallengeResult
+from tools.challenge.run import run_challenge
+from tools.data import decoders
+from tools.data.check import quick_check
+from tools.data.store import DecodedCache
+from tools.in9 import Variation
+from tools.in9.evaluate import In9Config, In9Files, In9Run, list_in9_files, run_in9
+from tools.models.boundary import LoadedModel
+from tools.models.device_check import CHECK_IMAGES, check_run, first_images
+from tools.provenance import decoder as decoder_build
+from tools.runtime import Runtime
+from tools.shards import Shard
+from tools.threads import alongside, default_workers
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to evaluate and how: the data folder, the in9 run's settings (None: no in9 run) and the challenge's
+    (None: no challenge), how the data is read (threads, the decoded-data cache, progress bars)."""
+
+    data_path: Path
+    in9: In9Config | None = None
+    challenge: ChallengeConfig | None = None
+    workers: int = field(default_factory=default_workers)
+    cache: DecodedCache | None = None
+    progress: bool = True
+    allow_inexact_device: bool = False
+
+    @property
+    def batch_size(self) -> int | None:
+        return (self.in9 or self.challenge).batch_size
+
+
+def check_folders(request: Request) -> None:
+    """The fast check of every folder the runs read (`quick_check`), once, before any model is built."""
+    variations = list(request.in9.variations) if request.in9 is not None else []
+    if request.challenge is not None and Variation.ONLY_BG_T.value not in variations:
+        variations.append(Variation.ONLY_BG_T.value)
+    quick_check(request.data_path, variations, need_masks=request.challenge is not None)
+
+
+class EvaluationData:
+    """What the runs read, listed and hashed once, decoded when first needed and then held for every model that
+    runs on it (the zoo's): the in9 variations' files, the challenge's decoded data, the device check's images."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.in9: In9Files | None = None
+        if request.in9 is not None:
+            self.in9 = list_in9_files(request.data_path, request.in9.variations, request.workers)
+        self._challenge: ChallengeFiles | ChallengeData | None = None
+        if request.challenge is not None:
+            self._challenge = list_challenge_files(request.data_path, request.workers)
+        self._check_images: torch.Tensor | None = None
+
+    def challenge(self) -> ChallengeData:
+        if not isinstance(self._challenge, ChallengeData):
+            self._challenge = load_challenge_data(self._challenge, self.request.workers, self.request.cache,
+                                                  self.request.progress, self.request.challenge.mask_arithmetic)
+        return self._challenge
+
+    def check_images(self) -> torch.Tensor:
+        """The start-up device check's images: the in9 run's first, else the challenge's first backgrounds."""
+        if self._check_images is None:
+            if self.in9 is not None:
+                first = self.in9.listings[self.in9_variations[0]]
+                self._check_images = first_images(self.in9.root, [r.relpath for r in first], self.request.workers)
+            else:
+                self._check_images = self.challenge().bg_images[:CHECK_IMAGES]
+        return self._check_images
+
+    @property
+    def in9_variations(self) -> tuple[str, ...]:
+        return tuple(self.request.in9.variations)
+
+    @property
+    def sha256(self) -> dict:
+        """The content digest of each run's data."""
+        return {"in9": self.in9.fingerprint["sha256"] if self.in9 is not None else None,
+                "challenge": self._challenge.fingerprint["sha256"] if self._challenge is not None else None}
+
+    @property
+    def decoders(self) -> dict:
+        """Who decodes each run's JPEGs, with which libjpeg (`tools.provenance.decoder`)."""
+        return {"in9": decoder_build(self.in9.decoder.value) if self.in9 is not None else None,
+                "challenge": decoder_build(self._challenge.decoder.value) if self._challenge is not None else None}
+
+    def decoded(self) -> EvaluationData:
+        """Everything decoded now (the runs then start at once)."""
+        if self._challenge is not None:
+            self.challenge()
+        self.check_images()
+        return self
+
+
+def list_data(request: Request) -> EvaluationData:
+    """The folders checked, then the data listed and hashed (not decoded)."""
+    check_folders(request)
+    return EvaluationData(request)
+
+
+@dataclass
+class PreparedRun:
+    """A model ready to run on its data: built, on its device, past its start-up device check."""
+
+    request: Request
+    runtime: Runtime
+    model: LoadedModel
+    data: EvaluationData
+    device_check: dict
+
+    def in9(self, output_dir: Path | None = None, resume: bool = False, shard: Shard | None = None) -> In9Run:
+        return run_in9(self.model, self.runtime, self.data.in9, self.request.in9, output_dir=output_dir,
+                       resume=resume, shard=shard, device_check=self.device_check)
+
+    def challenge(self, output_dir: Path | None = None, resume: bool = False,
+                  shard: Shard | None = None) -> ChallengeResult:
+        return run_challenge(self.model, self.runtime, self.data.challenge(), self.request.challenge, output_dir,
+                             resume, shard=shard, device_check=self.device_check)
+
+
+def prepare(request: Request, runtime: Runtime, load_model: Callable[[], LoadedModel],
+            data: EvaluationData | None = None) -> PreparedRun:
+    """The model built (`load_model`) and checked on its device, with its data: `data` listed already (the zoo's,
+    for every model), or else listed, hashed and decoded here in a background thread while the model is built,
+    after the folders' check."""
+    if data is None:
+        check_folders(request)
+        data, model = alongside(lambda: EvaluationData(request).decoded(), load_model, imports=decoders.LAZY_IMPORTS)
+    else:
+        model = load_model()
+    check = check_run(model, runtime, data.check_images(), request.allow_inexact_device, request.batch_size)
+    return PreparedRun(request, runtime, model, data, check)
+
