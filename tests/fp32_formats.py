@@ -1,5 +1,5 @@
 """fp32 on a device against fp64 on the CPU, for every model format: the comparison `tests/test_gpu.py` runs on
-CUDA and `tests/test_math_mode.py` runs on the CPU (so that the check itself is known to work, and to catch a
+CUDA and `tests/test_runtime_precision.py` runs on the CPU (so that the check itself is known to work, and to catch a
 reduced-precision path).
 
 A model is built once with seeded random weights; its fp32 logits on the device, through the toolkit's exact

@@ -11,7 +11,7 @@ import torch
 
 import in9_eval
 from tests.helpers import run_in_process, run_train
-from tests.test_hub_sources import images, own_logits, put_in_cache, seeded
+from tests.test_models_hub import images, own_logits, put_in_cache, seeded
 from tools.models.sources import load_model
 from tools.training.checkpoint import CHECKPOINT_NAME
 

@@ -462,7 +462,7 @@ def test_sigterm_mid_challenge_keeps_the_state_and_resumes(tmp_path, capsys, one
 
 
 # ----------------------------------------------------------------------------------------------------------
-# A cache entry (CLIP's text heads; the packs: test_cache_store.py) leaves no temporary folder behind
+# A cache entry (CLIP's text heads; the packs: test_data_store.py) leaves no temporary folder behind
 
 def _cache(folder: Path) -> store.CacheEntry:
     return store.CacheEntry(folder, "entry", {"fingerprint": "f"}, "CLIP text head")

@@ -128,7 +128,7 @@ FLAGS = {Precision.FP32: EXACT_FLAGS,
 
 @pytest.fixture
 def restore_math_flags():
-    with math_flags_kept():  # every leaf (tests/test_math_mode.py checks that it restores them)
+    with math_flags_kept():  # every leaf (tests/test_runtime_precision.py checks that it restores them)
         yield
 
 

@@ -15,7 +15,7 @@ import torch
 import torchvision
 
 from tests.helpers import run_train
-from tests.test_hub_sources import images, own_logits, seeded
+from tests.test_models_hub import images, own_logits, seeded
 from tools.data.hashing import sha256_file
 from tools.models.architectures import build_with_weights, torchvision_architectures, torchvision_weights_arguments
 from tools.models.boundary import InputResize, network_input

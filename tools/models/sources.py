@@ -81,7 +81,7 @@ class ModelOptions:
 
 
 # What reaches the loader (load_model's parameters, the fields of ModelOptions) but not the model's identity, and
-# why it cannot change the logits; every other input is in the model's record (tests/test_model_identity.py).
+# why it cannot change the logits; every other input is in the model's record (tests/test_models_record.py).
 NOT_IN_IDENTITY = {
     "in9": "a check of the model's class count: it refuses a model, never changes one",
     "trust": "lets a checkpoint unpickle fully: a file that loads either way loads the same objects, and what it "

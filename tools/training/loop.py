@@ -155,7 +155,7 @@ def training_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
 class StepRunner:
     """One training step from a loader batch: the batch onto the device (swapped and augmented there), mixed,
     forward, backward, the optimiser's and the learning rate's steps. It reads nothing back from the device, so
-    the host gathers the next batch while the device works (tests/test_train_launch.py runs it on the meta
+    the host gathers the next batch while the device works (tests/test_training_loop.py runs it on the meta
     device, where any such read fails); the logged numbers are read in blocks (`StepLog`)."""
 
     model: nn.Module  # what runs the forward: the DDP or compiled wrapper where there is one

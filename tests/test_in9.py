@@ -167,7 +167,7 @@ def test_a_fresh_clone_reads_the_reference_beside_the_repository(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("IN9_REFERENCE_DIR", "CI")}
     env.update(PYTHONPATH=str(clone), OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                          "shipped_copies_are_identical", "tests/test_in9_map.py"],
+                          "shipped_copies_are_identical", "tests/test_in9.py"],
                          cwd=clone, env=env, capture_output=True, text=True, timeout=300)
     assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
     assert "in9_classes.txt" in run.stdout.split("short test summary")[-1]

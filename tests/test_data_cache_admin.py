@@ -44,7 +44,7 @@ def write_pack(cache: Path, kind: str, names: list[str], row_shape=(16,)) -> Pat
 
 def unchecked(index: int) -> None:
     """The spot check's reference where these tests look packs up: none (their rows are no files' pixels; the checks
-    a pack passes are tested in test_cache_store.py)."""
+    a pack passes are tested in test_data_store.py)."""
     return None
 
 

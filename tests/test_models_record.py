@@ -2,8 +2,8 @@
 field of the `ModelOptions` a source receives and every model flag of the commands is in the record or declared,
 with its reason, not to change the logits (`tools.models.sources.NOT_IN_IDENTITY`); two keys of one checkpoint
 file are two models, to `--resume` and in the provenance alike. The sources' own inputs (a hub's configs, remote
-code, CLIP's configuration, timm's data config) are tested beside each source: tests/test_hub_sources.py,
-tests/test_hf_inputs.py, tests/test_clip.py, tests/test_adapters_load.py."""
+code, CLIP's configuration, timm's data config) are tested beside each source: tests/test_models_hub.py,
+tests/test_models_hf.py, tests/test_models_clip.py, tests/test_models_adapters.py."""
 
 from __future__ import annotations
 

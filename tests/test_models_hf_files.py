@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import files_read, unrecorded_reads
-from tests.test_hub_sources import TIMM_REPO, put_in_cache, save_vit, timm_weights  # noqa: F401 (a fixture)
+from tests.test_models_hub import TIMM_REPO, put_in_cache, save_vit, timm_weights  # noqa: F401 (a fixture)
 from tools.errors import UserError
 from tools.models.record import ModelRecord
 from tools.models.sources import load_model

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.test_hub_sources import put_in_cache, seeded
+from tests.test_models_hub import put_in_cache, seeded
 from tools.errors import UserError
 from tools.models.sources import load_model
 

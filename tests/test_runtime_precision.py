@@ -223,7 +223,7 @@ def test_fp32_compiled_is_not_exact_and_says_so():
     eager, compiled = Runtime(torch.device("cpu")), Runtime(torch.device("cpu"), compile=True)
     assert eager.exact and not compiled.exact
     assert eager.describe()["exact_mode"] and not compiled.describe()["exact_mode"]
-    assert not eager.describe()["exact"]  # a claim only the start-up check makes (tests/test_device_check.py)
+    assert not eager.describe()["exact"]  # a claim only the start-up check makes (tests/test_models_device_check.py)
     assert compiled.recheck_margin(ChallengeConfig().recheck_margin) == ChallengeConfig().recheck_margin > 0
     assert eager.recheck_margin(ChallengeConfig().recheck_margin) == 0
 

@@ -610,7 +610,7 @@ def test_builder_arguments_a_checkpoint_records_open_no_file(writer, tmp_path):
 
 def pickled_file(route: str, folder: Path, marker: Path) -> str:
     """A model of `route` whose weights file is a pickle that makes `marker` when unpickled in full; its name."""
-    from tests.test_hub_sources import Exploit  # noqa: PLC0415
+    from tests.test_models_hub import Exploit  # noqa: PLC0415
     exploit = {"x": Exploit(str(marker))}
     if route == "checkpoint":
         torch.save(exploit, folder / "weights.pt")
@@ -620,7 +620,7 @@ def pickled_file(route: str, folder: Path, marker: Path) -> str:
         torch.save(exploit, folder / "clip.pt")
         return f"clip:{TINY_CLIP}/{folder / 'clip.pt'}{TINY_CLIP_OPTIONS}"
     if route == "hf":
-        from tests.test_hub_sources import save_vit  # noqa: PLC0415
+        from tests.test_models_hub import save_vit  # noqa: PLC0415
         save_vit(folder / "vit", None, seed=0, num_labels=9)
         (folder / "vit" / "model.safetensors").unlink()
         torch.save(exploit, folder / "vit" / "pytorch_model.bin")

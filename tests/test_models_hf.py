@@ -234,7 +234,7 @@ def test_a_config_asking_for_other_attention_is_refused(asked, tmp_path, hub_cac
     """The toolkit runs transformers' own eager or sdpa attention (torch's math backend under sdpa): a config.json
     asking for another (a library's kernel, a torch.compile'd one, or compiled code transformers would download
     from a Hub repository and load, with the kernels package installed) is refused in one line."""
-    from tests.test_hub_sources import save_vit  # noqa: PLC0415
+    from tests.test_models_hub import save_vit  # noqa: PLC0415
     save_vit(tmp_path / "m", None, seed=0, num_labels=9)
     path = tmp_path / "m" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "attn_implementation": asked}))

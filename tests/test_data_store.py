@@ -22,7 +22,7 @@ from PIL import Image
 import challenge_eval
 import in9_eval
 from tests.helpers import run_in_process, save_torchscript
-from tests.test_evaluate import tiny_cnn
+from tests.test_in9_evaluate import tiny_cnn
 from tools.challenge import ChallengeConfig, run_challenge
 from tools.challenge.data import list_challenge_files, load_challenge_data
 from tools.data import cache_admin, decoders, image_sets, store, synthetic

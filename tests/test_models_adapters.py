@@ -568,7 +568,7 @@ def test_an_adapter_config_naming_things_elsewhere_is_refused_before_peft_reads_
     """An adapter folder holds weights to merge: a config that has peft import a module, load a tokenizer or other
     adapters (from another folder or the Hub) is refused in one line before peft builds anything, and nothing of
     the folder it names is read."""
-    from tests.test_hub_sources import save_vit  # noqa: PLC0415 (a transformers base, whose config peft reads)
+    from tests.test_models_hub import save_vit  # noqa: PLC0415 (a transformers base, whose config peft reads)
     save_vit(tmp_path / "vit", None, seed=0, num_labels=9)
     config = json.loads((tmp_path / "vit" / "config.json").read_text())
     (tmp_path / "vit" / "config.json").write_text(json.dumps({**config, "vocab_size": 16}))  # prompt tuning's need
