@@ -205,9 +205,10 @@ RECORD_HEADERS = {
     RECORD: ["# Written by `python .ci/check_floor.py`: the environment in which the test suite last passed with every",
              "# direct requirement of pyproject.toml at its lowest declared version (the others as pip resolved",
              "# them). tests/test_floor.py checks that these are pyproject.toml's floors."],
-    NEWEST_RECORD: ["# Written by `python .ci/check_floor.py --newest`: the environment in which the test suite last passed",
-                    "# with the newest Python pyproject.toml's classifiers declare and every requirement as pip resolved it",
-                    "# then. tests/test_floor.py checks that this Python is the newest one declared."],
+    NEWEST_RECORD: ["# Written by `python .ci/check_floor.py --newest`: the environment in which the test suite",
+                    "# last passed, with the newest Python pyproject.toml's classifiers declare and every requirement",
+                    "# as pip resolved it then. tests/test_floor.py checks that this Python is the newest one",
+                    "# declared."],
 }
 
 

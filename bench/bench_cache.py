@@ -161,7 +161,8 @@ def main(args: argparse.Namespace) -> int:
         args.results_file.write_text(json.dumps({
             "machine": info, "model": loaded.arch, "device": str(runtime.device), "workers": args.workers,
             "images": images, "distinct_images": distinct, "cold_s": round(cold, 3), "seconds": seconds,
-            "rows_hashed": hashed, "checks_s": in_checks, "median_s": median, "ratio": round(ratio, 4), "target": TARGET}, indent=2) + "\n")
+            "rows_hashed": hashed, "checks_s": in_checks, "median_s": median, "ratio": round(ratio, 4),
+            "target": TARGET}, indent=2) + "\n")
     return 0
 
 

@@ -141,7 +141,8 @@ FORWARD_PROBE = """
 import sys, time, torch
 from tools.models.sources import load_model
 from tools.runtime import Forward, Runtime, tune_cpu_allocator
-arch, checkpoint, batch, tuned, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", float(sys.argv[5])
+arch, checkpoint, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tuned, seconds = sys.argv[4] == "1", float(sys.argv[5])
 if tuned:
     tune_cpu_allocator()
 model = load_model(arch, checkpoint=checkpoint).model.eval()

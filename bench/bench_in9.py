@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="{" + ",".join(p.value for p in Precision) + "}",
                         help="fp32 is exact; tf32, bf16 and fp16 are faster (default: fp32)")
     parser.add_argument("--batch-size", type=int, default=None, metavar="N",
-                        help=f"images per forward pass (default: {BATCH_SIZE_DEFAULTS}, where smaller batches stay in cache)")
+                        help=f"images per forward pass (default: {BATCH_SIZE_DEFAULTS}, where smaller batches stay in "
+                             f"cache)")
     parser.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                         help=f"image-decoding threads (default: {default_workers()})")
     parser.add_argument("--channels-last", action="store_true", help="channels-last memory format (default: off)")

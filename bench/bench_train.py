@@ -4,10 +4,10 @@ Measures (a) images/s of the bare training step (forward, loss, backward, optimi
 model on a uint8 batch already on the device, at the batch size, device and precision given, after a
 warm-up; and (b) images/s of whole train.py runs (tools.training.loop.train: the DataLoader gathering
 batches from the decoded store, the background swap and the crops on the device, the step, logging, resume
-saves), read from the run's train_log.jsonl between its first and last step so that start-up is excluded. The target is (b)/(a) >= 0.85:
-the data pipeline, the swap included, must not starve the model. It also times the data pipeline per image
-alone (the DataLoader, and the DataLoader with the device's swap and crops); with PYTHONPATH pointed at an
-older checkout it times that checkout's code the same way (bench/RESULTS.md, issue 27).
+saves), read from the run's train_log.jsonl between its first and last step so that start-up is excluded. The
+target is (b)/(a) >= 0.85: the data pipeline, the swap included, must not starve the model. It also times the data
+pipeline per image alone (the DataLoader, and the DataLoader with the device's swap and crops); with PYTHONPATH
+pointed at an older checkout it times that checkout's code the same way (bench/RESULTS.md, issue 27).
 
     python bench/bench_train.py --device cpu --arch resnet18 --per-class 20 --batch-size 16 --workers 1
     python bench/bench_train.py --device cuda --arch resnet50 --per-class 600 --workers 8 --channels-last
@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     step_rate = (results["step_images_per_s"]["median"], results["step_images_per_s"]["mean"])
     loops = {k: (v["median"], v["mean"]) for k, v in results["loop_images_per_s"].items()}
     print(f"(a) training step alone: {step_rate[0]:.1f} img/s from the median step (before "
-          f"{results['step_images_per_s']['median_before']:.1f}, after {results['step_images_per_s']['median_after']:.1f}); {step_rate[1]:.1f} from the mean")
+          f"{results['step_images_per_s']['median_before']:.1f}, after "
+          f"{results['step_images_per_s']['median_after']:.1f}); {step_rate[1]:.1f} from the mean")
     for name, (median, mean) in loops.items():
         print(f"(b) train.py {name}: {median:.1f} img/s from the median step, ratio {median / step_rate[0]:.2f} "
               f"(target >= 0.85); from the mean {mean:.1f}, ratio {mean / step_rate[1]:.2f}; data pipeline "

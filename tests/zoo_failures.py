@@ -20,9 +20,8 @@ from __future__ import annotations
 import os
 import sys
 
-from tools import zoo
+from tools import prepared_run, zoo
 from tools.challenge import CompositePredictor, SearchState
-from tools.challenge import run as challenge_run
 from tools.data import image_sets
 from tools.errors import UserError
 
@@ -69,7 +68,8 @@ def failing_on(word: str, rank: int, error: Exception, only=lambda *args: True):
 
 patch(zoo, "load", load)
 patch(image_sets, "iter_decoded_batches", batches)
-patch(challenge_run, "load_challenge_data", failing_on("fail-decode", 1, UserError("cannot read image fg.JPEG: truncated")))
+patch(prepared_run, "load_challenge_data",
+      failing_on("fail-decode", 1, UserError("cannot read image fg.JPEG: truncated")))
 patch(CompositePredictor, "predict_pairs", failing_on("fail-search", 1, RuntimeError("the model crashed")))
 patch(SearchState, "save", failing_on("fail-save", 0, OSError(28, "No space left on device")))
 patch(zoo, "write_json_atomic", failing_on("fail-write", 0, OSError(28, "No space left on device"),

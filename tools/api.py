@@ -1,8 +1,8 @@
 """The Python API: `benchmark(model, ...)`, both evaluations of in9_eval.py and challenge_eval.py in one call,
 for a model in a notebook or a training loop, returning a typed `BenchmarkResult`.
 
-It runs what the scripts run (`run_in9`, `run_challenge`, and `tools.results.publish` for their files), so its numbers and
-files are theirs, and leaves no state behind: the process-wide math flags a `Runtime` sets, the module's
+It runs what the scripts run (`tools.prepared_run`, and `tools.results.publish` for their files), so its numbers
+and files are theirs, and leaves no state behind: the process-wide math flags a `Runtime` sets, the module's
 modes, device, dtype and memory format (its very tensors), the caller's autocast and grad mode, and the
 random number generators it seeds are all as they were after the call. It joins no process group; in one
 that its caller has joined (under torchrun), the processes share the work as the scripts' do, and rank 0
@@ -109,7 +109,8 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
               mean: Sequence[float] | str | None = AUTO, std: Sequence[float] | None = None,
               num_classes: int | None = None, challenge: bool = True, full: bool = False,
               variations: Sequence[str] = VARIATIONS, device: str | torch.device | None = None,
-              precision: Precision | str = Precision.FP32, channels_last: bool = False, batch_size: int | None = None, workers: int | None = None,
+              precision: Precision | str = Precision.FP32, channels_last: bool = False, batch_size: int | None = None,
+              workers: int | None = None,
               output_dir: Path | str | None = None, resume: bool = False, cache_dir: Path | str | None = None,
               cache: bool = True, shared_cache: bool = False, weights: str | None = None,
               trust_checkpoint: bool = False, seed: int = 0,

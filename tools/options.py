@@ -39,8 +39,8 @@ from tools.threads import default_workers, import_in_background, wait_for_backgr
 log = logging.getLogger(__name__)
 
 # --batch-size's help in each command's words: the CPU default differs between an IN-9 run and the challenge
-_BATCH_KEY = (f"(default: {GPU_BATCH_SIZE} on a GPU, {CPU_BATCH_SIZE} on the CPU); part of a saved state's key: results "
-              f"may differ in the last bits at another batch size")
+_BATCH_KEY = (f"(default: {GPU_BATCH_SIZE} on a GPU, {CPU_BATCH_SIZE} on the CPU); part of a saved state's key: "
+              f"results may differ in the last bits at another batch size")
 BATCH_HELP = {
     "in9": f"images per forward pass, halved on out-of-memory {_BATCH_KEY}",
     "challenge": f"composite images per forward pass, halved on out-of-memory {_BATCH_KEY}",

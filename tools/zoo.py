@@ -15,9 +15,9 @@ These are the names --arch takes in the scripts and train.py (one grammar: tools
 Each model writes OUTPUT/models/<name>.json when both of its runs are done; a model whose file is of the
 same data content, model (its identity: every input of its loader, `tools.models.record`) and settings is
 skipped, and one whose data or model changed runs again. Its runs keep their resumable state in
-OUTPUT/runs/<name>/; state of other data, models or settings is set aside. A model that fails (in any process under torchrun) is reported in one
-line and the others go on; the exit code is 0 when all succeeded, 1 when some failed, 2 for bad input to
-the command itself.
+OUTPUT/runs/<name>/; state of other data, models or settings is set aside. A model that fails (in any process
+under torchrun) is reported in one line and the others go on; the exit code is 0 when all succeeded, 1 when some
+failed, 2 for bad input to the command itself.
 """
 
 from __future__ import annotations
@@ -223,7 +223,8 @@ def reusable_result(path: Path, spec: ModelSpec, data: EvaluationData, settings:
 
 def set_aside_other_state(state_dir: Path, wanted: dict) -> None:
     """Keep a model's resumable state only for the identity it was made for: a folder holding another's (other
-    data, model, settings, or the start-up device check's verdict) is renamed to NAME.stale-N with one log line, and `wanted` recorded in its place."""
+    data, model, settings, or the start-up device check's verdict) is renamed to NAME.stale-N with one log line,
+    and `wanted` recorded in its place."""
     record = state_dir / RUN_IDENTITY_FILE
     if state_dir.is_dir() and any(state_dir.iterdir()) and _read_json(record) != wanted:
         aside = next(path for path in (state_dir.with_name(f"{state_dir.name}.stale-{n}") for n in itertools.count(1))

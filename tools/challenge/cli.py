@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "matrix under --output-dir (default: off)")
     group.add_argument("--analysis", action="store_true",
                        help="with --full: attack success rates, per-class fool rates, top backgrounds and their "
-                            "figure under --output-dir (default: off; `python -m tools.results.analysis DIR` redoes it)")
+                            "figure under --output-dir (default: off; `python -m tools.results.analysis DIR` redoes "
+                            "it)")
     group.add_argument("--top-k", type=cli.whole_number(1), default=DEFAULT_TOP_K, metavar="K",
                        help=f"most fooling backgrounds listed and drawn per class (default: {DEFAULT_TOP_K})")
     group.add_argument("--report", type=Path, default=None, metavar="PATH",

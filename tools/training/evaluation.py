@@ -5,7 +5,6 @@ training curves)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 from tools.challenge import ChallengeConfig
@@ -45,11 +44,11 @@ def check_eval_data(config: TrainConfig) -> None:
         check_folders(eval_request(config))
 
 
-def evaluate(load: Callable[[], LoadedModel], config: TrainConfig, runtime: Runtime, out_dir: Path) -> dict:
+def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir: Path) -> dict:
     """{'in9': in9 payload, 'challenge': challenge payload or None}, also written as JSON under out_dir; through the
     evaluation scripts' prepared run (`tools.prepared_run`): the start-up device check recorded in both, refused
     unless --allow-inexact-device."""
-    prepared = prepare(eval_request(config), runtime, load)
+    prepared = prepare(eval_request(config), runtime, lambda: loaded)
     in9 = prepared.in9(out_dir).to_json()
     write_json_atomic(out_dir / "in9.json", in9)
     challenge = None
@@ -94,16 +93,17 @@ def render_training_report(config: TrainConfig, result: TrainResult, trained: di
 
 
 def evaluate_and_report(config: TrainConfig, result: TrainResult) -> Path:
-    """Evaluate the saved checkpoint as in9_eval.py loads it, and the starting point, and write report.md and report.html."""
+    """Evaluate the saved checkpoint as in9_eval.py loads it, and the starting point; write report.md and
+    report.html."""
     runtime = Runtime(resolve_device(config.device))
     out = Path(config.output_dir)
     # a UserError (a refused device check, an unreadable image) keeps the checkpoint: the command says so
-    trained = evaluate(lambda: load_model(checkpoint=result.checkpoint, runtime=runtime), config, runtime,
+    trained = evaluate(load_model(checkpoint=result.checkpoint, runtime=runtime), config, runtime,
                        out / TRAINED_EVAL_DIR)
     start = None
     if result.start.source is not None:
         try:
-            start = evaluate(lambda: result.start.source, config, runtime, out / START_EVAL_DIR)
+            start = evaluate(result.start.source, config, runtime, out / START_EVAL_DIR)
         except UserError as exc:
             log.warning("the starting point could not be evaluated: %s", exc)
     if start is None:
