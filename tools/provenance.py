@@ -317,10 +317,6 @@ class OutputFiles:
         self.written.append(Path(path))
         return result
 
-    def wrote(self, path: Path | str) -> bool:
-        """Whether the writer given `path` succeeded."""
-        return Path(path) in self.written
-
     def __enter__(self) -> OutputFiles:
         return self
 

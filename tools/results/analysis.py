@@ -39,7 +39,7 @@ from tools.results.figures import (
     new_canvas,
     save_png,
 )
-from tools.results.matrix import ChallengeMatrix, load_matrix
+from tools.results.matrix import ChallengeMatrix, load_matrix, require_two_classes
 
 log = logging.getLogger(__name__)
 
@@ -288,15 +288,16 @@ def _write_csv(path: Path, header: Sequence[str], rows) -> None:
         writer.writerows(rows)
 
 
-def write_analysis(output_dir: Path | str, data_path: Path | str | None = None, top_k: int = DEFAULT_TOP_K) -> dict:
-    """Analyse the saved matrix in `output_dir` and write asr.csv, top_backgrounds.csv, asr_histogram.csv,
-    analysis.json and top_backgrounds.png there; returns the summary (the content of analysis.json).
+def write_analysis(output_dir: Path | str, data_path: Path | str | None = None, top_k: int = DEFAULT_TOP_K,
+                   matrix: ChallengeMatrix | None = None) -> dict:
+    """Analyse `matrix` (None: the one saved in `output_dir`) and write asr.csv, top_backgrounds.csv,
+    asr_histogram.csv, analysis.json and top_backgrounds.png to `output_dir`; returns the summary (analysis.json).
 
     `data_path` is the data folder the figure's background images are read from, only from inside it (None: no
     images, grey placeholders); never the folder the saved files name, which are results anyone may have edited.
     """
     output_dir = Path(output_dir)
-    matrix = load_matrix(output_dir)
+    matrix = load_matrix(output_dir) if matrix is None else require_two_classes(matrix, output_dir)
     summary, fooled, eligible = analyze(matrix, top_k)
     summary["data_path"] = None if data_path is None else str(Path(data_path).resolve())
     names = class_names()
