@@ -33,9 +33,8 @@ from tools.in9 import VARIATIONS
 from tools.in9 import cli as in9_command
 from tools.in9.evaluate import In9Config, run_in9
 from tools.models.sources import load_model
-from tools.results import analysis, leaderboard, report
+from tools.results import analysis, leaderboard, publish, report
 from tools.results.matrix import write_matrix
-from tools.results import publish
 from tools.results.publish import publish_in9
 from tools.results.report import cli as report_cli
 from tools.runtime import Runtime
