@@ -130,7 +130,8 @@ def fooling_confusion(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels:
 
 
 def fooling_examples(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.ndarray, fooled: np.ndarray,
-                     per_class: int, criterion: str = "any", num_classes: int = NUM_IN9_CLASSES) -> list[tuple[int, int]]:
+                     per_class: int, criterion: str = "any",
+                     num_classes: int = NUM_IN9_CLASSES) -> list[tuple[int, int]]:
     """Per foreground class, its first `per_class` foregrounds (in index order) that are vulnerable under the run's
     `criterion` (`tools.challenge.scheduler.fooling`), each as (foreground, background): of the backgrounds that
     fool it, the one that fools the most foregrounds (`fooled`, per background; ties go to the lower index)."""

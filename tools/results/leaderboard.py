@@ -83,7 +83,7 @@ COLUMNS = [f.name for f in fields(Row)]
 
 def provenance_hash(payload: dict) -> str:
     """A short SHA-256 of a results file's provenance (both runs), canonical JSON."""
-    prov = {"in9": payload.get("in9", {}).get("provenance"), "challenge": payload.get("challenge", {}).get("provenance")}
+    prov = {run: payload.get(run, {}).get("provenance") for run in ("in9", "challenge")}
     return hashlib.sha256(json.dumps(prov, sort_keys=True).encode()).hexdigest()[:HASH_CHARS]
 
 
@@ -227,10 +227,11 @@ def classes_notes(rows: list[Row]) -> list[Note]:
                           "9-class rows are not comparable with the 1000-class rows.", True))
     if any(row.zero_shot for row in rows):
         notes.append(Note("CLIP rows are zero-shot: each class's prompts (its name in every template) are encoded by "
-                          "CLIP's text tower and averaged into one row of a fixed head. The `imagenet` head scores over "
-                          "open_clip's 1000 ImageNet class names (CLIP's standard ImageNet classifier) through the same "
-                          "map as every 1000-class model; the `in9` head over nine prompts, one set per IN-9 class by "
-                          "its full name. Templates: `openai` (CLIP's 80) or `simple` (open_clip's 7)."))
+                          "CLIP's text tower and averaged into one row of a fixed head. The `imagenet` head "
+                          "scores over open_clip's 1000 ImageNet class names (CLIP's standard ImageNet classifier) "
+                          "through the same map as every 1000-class model; the `in9` head over nine prompts, one set "
+                          "per IN-9 class by its full name. Templates: `openai` (CLIP's 80) or `simple` "
+                          "(open_clip's 7)."))
     return notes
 
 
@@ -302,8 +303,8 @@ def leaderboard_table(rows: list[Row], published_withheld: bool = False) -> Lead
             notes.append(Note("The measured rows come from different data: they are not comparable.", True))
     others = sorted({row.criterion for row in rows if row.criterion not in (None, "any")})
     if others:
-        notes.append(Note(f"Some measured rows use the challenge criterion {', '.join(map(code, others))}, not `any`: their "
-                          f"challenge accuracy is not comparable (the Criterion column).", True))
+        notes.append(Note(f"Some measured rows use the challenge criterion {', '.join(map(code, others))}, not "
+                          f"`any`: their challenge accuracy is not comparable (the Criterion column).", True))
     if published_withheld:
         notes.append(Note(f"The published rows are left out: they compare only with runs on the release's test set "
                           f"({RELEASE_IMAGES_PER_CLASS} images of every class in every variation), and some measured "

@@ -89,8 +89,8 @@ def _read_index_csv(path: Path, columns: list[str]) -> list[dict]:
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc}") from None
     if header != columns:
-        raise UserError(f"{path} has columns {key_list(header, separator=',') or '(none)'}, expected {','.join(columns)}; "
-                        f"it was not written by challenge_eval.py --full (rerun it)")
+        raise UserError(f"{path} has columns {key_list(header, separator=',') or '(none)'}, expected "
+                        f"{','.join(columns)}; it was not written by challenge_eval.py --full (rerun it)")
     for position, row in enumerate(rows):
         try:
             index, label = int(row["index"]), int(row["label"])
