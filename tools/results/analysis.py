@@ -15,10 +15,8 @@ on background j; -1 is an ImageNet class outside IN-9):
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from tools.cli import ArgumentParser, add_log_level_argument, examples, run_main
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, default_data_root
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, class_names
-from tools.provenance import atomic_write, check_outputs, write_json_atomic
+from tools.provenance import check_outputs, write_csv_atomic, write_json_atomic
 from tools.results.figures import (
     MUTED,
     PLACEHOLDER,
@@ -282,13 +280,6 @@ def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str
 # ----------------------------------------------------------------------------------------------------------
 # Writing everything
 
-def _write_csv(path: Path, header: Sequence[str], rows) -> None:
-    with atomic_write(path, newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(header)
-        writer.writerows(rows)
-
-
 def write_analysis(output_dir: Path | str, data_path: Path | str | None = None, top_k: int = DEFAULT_TOP_K,
                    matrix: ChallengeMatrix | None = None) -> dict:
     """Analyse `matrix` (None: the one saved in `output_dir`) and write asr.csv, top_backgrounds.csv,
@@ -303,14 +294,14 @@ def write_analysis(output_dir: Path | str, data_path: Path | str | None = None, 
     summary["data_path"] = None if data_path is None else str(Path(data_path).resolve())
     names = class_names()
     asr = fooled / np.maximum(eligible, 1)
-    _write_csv(output_dir / ASR_FILE, ["index", "stem", "class", "asr", "fooled", "eligible"],
+    write_csv_atomic(output_dir / ASR_FILE, ["index", "stem", "class", "asr", "fooled", "eligible"],
                ([j, stem, names[matrix.bg_labels[j]], round(float(asr[j]), ROUND), int(fooled[j]), int(eligible[j])]
                 for j, stem in enumerate(matrix.bg_stems)))
-    _write_csv(output_dir / TOP_FILE, ["class", "rank", "index", "stem", "asr", "fooled", "eligible", "image"],
+    write_csv_atomic(output_dir / TOP_FILE, ["class", "rank", "index", "stem", "asr", "fooled", "eligible", "image"],
                ([name, e["rank"], e["index"], e["stem"], e["asr"], e["fooled"], e["eligible"], e["image"]]
                 for name in names for e in summary["per_class"][name]["top_backgrounds"]))
     edges = summary["histogram_edges"]
-    _write_csv(output_dir / HISTOGRAM_FILE, ["class", *(f"{lo:g}-{hi:g}" for lo, hi in zip(edges, edges[1:]))],
+    write_csv_atomic(output_dir / HISTOGRAM_FILE, ["class", *(f"{lo:g}-{hi:g}" for lo, hi in zip(edges, edges[1:]))],
                ([name, *summary["per_class"][name]["asr_histogram"]] for name in names))
     draw_top_backgrounds(summary, data_path, output_dir / FIGURE_FILE)
     summary["output_dir"] = str(output_dir.resolve())

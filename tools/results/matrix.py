@@ -18,7 +18,7 @@ import numpy as np
 
 from tools.errors import NUMPY_READ_ERRORS, UserError, key_list
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
-from tools.provenance import atomic_write, read_json, read_npy, write_json_atomic
+from tools.provenance import atomic_write, read_json, read_npy, write_csv_atomic, write_json_atomic
 
 if TYPE_CHECKING:
     from tools.challenge import ChallengeResult
@@ -57,14 +57,10 @@ def write_matrix(output_dir: Path | str, result: ChallengeResult, data_path: Pat
             "num_classes": num_classes, "provenance": result.provenance}
     with atomic_write(output_dir / PREDICTIONS_FILE, "wb") as fh:
         np.save(fh, result.state.matrix)
-    with atomic_write(output_dir / FOREGROUNDS_FILE, newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(FOREGROUND_COLUMNS)
-        writer.writerows([i, r.stem, r.label, r.image_relpath, r.mask_relpath] for i, r in enumerate(fgs))
-    with atomic_write(output_dir / BACKGROUNDS_FILE, newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(BACKGROUND_COLUMNS)
-        writer.writerows([i, r.stem, r.label, r.relpath] for i, r in enumerate(bgs))
+    write_csv_atomic(output_dir / FOREGROUNDS_FILE, FOREGROUND_COLUMNS,
+                     ([i, r.stem, r.label, r.image_relpath, r.mask_relpath] for i, r in enumerate(fgs)))
+    write_csv_atomic(output_dir / BACKGROUNDS_FILE, BACKGROUND_COLUMNS,
+                     ([i, r.stem, r.label, r.relpath] for i, r in enumerate(bgs)))
     write_json_atomic(output_dir / META_FILE, meta)
     return ChallengeMatrix(
         predictions=result.state.matrix.astype(np.int64), fg_labels=result.data.fg_labels,
