@@ -49,7 +49,8 @@ def check_safe_timm(timm, spec: ModelSpec) -> None:
         floor = ".".join(map(str, SAFE_TIMM))
         raise UserError(f"timm {timm.__version__} may unpickle the pretrained weights of {spec} without "
                         f"weights_only (code in the file would run); pretrained timm weights need timm>={floor}: "
-                        f"run `pip install 'timm>={floor}'` ({option('--weights', RANDOM_WEIGHTS)} works with this timm)")
+                        f"run `pip install 'timm>={floor}'` ({option('--weights', RANDOM_WEIGHTS)} works with this "
+                        f"timm)")
 
 
 def _random_model(timm, name: str) -> nn.Module:
@@ -201,12 +202,12 @@ def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Norma
     timm = timm_module(spec)
     check_timm_name(timm, spec)
     if in9:
-        raise UserError(f"{option('--in9')} needs {option('--checkpoint', 'PATH')}: timm's pretrained weights of {spec} "
-                        f"are ImageNet's")
+        raise UserError(f"{option('--in9')} needs {option('--checkpoint', 'PATH')}: timm's pretrained weights of "
+                        f"{spec} are ImageNet's")
     random_init = weights is not None and weights.lower() == RANDOM_WEIGHTS
     if weights is not None and not random_init:
-        raise UserError(f"{option('--weights')} takes only {RANDOM_WEIGHTS} for {spec}: the tag after the name picks timm's "
-                        f"pretrained weights ({TIMM_PREFIX}NAME.TAG)")
+        raise UserError(f"{option('--weights')} takes only {RANDOM_WEIGHTS} for {spec}: the tag after the name "
+                        f"picks timm's pretrained weights ({TIMM_PREFIX}NAME.TAG)")
     cfg = None
     if not random_init:
         check_safe_timm(timm, spec)
