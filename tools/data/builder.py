@@ -247,10 +247,9 @@ def build(images: Path, boxes: Path, out: Path, masks: Path | None = None, seed:
     """Make the eight variations and fg_mask in the release's layout under `out` (see the module docstring).
 
     Nothing is written until every image has been through the filters and every class kept at least
-    one image; `out` must be empty or new. The output is written into a temporary folder beside `out`
-    (`.<name>.building-<host>-<pid>-<random>`) and renamed to `out` once complete, so an interrupted or
-    failed build leaves nothing (see `tools.data.temporary`). `workers` threads (default: up to 8) decode,
-    segment and write.
+    one image; `out` must be empty or new. The output is written into a temporary folder beside `out` and renamed
+    to `out` once complete, so an interrupted or failed build leaves nothing. `workers` threads (default: up to 8)
+    decode, segment and write.
     split: the layout's split folder (val, as the test release; train for training data). keep_unboxed
     (train only): images without a box go to `original` alone (IN-9L-style, for erm/mixup/cutmix).
     """
