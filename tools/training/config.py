@@ -280,7 +280,8 @@ class Needs:
 # Every flag of train.py whose setting can go unused; a flag given where it would do nothing is refused, as a
 # mistake in the command line (the user meant something that will not happen) rather than ignored.
 NEEDS = (
-    Needs(("swap_prob", "swap_same_class_prob"), lambda c: c.swap, "without --method bg-swap", "add bg-swap to --method"),
+    Needs(("swap_prob", "swap_same_class_prob"), lambda c: c.swap, "without --method bg-swap",
+          "add bg-swap to --method"),
     Needs(("swap_same_class_prob",), lambda c: c.swap_prob > 0, "with --swap-prob 0 (no swaps)", "raise --swap-prob"),
     Needs(("mixup_alpha",), lambda c: Method.MIXUP in c.methods, "without mixup in --method", "add mixup to --method"),
     Needs(("cutmix_alpha",), lambda c: Method.CUTMIX in c.methods, "without cutmix in --method",
@@ -379,7 +380,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     optim.add_argument("--lr", type=number(0, above=True), default=None, metavar="LR",
                        help=f"peak learning rate (default: {REFERENCE_LR:g} x the global batch / "
                             f"{REFERENCE_BATCH_SIZE}, scaled linearly with the batch)")
-    optim.add_argument("--weight-decay", type=number(0), default=0.05, metavar="WD", help="weight decay (default: 0.05)")
+    optim.add_argument("--weight-decay", type=number(0), default=0.05, metavar="WD",
+                       help="weight decay (default: 0.05)")
     optim.add_argument("--momentum", type=number(0, 1, below=True), default=None, metavar="M",
                        help=f"SGD momentum (default: {_default('momentum')})")
     optim.add_argument("--warmup-epochs", type=number(0, unit="epochs"), default=0.0, metavar="E",
@@ -404,8 +406,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                           "the optimiser step stay eager); not bit-equal to eager, so a resume keeps the setting "
                           "(default: off)")
     run.add_argument("--workers", type=whole_number(0, MAX_WORKERS), default=default_workers(), metavar="N",
-                     help=f"DataLoader worker processes per training process (0: the main process) and decoding threads "
-                          f"for the decoded store "
+                     help=f"DataLoader worker processes per training process (0: the main process) and decoding "
+                          f"threads for the decoded store "
                           f"(default: {default_workers()})")
     run.add_argument("--seed", type=seed_number, default=0, metavar="N",
                      help="seed of every random choice: order, crops, swaps, mixing, initialisation (default: 0)")
