@@ -1,18 +1,14 @@
 """The leaderboard: one row per model from the zoo's results files, plus the published rows, as Markdown,
 CSV and a PNG plot of BG-gap against challenge accuracy (drawn with `tools.results.figures`).
 
-Rows are sorted by challenge accuracy, best first; rows without one come last. Published rows
+Rows (`Row`) are sorted by challenge accuracy, best first; rows without one come last. Published rows
 (tools/resources/published.json) are quoted from their sources and marked `published`; rows computed
-from results files are `measured`. Each row names its source (torchvision, timm, hf, clip, file), weights tag
-and the short SHA-256 of its weights file, and says what its model predicts over (1000 ImageNet classes
-through the map, or the nine IN-9 classes) and, for CLIP, which zero-shot head and templates; a published
-row's note says how its source ran the model where that differs from the scripts.
+from results files are `measured`.
 
 One table model (`leaderboard_table`: intro, tables, caveat notes) feeds both leaderboard.md and the HTML
 report's leaderboard, so both say when rows are not comparable (9- against 1000-class, another criterion, other
 data). Rows are ranked only beside rows made alike: the measured rows are grouped by their runs' settings that can
-change a number (`run_settings`: versions, device, precision, compilation, batch size, criterion, mask arithmetic, ...),
-each group is its own table under a caption that says how its rows were made, with a warning when there are
+change a number (`run_settings`), each group is its own table under a caption that says how its rows were made, with a warning when there are
 several. The published rows, measured on the release, are added (to each table) only where every measured row used
 the release's test set (`used_release`, which the report's published table also goes by).
 """
@@ -354,11 +350,6 @@ def nice_ticks(low: float, high: float, count: int = 8) -> list[float]:
     return ticks
 
 
-def plotted(rows: list[Row]) -> list[Row]:
-    """The rows with both coordinates."""
-    return [r for r in rows if r.bg_gap is not None and r.challenge_accuracy is not None]
-
-
 def _marker(draw, x: float, y: float, kind: str) -> None:
     """A disc for a measured row, a square for a published one."""
     shape = draw.rectangle if kind == PUBLISHED else draw.ellipse
@@ -367,7 +358,7 @@ def _marker(draw, x: float, y: float, kind: str) -> None:
 
 def draw_plot(rows: list[Row], path: Path | str) -> list[Row]:
     """BG-gap (x) against challenge accuracy (y), one labelled point per row that has both; returns those rows."""
-    points = plotted(rows)
+    points = [r for r in rows if r.bg_gap is not None and r.challenge_accuracy is not None]
     width, height = PLOT_SIZE
     left, top, right, bottom = MARGIN
     canvas, draw = new_canvas(PLOT_SIZE)
