@@ -85,9 +85,6 @@ class BuildResult:
     same_class_fallbacks: list[str] = field(default_factory=list)
     unboxed: list[SourceImage] = field(default_factory=list)  # --keep-unboxed: in original/ only
 
-    def background_of(self, image: BuiltImage, variation: str) -> BuiltImage:
-        return self.kept[image.backgrounds[variation]]
-
     def summary(self) -> dict:
         return {
             "config": self.config,
@@ -371,7 +368,7 @@ def _write(result: BuildResult, folder: Path, image_format: ImageFormat, quality
         crop, mask = crop_image(image.source.path), image.mask()
         backgrounds = {}
         for variation in MIXED:
-            other = result.background_of(image, variation)
+            other = result.kept[image.backgrounds[variation]]
             backgrounds[variation] = variations.only_bg_t(crop_image(other.source.path), other.box)
         for name, array in variation_arrays(crop, image.box, mask, backgrounds).items():
             save(array, folder / name / split / image.source.folder / f"{image.source.stem}{extension}")
