@@ -189,10 +189,6 @@ class ZeroShotClassifier(nn.Module):
 # ----------------------------------------------------------------------------------------------------------
 # Loading
 
-def _image_size(value) -> tuple[int, int]:
-    return (value, value) if isinstance(value, int) else tuple(int(v) for v in value)
-
-
 def _tensor_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(f"{tuple(tensor.shape)}".encode() + tensor.contiguous().numpy().tobytes()).hexdigest()
 
@@ -317,7 +313,8 @@ def preprocess_settings(open_clip, clip_model: nn.Module, what: str) -> dict:
     mean, std, interpolation and resize mode. The 224x224 inputs are square, so every resize mode is one plain
     resize to a square input size."""
     config = open_clip.get_model_preprocess_cfg(clip_model)
-    settings = {"size": list(_image_size(config.get("size", IMAGE_SIZE))),
+    size = config.get("size", IMAGE_SIZE)
+    settings = {"size": [size, size] if isinstance(size, int) else [int(v) for v in size],
                 "mean": [float(v) for v in config["mean"]], "std": [float(v) for v in config["std"]],
                 "interpolation": config.get("interpolation", "bicubic"),
                 "resize_mode": config.get("resize_mode", "shortest")}
