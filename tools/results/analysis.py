@@ -1,10 +1,7 @@
 """Which backgrounds fool a model, redone from the challenge's saved prediction matrix without the model.
 
-Run as `python -m tools.results.analysis OUTPUT_DIR` on the --output-dir of `challenge_eval.py --full`
-(the files `tools.results.matrix` reads).
-
-Definitions (all over the saved matrix `predictions[i, j]`, the IN-9 prediction for foreground i pasted
-on background j; -1 is an ImageNet class outside IN-9):
+Run as `python -m tools.results.analysis OUTPUT_DIR` on the --output-dir of `challenge_eval.py --full`.
+Definitions, over the matrix `predictions[i, j]` (`tools.results.matrix`):
 
 - ASR (attack success rate) of background j of class c: among foregrounds of classes other than c, the
   fraction whose composite with j is predicted c.

@@ -8,9 +8,9 @@ from results files are `measured`.
 One table model (`leaderboard_table`: intro, tables, caveat notes) feeds both leaderboard.md and the HTML
 report's leaderboard, so both say when rows are not comparable (9- against 1000-class, another criterion, other
 data). Rows are ranked only beside rows made alike: the measured rows are grouped by their runs' settings that can
-change a number (`run_settings`), each group is its own table under a caption that says how its rows were made, with a warning when there are
-several. The published rows, measured on the release, are added (to each table) only where every measured row used
-the release's test set (`used_release`, which the report's published table also goes by).
+change a number (`run_settings`), each group is its own table under a caption that says how its rows were made,
+with a warning when there are several. The published rows, measured on the release, are added (to each table)
+only where every measured row used the release's test set (`used_release`, as the report's published table).
 """
 
 from __future__ import annotations
