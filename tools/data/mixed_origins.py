@@ -390,9 +390,9 @@ def write_provenance(result: ProvenanceResult, output: Path) -> list[Path]:
     output = Path(output)
     with OutputFiles("fix the cause and rerun the command", result.lines()) as outputs:
         outputs.write(write_csv_atomic, output / MATCHES_FILE, MATCH_COLUMNS, (
-            [m.variation, m.image, class_of(m.image), m.background or "", class_of(m.background) if m.background else "",
-             _number(m.error, 3), m.runner_up or "", _number(m.runner_up_error, 3), _number(m.ratio, 4),
-             int(m.doubtful)] for m in result.matches))
+            [m.variation, m.image, class_of(m.image), m.background or "",
+             class_of(m.background) if m.background else "", _number(m.error, 3), m.runner_up or "",
+             _number(m.runner_up_error, 3), _number(m.ratio, 4), int(m.doubtful)] for m in result.matches))
         outputs.write(write_csv_atomic, output / BOXES_FILE, BOX_COLUMNS, (
             [b.mask, class_of(b.mask), PurePosixPath(b.mask).stem, *(b.box if b.box is not None else ("",) * 4),
              b.foreground_pixels] for b in result.boxes))
