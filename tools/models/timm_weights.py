@@ -3,9 +3,8 @@
 The weights come through timm's own loading (`timm.create_model(name, pretrained=True)`: the Hugging Face Hub
 cache, `HF_HUB_OFFLINE` honoured, or torch's hub cache for weights at a URL; safetensors or `weights_only`
 unpickling, which timm does on every such path from `SAFE_TIMM` on: older timm is refused), the mean/std, input
-size and
-interpolation from the model's pretrained config (`timm.data.resolve_data_config`); inputs of another size
-than 224x224 are resized inside the model. The model's record holds the tag, the weights file timm read, the data
+size and interpolation from the model's pretrained config (`timm.data.resolve_data_config`); inputs of another
+size than 224x224 are resized inside the model. The model's record holds the tag, the weights file timm read, the data
 config, timm's version and, for a hub name, the hub's config.json, which timm builds it from (a registered name's
 config comes from timm's registry: a config.json beside its weights is not read, nor recorded).
 `--weights none` builds the architecture with seeded random weights instead.
