@@ -366,8 +366,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     method.add_argument("--oft-block-size", type=whole_number(1), default=None, metavar="B",
                         help=f"OFT block size; must divide each adapted layer's input size "
                              f"(default: {_default('oft_block_size')})")
-    method.add_argument("--freeze", type=Freeze, choices=list(Freeze), default=Freeze.NONE, metavar=_choices(Freeze),
-                        help="backbone: train the classification head alone, a linear probe (default: none)")
+    method.add_argument("--freeze", type=Freeze, choices=list(Freeze), default=_default("freeze"),
+                        metavar=_choices(Freeze), help=f"backbone: train the classification head alone, a linear "
+                                                       f"probe (default: {_default('freeze').value})")
 
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--epochs", type=whole_number(1), default=_default("epochs"), metavar="N",
@@ -389,7 +390,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                                          f"{_default('warmup_epochs'):g})")
     optim.add_argument("--label-smoothing", type=number(0, 1), default=_default("label_smoothing"), metavar="S",
                        help=f"label smoothing of the cross-entropy (default: {_default('label_smoothing'):g})")
-    optim.add_argument("--augment", action=BooleanFlag, default=True,
+    optim.add_argument("--augment", action=BooleanFlag, default=_default("augment"),
                        help="random resized crop and horizontal flip, after the swap (default: on)")
     optim.add_argument("--crop-scale", type=number(0, 1, above=True), default=None, metavar="S",
                        help=f"smallest random crop, as a share of the image's area (default: {_default('crop_scale')})")
@@ -406,10 +407,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                      help="torch.compile the model's forward and backward (one static batch shape; the loss and "
                           "the optimiser step stay eager); not bit-equal to eager, so a resume keeps the setting "
                           "(default: off)")
-    run.add_argument("--workers", type=whole_number(0, MAX_WORKERS), default=default_workers(), metavar="N",
+    run.add_argument("--workers", type=whole_number(0, MAX_WORKERS), default=_default("workers"), metavar="N",
                      help=f"DataLoader worker processes per training process (0: the main process) and decoding "
-                          f"threads for the decoded store "
-                          f"(default: {default_workers()})")
+                          f"threads for the decoded store (default: {_default('workers')})")
     run.add_argument("--seed", type=seed_number, default=_default("seed"), metavar="N",
                      help=f"seed of every random choice: order, crops, swaps, mixing, initialisation (default: "
                           f"{_default('seed')})")
