@@ -292,14 +292,15 @@ def write_analysis(output_dir: Path | str, data_path: Path | str | None = None, 
     names = class_names()
     asr = fooled / np.maximum(eligible, 1)
     write_csv_atomic(output_dir / ASR_FILE, ["index", "stem", "class", "asr", "fooled", "eligible"],
-               ([j, stem, names[matrix.bg_labels[j]], round(float(asr[j]), ROUND), int(fooled[j]), int(eligible[j])]
-                for j, stem in enumerate(matrix.bg_stems)))
+                     ([j, stem, names[matrix.bg_labels[j]], round(float(asr[j]), ROUND), int(fooled[j]),
+                       int(eligible[j])] for j, stem in enumerate(matrix.bg_stems)))
     write_csv_atomic(output_dir / TOP_FILE, ["class", "rank", "index", "stem", "asr", "fooled", "eligible", "image"],
-               ([name, e["rank"], e["index"], e["stem"], e["asr"], e["fooled"], e["eligible"], e["image"]]
-                for name in names for e in summary["per_class"][name]["top_backgrounds"]))
+                     ([name, e["rank"], e["index"], e["stem"], e["asr"], e["fooled"], e["eligible"], e["image"]]
+                      for name in names for e in summary["per_class"][name]["top_backgrounds"]))
     edges = summary["histogram_edges"]
-    write_csv_atomic(output_dir / HISTOGRAM_FILE, ["class", *(f"{lo:g}-{hi:g}" for lo, hi in zip(edges, edges[1:]))],
-               ([name, *summary["per_class"][name]["asr_histogram"]] for name in names))
+    write_csv_atomic(output_dir / HISTOGRAM_FILE,
+                     ["class", *(f"{lo:g}-{hi:g}" for lo, hi in zip(edges, edges[1:]))],
+                     ([name, *summary["per_class"][name]["asr_histogram"]] for name in names))
     draw_top_backgrounds(summary, data_path, output_dir / FIGURE_FILE)
     summary["output_dir"] = str(output_dir.resolve())
     write_json_atomic(output_dir / SUMMARY_FILE, summary)
