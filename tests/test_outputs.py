@@ -31,7 +31,7 @@ from tools.data import store, synthetic
 from tools.in9 import VARIATIONS
 from tools.in9.evaluate import In9Config, run_in9
 from tools.models.sources import load_model
-from tools.results import analysis, leaderboard, report
+from tools.results import analysis, leaderboard, publish, report
 from tools.results.matrix import write_matrix
 from tools.results.publish import publish_in9
 from tools.results.report import cli as report_cli
@@ -275,6 +275,27 @@ def test_a_write_that_fails_midway_leaves_the_old_files(writer, full_run, datase
     assert sorted(after) == sorted(before), "a temporary file was left behind"
     changed = [p.name for p in before if after[p] != before[p]]
     assert not changed, f"half-written: {changed}"
+
+
+@pytest.mark.slow
+def test_the_analysis_of_a_run_analyses_its_matrix_not_the_file_it_wrote(full_run, dataset, tmp_path, monkeypatch):
+    """--analysis analyses the matrix the run holds in memory: a predictions.npy changed after it was written (here
+    all -1) changes nothing in the analysis; `python -m tools.results.analysis` reads the changed file."""
+    result, _ = full_run
+    publish.publish_challenge(result, tmp_path / "kept", dataset.root, 9, analysis=True, top_k=2)
+    kept = json.loads((tmp_path / "kept" / analysis.SUMMARY_FILE).read_text())
+
+    def write_then_change(folder, *args):
+        written = write_matrix(folder, *args)
+        np.save(folder / "predictions.npy", np.full_like(result.state.matrix, -1))
+        return written
+
+    monkeypatch.setattr(publish, "write_matrix", write_then_change)
+    publish.publish_challenge(result, tmp_path / "changed", dataset.root, 9, analysis=True, top_k=2)
+    changed = json.loads((tmp_path / "changed" / analysis.SUMMARY_FILE).read_text())
+    assert changed["per_class"] == kept["per_class"]
+    assert changed["fooled_into_bg_class"] == kept["fooled_into_bg_class"] > 0
+    assert analysis.write_analysis(tmp_path / "changed", dataset.root, 2)["fooled_into_bg_class"] == 0
 
 
 KILLED_WHILE_WRITING = """

@@ -24,7 +24,7 @@ def interrupted_while_loading(signum, frame) -> None:
 
 def _is_command() -> bool:
     """Whether this process runs one of the toolkit's commands, as it was typed (`sys.orig_argv`)."""
-    typed = list(getattr(sys, "orig_argv", []))
+    typed = sys.orig_argv
     module = typed[typed.index("-m", 1) + 1] if "-m" in typed[1:-1] else ""
     script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     return module.split(".")[0] == "tools" or script in ROOT_SCRIPTS or script.startswith("bgc-")

@@ -28,8 +28,8 @@ MAX_PER_CLASS = 1000  # generated images per class at most (the release has 450)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(description=__doc__, epilog=examples("python -m tools.demo",
-                                                                          "python -m tools.demo --out /tmp/demo --per-class 2"))
+    parser = ArgumentParser(description=__doc__, epilog=examples(
+        "python -m tools.demo", "python -m tools.demo --out /tmp/demo --per-class 2"))
     parser.add_argument("--out", type=Path, default=Path("demo"), metavar="DIR",
                         help="where the data, model and results go (default: demo)")
     parser.add_argument("--per-class", type=whole_number(1, MAX_PER_CLASS), default=10, metavar="N",

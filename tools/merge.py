@@ -22,6 +22,7 @@ from tools.errors import UserError
 from tools.in9.evaluate import In9Run, VariationResult
 from tools.models import device_check
 from tools.provenance import check_outputs
+from tools.results.analysis import DEFAULT_TOP_K
 from tools.results.publish import publish_challenge, publish_in9
 from tools.shards import NOT_MINE, find_shards, read_challenge_arrays
 
@@ -39,14 +40,15 @@ def merge_challenge(shards: list[tuple[Path, dict]], data_path: Path) -> tuple[C
                 meta["results"][name] != first["results"][name] for name in ("criterion", "full")):
             raise UserError(f"{path} and {first_path} list other files or settings, yet claim one run; rerun the "
                             f"shards of one run")
-    foregrounds = [layout.ForegroundRecord(stem, label, image, mask) for stem, label, image, mask in first["foregrounds"]]
+    foregrounds = [layout.ForegroundRecord(stem, label, image, mask)
+                   for stem, label, image, mask in first["foregrounds"]]
     backgrounds = [layout.ImageRecord(relpath, label) for relpath, label in first["backgrounds"]]
     results = first["results"]
     try:
         criterion = Criterion(results["criterion"])
     except ValueError:
-        raise UserError(f"{first_path} names no criterion of the challenge ({results['criterion']!r}); {RERUN_SHARDS}") \
-            from None
+        raise UserError(f"{first_path} names no criterion of the challenge ({results['criterion']!r}); "
+                        f"{RERUN_SHARDS}") from None
     files = ChallengeFiles(foregrounds, backgrounds, Path(data_path), results["provenance"].get("data"))
     arrays = [read_challenge_arrays(path, meta) for path, meta in shards]
     if any(not np.array_equal(z["bg_pred"], arrays[0]["bg_pred"]) for z in arrays):
@@ -121,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="challenge: one row per foreground, as challenge_eval.py writes it (default: none)")
     parser.add_argument("--analysis", action="store_true",
                         help="challenge with --full: the adversarial-background analysis (default: off)")
-    parser.add_argument("--top-k", type=whole_number(1), default=5, metavar="K",
-                        help="challenge: backgrounds listed and drawn per class by --analysis (default: 5)")
+    parser.add_argument("--top-k", type=whole_number(1), default=DEFAULT_TOP_K, metavar="K",
+                        help=f"challenge: backgrounds listed and drawn per class by --analysis (default: "
+                             f"{DEFAULT_TOP_K})")
     parser.add_argument("--categories", action="store_true",
                         help="in9: the prediction categories, from original, mixed_rand and only_bg_t (default: off)")
     add_log_level_argument(parser)

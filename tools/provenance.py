@@ -5,6 +5,7 @@ checked before the work starts, every file written atomically, a write that fail
 from __future__ import annotations
 
 import contextlib
+import csv
 import io
 import json
 import math
@@ -14,7 +15,7 @@ import secrets
 import stat
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -182,6 +183,14 @@ def write_json_atomic(path: Path | str, payload) -> None:
         fh.write("\n")
 
 
+def write_csv_atomic(path: Path | str, header: Sequence[str], rows) -> None:
+    """Write a CSV table (a header row, then `rows`) to `path` atomically (see `atomic_write`)."""
+    with atomic_write(path, newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
 def write_text_atomic(path: Path | str, text: str) -> None:
     """Write UTF-8 text to `path` atomically (see `atomic_write`)."""
     with atomic_write(path) as fh:
@@ -316,10 +325,6 @@ class OutputFiles:
             return None
         self.written.append(Path(path))
         return result
-
-    def wrote(self, path: Path | str) -> bool:
-        """Whether the writer given `path` succeeded."""
-        return Path(path) in self.written
 
     def __enter__(self) -> OutputFiles:
         return self

@@ -85,8 +85,8 @@ def write_challenge_shard(output_dir: Path, shard: Shard, result, files, data_pa
     to rebuild the whole run."""
     s = result.state
     stem = Path(output_dir) / CHALLENGE_PATTERN.format(index=shard.index, count=shard.count)
-    arrays = {"indices": shard.take(len(files.foregrounds)), "verdict": s.verdict, "fool_bg": s.fool_bg, "fool_pred": s.fool_pred,
-              "min_margin": s.min_margin, "bg_pred": s.bg_pred}
+    arrays = {"indices": shard.take(len(files.foregrounds)), "verdict": s.verdict, "fool_bg": s.fool_bg,
+              "fool_pred": s.fool_pred, "min_margin": s.min_margin, "bg_pred": s.bg_pred}
     if s.matrix is not None:
         arrays["matrix"] = s.matrix
     arrays["key"] = np.frombuffer(result.key.encode(), np.uint8)
@@ -107,8 +107,9 @@ def write_in9_shard(output_dir: Path, shard: Shard, run) -> Path:
     path = Path(output_dir) / IN9_PATTERN.format(index=shard.index, count=shard.count)
     write_json_atomic(path, {
         "format": FORMAT, "shard": [shard.index, shard.count], "key": run.key, "provenance": run.provenance,
-        "variations": {name: {"relpaths": r.relpaths, "labels": r.labels.tolist(), "predictions": r.predictions.tolist(),
-                              "rechecked_fp32": r.rechecked, "recheck_changed": r.recheck_changed}
+        "variations": {name: {"relpaths": r.relpaths, "labels": r.labels.tolist(),
+                              "predictions": r.predictions.tolist(), "rechecked_fp32": r.rechecked,
+                              "recheck_changed": r.recheck_changed}
                        for name, r in run.results.items()}})
     return path
 

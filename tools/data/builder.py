@@ -85,9 +85,6 @@ class BuildResult:
     same_class_fallbacks: list[str] = field(default_factory=list)
     unboxed: list[SourceImage] = field(default_factory=list)  # --keep-unboxed: in original/ only
 
-    def background_of(self, image: BuiltImage, variation: str) -> BuiltImage:
-        return self.kept[image.backgrounds[variation]]
-
     def summary(self) -> dict:
         return {
             "config": self.config,
@@ -247,10 +244,9 @@ def build(images: Path, boxes: Path, out: Path, masks: Path | None = None, seed:
     """Make the eight variations and fg_mask in the release's layout under `out` (see the module docstring).
 
     Nothing is written until every image has been through the filters and every class kept at least
-    one image; `out` must be empty or new. The output is written into a temporary folder beside `out`
-    (`.<name>.building-<host>-<pid>-<random>`) and renamed to `out` once complete, so an interrupted or
-    failed build leaves nothing (see `tools.data.temporary`). `workers` threads (default: up to 8) decode,
-    segment and write.
+    one image; `out` must be empty or new. The output is written into a temporary folder beside `out` and renamed
+    to `out` once complete, so an interrupted or failed build leaves nothing. `workers` threads (default: up to 8)
+    decode, segment and write.
     split: the layout's split folder (val, as the test release; train for training data). keep_unboxed
     (train only): images without a box go to `original` alone (IN-9L-style, for erm/mixup/cutmix).
     """
@@ -372,7 +368,7 @@ def _write(result: BuildResult, folder: Path, image_format: ImageFormat, quality
         crop, mask = crop_image(image.source.path), image.mask()
         backgrounds = {}
         for variation in MIXED:
-            other = result.background_of(image, variation)
+            other = result.kept[image.backgrounds[variation]]
             backgrounds[variation] = variations.only_bg_t(crop_image(other.source.path), other.box)
         for name, array in variation_arrays(crop, image.box, mask, backgrounds).items():
             save(array, folder / name / split / image.source.folder / f"{image.source.stem}{extension}")

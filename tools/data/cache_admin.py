@@ -8,15 +8,10 @@ The cache folder holds packs (`tools.data.store`: `<kind>-<digest>-v<version>/`)
 cache writes (`meta.json`, `*.npy`; a pack or an entry has its meta.json). A folder holding anything else is not
 taken for a cache, so that a mistyped --cache-dir removes nothing: nothing at all is removed from it.
 
-An entry was last used when its meta.json was last modified: written with the entry, and touched by the readers
-that use it, at most once a day (`store.mark_used`), so the order is by day. An entry is removed by renaming it
-to a temporary name of this process first, then deleting that (`temporary.remove_entry`), so no reader ever finds
-half an entry (a reader that finds it gone decodes its rows again), and what a killed removal leaves is removed by
-the next use as any dead writer's. A reader that mapped a pack's rows before keeps reading them: on POSIX systems
-a removed file stays readable to those of the same host that have it open or mapped (over NFS, not to another
-host's). Temporary folders of running writers are never removed, nor those of other hosts (whose processes cannot
-be asked) while they change: unchanged for a day (`temporary.STALE_AFTER_S`), they are a killed writer's, whatever
-the host (a container's changes on every start)."""
+An entry was last used when its meta.json was last modified (touched by its readers at most once a day,
+`store.mark_used`), so the order is by day. An entry is removed by renaming it first (`temporary.remove_entry`),
+so no reader finds half an entry; a reader that mapped a pack's rows keeps reading them (POSIX; over NFS, not
+another host's). Temporary folders are removed only when stale (`temporary.remove_stale`)."""
 
 from __future__ import annotations
 
@@ -245,7 +240,8 @@ def survey(cache_dir: Path) -> CacheContents:
     if foreign:
         raise UserError(f"{folder} does not look like the decoded-data cache: it holds {foreign[0]}"
                         f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}, which the toolkit does not "
-                        f"write there; give {option('--cache-dir')} the cache's folder, or remove what is not the cache's")
+                        f"write there; give {option('--cache-dir')} the cache's folder, or remove what is not the "
+                        f"cache's")
     return CacheContents(folder, entries, temporaries)
 
 

@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch_p = commands.add_parser("fetch", parents=[common], help="download, check and extract the IN-9 test release",
                                   description="Download the release archive (resuming a partial download), check "
                                               "its SHA-256 and extract it safely into --data-path.",
-                                  epilog=examples("python -m tools.data fetch",
-                                                  "python -m tools.data fetch --archive backgrounds_challenge_data.tar.gz"))
+                                  epilog=examples("python -m tools.data fetch", "python -m tools.data fetch "
+                                                  "--archive backgrounds_challenge_data.tar.gz"))
     fetch_p.add_argument("--data-path", type=Path, default=None, metavar="DIR",
                          help=f"folder to hold original/, ..., fg_mask/, created if missing (default: ${DATA_ENV} if "
                               f"set, else {DEFAULT_DATA_ROOT}, where the evaluation scripts look)")
@@ -188,8 +188,8 @@ def _size_arg(value: str) -> int:
 def _run_fetch(args: argparse.Namespace) -> int:
     if args.url != RELEASE_URL and args.sha256 is None and args.archive is None:
         log.warning("--url without --sha256: the download's SHA-256 will be reported but not checked")
-    result = fetch(args.data_path or default_data_root(), args.url, args.sha256, args.keep_archive, args.archive, not args.no_progress,
-                   args.timeout)
+    result = fetch(args.data_path or default_data_root(), args.url, args.sha256, args.keep_archive, args.archive,
+                   not args.no_progress, args.timeout)
     print("\n".join(result.lines()))
     return 0
 

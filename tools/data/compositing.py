@@ -1,14 +1,6 @@
-"""Pasting foregrounds onto backgrounds: the one definition the challenge and training share.
-
-Two arithmetics, both on uint8 NCHW images:
-- `composite`: the byte path for 0/1 masks, `(fg & m) | (bg & ~m)` with m = 255 on the foreground (one
-  channel, (N, 1, H, W), for all three colour channels), which equals the original's `bg * (1 - m) + fg * m`
-  exactly and stays in uint8: the model's one gather (`tools.data.pixels.normalised_floats`) then gives the
-  original's normalised floats;
-- `blend`: the original's float arithmetic for any mask values (`--mask-arithmetic original`): the weight
-  is `uint8(mask) * 255` wrapped in uint8, then divided by 255, and the result is `bg * (1 - w) + fg * w`
-  in float32 on the [0, 1] scale, as the original computes it after ToTensor (the bytes become ToTensor's
-  floats through `tools.data.pixels.unit_floats` on every device).
+"""Pasting foregrounds onto backgrounds: the one definition the challenge and training share, on uint8 NCHW
+images. `composite` (0/1 masks) stays in bytes and equals the original's `bg * (1 - m) + fg * m` exactly;
+`blend` (`--mask-arithmetic original`) is the original's float arithmetic for any mask values, reproduced exactly.
 """
 
 from __future__ import annotations
@@ -44,28 +36,21 @@ def byte_masks(masks: torch.Tensor | np.ndarray, channels_last: bool = False) ->
 
 
 def composite(fg: torch.Tensor, bg: torch.Tensor, byte_mask: torch.Tensor) -> torch.Tensor:
-    """uint8 foregrounds where `byte_mask` is 255, backgrounds elsewhere: fg and bg (N, 3, H, W) uint8, byte_mask
-    (N, 1, H, W) uint8 (`byte_masks`), the same in every channel (or its channels-last form for channels-last images).
-
-    Bitwise on bytes: an order of magnitude faster on a CPU than `torch.where` with a broadcast mask, and exact.
-    All three are overwritten in place (pass fresh gathers such as `index_select`, or clones); the result is
-    `fg`'s storage.
-    """
+    """uint8 foregrounds where `byte_mask` (`byte_masks`) is 255, backgrounds elsewhere, as `(fg & m) | (bg & ~m)`:
+    an order of magnitude faster on a CPU than `torch.where` with a broadcast mask, and exact. All three are
+    overwritten in place (pass fresh gathers or clones); the result is `fg`'s storage."""
     out = fg.bitwise_and_(byte_mask)
     return out.bitwise_or_(bg.bitwise_and_(byte_mask.bitwise_not_()))
 
 
 def original_weights(raw: np.ndarray) -> np.ndarray:
-    """The original's mask weight numerators: `uint8(mask) * 255` with uint8 wrap-around, (H, W) uint8.
-
-    A 0/1 mask gives 0/255 (a clean cut-out); 255 gives 1 (weight 1/255); 128 gives 128 (about half)."""
+    """The original's mask weight numerators: `uint8(mask) * 255` with uint8 wrap-around (0/1 gives 0/255, 255
+    gives 1, 128 gives 128)."""
     with np.errstate(over="ignore", invalid="ignore"):
         return raw.astype(np.uint8) * np.uint8(255)
 
 
 def blend(fg: torch.Tensor, bg: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The original's float composite `bg * (1 - w) + fg * w`, w = weights / 255, on the [0, 1] scale.
-
-    fg, bg: uint8 (N, 3, H, W); weights: uint8 (N, 1, H, W) from `original_weights`. Returns float32."""
+    """The original's float composite `bg * (1 - w) + fg * w`, w = `original_weights` / 255, float32 on [0, 1]."""
     w = unit_floats(weights)
     return unit_floats(bg).mul_(1 - w).add_(unit_floats(fg).mul_(w))

@@ -82,13 +82,12 @@ def fetch(data_path: Path, url: str = RELEASE_URL, sha256: str | None = None, ke
           archive: Path | None = None, progress: bool = True, timeout: float = DEFAULT_TIMEOUT_S) -> FetchResult:
     """Download (or take `archive`), check the SHA-256 and extract the release into `data_path`.
 
-    The expected SHA-256 is `sha256`, else the release's own when `url` is the release URL; with
-    another URL and no `sha256` the check is skipped with a warning and the file's hash is reported.
-    The download goes to <data_path>/<name>.part and resumes from it; a downloaded file whose hash is
-    wrong is moved aside to <name>.bad. The extracted files must pass `check_release` before any of them
-    is moved into `data_path`, and a downloaded archive is deleted (unless `keep_archive`) only then, so a
-    retry needs no second download. A file given as `archive` is never moved or deleted. A folder that
-    already holds every variation and fg_mask/ is checked the same way, and is then left as it is.
+    The expected SHA-256 is `sha256`, else the release's own when `url` is the release URL; with another URL and
+    no `sha256` the check is skipped with a warning. The download goes to <data_path>/<name>.part and resumes from
+    it; one whose hash is wrong is moved aside to <name>.bad. A downloaded archive is deleted (unless
+    `keep_archive`) only once its extraction passed `check_release`, so a retry needs no second download; a file
+    given as `archive` is never moved or deleted. A folder that already holds the release is checked alike and
+    left as it is.
     """
     root = Path(data_path)
     present = [name for name in LAYOUT_NAMES if (root / name).exists()]

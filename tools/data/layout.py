@@ -254,7 +254,8 @@ def list_foregrounds(root: Path, split: str = SPLIT) -> list[ForegroundRecord]:
                                                                          (Variation.ORIGINAL.value, image_dir))}
         for name, listing in listings.items():
             if listing.special:
-                log.warning("%s: %s", variation_dir(root, name, split) / cls, not_read_note(listing, listing.files, name))
+                log.warning("%s: %s", variation_dir(root, name, split) / cls,
+                            not_read_note(listing, listing.files, name))
         masks = {Path(f).stem: f for f in listings[MASK_FOLDER].files if is_listed(MASK_FOLDER, f)}
         images = {Path(f).stem: f for f in listings[Variation.ORIGINAL.value].files
                   if is_listed(Variation.ORIGINAL.value, f)}

@@ -8,14 +8,12 @@ as matrix products (where those cells cannot tell the nearest backgrounds apart,
 pixel instead); then the exact mean absolute error, at full resolution and over the same outside pixels, of
 the few best candidates, or of many where they still tie. The best candidate is the match (the one listed
 first among equals), the second its runner-up; a match whose error is not clearly below the runner-up's is
-flagged as doubtful. Boxes are (x0, y0, x1, y1), half-open as in
-tools.data.variations.
+flagged as doubtful. Boxes are (x0, y0, x1, y1), half-open as in tools.data.variations.
 """
 
 from __future__ import annotations
 
 import collections
-import csv
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -28,7 +26,7 @@ from tools.data.variations import Box
 from tools.errors import UserError
 from tools.in9 import MASK_FOLDER, Variation
 from tools.progress import progress_bar
-from tools.provenance import OutputFiles, atomic_write, write_json_atomic
+from tools.provenance import OutputFiles, write_csv_atomic, write_json_atomic
 from tools.threads import map_in_threads
 
 log = logging.getLogger(__name__)
@@ -387,30 +385,16 @@ def _number(value: float | None, digits: int) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 
-def _write_matches(path: Path, matches: list[Match]) -> None:
-    with atomic_write(path, newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(MATCH_COLUMNS)
-        for m in matches:
-            writer.writerow([m.variation, m.image, class_of(m.image), m.background or "",
-                             class_of(m.background) if m.background else "", _number(m.error, 3), m.runner_up or "",
-                             _number(m.runner_up_error, 3), _number(m.ratio, 4), int(m.doubtful)])
-
-
-def _write_boxes(path: Path, boxes: list[MaskBox]) -> None:
-    with atomic_write(path, newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(BOX_COLUMNS)
-        for b in boxes:
-            writer.writerow([b.mask, class_of(b.mask), PurePosixPath(b.mask).stem,
-                             *(b.box if b.box is not None else ("",) * 4), b.foreground_pixels])
-
-
 def write_provenance(result: ProvenanceResult, output: Path) -> list[Path]:
     """Write provenance.csv, boxes.csv and provenance_summary.json into `output`, each atomically."""
     output = Path(output)
     with OutputFiles("fix the cause and rerun the command", result.lines()) as outputs:
-        outputs.write(_write_matches, output / MATCHES_FILE, result.matches)
-        outputs.write(_write_boxes, output / BOXES_FILE, result.boxes)
+        outputs.write(write_csv_atomic, output / MATCHES_FILE, MATCH_COLUMNS, (
+            [m.variation, m.image, class_of(m.image), m.background or "",
+             class_of(m.background) if m.background else "", _number(m.error, 3), m.runner_up or "",
+             _number(m.runner_up_error, 3), _number(m.ratio, 4), int(m.doubtful)] for m in result.matches))
+        outputs.write(write_csv_atomic, output / BOXES_FILE, BOX_COLUMNS, (
+            [b.mask, class_of(b.mask), PurePosixPath(b.mask).stem, *(b.box if b.box is not None else ("",) * 4),
+             b.foreground_pixels] for b in result.boxes))
         outputs.write(write_json_atomic, output / SUMMARY_FILE, result.summary)
     return outputs.written

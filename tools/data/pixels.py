@@ -2,20 +2,11 @@
 every device.
 
 The model's input (`normalised_floats`) is one gather in a (3, 256) table of what the original computes on the
-CPU for each channel and byte value: ToTensor's `v / 255`, then Normalize's `sub_(mean).div_(std)`, in fp32
-(`normalisation_table`). No device, and no compiled code, divides image data: the division happened once, on
-the CPU, for the 768 values an image can hold. The pass is one read of the bytes and one write of the floats,
-where subtracting and dividing on the device took three.
-
-Floats that are not bytes scaled (the original mask arithmetic's blend) are normalised by the model itself;
-their bytes become ToTensor's floats through `unit_floats`.
-
-The original converts on the CPU (ToTensor: a true division by 255). Off the CPU a division by 255 is not
-always one: CUDA's kernel divides by a CPU scalar (a Python number, or a 0-dim CPU tensor) as a
-multiplication by its reciprocal, and torch.compile does so for any constant divisor off the CPU, which gives
-another float for 126 of the 256 byte values, so a near tie could flip on the GPU only. Off the CPU the floats
-are therefore looked up in a table of the CPU's 256 quotients; on the CPU the true division is exact already,
-and a few times faster than a lookup.
+CPU for each channel and byte value (ToTensor's `v / 255`, then Normalize's `sub_(mean).div_(std)`, in fp32), so
+no device and no compiled code divides image data. Off the CPU a division by 255 is not always one: CUDA divides
+by a CPU scalar as a multiplication by its reciprocal, and torch.compile does so for any constant divisor, which
+gives another float for 126 of the 256 byte values (a near tie could flip on the GPU only); so `unit_floats`
+(the blend's floats) looks them up there too, and divides only on the CPU, where it is exact and faster.
 """
 
 from __future__ import annotations
@@ -38,7 +29,7 @@ def unit_floats(images: torch.Tensor) -> torch.Tensor:
 
 
 def table_floats(images: torch.Tensor) -> torch.Tensor:
-    """The same floats as a lookup in the CPU's 256 quotients, moved to the images' device (the path off the CPU)."""
+    """The same floats as a lookup in the CPU's 256 quotients, on the images' device."""
     return _table(images.device)[images.long()]
 
 

@@ -106,8 +106,8 @@ def generate(root: Path, per_class: int = 4, seed: int = 0, size: int = IMAGE_SI
     """Write a dataset with `per_class` images per class in every variation plus fg_mask, and a manifest.
 
     Deterministic for a given seed. `split` names the layout's split folder (val, the release's test data;
-    train for a training set). The manifest (synthetic.json at the root for val, synthetic_<split>.json
-    otherwise, outside every variation) records each image's box and which background each mixed image used.
+    train for a training set). The manifest (`manifest_name`) records each image's box and which background each
+    mixed image used.
     """
     if per_class < 1:
         raise ValueError("per_class must be at least 1")
@@ -174,8 +174,8 @@ class ColorEvidenceModel(nn.Module):
     colour k). With 1000 outputs, class k's score goes to the first ImageNet index mapped to k, a
     constant `unmapped_score` to an unmapped index (predicted when no colour is present: -1, always
     wrong), and every other logit is far below. `sampling="stride"` reads every eighth pixel instead of
-    4x4 means: a model cheaper than decoding an image, for benchmarks of everything but the model. `trunk_width` > 0 adds a real convolutional trunk whose
-    logits enter with a small weight: compute like a small CNN for benchmarks.
+    4x4 means: a model cheaper than decoding an image, for benchmarks of everything but the model. `trunk_width` > 0
+    adds a real convolutional trunk whose logits enter with a small weight: compute like a small CNN for benchmarks.
     """
 
     def __init__(self, num_classes: int = NUM_IN9_CLASSES, fg_weight: float = 4.0, bg_weight: float = 1.0,

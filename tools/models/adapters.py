@@ -336,8 +336,9 @@ def merge_peft_state(classifier: nn.Module, state: dict, peft_state: PeftState, 
                                  rank_pattern={anchored([m]): r for m, r in peft_state.ranks.items() if r != rank})
     else:
         if len(counts) > 1:
-            raise UserError(f"checkpoint {path} is the state dict of a peft-wrapped model with {peft_state.describe()}, "
-                            f"of differing block counts; save the adapter with save_pretrained and pass its folder")
+            raise UserError(f"checkpoint {path} is the state dict of a peft-wrapped model with "
+                            f"{peft_state.describe()}, of differing block counts; save the adapter with "
+                            f"save_pretrained and pass its folder")
         config = peft.OFTConfig(r=rank, oft_block_size=0, target_modules=targets,
                                 modules_to_save=peft_state.saved_modules or None)
         assumed = ", ".join(f"{name}={getattr(config, name)!r}" for name in OFT_UNRECORDED_SETTINGS

@@ -59,7 +59,7 @@ def architecture_family(spec: ModelSpec) -> Family:
 
 def build_architecture(arch: str, num_classes: int, arch_args: dict | None = None) -> nn.Module:
     """An untrained classifier of the architecture with `num_classes` outputs; `arch_args`: the builder's other
-    arguments (those pretrained weights fix, such as a torchvision ViT's image_size: `torchvision_weights_arguments`)."""
+    arguments (those pretrained weights fix, such as a torchvision ViT's image_size)."""
     spec = ModelSpec.parse(arch)
     return architecture_family(spec).build(spec, num_classes, **(arch_args or {}))
 
@@ -99,8 +99,8 @@ def torchvision_architectures() -> list[str]:
 def check_torchvision_architecture(arch: str) -> None:
     names = torchvision_architectures()
     if arch not in names:
-        raise UserError(f"unknown architecture {arch!r}{close_matches(arch, names)}; {option('--arch')} takes a torchvision "
-                        f"classification model name, or timm:NAME with timm installed")
+        raise UserError(f"unknown architecture {arch!r}{close_matches(arch, names)}; {option('--arch')} takes a "
+                        f"torchvision classification model name, or timm:NAME with timm installed")
 
 
 @register_architectures("", libraries=("torchvision",))

@@ -107,10 +107,8 @@ def wrap(classifier: nn.Module, *, num_classes: int, origin: ModelOrigin, normal
          record: ModelRecord, stats: tuple | None = None, stats_origin: str = "") -> LoadedModel:
     """A classifier as a `LoadedModel`, normalising inside with: the source's own statistics (`stats`, e.g.
     a checkpoint's normaliser or CLIP's, named by `stats_origin`) unless --normalize says otherwise, else the
-    class-count rule; the class count and the statistics used go into `record`, the loader's record of the model.
-    Every TorchScript module in it (the classifier itself or a submodule, as a traced module
-    passed to the Python API) has its convolutions rewritten to read the run's flags, as a copy that runs the
-    rewritten code (`torchscript.rewritten`: the same numbers as its eager code)."""
+    class-count rule; the class count and the statistics used go into `record`. Every TorchScript module in it has
+    its convolutions rewritten to read the run's flags (`torchscript.rewritten`)."""
     classifier = torchscript.rewritten(classifier)
     if normalize is Normalization.AUTO and stats is not None:
         mean, std = stats

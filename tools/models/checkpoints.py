@@ -231,12 +231,10 @@ class ReadCheckpoint:
 def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: Normalization, trust: bool,
                     checkpoint_key: str | None, device: torch.device, record: ModelRecord,
                     lora: adapters.LoraScaling | None = None) -> ReadCheckpoint:
-    """The classifier in a checkpoint file, told apart by the file's contents: an export program (of plain tensors
-    and operations unless `trust`) or a trusted TorchScript program as it is, loaded for `device` (the run's) and
-    probed there; a trusted pickled module as it is; else a state
-    dict loaded strictly into `arch` (default: resnet50), on the CPU, a peft-wrapped model's merged (LoRA's
-    scaling from `lora`). The file goes into `record` by its content, a pickled module's code and the peft that
-    merges adapters with it."""
+    """The classifier in a checkpoint file, told apart by its contents (see the module's docstring): a program is
+    loaded for `device` (the run's) and probed there; a state dict is loaded strictly into `arch` (default:
+    resnet50), on the CPU. The file goes into `record` by its content, with a pickled module's code and the peft
+    that merges adapters."""
     if path.is_dir():
         raise UserError(f"checkpoint {path} is a folder without {adapters.ADAPTER_CONFIG}; pass a checkpoint file, "
                         f"or a peft adapter folder on a base model ({option('--arch', 'ARCH@file:ADAPTER_DIR')})")

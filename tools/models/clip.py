@@ -12,10 +12,8 @@ logits are `logit_scale * normalise(image_embedding) @ head.T`, with CLIP's own 
 - `in9`: one prompt set per IN-9 class, named in full ("a photo of a musical instrument", "an insect"). A
   9-class model, which can never be wrong outside the nine groups: not comparable with 1000-class models.
 
-The spec after `clip:` is `ARCH/PRETRAINED`, then options `+head=in9`, `+templates=simple` (`ClipSpec`):
-an open_clip architecture (`open_clip.list_models()`) and a pretrained tag
-(`open_clip.list_pretrained_tags_by_model(ARCH)`) or a local weights file; `ARCH`, `ARCH/` or `ARCH/none`
-ask for a randomly initialised model (seeded, so the same every time), which needs no download: tests use it.
+`ARCH`, `ARCH/` or `ARCH/none` (`parse_spec`) ask for a seeded random initialisation, which needs no download:
+tests use it.
 
 The head is built on the runtime's device in true fp32 and cached by content (the weights, the architecture,
 the tokenizer, the prompts, the device model) in the run's cache (`--cache-dir`), `clip-heads/`; the model's record
@@ -93,10 +91,6 @@ class ClipSpec:
     pretrained: str | None
     head: Head = Head.IMAGENET
     templates: Templates = Templates.OPENAI
-
-
-def _open_clip():
-    return optional_module("open_clip", "a clip: model", "open_clip_torch", "clip")
 
 
 def parse_spec(spec: str) -> ClipSpec:
@@ -195,10 +189,6 @@ class ZeroShotClassifier(nn.Module):
 # ----------------------------------------------------------------------------------------------------------
 # Loading
 
-def _image_size(value) -> tuple[int, int]:
-    return (value, value) if isinstance(value, int) else tuple(int(v) for v in value)
-
-
 def _tensor_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(f"{tuple(tensor.shape)}".encode() + tensor.contiguous().numpy().tobytes()).hexdigest()
 
@@ -239,7 +229,8 @@ def _create(open_clip, arch: str, pretrained: str | None) -> tuple[nn.Module, st
         except Exception as exc:  # noqa: BLE001 (urllib, huggingface_hub and OS errors all mean: not fetched)
             reason = first_line(exc)
             raise UserError(f"cannot download the CLIP weights clip:{arch}/{pretrained} ({reason}); offline, fetch "
-                            f"them elsewhere into open_clip's cache, or pass a local file as clip:{arch}/PATH") from None
+                            f"them elsewhere into open_clip's cache, or pass a local file as clip:{arch}/PATH") \
+                from None
     elif Path(pretrained).is_file():
         path = pretrained
     else:
@@ -281,18 +272,17 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def tokenizer_settings(tokenizer, record: ModelRecord | None = None) -> dict:
-    """What the tokenizer makes of a prompt, besides open_clip's version and the model's configuration (recorded):
-    its class, its plain settings (context length, special token ids, ...) and the cleaning function it applies;
-    for a Hugging Face tokenizer (open_clip's `HFTokenizer`, a SigLIP's, ...), which reads its files from the hub's
-    cache (where a moved refs/main gives others) and cuts the text with transformers and tokenizers, its serialised
-    pipeline's SHA-256 (vocabulary, merges, normalisation, special tokens), its special token ids and padding side.
-    Into `record` go the versions of the libraries that cut the text: those the tokenizer's module calls (open_clip's
-    own tokenizer, open_clip's code and vocabulary, calls ftfy and regex), and transformers and tokenizers."""
+    """What the tokenizer makes of a prompt, besides open_clip's version and the model's configuration: its class,
+    plain settings and cleaning function; for a Hugging Face tokenizer (whose files come from the hub's cache, where
+    a moved refs/main gives others), its serialised pipeline's SHA-256, special token ids and padding side. Into
+    `record` go the versions of the libraries that cut the text (ftfy and regex for open_clip's own; transformers
+    and tokenizers)."""
     settings = {"class": f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"}
     if record is not None and type(tokenizer).__module__ in sys.modules:
         record.libraries_of(sys.modules[type(tokenizer).__module__])
     for name, value in sorted(vars(tokenizer).items()):
-        if isinstance(value, _PLAIN) or (isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value)):
+        if isinstance(value, _PLAIN) or (isinstance(value, (list, tuple))
+                                         and all(isinstance(v, _PLAIN) for v in value)):
             settings[name] = value
         elif callable(value) and hasattr(value, "__qualname__"):  # a cleaning function, as open_clip's code names it
             settings[name] = f"{getattr(value, '__module__', None)}.{value.__qualname__}"
@@ -323,7 +313,8 @@ def preprocess_settings(open_clip, clip_model: nn.Module, what: str) -> dict:
     mean, std, interpolation and resize mode. The 224x224 inputs are square, so every resize mode is one plain
     resize to a square input size."""
     config = open_clip.get_model_preprocess_cfg(clip_model)
-    settings = {"size": list(_image_size(config.get("size", IMAGE_SIZE))),
+    size = config.get("size", IMAGE_SIZE)
+    settings = {"size": [size, size] if isinstance(size, int) else [int(v) for v in size],
                 "mean": [float(v) for v in config["mean"]], "std": [float(v) for v in config["std"]],
                 "interpolation": config.get("interpolation", "bicubic"),
                 "resize_mode": config.get("resize_mode", "shortest")}
@@ -376,12 +367,10 @@ def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, cl
 
 def load_clip(spec: str, record: ModelRecord, runtime: Runtime | None = None, progress: bool = False,
               cache: DecodedCache | None = None) -> LoadedModel:
-    """A zero-shot IN-9 classifier from an open_clip model; `spec` is what follows `clip:`. The text head is
-    built on the runtime's device (default: the CPU) and kept in `cache` (None: neither read nor written); the model
-    is returned on the CPU. `record` gets what makes the model: open_clip's version and its configuration of the
-    architecture (and of the pretrained tag), the weights file (or the seeded random weights), the tokenizer, the
-    pixel pipeline and the text head."""
-    open_clip = _open_clip()
+    """A zero-shot IN-9 classifier from an open_clip model, returned on the CPU; `spec` is what follows `clip:`. The
+    text head is built on the runtime's device (default: the CPU) and kept in `cache` (None: neither read nor
+    written)."""
+    open_clip = optional_module("open_clip", "a clip: model", "open_clip_torch", "clip")
     parsed = parse_spec(spec)
     if parsed.arch not in open_clip.list_models():
         raise UserError(f"unknown open_clip architecture {parsed.arch!r}"

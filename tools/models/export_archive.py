@@ -2,9 +2,10 @@
 
 torch's loader is not a data reader. Besides plain tensors, an archive can make it unpickle with any globals
 (weights or constants marked `use_pickle`, opaque and custom objects, the legacy `.pt` members, and example
-inputs, for which torch falls back to full unpickling; in the older format of torch 2.6, the state dict, constants
-and example inputs, which every torch unpickles with weights_only=False), load compiled AOTInductor libraries, evaluate shape
-expressions with sympy (`eval`), run `guards_code` as Python, and generate Python source from the program's
+inputs, for which torch falls back to full unpickling; in the older format of torch 2.6, the state dict,
+constants and example inputs, which every torch unpickles with weights_only=False), load compiled AOTInductor
+libraries, evaluate shape expressions with sympy (`eval`), run `guards_code` as Python, and generate Python source
+from the program's
 names, targets and signatures (the module it builds is that source). So an archive is data only when
 
 - every member is one the loader reads as tensors, text or JSON, and every pickle in it loads with
@@ -19,10 +20,9 @@ names, targets and signatures (the module it builds is that source). So an archi
 
 The archive is read as each of torch's readers reads it: the members torch's own zip reader (miniz, the format of
 torch >= 2.7) lists and finds by name, and those Python's zipfile lists (torch 2.6's only reader, and later torch's
-fallback to the older format). The
-two can differ in one file (miniz finds a name in any case; it reads the directory the end record's offset names,
-where zipfile takes the one just before the end record), so each view is checked, and names that differ only in
-case are refused.
+fallback to the older format). The two can differ in one file (miniz finds a name in any case; it reads the
+directory the end record's offset names, where zipfile takes the one just before the end record), so each view is
+checked, and names that differ only in case are refused.
 
 `untrusted_content(path)` lists what breaks that; an empty list is a program the toolkit may load.
 """
@@ -90,8 +90,10 @@ NUMBER = re.compile(r"[-+]?[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?")
 NAME_FIELDS = frozenset({"name", "as_name"})
 QUALIFIED_FIELDS = frozenset({"parameter_name", "buffer_name", "tensor_constant_name", "custom_obj_name",
                               "user_input_name"})
-NAME_MAPS = frozenset({"tensor_values", "sym_int_values", "sym_bool_values", "sym_float_values",
-                       "custom_obj_values", "range_constraints", "opset_version", "as_string_to_argument"})
+# tables keyed by names, and the rule for their keys (a payload config's table is keyed by weight names)
+KEYED_TABLES = {**dict.fromkeys(("tensor_values", "sym_int_values", "sym_bool_values", "sym_float_values",
+                                 "custom_obj_values", "range_constraints", "opset_version", "as_string_to_argument",
+                                 "treespec_namedtuple_fields"), DOTTED_IDENTIFIER), "config": QUALIFIED_NAME}
 FREE_TEXT = frozenset({"as_string", "as_strings"})  # written into generated code with repr(): any text
 LIST_FIELDS = frozenset({"as_strings", "forward_arg_names", "field_names", "verifiers", "guards_code"})
 
@@ -240,20 +242,8 @@ def _check_strings(obj, findings: list[str]) -> None:
             for text in (value.values() if isinstance(value, dict) else [value]):
                 if not isinstance(text, str) or "\r" in text:
                     findings.append(f"metadata {_short(text)}")
-        elif key in NAME_MAPS and isinstance(value, dict):
-            for name in value:
-                if not DOTTED_IDENTIFIER.fullmatch(name):
-                    findings.append(f"name {_short(name)}")
-            _check_strings(list(value.values()), findings)
-        elif key == "config" and isinstance(value, dict):  # a payload config's table, keyed by weight names
-            for name in value:
-                if not QUALIFIED_NAME.fullmatch(name):
-                    findings.append(f"name {_short(name)}")
-            _check_strings(list(value.values()), findings)
-        elif key == "treespec_namedtuple_fields" and isinstance(value, dict):
-            for name in value:
-                if not DOTTED_IDENTIFIER.fullmatch(name):
-                    findings.append(f"name {_short(name)}")
+        elif key in KEYED_TABLES and isinstance(value, dict):
+            findings += [f"name {_short(name)}" for name in value if not KEYED_TABLES[key].fullmatch(name)]
             _check_strings(list(value.values()), findings)
         elif isinstance(value, (dict, list)) and key not in LIST_FIELDS:
             _check_strings(value, findings)

@@ -288,12 +288,6 @@ def _processor_settings(transformers, source: str, revision: str | None, config:
     return (mean, std), order, shape, _resample_mode(getattr(processor, "resample", None), what)
 
 
-def _safetensors_error() -> type[Exception]:
-    """What safetensors raises for a file its header misdescribes (offsets or shapes the bytes do not hold)."""
-    safetensors = optional_module("safetensors", "an hf: model", "safetensors", "hf")
-    return getattr(safetensors, "SafetensorError", OSError)
-
-
 def _json(path: Path) -> dict:
     try:
         return read_json(path)
@@ -389,7 +383,9 @@ def load_transformers(name: str, normalize: Normalization, record: ModelRecord, 
         model = transformers.AutoModelForImageClassification.from_pretrained(
             source, revision=revision, trust_remote_code=trust_remote_code, weights_only=True, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 (transformers validates a config and reads weights with errors of many types)
-        if isinstance(exc, (pickle.UnpicklingError, _safetensors_error())):
+        # SafetensorError: a file whose header misdescribes it (offsets or shapes the bytes do not hold)
+        safetensors = optional_module("safetensors", "an hf: model", "safetensors", "hf")
+        if isinstance(exc, (pickle.UnpicklingError, safetensors.SafetensorError)):
             raise UserError(f"cannot load {what} safely (safetensors or weights_only unpickling): "
                             f"{error_summary(exc, lines=1)}") from None
         if isinstance(exc, (ImportError, AttributeError)) and config.get("auto_map"):  # trusted code not there

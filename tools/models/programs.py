@@ -116,7 +116,7 @@ def exported_module(program, device: torch.device) -> tuple[ExportedModule, set[
     """A torch.export program (`ExportedProgram`) as a module on `device`, the devices its code names moved there
     too (torch's move_to_device_pass); and the devices its code named."""
     from torch.export.passes import move_to_device_pass  # noqa: PLC0415 (torch.export loads only for programs)
-    named = _export_devices(program)
+    named = graph_devices(program.graph_module)
     return ExportedModule(move_to_device_pass(program, device).module(), "export", device, bool(named)), named
 
 
@@ -184,8 +184,8 @@ def check_program_trusted(path: Path, kind: str, trust: bool) -> None:
         raise UserError(f"checkpoint {path} is a TorchScript program, which is code (it can read and write any file) "
                         f"that the toolkit cannot check; if you trust the file, rerun with "
                         f"{option('--trust-checkpoint')}, or save the model as a state dict "
-                        f"(torch.save(model.state_dict(), PATH), read with {option('--arch')}) or a torch.export program "
-                        f"(torch.export.save)")
+                        f"(torch.save(model.state_dict(), PATH), read with {option('--arch')}) or a torch.export "
+                        f"program (torch.export.save)")
     try:
         found = export_archive.untrusted_content(path)
     except (zipfile.BadZipFile, zlib.error, OSError, EOFError, NotImplementedError, ValueError) as exc:
@@ -194,11 +194,6 @@ def check_program_trusted(path: Path, kind: str, trust: bool) -> None:
         raise UserError(f"checkpoint {path} is a torch.export program with more than tensors and tensor operations "
                         f"({key_list(found, limit=3)}), which would run code when loaded; if you trust the file, "
                         f"rerun with {option('--trust-checkpoint')}")
-
-
-def _export_devices(program) -> set[str]:
-    """The devices the operations of an exported program are given (tensor-creating ones, `to`)."""
-    return graph_devices(program.graph_module)
 
 
 def _read_program(path: Path, kind: str, device: torch.device):

@@ -13,9 +13,9 @@ A record holds four things, each put there by the code that gives or reads it:
   encoded on the run's device; seeded random weights, drawn by the installed torch), by digest.
 
 The identity (`digest`) is the SHA-256 of all four (files by role and hash): the same inputs give the same
-identity wherever the files lie, and another input another. The results' provenance shows
-the record (`describe`), resume states and the zoo's "already done" are keyed by its digest. A record is closed
-(`close`) once its model is built: what is recorded later is a bug.
+identity wherever the files lie, and another input another. The results' provenance shows the record
+(`describe`); resume states and the zoo's "already done" are keyed by its digest. A record is closed (`close`)
+once its model is built: what is recorded later is a bug.
 """
 
 from __future__ import annotations
@@ -167,26 +167,16 @@ def _kept_code(value, depth: int = 0) -> list:
     return []
 
 
-def _hooks(module: nn.Module) -> list:
-    """The hooks a module runs around its forward pass (which may change its output), pre-hooks first, in order."""
-    return [hook for hooks in (module._forward_pre_hooks, module._forward_hooks) for hook in hooks.values()]
-
-
 def _hook_values(module: nn.Module) -> dict:
     """Which hooks a module runs, in order, each as `_configuration_value` gives it (their code and closures are
     recorded apart), and whether it is given the keyword arguments: a hook's place and count change the output."""
     described = {}
     for kind, hooks, with_kwargs in (("forward pre-hooks", module._forward_pre_hooks,
-                                      getattr(module, "_forward_pre_hooks_with_kwargs", {})),
-                                     ("forward hooks", module._forward_hooks,
-                                      getattr(module, "_forward_hooks_with_kwargs", {}))):
+                                      module._forward_pre_hooks_with_kwargs),
+                                     ("forward hooks", module._forward_hooks, module._forward_hooks_with_kwargs)):
         if hooks:
-            described[kind] = [[_hook_value(hook), key in with_kwargs] for key, hook in hooks.items()]
+            described[kind] = [[described_value(hook), key in with_kwargs] for key, hook in hooks.items()]
     return described
-
-
-def _hook_value(hook):
-    return described_value(hook)
 
 
 def described_value(value):
@@ -267,8 +257,8 @@ def _all_or_skipped(items):
 def _configuration_value(value, depth: int = 0, within: frozenset = frozenset()):
     """A value a module was built with as JSON: plain values (numpy's scalars, slices, ranges, bytes too), tensors by
     digest, functions and classes by name, lists, sets and mappings of them, and a settings object
-    (`_settings_object`) as its class, public attributes and private plain values; `_SKIPPED` for the rest. `within`: the ids of the
-    lists, mappings and objects being walked, each met again (a cycle) recorded as `CYCLE`."""
+    (`_settings_object`) as its class, public attributes and private plain values; `_SKIPPED` for the rest.
+    `within`: the ids of the lists, mappings and objects being walked, each met again (a cycle) recorded as `CYCLE`."""
     if isinstance(value, (list, tuple, dict, set, frozenset)):
         if id(value) in within:
             return CYCLE
@@ -387,12 +377,12 @@ def _content(settings: dict, libraries: dict, files: dict, computed: dict) -> di
 
 
 class ModelRecord:
-    """Everything that reached a model's loader (see the module's docstring); `digest` is the model's identity."""
+    """Everything that reached a model's loader; `digest` is the model's identity."""
 
     def __init__(self):
         self.settings: dict[str, object] = {}
         self.files: dict[str, dict] = {}  # role -> {"path" or "paths", "sha256"}
-        self.libraries: dict[str, str | None] = {TOOLKIT: __version__}  # this loader's own version
+        self.libraries: dict[str, str | None] = {TOOLKIT: __version__}
         self.computed: dict[str, object] = {}
         self._hashes: dict[Path, str] = {}  # each file hashed once per record
         self._closed = False
@@ -482,7 +472,8 @@ class ModelRecord:
                 continue
             self._code_of(type(module), seen)
             kept = [value for key, value in sorted(vars(module).items()) if not key.startswith("_")]
-            for code in _kept_code(_hooks(module) + kept):
+            hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+            for code in _kept_code(hooks + kept):
                 self._code_of(code, seen)
         self.setting("module configuration", _configuration_digest(model))
 
@@ -528,8 +519,7 @@ class ModelRecord:
             numbered = f"{name} #{count}"
         self.setting(numbered, value)
 
-    def close(self) -> None:
-        """The model is built: nothing more may be recorded."""
+    def close(self) -> None:  # the model is built: nothing more may be recorded
         self._closed = True
 
     @property

@@ -53,9 +53,11 @@ def timm_training_weights(obj) -> tuple[str, str]:
     if not has_ema:
         return "state_dict", "the model's weights (it kept no EMA)"
     if args.get("model_ema_force_cpu"):
-        return "state_dict", "the model's weights: its EMA stayed on the CPU unvalidated (timm's `--model-ema-force-cpu`)"
+        return "state_dict", ("the model's weights: its EMA stayed on the CPU unvalidated (timm's "
+                              "`--model-ema-force-cpu`)")
     if not args.get("val_split", "validation"):  # timm's default split when its args predate the setting
-        return "state_dict", "the model's weights: no validation split (timm's `--val-split ''`), so no EMA was validated"
+        return "state_dict", ("the model's weights: no validation split (timm's `--val-split ''`), so no EMA was "
+                              "validated")
     return "state_dict_ema", "the EMA's weights, by whose validation timm's train.py ranked it"
 
 

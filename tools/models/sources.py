@@ -8,9 +8,9 @@ the logits. The sources:
 `resnet50` (no prefix: a torchvision architecture with its pretrained weights), `timm:NAME`, `toolkit:NAME`,
 `file:PATH` (a checkpoint file; `--checkpoint PATH` is the same source), `clip:ARCH/PRETRAINED`
 (CLIP zero-shot, by default over the 1000 ImageNet class names) and `hf:ORG/NAME` or `hf:PATH` (a transformers
-image classifier). `timm:` and `hf:` read the Hugging Face Hub cache (`tools.models.hub`). With a checkpoint (`--checkpoint` or
-`ARCH@file:PATH`), the architecture named (`tools.models.architectures`) is built and the file's weights
-loaded into it. Adding a source (CLIP zero-shot, a model hub) is one function and its registration.
+image classifier). `timm:` and `hf:` read the Hugging Face Hub cache (`tools.models.hub`). With a checkpoint
+(`--checkpoint` or `ARCH@file:PATH`), the architecture named (`tools.models.architectures`) is built and the file's
+weights loaded into it.
 """
 
 from __future__ import annotations

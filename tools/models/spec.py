@@ -10,9 +10,9 @@
 PREFIX (`word:`) picks a model source, and for an architecture its family (no prefix: torchvision); what a
 prefix means is the registries' business (`tools.models.list_sources()`), so that parsing needs neither. A
 family's tag follows its separator: timm's pretrained tag after `.`, open_clip's pretrained weights (and
-options) after `/`; a timm hub name (`hf-hub:ORG/NAME`, whose NAME may hold dots) has no tag. Only `@file:` separates
-a checkpoint: an `@` elsewhere belongs to the name (`hf:ORG/NAME@REVISION`, `hf:/runs/vit@ep10`), except in a
-torchvision name, where it is refused as a file named without `file:`. A name round-trips:
+options) after `/`; a timm hub name (`hf-hub:ORG/NAME`, whose NAME may hold dots) has no tag. Only `@file:`
+separates a checkpoint: an `@` elsewhere belongs to the name (`hf:ORG/NAME@REVISION`, `hf:/runs/vit@ep10`),
+except in a torchvision name, where it is refused as a file named without `file:`. A name round-trips:
 `str(ModelSpec.parse(text)) == text`.
 """
 

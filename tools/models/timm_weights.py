@@ -3,9 +3,8 @@
 The weights come through timm's own loading (`timm.create_model(name, pretrained=True)`: the Hugging Face Hub
 cache, `HF_HUB_OFFLINE` honoured, or torch's hub cache for weights at a URL; safetensors or `weights_only`
 unpickling, which timm does on every such path from `SAFE_TIMM` on: older timm is refused), the mean/std, input
-size and
-interpolation from the model's pretrained config (`timm.data.resolve_data_config`); inputs of another size
-than 224x224 are resized inside the model. The model's record holds the tag, the weights file timm read, the data
+size and interpolation from the model's pretrained config (`timm.data.resolve_data_config`); inputs of another
+size than 224x224 are resized inside the model. The model's record holds the tag, the weights file timm read, the data
 config, timm's version and, for a hub name, the hub's config.json, which timm builds it from (a registered name's
 config comes from timm's registry: a config.json beside its weights is not read, nor recorded).
 `--weights none` builds the architecture with seeded random weights instead.
@@ -49,7 +48,8 @@ def check_safe_timm(timm, spec: ModelSpec) -> None:
         floor = ".".join(map(str, SAFE_TIMM))
         raise UserError(f"timm {timm.__version__} may unpickle the pretrained weights of {spec} without "
                         f"weights_only (code in the file would run); pretrained timm weights need timm>={floor}: "
-                        f"run `pip install 'timm>={floor}'` ({option('--weights', RANDOM_WEIGHTS)} works with this timm)")
+                        f"run `pip install 'timm>={floor}'` ({option('--weights', RANDOM_WEIGHTS)} works with this "
+                        f"timm)")
 
 
 def _random_model(timm, name: str) -> nn.Module:
@@ -201,12 +201,12 @@ def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Norma
     timm = timm_module(spec)
     check_timm_name(timm, spec)
     if in9:
-        raise UserError(f"{option('--in9')} needs {option('--checkpoint', 'PATH')}: timm's pretrained weights of {spec} "
-                        f"are ImageNet's")
+        raise UserError(f"{option('--in9')} needs {option('--checkpoint', 'PATH')}: timm's pretrained weights of "
+                        f"{spec} are ImageNet's")
     random_init = weights is not None and weights.lower() == RANDOM_WEIGHTS
     if weights is not None and not random_init:
-        raise UserError(f"{option('--weights')} takes only {RANDOM_WEIGHTS} for {spec}: the tag after the name picks timm's "
-                        f"pretrained weights ({TIMM_PREFIX}NAME.TAG)")
+        raise UserError(f"{option('--weights')} takes only {RANDOM_WEIGHTS} for {spec}: the tag after the name "
+                        f"picks timm's pretrained weights ({TIMM_PREFIX}NAME.TAG)")
     cfg = None
     if not random_init:
         check_safe_timm(timm, spec)

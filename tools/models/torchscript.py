@@ -20,9 +20,8 @@ whose backend is chosen when it runs (`tools.runtime.exact_kernels`). Not rewrit
 bits: `aten::_native_multi_head_attention`, which a MultiheadAttention traced under no_grad records and which the
 `mha_fastpath` switch cannot reach; it still computes in fp32, by another kernel than the math backend.
 
-A program that has run once (tracing runs it, to check the trace) keeps running the code it ran first: its graph
-executor holds a copy of the graph, which no later rewrite reaches. A program in memory (one handed to the Python
-API) is therefore rewritten as a copy, saved and loaded again, that has not run yet (`rewritten`).
+A program that has run once (tracing runs it) keeps running the code it ran first, which no later rewrite
+reaches: a program in memory is rewritten as a fresh copy (`rewritten`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Which backgrounds fool a model, redone from the challenge's saved prediction matrix without the model.
 
-Run as `python -m tools.results.analysis OUTPUT_DIR` on the --output-dir of `challenge_eval.py --full`
-(the files `tools.results.matrix` reads).
-
-Definitions (all over the saved matrix `predictions[i, j]`, the IN-9 prediction for foreground i pasted
-on background j; -1 is an ImageNet class outside IN-9):
+Run as `python -m tools.results.analysis OUTPUT_DIR` on the --output-dir of `challenge_eval.py --full`.
+Definitions, over the matrix `predictions[i, j]` (`tools.results.matrix`):
 
 - ASR (attack success rate) of background j of class c: among foregrounds of classes other than c, the
   fraction whose composite with j is predicted c.
@@ -15,10 +12,8 @@ on background j; -1 is an ImageNet class outside IN-9):
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +23,7 @@ from tools.cli import ArgumentParser, add_log_level_argument, examples, run_main
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT, default_data_root
 from tools.errors import UserError
 from tools.in9 import NUM_IN9_CLASSES, class_names
-from tools.provenance import atomic_write, check_outputs, write_json_atomic
+from tools.provenance import check_outputs, write_csv_atomic, write_json_atomic
 from tools.results.figures import (
     MUTED,
     PLACEHOLDER,
@@ -39,7 +34,7 @@ from tools.results.figures import (
     new_canvas,
     save_png,
 )
-from tools.results.matrix import ChallengeMatrix, load_matrix
+from tools.results.matrix import ChallengeMatrix, load_matrix, require_two_classes
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +125,8 @@ def fooling_confusion(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels:
 
 
 def fooling_examples(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.ndarray, fooled: np.ndarray,
-                     per_class: int, criterion: str = "any", num_classes: int = NUM_IN9_CLASSES) -> list[tuple[int, int]]:
+                     per_class: int, criterion: str = "any",
+                     num_classes: int = NUM_IN9_CLASSES) -> list[tuple[int, int]]:
     """Per foreground class, its first `per_class` foregrounds (in index order) that are vulnerable under the run's
     `criterion` (`tools.challenge.scheduler.fooling`), each as (foreground, background): of the backgrounds that
     fool it, the one that fools the most foregrounds (`fooled`, per background; ties go to the lower index)."""
@@ -281,35 +277,30 @@ def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str
 # ----------------------------------------------------------------------------------------------------------
 # Writing everything
 
-def _write_csv(path: Path, header: Sequence[str], rows) -> None:
-    with atomic_write(path, newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(header)
-        writer.writerows(rows)
-
-
-def write_analysis(output_dir: Path | str, data_path: Path | str | None = None, top_k: int = DEFAULT_TOP_K) -> dict:
-    """Analyse the saved matrix in `output_dir` and write asr.csv, top_backgrounds.csv, asr_histogram.csv,
-    analysis.json and top_backgrounds.png there; returns the summary (the content of analysis.json).
+def write_analysis(output_dir: Path | str, data_path: Path | str | None = None, top_k: int = DEFAULT_TOP_K,
+                   matrix: ChallengeMatrix | None = None) -> dict:
+    """Analyse `matrix` (None: the one saved in `output_dir`) and write asr.csv, top_backgrounds.csv,
+    asr_histogram.csv, analysis.json and top_backgrounds.png to `output_dir`; returns the summary (analysis.json).
 
     `data_path` is the data folder the figure's background images are read from, only from inside it (None: no
     images, grey placeholders); never the folder the saved files name, which are results anyone may have edited.
     """
     output_dir = Path(output_dir)
-    matrix = load_matrix(output_dir)
+    matrix = load_matrix(output_dir) if matrix is None else require_two_classes(matrix, output_dir)
     summary, fooled, eligible = analyze(matrix, top_k)
     summary["data_path"] = None if data_path is None else str(Path(data_path).resolve())
     names = class_names()
     asr = fooled / np.maximum(eligible, 1)
-    _write_csv(output_dir / ASR_FILE, ["index", "stem", "class", "asr", "fooled", "eligible"],
-               ([j, stem, names[matrix.bg_labels[j]], round(float(asr[j]), ROUND), int(fooled[j]), int(eligible[j])]
-                for j, stem in enumerate(matrix.bg_stems)))
-    _write_csv(output_dir / TOP_FILE, ["class", "rank", "index", "stem", "asr", "fooled", "eligible", "image"],
-               ([name, e["rank"], e["index"], e["stem"], e["asr"], e["fooled"], e["eligible"], e["image"]]
-                for name in names for e in summary["per_class"][name]["top_backgrounds"]))
+    write_csv_atomic(output_dir / ASR_FILE, ["index", "stem", "class", "asr", "fooled", "eligible"],
+                     ([j, stem, names[matrix.bg_labels[j]], round(float(asr[j]), ROUND), int(fooled[j]),
+                       int(eligible[j])] for j, stem in enumerate(matrix.bg_stems)))
+    write_csv_atomic(output_dir / TOP_FILE, ["class", "rank", "index", "stem", "asr", "fooled", "eligible", "image"],
+                     ([name, e["rank"], e["index"], e["stem"], e["asr"], e["fooled"], e["eligible"], e["image"]]
+                      for name in names for e in summary["per_class"][name]["top_backgrounds"]))
     edges = summary["histogram_edges"]
-    _write_csv(output_dir / HISTOGRAM_FILE, ["class", *(f"{lo:g}-{hi:g}" for lo, hi in zip(edges, edges[1:]))],
-               ([name, *summary["per_class"][name]["asr_histogram"]] for name in names))
+    write_csv_atomic(output_dir / HISTOGRAM_FILE,
+                     ["class", *(f"{lo:g}-{hi:g}" for lo, hi in zip(edges, edges[1:]))],
+                     ([name, *summary["per_class"][name]["asr_histogram"]] for name in names))
     draw_top_backgrounds(summary, data_path, output_dir / FIGURE_FILE)
     summary["output_dir"] = str(output_dir.resolve())
     write_json_atomic(output_dir / SUMMARY_FILE, summary)

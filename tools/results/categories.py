@@ -32,8 +32,6 @@ CATEGORY_TITLES = {
     Category.BG_FOOLS: "BG Fools",
     Category.OTHER: "Other",
 }
-# The three variations the categories are read from: the full image, its foreground on a random background,
-# and its background alone.
 CATEGORY_VARIATIONS = {"full": Variation.ORIGINAL.value, "foreground": Variation.MIXED_RAND.value,
                        "background": Variation.ONLY_BG_T.value}
 

@@ -81,8 +81,8 @@ def line_chart(points: list[tuple[float, float]], title: str, label: str) -> str
     width, height, pad = 480, 160, 40
     finite = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
     left_out = len(points) - len(finite)
-    note = (f'<p class="missing">{esc(title)}: {left_out} values that are not finite (NaN or infinite) are not drawn.</p>'
-            if left_out else "")
+    note = (f'<p class="missing">{esc(title)}: {left_out} values that are not finite (NaN or infinite) are not '
+            f'drawn.</p>' if left_out else "")
     if not finite:
         return note
     points = finite
@@ -93,7 +93,8 @@ def line_chart(points: list[tuple[float, float]], title: str, label: str) -> str
     line = " ".join(f"{pad + (x - x0) * sx:.1f},{height - pad - (y - y0) * sy:.1f}" for x, y in points)
     return (f'<svg role="img" aria-label="{esc(title)}" width="{width}" height="{height}" '
             f'xmlns="http://www.w3.org/2000/svg"><title>{esc(title)}</title>'
-            f'<rect x="{pad}" y="{pad}" width="{width - 2 * pad}" height="{height - 2 * pad}" fill="none" stroke="#999"/>'
+            f'<rect x="{pad}" y="{pad}" width="{width - 2 * pad}" height="{height - 2 * pad}" fill="none" '
+            f'stroke="#999"/>'
             f'<polyline points="{line}" fill="none" stroke="#3b6fb6" stroke-width="2"/>'
             f'<text x="{pad}" y="20" font-size="13">{esc(title)}</text>'
             f'<text x="2" y="{pad + 4}" font-size="11">{y1:.3g}</text>'
@@ -157,7 +158,8 @@ def challenge_section(challenge: dict | None) -> str:
     body = [f'<p><strong>Challenge accuracy: <span id="challenge-accuracy" data-value="{esc(accuracy)}">'
             f'{accuracy:.2f}%</span>.</strong> {esc(report.vulnerable_sentence(challenge, markdown=False))}</p>']
     if rows:
-        body += [bar_chart(bars, "Challenge accuracy per class"), table(report.CHALLENGE_HEADER, rows, "challenge", True)]
+        body += [bar_chart(bars, "Challenge accuracy per class"),
+                 table(report.CHALLENGE_HEADER, rows, "challenge", True)]
     cost = report.cost_sentence(challenge)
     if cost:
         body.append(f"<p>Cost: {esc(cost)}</p>")
@@ -213,7 +215,8 @@ def analysis_section(analysis: dict | None, data_path: Path | None = None) -> st
                             if thumb is not None else f"<figure><figcaption>{esc(e['stem'])}: {esc(caption)}"
                                                       f"</figcaption></figure>")
         grid.append(f'<div class="row"><div class="label">{esc(name)}</div>{"".join(pictures)}</div>')
-    body += [f"<h3>Top-{esc(analysis['top_k'])} backgrounds per class (ASR)</h3>", f'<div class="grid">{"".join(grid)}</div>',
+    body += [f"<h3>Top-{esc(analysis['top_k'])} backgrounds per class (ASR)</h3>",
+             f'<div class="grid">{"".join(grid)}</div>',
              table(["Class", "Fool rate", "Backgrounds", "Mean ASR", "Max ASR", "Top backgrounds (ASR)"], rows,
                    "analysis", True)]
     body.append(_matrix_parts(analysis, names, images if readable else None))
@@ -399,9 +402,10 @@ def training_section(output_dir: Path | None, results: tuple[dict, dict | None] 
                             "challenge": _read_json(output_dir / name / "challenge.json")}
                      for name in (TRAINED_EVAL_DIR, START_EVAL_DIR)}
         if evaluated[TRAINED_EVAL_DIR]["in9"] is None:
-            raise UserError(f"{output_dir} holds no {TRAINED_EVAL_DIR}/in9.json; pass the --output-dir of a train.py run "
-                            f"with --eval-data")
-        results = (evaluated[TRAINED_EVAL_DIR], evaluated[START_EVAL_DIR] if evaluated[START_EVAL_DIR]["in9"] is not None else None)
+            raise UserError(f"{output_dir} holds no {TRAINED_EVAL_DIR}/in9.json; pass the --output-dir of a train.py "
+                            f"run with --eval-data")
+        start = evaluated[START_EVAL_DIR]
+        results = (evaluated[TRAINED_EVAL_DIR], start if start["in9"] is not None else None)
     trained, start = results
     try:
         lines = (output_dir / TRAINING_LOG).read_text(encoding="utf-8").splitlines()

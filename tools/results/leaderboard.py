@@ -1,20 +1,16 @@
 """The leaderboard: one row per model from the zoo's results files, plus the published rows, as Markdown,
 CSV and a PNG plot of BG-gap against challenge accuracy (drawn with `tools.results.figures`).
 
-Rows are sorted by challenge accuracy, best first; rows without one come last. Published rows
+Rows (`Row`) are sorted by challenge accuracy, best first; rows without one come last. Published rows
 (tools/resources/published.json) are quoted from their sources and marked `published`; rows computed
-from results files are `measured`. Each row names its source (torchvision, timm, hf, clip, file), weights tag
-and the short SHA-256 of its weights file, and says what its model predicts over (1000 ImageNet classes
-through the map, or the nine IN-9 classes) and, for CLIP, which zero-shot head and templates; a published
-row's note says how its source ran the model where that differs from the scripts.
+from results files are `measured`.
 
 One table model (`leaderboard_table`: intro, tables, caveat notes) feeds both leaderboard.md and the HTML
 report's leaderboard, so both say when rows are not comparable (9- against 1000-class, another criterion, other
 data). Rows are ranked only beside rows made alike: the measured rows are grouped by their runs' settings that can
-change a number (`run_settings`: versions, device, precision, compilation, batch size, criterion, mask arithmetic, ...),
-each group is its own table under a caption that says how its rows were made, with a warning when there are
-several. The published rows, measured on the release, are added (to each table) only where every measured row used
-the release's test set (`used_release`, which the report's published table also goes by).
+change a number (`run_settings`), each group is its own table under a caption that says how its rows were made,
+with a warning when there are several. The published rows, measured on the release, are added (to each table)
+only where every measured row used the release's test set (`used_release`, as the report's published table).
 """
 
 from __future__ import annotations
@@ -83,7 +79,7 @@ COLUMNS = [f.name for f in fields(Row)]
 
 def provenance_hash(payload: dict) -> str:
     """A short SHA-256 of a results file's provenance (both runs), canonical JSON."""
-    prov = {"in9": payload.get("in9", {}).get("provenance"), "challenge": payload.get("challenge", {}).get("provenance")}
+    prov = {run: payload.get(run, {}).get("provenance") for run in ("in9", "challenge")}
     return hashlib.sha256(json.dumps(prov, sort_keys=True).encode()).hexdigest()[:HASH_CHARS]
 
 
@@ -227,10 +223,11 @@ def classes_notes(rows: list[Row]) -> list[Note]:
                           "9-class rows are not comparable with the 1000-class rows.", True))
     if any(row.zero_shot for row in rows):
         notes.append(Note("CLIP rows are zero-shot: each class's prompts (its name in every template) are encoded by "
-                          "CLIP's text tower and averaged into one row of a fixed head. The `imagenet` head scores over "
-                          "open_clip's 1000 ImageNet class names (CLIP's standard ImageNet classifier) through the same "
-                          "map as every 1000-class model; the `in9` head over nine prompts, one set per IN-9 class by "
-                          "its full name. Templates: `openai` (CLIP's 80) or `simple` (open_clip's 7)."))
+                          "CLIP's text tower and averaged into one row of a fixed head. The `imagenet` head "
+                          "scores over open_clip's 1000 ImageNet class names (CLIP's standard ImageNet classifier) "
+                          "through the same map as every 1000-class model; the `in9` head over nine prompts, one set "
+                          "per IN-9 class by its full name. Templates: `openai` (CLIP's 80) or `simple` "
+                          "(open_clip's 7)."))
     return notes
 
 
@@ -302,8 +299,8 @@ def leaderboard_table(rows: list[Row], published_withheld: bool = False) -> Lead
             notes.append(Note("The measured rows come from different data: they are not comparable.", True))
     others = sorted({row.criterion for row in rows if row.criterion not in (None, "any")})
     if others:
-        notes.append(Note(f"Some measured rows use the challenge criterion {', '.join(map(code, others))}, not `any`: their "
-                          f"challenge accuracy is not comparable (the Criterion column).", True))
+        notes.append(Note(f"Some measured rows use the challenge criterion {', '.join(map(code, others))}, not "
+                          f"`any`: their challenge accuracy is not comparable (the Criterion column).", True))
     if published_withheld:
         notes.append(Note(f"The published rows are left out: they compare only with runs on the release's test set "
                           f"({RELEASE_IMAGES_PER_CLASS} images of every class in every variation), and some measured "
@@ -353,11 +350,6 @@ def nice_ticks(low: float, high: float, count: int = 8) -> list[float]:
     return ticks
 
 
-def plotted(rows: list[Row]) -> list[Row]:
-    """The rows with both coordinates."""
-    return [r for r in rows if r.bg_gap is not None and r.challenge_accuracy is not None]
-
-
 def _marker(draw, x: float, y: float, kind: str) -> None:
     """A disc for a measured row, a square for a published one."""
     shape = draw.rectangle if kind == PUBLISHED else draw.ellipse
@@ -366,7 +358,7 @@ def _marker(draw, x: float, y: float, kind: str) -> None:
 
 def draw_plot(rows: list[Row], path: Path | str) -> list[Row]:
     """BG-gap (x) against challenge accuracy (y), one labelled point per row that has both; returns those rows."""
-    points = plotted(rows)
+    points = [r for r in rows if r.bg_gap is not None and r.challenge_accuracy is not None]
     width, height = PLOT_SIZE
     left, top, right, bottom = MARGIN
     canvas, draw = new_canvas(PLOT_SIZE)

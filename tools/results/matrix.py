@@ -9,6 +9,7 @@ for, `challenge_meta.json` where the data was and how the run was made.
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,7 +18,7 @@ import numpy as np
 
 from tools.errors import NUMPY_READ_ERRORS, UserError, key_list
 from tools.in9 import NUM_IN9_CLASSES, UNMAPPED
-from tools.provenance import atomic_write, read_json, read_npy, write_json_atomic
+from tools.provenance import atomic_write, read_json, read_npy, write_csv_atomic, write_json_atomic
 
 if TYPE_CHECKING:
     from tools.challenge import ChallengeResult
@@ -45,25 +46,34 @@ class ChallengeMatrix:
     fg_masks: list[str] = field(default_factory=list)  # relative to the data root
 
 
-def write_matrix(output_dir: Path | str, result: ChallengeResult, data_path: Path | str, num_classes: int) -> None:
-    """The prediction matrix of a --full challenge `result` and its index files, under `output_dir`; `data_path` is
-    the data root the run read (the analysis finds the background images there)."""
+def write_matrix(output_dir: Path | str, result: ChallengeResult, data_path: Path | str,
+                 num_classes: int) -> ChallengeMatrix:
+    """Write the prediction matrix of a --full challenge `result` and its index files under `output_dir`; returns
+    what they hold, for the analysis. `data_path` is the data root the run read (where the analysis finds the
+    background images)."""
     output_dir = Path(output_dir)
+    fgs, bgs = result.data.foregrounds, result.data.backgrounds
+    meta = {"data_path": str(Path(data_path).resolve()), "criterion": result.criterion.value,
+            "num_classes": num_classes, "provenance": result.provenance}
     with atomic_write(output_dir / PREDICTIONS_FILE, "wb") as fh:
         np.save(fh, result.state.matrix)
-    with atomic_write(output_dir / FOREGROUNDS_FILE, newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(FOREGROUND_COLUMNS)
-        for i, r in enumerate(result.data.foregrounds):
-            writer.writerow([i, r.stem, r.label, r.image_relpath, r.mask_relpath])
-    with atomic_write(output_dir / BACKGROUNDS_FILE, newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(BACKGROUND_COLUMNS)
-        for i, r in enumerate(result.data.backgrounds):
-            writer.writerow([i, r.stem, r.label, r.relpath])
-    write_json_atomic(output_dir / META_FILE,
-                      {"data_path": str(Path(data_path).resolve()), "criterion": result.criterion.value,
-                       "num_classes": num_classes, "provenance": result.provenance})
+    write_csv_atomic(output_dir / FOREGROUNDS_FILE, FOREGROUND_COLUMNS,
+                     ([i, r.stem, r.label, r.image_relpath, r.mask_relpath] for i, r in enumerate(fgs)))
+    write_csv_atomic(output_dir / BACKGROUNDS_FILE, BACKGROUND_COLUMNS,
+                     ([i, r.stem, r.label, r.relpath] for i, r in enumerate(bgs)))
+    write_json_atomic(output_dir / META_FILE, meta)
+    return ChallengeMatrix(
+        predictions=result.state.matrix.astype(np.int64), fg_labels=result.data.fg_labels,
+        fg_stems=[r.stem for r in fgs], bg_labels=result.data.bg_labels, bg_stems=[r.stem for r in bgs],
+        bg_images=[str(r.relpath) for r in bgs], meta=json.loads(json.dumps(meta)),
+        fg_images=[str(r.image_relpath) for r in fgs], fg_masks=[str(r.mask_relpath) for r in fgs])
+
+
+def require_two_classes(matrix: ChallengeMatrix, output_dir: Path) -> ChallengeMatrix:
+    if len(np.unique(matrix.fg_labels)) < 2:
+        raise UserError(f"{output_dir / FOREGROUNDS_FILE} has foregrounds of fewer than two classes; ASR and fool "
+                        f"rates compare a class's backgrounds with the other classes' foregrounds")
+    return matrix
 
 
 def _read_index_csv(path: Path, columns: list[str]) -> list[dict]:
@@ -75,8 +85,8 @@ def _read_index_csv(path: Path, columns: list[str]) -> list[dict]:
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc}") from None
     if header != columns:
-        raise UserError(f"{path} has columns {key_list(header, separator=',') or '(none)'}, expected {','.join(columns)}; "
-                        f"it was not written by challenge_eval.py --full (rerun it)")
+        raise UserError(f"{path} has columns {key_list(header, separator=',') or '(none)'}, expected "
+                        f"{','.join(columns)}; it was not written by challenge_eval.py --full (rerun it)")
     for position, row in enumerate(rows):
         try:
             index, label = int(row["index"]), int(row["label"])
@@ -124,12 +134,9 @@ def load_matrix(output_dir: Path | str) -> ChallengeMatrix:
     if predictions.size and (predictions.min() < UNMAPPED or predictions.max() >= NUM_IN9_CLASSES):
         raise UserError(f"{output_dir / PREDICTIONS_FILE} holds values from {predictions.min()} to "
                         f"{predictions.max()}; predictions are IN-9 classes 0..8 or -1")
-    fg_labels = np.array([int(r["label"]) for r in foregrounds], dtype=np.int64)
-    if len(np.unique(fg_labels)) < 2:
-        raise UserError(f"{output_dir / FOREGROUNDS_FILE} has foregrounds of fewer than two classes; ASR and fool "
-                        f"rates compare a class's backgrounds with the other classes' foregrounds")
-    return ChallengeMatrix(
-        predictions=predictions, fg_labels=fg_labels, fg_stems=[r["stem"] for r in foregrounds],
+    return require_two_classes(ChallengeMatrix(
+        predictions=predictions, fg_labels=np.array([int(r["label"]) for r in foregrounds], dtype=np.int64),
+        fg_stems=[r["stem"] for r in foregrounds],
         bg_labels=np.array([int(r["label"]) for r in backgrounds], dtype=np.int64),
         bg_stems=[r["stem"] for r in backgrounds], bg_images=[r["image"] for r in backgrounds], meta=meta,
-        fg_images=[r["image"] for r in foregrounds], fg_masks=[r["mask"] for r in foregrounds])
+        fg_images=[r["image"] for r in foregrounds], fg_masks=[r["mask"] for r in foregrounds]), output_dir)

@@ -61,9 +61,9 @@ def publish_challenge(result: ChallengeResult, output_dir: Path, data_path: Path
         if per_foreground_csv is not None:
             outputs.write(result.write_per_foreground_csv, per_foreground_csv)
         if result.state.matrix is not None:
-            outputs.write(write_matrix, output_dir, result, data_path, num_classes)
-            if analysis and outputs.wrote(output_dir):
-                summary = outputs.write(write_analysis, output_dir, data_path, top_k)
+            matrix = outputs.write(write_matrix, output_dir, result, data_path, num_classes)
+            if analysis and matrix is not None:
+                summary = outputs.write(write_analysis, output_dir, data_path, top_k, matrix)
                 if summary is not None:
                     lines += summary_lines(summary)
         if report is not None:

@@ -161,10 +161,6 @@ LABELS = {"in9": "the IN-9 results", "challenge": "the challenge results", "anal
 MODEL_KEYS = ("arch", "weights", "identity", "sha256", "num_classes", "normalization")
 
 
-def _model_difference(a: dict, b: dict) -> list[str]:
-    return [f"{key} {a[key]} and {b[key]}" for key in MODEL_KEYS if key in a and key in b and a[key] != b[key]]
-
-
 def _data_difference(a: dict, b: dict) -> list[str] | None:
     """The folders whose content differs between two data fingerprints; None when they cannot be compared
     (no folder they both read, or files written before fingerprints had folders)."""
@@ -185,7 +181,7 @@ def mixing_problems(inputs: dict) -> list[str]:
     problems = []
     for (name_a, a), (name_b, b) in itertools.combinations(provenances, 2):
         pair = f"{LABELS[name_a]} and {LABELS[name_b]}"
-        model = _model_difference(a, b)
+        model = [f"{key} {a[key]} and {b[key]}" for key in MODEL_KEYS if key in a and key in b and a[key] != b[key]]
         if model:
             problems.append(f"{pair} come from different models ({'; '.join(model)})")
         data = _data_difference(a.get("data") or {}, b.get("data") or {})

@@ -47,11 +47,9 @@ PROVENANCE_SETTINGS = {
 
 
 def run_settings(payload: dict) -> dict[str, str]:
-    """How a zoo results file's runs were made: each of their settings that can change a number (the toolkit's and
-    torch's versions, the device model and on the CPU the thread count, precision, compilation, channels-last
-    layout, batch size, JPEG decoder and an inexact device allowed, from both
-    runs' provenance, and the challenge's criterion, mask arithmetic and fp32 re-check margin), as text by label; a
-    setting the runs differ in names both."""
+    """How a zoo results file's runs were made: each setting that can change a number (`PROVENANCE_SETTINGS` from
+    both runs, and the challenge's criterion, mask arithmetic and re-check margin), as text by label; a setting
+    the runs differ in names both."""
     in9, challenge = payload.get("in9") or {}, payload.get("challenge") or {}
     runs = {"IN-9": in9.get("provenance") or {}, "challenge": challenge.get("provenance") or {}}
     settings = {}

@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 RECHECK_MARGIN = 1.0
 
 
-
 def torch_release(version: str) -> tuple[int, int]:
     """(major, minor) of a torch version string: "2.6.0+cu124" -> (2, 6), "2.8.0.dev20250601" -> (2, 8)."""
     match = re.match(r"(\d+)\.(\d+)", version)
@@ -70,16 +69,14 @@ def check_antialias(device: torch.device, mode: str, used_by: str, version: str 
         log.warning("%s resizes with anti-aliased %s, which MPS has from torch %s (this is %s): it runs on the "
                     "CPU (%s=1)", used_by, mode, needed, version, MPS_FALLBACK_VARIABLE)
         return
-    raise UserError(f"{option('--device', 'mps')} needs torch>={needed} for the anti-aliased {mode} resizing of {used_by} (this is "
-                    f"torch {version}); upgrade torch, set {MPS_FALLBACK_VARIABLE}=1 to run it on the CPU, "
-                    f"or use {option('--device', 'cpu')}")
+    raise UserError(f"{option('--device', 'mps')} needs torch>={needed} for the anti-aliased {mode} resizing of "
+                    f"{used_by} (this is torch {version}); upgrade torch, set {MPS_FALLBACK_VARIABLE}=1 to run it on "
+                    f"the CPU, or use {option('--device', 'cpu')}")
 
 
 def autocast_refusal(device_type: str, dtype: torch.dtype) -> str | None:
-    """None when `torch.autocast(device_type, dtype)` really turns autocast on here; else torch's reason.
-
-    torch decides this itself and, where it cannot, warns and leaves autocast off (MPS: bf16 needs macOS 14
-    and torch 2.6, fp16 on older releases; the CPU's fp16 on older releases), so asking it is exact."""
+    """None when `torch.autocast(device_type, dtype)` really turns autocast on here; else torch's reason (where it
+    cannot, torch warns and leaves autocast off, so asking it is exact)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -92,16 +89,12 @@ def autocast_refusal(device_type: str, dtype: torch.dtype) -> str | None:
     return first_line(caught[0].message) if caught else "autocast stayed off"
 
 
-def _mps_available() -> bool:
-    return bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
-
-
 def resolve_device(name: str | None) -> torch.device:
     """The device asked for, checked to exist; by default the best one here, with a notice for the CPU."""
     if name is None:
         if torch.cuda.is_available():
             return torch.device("cuda")
-        if _mps_available():
+        if torch.backends.mps.is_available():
             return torch.device("mps")
         log.info("no GPU found: running on the CPU (pass %s to choose)", option("--device"))
         return torch.device("cpu")
@@ -118,7 +111,7 @@ def resolve_device(name: str | None) -> torch.device:
             raise UserError(f"device {name} is not available: this machine has {torch.cuda.device_count()} CUDA "
                             f"device(s), cuda:0..cuda:{torch.cuda.device_count() - 1}")
     elif device.type == "mps":
-        if not _mps_available():
+        if not torch.backends.mps.is_available():
             raise UserError(f"device {name} is not available: no Apple MPS device here (use "
                             f"{option('--device', 'cpu')})")
     elif device.type != "cpu":
@@ -165,11 +158,9 @@ def to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Even
     every other copy blocks (see `to_device` for MPS). The copies are queued on the current stream of the
     tensors' own device (cuda:N, not the process's current device), and the event is recorded on that stream,
     so it passes only once they have landed."""
-    devices = {t.device for t in tensors if t.device.type == "cuda"}
-    if not devices:
-        return [t.cpu() for t in tensors], None
-    if len(devices) > 1 or any(t.device.type != "cuda" for t in tensors):
-        return [t.cpu() for t in tensors], None  # no single stream to wait on: copy blocking
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return [t.cpu() for t in tensors], None  # no single CUDA stream to wait on: copy blocking
     device = devices.pop()
     stream = torch.cuda.current_stream(device)
     with torch.cuda.device(device):
@@ -351,7 +342,7 @@ def tune_cpu_allocator() -> None:
 
 def _is_oom(exc: BaseException) -> bool:
     """Out of memory: a GPU's, or the CPU allocator's refusal ("can't allocate memory")."""
-    if isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
+    if isinstance(exc, torch.OutOfMemoryError):
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
@@ -362,22 +353,16 @@ class Forward:
     and saying so in one line (naming the chunk as `what`); later batches keep the size that fitted.
 
     One batch shape: a shorter chunk (a stream's tail, a round's last batch, a re-checked subset) is padded with
-    copies of its last row to `chunk` rows and the copies' outputs are dropped. A model in eval mode computes
-    each row alone, but a backend may give other last bits at another batch size (the CPU's 1x1 convolution and
-    linear layers pick kernels by batch size, cuDNN its algorithms by shape); at one shape a row's logits do not
-    depend on the rows beside it, so `--full`, the early-stopping search, `--shard` and torchrun over any number
-    of processes agree bit for bit on a GPU (on the CPU at one intra-op thread count: see docs/how-it-works.md), and
-    the speed modes tune or compile for one shape only. Given the chunk, that is: another --batch-size, or a chunk
-    halved after out-of-memory (from then on, said in the notice and in `provenance`), is another shape; under
-    torchrun each process halves on its own.
+    copies of its last row to `chunk` rows and the copies' outputs are dropped. A backend may give other last bits
+    at another batch size (the CPU's 1x1 convolutions and linear layers pick kernels by it, cuDNN its algorithms by
+    shape); at one shape a row's logits do not depend on the rows beside it, so `--full`, the early-stopping
+    search, `--shard` and torchrun agree bit for bit (on the CPU at one intra-op thread count), and the speed modes
+    tune or compile for one shape only. A chunk halved after out-of-memory is another shape (said in the notice
+    and in `provenance`); under torchrun each process halves on its own.
 
-    With `runtime.compile` every chunk goes through one static buffer made outside inference mode, so the
-    compiled model sees one tensor kind and shape: one graph.
-
-    In the runtime's precision, or with `exact` in true fp32 (`Runtime.fp32_math`), which needs more memory
-    than reduced precision: an exact Forward beside a reduced-precision one keeps a chunk of its own. `pad=False`
-    runs every chunk as it is (a one-off pass whose bits must not depend on the precision, such as CLIP's text
-    head)."""
+    With `runtime.compile` every chunk goes through one static buffer made outside inference mode: one graph.
+    `exact` runs in true fp32 (`Runtime.fp32_math`), with a chunk of its own; `pad=False` runs every chunk as it
+    is (a one-off pass such as CLIP's text head)."""
 
     def __init__(self, model: Callable, runtime: Runtime, chunk: int, exact: bool = False, what: str = "batch size",
                  pad: bool = True):

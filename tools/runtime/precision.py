@@ -94,12 +94,10 @@ def math_flags_kept():
         _write_math_flags(saved)
 
 
-def set_math_flags(precision: Precision) -> dict:
+def set_math_flags(precision: Precision) -> None:
     """Set every process-wide math flag for `precision` (`math_flags_for`: all of them, so no earlier runtime's
-    setting survives; fp32's give the same logits bit for bit on one device). Returns the flags as they were."""
-    saved = _read_math_flags()
+    setting survives; fp32's give the same logits bit for bit on one device)."""
     _write_math_flags(math_flags_for(precision))
-    return saved
 
 
 # Switched off in the exact mode (`exact_kernels`), as name: (getter, setter): MultiheadAttention's fast path (a

@@ -43,10 +43,6 @@ class TrainingModel(PixelModel):
         return self
 
 
-def _peft():
-    return peft_module("--peft")
-
-
 def match_modules(model: nn.Module, patterns: list[str], head: list[str]) -> list[str]:
     """Names of the Conv2d/Linear modules matching the glob patterns; an unmatched pattern is an error."""
     names = {name: module for name, module in model.named_modules() if name}
@@ -69,16 +65,11 @@ def match_modules(model: nn.Module, patterns: list[str], head: list[str]) -> lis
     return chosen
 
 
-def head_modules(model: nn.Module, head_keys: list[str]) -> list[str]:
-    """The modules that own the class-count-dependent parameters (the head)."""
-    return sorted({key.rsplit(".", 1)[0] for key in head_keys})
-
-
 def attach(model: nn.Module, config: TrainConfig, head_keys: list[str],
            input_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)) -> nn.Module:
     """The model to train: with frozen backbone, or wrapped with adapters (checked on probe images of its
     `input_size`), or as it is."""
-    head = head_modules(model, head_keys)
+    head = sorted({key.rsplit(".", 1)[0] for key in head_keys})  # the modules that own the head's parameters
     if config.freeze is Freeze.BACKBONE:
         for name, param in model.named_parameters():
             param.requires_grad_(name in head_keys)
@@ -86,7 +77,7 @@ def attach(model: nn.Module, config: TrainConfig, head_keys: list[str],
         return model
     if config.peft is None:
         return model
-    peft = _peft()
+    peft = peft_module("--peft")
     targets = match_modules(model, config.peft_modules, head)
     if config.peft is Adapter.LORA:
         adapter_config = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_rank, target_modules=targets)

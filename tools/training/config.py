@@ -280,7 +280,8 @@ class Needs:
 # Every flag of train.py whose setting can go unused; a flag given where it would do nothing is refused, as a
 # mistake in the command line (the user meant something that will not happen) rather than ignored.
 NEEDS = (
-    Needs(("swap_prob", "swap_same_class_prob"), lambda c: c.swap, "without --method bg-swap", "add bg-swap to --method"),
+    Needs(("swap_prob", "swap_same_class_prob"), lambda c: c.swap, "without --method bg-swap",
+          "add bg-swap to --method"),
     Needs(("swap_same_class_prob",), lambda c: c.swap_prob > 0, "with --swap-prob 0 (no swaps)", "raise --swap-prob"),
     Needs(("mixup_alpha",), lambda c: Method.MIXUP in c.methods, "without mixup in --method", "add mixup to --method"),
     Needs(("cutmix_alpha",), lambda c: Method.CUTMIX in c.methods, "without cutmix in --method",
@@ -365,28 +366,31 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     method.add_argument("--oft-block-size", type=whole_number(1), default=None, metavar="B",
                         help=f"OFT block size; must divide each adapted layer's input size "
                              f"(default: {_default('oft_block_size')})")
-    method.add_argument("--freeze", type=Freeze, choices=list(Freeze), default=Freeze.NONE, metavar=_choices(Freeze),
-                        help="backbone: train the classification head alone, a linear probe (default: none)")
+    method.add_argument("--freeze", type=Freeze, choices=list(Freeze), default=_default("freeze"),
+                        metavar=_choices(Freeze), help=f"backbone: train the classification head alone, a linear "
+                                                       f"probe (default: {_default('freeze').value})")
 
     optim = parser.add_argument_group("optimisation")
-    optim.add_argument("--epochs", type=whole_number(1), default=1, metavar="N",
-                       help="passes over the training set (default: 1)")
+    optim.add_argument("--epochs", type=whole_number(1), default=_default("epochs"), metavar="N",
+                       help=f"passes over the training set (default: {_default('epochs')})")
     optim.add_argument("--batch-size", type=whole_number(1), default=None, metavar="N",
                        help=f"global batch size, split over torchrun's processes (default: {GPU_TRAIN_BATCH_SIZE} on a "
                             f"CUDA GPU, {REFERENCE_BATCH_SIZE} elsewhere)")
-    optim.add_argument("--optimizer", type=Optimizer, choices=list(Optimizer), default=Optimizer.ADAMW,
-                       metavar=_choices(Optimizer), help="optimiser (default: adamw)")
+    optim.add_argument("--optimizer", type=Optimizer, choices=list(Optimizer), default=_default("optimizer"),
+                       metavar=_choices(Optimizer), help=f"optimiser (default: {_default('optimizer').value})")
     optim.add_argument("--lr", type=number(0, above=True), default=None, metavar="LR",
                        help=f"peak learning rate (default: {REFERENCE_LR:g} x the global batch / "
                             f"{REFERENCE_BATCH_SIZE}, scaled linearly with the batch)")
-    optim.add_argument("--weight-decay", type=number(0), default=0.05, metavar="WD", help="weight decay (default: 0.05)")
+    optim.add_argument("--weight-decay", type=number(0), default=_default("weight_decay"), metavar="WD",
+                       help=f"weight decay (default: {_default('weight_decay'):g})")
     optim.add_argument("--momentum", type=number(0, 1, below=True), default=None, metavar="M",
                        help=f"SGD momentum (default: {_default('momentum')})")
-    optim.add_argument("--warmup-epochs", type=number(0, unit="epochs"), default=0.0, metavar="E",
-                       help="linear warm-up before the cosine decay, in epochs (default: 0)")
-    optim.add_argument("--label-smoothing", type=number(0, 1), default=0.1, metavar="S",
-                       help="label smoothing of the cross-entropy (default: 0.1)")
-    optim.add_argument("--augment", action=BooleanFlag, default=True,
+    optim.add_argument("--warmup-epochs", type=number(0, unit="epochs"), default=_default("warmup_epochs"),
+                       metavar="E", help=f"linear warm-up before the cosine decay, in epochs (default: "
+                                         f"{_default('warmup_epochs'):g})")
+    optim.add_argument("--label-smoothing", type=number(0, 1), default=_default("label_smoothing"), metavar="S",
+                       help=f"label smoothing of the cross-entropy (default: {_default('label_smoothing'):g})")
+    optim.add_argument("--augment", action=BooleanFlag, default=_default("augment"),
                        help="random resized crop and horizontal flip, after the swap (default: on)")
     optim.add_argument("--crop-scale", type=number(0, 1, above=True), default=None, metavar="S",
                        help=f"smallest random crop, as a share of the image's area (default: {_default('crop_scale')})")
@@ -403,12 +407,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                      help="torch.compile the model's forward and backward (one static batch shape; the loss and "
                           "the optimiser step stay eager); not bit-equal to eager, so a resume keeps the setting "
                           "(default: off)")
-    run.add_argument("--workers", type=whole_number(0, MAX_WORKERS), default=default_workers(), metavar="N",
-                     help=f"DataLoader worker processes per training process (0: the main process) and decoding threads "
-                          f"for the decoded store "
-                          f"(default: {default_workers()})")
-    run.add_argument("--seed", type=seed_number, default=0, metavar="N",
-                     help="seed of every random choice: order, crops, swaps, mixing, initialisation (default: 0)")
+    run.add_argument("--workers", type=whole_number(0, MAX_WORKERS), default=_default("workers"), metavar="N",
+                     help=f"DataLoader worker processes per training process (0: the main process) and decoding "
+                          f"threads for the decoded store (default: {_default('workers')})")
+    run.add_argument("--seed", type=seed_number, default=_default("seed"), metavar="N",
+                     help=f"seed of every random choice: order, crops, swaps, mixing, initialisation (default: "
+                          f"{_default('seed')})")
     run.add_argument("--eval-batch-size", type=whole_number(1), default=None, metavar="N",
                      help=f"batch size of the final evaluation (default: {BATCH_SIZE_DEFAULTS})")
     run.add_argument(ALLOW_FLAG, action="store_true",
@@ -421,8 +425,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     out.add_argument("--output-dir", type=Path, default=Path("train_runs"), metavar="DIR",
                      help="checkpoint.pt, the resume state, train_log.jsonl and the report go here "
                           "(default: train_runs)")
-    out.add_argument("--save-every", type=whole_number(1), default=100, metavar="STEPS",
-                     help="steps between saves of the resume state; epochs' ends are always saved (default: 100)")
+    out.add_argument("--save-every", type=whole_number(1), default=_default("save_every"), metavar="STEPS",
+                     help=f"steps between saves of the resume state; epochs' ends are always saved (default: "
+                          f"{_default('save_every')})")
     out.add_argument("--resume", action="store_true",
                      help="continue from the resume state in --output-dir (default: start afresh)")
     out.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")

@@ -2,8 +2,9 @@
 
 A batch is gathered from the decoded store at once, its random choices taken from the epoch's draws (a row per
 image index, tools.training.draws), so a batch is the same with any number of workers, processes or restarts.
-The device then pastes each swapped foreground on its background (tools.data.compositing, the challenge's function) and applies the crop and flip to the composite: the label,
-the foreground and its mask stay aligned because the augmentation sees one finished image.
+The device then pastes each swapped foreground on its background (tools.data.compositing, the challenge's
+function) and applies the crop and flip to the composite: the label, the foreground and its mask stay aligned
+because the augmentation sees one finished image.
 """
 
 from __future__ import annotations

@@ -111,8 +111,8 @@ def challenge_section(challenge: dict | None) -> list[str]:
         return out + [NOT_RUN, ""]
     out.append(f"**Challenge accuracy: {challenge['challenge_accuracy']:.2f}%.** {vulnerable_sentence(challenge)}")
     out.append("")
-    rows = [[escape(name), escape(entry["vulnerable"]), escape(entry["total"]), percent(class_challenge_accuracy(entry))]
-            for name, entry in challenge.get("per_class", {}).items()]
+    rows = [[escape(name), escape(entry["vulnerable"]), escape(entry["total"]),
+             percent(class_challenge_accuracy(entry))] for name, entry in challenge.get("per_class", {}).items()]
     if rows:
         out += markdown_table(CHALLENGE_HEADER, rows, "lrrr") + [""]
     cost = cost_sentence(challenge)
@@ -219,8 +219,10 @@ def categories_section(categories: dict | None) -> list[str]:
                f"{code(v['background'])}. Percent of the class's images (count).")
     out.append("")
     rows = []
-    for name, entry in [("**all**", categories["overall"]), *((escape(n), e) for n, e in categories["per_class"].items())]:
-        cells = [f"{percent(entry['percent'][cat.value], 1)} ({escape(entry['counts'][cat.value])})" for cat in Category]
+    named = [("**all**", categories["overall"]), *((escape(n), e) for n, e in categories["per_class"].items())]
+    for name, entry in named:
+        cells = [f"{percent(entry['percent'][cat.value], 1)} ({escape(entry['counts'][cat.value])})"
+                 for cat in Category]
         rows.append([name, escape(entry["images"]), *cells])
     out += markdown_table(["Class", "Images", *(CATEGORY_TITLES[cat] for cat in Category)], rows, "lrrrrrr") + [""]
     return out

@@ -26,15 +26,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--challenge", type=Path, default=None, metavar="PATH",
                         help="results JSON of challenge_eval.py --results-file (default: none)")
     parser.add_argument("--analysis-dir", type=Path, default=None, metavar="DIR",
-                        help=f"folder holding {SUMMARY_FILE} and {FIGURE_FILE} from tools.results.analysis (default: none)")
+                        help=f"folder holding {SUMMARY_FILE} and {FIGURE_FILE} from tools.results.analysis "
+                             f"(default: none)")
     parser.add_argument("--categories", type=Path, default=None, metavar="PATH",
                         help="prediction-categories JSON (default: the 'categories' entry of --in9, if any)")
     parser.add_argument("--output", type=Path, default=None, metavar="PATH",
-                        help=f"the Markdown file to write (default: {DEFAULT_OUTPUT}, or none when only --html is given)")
+                        help=f"the Markdown file to write (default: {DEFAULT_OUTPUT}, or none when only --html is "
+                             f"given)")
     parser.add_argument("--html", type=Path, default=None, metavar="PATH",
                         help="also write the report as one self-contained HTML page with pictures (default: none)")
     parser.add_argument("--leaderboard", type=Path, default=None, metavar="DIR",
-                        help="with --html: add the leaderboard of this `python -m tools.zoo` --output-dir (default: none)")
+                        help="with --html: add the leaderboard of this `python -m tools.zoo` --output-dir "
+                             "(default: none)")
     parser.add_argument("--training", type=Path, default=None, metavar="DIR",
                         help="with --html: add the curves and before/after table of this `train.py --eval-data` "
                              "--output-dir (default: none)")
