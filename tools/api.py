@@ -351,6 +351,6 @@ def _autocast_device_types() -> list[str]:
     kinds = ["cpu"]
     if torch.cuda.is_available():
         kinds.append("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+    if torch.backends.mps.is_available():
         kinds.append("mps")
     return kinds
