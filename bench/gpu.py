@@ -161,11 +161,10 @@ def model_speed(args, precision: str, compiled: bool) -> dict:
 
 def in9_speed(args, precision: str) -> dict:
     """A first `all` run (listing, hashing, decoding, filling an empty decoded-data cache), then the same files'
-    run inside `keep_decoded`, as the zoo's next model reads them: the decoded variations from memory; then a
-    run as a second in9_eval.py would make it (listing and hashing again), its images read from the disk cache
-    (`disk_cached_ratio`; on CUDA, kept on the device where they fit)."""
+    run, listed to hold what they decode, as the zoo's next model reads them: the decoded variations from memory;
+    then a run as a second in9_eval.py would make it (listing and hashing again), its images read from the disk
+    cache (`disk_cached_ratio`; on CUDA, kept on the device where they fit)."""
     from bench_in9 import synchronize  # noqa: PLC0415
-    from tools.data import image_sets  # noqa: PLC0415
     from tools.data.store import DecodedCache  # noqa: PLC0415
     from tools.in9 import VARIATIONS  # noqa: PLC0415
     from tools.in9.evaluate import In9Config, list_in9_files, run_in9  # noqa: PLC0415
@@ -173,16 +172,16 @@ def in9_speed(args, precision: str) -> dict:
     model = model_speed(args, precision, False)["images_per_s"]
     seconds = []
     with tempfile.TemporaryDirectory(prefix="bench_cache_") as cache:
-        config = In9Config(VARIATIONS, args.batch_size, args.workers, progress=False, cache=DecodedCache(Path(cache)))
-        with image_sets.keep_decoded():
+        config = In9Config(VARIATIONS, args.batch_size, args.workers, progress=False)
+        start = time.perf_counter()
+        files = list_in9_files(args.data, VARIATIONS, args.workers, DecodedCache(Path(cache)), hold=True)
+        for _ in range(2):
+            run = run_in9(loaded, runtime, files, config)
+            synchronize(runtime.device)
+            seconds.append(time.perf_counter() - start)
             start = time.perf_counter()
-            files = list_in9_files(args.data, VARIATIONS, args.workers)
-            for _ in range(2):
-                run = run_in9(loaded, runtime, files, config)
-                synchronize(runtime.device)
-                seconds.append(time.perf_counter() - start)
-                start = time.perf_counter()
-        run = run_in9(loaded, runtime, list_in9_files(args.data, VARIATIONS, args.workers), config)
+        run = run_in9(loaded, runtime, list_in9_files(args.data, VARIATIONS, args.workers, DecodedCache(Path(cache))),
+                      config)
         synchronize(runtime.device)
         seconds.append(time.perf_counter() - start)
     images = sum(result.total for result in run.results.values())
@@ -197,14 +196,14 @@ def in9_speed(args, precision: str) -> dict:
 def challenge_speed(args, full: bool) -> dict:
     import numpy as np  # noqa: PLC0415
 
-    from tools.challenge import ChallengeConfig, Criterion, load_challenge_data, run_challenge  # noqa: PLC0415
+    from tools.challenge import ChallengeConfig, Criterion, list_challenge_files, load_challenge_data, run_challenge  # noqa: PLC0415
     precision = "fp32" if args.small else "bf16"
     loaded, runtime = _loaded(args), _runtime(args, precision)
     model = model_speed(args, precision, False)["images_per_s"]
     with tempfile.TemporaryDirectory() as out:
         config = ChallengeConfig(batch_size=args.batch_size, progress=False, criterion=Criterion.ANY, full=full)
         start = time.perf_counter()  # the data decoded and the backgrounds predicted too
-        data = load_challenge_data(args.data, args.workers, progress=False)
+        data = load_challenge_data(list_challenge_files(args.data, args.workers), args.workers, progress=False)
         if full and args.full_foregrounds < len(data.foregrounds):
             data = data.foreground_subset(np.linspace(0, len(data.foregrounds) - 1, args.full_foregrounds).astype(int))
         result = run_challenge(loaded, runtime, data, config, output_dir=Path(out), workers=args.workers)

@@ -151,13 +151,13 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
     decoded_cache = DecodedCache(Path(cache_dir) if cache_dir is not None else default_cache_dir(), shared_cache) \
         if cache else None
     in9_config = In9Config(tuple(_variations(variations)), batch_size, progress=progress and group.is_main,
-                           cache=decoded_cache, **({} if workers is None else {"workers": workers}))
+                           **({} if workers is None else {"workers": workers}))
     challenge_config = ChallengeConfig(full=full, batch_size=batch_size, progress=in9_config.progress,
                                        mask_arithmetic=arithmetic)
     # every cheap input is checked before any model is built or moved
     cache_admin.written_line()  # what was cached before the call is not this call's to say
-    in9_files = list_in9_files(data_path, in9_config.variations, in9_config.workers)
-    challenge_files = list_challenge_files(data_path, in9_config.workers) if challenge else None
+    in9_files = list_in9_files(data_path, in9_config.variations, in9_config.workers, decoded_cache)
+    challenge_files = list_challenge_files(data_path, in9_config.workers, decoded_cache) if challenge else None
     with _state_kept(model), math_flags_kept():
         runtime = Runtime(group.device(resolve_device(None if device is None else str(device))), precision,
                           channels_last, group=group)
@@ -165,14 +165,15 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         lora = LoraScaling(lora_alpha, lora_rslora, LORA_KEYWORDS)
         loaded = _loaded(model, mean, std, num_classes, weights, trust_checkpoint, lora, runtime, in9_config.progress,
                          checkpoint_key, trust_remote_code, decoded_cache)
-        first = first_images(in9_files.root, [r.relpath for r in in9_files.listings[in9_config.variations[0]]],
+        first = first_images(in9_files.image_set.root,
+                             [r.relpath for r in in9_files.listings[in9_config.variations[0]]],
                              in9_config.workers)
         in9_check = check_run(loaded, runtime, first, allow_inexact_device, batch_size)
         in9 = run_in9(loaded, runtime, in9_files, in9_config, output_dir=output_dir, resume=resume,
                       device_check=in9_check)
         found = None
         if challenge_files is not None:
-            data = load_challenge_data(challenge_files, in9_config.workers, decoded_cache, challenge_config.progress,
+            data = load_challenge_data(challenge_files, in9_config.workers, challenge_config.progress,
                                        challenge_config.mask_arithmetic)
             # one float64 reference a call: it costs (see check_run)
             found = run_challenge(loaded, runtime, data, challenge_config, output_dir, resume, device_check=in9_check)

@@ -33,7 +33,6 @@ import numpy as np
 
 from tools import __version__, cli, distributed, options
 from tools.challenge import STATE_NAME, ChallengeConfig, ChallengeFiles, flags, list_challenge_files, run_challenge
-from tools.data import image_sets
 from tools.data.hashing import sha256_file
 from tools.data.store import DecodedCache
 from tools.errors import UserError
@@ -132,16 +131,20 @@ class ZooData:
 
     @property
     def sha256(self) -> dict:
-        return {"in9": self.in9.fingerprint["sha256"], "challenge": self.challenge.fingerprint["sha256"]}
+        return {"in9": self.in9.image_set.fingerprint["sha256"],
+                "challenge": self.challenge.image_set.fingerprint["sha256"]}
 
     @property
     def decoders(self) -> dict:
         """Who decodes each run's JPEGs, with which libjpeg (`tools.provenance.decoder`)."""
-        return {"in9": decoder_build(self.in9.decoder.value), "challenge": decoder_build(self.challenge.decoder.value)}
+        return {"in9": decoder_build(self.in9.image_set.decoder.value),
+                "challenge": decoder_build(self.challenge.image_set.decoder.value)}
 
 
-def list_zoo_data(root: Path, workers: int) -> ZooData:
-    return ZooData(list_in9_files(root, list(VARIATIONS), workers), list_challenge_files(root, workers))
+def list_zoo_data(root: Path, workers: int, cache: DecodedCache | None = None) -> ZooData:
+    # every model reads the same data: decoded for the first, held in memory for the rest
+    return ZooData(list_in9_files(root, list(VARIATIONS), workers, cache, hold=True),
+                   list_challenge_files(root, workers, cache, hold=True))
 
 
 def identity(data: ZooData, model_identity: str | None, settings: dict) -> dict:
@@ -258,8 +261,8 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
     state_dir = Path(output_dir) / RUNS_FOLDER / spec.slug
     # the scripts' start-up device check; refused, it fails this model alone (one line, `run_zoo`)
     if data.check_images is None:
-        data.check_images = first_images(data.in9.root, [r.relpath for r in data.in9.listings[VARIATIONS[0]]],
-                                         settings.workers)
+        data.check_images = first_images(data.in9.image_set.root,
+                                         [r.relpath for r in data.in9.listings[VARIATIONS[0]]], settings.workers)
     device_check = check_run(loaded, runtime, data.check_images, settings.allow_inexact_device, settings.batch_size)
     with distributed.agree(runtime.group, runtime.device):
         if runtime.group.is_main:  # the state of the runs of another model, settings, arithmetic (the device model,
@@ -269,12 +272,11 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
                                               "verified": verified(device_check)})
     with distributed.agree(runtime.group, runtime.device):
         in9 = run_in9(loaded, runtime, data.in9, In9Config(VARIATIONS, settings.batch_size, settings.workers, progress,
-                                                         settings.challenge.recheck_margin, settings.cache),
+                                                         settings.challenge.recheck_margin),
                       output_dir=state_dir, resume=True, device_check=device_check)
     with distributed.agree(runtime.group, runtime.device):
         challenge = run_challenge(loaded, runtime, data.challenge, settings.challenge, state_dir,
-                                  (state_dir / STATE_NAME).is_file(), settings.workers, settings.cache,
-                                  device_check=device_check)
+                                  (state_dir / STATE_NAME).is_file(), settings.workers, device_check=device_check)
     weights = loaded.weights or (Path(loaded.source).name if loaded.source else None)
     # the path as loaded, links kept: a hub cache's snapshots/REV/FILE is a link into blobs/, and only the snapshot
     # path says which revision was loaded (a moved refs/main loads another)
@@ -294,40 +296,39 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
     every process reaches each decision with the others: which models to skip, and that a model failed."""
     device = runtime.device
     with distributed.agree(runtime.group, device):
-        data = list_zoo_data(settings.data_path, settings.workers)
+        data = list_zoo_data(settings.data_path, settings.workers, settings.cache)
     fingerprint = settings.fingerprint(runtime)
     outcomes = []
-    with image_sets.keep_decoded():  # every model reads the same data: decoded for the first, kept for the rest
-        for index, spec in enumerate(specs, 1):
-            path = results_path(output_dir, spec)
-            log.info("[%d/%d] %s", index, len(specs), spec.text)
-            try:
-                with distributed.agree(runtime.group, device):
-                    payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress,
-                                                      settings.trust_remote_code, settings.cache)
-                if distributed.all_reduce(np.array([payload is not None], np.int64), "min", device)[0]:  # all or none
-                    log.info("%s is done already (%s): skipped", spec.text, path)
-                    outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
-                    continue
-                with distributed.agree(runtime.group, device):
-                    loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code,
-                                            settings.cache)
-                payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir, progress)
-                with distributed.agree(runtime.group, device):
-                    if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes
-                        write_json_atomic(path, payload)
-                outcomes.append(Outcome(spec.text, "done", path, summary=_summary(payload)))
-            except UserError as exc:
-                log.error("%s: %s", spec.text, exc)
-                outcomes.append(Outcome(spec.text, "failed", message=str(exc)))
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except Exception as exc:
-                log.exception("%s failed unexpectedly", spec.text)
-                outcomes.append(Outcome(spec.text, "failed", message=f"{type(exc).__name__}: {exc}"))
-            finally:
-                loaded = None
-                runtime.release()
+    for index, spec in enumerate(specs, 1):
+        path = results_path(output_dir, spec)
+        log.info("[%d/%d] %s", index, len(specs), spec.text)
+        try:
+            with distributed.agree(runtime.group, device):
+                payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress,
+                                                  settings.trust_remote_code, settings.cache)
+            if distributed.all_reduce(np.array([payload is not None], np.int64), "min", device)[0]:  # all or none
+                log.info("%s is done already (%s): skipped", spec.text, path)
+                outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
+                continue
+            with distributed.agree(runtime.group, device):
+                loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code,
+                                        settings.cache)
+            payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir, progress)
+            with distributed.agree(runtime.group, device):
+                if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes
+                    write_json_atomic(path, payload)
+            outcomes.append(Outcome(spec.text, "done", path, summary=_summary(payload)))
+        except UserError as exc:
+            log.error("%s: %s", spec.text, exc)
+            outcomes.append(Outcome(spec.text, "failed", message=str(exc)))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:
+            log.exception("%s failed unexpectedly", spec.text)
+            outcomes.append(Outcome(spec.text, "failed", message=f"{type(exc).__name__}: {exc}"))
+        finally:
+            loaded = None
+            runtime.release()
     return outcomes
 
 

@@ -58,8 +58,8 @@ def _main(args: argparse.Namespace) -> int:
     check_challenge_files(checked.data_path)  # every check of the folders before any model is built
     # the data listed, hashed and decoded (or read from the cache) in the background while the model is built
     data, loaded = alongside(
-        lambda: load_challenge_data(list_challenge_files(checked.data_path, args.workers), args.workers,
-                                    flags.cache_from_args(args), config.progress, config.mask_arithmetic),
+        lambda: load_challenge_data(list_challenge_files(checked.data_path, args.workers, flags.cache_from_args(args)),
+                                    args.workers, config.progress, config.mask_arithmetic),
         lambda: options.model_from_args(args, runtime, checked.progress), imports=decoders.LAZY_IMPORTS)
     # on the first backgrounds
     device_check = check_run(loaded, runtime, data.bg_images, args.allow_inexact_device, config.batch_size)

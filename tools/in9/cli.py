@@ -48,13 +48,13 @@ def _main(args: argparse.Namespace) -> int:
     names = list(VARIATIONS if args.eval_dataset == "all" else (args.eval_dataset,))
     if args.categories:
         names += [v for v in CATEGORY_VARIATIONS.values() if v not in names]
-    config = In9Config(tuple(names), args.batch_size, args.workers, checked.progress, args.recheck_margin,
-                       options.cache_from_args(args))
+    config = In9Config(tuple(names), args.batch_size, args.workers, checked.progress, args.recheck_margin)
+    cache = options.cache_from_args(args)
     quick_check(checked.data_path, names)  # every check of the folders before any model is built
 
     def data():  # listed, hashed and the device check's images decoded in the background while the model is built
-        files = list_in9_files(checked.data_path, names, args.workers)
-        return files, first_images(files.root, [r.relpath for r in files.listings[names[0]]], args.workers)
+        files = list_in9_files(checked.data_path, names, args.workers, cache)
+        return files, first_images(files.image_set.root, [r.relpath for r in files.listings[names[0]]], args.workers)
 
     (files, first), loaded = alongside(data, lambda: options.model_from_args(args, runtime, checked.progress),
                                        imports=decoders.LAZY_IMPORTS)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tools.challenge import ChallengeConfig, check_challenge_files, run_challenge
+from tools.challenge import ChallengeConfig, check_challenge_files, list_challenge_files, run_challenge
 from tools.data.check import quick_check
 from tools.data.layout import check_data_root
 from tools.errors import UserError
@@ -46,7 +46,8 @@ def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir
     batch = runtime.batch_size(config.eval_batch_size)
     workers = max(1, config.workers)
     files = list_in9_files(config.eval_data, VARIATIONS, workers)
-    check = check_run(loaded, runtime, first_images(files.root, [r.relpath for r in files.listings[VARIATIONS[0]]],
+    check = check_run(loaded, runtime, first_images(files.image_set.root,
+                                                    [r.relpath for r in files.listings[VARIATIONS[0]]],
                                                     workers), config.allow_inexact_device, batch)
     in9_run = run_in9(loaded, runtime, files, In9Config(VARIATIONS, batch, workers, config.progress),
                       output_dir=out_dir, device_check=check)
@@ -55,7 +56,9 @@ def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir
     challenge = None
     if config.eval_challenge:
         settings = ChallengeConfig(batch_size=batch, progress=config.progress)
-        found = run_challenge(loaded, runtime, config.eval_data, settings, out_dir, False, workers, device_check=check)
+        found = run_challenge(loaded, runtime, list_challenge_files(config.eval_data, workers), settings, out_dir,
+                              False,
+                              workers, device_check=check)
         challenge = found.to_json()
         write_json_atomic(out_dir / "challenge.json", challenge)
     else:
