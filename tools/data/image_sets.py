@@ -92,10 +92,11 @@ def load_mask(path: Path, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, si
 
 @dataclass(eq=False)
 class ImageSet:
-    """Files listed under `root` (images, masks): each one's SHA-256 by relative path (`hashes`) and the
-    `fingerprint` of them all, the bytes read while hashing them (`contents`, until decoded), the decoder chosen on a
-    few of them, the decoded-data `cache` they decode through (None: neither read nor written) and, where a caller
-    asks (`held` a dict: the zoo, whose models all read one set), what was decoded of them, kept in memory."""
+    """Files listed under `root` (images, masks): each one's SHA-256 by relative path (`hashes`: what was listed)
+    and the `fingerprint` of them all, the bytes read while hashing them (`contents`, until decoded), the decoder
+    chosen on a few of them, the decoded-data `cache` they decode through (None: neither read nor written) and,
+    where a caller asks (`held` a dict: the zoo, whose models all read one set), what was decoded of them, kept in
+    memory."""
 
     root: Path
     fingerprint: dict | None = None
@@ -131,7 +132,8 @@ class ImageSet:
 def read_image_set(root: Path, relpaths: Sequence[str], images: Sequence[str], workers: int,
                    cache: DecodedCache | None = None, hold: bool = False) -> ImageSet:
     """The files of `relpaths` read and hashed in `workers` threads, their bytes kept until decoded, with the decoder
-    chosen on a few of `images` (`decoders.choose_decoder`); `hold`: what is decoded of them is kept in memory."""
+    chosen on a few of `images` (`decoders.choose_decoder`), decoding through `cache`; `hold`: what is decoded of
+    them is kept in memory."""
     fingerprint, contents, hashes = read_and_fingerprint(root, relpaths, workers, keep=relpaths)
     decoder = decoders.choose_decoder([contents[rel] for rel in decoders.probe_sample(images)])
     return ImageSet(root, fingerprint, hashes, contents, decoder, cache, {} if hold else None)
@@ -184,7 +186,7 @@ def iter_decoded_batches(images: ImageSet, relpaths: Sequence[str], batch_size: 
     batch's buffer (pinned with `pin_memory`: PyTorch's host allocator recycles those blocks only once the copies
     reading them are done).
 
-    With the files' `hashes` and a `cache`, images the decoded-data cache holds (`tools.data.store`) are copied
+    With the set's hashes and cache, images the decoded-data cache holds (`tools.data.store`) are copied
     from it, and those decoded here are cached in one pack when the last batch is out. With a CUDA `device` the
     batches come on it, copied on a side stream. Pillow and decode_jpeg release the GIL while they decode, so
     threads decode in parallel; errors (unreadable files, wrong sizes) surface as they are, naming the file."""
