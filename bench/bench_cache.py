@@ -104,11 +104,11 @@ def checks(on: bool, spent: list[float]):
         row_checks.__dict__.pop("failing", None)
 
 
-def warm_run(loaded, runtime: Runtime, root: Path, config: In9Config) -> tuple[float, int]:
+def warm_run(loaded, runtime: Runtime, root: Path, config: In9Config, cache: store.DecodedCache) -> tuple[float, int]:
     """Seconds of a warm run as a second in9_eval.py makes it (listed and hashed again), and the rows it hashed."""
     hashed = store._row_checks.hashed
     start = time.perf_counter()
-    run_in9(loaded, runtime, list_in9_files(root, VARIATIONS, config.workers), config)
+    run_in9(loaded, runtime, list_in9_files(root, VARIATIONS, config.workers, cache), config)
     synchronize(runtime.device)
     return time.perf_counter() - start, store._row_checks.hashed - hashed
 
@@ -124,10 +124,10 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_cache_") as tmp:
         root = args.data_path or synthetic.generate(Path(tmp) / "bg_challenge", per_class=args.per_class,
                                                     seed=args.seed).root
-        config = In9Config(VARIATIONS, args.batch_size, args.workers, progress=False,
-                           cache=store.DecodedCache(Path(tmp) / "cache"))
+        config = In9Config(VARIATIONS, args.batch_size, args.workers, progress=False)
+        cache = store.DecodedCache(Path(tmp) / "cache")
         start = time.perf_counter()
-        run_in9(loaded, runtime, list_in9_files(root, VARIATIONS, args.workers), config)  # fills the cache
+        run_in9(loaded, runtime, list_in9_files(root, VARIATIONS, args.workers, cache), config)  # fills the cache
         cold = time.perf_counter() - start
         seconds: dict[str, list[float]] = {"checked": [], "unchecked": []}
         hashed: dict[str, list[int]] = {"checked": [], "unchecked": []}
@@ -136,12 +136,13 @@ def main(args: argparse.Namespace) -> int:
             for kind in ("unchecked", "checked"):
                 spent = [0.0]
                 with checks(kind == "checked", spent):
-                    took, rows = warm_run(loaded, runtime, root, config)
+                    took, rows = warm_run(loaded, runtime, root, config, cache)
                 seconds[kind].append(took)
                 hashed[kind].append(rows)
                 in_checks += spent if kind == "checked" else []
         files = list_in9_files(root, VARIATIONS, args.workers)
-        images, distinct = sum(len(listed) for listed in files.listings.values()), len(set(files.hashes.values()))
+        images = sum(len(listed) for listed in files.listings.values())
+        distinct = len(set(files.image_set.hashes.values()))
     median = {kind: statistics.median(values) for kind, values in seconds.items()}
     ratio = median["checked"] / median["unchecked"]
     print(f"machine: {info['cpu']}, {info['cores']} cores, GPU: {info['gpu'] or 'none'}, torch {info['torch']}")

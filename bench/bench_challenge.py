@@ -247,7 +247,8 @@ def main() -> None:
 
         t0 = time.perf_counter()
         config = ChallengeConfig(batch_size=batch, progress=False, criterion=Criterion.ANY)
-        result = run_challenge(loaded, runtime, root, config, output_dir=Path(tmp) / "out", workers=args.workers)
+        result = run_challenge(loaded, runtime, challenge.list_challenge_files(root, args.workers), config,
+                               output_dir=Path(tmp) / "out", workers=args.workers)
         engine_time = time.perf_counter() - t0
         s = result.state
         fwd_after = forward_throughput(loaded.model, runtime, batch, seconds=window)
@@ -263,7 +264,8 @@ def main() -> None:
         print(f"(3) composites evaluated {s.evaluated:,} / necessary minimum {minimum:,} = {s.evaluated / minimum:.3f}")
         print(f"    end to end (decode, predict backgrounds, search): {engine_time:.2f} s")
         if args.full:
-            full = run_challenge(loaded, runtime, root, ChallengeConfig(batch_size=batch, progress=False, full=True),
+            full = run_challenge(loaded, runtime, challenge.list_challenge_files(root, args.workers),
+                                 ChallengeConfig(batch_size=batch, progress=False, full=True),
                                  output_dir=Path(tmp) / "full", workers=args.workers)
             full_rate = full.state.evaluated / full.state.elapsed
             print(f"    --full: {full_rate:,.0f} composites/s, ratio to (1): {full_rate / fwd:.3f}; verdicts equal: "

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from tools.data import layout, synthetic
 from tools.data.decoders import Decoder, choose_decoder, probe_sample
-from tools.data.image_sets import decode_images
+from tools.data.image_sets import ImageSet, decode_images
 
 
 def main() -> int:
@@ -34,7 +34,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = args.data_path or synthetic.generate(Path(tmp) / "bg", per_class=args.per_class, seed=0).root
         relpaths = [r.relpath for r in layout.list_variation(root, "original")]
-        decode_images(root, relpaths, 1, progress=False)  # the files into the page cache
+        decode_images(ImageSet(root), relpaths, 1, progress=False)  # the files into the page cache
         chosen = choose_decoder([root / rel for rel in probe_sample(relpaths)])
         print(f"{len(relpaths)} images; the probe chooses {chosen.value}")
         rates = {}
@@ -51,7 +51,7 @@ def main() -> int:
 
 def _timed(root: Path, relpaths: list[str], threads: int, decoder: Decoder) -> float:
     start = time.perf_counter()
-    decode_images(root, relpaths, threads, progress=False, decoder=decoder)
+    decode_images(ImageSet(root, decoder=decoder), relpaths, threads, progress=False)
     return time.perf_counter() - start
 
 

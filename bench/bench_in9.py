@@ -33,7 +33,7 @@ except ImportError:  # run as `python bench/bench_in9.py` from a checkout: the t
 
 from tools.data import synthetic
 from tools.in9 import NUM_IMAGENET_CLASSES, NUM_IN9_CLASSES, VARIATIONS, Normalization, statistics_for
-from tools.in9.evaluate import In9Config, run_in9
+from tools.in9.evaluate import In9Config, list_in9_files, run_in9
 from tools.models.architectures import build_architecture
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.runtime import BATCH_SIZE_DEFAULTS, Forward, Precision, Runtime, resolve_device, seed_everything
@@ -141,7 +141,8 @@ def pipeline_throughput(loaded: LoadedModel, runtime: Runtime, root: Path, batch
     seconds, images = [], 0
     for _ in range(repeats):
         start = time.perf_counter()
-        run = run_in9(loaded, runtime, root, In9Config(VARIATIONS, batch_size, workers, progress=False))
+        run = run_in9(loaded, runtime, list_in9_files(root, VARIATIONS, workers),
+                      In9Config(VARIATIONS, batch_size, workers, progress=False))
         synchronize(runtime.device)
         seconds.append(time.perf_counter() - start)
         images = sum(result.total for result in run.results.values())

@@ -161,11 +161,10 @@ def model_speed(args, precision: str, compiled: bool) -> dict:
 
 def in9_speed(args, precision: str) -> dict:
     """A first `all` run (listing, hashing, decoding, filling an empty decoded-data cache), then the same files'
-    run inside `keep_decoded`, as the zoo's next model reads them: the decoded variations from memory; then a
+    run with the set holding what it decoded, as the zoo's next model reads them: the decoded variations from memory; then a
     run as a second in9_eval.py would make it (listing and hashing again), its images read from the disk cache
     (`disk_cached_ratio`; on CUDA, kept on the device where they fit)."""
     from bench_in9 import synchronize  # noqa: PLC0415
-    from tools.data import image_sets  # noqa: PLC0415
     from tools.data.store import DecodedCache  # noqa: PLC0415
     from tools.in9 import VARIATIONS  # noqa: PLC0415
     from tools.in9.evaluate import In9Config, run_in9  # noqa: PLC0415
@@ -174,16 +173,16 @@ def in9_speed(args, precision: str) -> dict:
     model = model_speed(args, precision, False)["images_per_s"]
     seconds = []
     with tempfile.TemporaryDirectory(prefix="bench_cache_") as cache:
-        config = In9Config(VARIATIONS, args.batch_size, args.workers, progress=False, cache=DecodedCache(Path(cache)))
-        with image_sets.keep_decoded():
+        config = In9Config(VARIATIONS, args.batch_size, args.workers, progress=False)
+        request = Request(args.data, config, workers=args.workers, cache=DecodedCache(Path(cache)))
+        start = time.perf_counter()
+        files = list_data(request, hold=True).in9
+        for _ in range(2):
+            run = run_in9(loaded, runtime, files, config)
+            synchronize(runtime.device)
+            seconds.append(time.perf_counter() - start)
             start = time.perf_counter()
-            files = list_data(Request(args.data, config, workers=args.workers)).in9
-            for _ in range(2):
-                run = run_in9(loaded, runtime, files, config)
-                synchronize(runtime.device)
-                seconds.append(time.perf_counter() - start)
-                start = time.perf_counter()
-        run = run_in9(loaded, runtime, list_data(Request(args.data, config, workers=args.workers)).in9, config)
+        run = run_in9(loaded, runtime, list_data(request).in9, config)
         synchronize(runtime.device)
         seconds.append(time.perf_counter() - start)
     images = sum(result.total for result in run.results.values())

@@ -12,10 +12,10 @@ import torch
 import torchvision
 
 from tools import zoo
-from tools.challenge import ChallengeConfig, run_challenge
+from tools.challenge import ChallengeConfig, list_challenge_files, run_challenge
 from tools.data import synthetic
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
-from tools.in9.evaluate import evaluate_variations
+from tools.in9.evaluate import evaluate_variations, list_in9_files
 from tools.models.architectures import SMALL_CNN, SmallCNN
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.runtime import Forward, Precision, Runtime
@@ -47,8 +47,8 @@ def recording_model() -> tuple[LoadedModel, RecordsBatchSizes]:
 @pytest.mark.slow
 def test_the_in9_evaluation_runs_one_batch_shape(dataset, shard, precision, one_thread):
     loaded, recorder = recording_model()
-    evaluate_variations(loaded, Runtime(torch.device("cpu"), precision), dataset.root, VARIATIONS, BATCH, 1,
-                        progress=False, shard=shard, recheck_margin=0.5)
+    evaluate_variations(loaded, Runtime(torch.device("cpu"), precision), list_in9_files(dataset.root, VARIATIONS, 1),
+                        BATCH, 1, progress=False, shard=shard, recheck_margin=0.5)
     assert set(recorder.sizes) == {BATCH}
 
 
@@ -58,7 +58,8 @@ def test_the_in9_evaluation_runs_one_batch_shape(dataset, shard, precision, one_
 def test_the_challenge_runs_one_batch_shape_with_its_rechecks(dataset, full, precision, one_thread):
     loaded, recorder = recording_model()
     config = ChallengeConfig(batch_size=BATCH, progress=False, full=full, recheck_margin=0.5)
-    result = run_challenge(loaded, Runtime(torch.device("cpu"), precision), dataset.root, config, workers=1)
+    result = run_challenge(loaded, Runtime(torch.device("cpu"), precision), list_challenge_files(dataset.root, 1),
+                           config, workers=1)
     if precision is Precision.BF16:
         assert 0 < result.rechecked < result.state.evaluated  # subsets of batches were re-checked
     assert set(recorder.sizes) == {BATCH}
@@ -129,9 +130,10 @@ def test_the_static_buffer_gives_the_exact_runs_predictions(dataset, monkeypatch
     for runtime in (Runtime(torch.device("cpu")), Runtime(torch.device("cpu"), compile=True)):
         torch.manual_seed(0)
         loaded = LoadedModel(PixelModel(SmallCNN(9), IN9_MEAN, IN9_STD), 9, None, None, None, None, "test", "test")
-        in9 = evaluate_variations(loaded, runtime, dataset.root, VARIATIONS, BATCH, 1, progress=False)
+        in9, _ = evaluate_variations(loaded, runtime, list_in9_files(dataset.root, VARIATIONS, 1), BATCH, 1,
+                                     progress=False)
         config = ChallengeConfig(batch_size=BATCH, progress=False, full=True)
-        full = run_challenge(loaded, runtime, dataset.root, config, workers=1)
+        full = run_challenge(loaded, runtime, list_challenge_files(dataset.root, 1), config, workers=1)
         runs.append(([in9[name].predictions.tolist() for name in VARIATIONS], full.state.matrix.tolist()))
     assert runs[0] == runs[1]
 

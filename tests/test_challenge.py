@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import shutil
@@ -71,7 +70,7 @@ def references(data, models):
 def engine(path, data, tmp_path, **config):
     loaded = load_model(trust=True, checkpoint=path)
     cfg = ChallengeConfig(batch_size=config.pop("batch_size", 7), progress=False, **config)
-    return run_challenge(loaded, CPU, data, cfg, output_dir=tmp_path, workers=2)
+    return run_challenge(loaded, CPU, challenge.list_challenge_files(data, 2), cfg, output_dir=tmp_path, workers=2)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -112,8 +111,10 @@ def test_full_matrix_equals_reference(name, data, models, references, tmp_path):
 def test_either_decoder_gives_the_references_verdicts_and_matrix(decoder, data, models, references, tmp_path):
     """In fp32, the verdicts and the --full matrix are the brute-force (Pillow) reference's with either decoder."""
     matrix, fg_labels, bg_labels = references["cnn9"]
-    files = dataclasses.replace(challenge.list_challenge_files(data, 2), decoder=decoder)
-    result = engine(models["cnn9"][1], files, tmp_path, full=True, batch_size=10)
+    files = challenge.list_challenge_files(data, 2)
+    files.image_set.decoder = decoder
+    result = run_challenge(load_model(trust=True, checkpoint=models["cnn9"][1]), CPU, files,
+                           ChallengeConfig(batch_size=10, progress=False, full=True), output_dir=tmp_path, workers=2)
     assert np.array_equal(result.state.matrix.astype(np.int64), matrix)
     expected = reference_verdicts(matrix, fg_labels, bg_labels, "any")
     assert (result.state.verdict == challenge.VULNERABLE).tolist() == expected.tolist()
@@ -157,7 +158,8 @@ def interrupt_at_ninth_batch(path, data, cfg, output_dir, monkeypatch) -> None:
 
     monkeypatch.setattr(challenge.CompositePredictor, "predict_pairs", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        run_challenge(load_model(trust=True, checkpoint=path), CPU, data, cfg, output_dir=output_dir, workers=2)
+        run_challenge(load_model(trust=True, checkpoint=path), CPU, challenge.list_challenge_files(data, 2), cfg,
+                      output_dir=output_dir, workers=2)
     monkeypatch.setattr(challenge.CompositePredictor, "predict_pairs", original)
 
 
@@ -169,7 +171,8 @@ def test_resume_after_interruption_gives_the_uninterrupted_result(full, data, mo
 
     cfg = ChallengeConfig(batch_size=6, progress=False, full=full, save_every=0.0)
     interrupt_at_ninth_batch(path, data, cfg, tmp_path / "part", monkeypatch)
-    resumed = run_challenge(load_model(trust=True, checkpoint=path), CPU, data, cfg, output_dir=tmp_path / "part",
+    resumed = run_challenge(load_model(trust=True, checkpoint=path), CPU, challenge.list_challenge_files(data, 2), cfg,
+                            output_dir=tmp_path / "part",
                             resume=True,
                             workers=2)
     assert resumed.state.verdict.tolist() == whole.state.verdict.tolist()
@@ -194,7 +197,8 @@ def test_a_shared_full_run_resumes_a_single_process_state(data, models, tmp_path
                                          *whole.state.matrix.shape, full=True).pending
     assert len(pending) == 6 * IN_FLIGHT  # the batches in flight
     shared = Runtime(torch.device("cpu"), group=ProcessGroup(rank=0, world_size=2))
-    resumed = run_challenge(load_model(trust=True, checkpoint=path), shared, data, cfg, output_dir=tmp_path / "part",
+    resumed = run_challenge(load_model(trust=True, checkpoint=path), shared, challenge.list_challenge_files(data, 2),
+                            cfg, output_dir=tmp_path / "part",
                             resume=True, workers=2)
     rows = np.array_split(np.arange(len(whole.state.verdict)), 2)[0]
     assert np.array_equal(resumed.state.matrix[rows], whole.state.matrix[rows])
@@ -205,14 +209,16 @@ def test_resume_refuses_another_runs_state(data, models, tmp_path):
     engine(models["color9"][1], data, tmp_path)
     loaded = load_model(trust=True, checkpoint=models["cnn9"][1])
     with pytest.raises(Exception, match="belongs to another run"):
-        run_challenge(loaded, CPU, data, ChallengeConfig(progress=False), output_dir=tmp_path, resume=True)
+        run_challenge(loaded, CPU, challenge.list_challenge_files(data, 2), ChallengeConfig(progress=False),
+                      output_dir=tmp_path, resume=True)
 
 
 def test_resume_refuses_a_state_saved_at_another_batch_size(data, models, tmp_path):
     """Rows computed at another batch shape may differ in the last bits: such a state is another run's."""
     engine(models["color9"][1], data, tmp_path, batch_size=6)
     with pytest.raises(Exception, match="belongs to another run"):
-        run_challenge(load_model(trust=True, checkpoint=models["color9"][1]), CPU, data,
+        run_challenge(load_model(trust=True, checkpoint=models["color9"][1]), CPU,
+                      challenge.list_challenge_files(data, 2),
                       ChallengeConfig(batch_size=8, progress=False), output_dir=tmp_path, resume=True)
 
 
@@ -223,8 +229,9 @@ def test_the_cpu_default_batch_size_is_fixed_not_timed(data, models, tmp_path, m
     from tools.runtime import CPU_BATCH_SIZE, Forward  # noqa: PLC0415
     shapes, run = set(), Forward._run
     monkeypatch.setattr(Forward, "_run", lambda self, piece, rows: shapes.add(self.chunk) or run(self, piece, rows))
-    result = run_challenge(load_model(trust=True, checkpoint=models["color9"][1]), CPU, data,
-                           ChallengeConfig(batch_size=None, progress=False), output_dir=tmp_path, workers=2)
+    result = run_challenge(load_model(trust=True, checkpoint=models["color9"][1]), CPU,
+                           challenge.list_challenge_files(data, 2), ChallengeConfig(batch_size=None, progress=False),
+                           output_dir=tmp_path, workers=2)
     assert shapes == {CPU_BATCH_SIZE}
     assert result.provenance["batch_size"] == CPU_BATCH_SIZE
 

@@ -14,7 +14,7 @@ import in9_eval
 import train
 from tests.helpers import run_forked
 from tools import options
-from tools.challenge import ChallengeConfig, flags, run_challenge
+from tools.challenge import ChallengeConfig, flags, list_challenge_files, run_challenge
 from tools.data.layout import DATA_ENV
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.runtime import Precision, Runtime
@@ -76,9 +76,11 @@ def test_a_default_challenge_config_rechecks_near_ties_in_reduced_precision(data
         net[2].weight.mul_(1e-3)  # every logit margin far below any sensible re-check margin
     loaded = LoadedModel(PixelModel(net, (0.5,) * 3, (0.25,) * 3), 9, None, None, None, None, "test", "test")
     config = ChallengeConfig(progress=False)
-    fast = run_challenge(loaded, Runtime(torch.device("cpu"), Precision.BF16), dataset.root, config, workers=1)
+    fast = run_challenge(loaded, Runtime(torch.device("cpu"), Precision.BF16), list_challenge_files(dataset.root, 1),
+                         config, workers=1)
     assert fast.rechecked > 0 and fast.unsure == 0
-    exact = run_challenge(loaded, Runtime(torch.device("cpu")), dataset.root, config, workers=1)
+    exact = run_challenge(loaded, Runtime(torch.device("cpu")), list_challenge_files(dataset.root, 1), config,
+                          workers=1)
     assert exact.rechecked == 0 and exact.unsure is None
     assert fast.state.verdict.tolist() == exact.state.verdict.tolist()
 

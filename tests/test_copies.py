@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tools import runtime
-from tools.challenge.data import load_challenge_data
+from tools.challenge.data import list_challenge_files, load_challenge_data
 from tools.challenge.predictor import CompositePredictor
 from tools.models.sources import load_model
 from tools.runtime import Runtime
@@ -113,7 +113,7 @@ def test_a_cuda_copy_goes_through_pinned_memory_and_does_not_wait(copies):
 
 
 def test_the_challenge_index_copies_go_through_pinned_memory(copies, dataset, color_ts):
-    data = load_challenge_data(dataset.root, workers=1, progress=False)
+    data = load_challenge_data(list_challenge_files(dataset.root, 1), workers=1, progress=False)
     loaded = load_model(checkpoint=color_ts[9], trust=True)  # TorchScript: code, trusted
     predictor = CompositePredictor(loaded, Runtime(torch.device("cpu")), data, 8)
     expected = predictor.predict_pairs(np.array([[0, 1], [2, 0], [1, 3]], dtype=np.int64))[0]

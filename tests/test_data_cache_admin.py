@@ -80,8 +80,8 @@ def test_the_listing_counts_what_real_runs_cached(tmp_path, capsys):
     images = sorted(p.relative_to(data).as_posix() for p in (data / "original").rglob("*.JPEG"))
     masks = sorted(p.relative_to(data).as_posix() for p in (data / "fg_mask").rglob("*.npy"))
     cache = tmp_path / "cache"
-    image_sets.decode_cached(data, {"original": images}, masks, {"sha256": "x"}, DecodedCache(cache), workers=1,
-                           progress=False)
+    image_sets.decode_cached(image_sets.ImageSet(data, cache=DecodedCache(cache)), {"original": images}, masks,
+                             workers=1, progress=False)
     store.CacheEntry(cache / "clip-heads", "a" * 32, {"format": 1}, "CLIP text head").save(
         {"head": np.zeros((9, 8), np.float32)})
     store.CacheEntry(cache, "b" * 24 + "-binary-v4", {"fingerprint": "f"}, "decoded data").save({"masks": np.zeros(3)})
@@ -248,8 +248,8 @@ def test_a_pack_removed_while_a_reader_looks_it_up_is_a_miss_and_decoded_again(t
     cache = tmp_path / "cache"
 
     def decoded() -> torch.Tensor:
-        return torch.cat([b for _, b in image_sets.iter_decoded_batches(data, relpaths, 4, 1, hashes=content,
-                                                                      cache=DecodedCache(cache))])
+        images = image_sets.ImageSet(data, hashes=content, cache=DecodedCache(cache))
+        return torch.cat([b for _, b in image_sets.iter_decoded_batches(images, relpaths, 4, 1)])
 
     expected = decoded()
     [pack] = [p for p in cache.iterdir()]
@@ -426,8 +426,8 @@ def test_a_run_with_its_cache_in_an_ordinary_folder_removes_nothing_of_it(tmp_pa
     relpaths = sorted(p.relative_to(data).as_posix() for p in (data / "original").rglob("*.JPEG"))
     masks = sorted(p.relative_to(data).as_posix() for p in (data / "fg_mask").rglob("*.npy"))
     for _ in range(2):  # writing, then reading
-        image_sets.decode_cached(data, {"original": relpaths}, masks, {"sha256": "x"}, DecodedCache(home), workers=1,
-                               progress=False)
+        image_sets.decode_cached(image_sets.ImageSet(data, cache=DecodedCache(home)), {"original": relpaths}, masks,
+                                 workers=1, progress=False)
         entry = store.CacheEntry(home / "clip-heads", "c" * 32, {"format": 1}, "CLIP text head")
         if entry.load(["head"]) is None:
             entry.save({"head": np.ones(3)})

@@ -17,7 +17,7 @@ from PIL import Image
 from tools.challenge import list_challenge_files, load_challenge_data
 from tools.data import decoders, image_sets, synthetic
 from tools.data.decoders import Decoder, choose_decoder, plain_jpeg
-from tools.data.image_sets import decode_rgb, iter_decoded_batches
+from tools.data.image_sets import ImageSet, decode_rgb, iter_decoded_batches
 from tools.errors import UserError
 from tools.in9 import VARIATIONS
 from tools.in9.evaluate import In9Config, list_in9_files, run_in9
@@ -235,8 +235,8 @@ def test_batches_come_in_order_with_every_image(batch_size, workers, dataset, mo
     relpaths = sorted(str(p.relative_to(dataset.root)) for p in (dataset.root / "original").rglob("*.JPEG"))
     expected = np.stack([decode_rgb(dataset.root / rel) for rel in relpaths])
     seen = 0
-    for start, batch in iter_decoded_batches(dataset.root, relpaths, batch_size, workers,
-                                             decoder=Decoder.TORCHVISION, device=torch.device("cpu")):
+    for start, batch in iter_decoded_batches(ImageSet(dataset.root, decoder=Decoder.TORCHVISION), relpaths,
+                                             batch_size, workers, device=torch.device("cpu")):
         assert start == seen and batch.shape[1] == 3 and batch.is_contiguous(memory_format=torch.channels_last)
         assert np.array_equal(batch.permute(0, 2, 3, 1).numpy(), expected[start:start + batch.shape[0]])
         seen += batch.shape[0]
@@ -264,7 +264,7 @@ def test_in9_decodes_the_bytes_it_hashed(small_data, color_ts):
     run = run_in9(loaded, CPU, files, config)
     assert {n: r.predictions.tolist() for n, r in run.results.items()} == \
         {n: r.predictions.tolist() for n, r in expected.results.items()}
-    assert run.provenance["data"] == expected.provenance["data"] and not files.contents  # the bytes let go
+    assert run.provenance["data"] == expected.provenance["data"] and not files.image_set.contents  # the bytes let go
 
 
 def test_the_challenge_decodes_the_bytes_it_hashed(small_data):
@@ -285,8 +285,8 @@ def test_batches_copied_on_the_side_stream_arrive_whole(dataset):
     expected = np.stack([decode_rgb(dataset.root / rel) for rel in relpaths])
     device = torch.device("cuda")
     busy = torch.randn(2048, 2048, device=device)
-    for start, batch in iter_decoded_batches(dataset.root, relpaths, 16, 2, pin_memory=True,
-                                             decoder=Decoder.TORCHVISION, device=device):
+    for start, batch in iter_decoded_batches(ImageSet(dataset.root, decoder=Decoder.TORCHVISION), relpaths, 16, 2,
+                                             pin_memory=True, device=device):
         busy = busy @ busy / 2048  # keep the consumer's stream working
         assert batch.device.type == "cuda"
         seen = batch.permute(0, 2, 3, 1).cpu().numpy()

@@ -155,9 +155,12 @@ def test_the_cache_returns_exactly_what_was_decoded(arithmetic, pristine, tmp_pa
 
     files = list_challenge_files(pristine, workers=1)
     mode = MaskArithmetic(arithmetic)
-    fresh = load_challenge_data(files, 1, DecodedCache(tmp_path / "cache"), progress=False, arithmetic=mode)
-    cached = load_challenge_data(files, 1, DecodedCache(tmp_path / "cache"), progress=False, arithmetic=mode)
-    uncached = load_challenge_data(files, 1, None, progress=False, arithmetic=mode)
+    files.image_set.cache = DecodedCache(tmp_path / "cache")
+    fresh = load_challenge_data(files, 1, progress=False, arithmetic=mode)
+    files.image_set.cache = DecodedCache(tmp_path / "cache")
+    cached = load_challenge_data(files, 1, progress=False, arithmetic=mode)
+    files.image_set.cache = None
+    uncached = load_challenge_data(files, 1, progress=False, arithmetic=mode)
     for name in ("fg_images", "masks", "bg_images"):
         assert torch.equal(getattr(fresh, name), getattr(cached, name)), name
         assert torch.equal(getattr(uncached, name), getattr(cached, name)), name

@@ -221,9 +221,9 @@ def test_float_inputs_are_normalised_as_normalize_does():
 # Composites: one-channel masks, bytes selected, then the model's gather
 
 def test_challenge_masks_are_one_channel(dataset):
-    from tools.challenge import load_challenge_data  # noqa: PLC0415
+    from tools.challenge import list_challenge_files, load_challenge_data  # noqa: PLC0415
 
-    data = load_challenge_data(dataset.root, workers=1, progress=False)
+    data = load_challenge_data(list_challenge_files(dataset.root, 1), workers=1, progress=False)
     assert data.masks.shape == (len(data.foregrounds), 1, *data.fg_images.shape[-2:])
     assert data.masks.dtype == torch.uint8 and set(data.masks.unique().tolist()) <= {0, 255}
 
@@ -236,6 +236,7 @@ def test_the_predictor_s_composites_give_the_brute_force_logits():
 
     from tools.challenge.data import ChallengeData  # noqa: PLC0415
     from tools.challenge.predictor import CompositePredictor  # noqa: PLC0415
+    from tools.data.image_sets import ImageSet  # noqa: PLC0415
     from tools.models.boundary import LoadedModel  # noqa: PLC0415
     from tools.runtime import Runtime  # noqa: PLC0415
 
@@ -247,7 +248,7 @@ def test_the_predictor_s_composites_give_the_brute_force_logits():
     masks[0], masks[1], masks[2], masks[3] = True, False, False, False
     masks[2, 7, 9] = True
     masks[3, :, : size // 2] = True
-    data = ChallengeData([], [], fg, byte_masks(masks), bg, {})
+    data = ChallengeData([], [], ImageSet("."), fg, byte_masks(masks), bg)
     torch.manual_seed(0)
     classifier = SmallCNN(9).eval()
     loaded = LoadedModel(PixelModel(classifier, IN9_MEAN, IN9_STD), 9, None, None, None, None, "test", "test")

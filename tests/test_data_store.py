@@ -5,7 +5,6 @@ streamed run's, bit for bit."""
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import os
 import shutil
@@ -64,12 +63,11 @@ def decodes(monkeypatch):
 
 
 def in9(model, root, cache_dir, decoder: Decoder | None = None, batch_size: int = 5, shared: bool = False):
-    files = list_in9_files(root, VARIATIONS, 2)
+    files = list_in9_files(root, VARIATIONS, 2, DecodedCache(cache_dir, shared) if cache_dir is not None else None)
     if decoder is not None:
-        files = dataclasses.replace(files, decoder=decoder)
-    run = run_in9(model, Runtime(torch.device("cpu")), files,
-                  In9Config(batch_size=batch_size, workers=2, progress=False,
-                            cache=DecodedCache(cache_dir, shared) if cache_dir is not None else None))
+        files.image_set.decoder = decoder
+    run = run_in9(model, Runtime(torch.device("cpu")), files, In9Config(batch_size=batch_size, workers=2,
+                                                                        progress=False))
     return {name: (r.accuracy, r.predictions.tolist()) for name, r in run.results.items()}
 
 
@@ -123,13 +121,13 @@ def test_challenge_after_in9_decodes_no_image(model, data, tmp_path, decodes, mo
     real = image_sets.load_masks
     monkeypatch.setattr(image_sets, "load_masks",
                         lambda root, relpaths, *rest: reads.append(len(relpaths)) or real(root, relpaths, *rest))
-    cold = load_challenge_data(list_challenge_files(data, 2), 2, DecodedCache(cache), progress=False)
+    cold = load_challenge_data(list_challenge_files(data, 2, DecodedCache(cache)), 2, progress=False)
     assert decodes == [] and reads == [9]  # foregrounds (original) and backgrounds (only_bg_t) came from in9
-    warm = load_challenge_data(list_challenge_files(data, 2), 2, DecodedCache(cache), progress=False)
+    warm = load_challenge_data(list_challenge_files(data, 2, DecodedCache(cache)), 2, progress=False)
     spot_checked = [1] * SPOT_CHECK_ROWS  # a few cached masks are read again, one at a time, to check the pack
     assert decodes == [] and reads == [9, *spot_checked, 0]  # the masks too, now
-    plain = load_challenge_data(list_challenge_files(data, 2), 2, None, progress=False)
-    original = load_challenge_data(list_challenge_files(data, 2), 2, DecodedCache(cache), progress=False,
+    plain = load_challenge_data(list_challenge_files(data, 2), 2, progress=False)
+    original = load_challenge_data(list_challenge_files(data, 2, DecodedCache(cache)), 2, progress=False,
                                    arithmetic=MaskArithmetic.ORIGINAL)
     assert reads == [9, *spot_checked, 0, 9, 9]  # another arithmetic: other mask rows
     for got in (cold, warm):
@@ -159,13 +157,14 @@ def test_a_stream_left_early_or_failing_leaves_no_pack(data, tmp_path):
     cache = tmp_path / "cache"
     files = list_in9_files(data, ["original"], 1)
     relpaths = [r.relpath for r in files.listings["original"]]
-    batches = image_sets.iter_decoded_batches(data, relpaths, 4, 1, hashes=files.hashes, cache=DecodedCache(cache))
+    images = image_sets.ImageSet(data, hashes=files.image_set.hashes, cache=DecodedCache(cache))
+    batches = image_sets.iter_decoded_batches(images, relpaths, 4, 1)
     next(batches)
     batches.close()
     assert packs(cache) == []
     (data / relpaths[-1]).write_bytes(b"not an image")
     with pytest.raises(Exception, match="cannot read image"):
-        list(image_sets.iter_decoded_batches(data, relpaths, 4, 1, hashes=files.hashes, cache=DecodedCache(cache)))
+        list(image_sets.iter_decoded_batches(images, relpaths, 4, 1))
     assert packs(cache) == []
 
 
@@ -197,9 +196,9 @@ def test_the_rule_for_keeping_decoded_data_on_the_device():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_cached_run_on_the_device_is_kept_there_and_predicts_the_same(model, data, tmp_path, decodes, caplog):
     def run(cache_dir):
-        run = run_in9(model, Runtime(torch.device("cuda")), list_in9_files(data, VARIATIONS, 2),
-                      In9Config(batch_size=5, workers=2, progress=False,
-                                cache=DecodedCache(cache_dir) if cache_dir is not None else None))
+        run = run_in9(model, Runtime(torch.device("cuda")),
+                      list_in9_files(data, VARIATIONS, 2, DecodedCache(cache_dir) if cache_dir is not None else None),
+                      In9Config(batch_size=5, workers=2, progress=False))
         return {name: (r.accuracy, r.predictions.tolist()) for name, r in run.results.items()}
 
     cache = tmp_path / "cache"
@@ -267,16 +266,17 @@ def test_a_file_rewritten_after_it_was_hashed_is_not_cached_under_the_old_hash(d
     of the bytes it held when listed, where a later run with those bytes would find them."""
     cache = tmp_path / "cache"
     files = list_challenge_files(data, 1)
-    files.contents.clear()
+    files.image_set.contents.clear()
     image, mask = data / files.foregrounds[0].image_relpath, data / files.foregrounds[0].mask_relpath
     kept_image, kept_mask = image.read_bytes(), mask.read_bytes()
     shutil.copyfile(data / files.backgrounds[0].relpath, image)
     np.save(mask, ~np.load(mask).astype(bool))
-    load_challenge_data(files, 1, DecodedCache(cache), progress=False)
+    files.image_set.cache = DecodedCache(cache)
+    load_challenge_data(files, 1, progress=False)
     image.write_bytes(kept_image)
     mask.write_bytes(kept_mask)
-    cached = load_challenge_data(list_challenge_files(data, 1), 1, DecodedCache(cache), progress=False)
-    plain = load_challenge_data(list_challenge_files(data, 1), 1, None, progress=False)
+    cached = load_challenge_data(list_challenge_files(data, 1, DecodedCache(cache)), 1, progress=False)
+    plain = load_challenge_data(list_challenge_files(data, 1), 1, progress=False)
     assert torch.equal(cached.fg_images, plain.fg_images) and torch.equal(cached.masks, plain.masks)
 
 
@@ -350,9 +350,9 @@ def test_a_pack_whose_hashes_are_not_a_list_of_hashes_is_ignored_with_a_warning(
 def original_images(data: Path, cache_dir: Path | None, shared: bool = False) -> torch.Tensor:
     """`original`'s images as a run decodes them, through the decoded-data cache in `cache_dir` (None: none)."""
     files = list_in9_files(data, ["original"], 1)
-    return image_sets.decode_images(data, [r.relpath for r in files.listings["original"]], 1, progress=False,
-                                  hashes=files.hashes,
-                                  cache=DecodedCache(cache_dir, shared) if cache_dir is not None else None)
+    images = image_sets.ImageSet(data, hashes=files.image_set.hashes,
+                                 cache=DecodedCache(cache_dir, shared) if cache_dir is not None else None)
+    return image_sets.decode_images(images, [r.relpath for r in files.listings["original"]], 1, progress=False)
 
 
 def the_pack(cache: Path) -> Path:
@@ -481,14 +481,15 @@ def test_a_private_cache_is_written_for_this_user_alone_and_a_shared_one_as_the_
 def test_the_provenance_records_the_cache_and_whether_it_is_shared(model, data, tmp_path):
     files = list_in9_files(data, ["original"], 1)
     for cache in (None, DecodedCache(tmp_path / "cache"), DecodedCache(tmp_path / "cache", shared=True)):
-        run = run_in9(model, Runtime(torch.device("cpu")), files,
-                      In9Config(("original",), 5, 1, progress=False, cache=cache))
+        files.image_set.cache = cache
+        run = run_in9(model, Runtime(torch.device("cpu")), files, In9Config(("original",), 5, 1, progress=False))
         assert run.provenance["decoded_cache"] == (None if cache is None else
                                                    {"folder": str(tmp_path / "cache"), "shared": cache.shared})
-        loaded = load_challenge_data(list_challenge_files(data, 1), 1, cache, progress=False)
+        loaded = load_challenge_data(list_challenge_files(data, 1, cache), 1, progress=False)
         challenge = run_challenge(model, Runtime(torch.device("cpu")), loaded, ChallengeConfig(batch_size=9,
                                                                                                 progress=False))
-        assert loaded.cache == challenge.provenance["decoded_cache"] == run.provenance["decoded_cache"]
+        assert loaded.image_set.cache is cache
+        assert challenge.provenance["decoded_cache"] == run.provenance["decoded_cache"]
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tools.challenge import ChallengeConfig, run_challenge
+from tools.challenge import ChallengeConfig, list_challenge_files, run_challenge
 from tools.challenge.predictor import CompositePredictor
 from tools.data import synthetic
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
@@ -53,7 +53,8 @@ def test_the_launch_path_never_waits_for_the_device(dataset, monkeypatch, full, 
 
     monkeypatch.setattr(CompositePredictor, "launch", watched)
     config = ChallengeConfig(batch_size=BATCH, progress=False, full=full, recheck_margin=0.5)
-    result = run_challenge(small_cnn(), Runtime(torch.device("cpu"), Precision.BF16), dataset.root, config, workers=1)
+    result = run_challenge(small_cnn(), Runtime(torch.device("cpu"), Precision.BF16),
+                           list_challenge_files(dataset.root, 1), config, workers=1)
     assert launches and result.rechecked > 0
     assert "aten::topk" in seen  # the recorder saw the launch's ops
     assert not seen & SYNCS, seen & SYNCS
@@ -84,7 +85,7 @@ def test_a_compiled_bf16_challenge_compiles_one_graph_and_rechecks_eagerly(datas
     runtime = Runtime(torch.device("cpu"), Precision.BF16, compile=True)
     config = ChallengeConfig(batch_size=BATCH, progress=False, full=full, recheck_margin=0.5)
     try:
-        result = run_challenge(small_cnn(), runtime, dataset.root, config, workers=1)
+        result = run_challenge(small_cnn(), runtime, list_challenge_files(dataset.root, 1), config, workers=1)
         compiled = counter.graphs
     finally:
         torch.compiler.reset()
@@ -96,9 +97,10 @@ def test_a_compiled_bf16_challenge_compiles_one_graph_and_rechecks_eagerly(datas
 def test_in9_rechecks_near_ties_in_reduced_precision(dataset, one_thread):
     """bf16 with every prediction a near tie: every image re-checked, and the predictions are fp32's; the counts
     are in the results JSON."""
-    exact = run_in9(small_cnn(), Runtime(torch.device("cpu")), dataset.root, In9Config(batch_size=BATCH, workers=1,
-                                                                                         progress=False))
-    fast = run_in9(small_cnn(), Runtime(torch.device("cpu"), Precision.BF16), dataset.root,
+    exact = run_in9(small_cnn(), Runtime(torch.device("cpu")), list_in9_files(dataset.root, VARIATIONS, 1),
+                    In9Config(batch_size=BATCH, workers=1, progress=False))
+    fast = run_in9(small_cnn(), Runtime(torch.device("cpu"), Precision.BF16),
+                   list_in9_files(dataset.root, VARIATIONS, 1),
                    In9Config(batch_size=BATCH, workers=1, progress=False, recheck_margin=1e9))
     total = sum(r.total for r in fast.results.values())
     for name in VARIATIONS:
@@ -125,7 +127,8 @@ def test_a_bf16_run_with_rechecks_resumed_mid_run_is_the_same_run(dataset, tmp_p
     uninterrupted one."""
     runtime = Runtime(torch.device("cpu"), Precision.BF16)
     config = ChallengeConfig(batch_size=3, progress=False, full=full, recheck_margin=0.5, save_every=0.0)
-    whole = run_challenge(colour_model(), runtime, dataset.root, config, output_dir=tmp_path / "whole", workers=1)
+    whole = run_challenge(colour_model(), runtime, list_challenge_files(dataset.root, 1), config,
+                          output_dir=tmp_path / "whole", workers=1)
     launch, calls = CompositePredictor.launch, []
 
     def interrupted(self, pairs):
@@ -136,9 +139,11 @@ def test_a_bf16_run_with_rechecks_resumed_mid_run_is_the_same_run(dataset, tmp_p
 
     monkeypatch.setattr(CompositePredictor, "launch", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        run_challenge(colour_model(), runtime, dataset.root, config, output_dir=tmp_path / "part", workers=1)
+        run_challenge(colour_model(), runtime, list_challenge_files(dataset.root, 1), config,
+                      output_dir=tmp_path / "part", workers=1)
     monkeypatch.setattr(CompositePredictor, "launch", launch)
-    resumed = run_challenge(colour_model(), runtime, dataset.root, config, output_dir=tmp_path / "part", resume=True,
+    resumed = run_challenge(colour_model(), runtime, list_challenge_files(dataset.root, 1), config,
+                            output_dir=tmp_path / "part", resume=True,
                             workers=1)
     assert 0 < whole.rechecked < whole.state.evaluated
     for name in ("verdict", "fool_bg", "fool_pred", "min_margin", "tested", "evaluated", "successes", "trials"):
@@ -209,8 +214,8 @@ def test_in9_rechecks_its_near_ties_in_the_runtime_memory_format(dataset, one_th
 
     loaded.model.register_forward_pre_hook(record)
     runtime = Runtime(torch.device("cpu"), Precision.BF16, channels_last=True)
-    run = run_in9(loaded, runtime, dataset.root, In9Config(("original",), batch_size=BATCH, workers=1,
-                                                           progress=False, recheck_margin=1e9))
+    run = run_in9(loaded, runtime, list_in9_files(dataset.root, ["original"], 1),
+                  In9Config(("original",), batch_size=BATCH, workers=1, progress=False, recheck_margin=1e9))
     assert run.results["original"].rechecked == run.results["original"].total
     assert layouts and all(layouts), layouts
 
@@ -243,17 +248,21 @@ def test_a_nan_margin_of_reduced_precision_is_rechecked_or_unsure(dataset, one_t
     tie, so in9's predictions and the challenge's verdicts are fp32's; with the re-check off, a verdict resting on
     it is counted unsure."""
     config = In9Config(batch_size=BATCH, workers=1, progress=False)
-    exact = run_in9(overflowing_model(), Runtime(torch.device("cpu")), dataset.root, config)
-    fast = run_in9(overflowing_model(), Runtime(torch.device("cpu"), Precision.BF16), dataset.root, config)
+    exact = run_in9(overflowing_model(), Runtime(torch.device("cpu")), list_in9_files(dataset.root, VARIATIONS, 1),
+                    config)
+    fast = run_in9(overflowing_model(), Runtime(torch.device("cpu"), Precision.BF16),
+                   list_in9_files(dataset.root, VARIATIONS, 1), config)
     for name in VARIATIONS:
         assert np.array_equal(fast.results[name].predictions, exact.results[name].predictions), name
         assert fast.results[name].rechecked >= fast.results[name].total // 2
-    exact = run_challenge(overflowing_model(), Runtime(torch.device("cpu")), dataset.root,
+    exact = run_challenge(overflowing_model(), Runtime(torch.device("cpu")), list_challenge_files(dataset.root, 1),
                           ChallengeConfig(batch_size=BATCH, progress=False, full=True), workers=1)
-    fast = run_challenge(overflowing_model(), Runtime(torch.device("cpu"), Precision.BF16), dataset.root,
+    fast = run_challenge(overflowing_model(), Runtime(torch.device("cpu"), Precision.BF16),
+                         list_challenge_files(dataset.root, 1),
                          ChallengeConfig(batch_size=BATCH, progress=False), workers=1)
     assert fast.state.verdict.tolist() == exact.state.verdict.tolist() and fast.unsure == 0
-    off = run_challenge(overflowing_model(), Runtime(torch.device("cpu"), Precision.BF16), dataset.root,
+    off = run_challenge(overflowing_model(), Runtime(torch.device("cpu"), Precision.BF16),
+                        list_challenge_files(dataset.root, 1),
                         ChallengeConfig(batch_size=BATCH, progress=False, recheck_margin=0.0), workers=1)
     wrong = off.state.verdict != exact.state.verdict
     assert wrong.any() and off.unsure >= int(wrong.sum())

@@ -437,10 +437,11 @@ def _shared_challenge(data: Path, checkpoint: Path, output_dir: Path, full: bool
 
 def _challenge(data: Path, checkpoint: Path, output_dir: Path, full: bool, resume: bool, runtime):
     """The challenge with the state saved at every chance (save_every 0)."""
-    from tools.challenge import ChallengeConfig, run_challenge  # noqa: PLC0415
+    from tools.challenge import ChallengeConfig, list_challenge_files, run_challenge  # noqa: PLC0415
     from tools.models.sources import load_model  # noqa: PLC0415
     config = ChallengeConfig(batch_size=5 if full else 2, full=full, save_every=0.0, progress=False)
-    return run_challenge(load_model(trust=True, checkpoint=checkpoint), runtime, data, config, output_dir=output_dir,
+    return run_challenge(load_model(trust=True, checkpoint=checkpoint), runtime, list_challenge_files(data, 1), config,
+                         output_dir=output_dir,
                          resume=resume, workers=1)
 
 

@@ -10,12 +10,12 @@ import torch
 from tests import fp32_formats
 from tests.helpers import TINY_CLIP, save_torchscript
 from tools import challenge
-from tools.challenge import ChallengeConfig, run_challenge
+from tools.challenge import ChallengeConfig, list_challenge_files, run_challenge
 from tools.data import synthetic
 from tools.data.compositing import blend
 from tools.data.pixels import unit_floats
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS
-from tools.in9.evaluate import evaluate_variations
+from tools.in9.evaluate import evaluate_variations, list_in9_files
 from tools.models.boundary import PixelModel
 from tools.models.sources import load_model
 from tools.runtime import Precision, Runtime
@@ -38,27 +38,31 @@ def model_path(tmp_path_factory):
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_in9_predictions_match_the_cpu(dataset, model_path, channels_last):
     loaded = program(model_path)
-    cpu = evaluate_variations(loaded, Runtime(torch.device("cpu")), dataset.root, VARIATIONS, 16, 2, progress=False)
-    gpu = evaluate_variations(program(model_path), Runtime(torch.device("cuda"), channels_last=channels_last),
-                              dataset.root, VARIATIONS, 16, 2, progress=False)
+    cpu, _ = evaluate_variations(loaded, Runtime(torch.device("cpu")), list_in9_files(dataset.root, VARIATIONS, 2), 16,
+                                 2, progress=False)
+    gpu, _ = evaluate_variations(program(model_path), Runtime(torch.device("cuda"), channels_last=channels_last),
+                                 list_in9_files(dataset.root, VARIATIONS, 2), 16, 2, progress=False)
     for name in VARIATIONS:
         assert np.array_equal(cpu[name].predictions, gpu[name].predictions), name
 
 
 def test_challenge_verdicts_match_the_cpu(dataset, model_path, tmp_path):
     config = ChallengeConfig(batch_size=32, progress=False)
-    cpu = run_challenge(program(model_path), Runtime(torch.device("cpu")), dataset.root, config,
+    cpu = run_challenge(program(model_path), Runtime(torch.device("cpu")), list_challenge_files(dataset.root, 4),
+                        config,
                         output_dir=tmp_path / "cpu")
-    gpu = run_challenge(program(model_path), Runtime(torch.device("cuda")), dataset.root, config,
+    gpu = run_challenge(program(model_path), Runtime(torch.device("cuda")), list_challenge_files(dataset.root, 4),
+                        config,
                         output_dir=tmp_path / "gpu")
     assert cpu.state.verdict.tolist() == gpu.state.verdict.tolist()
 
 
 @pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP16, Precision.TF32])
 def test_reduced_precision_with_recheck_gives_fp32_verdicts(dataset, model_path, tmp_path, precision):
-    exact = run_challenge(program(model_path), Runtime(torch.device("cuda")), dataset.root,
+    exact = run_challenge(program(model_path), Runtime(torch.device("cuda")), list_challenge_files(dataset.root, 4),
                           ChallengeConfig(batch_size=32, progress=False, full=True), output_dir=tmp_path / "fp32")
-    fast = run_challenge(program(model_path), Runtime(torch.device("cuda"), precision), dataset.root,
+    fast = run_challenge(program(model_path), Runtime(torch.device("cuda"), precision),
+                         list_challenge_files(dataset.root, 4),
                          ChallengeConfig(batch_size=32, progress=False, recheck_margin=1.0), output_dir=tmp_path / "fast")
     assert fast.state.verdict.tolist() == exact.state.verdict.tolist()
     assert fast.unsure == 0
@@ -141,9 +145,11 @@ def test_fp32_logits_of_a_clip_image_tower_are_fp32(tiny_clip, tmp_path):
 def test_full_matrix_equals_the_cpu_cell_by_cell(dataset, model_path, tmp_path):
     """`--full` in fp32 on the GPU: every (foreground, background) prediction the CPU's."""
     config = ChallengeConfig(batch_size=32, progress=False, full=True)
-    cpu = run_challenge(program(model_path), Runtime(torch.device("cpu")), dataset.root, config,
+    cpu = run_challenge(program(model_path), Runtime(torch.device("cpu")), list_challenge_files(dataset.root, 4),
+                        config,
                         output_dir=tmp_path / "cpu")
-    gpu = run_challenge(program(model_path), Runtime(torch.device("cuda")), dataset.root, config,
+    gpu = run_challenge(program(model_path), Runtime(torch.device("cuda")), list_challenge_files(dataset.root, 4),
+                        config,
                         output_dir=tmp_path / "gpu")
     assert cpu.state.matrix is not None and cpu.state.matrix.size > 0
     assert np.array_equal(cpu.state.matrix, gpu.state.matrix)

@@ -3,7 +3,6 @@ against a hand-built model whose answers follow from the data; determinism, batc
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
@@ -323,7 +322,8 @@ def test_batch_sizes_give_the_same_predictions(batch_size, workers, channels_las
     """Batches that straddle variations, end part-full, or hold everything: the same predictions."""
     loaded = load_model(trust=True, checkpoint=models["cnn9"].path)
     runtime = Runtime(torch.device("cpu"), channels_last=channels_last)
-    results = evaluate_variations(loaded, runtime, dataset.root, VARIATIONS, batch_size, workers, progress=False)
+    results, _ = evaluate_variations(loaded, runtime, list_in9_files(dataset.root, VARIATIONS, workers), batch_size,
+                                     workers, progress=False)
     for variation in VARIATIONS:
         assert results[variation].predictions.tolist() == references("cnn9")[variation].predictions, variation
 
@@ -333,7 +333,8 @@ def test_batch_sizes_give_the_same_predictions(batch_size, workers, channels_las
 def test_either_decoder_gives_the_references_results(decoder, models, dataset, references):
     """In fp32, torchvision's decoder and Pillow's give the brute-force (Pillow) reference's predictions, and the
     run names its decoder in the provenance."""
-    files = dataclasses.replace(list_in9_files(dataset.root, VARIATIONS, 2), decoder=decoder)
+    files = list_in9_files(dataset.root, VARIATIONS, 2)
+    files.image_set.decoder = decoder
     loaded = load_model(trust=True, checkpoint=models["cnn1000"].path)
     run = run_in9(loaded, Runtime(torch.device("cpu")), files, In9Config(batch_size=11, workers=2, progress=False))
     for variation in VARIATIONS:
@@ -349,8 +350,8 @@ def test_torch_export_program_gives_the_same_predictions(models, dataset, refere
                                   dynamic_shapes=({0: torch.export.Dim("batch")},))
     torch.export.save(program, path)
     loaded = load_model(trust=True, checkpoint=path)
-    results = evaluate_variations(loaded, Runtime(torch.device("cpu")), dataset.root, VARIATIONS, 7, 2,
-                                  progress=False)
+    results, _ = evaluate_variations(loaded, Runtime(torch.device("cpu")), list_in9_files(dataset.root, VARIATIONS, 2),
+                                     7, 2, progress=False)
     for variation in VARIATIONS:
         assert results[variation].predictions.tolist() == references("cnn9")[variation].predictions, variation
 

@@ -412,7 +412,7 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     import in9_eval  # noqa: PLC0415
     from tests.helpers import run_in_process  # noqa: PLC0415
     from tools.data import synthetic  # noqa: PLC0415
-    from tools.in9.evaluate import evaluate_variations  # noqa: PLC0415
+    from tools.in9.evaluate import evaluate_variations, list_in9_files  # noqa: PLC0415
     from tools.models.boundary import ModelOrigin, wrap  # noqa: PLC0415
     from tools.models.record import ModelRecord  # noqa: PLC0415
     from tools.models.sources import SOURCES, register_source  # noqa: PLC0415
@@ -440,8 +440,8 @@ def test_a_registered_source_runs_in9_eval(dataset, tmp_path, capsys):
     same_model = wrap(synthetic.ColorEvidenceModel(9), num_classes=9, normalize=Normalization.AUTO, stats=stats,
                       stats_origin="toy statistics", origin=ModelOrigin(None, checkpoint_format="toy"),
                       record=ModelRecord())
-    expected = evaluate_variations(same_model, Runtime(torch.device("cpu")), dataset.root, ["mixed_rand"], 16, 1,
-                                   progress=False)
+    expected, _ = evaluate_variations(same_model, Runtime(torch.device("cpu")),
+                                      list_in9_files(dataset.root, ["mixed_rand"], 1), 16, 1, progress=False)
     assert out.splitlines()[0] == f"Accuracy on mixed_rand is {expected['mixed_rand'].accuracy:.2f}%"
     import json  # noqa: PLC0415
     provenance = json.loads((tmp_path / "r.json").read_text())["provenance"]

@@ -29,7 +29,7 @@ from tools.data.hashing import sha256_file
 from tools.data.store import DecodedCache
 from tools.errors import UserError
 from tools.in9 import VARIATIONS
-from tools.in9.evaluate import In9Config, run_in9
+from tools.in9.evaluate import In9Config, list_in9_files, run_in9
 from tools.models import clip as clip_zero_shot
 from tools.models.clip import RANDOM_SEED, ClipSpec, Head, Templates, parse_spec, prompts, template_sets
 from tools.models.sources import load_model
@@ -266,7 +266,8 @@ def test_the_default_head_goes_through_the_imagenet_map(tiny_clip, loaded, data,
                                            "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path)], capsys)
     assert code == 0, err
     printed = dict(ACCURACY_LINE.findall(out))
-    run = run_in9(loaded, Runtime(torch.device("cpu")), data, In9Config(VARIATIONS, 16, 2, progress=False))
+    run = run_in9(loaded, Runtime(torch.device("cpu")), list_in9_files(data, VARIATIONS, 2),
+                  In9Config(VARIATIONS, 16, 2, progress=False))
     statistics = (loaded.model.mean.flatten().tolist(), loaded.model.std.flatten().tolist())
     unmapped = 0
     for variation in VARIATIONS:

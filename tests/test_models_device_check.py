@@ -257,9 +257,10 @@ def test_an_honest_run_records_its_check(dataset, color_ts, tmp_path, capsys):
 
 def test_exact_is_never_a_default(dataset, color_ts, tmp_path):
     """A run that no start-up check verified (the library's run_in9 called alone) does not say it is exact."""
-    from tools.in9.evaluate import In9Config, run_in9  # noqa: PLC0415
+    from tools.in9.evaluate import In9Config, list_in9_files, run_in9  # noqa: PLC0415
     from tools.models.sources import load_model  # noqa: PLC0415
-    run = run_in9(load_model(checkpoint=color_ts[9], trust=True), Runtime(CPU), dataset.root,
+    run = run_in9(load_model(checkpoint=color_ts[9], trust=True), Runtime(CPU),
+                  list_in9_files(dataset.root, ["original"], 1),
                   In9Config(("original",), progress=False, workers=1))
     assert run.provenance["exact"] is False and run.provenance["exact_mode"] is True
     assert "device_check" not in run.provenance

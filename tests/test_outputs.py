@@ -25,11 +25,11 @@ import in9_eval
 import train
 from tests.helpers import run_in_process, save_torchscript
 from tools import challenge, merge, prepared_run, zoo
-from tools.challenge import ChallengeConfig, run_challenge
+from tools.challenge import ChallengeConfig, list_challenge_files, run_challenge
 from tools.data import cli as data_cli
 from tools.data import store, synthetic
 from tools.in9 import VARIATIONS
-from tools.in9.evaluate import In9Config, run_in9
+from tools.in9.evaluate import In9Config, list_in9_files, run_in9
 from tools.models.sources import load_model
 from tools.results import analysis, leaderboard, publish, report
 from tools.results.matrix import write_matrix
@@ -236,9 +236,11 @@ def full_run(dataset, color_ts, tmp_path_factory):
     """A --full challenge result and an in9 `all` run on the generated data."""
     loaded = load_model(checkpoint=color_ts[9], trust=True)
     out = tmp_path_factory.mktemp("full-run")
-    result = run_challenge(loaded, CPU, dataset.root, ChallengeConfig(full=True, progress=False, batch_size=64),
+    result = run_challenge(loaded, CPU, list_challenge_files(dataset.root, 1),
+                           ChallengeConfig(full=True, progress=False, batch_size=64),
                            output_dir=out / "state", workers=1)
-    in9 = run_in9(loaded, CPU, dataset.root, In9Config(VARIATIONS, 64, 1, progress=False))
+    in9 = run_in9(loaded, CPU, list_in9_files(dataset.root, VARIATIONS, 1),
+                  In9Config(VARIATIONS, 64, 1, progress=False))
     return result, in9
 
 

@@ -52,7 +52,7 @@ def test_the_data_is_hashed_while_the_model_is_built(script, dataset, checkpoint
     """Hashing the files waits until the model's building has started (it never starts, in a run that builds the
     model after the data): the run finishes, and the data work saw the model being built."""
     building, events = threading.Event(), []
-    build, hashing = options.model_from_args, tools.in9.evaluate.read_and_fingerprint
+    build, hashing = options.model_from_args, tools.data.image_sets.read_and_fingerprint
 
     def model_from_args(*args, **kwargs):
         events.append("model: start")
@@ -67,8 +67,7 @@ def test_the_data_is_hashed_while_the_model_is_built(script, dataset, checkpoint
         return hashing(*args, **kwargs)
 
     monkeypatch.setattr(options, "model_from_args", model_from_args)
-    monkeypatch.setattr(tools.in9.evaluate, "read_and_fingerprint", read_and_fingerprint)
-    monkeypatch.setattr(tools.challenge.data, "read_and_fingerprint", read_and_fingerprint)
+    monkeypatch.setattr(tools.data.image_sets, "read_and_fingerprint", read_and_fingerprint)
     main, argv = command(script, dataset.root, checkpoint, tmp_path)
     code, out, err = run_in_process(main, argv, capsys)
     assert code == 0, err

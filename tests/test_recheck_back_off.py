@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY_CLIP
-from tools.challenge import ROBUST, VULNERABLE, ChallengeConfig, run_challenge
+from tools.challenge import ROBUST, VULNERABLE, ChallengeConfig, list_challenge_files, run_challenge
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.models.sources import load_model
 from tools.runtime import Precision, Runtime
@@ -46,11 +46,13 @@ def _loaded(model: torch.nn.Module) -> LoadedModel:
 
 @pytest.mark.slow
 def test_the_fp32_recheck_halves_its_own_batch_on_out_of_memory(dataset, tmp_path, caplog, one_thread):
-    exact = run_challenge(_loaded(FitsOnlyInBf16(limit=None)), Runtime(torch.device("cpu")), dataset.root,
+    exact = run_challenge(_loaded(FitsOnlyInBf16(limit=None)), Runtime(torch.device("cpu")),
+                          list_challenge_files(dataset.root, 1),
                           ChallengeConfig(batch_size=16, progress=False, full=True), workers=1)
     model = FitsOnlyInBf16(limit=5)
     with caplog.at_level(logging.WARNING):
-        fast = run_challenge(_loaded(model), Runtime(torch.device("cpu"), Precision.BF16), dataset.root,
+        fast = run_challenge(_loaded(model), Runtime(torch.device("cpu"), Precision.BF16),
+                             list_challenge_files(dataset.root, 1),
                              ChallengeConfig(batch_size=16, progress=False, full=True, recheck_margin=1e9),
                              workers=1)
     assert (exact.state.verdict == VULNERABLE).any() and (exact.state.verdict == ROBUST).any()

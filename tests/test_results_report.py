@@ -14,7 +14,7 @@ import torch
 from tools.challenge import list_challenge_files
 from tools.data import image_sets, layout, synthetic
 from tools.in9 import IN9_MEAN, IN9_STD, VARIATIONS, class_names
-from tools.in9.evaluate import In9Config, run_in9
+from tools.in9.evaluate import In9Config, list_in9_files, run_in9
 from tools.models.boundary import LoadedModel, PixelModel
 from tools.models.record import ModelRecord
 from tools.provenance import provenance
@@ -50,7 +50,7 @@ def loaded():
 @pytest.fixture(scope="module")
 def in9_results(loaded, dataset):
     """in9_eval's results JSON for all eight variations, and the prediction categories from the same run."""
-    run = run_in9(loaded, Runtime(torch.device("cpu")), dataset.root,
+    run = run_in9(loaded, Runtime(torch.device("cpu")), list_in9_files(dataset.root, VARIATIONS, 1),
                   In9Config(VARIATIONS, batch_size=64, workers=1, progress=False))
     counts = prediction_categories(run.results["original"], run.results["mixed_rand"],
                                    run.results["only_bg_t"])
@@ -90,7 +90,7 @@ def challenge_results(loaded, dataset, tmp_path_factory):
                                  [[j, r.stem, r.label, r.relpath] for j, r in enumerate(bgs)])
     # the provenance challenge_eval.py records: the same model, the challenge's files of the same data
     info = {**provenance(Runtime(torch.device("cpu")).describe(), loaded.describe(),
-                         list_challenge_files(root, workers=1).fingerprint), "batch_size": 7}
+                         list_challenge_files(root, workers=1).image_set.fingerprint), "batch_size": 7}
     (out / "challenge_meta.json").write_text(json.dumps({"data_path": str(root), "criterion": "any",
                                                          "num_classes": 9, "provenance": info}))
     summary = analysis.write_analysis(out, top_k=2)
@@ -280,7 +280,7 @@ def test_results_of_other_data_or_another_model_are_refused(in9_results, challen
     out, challenge, _ = challenge_results
     other = synthetic.generate(tmp_path / "other", per_class=2, seed=7).root
     other_data = {**challenge, "provenance": {**challenge["provenance"],
-                                              "data": list_challenge_files(other, workers=1).fingerprint}}
+                                              "data": list_challenge_files(other, workers=1).image_set.fingerprint}}
     other_model = {**challenge, "provenance": {**challenge["provenance"], "identity": "cd" * 32}}
     files = _write(tmp_path, in9=in9, same=challenge, other_data=other_data, other_model=other_model)
     target = tmp_path / "r.md"

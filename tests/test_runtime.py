@@ -94,7 +94,7 @@ class RecordsItsMath(torch.nn.Module):
 @pytest.mark.parametrize("precision", [Precision.TF32, Precision.BF16])
 @pytest.mark.slow
 def test_the_recheck_runs_in_true_fp32_and_restores_the_flags(precision, dataset):
-    from tools.challenge import ChallengeConfig, run_challenge  # noqa: PLC0415
+    from tools.challenge import ChallengeConfig, list_challenge_files, run_challenge  # noqa: PLC0415
     from tools.models.boundary import LoadedModel, PixelModel  # noqa: PLC0415
 
     torch.manual_seed(0)
@@ -103,7 +103,7 @@ def test_the_recheck_runs_in_true_fp32_and_restores_the_flags(precision, dataset
     runtime = Runtime(torch.device("cpu"), precision)
     tf32 = precision is Precision.TF32
     config = ChallengeConfig(batch_size=16, progress=False, recheck_margin=1e9)
-    result = run_challenge(loaded, runtime, dataset.root, config, workers=1)
+    result = run_challenge(loaded, runtime, list_challenge_files(dataset.root, 1), config, workers=1)
     assert result.rechecked > 0
     fast = (tf32, tf32, precision is Precision.BF16)
     exact = (False, False, False)

@@ -245,10 +245,11 @@ def test_a_results_provenance_names_the_decoder_and_the_math_that_ran(dataset, c
     import PIL  # noqa: PLC0415
     from PIL import features  # noqa: PLC0415
 
-    from tools.in9.evaluate import In9Config, run_in9  # noqa: PLC0415
+    from tools.in9.evaluate import In9Config, list_in9_files, run_in9  # noqa: PLC0415
 
     runtime = Runtime(torch.device("cpu"))
-    run = run_in9(load_model(checkpoint=color_ts[9], trust=True, runtime=runtime), runtime, dataset.root,
+    run = run_in9(load_model(checkpoint=color_ts[9], trust=True, runtime=runtime), runtime,
+                  list_in9_files(dataset.root, ["original"], 1),
                   In9Config(("original",), 16, workers=1, progress=False))
     info = run.to_json()["provenance"]
     assert {**info["decoder"], "used": None} == {"used": None, "pillow": PIL.__version__, "libjpeg": features.version("jpg"),

@@ -375,7 +375,7 @@ def test_data_rewritten_in_place_is_recomputed(small, tmp_path, capsys, one_thre
     assert code == 0, err
     assert f"{spec}: done: " in out
     new = json.loads(results_file(output, spec).read_text())
-    fingerprint = evaluate.list_in9_files(data, list(VARIATIONS)).fingerprint
+    fingerprint = evaluate.list_in9_files(data, list(VARIATIONS)).image_set.fingerprint
     assert new["in9"]["provenance"]["data"] == fingerprint != old["in9"]["provenance"]["data"]
     assert new["identity"]["data_sha256"]["in9"] == fingerprint["sha256"]
 

@@ -154,8 +154,7 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
         if cache else None
     workers = default_workers() if workers is None else workers
     progress = progress and group.is_main
-    request = Request(data_path, In9Config(tuple(_variations(variations)), batch_size, workers, progress,
-                                           cache=decoded_cache),
+    request = Request(data_path, In9Config(tuple(_variations(variations)), batch_size, workers, progress),
                       ChallengeConfig(full=full, batch_size=batch_size, progress=progress,
                                       mask_arithmetic=arithmetic) if challenge else None,
                       workers, decoded_cache, progress, allow_inexact_device)

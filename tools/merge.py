@@ -17,6 +17,7 @@ from tools.challenge.scheduler import state_problem
 from tools.challenge.state import SearchState
 from tools.cli import ArgumentParser, add_log_level_argument, examples, run_main, whole_number
 from tools.data import layout
+from tools.data.image_sets import ImageSet
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT
 from tools.errors import UserError
 from tools.in9.evaluate import In9Run, VariationResult
@@ -49,7 +50,7 @@ def merge_challenge(shards: list[tuple[Path, dict]], data_path: Path) -> tuple[C
     except ValueError:
         raise UserError(f"{first_path} names no criterion of the challenge ({results['criterion']!r}); "
                         f"{RERUN_SHARDS}") from None
-    files = ChallengeFiles(foregrounds, backgrounds, Path(data_path), results["provenance"].get("data"))
+    files = ChallengeFiles(foregrounds, backgrounds, ImageSet(Path(data_path), results["provenance"].get("data")))
     arrays = [read_challenge_arrays(path, meta) for path, meta in shards]
     if any(not np.array_equal(z["bg_pred"], arrays[0]["bg_pred"]) for z in arrays):
         raise UserError(f"the shards' predictions on the backgrounds alone differ: they are not of one model and data; "

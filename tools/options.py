@@ -236,6 +236,16 @@ def check_arguments(args: argparse.Namespace) -> CheckedArguments:
     return CheckedArguments(data_path, progress=not args.no_progress and group.is_main)
 
 
+def start(args: argparse.Namespace, compile: bool = False) -> tuple[CheckedArguments, Runtime]:  # noqa: A002
+    """What every evaluation command does first: its output paths and cheap inputs checked, its `Runtime` made, and
+    the model's libraries imported in the background while the data is checked."""
+    check_output_arguments(args)
+    checked = check_arguments(args)
+    runtime = runtime_from_args(args, compile)
+    preload_model_libraries(args.arch, args.checkpoint)
+    return checked, runtime
+
+
 def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtime:  # noqa: A002 (torch's word)
     """Seed, resolve the device and, under torchrun, join the process group (the arguments checked first by
     `check_arguments`)."""

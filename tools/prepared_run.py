@@ -17,6 +17,7 @@ from tools.challenge.result import ChallengeResult
 from tools.challenge.run import run_challenge
 from tools.data import decoders
 from tools.data.check import quick_check
+from tools.data.image_sets import ImageSet
 from tools.data.store import DecodedCache
 from tools.in9 import Variation
 from tools.in9.evaluate import In9Config, In9Files, In9Run, list_in9_files, run_in9
@@ -58,47 +59,47 @@ class EvaluationData:
     """What the runs read, listed and hashed once, decoded when first needed and then held for every model that
     runs on it (the zoo's): the in9 variations' files, the challenge's decoded data, the device check's images."""
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Request, hold: bool = False):
+        """`hold`: what is decoded is kept in memory for the next model (the zoo's: `ImageSet.held`)."""
         self.request = request
         self.in9: In9Files | None = None
         if request.in9 is not None:
-            self.in9 = list_in9_files(request.data_path, request.in9.variations, request.workers)
+            self.in9 = list_in9_files(request.data_path, request.in9.variations, request.workers, request.cache, hold)
         self._challenge: ChallengeFiles | ChallengeData | None = None
         if request.challenge is not None:
-            self._challenge = list_challenge_files(request.data_path, request.workers)
+            self._challenge = list_challenge_files(request.data_path, request.workers, request.cache, hold)
         self._check_images: torch.Tensor | None = None
 
     def challenge(self) -> ChallengeData:
         if not isinstance(self._challenge, ChallengeData):
-            self._challenge = load_challenge_data(self._challenge, self.request.workers, self.request.cache,
-                                                  self.request.progress, self.request.challenge.mask_arithmetic)
+            self._challenge = load_challenge_data(self._challenge, self.request.workers, self.request.progress,
+                                                  self.request.challenge.mask_arithmetic)
         return self._challenge
 
     def check_images(self) -> torch.Tensor:
         """The start-up device check's images: the in9 run's first, else the challenge's first backgrounds."""
         if self._check_images is None:
             if self.in9 is not None:
-                first = self.in9.listings[self.in9_variations[0]]
-                self._check_images = first_images(self.in9.root, [r.relpath for r in first], self.request.workers)
+                first = self.in9.listings[self.request.in9.variations[0]]
+                self._check_images = first_images(self.in9.image_set.root, [r.relpath for r in first],
+                                                  self.request.workers)
             else:
                 self._check_images = self.challenge().bg_images[:CHECK_IMAGES]
         return self._check_images
 
     @property
-    def in9_variations(self) -> tuple[str, ...]:
-        return tuple(self.request.in9.variations)
-
-    @property
     def sha256(self) -> dict:
         """The content digest of each run's data."""
-        return {"in9": self.in9.fingerprint["sha256"] if self.in9 is not None else None,
-                "challenge": self._challenge.fingerprint["sha256"] if self._challenge is not None else None}
+        return {name: images.fingerprint["sha256"] for name, images in self._image_sets().items()}
 
     @property
     def decoders(self) -> dict:
         """Who decodes each run's JPEGs, with which libjpeg (`tools.provenance.decoder`)."""
-        return {"in9": decoder_build(self.in9.decoder.value) if self.in9 is not None else None,
-                "challenge": decoder_build(self._challenge.decoder.value) if self._challenge is not None else None}
+        return {name: decoder_build(images.decoder.value) for name, images in self._image_sets().items()}
+
+    def _image_sets(self) -> dict[str, ImageSet]:
+        return {name: files.image_set for name, files in (("in9", self.in9), ("challenge", self._challenge))
+                if files is not None}
 
     def decoded(self) -> EvaluationData:
         """Everything decoded now (the runs then start at once)."""
@@ -108,10 +109,10 @@ class EvaluationData:
         return self
 
 
-def list_data(request: Request) -> EvaluationData:
-    """The folders checked, then the data listed and hashed (not decoded)."""
+def list_data(request: Request, hold: bool = False) -> EvaluationData:
+    """The folders checked, then the data listed and hashed (not decoded); `hold`: as `EvaluationData`."""
     check_folders(request)
-    return EvaluationData(request)
+    return EvaluationData(request, hold)
 
 
 @dataclass
@@ -131,7 +132,7 @@ class PreparedRun:
     def challenge(self, output_dir: Path | None = None, resume: bool = False,
                   shard: Shard | None = None) -> ChallengeResult:
         return run_challenge(self.model, self.runtime, self.data.challenge(), self.request.challenge, output_dir,
-                             resume, shard=shard, device_check=self.device_check)
+                             resume, self.request.workers, shard=shard, device_check=self.device_check)
 
 
 def prepare(request: Request, runtime: Runtime, load_model: Callable[[], LoadedModel],

@@ -33,7 +33,6 @@ import numpy as np
 
 from tools import __version__, cli, distributed, options
 from tools.challenge import STATE_NAME, ChallengeConfig, flags
-from tools.data import image_sets
 from tools.data.hashing import sha256_file
 from tools.data.store import DecodedCache
 from tools.errors import UserError
@@ -113,7 +112,7 @@ class ZooSettings:
     def request(self, progress: bool) -> Request:
         """Both runs of every model: in9's `all` and the challenge."""
         return Request(self.data_path, In9Config(VARIATIONS, self.batch_size, self.workers, progress,
-                                                 self.challenge.recheck_margin, self.cache),
+                                                 self.challenge.recheck_margin),
                        self.challenge, self.workers, self.cache, progress, self.allow_inexact_device)
 
     def fingerprint(self, runtime: Runtime) -> dict:
@@ -272,40 +271,39 @@ def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, out
     every process reaches each decision with the others: which models to skip, and that a model failed."""
     device = runtime.device
     with distributed.agree(runtime.group, device):
-        data = list_data(settings.request(progress))  # listed once; decoded for the first model, held for the rest
+        data = list_data(settings.request(progress), hold=True)  # decoded for the first model, held for the rest
     fingerprint = settings.fingerprint(runtime)
     outcomes = []
-    with image_sets.keep_decoded():  # every model reads the same data: decoded for the first, kept for the rest
-        for index, spec in enumerate(specs, 1):
-            path = results_path(output_dir, spec)
-            log.info("[%d/%d] %s", index, len(specs), spec.text)
-            try:
-                with distributed.agree(runtime.group, device):
-                    payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress,
-                                                      settings.trust_remote_code, settings.cache)
-                if distributed.all_reduce(np.array([payload is not None], np.int64), "min", device)[0]:  # all or none
-                    log.info("%s is done already (%s): skipped", spec.text, path)
-                    outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
-                    continue
-                with distributed.agree(runtime.group, device):
-                    loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code,
-                                            settings.cache)
-                payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir)
-                with distributed.agree(runtime.group, device):
-                    if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes
-                        write_json_atomic(path, payload)
-                outcomes.append(Outcome(spec.text, "done", path, summary=_summary(payload)))
-            except UserError as exc:
-                log.error("%s: %s", spec.text, exc)
-                outcomes.append(Outcome(spec.text, "failed", message=str(exc)))
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except Exception as exc:
-                log.exception("%s failed unexpectedly", spec.text)
-                outcomes.append(Outcome(spec.text, "failed", message=f"{type(exc).__name__}: {exc}"))
-            finally:
-                loaded = None
-                runtime.release()
+    for index, spec in enumerate(specs, 1):
+        path = results_path(output_dir, spec)
+        log.info("[%d/%d] %s", index, len(specs), spec.text)
+        try:
+            with distributed.agree(runtime.group, device):
+                payload, loaded = reusable_result(path, spec, data, fingerprint, settings.trust, runtime, progress,
+                                                  settings.trust_remote_code, settings.cache)
+            if distributed.all_reduce(np.array([payload is not None], np.int64), "min", device)[0]:  # all or none
+                log.info("%s is done already (%s): skipped", spec.text, path)
+                outcomes.append(Outcome(spec.text, "skipped", path, summary=_summary(payload)))
+                continue
+            with distributed.agree(runtime.group, device):
+                loaded = loaded or load(spec, settings.trust, runtime, progress, settings.trust_remote_code,
+                                        settings.cache)
+            payload = evaluate_model(loaded, spec, settings, runtime, data, output_dir)
+            with distributed.agree(runtime.group, device):
+                if runtime.group.is_main:  # under torchrun the processes share each model's runs; rank 0 writes
+                    write_json_atomic(path, payload)
+            outcomes.append(Outcome(spec.text, "done", path, summary=_summary(payload)))
+        except UserError as exc:
+            log.error("%s: %s", spec.text, exc)
+            outcomes.append(Outcome(spec.text, "failed", message=str(exc)))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:
+            log.exception("%s failed unexpectedly", spec.text)
+            outcomes.append(Outcome(spec.text, "failed", message=f"{type(exc).__name__}: {exc}"))
+        finally:
+            loaded = None
+            runtime.release()
     return outcomes
 
 

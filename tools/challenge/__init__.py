@@ -23,7 +23,6 @@ from tools.challenge.config import ChallengeConfig, Criterion
 from tools.challenge.data import (
                                   ChallengeData,
                                   ChallengeFiles,
-                                  check_challenge_files,
                                   list_challenge_files,
                                   load_challenge_data,
 )
@@ -35,4 +34,4 @@ from tools.challenge.state import ROBUST, STATE_NAME, UNKNOWN, VULNERABLE, Searc
 
 __all__ = ["ChallengeConfig", "ChallengeData", "ChallengeFiles", "ChallengeResult", "CompositePredictor",
            "Criterion", "ROBUST", "STATE_NAME", "Scheduler", "Search", "SearchState", "UNKNOWN", "VULNERABLE",
-           "check_challenge_files", "list_challenge_files", "load_challenge_data", "run_challenge"]
+           "list_challenge_files", "load_challenge_data", "run_challenge"]

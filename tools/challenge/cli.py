@@ -49,13 +49,9 @@ def _main(args: argparse.Namespace) -> int:
         raise UserError("--analysis needs the whole prediction matrix: add --full")
     if args.top_k < 1:
         raise UserError(f"--top-k must be at least 1, not {args.top_k}")
-    options.check_output_arguments(args)
-    checked = options.check_arguments(args)
-    runtime = options.runtime_from_args(args, compile=args.compile)
-    options.preload_model_libraries(args.arch, args.checkpoint)  # imports while the data is checked
-    cache = flags.cache_from_args(args)
+    checked, runtime = options.start(args, compile=args.compile)
     request = Request(checked.data_path, challenge=flags.challenge_config_from_args(args, checked.progress, args.full),
-                      workers=args.workers, cache=cache, progress=checked.progress,
+                      workers=args.workers, cache=flags.cache_from_args(args), progress=checked.progress,
                       allow_inexact_device=args.allow_inexact_device)
     prepared = prepare(request, runtime, lambda: options.model_from_args(args, runtime, checked.progress))
     result = prepared.challenge(args.output_dir, args.resume, args.shard)

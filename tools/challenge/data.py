@@ -3,16 +3,15 @@ decoded once (through the decoded-data cache) into uint8 tensors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tools.data import decoders, image_sets, layout
-from tools.data.check import quick_check
+from tools.data import layout
 from tools.data.compositing import MaskArithmetic, byte_masks
-from tools.data.hashing import read_and_fingerprint
+from tools.data.image_sets import ImageSet, decode_cached, read_image_set
 from tools.data.store import DecodedCache
 from tools.in9 import Variation
 
@@ -35,18 +34,13 @@ class Pairs:
 
 @dataclass
 class ChallengeFiles(Pairs):
-    """What the challenge reads, listed, and its content fingerprint."""
+    """What the challenge reads, listed, and its image set (content, decoder, cache)."""
 
-    root: Path
-    fingerprint: dict
-    decoder: decoders.Decoder = decoders.Decoder.PILLOW  # chosen on a few of these files (`choose_decoder`)
-    # the files' bytes, read once when hashed, until decoded (`load_challenge_data` empties it)
-    contents: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
-    hashes: dict[str, str] | None = field(default=None, repr=False, compare=False)  # each file's SHA-256
+    image_set: ImageSet
 
 
 @dataclass
-class ChallengeData(Pairs):
+class ChallengeData(ChallengeFiles):
     """What the challenge reads, decoded."""
 
     fg_images: torch.Tensor  # uint8 (F, 3, H, W)
@@ -54,54 +48,38 @@ class ChallengeData(Pairs):
     # original: the original's weight numerators (w = value / 255)
     masks: torch.Tensor
     bg_images: torch.Tensor  # uint8 (B, 3, H, W)
-    fingerprint: dict
     arithmetic: MaskArithmetic = MaskArithmetic.BINARY
-    decoder: decoders.Decoder = decoders.Decoder.PILLOW
-    cache: dict | None = None  # the decoded-data cache read and written (`DecodedCache.describe`), for the provenance
 
     def foreground_subset(self, indices: np.ndarray) -> ChallengeData:
         """The same data with only these foregrounds (a --shard's share), backgrounds unchanged."""
         idx = torch.from_numpy(np.asarray(indices, dtype=np.int64))
-        return ChallengeData([self.foregrounds[i] for i in indices], self.backgrounds,
-                             self.fg_images.index_select(0, idx), self.masks.index_select(0, idx), self.bg_images,
-                             self.fingerprint, self.arithmetic, self.decoder, self.cache)
+        return replace(self, foregrounds=[self.foregrounds[i] for i in indices],
+                       fg_images=self.fg_images.index_select(0, idx), masks=self.masks.index_select(0, idx))
 
     def to(self, device: torch.device) -> ChallengeData:
-        return ChallengeData(self.foregrounds, self.backgrounds, self.fg_images.to(device), self.masks.to(device),
-                             self.bg_images.to(device), self.fingerprint, self.arithmetic, self.decoder, self.cache)
+        return replace(self, fg_images=self.fg_images.to(device), masks=self.masks.to(device),
+                       bg_images=self.bg_images.to(device))
 
 
-def check_challenge_files(root: Path) -> None:
-    """The fast checks of the challenge's folders (`quick_check`): directory listings and a header per class."""
-    quick_check(root, [Variation.ONLY_BG_T.value], need_masks=True)
-
-
-def list_challenge_files(root: Path, workers: int = 4) -> ChallengeFiles:
-    """Check and list the foregrounds and backgrounds, and hash their content."""
-    check_challenge_files(root)
-    root = Path(root)
-    foregrounds = layout.list_foregrounds(root)
-    backgrounds = layout.list_variation(root, Variation.ONLY_BG_T.value)
+def list_challenge_files(root: Path, workers: int = 4, cache: DecodedCache | None = None,
+                         hold: bool = False) -> ChallengeFiles:
+    """List the foregrounds and backgrounds (their folders checked first: `tools.prepared_run.check_folders`) and
+    hash their content (`cache`, `hold`: as `image_sets.read_image_set`)."""
+    foregrounds = layout.list_foregrounds(Path(root))
+    backgrounds = layout.list_variation(Path(root), Variation.ONLY_BG_T.value)
     relpaths = [p for r in foregrounds for p in (r.image_relpath, r.mask_relpath)] + [r.relpath for r in backgrounds]
     images = [r.image_relpath for r in foregrounds] + [r.relpath for r in backgrounds]
-    content_fingerprint, contents, hashes = read_and_fingerprint(root, relpaths, workers, keep=relpaths)
-    decoder = decoders.choose_decoder([contents[rel] for rel in decoders.probe_sample(images)])
-    return ChallengeFiles(foregrounds, backgrounds, root, content_fingerprint, decoder, contents, hashes)
+    return ChallengeFiles(foregrounds, backgrounds, read_image_set(root, relpaths, images, workers, cache, hold))
 
 
-def load_challenge_data(files: ChallengeFiles | Path, workers: int, cache: DecodedCache | None = None,
-                        progress: bool = True, arithmetic: MaskArithmetic = MaskArithmetic.BINARY) -> ChallengeData:
-    """Decode foregrounds, masks and backgrounds once; each read from the decoded-data `cache` where it holds that
+def load_challenge_data(files: ChallengeFiles, workers: int, progress: bool = True,
+                        arithmetic: MaskArithmetic = MaskArithmetic.BINARY) -> ChallengeData:
+    """Decode foregrounds, masks and backgrounds once; each read from the decoded-data cache where it holds that
     file's content (for a mask, with this arithmetic), whichever command decoded it."""
-    if not isinstance(files, ChallengeFiles):
-        files = list_challenge_files(files, workers)
-    images, masks = image_sets.decode_cached(
-        files.root, {"foregrounds": [r.image_relpath for r in files.foregrounds],
-                     "backgrounds": [r.relpath for r in files.backgrounds]},
-        [r.mask_relpath for r in files.foregrounds], files.fingerprint, cache, arithmetic, workers, progress,
-        files.decoder, files.contents, files.hashes)
-    files.contents.clear()  # decoded: the bytes are not needed again
-    fg, bg = images["foregrounds"], images["backgrounds"]
+    images, masks = decode_cached(files.image_set, {"foregrounds": [r.image_relpath for r in files.foregrounds],
+                                                    "backgrounds": [r.relpath for r in files.backgrounds]},
+                                  [r.mask_relpath for r in files.foregrounds], arithmetic, workers, progress)
+    files.image_set.contents.clear()  # decoded: the bytes are not needed again
     masks = byte_masks(masks) if arithmetic is MaskArithmetic.BINARY else masks.unsqueeze(1).contiguous()
-    return ChallengeData(files.foregrounds, files.backgrounds, fg, masks, bg, files.fingerprint, arithmetic,
-                         files.decoder, cache.describe() if cache is not None else None)
+    return ChallengeData(files.foregrounds, files.backgrounds, files.image_set, images["foregrounds"], masks,
+                         images["backgrounds"], arithmetic)

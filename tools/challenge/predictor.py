@@ -72,7 +72,7 @@ class CompositePredictor:
         """Which rows are near ties to re-check in fp32 (none in fp32, or with the re-check off)."""
         return near_ties(margins, self.recheck_margin)
 
-    def hold(self, pairs: np.ndarray, close: np.ndarray) -> None:
+    def hold(self, pairs: np.ndarray, is_tie: np.ndarray) -> None:
         """Nothing to keep for a held batch: its ties are composited again from their pairs."""
 
     def recheck_rows(self, images: torch.Tensor, preds: np.ndarray) -> np.ndarray:
@@ -82,7 +82,7 @@ class CompositePredictor:
         self.recheck_changed += int((exact != preds).sum())
         return exact
 
-    def recheck_pairs(self, pairs: np.ndarray, preds: np.ndarray) -> np.ndarray:
+    def fp32_predictions(self, pairs: np.ndarray, preds: np.ndarray) -> np.ndarray:
         return self.recheck_rows(self._pair_images(pairs), preds) if len(pairs) else preds
 
     def predict_backgrounds(self) -> np.ndarray:
@@ -95,8 +95,8 @@ class CompositePredictor:
             preds.append(p.cpu().numpy().astype(np.int64))
             margins.append(None if m is None else m.cpu().numpy())
         preds = np.concatenate(preds) if preds else np.zeros(0, np.int64)
-        close = self.near_tie_mask(None if self.runtime.exact else np.concatenate(margins))
-        if close.any():
-            rows = np.flatnonzero(close)
+        is_tie = self.near_tie_mask(None if self.runtime.exact else np.concatenate(margins))
+        if is_tie.any():
+            rows = np.flatnonzero(is_tie)
             preds[rows] = self.recheck_rows(self.runtime.to_device(images[torch.from_numpy(rows)]), preds[rows])
         return preds

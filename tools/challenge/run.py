@@ -18,14 +18,12 @@ from tools.challenge.predictor import CompositePredictor
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import Scheduler, split_untested, state_problem
 from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState
-from tools.data.store import DecodedCache
 from tools.errors import UserError, option
 from tools.in9 import UNMAPPED
 from tools.models.boundary import LoadedModel
 from tools.models.device_check import record_check, verified
 from tools.progress import ProgressBar, progress_bar
 from tools.provenance import decoder as decoder_build
-from tools.provenance import provenance
 from tools.runtime import RECHECK_MARGIN, Runtime
 from tools.runtime.inflight import Pipeline
 from tools.shards import Shard
@@ -261,7 +259,8 @@ class ShardedSearch:
 
 
 def _run_key(data: ChallengeData, loaded: LoadedModel, runtime: Runtime, config: ChallengeConfig) -> str:
-    parts = [STATE_FORMAT, data.fingerprint["sha256"], json.dumps(decoder_build(data.decoder.value), sort_keys=True),
+    parts = [STATE_FORMAT, data.image_set.fingerprint["sha256"],
+             json.dumps(decoder_build(data.image_set.decoder.value), sort_keys=True),
              data.arithmetic.value, loaded.identity or "", loaded.normalization,
              json.dumps(runtime.arithmetic(), sort_keys=True), config.criterion.value, str(config.full),
              str(runtime.recheck_margin(config.recheck_margin)),
@@ -275,20 +274,19 @@ def state_key(key: str, device_check: dict | None) -> str:
     return hashlib.sha256(f"{key}|verified={verified(device_check)}".encode()).hexdigest()
 
 
-def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | ChallengeFiles | Path,
+def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | ChallengeFiles,
                   config: ChallengeConfig, output_dir: Path | None = None, resume: bool = False, workers: int = 4,
-                  cache: DecodedCache | None = None, shard: Shard | None = None,
-                  device_check: dict | None = None) -> ChallengeResult:
+                  shard: Shard | None = None, device_check: dict | None = None) -> ChallengeResult:
     """The challenge's verdict for every foreground, exactly as an exhaustive search would give it.
 
-    `data`: decoded data (`load_challenge_data`), listed files, or the data folder (decoded here with
-    `config.mask_arithmetic`, through the decoded-data `cache`). `shard`: search only that share of the foregrounds
+    `data`: decoded data (`load_challenge_data`), or listed files (decoded here in `workers` threads, with
+    `config.mask_arithmetic`). `shard`: search only that share of the foregrounds
     (tools.shards); the result then covers those alone. `device_check`: the run's start-up check, recorded in the
     provenance and, whether it verified the model, in the saved state (as `tools.in9.evaluate.run_in9` does)."""
     # decoding or predicting may fail in one process: all leave together
     with distributed.agree(runtime.group, runtime.device):
         if not isinstance(data, ChallengeData):
-            data = load_challenge_data(data, workers, cache, config.progress, config.mask_arithmetic)
+            data = load_challenge_data(data, workers, config.progress, config.mask_arithmetic)
         key = _run_key(data, loaded, runtime, config)
         saved_as = state_key(key, device_check)
         state_name = STATE_NAME
@@ -319,7 +317,7 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
     if runtime.group.distributed:
         predictor.rechecked, predictor.recheck_changed = (int(v) for v in distributed.all_reduce(
             np.array([predictor.rechecked, predictor.recheck_changed], np.int64), "sum", runtime.device))
-    info = provenance(runtime.describe(), loaded.describe(), data.fingerprint, data.decoder.value, data.cache)
+    info = data.image_set.provenance(runtime.describe(), loaded.describe())
     info["mask_arithmetic"] = data.arithmetic.value
     info.update(predictor.forward.provenance())
     if device_check is not None:

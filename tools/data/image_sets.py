@@ -1,20 +1,21 @@
-"""The image sets a run reads, decoded (one file's bytes to pixels, and by which decoder: tools.data.decoders):
-what the layout lists as uint8 tensors, masks checked and made ready for compositing, read
-from and written to the decoded-data cache (`tools.data.store`) as they are decoded, and kept on a CUDA device
-for a run where they fit."""
+"""The image sets a run reads (`ImageSet`: the files listed, their content, how they decode and where they are
+cached), decoded (one file's bytes to pixels, and by which decoder: tools.data.decoders): images as uint8 tensors,
+masks checked and made ready for compositing, read from and written to the decoded-data cache (`tools.data.store`)
+as they are decoded, and kept on a CUDA device for a run where they fit."""
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tools.data import decoders
 from tools.data.compositing import MaskArithmetic, original_weights
 from tools.data.decoders import Decoder, decode_bytes, pillow_rgb
 from tools.data.hashing import open_regular, read_and_fingerprint
@@ -22,7 +23,7 @@ from tools.data.store import DecodedCache, Packs, PackWriter
 from tools.errors import NUMPY_READ_ERRORS, UserError, option
 from tools.in9 import IMAGE_SIZE
 from tools.progress import progress_bar
-from tools.provenance import read_npy
+from tools.provenance import provenance, read_npy
 from tools.runtime import to_device
 from tools.threads import ContextThreadPool, stop_point
 
@@ -89,11 +90,60 @@ def load_mask(path: Path, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, si
     return raw.astype(bool, copy=False)
 
 
+@dataclass(eq=False)
+class ImageSet:
+    """Files listed under `root` (images, masks): each one's SHA-256 by relative path (`hashes`: what was listed)
+    and the `fingerprint` of them all, the bytes read while hashing them (`contents`, until decoded), the decoder
+    chosen on a few of them, the decoded-data `cache` they decode through (None: neither read nor written) and,
+    where a caller asks (`held` a dict: the zoo, whose models all read one set), what was decoded of them, kept in
+    memory."""
+
+    root: Path
+    fingerprint: dict | None = None
+    hashes: dict[str, str] | None = None
+    contents: dict[str, bytes] = field(default_factory=dict, repr=False)
+    decoder: Decoder = Decoder.PILLOW
+    cache: DecodedCache | None = None
+    held: dict | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.root = Path(self.root)
+
+    def hashed_bytes(self, rel: str) -> tuple[bytes | None, bool]:
+        """A file's bytes (None where unreadable: its decoder names the error) and whether they are those hashed
+        when listed: a file rewritten since is decoded as it is now, but its rows are not cached."""
+        if rel in self.contents:
+            return self.contents[rel], True
+        try:
+            data = (self.root / rel).read_bytes()
+        except OSError:
+            return None, False
+        if hashlib.sha256(data).hexdigest() != self.hashes[rel]:
+            log.warning("%s changed since it was listed; not caching what it decodes to", rel)
+            return data, False
+        return data, True
+
+    def provenance(self, runtime_info: dict, model_info: dict) -> dict:
+        """A run's provenance on these files (`tools.provenance.provenance`): their fingerprint, decoder and cache."""
+        return provenance(runtime_info, model_info, self.fingerprint, self.decoder.value,
+                          self.cache.describe() if self.cache is not None else None)
+
+
+def read_image_set(root: Path, relpaths: Sequence[str], images: Sequence[str], workers: int,
+                   cache: DecodedCache | None = None, hold: bool = False) -> ImageSet:
+    """The files of `relpaths` read and hashed in `workers` threads, their bytes kept until decoded, with the decoder
+    chosen on a few of `images` (`decoders.choose_decoder`), decoding through `cache`; `hold`: what is decoded of
+    them is kept in memory."""
+    fingerprint, contents, hashes = read_and_fingerprint(root, relpaths, workers, keep=relpaths)
+    decoder = decoders.choose_decoder([contents[rel] for rel in decoders.probe_sample(images)])
+    return ImageSet(root, fingerprint, hashes, contents, decoder, cache, {} if hold else None)
+
+
 JOB_IMAGES = 32  # images per decoding job: small enough that every thread has work while a batch fills
 
 
-def _decode_into(out: torch.Tensor, root: Path, relpaths: Sequence[str], decoder: Decoder,
-                 contents: Mapping[str, bytes], cached: Sequence, writer: PackWriter | None = None) -> None:
+def _decode_into(out: torch.Tensor, images: ImageSet, relpaths: Sequence[str], cached: Sequence,
+                 writer: PackWriter | None = None) -> None:
     """Fill `out` (NHWC) with the images of `relpaths`: from `cached` (per image: a cache pack's (rows, row), or
     (None, i): decode it, and write it as row i of `writer`)."""
     array = out.numpy()  # NHWC
@@ -102,26 +152,10 @@ def _decode_into(out: torch.Tensor, root: Path, relpaths: Sequence[str], decoder
         if rows is not None:
             array[i] = rows[row]
             continue
-        data, same = (contents.get(rel), False) if writer is None else \
-            _hashed_bytes(root, rel, contents, writer.hashes[row])
-        array[i] = decode_rgb(Path(root) / rel, decoder=decoder, data=data)
+        data, same = (images.contents.get(rel), False) if writer is None else images.hashed_bytes(rel)
+        array[i] = decode_rgb(images.root / rel, decoder=images.decoder, data=data)
         if same:
             writer.put(row, array[i])
-
-
-def _hashed_bytes(root: Path, rel: str, contents: Mapping[str, bytes], file_hash: str) -> tuple[bytes | None, bool]:
-    """A file's bytes (None where unreadable: its decoder names the error) and whether they are those hashed as
-    `file_hash` when listed: a file rewritten since is decoded as it is now, but its rows are not cached."""
-    if rel in contents:
-        return contents[rel], True
-    try:
-        data = (Path(root) / rel).read_bytes()
-    except OSError:
-        return None, False
-    if hashlib.sha256(data).hexdigest() != file_hash:
-        log.warning("%s changed since it was listed; not caching what it decodes to", rel)
-        return data, False
-    return data, True
 
 
 class DeviceCopies:
@@ -144,27 +178,23 @@ class DeviceCopies:
         return moved
 
 
-def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, workers: int,
+def iter_decoded_batches(images: ImageSet, relpaths: Sequence[str], batch_size: int, workers: int,
                          pin_memory: bool = False, starts: Sequence[int] | None = None,
-                         decoder: Decoder = Decoder.PILLOW, device: torch.device | None = None,
-                         contents: Mapping[str, bytes] | None = None, hashes: Mapping[str, str] | None = None,
-                         cache: DecodedCache | None = None) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (start index, uint8 Nx3xHxW batch) in order (every batch, or those beginning at `starts`), decoded
-    ahead by `workers` threads in jobs of `JOB_IMAGES` images straight into each batch's buffer (pinned with
-    `pin_memory`: PyTorch's host allocator recycles those blocks only once the copies reading them are done).
+                         device: torch.device | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (start index, uint8 Nx3xHxW batch) of the `images` of `relpaths` in order (every batch, or those
+    beginning at `starts`), decoded ahead by `workers` threads in jobs of `JOB_IMAGES` images straight into each
+    batch's buffer (pinned with `pin_memory`: PyTorch's host allocator recycles those blocks only once the copies
+    reading them are done).
 
-    `contents`: files' bytes already read (when hashing them), by relative path; the others are read here.
-    With the files' content `hashes` (by relative path) and a `cache`, images the decoded-data cache holds
-    (`tools.data.store`) are copied from it, and those decoded here are cached in one pack when the last batch
-    is out. With a CUDA `device` the batches come on it, copied on a side stream. Pillow and decode_jpeg release
-    the GIL while they decode, so threads decode in parallel; errors (unreadable files, wrong sizes) surface as
-    they are, naming the file."""
+    With the set's hashes and cache, images the decoded-data cache holds (`tools.data.store`) are copied
+    from it, and those decoded here are cached in one pack when the last batch is out. With a CUDA `device` the
+    batches come on it, copied on a side stream. Pillow and decode_jpeg release the GIL while they decode, so
+    threads decode in parallel; errors (unreadable files, wrong sizes) surface as they are, naming the file."""
     starts = list(range(0, len(relpaths), batch_size) if starts is None else starts)
     workers = max(1, workers)
     copies = DeviceCopies(device) if device is not None and device.type == "cuda" else None
     ahead = max(2, -(-2 * workers * JOB_IMAGES // batch_size))  # batches decoding at once
-    contents = contents or {}
-    cached, writer = _cache_plan(root, relpaths, batch_size, starts, decoder, contents, hashes, cache)
+    cached, writer = _cache_plan(images, relpaths, batch_size, starts)
     count = sum(min(batch_size, len(relpaths) - start) for start in starts)
     if copies is not None and writer is not None and not writer.hashes and \
             fits_on_device(count * IMAGE_SIZE * IMAGE_SIZE * 3, device):
@@ -174,8 +204,8 @@ def iter_decoded_batches(root: Path, relpaths: Sequence[str], batch_size: int, w
     def submit(pool, start: int):
         count = min(batch_size, len(relpaths) - start)
         out = torch.empty((count, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=torch.uint8, pin_memory=pin_memory)
-        jobs = [pool.submit(_decode_into, out[i:i + JOB_IMAGES], root,
-                            relpaths[start + i:start + min(i + JOB_IMAGES, count)], decoder, contents,
+        jobs = [pool.submit(_decode_into, out[i:i + JOB_IMAGES], images,
+                            relpaths[start + i:start + min(i + JOB_IMAGES, count)],
                             cached[start + i:start + min(i + JOB_IMAGES, count)], writer)
                 for i in range(0, count, JOB_IMAGES)]
         return start, out, jobs
@@ -247,19 +277,18 @@ def image_packs(cache: DecodedCache | None) -> Packs:
     return Packs(cache, "image", (IMAGE_SIZE, IMAGE_SIZE, 3))
 
 
-def _cache_plan(root: Path, relpaths: Sequence[str], batch_size: int, starts: Sequence[int], decoder: Decoder,
-                contents: Mapping[str, bytes], hashes: Mapping[str, str] | None,
-                cache: DecodedCache | None) -> tuple[list, PackWriter | None]:
+def _cache_plan(images: ImageSet, relpaths: Sequence[str], batch_size: int,
+                starts: Sequence[int]) -> tuple[list, PackWriter | None]:
     """Per image of `relpaths`: (rows, row) of a cache pack that holds it, or (None, i) where it is decoded as
     row i of the writer returned (None without a cache)."""
+    hashes, cache = images.hashes, images.cache
     if hashes is None or cache is None:
         return [(None, 0)] * len(relpaths), None
     mine = [p for start in starts for p in range(start, min(start + batch_size, len(relpaths)))]
 
     def decoded_again(i: int) -> np.ndarray | None:  # the spot check's reference: Pillow's pixels of the file now
-        rel = relpaths[mine[i]]
-        data, same = _hashed_bytes(root, rel, contents, hashes[rel])
-        return pillow_rgb(data, Path(root) / rel) if same else None
+        data, same = images.hashed_bytes(relpaths[mine[i]])
+        return pillow_rgb(data, images.root / relpaths[mine[i]]) if same else None
 
     found = image_packs(cache).lookup([hashes[relpaths[p]] for p in mine], decoded_again)
     cached: list = [(None, 0)] * len(relpaths)
@@ -272,122 +301,84 @@ def _cache_plan(root: Path, relpaths: Sequence[str], batch_size: int, starts: Se
         log.info("%d of %d image(s) read from the decoded-data cache", len(mine) - len(missing), len(mine))
 
     def is_pillows(i: int, row: np.ndarray) -> bool:
-        path = Path(root) / relpaths[missing[i]]
-        return np.array_equal(row, pillow_rgb(contents.get(relpaths[missing[i]]) or path.read_bytes(), path))
+        path = images.root / relpaths[missing[i]]
+        return np.array_equal(row, pillow_rgb(images.contents.get(relpaths[missing[i]]) or path.read_bytes(), path))
 
     return cached, image_packs(cache).writer([hashes[relpaths[p]] for p in missing],
-                                             is_pillows if decoder is Decoder.TORCHVISION else None)
+                                             is_pillows if images.decoder is Decoder.TORCHVISION else None)
 
 
-def decode_images(root: Path, relpaths: Sequence[str], workers: int, progress: bool = True,
-                  desc: str = "decoding", decoder: Decoder = Decoder.PILLOW,
-                  contents: Mapping[str, bytes] | None = None, hashes: Mapping[str, str] | None = None,
-                  cache: DecodedCache | None = None, channels_last: bool = False) -> torch.Tensor:
-    """Every image as one uint8 (N, 3, H, W) tensor, decoded in `workers` threads, with a progress bar (through the
-    decoded-data cache with `hashes` and a `cache`: `iter_decoded_batches`); `channels_last`: in NHWC storage,
-    the decoders' own layout (no transposing copy), contiguous otherwise."""
+def decode_images(images: ImageSet, relpaths: Sequence[str], workers: int, progress: bool = True,
+                  desc: str = "decoding", channels_last: bool = False) -> torch.Tensor:
+    """The `images` of `relpaths` as one uint8 (N, 3, H, W) tensor, decoded in `workers` threads, with a progress
+    bar (through their decoded-data cache: `iter_decoded_batches`); `channels_last`: in NHWC storage, the
+    decoders' own layout (no transposing copy), contiguous otherwise."""
     shape = (len(relpaths), IMAGE_SIZE, IMAGE_SIZE, 3) if channels_last else (len(relpaths), 3, IMAGE_SIZE, IMAGE_SIZE)
     out = torch.empty(shape, dtype=torch.uint8)
     out = out.permute(0, 3, 1, 2) if channels_last else out
     with progress_bar(total=len(relpaths), unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
-        for start, batch in iter_decoded_batches(root, relpaths, DECODE_BATCH, workers, decoder=decoder,
-                                                 contents=contents, hashes=hashes, cache=cache):
+        for start, batch in iter_decoded_batches(images, relpaths, DECODE_BATCH, workers):
             out[start:start + batch.shape[0]] = batch
             bar.update(batch.shape[0])
     return out
 
 
-def load_masks(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic = MaskArithmetic.BINARY,
-               contents: Mapping[str, bytes] | None = None) -> np.ndarray:
-    """Every mask of `relpaths` stacked: (N, H, W) bool (binary) or the original's uint8 weights (original)."""
+def load_masks(root: Path, masks: Sequence[tuple[str, bytes | None]],
+               arithmetic: MaskArithmetic = MaskArithmetic.BINARY) -> np.ndarray:
+    """The `masks` ((relative path, its bytes or None to read its file) each) stacked: (N, H, W) bool (binary) or
+    the original's uint8 weights (original)."""
     dtype = np.uint8 if arithmetic is MaskArithmetic.ORIGINAL else bool
-    masks = np.empty((len(relpaths), IMAGE_SIZE, IMAGE_SIZE), dtype=dtype)
-    for i, rel in enumerate(relpaths):
+    stacked = np.empty((len(masks), IMAGE_SIZE, IMAGE_SIZE), dtype=dtype)
+    for i, (rel, data) in enumerate(masks):
         stop_point()
-        masks[i] = load_mask(Path(root) / rel, arithmetic, data=(contents or {}).get(rel))
-    return masks
+        stacked[i] = load_mask(Path(root) / rel, arithmetic, data=data)
+    return stacked
 
 
-_KEPT: dict[str, object] | None = None  # decoded data kept in this process by content key, inside `keep_decoded`
-
-
-@contextlib.contextmanager
-def keep_decoded() -> Iterator[None]:
-    """Inside the block, data decoded by `decode_cached` (and by in9's runs) is kept in memory by its content key
-    and handed to the next run of the same content: the zoo decodes once for all its models."""
-    global _KEPT
-    outer = _KEPT
-    _KEPT = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _KEPT = outer
-
-
-def kept(key: str) -> object | None:
-    """What `keep` stored under this content key, inside `keep_decoded`; else None."""
-    return None if _KEPT is None else _KEPT.get(key)
-
-
-def keeping() -> bool:
-    return _KEPT is not None
-
-
-def keep(key: str, value: object) -> None:
-    if _KEPT is not None:
-        _KEPT[key] = value
-
-
-def decode_cached(root: Path, images: dict[str, Sequence[str]], masks: Sequence[str], fingerprint: dict,
-                  cache: DecodedCache | None, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4,
-                  progress: bool = True, decoder: Decoder = Decoder.PILLOW,
-                  contents: Mapping[str, bytes] | None = None,
-                  hashes: Mapping[str, str] | None = None,
+def decode_cached(images: ImageSet, groups: dict[str, Sequence[str]], masks: Sequence[str],
+                  arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4, progress: bool = True,
                   channels_last: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Named groups of images as uint8 (N, 3, H, W) tensors (`channels_last`: as `decode_images`) and the masks
-    (`load_masks`), each image and mask read from the decoded-data `cache` where it holds that file's
-    content (and, for masks, the mask arithmetic), decoded and cached otherwise (the challenge's data, and
-    train.py's store: tools.training.data.decoded_store). `contents`: files' bytes already read, which come with
-    their `hashes` (the files' SHA-256 by relative path, as listing computed them); without `hashes` (the tests and
-    the bench call decoded_store so), the files are read in `workers` threads to hash them when there is a cache.
-    Inside `keep_decoded` (the zoo), kept in memory by the data's fingerprint for the next run."""
-    key = f"decoded:{fingerprint['sha256']}:{arithmetic.value}:{channels_last}:{','.join(images)}"
-    if kept(key) is not None:
-        return kept(key)
-    contents = contents or {}
-    if cache is not None and hashes is None:
-        hashes = read_and_fingerprint(root, [*masks, *(p for relpaths in images.values() for p in relpaths)],
-                                      workers)[2]
-    mask_array = _masks_cached(root, masks, arithmetic, contents, hashes, cache)  # a refused mask stops it first
-    decoded = {name: decode_images(root, relpaths, workers, progress, f"decoding {name}", decoder, contents, hashes,
-                                   cache, channels_last) for name, relpaths in images.items()}
-    keep(key, (decoded, mask_array))
+    """Named groups of `images` as uint8 (N, 3, H, W) tensors (`channels_last`: as `decode_images`) and the masks
+    (`load_masks`), each image and mask read from the set's decoded-data cache where it holds that file's content
+    (and, for masks, the mask arithmetic), decoded and cached otherwise (the challenge's data, and train.py's
+    store: tools.training.data.decoded_store). Without the files' hashes (the tests and the bench call
+    decoded_store so), they are read in `workers` threads to hash them when there is a cache. Where the set holds
+    what it decodes (`ImageSet.held`), the next call reads it from memory."""
+    key = ("decoded", arithmetic, channels_last, *groups)
+    if images.held is not None and key in images.held:
+        return images.held[key]
+    if images.cache is not None and images.hashes is None:
+        images.hashes = read_and_fingerprint(images.root, [*masks, *(p for paths in groups.values() for p in paths)],
+                                             workers)[2]
+    mask_array = _masks_cached(images, masks, arithmetic)  # a refused mask stops it first
+    decoded = {name: decode_images(images, relpaths, workers, progress, f"decoding {name}", channels_last)
+               for name, relpaths in groups.items()}
+    if images.held is not None:
+        images.held[key] = decoded, mask_array
     return decoded, mask_array
 
 
-def _masks_cached(root: Path, relpaths: Sequence[str], arithmetic: MaskArithmetic, contents: Mapping[str, bytes],
-                  hashes: Mapping[str, str] | None, cache: DecodedCache | None) -> torch.Tensor:
+def _masks_cached(images: ImageSet, relpaths: Sequence[str], arithmetic: MaskArithmetic) -> torch.Tensor:
     """`load_masks`, each mask read from the cache where it holds that file's content for this arithmetic; binary
     masks are cached as packed bits."""
     packed = arithmetic is MaskArithmetic.BINARY
     pixels = IMAGE_SIZE * IMAGE_SIZE
-    packs = Packs(cache, f"mask-{arithmetic.value}", (pixels // 8,) if packed else (IMAGE_SIZE, IMAGE_SIZE))
+    packs = Packs(images.cache, f"mask-{arithmetic.value}", (pixels // 8,) if packed else (IMAGE_SIZE, IMAGE_SIZE))
+    hashes, hashed = images.hashes, images.hashes is not None and images.cache is not None
 
     def as_rows(masks: np.ndarray) -> np.ndarray:
         return np.packbits(masks.reshape(len(masks), pixels), axis=1) if packed else masks
 
     def loaded_again(i: int) -> np.ndarray | None:  # the spot check's reference: the mask file read now
-        data, same = _hashed_bytes(root, relpaths[i], contents, hashes[relpaths[i]])
-        return as_rows(load_masks(root, [relpaths[i]], arithmetic, {relpaths[i]: data}))[0] if same else None
+        data, same = images.hashed_bytes(relpaths[i])
+        return as_rows(load_masks(images.root, [(relpaths[i], data)], arithmetic))[0] if same else None
 
     found = packs.lookup([hashes[rel] for rel in relpaths], loaded_again) if hashes is not None \
         else [None] * len(relpaths)
     missing = [i for i, hit in enumerate(found) if hit is None]
     names = [relpaths[i] for i in missing]
-    read = {rel: _hashed_bytes(root, rel, contents, hashes[rel]) if hashes is not None and cache is not None
-            else (contents.get(rel), False) for rel in names}
-    fresh = as_rows(load_masks(root, names, arithmetic, {rel: data for rel, (data, _) in read.items()
-                                                         if data is not None}))
+    read = {rel: images.hashed_bytes(rel) if hashed else (images.contents.get(rel), False) for rel in names}
+    fresh = as_rows(load_masks(images.root, [(rel, read[rel][0]) for rel in names], arithmetic))
     rows = np.empty((len(relpaths), *packs.row_shape), np.uint8)
     for i, hit in enumerate(found):
         if hit is not None:

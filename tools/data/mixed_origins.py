@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from tools.data.image_sets import decode_images, iter_decoded_batches, read_mask
+from tools.data.image_sets import ImageSet, decode_images, iter_decoded_batches, read_mask
 from tools.data.layout import MIXED, check_data_root, class_folders, list_variation, variation_dir
 from tools.data.variations import Box
 from tools.errors import UserError
@@ -277,11 +277,11 @@ def find_provenance(root: Path, workers: int = 4, progress: bool = True) -> Prov
     log.info("matching %d mixed images against %d only_bg_t backgrounds", len(mixed), len(backgrounds))
     masks = list(map_in_threads(lambda relpath: read_provenance_mask(root, relpath), mask_paths, workers, progress,
                                 "reading masks"))
-    index = BackgroundIndex(decode_images(root, backgrounds, workers, progress, "decoding only_bg_t").numpy())
+    index = BackgroundIndex(decode_images(ImageSet(root), backgrounds, workers, progress, "decoding only_bg_t").numpy())
     matches: list[Match] = []
     with progress_bar(total=len(mixed), unit="img", desc="matching mixed images", disable=not progress,
                       dynamic_ncols=True) as bar:
-        for start, batch in iter_decoded_batches(root, mixed, BATCH, workers):
+        for start, batch in iter_decoded_batches(ImageSet(root), mixed, BATCH, workers):
             names = mixed[start:start + len(batch)]
             found = index.match(batch.numpy(), [masks[mask_index[mask_key(relpath)]] for relpath in names])
             for relpath, match in zip(names, found):

@@ -39,16 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _main(args: argparse.Namespace) -> int:
     from tools.prepared_run import Request, prepare  # noqa: PLC0415 (with the challenge's engine: not for -h)
 
-    options.check_output_arguments(args)
-    checked = options.check_arguments(args)
-    runtime = options.runtime_from_args(args)
-    options.preload_model_libraries(args.arch, args.checkpoint)  # imports while the data is checked
+    checked, runtime = options.start(args)
     names = list(VARIATIONS if args.eval_dataset == "all" else (args.eval_dataset,))
     if args.categories:
         names += [v for v in CATEGORY_VARIATIONS.values() if v not in names]
     cache = options.cache_from_args(args)
     request = Request(checked.data_path, In9Config(tuple(names), args.batch_size, args.workers, checked.progress,
-                                                   args.recheck_margin, cache),
+                                                   args.recheck_margin),
                       workers=args.workers, cache=cache, progress=checked.progress,
                       allow_inexact_device=args.allow_inexact_device)
     prepared = prepare(request, runtime, lambda: options.model_from_args(args, runtime, checked.progress))

@@ -11,9 +11,8 @@ import numpy as np
 import torch
 
 from tools import distributed
-from tools.data import decoders, image_sets, layout
-from tools.data.check import quick_check
-from tools.data.hashing import read_and_fingerprint
+from tools.data import image_sets, layout
+from tools.data.image_sets import ImageSet
 from tools.data.store import DecodedCache
 from tools.errors import UserError, option
 from tools.in9 import IMAGE_SIZE, NUM_IN9_CLASSES, UNMAPPED, VARIATIONS, PredictionMap, Variation, class_names
@@ -21,7 +20,7 @@ from tools.models.boundary import LoadedModel
 from tools.models.device_check import ALLOW_FLAG, record_check, verified
 from tools.progress import progress_bar
 from tools.provenance import decoder as decoder_build
-from tools.provenance import provenance, read_json, write_json_atomic
+from tools.provenance import read_json, write_json_atomic
 from tools.runtime import RECHECK_MARGIN, Forward, Runtime, to_device
 from tools.runtime.inflight import Launched, Pipeline, launch, near_ties, top_two_margins
 from tools.shards import NOT_MINE, Shard
@@ -178,13 +177,13 @@ class _Stream:
     def near_tie_mask(self, margins: np.ndarray | None) -> np.ndarray:
         return near_ties(margins, self.margin)
 
-    def hold(self, positions: np.ndarray, close: np.ndarray) -> None:
+    def hold(self, positions: np.ndarray, is_tie: np.ndarray) -> None:
         images = self.images.pop(int(positions[0]))
-        rows = np.flatnonzero(close)
+        rows = np.flatnonzero(is_tie)
         if len(rows):
             self.ties.append(images[to_device(torch.from_numpy(rows), images.device)])  # keeps the memory format
 
-    def recheck_pairs(self, positions: np.ndarray, fast: np.ndarray) -> np.ndarray:
+    def fp32_predictions(self, positions: np.ndarray, fast: np.ndarray) -> np.ndarray:
         if not len(positions):
             return fast
         exact = self.to_in9(self.recheck(torch.cat(self.ties))).cpu().numpy().astype(np.int64)
@@ -207,75 +206,55 @@ class _Stream:
         return tuple(int(((at >= lo) & (at < hi)).sum()) for at in self.flags())
 
 
-def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names: Sequence[str], batch_size: int,
-                        workers: int, state_path: Path | None = None, resume: bool = False,
-                        state_key: dict | None = None, progress: bool = True,
-                        listings: dict[str, list[layout.ImageRecord]] | None = None,
-                        shard: Shard | None = None, recheck_margin: float = RECHECK_MARGIN,
-                        decoder: decoders.Decoder = decoders.Decoder.PILLOW, fingerprint: dict | None = None,
-                        contents: dict[str, bytes] | None = None, forwards: list | None = None,
-                        hashes: dict[str, str] | None = None, cache: DecodedCache | None = None
-                        ) -> dict[str, VariationResult]:
-    """Predict every image of the named variations in one stream of batches; results keyed by variation.
+def evaluate_variations(loaded: LoadedModel, runtime: Runtime, files: In9Files, batch_size: int, workers: int,
+                        progress: bool = True, recheck_margin: float = RECHECK_MARGIN, shard: Shard | None = None,
+                        saved: _Resume | None = None) -> tuple[dict[str, VariationResult], dict]:
+    """Predict every image of the listed variations in one stream of batches: the results keyed by variation, and
+    the batch size they ran at (`Forward.provenance`).
 
-    `listings` are the variations' records when the caller has already listed them. In reduced precision, near
-    ties (top-two margin below `recheck_margin`; 0: none) are re-run in fp32, as the challenge does. `decoder`
-    decodes the JPEGs (`decoders.choose_decoder`). With the files' `fingerprint`, inside `image_sets.keep_decoded`
-    (the zoo), the decoded variations are kept by content for the next run, which reads them from memory.
-    `contents`: the files' bytes already read (`list_in9_files`), by relative path. With the files' content
-    `hashes` (by relative path) and a decoded-data `cache`, images are read from it where it holds them and cached
-    where decoded (`tools.data.store`). `forwards`: gets the `Forward`
-    that ran the batches (its batch size as run, for the provenance), if any ran."""
-    root = Path(root)
-    if listings is None:
-        listings = {name: layout.list_variation(root, name) for name in names}
-    resumer = _Resume(state_path if shard is None else None, state_key or {}, resume)
+    In reduced precision, near ties (top-two margin below `recheck_margin`; 0: none) are re-run in fp32, as the
+    challenge does. `saved`: the variations finished before, taken as they are, and each one saved as it
+    finishes. Where the files' image set holds what it decodes (`ImageSet.held`: the zoo), the decoded variations
+    are kept there for the next run, which reads them from memory."""
+    saved = saved or _Resume(None, {}, False)
+    images = files.image_set
     results: dict[str, VariationResult] = {}
     todo = []
-    for name in names:
-        records = listings[name]
+    for name, records in files.listings.items():
         labels = np.array([r.label for r in records], dtype=np.int64)
         relpaths = [r.relpath for r in records]
-        saved = resumer.predictions(name, len(records))
-        if saved is not None:
-            results[name] = VariationResult(name, relpaths, labels, saved)
+        done = saved.predictions(name, len(records))
+        if done is not None:
+            results[name] = VariationResult(name, relpaths, labels, done)
         else:
             todo.append((name, relpaths, labels))
     if not todo:
-        return {name: results[name] for name in names}
+        return {name: results[name] for name in files.listings}, {"batch_size": batch_size}
 
     eager = runtime.prepare(loaded.model)
     forward = Forward(runtime.compiled(eager), runtime, batch_size)
-    if forwards is not None:
-        forwards.append(forward)
     to_in9 = PredictionMap(loaded.num_classes)
     all_paths = [p for _, relpaths, _ in todo for p in relpaths]
     stream = _Stream(eager, forward, runtime, batch_size, recheck_margin, to_in9, len(all_paths))
     bounds = np.cumsum([0] + [len(relpaths) for _, relpaths, _ in todo])
     if runtime.group.distributed or shard is not None:
         share = shard or Shard(runtime.group.rank, runtime.group.world_size)
-        predictions, rechecked, changed = _predict_share(root, all_paths, batch_size, workers, runtime, stream,
-                                                         progress, share, decoder, contents, hashes, cache)
-        shares = [(name, relpaths, labels, lo, hi, int(rechecked[lo:hi].sum()), int(changed[lo:hi].sum()))
-                  for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:])]
-        if shard is not None:  # this shard's predictions alone, the others' NOT_MINE: for tools.merge
-            return {name: VariationResult(name, relpaths, labels, predictions[lo:hi], n, c)
-                    for name, relpaths, labels, lo, hi, n, c in shares}
-        for name, relpaths, labels, lo, hi, n, c in shares:
-            results[name] = VariationResult(name, relpaths, labels, predictions[lo:hi], n, c)
-            if runtime.group.is_main:
-                resumer.save(name, predictions[lo:hi])
-        return {name: results[name] for name in names}
-    keys = [f"in9:{fingerprint['folders'][name]}" for name, _, _ in todo] if fingerprint else []
-    memory = [image_sets.kept(key) for key in keys]
+        predictions, rechecked, changed = _predict_share(images, all_paths, batch_size, workers, runtime, stream,
+                                                         progress, share)
+        for (name, relpaths, labels), lo, hi in zip(todo, bounds[:-1], bounds[1:]):
+            results[name] = VariationResult(name, relpaths, labels, predictions[lo:hi], int(rechecked[lo:hi].sum()),
+                                            int(changed[lo:hi].sum()))
+            if shard is None and runtime.group.is_main:  # a shard's predictions are the others' NOT_MINE: tools.merge
+                saved.save(name, predictions[lo:hi])
+        return {name: results[name] for name in files.listings}, forward.provenance()
+    memory = [images.held.get(name) for name, _, _ in todo] if images.held is not None else []
     kept = torch.empty((len(all_paths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8) \
-        if keys and image_sets.keeping() and memory.count(None) else None  # filled on the host for the next runs
-    if memory and all(m is not None for m in memory):
+        if any(m is None for m in memory) else None  # filled on the host for the next runs
+    if memory and kept is None:
         batches = _batches_in_memory(memory, batch_size)
     else:
-        batches = image_sets.iter_decoded_batches(root, all_paths, batch_size, workers, runtime.pin(), decoder=decoder,
-                                                device=None if kept is not None else runtime.device,
-                                                contents=contents, hashes=hashes, cache=cache)
+        batches = image_sets.iter_decoded_batches(images, all_paths, batch_size, workers, runtime.pin(),
+                                                device=None if kept is not None else runtime.device)
     finished = 0
     bar = progress_bar(total=len(all_paths), unit="img", desc="evaluating", disable=not progress, dynamic_ncols=True)
     with bar:
@@ -292,12 +271,12 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, root: Path, names
                 name, relpaths, labels = todo[finished]
                 preds = stream.preds[lo:hi].copy()
                 results[name] = VariationResult(name, relpaths, labels, preds, *stream.counts(lo, hi))
-                resumer.save(name, preds)
+                saved.save(name, preds)
                 finished += 1
-    for key, lo, hi in zip(keys, bounds[:-1], bounds[1:]):
-        if kept is not None:
-            image_sets.keep(key, kept[lo:hi])
-    return {name: results[name] for name in names}
+    if kept is not None:
+        for (name, _, _), lo, hi in zip(todo, bounds[:-1], bounds[1:]):
+            images.held[name] = kept[lo:hi]
+    return {name: results[name] for name in files.listings}, forward.provenance()
 
 
 def _batches_in_memory(groups: list[torch.Tensor], batch_size: int):
@@ -317,10 +296,8 @@ def _batches_in_memory(groups: list[torch.Tensor], batch_size: int):
         yield start, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
-                   stream: _Stream, progress: bool, share: Shard, decoder: decoders.Decoder,
-                   contents: dict[str, bytes] | None, hashes: dict[str, str] | None = None,
-                   cache: DecodedCache | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _predict_share(images: ImageSet, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
+                   stream: _Stream, progress: bool, share: Shard) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The stream's batches dealt out in turn (batch i to share i mod N), each image predicted in the very batch
     one process would put it in; under torchrun every prediction is then gathered into every process, and an
     independent shard keeps NOT_MINE (-2) where others predict. With the predictions, per position: whether it
@@ -330,9 +307,8 @@ def _predict_share(root: Path, relpaths: list[str], batch_size: int, workers: in
     with distributed.agree(runtime.group, runtime.device):
         with progress_bar(total=len(relpaths), unit="img", desc="evaluating", disable=not progress,
                           dynamic_ncols=True) as bar:
-            for start, batch in image_sets.iter_decoded_batches(root, relpaths, batch_size, workers, runtime.pin(),
-                                                              starts, decoder, runtime.device, contents,
-                                                              hashes, cache):
+            for start, batch in image_sets.iter_decoded_batches(images, relpaths, batch_size, workers, runtime.pin(),
+                                                              starts, runtime.device):
                 stream.submit(runtime.to_device(batch), start)
                 bar.update(batch.shape[0] * share.count)
             stream.drain()
@@ -381,68 +357,54 @@ class In9Run:
 
 @dataclass
 class In9Files:
-    """The images of the named variations, listed and checked, and their content fingerprint."""
+    """The images of the named variations, listed and checked, and their image set (content, decoder, cache)."""
 
-    root: Path
     listings: dict[str, list[layout.ImageRecord]]
-    fingerprint: dict
-    decoder: decoders.Decoder = decoders.Decoder.PILLOW  # chosen on a few of these files (`choose_decoder`)
-    # the files' bytes, read once when hashed, until evaluated (`run_in9` empties it)
-    contents: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
-    hashes: dict[str, str] | None = field(default=None, repr=False, compare=False)  # each file's SHA-256
+    image_set: ImageSet
 
 
-def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None) -> In9Files:
-    """Check and list the variations and hash their content (in `workers` threads, by default
-    `default_workers()`): cheap, before any model is built."""
+def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None, cache: DecodedCache | None = None,
+                   hold: bool = False) -> In9Files:
+    """List the variations (their folders checked first: `tools.prepared_run.check_folders`) and hash their content
+    (in `workers` threads, by default `default_workers()`). `cache`, `hold`: as `image_sets.read_image_set`."""
     workers = default_workers() if workers is None else workers
-    quick_check(root, names)
-    root = Path(root)
-    listings = {name: layout.list_variation(root, name) for name in names}
+    listings = {name: layout.list_variation(Path(root), name) for name in names}
     relpaths = [r.relpath for name in names for r in listings[name]]
-    content_fingerprint, contents, hashes = read_and_fingerprint(root, relpaths, workers, keep=relpaths)
-    decoder = decoders.choose_decoder([contents[rel] for rel in decoders.probe_sample(relpaths)])
-    return In9Files(root, listings, content_fingerprint, decoder, contents, hashes)
+    return In9Files(listings, image_sets.read_image_set(root, relpaths, relpaths, workers, cache, hold))
 
 
 @dataclass
 class In9Config:
     """An in9 run's settings; their defaults are in9_eval.py's (`all` aside: its --eval-dataset names one)."""
 
-    variations: tuple[str, ...] = VARIATIONS
+    variations: tuple[str, ...] = VARIATIONS  # what to list (`list_in9_files`): a run evaluates what was listed
     batch_size: int | None = None  # None: the runtime's default (`Runtime.batch_size`)
     workers: int = field(default_factory=default_workers)  # image-decoding threads
     progress: bool = True
     recheck_margin: float = RECHECK_MARGIN  # in reduced precision, near ties below it are re-run in fp32; 0: off
-    cache: DecodedCache | None = None  # the decoded-data cache (tools.data.store); None: neither read nor written
 
 
-def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files | Path, config: In9Config, *,
+def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files, config: In9Config, *,
             output_dir: Path | None = None, resume: bool = False, shard: Shard | None = None,
             device_check: dict | None = None) -> In9Run:
-    """Evaluate the variations and gather the provenance a results file cites (`files`: listed, or the folder).
+    """Evaluate the listed variations and gather the provenance a results file cites.
 
     output_dir: where the finished variations are saved for `resume`. shard: predict only that share
     (tools.shards); the others' predictions are NOT_MINE, for tools.merge. device_check: the start-up check's record
     (`device_check.check_run`; None: none, `exact` false), recorded in the provenance, and whether it verified the
     model in the saved state: a run resumes only predictions made under its own verdict."""
-    names = list(config.variations)
-    if not isinstance(files, In9Files):
-        files = list_in9_files(files, names, config.workers)
-    key = {"data": files.fingerprint, "decoder": decoder_build(files.decoder.value), "model_identity": loaded.identity,
-           "normalization": loaded.normalization, **runtime.arithmetic(), "num_classes": loaded.num_classes,
-           "recheck_margin": runtime.recheck_margin(config.recheck_margin),
+    images = files.image_set
+    key = {"data": images.fingerprint, "decoder": decoder_build(images.decoder.value),
+           "model_identity": loaded.identity, "normalization": loaded.normalization, **runtime.arithmetic(),
+           "num_classes": loaded.num_classes, "recheck_margin": runtime.recheck_margin(config.recheck_margin),
            "batch_size": runtime.batch_size(config.batch_size)}  # another shape may change the last bits
-    state_path = Path(output_dir) / "in9_state.json" if output_dir is not None else None
-    forwards: list[Forward] = []
-    results = evaluate_variations(loaded, runtime, files.root, names, runtime.batch_size(config.batch_size),
-                                  config.workers, state_path, resume, {**key, "verified": verified(device_check)},
-                                  config.progress, files.listings, shard, config.recheck_margin, files.decoder,
-                                  files.fingerprint, files.contents, forwards, files.hashes, config.cache)
-    files.contents.clear()  # decoded: the bytes are not needed again
-    info = provenance(runtime.describe(), loaded.describe(), files.fingerprint, files.decoder.value,
-                      config.cache.describe() if config.cache is not None else None)
-    info.update(forwards[0].provenance() if forwards else {"batch_size": key["batch_size"]})
+    state_path = Path(output_dir) / "in9_state.json" if output_dir is not None and shard is None else None
+    saved = _Resume(state_path, {**key, "verified": verified(device_check)}, resume)
+    results, batch = evaluate_variations(loaded, runtime, files, key["batch_size"], config.workers, config.progress,
+                                         config.recheck_margin, shard, saved)
+    images.contents.clear()  # decoded: the bytes are not needed again
+    info = images.provenance(runtime.describe(), loaded.describe())
+    info.update(batch)
     if device_check is not None:
         record_check(info, device_check)
     return In9Run(results, info, key)

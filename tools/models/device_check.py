@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from tools import distributed
-from tools.data.image_sets import decode_images
+from tools.data.image_sets import ImageSet, decode_images
 from tools.errors import UserError, option
 from tools.models import torchscript
 from tools.models.boundary import LoadedModel
@@ -392,7 +392,7 @@ def check_device(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, al
 
 def first_images(root: Path, relpaths: Sequence[str], workers: int) -> torch.Tensor:
     """The first CHECK_IMAGES of a run's images, decoded (uint8), for `check_run`."""
-    return decode_images(root, list(relpaths)[:CHECK_IMAGES], workers, progress=False)
+    return decode_images(ImageSet(root), list(relpaths)[:CHECK_IMAGES], workers, progress=False)
 
 
 def check_run(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, allow_inexact: bool = False,

@@ -63,14 +63,15 @@ class Predicts(Protocol):
 
     recheck: object
 
-    def launch(self, pairs: np.ndarray) -> Launched: ...
+    def launch(self, keys: np.ndarray) -> Launched: ...
 
     def near_tie_mask(self, margins: np.ndarray | None) -> np.ndarray: ...
 
-    def hold(self, pairs: np.ndarray, close: np.ndarray) -> None:
-        """A waited-for batch is held until its near ties (`close`) are re-checked: keep what that needs."""
+    def hold(self, keys: np.ndarray, is_tie: np.ndarray) -> None:
+        """A waited-for batch is held until its near ties (`is_tie`) are re-checked: keep what that needs."""
 
-    def recheck_pairs(self, pairs: np.ndarray, preds: np.ndarray) -> np.ndarray: ...
+    def fp32_predictions(self, keys: np.ndarray, preds: np.ndarray) -> np.ndarray:
+        """The fp32 predictions of the held near ties `keys`, whose reduced-precision predictions are `preds`."""
 
 
 class Pipeline:
@@ -89,8 +90,8 @@ class Pipeline:
         self.held: list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]] = []
         self.ties = 0
 
-    def launch(self, pairs: np.ndarray) -> None:
-        self.in_flight.append(self.predictor.launch(pairs))
+    def launch(self, keys: np.ndarray) -> None:
+        self.in_flight.append(self.predictor.launch(keys))
         while len(self.in_flight) > IN_FLIGHT:
             self._finish(self.in_flight.popleft())
 
@@ -109,24 +110,24 @@ class Pipeline:
 
     def _finish(self, launched: Launched) -> None:
         preds, margins = launched.wait()
-        close = self.predictor.near_tie_mask(margins)
-        if not self.held and not close.any():
+        is_tie = self.predictor.near_tie_mask(margins)
+        if not self.held and not is_tie.any():
             self.record(launched.keys, preds, margins)
             return
-        self.predictor.hold(launched.keys, close)
-        self.held.append((launched.keys, preds, margins, close))
-        self.ties += int(close.sum())
+        self.predictor.hold(launched.keys, is_tie)
+        self.held.append((launched.keys, preds, margins, is_tie))
+        self.ties += int(is_tie.sum())
         if self.ties >= self.predictor.recheck.chunk:
             self._recheck()
 
     def _recheck(self) -> None:
         if not self.held:
             return
-        pairs = np.concatenate([h[0][h[3]] for h in self.held]).astype(np.int64)
+        keys = np.concatenate([h[0][h[3]] for h in self.held]).astype(np.int64)
         fast = np.concatenate([h[1][h[3]] for h in self.held])
-        exact, at = self.predictor.recheck_pairs(pairs, fast), 0
-        for batch, preds, margins, close in self.held:
-            rows = np.flatnonzero(close)
+        exact, at = self.predictor.fp32_predictions(keys, fast), 0
+        for batch, preds, margins, is_tie in self.held:
+            rows = np.flatnonzero(is_tie)
             preds[rows], margins[rows] = exact[at:at + len(rows)], np.inf
             at += len(rows)
             self.record(batch, preds, margins)

@@ -131,9 +131,9 @@ def decoded_store(data: TrainingData, fingerprint: dict, workers: int, progress:
     decoder's version), made on the first run and read back by every later run on the same files. `hashes`: the
     files' SHA-256 by relative path where listing computed them (else they are read again)."""
     groups = {"images": data.images, **({"backgrounds": data.backgrounds} if data.backgrounds is not None else {})}
-    decoded, masks = image_sets.decode_cached(data.root, groups, data.masks or [], fingerprint,
-                                            DecodedCache(default_cache_dir()), workers=max(1, workers),
-                                            progress=progress, hashes=hashes, channels_last=True)
+    images = image_sets.ImageSet(data.root, fingerprint, hashes, cache=DecodedCache(default_cache_dir()))
+    decoded, masks = image_sets.decode_cached(images, groups, data.masks or [], workers=max(1, workers),
+                                            progress=progress, channels_last=True)
     return DecodedStore(decoded["images"], masks if data.masks is not None else None, decoded.get("backgrounds"))
 
 
