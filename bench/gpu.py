@@ -161,8 +161,8 @@ def model_speed(args, precision: str, compiled: bool) -> dict:
 
 def in9_speed(args, precision: str) -> dict:
     """A first `all` run (listing, hashing, decoding, filling an empty decoded-data cache), then the same files'
-    run with the set holding what it decoded, as the zoo's next model reads them: the decoded variations from memory; then a
-    run as a second in9_eval.py would make it (listing and hashing again), its images read from the disk cache
+    run with the set holding what it decoded, as the zoo's next model reads them: the decoded variations from memory;
+    then a run as a second in9_eval.py would make it (listing and hashing again), its images read from the disk cache
     (`disk_cached_ratio`; on CUDA, kept on the device where they fit)."""
     from bench_in9 import synchronize  # noqa: PLC0415
     from tools.data.store import DecodedCache  # noqa: PLC0415

@@ -553,7 +553,8 @@ def test_a_module_gives_what_the_scripts_give(dataset, cnn, scripts, tmp_path, o
     assert isinstance(result, BenchmarkResult)
     in9_script = json.loads((scripts / "in9.json").read_text())
     challenge_script = json.loads((scripts / "challenge.json").read_text())
-    in9_api, challenge_api = (json.loads((out / name).read_text()) for name in (IN9_RESULTS_FILE, CHALLENGE_RESULTS_FILE))
+    in9_api, challenge_api = (json.loads((out / name).read_text())
+                              for name in (IN9_RESULTS_FILE, CHALLENGE_RESULTS_FILE))
     same_apart_from_model(in9_api, in9_script)
     assert in9_api == result.in9 and challenge_api == result.challenge
     # the challenge's device check is the call's one, on the in9 run's first images (the script's: on backgrounds)
@@ -615,7 +616,8 @@ def test_nothing_is_left_changed(dataset, one_thread):
     flags = (True, True, True, False)  # TF32 on, autotuning, not deterministic: none of them fp32's
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark, \
         torch.backends.cudnn.deterministic = flags
-    before = {name: (t, t.data_ptr(), t.stride(), t.requires_grad) for name, t in model.state_dict(keep_vars=True).items()}
+    before = {name: (t, t.data_ptr(), t.stride(), t.requires_grad)
+              for name, t in model.state_dict(keep_vars=True).items()}
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     random.seed(11), np.random.seed(11), torch.manual_seed(11)
@@ -635,7 +637,8 @@ def test_nothing_is_left_changed(dataset, one_thread):
     assert [record[2] for record in seen].count(torch.float64) == 1
     assert seen and all(record in {(False, False, torch.float32), (False, False, torch.float64)} for record in seen)
     assert (recorder.training, model.conv.training, model.fc.training) == (True, True, False)
-    after = {name: (t, t.data_ptr(), t.stride(), t.requires_grad) for name, t in model.state_dict(keep_vars=True).items()}
+    after = {name: (t, t.data_ptr(), t.stride(), t.requires_grad)
+             for name, t in model.state_dict(keep_vars=True).items()}
     assert after == before  # the same tensors, in place, with their strides and requires_grad
     assert torch.is_grad_enabled()
     assert (root.handlers, root.level) == (handlers, level)
@@ -702,7 +705,8 @@ def test_benchmark_leaves_a_module_with_gradients_as_it_was(dataset, one_thread)
     """In a training loop the module has gradients; channels-last moves them, and they come back as they were."""
     model = TinyCNN(9, seed=3)
     model(torch.randn(2, 3, 32, 32)).sum().backward()
-    before = {name: (p.grad, p.grad.data_ptr(), p.grad.stride(), p.grad.clone()) for name, p in model.named_parameters()}
+    before = {name: (p.grad, p.grad.data_ptr(), p.grad.stride(), p.grad.clone())
+              for name, p in model.named_parameters()}
     benchmark(model, dataset.root, num_classes=9, variations=["original"], challenge=False, channels_last=True,
               **quick())
     after = {name: (p.grad, p.grad.data_ptr(), p.grad.stride(), p.grad) for name, p in model.named_parameters()}
@@ -731,7 +735,8 @@ def _recorded_small_cnn(tmp_path):
 
 @pytest.mark.parametrize("call, words", [
     (lambda root, tmp: benchmark(TinyCNN(9, 0), root, num_classes=1000, **quick()),
-     "num_classes=1000 says a 1000-class ImageNet model, but the module (TinyCNN) has 9 classes; drop num_classes=1000"),
+     "num_classes=1000 says a 1000-class ImageNet model, but the module (TinyCNN) has 9 classes; "
+     "drop num_classes=1000"),
     (lambda root, tmp: benchmark(TinyCNN(1000, 0), root, num_classes=9, **quick()), "drop num_classes=9"),
     (lambda root, tmp: benchmark(TinyCNN(9, 0), root / "missing", **quick()), "pass data_path the folder"),
     (lambda root, tmp: benchmark("toolkit:small_cnn", root, **quick()), "pass model='ARCH@file:PATH'"),
@@ -744,8 +749,10 @@ def _recorded_small_cnn(tmp_path):
     (lambda root, tmp: benchmark("file:" + str(tmp / "none.pth"), root, **quick()), "does not exist; check the path"),
     (lambda root, tmp: benchmark(TinyCNN(9, 0), _graded_masks(root, tmp), variations=["original"], **quick()),
      "pass mask_arithmetic='original'"),  # raised in a decoding thread
-    (lambda root, tmp: benchmark(nn.Sequential(nn.Conv2d(3, 4, 8, stride=8), nn.BatchNorm2d(4, track_running_stats=False),
-                                               nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 9)), root, **quick()),
+    (lambda root, tmp: benchmark(nn.Sequential(nn.Conv2d(3, 4, 8, stride=8),
+                                               nn.BatchNorm2d(4, track_running_stats=False),
+                                               nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 9)),
+                                 root, **quick()),
      "depend on batch_size and on which images share a batch"),  # a message the device check returns
     (lambda root, tmp: benchmark(TinyCNN(9, 0), root, output_dir=tmp / "out", resume=True, challenge=False,
                                  **quick()) and benchmark(TinyCNN(9, 1), root, output_dir=tmp / "out", resume=True,
@@ -790,8 +797,8 @@ def _text(node) -> str:
 COMMAND_LINE_ONLY = {"tools.cli", "tools.data.check"}
 # Text that names flags for the command line's use alone: the flags' words (tools.api's table, the data folder's
 # flag a script passes on), and the scaling flags a LoRA state dict's message names where no caller says otherwise.
-FLAG_TABLES = {("tools.api", "API_WORDS"), ("tools.data.layout", "check_data_root"), ("tools.models.adapters", "options"),
-               ("tools.models.device_check", "ALLOW_FLAG")}
+FLAG_TABLES = {("tools.api", "API_WORDS"), ("tools.data.layout", "check_data_root"),
+               ("tools.models.adapters", "options"), ("tools.models.device_check", "ALLOW_FLAG")}
 
 
 def _message_texts(tree):

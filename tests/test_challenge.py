@@ -376,7 +376,8 @@ def test_mask_of_the_wrong_type(which, data, models, tmp_path, run_cli):
     broken = _break(data, tmp_path)
     victim = sorted((broken / "fg_mask" / "val" / "01_bird").iterdir())[which]
     np.save(victim, np.full((224, 224), "a"))
-    _assert_one_line_error(run_cli(broken, models["color9"][1], tmp_path), rf"{victim.name}.*dtype|dtype.*{victim.name}")
+    _assert_one_line_error(run_cli(broken, models["color9"][1], tmp_path),
+                           rf"{victim.name}.*dtype|dtype.*{victim.name}")
 
 
 def test_no_backgrounds(data, models, tmp_path, run_cli):

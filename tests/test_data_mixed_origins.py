@@ -60,7 +60,8 @@ def _error(image: np.ndarray, background: np.ndarray, outside: np.ndarray) -> fl
 
 def _truth(dataset: synthetic.SyntheticDataset) -> dict[tuple[str, str], str]:
     """(variation, stem) -> the stem of the background the generator used."""
-    return {(variation, image.stem): stem for image in dataset.images for variation, (stem, _) in image.mixed_bg.items()}
+    return {(variation, image.stem): stem
+            for image in dataset.images for variation, (stem, _) in image.mixed_bg.items()}
 
 
 @pytest.fixture(scope="module")

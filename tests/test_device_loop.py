@@ -107,7 +107,8 @@ def test_in9_rechecks_near_ties_in_reduced_precision(dataset, one_thread):
         assert np.array_equal(fast.results[name].predictions, exact.results[name].predictions), name
         assert fast.results[name].rechecked == fast.results[name].total
     payload = fast.to_json()
-    assert payload["rechecked_fp32"] == total and payload["original"]["rechecked_fp32"] == fast.results["original"].total
+    assert (payload["rechecked_fp32"] == total
+            and payload["original"]["rechecked_fp32"] == fast.results["original"].total)
     assert exact.to_json()["rechecked_fp32"] == 0
 
 

@@ -150,9 +150,9 @@ class HostReads:
     """Counts, inside a training run, what would make the host wait for a GPU: reading a tensor's values
     (item, tolist, cpu, numpy, bool, int, float, index) and copying a tensor to the device without
     non_blocking other than through `tools.runtime.to_device` (which copies from pinned memory without waiting
-    on CUDA: tests/test_copies.py). Tensors that live on the host in a GPU run are not counted: what the DataLoader yields (its
-    reads are host reads; the copies of it to the device are) and torch's optimiser step counters (kept on
-    the host unless capturable)."""
+    on CUDA: tests/test_copies.py). Tensors that live on the host in a GPU run are not counted: what the DataLoader
+    yields (its reads are host reads; the copies of it to the device are) and torch's optimiser step counters (kept
+    on the host unless capturable)."""
 
     READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 

@@ -377,7 +377,8 @@ def test_a_timeout_that_is_not_a_positive_number_of_minutes_is_refused(name, val
         main([*argv, "--dist-timeout", value])
     out, err = capsys.readouterr()
     assert exc.value.code == 2 and out == "" and "Traceback" not in err
-    assert err.startswith(f"error: argument --dist-timeout: {value!r} is not a positive, finite number of minutes; see ")
+    assert err.startswith(f"error: argument --dist-timeout: {value!r} "
+                          "is not a positive, finite number of minutes; see ")
     assert len(err.splitlines()) == 1, err
 
 

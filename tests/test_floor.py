@@ -60,7 +60,8 @@ def test_the_declared_pythons_run_from_the_floor_to_the_newest(floor):
     """The classifiers name every minor version from requires-python's floor (the floor check's Python) to the
     newest, with no gap: the range a user reads is the range between the two recorded runs."""
     pythons = floor.declared_pythons()
-    assert pythons[0] == floor.python_floor() == ".".join(map(str, floor.release(floor.read_record().versions["python"])[:2]))
+    assert (pythons[0] == floor.python_floor()
+            == ".".join(map(str, floor.release(floor.read_record().versions["python"])[:2])))
     minors = [floor.release(p)[1] for p in pythons]
     assert minors == list(range(minors[0], minors[-1] + 1)), pythons
 

@@ -63,7 +63,8 @@ def test_reduced_precision_with_recheck_gives_fp32_verdicts(dataset, model_path,
                           ChallengeConfig(batch_size=32, progress=False, full=True), output_dir=tmp_path / "fp32")
     fast = run_challenge(program(model_path), Runtime(torch.device("cuda"), precision),
                          list_challenge_files(dataset.root, 4),
-                         ChallengeConfig(batch_size=32, progress=False, recheck_margin=1.0), output_dir=tmp_path / "fast")
+                         ChallengeConfig(batch_size=32, progress=False, recheck_margin=1.0),
+                         output_dir=tmp_path / "fast")
     assert fast.state.verdict.tolist() == exact.state.verdict.tolist()
     assert fast.unsure == 0
     assert (exact.state.verdict == challenge.VULNERABLE).any()

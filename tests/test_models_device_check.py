@@ -1,8 +1,8 @@
 """The start-up device check: a hidden cast to bf16 is caught on the CPU and refused in one line (exit 2) unless
 --allow-inexact-device, which the provenance records; an honest model passes, and only then do the results say
 `exact: true`; a model with no float64 reference (a weight-only int8 or an fp8 head, a kernel only one device has) is
-refused the same way on every route that evaluates (the scripts, the zoo, the Python API, train.py's evaluation), and with the flag
-runs recorded as unverified."""
+refused the same way on every route that evaluates (the scripts, the zoo, the Python API, train.py's evaluation), and
+with the flag runs recorded as unverified."""
 
 from __future__ import annotations
 

@@ -245,7 +245,8 @@ def shape_expression(marker):
     """A shape expression, which torch gives sympy to evaluate."""
     def change(program):
         size = program["graph_module"]["graph"]["tensor_values"]["x"]["sizes"][0]["as_expr"]
-        size["expr_str"] = f"Add({size['expr_str']}, 0*int(__import__('pathlib').Path({str(marker)!r}).touch() is None))"
+        size["expr_str"] = (f"Add({size['expr_str']}, "
+                            f"0*int(__import__('pathlib').Path({str(marker)!r}).touch() is None))")
     return edit_program(change)
 
 

@@ -80,8 +80,8 @@ CASES = [
     ("tools.merge", "--results-file", "under a file"), ("tools.merge", "--output-dir", "a file"),
     ("tools.merge", "--per-foreground-csv", "a folder"), ("tools.merge", "--report", "a folder"),
     ("tools.results.report", "--output", "a folder"), ("tools.results.report", "--output", "under a file"),
-    ("in9_eval", "--html", "under a file"), ("challenge_eval", "--html", "a folder"), ("tools.merge", "--html", "a folder"),
-    ("tools.results.report", "--html", "a folder"),
+    ("in9_eval", "--html", "under a file"), ("challenge_eval", "--html", "a folder"),
+    ("tools.merge", "--html", "a folder"), ("tools.results.report", "--html", "a folder"),
     ("tools.data build", "--out", "under a file"), ("tools.data build", "--out", "a file"),
 ]
 

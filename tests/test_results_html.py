@@ -27,7 +27,8 @@ from tools.results.matrix import load_matrix
 from tools.results.report import cli as report_cli
 
 NAMES = class_names()
-BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")  # Debian names it chromium, Ubuntu also chromium-browser
+# Debian names it chromium, Ubuntu also chromium-browser
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
 REQUIRE_BROWSER = os.environ.get("CI_REQUIRE_BROWSER") == "1"
 MAX_THUMBNAIL_BYTES = 8_000  # an 80-px JPEG at quality 80 is a few kB
 
@@ -106,7 +107,8 @@ def check_composites(composites: list[dict], inputs: dict) -> None:
         i, j = matrix.fg_stems.index(words[2]), matrix.bg_stems.index(words[6].rstrip(","))
         assert matrix.predictions[i, j] != matrix.fg_labels[i] and words[-1] == NAMES[matrix.predictions[i, j]]
         mask = np.load(root / matrix.fg_masks[i]) > 0
-        truth = np.where(mask[..., None], decode_rgb(root / matrix.fg_images[i]), decode_rgb(root / matrix.bg_images[j]))
+        truth = np.where(mask[..., None], decode_rgb(root / matrix.fg_images[i]),
+                         decode_rgb(root / matrix.bg_images[j]))
         expected = np.asarray(Image.fromarray(truth).resize((THUMB,) * 2, Image.Resampling.LANCZOS))
         with Image.open(io.BytesIO(base64.b64decode(img["src"].split(",", 1)[1]))) as shown:
             got = np.asarray(shown.convert("RGB"))
@@ -242,7 +244,8 @@ def test_a_training_run_leaves_its_curves_and_before_after_table(tiny, tmp_path,
     assert "The starting point (random weights) was not evaluated." in text
     # the report command renders the same section from the run's folder
     code = report_cli.main(["--training", str(out), "--html", str(tmp_path / "again.html")])
-    assert code == 0 and Page((tmp_path / "again.html").read_text()).tables["before-after"] == page.tables["before-after"]
+    assert (code == 0
+            and Page((tmp_path / "again.html").read_text()).tables["before-after"] == page.tables["before-after"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -262,7 +265,8 @@ def console_errors(stderr: str) -> list[str]:
 
 def every_sortable_table(runs, tmp_path) -> Path:
     """A page holding every sortable table: the run's results as if on the release (the published rows, with
-    "–" cells), a zoo's leaderboard (on the release too, so with the published rows) and a training run's logged steps (in no column's order)."""
+    "–" cells), a zoo's leaderboard (on the release too, so with the published rows) and a training run's logged steps
+    (in no column's order)."""
     out, inputs = runs
     in9 = on_release(json.loads(json.dumps(inputs["in9"])))
     zoo, training = tmp_path / "zoo", tmp_path / "training"

@@ -193,15 +193,16 @@ def test_a_truncated_training_log_loses_only_its_partial_line(runs, tmp_path):
 
 def test_an_analysis_that_does_not_fit_its_matrix_is_one_error_line(runs, tmp_path, capsys):
     _, inputs = runs
-    for name, change in [("beyond", lambda e: e.update(index=10**6)), ("other", lambda e: e.update(index=e["index"] + 1)),
+    for name, change in [("beyond", lambda e: e.update(index=10**6)),
+                         ("other", lambda e: e.update(index=e["index"] + 1)),
                          ("no_index", lambda e: e.pop("index")), ("no_image", lambda e: e.pop("image"))]:
         folder = tmp_path / name
         shutil.copytree(inputs["analysis"]["output_dir"], folder)
         summary = json.loads((folder / "analysis.json").read_text())
         change(summary["per_class"][NAMES[1]]["top_backgrounds"][0])
         (folder / "analysis.json").write_text(json.dumps(summary))
-        code, out, err = run_in_process(report_cli.main, ["--analysis-dir", str(folder), "--html", str(folder / "p.html")],
-                                        capsys)
+        code, out, err = run_in_process(report_cli.main,
+                                        ["--analysis-dir", str(folder), "--html", str(folder / "p.html")], capsys)
         assert "analysis" in check_error(code, out, err), name
 
 

@@ -252,9 +252,10 @@ def test_a_results_provenance_names_the_decoder_and_the_math_that_ran(dataset, c
                   list_in9_files(dataset.root, ["original"], 1),
                   In9Config(("original",), 16, workers=1, progress=False))
     info = run.to_json()["provenance"]
-    assert {**info["decoder"], "used": None} == {"used": None, "pillow": PIL.__version__, "libjpeg": features.version("jpg"),
-                               "libjpeg_turbo": features.version_feature("libjpeg_turbo")
-                               if features.check_feature("libjpeg_turbo") else None}
+    assert {**info["decoder"], "used": None} == {"used": None, "pillow": PIL.__version__,
+                                                 "libjpeg": features.version("jpg"),
+                                                 "libjpeg_turbo": features.version_feature("libjpeg_turbo")
+                                                 if features.check_feature("libjpeg_turbo") else None}
     assert info["exact_mode"] and info["math"]["sdpa_backends"] == ["math"] and not info["math"]["mha_fastpath"]
 
 

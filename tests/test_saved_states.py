@@ -118,8 +118,8 @@ def test_the_unedited_states_resume_to_the_same_numbers(setup, finished, tmp_pat
         code, first, err = run_in_process(challenge_eval.main, challenge_args(setup, tmp_path / f"fresh{full}", *extra),
                                           capsys)
         assert code == 0, err
-        code, again, err = run_in_process(challenge_eval.main, challenge_args(setup, finished[full], "--resume", *extra),
-                                          capsys)
+        code, again, err = run_in_process(challenge_eval.main,
+                                          challenge_args(setup, finished[full], "--resume", *extra), capsys)
         assert code == 0 and again == first and first.startswith("Summary: "), err
 
 
@@ -153,9 +153,9 @@ def test_a_forged_in9_state_is_one_error_line(name, change, setup, in9_state, tm
     state = json.loads((out / "in9_state.json").read_text())
     change(state)
     (out / "in9_state.json").write_text(json.dumps(state))
-    code, stdout, err = run_in_process(in9_eval.main, ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint",
-                                                       "--eval-dataset", "all", "--output-dir", str(out), "--resume",
-                                                       *QUIET], capsys)
+    code, stdout, err = run_in_process(in9_eval.main, ["--data-path", str(data), "--checkpoint", str(model),
+                                                       "--trust-checkpoint", "--eval-dataset", "all",
+                                                       "--output-dir", str(out), "--resume", *QUIET], capsys)
     line = check_error(code, stdout, err, lines=None)
     assert "in9_state.json" in line and "rerun without --resume" in line, name
 

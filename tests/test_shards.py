@@ -162,8 +162,8 @@ def test_merge_refuses_a_challenge_shard_rerun_stopped_between_its_two_files(lef
             raise KeyboardInterrupt
         with monkeypatch.context() as patch:
             patch.setattr("tools.shards.write_json_atomic", killed)
-            code, _, _ = script(challenge_eval, capsys, "--data-path", data, "--checkpoint", other_model, "--trust-checkpoint",
-                                "--trust-checkpoint",
+            code, _, _ = script(challenge_eval, capsys, "--data-path", data, "--checkpoint", other_model,
+                                "--trust-checkpoint", "--trust-checkpoint",
                                 "--no-cache", "--output-dir", folder, "--shard", "0/2")
         assert code == cli.EXIT_INTERRUPTED and npz.read_bytes() != old_arrays
     else:  # both shards rerun with the other model, but shard 0's arrays are the first run's
@@ -289,7 +289,8 @@ SHARD_FORGERIES = {
     "other background predictions": (lambda a: a.update(bg_pred=(a["bg_pred"] + 1) % 9), None),
     "a matrix of 9 x 9": (lambda a: a.update(matrix=np.zeros((9, 9), np.int8)), None),
     "the name of shard 0": (None, lambda m: m.update(shard=[0, 2])),
-    "other foregrounds' classes": (None, lambda m: m["foregrounds"][0].__setitem__(1, (m["foregrounds"][0][1] + 1) % 9)),
+    "other foregrounds' classes": (None,
+                                   lambda m: m["foregrounds"][0].__setitem__(1, (m["foregrounds"][0][1] + 1) % 9)),
     "a class of 12": (None, lambda m: m["backgrounds"][0].__setitem__(1, 12)),
     "a criterion of its own": (None, lambda m: m["results"].update(criterion="some")),
     "no provenance": (None, lambda m: m["results"].update(provenance=None)),
@@ -414,8 +415,9 @@ def test_a_shard_claiming_a_huge_split_is_refused_without_making_it(count, setup
     predictions[4:] = [merge.NOT_MINE] * len(predictions[4:])  # shard 0 of N owns the first batch alone
     (folder / "in9-shard-0-of-1.json").unlink()
     (folder / f"in9-shard-0-of-{count}.json").write_text(json.dumps(meta))
-    proc = subprocess.run([sys.executable, "-c", "import sys; from tools import merge; sys.exit(merge.main(sys.argv[1:]))",
-                           str(folder)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, "-c",
+                           "import sys; from tools import merge; sys.exit(merge.main(sys.argv[1:]))", str(folder)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -59,8 +59,8 @@ def in9(capsys, data, model, *extra):
 
 def challenge(capsys, data, model, *extra):
     """challenge_eval.py, its state beside the data folder."""
-    return run_in_process(challenge_eval.main, ["--data-path", str(data), "--checkpoint", str(model), "--trust-checkpoint",
-                                                "--output-dir",
+    return run_in_process(challenge_eval.main, ["--data-path", str(data), "--checkpoint", str(model),
+                                                "--trust-checkpoint", "--output-dir",
                                                 str(data.parent / "challenge_out"), *QUIET, *map(str, extra)], capsys)
 
 
@@ -76,7 +76,8 @@ import challenge_eval, in9_eval
 from tools.data import cli
 out = []
 for data in sys.argv[3:]:
-    for main, argv in [(in9_eval.main, ["--eval-dataset", "original", "--checkpoint", sys.argv[1], "--trust-checkpoint"]),
+    for main, argv in [(in9_eval.main, ["--eval-dataset", "original", "--checkpoint", sys.argv[1],
+                                        "--trust-checkpoint"]),
                        (challenge_eval.main, ["--no-cache", "--checkpoint", sys.argv[1], "--trust-checkpoint"]),
                        (cli.main, ["verify", "--full"])]:
         if main is not cli.main:

@@ -290,8 +290,9 @@ def test_ranks_share_out_exactly_the_one_process_batches():
 def test_one_sampler_over_the_run_gives_each_epoch_its_own_batches():
     from tools.training.data import StepSampler  # noqa: PLC0415
     for rank in range(2):
-        per_epoch = [batch for epoch in range(2, 5) for batch in
-                     StepSampler(23, 6, seed=1, epoch=epoch, start_step=1 if epoch == 2 else 0, rank=rank, world_size=2)]
+        per_epoch = [batch for epoch in range(2, 5)
+                     for batch in StepSampler(23, 6, seed=1, epoch=epoch, start_step=1 if epoch == 2 else 0,
+                                              rank=rank, world_size=2)]
         run = StepSampler(23, 6, seed=1, epoch=2, start_step=1, rank=rank, world_size=2, end_epoch=5)
         assert len(run) == len(per_epoch) == 8 and list(run) == per_epoch
 
@@ -383,8 +384,8 @@ def test_the_logged_rate_is_the_rate_each_step_used(tiny, tmp_path, capsys, one_
     try:
         out = tmp_path / "run"
         code, _, err = run_train(["--data-path", tiny, "--weights", "none", "--epochs", 2, "--batch-size", 6,
-                                  "--lr", 0.003, "--warmup-epochs", 1, "--output-dir", out, *TINY, "--log-level", "INFO"],
-                                 capsys)
+                                  "--lr", 0.003, "--warmup-epochs", 1, "--output-dir", out, *TINY,
+                                  "--log-level", "INFO"], capsys)
     finally:
         hook.remove()
     assert code == 0, err
@@ -466,7 +467,8 @@ def test_decoded_store_is_made_once_and_keyed_by_content(tmp_path, monkeypatch):
     config = TrainConfig(data_path=root, output_dir=tmp_path / "o", methods=[Method.BG_SWAP], weights="none")
     records = training_data.list_training_data(config)
     first = training_data.decoded_store(records, fingerprint(root, records.relpaths(), 1), 1, False)
-    assert torch.equal(first.images[3], torch.from_numpy(image_sets.decode_rgb(root / records.images[3]).copy()).permute(2, 0, 1))
+    assert torch.equal(first.images[3],
+                       torch.from_numpy(image_sets.decode_rgb(root / records.images[3]).copy()).permute(2, 0, 1))
     assert torch.equal(first.masks[3], torch.from_numpy(image_sets.load_mask(root / records.masks[3])))
     assert torch.equal(first.backgrounds[5],
                        torch.from_numpy(image_sets.decode_rgb(root / records.backgrounds[5]).copy()).permute(2, 0, 1))

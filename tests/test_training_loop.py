@@ -82,7 +82,8 @@ class RecordsHostReads(TorchFunctionMode):
         tensors = [t for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
         if name in HOST_READS and tensors and tensors[0] in self.made:
             self.reads.add(name)
-        if name in ("__getitem__", "__setitem__") and any(t.dtype == torch.bool and t in self.made for t in tensors[1:]):
+        if name in ("__getitem__", "__setitem__") and any(t.dtype == torch.bool and t in self.made
+                                                          for t in tensors[1:]):
             self.reads.add(f"{name} with a boolean mask")
         out = func(*args, **(kwargs or {}))
         for tensor in pytree.tree_leaves(out):

@@ -1,4 +1,5 @@
-"""The Backgrounds Challenge: the adversarial-background search: which foregrounds can some test background make the model misclassify.
+"""The Backgrounds Challenge: the adversarial-background search: which foregrounds can some test background make
+the model misclassify.
 
 Everything is decoded once onto the device as uint8; composites are made there (`where(mask, fg, bg)`,
 which equals `bg * (1 - m) + fg * m` for a 0/1 mask) and normalised inside the model. Batches hold

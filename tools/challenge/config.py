@@ -26,6 +26,7 @@ class ChallengeConfig:
     full: bool = False
     batch_size: int | None = None  # None: the runtime's default on a GPU; on the CPU, measured at start-up
     save_every: float = 5.0  # seconds between state saves
-    recheck_margin: float = RECHECK_MARGIN  # in reduced precision, near ties below it are re-run in fp32; 0 turns it off
+    # in reduced precision, near ties below it are re-run in fp32; 0 turns it off
+    recheck_margin: float = RECHECK_MARGIN
     progress: bool = True
     mask_arithmetic: MaskArithmetic = MaskArithmetic.BINARY

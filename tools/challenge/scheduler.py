@@ -115,7 +115,8 @@ class Scheduler:
         if self.config.criterion is Criterion.ANY:
             prior = (s.bg_pred[None, :] != c).astype(np.float64)
         else:
-            prior = np.broadcast_to((s.bg_pred == self.bg_labels).astype(np.float64)[None, :], (NUM_IN9_CLASSES, self.n_bg))
+            prior = np.broadcast_to((s.bg_pred == self.bg_labels).astype(np.float64)[None, :],
+                                    (NUM_IN9_CLASSES, self.n_bg))
         rate_class = (s.successes + prior) / (s.trials + 1.0)
         rate_all = (s.successes.sum(0) + prior.mean(0)) / (s.trials.sum(0) + 1.0)
         return rate_class + 0.5 * rate_all[None, :]

@@ -3,10 +3,10 @@
 A run's data is identified by what its files hold, not by their names and sizes: every file is read and
 hashed with SHA-256 (streamed, in threads, since hashlib releases the GIL on large buffers), and the
 fingerprint is a SHA-256 over the sorted (relative path, file hash) lines. Provenance carries it, both
-scripts' resume keys are keyed by it and the decoded-data cache by the file hashes themselves, so a file rewritten in place with the
-same name, size and even modification time is still seen as different data. The same digest per top-level
-folder (`original`, `only_bg_t`, ...) lets runs that read different sets of folders, such as in9_eval.py's
-and challenge_eval.py's, be checked to have read the same data where they overlap.
+scripts' resume keys are keyed by it and the decoded-data cache by the file hashes themselves, so a file rewritten
+in place with the same name, size and even modification time is still seen as different data. The same digest per
+top-level folder (`original`, `only_bg_t`, ...) lets runs that read different sets of folders, such as
+in9_eval.py's and challenge_eval.py's, be checked to have read the same data where they overlap.
 
 Only regular files are read (`open_regular`: a FIFO or a device is refused, never waited on or read without end).
 Files that lie outside the data folder, reached through links (a data folder assembled from links into a shared

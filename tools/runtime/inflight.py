@@ -75,8 +75,8 @@ class Predicts(Protocol):
 
 
 class Pipeline:
-    """Batches (of pairs, of stream positions) launched `IN_FLIGHT` ahead of the one being recorded, so the host never waits for the
-    device while it has work queued.
+    """Batches (of pairs, of stream positions) launched `IN_FLIGHT` ahead of the one being recorded, so the host never
+    waits for the device while it has work queued.
 
     A batch with near ties (reduced precision) is held, with every batch after it, until its ties are re-checked:
     the ties of the held batches are re-checked in full fp32 batches once a batch's worth of them has gathered,
