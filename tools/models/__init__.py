@@ -3,8 +3,8 @@ registry, checkpoint reading and CLIP zero-shot."""
 
 
 def list_sources() -> dict[str, dict[str, str]]:
-    """What is registered: {"sources": {prefix: description}, "architectures": {prefix: description}}, each
-    description the first sentence of the registered function's docstring ("" is the prefix of no prefix)."""
+    """{"sources": {prefix: description}, "architectures": {prefix: description}}, each description the first paragraph
+    of the registered function's docstring ("" is no prefix)."""
     from tools.models.architectures import ARCHITECTURES  # noqa: PLC0415 (the package imports nothing itself)
     from tools.models.sources import SOURCES  # noqa: PLC0415
     return {"sources": {prefix: _summary(source) for prefix, source in SOURCES.items()},

@@ -295,7 +295,8 @@ def weights_pipeline(weights) -> tuple[tuple[int, int], str, list[float], list[f
 
 @register_source(TIMM_PREFIX)
 def timm_pretrained(name: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
-    """timm:NAME[.TAG] and timm:hf-hub:ORG/NAME with timm's weights (--weights none: random weights)."""
+    """timm models with timm's pretrained weights (timm:NAME[.TAG], timm:hf-hub:ORG/NAME; tools.models.timm_weights;
+    --weights none: random weights)."""
     from tools.models.timm_weights import load_timm  # noqa: PLC0415 (timm, an optional extra, is imported there)
     return load_timm(name, options.weights, options.in9, options.normalize, record, options.runtime)
 
@@ -368,7 +369,8 @@ def _given(options: ModelOptions, normalize: bool = False) -> str:
 
 @register_source(CLIP_PREFIX)
 def clip_zero_shot(spec: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
-    """CLIP zero-shot over ImageNet's 1000 class names or nine IN-9 prompts (tools.models.clip)."""
+    """CLIP zero-shot over the 1000 ImageNet class names, or nine IN-9 prompts (tools.models.clip; needs
+    open_clip_torch)."""
     given = _given(options, normalize=True)
     if given:
         raise UserError(f"{option('--arch', CLIP_PREFIX + spec)} takes its weights and normalisation from open_clip: "
@@ -381,7 +383,8 @@ def clip_zero_shot(spec: str, options: ModelOptions, record: ModelRecord) -> Loa
 
 @register_source(HF_PREFIX)
 def transformers_classifier(name: str, options: ModelOptions, record: ModelRecord) -> LoadedModel:
-    """Hugging Face transformers image classifiers, hf:ORG/NAME or hf:PATH (tools.models.hf)."""
+    """Hugging Face transformers image classifiers, hf:ORG/NAME or hf:PATH (a save_pretrained folder), with 1000
+    ImageNet or 9 IN-9 labels (tools.models.hf; needs transformers)."""
     given = _given(options)
     if given:
         raise UserError(f"{option('--arch', HF_PREFIX + name)} takes its weights from its folder or hub repository: "
