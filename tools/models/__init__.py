@@ -12,6 +12,5 @@ def list_sources() -> dict[str, dict[str, str]]:
 
 
 def _summary(function) -> str:
-    """The first paragraph of a function's docstring, on one line."""
     paragraph = (function.__doc__ or function.__name__).strip().split("\n\n")[0]
     return " ".join(paragraph.split())

@@ -68,8 +68,7 @@ def is_peft_state(state: dict) -> bool:
 
 @contextlib.contextmanager
 def evaluation_mode(model: nn.Module):
-    """Every module in evaluation mode inside the block; afterwards each module's own mode back (a single
-    `model.train(was_training)` would put frozen ones in training mode)."""
+    """Every module in evaluation mode inside the block, then each one's own mode back (frozen ones too)."""
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
@@ -90,8 +89,8 @@ def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 def merge_checked(wrapped: nn.Module, probe: torch.Tensor, what: str,
                   place: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
-    """The plain module of a peft model, adapters merged in, checked on `probe` to compute the same. place: puts a
-    module where the adapted one sits in the model the caller evaluates and returns that model (default: the module)."""
+    """The plain module of a peft model, adapters merged, checked on `probe`; place: puts a module where the adapted one
+    sits and returns the model the check runs (default: the module alone)."""
     place = place or (lambda module: module)
     adapted = logits(place(wrapped), probe)
     plain = wrapped.merge_and_unload()
@@ -136,8 +135,8 @@ def _read_adapter_weights(folder: Path, trust: bool) -> tuple[dict, Path]:
 
 
 def check_adapter_files(folder: Path) -> None:
-    """One line refusing an adapter whose files lie outside its folder (through links; a hub snapshot's: outside its
-    repository) or whose config `check_adapter_config` refuses, before peft or transformers reads them."""
+    """One line refusing an adapter with files outside its folder (or hub repository) or a config `check_adapter_config`
+    refuses, before peft or transformers reads them."""
     for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS):
         if (folder / name).exists() and not (folder / name).resolve().is_relative_to(hub.files_root(folder)):
             raise UserError(f"{folder / name} links to {(folder / name).resolve()}, a file outside the adapter's "
@@ -146,8 +145,8 @@ def check_adapter_files(folder: Path) -> None:
 
 
 def check_adapter_config(folder: Path) -> None:
-    """One line refusing an adapter config of a type the toolkit does not merge, or that has peft import or load what it
-    names (`ADAPTER_TYPES`, `LOADING_SETTINGS`); read as JSON, before peft."""
+    """One line refusing an adapter config the toolkit does not merge or that makes peft load what it names; read as
+    JSON, before peft reads it."""
     path = folder / ADAPTER_CONFIG
     try:
         config = read_json(path)
@@ -166,8 +165,7 @@ def check_adapter_config(folder: Path) -> None:
 
 def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool, record: ModelRecord,
                          place: Callable[[nn.Module], nn.Module] | None = None) -> MergedAdapter:
-    """The base classifier with the folder's adapter merged; place: as `merge_checked`'s. The adapter's files go into
-    `record` by content, with peft's version."""
+    """The base classifier with the folder's adapter merged (place: as `merge_checked`'s), recorded in `record`."""
     peft = peft_module(f"the adapter folder {folder}")
     record.library(peft)
     check_adapter_files(folder)
@@ -270,8 +268,8 @@ def read_peft_state(state: dict, path: Path) -> PeftState:
 
 @dataclass(frozen=True)
 class LoraScaling:
-    """The LoRA scaling a peft-wrapped state dict does not hold: lora_alpha / r, or lora_alpha / sqrt(r) with
-    use_rslora. options: how the caller's messages name the two (None where it takes neither)."""
+    """The LoRA scaling a peft-wrapped state dict lacks: lora_alpha / r, or / sqrt(r) with use_rslora. options: how the
+    caller's messages name the two (None where it takes neither)."""
 
     alpha: float | None = None
     rslora: bool = False
@@ -303,15 +301,13 @@ CLI_LORA_OPTIONS = LoraScaling.options  # the evaluation scripts' flags, the def
 
 
 def anchored(names) -> str:
-    """A regex matching exactly these module names (peft matches a list's entries as suffixes: `conv1` would adapt every
-    block's conv1)."""
+    """A regex matching exactly these module names (peft matches a list's entries as suffixes)."""
     return "^(?:" + "|".join(map(re.escape, names)) + ")$"
 
 
 def merge_peft_state(classifier: nn.Module, state: dict, peft_state: PeftState, lora: LoraScaling | None,
                      path: Path, record: ModelRecord) -> nn.Module:
-    """The untrained architecture wrapped as the state dict's adapters say, loaded strictly and merged; peft's version
-    and the settings rebuilt without the file go into `record`."""
+    """The untrained architecture with the state dict's adapters rebuilt, loaded strictly, merged and recorded."""
     peft = peft_module(f"checkpoint {path} (the state dict of a peft-wrapped model)")
     record.library(peft)
     targets = anchored(peft_state.ranks)

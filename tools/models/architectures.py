@@ -56,15 +56,14 @@ def architecture_family(spec: ModelSpec) -> Family:
 
 
 def build_architecture(arch: str, num_classes: int, arch_args: dict | None = None) -> nn.Module:
-    """An untrained classifier with `num_classes` outputs; `arch_args`: the builder's other arguments (those pretrained
-    weights fix, such as a torchvision ViT's image_size)."""
+    """An untrained classifier; `arch_args`: builder arguments pretrained weights fix (a ViT's image_size)."""
     spec = ModelSpec.parse(arch)
     return architecture_family(spec).build(spec, num_classes, **(arch_args or {}))
 
 
 def classifier_keys(arch: str, arch_args: dict | None = None) -> list[str]:
-    """State-dict keys whose shapes depend on the class count, found by building the architecture twice (with
-    `arch_args`) on the meta device, or on the CPU for one that reads tensor values while built."""
+    """State-dict keys whose shapes depend on the class count, found by building twice (on the meta device, or the CPU
+    for an architecture that reads tensor values while built)."""
     try:
         with torch.device("meta"):
             nine = build_architecture(arch, NUM_IN9_CLASSES, arch_args).state_dict()
@@ -130,9 +129,8 @@ _KEPT_HEADS = {"inception": ("AuxLogits",)}
 
 
 def build_with_weights(arch: str, weights, state: dict) -> nn.Module:
-    """torchvision's own builder of `arch` given `weights`, so the architecture takes their settings as torchvision
-    gives them, with their state dict `state` (read and checked by the caller) instead of torchvision's download. A
-    state dict that does not fit is one error line."""
+    """torchvision's own builder of `arch` given `weights` (so it takes their settings), with their state dict `state`
+    instead of torchvision's download; a state dict that does not fit is one error line."""
     check_torchvision_architecture(arch)
     weights.get_state_dict = lambda *args, **kwargs: state  # this member's alone, for this call alone
     try:
@@ -165,14 +163,12 @@ def _load_problems(exc: RuntimeError) -> str:
 
 
 def torchvision_weights_arguments(weights) -> dict:
-    """The builder arguments torchvision gives an architecture for `weights` besides the class count: what it needs to
-    hold those weights or a fine-tuned copy."""
+    """The builder arguments besides the class count an architecture needs to hold `weights`."""
     arguments = _WEIGHTS_ARGUMENTS.get(_weights_module(weights))
     return arguments(weights.meta) if arguments is not None else {}
 
 
 def _weights_module(weights) -> str:
-    """The name of the torchvision module that defines `weights` (a weights enum member): "inception"."""
     return type(weights).__module__.rsplit(".", 1)[-1]
 
 
@@ -182,8 +178,7 @@ def timm_module(spec: ModelSpec):
 
 
 def timm_loading_parameters(timm) -> frozenset[str]:
-    """timm.create_model's own parameters besides the name (where weights come from, compilation); the network's builder
-    gets every other argument."""
+    """timm.create_model's own parameters (where weights come from, compilation), not the network's."""
     parameters = inspect.signature(timm.create_model).parameters.values()
     return frozenset(p.name for p in parameters if p.kind is not p.VAR_KEYWORD) - {"model_name"}
 
@@ -195,9 +190,8 @@ def _plain(value) -> bool:
 
 
 def recorded_arguments(arch: str, arguments, what: str) -> dict:
-    """The builder arguments a file (`what`) records for `arch`, of plain values: for timm, any that shape the network
-    but `timm_loading_parameters` (checkpoint_path would read any file a checkpoint named); for others,
-    `RECORDED_ARGUMENTS`. Else one error line, before any builder runs."""
+    """The builder arguments a file (`what`) records for `arch`, of plain values: for timm any but
+    `timm_loading_parameters` (checkpoint_path reads any file), else `RECORDED_ARGUMENTS`; else one error line."""
     if not isinstance(arguments, Mapping) or not all(isinstance(k, str) for k in arguments):
         raise UserError(f"{what} records builder arguments that are not a mapping of names (a "
                         f"{type(arguments).__name__}); is it a file its library wrote?")

@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 
 def state_sha256(module: nn.Module) -> str:
-    """The SHA-256 of a module's state dict, each key with its value (tensors by dtype, shape and bytes): an in-memory
-    model's weights identity. The same bytes as another dtype or shape are other weights (int8 and uint8)."""
+    """The SHA-256 of a module's state dict (tensors by dtype, shape and bytes): an in-memory model's weights' identity;
+    the same bytes as another dtype or shape are other weights."""
     digest = hashlib.sha256()
     for key, value in module.state_dict().items():
         digest.update(json.dumps([key, described_value(value)], sort_keys=True).encode() + b"\n")
@@ -101,9 +101,8 @@ class ModelOrigin:
 
 def wrap(classifier: nn.Module, *, num_classes: int, origin: ModelOrigin, normalize: Normalization,
          record: ModelRecord, stats: tuple | None = None, stats_origin: str = "") -> LoadedModel:
-    """A classifier as a `LoadedModel`, normalising inside with the source's statistics (`stats`, named by
-    `stats_origin`) unless --normalize says otherwise, else the class-count rule (recorded in `record`); its TorchScript
-    convolutions rewritten to read the run's flags (`torchscript.rewritten`)."""
+    """A classifier as a `LoadedModel`, normalising inside with `stats` unless --normalize says otherwise, else the
+    class-count rule; its TorchScript convolutions rewritten to read the run's flags."""
     classifier = torchscript.rewritten(classifier)
     if normalize is Normalization.AUTO and stats is not None:
         mean, std = stats
@@ -128,8 +127,7 @@ def wrap(classifier: nn.Module, *, num_classes: int, origin: ModelOrigin, normal
 # Inputs of another size
 
 def resize_input(x: torch.Tensor, size: tuple[int, int], mode: str = "bicubic") -> torch.Tensor:
-    """A normalised batch resized (antialiased) to the classifier's input size. Resizing is linear with weights summing
-    to one, so it commutes with the per-channel normalisation before it."""
+    """A normalised batch resized (antialiased) to the input size: linear, so it commutes with the normalisation."""
     if tuple(x.shape[-2:]) == tuple(size):
         return x
     return F.interpolate(x, size=tuple(size), mode=mode, align_corners=False, antialias=True)
@@ -168,8 +166,8 @@ def fit_input_size(classifier: nn.Module, size: tuple[int, int], used_by: str, m
 
 
 def network_input(classifier: nn.Module) -> tuple[nn.Module, tuple[int, int], str | None]:
-    """(the network behind `fit_input_size`'s resize, its input size, the interpolation); 224x224 and None without one.
-    Training changes and saves the network, behind the same resize."""
+    """(the network behind `fit_input_size`'s resize, its input size, the interpolation; 224x224 and None without one):
+    training changes the network, behind the same resize."""
     if isinstance(classifier, InputResize):
         return classifier.classifier, classifier.size, classifier.mode
     return classifier, (IMAGE_SIZE, IMAGE_SIZE), None

@@ -74,8 +74,7 @@ def _strip_prefixes(state: dict) -> dict:
 
 
 def _select(obj, key: str | None) -> tuple[object, str]:
-    """The part of a loaded checkpoint that holds the model (`key`, else the first STATE_DICT_KEYS entry holding a dict
-    or module, else the whole), and where it is."""
+    """The part of a loaded checkpoint that holds the model (`key`, else by STATE_DICT_KEYS), and where it is."""
     if key is not None:
         if not isinstance(obj, Mapping) or key not in obj:
             found = ", ".join(map(str, obj.keys())) if isinstance(obj, Mapping) else type(obj).__name__
@@ -96,8 +95,8 @@ class CheckpointState:
 
 
 def extract_state_dict(obj, key: str | None = None, ignore_normalizer: bool = False) -> CheckpointState:
-    """The model's state dict from a loaded checkpoint, its layout and normaliser if any. ignore_normalizer: statistics
-    given explicitly, so unreadable normaliser buffers are dropped."""
+    """The model's state dict, layout and normaliser; ignore_normalizer: statistics are given, so unreadable normaliser
+    buffers are dropped."""
     obj, where = _select(obj, key)
     if isinstance(obj, nn.Module):
         obj = obj.state_dict()
@@ -148,8 +147,7 @@ def check_class_count(num_classes: int, in9: bool | None, what: str) -> None:
 
 
 def _probe_classes(classifier: nn.Module, path: Path, kind: str, device: torch.device) -> int:
-    """The class count, from a forward pass on a batch of 3 on the run's device in the exact mode's kernels (the
-    start-up check's too; it finds programs fixed to one batch size or unable to run there)."""
+    """The class count, from a batch of 3 on the run's device in the exact mode's kernels."""
     probe = torch.zeros(3, 3, IMAGE_SIZE, IMAGE_SIZE, device=device)
     try:
         with torch.inference_mode(), exact_kernels():
@@ -187,8 +185,7 @@ def _architecture(arch: str | None, recorded: str | None, path: Path) -> str:
 
 
 def _check_cached(recorded: str, path: Path) -> None:
-    """A recorded `timm:hf-hub:ORG/NAME` is built from its cached config.json; one not cached is one line: it is
-    downloaded only where the user names it."""
+    """A recorded `timm:hf-hub:` architecture must be cached: it is downloaded only where the user names it."""
     spec = ModelSpec.parse(recorded)
     if spec.prefix != TIMM_PREFIX or not spec.name.startswith(TIMM_HUB):
         return
@@ -216,8 +213,8 @@ class ReadCheckpoint:
 def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: Normalization, trust: bool,
                     checkpoint_key: str | None, device: torch.device, record: ModelRecord,
                     lora: adapters.LoraScaling | None = None) -> ReadCheckpoint:
-    """The classifier in a checkpoint file: a program is loaded for `device` and probed there; a state dict is loaded
-    strictly into `arch` (default resnet50) on the CPU. The file goes into `record` by content."""
+    """The classifier in a checkpoint file: a program loaded for `device` and probed there, or a state dict loaded
+    strictly into `arch` (default resnet50) on the CPU; the file recorded by content."""
     if path.is_dir():
         raise UserError(f"checkpoint {path} is a folder without {adapters.ADAPTER_CONFIG}; pass a checkpoint file, "
                         f"or a peft adapter folder on a base model ({option('--arch', 'ARCH@file:ADAPTER_DIR')})")
@@ -297,15 +294,13 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
 
 
 def _pickled_module(obj, key: str | None) -> nn.Module | None:
-    """The whole module a trusted pickle holds (`torch.save(model)`), at the top or under a state-dict key."""
     chosen, _ = _select(obj, key) if isinstance(obj, Mapping) or key is not None else (obj, "")
     return chosen if isinstance(chosen, nn.Module) else None
 
 
 def _read_module(module: nn.Module, path: Path, arch: str | None, in9: bool | None,
                  lora: adapters.LoraScaling | None) -> ReadCheckpoint:
-    """A pickled module used as is; its class count probed in evaluation mode (its batch-norm statistics stay as saved).
-    """
+    """A pickled module as is; its class count probed in evaluation mode (batch-norm statistics stay as saved)."""
     if lora is not None and lora.given():
         raise lora.misplaced(f"and {path} holds a whole module")
     if arch is not None:

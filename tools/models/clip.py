@@ -69,8 +69,7 @@ AN_BEFORE_VOWEL = re.compile(r"\b([Aa]) (?=[aeiouAEIOU])")
 
 @dataclass(frozen=True)
 class ClipSpec:
-    """What follows `clip:`: an open_clip architecture, its weights (a tag or a file; None: seeded random), the head and
-    the templates."""
+    """What follows `clip:`: architecture, weights (a tag or a file; None: seeded random), head, templates."""
 
     arch: str
     pretrained: str | None
@@ -111,14 +110,12 @@ def template_sets() -> dict[Templates, tuple]:
 
 
 def with_articles(prompt: str) -> str:
-    """'a' made 'an' before a vowel letter ("an insect"): right for every IN-9 name and every word the templates put
-    after 'a'."""
+    """'a' made 'an' before a vowel letter: right for every IN-9 name and template word after 'a'."""
     return AN_BEFORE_VOWEL.sub(r"\1n ", prompt)
 
 
 def prompts(head: Head, templates: Templates) -> list[list[str]]:
-    """Each class's prompts in the head's class order: open_clip's ImageNet names in the templates verbatim, or the nine
-    IN-9 classes by full name with agreeing articles."""
+    """Each class's prompts in the head's class order (ImageNet names, or IN-9 names with agreeing articles)."""
     chosen = template_sets()[templates]
     if head is Head.IMAGENET:
         from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: PLC0415 (an optional extra)
@@ -130,8 +127,7 @@ def prompts(head: Head, templates: Templates) -> list[list[str]]:
 
 def zero_shot_head(encode_text: Callable[[torch.Tensor], torch.Tensor], tokenizer, class_prompts: list[list[str]],
                    device: torch.device, progress: bool = False) -> torch.Tensor:
-    """(classes, dim) float32 on the CPU: per class the normalised mean of its prompts' normalised embeddings, encoded
-    on `device` TEXT_BATCH at a time."""
+    """(classes, dim) float32 on the CPU, the prompts encoded on `device` TEXT_BATCH at a time."""
     texts = [text for per_class in class_prompts for text in per_class]
     embeddings = []
     with torch.inference_mode(), progress_bar(total=len(texts), unit="prompt", desc="encoding CLIP prompts",
@@ -145,10 +141,8 @@ def zero_shot_head(encode_text: Callable[[torch.Tensor], torch.Tensor], tokenize
 
 
 class ZeroShotClassifier(nn.Module):
-    """CLIP's image encoder and a fixed text-derived head: normalised input in, one logit per head row out.
-
-    Other input sizes are resized (antialiased, with the preprocess's interpolation); a CoCa tower's pooled embedding is
-    scored, as open_clip's `encode_image` does."""
+    """CLIP's image encoder and a fixed text head: normalised input in, one logit per head row out; other sizes resized,
+    a CoCa tower's pooled embedding scored (as open_clip's `encode_image` does)."""
 
     def __init__(self, visual: nn.Module, head: torch.Tensor, logit_scale: float, image_size: tuple[int, int],
                  interpolation: str = "bicubic"):
@@ -177,8 +171,7 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
 
 @contextlib.contextmanager
 def _quiet(logger_name: str | None = None, level: int = logging.ERROR):
-    """Drop messages below `level` from a logger for a while (open_clip logs its steps at INFO on the root logger;
-    huggingface_hub each retry)."""
+    """Drop a logger's messages below `level` for a while (open_clip and huggingface_hub are chatty)."""
     if logger_name is None:  # the root logger: its records come from open_clip's module-level logging calls
         previous = logging.root.manager.disable
         logging.disable(level - 1)
@@ -254,9 +247,8 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def tokenizer_settings(tokenizer, record: ModelRecord | None = None) -> dict:
-    """What the tokenizer makes of a prompt besides open_clip's version and config: its class, plain settings and
-    cleaning; a Hugging Face tokenizer's serialised pipeline by SHA-256 (hub files may move), special ids and padding
-    side. The libraries that cut the text go into `record`."""
+    """What the tokenizer makes of a prompt: its class, settings and cleaning; a Hugging Face tokenizer's pipeline by
+    SHA-256 (hub files may move), special ids and padding side. Its libraries go into `record`."""
     settings = {"class": f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"}
     if record is not None and type(tokenizer).__module__ in sys.modules:
         record.libraries_of(sys.modules[type(tokenizer).__module__])
@@ -289,8 +281,8 @@ INTERPOLATIONS = ("bicubic", "bilinear")  # open_clip's resize interpolations th
 
 
 def preprocess_settings(open_clip, clip_model: nn.Module, what: str) -> dict:
-    """open_clip's pixel pipeline for the model (the tag's config over the defaults): input size, mean, std,
-    interpolation, resize mode (every mode is one plain resize of the square 224x224 inputs)."""
+    """open_clip's pixel pipeline for the model (input size, mean, std, interpolation, resize mode; every mode is one
+    resize of the square inputs)."""
     config = open_clip.get_model_preprocess_cfg(clip_model)
     size = config.get("size", IMAGE_SIZE)
     settings = {"size": [size, size] if isinstance(size, int) else [int(v) for v in size],
@@ -309,9 +301,8 @@ def preprocess_settings(open_clip, clip_model: nn.Module, what: str) -> dict:
 def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, class_prompts: list[list[str]],
                weights_sha256: str, runtime: Runtime | None, progress: bool,
                tokenizer_record: dict, cache: DecodedCache | None) -> torch.Tensor:
-    """The zero-shot head: from `cache` (`clip-heads/`; None: neither read nor written) when built from the same content
-    (weights, configs, tokenizer, prompts, device model), else encoded on the runtime's device in true fp32 (TF32 and
-    autocast off) and cached."""
+    """The zero-shot head from `cache` (`clip-heads/`; None: not used) when built from the same content, else encoded on
+    the runtime's device in true fp32 (TF32 and autocast off) and cached."""
     texts = [text for per_class in class_prompts for text in per_class]
     device = runtime.device if runtime is not None else torch.device("cpu")
     # the device model too: a head encoded on one GPU model differs from another's, and the CPU's, in the last bits
@@ -345,8 +336,7 @@ def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, cl
 
 def load_clip(spec: str, record: ModelRecord, runtime: Runtime | None = None, progress: bool = False,
               cache: DecodedCache | None = None) -> LoadedModel:
-    """A zero-shot IN-9 classifier from an open_clip model, on the CPU; `spec` is what follows `clip:`. The head is
-    built on the runtime's device and kept in `cache`."""
+    """A zero-shot classifier on the CPU from `spec` (what follows `clip:`), its head from `cache`."""
     open_clip = optional_module("open_clip", "a clip: model", "open_clip_torch", "clip")
     parsed = parse_spec(spec)
     if parsed.arch not in open_clip.list_models():

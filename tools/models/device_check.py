@@ -60,8 +60,8 @@ class Float64Everywhere(TorchDispatchMode):
 
 
 def _numbers_as_tensors(func, args: tuple) -> tuple:
-    """`args` with tensors back where the dispatcher handed a Python number for a Tensor argument (a TorchScript
-    program's `prim::NumToTensor` scalars, which the operation would refuse); floats as float64."""
+    """`args` with tensors back where the dispatcher handed a Python number (TorchScript's `prim::NumToTensor` scalars,
+    which the operation would refuse); floats as float64."""
     tensor_places = [isinstance(argument.type, torch.TensorType) for argument in func._schema.arguments]
     return tuple(torch.tensor(a, dtype=torch.float64 if isinstance(a, float) else None)
                  if isinstance(a, (bool, int, float)) and i < len(tensor_places) and tensor_places[i] else a
@@ -102,8 +102,8 @@ _UNKNOWN = object()  # an argument computed when the program runs (a scripted mo
 
 
 def _training_form(name: str, arguments: dict) -> str | None:
-    """How the operation `name` (no namespace) with `arguments` by schema name (`_UNKNOWN` where not a constant)
-    computes what eval mode would not, or None."""
+    """How operation `name` (no namespace) with `arguments` by schema name (`_UNKNOWN` where not a constant) computes
+    what eval mode would not, or None."""
     if name in BATCH_STATISTICS:
         given = {k: v for k, v in arguments.items() if k in MODE_ARGUMENTS}
         if name not in ALWAYS_TRAINING and not any(v is True for v in given.values()):
@@ -132,8 +132,8 @@ def _script_arguments(node) -> dict:
 
 
 def _fx_arguments(node: torch.fx.Node) -> tuple[str, dict] | None:
-    """An fx call's operation name (no namespace) and arguments by name (nodes: `_UNKNOWN`) for the operations above,
-    aten's or torch.nn.functional's (a symbolic trace bakes `training=self.training` in); else None."""
+    """An fx call's operation name and arguments (nodes: `_UNKNOWN`) for the operations above, aten's or
+    torch.nn.functional's (a symbolic trace bakes `training=self.training` in); else None."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         name, schema = target._schema.name.split("::")[-1], target._schema.arguments
@@ -158,9 +158,8 @@ def _fx_arguments(node: torch.fx.Node) -> tuple[str, dict] | None:
 
 
 def training_mode_operations(model: nn.Module) -> tuple[str, ...]:
-    """The operations in the TorchScript and fx graphs inside `model` that compute what eval mode would not, as tracing
-    or export in training mode fixed them (batch statistics where running statistics exist, dropout), each kind once;
-    every method, call and forked branch is read."""
+    """The operations in the TorchScript and fx graphs in `model` that tracing or export in training mode fixed to
+    compute what eval mode would not (batch statistics, dropout), each kind once."""
     found = []
     for graph in torchscript.method_graphs(model):
         for node in torchscript.graph_nodes(graph):
@@ -206,8 +205,7 @@ class DeviceCheck:
 
     @property
     def verified(self) -> bool:
-        """Every comparison made and passed (reference, batch dependence, training mode, finite logits); only then is a
-        run in the exact mode `exact`."""
+        """Every comparison made and passed: only then is a run in the exact mode `exact`."""
         return bool(self.passed) and self.batch_dependence is None and not self.training_mode and not self.not_finite
 
     def describe(self) -> dict:
@@ -227,8 +225,8 @@ class DeviceCheck:
 
 
 def relative_deviation(logits: torch.Tensor, reference: torch.Tensor) -> float:
-    """The worst image's largest |logits - reference| over its largest |reference logit|; equal values (infinities,
-    zeros) deviate by 0, a NaN on one side only by infinity."""
+    """The worst image's largest |logits - reference| over its largest |reference logit|; equal values deviate by 0, a
+    NaN on one side only by infinity."""
     logits, reference = logits.double().flatten(1), reference.double().flatten(1)
     both_nan = logits.isnan() & reference.isnan()
     diff = torch.where((logits == reference) | both_nan, 0.0, (logits - reference).abs()).nan_to_num(nan=torch.inf)
@@ -367,8 +365,8 @@ def first_images(root: Path, relpaths: Sequence[str], workers: int) -> torch.Ten
 
 def check_run(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, allow_inexact: bool = False,
               batch_size: int | None = None) -> dict:
-    """`check_device` on a run's first CHECK_IMAGES images in every process (which leave together if one refuses); its
-    record for the provenance. Under torchrun, verified only where every process's check verified it."""
+    """`check_device` on a run's first images in every process (which leave together if one refuses), as the provenance
+    records it; under torchrun verified only where every process verified it."""
     with distributed.agree(runtime.group, runtime.device):
         check = check_device(loaded, runtime, images[:CHECK_IMAGES], allow_inexact, batch_size).describe()
     if runtime.group.distributed:
@@ -379,21 +377,19 @@ def check_run(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, allow
 
 
 def verified(check: dict | None) -> bool:
-    """Whether a run's check record (None: no check) verified the model: what in9's and the challenge's resume states
-    hold, so a state made without it is not resumed by a run that claims it."""
+    """Whether a check record (None: none) verified the model: what resume states hold, so a state made without it is
+    not resumed by a run that claims it."""
     return bool(check is not None and check.get("verified"))
 
 
 def record_check(provenance: dict, check: dict) -> None:
-    """Put a run's check in its provenance and decide `exact`: true only in the exact mode (fp32, eager) with a verified
-    check (`Runtime.describe` says not exact until this is called)."""
+    """Put a run's check in its provenance and set `exact`: the exact mode (fp32, eager) and a verified check."""
     provenance["device_check"] = check
     provenance["exact"] = bool(provenance.get("exact_mode")) and verified(check)
 
 
 def combined(provenances: Sequence[dict]) -> dict:
-    """The provenance of a run merged from shards: the first's, exact only where every shard was, its check the first
-    unverified shard's, if any."""
+    """A provenance merged from shards: exact only where every shard was, the first unverified check."""
     merged = dict(provenances[0])
     checks = [p["device_check"] for p in provenances if "device_check" in p]
     if checks:

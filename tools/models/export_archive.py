@@ -82,8 +82,7 @@ LIST_FIELDS = frozenset({"as_strings", "forward_arg_names", "field_names", "veri
 
 
 def untrusted_content(path: Path) -> list[str]:
-    """What in the export archive at `path` is more than tensors and tensor operations, each a short phrase; [] when it
-    is data. Loads nothing from it."""
+    """What in the export archive at `path` is more than tensors and tensor operations ([]: data); loads nothing."""
     findings: list[str] = []
     with zipfile.ZipFile(path) as archive:  # the older format's reader (and the newer format's members, as listed)
         names = archive.namelist()
@@ -109,8 +108,7 @@ def _same_names(names: list[str]) -> bool:
 
 
 def _check_member(read, name: str, findings: list[str]) -> None:
-    """A member as zipfile lists it (`read(name)`: its bytes): the older format's at the top, the newer's under the root
-    folder."""
+    """A member as zipfile lists it: the older format's at the top, the newer's under the root folder."""
     if name in (OLD_PROGRAM, "version") or name.startswith("extra_files/") and "/" not in name[12:]:
         if name == OLD_PROGRAM:
             _check_program(read(name), name, findings)
@@ -126,8 +124,7 @@ def _check_member(read, name: str, findings: list[str]) -> None:
 
 
 def _check_relative(read, name: str, relative: str, findings: list[str]) -> None:
-    """A newer-format member by its name under the root folder; `read(name)`: its bytes (one torch lists but cannot
-    read, torch cannot load either)."""
+    """A newer-format member by its name under the root folder (one torch cannot read, torch cannot load)."""
     def data() -> bytes:
         try:
             return read(name)
@@ -150,8 +147,7 @@ def _check_relative(read, name: str, relative: str, findings: list[str]) -> None
 
 
 def _check_pickle(data: bytes, name: str, findings: list[str]) -> None:
-    """A pickled member must load weights-only: where that fails, torch unpickles fully (example inputs, legacy
-    weights)."""
+    """A pickle must load weights-only: where that fails, torch unpickles fully."""
     if not data:
         return
     try:
@@ -282,8 +278,8 @@ def _allowed_operator(target: str) -> bool:
 
 
 def _plain_expression(text: str) -> bool:
-    """A shape expression sympy may evaluate: SYMPY_FUNCTIONS calls, symbols, numbers, arithmetic; text only as a
-    symbol's name or a number (sympy turns any other string into code)."""
+    """A shape expression sympy may evaluate (SYMPY_FUNCTIONS, symbols, numbers, arithmetic): sympy turns any other
+    string into code."""
     try:
         tree = ast.parse(text, mode="eval")
     except (SyntaxError, ValueError, RecursionError):

@@ -48,8 +48,7 @@ PROBE_TOLERANCE = 1e-4  # how far a processor's output may be from the affine ma
 
 
 class Logits(nn.Module):
-    """A transformers classifier as a plain one: pixel values in (channels reordered as its processor does), logits out.
-    """
+    """A transformers classifier as a plain one: pixels in (channels as its processor orders them), logits out."""
 
     def __init__(self, model: nn.Module, channel_order: tuple[int, ...] = (0, 1, 2)):
         super().__init__()
@@ -67,8 +66,8 @@ def _transformers():
 
 
 def check_remote_code(config: dict, what: str, trust_remote_code: bool) -> None:
-    """One line refusing a config whose auto_map names its own code unless trusted; code of another repository
-    (`ORG/NAME--module.Class`) is refused either way: it would not be in the model's record."""
+    """One line refusing a config's own code unless trusted; another repository's code is refused either way (it would
+    not be in the model's record)."""
     auto_map = config.get("auto_map")
     if not auto_map:
         return
@@ -89,8 +88,8 @@ def check_remote_code(config: dict, what: str, trust_remote_code: bool) -> None:
 
 
 def check_timm_wrapper(config: dict, what: str) -> None:
-    """One line refusing a timm_wrapper config whose architecture timm would read from a folder or the Hub
-    (`local-dir:`, `hf-hub:`) or whose model_args load weights, before transformers runs `timm.create_model`."""
+    """One line refusing a timm_wrapper config that would make timm read a folder or the Hub, or load weights, before
+    transformers runs `timm.create_model`."""
     if config.get("model_type") != TIMM_WRAPPER:
         return
     architecture = config.get("architecture")
@@ -101,8 +100,7 @@ def check_timm_wrapper(config: dict, what: str) -> None:
 
 
 def check_attention(config: dict, what: str) -> None:
-    """One line refusing a config or sub-config that asks for attention other than `ATTENTION_IMPLEMENTATIONS` (one per
-    sub-config, in a dict)."""
+    """One line refusing a (sub-)config asking for attention other than `ATTENTION_IMPLEMENTATIONS`."""
     pending = [config]
     while pending:  # a config nests as deep as the JSON parser goes: no recursion here
         settings = pending.pop()
@@ -200,8 +198,7 @@ def _input_shape(size, what: str) -> tuple[int, int]:
 
 
 def _resample_mode(resample, what: str) -> str:
-    """The interpolation of a processor's PIL `resample` code (2 bilinear, 3 bicubic; others: bicubic); else one line.
-    """
+    """The interpolation of a processor's PIL `resample` (2 bilinear, else bicubic); else one line."""
     code = getattr(resample, "value", resample)
     if code is None:
         return "bicubic"
@@ -257,7 +254,7 @@ def _processor_file(transformers, source: str, revision: str | None) -> Path | N
 def _processor_settings(transformers, source: str, revision: str | None, config: dict, found: Path | None,
                         what: str, trust_remote_code: bool):
     """(mean, std) or None, channel order, input size and resize mode from the processor config `found`; without one,
-    the class-count rule (with a warning) and the config's image size."""
+    the class-count rule (warned) and the config's image size."""
     if found is None:
         shape = _input_shape(config.get("image_size", IMAGE_SIZE), f"{what}'s config.json image_size")
         log.warning("%s has no %s: normalised with the class-count rule's mean/std, %dx%d inputs", what,
@@ -282,8 +279,8 @@ def _json(path: Path) -> dict:
 
 
 def _weights_files(folder: Path) -> list[Path]:
-    """The files transformers loads the weights from, in its order: one file, else its index's shards (other files are
-    not the model's), each inside the model's folder (through links too: `hub.files_root`)."""
+    """The files transformers loads the weights from, in its order (one file, else its index's shards), each inside the
+    model's folder (through links too: `hub.files_root`)."""
     root = hub.files_root(folder)
     for single, index in WEIGHTS_FILES:
         if (folder / single).is_file():
@@ -307,8 +304,7 @@ def _weights_files(folder: Path) -> list[Path]:
 
 def _record_inputs(record: ModelRecord, files: list[Path], folder: Path, processor_file: Path | None,
                    code: list[Path], adapter: list[Path], pixels: dict) -> None:
-    """Record what the model is made of: weights, config, processor config and pixel map, shipped code (trusted), a peft
-    adapter transformers put on it, and the libraries' versions."""
+    """Record the weights, config, processor and pixel map, shipped code, an adapter and the libraries."""
     record.library(_transformers())
     if len(files) == 1:
         record.read_file(files[0], "weights")
@@ -327,8 +323,7 @@ def _record_inputs(record: ModelRecord, files: list[Path], folder: Path, process
 
 
 def _adapter_files(model: nn.Module, folder: Path) -> list[Path]:
-    """The config and weights file of the peft adapter transformers put on the model (adapter_config.json beside the
-    model's files in `folder`)."""
+    """The config and weights of the peft adapter transformers put on the model from `folder`."""
     if not getattr(model, "_hf_peft_config_loaded", False):
         return []
     weights = [folder / name for name in adapters.ADAPTER_WEIGHTS if (folder / name).is_file()][:1]
@@ -344,8 +339,7 @@ def remote_code_files(folder: Path, *configs: dict) -> list[Path]:
 
 def load_transformers(name: str, normalize: Normalization, record: ModelRecord, runtime=None,
                       trust_remote_code: bool = False) -> LoadedModel:
-    """`hf:` + `name`: a save_pretrained folder, else a hub repository (`ORG/NAME[@REVISION]`) from its cache
-    (HF_HUB_OFFLINE honoured), recorded in `record`."""
+    """`hf:` + `name`: a save_pretrained folder, else a cached hub repository, recorded in `record`."""
     transformers = _transformers()
     what = f"{HF_PREFIX}{name}"
     local = Path(name).expanduser()

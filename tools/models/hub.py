@@ -45,23 +45,21 @@ def snapshot_revision(path: Path) -> str | None:
 
 
 def in_cache(path: Path) -> bool:
-    """Whether `path` is a hub cache's file (a snapshot's link or its blob), whose content depends on where refs/ point
-    now."""
+    """Whether `path` is a hub cache's file, whose content depends on where refs/ point now."""
     parts = Path(path).parts
     return snapshot_revision(path) is not None or (
         len(parts) >= 3 and parts[-2] == "blobs" and parts[-3].startswith(("models--", "datasets--")))
 
 
 def inside_folder(name: str) -> bool:
-    """Whether a relative name a model's JSON gives (a shard, a module) stays inside its folder: not absolute, no `..`,
-    no drive."""
+    """Whether a relative name a model's JSON gives stays inside its folder (not absolute, no `..`, no drive)."""
     path = PurePosixPath(name.replace("\\", "/"))
     return bool(name) and not path.is_absolute() and ".." not in path.parts and ":" not in name
 
 
 def files_root(folder: Path) -> Path:
-    """The folder a model's files may resolve into through links: for a hub snapshot or any folder in it, however named,
-    the repository's folder (snapshots link into its blobs/); else the folder itself."""
+    """The folder a model's files may resolve into through links: the repository's folder for a hub snapshot or a folder
+    in it, however named; else the folder itself."""
     folder = folder.resolve()
     for inside in (folder, *folder.parents):
         if inside.parent.name == "snapshots" and (inside.parent.parent / "blobs").is_dir():

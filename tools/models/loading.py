@@ -20,8 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def _blocked_globals(path: Path, exc: Exception) -> list[str]:
-    """The globals a weights-only load refused (from a zip's listing, else the error): the file's own classes, then
-    torch's, each sorted (torch lists them in a set's order)."""
+    """The globals a weights-only load refused, the file's own then torch's, each sorted (torch's order varies)."""
     allowed = {f"{cls.__module__}.{cls.__qualname__}" for cls in SAFE_CLASSES}
     try:
         found = list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
@@ -49,14 +48,12 @@ FULL_UNPICKLING_SWITCH = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 
 
 def full_unpickling_forced() -> bool:
-    """Whether `FULL_UNPICKLING_SWITCH` is on: a library reading a file without saying weights_only then runs a pickle's
-    code."""
+    """Whether `FULL_UNPICKLING_SWITCH` makes a load without weights_only run a pickle's code."""
     return os.environ.get(FULL_UNPICKLING_SWITCH, "0").lower() in ("1", "y", "yes", "true")
 
 
 def torch_load(path: Path, trust: bool):
-    """The unpickled file: `weights_only=True` (SAFE_CLASSES allowed) unless trusted; an unsafe or unreadable file is
-    one error line."""
+    """The unpickled file: weights-only (SAFE_CLASSES allowed) unless trusted; else one error line."""
     if trust:
         log.warning("loading %s with full unpickling (%s): only do this for files you trust", path,
                     option("--trust-checkpoint"))
@@ -82,8 +79,8 @@ def torch_load(path: Path, trust: bool):
 
 
 def read_problem(exc: Exception) -> str:
-    """Why torch.load could not read a file, in one line: the error's message, or for what an unpickler raises on bytes
-    that are no pickle (IndexError, KeyError, ...), that it does not unpickle."""
+    """Why torch.load could not read a file, in one line (for an unpickler's error on bytes that are no pickle: that it
+    does not unpickle)."""
     if isinstance(exc, EOFError):  # an empty or cut file: torch's message, if any, says only "Ran out of input"
         return f"it ends too early ({type(exc).__name__}{': ' + first_line(exc) if str(exc).strip() else ''})"
     if isinstance(exc, (RuntimeError, OSError, ValueError)) and type(exc).__module__ == "builtins":

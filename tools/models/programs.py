@@ -50,10 +50,8 @@ def program_problem(exc: Exception) -> str:
 
 
 class Program(nn.Module):
-    """A TorchScript or torch.export program as a module, loaded for one device.
-
-    The devices its code names (which `.to()` does not move) point at that device before the first run, and a graph that
-    has run keeps its plan: a program whose code names a device refuses a later move elsewhere."""
+    """A TorchScript or torch.export program as a module, loaded for one device: the devices its code names point there,
+    so it refuses a later move elsewhere, which would take only its weights."""
 
     def __init__(self, program: nn.Module, kind: str, device: torch.device, names_devices: bool):
         super().__init__()
@@ -77,8 +75,8 @@ ATTENTION = "aten.scaled_dot_product_attention"
 
 
 def exact_kernel_hint(program: nn.Module) -> str | None:
-    """Why a torch.export program may fail in the exact mode's kernels: torch 2.6 exported attention laid out as its
-    kernel lays it (a `.contiguous()` dropped), which the math kernel does not. None without attention."""
+    """Why an export program may fail in the exact mode's kernels: torch 2.6 exported attention in its kernel's layout,
+    which the math kernel does not take. None without attention."""
     if not any(str(node.target).startswith(ATTENTION) for sub in program.modules()
                if isinstance(sub, torch.fx.GraphModule) for node in sub.graph.nodes):
         return None
@@ -108,16 +106,15 @@ class ExportedModule(Program):
 
 
 def exported_module(program, device: torch.device) -> tuple[ExportedModule, set[str]]:
-    """A torch.export program as a module on `device`, its code's devices moved too (torch's move_to_device_pass); and
-    the devices its code named."""
+    """A torch.export program as a module on `device`, its code's devices moved too; and those devices."""
     from torch.export.passes import move_to_device_pass  # noqa: PLC0415 (torch.export loads only for programs)
     named = graph_devices(program.graph_module)
     return ExportedModule(move_to_device_pass(program, device).module(), "export", device, bool(named)), named
 
 
 def batch_range(module: nn.Module) -> tuple[int, int | None] | None:
-    """The batch sizes an exported module takes, (lowest, highest or None), from its first input's recorded shape: one
-    size without a dynamic batch dimension (export's default), else the symbol's range; None where unrecorded."""
+    """The batch sizes an exported module takes, (lowest, highest or None), from its first input's recorded shape; None
+    where unrecorded."""
     graph = module.program if isinstance(module, Program) else module
     if not isinstance(graph, torch.fx.GraphModule):
         return None
@@ -141,9 +138,9 @@ def batch_range(module: nn.Module) -> tuple[int, int | None] | None:
 
 
 def check_any_batch(module: nn.Module, what: str, also: str = "") -> None:
-    """Refuse an exported program that takes one batch size only, or a dynamic batch bounded below past 2 (export
-    specialises 0 and 1): it fails on a run's last batch and the device check's single images. A maximum (3 or more) is
-    the run's batch size to keep to: `ExportedModule` refuses a larger batch in one line."""
+    """Refuse an exported program with one batch size (export's default) or a dynamic batch bounded below past 2 (export
+    specialises 0 and 1): a run's last batch and the device check's single images fail. A maximum (3 or more) is kept
+    to: `ExportedModule` refuses a larger batch in one line."""
     found = batch_range(module)
     if found is None:
         return
@@ -166,8 +163,7 @@ def graph_devices(module: nn.Module) -> set[str]:
 
 
 def check_program_trusted(path: Path, kind: str, trust: bool) -> None:
-    """Refuse, unless trusted, every TorchScript file (its language has file operations the toolkit cannot check) and an
-    export archive holding more than tensors and tensor operations."""
+    """Refuse, unless trusted, every TorchScript file and an export archive that is not data."""
     if trust:
         log.info("loading the %s program %s unchecked (%s)", kind, path, option("--trust-checkpoint"))
         return

@@ -65,7 +65,6 @@ def _is_standard_library(path: Path) -> bool:
 
 
 def _version(module) -> str | None:
-    """A module's version: its __version__, else its distribution's."""
     version = getattr(module, "__version__", None)
     if version is not None:
         return str(version)
@@ -107,8 +106,7 @@ def _source_text(thing) -> str:
 
 
 def _referenced(function: types.FunctionType) -> tuple[list, dict]:
-    """What a function's code names from its globals and closure, and its defaults: (the classes, functions and modules;
-    the other values as `_configuration_value`s by name)."""
+    """What a function's code names from its globals and closure, and its defaults: (code; the other values by name)."""
     names, stack = set(), [function.__code__]
     while stack:
         code = stack.pop()
@@ -129,8 +127,7 @@ def _referenced(function: types.FunctionType) -> tuple[list, dict]:
 
 
 def _kept_code(value, depth: int = 0) -> list:
-    """The code a module may call through what it keeps: functions, partials, bound methods, classes, the class of a
-    kept settings object, inside lists, tuples and mappings too."""
+    """The code a module may call through what it keeps (functions, partials, methods, classes), in containers too."""
     if depth > OBJECT_DEPTH:
         return []
     if isinstance(value, functools.partial):
@@ -151,8 +148,7 @@ def _kept_code(value, depth: int = 0) -> list:
 
 
 def _hook_values(module: nn.Module) -> dict:
-    """Which hooks a module runs, in order, and whether each gets the keyword arguments: a hook's place and count change
-    the output."""
+    """The hooks a module runs, in order, and whether each gets keyword arguments."""
     described = {}
     for kind, hooks, with_kwargs in (("forward pre-hooks", module._forward_pre_hooks,
                                       module._forward_pre_hooks_with_kwargs),
@@ -172,8 +168,7 @@ _SKIPPED = object()  # a value that holds no setting of its own (a module, a fun
 
 
 def _tensor_digest(tensor: torch.Tensor) -> str:
-    """A tensor's dtype, shape and SHA-256 of its bytes (quantised: integers with scales and zero points; sparse: as
-    dense; nested: its parts; meta: dtype and shape alone)."""
+    """A tensor's dtype, shape and SHA-256 of its bytes (quantised, sparse, nested and meta ones too)."""
     tensor = tensor.detach()
     if tensor.is_nested:
         return f"nested {[_tensor_digest(part) for part in tensor.unbind()]}"
@@ -210,7 +205,7 @@ def _attributes(value) -> dict:
 
 def _settings_object(value) -> bool:
     """Whether `value`'s attributes are settings: a dataclass, a namespace, or an object of a class from outside the
-    standard library and torch (a transformers config, a user's settings class, a notebook's too)."""
+    standard library and torch."""
     if isinstance(value, (type, types.FunctionType, types.MethodType, types.ModuleType, nn.Module)) or \
             not (hasattr(value, "__dict__") or hasattr(type(value), "__slots__")):
         return False
@@ -308,8 +303,7 @@ def _kept_setting(name: str, value) -> bool:
 
 
 def _configuration_digest(model: nn.Module) -> str:
-    """How each module was built beyond its state dict and code: its attributes, tensors no state dict holds (by digest)
-    and its hooks, in order."""
+    """How each module was built beyond its state dict and code: attributes, extra tensors, hooks."""
     configuration = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.jit.ScriptModule):
@@ -417,8 +411,7 @@ class ModelRecord:
         self.libraries[name or module.__name__.split(".")[0]] = _version(module)
 
     def libraries_of(self, module: types.ModuleType) -> None:
-        """Record the installed libraries whose modules `module` holds: the code its functions call (open_clip's
-        tokenizer calls ftfy and regex)."""
+        """Record the installed libraries whose modules `module` holds (the code its functions call)."""
         for value in vars(module).values():
             file = getattr(value, "__file__", None) if isinstance(value, types.ModuleType) else None
             if file is not None and _is_library_file(Path(file)) and not _is_standard_library(Path(file)):
@@ -479,8 +472,7 @@ class ModelRecord:
                                        hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest())
 
     def _numbered_setting(self, name: str, value: str) -> None:
-        """Record `value` under `name`, or numbered in walk order where another value holds the name (two lambdas, a
-        factory's closures)."""
+        """Record `value` under `name`, numbered in walk order where another value holds it."""
         numbered, count = name, 1
         while self.settings.get(numbered, value) != value:
             count += 1

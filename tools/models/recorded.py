@@ -43,9 +43,8 @@ def _timm_args(obj) -> dict:
 
 
 def timm_training_weights(obj) -> tuple[str, str]:
-    """(the key of the weights timm's train.py ranked the checkpoint by, which weights those are): the EMA's
-    (`state_dict_ema`) where it validated one (`--model-ema` without `--model-ema-force-cpu`, and a validation split),
-    else `state_dict`."""
+    """(the key of the weights timm's train.py ranked the checkpoint by, which those are): the EMA's where it validated
+    one, else `state_dict`."""
     has_ema = isinstance(obj.get("state_dict_ema"), Mapping) and bool(obj["state_dict_ema"])
     args = _timm_args(obj)
     if not has_ema:
@@ -83,8 +82,7 @@ def timm_data_args(obj) -> dict:
 
 
 def recorded_architecture(obj) -> str | None:
-    """The architecture a checkpoint records under "arch", if any; a timm training checkpoint's bare name (its --model)
-    is `timm:NAME` here."""
+    """The architecture recorded under "arch", if any; timm's train.py's bare name is `timm:NAME`."""
     arch = obj.get("arch") if isinstance(obj, Mapping) else None
     if not isinstance(arch, str) or not arch:
         return None
@@ -107,8 +105,8 @@ def recorded_normaliser(header: dict, path: Path) -> tuple[torch.Tensor, torch.T
 
 
 def recorded_network(header: dict, path: Path) -> tuple[object, tuple | None]:
-    """(the builder arguments, ((height, width), interpolation)) a trained checkpoint records, unchecked
-    (`architectures.recorded_arguments` checks them); older ones record neither (224x224, or their timm tag's)."""
+    """(builder arguments, ((height, width), interpolation)) a trained checkpoint records, unchecked; older ones record
+    neither."""
     arch_args, size = header.get("arch_args") or {}, header.get("input_size")
     mode = header.get("interpolation") or "bicubic"
     if size is None:

@@ -167,14 +167,12 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
 
 
 def _recorded_name(spec: ModelSpec) -> str | None:
-    """The model's name as its identity holds it: an `hf:` model's is its files (recorded by content), so the same files
-    by any name are the same model."""
+    """The model's name as its identity holds it: an `hf:` model's is its files (recorded by content)."""
     return f"{HF_PREFIX}(its files)" if spec.prefix == HF_PREFIX else spec.model
 
 
 def _with_adapter(base: LoadedModel, folder: Path, trust: bool) -> LoadedModel:
-    """The base model with the folder's peft adapter merged into the module its source loaded, inside the toolkit's
-    wrappers; the adapter's files and settings go into the base's record."""
+    """The base model with the folder's peft adapter merged into the module its source loaded, recorded."""
     owner, attribute = _innermost(base.model, "classifier")
 
     def place(module: nn.Module) -> nn.Module:
@@ -188,8 +186,7 @@ def _with_adapter(base: LoadedModel, folder: Path, trust: bool) -> LoadedModel:
 
 
 def _innermost(owner: nn.Module, attribute: str) -> tuple[nn.Module, str]:
-    """(owner, attribute) of the module a source loaded, past the toolkit's wrappers (the resize, a transformers model's
-    logits, CLIP's zero-shot head)."""
+    """(owner, attribute) of the module a source loaded, past the toolkit's wrappers."""
     from tools.models.clip import ZeroShotClassifier  # noqa: PLC0415 (the sources' modules import this one)
     from tools.models.hf import Logits  # noqa: PLC0415
     wrapped = {InputResize: "classifier", Logits: "model", ZeroShotClassifier: "visual"}
@@ -285,8 +282,7 @@ def torchvision_pretrained(name: str, options: ModelOptions, record: ModelRecord
 
 
 def weights_pipeline(weights) -> tuple[tuple[int, int], str, list[float], list[float]]:
-    """(input size, interpolation, mean, std) of torchvision weights, from their transforms: the 224x224 images are
-    resized to the size they crop to."""
+    """(input size, interpolation, mean, std) of torchvision weights, from their transforms."""
     transforms = weights.transforms()
     crop = [int(v) for v in transforms.crop_size]
     size = (crop[0], crop[-1])
@@ -338,8 +334,8 @@ def checkpoint_file(path: str, options: ModelOptions, record: ModelRecord) -> Lo
 def fit_named_input(classifier: nn.Module, arch: str | None, runtime: Runtime | None = None,
                     data_args: dict | None = None, path: Path | str | None = None,
                     record: ModelRecord | None = None) -> tuple[nn.Module, dict | None]:
-    """The classifier behind a resize to the input size of a timm tag's data config (under `data_args`, a timm training
-    checkpoint's settings), and that data config; other names: 224x224, the classifier as is and None."""
+    """The classifier behind a resize to a timm tag's data config (under `data_args`) and that config; other names: the
+    classifier as is and None."""
     if arch is None or not arch.startswith(TIMM_PREFIX):
         return classifier, None
     from tools.models.timm_weights import fit_data_config, tag_data_config  # noqa: PLC0415 (timm, an optional extra)
@@ -357,8 +353,7 @@ def toolkit_untrained(name: str, options: ModelOptions, record: ModelRecord) -> 
 
 
 def _given(options: ModelOptions, normalize: bool = False) -> str:
-    """The options given for a model whose source brings its own weights, as the caller names them ("--checkpoint and
-    --weights"); "" when none is."""
+    """The options given for a model whose source brings its own weights, as the caller names them; "" if none."""
     given = [option("--checkpoint", options.checkpoint) if options.checkpoint is not None else None,
              option("--weights", options.weights) if options.weights is not None else None,
              option("--normalize", options.normalize.value)

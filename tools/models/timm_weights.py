@@ -56,9 +56,8 @@ def _random_model(timm, name: str) -> nn.Module:
 
 
 def weights_file(pretrained_cfg: dict) -> Path | None:
-    """The file timm read a model's pretrained weights from, in timm's order (`_resolve_pretrained_source`): for a hub
-    model the repository's cached weights, whatever `file` its config names; else a local `file`, else the hub
-    repository's cached weights, else the URL's file in torch's hub cache."""
+    """The file timm read a model's pretrained weights from, in timm's order (`_resolve_pretrained_source`): a hub
+    model's cached weights, else a local `file`, else the hub's, else the URL's file in torch's hub cache."""
     if pretrained_cfg.get("file") and pretrained_cfg.get("source") != "hf-hub":
         return Path(pretrained_cfg["file"])
     if pretrained_cfg.get("hf_hub_id"):
@@ -94,8 +93,7 @@ NOT_FETCHED = (FileNotFoundError, ConnectionError, TimeoutError, urllib.error.UR
 
 
 def _cached_files(spec: ModelSpec, cfg: dict | None) -> Path | None:
-    """The cached file timm was reading when it failed (a registered tag's weights, or a hub repository's weights, else
-    its config.json); None when nothing is cached."""
+    """The cached file timm was reading when it failed; None when nothing is cached."""
     if cfg is not None:
         return weights_file(cfg)
     repo = spec.name[len(TIMM_HUB):]
@@ -103,8 +101,7 @@ def _cached_files(spec: ModelSpec, cfg: dict | None) -> Path | None:
 
 
 def _not_loaded_line(spec: ModelSpec, cfg: dict | None, exc: Exception) -> str:
-    """Why timm did not load the weights: an unsafe pickle; cached files it failed on, with the cause; or the cache it
-    reads and the command that fetches them."""
+    """Why timm did not load the weights: an unsafe pickle, a cached file it failed on, or how to fetch them."""
     what, fetch = f"the pretrained weights of {spec}", _fetch_command(spec.body)
     if isinstance(exc, pickle.UnpicklingError):
         return f"cannot load {what} safely: weights_only unpickling refused the file ({first_line(exc)})"
@@ -131,9 +128,8 @@ def hub_config_file(spec: ModelSpec) -> Path:
 
 def tag_data_config(arch: str, record: ModelRecord | None = None, args: dict | None = None,
                     what: str = "") -> dict | None:
-    """timm's data config for `timm:NAME.TAG` (or `timm:NAME`'s default tag) from its registry, without building the
-    model; for `timm:hf-hub:ORG/NAME`, from the cached config.json; None for other names or an unknown tag. args:
-    overrides as timm's train.py resolves them (`what` records them). What it reads goes into `record`."""
+    """timm's data config for `timm:NAME[.TAG]` (registry) or `timm:hf-hub:ORG/NAME` (cached config.json), without
+    building; None otherwise. args: overrides as timm's train.py resolves them. Recorded in `record`."""
     spec = ModelSpec.parse(arch)
     if spec.prefix != TIMM_PREFIX:
         return None

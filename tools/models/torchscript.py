@@ -27,8 +27,7 @@ CONVOLUTION_INPUTS = 9  # input, weight, bias, stride, padding, dilation, transp
 
 
 def graph_nodes(block):
-    """Every node of a graph or block, nested blocks (if, loop) included; not the graphs a node holds (`subgraphs`),
-    which are walked as graphs of their own."""
+    """Every node of a graph or block, nested blocks included; not the graphs a node holds (`subgraphs`)."""
     for node in block.nodes():
         yield node
         for inner in node.blocks():
@@ -36,8 +35,7 @@ def graph_nodes(block):
 
 
 def subgraphs(graph):
-    """The graphs the nodes of `graph` hold, at any block depth (`torch.jit.fork`'s forked code, an awaitable's, any
-    graph attribute)."""
+    """The graphs the nodes of `graph` hold at any depth (a fork's, an awaitable's, any graph attribute)."""
     for node in graph_nodes(graph):
         for name in node.attributeNames():
             kind = node.kindOf(name)
@@ -48,7 +46,6 @@ def subgraphs(graph):
 
 
 def _inlined(graph):
-    """`graph` with its function and method calls inlined, then every graph its nodes hold, the same way."""
     torch._C._jit_pass_inline(graph)
     held = list(subgraphs(graph))
     yield graph
@@ -57,9 +54,8 @@ def _inlined(graph):
 
 
 def method_graphs(module: torch.nn.Module):
-    """The graph of every method of every TorchScript module in `module`, and every graph its nodes hold, each with its
-    function and method calls inlined first (as the graph executor does): all the code that runs, where the rewrites see
-    it."""
+    """Every method's graph of every TorchScript module in `module`, and the graphs its nodes hold, calls inlined first
+    (as the graph executor does): all the code that runs."""
     for sub in module.modules():
         if isinstance(sub, torch.jit.ScriptModule):
             for name in sub._c._method_names():
@@ -82,8 +78,8 @@ def point_devices(module: torch.jit.ScriptModule, device: torch.device) -> set[s
 
 
 def unbake_convolutions(module: torch.jit.ScriptModule) -> int:
-    """Replace every `aten::_convolution` by `aten::convolution` of its first nine inputs; how many were replaced. Equal
-    to the unrewritten program wherever its flags agree with the process's, and to eager code everywhere."""
+    """Replace every `aten::_convolution` by `aten::convolution` of its first nine inputs; how many. Equal to the
+    unrewritten program where flags agree, and to eager code everywhere."""
     count = 0
     for graph in method_graphs(module):
         for node in list(graph_nodes(graph)):
@@ -110,10 +106,8 @@ def baked_convolutions(module: torch.nn.Module) -> int:
 
 
 def rewritten(module: torch.nn.Module) -> torch.nn.Module:
-    """`module` with every TorchScript program in it that bakes a convolution replaced by a rewritten copy (saved and
-    loaded again, so no graph executor holds its old code); the caller's module is left as it is (shallow copies on the
-    way, parameters shared). A program that cannot be saved (`torch.jit.ignore`) keeps its flags, with a warning; the
-    start-up device check still measures it."""
+    """`module` with each TorchScript program that bakes a convolution replaced by a rewritten, reloaded copy (the
+    caller's left as is). One that cannot be saved keeps its flags, with a warning."""
     if isinstance(module, torch.jit.ScriptModule):
         if not baked_convolutions(module):
             return module
