@@ -171,7 +171,8 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
 
 @contextlib.contextmanager
 def _quiet(logger_name: str | None = None, level: int = logging.ERROR):
-    """Drop a logger's messages below `level` for a while (open_clip and huggingface_hub are chatty)."""
+    """Drop a logger's messages below `level` for a while (open_clip logs its steps at INFO on the root logger;
+    huggingface_hub logs each retry of a failing download)."""
     if logger_name is None:  # the root logger: its records come from open_clip's module-level logging calls
         previous = logging.root.manager.disable
         logging.disable(level - 1)

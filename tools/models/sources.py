@@ -3,7 +3,7 @@
 A source is one function `(name, options, record) -> LoadedModel`, registered with `@register_source("prefix:")`; it
 records every file it reads and setting it resolves in `record` and hands it to `wrap`. `load_model` records what it was
 given first, so the identity holds every input of the loader but those `NOT_IN_IDENTITY` lists, each with its reason.
-The sources: docs/how-it-works.md, "Models and checkpoints"; adding one: docs/extending.md.
+The sources: docs/how-it-works.md, "Models and checkpoints", and docs/zoo.md; adding one: docs/extending.md.
 """
 
 from __future__ import annotations
