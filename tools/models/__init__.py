@@ -3,8 +3,8 @@ registry, checkpoint reading and CLIP zero-shot."""
 
 
 def list_sources() -> dict[str, dict[str, str]]:
-    """What is registered: {"sources": {prefix: description}, "architectures": {prefix: description}}, each
-    description the first sentence of the registered function's docstring ("" is the prefix of no prefix)."""
+    """{"sources": {prefix: description}, "architectures": {prefix: description}}, each description the first paragraph
+    of the registered function's docstring ("" is no prefix)."""
     from tools.models.architectures import ARCHITECTURES  # noqa: PLC0415 (the package imports nothing itself)
     from tools.models.sources import SOURCES  # noqa: PLC0415
     return {"sources": {prefix: _summary(source) for prefix, source in SOURCES.items()},
@@ -12,6 +12,5 @@ def list_sources() -> dict[str, dict[str, str]]:
 
 
 def _summary(function) -> str:
-    """The first paragraph of a function's docstring, on one line."""
     paragraph = (function.__doc__ or function.__name__).strip().split("\n\n")[0]
     return " ".join(paragraph.split())

@@ -1,10 +1,7 @@
-"""peft adapters as people save them, merged into plain weights on load: an adapter folder (`save_pretrained`:
-adapter_config.json and adapter_model.safetensors or .bin) on a base model, and the state dict of a
-peft-wrapped model (`torch.save(peft_model.state_dict())`: keys `base_model.model.<module>.lora_A.default.weight`),
-whose adapters are rebuilt from the tensors' shapes (LoRA's scaling, lora_alpha and rsLoRA's use_rslora, is not
-in such a file: it is given, `LoraScaling`; OFT is rebuilt with the installed peft's defaults for the settings
-such a file does not record, as the log warns). Merging is checked: the merged model computes what the adapted
-one does on a probe batch. Needs peft.
+"""peft adapters as people save them, merged into plain weights on load: an adapter folder (`save_pretrained`) on a base
+model, and a peft-wrapped model's state dict, whose adapters are rebuilt from the tensors' shapes (LoRA's scaling is not
+in such a file: `LoraScaling`; OFT takes the installed peft's defaults, with a warning). Merging is checked on a probe
+batch. Needs peft. See docs/how-it-works.md, "Models and checkpoints".
 """
 
 from __future__ import annotations
@@ -71,8 +68,7 @@ def is_peft_state(state: dict) -> bool:
 
 @contextlib.contextmanager
 def evaluation_mode(model: nn.Module):
-    """Every module in evaluation mode inside the block; afterwards each module's own mode back, frozen ones
-    included (a single `model.train(was_training)` would put them all in training mode)."""
+    """Every module in evaluation mode inside the block, then each one's own mode back (frozen ones too)."""
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
@@ -93,9 +89,8 @@ def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 def merge_checked(wrapped: nn.Module, probe: torch.Tensor, what: str,
                   place: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
-    """The plain module of a peft model, adapters merged in, after a check on `probe` that it computes the same.
-    place: puts a module where the adapted one sits in the model the caller evaluates and returns that model,
-    which the check runs (default: the module alone)."""
+    """The plain module of a peft model, adapters merged, checked on `probe`; place: puts a module where the adapted one
+    sits and returns the model the check runs (default: the module alone)."""
     place = place or (lambda module: module)
     adapted = logits(place(wrapped), probe)
     plain = wrapped.merge_and_unload()
@@ -140,9 +135,8 @@ def _read_adapter_weights(folder: Path, trust: bool) -> tuple[dict, Path]:
 
 
 def check_adapter_files(folder: Path) -> None:
-    """One line refusing an adapter whose files lie outside its folder (through links; a Hugging Face cache
-    snapshot's: outside its repository) or whose config is not one the toolkit merges (`check_adapter_config`):
-    before peft, or transformers putting a folder's adapter on its model, reads them."""
+    """One line refusing an adapter with files outside its folder (or hub repository) or a config `check_adapter_config`
+    refuses, before peft or transformers reads them."""
     for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS):
         if (folder / name).exists() and not (folder / name).resolve().is_relative_to(hub.files_root(folder)):
             raise UserError(f"{folder / name} links to {(folder / name).resolve()}, a file outside the adapter's "
@@ -151,8 +145,8 @@ def check_adapter_files(folder: Path) -> None:
 
 
 def check_adapter_config(folder: Path) -> None:
-    """One line refusing an adapter folder whose config is of a type the toolkit does not merge, or has peft import or
-    load anything it names (`ADAPTER_TYPES`, `LOADING_SETTINGS`); read as JSON, before peft reads it."""
+    """One line refusing an adapter config the toolkit does not merge or that makes peft load what it names; read as
+    JSON, before peft reads it."""
     path = folder / ADAPTER_CONFIG
     try:
         config = read_json(path)
@@ -171,9 +165,7 @@ def check_adapter_config(folder: Path) -> None:
 
 def merge_adapter_folder(classifier: nn.Module, folder: Path, trust: bool, record: ModelRecord,
                          place: Callable[[nn.Module], nn.Module] | None = None) -> MergedAdapter:
-    """The base classifier (the module the adapter was saved on) with the folder's adapter put on and merged;
-    place: as `merge_checked`'s, for a classifier inside wrappers. The adapter's config and weights files go into
-    `record` by their content, with peft's version."""
+    """The base classifier with the folder's adapter merged (place: as `merge_checked`'s), recorded in `record`."""
     peft = peft_module(f"the adapter folder {folder}")
     record.library(peft)
     check_adapter_files(folder)
@@ -276,9 +268,8 @@ def read_peft_state(state: dict, path: Path) -> PeftState:
 
 @dataclass(frozen=True)
 class LoraScaling:
-    """The scaling of the LoRA adapters in a peft-wrapped model's state dict, which the file does not hold: peft
-    scales B @ A by lora_alpha / r, or by lora_alpha / sqrt(r) with use_rslora (rsLoRA). options: how the caller
-    takes the two from its user, as its messages name them (its flags or keywords; None where it takes neither)."""
+    """The LoRA scaling a peft-wrapped state dict lacks: lora_alpha / r, or / sqrt(r) with use_rslora. options: how the
+    caller's messages name the two (None where it takes neither)."""
 
     alpha: float | None = None
     rslora: bool = False
@@ -310,16 +301,13 @@ CLI_LORA_OPTIONS = LoraScaling.options  # the evaluation scripts' flags, the def
 
 
 def anchored(names) -> str:
-    """A regex that matches exactly these module names (peft matches a list's entries as suffixes: `conv1`
-    would adapt every block's conv1 too)."""
+    """A regex matching exactly these module names (peft matches a list's entries as suffixes)."""
     return "^(?:" + "|".join(map(re.escape, names)) + ")$"
 
 
 def merge_peft_state(classifier: nn.Module, state: dict, peft_state: PeftState, lora: LoraScaling | None,
                      path: Path, record: ModelRecord) -> nn.Module:
-    """The base classifier (the architecture, untrained) wrapped as the state dict's adapters say, loaded from it
-    strictly, and merged; peft's version and the settings it was rebuilt with that the file does not hold go
-    into `record`."""
+    """The untrained architecture with the state dict's adapters rebuilt, loaded strictly, merged and recorded."""
     peft = peft_module(f"checkpoint {path} (the state dict of a peft-wrapped model)")
     record.library(peft)
     targets = anchored(peft_state.ranks)

@@ -1,8 +1,6 @@
-"""Untrained architectures by name: a registry of families chosen by the name's prefix (`tools.models.spec`).
-
-A family is one function `(spec, num_classes) -> nn.Module`, registered with `@register_architectures(prefix)`:
-torchvision's classification models (no prefix), `timm:NAME[.TAG]` (timm installed) and `toolkit:NAME`, this
-toolkit's own. A checkpoint's weights go into one of them; `classifier_keys` finds a family's head by building.
+"""Untrained architectures by name: families chosen by the name's prefix (`tools.models.spec`), registered with
+`@register_architectures(prefix)`: torchvision's (no prefix), `timm:NAME[.TAG]` and `toolkit:NAME`. A checkpoint's
+weights go into one of them.
 """
 
 from __future__ import annotations
@@ -58,17 +56,14 @@ def architecture_family(spec: ModelSpec) -> Family:
 
 
 def build_architecture(arch: str, num_classes: int, arch_args: dict | None = None) -> nn.Module:
-    """An untrained classifier of the architecture with `num_classes` outputs; `arch_args`: the builder's other
-    arguments (those pretrained weights fix, such as a torchvision ViT's image_size)."""
+    """An untrained classifier; `arch_args`: builder arguments pretrained weights fix (a ViT's image_size)."""
     spec = ModelSpec.parse(arch)
     return architecture_family(spec).build(spec, num_classes, **(arch_args or {}))
 
 
 def classifier_keys(arch: str, arch_args: dict | None = None) -> list[str]:
-    """State-dict keys whose shapes depend on the class count (the classifier) of the architecture built with
-    `arch_args` (GoogLeNet's weights build it without the auxiliary heads its default has), found by building both:
-    on the meta device (no memory, no time), or on the CPU for an architecture that reads tensor values while it is
-    built."""
+    """State-dict keys whose shapes depend on the class count, found by building twice (on the meta device, or the CPU
+    for an architecture that reads tensor values while built)."""
     try:
         with torch.device("meta"):
             nine = build_architecture(arch, NUM_IN9_CLASSES, arch_args).state_dict()
@@ -134,10 +129,8 @@ _KEPT_HEADS = {"inception": ("AuxLogits",)}
 
 
 def build_with_weights(arch: str, weights, state: dict) -> nn.Module:
-    """torchvision's own builder of `arch` given `weights`, so that the architecture takes their settings as
-    torchvision gives them (a ViT's image size, Inception's input transform, DenseNet's older key names), with their
-    state dict `state` (read and checked by the caller) where torchvision would download and unpickle it itself.
-    A state dict that does not fit is one error line."""
+    """torchvision's own builder of `arch` given `weights` (so it takes their settings), with their state dict `state`
+    instead of torchvision's download; a state dict that does not fit is one error line."""
     check_torchvision_architecture(arch)
     weights.get_state_dict = lambda *args, **kwargs: state  # this member's alone, for this call alone
     try:
@@ -170,14 +163,12 @@ def _load_problems(exc: RuntimeError) -> str:
 
 
 def torchvision_weights_arguments(weights) -> dict:
-    """The builder arguments torchvision's builder gives an architecture for `weights` (a weights enum member),
-    besides the class count: what the same architecture needs to hold those weights, or a fine-tuned copy of them."""
+    """The builder arguments besides the class count an architecture needs to hold `weights`."""
     arguments = _WEIGHTS_ARGUMENTS.get(_weights_module(weights))
     return arguments(weights.meta) if arguments is not None else {}
 
 
 def _weights_module(weights) -> str:
-    """The name of the torchvision module that defines `weights` (a weights enum member): "inception"."""
     return type(weights).__module__.rsplit(".", 1)[-1]
 
 
@@ -187,9 +178,7 @@ def timm_module(spec: ModelSpec):
 
 
 def timm_loading_parameters(timm) -> frozenset[str]:
-    """timm.create_model's own parameters besides the name: where weights come from (pretrained, pretrained_cfg,
-    pretrained_cfg_overlay, checkpoint_path, cache_dir) and how the model is compiled; not the network, whose
-    builder gets every other argument."""
+    """timm.create_model's own parameters (where weights come from, compilation), not the network's."""
     parameters = inspect.signature(timm.create_model).parameters.values()
     return frozenset(p.name for p in parameters if p.kind is not p.VAR_KEYWORD) - {"model_name"}
 
@@ -201,10 +190,8 @@ def _plain(value) -> bool:
 
 
 def recorded_arguments(arch: str, arguments, what: str) -> dict:
-    """The builder arguments `what` (a file) records for `arch`, as a dict, where a file may record them: of plain
-    values, for a timm architecture any that shape the network (not `timm_loading_parameters`: timm.create_model's
-    checkpoint_path read any file a checkpoint named), for the others those torchvision weights imply
-    (`RECORDED_ARGUMENTS`). Else one error line, before any builder runs."""
+    """The builder arguments a file (`what`) records for `arch`, of plain values: for timm any but
+    `timm_loading_parameters` (checkpoint_path reads any file), else `RECORDED_ARGUMENTS`; else one error line."""
     if not isinstance(arguments, Mapping) or not all(isinstance(k, str) for k in arguments):
         raise UserError(f"{what} records builder arguments that are not a mapping of names (a "
                         f"{type(arguments).__name__}); is it a file its library wrote?")
@@ -220,8 +207,7 @@ def recorded_arguments(arch: str, arguments, what: str) -> dict:
 
 
 def check_timm_name(timm, spec: ModelSpec) -> None:
-    """An unknown timm architecture or pretrained tag is one line with the close matches; a hub name
-    (`hf-hub:ORG/NAME`) is the hub's to know."""
+    """An unknown timm architecture or tag is one line with the close matches; `hf-hub:` names are the hub's."""
     if spec.name.startswith(TIMM_HUB):
         return
     if spec.name not in timm.list_models():
@@ -248,8 +234,8 @@ def timm_architecture(spec: ModelSpec, num_classes: int, **arguments) -> nn.Modu
 
 
 class SmallCNN(nn.Module):
-    """Three strided convolutions, a 1x1 one, global average pooling and a linear head (`fc`). No BatchNorm,
-    so one process and several data-parallel ones train it to the same weights. About 10 MFLOPs per 224x224 image."""
+    """Three strided convolutions, a 1x1 one, global average pooling and a linear head (`fc`). No BatchNorm, so one
+    process and several data-parallel ones train it to the same weights. About 10 MFLOPs per 224x224 image."""
 
     def __init__(self, num_classes: int, width: int = 16):
         super().__init__()

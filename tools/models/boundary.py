@@ -1,7 +1,6 @@
-"""The model boundary: `PixelModel` (pixels in, normalised inside, logits out), `LoadedModel` (a ready model,
-what it is and the record of what made it, `tools.models.record`), `wrap`, which makes a classifier of known
-origin (`ModelOrigin`) a `LoadedModel`, and the resizing inside the model for classifiers whose input is not
-224x224 (`resize_input`, `fit_input_size`, and `network_input`, which finds the network behind it)."""
+"""The model boundary: `PixelModel` (pixels in, normalised inside, logits out), `LoadedModel` (a ready model, what it is
+and its record), `wrap`, and the resize inside the model for inputs other than 224x224 (`fit_input_size`).
+"""
 
 from __future__ import annotations
 
@@ -25,10 +24,8 @@ log = logging.getLogger(__name__)
 
 
 def state_sha256(module: nn.Module) -> str:
-    """The SHA-256 of a module's state dict (each key with its value, in order: a tensor by its dtype, shape and
-    bytes' SHA-256, a quantised one's with its scales; a quantised layer's packed parameters and dtype, an extra
-    state, as `described_value` gives them): the identity of an in-memory model's weights, as a file's hash is of a
-    checkpoint's. The same bytes as another dtype or shape are other weights (int8 and uint8, say)."""
+    """The SHA-256 of a module's state dict (tensors by dtype, shape and bytes): an in-memory model's weights' identity;
+    the same bytes as another dtype or shape are other weights."""
     digest = hashlib.sha256()
     for key, value in module.state_dict().items():
         digest.update(json.dumps([key, described_value(value)], sort_keys=True).encode() + b"\n")
@@ -38,8 +35,8 @@ def state_sha256(module: nn.Module) -> str:
 class PixelModel(nn.Module):
     """Pixels in, logits out: uint8 (or [0,1] float) NCHW images, scaled as ToTensor does, normalised, classified.
 
-    Bytes go through one gather in the table of the CPU's normalised floats (`normalisation_table`), the same
-    floats on every device; floats (the original mask arithmetic's blend) are normalised as Normalize does."""
+    Bytes go through one gather in the table of the CPU's normalised floats (`normalisation_table`), the same on every
+    device; floats (the original mask arithmetic's blend) are normalised as Normalize does."""
 
     def __init__(self, classifier: nn.Module, mean=None, std=None):
         super().__init__()
@@ -68,8 +65,7 @@ class PixelModel(nn.Module):
 
 @dataclass
 class LoadedModel:
-    """A ready classifier and what it is: where it came from, its class count, its normalisation, and the record of
-    every input its loader was given and read, whose digest is its identity."""
+    """A ready classifier: where it came from, its class count, its normalisation, and its record."""
 
     model: PixelModel
     num_classes: int
@@ -105,10 +101,8 @@ class ModelOrigin:
 
 def wrap(classifier: nn.Module, *, num_classes: int, origin: ModelOrigin, normalize: Normalization,
          record: ModelRecord, stats: tuple | None = None, stats_origin: str = "") -> LoadedModel:
-    """A classifier as a `LoadedModel`, normalising inside with: the source's own statistics (`stats`, e.g.
-    a checkpoint's normaliser or CLIP's, named by `stats_origin`) unless --normalize says otherwise, else the
-    class-count rule; the class count and the statistics used go into `record`. Every TorchScript module in it has
-    its convolutions rewritten to read the run's flags (`torchscript.rewritten`)."""
+    """A classifier as a `LoadedModel`, normalising inside with `stats` unless --normalize says otherwise, else the
+    class-count rule; its TorchScript convolutions rewritten to read the run's flags."""
     classifier = torchscript.rewritten(classifier)
     if normalize is Normalization.AUTO and stats is not None:
         mean, std = stats
@@ -133,8 +127,7 @@ def wrap(classifier: nn.Module, *, num_classes: int, origin: ModelOrigin, normal
 # Inputs of another size
 
 def resize_input(x: torch.Tensor, size: tuple[int, int], mode: str = "bicubic") -> torch.Tensor:
-    """A normalised batch resized to the classifier's input size (antialiased), or as it is when it has it.
-    Resizing is linear with weights summing to one, so it commutes with the per-channel normalisation before it."""
+    """A normalised batch resized (antialiased) to the input size: linear, so it commutes with the normalisation."""
     if tuple(x.shape[-2:]) == tuple(size):
         return x
     return F.interpolate(x, size=tuple(size), mode=mode, align_corners=False, antialias=True)
@@ -142,8 +135,7 @@ def resize_input(x: torch.Tensor, size: tuple[int, int], mode: str = "bicubic") 
 
 def announce_input_size(size: tuple[int, int], used_by: str, mode: str = "bicubic",
                         runtime: Runtime | None = None) -> None:
-    """Say once, at load time, that the 224x224 inputs are resized inside `used_by`; refuse a device that lacks
-    the antialiased resize."""
+    """Say once that the 224x224 inputs are resized inside `used_by`; refuse a device without antialiased resize."""
     if runtime is not None:
         check_antialias(runtime.device, mode, f"{used_by}, which resizes its inputs to {size[0]}x{size[1]}")
     log.info("%s takes %dx%d images: the %dx%d inputs are resized inside the model (%s, antialiased)", used_by,
@@ -174,9 +166,8 @@ def fit_input_size(classifier: nn.Module, size: tuple[int, int], used_by: str, m
 
 
 def network_input(classifier: nn.Module) -> tuple[nn.Module, tuple[int, int], str | None]:
-    """(the network behind `fit_input_size`'s resize, its input size, the interpolation that resizes to it); 224x224
-    and no interpolation for a classifier without one. Training changes and saves the network, behind the same
-    resize."""
+    """(the network behind `fit_input_size`'s resize, its input size, the interpolation; 224x224 and None without one):
+    training changes the network, behind the same resize."""
     if isinstance(classifier, InputResize):
         return classifier.classifier, classifier.size, classifier.mode
     return classifier, (IMAGE_SIZE, IMAGE_SIZE), None

@@ -1,21 +1,8 @@
-"""Reading a checkpoint file into a classifier, strictly: no silent partial loads.
-
-Checkpoint formats, told apart by the file's contents, never by its name:
-- a `torch.export` program (`torch.export.save`, .pt2) of plain tensors and tensor operations (checked before
-  torch reads it: `tools.models.programs`; anything more only with `--trust-checkpoint`), or, with
-  `--trust-checkpoint`, a TorchScript archive (`torch.jit.save`; a program, which can do anything the process
-  can): used as the classifier as it is, loaded for the run's device with the devices its code names pointed
-  there (and a TorchScript program's convolutions reading cuDNN's flags when they run: `tools.models.torchscript`);
-- a pickle read by `torch.load(weights_only=True)`: a state dict, directly or under `model`,
-  `state_dict`, `state_dict_ema` or `model_state_dict` (PyTorch's tutorial layout) (that priority, or
-  `--checkpoint-key`), with `module.` / `_orig_mod.` wrapper prefixes, or the robustness library's layout
-  (`normalizer.new_mean/new_std`, `model.<arch keys>`, a duplicate `attacker.*` copy that is dropped), or a
-  peft-wrapped model's (`base_model.model.*`, its adapters merged: `tools.models.adapters`); what train.py's
-  checkpoints record besides the weights (architecture, builder arguments, input size, normaliser) and timm's own
-  training checkpoints (their model, data settings and the weights they were ranked by, the EMA's where timm
-  validated one) are read by `tools.models.recorded`;
-- with `--trust-checkpoint`, a whole pickled module (`torch.save(model)`, there or under those keys): used as it
-  is, its class count probed.
+"""Reading a checkpoint file into a classifier, strictly: no silent partial loads. Formats are told apart by content,
+never by name: a `torch.export` program (vetted by `tools.models.export_archive`) or, trusted, a TorchScript one, used
+as is and loaded for the run's device; a weights-only pickle holding a state dict in one of several layouts
+(peft-wrapped: `tools.models.adapters`; train.py's and timm's training checkpoints: `tools.models.recorded`); trusted, a
+whole pickled module. The list: docs/how-it-works.md, "Models and checkpoints".
 """
 
 from __future__ import annotations
@@ -87,8 +74,7 @@ def _strip_prefixes(state: dict) -> dict:
 
 
 def _select(obj, key: str | None) -> tuple[object, str]:
-    """The part of a loaded checkpoint that holds the model (`key`, else the first of STATE_DICT_KEYS that holds a
-    dict or module, else the whole), and where that is."""
+    """The part of a loaded checkpoint that holds the model (`key`, else by STATE_DICT_KEYS), and where it is."""
     if key is not None:
         if not isinstance(obj, Mapping) or key not in obj:
             found = ", ".join(map(str, obj.keys())) if isinstance(obj, Mapping) else type(obj).__name__
@@ -109,9 +95,8 @@ class CheckpointState:
 
 
 def extract_state_dict(obj, key: str | None = None, ignore_normalizer: bool = False) -> CheckpointState:
-    """The model's state dict from a loaded checkpoint object, and its layout and normaliser if any.
-
-    ignore_normalizer: the statistics are given explicitly, so unreadable normaliser buffers are dropped."""
+    """The model's state dict, layout and normaliser; ignore_normalizer: statistics are given, so unreadable normaliser
+    buffers are dropped."""
     obj, where = _select(obj, key)
     if isinstance(obj, nn.Module):
         obj = obj.state_dict()
@@ -162,9 +147,7 @@ def check_class_count(num_classes: int, in9: bool | None, what: str) -> None:
 
 
 def _probe_classes(classifier: nn.Module, path: Path, kind: str, device: torch.device) -> int:
-    """The class count, from a forward pass on a batch of 3 on the run's device in the exact mode's kernels, which
-    every run's start-up check runs (which also finds programs fixed to one batch size, and programs that cannot
-    run there)."""
+    """The class count, from a batch of 3 on the run's device in the exact mode's kernels."""
     probe = torch.zeros(3, 3, IMAGE_SIZE, IMAGE_SIZE, device=device)
     try:
         with torch.inference_mode(), exact_kernels():
@@ -202,8 +185,7 @@ def _architecture(arch: str | None, recorded: str | None, path: Path) -> str:
 
 
 def _check_cached(recorded: str, path: Path) -> None:
-    """A hub architecture a checkpoint records (`timm:hf-hub:ORG/NAME`) is built from its config.json in the cache;
-    one not there is one line: it is not downloaded for a file's sake, only where the user names it."""
+    """A recorded `timm:hf-hub:` architecture must be cached: it is downloaded only where the user names it."""
     spec = ModelSpec.parse(recorded)
     if spec.prefix != TIMM_PREFIX or not spec.name.startswith(TIMM_HUB):
         return
@@ -231,10 +213,8 @@ class ReadCheckpoint:
 def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: Normalization, trust: bool,
                     checkpoint_key: str | None, device: torch.device, record: ModelRecord,
                     lora: adapters.LoraScaling | None = None) -> ReadCheckpoint:
-    """The classifier in a checkpoint file, told apart by its contents (see the module's docstring): a program is
-    loaded for `device` (the run's) and probed there; a state dict is loaded strictly into `arch` (default:
-    resnet50), on the CPU. The file goes into `record` by its content, with a pickled module's code and the peft
-    that merges adapters."""
+    """The classifier in a checkpoint file: a program loaded for `device` and probed there, or a state dict loaded
+    strictly into `arch` (default resnet50) on the CPU; the file recorded by content."""
     if path.is_dir():
         raise UserError(f"checkpoint {path} is a folder without {adapters.ADAPTER_CONFIG}; pass a checkpoint file, "
                         f"or a peft adapter folder on a base model ({option('--arch', 'ARCH@file:ADAPTER_DIR')})")
@@ -314,15 +294,13 @@ def read_checkpoint(path: Path, arch: str | None, in9: bool | None, normalize: N
 
 
 def _pickled_module(obj, key: str | None) -> nn.Module | None:
-    """The whole module a trusted pickle holds (`torch.save(model)`), at the top or under a state-dict key."""
     chosen, _ = _select(obj, key) if isinstance(obj, Mapping) or key is not None else (obj, "")
     return chosen if isinstance(chosen, nn.Module) else None
 
 
 def _read_module(module: nn.Module, path: Path, arch: str | None, in9: bool | None,
                  lora: adapters.LoraScaling | None) -> ReadCheckpoint:
-    """A pickled module used as it is: it carries its architecture and weights; its class count is probed (in
-    evaluation mode, so that its batch-norm statistics stay as saved)."""
+    """A pickled module as is; its class count probed in evaluation mode (batch-norm statistics stay as saved)."""
     if lora is not None and lora.given():
         raise lora.misplaced(f"and {path} holds a whole module")
     if arch is not None:

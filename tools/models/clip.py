@@ -1,25 +1,10 @@
-"""CLIP zero-shot classifiers for IN-9 (the `clip:ARCH/PRETRAINED` model source, optional extra open_clip_torch).
+"""CLIP zero-shot classifiers (the `clip:ARCH/PRETRAINED` source, optional extra open_clip_torch).
 
-A zero-shot head is a fixed linear layer made of text: per class, the text embeddings of its prompts (the
-class name in each prompt template) are normalised, averaged and normalised again into one row, and the
-logits are `logit_scale * normalise(image_embedding) @ head.T`, with CLIP's own mean/std inside the
-`PixelModel` wrapper. Two heads (`Head`):
-
-- `imagenet`, the default: open_clip's 1000 ImageNet class names through the templates verbatim, CLIP's
-  standard ImageNet classifier. The model is a 1000-class model like any other: its argmax goes through the
-  ImageNet->IN-9 map, and one of the 630 ImageNet classes outside the nine groups is wrong, so its numbers
-  are comparable with the other 1000-class models of the leaderboard.
-- `in9`: one prompt set per IN-9 class, named in full ("a photo of a musical instrument", "an insect"). A
-  9-class model, which can never be wrong outside the nine groups: not comparable with 1000-class models.
-
-`ARCH`, `ARCH/` or `ARCH/none` (`parse_spec`) ask for a seeded random initialisation, which needs no download:
-tests use it.
-
-The head is built on the runtime's device in true fp32 and cached by content (the weights, the architecture,
-the tokenizer, the prompts, the device model) in the run's cache (`--cache-dir`), `clip-heads/`; the model's record
-(its identity) holds open_clip's version and configuration of the architecture, the weights, the tokenizer, the
-pixel pipeline and the head, so resume states and the zoo tell two heads of one weights file apart, and one file
-under another open_clip configuration or tokenizer.
+A zero-shot head is a fixed linear layer made of text: per class, the normalised mean of its prompts' normalised text
+embeddings; logits are `logit_scale * normalise(image_embedding) @ head.T`. The `imagenet` head (default) is a
+1000-class model like any other; the `in9` head is a 9-class model, not comparable with them. `clip:ARCH/none` is a
+seeded random model (tests use it). The head is built on the runtime's device in true fp32 and cached by content in
+`clip-heads/`. See docs/zoo.md, "CLIP zero-shot".
 """
 
 from __future__ import annotations
@@ -84,8 +69,7 @@ AN_BEFORE_VOWEL = re.compile(r"\b([Aa]) (?=[aeiouAEIOU])")
 
 @dataclass(frozen=True)
 class ClipSpec:
-    """What follows `clip:`: an open_clip architecture, its weights (a pretrained tag or a file; None for the
-    seeded random initialisation), the head and the prompt templates."""
+    """What follows `clip:`: architecture, weights (a tag or a file; None: seeded random), head, templates."""
 
     arch: str
     pretrained: str | None
@@ -126,15 +110,12 @@ def template_sets() -> dict[Templates, tuple]:
 
 
 def with_articles(prompt: str) -> str:
-    """'a' before a word starting with a vowel made 'an' ("an insect", "an origami insect"): the vowel-letter
-    rule, right for every IN-9 name and every word the templates put after 'a'."""
+    """'a' made 'an' before a vowel letter: right for every IN-9 name and template word after 'a'."""
     return AN_BEFORE_VOWEL.sub(r"\1n ", prompt)
 
 
 def prompts(head: Head, templates: Templates) -> list[list[str]]:
-    """Each class's prompts, in the head's class order: open_clip's ImageNet class names (ImageNet index
-    order) in the templates verbatim, CLIP's standard classifier; or the nine IN-9 classes by their full names
-    with their articles agreeing."""
+    """Each class's prompts in the head's class order (ImageNet names, or IN-9 names with agreeing articles)."""
     chosen = template_sets()[templates]
     if head is Head.IMAGENET:
         from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: PLC0415 (an optional extra)
@@ -146,9 +127,7 @@ def prompts(head: Head, templates: Templates) -> list[list[str]]:
 
 def zero_shot_head(encode_text: Callable[[torch.Tensor], torch.Tensor], tokenizer, class_prompts: list[list[str]],
                    device: torch.device, progress: bool = False) -> torch.Tensor:
-    """(classes, dim) float32 on the CPU: per class the normalised mean of its prompts' normalised text
-    embeddings; the prompts are encoded by `encode_text` on `device` (where the model is), TEXT_BATCH at a
-    time."""
+    """(classes, dim) float32 on the CPU, the prompts encoded on `device` TEXT_BATCH at a time."""
     texts = [text for per_class in class_prompts for text in per_class]
     embeddings = []
     with torch.inference_mode(), progress_bar(total=len(texts), unit="prompt", desc="encoding CLIP prompts",
@@ -162,11 +141,8 @@ def zero_shot_head(encode_text: Callable[[torch.Tensor], torch.Tensor], tokenize
 
 
 class ZeroShotClassifier(nn.Module):
-    """CLIP's image encoder and a fixed text-derived head: normalised input in, one logit per head row out.
-
-    Inputs of another size than the encoder's are resized to it first (`resize_input`, antialiased, with the
-    interpolation of the model's preprocess settings: bicubic unless its tag says otherwise). A CoCa image tower
-    returns (pooled embedding, tokens): the pooled one is scored, as open_clip's `encode_image` does."""
+    """CLIP's image encoder and a fixed text head: normalised input in, one logit per head row out; other sizes resized,
+    a CoCa tower's pooled embedding scored (as open_clip's `encode_image` does)."""
 
     def __init__(self, visual: nn.Module, head: torch.Tensor, logit_scale: float, image_size: tuple[int, int],
                  interpolation: str = "bicubic"):
@@ -195,8 +171,8 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
 
 @contextlib.contextmanager
 def _quiet(logger_name: str | None = None, level: int = logging.ERROR):
-    """Messages below `level` from a logger are dropped for a while (open_clip logs its steps on the root
-    logger at INFO; huggingface_hub logs each retry of a failing download)."""
+    """Drop a logger's messages below `level` for a while (open_clip logs its steps at INFO on the root logger;
+    huggingface_hub logs each retry of a failing download)."""
     if logger_name is None:  # the root logger: its records come from open_clip's module-level logging calls
         previous = logging.root.manager.disable
         logging.disable(level - 1)
@@ -272,11 +248,8 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def tokenizer_settings(tokenizer, record: ModelRecord | None = None) -> dict:
-    """What the tokenizer makes of a prompt, besides open_clip's version and the model's configuration: its class,
-    plain settings and cleaning function; for a Hugging Face tokenizer (whose files come from the hub's cache, where
-    a moved refs/main gives others), its serialised pipeline's SHA-256, special token ids and padding side. Into
-    `record` go the versions of the libraries that cut the text (ftfy and regex for open_clip's own; transformers
-    and tokenizers)."""
+    """What the tokenizer makes of a prompt: its class, settings and cleaning; a Hugging Face tokenizer's pipeline by
+    SHA-256 (hub files may move), special ids and padding side. Its libraries go into `record`."""
     settings = {"class": f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"}
     if record is not None and type(tokenizer).__module__ in sys.modules:
         record.libraries_of(sys.modules[type(tokenizer).__module__])
@@ -309,9 +282,8 @@ INTERPOLATIONS = ("bicubic", "bilinear")  # open_clip's resize interpolations th
 
 
 def preprocess_settings(open_clip, clip_model: nn.Module, what: str) -> dict:
-    """The pixel pipeline open_clip sets for the model (its tag's pretrained config over the defaults): input size,
-    mean, std, interpolation and resize mode. The 224x224 inputs are square, so every resize mode is one plain
-    resize to a square input size."""
+    """open_clip's pixel pipeline for the model (input size, mean, std, interpolation, resize mode; every mode is one
+    resize of the square inputs)."""
     config = open_clip.get_model_preprocess_cfg(clip_model)
     size = config.get("size", IMAGE_SIZE)
     settings = {"size": [size, size] if isinstance(size, int) else [int(v) for v in size],
@@ -330,10 +302,8 @@ def preprocess_settings(open_clip, clip_model: nn.Module, what: str) -> dict:
 def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, class_prompts: list[list[str]],
                weights_sha256: str, runtime: Runtime | None, progress: bool,
                tokenizer_record: dict, cache: DecodedCache | None) -> torch.Tensor:
-    """The zero-shot head: from the cache when one was built from the same content (the weights, open_clip's
-    configuration of the architecture and tag, the tokenizer (`tokenizer_settings`), the prompts, the device model:
-    `device_model`), else encoded on the runtime's device in true fp32 (TF32 and autocast off) and cached; `cache`:
-    the run's cache (`clip-heads/` in it; None: neither read nor written)."""
+    """The zero-shot head from `cache` (`clip-heads/`; None: not used) when built from the same content, else encoded on
+    the runtime's device in true fp32 (TF32 and autocast off) and cached."""
     texts = [text for per_class in class_prompts for text in per_class]
     device = runtime.device if runtime is not None else torch.device("cpu")
     # the device model too: a head encoded on one GPU model differs from another's, and the CPU's, in the last bits
@@ -367,9 +337,7 @@ def _text_head(open_clip, parsed: ClipSpec, clip_model: nn.Module, tokenizer, cl
 
 def load_clip(spec: str, record: ModelRecord, runtime: Runtime | None = None, progress: bool = False,
               cache: DecodedCache | None = None) -> LoadedModel:
-    """A zero-shot IN-9 classifier from an open_clip model, returned on the CPU; `spec` is what follows `clip:`. The
-    text head is built on the runtime's device (default: the CPU) and kept in `cache` (None: neither read nor
-    written)."""
+    """A zero-shot classifier on the CPU from `spec` (what follows `clip:`), its head from `cache`."""
     open_clip = optional_module("open_clip", "a clip: model", "open_clip_torch", "clip")
     parsed = parse_spec(spec)
     if parsed.arch not in open_clip.list_models():

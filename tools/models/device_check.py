@@ -1,28 +1,9 @@
-"""The start-up check of a run's arithmetic, the one place where a run's `exact` is decided: the model's fp32 logits
-on the run's device, on the run's first few images at the run's batch shape, against a float64 reference computed on
-the CPU, and an image's logits alone against the same image beside others. A run is `exact` only when it ran in the
-exact mode and this check verified it (`record`); whatever the check cannot verify is refused, unless the user says
-`--allow-inexact-device`, and then recorded as unverified.
-
-What it catches is what nobody foresaw: a convolution that runs in TF32 whatever the flags, a model whose code
-casts to bf16 and back, a kernel of lower precision on some device. The reference is a float64 copy of the model
-run under `Float64Everywhere`, which turns every floating dtype a model asks for (a cast, a factory, autocast's
-casts) into float64, so a hidden cast in the model's own code is absent from the reference and shows as a
-deviation, on the CPU as on any device. A model with no float64 form (an fp8 matmul, a kernel only one device has)
-has no reference: it cannot be verified.
-
-Logits that depend on the batch: a program traced or exported in training mode carries batch statistics and
-dropout in its graph (`training_mode_operations` finds them); anything else (statistics computed by hand, a
-BatchNorm without running statistics, randomness) shows when an image's logits in a batch of copies of itself (how
-the run pads a short batch) differ, bit for bit, from its logits beside other images, at the run's batch shape
-(within the tolerance where the device's passes are not repeatable bit for bit: `device_logits`). At one shape an
-honest model's rows do not depend on each other bit for bit (the backends choose kernels by shape, not by values);
-across shapes they may differ in the last bits, so the comparison is never across shapes.
-
-The tolerance (`TOLERANCE`, relative to each image's largest reference logit): fp32's unit roundoff is 6e-8, and
-an honest fp32 forward pass deviates from float64 by 2e-7 to 1.3e-6 of the largest logit (six torchvision
-architectures with random weights, on the CPU). TF32 (a 10-bit mantissa) and bf16 (7 bits) deviate by 1e-3 to
-1.4e-2. 1e-4 sits two orders of magnitude above fp32's deviation and one below TF32's.
+"""The start-up check of a run's arithmetic, the one place where a run's `exact` is decided: no program made in training
+mode; the model's fp32 logits on the run's device, on its first few images at its batch shape, within `TOLERANCE` of a
+float64 reference on the CPU (`Float64Everywhere`); an image's logits alone equal, bit for bit, to its logits beside
+others (never compared across shapes: kernels differ by shape). Whatever it cannot verify is refused unless
+`--allow-inexact-device`, then recorded as unverified. The reasons and measurements (the tolerance's too):
+docs/how-it-works.md, "Exactness and behaviour on each device".
 """
 
 from __future__ import annotations
@@ -58,10 +39,9 @@ ALLOW_FLAG = "--allow-inexact-device"
 
 
 class Float64Everywhere(TorchDispatchMode):
-    """Every floating dtype an operation is asked for becomes float64, every device the CPU, and a floating result
-    in another dtype (a factory's default float32) is widened: a model's computation as the mathematics it
-    means, whatever casts its code makes. It sees TorchScript and torch.export programs' operations too (forked
-    branches included). An operation that fails so is named in `failed`."""
+    """Every floating dtype an operation asks for becomes float64, every device the CPU, and any other floating result
+    is widened: the mathematics a model's code means, whatever casts it makes (TorchScript and torch.export programs'
+    operations too). An operation that fails so is named in `failed`."""
 
     def __init__(self):
         super().__init__()
@@ -80,9 +60,8 @@ class Float64Everywhere(TorchDispatchMode):
 
 
 def _numbers_as_tensors(func, args: tuple) -> tuple:
-    """`args` with the tensors back where the dispatcher handed a mode a Python number for a Tensor argument: a
-    TorchScript program's scalars made tensors (`prim::NumToTensor`, as a traced ViT's sizes) reach a mode unwrapped,
-    and the operation then refuses them. Integers and booleans as such, floats as float64."""
+    """`args` with tensors back where the dispatcher handed a Python number (TorchScript's `prim::NumToTensor` scalars,
+    which the operation would refuse); floats as float64."""
     tensor_places = [isinstance(argument.type, torch.TensorType) for argument in func._schema.arguments]
     return tuple(torch.tensor(a, dtype=torch.float64 if isinstance(a, float) else None)
                  if isinstance(a, (bool, int, float)) and i < len(tensor_places) and tensor_places[i] else a
@@ -123,8 +102,8 @@ _UNKNOWN = object()  # an argument computed when the program runs (a scripted mo
 
 
 def _training_form(name: str, arguments: dict) -> str | None:
-    """How the operation `name` (without namespace) called with `arguments` (by their schema's names; `_UNKNOWN`
-    where not a constant) computes what eval mode would not, or None."""
+    """How operation `name` (no namespace) with `arguments` by schema name (`_UNKNOWN` where not a constant) computes
+    what eval mode would not, or None."""
     if name in BATCH_STATISTICS:
         given = {k: v for k, v in arguments.items() if k in MODE_ARGUMENTS}
         if name not in ALWAYS_TRAINING and not any(v is True for v in given.values()):
@@ -153,9 +132,8 @@ def _script_arguments(node) -> dict:
 
 
 def _fx_arguments(node: torch.fx.Node) -> tuple[str, dict] | None:
-    """An fx call's operation name (no namespace) and arguments by name (nodes: `_UNKNOWN`), for one of the
-    operations above: an aten operation (an exported program's) or a torch.nn.functional one (a symbolically
-    traced module's, which bakes `training=self.training` in); else None."""
+    """An fx call's operation name and arguments (nodes: `_UNKNOWN`) for the operations above, aten's or
+    torch.nn.functional's (a symbolic trace bakes `training=self.training` in); else None."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         name, schema = target._schema.name.split("::")[-1], target._schema.arguments
@@ -180,10 +158,8 @@ def _fx_arguments(node: torch.fx.Node) -> tuple[str, dict] | None:
 
 
 def training_mode_operations(model: nn.Module) -> tuple[str, ...]:
-    """The operations in the TorchScript and fx (torch.export) graphs inside `model` that compute what they would not
-    in eval mode, as fixed when the program was traced or exported in training mode: batch norms normalising by
-    the batch's statistics where running statistics exist, dropout dropping at random. Every method's code is
-    read, with its calls and forked branches (`torchscript.method_graphs`). Each kind described once."""
+    """The operations in the TorchScript and fx graphs in `model` that tracing or export in training mode fixed to
+    compute what eval mode would not (batch statistics, dropout), each kind once."""
     found = []
     for graph in torchscript.method_graphs(model):
         for node in torchscript.graph_nodes(graph):
@@ -229,8 +205,7 @@ class DeviceCheck:
 
     @property
     def verified(self) -> bool:
-        """Every comparison made and passed: the reference within the tolerance, no batch dependence, no
-        operation in training mode. Only then is a run in the exact mode `exact`."""
+        """Every comparison made and passed: only then is a run in the exact mode `exact`."""
         return bool(self.passed) and self.batch_dependence is None and not self.training_mode and not self.not_finite
 
     def describe(self) -> dict:
@@ -250,8 +225,8 @@ class DeviceCheck:
 
 
 def relative_deviation(logits: torch.Tensor, reference: torch.Tensor) -> float:
-    """The largest |logits - reference| of an image over its largest |reference logit|, the worst image's; equal
-    values (infinities, zeros) deviate by 0, a NaN on one side only by infinity."""
+    """The worst image's largest |logits - reference| over its largest |reference logit|; equal values deviate by 0, a
+    NaN on one side only by infinity."""
     logits, reference = logits.double().flatten(1), reference.double().flatten(1)
     both_nan = logits.isnan() & reference.isnan()
     diff = torch.where((logits == reference) | both_nan, 0.0, (logits - reference).abs()).nan_to_num(nan=torch.inf)
@@ -291,16 +266,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def device_logits(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, batch_size: int
                   ) -> tuple[torch.Tensor, str | None, bool]:
-    """The model's eager fp32 logits on `images` on the runtime's device, at the run's batch shape padded as the run
-    pads (`Forward`); how the first image's logits change with the images beside it, if they do; and whether two
-    passes over one batch gave the same bits.
+    """The model's eager fp32 logits on `images` on the runtime's device at the run's padded batch shape; the batch
+    dependence found, if any; and whether two passes over one batch gave the same bits.
 
-    The first image alone (a batch of copies of it, as the run pads a batch of one) against beside the others and
-    an image unlike it: equal bit for bit, nothing more is asked. Where they differ, the lone batch runs again.
-    The same bits again: the difference came from the images beside it (batch dependence). Other bits: the
-    device's kernels are not repeatable bit for bit (atomic sums, a backend without a determinism switch), so
-    both differences are measured against `TOLERANCE` instead: randomness beyond it (dropout), else batch
-    dependence beyond it, else nothing but last bits."""
+    The first image alone against beside others must match bit for bit; where not, the lone batch runs again: the same
+    bits mean batch dependence; other bits mean unrepeatable kernels (atomic sums, MPS), and both differences are then
+    measured against `TOLERANCE`: randomness beyond it, else batch dependence beyond it, else a pass."""
     model = loaded.model.to(runtime.device).eval()  # as `Runtime.prepare` moves it, eager
     if runtime.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -337,12 +308,9 @@ def _unverified(message: str, allow_inexact: bool) -> None:
 
 def check_device(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, allow_inexact: bool = False,
                  batch_size: int | None = None) -> DeviceCheck:
-    """Check the model on `images` (uint8, the run's first few) at the run's batch shape (`batch_size`, default the
-    runtime's): no operation of a program made in training mode; its eager fp32 logits on the runtime's device
-    (fp32 math whatever the run's precision, since fp32 is what is exact and what the reduced precisions are
-    re-checked in) within `TOLERANCE` of a float64 reference; an image's logits alone equal, bit for bit, to its
-    logits beside other images. Each finding, and a model with no float64 reference, is refused in one line, unless
-    `allow_inexact`, when the run goes on with a warning and the check records it (not `verified`)."""
+    """Check the model on `images` (uint8) at the run's batch shape (`batch_size`, default the runtime's), in fp32
+    whatever the run's precision (fp32 is what is exact and what reduced precision is re-checked in). Each finding, and
+    no float64 reference, is refused in one line, unless `allow_inexact` (then warned and recorded, not `verified`)."""
     device, batch_size = str(runtime.device), runtime.batch_size(batch_size)
     found = {"device": device, "images": len(images), "batch_size": batch_size, "allowed": allow_inexact}
     findings = []  # refused at the first; allowed, the first is said (the later ones may follow from it)
@@ -397,9 +365,8 @@ def first_images(root: Path, relpaths: Sequence[str], workers: int) -> torch.Ten
 
 def check_run(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, allow_inexact: bool = False,
               batch_size: int | None = None) -> dict:
-    """`check_device` on a run's first images (uint8; the first CHECK_IMAGES are used) at its batch size, in every
-    process, which leave together if one refuses; its record for the run's provenance (`record`). Under torchrun
-    a run is verified only where every process's check verified it."""
+    """`check_device` on a run's first images in every process (which leave together if one refuses), as the provenance
+    records it; under torchrun verified only where every process verified it."""
     with distributed.agree(runtime.group, runtime.device):
         check = check_device(loaded, runtime, images[:CHECK_IMAGES], allow_inexact, batch_size).describe()
     if runtime.group.distributed:
@@ -410,22 +377,19 @@ def check_run(loaded: LoadedModel, runtime: Runtime, images: torch.Tensor, allow
 
 
 def verified(check: dict | None) -> bool:
-    """Whether a run's start-up check (`check_run`'s record; None: no check) verified the model: what the resume
-    states of in9 and the challenge hold, so that a state made without that is not resumed by a run that claims it."""
+    """Whether a check record (None: none) verified the model: what resume states hold, so a state made without it is
+    not resumed by a run that claims it."""
     return bool(check is not None and check.get("verified"))
 
 
 def record_check(provenance: dict, check: dict) -> None:
-    """A run's provenance given its start-up check (`check_run`'s record) and the claim the check decides: `exact`,
-    true only for a run in the exact mode (`exact_mode`: fp32, eager) whose check verified the model on its
-    device. A run no check verified is not exact (`Runtime.describe` says so until this is called)."""
+    """Put a run's check in its provenance and set `exact`: the exact mode (fp32, eager) and a verified check."""
     provenance["device_check"] = check
     provenance["exact"] = bool(provenance.get("exact_mode")) and verified(check)
 
 
 def combined(provenances: Sequence[dict]) -> dict:
-    """The provenance of a run merged from shards (the first's), exact only where every shard was, its check the
-    first unverified shard's, if any."""
+    """A provenance merged from shards: exact only where every shard was, the first unverified check."""
     merged = dict(provenances[0])
     checks = [p["device_check"] for p in provenances if "device_check" in p]
     if checks:

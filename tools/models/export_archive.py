@@ -1,30 +1,13 @@
 """Whether a `torch.export` archive (.pt2) is data, read from its members without loading it.
 
-torch's loader is not a data reader. Besides plain tensors, an archive can make it unpickle with any globals
-(weights or constants marked `use_pickle`, opaque and custom objects, the legacy `.pt` members, and example
-inputs, for which torch falls back to full unpickling; in the older format of torch 2.6, the state dict,
-constants and example inputs, which every torch unpickles with weights_only=False), load compiled AOTInductor
-libraries, evaluate shape expressions with sympy (`eval`), run `guards_code` as Python, and generate Python source
-from the program's
-names, targets and signatures (the module it builds is that source). So an archive is data only when
+torch's loader is not a data reader: an archive can make it unpickle with any globals, load AOTInductor libraries,
+`eval` shape expressions with sympy, run `guards_code`, and generate Python source from the program's names. So an
+archive is data only when every member is tensors, text or JSON and every pickle loads `weights_only`; every operator is
+ATen or prims (not `FILE_OPERATIONS`), control flow over subgraphs, or shape arithmetic; and every string is what its
+field allows. Unknown fields are refused (an allowlist: torch's next format is refused until read here).
 
-- every member is one the loader reads as tensors, text or JSON, and every pickle in it loads with
-  `weights_only`;
-- every operator of its graphs (subgraphs included) is an ATen or prims operation other than those that touch
-  files or print (`FILE_OPERATIONS`), a control-flow operator over subgraphs, or one of the few Python
-  functions an export records for shape arithmetic;
-- every string of the program is what its place allows: identifiers for names, dotted identifiers for the
-  weights' names, shape expressions of numbers, symbols and arithmetic, no guard code, no string inputs;
-  a field the toolkit does not know is refused too (an allowlist: torch's next format is refused until the
-  toolkit has read it).
-
-The archive is read as each of torch's readers reads it: the members torch's own zip reader (miniz, the format of
-torch >= 2.7) lists and finds by name, and those Python's zipfile lists (torch 2.6's only reader, and later torch's
-fallback to the older format). The two can differ in one file (miniz finds a name in any case; it reads the
-directory the end record's offset names, where zipfile takes the one just before the end record), so each view is
-checked, and names that differ only in case are refused.
-
-`untrusted_content(path)` lists what breaks that; an empty list is a program the toolkit may load.
+The archive is checked as each of torch's readers sees it (miniz, the newer format's; zipfile, the older's and the
+fallback): they can find other members in one file, and names that differ only in case are refused.
 """
 
 from __future__ import annotations
@@ -99,8 +82,7 @@ LIST_FIELDS = frozenset({"as_strings", "forward_arg_names", "field_names", "veri
 
 
 def untrusted_content(path: Path) -> list[str]:
-    """What in the export archive at `path` is more than tensors and tensor operations (each finding a short
-    phrase naming it); [] when the archive is data. Reads the archive; loads nothing from it."""
+    """What in the export archive at `path` is more than tensors and tensor operations ([]: data); loads nothing."""
     findings: list[str] = []
     with zipfile.ZipFile(path) as archive:  # the older format's reader (and the newer format's members, as listed)
         names = archive.namelist()
@@ -126,8 +108,7 @@ def _same_names(names: list[str]) -> bool:
 
 
 def _check_member(read, name: str, findings: list[str]) -> None:
-    """A member as Python's zipfile lists it (`read(name)` its bytes): the older format's at the top level, the
-    newer format's under the archive's root folder."""
+    """A member as zipfile lists it: the older format's at the top, the newer's under the root folder."""
     if name in (OLD_PROGRAM, "version") or name.startswith("extra_files/") and "/" not in name[12:]:
         if name == OLD_PROGRAM:
             _check_program(read(name), name, findings)
@@ -143,8 +124,7 @@ def _check_member(read, name: str, findings: list[str]) -> None:
 
 
 def _check_relative(read, name: str, relative: str, findings: list[str]) -> None:
-    """A member of the newer format by its name under the root folder (`relative`); `read(name)` its bytes (a
-    member torch's reader lists but cannot read is one torch cannot load either)."""
+    """A newer-format member by its name under the root folder (one torch cannot read, torch cannot load)."""
     def data() -> bytes:
         try:
             return read(name)
@@ -167,8 +147,7 @@ def _check_relative(read, name: str, relative: str, findings: list[str]) -> None
 
 
 def _check_pickle(data: bytes, name: str, findings: list[str]) -> None:
-    """A pickled member must load with weights_only: torch tries that first and, where it fails, unpickles fully
-    (example inputs, legacy weights), so one that fails here is one that would run its globals."""
+    """A pickle must load weights-only: where that fails, torch unpickles fully."""
     if not data:
         return
     try:
@@ -299,8 +278,8 @@ def _allowed_operator(target: str) -> bool:
 
 
 def _plain_expression(text: str) -> bool:
-    """A shape expression sympy may evaluate: calls of SYMPY_FUNCTIONS, symbols, numbers and arithmetic; text
-    only as a symbol's name or a number (sympy turns any other string it is given into code)."""
+    """A shape expression sympy may evaluate (SYMPY_FUNCTIONS, symbols, numbers, arithmetic): sympy turns any other
+    string into code."""
     try:
         tree = ast.parse(text, mode="eval")
     except (SyntaxError, ValueError, RecursionError):
@@ -331,8 +310,7 @@ def _plain_expression(text: str) -> bool:
 
 
 def _plain_tree_spec(text: str) -> bool:
-    """An input or output structure (a pytree spec in JSON) whose every string, the context's too, is a dotted
-    name: the kwargs' names in it are written into the module's generated code."""
+    """A pytree spec (JSON) whose every string is a dotted name: kwargs' names go into the generated module's code."""
     try:
         spec = json.loads(text)
     except (json.JSONDecodeError, RecursionError):

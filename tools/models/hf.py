@@ -1,21 +1,10 @@
-"""Hugging Face transformers image classifiers (the `hf:ORG/NAME` and `hf:PATH` source, optional extra [hf]).
+"""Hugging Face transformers image classifiers (the `hf:ORG/NAME[@REVISION]` and `hf:PATH` source, extra [hf]).
 
-`AutoModelForImageClassification` loads the model in float32 without remote code (a model or image processor
-that ships its own code is refused unless `--trust-remote-code`) and its weights as safetensors or with
-`weights_only` unpickling. `hf:ORG/NAME@REVISION` picks a hub revision. The image processor gives the input size
-(inputs of another size are resized inside the model), and what it does to the pixels is measured by running it
-on probe images with resizing and cropping off: a per-channel affine map (rescaling, normalisation, or none) and
-a channel order (BGR for some), taken into the model; a processor that does anything else is refused. Without a
-processor config, the class-count rule's mean/std is used, with a warning. The labels decide what the model is,
-in their `id2label` order:
-
-- 1000 labels: an ImageNet head, through the ImageNet->IN-9 map. Accepted when the labels name ImageNet's
-  classes at the checked indices (`IMAGENET_LANDMARKS`, the first WordNet lemma as transformers' ImageNet
-  configs write it, "tench, Tinca tinca"), or are transformers' placeholders (LABEL_0 ...), which name nothing
-  and are taken in ImageNet's order, as the log says.
-- 9 labels: an IN-9 model, when label i names IN-9 class i (dog, 00_dog, Dog or its WordNet id) or the labels
-  are placeholders.
-- anything else is refused.
+Loaded in float32 without remote code unless `--trust-remote-code`, weights as safetensors or `weights_only`. What the
+image processor does to pixels is measured on probe images (`pixel_map`): a per-channel affine map and a channel order,
+taken into the model; anything else is refused. The labels decide the head (`check_labels`): 1000 ImageNet labels
+(checked at `IMAGENET_LANDMARKS`) or 9 IN-9 ones, placeholders (LABEL_0 ...) taken in order; any other is refused. See
+docs/zoo.md.
 """
 
 from __future__ import annotations
@@ -59,8 +48,7 @@ PROBE_TOLERANCE = 1e-4  # how far a processor's output may be from the affine ma
 
 
 class Logits(nn.Module):
-    """A transformers classifier as a plain one: pixel values in (channels reordered as its processor does),
-    `outputs.logits` out."""
+    """A transformers classifier as a plain one: pixels in (channels as its processor orders them), logits out."""
 
     def __init__(self, model: nn.Module, channel_order: tuple[int, ...] = (0, 1, 2)):
         super().__init__()
@@ -78,9 +66,8 @@ def _transformers():
 
 
 def check_remote_code(config: dict, what: str, trust_remote_code: bool) -> None:
-    """One line refusing a config whose auto_map names code of its own, unless the user opted in; trusted, the
-    code it names must be a module of the model's own folder: code of another repository (`ORG/NAME--module.Class`)
-    is refused either way, since it would not be in the model's record."""
+    """One line refusing a config's own code unless trusted; another repository's code is refused either way (it would
+    not be in the model's record)."""
     auto_map = config.get("auto_map")
     if not auto_map:
         return
@@ -101,9 +88,8 @@ def check_remote_code(config: dict, what: str, trust_remote_code: bool) -> None:
 
 
 def check_timm_wrapper(config: dict, what: str) -> None:
-    """transformers builds a wrapped timm model (model_type timm_wrapper) with `timm.create_model(architecture,
-    **model_args)`: one line refusing an architecture timm would read from a folder or the Hub (`local-dir:`,
-    `hf-hub:`) or model_args that load weights (`recorded_arguments`), before transformers runs."""
+    """One line refusing a timm_wrapper config that would make timm read a folder or the Hub, or load weights, before
+    transformers runs `timm.create_model`."""
     if config.get("model_type") != TIMM_WRAPPER:
         return
     architecture = config.get("architecture")
@@ -114,8 +100,7 @@ def check_timm_wrapper(config: dict, what: str) -> None:
 
 
 def check_attention(config: dict, what: str) -> None:
-    """One line refusing a config (or a sub-config of it) that asks for attention other than transformers' own
-    (`ATTENTION_IMPLEMENTATIONS`); a setting may name one per sub-config, in a dict."""
+    """One line refusing a (sub-)config asking for attention other than `ATTENTION_IMPLEMENTATIONS`."""
     pending = [config]
     while pending:  # a config nests as deep as the JSON parser goes: no recursion here
         settings = pending.pop()
@@ -213,8 +198,7 @@ def _input_shape(size, what: str) -> tuple[int, int]:
 
 
 def _resample_mode(resample, what: str) -> str:
-    """The interpolation of an image processor's `resample`, PIL's code (2 bilinear, 3 bicubic; others: bicubic);
-    else one line."""
+    """The interpolation of a processor's PIL `resample` (2 bilinear, else bicubic); else one line."""
     code = getattr(resample, "value", resample)
     if code is None:
         return "bicubic"
@@ -225,9 +209,9 @@ def _resample_mode(resample, what: str) -> str:
 
 
 def pixel_map(processor, shape: tuple[int, int], what: str):
-    """(mean, std, channel order) such that the processor's output channel k, on images of `shape` with resizing
-    and cropping off, is (x[order[k]] - mean[order[k]]) / std[order[k]] for x in [0, 1]; measured on probe images
-    (black, each channel alone at 255) and checked on a random one. One line refusing any other processing."""
+    """(mean, std, channel order) such that the processor's output channel k, with resizing and cropping off, is
+    (x[order[k]] - mean[order[k]]) / std[order[k]] for x in [0, 1]; measured on probe images, checked on a random one;
+    any other processing is refused in one line."""
     height, width = shape
     probes = [np.zeros((height, width, 3), np.uint8)]
     for channel in range(3):
@@ -269,9 +253,8 @@ def _processor_file(transformers, source: str, revision: str | None) -> Path | N
 
 def _processor_settings(transformers, source: str, revision: str | None, config: dict, found: Path | None,
                         what: str, trust_remote_code: bool):
-    """(mean, std) or None, the channel order, the input size and the resize mode, from the model's image
-    processor (its config `found`); without a processor config, the class-count rule (with a warning) and the
-    config's image size."""
+    """(mean, std) or None, channel order, input size and resize mode from the processor config `found`; without one,
+    the class-count rule (warned) and the config's image size."""
     if found is None:
         shape = _input_shape(config.get("image_size", IMAGE_SIZE), f"{what}'s config.json image_size")
         log.warning("%s has no %s: normalised with the class-count rule's mean/std, %dx%d inputs", what,
@@ -296,9 +279,8 @@ def _json(path: Path) -> dict:
 
 
 def _weights_files(folder: Path) -> list[Path]:
-    """The files transformers loads the weights from, in its order of preference: one file, else the shards its
-    index names (other *.safetensors or *.bin files in the folder are not the model's), each inside the model's
-    folder: named without `..` and, through links, in the folder (`hub.files_root`), the one file too."""
+    """The files transformers loads the weights from, in its order (one file, else its index's shards), each inside the
+    model's folder (through links too: `hub.files_root`)."""
     root = hub.files_root(folder)
     for single, index in WEIGHTS_FILES:
         if (folder / single).is_file():
@@ -322,11 +304,7 @@ def _weights_files(folder: Path) -> list[Path]:
 
 def _record_inputs(record: ModelRecord, files: list[Path], folder: Path, processor_file: Path | None,
                    code: list[Path], adapter: list[Path], pixels: dict) -> None:
-    """What the model is made of, into its record: its weights (a sharded checkpoint's index and shards), its config
-    (labels, architecture), its processor's config and what that processor does to the pixels (mean/std, channel
-    order, input size, resampling), the code it ships (with --trust-remote-code) and the transformers version that
-    read them all, so that a changed config, processor or code is another model; the peft adapter transformers put
-    on the model (`_adapter_files`) with peft's version."""
+    """Record the weights, config, processor and pixel map, shipped code, an adapter and the libraries."""
     record.library(_transformers())
     if len(files) == 1:
         record.read_file(files[0], "weights")
@@ -345,8 +323,7 @@ def _record_inputs(record: ModelRecord, files: list[Path], folder: Path, process
 
 
 def _adapter_files(model: nn.Module, folder: Path) -> list[Path]:
-    """The files of the peft adapter that transformers put on the model it loaded from `folder` (one that holds
-    adapter_config.json beside the model's files): its config and the weights file peft reads."""
+    """The config and weights of the peft adapter transformers put on the model from `folder`."""
     if not getattr(model, "_hf_peft_config_loaded", False):
         return []
     weights = [folder / name for name in adapters.ADAPTER_WEIGHTS if (folder / name).is_file()][:1]
@@ -354,8 +331,7 @@ def _adapter_files(model: nn.Module, folder: Path) -> list[Path]:
 
 
 def remote_code_files(folder: Path, *configs: dict) -> list[Path]:
-    """The code a model or processor that ships its own (an auto_map in its config) runs: the Python files of its
-    folder, which transformers copies and imports them from (`check_remote_code` refuses code from elsewhere)."""
+    """The Python files of the model's folder, which transformers copies and imports a shipped auto_map's code from."""
     if not any(config.get("auto_map") for config in configs):
         return []
     return sorted(path for path in folder.rglob("*.py") if path.is_file())
@@ -363,9 +339,7 @@ def remote_code_files(folder: Path, *configs: dict) -> list[Path]:
 
 def load_transformers(name: str, normalize: Normalization, record: ModelRecord, runtime=None,
                       trust_remote_code: bool = False) -> LoadedModel:
-    """`hf:` + `name`: a local save_pretrained folder, else a hub repository (`ORG/NAME[@REVISION]`, from its
-    cache, HF_HUB_OFFLINE honoured), recorded in `record`. trust_remote_code: run the code a model or processor
-    ships (--trust-remote-code)."""
+    """`hf:` + `name`: a save_pretrained folder, else a cached hub repository, recorded in `record`."""
     transformers = _transformers()
     what = f"{HF_PREFIX}{name}"
     local = Path(name).expanduser()

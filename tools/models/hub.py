@@ -1,5 +1,6 @@
-"""The Hugging Face Hub cache, as the `timm:` and `hf:` sources read it: where it is, which cached file a
-repository's weights are, and the one line that says what to do when they are not there."""
+"""The Hugging Face Hub cache as the `timm:` and `hf:` sources read it: where it is, which cached file a repository's
+weights are, and the one line for when they are not there.
+"""
 
 from __future__ import annotations
 
@@ -44,25 +45,21 @@ def snapshot_revision(path: Path) -> str | None:
 
 
 def in_cache(path: Path) -> bool:
-    """Whether `path` is a file of a hub cache: a snapshot's (a link) or a blob it links to (recorded resolved by
-    older versions), whose content depends on where refs/ point now."""
+    """Whether `path` is a hub cache's file, whose content depends on where refs/ point now."""
     parts = Path(path).parts
     return snapshot_revision(path) is not None or (
         len(parts) >= 3 and parts[-2] == "blobs" and parts[-3].startswith(("models--", "datasets--")))
 
 
 def inside_folder(name: str) -> bool:
-    """Whether a relative name a model's JSON gives (a shard, a module, a weights file) stays inside the folder it
-    is read from: not absolute, no `..`, no drive. (A hub snapshot's files are links to ../../blobs/: the cache's
-    own, not names a JSON gives.)"""
+    """Whether a relative name a model's JSON gives stays inside its folder (not absolute, no `..`, no drive)."""
     path = PurePosixPath(name.replace("\\", "/"))
     return bool(name) and not path.is_absolute() and ".." not in path.parts and ":" not in name
 
 
 def files_root(folder: Path) -> Path:
-    """The folder a model's files may resolve into, through links: for a Hugging Face cache snapshot and any folder in
-    it (a repository of several models or adapters), however named ('.', a link), the repository's folder (its
-    snapshots' files are links into its blobs/); else the folder itself."""
+    """The folder a model's files may resolve into through links: the repository's folder for a hub snapshot or a folder
+    in it, however named; else the folder itself."""
     folder = folder.resolve()
     for inside in (folder, *folder.parents):
         if inside.parent.name == "snapshots" and (inside.parent.parent / "blobs").is_dir():

@@ -1,6 +1,6 @@
-"""Unpickling a checkpoint file safely (`weights_only` unless trusted, an unsafe or unreadable file one error
-line) and loading a state dict strictly (every missing, unexpected or misshapen key named): shared by
-`tools.models.checkpoints` and `tools.models.adapters`, which reads adapter weights with them."""
+"""Unpickling a checkpoint safely (`weights_only` unless trusted; an unsafe or unreadable file is one error line) and
+loading a state dict strictly (every bad key named), for `checkpoints` and `adapters`.
+"""
 
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def _blocked_globals(path: Path, exc: Exception) -> list[str]:
-    """The globals a weights-only load refused: listed from a zip checkpoint, else read off the error; the file's own
-    classes first, torch's building blocks after them, each sorted (torch lists them in a set's order, another in
-    every process)."""
+    """The globals a weights-only load refused, the file's own then torch's, each sorted (torch's order varies)."""
     allowed = {f"{cls.__module__}.{cls.__qualname__}" for cls in SAFE_CLASSES}
     try:
         found = list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
@@ -50,14 +48,12 @@ FULL_UNPICKLING_SWITCH = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 
 
 def full_unpickling_forced() -> bool:
-    """Whether `FULL_UNPICKLING_SWITCH` is on: a library that reads a weights file without saying weights_only then
-    runs the code a pickle holds (the toolkit says it at every torch.load)."""
+    """Whether `FULL_UNPICKLING_SWITCH` makes a load without weights_only run a pickle's code."""
     return os.environ.get(FULL_UNPICKLING_SWITCH, "0").lower() in ("1", "y", "yes", "true")
 
 
 def torch_load(path: Path, trust: bool):
-    """The unpickled file: `weights_only=True` unless trusted (with SAFE_CLASSES allowed); an unsafe or unreadable
-    file is one error line."""
+    """The unpickled file: weights-only (SAFE_CLASSES allowed) unless trusted; else one error line."""
     if trust:
         log.warning("loading %s with full unpickling (%s): only do this for files you trust", path,
                     option("--trust-checkpoint"))
@@ -83,9 +79,8 @@ def torch_load(path: Path, trust: bool):
 
 
 def read_problem(exc: Exception) -> str:
-    """Why torch.load could not read a file, in one line: the message of an error about the file (torch's archive
-    reader, a file cut short), or, for what an unpickler meeting bytes that are no pickle raises (an IndexError,
-    KeyError, struct.error, ...), that it does not unpickle and the error with its type."""
+    """Why torch.load could not read a file, in one line (for an unpickler's error on bytes that are no pickle: that it
+    does not unpickle)."""
     if isinstance(exc, EOFError):  # an empty or cut file: torch's message, if any, says only "Ran out of input"
         return f"it ends too early ({type(exc).__name__}{': ' + first_line(exc) if str(exc).strip() else ''})"
     if isinstance(exc, (RuntimeError, OSError, ValueError)) and type(exc).__module__ == "builtins":

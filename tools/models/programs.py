@@ -1,7 +1,7 @@
-"""Programs as classifiers: a `torch.export` archive (.pt2) or a TorchScript one, told apart by their contents
-(`program_kind`), refused unless trusted where they could run code of their own (`check_program_trusted`; the archive
-check itself is `tools.models.export_archive`), and loaded for one device with the devices their code names pointed
-there (`load_program`)."""
+"""Programs as classifiers: torch.export and TorchScript archives, told apart by content (`program_kind`), refused
+unless trusted where they could run code of their own (`check_program_trusted`), and loaded for one device with the
+devices their code names pointed there (`load_program`).
+"""
 
 from __future__ import annotations
 
@@ -41,8 +41,7 @@ def program_kind(path: Path) -> str | None:
 
 
 def program_problem(exc: Exception) -> str:
-    """The useful line of a program's failure: TorchScript's interpreter puts the cause (`SomeError: ...`) after
-    the program's code, sometimes followed by a Python stack."""
+    """The useful line of a program's failure (TorchScript puts the cause after the program's code)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     causes = [line for line in lines if re.match(r"\w+(Error|Exception): ", line)]
     if lines and "TorchScript interpreter" in lines[0] and causes:
@@ -51,12 +50,8 @@ def program_problem(exc: Exception) -> str:
 
 
 class Program(nn.Module):
-    """A TorchScript or torch.export program as a module, loaded for one device.
-
-    Tracing and export write devices into the program's code as constants (`torch.zeros(..., device=x.device)`
-    becomes "the device it was traced on"), which `.to()` does not move. The loader points them at the run's
-    device before the first run, and a graph that has run keeps its compiled plan; so a program whose code names
-    a device refuses a later move elsewhere, which would take only its weights along."""
+    """A TorchScript or torch.export program as a module, loaded for one device: the devices its code names point there,
+    so it refuses a later move elsewhere, which would take only its weights."""
 
     def __init__(self, program: nn.Module, kind: str, device: torch.device, names_devices: bool):
         super().__init__()
@@ -80,9 +75,8 @@ ATTENTION = "aten.scaled_dot_product_attention"
 
 
 def exact_kernel_hint(program: nn.Module) -> str | None:
-    """Why a torch.export program that fails in the exact mode's kernels may fail there, where its graph says: an
-    attention exported by torch 2.6 is laid out as the kernel it was exported with lays it (a `.contiguous()` after
-    it dropped), which the math kernel does not. None where the graph holds no attention."""
+    """Why an export program may fail in the exact mode's kernels: torch 2.6 exported attention in its kernel's layout,
+    which the math kernel does not take. None without attention."""
     if not any(str(node.target).startswith(ATTENTION) for sub in program.modules()
                if isinstance(sub, torch.fx.GraphModule) for node in sub.graph.nodes):
         return None
@@ -92,8 +86,7 @@ def exact_kernel_hint(program: nn.Module) -> str | None:
 
 
 class ExportedModule(Program):
-    """An exported program, whose mode was fixed when it was exported: it refuses train()/eval(), so those set
-    this wrapper's flag and do not reach into it."""
+    """An exported program, its mode fixed at export: train()/eval() set this wrapper's flag only."""
 
     def __init__(self, program: nn.Module, kind: str, device: torch.device, names_devices: bool):
         super().__init__(program, kind, device, names_devices)
@@ -113,18 +106,15 @@ class ExportedModule(Program):
 
 
 def exported_module(program, device: torch.device) -> tuple[ExportedModule, set[str]]:
-    """A torch.export program (`ExportedProgram`) as a module on `device`, the devices its code names moved there
-    too (torch's move_to_device_pass); and the devices its code named."""
+    """A torch.export program as a module on `device`, its code's devices moved too; and those devices."""
     from torch.export.passes import move_to_device_pass  # noqa: PLC0415 (torch.export loads only for programs)
     named = graph_devices(program.graph_module)
     return ExportedModule(move_to_device_pass(program, device).module(), "export", device, bool(named)), named
 
 
 def batch_range(module: nn.Module) -> tuple[int, int | None] | None:
-    """The batch sizes an exported program's module takes, (lowest, highest or None for no bound), from its first
-    input's shape as export recorded it: one size where it was exported without a dynamic batch dimension
-    (torch.export's default), else the range of the dimension's symbol. None where that is not recorded, or for a
-    module that is not an exported graph."""
+    """The batch sizes an exported module takes, (lowest, highest or None), from its first input's recorded shape; None
+    where unrecorded."""
     graph = module.program if isinstance(module, Program) else module
     if not isinstance(graph, torch.fx.GraphModule):
         return None
@@ -148,10 +138,9 @@ def batch_range(module: nn.Module) -> tuple[int, int | None] | None:
 
 
 def check_any_batch(module: nn.Module, what: str, also: str = "") -> None:
-    """Refuse an exported program that takes one batch size only (export's default), or a dynamic batch bounded
-    below past 2 (export specialises sizes 0 and 1, so its ranges start at 2 where they take any batch): it fails on
-    the batches a run meets (its last batch, the device check's single images). A maximum (3 or more: a range
-    of 2 is one size) is the run's batch size to keep to: `ExportedModule` refuses a larger batch in one line."""
+    """Refuse an exported program with one batch size (export's default) or a dynamic batch bounded below past 2 (export
+    specialises 0 and 1): a run's last batch and the device check's single images fail. A maximum (3 or more) is kept
+    to: `ExportedModule` refuses a larger batch in one line."""
     found = batch_range(module)
     if found is None:
         return
@@ -174,9 +163,7 @@ def graph_devices(module: nn.Module) -> set[str]:
 
 
 def check_program_trusted(path: Path, kind: str, trust: bool) -> None:
-    """Refuse a program that would run code of its own unless trusted: every TorchScript file (a program, in a
-    language with file operations, that the toolkit cannot check), and a torch.export archive that holds more
-    than tensors and tensor operations."""
+    """Refuse, unless trusted, every TorchScript file and an export archive that is not data."""
     if trust:
         log.info("loading the %s program %s unchecked (%s)", kind, path, option("--trust-checkpoint"))
         return

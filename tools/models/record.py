@@ -1,21 +1,7 @@
-"""What a model is made of: `ModelRecord`, which the loader fills with every input that reached it, and whose digest
-is the model's identity.
-
-A record holds four things, each put there by the code that gives or reads it:
-- settings (`setting`): what the loader was given (the model's name less its files, `--checkpoint-key`,
-  `--lora-alpha`, ...) and what it resolved from them (the state dict's place in the file, a tag's data config,
-  an image processor's pixel map, the normalisation used): JSON values, never paths;
-- files (`read_file`, `read_files`): each file read, under a role ("checkpoint", "weights", "config.json", ...),
-  by its SHA-256 as it is when read; its path is shown but is no part of the identity;
-- libraries (`library`, `code`): the versions of the libraries that read the files and build the model, and
-  the source files of code outside them that the model runs (a pickled module's classes);
-- computed (`computed`): what loading computed that the inputs above do not fix alone (CLIP's text head,
-  encoded on the run's device; seeded random weights, drawn by the installed torch), by digest.
-
-The identity (`digest`) is the SHA-256 of all four (files by role and hash): the same inputs give the same
-identity wherever the files lie, and another input another. The results' provenance shows the record
-(`describe`); resume states and the zoo's "already done" are keyed by its digest. A record is closed (`close`)
-once its model is built: what is recorded later is a bug.
+"""What a model is made of: `ModelRecord`, filled by the loader with every input that reached it (settings, files by
+content, libraries and code, what loading computed); its digest is the model's identity. Settings are JSON values, never
+paths; a record is closed once its model is built (a later write is a bug). See docs/how-it-works.md, "What a model is:
+its identity".
 """
 
 from __future__ import annotations
@@ -79,7 +65,6 @@ def _is_standard_library(path: Path) -> bool:
 
 
 def _version(module) -> str | None:
-    """A module's version: its __version__, else its distribution's."""
     version = getattr(module, "__version__", None)
     if version is not None:
         return str(version)
@@ -90,7 +75,7 @@ def _version(module) -> str | None:
 
 
 def _functions(cls: type) -> list[tuple[str, types.FunctionType]]:
-    """The functions a class defines itself, by name: methods, static and class methods, properties' accessors."""
+    """The functions a class defines itself, by name (methods, static and class methods, properties' accessors)."""
     found = []
     for name, value in sorted(vars(cls).items()):
         if isinstance(value, property):
@@ -104,15 +89,14 @@ def _functions(cls: type) -> list[tuple[str, types.FunctionType]]:
 
 
 def _code_text(code: types.CodeType) -> str:
-    """Compiled code as text, where its source is not kept: its bytecode, constants (nested code alike) and names."""
+    """Compiled code as text (bytecode, constants, names), where its source is not kept."""
     constants = [_code_text(c) if isinstance(c, types.CodeType) else  # a frozenset's order varies by process
                  repr(sorted(map(repr, c))) if isinstance(c, frozenset) else repr(c) for c in code.co_consts]
     return f"{code.co_code.hex()} {constants} {code.co_names} {code.co_varnames}"
 
 
 def _source_text(thing) -> str:
-    """The source of a class or function defined in no file (linecache keeps a notebook cell's), else its
-    functions' sources, or their compiled code."""
+    """The source of a class or function, else (defined in no file) its functions' sources or compiled code."""
     try:
         return inspect.getsource(thing)
     except (OSError, TypeError):
@@ -122,8 +106,7 @@ def _source_text(thing) -> str:
 
 
 def _referenced(function: types.FunctionType) -> tuple[list, dict]:
-    """What a function's code names from its module's globals and its closure, and its default arguments: (the
-    classes, functions and modules, the other values as `_configuration_value`s by name)."""
+    """What a function's code names from its globals and closure, and its defaults: (code; the other values by name)."""
     names, stack = set(), [function.__code__]
     while stack:
         code = stack.pop()
@@ -144,10 +127,7 @@ def _referenced(function: types.FunctionType) -> tuple[list, dict]:
 
 
 def _kept_code(value, depth: int = 0) -> list:
-    """The code a module may call through what it keeps (its attributes, a hook): functions (`self.activation =
-    F.relu`, a closure, a partial's function and arguments), a bound method's function and its object's, a class it
-    keeps (`partial(MyBlock, ...)`), the class of a callable or settings object it keeps (`_settings_object`:
-    `self.activation = Flip()`), in lists, tuples and mappings too."""
+    """The code a module may call through what it keeps (functions, partials, methods, classes), in containers too."""
     if depth > OBJECT_DEPTH:
         return []
     if isinstance(value, functools.partial):
@@ -168,8 +148,7 @@ def _kept_code(value, depth: int = 0) -> list:
 
 
 def _hook_values(module: nn.Module) -> dict:
-    """Which hooks a module runs, in order, each as `_configuration_value` gives it (their code and closures are
-    recorded apart), and whether it is given the keyword arguments: a hook's place and count change the output."""
+    """The hooks a module runs, in order, and whether each gets keyword arguments."""
     described = {}
     for kind, hooks, with_kwargs in (("forward pre-hooks", module._forward_pre_hooks,
                                       module._forward_pre_hooks_with_kwargs),
@@ -180,7 +159,7 @@ def _hook_values(module: nn.Module) -> dict:
 
 
 def described_value(value):
-    """`value` as `_configuration_value` gives it, or, for an object that holds no setting of its own, its class."""
+    """`_configuration_value(value)`, or for an object that holds no setting of its own, its class."""
     described = _configuration_value(value)
     return f"object {type(value).__module__}.{type(value).__qualname__}" if described is _SKIPPED else described
 
@@ -189,8 +168,7 @@ _SKIPPED = object()  # a value that holds no setting of its own (a module, a fun
 
 
 def _tensor_digest(tensor: torch.Tensor) -> str:
-    """A tensor's dtype, shape and the SHA-256 of its bytes; a quantised tensor's integers with its scales and zero
-    points, a sparse one's as dense, a nested one's parts, a meta tensor's (no data) dtype and shape alone."""
+    """A tensor's dtype, shape and SHA-256 of its bytes (quantised, sparse, nested and meta ones too)."""
     tensor = tensor.detach()
     if tensor.is_nested:
         return f"nested {[_tensor_digest(part) for part in tensor.unbind()]}"
@@ -215,8 +193,7 @@ OBJECT_DEPTH = 4  # objects inside objects a configuration follows (a config's s
 
 
 def _attributes(value) -> dict:
-    """An object's attributes by name: its `__dict__`'s and those its classes' `__slots__` hold (a
-    dataclass(slots=True)'s), sorted."""
+    """An object's attributes by name, `__dict__`'s and `__slots__`', sorted."""
     found = dict(getattr(value, "__dict__", {}))
     for cls in type(value).__mro__:
         slots = vars(cls).get("__slots__", ())
@@ -227,9 +204,8 @@ def _attributes(value) -> dict:
 
 
 def _settings_object(value) -> bool:
-    """Whether `value` is an object whose attributes are settings: a dataclass's or a namespace's instance, or one of
-    a class from outside the standard library and torch (a transformers config, a library's or the user's own
-    settings class, in a file or a notebook's cell); not code, a module (walked on its own) or a class."""
+    """Whether `value`'s attributes are settings: a dataclass, a namespace, or an object of a class from outside the
+    standard library and torch."""
     if isinstance(value, (type, types.FunctionType, types.MethodType, types.ModuleType, nn.Module)) or \
             not (hasattr(value, "__dict__") or hasattr(type(value), "__slots__")):
         return False
@@ -255,10 +231,8 @@ def _all_or_skipped(items):
 
 
 def _configuration_value(value, depth: int = 0, within: frozenset = frozenset()):
-    """A value a module was built with as JSON: plain values (numpy's scalars, slices, ranges, bytes too), tensors by
-    digest, functions and classes by name, lists, sets and mappings of them, and a settings object
-    (`_settings_object`) as its class, public attributes and private plain values; `_SKIPPED` for the rest.
-    `within`: the ids of the lists, mappings and objects being walked, each met again (a cycle) recorded as `CYCLE`."""
+    """A value a module was built with as JSON (tensors by digest, code by name, a settings object as its class and
+    attributes), or `_SKIPPED`. `within`: ids being walked; one met again is recorded as `CYCLE`."""
     if isinstance(value, (list, tuple, dict, set, frozenset)):
         if id(value) in within:
             return CYCLE
@@ -322,19 +296,14 @@ WHERE_READ = frozenset({"name_or_path", "_name_or_path"})  # where transformers 
 
 
 def _kept_setting(name: str, value) -> bool:
-    """Whether an attribute of a module or settings object is a setting to record: a public one, or a private plain
-    value (timm's LayerNorm's `_fast_norm`, a transformers config's `_attn_implementation_internal`; not a torch
-    module's, such as torch.compile's wrapper's `_torchdynamo_wrapper_id`, an address); never the folder it was
-    read from (`WHERE_READ`: its files' content is the model)."""
+    """Whether an attribute is a setting to record: a public one, or a private plain value (timm's `_fast_norm`; not a
+    torch module's, such as torch.compile's `_torchdynamo_wrapper_id`, an address); never `WHERE_READ`."""
     plain = value is None or isinstance(value, (bool, int, float, str))
     return name not in WHERE_READ and (not name.startswith("_") or plain)
 
 
 def _configuration_digest(model: nn.Module) -> str:
-    """How each module in `model` was built beyond its state dict and code: its attributes (a convolution's stride
-    and padding, a norm's eps, a CLIP head's image size, a settings object it reads: `_settings_object`; its mode
-    aside), the tensors no state dict holds (buffers that are not persistent, an exported graph's constants), by
-    digest; and the hooks it runs, in order (`_hook_values`)."""
+    """How each module was built beyond its state dict and code: attributes, extra tensors, hooks."""
     configuration = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.jit.ScriptModule):
@@ -351,7 +320,7 @@ def _configuration_digest(model: nn.Module) -> str:
 
 
 def _script_code(module: torch.jit.ScriptModule) -> str:
-    """The digest of a TorchScript module's code: every method's, with the constants it holds (a traced tensor)."""
+    """The digest of a TorchScript module's code: every method's, with its constants."""
     parts = []
     for name in sorted(module._c._method_names()):
         code, constants = module._c._get_method(name).code_with_constants  # a dict (torch's ConstMap wraps it)
@@ -392,8 +361,7 @@ class ModelRecord:
             raise RuntimeError(f"{what} recorded after the model was built: it would not be in its identity")
 
     def setting(self, name: str, value):
-        """Record a setting given or resolved; `value` (returned) must be JSON-like. The same name twice must
-        agree."""
+        """Record a setting given or resolved (JSON-like; returned). The same name twice must agree."""
         self._check_open(f"setting {name!r}")
         plain = _plain(value, name)
         if name in self.settings and self.settings[name] != plain:
@@ -402,8 +370,7 @@ class ModelRecord:
         return value
 
     def compute(self, name: str, value):
-        """Record what loading computed that the recorded inputs do not fix alone (on the run's device, with the
-        installed torch): a digest, usually; `value` is returned."""
+        """Record what loading computed that the inputs do not fix alone (a digest, usually); `value` is returned."""
         self._check_open(f"computed {name!r}")
         plain = _plain(value, name)
         if name in self.computed and self.computed[name] != plain:
@@ -428,8 +395,7 @@ class ModelRecord:
         return entry["sha256"]
 
     def read_files(self, paths, role: str, base: Path) -> str:
-        """Record several files under one role (a sharded checkpoint, a repository's code), by their names
-        relative to `base` and their contents; the SHA-256 of those names and hashes."""
+        """Record several files under one role by their names relative to `base` and contents; the SHA-256 of those."""
         self._check_open(f"files {role!r}")
         paths = sorted(Path(p) for p in paths)
         lines = "".join(f"{p.relative_to(base).as_posix()} {self._hash(p)}\n" for p in paths)
@@ -440,26 +406,21 @@ class ModelRecord:
         return entry["sha256"]
 
     def library(self, module, name: str | None = None) -> None:
-        """Record the version of a library that reads the files or builds the model (its __version__, so a
-        monkeypatched one counts; else its distribution's)."""
+        """Record a library's version (its __version__, so a monkeypatched one counts; else its distribution's)."""
         self._check_open("a library")
         self.libraries[name or module.__name__.split(".")[0]] = _version(module)
 
     def libraries_of(self, module: types.ModuleType) -> None:
-        """Record the versions of the installed libraries (not the standard library) whose modules the library module
-        `module` holds: the code its functions call (open_clip's tokenizer calls ftfy and regex)."""
+        """Record the installed libraries whose modules `module` holds (the code its functions call)."""
         for value in vars(module).values():
             file = getattr(value, "__file__", None) if isinstance(value, types.ModuleType) else None
             if file is not None and _is_library_file(Path(file)) and not _is_standard_library(Path(file)):
                 self.library(value)
 
     def code(self, model: nn.Module) -> None:
-        """Record what a module runs besides its state dict: for each class in it (and its base classes), its
-        library's version, or the source file of a class from outside the installed libraries (a pickled module's
-        own classes), or, where no file holds it (a notebook's), its source; the same for the functions, classes and
-        modules their code calls, and the values it reads from their globals; the code of each TorchScript module
-        in it; the classes themselves by name; and how each module was built (`module configuration`: its
-        attributes, such as a convolution's stride, tensors no state dict holds, hooks, the functions it keeps)."""
+        """Record what a module runs besides its state dict: its classes' libraries or source files (or source, where no
+        file holds it), what their code calls, TorchScript code, and each module's configuration (attributes, extra
+        tensors, hooks, kept functions)."""
         self.setting("module classes",
                      sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}))
         seen: set[int] = set()
@@ -511,8 +472,7 @@ class ModelRecord:
                                        hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest())
 
     def _numbered_setting(self, name: str, value: str) -> None:
-        """Record `value` under `name`, or, where another value holds it (two functions of one name: a factory's
-        closures with other values, two lambdas), under the name numbered, in the order the model is walked."""
+        """Record `value` under `name`, numbered in walk order where another value holds it."""
         numbered, count = name, 1
         while self.settings.get(numbered, value) != value:
             count += 1
@@ -524,13 +484,12 @@ class ModelRecord:
 
     @property
     def digest(self) -> str:
-        """The model's identity: the SHA-256 of its settings, files (by role and content), libraries and what
-        loading computed."""
+        """The model's identity: the SHA-256 of settings, files by role and content, libraries and computed."""
         return self.digest_of(self.describe())
 
     @staticmethod
     def digest_of(described: dict) -> str:
-        """The identity of a record as `describe` gives it (as a results file's provenance holds it)."""
+        """The identity of a record as `describe` gives it (a results file's provenance)."""
         content = _content(described.get("settings", {}), described.get("libraries", {}),
                            described.get("files", {}), described.get("computed", {}))
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()

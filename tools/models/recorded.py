@@ -1,7 +1,6 @@
-"""What a checkpoint file records about its model besides the weights: the header of train.py's checkpoints
-(architecture, builder arguments, input size, normaliser) and what timm's own train.py saves (its model's name,
-its data settings, and which weights it ranked the checkpoint by). Each is checked as it is read: a malformed
-record is one error line."""
+"""What a checkpoint file records about its model besides the weights: train.py's header and timm's train.py's model,
+data settings and ranked weights, each checked as read (a malformed record is one error line).
+"""
 
 from __future__ import annotations
 
@@ -44,10 +43,8 @@ def _timm_args(obj) -> dict:
 
 
 def timm_training_weights(obj) -> tuple[str, str]:
-    """(the key of the weights timm's train.py ranked a checkpoint of it by, which weights those are). With an EMA
-    (`--model-ema`) it validates the EMA's weights and ranks its checkpoints (model_best) by their metric, unless
-    the EMA stays on the CPU unvalidated (`--model-ema-force-cpu`) or nothing is validated (`--val-split ''`, timm
-    0.9.16 on: the model's training loss ranks them); it saves them as state_dict_ema."""
+    """(the key of the weights timm's train.py ranked the checkpoint by, which those are): the EMA's where it validated
+    one, else `state_dict`."""
     has_ema = isinstance(obj.get("state_dict_ema"), Mapping) and bool(obj["state_dict_ema"])
     args = _timm_args(obj)
     if not has_ema:
@@ -85,8 +82,7 @@ def timm_data_args(obj) -> dict:
 
 
 def recorded_architecture(obj) -> str | None:
-    """The architecture a checkpoint records under "arch" (train.py and the zoo write it), if any; timm's own
-    training checkpoints record a bare timm name there (their --model), which is `timm:NAME` here."""
+    """The architecture recorded under "arch", if any; timm's train.py's bare name is `timm:NAME`."""
     arch = obj.get("arch") if isinstance(obj, Mapping) else None
     if not isinstance(arch, str) or not arch:
         return None
@@ -109,9 +105,8 @@ def recorded_normaliser(header: dict, path: Path) -> tuple[torch.Tensor, torch.T
 
 
 def recorded_network(header: dict, path: Path) -> tuple[object, tuple | None]:
-    """(the builder arguments, ((height, width), interpolation) of the input) a trained checkpoint records; older
-    ones record neither (their networks took 224x224 inputs, or those their timm tag gives). The builder arguments
-    are as recorded, for `tools.models.architectures.recorded_arguments` to check."""
+    """(builder arguments, ((height, width), interpolation)) a trained checkpoint records, unchecked; older ones record
+    neither."""
     arch_args, size = header.get("arch_args") or {}, header.get("input_size")
     mode = header.get("interpolation") or "bicubic"
     if size is None:

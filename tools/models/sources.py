@@ -1,16 +1,9 @@
 """Where models come from: a registry of sources chosen by a model name's prefix (`tools.models.spec`).
 
-A source is one function `(name, options, record) -> LoadedModel`, registered with `@register_source("prefix:")`;
-it records in `record` (`tools.models.record.ModelRecord`) every file it reads and every setting it resolves, and
-hands it to `wrap`. `load_model` records what it was given first, so that the model's identity (the record's
-digest) holds every input of the loader but those `NOT_IN_IDENTITY` lists, each with the reason it cannot change
-the logits. The sources:
-`resnet50` (no prefix: a torchvision architecture with its pretrained weights), `timm:NAME`, `toolkit:NAME`,
-`file:PATH` (a checkpoint file; `--checkpoint PATH` is the same source), `clip:ARCH/PRETRAINED`
-(CLIP zero-shot, by default over the 1000 ImageNet class names) and `hf:ORG/NAME` or `hf:PATH` (a transformers
-image classifier). `timm:` and `hf:` read the Hugging Face Hub cache (`tools.models.hub`). With a checkpoint
-(`--checkpoint` or `ARCH@file:PATH`), the architecture named (`tools.models.architectures`) is built and the file's
-weights loaded into it.
+A source is one function `(name, options, record) -> LoadedModel`, registered with `@register_source("prefix:")`; it
+records every file it reads and setting it resolves in `record` and hands it to `wrap`. `load_model` records what it was
+given first, so the identity holds every input of the loader but those `NOT_IN_IDENTITY` lists, each with its reason.
+The sources: docs/how-it-works.md, "Models and checkpoints", and docs/zoo.md; adding one: docs/extending.md.
 """
 
 from __future__ import annotations
@@ -114,23 +107,16 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
                progress: bool = False, lora_alpha: float | None = None, lora_rslora: bool = False,
                lora_options: tuple[str, str] | None = adapters.CLI_LORA_OPTIONS,
                trust_remote_code: bool = False, cache: DecodedCache | None = None) -> LoadedModel:
-    """The model the command line describes, wrapped to take pixels, with the record of every input it was given
-    and read (`LoadedModel.record`; its digest, `LoadedModel.identity`, is the model's identity).
+    """The model the command line describes, wrapped to take pixels, with the record of every input
+    (`LoadedModel.record`; its digest is `LoadedModel.identity`).
 
-    arch: a model name (`tools.models.spec`; default: resnet50); with a checkpoint (`checkpoint`, or the
-    name's own `@file:PATH`), the architecture its weights go into (a TorchScript or export program carries
-    its own). in9: True (--in9), False (--no-in9), or None to follow the model's class count. runtime: where
-    work done at load time runs (CLIP encodes its prompts there); default the CPU. The model itself is
-    returned on the CPU, except a TorchScript or export program, which is loaded for the runtime's device
-    (the devices its code names pointed there) and probed there. A peft adapter folder (`--checkpoint DIR`,
-    `ARCH@file:DIR`, `ARCH@file:BASE@file:DIR`) goes on the model the rest describes and is merged into it
-    (into the module its source loaded, inside the toolkit's wrappers). lora_alpha, lora_rslora: the LoRA scaling
-    of a peft-wrapped model's state dict; lora_options: how the caller takes them, as messages name them
-    (`tools.models.adapters.LoraScaling`).
-    trust_remote_code: run the code an `hf:` model or its image processor ships (off: such a model is refused).
-    cache: the run's cache, where work done at load time is kept by its inputs' content for later loads (CLIP's text
-    heads, under `clip-heads/`); None: neither read nor written.
-    """
+    arch: a model name (`tools.models.spec`; default resnet50); with a checkpoint (`checkpoint` or the name's
+    `@file:PATH`), the architecture its weights go into. in9: True, False, or None to follow the class count. runtime:
+    where load-time work runs (default the CPU). The model is returned on the CPU, except a TorchScript or export
+    program, loaded for and probed on the runtime's device. A peft adapter folder is merged into the module its source
+    loaded. lora_alpha, lora_rslora: a peft-wrapped state dict's LoRA scaling; lora_options: how messages name them.
+    trust_remote_code: run the code an `hf:` model ships (off: refused). cache: where load-time work is kept by content
+    (CLIP's text heads; None: neither read nor written)."""
     import_torchvision()  # every model library imports it: one that does not match torch is said here, in one line
     lora = adapters.LoraScaling(lora_alpha, lora_rslora, lora_options)
     spec = ModelSpec.parse(arch or DEFAULT_ARCH)
@@ -181,16 +167,12 @@ def load_model(arch: str | None = None, weights: str | None = None, checkpoint: 
 
 
 def _recorded_name(spec: ModelSpec) -> str | None:
-    """The model's name as its identity holds it: an `hf:` model's (a local folder or a hub repository) is its
-    files, recorded by their content where they are read, so that the same files anywhere, by any name, are the
-    same model."""
+    """The model's name as its identity holds it: an `hf:` model's is its files (recorded by content)."""
     return f"{HF_PREFIX}(its files)" if spec.prefix == HF_PREFIX else spec.model
 
 
 def _with_adapter(base: LoadedModel, folder: Path, trust: bool) -> LoadedModel:
-    """The base model with the folder's peft adapter merged into the module its source loaded (the one the
-    adapter was saved on, inside the toolkit's wrappers); the adapter's files and settings go into the base's
-    record."""
+    """The base model with the folder's peft adapter merged into the module its source loaded, recorded."""
     owner, attribute = _innermost(base.model, "classifier")
 
     def place(module: nn.Module) -> nn.Module:
@@ -204,8 +186,7 @@ def _with_adapter(base: LoadedModel, folder: Path, trust: bool) -> LoadedModel:
 
 
 def _innermost(owner: nn.Module, attribute: str) -> tuple[nn.Module, str]:
-    """Where the module a source loaded sits, as (its owner, the attribute), past the toolkit's wrappers around
-    it: the resize to its input size, a transformers model's logits, CLIP's zero-shot head on its image tower."""
+    """(owner, attribute) of the module a source loaded, past the toolkit's wrappers."""
     from tools.models.clip import ZeroShotClassifier  # noqa: PLC0415 (the sources' modules import this one)
     from tools.models.hf import Logits  # noqa: PLC0415
     wrapped = {InputResize: "classifier", Logits: "model", ZeroShotClassifier: "visual"}
@@ -243,12 +224,11 @@ def resolve_weights(arch: str, name: str | None):
 
 
 def _download_weights(weights, record: ModelRecord) -> tuple[dict, str]:
-    """The weights' state dict and the file it was read from (in torch's hub cache), recorded as the weights.
+    """The weights' state dict and the file it was read from (torch's hub cache), recorded as the weights.
 
-    A missing file is downloaded here, checked against the hash prefix in its name as torch checks it, so that
-    torch's own download line is never printed (it went to stderr on older torch, and goes to stdout on newer,
-    where it would mix with the results). A file already in the cache (perhaps put there by hand, offline) is
-    held to the same hash: another file under that name would silently change every number."""
+    Downloaded here, not by torch, so torch's download line never mixes with the results (stdout on newer torch); a file
+    already cached (perhaps put there by hand) is held to the hash in its name too: another file under that name would
+    silently change every number."""
     url = weights.url
     path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
     named_hash = torch.hub.HASH_REGEX.search(path.name)  # torch's rule: "-<hex>." starts the file's SHA-256
@@ -302,8 +282,7 @@ def torchvision_pretrained(name: str, options: ModelOptions, record: ModelRecord
 
 
 def weights_pipeline(weights) -> tuple[tuple[int, int], str, list[float], list[float]]:
-    """(input size, interpolation, mean, std) of torchvision weights, from their transforms (ImageClassification):
-    the size they crop to, to which the 224x224 images are resized (as a timm model's are to its input size)."""
+    """(input size, interpolation, mean, std) of torchvision weights, from their transforms."""
     transforms = weights.transforms()
     crop = [int(v) for v in transforms.crop_size]
     size = (crop[0], crop[-1])
@@ -355,10 +334,8 @@ def checkpoint_file(path: str, options: ModelOptions, record: ModelRecord) -> Lo
 def fit_named_input(classifier: nn.Module, arch: str | None, runtime: Runtime | None = None,
                     data_args: dict | None = None, path: Path | str | None = None,
                     record: ModelRecord | None = None) -> tuple[nn.Module, dict | None]:
-    """The classifier behind a resize to the input size its architecture's name gives it: a timm tag's data config
-    (`timm:NAME.TAG`, or the default tag of `timm:NAME`) under `data_args` (the settings a timm training checkpoint,
-    `path`, records), and that data config (what it read in `record`); other names give 224x224, the classifier as
-    it is and None."""
+    """The classifier behind a resize to a timm tag's data config (under `data_args`) and that config; other names: the
+    classifier as is and None."""
     if arch is None or not arch.startswith(TIMM_PREFIX):
         return classifier, None
     from tools.models.timm_weights import fit_data_config, tag_data_config  # noqa: PLC0415 (timm, an optional extra)
@@ -376,8 +353,7 @@ def toolkit_untrained(name: str, options: ModelOptions, record: ModelRecord) -> 
 
 
 def _given(options: ModelOptions, normalize: bool = False) -> str:
-    """The options given for a model whose source brings its own weights (and normalisation), as the caller names
-    them: "--checkpoint and --weights"; "" when none is."""
+    """The options given for a model whose source brings its own weights, as the caller names them; "" if none."""
     given = [option("--checkpoint", options.checkpoint) if options.checkpoint is not None else None,
              option("--weights", options.weights) if options.weights is not None else None,
              option("--normalize", options.normalize.value)

@@ -7,13 +7,10 @@
                                adapter folder on ARCH's pretrained weights
     ARCH@file:BASE@file:DIR    the peft adapter folder DIR on ARCH with the weights of the checkpoint BASE
 
-PREFIX (`word:`) picks a model source, and for an architecture its family (no prefix: torchvision); what a
-prefix means is the registries' business (`tools.models.list_sources()`), so that parsing needs neither. A
-family's tag follows its separator: timm's pretrained tag after `.`, open_clip's pretrained weights (and
-options) after `/`; a timm hub name (`hf-hub:ORG/NAME`, whose NAME may hold dots) has no tag. Only `@file:`
-separates a checkpoint: an `@` elsewhere belongs to the name (`hf:ORG/NAME@REVISION`, `hf:/runs/vit@ep10`),
-except in a torchvision name, where it is refused as a file named without `file:`. A name round-trips:
-`str(ModelSpec.parse(text)) == text`.
+PREFIX picks a source and family (none: torchvision); what it means is the registries' business, so parsing needs
+neither. A tag follows its family's separator (timm `.`, open_clip `/`; `hf-hub:` names, which may hold dots, have
+none). Only `@file:` separates a checkpoint: an `@` elsewhere belongs to the name (`hf:ORG/NAME@REVISION`), except in
+a torchvision name, where it is refused. A name round-trips: `str(ModelSpec.parse(text)) == text`.
 """
 
 from __future__ import annotations

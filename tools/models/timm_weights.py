@@ -1,13 +1,10 @@
 """timm models with their pretrained weights (the `timm:NAME[.TAG]` and `timm:hf-hub:ORG/NAME` source).
 
-The weights come through timm's own loading (`timm.create_model(name, pretrained=True)`: the Hugging Face Hub
-cache, `HF_HUB_OFFLINE` honoured, or torch's hub cache for weights at a URL; safetensors or `weights_only`
-unpickling, which timm does on every such path from `SAFE_TIMM` on: older timm is refused), the mean/std, input
-size and interpolation from the model's pretrained config (`timm.data.resolve_data_config`); inputs of another
-size than 224x224 are resized inside the model. The model's record holds the tag, the weights file timm read, the data
-config, timm's version and, for a hub name, the hub's config.json, which timm builds it from (a registered name's
-config comes from timm's registry: a config.json beside its weights is not read, nor recorded).
-`--weights none` builds the architecture with seeded random weights instead.
+Weights come through timm's own loading (the Hugging Face cache, or torch's hub cache for a URL; safetensors or
+`weights_only`, which timm does from `SAFE_TIMM` on: older timm is refused), data settings from the pretrained config;
+other input sizes are resized inside the model. A registered name's config comes from timm's registry (a config.json
+beside its weights is not read, nor recorded); a hub name's from the hub's config.json. `--weights none`: seeded random
+weights.
 """
 
 from __future__ import annotations
@@ -59,11 +56,8 @@ def _random_model(timm, name: str) -> nn.Module:
 
 
 def weights_file(pretrained_cfg: dict) -> Path | None:
-    """The file timm read a model's pretrained weights from, by the config timm loaded them by and in timm's order
-    (`timm.models._builder._resolve_pretrained_source`): for a hub model (source hf-hub, its config the
-    repository's config.json) the repository's cached weights, whatever `file` that config names; else a local
-    `file` (timm's registry's), else the hub repository's cached weights, else the URL's file in torch's hub
-    cache."""
+    """The file timm read a model's pretrained weights from, in timm's order (`_resolve_pretrained_source`): a hub
+    model's cached weights, else a local `file`, else the hub's, else the URL's file in torch's hub cache."""
     if pretrained_cfg.get("file") and pretrained_cfg.get("source") != "hf-hub":
         return Path(pretrained_cfg["file"])
     if pretrained_cfg.get("hf_hub_id"):
@@ -86,8 +80,7 @@ def _fetch_command(name: str) -> str:
 
 
 def _registered_cfg(timm, spec: ModelSpec) -> dict | None:
-    """The pretrained config timm has registered for the name (its default tag without one); None for a hub name,
-    whose config is the hub's."""
+    """timm's registered pretrained config for the name (its default tag without one); None for a hub name."""
     if spec.name.startswith(TIMM_HUB):
         return None
     cfg = timm.models.get_pretrained_cfg(spec.body)
@@ -100,8 +93,7 @@ NOT_FETCHED = (FileNotFoundError, ConnectionError, TimeoutError, urllib.error.UR
 
 
 def _cached_files(spec: ModelSpec, cfg: dict | None) -> Path | None:
-    """The cached file timm was reading when it failed: the weights file of a registered tag (`weights_file`), or a
-    hub repository's cached weights, else its config.json; None when nothing is cached."""
+    """The cached file timm was reading when it failed; None when nothing is cached."""
     if cfg is not None:
         return weights_file(cfg)
     repo = spec.name[len(TIMM_HUB):]
@@ -109,9 +101,7 @@ def _cached_files(spec: ModelSpec, cfg: dict | None) -> Path | None:
 
 
 def _not_loaded_line(spec: ModelSpec, cfg: dict | None, exc: Exception) -> str:
-    """Why timm did not load the weights: an unsafe pickle; cached files timm failed on (damaged, or a config it
-    rejects), named with the cause; or the cache timm reads (Hugging Face's or, for weights at a URL, torch's hub
-    cache) and the command that fetches them."""
+    """Why timm did not load the weights: an unsafe pickle, a cached file it failed on, or how to fetch them."""
     what, fetch = f"the pretrained weights of {spec}", _fetch_command(spec.body)
     if isinstance(exc, pickle.UnpicklingError):
         return f"cannot load {what} safely: weights_only unpickling refused the file ({first_line(exc)})"
@@ -129,8 +119,7 @@ def _not_loaded_line(spec: ModelSpec, cfg: dict | None, exc: Exception) -> str:
 
 
 def hub_config_file(spec: ModelSpec) -> Path:
-    """The config.json in the hub cache that timm builds `timm:hf-hub:ORG/NAME` from (architecture, arguments,
-    pretrained config): read by timm from the same cache, so present once the model is built."""
+    """The cached config.json timm builds `timm:hf-hub:ORG/NAME` from (present once the model is built)."""
     path = hub.cached_file(spec.name[len(TIMM_HUB):], ["config.json"])
     if path is None:
         raise RuntimeError(f"timm built {spec}, but its config.json is not in the hub cache {hub.cache_folder()}")
@@ -139,12 +128,8 @@ def hub_config_file(spec: ModelSpec) -> Path:
 
 def tag_data_config(arch: str, record: ModelRecord | None = None, args: dict | None = None,
                     what: str = "") -> dict | None:
-    """timm's data config (mean, std, input_size, interpolation, crop) for `timm:NAME.TAG`, or for `timm:NAME` its
-    default tag's (as `timm:NAME` loads it; a timm training checkpoint records such a name), read from timm's
-    registry without building the model or loading weights; for `timm:hf-hub:ORG/NAME`, from the repository's
-    cached config.json (as that name loads it). None for other names or an unknown tag. args: settings that
-    override the tag's, as timm's train.py resolves them (its `args`, which `what` records). What it reads goes
-    into `record`: the config.json, timm's version and the data config."""
+    """timm's data config for `timm:NAME[.TAG]` (registry) or `timm:hf-hub:ORG/NAME` (cached config.json), without
+    building; None otherwise. args: overrides as timm's train.py resolves them. Recorded in `record`."""
     spec = ModelSpec.parse(arch)
     if spec.prefix != TIMM_PREFIX:
         return None
@@ -186,8 +171,7 @@ def _record_data_config(data_cfg: dict, timm, record: ModelRecord) -> dict:
 
 
 def fit_data_config(model: nn.Module, data_cfg: dict, used_by: str, runtime=None) -> nn.Module:
-    """The model behind a resize to the input size timm's data config gives it, with its interpolation (bilinear or
-    bicubic; bicubic for the others)."""
+    """The model behind a resize to the data config's input size, with its interpolation (bilinear, else bicubic)."""
     mode = data_cfg.get("interpolation", "bicubic")
     return fit_input_size(model, data_cfg["input_size"][1:], used_by,
                           mode if mode in ("bilinear", "bicubic") else "bicubic", runtime)
@@ -195,8 +179,7 @@ def fit_data_config(model: nn.Module, data_cfg: dict, used_by: str, runtime=None
 
 def load_timm(body: str, weights: str | None, in9: bool | None, normalize: Normalization, record: ModelRecord,
               runtime=None) -> LoadedModel:
-    """`timm:` + `body` with timm's pretrained weights (or seeded random ones for `weights` none), recorded in
-    `record`."""
+    """`timm:` + `body` with timm's pretrained weights (`weights` none: seeded random ones), recorded in `record`."""
     spec = ModelSpec.parse(TIMM_PREFIX + body)
     timm = timm_module(spec)
     check_timm_name(timm, spec)

@@ -1,27 +1,14 @@
-"""TorchScript programs made to compute where and as the run says, by rewriting the graphs of every method of
-every module in them (frozen programs included), once, before the first run.
+"""TorchScript programs made to compute where and as the run says.
 
-- Devices: tracing writes the device it ran on into the code as constants (`torch.zeros(..., device=x.device)`),
-  which `.to()` does not move; they are pointed at the run's device.
-- Function calls: a method calling a traced or scripted function (`prim::CallFunction`) or another module's method
-  (`prim::CallMethod`) is inlined first, so the rewrites reach the callee's code too; every graph a node holds
-  (`torch.jit.fork`'s subgraph, an awaitable's: code that runs beside the method's own) is rewritten as a graph
-  of its own, its calls inlined as well.
-- Convolutions: tracing records `aten::_convolution(..., benchmark, deterministic, cudnn_enabled, allow_tf32)`
-  with cuDNN's flags of the tracing process as constants (torch's defaults: TF32 on, any algorithm), so the
-  flags a `Runtime` sets never reach them. Each becomes `aten::convolution` of the same first nine inputs,
-  which reads the flags when it runs, as eager code does.
+The graphs of every method of every module in them (frozen programs, called functions and methods, forked subgraphs
+included) are rewritten once, before the first run:
+- devices tracing wrote into the code as constants, which `.to()` does not move, point at the run's device;
+- `aten::_convolution`, whose cuDNN flags tracing baked in (torch's defaults: TF32 on), becomes `aten::convolution` of
+  the same first nine inputs, which reads the flags when it runs, as eager code does.
 
-Other constants of that kind that tracing bakes are left as they are, because they cannot change a result here:
-`batch_norm`'s and `layer_norm`'s `cudnn_enabled` (`torch.backends.cudnn.enabled`, which the toolkit never turns
-off) and `dropout`'s `train` (False in an eval-mode trace; a trace in training mode is refused by the start-up
-check, `tools.models.device_check.training_mode_operations`). `scaled_dot_product_attention` stays one operation
-whose backend is chosen when it runs (`tools.runtime.exact_kernels`). Not rewritten, and able to change the last
-bits: `aten::_native_multi_head_attention`, which a MultiheadAttention traced under no_grad records and which the
-`mha_fastpath` switch cannot reach; it still computes in fp32, by another kernel than the math backend.
-
-A program that has run once (tracing runs it) keeps running the code it ran first, which no later rewrite
-reaches: a program in memory is rewritten as a fresh copy (`rewritten`).
+A program that has run once (tracing runs it) keeps running the code it ran first: a program in memory is rewritten as a
+fresh copy (`rewritten`). What else tracing bakes, and why it is left: docs/how-it-works.md, "What is exact on each
+device, and why" (traced convolutions).
 """
 
 from __future__ import annotations
@@ -40,8 +27,7 @@ CONVOLUTION_INPUTS = 9  # input, weight, bias, stride, padding, dilation, transp
 
 
 def graph_nodes(block):
-    """Every node of a graph or block, the nodes of nested blocks (if, loop) included. A node may also hold graphs of
-    its own (`subgraphs`): they are not entered here, since their nodes are inserted through their own graph."""
+    """Every node of a graph or block, nested blocks included; not the graphs a node holds (`subgraphs`)."""
     for node in block.nodes():
         yield node
         for inner in node.blocks():
@@ -49,8 +35,7 @@ def graph_nodes(block):
 
 
 def subgraphs(graph):
-    """The graphs the nodes of `graph` hold (at any depth of blocks, not within each other): `torch.jit.fork`'s
-    `Subgraph`, which runs the forked code, an awaitable's, any graph attribute."""
+    """The graphs the nodes of `graph` hold at any depth (a fork's, an awaitable's, any graph attribute)."""
     for node in graph_nodes(graph):
         for name in node.attributeNames():
             kind = node.kindOf(name)
@@ -61,7 +46,6 @@ def subgraphs(graph):
 
 
 def _inlined(graph):
-    """`graph` with its function and method calls inlined, then every graph its nodes hold, the same way."""
     torch._C._jit_pass_inline(graph)
     held = list(subgraphs(graph))
     yield graph
@@ -70,11 +54,8 @@ def _inlined(graph):
 
 
 def method_graphs(module: torch.nn.Module):
-    """The graph of every method of every TorchScript module in `module`, and every graph its nodes hold (a forked
-    call's), each with its function and method calls inlined first (`prim::CallFunction`, as to a traced or
-    scripted function, hides the callee's code in a graph of its own that no module lists): the code that runs,
-    all of it in graphs the rewrites see, each graph with nodes of its own (`graph_nodes`). Inlining is what the
-    graph executor does before running them anyway."""
+    """Every method's graph of every TorchScript module in `module`, and the graphs its nodes hold, calls inlined first
+    (as the graph executor does): all the code that runs."""
     for sub in module.modules():
         if isinstance(sub, torch.jit.ScriptModule):
             for name in sub._c._method_names():
@@ -97,9 +78,8 @@ def point_devices(module: torch.jit.ScriptModule, device: torch.device) -> set[s
 
 
 def unbake_convolutions(module: torch.jit.ScriptModule) -> int:
-    """Replace every `aten::_convolution` (its cuDNN flags fixed when traced) by `aten::convolution` of its first
-    nine inputs (the flags read when it runs); how many were replaced. Equal to the unrewritten program wherever
-    its flags agree with the process's, and to eager code everywhere."""
+    """Replace every `aten::_convolution` by `aten::convolution` of its first nine inputs; how many. Equal to the
+    unrewritten program where flags agree, and to eager code everywhere."""
     count = 0
     for graph in method_graphs(module):
         for node in list(graph_nodes(graph)):
@@ -115,8 +95,7 @@ def unbake_convolutions(module: torch.jit.ScriptModule) -> int:
 
 
 def baked_convolutions(module: torch.nn.Module) -> int:
-    """How many `aten::_convolution` the code of the TorchScript programs in `module` holds (read on copies of their
-    graphs: nothing is changed)."""
+    """How many `aten::_convolution` the TorchScript programs in `module` hold (read on copies: nothing changes)."""
     count = 0
     for sub in module.modules():
         if isinstance(sub, torch.jit.ScriptModule):
@@ -127,13 +106,8 @@ def baked_convolutions(module: torch.nn.Module) -> int:
 
 
 def rewritten(module: torch.nn.Module) -> torch.nn.Module:
-    """`module` with the convolutions of every TorchScript program in it reading the run's flags, as they run: each
-    program (the module itself or one inside it) that bakes a convolution is replaced by a copy, saved and loaded
-    again so that no graph executor holds its old code, with its convolutions rewritten (`unbake_convolutions`)
-    before it first runs. The caller's module is left as it is: the modules on the way to a replaced program are
-    shallow copies (their parameters and the other submodules shared). A program that cannot be saved (code left
-    in Python, `torch.jit.ignore`) keeps its flags, with a warning; the start-up device check still measures what
-    it computes."""
+    """`module` with each TorchScript program that bakes a convolution replaced by a rewritten, reloaded copy (the
+    caller's left as is). One that cannot be saved keeps its flags, with a warning."""
     if isinstance(module, torch.jit.ScriptModule):
         if not baked_convolutions(module):
             return module
