@@ -1,7 +1,6 @@
-"""Bounding boxes: reading box files (a folder of Pascal VOC XML, or a CSV; formats in docs/data.md, build) and
-carrying boxes through the resize and crop. Every box is (x0, y0, x1, y1) in pixels, half-open as in
-tools.data.variations; boxes read from files stay floats until `pixel_box` rounds them outwards. A VOC box is
-named by its XML file's name, never by <filename> (some ImageNet files hold a placeholder there)."""
+"""Bounding boxes: reading box files (VOC XML folder or CSV: docs/data.md, build) and carrying boxes through the
+resize and crop. Boxes are (x0, y0, x1, y1) pixels, half-open, floats until `pixel_box` rounds them outwards. A
+VOC box is named by its XML file's name, not <filename> (some ImageNet files hold a placeholder there)."""
 
 from __future__ import annotations
 

@@ -339,7 +339,6 @@ def _run_all(fn, items: list, workers: int, progress: bool, desc: str) -> None:
 
 def _write(result: BuildResult, folder: Path, image_format: ImageFormat, quality: int, workers: int,
            progress: bool, split: str = SPLIT) -> None:
-    """The variations and masks of `result` in the release's layout under `folder`."""
     extension = EXTENSIONS[image_format]
     for name in LAYOUT_NAMES:
         for cls in result.classes:

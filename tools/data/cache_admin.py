@@ -1,8 +1,6 @@
-"""Seeing and bounding the decoded-data cache (`python -m tools.data cache`): what it holds per kind, and
-removing all of it, the least recently used beyond a size, or what no version reads. A folder holding anything
-the cache does not write is not taken for a cache (a mistyped --cache-dir removes nothing). Last use is the day
-of meta.json's mtime (`store.mark_used`); removal renames first (`temporary.remove_entry`). See
-docs/how-it-works.md, Decoding ("Seeing and bounding the cache")."""
+"""Seeing and bounding the decoded-data cache (`python -m tools.data cache`): what it holds per kind; removing
+all, the least recently used beyond a size, or what no version reads. A folder holding anything the cache does
+not write is refused whole (a mistyped --cache-dir removes nothing). See docs/how-it-works.md, Decoding."""
 
 from __future__ import annotations
 
@@ -56,9 +54,8 @@ def format_size(nbytes: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """A pack or another cache entry: its folder, kind (a pack's, e.g. `image`, or the folder holding another entry,
-    e.g. `clip-heads`), rows (None: not a pack), bytes, last use (epoch seconds), whether this version reads it and
-    whether no version does (`unreadable`: a damaged pack, an entry of a version before packs)."""
+    """A pack or another cache entry: its folder, kind (`image`, or the folder of another entry: `clip-heads`),
+    rows (None: not a pack), bytes, last use (epoch seconds), whether this version reads it, and `unreadable`."""
 
     path: Path
     kind: str
@@ -96,8 +93,8 @@ class CacheContents:
         return sum(e.size for e in self.entries) + sum(t.size for t in self.temporaries)
 
     def lines(self) -> list[str]:
-        """What `python -m tools.data cache` prints: the folder, per kind (another build's or version's and the
-        unreadable apart) packs or entries, rows, bytes and day last used, the total, the writers' folders."""
+        """What `python -m tools.data cache` prints: per kind (another build's or version's and the unreadable apart)
+        packs or entries, rows, bytes and day last used; the total; the writers' folders."""
         groups: dict[tuple[int, bool, str], list[Entry]] = {}
         for entry in self.entries:  # packs first, then another build's or version's, unreadable ones last
             state = 2 if entry.unreadable else 0 if entry.readable else 1

@@ -1,8 +1,7 @@
-"""What an entry of the decoded-data cache must show before a process uses it (`tools.data.store`): that only
-this user could have written it (`others_can_write`, private cache), that its rows are the bytes written
-(`RowChecks`, once per process), and that a few rows equal their files decoded now (`spot_check`, each use); its
-files are read only as regular files (a FIFO, which any user of a shared cache can make, would hang a reader).
-Why each check: docs/how-it-works.md, Decoding ("A pack proves itself"). No owner check without POSIX owners."""
+"""What an entry of the decoded-data cache must show before a process uses it: only this user could have written
+it (`others_can_write`, private cache), its rows are the bytes written (`RowChecks`) and a few equal their files
+decoded now (`spot_check`); read only as regular files (a shared cache's FIFO would hang a reader). Why each
+check: docs/how-it-works.md, "A pack proves itself". No owner check without POSIX owners."""
 
 from __future__ import annotations
 
@@ -27,9 +26,8 @@ OWNERS_CHECKED = hasattr(os, "geteuid")  # POSIX owners and modes; not on Window
 
 
 def others_can_write(path: Path, follow: bool = False, owners: bool = True) -> str | None:
-    """Why a user other than this one could have written or could change `path` (a link where `follow` is off;
-    with `owners`, another owner or group/other write); None where only this user can or there are no POSIX owners.
-    OSError where it cannot be looked at."""
+    """Why a user other than this one could have written or could change `path` (a link unless `follow`; with
+    `owners`, another owner or group/other write); None where none could. OSError where it cannot be looked at."""
     info = os.stat(path) if follow else os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
         return "it is a symbolic link, which the cache never writes"
@@ -112,9 +110,8 @@ class RowChecks:
 
 def spot_check(rows: np.ndarray, used: Sequence[tuple[int, int]],
                reference: Callable[[int], np.ndarray | None]) -> int | None:
-    """The first of up to `SPOT_CHECK_ROWS` rows of `used` ((lookup index, pack row) pairs), picked unpredictably
-    (no pack can be shaped to pass), that differs from `reference(index)`, its file decoded now (None: not
-    checkable); None where all match."""
+    """The first of up to `SPOT_CHECK_ROWS` rows of `used` ((lookup index, pack row) pairs), picked unpredictably,
+    that differs from `reference(index)`, its file decoded now (None: not checkable); None where all match."""
     order = list(used)
     secrets.SystemRandom().shuffle(order)
     checked = 0

@@ -248,11 +248,9 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
 
 def verify_layout(root: Path, full: bool = False, workers: int | None = None, progress: bool = False,
                   split: str = SPLIT) -> VerifyReport:
-    """Check everything both scripts need and collect every problem: the eight variations and fg_mask with the
-    same nine non-empty class folders, original's image count per class everywhere, every image readable and
-    IMAGE_SIZE square (header only unless `full`), every mask a 0/1 or bool .npy of shape (224, 224) (or with a unit
-    axis) paired with its original image both ways. The images `build --keep-unboxed` put in original/ alone are
-    a note."""
+    """Check everything both scripts need and collect every problem: eight variations and fg_mask with the same nine
+    non-empty class folders and original's counts, images readable and IMAGE_SIZE square (header only unless `full`),
+    masks 0/1 (224, 224) .npy paired with original both ways. `build --keep-unboxed` images are a note."""
     return _scan(root, VARIATIONS, need_masks=True, images="full" if full else "header", load_masks=True,
                  compare_counts=True, workers=workers or default_workers(), progress=progress, split=split,
                  original_only=built_original_only(check_data_root(root), split))
@@ -277,9 +275,9 @@ def quick_scan(root: Path, variations: Sequence[str], need_masks: bool = False, 
 
 
 def quick_check(root: Path, variations: Sequence[str], need_masks: bool = False, split: str = SPLIT) -> dict[str, int]:
-    """The fast check the scripts run before they start; returns the file count per folder checked. Listings and
-    the header of each class's first image (and mask) only: nine non-empty class folders named alike, the sampled
-    images IMAGE_SIZE square, and with need_masks one mask per original image. UserError with the first problem."""
+    """The fast check the scripts run before they start: listings (nine non-empty class folders, named alike) and
+    each class's first image header (IMAGE_SIZE square), with need_masks one mask per original image. Returns the
+    file count per folder checked; UserError with the first problem."""
     report = quick_scan(root, variations, need_masks, split)
     if report.problems:
         raise UserError(f"data in {report.root}: {report.first_problem()}; run `python -m tools.data verify "

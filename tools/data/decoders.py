@@ -1,6 +1,5 @@
-"""Which decoder turns an image file's bytes into pixels: Pillow (the original's loader, the reference) or
-torchvision's `decode_jpeg`, chosen per run by a probe on the run's own files and used only for the JPEGs it
-decodes bit for bit as Pillow does. `decode_bytes` is the one conversion; `choose_decoder` the one probe."""
+"""Which decoder turns an image file's bytes into pixels: Pillow (the reference) or torchvision's `decode_jpeg`,
+used only for the JPEGs the run's probe found it decodes bit for bit as Pillow does (`choose_decoder`)."""
 
 from __future__ import annotations
 
@@ -81,11 +80,9 @@ _silenced: list[tuple] = []  # the filter `_silence_deprecation` installed, as `
 
 
 def _silence_deprecation() -> None:
-    """torchvision 0.29 warns on every `decode_jpeg` call (an error under `python -W error`): one process-wide
-    filter naming that message and module ignores it (`catch_warnings` is not thread-safe, and files decode in
-    threads). Checked before every call and installed again if gone: a `catch_warnings` elsewhere (model loading,
-    beside the data work) restores its saved filters as it leaves, dropping ours (`decode_jpeg_bytes` then reinstalls
-    it and decodes once more)."""
+    """Ignore torchvision 0.29's DeprecationWarning on every `decode_jpeg` call with one process-wide filter
+    (`catch_warnings` is not thread-safe). Installed again where gone: a `catch_warnings` elsewhere (model loading,
+    beside the data work) restores its saved filters as it leaves (`decode_jpeg_bytes` then decodes once more)."""
     if _silenced and _silenced[0] in warnings.filters:
         return
     warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",

@@ -80,11 +80,9 @@ def archive_name(url: str) -> str:
 
 def fetch(data_path: Path, url: str = RELEASE_URL, sha256: str | None = None, keep_archive: bool = False,
           archive: Path | None = None, progress: bool = True, timeout: float = DEFAULT_TIMEOUT_S) -> FetchResult:
-    """Download (or take `archive`), check the SHA-256 and extract the release into `data_path`.
-
-    The SHA-256 expected is `sha256`, else the release's own for the release URL (another URL without one: skipped,
-    with a warning). A downloaded archive is deleted (unless `keep_archive`) only once its extraction passed
-    `check_release`; a user's `archive` is never moved or deleted. See docs/data.md, fetch."""
+    """Download (or take `archive`), check the SHA-256 (`sha256`, else the release's own for the release URL;
+    skipped with a warning otherwise) and extract the release into `data_path`; one already there is checked alike
+    and left. A download is deleted (unless `keep_archive`) only once extracted; a user's `archive` never is."""
     root = Path(data_path)
     present = [name for name in LAYOUT_NAMES if (root / name).exists()]
     if len(present) == len(LAYOUT_NAMES):
@@ -323,9 +321,8 @@ def plan_extraction(members: Sequence[tarfile.TarInfo], archive: Path) -> list[t
 def extract_archive(archive: Path, root: Path, progress: bool = True,
                     downloaded: bool = True) -> tuple[int, dict[str, int]]:
     """Extract the release archive into `root`, its top folder stripped; returns the file count and files per
-    folder. Written as plain files and folders under a temporary folder in `root`, moved into place only once it
-    passes `check_release`, so a rejected or interrupted extraction leaves nothing. `downloaded`: fetch's own
-    download, not a user's --archive (for the messages)."""
+    folder. Plain files and folders, in a temporary folder moved into place only once `check_release` passes.
+    `downloaded`: fetch's own download, not a user's --archive (for the messages)."""
     root = Path(root)
     what = str(archive) if downloaded else f"--archive {archive}"
     try:

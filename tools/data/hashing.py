@@ -1,7 +1,6 @@
-"""Content hashes: of one file, and of every file a run reads (the data's identity: a SHA-256 over the sorted
-(relative path, file hash) lines, and the same per top-level folder; see docs/how-it-works.md, "Which data was
-read"). Files are hashed in threads (hashlib releases the GIL on large buffers); only regular files are read
-(`open_regular`); files reached through links outside the data folder are read as data, said once and recorded."""
+"""Content hashes: of one file, and of every file a run reads (the data's identity; see docs/how-it-works.md,
+"Which data was read"), in threads (hashlib releases the GIL). Only regular files are read (`open_regular`);
+files reached through links outside the data folder are read as data, said once and recorded."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The image sets a run reads (`ImageSet`: the files listed, their content, decoder and cache), decoded through
-the decoded-data cache (`tools.data.store`): images as uint8 tensors, masks made ready for compositing, kept on a
-CUDA device where they fit. See docs/how-it-works.md, Decoding."""
+"""The image sets a run reads (`ImageSet`), decoded through the decoded-data cache (`tools.data.store`): images
+as uint8 tensors, masks ready for compositing, kept on a CUDA device where they fit. See docs/how-it-works.md."""
 
 from __future__ import annotations
 
@@ -171,11 +170,9 @@ class DeviceCopies:
 def iter_decoded_batches(images: ImageSet, relpaths: Sequence[str], batch_size: int, workers: int,
                          pin_memory: bool = False, starts: Sequence[int] | None = None,
                          device: torch.device | None = None) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (start index, uint8 Nx3xHxW batch) of the `images` of `relpaths` in order (all batches, or those at
-    `starts`), decoded ahead by `workers` threads straight into pinned batch buffers (PyTorch's host allocator
-    recycles a pinned block only once the copies reading it are done), read from the cache where it holds them and
-    cached in one pack when the last batch is out; on a CUDA `device` copied on a side stream. Errors surface as
-    they are, naming the file."""
+    """Yield (start index, uint8 Nx3xHxW batch) of `relpaths` in order (all, or the batches at `starts`), decoded
+    ahead by `workers` threads into pinned buffers (PyTorch's host allocator recycles a pinned block only once its
+    copies are done) or read from the cache, new rows cached in one pack after the last batch; errors name the file."""
     starts = list(range(0, len(relpaths), batch_size) if starts is None else starts)
     workers = max(1, workers)
     copies = DeviceCopies(device) if device is not None and device.type == "cuda" else None
@@ -309,8 +306,7 @@ def decode_images(images: ImageSet, relpaths: Sequence[str], workers: int, progr
 
 def load_masks(root: Path, masks: Sequence[tuple[str, bytes | None]],
                arithmetic: MaskArithmetic = MaskArithmetic.BINARY) -> np.ndarray:
-    """The `masks` ((relative path, its bytes or None to read its file) each) stacked: (N, H, W) bool (binary) or
-    the original's uint8 weights (original)."""
+    """The `masks` ((relative path, bytes or None) each) stacked: (N, H, W) bool, or the original's uint8 weights."""
     dtype = np.uint8 if arithmetic is MaskArithmetic.ORIGINAL else bool
     stacked = np.empty((len(masks), IMAGE_SIZE, IMAGE_SIZE), dtype=dtype)
     for i, (rel, data) in enumerate(masks):
@@ -322,9 +318,8 @@ def load_masks(root: Path, masks: Sequence[tuple[str, bytes | None]],
 def decode_cached(images: ImageSet, groups: dict[str, Sequence[str]], masks: Sequence[str],
                   arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4, progress: bool = True,
                   channels_last: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Named groups of `images` as uint8 (N, 3, H, W) tensors and the `masks` (`load_masks`), each read from the
-    set's cache where it holds that content (masks: and arithmetic), decoded and cached otherwise. Without the files'
-    hashes (tests, bench) they are hashed in `workers` threads when there is a cache; `ImageSet.held` keeps them."""
+    """Named groups of `images` as uint8 (N, 3, H, W) tensors and the `masks`, through the set's cache (masks per
+    arithmetic); without the files' hashes (tests, bench) they are hashed first when there is a cache."""
     key = ("decoded", arithmetic, channels_last, *groups)
     if images.held is not None and key in images.held:
         return images.held[key]

@@ -1,7 +1,6 @@
 """The release's folder layout, walked in one place: `<data>/<variation>/<split>/<class>/<file>` and
-`<data>/fg_mask/<split>/<class>/<stem>.npy` (split: `val`, the test release; `train`). Listings are sorted
-(ImageFolder order); the class index is the folder's position. Links are followed (a data folder may be links
-into a shared store); a FIFO, device or socket is never opened (`list_folder`)."""
+`<data>/fg_mask/<split>/<class>/<stem>.npy`. Listings are sorted (ImageFolder order: the class index is the
+folder's position); links are followed, a FIFO, device or socket is never opened (`list_folder`)."""
 
 from __future__ import annotations
 
@@ -94,9 +93,8 @@ def data_file(root: Path, relpath: str) -> Path:
 
 
 def outside(real_root: str, path: Path | str, folders: dict[str, str] | None = None) -> str | None:
-    """Where `path` really is when outside the data folder whose realpath is `real_root`; None inside. `folders`:
-    the real paths resolved so far, kept there, so a file that is no link costs one lstat (a walk of its path costs
-    a fifth of its hashing)."""
+    """Where `path` really is when outside the data folder whose realpath is `real_root`; None inside. `folders`
+    memoises real folder paths, so a file that is no link costs one lstat, not a walk (a fifth of its hashing)."""
     path = os.fspath(path)
     parent = os.path.dirname(path)
     real_parent = None if folders is None else folders.get(parent)

@@ -1,7 +1,6 @@
-"""Where the release's mixed images come from, read off their pixels: the `only_bg_t` image each `mixed_same`,
-`mixed_rand` and `mixed_next` image was composited over (outside its mask a mixed image is a JPEG copy of one),
-and every foreground mask's box (half-open, as in tools.data.variations). A coarse search on thumbnails, then the
-exact error of the few best; see docs/data.md, provenance."""
+"""Where the release's mixed images come from, read off their pixels (outside its mask a mixed image is a JPEG
+copy of one `only_bg_t` image): each one's background, by a coarse thumbnail search then the exact error of the
+best few, and every mask's box (half-open, as in tools.data.variations). See docs/data.md, provenance."""
 
 from __future__ import annotations
 

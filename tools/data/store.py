@@ -1,8 +1,7 @@
-"""The decoded-data cache on disk, shared by every command: decoded rows (an image's uint8 HxWx3 pixels, a mask
-made ready for compositing) keyed by the SHA-256 of the file they came from, never by its name. Rows are written
-in packs (one per run and kind, named by `pack_name`: one file per image would be slow for 30,000 images), looked
-up per image, proved before use (`tools.data.cache_checks`) and published whole (`tools.data.temporary`);
-`CacheEntry` holds single entries of arrays (CLIP's text heads). See docs/how-it-works.md, Decoding."""
+"""The decoded-data cache on disk, shared by every command: decoded rows (image pixels, masks ready for
+compositing) keyed by the SHA-256 of their file, never its name, in packs (`pack_name`) looked up per image,
+proved before use (`tools.data.cache_checks`) and published whole (`tools.data.temporary`); `CacheEntry` holds
+single arrays (CLIP's text heads). See docs/how-it-works.md, Decoding."""
 
 from __future__ import annotations
 
@@ -51,9 +50,8 @@ def default_cache_dir() -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class DecodedCache:
-    """The decoded-data cache a run reads and writes. Private (the default): only this user's packs, in a folder only
-    this user can write, are used, and packs are written so. `shared` (--shared-cache): any user's packs are used
-    (each checked alike), and written with the umask's mode."""
+    """The decoded-data cache a run reads and writes. Private (the default): only this user's packs, in a folder
+    only this user can write; `shared` (--shared-cache): any user's, checked alike, written with the umask's mode."""
 
     folder: Path
     shared: bool = False
@@ -137,10 +135,9 @@ def _private_folder(folder: Path, what: str) -> bool:
 
 
 class CacheEntry:
-    """Arrays on disk (CLIP's text heads) in `cache_dir` (None: neither read nor written), in a folder named by `key`,
-    a digest of their inputs' content; `meta` must match on reading, and each array its stored SHA-256. A private
-    cache's rules hold (`DecodedCache`). `load` gives None on a miss or a broken or foreign entry (with a warning);
-    `save` replaces only an entry its `load` found broken, keeping one another process wrote meanwhile."""
+    """Arrays on disk (CLIP's text heads) in `cache_dir` (None: unused), in a folder named by `key`, a digest of
+    their inputs; `meta` and each array's SHA-256 must match on reading, under a private cache's rules. `load` gives
+    None on a miss or (with a warning) a broken or foreign entry; `save` replaces only an entry `load` found broken."""
 
     def __init__(self, cache_dir: Path | None, key: str, meta: dict, what: str, shared: bool = False):
         self.folder = Path(cache_dir) / key if cache_dir is not None else None
@@ -243,9 +240,8 @@ class Packs:
 
     def lookup(self, hashes: Sequence[str],
                reference: Callable[[int], np.ndarray | None]) -> list[tuple[np.ndarray, int] | None]:
-        """Per file hash: (the rows of a pack holding it, read-only and mapped, its row there), or None. Only packs
-        that pass the checks (`_hits`) are used; `reference(i)`: the row of `hashes[i]`'s file decoded again (None:
-        not to be checked), for the spot check."""
+        """Per file hash: (the mapped read-only rows of a pack holding it, its row there), or None; `reference(i)`: the
+        row of `hashes[i]`'s file decoded again, for the spot check (None: not checked)."""
         wanted: dict[str, int] = {}
         for index, name in enumerate(hashes):
             wanted.setdefault(name, index)
@@ -345,9 +341,8 @@ def _allocate(path: Path) -> None:
 
 
 class PackWriter:
-    """One pack being written: `put` (from any thread, one row each) writes into a temporary folder, `commit` renames
-    it into place once every row is in; `abort` (or an incomplete pack) removes it. Does nothing without a usable
-    cache folder (`Packs.usable`) or rows."""
+    """One pack being written: `put` (any thread, one row each) into a temporary folder, `commit` renames it into
+    place once every row is in, `abort` removes it. Does nothing without a `Packs.usable` folder or rows."""
 
     def __init__(self, packs: Packs, hashes: list[str], check: Callable[[int, np.ndarray], bool] | None):
         self.packs, self.hashes, self.check = packs, hashes, check

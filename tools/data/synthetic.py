@@ -1,7 +1,6 @@
-"""Generated IN-9-shaped data in exactly the release's layout, and hand-built models with known answers: each
-class has a foreground and a background colour, the variations and masks derive from the same arrays, and
-`ColorEvidenceModel` scores colours, so originals are easy, backgrounds alone predictive, and a small foreground
-on a foreign background fooled, as in the paper."""
+"""Generated IN-9-shaped data in the release's layout, and hand-built models with known answers: each class has
+a foreground and a background colour, so `ColorEvidenceModel` finds originals easy, backgrounds alone predictive,
+and small foregrounds on foreign backgrounds fooled, as in the paper."""
 
 from __future__ import annotations
 
@@ -158,10 +157,9 @@ def generate(root: Path, per_class: int = 4, seed: int = 0, size: int = IMAGE_SI
 
 class ColorEvidenceModel(nn.Module):
     """A hand-built classifier on normalised input: class k's score = fg_weight * (fraction like FG colour k) +
-    bg_weight * (fraction like BG colour k). With 1000 outputs, k's score goes to the first ImageNet index mapped to
-    k, `unmapped_score` to an unmapped index (the answer when no colour is present: -1, always wrong), every other
-    logit far below. `sampling="stride"`: every eighth pixel, not 4x4 means (cheaper than decoding, for benchmarks);
-    `trunk_width` > 0 adds a small CNN's compute with a small weight."""
+    bg_weight * (fraction like BG colour k). 1000 outputs: k's score at the first ImageNet index mapped to k,
+    `unmapped_score` at an unmapped one (-1 when no colour is present), the rest far below. `sampling="stride"`
+    (every eighth pixel) and `trunk_width` (a small CNN's compute) are for benchmarks."""
 
     def __init__(self, num_classes: int = NUM_IN9_CLASSES, fg_weight: float = 4.0, bg_weight: float = 1.0,
                  sigma: float = 0.12, unmapped_score: float = 0.05, trunk_width: int = 0, trunk_scale: float = 1e-3,

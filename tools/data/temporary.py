@@ -1,9 +1,7 @@
-"""Temporary folders and files renamed into place once complete: a build's output, an extraction
-(`temporary_folder`), the cache's entries (`temporary_entry`, `publish`, `remove_entry`) and every output file
-(`tools.provenance.atomic_write`, `atomic_names`). Each is named after its host and process, removed when the work
-fails, and, when its process died, by the next command that looks there (`remove_stale`). Only names that match
-a writer's pattern exactly are touched (`TemporaryNames`). Stale: this host's and its process gone, or unchanged
-for `STALE_AFTER_S` whatever its host (a container's host name changes on every start)."""
+"""Temporary folders and files renamed into place once complete: a build's output and an extraction
+(`temporary_folder`), the cache's entries (`temporary_entry`, `publish`, `remove_entry`), every output file
+(`atomic_names`). Each is named after its host and process; one whose process died is removed by the next
+command that looks there (`remove_stale`), only where its name matches a writer's pattern exactly."""
 
 from __future__ import annotations
 
@@ -83,7 +81,9 @@ def newest_change(path: Path) -> float:
 
 
 def is_stale(path: Path, owner: tuple, now: float | None = None) -> bool:
-    """Whether the temporary `path` of `owner` ((host, pid), or (None, None) for a legacy name) was left behind."""
+    """Whether the temporary `path` of `owner` ((host, pid), (None, None) if legacy) was left behind: this host's
+    with its process gone, or, whatever its host, unchanged for `STALE_AFTER_S` (a container's host name changes on
+    every start)."""
     host, pid = owner
     if host == socket.gethostname() and not is_running(pid):
         return True
@@ -140,8 +140,7 @@ def temporary_folder(parent: Path, prefix: str) -> Iterator[Path]:
 
 
 def atomic_names(path: Path) -> TemporaryNames:
-    """The temporaries `tools.provenance.atomic_write` writes `path` through: `.NAME.HOST@PID@<random>.tmp` (legacy:
-    `.NAME.<random>.tmp`)."""
+    """The temporaries `tools.provenance.atomic_write` writes `path` through: `.NAME.HOST@PID@<random>.tmp`."""
     prefix = f".{Path(path).name}."
     return TemporaryNames(prefix, "@", "[0-9a-f]{12}", ".tmp", legacy=f"{re.escape(prefix)}[0-9a-f]{{12}}\\.tmp")
 
@@ -163,8 +162,8 @@ def holds_entry_files(folder: Path) -> bool:
 
 
 def entry_temporary(path: Path) -> tuple | None:
-    """The owner of the cache temporary `path` (`TemporaryNames.owner`); None where it is not one (name, content or
-    a link)."""
+    """The owner of the cache temporary `path` (`TemporaryNames.owner`); None where name, content or a link says
+    it is not one."""
     owner = ENTRY_NAMES.owner(path.name)
     if owner is None or path.is_symlink() or not path.is_dir() or not holds_entry_files(path):
         return None
@@ -189,9 +188,9 @@ def temporary_entry(parent: Path) -> Path:
 
 
 def remove_entry(path: Path) -> None:
-    """Remove a cache entry safely for its readers: renamed to this process's temporary name, then deleted; gone
-    already is no error. OSError where some of it cannot be deleted: renamed back where nothing was deleted yet,
-    else left under its removing name."""
+    """Remove a cache entry safely for its readers: renamed to this process's temporary name, then deleted; one
+    gone already is no error. OSError where some of it cannot be deleted: renamed back where nothing was, else left
+    under its removing name."""
     doomed = path.parent / ENTRY_NAMES.make(REMOVING + secrets.token_hex(4))
     try:
         os.rename(path, doomed)
