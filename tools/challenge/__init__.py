@@ -1,12 +1,9 @@
 """The Backgrounds Challenge, the adversarial-background search: which foregrounds some test background makes the
-model misclassify. Composites are made on the device from uint8 data decoded once; a foreground leaves the search
-once found vulnerable and a robust one meets every background, so the verdicts equal an exhaustive search's in
-any order (the order, by score in rounds of doubling size, only decides the work). The state is saved atomically,
-so a stopped run resumes into the very batches it would have run. See docs/how-it-works.md, The search.
-
-Modules: `config` (settings), `data` (what is read, decoded once), `predictor` (composites predicted), `state`
-(what --resume needs), `scheduler` (what to test next, what results mean), `run` (`run_challenge`, the search
-loop), `result` (summary, results JSON, per-foreground CSV), `cli` (challenge_eval.py, bgc-challenge)."""
+model misclassify. A foreground leaves the search once found vulnerable and a robust one meets every background,
+so the verdicts equal an exhaustive search's in any order (the order only decides the work); the state is saved
+atomically, so a stopped run resumes into the very batches it would have run. See docs/how-it-works.md, The
+search. Modules: `config`, `data`, `predictor`, `state` (for --resume), `scheduler` (what to test next, what
+results mean), `run` (`run_challenge`), `result` (summary, JSON, CSV), `cli` (challenge_eval.py)."""
 
 from tools.challenge.config import ChallengeConfig, Criterion
 from tools.challenge.data import (

@@ -55,7 +55,6 @@ class CompositePredictor:
         return self.composite(idx[:, 0], idx[:, 1])
 
     def predict_pairs(self, pairs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Composite and predict the pairs: `predict_images` of their composites."""
         return self.predict_images(self._pair_images(pairs))
 
     def launch(self, pairs: np.ndarray) -> Launched:
