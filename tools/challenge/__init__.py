@@ -1,24 +1,9 @@
-"""The Backgrounds Challenge: the adversarial-background search: which foregrounds can some test background make
-the model misclassify.
-
-Everything is decoded once onto the device as uint8; composites are made there (`where(mask, fg, bg)`,
-which equals `bg * (1 - m) + fg * m` for a 0/1 mask) and normalised inside the model. Batches hold
-(foreground, background) pairs of many foregrounds at once. A foreground leaves the search the moment
-it is found vulnerable; a robust one is tested against every background, so the verdicts equal those
-of an exhaustive search whatever the order. The order only decides how much work is done: each round
-offers every open foreground its next k untested backgrounds by a score (the model's prediction on the
-background alone, refined by how often each background has fooled foregrounds of that class so far),
-with k doubling from round to round.
-
-All scheduling state lives in `SearchState`, saved atomically under the output folder, so a run stopped
-at any point (even by kill -9) resumes into exactly the sequence of batches it would have run.
-
-The package: `config` (the settings: `ChallengeConfig`, the criterion), `data` (what is read, decoded once),
-`predictor` (composites on the device, predicted), `state` (everything saved for --resume), `scheduler` (which pairs
-to test next, and what the results mean), `run` (`run_challenge`, the whole run, and the search loop it drives:
-progress, saving), `result` (the summary, the results JSON, the per-foreground CSV), `cli` (the command:
-challenge_eval.py, bgc-challenge).
-"""
+"""The Backgrounds Challenge, the adversarial-background search: which foregrounds some test background makes the
+model misclassify. A foreground leaves the search once found vulnerable and a robust one meets every background,
+so the verdicts equal an exhaustive search's in any order (the order only decides the work); the state is saved
+atomically, so a stopped run resumes into the very batches it would have run. See docs/how-it-works.md, The
+search. Modules: `config`, `data`, `predictor`, `state` (for --resume), `scheduler` (what to test next, what
+results mean), `run` (`run_challenge`), `result` (summary, JSON, CSV), `cli` (challenge_eval.py)."""
 
 from tools.challenge.config import ChallengeConfig, Criterion
 from tools.challenge.data import (

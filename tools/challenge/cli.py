@@ -1,7 +1,5 @@
 """The Backgrounds Challenge: how many foregrounds some test background makes the model misclassify.
-
-Prints the original challenge_eval.py's summary lines; the verdicts equal an exhaustive search's.
-"""
+Prints the original challenge_eval.py's summary lines; the verdicts equal an exhaustive search's."""
 
 from __future__ import annotations
 

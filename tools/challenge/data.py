@@ -1,5 +1,5 @@
-"""What the challenge reads: foregrounds (image and mask) and backgrounds, listed, hashed by content, and
-decoded once (through the decoded-data cache) into uint8 tensors."""
+"""What the challenge reads: foregrounds (image and mask) and backgrounds, listed, hashed and decoded once
+through the decoded-data cache."""
 
 from __future__ import annotations
 
@@ -63,8 +63,8 @@ class ChallengeData(ChallengeFiles):
 
 def list_challenge_files(root: Path, workers: int = 4, cache: DecodedCache | None = None,
                          hold: bool = False) -> ChallengeFiles:
-    """List the foregrounds and backgrounds (their folders checked first: `tools.prepared_run.check_folders`) and
-    hash their content (`cache`, `hold`: as `image_sets.read_image_set`)."""
+    """List the foregrounds and backgrounds (folders checked first) and hash their content (`cache`, `hold`: as
+    `image_sets.read_image_set`)."""
     foregrounds = layout.list_foregrounds(Path(root))
     backgrounds = layout.list_variation(Path(root), Variation.ONLY_BG_T.value)
     relpaths = [p for r in foregrounds for p in (r.image_relpath, r.mask_relpath)] + [r.relpath for r in backgrounds]
@@ -74,8 +74,7 @@ def list_challenge_files(root: Path, workers: int = 4, cache: DecodedCache | Non
 
 def load_challenge_data(files: ChallengeFiles, workers: int, progress: bool = True,
                         arithmetic: MaskArithmetic = MaskArithmetic.BINARY) -> ChallengeData:
-    """Decode foregrounds, masks and backgrounds once; each read from the decoded-data cache where it holds that
-    file's content (for a mask, with this arithmetic), whichever command decoded it."""
+    """Decode foregrounds, masks and backgrounds once, through the decoded-data cache (masks per arithmetic)."""
     images, masks = decode_cached(files.image_set, {"foregrounds": [r.image_relpath for r in files.foregrounds],
                                                     "backgrounds": [r.relpath for r in files.backgrounds]},
                                   [r.mask_relpath for r in files.foregrounds], arithmetic, workers, progress)

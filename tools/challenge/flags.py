@@ -1,5 +1,4 @@
-"""The challenge search's command-line flags (challenge_eval.py and the zoo), their defaults read from
-`ChallengeConfig`, and the `ChallengeConfig` they become."""
+"""The challenge search's command-line flags (challenge_eval.py and the zoo), defaults from `ChallengeConfig`."""
 
 from __future__ import annotations
 

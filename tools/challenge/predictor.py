@@ -19,13 +19,9 @@ from tools.runtime.inflight import Launched, launch, near_ties, top_two_margins
 log = logging.getLogger(__name__)
 
 class CompositePredictor:
-    """IN-9 predictions for (foreground, background) index pairs, composited on the device.
-
-    In reduced precision (bf16, fp16, tf32), composites whose top-two logit margin is below `recheck_margin`
-    are run again in true fp32 (`Runtime.fp32_math`: no autocast, TF32 off) by the eager module (never the
-    compiled one), so the fast mode gives the fp32 prediction wherever a near tie could flip it. The re-check
-    halves its own batch on out-of-memory: fp32 needs more memory than the precision the batch size fits.
-    """
+    """IN-9 predictions for (foreground, background) index pairs, composited on the device. In reduced precision,
+    composites whose top-two margin is below `recheck_margin` are re-run in true fp32 by the eager module; that
+    re-check halves its own batch on out-of-memory (fp32 needs more than the batch size was fitted to)."""
 
     def __init__(self, loaded: LoadedModel, runtime: Runtime, data: ChallengeData, batch_size: int | None,
                  recheck_margin: float = 0.0):
@@ -39,8 +35,7 @@ class CompositePredictor:
         self.rechecked = self.recheck_changed = 0
 
     def composite(self, fg_idx: torch.Tensor, bg_idx: torch.Tensor) -> torch.Tensor:
-        """The composites of the pairs, on the device: uint8 on the byte path, float in [0, 1] with the
-        original's arithmetic (see tools.data.compositing)."""
+        """The pairs' composites on the device: uint8 on the byte path, float in [0, 1] with the original arithmetic."""
         d = self.data
         join = composite if d.arithmetic is MaskArithmetic.BINARY else blend
         batch = join(d.fg_images.index_select(0, fg_idx), d.bg_images.index_select(0, bg_idx),
@@ -60,12 +55,10 @@ class CompositePredictor:
         return self.composite(idx[:, 0], idx[:, 1])
 
     def predict_pairs(self, pairs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Composite and predict the pairs: `predict_images` of their composites."""
         return self.predict_images(self._pair_images(pairs))
 
     def launch(self, pairs: np.ndarray) -> Launched:
-        """Predict the pairs, the results copying back to the host: nothing here waits for the device (no
-        `.item()`, `nonzero` or copy that blocks)."""
+        """Predict the pairs, results copying back to the host; nothing here waits for the device."""
         return launch(pairs, *self.predict_pairs(pairs))
 
     def near_tie_mask(self, margins: np.ndarray | None) -> np.ndarray:

@@ -1,7 +1,5 @@
-"""A finished challenge run: the original's summary lines, the results JSON and the per-foreground CSV.
-
-What the commands write from it (the --full matrix, the analysis, the report) is composed in
-`tools.results.publish`."""
+"""A finished challenge run: the original's summary lines, the results JSON and the per-foreground CSV (the
+rest the commands write is composed in `tools.results.publish`)."""
 
 from __future__ import annotations
 

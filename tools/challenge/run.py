@@ -35,9 +35,8 @@ STATE_FORMAT = "state-2"  # statistics closed per round (a state saved by an ear
 
 
 class Search:
-    """The loop: batches from a `Scheduler`, predicted through a `Pipeline` (a few batches in flight, near ties
-    re-checked at fixed points), a progress bar, and the state saved every `save_every` seconds and at the end,
-    from a snapshot, by a thread of its own."""
+    """The loop: batches from a `Scheduler` through a `Pipeline` (a few in flight, near ties re-checked at fixed
+    points), a progress bar, and the state saved every `save_every` seconds and at the end by a thread of its own."""
 
     def __init__(self, predictor: CompositePredictor, data: ChallengeData, config: ChallengeConfig,
                  state: SearchState, state_path: Path | None, key: str):
@@ -49,8 +48,7 @@ class Search:
         self._saving: Future | None = None
 
     def save(self) -> None:
-        """Save a snapshot of the state (launched pairs not yet recorded as pending) off the loop, once the last
-        save is through."""
+        """Save a snapshot of the state (launched pairs as pending) off the loop, once the last save is through."""
         if self.state_path is None:
             return
         self.wait_saved()
@@ -112,18 +110,9 @@ class Search:
 
 
 class ShardedSearch:
-    """The search shared by torchrun's processes, giving what one process gives.
-
-    Rounds are synchronous: every process plans the same round from the same state; the round's pairs still to
-    test are dealt out by foreground, by their pair counts (largest first, to the least loaded process), so that
-    robust and vulnerable foregrounds spread evenly; each process tests its own. With --full, the pairs still to
-    test are cut into one run per process, equal within one pair, wherever a resumed state's finished pairs lie.
-    Every `save_every` seconds of testing, and once its share is done, each process meets the others: the
-    outcomes are gathered into every process's state and rank 0 saves it, as one process saves its own. So a
-    run stopped at any point resumes (with any number of processes) from the last meeting, and no process waits
-    for the others longer than one interval and one batch. Since a round's plan and its statistics depend only
-    on the outcomes (see `Scheduler`), the verdicts, fooling backgrounds and statistics equal a single process's.
-    """
+    """The search shared by torchrun's processes, giving what one process gives: synchronous rounds dealt out by
+    foreground (largest pair count first, to the least loaded), --full cut into one run per process, and a meeting
+    every `save_every` seconds where outcomes are gathered and rank 0 saves. See docs/how-it-works.md, Sharded runs."""
 
     def __init__(self, search: Search):
         self.search, self.state, self.plan = search, search.state, search.scheduler
@@ -153,8 +142,8 @@ class ShardedSearch:
         return s
 
     def _deal(self, pairs: np.ndarray) -> np.ndarray:
-        """The pairs whose foregrounds fall to this process: open foregrounds by pair count, largest first, each
-        to the least loaded process (ties to the lower rank)."""
+        """The pairs whose foregrounds fall to this process (largest pair count first, to the least loaded; ties to
+        the lower rank)."""
         open_pairs = pairs[self.state.verdict[pairs[:, 0]] == UNKNOWN]
         fgs, counts = np.unique(open_pairs[:, 0], return_counts=True)
         loads = [0] * self.group.world_size
@@ -167,7 +156,6 @@ class ShardedSearch:
 
     @staticmethod
     def _batches(take, position: int):
-        """The batches `take(position) -> (batch, next position)` gives, until it gives None."""
         while True:
             batch, position = take(position)
             if batch is None:
@@ -192,9 +180,8 @@ class ShardedSearch:
         self._share(self._batches(lambda position: plan.take_untested(position, end, size), start), None, bar)
 
     def _share(self, batches, owned: np.ndarray | None, bar) -> None:
-        """Test this process's batches, meeting the others every `save_every` seconds of testing and once they
-        are done, until every process is done; at each meeting the outcomes are gathered and rank 0 saves.
-        `owned`: the foregrounds this process tests in the round (None with --full)."""
+        """Test this process's batches, meeting the others every `save_every` seconds and once done, until every
+        process is done. `owned`: the foregrounds this process tests in the round (None with --full)."""
         through = False
         while True:
             evaluated0 = self.state.evaluated
@@ -208,8 +195,7 @@ class ShardedSearch:
                 return
 
     def _test(self, batches) -> bool:
-        """Predict and record batches through the pipeline, for `save_every` seconds
-        (one batch at least); True when no batch is left."""
+        """Predict and record batches for `save_every` seconds (one batch at least); True when none is left."""
         began = time.perf_counter()
         through = False
         while True:
@@ -225,9 +211,8 @@ class ShardedSearch:
         return through
 
     def _gather(self, owned: np.ndarray | None, evaluated0: int, through: bool) -> bool:
-        """Every process's state takes the outcomes the others found since the last meeting: with --full each
-        pair's from the process that tested it, in a round each foreground's from the process that owns it
-        (`owned`: this process's). True when every process is through its share."""
+        """Take into every process's state the outcomes found since the last meeting (with --full per pair, in a round
+        per owned foreground); True when every process is through its share."""
         s = self.state
         reduce = lambda array, op="sum": distributed.all_reduce(array, op, self.device)  # noqa: E731
         evaluated, busy = reduce(np.array([s.evaluated - evaluated0, not through], np.int64))
@@ -269,20 +254,17 @@ def _run_key(data: ChallengeData, loaded: LoadedModel, runtime: Runtime, config:
 
 
 def state_key(key: str, device_check: dict | None) -> str:
-    """The key a run's saved state is made under: the run's (`_run_key`, which its shards share) and whether its
-    start-up check verified the model, so that no run resumes a state made under another verdict."""
+    """The key a run's state is saved under: the run's (`_run_key`, shared by its shards) and whether its start-up
+    check verified the model, so no run resumes a state made under another verdict."""
     return hashlib.sha256(f"{key}|verified={verified(device_check)}".encode()).hexdigest()
 
 
 def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | ChallengeFiles,
                   config: ChallengeConfig, output_dir: Path | None = None, resume: bool = False, workers: int = 4,
                   shard: Shard | None = None, device_check: dict | None = None) -> ChallengeResult:
-    """The challenge's verdict for every foreground, exactly as an exhaustive search would give it.
-
-    `data`: decoded data (`load_challenge_data`), or listed files (decoded here in `workers` threads, with
-    `config.mask_arithmetic`). `shard`: search only that share of the foregrounds
-    (tools.shards); the result then covers those alone. `device_check`: the run's start-up check, recorded in the
-    provenance and, whether it verified the model, in the saved state (as `tools.in9.evaluate.run_in9` does)."""
+    """The challenge's verdict for every foreground, exactly as an exhaustive search gives it. `data`: decoded
+    (`load_challenge_data`) or listed (decoded here). `shard`: only that share of the foregrounds (tools.shards).
+    `device_check`: the start-up check, recorded in the provenance and saved state (as `run_in9` does)."""
     # decoding or predicting may fail in one process: all leave together
     with distributed.agree(runtime.group, runtime.device):
         if not isinstance(data, ChallengeData):

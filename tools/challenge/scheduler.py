@@ -13,18 +13,16 @@ FIRST_ROUND_BACKGROUNDS = 1  # offered to each open foreground in the first roun
 
 
 def fooling(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.ndarray, criterion: Criterion) -> np.ndarray:
-    """Whether each prediction fools its foreground under `criterion` (the arrays broadcast: pairs, or a matrix
-    with labels as a column and a row): `any`, any class but the foreground's; `bg-class`, the background's class
-    where that is not the foreground's."""
+    """Whether each prediction fools its foreground (arrays broadcast): `any`, any class but the foreground's;
+    `bg-class`, the background's class where that is not the foreground's."""
     if criterion is Criterion.ANY:
         return predictions != fg_labels
     return (predictions == bg_labels) & (bg_labels != fg_labels)
 
 
 def split_untested(tested: np.ndarray, parts: int) -> np.ndarray:
-    """Cut the untested pairs of `tested` (F, B), in foreground-major order, into `parts` runs whose sizes differ
-    by one at most, wherever the tested ones lie: the parts + 1 flat positions where the runs start, the last
-    one the end (F * B)."""
+    """Cut the untested pairs of `tested` (F, B), foreground-major, into `parts` runs differing by one at most: the
+    parts + 1 flat start positions, the last the end (F * B)."""
     left_per_row = tested.shape[1] - tested.sum(axis=1)
     left_before = np.cumsum(left_per_row)  # untested pairs up to the end of each row
     total = int(left_before[-1]) if len(left_before) else 0
@@ -41,13 +39,10 @@ def split_untested(tested: np.ndarray, parts: int) -> np.ndarray:
 
 def state_problem(state: SearchState, fg_labels: np.ndarray, bg_labels: np.ndarray, criterion: Criterion,
                   tested: bool = True) -> str | None:
-    """What makes `state` (of arrays already checked for shape and range: `SearchState.load`) other than a state the
-    search writes for foregrounds and backgrounds of these classes under `criterion`; None when nothing does. A
-    vulnerable foreground names a background that fools it (with the matrix, the first one there); one not
-    vulnerable names none; the --full matrix's verdicts are its rows'. With `tested` (a saved state, which records
-    the pairs tested; not a shard's), a verdict rests on tested pairs (a robust foreground was tested against every
-    background that counts), an untested pair has no prediction, and no background fooled more of a class's
-    foregrounds than it was tried on."""
+    """What makes `state` (arrays checked by `SearchState.load`) other than one the search writes for these
+    classes under `criterion`; None when nothing does. Verdicts must fit: a vulnerable foreground names a background
+    that fools it (with the matrix, its row's first), a robust one none; with `tested` (not a shard's) a verdict rests
+    on tested pairs, an untested pair has no prediction, and no background fooled more than it was tried on."""
     s, rows = state, np.arange(len(fg_labels))
     vulnerable, robust = s.verdict == VULNERABLE, s.verdict == ROBUST
     fool_bg = np.where(vulnerable, s.fool_bg, 0)
@@ -80,12 +75,9 @@ def state_problem(state: SearchState, fg_labels: np.ndarray, bg_labels: np.ndarr
 
 
 class Scheduler:
-    """Plans the pairs of a `SearchState` and folds their predictions back into it.
-
-    Each round offers every open foreground its next k untested eligible backgrounds, best score first
-    (k = FIRST_ROUND_BACKGROUNDS, doubling each round); a foreground found vulnerable leaves at once, and one with no
-    untested background left is robust. With --full, every pair in foreground-major order instead.
-    """
+    """Plans the pairs of a `SearchState` and folds their predictions back into it: rounds offering each open
+    foreground its next k untested eligible backgrounds by score (k = FIRST_ROUND_BACKGROUNDS, doubling); with
+    --full, every pair in foreground-major order."""
 
     def __init__(self, state: SearchState, fg_labels: np.ndarray, bg_labels: np.ndarray, config: ChallengeConfig):
         self.state, self.config = state, config
@@ -122,8 +114,7 @@ class Scheduler:
         return rate_class + 0.5 * rate_all[None, :]
 
     def new_round(self) -> bool:
-        """Close the round that ended (its statistics) and plan the next into the state; False when there is
-        nothing left to test (or with --full)."""
+        """Close the ended round and plan the next; False when nothing is left (or with --full)."""
         if self.full:
             return False
         self._commit_round()
@@ -131,10 +122,9 @@ class Scheduler:
         return len(self.state.worklist) > 0
 
     def _commit_round(self) -> None:
-        """Add the ended round to the per-class statistics the scores learn from, as if each foreground's pairs
-        had been tested one by one in rank order: every pair up to and including its first fooling one (all of
-        them when none fooled it). So the statistics, and the next rounds, depend on the round's plan and
-        outcomes alone, not on how pairs were batched or shared between processes."""
+        """Add the ended round to the per-class statistics as if each foreground's pairs had been tested one by one
+        in rank order up to its first fooling one: so the next rounds depend on plan and outcomes alone, not on batching
+        or processes."""
         s = self.state
         pairs = s.worklist.astype(np.int64)
         if not len(pairs):
@@ -188,9 +178,9 @@ class Scheduler:
         return batch
 
     def take_untested(self, position: int, end: int, size: int) -> tuple[np.ndarray | None, int]:
-        """With --full: up to `size` untested pairs (foreground-major) from the flat position `position` up to
-        `end`, and the position after them; None when none is left. Pairs may already be tested past the
-        position where processes sharing the work saved the state."""
+        """With --full: up to `size` untested pairs (foreground-major) from flat `position` up to `end`, and the
+        position after them; None when none is left (pairs past `position` may be tested already by other
+        processes)."""
         flat = self.state.tested.reshape(-1)
         picked = []
         count = 0
@@ -211,8 +201,8 @@ class Scheduler:
         return np.flatnonzero(~s.tested[f, b] & (s.verdict[f] == UNKNOWN))
 
     def rewind(self) -> None:
-        """Point the state at the first pair still to test, with none in flight, after pairs were tested out of
-        order (by processes sharing the work): a resumed run skips the tested pairs after it."""
+        """Point the state at the first pair still to test, none in flight, after pairs were tested out of order
+        (processes sharing the work): a resumed run skips the tested pairs after it."""
         s = self.state
         s.pending, s.pending_sizes = np.zeros((0, 2), np.int64), np.zeros(0, np.int64)
         if self.full:
@@ -223,8 +213,8 @@ class Scheduler:
             s.position = int(left[0]) if len(left) else len(s.worklist)
 
     def take_open(self, pairs: np.ndarray, position: int, size: int) -> tuple[np.ndarray | None, int]:
-        """Up to `size` pairs of `pairs` from `position` on that are untested and whose foreground is still open,
-        and the position after them (past the skipped pairs too); None when none is left."""
+        """Up to `size` pairs of `pairs` from `position` on, untested and of an open foreground, and the position after
+        them; None when none is left."""
         s = self.state
         picked = []
         count = 0

@@ -48,9 +48,8 @@ class SearchState:
 
     @classmethod
     def finished(cls, n_fg: int, bg_pred: np.ndarray, full: bool) -> SearchState:
-        """A finished search's state of `n_fg` foregrounds, to be filled with its verdicts (and --full matrix): the
-        merge of shards. Nothing is planned or tested any more, so nothing of foregrounds x backgrounds is made
-        but the matrix."""
+        """A finished search's state of `n_fg` foregrounds, for its verdicts (and --full matrix): the merge of
+        shards. Nothing of foregrounds x backgrounds is made but the matrix."""
         state = cls.fresh(n_fg, 0, bg_pred, full=False)
         state.bg_pred = bg_pred
         state.matrix = np.full((n_fg, len(bg_pred)), UNMAPPED, np.int8) if full else None
@@ -87,10 +86,9 @@ class SearchState:
 
     @classmethod
     def load(cls, path: Path, key: str, n_fg: int, n_bg: int, full: bool) -> SearchState:
-        """The state saved at `path` by the run of `key`, checked to be one such a run writes: every array of the
-        shape, kind and range a search of `n_fg` foregrounds x `n_bg` backgrounds (with the --full matrix when
-        `full`) holds, before anything of its size is made (`Scheduler.state_problem` then checks what it says
-        against the foregrounds' and backgrounds' classes). Anything else is one UserError."""
+        """The state saved at `path` by the run of `key`, every array checked for the shape, kind and range such a
+        run writes (--full matrix with `full`) before anything of its size is made (`scheduler.state_problem` then
+        checks its meaning). Anything else is one UserError."""
         try:
             z = read_npz(path)
             if bytes(z["key"]).decode() != key:

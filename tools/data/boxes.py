@@ -1,20 +1,6 @@
-"""Bounding boxes: reading box files (Pascal VOC XML or CSV) and carrying boxes through the resize and crop.
-
-Every box here is (x0, y0, x1, y1) in pixels, half-open as in tools.data.variations: it covers columns
-x0..x1-1 and rows y0..y1-1, so x1 - x0 is its width. Boxes read from files stay floats until
-`pixel_box` rounds them outwards onto the pixel grid of the crop.
-
-Box files:
-- a folder of Pascal VOC XML files, as ImageNet ships its boxes (searched recursively). VOC coordinates
-  are 1-based and inclusive (xmin=1 is the first column, xmax=W the last), so a VOC box becomes
-  (xmin - 1, ymin - 1, xmax, ymax), clipped at 0. The XML file's name (without .xml) is the image stem;
-  <filename> is not used, as some ImageNet files hold a placeholder there. <size> is kept so a box given
-  for a differently sized copy of the image can be rescaled.
-- a CSV file (UTF-8, with or without a byte-order mark, or UTF-16 with one, as Excel saves them) with a
-  header holding the columns image,xmin,ymin,xmax,ymax (others are ignored): image is
-  the file name or stem (any folders and the extension are dropped), the coordinates are 0-based pixels
-  with xmax/ymax exclusive (the half-open convention above). Several rows for one image are several boxes.
-"""
+"""Bounding boxes: reading box files (VOC XML folder or CSV: docs/data.md, build) and carrying boxes through the
+resize and crop. Boxes are (x0, y0, x1, y1) pixels, half-open, floats until `pixel_box` rounds them outwards. A
+VOC box is named by its XML file's name, not <filename> (some ImageNet files hold a placeholder there)."""
 
 from __future__ import annotations
 
@@ -56,7 +42,7 @@ class BoxEntry:
 
 
 def read_boxes(path: Path) -> dict[str, BoxEntry]:
-    """Image stem -> its boxes, from a folder of VOC XML files or a CSV file (see the module docstring)."""
+    """Image stem -> its boxes, from a folder of VOC XML files or a CSV file."""
     path = Path(path)
     if path.is_dir():
         return _read_voc_folder(path)
@@ -111,8 +97,8 @@ def _read_voc(path: Path) -> BoxEntry:
 
 
 def _csv_text(path: Path) -> str:
-    """A CSV file's text: UTF-8 (a byte-order mark, as Excel's "CSV UTF-8" writes, is dropped) or UTF-16 with its
-    byte-order mark (Excel's "Unicode text"); anything else is refused, as its names would be misread."""
+    """A CSV file's text: UTF-8 (Excel's byte-order mark dropped) or UTF-16 with its byte-order mark; anything else
+    is refused, as its names would be misread."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -174,12 +160,8 @@ def pixel_box(box: FloatBox, size: int) -> Box:
 
 @dataclass(frozen=True)
 class CropGeometry:
-    """torchvision's Resize(256) (bilinear) then CenterCrop(224), for one original image size.
-
-    The resized size and the crop offset follow torchvision's own arithmetic, so `image` gives the same
-    pixels as `CenterCrop(224)(Resize(256)(img))` on a PIL image; `box` and `mask` move a box and a mask
-    the same way (scale, then shift by the crop offset).
-    """
+    """torchvision's Resize(256) (bilinear) then CenterCrop(224) for one original image size, in torchvision's
+    own arithmetic: `image` gives `CenterCrop(224)(Resize(256)(img))`'s pixels; `box` and `mask` move alike."""
 
     width: int
     height: int

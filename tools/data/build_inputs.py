@@ -45,9 +45,8 @@ class SourceImage:
 
 
 def imagenet_groups(folders: list[str]) -> dict[str, int] | None:
-    """For an ImageNet-style folder (its 1000 WordNet-id class folders), the IN-9 label of every folder that
-    belongs to an IN-9 class: the ImageNet class index is the folder's position in sorted order, mapped
-    through the ImageNet->IN-9 map. None when the folders are not WordNet ids."""
+    """For an ImageNet-style folder (1000 WordNet-id folders, the index their sorted position), the IN-9 label of
+    each folder of an IN-9 class; None when the folders are not WordNet ids."""
     if not folders or not all(WNID.fullmatch(name) for name in folders):
         return None
     if len(folders) != NUM_IMAGENET_CLASSES:
@@ -65,9 +64,8 @@ def _expected_folders() -> str:
 
 
 def class_folder_labels(images: Path, folders: list[str]) -> dict[str, int]:
-    """The IN-9 label of each of nine class folders, matched by name (`tools.in9.class_of_folder`), never by
-    their sorted order; a folder that names no class, a class named twice or a class without a folder is
-    refused."""
+    """The IN-9 label of each of nine class folders, by name (`tools.in9.class_of_folder`), never by sorted order;
+    a folder naming no class, a class named twice or missing is refused."""
     matches = {folder: class_of_folder(folder) for folder in folders}
     unknown = [folder for folder, label in matches.items() if label is None]
     if unknown:
@@ -91,9 +89,8 @@ def class_folder_labels(images: Path, folders: list[str]) -> dict[str, int]:
 
 
 def list_sources(images: Path) -> tuple[list[str], list[SourceImage]]:
-    """The class folders written (00_dog ... 08_fish) and the images of --images: nine class folders matched to
-    the IN-9 classes by name (see `class_folder_labels`), or an ImageNet-style folder whose 370 classes of the
-    IN-9 map are grouped into the nine."""
+    """The class folders written (00_dog ... 08_fish) and the images of --images: nine folders matched by name, or
+    an ImageNet-style folder whose 370 IN-9 classes are grouped into the nine."""
     images = Path(images)
     if not images.is_dir():
         raise UserError(f"--images {images} is not a folder; pass the folder holding one sub-folder per IN-9 class")

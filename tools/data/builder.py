@@ -1,7 +1,6 @@
-"""Building the eight variations and fg_mask from labelled images with one bounding box each, as in the
-paper's Appendix A (resize 256, centre crop 224, four filters, GrabCut or your own masks): each image through
-the filters and its mask, the seeded choice of backgrounds, and the whole written at once. What is read is
-found by `tools.data.build_inputs`."""
+"""Building the eight variations and fg_mask from labelled images with one bounding box each, as in the paper's
+Appendix A (resize 256, centre crop 224, four filters, GrabCut or your own masks); inputs are found by
+`tools.data.build_inputs`. See docs/data.md, build."""
 
 from __future__ import annotations
 
@@ -121,11 +120,8 @@ class BuildResult:
 
 def variation_arrays(crop: np.ndarray, box: variations.Box, mask: np.ndarray,
                      backgrounds: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """The variations of one crop, before any encoding.
-
-    `backgrounds` maps each mixed variation to the only_bg_t array of the image whose background it
-    takes; the image's foreground (its mask region) is laid over it.
-    """
+    """The variations of one crop, before encoding; `backgrounds`: per mixed variation, the only_bg_t array its
+    foreground is laid over."""
     out = {
         Variation.ORIGINAL.value: crop,
         Variation.ONLY_FG.value: variations.only_fg(crop, mask),
@@ -139,11 +135,8 @@ def variation_arrays(crop: np.ndarray, box: variations.Box, mask: np.ndarray,
 
 
 def load_user_mask(path: Path, geometry: boxes_mod.CropGeometry) -> np.ndarray:
-    """A user's mask (.npy or .png; non-zero is foreground) in the crop's pixels.
-
-    A mask the size of the original image is resized (nearest neighbour) and cropped with it; one of
-    IMAGE_SIZE x IMAGE_SIZE that is not the original's size is taken as already in the crop's pixels.
-    """
+    """A user's mask (.npy or .png; non-zero is foreground) in the crop's pixels: one of the original's size is
+    resized (nearest) and cropped; an IMAGE_SIZE square one of another size is taken as already cropped."""
     try:
         if path.suffix.lower() == ".png":
             with Image.open(path) as img:
@@ -241,15 +234,10 @@ def build(images: Path, boxes: Path, out: Path, masks: Path | None = None, seed:
           jpeg_quality: int = DEFAULT_JPEG_QUALITY, image_format: ImageFormat = ImageFormat.JPEG,
           grabcut_iterations: int = grabcut.DEFAULT_ITERATIONS, workers: int | None = None,
           progress: bool = True, split: str = SPLIT, keep_unboxed: bool = False) -> BuildResult:
-    """Make the eight variations and fg_mask in the release's layout under `out` (see the module docstring).
-
-    Nothing is written until every image has been through the filters and every class kept at least
-    one image; `out` must be empty or new. The output is written into a temporary folder beside `out` and renamed
-    to `out` once complete, so an interrupted or failed build leaves nothing. `workers` threads (default: up to 8)
-    decode, segment and write.
-    split: the layout's split folder (val, as the test release; train for training data). keep_unboxed
-    (train only): images without a box go to `original` alone (IN-9L-style, for erm/mixup/cutmix).
-    """
+    """Make the eight variations and fg_mask in the release's layout under `out` (empty or new). Nothing is written
+    until every image passed the filters and every class kept one; written into a temporary folder renamed to `out`
+    once complete. `workers`: threads (default up to 8). `split`: val (as the test release) or train;
+    `keep_unboxed` (train only): images without a box go to `original` alone (IN-9L-style)."""
     out = Path(out)
     if keep_unboxed and split == SPLIT:
         raise UserError(f"--keep-unboxed makes an IN-9L-style training set, whose original/ holds more images than "
@@ -351,7 +339,6 @@ def _run_all(fn, items: list, workers: int, progress: bool, desc: str) -> None:
 
 def _write(result: BuildResult, folder: Path, image_format: ImageFormat, quality: int, workers: int,
            progress: bool, split: str = SPLIT) -> None:
-    """The variations and masks of `result` in the release's layout under `folder`."""
     extension = EXTENSIONS[image_format]
     for name in LAYOUT_NAMES:
         for cls in result.classes:

@@ -1,17 +1,6 @@
-"""Seeing and bounding the decoded-data cache (`python -m tools.data cache`): what it holds per kind, and
-removing all of it, the least recently used entries beyond a size, or what no version reads (damaged packs, the
-entries of versions before packs).
-
-The cache folder holds packs (`tools.data.store`: `<kind>-<digest>-v<version>/`), folders of other entries
-(`tools.data.store.CacheEntry`'s, e.g. `clip-heads/<key>/`) and the temporary folders of writers at work
-(`.tmp-HOST@PID@<random>`). Each is recognised by its name, matched exactly, and by what it holds: only files the
-cache writes (`meta.json`, `*.npy`; a pack or an entry has its meta.json). A folder holding anything else is not
-taken for a cache, so that a mistyped --cache-dir removes nothing: nothing at all is removed from it.
-
-An entry was last used when its meta.json was last modified (touched by its readers at most once a day,
-`store.mark_used`), so the order is by day. An entry is removed by renaming it first (`temporary.remove_entry`),
-so no reader finds half an entry; a reader that mapped a pack's rows keeps reading them (POSIX; over NFS, not
-another host's). Temporary folders are removed only when stale (`temporary.remove_stale`)."""
+"""Seeing and bounding the decoded-data cache (`python -m tools.data cache`): what it holds per kind; removing
+all, the least recently used beyond a size, or what no version reads. A folder holding anything the cache does
+not write is refused whole (a mistyped --cache-dir removes nothing). See docs/how-it-works.md, Decoding."""
 
 from __future__ import annotations
 
@@ -65,11 +54,8 @@ def format_size(nbytes: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """A pack or another cache entry: its folder, kind (a pack's kind, e.g. `image`; the folder holding another
-    entry, e.g. `clip-heads`), rows (None: not a pack), bytes, last use (seconds since the epoch), whether
-    this version reads it (False: a pack of another format version or reference build, which another install
-    sharing the cache may read, or one no version reads) and whether no version reads it (`unreadable`: a damaged
-    pack, an entry of a version before packs)."""
+    """A pack or another cache entry: its folder, kind (`image`, or the folder of another entry: `clip-heads`),
+    rows (None: not a pack), bytes, last use (epoch seconds), whether this version reads it, and `unreadable`."""
 
     path: Path
     kind: str
@@ -107,9 +93,8 @@ class CacheContents:
         return sum(e.size for e in self.entries) + sum(t.size for t in self.temporaries)
 
     def lines(self) -> list[str]:
-        """What `python -m tools.data cache` prints: the folder; per kind (those of another build or version, and
-        the unreadable, apart) the packs or entries, rows, bytes and day last used; the total; the writers'
-        temporary folders."""
+        """What `python -m tools.data cache` prints: per kind (another build's or version's and the unreadable apart)
+        packs or entries, rows, bytes and day last used; the total; the writers' folders."""
         groups: dict[tuple[int, bool, str], list[Entry]] = {}
         for entry in self.entries:  # packs first, then another build's or version's, unreadable ones last
             state = 2 if entry.unreadable else 0 if entry.readable else 1
@@ -207,8 +192,8 @@ def _is_entry(path: Path) -> bool:
 
 
 def survey(cache_dir: Path) -> CacheContents:
-    """What `cache_dir` holds. UserError where it is not a folder, cannot be read, or holds what the toolkit does
-    not write there (it is then not taken for a cache); a folder that does not exist is an empty cache."""
+    """What `cache_dir` holds (one that does not exist: empty). UserError where it is not a folder, cannot be read,
+    or holds what the toolkit does not write there."""
     folder = Path(cache_dir)
     entries, temporaries, foreign = [], [], []
     try:
@@ -284,21 +269,19 @@ def clear(cache_dir: Path) -> Removal:
 
 
 def remove_unreadable(cache_dir: Path) -> Removal:
-    """Remove what no version reads (`Entry.unreadable`), and the folders of stopped writers; the packs of another
-    format version or decoder build stay (another install sharing the cache may read them)."""
+    """Remove what no version reads and stopped writers' folders; another version's or build's packs stay."""
     contents = survey(cache_dir)
     return _remove(contents, [e for e in contents.entries if e.unreadable])
 
 
 def eviction_order(entries: list[Entry]) -> list[Entry]:
-    """The order `trim` removes entries in: what no version reads first, then the least recently used (another
-    build's or version's packs among them); ties by path."""
+    """`trim`'s order: what no version reads, then least recently used; ties by path."""
     return sorted(entries, key=lambda e: (not e.unreadable, e.last_used, str(e.path)))
 
 
 def trim(cache_dir: Path, max_size: int) -> Removal:
-    """Remove entries in `eviction_order` (and the folders of stopped writers) until the cache takes at most
-    `max_size` bytes, counting the running writers' folders, which stay."""
+    """Remove entries in `eviction_order` (and stopped writers' folders) until the cache, running writers' folders
+    counted, takes at most `max_size` bytes."""
     contents = survey(cache_dir)
     total = contents.size - sum(t.size for t in contents.temporaries if not t.live)
     chosen = []
@@ -315,8 +298,7 @@ def trim(cache_dir: Path, max_size: int) -> Removal:
 
 
 def written_line() -> str | None:
-    """What a command (or `tools.benchmark`) says, once, about what it wrote into the cache (`store.take_written`):
-    what (decoded data, CLIP text heads), where and how much; None where it wrote nothing."""
+    """The one line a command says about what it wrote into the cache (`store.take_written`); None for nothing."""
     written = store.take_written()
     if not written:
         return None

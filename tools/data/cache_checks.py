@@ -1,15 +1,7 @@
-"""What an entry of the decoded-data cache must show before a process uses it (`tools.data.store`): who could
-have written it (`others_can_write`: by default only what this user wrote and nobody else can change is used), that
-its rows are the bytes written (`RowChecks`: each row's SHA-256, stored with the pack, checked once per process
-before the row is first used), and that a few of the rows it gives are what their files decode to now
-(`spot_check`, on every use); and it reads them only as regular files (`read_regular`, `map_rows`: a FIFO, which
-any user of a shared cache can make, is refused, not waited on).
-
-The digests catch damage (a bad copy, a failing disk, a file edited by mistake); the spot check catches rows that
-are intact but belong to other files (a pack rebuilt with its rows reordered, its digests made to match); the owner
-check keeps other users' packs out of a private cache, where neither of the others could stop a forgery of a single
-row. Where there are no POSIX owners (Windows), the owner check is not made: the cache folder's place in the
-user's profile is what keeps other users out there."""
+"""What an entry of the decoded-data cache must show before a process uses it: only this user could have written
+it (`others_can_write`, private cache), its rows are the bytes written (`RowChecks`) and a few equal their files
+decoded now (`spot_check`); read only as regular files (a shared cache's FIFO would hang a reader). Why each
+check: docs/how-it-works.md, "A pack proves itself". No owner check without POSIX owners."""
 
 from __future__ import annotations
 
@@ -34,9 +26,8 @@ OWNERS_CHECKED = hasattr(os, "geteuid")  # POSIX owners and modes; not on Window
 
 
 def others_can_write(path: Path, follow: bool = False, owners: bool = True) -> str | None:
-    """Why a user other than this one could have written `path` or could change it (a symbolic link where `follow`
-    is off; with `owners`, another owner or a mode that lets its group or everyone write); None where only this
-    user can, and where there are no POSIX owners. OSError where it cannot be looked at."""
+    """Why a user other than this one could have written or could change `path` (a link unless `follow`; with
+    `owners`, another owner or group/other write); None where none could. OSError where it cannot be looked at."""
     info = os.stat(path) if follow else os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
         return "it is a symbolic link, which the cache never writes"
@@ -59,8 +50,7 @@ def first_foreign(paths: Sequence[Path], owners: bool = True) -> str | None:
 
 
 def make_private(paths: Sequence[Path]) -> None:
-    """Take the group's and everyone's write permission from `paths` (what the umask left them): a private cache's
-    entries are this user's alone."""
+    """Take group and other write permission from `paths`: a private cache's entries are this user's alone."""
     for path in paths:
         os.chmod(path, stat.S_IMODE(os.lstat(path).st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
 
@@ -72,8 +62,7 @@ def read_regular(path: Path) -> bytes:
 
 
 def map_rows(path: Path) -> np.ndarray:
-    """The array of the .npy file `path`, mapped read-only from the regular file opened (`open_regular`), so that
-    what is mapped is what was checked."""
+    """The .npy file `path` mapped read-only from the regular file opened, so what is mapped is what was checked."""
     with open_regular(path) as fh:
         shape, fortran, dtype = npy_header(fh, os.fstat(fh.fileno()).st_size)
         return np.memmap(fh, dtype=dtype, mode="r", offset=fh.tell(), shape=shape, order="F" if fortran else "C")
@@ -85,9 +74,8 @@ def row_digest(row: np.ndarray) -> np.ndarray:
 
 
 class RowChecks:
-    """Which rows of each pack this process has found equal to their digests, by the pack's identity (its rows
-    file's device, inode, size and modification time: a pack replaced or rewritten is checked again); `hashed`:
-    how many rows it hashed."""
+    """Which rows of each pack this process found equal to their digests, by the pack's identity (its rows file's
+    device, inode, size, mtime: a pack rewritten is checked again); `hashed`: rows hashed."""
 
     def __init__(self):
         self._checked: dict[tuple, np.ndarray] = {}
@@ -95,8 +83,8 @@ class RowChecks:
 
     def failing(self, identity: tuple, rows: np.ndarray, digests: np.ndarray, wanted: Sequence[int],
                 workers: int | None = None) -> list[int]:
-        """The rows of `wanted` whose bytes are not their digest's, each hashed at most once per identity, in
-        `workers` threads (hashlib lets go of the GIL)."""
+        """The rows of `wanted` whose bytes are not their digest's, each hashed at most once per identity, in `workers`
+        threads (hashlib lets go of the GIL)."""
         checked = self._checked.setdefault(identity, np.zeros(len(rows), bool))
         todo = sorted({int(i) for i in wanted if not checked[i]})
         self.hashed += len(todo)
@@ -122,10 +110,8 @@ class RowChecks:
 
 def spot_check(rows: np.ndarray, used: Sequence[tuple[int, int]],
                reference: Callable[[int], np.ndarray | None]) -> int | None:
-    """Compare up to `SPOT_CHECK_ROWS` rows of `used` ((index in the lookup, row of the pack) pairs), picked at
-    random (unpredictably, so that no pack can be made to pass by its choice), with `reference(index)`: the row as
-    its file decodes now (None: that file cannot be checked, e.g. changed since it was listed). The first row that
-    differs, or None."""
+    """The first of up to `SPOT_CHECK_ROWS` rows of `used` ((lookup index, pack row) pairs), picked unpredictably,
+    that differs from `reference(index)`, its file decoded now (None: not checkable); None where all match."""
     order = list(used)
     secrets.SystemRandom().shuffle(order)
     checked = 0

@@ -141,9 +141,8 @@ def _run_checks(check, paths: list[Path], workers: int, progress: bool, desc: st
 
 def _compare_with_original(listings: dict[str, dict[str, list[str]]], original: dict[str, list[str]],
                            problems: _Problems, notes: list[str], split: str) -> None:
-    """Every variation has as many images per class as original (a problem if not). Where the variations
-    made from one image (only_fg, ..., no_fg) name theirs differently from original, that is a note:
-    nothing the scripts rely on."""
+    """A problem per class whose image count differs from original's; differently named images in the variations
+    made from one image are a note (nothing the scripts rely on)."""
     for name, per in listings.items():
         if name in (Variation.ORIGINAL.value, MASK_FOLDER):
             continue
@@ -162,7 +161,7 @@ def _compare_with_original(listings: dict[str, dict[str, list[str]]], original: 
 def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_masks: bool, compare_counts: bool,
           workers: int, progress: bool, split: str = SPLIT, original_only: Collection[str] = ()) -> VerifyReport:
     """The one walk behind verify_layout and quick_check. images: 'sample' (first per class), 'header', 'full'.
-    original_only: 'class/stem' of original images that have no mask and no other variation by design."""
+    original_only: 'class/stem' of original images with no mask or other variation by design."""
     root = check_data_root(root)
     problems, notes = _Problems(), []
     names = list(dict.fromkeys([*names, *((Variation.ORIGINAL.value, MASK_FOLDER) if need_masks else ())]))
@@ -249,23 +248,17 @@ def _scan(root: Path, names: Sequence[str], need_masks: bool, images: str, load_
 
 def verify_layout(root: Path, full: bool = False, workers: int | None = None, progress: bool = False,
                   split: str = SPLIT) -> VerifyReport:
-    """Check everything both scripts need and collect every problem (the images a `build --keep-unboxed` put in
-    original/ alone, listed in its build_summary.json, are a note).
-
-    The eight variations and fg_mask each with the same nine class folders, none empty; as many images
-    per class in every variation as in original; every image readable and IMAGE_SIZE square (its
-    header only, unless `full` decodes it); every mask a .npy of shape (224, 224) (or with a unit axis) holding
-    booleans or 0/1, paired with its original image and the other way round.
-    """
+    """Check everything both scripts need and collect every problem: eight variations and fg_mask with the same nine
+    non-empty class folders and original's counts, images readable and IMAGE_SIZE square (header only unless `full`),
+    masks 0/1 (224, 224) .npy paired with original both ways. `build --keep-unboxed` images are a note."""
     return _scan(root, VARIATIONS, need_masks=True, images="full" if full else "header", load_masks=True,
                  compare_counts=True, workers=workers or default_workers(), progress=progress, split=split,
                  original_only=built_original_only(check_data_root(root), split))
 
 
 def built_original_only(root: Path, split: str) -> set[str]:
-    """'class/stem' of the images that `build --keep-unboxed` put in original/ alone (no box, so no mask and no
-    other variation), as the build's summary lists them; none without a summary of this split (or with a special
-    file in its place, never opened)."""
+    """'class/stem' of the images `build --keep-unboxed` put in original/ alone, as the build's summary of this
+    split lists them (none without one; a special file there is never opened)."""
     try:
         summary = read_json(root / SUMMARY_NAME)
         if summary["config"]["split"] != split:
@@ -282,14 +275,9 @@ def quick_scan(root: Path, variations: Sequence[str], need_masks: bool = False, 
 
 
 def quick_check(root: Path, variations: Sequence[str], need_masks: bool = False, split: str = SPLIT) -> dict[str, int]:
-    """The fast check the scripts run before they start; returns the file count per folder checked.
-
-    Directory listings only, plus the header of the first image (and mask) of each class: every named
-    variation has nine class folders, none empty, named alike in every folder checked (as in original
-    when it is among them), the sampled images are IMAGE_SIZE square, and with need_masks original/
-    and fg_mask/ are checked too and pair one mask with every original image. Raises UserError with
-    the first problem; counts across variations and full decoding are left to `verify_layout`.
-    """
+    """The fast check the scripts run before they start: listings (nine non-empty class folders, named alike) and
+    each class's first image header (IMAGE_SIZE square), with need_masks one mask per original image. Returns the
+    file count per folder checked; UserError with the first problem."""
     report = quick_scan(root, variations, need_masks, split)
     if report.problems:
         raise UserError(f"data in {report.root}: {report.first_problem()}; run `python -m tools.data verify "

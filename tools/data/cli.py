@@ -243,8 +243,7 @@ def _run_cache(args: argparse.Namespace) -> int:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    """Run one command; a user error is one line on stderr and exit code 2; Ctrl-C ends with exit code 130 and
-    SIGTERM with 143 (both through `run_main`), each after removing what it left half-made."""
+    """Run one command (exit codes as `tools.cli.run_main`), removing what it left half-made."""
     return run_main(build_parser(), lambda args: args.handler(args), None if argv is None else list(argv),
                     on_interrupt=RERUN_ADVICE)
 

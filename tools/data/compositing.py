@@ -1,7 +1,6 @@
-"""Pasting foregrounds onto backgrounds: the one definition the challenge and training share, on uint8 NCHW
-images. `composite` (0/1 masks) stays in bytes and equals the original's `bg * (1 - m) + fg * m` exactly;
-`blend` (`--mask-arithmetic original`) is the original's float arithmetic for any mask values, reproduced exactly.
-"""
+"""Pasting foregrounds onto backgrounds on uint8 NCHW images, the one definition the challenge and training share:
+`composite` (0/1 masks) on bytes, `blend` (`--mask-arithmetic original`) the original's float arithmetic; both
+equal the original's exactly."""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ class MaskArithmetic(str, enum.Enum):
 
 
 def byte_masks(masks: torch.Tensor | np.ndarray, channels_last: bool = False) -> torch.Tensor:
-    """(N, H, W) bool -> (N, 1, H, W) uint8: 255 on the foreground, 0 elsewhere (one channel for all three); with
-    `channels_last`, for channels-last images: (N, 3, H, W) in NHWC storage, each pixel's byte three times (bitwise
-    operations broadcasting one channel over an innermost dimension of three are several times slower)."""
+    """(N, H, W) bool -> (N, 1, H, W) uint8, 255 on the foreground; with `channels_last`, (N, 3, H, W) in NHWC
+    storage (broadcasting one channel over an innermost three is several times slower)."""
     masks = torch.as_tensor(masks)
     if not channels_last:
         return masks.to(torch.uint8).mul_(255).unsqueeze(1).contiguous()
@@ -36,9 +34,8 @@ def byte_masks(masks: torch.Tensor | np.ndarray, channels_last: bool = False) ->
 
 
 def composite(fg: torch.Tensor, bg: torch.Tensor, byte_mask: torch.Tensor) -> torch.Tensor:
-    """uint8 foregrounds where `byte_mask` (`byte_masks`) is 255, backgrounds elsewhere, as `(fg & m) | (bg & ~m)`:
-    an order of magnitude faster on a CPU than `torch.where` with a broadcast mask, and exact. All three are
-    overwritten in place (pass fresh gathers or clones); the result is `fg`'s storage."""
+    """`(fg & m) | (bg & ~m)` with `byte_mask` from `byte_masks`: exact, and an order of magnitude faster on a CPU
+    than `torch.where`. Overwrites all three in place (pass fresh gathers or clones); the result is `fg`'s storage."""
     out = fg.bitwise_and_(byte_mask)
     return out.bitwise_or_(bg.bitwise_and_(byte_mask.bitwise_not_()))
 

@@ -1,6 +1,5 @@
-"""Which decoder turns an image file's bytes into pixels: Pillow (the original's loader, the reference) or
-torchvision's `decode_jpeg`, chosen per run by a probe on the run's own files and used only for the JPEGs it
-decodes bit for bit as Pillow does. `decode_bytes` is the one conversion; `choose_decoder` the one probe."""
+"""Which decoder turns an image file's bytes into pixels: Pillow (the reference) or torchvision's `decode_jpeg`,
+used only for the JPEGs the run's probe found it decodes bit for bit as Pillow does (`choose_decoder`)."""
 
 from __future__ import annotations
 
@@ -27,9 +26,8 @@ LAZY_IMPORTS = ("torchvision.io",)
 
 
 class Decoder(str, enum.Enum):
-    """Who turns JPEG bytes into pixels: Pillow (the original's loader, the reference) or torchvision's
-    `decode_jpeg` (libjpeg-turbo too, faster, and it releases the GIL, so threads scale), used only where a probe
-    found it bit-equal to Pillow. Files that are not plain JPEGs go to Pillow whichever is chosen."""
+    """Pillow (the original's loader, the reference) or torchvision's `decode_jpeg` (faster, releases the GIL), used
+    only where a probe found it bit-equal; files that are not plain JPEGs go to Pillow either way."""
 
     PILLOW = "pillow"
     TORCHVISION = "torchvision"
@@ -59,8 +57,8 @@ def pillow_rgb(data: bytes, name: Path | str) -> np.ndarray:
 
 
 def decode_jpeg_bytes(data: bytes) -> torch.Tensor:
-    """torchvision's decoding of JPEG bytes as a uint8 (3, H, W) tensor, in RGB; raises on what it cannot read.
-    Equal to Pillow's only where `choose_decoder` found it so: use `decode_bytes` unless you probed."""
+    """torchvision's decoding of JPEG bytes as uint8 (3, H, W) RGB; raises on what it cannot read. Equal to
+    Pillow's only where `choose_decoder` found it so: use `decode_bytes` unless you probed."""
     torchvision_io = import_torchvision("torchvision.io")
     encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     _silence_deprecation()
@@ -82,13 +80,9 @@ _silenced: list[tuple] = []  # the filter `_silence_deprecation` installed, as `
 
 
 def _silence_deprecation() -> None:
-    """torchvision 0.29 deprecates `decode_jpeg` with a DeprecationWarning on every call, an error under
-    `python -W error`. Ignored by one process-wide filter, installed before the probe's first call, that names
-    that message and torchvision's module only: `warnings.catch_warnings` around each call would not do, since it
-    is not thread-safe and the files decode in threads. Checked before every call, and installed again if gone: a
-    `warnings.catch_warnings` elsewhere (model loading, in the main thread while the data work runs beside it)
-    puts back the filters it saved as it leaves, dropping one installed meanwhile (`decode_jpeg_bytes` installs it
-    again and decodes once more where that happened between this check and its call)."""
+    """Ignore torchvision 0.29's DeprecationWarning on every `decode_jpeg` call with one process-wide filter
+    (`catch_warnings` is not thread-safe). Installed again where gone: a `catch_warnings` elsewhere (model loading,
+    beside the data work) restores its saved filters as it leaves (`decode_jpeg_bytes` then decodes once more)."""
     if _silenced and _silenced[0] in warnings.filters:
         return
     warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
@@ -116,11 +110,8 @@ def _plain_frame(data: bytes, pos: int) -> bool:
 
 
 def plain_jpeg(data: bytes) -> bool:
-    """A JPEG (by its bytes, whatever its name) in a Huffman-coded baseline or progressive frame of 8-bit samples
-    and 1 (grey) or 3 (YCbCr or RGB) components sampled as the probe's samples are (4:4:4, 4:2:2, 4:2:0): the
-    kind `decode_jpeg` may decode in Pillow's place. CMYK and YCCK (4 components), 12-bit samples, other chroma
-    samplings (4:1:1, 4:4:0...), extended, lossless and arithmetic-coded files, and everything not a JPEG, are
-    Pillow's."""
+    """Whether the bytes are a JPEG `decode_jpeg` may decode in Pillow's place: Huffman-coded baseline or
+    progressive, 8-bit, grey or 3 components sampled 4:4:4, 4:2:2 or 4:2:0 (the probe's kinds)."""
     if data[:2] != b"\xff\xd8":
         return False
     pos = 2
@@ -161,10 +152,9 @@ def _probe_samples() -> list[bytes]:
 
 
 def choose_decoder(sample_files: Sequence[Path | bytes], requested: Decoder | None = None) -> Decoder:
-    """The decoder for a run: torchvision where it decodes a few of the run's own files (`sample_files`) and a
-    generated JPEG of every kind it would be given bit for bit as Pillow does (builds and platforms differ:
-    torchvision issue 8027), else Pillow. `sample_files`: paths, or the files' bytes. `requested` forces one
-    (Pillow always; torchvision still only where the probe passes)."""
+    """torchvision where it decodes a few of the run's own files (`sample_files`: paths or bytes) and a generated
+    JPEG of every kind bit for bit as Pillow (builds differ: torchvision issue 8027), else Pillow. `requested`
+    forces one (torchvision still only where the probe passes)."""
     if requested is Decoder.PILLOW:
         return Decoder.PILLOW
     torchvision_io = import_torchvision("torchvision.io")  # after the scripts' background import of it

@@ -80,15 +80,9 @@ def archive_name(url: str) -> str:
 
 def fetch(data_path: Path, url: str = RELEASE_URL, sha256: str | None = None, keep_archive: bool = False,
           archive: Path | None = None, progress: bool = True, timeout: float = DEFAULT_TIMEOUT_S) -> FetchResult:
-    """Download (or take `archive`), check the SHA-256 and extract the release into `data_path`.
-
-    The expected SHA-256 is `sha256`, else the release's own when `url` is the release URL; with another URL and
-    no `sha256` the check is skipped with a warning. The download goes to <data_path>/<name>.part and resumes from
-    it; one whose hash is wrong is moved aside to <name>.bad. A downloaded archive is deleted (unless
-    `keep_archive`) only once its extraction passed `check_release`, so a retry needs no second download; a file
-    given as `archive` is never moved or deleted. A folder that already holds the release is checked alike and
-    left as it is.
-    """
+    """Download (or take `archive`), check the SHA-256 (`sha256`, else the release's own for the release URL;
+    skipped with a warning otherwise) and extract the release into `data_path`; one already there is checked alike
+    and left. A download is deleted (unless `keep_archive`) only once extracted; a user's `archive` never is."""
     root = Path(data_path)
     present = [name for name in LAYOUT_NAMES if (root / name).exists()]
     if len(present) == len(LAYOUT_NAMES):
@@ -107,9 +101,8 @@ def fetch(data_path: Path, url: str = RELEASE_URL, sha256: str | None = None, ke
 
 @contextlib.contextmanager
 def _created(root: Path) -> Iterator[None]:
-    """`root` created (with its missing parents) for the block; when the block fails, the folders it created that
-    are still empty are removed again, so a failed fetch leaves no empty folder (one that holds a partial
-    download, kept to resume from, or a download moved aside stays)."""
+    """`root` created for the block; where the block fails, the folders it created that are still empty are removed
+    (one holding a partial or moved-aside download stays)."""
     created = [folder for folder in (root, *root.parents) if not folder.exists()]  # the deepest first
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -158,8 +151,7 @@ def _fetch_into(root: Path, url: str, sha256: str | None, keep_archive: bool, ar
 
 
 def check_release(root: Path) -> VerifyReport:
-    """The one check of a release, before fetch calls a folder fetched: `quick_scan` of every variation with the
-    masks."""
+    """The one check of a release before fetch calls it fetched: `quick_scan` of every variation with the masks."""
     return quick_scan(root, VARIATIONS, need_masks=True)
 
 
@@ -206,12 +198,9 @@ def _content_range(value: str | None) -> tuple[int | None, int | None]:
 
 def download(url: str, part: Path, dest: Path, progress: bool = True, timeout: float = DEFAULT_TIMEOUT_S,
              expected_size: int | None = None) -> tuple[int, bool]:
-    """Download `url` into `part`, resuming from what `part` already holds; returns (bytes fetched, resumed).
-
-    A server that answers a Range request with the whole file (200) is downloaded again from the start.
-    Connection failures end in a UserError that says where to put a manual download (`dest`); a
-    transfer that stops midway keeps `part` for the next run to resume.
-    """
+    """Download `url` into `part`, resuming from what it holds; returns (bytes fetched, resumed). A 200 answer to
+    a Range request restarts from the start; connection failures are a UserError naming where to put a manual
+    download (`dest`); a transfer that stops midway keeps `part`."""
     try:
         found = os.lstat(part)  # the link itself, if one is there
     except FileNotFoundError:
@@ -311,11 +300,8 @@ def _unsafe_reason(member: tarfile.TarInfo) -> str | None:
 
 
 def plan_extraction(members: Sequence[tarfile.TarInfo], archive: Path) -> list[tuple[tarfile.TarInfo, tuple[str, ...]]]:
-    """Each member with its path inside the target, the archive's single top folder stripped.
-
-    Refuses the whole archive, before anything is written, when any member is a link, a special file,
-    an absolute path or a path with '..'.
-    """
+    """Each member with its path inside the target, the archive's single top folder stripped. Refuses the whole
+    archive, before anything is written, when any member is a link, a special file, absolute or has '..'."""
     unsafe = [(m.name, why) for m in members if (why := _unsafe_reason(m)) is not None]
     if unsafe:
         name, why = unsafe[0]
@@ -334,15 +320,9 @@ def plan_extraction(members: Sequence[tarfile.TarInfo], archive: Path) -> list[t
 
 def extract_archive(archive: Path, root: Path, progress: bool = True,
                     downloaded: bool = True) -> tuple[int, dict[str, int]]:
-    """Extract a tar archive of the release into `root`, its top folder (bg_challenge/) stripped; returns the file
-    count and the files per folder.
-
-    Members are checked first (see `plan_extraction`) and written under a temporary folder inside `root`
-    (see `tools.data.temporary`) as plain files and folders (no links, owners or modes from the archive).
-    The result must pass `check_release` there; only then is it moved into place, so a rejected archive or an
-    interrupted extraction leaves nothing in `root`. `downloaded`: the archive is fetch's own download (a
-    user's --archive is never to be deleted, and the messages say so).
-    """
+    """Extract the release archive into `root`, its top folder stripped; returns the file count and files per
+    folder. Plain files and folders, in a temporary folder moved into place only once `check_release` passes.
+    `downloaded`: fetch's own download, not a user's --archive (for the messages)."""
     root = Path(root)
     what = str(archive) if downloaded else f"--archive {archive}"
     try:

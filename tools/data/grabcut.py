@@ -17,12 +17,9 @@ def require_opencv():
 
 
 def grabcut_mask(image: np.ndarray, box: Box, iterations: int = DEFAULT_ITERATIONS, seed: int = 0) -> np.ndarray:
-    """The HxW bool foreground (sure or probable) GrabCut finds in an HxWx3 uint8 RGB image, given the box.
-
-    GrabCut starts with everything outside the box as sure background and the box as probable
-    foreground. OpenCV's random generator is seeded first, so the same input gives the same mask.
-    Raises ValueError when GrabCut cannot run (an empty box, or no background outside it).
-    """
+    """The HxW bool foreground (sure or probable) GrabCut finds in an HxWx3 uint8 RGB image, starting from the box
+    as probable foreground; OpenCV's generator is seeded first, so it is deterministic. ValueError where GrabCut
+    cannot run (an empty box, no background outside it)."""
     cv2 = require_opencv()
     x0, y0, x1, y1 = box
     height, width = image.shape[:2]

@@ -1,18 +1,6 @@
-"""Content hashes: of one file, and of every file a run reads (the data's identity).
-
-A run's data is identified by what its files hold, not by their names and sizes: every file is read and
-hashed with SHA-256 (streamed, in threads, since hashlib releases the GIL on large buffers), and the
-fingerprint is a SHA-256 over the sorted (relative path, file hash) lines. Provenance carries it, both
-scripts' resume keys are keyed by it and the decoded-data cache by the file hashes themselves, so a file rewritten
-in place with the same name, size and even modification time is still seen as different data. The same digest per
-top-level folder (`original`, `only_bg_t`, ...) lets runs that read different sets of folders, such as
-in9_eval.py's and challenge_eval.py's, be checked to have read the same data where they overlap.
-
-Only regular files are read (`open_regular`: a FIFO or a device is refused, never waited on or read without end).
-Files that lie outside the data folder, reached through links (a data folder assembled from links into a shared
-store), are read as data, said once and recorded in the fingerprint (`outside`), which their content identifies
-like any other's.
-"""
+"""Content hashes: of one file, and of every file a run reads (the data's identity; see docs/how-it-works.md,
+"Which data was read"), in threads (hashlib releases the GIL). Only regular files are read (`open_regular`);
+files reached through links outside the data folder are read as data, said once and recorded."""
 
 from __future__ import annotations
 
@@ -35,8 +23,8 @@ FINGERPRINT_METHOD = "sha256 of each file's content, then sha256 over sorted 'pa
 
 
 def open_regular(path: Path | str):
-    """`path` opened for reading (links followed), refused with an OSError unless it is a regular file: a FIFO is
-    opened without waiting for a writer and a device without reading it, and neither is read."""
+    """`path` opened for reading (links followed); OSError unless a regular file. A FIFO is opened without waiting
+    for a writer and a device without reading it."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -59,15 +47,14 @@ def sha256_file(path: Path | str) -> str:
 
 
 def fingerprint(root: Path | str, relpaths: Sequence[str], workers: int = 4) -> dict:
-    """{files, bytes, sha256, method, folders} over the content of every file in `relpaths` (relative to
-    `root`); `folders` holds the same digest over the files of each top-level folder alone."""
+    """{files, bytes, sha256, method, folders} over the content of `relpaths` (relative to `root`); `folders`: the
+    same digest per top-level folder."""
     return read_and_fingerprint(root, relpaths, workers)[0]
 
 
 def _hash_and_keep(path: Path, keep: bool, root: str,
                    folders: dict[str, str]) -> tuple[str, bytes | None, str | None]:
-    """The file's SHA-256, its bytes when kept, and where it really is when that is outside the data folder whose
-    real path is `root` (`layout.outside`, `folders` its memo of real folder paths)."""
+    """The file's SHA-256, its bytes when kept, and its real path when outside the data folder `root`."""
     stop_point()
     try:
         if not keep:
@@ -84,8 +71,8 @@ def _hash_and_keep(path: Path, keep: bool, root: str,
 
 
 def _outside_record(root: Path, targets: list[str]) -> dict | None:
-    """The fingerprint's record of the files read from outside the data folder `root` (their real paths): how
-    many, and the folders they are in (the first ten); None when there are none. Said once, as a warning."""
+    """The fingerprint's record of the files read from outside `root`: how many, and their folders (the first ten);
+    None for none. Said once, as a warning."""
     note = outside_note(root, targets)
     if note is None:
         return None
@@ -95,9 +82,8 @@ def _outside_record(root: Path, targets: list[str]) -> dict | None:
 
 def read_and_fingerprint(root: Path | str, relpaths: Sequence[str], workers: int = 4,
                          keep: Collection[str] = ()) -> tuple[dict, dict[str, bytes], dict[str, str]]:
-    """`fingerprint`, the bytes of the files named in `keep`, and every file's SHA-256 (by relative path: the
-    decoded-data cache's keys), each file read once: a run decodes the very bytes it hashed, without reading them
-    again."""
+    """`fingerprint`, the bytes of the files in `keep`, and every file's SHA-256 by relative path (the cache's keys),
+    each file read once: a run decodes the very bytes it hashed."""
     root = Path(root)
     ordered = sorted(relpaths)
     keep = set(keep)

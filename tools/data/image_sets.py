@@ -1,7 +1,5 @@
-"""The image sets a run reads (`ImageSet`: the files listed, their content, how they decode and where they are
-cached), decoded (one file's bytes to pixels, and by which decoder: tools.data.decoders): images as uint8 tensors,
-masks checked and made ready for compositing, read from and written to the decoded-data cache (`tools.data.store`)
-as they are decoded, and kept on a CUDA device for a run where they fit."""
+"""The image sets a run reads (`ImageSet`), decoded through the decoded-data cache (`tools.data.store`): images
+as uint8 tensors, masks ready for compositing, kept on a CUDA device where they fit. See docs/how-it-works.md."""
 
 from __future__ import annotations
 
@@ -34,9 +32,8 @@ DECODE_BATCH = 64  # images decode_images takes from iter_decoded_batches at onc
 
 def decode_rgb(path: Path, size: int = IMAGE_SIZE, decoder: Decoder = Decoder.PILLOW,
                data: bytes | None = None) -> np.ndarray:
-    """The image as HxWx3 uint8 RGB, Pillow's `convert("RGB")` pixels as the original's loader gives them (no
-    EXIF rotation), decoded by `decoder` where it may (from `data`, the file's bytes when already read); checked
-    to be size x size."""
+    """The image as HxWx3 uint8 RGB, as the original's loader gives it (Pillow's `convert("RGB")`, no EXIF
+    rotation), from `data` (the file's bytes) when already read; checked to be size x size."""
     if data is None:
         try:
             with open_regular(path) as fh:
@@ -47,8 +44,7 @@ def decode_rgb(path: Path, size: int = IMAGE_SIZE, decoder: Decoder = Decoder.PI
 
 
 def read_mask(path: Path, size: int = IMAGE_SIZE, data: bytes | None = None) -> np.ndarray:
-    """A foreground mask's raw values as an HxW array (from `data`, the file's bytes when already read), checked
-    for shape and a numeric dtype."""
+    """A foreground mask's raw HxW values (from `data` when already read), checked for shape and a numeric dtype."""
     try:
         raw = read_npy(path if data is None else data)
     except NUMPY_READ_ERRORS as exc:
@@ -69,12 +65,8 @@ def is_binary(raw: np.ndarray) -> bool:
 
 def load_mask(path: Path, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, size: int = IMAGE_SIZE,
               data: bytes | None = None) -> np.ndarray:
-    """A foreground mask, ready for compositing.
-
-    binary: an HxW bool array; masks holding anything but booleans or 0/1 are refused, naming the values
-    and what the original would have computed. original: the original's uint8 weight numerators
-    (`compositing.original_weights`), whatever the values.
-    """
+    """A foreground mask for compositing. binary: HxW bool, refusing values other than booleans or 0/1 (naming them
+    and what the original would compute). original: the original's uint8 weight numerators, whatever the values."""
     raw = read_mask(path, size, data)
     if arithmetic is MaskArithmetic.ORIGINAL:
         return original_weights(raw)
@@ -92,11 +84,9 @@ def load_mask(path: Path, arithmetic: MaskArithmetic = MaskArithmetic.BINARY, si
 
 @dataclass(eq=False)
 class ImageSet:
-    """Files listed under `root` (images, masks): each one's SHA-256 by relative path (`hashes`: what was listed)
-    and the `fingerprint` of them all, the bytes read while hashing them (`contents`, until decoded), the decoder
-    chosen on a few of them, the decoded-data `cache` they decode through (None: neither read nor written) and,
-    where a caller asks (`held` a dict: the zoo, whose models all read one set), what was decoded of them, kept in
-    memory."""
+    """Files listed under `root`: each one's SHA-256 by relative path (`hashes`) and their `fingerprint`, the bytes
+    read while hashing (`contents`, until decoded), the decoder chosen and the `cache` (None: not used); `held` (a
+    dict, the zoo's) keeps what was decoded in memory."""
 
     root: Path
     fingerprint: dict | None = None
@@ -131,9 +121,8 @@ class ImageSet:
 
 def read_image_set(root: Path, relpaths: Sequence[str], images: Sequence[str], workers: int,
                    cache: DecodedCache | None = None, hold: bool = False) -> ImageSet:
-    """The files of `relpaths` read and hashed in `workers` threads, their bytes kept until decoded, with the decoder
-    chosen on a few of `images` (`decoders.choose_decoder`), decoding through `cache`; `hold`: what is decoded of
-    them is kept in memory."""
+    """The files of `relpaths` read and hashed in `workers` threads (bytes kept until decoded), the decoder chosen on
+    a few of `images`; `hold`: keep what is decoded in memory."""
     fingerprint, contents, hashes = read_and_fingerprint(root, relpaths, workers, keep=relpaths)
     decoder = decoders.choose_decoder([contents[rel] for rel in decoders.probe_sample(images)])
     return ImageSet(root, fingerprint, hashes, contents, decoder, cache, {} if hold else None)
@@ -159,8 +148,8 @@ def _decode_into(out: torch.Tensor, images: ImageSet, relpaths: Sequence[str], c
 
 
 class DeviceCopies:
-    """Batches copied to a CUDA device on a side stream, so the copy of the next batch overlaps the model's work
-    on this one; the consumer's stream waits for each copy before using it. None of this off CUDA."""
+    """Batches copied to a CUDA device on a side stream, overlapping the model's work on the previous batch; the
+    consumer's stream waits for each copy. Nothing off CUDA."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -181,15 +170,9 @@ class DeviceCopies:
 def iter_decoded_batches(images: ImageSet, relpaths: Sequence[str], batch_size: int, workers: int,
                          pin_memory: bool = False, starts: Sequence[int] | None = None,
                          device: torch.device | None = None) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (start index, uint8 Nx3xHxW batch) of the `images` of `relpaths` in order (every batch, or those
-    beginning at `starts`), decoded ahead by `workers` threads in jobs of `JOB_IMAGES` images straight into each
-    batch's buffer (pinned with `pin_memory`: PyTorch's host allocator recycles those blocks only once the copies
-    reading them are done).
-
-    With the set's hashes and cache, images the decoded-data cache holds (`tools.data.store`) are copied
-    from it, and those decoded here are cached in one pack when the last batch is out. With a CUDA `device` the
-    batches come on it, copied on a side stream. Pillow and decode_jpeg release the GIL while they decode, so
-    threads decode in parallel; errors (unreadable files, wrong sizes) surface as they are, naming the file."""
+    """Yield (start index, uint8 Nx3xHxW batch) of `relpaths` in order (all, or the batches at `starts`), decoded
+    ahead by `workers` threads into pinned buffers (PyTorch's host allocator recycles a pinned block only once its
+    copies are done) or read from the cache, new rows cached in one pack after the last batch; errors name the file."""
     starts = list(range(0, len(relpaths), batch_size) if starts is None else starts)
     workers = max(1, workers)
     copies = DeviceCopies(device) if device is not None and device.type == "cuda" else None
@@ -242,9 +225,8 @@ RESIDENT_FRACTION = 0.25  # of the device's free memory: at most this much decod
 
 
 def fits_on_device(nbytes: int, device: torch.device | None, free: int | None = None) -> bool:
-    """Whether `nbytes` of decoded data are kept on `device` for a run, rather than streamed to it batch by batch:
-    on CUDA, when they take at most `RESIDENT_FRACTION` of its free memory (`free`: as measured, by default
-    `torch.cuda.mem_get_info`), leaving the rest to the model's batches; never elsewhere."""
+    """Whether `nbytes` of decoded data are kept on `device` rather than streamed: on CUDA, when they take at most
+    `RESIDENT_FRACTION` of its free memory (`free`, default `torch.cuda.mem_get_info`); never elsewhere."""
     if device is None or device.type != "cuda":
         return False
     if free is None:
@@ -310,9 +292,8 @@ def _cache_plan(images: ImageSet, relpaths: Sequence[str], batch_size: int,
 
 def decode_images(images: ImageSet, relpaths: Sequence[str], workers: int, progress: bool = True,
                   desc: str = "decoding", channels_last: bool = False) -> torch.Tensor:
-    """The `images` of `relpaths` as one uint8 (N, 3, H, W) tensor, decoded in `workers` threads, with a progress
-    bar (through their decoded-data cache: `iter_decoded_batches`); `channels_last`: in NHWC storage, the
-    decoders' own layout (no transposing copy), contiguous otherwise."""
+    """The `images` of `relpaths` as one uint8 (N, 3, H, W) tensor, through the cache, with a progress bar;
+    `channels_last`: NHWC storage (the decoders' layout, no transposing copy)."""
     shape = (len(relpaths), IMAGE_SIZE, IMAGE_SIZE, 3) if channels_last else (len(relpaths), 3, IMAGE_SIZE, IMAGE_SIZE)
     out = torch.empty(shape, dtype=torch.uint8)
     out = out.permute(0, 3, 1, 2) if channels_last else out
@@ -325,8 +306,7 @@ def decode_images(images: ImageSet, relpaths: Sequence[str], workers: int, progr
 
 def load_masks(root: Path, masks: Sequence[tuple[str, bytes | None]],
                arithmetic: MaskArithmetic = MaskArithmetic.BINARY) -> np.ndarray:
-    """The `masks` ((relative path, its bytes or None to read its file) each) stacked: (N, H, W) bool (binary) or
-    the original's uint8 weights (original)."""
+    """The `masks` ((relative path, bytes or None) each) stacked: (N, H, W) bool, or the original's uint8 weights."""
     dtype = np.uint8 if arithmetic is MaskArithmetic.ORIGINAL else bool
     stacked = np.empty((len(masks), IMAGE_SIZE, IMAGE_SIZE), dtype=dtype)
     for i, (rel, data) in enumerate(masks):
@@ -338,12 +318,8 @@ def load_masks(root: Path, masks: Sequence[tuple[str, bytes | None]],
 def decode_cached(images: ImageSet, groups: dict[str, Sequence[str]], masks: Sequence[str],
                   arithmetic: MaskArithmetic = MaskArithmetic.BINARY, workers: int = 4, progress: bool = True,
                   channels_last: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Named groups of `images` as uint8 (N, 3, H, W) tensors (`channels_last`: as `decode_images`) and the masks
-    (`load_masks`), each image and mask read from the set's decoded-data cache where it holds that file's content
-    (and, for masks, the mask arithmetic), decoded and cached otherwise (the challenge's data, and train.py's
-    store: tools.training.data.decoded_store). Without the files' hashes (the tests and the bench call
-    decoded_store so), they are read in `workers` threads to hash them when there is a cache. Where the set holds
-    what it decodes (`ImageSet.held`), the next call reads it from memory."""
+    """Named groups of `images` as uint8 (N, 3, H, W) tensors and the `masks`, through the set's cache (masks per
+    arithmetic); without the files' hashes (tests, bench) they are hashed first when there is a cache."""
     key = ("decoded", arithmetic, channels_last, *groups)
     if images.held is not None and key in images.held:
         return images.held[key]
@@ -359,8 +335,7 @@ def decode_cached(images: ImageSet, groups: dict[str, Sequence[str]], masks: Seq
 
 
 def _masks_cached(images: ImageSet, relpaths: Sequence[str], arithmetic: MaskArithmetic) -> torch.Tensor:
-    """`load_masks`, each mask read from the cache where it holds that file's content for this arithmetic; binary
-    masks are cached as packed bits."""
+    """`load_masks` through the cache, per arithmetic; binary masks are cached as packed bits."""
     packed = arithmetic is MaskArithmetic.BINARY
     pixels = IMAGE_SIZE * IMAGE_SIZE
     packs = Packs(images.cache, f"mask-{arithmetic.value}", (pixels // 8,) if packed else (IMAGE_SIZE, IMAGE_SIZE))

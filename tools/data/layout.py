@@ -1,9 +1,6 @@
 """The release's folder layout, walked in one place: `<data>/<variation>/<split>/<class>/<file>` and
-`<data>/fg_mask/<split>/<class>/<stem>.npy`, where the split is `val` for the test release and `train` for
-training data. Listings are sorted (ImageFolder order); the class index is the class folder's position.
-
-A data file is a regular file (links followed: a data folder may be assembled from links into a shared store);
-a FIFO, a device or a socket, or a link to one, is never opened (`list_folder`)."""
+`<data>/fg_mask/<split>/<class>/<stem>.npy`. Listings are sorted (ImageFolder order: the class index is the
+folder's position); links are followed, a FIFO, device or socket is never opened (`list_folder`)."""
 
 from __future__ import annotations
 
@@ -53,8 +50,7 @@ class ForegroundRecord:
 
 
 def default_data_root() -> Path:
-    """Where the data is when --data-path is not given: $BG_CHALLENGE_DATA, else data/bg_challenge (where the
-    README's `fetch` puts it)."""
+    """$BG_CHALLENGE_DATA, else data/bg_challenge (where the README's `fetch` puts it)."""
     return Path(os.environ.get(DATA_ENV) or DEFAULT_DATA_ROOT)
 
 
@@ -77,10 +73,8 @@ def check_data_root(root: Path | None, flag: str = "--data-path") -> Path:
 
 
 def data_file(root: Path, relpath: str) -> Path:
-    """The regular file `relpath` names under the data folder `root`, with every link resolved: what a results file,
-    which names the data's files relative to the data root, may make a report read. A UserError says why not for a
-    path that is absolute or climbs out (".."), one that resolves outside `root` (through a link), and one that is
-    missing, unreadable or not a regular file (a folder, a FIFO, a device)."""
+    """The regular file `relpath` names under `root`, links resolved: what a results file may make a report read.
+    UserError for a path absolute, climbing out, resolving outside `root`, missing, unreadable or not a regular file."""
     where = Path(root) / str(relpath)
     named = PurePosixPath(str(relpath))
     if not str(relpath) or named.is_absolute() or ".." in named.parts:
@@ -99,10 +93,8 @@ def data_file(root: Path, relpath: str) -> Path:
 
 
 def outside(real_root: str, path: Path | str, folders: dict[str, str] | None = None) -> str | None:
-    """Where `path` really is, links resolved, when that is outside the data folder whose real path
-    (`os.path.realpath`) is `real_root`; None when it is inside. `folders`: the real paths of the folders resolved
-    so far, kept there, so that a file that is no link costs one lstat, not a walk of its whole path (a fifth of
-    the time a file's hashing takes)."""
+    """Where `path` really is when outside the data folder whose realpath is `real_root`; None inside. `folders`
+    memoises real folder paths, so a file that is no link costs one lstat, not a walk (a fifth of its hashing)."""
     path = os.fspath(path)
     parent = os.path.dirname(path)
     real_parent = None if folders is None else folders.get(parent)
@@ -129,8 +121,8 @@ def variation_dir(root: Path, name: str, split: str = SPLIT) -> Path:
 
 
 def class_folders(folder: Path, what: str, split: str = SPLIT) -> list[str]:
-    """The sorted class folder names under `folder`, checked to be nine (and, when named after the IN-9 classes, in
-    their order: see `class_order_problem`); the index is the position."""
+    """The sorted class folder names under `folder`, checked to be nine (and, if named after the IN-9 classes, in
+    their order: `class_order_problem`)."""
     if not folder.is_dir():
         raise UserError(
             f"{what} is missing: no folder {folder}; the layout is <data>/{what}/{split}/<class>/ "
@@ -149,9 +141,8 @@ def class_folders(folder: Path, what: str, split: str = SPLIT) -> list[str]:
 
 
 def class_order_problem(names: list[str], examples: int = 3) -> str | None:
-    """What is wrong when class folders are named after the IN-9 classes (dog, 03_reptile, n02084071: see
-    `tools.in9.class_of_folder`) but their sorted positions, the indices the scripts give them, are other
-    classes'; None when the order is right or any folder's name is the user's own (then its order is theirs)."""
+    """What is wrong when class folders named after the IN-9 classes (dog, 03_reptile, n02084071) sort into other
+    classes' positions; None when the order is right or any name is the user's own."""
     labels = [class_of_folder(name) for name in names]
     if not labels or None in labels:
         return None
@@ -174,10 +165,9 @@ class Listing(NamedTuple):
 
 
 def list_folder(folder: Path) -> Listing:
-    """A folder's entries by kind, hidden entries left out: the one listing of the layout, used by the scripts,
-    `tools.data verify`, training and the build's inputs alike. Links are followed. A folder that cannot be
-    listed, an entry that cannot be looked at (a link loop, a link to nothing, no permission) and a name that is
-    not UTF-8 are one UserError each, naming it."""
+    """A folder's entries by kind, hidden ones left out: the one listing of the layout (scripts, verify, training,
+    build inputs). A folder that cannot be listed, an entry that cannot be looked at and a non-UTF-8 name are one
+    UserError each, naming it."""
     try:
         with os.scandir(folder) as it:
             names = sorted(entry.name for entry in it if not entry.name.startswith("."))
@@ -203,8 +193,8 @@ def list_folder(folder: Path) -> Listing:
 
 
 def not_read_note(listing: Listing, kept: list[str], folder_name: str) -> str | None:
-    """What of a class folder's `listing` the scripts do not read (`kept`: the files they do), said once: files that
-    are not images (masks) by their extension, entries that are no regular file; None when all are read."""
+    """What of a class folder's `listing` the scripts do not read (non-image files, non-regular entries), said once;
+    None when all are read."""
     others = len(listing.files) - len(kept)
     what = [f"{others} file(s) that are not {'masks' if folder_name == MASK_FOLDER else 'images'} by their "
             f"extension, as the original does"] if others else []

@@ -1,15 +1,6 @@
-"""Where the release's mixed images come from, read off their pixels: the `only_bg_t` image each `mixed_same`,
-`mixed_rand` and `mixed_next` image was composited over, and every foreground mask's box.
-
-Outside its foreground mask a mixed image is a copy, through JPEG, of one `only_bg_t` image. Each mixed image
-is compared with every background in two steps: a coarse search on 28x28 colour thumbnails, over the
-thumbnail cells that lie wholly outside the (widened) mask, done for a batch of images against all backgrounds
-as matrix products (where those cells cannot tell the nearest backgrounds apart, a sample of every outside
-pixel instead); then the exact mean absolute error, at full resolution and over the same outside pixels, of
-the few best candidates, or of many where they still tie. The best candidate is the match (the one listed
-first among equals), the second its runner-up; a match whose error is not clearly below the runner-up's is
-flagged as doubtful. Boxes are (x0, y0, x1, y1), half-open as in tools.data.variations.
-"""
+"""Where the release's mixed images come from, read off their pixels (outside its mask a mixed image is a JPEG
+copy of one `only_bg_t` image): each one's background, by a coarse thumbnail search then the exact error of the
+best few, and every mask's box (half-open, as in tools.data.variations). See docs/data.md, provenance."""
 
 from __future__ import annotations
 
@@ -112,8 +103,8 @@ def mask_box(mask: np.ndarray) -> Box | None:
 
 
 def compared_pixels(foreground: np.ndarray) -> np.ndarray:
-    """(H, W) bool: the pixels farther than MASK_MARGIN from every foreground pixel (in rows and columns), or,
-    for a mask that leaves none such, every pixel outside it."""
+    """(H, W) bool: the pixels farther than MASK_MARGIN from every foreground pixel, or, for a mask that leaves
+    none, every pixel outside it."""
     rows = foreground.copy()
     for shift in range(1, MASK_MARGIN + 1):
         rows[shift:] |= foreground[:-shift]
@@ -173,8 +164,8 @@ class BackgroundIndex:
         return np.sqrt(np.maximum(squared, 0) / np.maximum(3 * cell_weights.sum(1, keepdims=True), 1))
 
     def sampled_distances(self, image: np.ndarray, compared: np.ndarray) -> np.ndarray:
-        """(N,): the mean absolute difference of one (3, H, W) image over up to PIXEL_SAMPLE of its compared pixels,
-        spread over all of them (every n-th); summed as integers, so equal pixels give equal distances."""
+        """(N,): the mean absolute difference of one (3, H, W) image over up to PIXEL_SAMPLE of its compared pixels
+        (every n-th), summed as integers so equal pixels give equal distances."""
         pixels = np.flatnonzero(compared)
         pixels = pixels[::-(-len(pixels) // PIXEL_SAMPLE)]
         flat = self.images.reshape(*self.images.shape[:2], -1)
@@ -182,9 +173,8 @@ class BackgroundIndex:
         return np.abs(flat[:, :, pixels] - sample).sum((1, 2), dtype=np.int64) / (3 * len(pixels))
 
     def coarse_distances(self, images: np.ndarray, masks: list[ReadMask]) -> np.ndarray:
-        """(B, N): the thumbnails' distance over the clean cells; for an image with fewer than MIN_CLEAN_CELLS clean
-        cells, or whose nearest CANDIDATES backgrounds lie within COARSE_TIE of each other on them (letterbox bars,
-        flat backdrops: the cells cannot tell them apart), the sampled pixels' distance instead."""
+        """(B, N): the thumbnails' distance over the clean cells, or the sampled pixels' (`sampled_distances`) where
+        there are fewer than MIN_CLEAN_CELLS or the nearest CANDIDATES tie (`tied`: letterbox bars, flat backdrops)."""
         distances = self.cell_distances(images, masks)
         resample = (np.array([m.clean.sum() for m in masks]) < MIN_CLEAN_CELLS) | tied(distances)
         for b in np.flatnonzero(resample):
@@ -193,8 +183,8 @@ class BackgroundIndex:
         return distances
 
     def exact_errors(self, images: np.ndarray, compared: np.ndarray, candidates: np.ndarray) -> np.ndarray:
-        """(B, k): the full-resolution mean absolute difference of each image against each of its candidates, over
-        its compared pixels ((B, H, W) bool) and the three channels."""
+        """(B, k): full-resolution mean absolute difference of each image against each candidate over its compared
+        pixels ((B, H, W) bool)."""
         chosen, image = self.images[candidates], images[:, None]
         diff = np.maximum(chosen, image)
         diff -= np.minimum(chosen, image)  # |a - b| in uint8, without widening
@@ -203,11 +193,9 @@ class BackgroundIndex:
         return diff.reshape(*candidates.shape, -1).sum(-1, dtype=np.uint32) / (3 * np.maximum(counts, 1)[:, None])
 
     def match(self, images: np.ndarray, masks: list[ReadMask]) -> list[tuple[int, float, int, float] | None]:
-        """Per image of the (B, 3, H, W) uint8 batch with its mask: (best background index, its error, runner-up
-        index, its error), the errors being full-resolution mean absolute differences over the compared pixels;
-        the runner-up is -1 (error nan) with a single background; None with no pixel to compare. The CANDIDATES
-        coarsely nearest are checked, or the WIDE_CANDIDATES nearest where those still tie; ties go to the
-        background listed first."""
+        """Per image of the (B, 3, H, W) uint8 batch: (best background index, its error, runner-up index, its error),
+        the runner-up -1 (error nan) with a single background; None with no pixel to compare. Checks the CANDIDATES
+        coarsely nearest, or WIDE_CANDIDATES where those tie; ties go to the background listed first."""
         distances = self.coarse_distances(images, masks)
         compared = np.stack([m.compared for m in masks])
         narrow = nearest(distances, CANDIDATES)
@@ -232,14 +220,13 @@ class BackgroundIndex:
 
 
 def nearest(distances: np.ndarray, k: int) -> np.ndarray:
-    """(B, k) of (B, N) distances: the indices of the k smallest of each row, the first listed among equals (a
-    stable sort), in listed order."""
+    """(B, k): per row of (B, N) distances, the indices of the k smallest, the first listed among equals."""
     return np.sort(np.argsort(distances, axis=1, kind="stable")[:, :k], axis=1)
 
 
 def tied(distances: np.ndarray) -> np.ndarray:
-    """(B,) bool: rows whose CANDIDATES-th smallest distance is within COARSE_TIE of their smallest, so that the
-    true background, within JPEG noise of the smallest, need not be among the nearest CANDIDATES."""
+    """(B,) bool: rows whose CANDIDATES-th smallest distance is within COARSE_TIE of their smallest (the true
+    background, within JPEG noise, need not be among the nearest CANDIDATES)."""
     if distances.shape[1] <= CANDIDATES:
         return np.zeros(len(distances), bool)
     smallest = np.partition(distances, [0, CANDIDATES - 1], axis=1)
@@ -247,8 +234,8 @@ def tied(distances: np.ndarray) -> np.ndarray:
 
 
 def check_same_class_folders(root: Path, names: list[str]) -> None:
-    """Raise a UserError unless every folder of `names` has the class folders of the first: a mixed image finds its
-    mask, and a background its class, by the class folder's name."""
+    """UserError unless every folder of `names` has the first's class folders (masks and classes are found by
+    the class folder's name)."""
     reference = class_folders(variation_dir(root, names[0]), names[0])
     for name in names[1:]:
         classes = class_folders(variation_dir(root, name), name)
@@ -309,9 +296,8 @@ def _uses(counter: collections.Counter) -> dict:
 
 
 def summarize(result: ProvenanceResult, classes: list[str]) -> dict:
-    """The summary JSON: per variation, how often the background is of the image's own class, of the next class,
-    of its own image, of each class, and how often backgrounds are reused; across the three, backgrounds shared
-    by two mixed images of one foreground, and reuse overall."""
+    """The summary JSON: per variation, how often the background is of the image's own class, the next class, its
+    own image, each class, and reuse; across the three, backgrounds shared by two mixed images of one foreground."""
     position = {cls: i for i, cls in enumerate(classes)}
     matched = [m for m in result.matches if m.background is not None]
     variations = {}

@@ -1,13 +1,7 @@
-"""Image bytes to floats: the conversions giving torchvision's ToTensor (and Normalize) floats bit for bit on
-every device.
-
-The model's input (`normalised_floats`) is one gather in a (3, 256) table of what the original computes on the
-CPU for each channel and byte value (ToTensor's `v / 255`, then Normalize's `sub_(mean).div_(std)`, in fp32), so
-no device and no compiled code divides image data. Off the CPU a division by 255 is not always one: CUDA divides
-by a CPU scalar as a multiplication by its reciprocal, and torch.compile does so for any constant divisor, which
-gives another float for 126 of the 256 byte values (a near tie could flip on the GPU only); so `unit_floats`
-(the blend's floats) looks them up there too, and divides only on the CPU, where it is exact and faster.
-"""
+"""Image bytes to floats: torchvision's ToTensor (and Normalize) floats bit for bit on every device. The model's
+input is one gather in a (3, 256) table the CPU computed; `unit_floats` divides only on the CPU, since off it a
+division by 255 may be a multiplication by the reciprocal (CUDA, torch.compile): another float for 126 of the 256
+byte values. See docs/how-it-works.md, "Exactness and behaviour on each device"."""
 
 from __future__ import annotations
 
@@ -44,8 +38,7 @@ def _table(device: torch.device) -> torch.Tensor:
 
 def normalisation_table(mean=None, std=None) -> torch.Tensor:
     """(3, 256) float32: row c, column v is ToTensor then Normalize of byte v in channel c as the original computes
-    them on the CPU (`v / 255`, then `sub_(mean).div_(std)` with the statistics as float32); without statistics,
-    ToTensor's floats in every row."""
+    them on the CPU (fp32 statistics); without statistics, ToTensor's floats in every row."""
     with torch.inference_mode(False):  # an ordinary tensor, usable inside and outside inference mode
         table = torch.arange(BYTE_VALUES, dtype=torch.float32).expand(CHANNELS, -1).div(_CPU_DIVISOR)
         if mean is not None:
@@ -56,8 +49,8 @@ def normalisation_table(mean=None, std=None) -> torch.Tensor:
 
 
 def normalised_floats(images: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """uint8 (N, 3, H, W) images, in any layout, as `table`'s floats (`normalisation_table`, on the images' device):
-    one gather, in the images' memory layout. The index is int32 and lives only during the gather."""
+    """uint8 (N, 3, H, W) images, in any layout, as `table`'s floats (on the images' device): one gather in the
+    images' memory layout, its int32 index alive only during it."""
     offsets = torch.arange(0, CHANNELS * BYTE_VALUES, BYTE_VALUES, dtype=torch.int32, device=images.device)
     # channel * 256 + byte, in the images' layout (cast then added: the CPU's mixed-dtype add is several times slower)
     index = images.int().add_(offsets.view(1, CHANNELS, 1, 1))

@@ -1,30 +1,7 @@
-"""The decoded-data cache on disk, shared by every command: decoded rows (an image's uint8 HxWx3 pixels, a mask
-made ready for compositing) keyed by the content hash of the file they came from, never by its name.
-
-Rows are written in packs, one per run and kind (all the images a run decoded, in one `rows.npy`, beside
-`hashes.npy`, the SHA-256 of each row's file, `rows_sha256.npy`, the SHA-256 of each row, and `meta.json`), since
-one small file per image would make a cache of 30,000 images slow to read and write. Lookups are per image: the
-packs of a kind are indexed by file hash, so a run finds each of its images wherever an earlier run (in9, the
-challenge, training) decoded it, and decodes only what no pack holds; the packs a lookup used are marked so
-(`mark_used`), for `python -m tools.data cache` to remove the least recently used (`tools.data.cache_admin`). A
-pack is named by a digest of its kind, row size, format version, the reference decoder's build and its ordered
-file hashes (`pack_name`); its meta and its name must match on reading.
-
-A pack proves itself before its rows are used (`tools.data.cache_checks`): in a private cache (the default) it
-and the cache folder are this user's and nobody else's to write; the rows a run takes match their digests
-(checked once per process); and a few of them, picked at random on each use, equal their files decoded again. A
-pack that fails is passed over with one warning, and its images are decoded. `DecodedCache.shared`
-(--shared-cache) uses other users' packs too, checked alike.
-
-Single entries of arrays (CLIP's text heads: `CacheEntry`) live in a folder named by a digest of their inputs,
-with each array's SHA-256 in their meta. Packs and entries alike are written into a temporary folder named by
-host and process and renamed into place (`tools.data.temporary.temporary_entry` and `publish`): an error, Ctrl-C
-or SIGTERM leaves no half entry, a folder a killed process left is removed by a later use, and an entry already
-there, written by another process from the same content, is kept and ours dropped.
-
-Image rows are Pillow's pixels: Pillow decodes them, or torchvision's `decode_jpeg` where the run's probe found
-it bit-equal (`decoders.choose_decoder`); a pack decoded by torchvision is checked against Pillow on a few of
-its rows before it is kept, and a mismatch keeps nothing."""
+"""The decoded-data cache on disk, shared by every command: decoded rows (image pixels, masks ready for
+compositing) keyed by the SHA-256 of their file, never its name, in packs (`pack_name`) looked up per image,
+proved before use (`tools.data.cache_checks`) and published whole (`tools.data.temporary`); `CacheEntry` holds
+single arrays (CLIP's text heads). See docs/how-it-works.md, Decoding."""
 
 from __future__ import annotations
 
@@ -66,18 +43,15 @@ log = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> Path:
-    """Where the toolkit's caches live unless told otherwise: $XDG_CACHE_HOME/bg-challenge-toolkit, else
-    ~/.cache/bg-challenge-toolkit."""
+    """$XDG_CACHE_HOME/bg-challenge-toolkit, else ~/.cache/bg-challenge-toolkit."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "bg-challenge-toolkit"
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodedCache:
-    """The decoded-data cache a run reads and writes: its `folder`, and whether it is `shared` by users
-    (--shared-cache). Private (the default): only packs this user wrote, in a folder only this user can write, are
-    used, and packs are written that only this user can change. Shared: any user's packs are used (each checked
-    alike), and packs are written with the umask's mode."""
+    """The decoded-data cache a run reads and writes. Private (the default): only this user's packs, in a folder
+    only this user can write; `shared` (--shared-cache): any user's, checked alike, written with the umask's mode."""
 
     folder: Path
     shared: bool = False
@@ -111,8 +85,7 @@ def pack_name(kind: str, meta: dict, hashes: Sequence[str]) -> str:
 
 
 def take_written() -> dict[tuple[str, Path], int]:
-    """The bytes this process wrote into the cache since the last call, per kind ("decoded data", "CLIP text head")
-    and folder (for the one line a command says about it: `tools.data.cache_admin.written_line`)."""
+    """The bytes this process wrote into the cache since the last call, per (kind, folder)."""
     written = dict(_written)
     _written.clear()
     return written
@@ -131,10 +104,8 @@ def _warn_once(key: tuple, message: str) -> None:
 
 
 def mark_used(folder: Path, now: float | None = None) -> None:
-    """Record that the cache entry `folder` was used: its meta.json's mtime is set to now where it is older than
-    `USE_MARK_INTERVAL_S` (one stat, and a write at most once a day), since atime is unreliable (noatime and
-    relatime mounts). What cannot be marked (a read-only cache, another user's entry, one removed meanwhile) is
-    left as it is: `tools.data.cache_admin` then takes it as used when last marked or written."""
+    """Mark the entry `folder` used: its meta.json's mtime set to now where older than `USE_MARK_INTERVAL_S` (atime
+    is unreliable: noatime, relatime). What cannot be marked (read-only, another user's, removed) is left as it is."""
     meta = Path(folder) / "meta.json"
     now = time.time() if now is None else now
     try:
@@ -164,16 +135,9 @@ def _private_folder(folder: Path, what: str) -> bool:
 
 
 class CacheEntry:
-    """Arrays on disk (CLIP's text heads) in `cache_dir` (None: neither read nor written), in a folder named by
-    `key`, a digest of their inputs' content; `meta` (JSON) says what they were made from and must match on reading,
-    and each array must match the SHA-256 stored beside it. A private cache's rules hold (`DecodedCache`): an entry,
-    or its folder, that another user could have written is not used; in a `shared` one any user's is, and the
-    entry is written with the umask's mode.
-
-    `load` gives None on a miss, and on a broken or foreign entry (with a warning), and marks a hit used
-    (`mark_used`); `save` writes through `temporary_entry` and `publish`, so an error, Ctrl-C or SIGTERM leaves no
-    half entry, and `load` removes what a killed process left. `save` replaces only an entry its `load` found broken
-    (renamed away, then deleted); one that another process wrote after this one missed is kept."""
+    """Arrays on disk (CLIP's text heads) in `cache_dir` (None: unused), in a folder named by `key`, a digest of
+    their inputs; `meta` and each array's SHA-256 must match on reading, under a private cache's rules. `load` gives
+    None on a miss or (with a warning) a broken or foreign entry; `save` replaces only an entry `load` found broken."""
 
     def __init__(self, cache_dir: Path | None, key: str, meta: dict, what: str, shared: bool = False):
         self.folder = Path(cache_dir) / key if cache_dir is not None else None
@@ -276,9 +240,8 @@ class Packs:
 
     def lookup(self, hashes: Sequence[str],
                reference: Callable[[int], np.ndarray | None]) -> list[tuple[np.ndarray, int] | None]:
-        """Per file hash: (the rows of a pack holding it, read-only and mapped, its row there), or None. Only packs
-        that pass the checks (`_hits`) are used; `reference(i)`: the row of `hashes[i]`'s file decoded again (None:
-        not to be checked), for the spot check."""
+        """Per file hash: (the mapped read-only rows of a pack holding it, its row there), or None; `reference(i)`: the
+        row of `hashes[i]`'s file decoded again, for the spot check (None: not checked)."""
         wanted: dict[str, int] = {}
         for index, name in enumerate(hashes):
             wanted.setdefault(name, index)
@@ -303,10 +266,8 @@ class Packs:
 
     def _hits(self, folder: Path, wanted: dict[str, int], found: dict,
               reference: Callable[[int], np.ndarray | None]) -> dict[str, tuple[np.ndarray, int]]:
-        """The rows of `wanted` hashes not yet `found` that `folder` holds, where it proves itself: its meta is this
-        kind's, in a private cache it and its files are this user's alone, its name is the digest of what it holds,
-        the rows taken match their digests (once per process) and a few of them their files decoded again (each
-        time). Else nothing, said once per pack."""
+        """The rows of `wanted` hashes not yet `found` that `folder` holds, where it passes every check of
+        docs/how-it-works.md (meta, owner, name, row digests, spot check); else nothing, said once per pack."""
         info = os.stat(folder / "rows.npy")
         identity = (str(folder), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
         if identity in _refused:
@@ -380,10 +341,8 @@ def _allocate(path: Path) -> None:
 
 
 class PackWriter:
-    """One pack being written: rows go straight into its file in a temporary folder (`put`, from any thread,
-    one row each), and `commit` renames it into place once every row is in; `abort` (or an incomplete pack)
-    removes it. Each row's SHA-256 is taken as it is put. Without a cache folder, in a private cache's folder that
-    others can write (`Packs.usable`), or with no rows, it does nothing."""
+    """One pack being written: `put` (any thread, one row each) into a temporary folder, `commit` renames it into
+    place once every row is in, `abort` removes it. Does nothing without a `Packs.usable` folder or rows."""
 
     def __init__(self, packs: Packs, hashes: list[str], check: Callable[[int, np.ndarray], bool] | None):
         self.packs, self.hashes, self.check = packs, hashes, check

@@ -1,12 +1,6 @@
-"""Generated IN-9-shaped data in exactly the release's layout, and hand-built models with known answers.
-
-Every class has a foreground colour and a background colour. An image is a textured background of its
-class's colour with an elliptical foreground object of the class's foreground colour inside a random
-box; the eight variations and the masks are derived from the same arrays, so they agree by
-construction. `ColorEvidenceModel` scores each class by how much of the image matches its colours, so
-its answers follow from the data: originals are easy, backgrounds alone are predictive, and a small
-foreground on a foreign background is fooled, as in the paper.
-"""
+"""Generated IN-9-shaped data in the release's layout, and hand-built models with known answers: each class has
+a foreground and a background colour, so `ColorEvidenceModel` finds originals easy, backgrounds alone predictive,
+and small foregrounds on foreign backgrounds fooled, as in the paper."""
 
 from __future__ import annotations
 
@@ -103,12 +97,8 @@ def manifest_name(split: str = SPLIT) -> str:
 def generate(root: Path, per_class: int = 4, seed: int = 0, size: int = IMAGE_SIZE, quality: int = 95,
              min_side: int = 40, max_side: int = 150, classes: int = NUM_IN9_CLASSES,
              split: str = SPLIT) -> SyntheticDataset:
-    """Write a dataset with `per_class` images per class in every variation plus fg_mask, and a manifest.
-
-    Deterministic for a given seed. `split` names the layout's split folder (val, the release's test data;
-    train for a training set). The manifest (`manifest_name`) records each image's box and which background each
-    mixed image used.
-    """
+    """Write `per_class` images per class in every variation plus fg_mask, deterministic per seed, and a manifest
+    (`manifest_name`: each image's box and each mixed image's background). `split`: val or train."""
     if per_class < 1:
         raise ValueError("per_class must be at least 1")
     root = Path(root)
@@ -166,17 +156,10 @@ def generate(root: Path, per_class: int = 4, seed: int = 0, size: int = IMAGE_SI
 
 
 class ColorEvidenceModel(nn.Module):
-    """A hand-built classifier: each class's score is how much of the image matches its colours.
-
-    It takes normalised input (with the statistics given, which the toolkit's wrapper applies), undoes
-    the normalisation, and measures per pixel the closeness to the nine foreground and nine background
-    colours. Score of class k = fg_weight * (fraction like FG colour k) + bg_weight * (fraction like BG
-    colour k). With 1000 outputs, class k's score goes to the first ImageNet index mapped to k, a
-    constant `unmapped_score` to an unmapped index (predicted when no colour is present: -1, always
-    wrong), and every other logit is far below. `sampling="stride"` reads every eighth pixel instead of
-    4x4 means: a model cheaper than decoding an image, for benchmarks of everything but the model. `trunk_width` > 0
-    adds a real convolutional trunk whose logits enter with a small weight: compute like a small CNN for benchmarks.
-    """
+    """A hand-built classifier on normalised input: class k's score = fg_weight * (fraction like FG colour k) +
+    bg_weight * (fraction like BG colour k). 1000 outputs: k's score at the first ImageNet index mapped to k,
+    `unmapped_score` at an unmapped one (-1 when no colour is present), the rest far below. `sampling="stride"`
+    (every eighth pixel) and `trunk_width` (a small CNN's compute) are for benchmarks."""
 
     def __init__(self, num_classes: int = NUM_IN9_CLASSES, fg_weight: float = 4.0, bg_weight: float = 1.0,
                  sigma: float = 0.12, unmapped_score: float = 0.05, trunk_width: int = 0, trunk_scale: float = 1e-3,

@@ -1,15 +1,7 @@
-"""Temporary folders and files renamed into place once their content is complete: a build's output, an archive's
-extraction (`temporary_folder`), the decoded-data cache's entries (`temporary_entry`, `publish`, and their removal,
-`remove_entry`) and every output file (`tools.provenance.atomic_write`, named by `atomic_names`). Each is made
-beside where its content goes, named after the host and process that own it, and removed when the work fails or
-is interrupted; when its process died without removing it (SIGKILL, a crash, a power cut), the next command that
-looks in the same place removes it (`remove_stale`).
-
-Only names that match a writer's pattern exactly are touched (`TemporaryNames`: a user's `.tmp-notes/` is not a
-temporary), and a cache temporary only where it holds what a cache writer writes (`holds_entry_files`). One is
-stale when its process is known to be dead (this host, no such process) or, whatever its host, when nothing in it
-changed for `STALE_AFTER_S`: a container's host name changes on every start, so a killed run's temporaries
-would otherwise be another host's forever."""
+"""Temporary folders and files renamed into place once complete: a build's output and an extraction
+(`temporary_folder`), the cache's entries (`temporary_entry`, `publish`, `remove_entry`), every output file
+(`atomic_names`). Each is named after its host and process; one whose process died is removed by the next
+command that looks there (`remove_stale`), only where its name matches a writer's pattern exactly."""
 
 from __future__ import annotations
 
@@ -47,9 +39,8 @@ def is_running(pid: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class TemporaryNames:
-    """The names one kind of writer gives its temporaries: `<prefix><host><sep><pid><sep><random><suffix>`, the
-    random part matching `random` (a regular expression) exactly; `legacy`: the whole name as an older version
-    gave it, without host or process (stale by age alone)."""
+    """The names one kind of writer gives its temporaries: `<prefix><host><sep><pid><sep><random><suffix>`, `random`
+    a regular expression; `legacy`: an older version's whole name, without host or process (stale by age alone)."""
 
     prefix: str
     sep: str
@@ -65,8 +56,7 @@ class TemporaryNames:
         return f"{self.prefix}{socket.gethostname()}{self.sep}{os.getpid() if pid is None else pid}{self.sep}"
 
     def owner(self, name: str) -> tuple[str, int] | tuple[None, None] | None:
-        """(host, pid) of the temporary named `name`; (None, None) for a legacy name; None where `name` is not one
-        of these names."""
+        """(host, pid) of the temporary `name`; (None, None) for a legacy name; None for any other name."""
         sep = re.escape(self.sep)
         host = "[^/]+" if self.sep == "-" else f"[^/{sep}]+"  # host names hold dashes, never an @
         match = re.fullmatch(f"{re.escape(self.prefix)}(?P<host>{host}){sep}(?P<pid>[0-9]+){sep}(?:{self.random})"
@@ -91,8 +81,9 @@ def newest_change(path: Path) -> float:
 
 
 def is_stale(path: Path, owner: tuple, now: float | None = None) -> bool:
-    """Whether the temporary `path` of `owner` ((host, pid), or (None, None) for a legacy name) was left behind:
-    its process is of this host and no longer runs, or nothing in it changed for `STALE_AFTER_S`."""
+    """Whether the temporary `path` of `owner` ((host, pid), (None, None) if legacy) was left behind: this host's
+    with its process gone, or, whatever its host, unchanged for `STALE_AFTER_S` (a container's host name changes on
+    every start)."""
     host, pid = owner
     if host == socket.gethostname() and not is_running(pid):
         return True
@@ -135,11 +126,8 @@ def remove_stale(parent: Path, names: TemporaryNames, looks_right: Callable[[Pat
 
 @contextlib.contextmanager
 def temporary_folder(parent: Path, prefix: str) -> Iterator[Path]:
-    """A new folder `<parent>/<prefix><host>-<pid>-<random>`, removed on leaving unless the work moved it away.
-
-    Stale ones of the same prefix (see `remove_stale`) are removed first. Any exception, Ctrl-C's
-    KeyboardInterrupt and SIGTERM's `tools.cli.Terminated` included, removes the folder before it
-    goes on."""
+    """A new folder `<parent>/<prefix><host>-<pid>-<random>` (stale ones removed first), removed on leaving unless
+    the work moved it away; any exception, Ctrl-C and SIGTERM (`tools.cli.Terminated`) included."""
     parent = Path(parent)
     names = TemporaryNames(prefix, "-", "[0-9a-f]{8}")
     remove_stale(parent, names)
@@ -152,8 +140,7 @@ def temporary_folder(parent: Path, prefix: str) -> Iterator[Path]:
 
 
 def atomic_names(path: Path) -> TemporaryNames:
-    """The temporary files `tools.provenance.atomic_write` writes `path` through: `.NAME.HOST@PID@<random>.tmp`
-    (before: `.NAME.<random>.tmp`, without host or process)."""
+    """The temporaries `tools.provenance.atomic_write` writes `path` through: `.NAME.HOST@PID@<random>.tmp`."""
     prefix = f".{Path(path).name}."
     return TemporaryNames(prefix, "@", "[0-9a-f]{12}", ".tmp", legacy=f"{re.escape(prefix)}[0-9a-f]{{12}}\\.tmp")
 
@@ -175,8 +162,8 @@ def holds_entry_files(folder: Path) -> bool:
 
 
 def entry_temporary(path: Path) -> tuple | None:
-    """The owner of the cache temporary `path` (`TemporaryNames.owner`), or None where it is not one: its name is
-    not exactly a writer's, or it holds what no writer writes, or it is a link."""
+    """The owner of the cache temporary `path` (`TemporaryNames.owner`); None where name, content or a link says
+    it is not one."""
     owner = ENTRY_NAMES.owner(path.name)
     if owner is None or path.is_symlink() or not path.is_dir() or not holds_entry_files(path):
         return None
@@ -192,9 +179,8 @@ def remove_stale_entries(cache_dir: Path) -> None:
 
 
 def temporary_entry(parent: Path) -> Path:
-    """A new folder in `parent` (made if need be) to write a cache entry into, which `publish` renames into place
-    and the caller removes where it is still there; with the umask's mode, as the cache's other folders (mkdtemp's
-    0700 would shut out the other users of a shared cache folder)."""
+    """A new folder in `parent` to write a cache entry into (for `publish`; the caller removes it if still there);
+    the umask's mode, since mkdtemp's 0700 would shut out the other users of a shared cache."""
     parent.mkdir(parents=True, exist_ok=True)
     folder = parent / ENTRY_NAMES.make(secrets.token_hex(8))
     folder.mkdir()
@@ -202,11 +188,9 @@ def temporary_entry(parent: Path) -> Path:
 
 
 def remove_entry(path: Path) -> None:
-    """Remove a cache entry safely for its readers: renamed to a temporary name of this process (so that no reader
-    takes it for an entry any more, and what a killed removal leaves goes as a dead writer's), then deleted.
-    A folder already gone is no error. OSError where some of it cannot be deleted (another user's files, an
-    immutable flag): the entry is renamed back where nothing of it was deleted yet, else left under its removing
-    name (removed by a later use, where it can be)."""
+    """Remove a cache entry safely for its readers: renamed to this process's temporary name, then deleted; one
+    gone already is no error. OSError where some of it cannot be deleted: renamed back where nothing was, else left
+    under its removing name."""
     doomed = path.parent / ENTRY_NAMES.make(REMOVING + secrets.token_hex(4))
     try:
         os.rename(path, doomed)
@@ -229,10 +213,8 @@ def remove_entry(path: Path) -> None:
 
 def publish(tmp: Path, folder: Path, what: str, replace: bool = False) -> bool:
     """Rename the complete entry `tmp` (its `meta.json` written last) to `folder`; whether ours went in. An entry
-    already at `folder` is kept (named by its content, it is the same), unless `replace` (an entry its reader found
-    broken, and holding only what the cache writes): then it is removed first by `remove_entry` (renamed away, so
-    no reader sees half of it). One that another process renamed there meanwhile is kept, and `tmp` left for the
-    caller to remove."""
+    already there is kept (same content), unless `replace` (one its reader found broken): then removed first by
+    `remove_entry`. One another process renamed there meanwhile is kept, `tmp` left for the caller."""
     if replace and holds_entry_files(folder):
         remove_entry(folder)
     try:

@@ -1,7 +1,5 @@
-"""The paper's image variations as pure functions on HxWx3 uint8 arrays, boxes and boolean masks.
-
-Boxes are (x0, y0, x1, y1) in pixels, half-open: columns x0..x1-1 and rows y0..y1-1.
-"""
+"""The paper's image variations as pure functions on HxWx3 uint8 arrays, boxes and boolean masks. Boxes are
+(x0, y0, x1, y1) in pixels, half-open: columns x0..x1-1 and rows y0..y1-1."""
 
 from __future__ import annotations
 
@@ -34,11 +32,8 @@ def only_bg_b(image: np.ndarray, box: Box) -> np.ndarray:
 
 
 def largest_strip(shape: tuple[int, int], box: Box) -> tuple[str, int, int]:
-    """The largest full-width or full-height strip outside the box: (axis, start, stop).
-
-    axis "rows" is a horizontal strip (rows start..stop-1, every column), "cols" a vertical one.
-    Ties go to the first of top, bottom, left, right.
-    """
+    """(axis, start, stop) of the largest full-width ("rows") or full-height ("cols") strip outside the box; ties go
+    to the first of top, bottom, left, right."""
     height, width = shape
     x0, y0, x1, y1 = box
     candidates = [

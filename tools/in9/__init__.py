@@ -113,8 +113,8 @@ def _folder_name_index() -> dict[str, int]:
 
 
 def class_of_folder(name: str) -> int | None:
-    """The class a folder name stands for, by name: its plain name (any case: dog, Dog), its release folder name
-    (00_dog, the number being its index) or the WordNet id of its ancestor synset (n02084071); None otherwise."""
+    """The class a folder name stands for: its plain name (any case), its release folder name (00_dog) or its
+    ancestor synset's WordNet id (n02084071); None otherwise."""
     return _folder_name_index().get(name.strip().lower())
 
 
@@ -135,11 +135,8 @@ def in_to_in9_table(device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 class PredictionMap:
-    """Turns a batch of logits into IN-9 predictions on the logits' own device.
-
-    9 logits: the argmax. 1000 logits: the argmax over all 1000, then the ImageNet->IN-9 map,
-    where -1 (no IN-9 class) never equals a label.
-    """
+    """Batches of logits to IN-9 predictions on the logits' device: 9 logits, the argmax; 1000, the argmax mapped
+    ImageNet->IN-9 (-1, no IN-9 class, never equals a label)."""
 
     def __init__(self, num_classes: int):
         if num_classes not in SUPPORTED_CLASS_COUNTS:

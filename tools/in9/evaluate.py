@@ -122,8 +122,8 @@ class _Resume:
             log.info("resuming: %s already evaluated", ", ".join(self.done) or "nothing")
 
     def predictions(self, name: str, count: int) -> np.ndarray | None:
-        """The saved predictions of variation `name`, checked to be `count` IN-9 predictions (0..8, or -1 outside
-        IN-9); None when none are saved."""
+        """The saved predictions of variation `name`, checked to be `count` IN-9 predictions (0..8, or -1); None when
+        none are saved."""
         if name not in self.done:
             return None
         values = self.done[name]
@@ -142,13 +142,9 @@ class _Resume:
 
 
 class _Stream:
-    """in9's stream of batches through a `Pipeline` (tools.runtime.inflight), as the challenge's search runs: each
-    batch launched under its stream positions, its predictions (and in reduced precision its top-two margins)
-    copied back without waiting and read `IN_FLIGHT` batches later, so the host never waits for the device per
-    batch. In reduced precision the images whose margin is below `margin` are kept on the device and re-run in
-    true fp32 by the eager module in full batches (`Runtime.fp32_math`, `Forward`'s one shape) once a batch's
-    worth has gathered and at every `drain` (a variation's end, the stream's end): points fixed by the data alone.
-    Their fp32 predictions replace the fast ones in `preds`, indexed by stream position."""
+    """in9's stream of batches through a `Pipeline` (tools.runtime.inflight), predictions read `IN_FLIGHT` batches
+    later; in reduced precision, images whose margin is below `margin` are re-run in true fp32 in full batches (and
+    at every `drain`), replacing the fast predictions in `preds` (see docs/how-it-works.md, the fp32 re-check)."""
 
     def __init__(self, eager: torch.nn.Module, forward: Forward, runtime: Runtime, batch_size: int, margin: float,
                  to_in9: PredictionMap, size: int):
@@ -209,13 +205,8 @@ class _Stream:
 def evaluate_variations(loaded: LoadedModel, runtime: Runtime, files: In9Files, batch_size: int, workers: int,
                         progress: bool = True, recheck_margin: float = RECHECK_MARGIN, shard: Shard | None = None,
                         saved: _Resume | None = None) -> tuple[dict[str, VariationResult], dict]:
-    """Predict every image of the listed variations in one stream of batches: the results keyed by variation, and
-    the batch size they ran at (`Forward.provenance`).
-
-    In reduced precision, near ties (top-two margin below `recheck_margin`; 0: none) are re-run in fp32, as the
-    challenge does. `saved`: the variations finished before, taken as they are, and each one saved as it
-    finishes. Where the files' image set holds what it decodes (`ImageSet.held`: the zoo), the decoded variations
-    are kept there for the next run, which reads them from memory."""
+    """Predict the listed variations in one stream of batches: the results by variation, and the batch size run.
+    `recheck_margin`: near ties re-run in fp32 (0: none); `saved`: variations finished before, taken as they are."""
     saved = saved or _Resume(None, {}, False)
     images = files.image_set
     results: dict[str, VariationResult] = {}
@@ -280,8 +271,8 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, files: In9Files, 
 
 
 def _batches_in_memory(groups: list[torch.Tensor], batch_size: int):
-    """(start, batch) over decoded groups as if they were one stream of images, in batches of `batch_size`: views
-    of the groups, and a small copy only for a batch that straddles two (never a copy of them all)."""
+    """(start, batch) over decoded groups as one stream, in batches of `batch_size`: views of the groups, a small
+    copy only for a batch that straddles two."""
     start, pieces, filled = 0, [], 0
     for group in groups:
         lo = 0
@@ -298,10 +289,9 @@ def _batches_in_memory(groups: list[torch.Tensor], batch_size: int):
 
 def _predict_share(images: ImageSet, relpaths: list[str], batch_size: int, workers: int, runtime: Runtime,
                    stream: _Stream, progress: bool, share: Shard) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The stream's batches dealt out in turn (batch i to share i mod N), each image predicted in the very batch
-    one process would put it in; under torchrun every prediction is then gathered into every process, and an
-    independent shard keeps NOT_MINE (-2) where others predict. With the predictions, per position: whether it
-    was re-checked in fp32, and whether that changed it (gathered alike)."""
+    """The stream's batches dealt out in turn (batch i to share i mod N), each image predicted in the batch one
+    process would put it in; under torchrun gathered into every process, an independent shard keeping NOT_MINE (-2)
+    where others predict. Also per position: re-checked in fp32, and changed by it (gathered alike)."""
     starts = list(range(0, len(relpaths), batch_size))[share.index::share.count]
     # an image only this process decodes may fail: all leave together
     with distributed.agree(runtime.group, runtime.device):
@@ -365,8 +355,8 @@ class In9Files:
 
 def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None, cache: DecodedCache | None = None,
                    hold: bool = False) -> In9Files:
-    """List the variations (their folders checked first: `tools.prepared_run.check_folders`) and hash their content
-    (in `workers` threads, by default `default_workers()`). `cache`, `hold`: as `image_sets.read_image_set`."""
+    """List the variations (folders checked first: `tools.prepared_run.check_folders`) and hash their content in
+    `workers` threads; `cache`, `hold`: as `image_sets.read_image_set`."""
     workers = default_workers() if workers is None else workers
     listings = {name: layout.list_variation(Path(root), name) for name in names}
     relpaths = [r.relpath for name in names for r in listings[name]]
@@ -387,12 +377,10 @@ class In9Config:
 def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files, config: In9Config, *,
             output_dir: Path | None = None, resume: bool = False, shard: Shard | None = None,
             device_check: dict | None = None) -> In9Run:
-    """Evaluate the listed variations and gather the provenance a results file cites.
-
-    output_dir: where the finished variations are saved for `resume`. shard: predict only that share
-    (tools.shards); the others' predictions are NOT_MINE, for tools.merge. device_check: the start-up check's record
-    (`device_check.check_run`; None: none, `exact` false), recorded in the provenance, and whether it verified the
-    model in the saved state: a run resumes only predictions made under its own verdict."""
+    """Evaluate the listed variations and gather the provenance a results file cites. output_dir: where finished
+    variations are saved for `resume`. shard: predict only that share (tools.shards; the rest NOT_MINE, for
+    tools.merge). device_check: the start-up check's record, recorded in the provenance; a run resumes only
+    predictions made under its own verdict."""
     images = files.image_set
     key = {"data": images.fingerprint, "decoder": decoder_build(images.decoder.value),
            "model_identity": loaded.identity, "normalization": loaded.normalization, **runtime.arithmetic(),
