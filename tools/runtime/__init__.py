@@ -145,9 +145,8 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
-    """The tensors copied to host memory, and the event to wait for before reading them (None: ready now). From
-    CUDA the copies do not wait; the event is recorded on the tensors' own device's stream (not the current
-    device's)."""
+    """The tensors copied to host memory, and the event to wait for before reading them (None: ready now); from
+    CUDA the copies do not wait, and the event is on the tensors' own device's stream."""
     devices = {t.device for t in tensors}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return [t.cpu() for t in tensors], None  # no single CUDA stream to wait on: copy blocking
@@ -192,9 +191,8 @@ class Runtime:
         return 0.0 if self.exact else margin
 
     def arithmetic(self) -> dict:
-        """What decides the model's logits here besides the model, its inputs and the batch shape (on the CPU the
-        thread count too). Saved states, shards and the zoo's results are keyed by it: a prediction made under one
-        is never reused under another."""
+        """What decides the model's logits here besides the model, its inputs and the batch shape; saved states,
+        shards and the zoo's results are keyed by it."""
         return {"device": device_model(self.device), "precision": self.precision.value, "compile": self.compile,
                 "channels_last": self.channels_last,
                 "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None}
@@ -323,12 +321,9 @@ def _is_oom(exc: BaseException) -> bool:
 
 class Forward:
     """Runs a model over a batch in chunks of `chunk` rows, halving the chunk on out-of-memory (one notice naming
-    it `what`); later batches keep the size that fitted.
-
-    One batch shape: a short chunk is padded with copies of its last row and their outputs dropped, so a row's
-    logits do not depend on its neighbours (docs/how-it-works.md, "One batch shape"). Compiled, every chunk goes
-    through one static buffer made outside inference mode. `exact` runs in true fp32 with a chunk of its own;
-    `pad=False` runs chunks as they are (a one-off pass such as CLIP's text head)."""
+    it `what`). One batch shape: a short chunk is padded with copies of its last row (docs/how-it-works.md, "One
+    batch shape"); compiled, through one static buffer made outside inference mode. `exact`: true fp32, a chunk of
+    its own; `pad=False`: chunks as they are (a one-off pass such as CLIP's text head)."""
 
     def __init__(self, model: Callable, runtime: Runtime, chunk: int, exact: bool = False, what: str = "batch size",
                  pad: bool = True):
