@@ -54,8 +54,7 @@ def asr_counts(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.nda
 
 def fool_counts(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.ndarray,
                 num_classes: int = NUM_IN9_CLASSES) -> tuple[np.ndarray, np.ndarray]:
-    """Per class c: (foregrounds of another class that some background of class c turns into c, foregrounds of
-    another class)."""
+    """Per class c: (foregrounds of another class some background of class c turns into c, all of another class)."""
     turned = predictions == bg_labels[None, :]  # the composite is predicted as the background's class
     fooled = np.zeros(num_classes, dtype=np.int64)
     others = np.zeros(num_classes, dtype=np.int64)
@@ -264,9 +263,8 @@ def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str
 
 def write_analysis(output_dir: Path | str, data_path: Path | str | None = None, top_k: int = DEFAULT_TOP_K,
                    matrix: ChallengeMatrix | None = None) -> dict:
-    """Analyse `matrix` (None: the one saved in `output_dir`), write the analysis files there, return the summary.
-    The figure's images come from `data_path` only (None: placeholders), never from the folder the saved files
-    name: results anyone may have edited."""
+    """Analyse `matrix` (None: the one saved in `output_dir`), write the analysis files there, return the summary;
+    the figure's images come from `data_path` only, never from the folder the (editable) saved files name."""
     output_dir = Path(output_dir)
     matrix = load_matrix(output_dir) if matrix is None else require_two_classes(matrix, output_dir)
     summary, fooled, eligible = analyze(matrix, top_k)

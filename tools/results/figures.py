@@ -59,7 +59,6 @@ def draw_text(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, fon
 
 
 def centered_text(draw: ImageDraw.ImageDraw, box: Box, text: str, font, fill: tuple[int, int, int] = TEXT) -> None:
-    """`text` centred in `box`."""
     x0, y0, x1, y1 = box
     draw_text(draw, ((x0 + x1) / 2, (y0 + y1) / 2), text, font, "mm", fill)
 

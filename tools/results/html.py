@@ -450,7 +450,6 @@ def write_html(path: Path | str, in9: dict | None = None, challenge: dict | None
                categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None,
                training: Path | None = None, training_results: tuple[dict, dict | None] | None = None,
                data_path: Path | None = None) -> str:
-    """Write the HTML report to `path` and return its text."""
     text = render_html(in9, challenge, analysis, categories, warnings, leaderboard, training, training_results,
                        data_path)
     write_text_atomic(Path(path), text)

@@ -89,7 +89,6 @@ def _weights_hash(payload: dict) -> str | None:
 
 
 def measured_row(payload: dict) -> Row:
-    """The leaderboard row of one zoo results file."""
     in9, challenge = payload.get("in9") or {}, payload.get("challenge") or {}
     provenance = in9.get("provenance") or challenge.get("provenance") or {}
     data = provenance.get("data") or {}

@@ -130,8 +130,7 @@ def read_results_payload(payload: dict, path: Path, kind: str) -> dict:
 
 def load_inputs(in9: Path | None = None, challenge: Path | None = None, analysis_dir: Path | None = None,
                 categories: Path | None = None, allow_none: bool = False) -> dict:
-    """The results files named on the command line as write_report's keyword arguments (none: a user error unless
-    `allow_none`)."""
+    """The results files named on the command line as write_report's keyword arguments."""
     if not any((in9, challenge, analysis_dir, categories)) and not allow_none:
         raise UserError("nothing to report: pass at least one of --in9, --challenge, --analysis-dir, --categories")
     inputs: dict = {"in9": None, "challenge": None, "analysis": None, "categories": None}
@@ -190,8 +189,7 @@ def mixing_problems(inputs: dict) -> list[str]:
 
 
 def check_inputs_belong_together(inputs: dict, allow_mixed: bool) -> list[str]:
-    """The warnings for the report's top: why the inputs do not belong together (a user error without
-    `allow_mixed`)."""
+    """Why the inputs do not belong together, as warnings for the report's top (without `allow_mixed`: an error)."""
     problems = mixing_problems(inputs)
     if problems and not allow_mixed:
         raise UserError(f"{'; '.join(problems)}; pass the results of one model on one data set, or add "

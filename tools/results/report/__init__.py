@@ -287,7 +287,6 @@ def render_report(in9: dict | None = None, challenge: dict | None = None, analys
 
 def write_report(path: Path | str, in9: dict | None = None, challenge: dict | None = None,
                  analysis: dict | None = None, categories: dict | None = None, warnings: Sequence[str] = ()) -> str:
-    """Write the Markdown report to `path` and return its text."""
     path = Path(path)
     text = render_report(in9, challenge, analysis, categories, report_dir=path.parent, warnings=warnings)
     write_text_atomic(path, text)
