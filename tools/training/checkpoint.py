@@ -34,8 +34,7 @@ def save_atomic(payload, path: Path) -> None:
 
 
 def cpu_snapshot(payload):
-    """`payload` with every tensor copied to the CPU (even a CPU tensor) and every container rebuilt, so training
-    may change the originals in place while it is written."""
+    """`payload` with every tensor copied to the CPU and every container rebuilt: training changes the originals."""
     if isinstance(payload, torch.Tensor):
         return payload.detach().to("cpu", copy=True)
     if isinstance(payload, dict):
@@ -116,8 +115,7 @@ def trained_checkpoint(classifier: nn.Module, arch: str, mean, std, method: str,
 
 
 def load_resume_state(output_dir: Path, run_key: dict, earlier_keys: Sequence[dict] = ()) -> dict | None:
-    """The saved state of an interrupted run with the same settings (or one of `earlier_keys`, as earlier versions
-    keyed them), or None."""
+    """The saved state of an interrupted run with the same settings (or `earlier_keys`), or None."""
     path = Path(output_dir) / STATE_NAME
     if not path.is_file():
         log.warning("--resume: no saved state in %s, starting afresh", output_dir)

@@ -81,7 +81,6 @@ FLAGS = {"methods": "--method", "progress": "--no-progress"}  # settings whose f
 
 
 def flag_of(setting: str) -> str:
-    """The flag that sets a TrainConfig setting."""
     return FLAGS.get(setting, "--" + setting.replace("_", "-"))
 
 

@@ -106,8 +106,7 @@ class StepSampler(Sampler):
 
 @dataclass
 class DecodedStore:
-    """The training images (and bg-swap masks and background pool) decoded once: uint8 NCHW in NHWC storage (whole
-    images are contiguous rows) and bool NHW."""
+    """The training images (and bg-swap masks and pool) decoded once: uint8 NCHW in NHWC storage, bool NHW masks."""
 
     images: torch.Tensor
     masks: torch.Tensor | None = None
@@ -126,8 +125,7 @@ def decoded_store(data: TrainingData, fingerprint: dict, workers: int, progress:
 
 
 class TrainingSet(Dataset):
-    """A batch of items (epoch, index) -> its decoded images (masks, backgrounds) gathered at once, with their
-    random choices from the epoch's draws."""
+    """A batch of (epoch, index) items -> their decoded images gathered at once, with the epoch's draws for them."""
 
     def __init__(self, data: TrainingData, config: TrainConfig, store: DecodedStore, pin: bool = False):
         self.data, self.config, self.store, self.pin = data, config, store, pin
@@ -207,8 +205,7 @@ def loader_workers(requested: int, batch_bytes: int) -> int:
 
 def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, pin_memory: bool,
                 store: DecodedStore) -> DataLoader:
-    """The batches of `sampler` (one for the whole run, so workers prefetch across epochs), pinned when
-    `pin_memory`."""
+    """The batches of `sampler` (one for the whole run: workers prefetch across epochs), pinned if `pin_memory`."""
     share = -(-sampler.batch_size // sampler.world_size)  # the images a worker gathers per batch
     row_bytes = sum(rows[0].numel() * rows.element_size() for rows in (store.images, store.masks, store.backgrounds)
                     if rows is not None)

@@ -75,8 +75,7 @@ class TrainResult:
 
 
 def starting_point(config: TrainConfig) -> StartingPoint:
-    """The network to fine-tune, without the source's resize in front (`NetworkInput.in_front` puts it back); a
-    1000-class network gets a new 9-class head."""
+    """The network to fine-tune, without the source's resize in front; a 1000-class one gets a new 9-class head."""
     if config.weights is not None and config.weights.lower() == RANDOM_INIT:
         if config.checkpoint is not None:
             raise UserError("--weights none (random initialisation) and --checkpoint contradict; pass one of them")

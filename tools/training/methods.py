@@ -31,7 +31,6 @@ def batch_mixer(config: TrainConfig):
 
 
 def running_statistics(model: nn.Module) -> list[torch.Tensor]:
-    """The running means and variances of a model's BatchNorm layers."""
     return [statistic for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
             and m.track_running_stats for statistic in (m.running_mean, m.running_var)]
 
