@@ -335,7 +335,6 @@ def _state_kept(model: nn.Module | str) -> Iterator[None]:
 
 
 def _autocast_device_types() -> list[str]:
-    """The device types this torch has autocast for here."""
     kinds = ["cpu"]
     if torch.cuda.is_available():
         kinds.append("cuda")

@@ -250,7 +250,6 @@ worker_count = whole_number(1, MAX_WORKERS)
 
 
 def add_log_level_argument(parser) -> None:
-    """The --log-level flag every command line of the toolkit takes."""
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging detail (default: INFO)")
 

@@ -68,9 +68,8 @@ def error_summary(exc: BaseException, lines: int = 2, limit: int = 300) -> str:
 
 
 def optional_module(name: str, needed_by: str, pip_name: str, extra: str, called: str | None = None, also: str = ""):
-    """An optional extra's module, imported when first needed; missing, one error line naming what needs it and
-    how to install it, then `also`. Only the module itself missing reads "not installed" (else: installed but
-    failed to import). The background imports are finished first (two threads must never import it at once)."""
+    """An optional extra's module, imported when first needed (after the background imports); missing, one error
+    line naming what needs it and how to install it. Only the module itself missing reads "not installed"."""
     wait_for_background_imports()
     try:
         return importlib.import_module(name)

@@ -143,7 +143,6 @@ def add_remote_code_argument(group) -> None:
 
 
 def add_dist_timeout_argument(group) -> None:
-    """--dist-timeout, for every command that may run under torchrun."""
     group.add_argument("--dist-timeout", type=positive_number("minutes"), default=distributed.DEFAULT_TIMEOUT_MINUTES,
                        metavar="MINUTES",
                        help=f"under torchrun, how long a process waits for the others in an exchange before the run "

@@ -56,7 +56,6 @@ def provenance(runtime_info: dict, model_info: dict, data_info: dict, decoder_us
 # Before the work: can every output be written?
 
 def _nearest_existing(path: Path) -> Path:
-    """`path` itself, or its closest ancestor that exists."""
     for candidate in (path, *path.parents):
         if candidate.exists():
             return candidate
@@ -100,8 +99,6 @@ def check_outputs(files: Mapping[str, Path | str | None] | None = None,
 # Writing
 
 class WriteError(UserError):
-    """An output file that could not be written."""
-
     def __init__(self, path: Path, error: OSError):
         self.path, self.reason = Path(path), error.strerror or str(error)
         super().__init__(f"cannot write {self.path}: {self.reason}")
@@ -112,9 +109,8 @@ _swept: set[Path] = set()  # the outputs whose stale temporaries this process ha
 
 @contextlib.contextmanager
 def atomic_write(path: Path | str, mode: str = "w", newline: str | None = None) -> Iterator[IO]:
-    """A temporary file beside `path`, synced and renamed over it on success, so nothing ever leaves half a file;
-    a temporary a SIGKILL left is removed by the next write of the same file. Mode 0666 less the umask; text is
-    UTF-8; an OSError becomes a `WriteError` naming `path`."""
+    """A temporary file beside `path`, synced and renamed over it on success (a SIGKILL's leftover is removed by the
+    next write of the same file); mode 0666 less the umask; an OSError becomes a `WriteError` naming `path`."""
     path = Path(path)
     names = atomic_names(path)
     try:
@@ -196,8 +192,7 @@ def resume_hint() -> str:
 
 
 def read_json(path: Path | str):
-    """The JSON a regular file holds (a FIFO or device is refused); otherwise OSError or ValueError (too deep
-    nesting too)."""
+    """The JSON a regular file holds (a FIFO or device refused); otherwise OSError or ValueError."""
     from tools.data.hashing import open_regular  # noqa: PLC0415 (as read_npy)
 
     with open_regular(path) as fh:

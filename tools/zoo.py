@@ -12,12 +12,9 @@ Model specs:
   state dict.
 These are the names --arch takes in the scripts and train.py (one grammar: tools.models.spec).
 
-Each model writes OUTPUT/models/<name>.json when both of its runs are done; a model whose file is of the
-same data content, model (its identity: every input of its loader, `tools.models.record`) and settings is
-skipped, and one whose data or model changed runs again. Its runs keep their resumable state in
-OUTPUT/runs/<name>/; state of other data, models or settings is set aside. A model that fails (in any process
-under torchrun) is reported in one line and the others go on; the exit code is 0 when all succeeded, 1 when some
-failed, 2 for bad input to the command itself.
+Each model writes OUTPUT/models/<name>.json when both runs are done, and is skipped while its data content, model
+and settings are unchanged; its runs resume from OUTPUT/runs/<name>/. A model that fails is reported in one line
+and the others go on; exit code 0 when all succeeded, 1 when some failed, 2 for bad input to the command itself.
 """
 
 from __future__ import annotations
@@ -183,8 +180,7 @@ def recorded_model_unchanged(payload: dict) -> bool | None:
 def reusable_result(path: Path, spec: ModelSpec, data: EvaluationData, settings: dict, trust: bool = False,
                     runtime: Runtime | None = None, progress: bool = False, trust_remote_code: bool = False,
                     cache: DecodedCache | None = None) -> tuple[dict | None, LoadedModel | None]:
-    """(the results file's contents if of this data, model and settings, else None; the model if it had to be
-    loaded to learn its identity)."""
+    """(the results file's contents if of this data, model and settings, else None; the model if loaded)."""
     if not path.is_file():
         return None, None
     payload = _read_json(path)
