@@ -1,9 +1,7 @@
 """Backgrounds Challenge toolkit: IN-9 accuracy, the adversarial-background challenge, and analyses.
 
-Importing it changes nothing, except in a process that is one of the toolkit's commands (a root script, a
-console script, `python -m tools...`): there Ctrl-C while the command loads (torch and the toolkit take seconds,
-before `tools.cli.run_main` can catch anything) ends it as Ctrl-C in a run does, one line and exit code 130, not
-a traceback from inside an import; `run_main` gives Ctrl-C back to Python as it starts.
+Importing it changes nothing, except in one of the toolkit's commands: there Ctrl-C while it loads (seconds,
+before `tools.cli.run_main` can catch anything) is one line and exit code 130, not a traceback from an import.
 """
 
 import os
@@ -35,7 +33,7 @@ if _is_command() and signal.getsignal(signal.SIGINT) is signal.default_int_handl
 
 
 def __getattr__(name: str):
-    """`from tools import benchmark` (tools.api) is imported on first use, so that `import tools` stays light."""
+    """`from tools import benchmark` is imported on first use, so that `import tools` stays light."""
     if name == "benchmark":
         from tools.api import benchmark  # noqa: PLC0415
         return benchmark

@@ -1,13 +1,6 @@
-"""The Python API: `benchmark(model, ...)`, both evaluations of in9_eval.py and challenge_eval.py in one call,
-for a model in a notebook or a training loop, returning a typed `BenchmarkResult`.
-
-It runs what the scripts run (`tools.prepared_run`, and `tools.results.publish` for their files), so its numbers
-and files are theirs, and leaves no state behind: the process-wide math flags a `Runtime` sets, the module's
-modes, device, dtype and memory format (its very tensors), the caller's autocast and grad mode, and the
-random number generators it seeds are all as they were after the call. It joins no process group; in one
-that its caller has joined (under torchrun), the processes share the work as the scripts' do, and rank 0
-writes the files.
-"""
+"""The Python API: `benchmark(model, ...)`, both evaluations of the scripts in one call, returning a typed
+`BenchmarkResult`. It runs what the scripts run, so its numbers and files are theirs, and leaves no state behind
+(docs/python-api.md, "Nothing left behind", "Under torchrun")."""
 
 from __future__ import annotations
 
@@ -82,8 +75,8 @@ API_WORDS: Mapping[str, Word] = MappingProxyType({
 
 @dataclass(frozen=True)
 class BenchmarkResult:
-    """What `benchmark` measured: accuracies in percent, the BG-gap in points, the challenge's verdicts; the
-    results files' contents (`in9`, `challenge`: what the scripts' --results-file holds) and the paths written."""
+    """What `benchmark` measured (percent; the BG-gap in points), the results files' contents and the paths
+    written."""
 
     accuracy: Mapping[str, float]  # per variation
     bg_gap: float | None  # accuracy(mixed_same) - accuracy(mixed_rand); None unless both were evaluated
@@ -127,12 +120,11 @@ def benchmark(model: nn.Module | str, data_path: Path | str | None = None, *,
     num_classes: 1000 (ImageNet, mapped to IN-9) or 9 (IN-9); checked against the model's output (default:
     the output's width). full: every pair of the challenge (the prediction matrix), as --full.
     output_dir: where the results files (in9.json, challenge.json), the resumable state and --full's matrix
-    are written, as the scripts write them (default: nothing is written). device, precision, channels_last, batch_size,
+    go, as the scripts write them (default: nothing is written). device, precision, channels_last, batch_size,
     workers, cache_dir/cache/shared_cache, seed, progress, lora_alpha, lora_rslora, allow_inexact_device,
     checkpoint_key, trust_remote_code, mask_arithmetic: as the scripts' flags (lora_alpha and lora_rslora: the
-    scaling of a LoRA state dict saved from a peft-wrapped model, named by `model`); the scripts' start-up device
-    check runs too (`tools.models.device_check`), once, on the in9 run's first images, and both results record it.
-    Its errors (`UserError`) and log lines name these arguments, not the scripts' flags (`API_WORDS`).
+    scaling of a LoRA state dict saved from a peft-wrapped model, named by `model`). The start-up device check
+    runs too, and both results record it. Errors (`UserError`) and log lines name these arguments, not flags.
     """
     precision = _precision(precision)
     arithmetic = _choice(MaskArithmetic, mask_arithmetic, "mask_arithmetic")
@@ -252,10 +244,8 @@ def _loaded(model: nn.Module | str, mean, std, num_classes: int | None, weights:
 
 
 def _as_module(model, device: torch.device) -> nn.Module:
-    """The caller's model as a module the toolkit can evaluate: a `torch.export` program (`ExportedProgram`) as its
-    module on the run's device (the devices its code names moved there too); a module whose mode was fixed when it
-    was exported, so that its train()/eval() raise (an ExportedProgram's `.module()`), inside a wrapper that keeps
-    that mode; any other module as it is."""
+    """The caller's model as a module the toolkit can evaluate: a `torch.export` program as its module on the run's
+    device; an exported `.module()` (whose train()/eval() raise) in a wrapper that keeps its mode; else as it is."""
     export = sys.modules.get("torch.export")  # loaded wherever a caller holds an ExportedProgram
     if export is not None and isinstance(model, export.ExportedProgram):
         buffer = io.BytesIO()  # a copy to move: torch's move_to_device_pass changes the program it is given
@@ -312,9 +302,8 @@ def _output_width(module: nn.Module, device: torch.device) -> int:
 
 @contextlib.contextmanager
 def _state_kept(model: nn.Module | str) -> Iterator[None]:
-    """Within the block, anything may change; after it, as before: the module's train/eval modes, its very
-    parameter, gradient and buffer tensors (so device, dtype and memory format), the caller's autocast and grad
-    mode, and the random number generators (Python's, numpy's, torch's on the CPU and every GPU)."""
+    """After the block, as before it: the module's modes and very tensors, the caller's autocast and grad mode, and
+    the random number generators (every GPU's too)."""
     module = model if isinstance(model, nn.Module) else nn.Module()
     modes = [(m, m.training) for m in module.modules()]
     # nn.Module._apply (.to, channels-last) converts a parameter's and its gradient's data in place: both kept
@@ -346,7 +335,6 @@ def _state_kept(model: nn.Module | str) -> Iterator[None]:
 
 
 def _autocast_device_types() -> list[str]:
-    """The device types this torch has autocast for here."""
     kinds = ["cpu"]
     if torch.cuda.is_available():
         kinds.append("cuda")

@@ -24,8 +24,8 @@ EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports SIGTERM
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (what a cluster scheduler, a timeout or `kill` sends), raised where Ctrl-C's KeyboardInterrupt
-    would be, so that every clean-up written for Ctrl-C runs for it too."""
+    """SIGTERM (a scheduler, a timeout, `kill`), raised where Ctrl-C's KeyboardInterrupt would be, so every
+    clean-up written for Ctrl-C runs for it too."""
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -46,8 +46,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 
 class BooleanFlag(argparse.BooleanOptionalAction):
-    """`--name/--no-name` with its help as written: Python 3.10's BooleanOptionalAction appends
-    "(default: True)" to help strings that already say their default in words (3.11 no longer does)."""
+    """`--name/--no-name` with its help as written (Python 3.10's BooleanOptionalAction appends its default)."""
 
     def __init__(self, *args, help: str | None = None, **kwargs):  # noqa: A002 (argparse's keyword)
         super().__init__(*args, **kwargs)
@@ -55,8 +54,7 @@ class BooleanFlag(argparse.BooleanOptionalAction):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Help text as written where it spans lines (a module docstring, the examples), wrapped where it is one
-    line."""
+    """Help text as written where it spans lines, wrapped where it is one line."""
 
     def _fill_text(self, text, width, indent):
         if "\n" in text.strip():
@@ -65,11 +63,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """Every command's parser: a mistake on the command line is one line on stderr, `error: ...`, that names the
-    closest valid choice of a mistyped one and points to -h, and exit code 2 (argparse prints its usage block
-    first); its name is the one the user typed (`python -m tools.zoo` for a package's __main__); its help shows
-    the basic groups of flags before the advanced ones and keeps the description's and the epilog's line breaks
-    (the examples)."""
+    """Every command's parser: a command-line mistake is one `error:` line (the closest valid choice, a pointer to
+    -h) and exit code 2; named as the user typed it; the basic groups of flags shown before the advanced ones."""
 
     def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
         if kwargs.get("prog") is None and not args:
@@ -97,8 +92,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     @contextlib.contextmanager
     def _compact_usage(self) -> Iterator[None]:
-        """The usage line names only what cannot be left out (required flags, positionals) and `[options]`: the
-        help page lists the options below it, in their groups (a usage line of every flag ran to 20 lines)."""
+        """A usage line of what cannot be left out and `[options]` (one of every flag ran to 20 lines)."""
         if self.usage is not None:
             yield
             return
@@ -164,10 +158,8 @@ NOT_A_COMMAND = ("", "-c", "-m", "ipykernel_launcher.py", "__main__.py")
 
 
 def typed_name(module: str | None = None) -> str:
-    """The command's name as the user typed it: the script's (in9_eval.py, bgc-zoo), or `python -m PACKAGE`
-    for a package's __main__.py (whose basename would say __main__.py); where the interpreter runs no command
-    (`main([...])` from `python -c`, a notebook or a script of one's own that is not the toolkit's), `python -m
-    MODULE` of the `module` defining the parser, which runs it."""
+    """The command's name as the user typed it (in9_eval.py, `python -m PACKAGE`); where the interpreter runs no
+    command of the toolkit (`python -c`, a notebook), `python -m MODULE` of the parser's `module`."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name and spec.name != "__main__":  # `python -m NAME` (a script by path: no spec)
         name = spec.name.removesuffix(".__main__")
@@ -201,15 +193,14 @@ def closest(text: str, options) -> str:
 
 
 def positive_number(unit: str) -> Callable[[str], float]:
-    """An argparse type: a positive, finite number of `unit` (seconds, minutes); anything else is refused at
-    parse time, naming the flag."""
+    """An argparse type: a positive, finite number of `unit` (seconds, minutes)."""
     return number(0, unit=unit, above=True)
 
 
 def number(minimum: float, maximum: float | None = None, unit: str | None = None, above: bool = False,
            below: bool = False) -> Callable[[str], float]:
     """An argparse type: a finite number from `minimum` (excluded with `above`) to `maximum` (excluded with
-    `below`); anything else (nan, inf, out of range) is refused at parse time, naming the flag."""
+    `below`)."""
 
     def parse(text: str) -> float:
         try:
@@ -237,8 +228,7 @@ def _range_words(minimum: float, maximum: float | None, above: bool, below: bool
 
 
 def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    """An argparse type: a whole number from `minimum` to `maximum`; anything else (a fraction, a number out of
-    range) is refused at parse time, naming the flag."""
+    """An argparse type: a whole number from `minimum` to `maximum`."""
 
     def parse(text: str) -> int:
         try:
@@ -260,19 +250,14 @@ worker_count = whole_number(1, MAX_WORKERS)
 
 
 def add_log_level_argument(parser) -> None:
-    """The --log-level flag every command line of the toolkit takes."""
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging detail (default: INFO)")
 
 
 def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace], int | None],
              argv: list[str] | None = None, on_interrupt: str | None = None) -> int:
-    """Parse, set up logging once, run; a user error is one line on stderr and exit code 2; Ctrl-C (exit 130)
-    and SIGTERM (exit 143) stop the run through its clean-up and say how to go on. A command that wrote into the
-    decoded-data cache says so once, at the end, where and how much (`tools.data.cache_admin.written_line`).
-
-    `on_interrupt` says what to do after an interruption (default: resume from --output-dir where there is one).
-    """
+    """Parse, set up logging once, run: a user error is one `error:` line and exit 2; Ctrl-C (130) and SIGTERM (143)
+    stop through the clean-up and say how to go on (`on_interrupt`; default: resume from --output-dir)."""
     if signal.getsignal(signal.SIGINT) is interrupted_while_loading:  # loaded: Ctrl-C is Python's again, caught below
         signal.signal(signal.SIGINT, signal.default_int_handler)
     args = parser.parse_args(argv)
@@ -310,8 +295,7 @@ def run_main(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
 
 
 def _say_cache_written() -> None:
-    """Log what the command wrote into the cache (`_cache_written`), once: at its end, or before its last line (an
-    error, an interruption)."""
+    """Log what the command wrote into the cache, once: at its end, or before its last line (an error)."""
     written = _cache_written()
     if written is not None:
         log.info("%s", written)

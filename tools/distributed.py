@@ -1,11 +1,6 @@
-"""The process group, torchvision style: rank and world size from torchrun's environment, one helper for all.
-
-Without torchrun's variables everything is the single-process code path (rank 0 of 1, no process group).
-With them, `setup` joins the group (NCCL on CUDA, gloo on the CPU) and picks the device for LOCAL_RANK.
-
-Every collective of the toolkit goes through this module: each takes the run's device and puts its tensors
-where the joined backend needs them (`reduction_device`), so no caller can leave one on the wrong device.
-"""
+"""The process group, torchvision style: rank and world size from torchrun's environment (without it, one
+process). Every collective of the toolkit goes through this module, which puts its tensors where the backend
+needs them (`reduction_device`), so no caller can leave one on the wrong device."""
 
 from __future__ import annotations
 
@@ -61,8 +56,7 @@ class ProcessGroup:
 
 
 def from_environment() -> ProcessGroup:
-    """RANK / WORLD_SIZE / LOCAL_RANK as torchrun sets them, checked (and torchrun's MASTER_PORT); a single process
-    without them."""
+    """RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_PORT) as torchrun sets them, checked; one process without them."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return ProcessGroup()
     world_size = _environment_number("WORLD_SIZE", 1)
@@ -94,16 +88,14 @@ def _environment_number(name: str, minimum: int, maximum: int | None = None, def
 
 
 def joined_group() -> ProcessGroup:
-    """Where this process stands in a process group its caller has joined (rank and size from torch.distributed,
-    LOCAL_RANK from torchrun's environment); a single process when none is joined."""
+    """Where this process stands in a process group its caller has joined; one process when none is."""
     if not _joined():
         return ProcessGroup()
     return ProcessGroup(dist.get_rank(), dist.get_world_size(), _local_rank())
 
 
 def setup(device: torch.device, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> ProcessGroup:
-    """Join torchrun's process group if there is one (NCCL for CUDA, gloo otherwise), where a collective waits
-    up to `timeout_minutes` for every process; returns where we stand."""
+    """Join torchrun's process group if there is one (NCCL for CUDA, gloo otherwise); returns where we stand."""
     group = from_environment()
     if not group.distributed or dist.is_initialized():
         return group
@@ -139,8 +131,7 @@ def reduction_device(device: torch.device) -> torch.device:
 
 
 def all_reduce(array: np.ndarray, op: str, device: torch.device) -> np.ndarray:
-    """An element-wise reduction ("sum", "mean", "min" or "max") of a numpy array over the process group, for a
-    run on `device`; the array itself when there is no group."""
+    """An element-wise reduction ("sum", "mean", "min" or "max") of a numpy array over the process group."""
     if not _joined():
         return array
     tensor = torch.from_numpy(np.ascontiguousarray(array)).to(reduction_device(device))
@@ -158,7 +149,7 @@ def broadcast(array: np.ndarray, group: ProcessGroup, device: torch.device) -> n
 
 
 def all_gather_floats(value: float, device: torch.device) -> list[float]:
-    """One number from every process, in rank order, for a run on `device`; [value] when there is no group."""
+    """One number from every process, in rank order."""
     if not _joined():
         return [value]
     place = reduction_device(device)
@@ -176,13 +167,10 @@ _AGREED = "_failure_agreed_across_processes"  # set on an error once every proce
 
 @contextlib.contextmanager
 def agree(group: ProcessGroup, device: torch.device) -> Iterator[None]:
-    """Leave a block in every process of `group` together. Work that may fail in some processes only (an image
-    only one of them decodes, a file only rank 0 writes) runs inside it; at its end the processes vote in one
-    all-reduce (for a run on `device`, as `all_reduce`), and when some failed, those raise their own error and
-    every other one `PeerFailure`. So no process waits in a collective that a failed one will not join, as long
-    as the work since the last collective runs in such a block; an error passing through nested blocks is voted
-    on once. A run of one process (`group` not distributed) votes with nobody, even where a process group is
-    joined: rank 0 evaluating alone after training, say."""
+    """Leave a block in every process of `group` together: at its end the processes vote in one all-reduce, and
+    when some failed, those raise their own error and the others `PeerFailure`, so none waits in a collective a
+    failed one will not join. Work that may fail in some processes only runs inside one; nested blocks vote once;
+    a `group` of one process votes with nobody, even inside a joined group."""
     if not (group.distributed and _joined()):
         yield
         return

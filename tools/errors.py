@@ -23,8 +23,7 @@ _WORDS: contextvars.ContextVar[Mapping[str, Word] | None] = contextvars.ContextV
 
 
 def option(flag: str, value: object = None) -> str:
-    """The option `flag` (given `value`) as the current caller sets it, for a message: `--flag value` on the
-    command line; within `spoken_as(words)`, the caller's own words for it (tools.api's, for `benchmark()`)."""
+    """The option `flag` (given `value`) for a message: `--flag value`, or within `spoken_as` the caller's words."""
     words = _WORDS.get()
     word = None if words is None else words.get(flag)
     if word is None:
@@ -36,8 +35,7 @@ def option(flag: str, value: object = None) -> str:
 
 @contextlib.contextmanager
 def spoken_as(words: Mapping[str, Word]) -> Iterator[None]:
-    """Within the block (and the toolkit's worker threads it starts: tools.threads.ContextThreadPool), messages
-    name options in `words` (a mapping from flag to `Word`)."""
+    """Within the block (and its ContextThreadPool workers), messages name options in `words` (flag -> `Word`)."""
     token = _WORDS.set(words)
     try:
         yield
@@ -51,8 +49,7 @@ NUMPY_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile)
 
 
 def first_line(exc: BaseException) -> str:
-    """An exception's message in one line, for an `error:` line: its first non-empty line, else its type's name
-    (an empty file makes torch.load raise a bare EOFError)."""
+    """An exception's first non-empty line, else its type's name (torch.load's bare EOFError on an empty file)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
 
@@ -65,20 +62,14 @@ def key_list(keys, limit: int = 8, separator: str = ", ") -> str:
 
 
 def error_summary(exc: BaseException, lines: int = 2, limit: int = 300) -> str:
-    """A library's error in one short line: its type and its first `lines` lines (a validation or loading error
-    names what failed on its first line and how on the next), cut at `limit` characters."""
+    """A library's error in one short line: its type and first `lines` lines, cut at `limit` characters."""
     text = " ".join([line.strip() for line in str(exc).splitlines() if line.strip()][:lines]) or "no message"
     return f"{type(exc).__name__}: {text if len(text) <= limit else text[:limit - 3] + '...'}"
 
 
 def optional_module(name: str, needed_by: str, pip_name: str, extra: str, called: str | None = None, also: str = ""):
-    """An optional extra's module, imported when first needed; without it, one error line: what needs it (named
-    `called`, default its pip name) and the command that installs it, then `also` (what else the user can do).
-
-    Only the module itself missing reads "not installed"; any other failure (a dependency of it missing, a broken
-    install) says the module is installed but failed to import, with the failure's first line. The model
-    libraries imported in the background (tools.threads.import_in_background) are finished first, so that two
-    threads never import them at once (Python would hand one a half-initialised module)."""
+    """An optional extra's module, imported when first needed (after the background imports); missing, one error
+    line naming what needs it and how to install it. Only the module itself missing reads "not installed"."""
     wait_for_background_imports()
     try:
         return importlib.import_module(name)
@@ -98,8 +89,7 @@ TORCHVISION_MISMATCH = re.compile(r"operator torchvision::\w+ does not exist|PyT
 
 
 def mismatched_torchvision(exc: BaseException) -> UserError | None:
-    """One line for a torchvision that does not match the installed torch, which every model library imports
-    (timm, open_clip and transformers too); None for any other error."""
+    """One line for a torchvision that does not match the installed torch; None for any other error."""
     if not TORCHVISION_MISMATCH.search(str(exc)):
         return None
     versions = {}
@@ -116,8 +106,7 @@ def mismatched_torchvision(exc: BaseException) -> UserError | None:
 
 
 def import_torchvision(name: str = "torchvision"):
-    """torchvision (or its module `name`), imported where it is first needed (it is slow to import); a torchvision
-    that does not match torch is one line (`mismatched_torchvision`)."""
+    """torchvision (or its module `name`), imported where first needed; one that does not match torch is one line."""
     wait_for_background_imports()
     try:
         return importlib.import_module(name)

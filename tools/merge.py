@@ -33,8 +33,8 @@ RERUN_SHARDS = "rerun the shards (--shard I/N) with the run's settings"
 
 
 def merge_challenge(shards: list[tuple[Path, dict]], data_path: Path) -> tuple[ChallengeResult, int]:
-    """The whole run's result from its shards, with the class count the outputs need; `data_path` is the data folder
-    the merge was given (the outputs' pictures are read there, never where a shard file says)."""
+    """The whole run's result from its shards, with the class count the outputs need; the outputs' pictures are
+    read from `data_path`, never where a shard file says."""
     (first_path, first), shared = shards[0], ("foregrounds", "backgrounds", "num_classes")
     for path, meta in shards[1:]:
         if any(meta[name] != first[name] for name in shared) or any(

@@ -1,6 +1,5 @@
-"""The flags both evaluation scripts share (data, model, device, output); checking them (`check_arguments`, which
-resolves the data folder and the progress bars without rewriting the arguments), then building the runtime and
-the model from them: every cheap input is checked before any model is built."""
+"""The flags both evaluation scripts share (data, model, device, output), and the commands' first steps from
+them: every cheap input is checked before any model is built."""
 
 from __future__ import annotations
 
@@ -110,10 +109,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_source_arguments(group, random_init: bool = False) -> None:
-    """Where the model comes from: --arch, --weights, --checkpoint, --checkpoint-key, --trust-checkpoint (the
-    evaluation scripts and train.py).
-
-    random_init: --weights also takes `none` (train.py's random initialisation)."""
+    """Where the model comes from (the evaluation scripts and train.py); `random_init`: --weights takes `none`."""
     group.add_argument("--arch", default=None, metavar="NAME",
                        help=f"torchvision classification builder name, timm:NAME[.TAG] with timm installed, "
                             f"clip:ARCH/PRETRAINED (CLIP zero-shot) with open_clip_torch installed, or "
@@ -147,7 +143,6 @@ def add_remote_code_argument(group) -> None:
 
 
 def add_dist_timeout_argument(group) -> None:
-    """--dist-timeout, for every command that may run under torchrun."""
     group.add_argument("--dist-timeout", type=positive_number("minutes"), default=distributed.DEFAULT_TIMEOUT_MINUTES,
                        metavar="MINUTES",
                        help=f"under torchrun, how long a process waits for the others in an exchange before the run "
@@ -156,8 +151,7 @@ def add_dist_timeout_argument(group) -> None:
 
 
 def add_running_arguments(parser: argparse.ArgumentParser, shard: bool = True, device_check: bool = False) -> None:
-    """Device, precision, batch and threads; `--shard` where a run can be split into independent shards;
-    `--allow-inexact-device` where the start-up device check runs (`tools.models.device_check`)."""
+    """Device, precision, batch and threads; `--shard` and `--allow-inexact-device` where they apply."""
     run = parser.add_argument_group("running")
     run.add_argument("--batch-size", type=whole_number(1), default=None, metavar="N", help=BATCH_HELP["in9"])
     run.add_argument("--workers", type=worker_count, default=default_workers(), metavar="N",
@@ -214,16 +208,15 @@ def check_output_arguments(args: argparse.Namespace) -> None:
 
 @dataclass(frozen=True)
 class CheckedArguments:
-    """What the shared flags resolve to, where the parsed arguments say "default": the data folder found and
-    checked, and whether this process shows progress bars (under torchrun only rank 0 does)."""
+    """What the shared flags' defaults resolve to: the data folder, checked, and whether this process shows
+    progress bars (under torchrun only rank 0 does)."""
 
     data_path: Path
     progress: bool
 
 
 def check_arguments(args: argparse.Namespace) -> CheckedArguments:
-    """Check the cheap inputs (data folder, batch size, workers, --shard against torchrun), before any device or
-    model; the arguments are left as parsed."""
+    """Check the cheap inputs before any device or model; the arguments are left as parsed."""
     data_path = check_data_root(args.data_path)
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, not {args.batch_size}")
@@ -237,8 +230,8 @@ def check_arguments(args: argparse.Namespace) -> CheckedArguments:
 
 
 def start(args: argparse.Namespace, compile: bool = False) -> tuple[CheckedArguments, Runtime]:  # noqa: A002
-    """What every evaluation command does first: its output paths and cheap inputs checked, its `Runtime` made, and
-    the model's libraries imported in the background while the data is checked."""
+    """What every evaluation command does first: outputs and cheap inputs checked, the `Runtime` made, the model's
+    libraries imported in the background."""
     check_output_arguments(args)
     checked = check_arguments(args)
     runtime = runtime_from_args(args, compile)
@@ -247,8 +240,7 @@ def start(args: argparse.Namespace, compile: bool = False) -> tuple[CheckedArgum
 
 
 def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtime:  # noqa: A002 (torch's word)
-    """Seed, resolve the device and, under torchrun, join the process group (the arguments checked first by
-    `check_arguments`)."""
+    """Seed, resolve the device and, under torchrun, join the process group."""
     seed_everything(args.seed)
     group = distributed.from_environment()
     device = resolve_device(args.device)
@@ -264,11 +256,8 @@ def runtime_from_args(args: argparse.Namespace, compile: bool = False) -> Runtim
 
 
 def preload_model_libraries(arch: str | None, checkpoint: Path | None) -> None:
-    """Import torchvision (and timm) in a background thread while the data is checked and decoded.
-
-    They take seconds to import (torchvision.ops pulls in torch._dynamo), and only model building needs
-    them; a TorchScript or export checkpoint needs neither. A bad model name fails here, before the data is
-    decoded; an import that fails here fails again, with its proper message, where the model is built."""
+    """Import the model's libraries (seconds: torchvision.ops pulls in torch._dynamo) in a background thread while
+    the data is checked; none for a TorchScript or export file. A bad model name fails here, before decoding."""
     spec = ModelSpec.parse(arch or DEFAULT_ARCH)
     checkpoint = spec.path or checkpoint
     if checkpoint is not None and Path(checkpoint).is_file() and program_kind(Path(checkpoint)) is not None:

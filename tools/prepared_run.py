@@ -1,7 +1,6 @@
-"""One prepared run: the order every way into an evaluation follows (in9_eval.py, challenge_eval.py, `benchmark()`,
-the zoo, train.py's evaluation, the GPU bench), decided here once. The data's folders are checked before any model
-is built (a missing folder is said before weights are downloaded); the data is listed, hashed and decoded beside
-the model being built; the start-up device check runs before any image is evaluated; then the runs."""
+"""One prepared run: the order every way into an evaluation follows, decided once. Folders checked before any
+model is built; the data listed, hashed and decoded beside the model being built; the start-up device check
+before any image is evaluated; then the runs (docs/how-it-works.md, "Follow one run")."""
 
 from __future__ import annotations
 
@@ -31,8 +30,8 @@ from tools.threads import alongside, default_workers
 
 @dataclass(frozen=True)
 class Request:
-    """What to evaluate and how: the data folder, the in9 run's settings (None: no in9 run) and the challenge's
-    (None: no challenge), how the data is read (threads, the decoded-data cache, progress bars)."""
+    """What to evaluate and how: the data folder, the in9 run's and the challenge's settings (None: not run), how
+    the data is read."""
 
     data_path: Path
     in9: In9Config | None = None
@@ -56,11 +55,9 @@ def check_folders(request: Request) -> None:
 
 
 class EvaluationData:
-    """What the runs read, listed and hashed once, decoded when first needed and then held for every model that
-    runs on it (the zoo's): the in9 variations' files, the challenge's decoded data, the device check's images."""
+    """What the runs read, listed and hashed once, decoded when first needed (held for every model with `hold`)."""
 
     def __init__(self, request: Request, hold: bool = False):
-        """`hold`: what is decoded is kept in memory for the next model (the zoo's: `ImageSet.held`)."""
         self.request = request
         self.in9: In9Files | None = None
         if request.in9 is not None:
@@ -94,7 +91,7 @@ class EvaluationData:
 
     @property
     def decoders(self) -> dict:
-        """Who decodes each run's JPEGs, with which libjpeg (`tools.provenance.decoder`)."""
+        """Who decodes each run's JPEGs, with which libjpeg."""
         return {name: decoder_build(images.decoder.value) for name, images in self._image_sets().items()}
 
     def _image_sets(self) -> dict[str, ImageSet]:
@@ -137,9 +134,8 @@ class PreparedRun:
 
 def prepare(request: Request, runtime: Runtime, load_model: Callable[[], LoadedModel],
             data: EvaluationData | None = None) -> PreparedRun:
-    """The model built (`load_model`) and checked on its device, with its data: `data` listed already (the zoo's,
-    for every model), or else listed, hashed and decoded here in a background thread while the model is built,
-    after the folders' check."""
+    """The model built and checked on its device, with its data: `data` as given (the zoo's), else listed and
+    decoded in a background thread while the model is built."""
     if data is None:
         check_folders(request)
         data, model = alongside(lambda: EvaluationData(request).decoded(), load_model, imports=decoders.LAZY_IMPORTS)

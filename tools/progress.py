@@ -1,6 +1,5 @@
-"""Progress bars: every bar of the toolkit is made by `progress_bar`. On a terminal it is tqdm's bar, redrawn in
-place; where standard error is a log (a file, a pipe, a batch job's output) it is a whole line now and then,
-never a carriage return or a cursor move, so that the log reads as lines."""
+"""Progress bars, all made by `progress_bar`: tqdm's on a terminal; where standard error is a log, a whole line
+now and then, never a carriage return or a cursor move."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ ProgressBar = tqdm  # the type of every bar (LogLines is a tqdm)
 
 
 class LogLines(tqdm):
-    """tqdm for a stream that is not a terminal: each display is a whole line that ends in a newline, written when
-    the bar starts, at most once per LOG_INTERVAL_S after that, and when it closes (with its final count, whether
-    or not it is to be left on screen). Nothing is cleared: a log cannot take a line back."""
+    """tqdm for a stream that is not a terminal: a whole line when the bar starts, at most once per LOG_INTERVAL_S,
+    and when it closes (with its final count); nothing is cleared."""
 
     def __init__(self, *args, **kwargs):
         self._line_at: float | None = None  # when the last line was written

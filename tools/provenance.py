@@ -1,6 +1,5 @@
-"""What a result came from (versions, device, model, the data read), and writing outputs: every output path
-checked before the work starts, every file written atomically, a write that fails reported in one line, and the
-.npz archives written so (resume states, shards) read back."""
+"""What a result came from (versions, device, model, data), and the outputs: checked before the work starts,
+written atomically, a failed write reported in one line; the .npz/.npy/JSON files read back safely."""
 
 from __future__ import annotations
 
@@ -27,9 +26,7 @@ from tools.errors import UserError, import_torchvision, option
 
 
 def decoder(used: str | None = None) -> dict:
-    """The image decoder: `used` (who decoded the JPEGs, tools.data.decoders.Decoder: the pixels are Pillow's either
-    way), Pillow's version and its libjpeg's, and whether that is libjpeg-turbo (with its version):
-    another libjpeg gives other pixels for the same JPEG file, and so may change a prediction."""
+    """Who decoded the JPEGs, with Pillow's and its libjpeg's versions: another libjpeg gives other pixels."""
     import PIL  # noqa: PLC0415 (only here for the versions)
     from PIL import features  # noqa: PLC0415
     turbo = features.check_feature("libjpeg_turbo")
@@ -39,8 +36,7 @@ def decoder(used: str | None = None) -> dict:
 
 def provenance(runtime_info: dict, model_info: dict, data_info: dict, decoder_used: str | None = None,
                decoded_cache: dict | None = None) -> dict:
-    """Versions, device, model and data of a run; `decoder_used`: who decoded the JPEGs (`decoder`);
-    `decoded_cache`: the decoded-data cache it read and wrote (`tools.data.store.DecodedCache.describe`), if any."""
+    """Versions, device, model and data of a run; `decoded_cache`: `tools.data.store.DecodedCache.describe`."""
     import torch  # noqa: PLC0415 (only here for the versions: writing results needs neither)
     torchvision = import_torchvision()
     return {
@@ -60,7 +56,6 @@ def provenance(runtime_info: dict, model_info: dict, data_info: dict, decoder_us
 # Before the work: can every output be written?
 
 def _nearest_existing(path: Path) -> Path:
-    """`path` itself, or its closest ancestor that exists (the folder a new path would be created under)."""
     for candidate in (path, *path.parents):
         if candidate.exists():
             return candidate
@@ -68,7 +63,6 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def _check_creatable(flag: str, path: Path, place: Path) -> None:
-    """`path` can be made under `place`, its nearest existing ancestor: a folder this process may write in."""
     if not place.is_dir():
         raise UserError(f"{flag} {path} cannot be created: {place} is a file, not a folder; choose another path")
     try:
@@ -81,10 +75,8 @@ def _check_creatable(flag: str, path: Path, place: Path) -> None:
 
 def check_outputs(files: Mapping[str, Path | str | None] | None = None,
                   folders: Mapping[str, Path | str | None] | None = None) -> None:
-    """Check, before any data is read or any model is built, that every output can be written: each of `files`
-    names no folder, each of `folders` no file, each can be created where it is (or already exists) by this
-    process, and no two outputs share a path. Keys are the flags that name them, for the message; None values
-    are outputs not asked for. Creates nothing."""
+    """Refuse, before any work, an output that cannot be written or that shares another's path; creates nothing.
+    Keys are the flags naming them (for the message); None: not asked for."""
     named = [(flag, Path(path), False) for flag, path in (files or {}).items() if path is not None]
     named += [(flag, Path(path), True) for flag, path in (folders or {}).items() if path is not None]
     seen: dict[Path, str] = {}
@@ -107,8 +99,6 @@ def check_outputs(files: Mapping[str, Path | str | None] | None = None,
 # Writing
 
 class WriteError(UserError):
-    """An output file that could not be written (a full disk, a folder removed or made read-only meanwhile)."""
-
     def __init__(self, path: Path, error: OSError):
         self.path, self.reason = Path(path), error.strerror or str(error)
         super().__init__(f"cannot write {self.path}: {self.reason}")
@@ -119,12 +109,8 @@ _swept: set[Path] = set()  # the outputs whose stale temporaries this process ha
 
 @contextlib.contextmanager
 def atomic_write(path: Path | str, mode: str = "w", newline: str | None = None) -> Iterator[IO]:
-    """Open a temporary file beside `path` for writing (`.NAME.HOST@PID@<random>.tmp`:
-    `tools.data.temporary.atomic_names`); on success it is synced and renamed over `path`, so a crash, a full disk
-    or an interruption never leaves half a file, and the temporary a SIGKILL left is removed by the next write of
-    the same file in any process (`tools.data.temporary.remove_stale`: its process gone, or a day unchanged).
-    The file is created with mode 0666 less the user's umask, as `open` does. An OSError while writing becomes
-    a `WriteError` naming `path`. Text is UTF-8; `newline` is `open`'s (an empty string for the csv module)."""
+    """A temporary file beside `path`, synced and renamed over it on success (a SIGKILL's leftover is removed by the
+    next write of the same file); mode 0666 less the umask; an OSError becomes a `WriteError` naming `path`."""
     path = Path(path)
     names = atomic_names(path)
     try:
@@ -156,10 +142,9 @@ def atomic_write(path: Path | str, mode: str = "w", newline: str | None = None) 
 
 
 def open_own(path: Path | str, append: bool = False) -> IO[bytes]:
-    """`path` opened to write bytes (appended to, or emptied first), never through a link: a link there (which the
-    toolkit never makes) or anything but a regular file (a FIFO, a device) is refused with an OSError before a byte
-    is written, so a link placed in an output folder cannot send the write to the file it points at. For files
-    written in place (a download resumed, a log appended to); the others are written whole (`atomic_write`)."""
+    """`path` opened to write bytes in place (appended to, or emptied first), never through a link nor to anything
+    but a regular file (OSError before a byte is written), so a link planted in an output folder cannot redirect
+    the write."""
     flags = (os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else 0) | getattr(os, "O_NOFOLLOW", 0)
              | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     fd = os.open(path, flags, 0o666)
@@ -177,14 +162,12 @@ def open_own(path: Path | str, append: bool = False) -> IO[bytes]:
 
 
 def write_json_atomic(path: Path | str, payload) -> None:
-    """Write JSON to `path` atomically (see `atomic_write`)."""
     with atomic_write(path) as fh:
         json.dump(payload, fh, indent=2)
         fh.write("\n")
 
 
 def write_csv_atomic(path: Path | str, header: Sequence[str], rows) -> None:
-    """Write a CSV table (a header row, then `rows`) to `path` atomically (see `atomic_write`)."""
     with atomic_write(path, newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(header)
@@ -192,7 +175,6 @@ def write_csv_atomic(path: Path | str, header: Sequence[str], rows) -> None:
 
 
 def write_text_atomic(path: Path | str, text: str) -> None:
-    """Write UTF-8 text to `path` atomically (see `atomic_write`)."""
     with atomic_write(path) as fh:
         fh.write(text)
 
@@ -205,14 +187,12 @@ TRAINING_LOG = "train_log.jsonl"
 TRAINED_EVAL_DIR, START_EVAL_DIR = "eval_trained", "eval_start"
 
 def resume_hint() -> str:
-    """How to go on after a failure that left a resumable state, in the caller's words (`tools.errors.option`)."""
+    """How to go on after a failure that left a resumable state."""
     return f"fix the cause and run it again with {option('--resume')}: its saved state makes that quick"
 
 
 def read_json(path: Path | str):
-    """The JSON a file holds (a results file, a saved state, a model's config), read only from a regular file (a
-    FIFO is refused, not waited on; a device is not read without end). What is not such a file of JSON raises
-    OSError (FileNotFoundError where there is none) or ValueError, nesting deeper than the parser goes too."""
+    """The JSON a regular file holds (a FIFO or device refused); otherwise OSError or ValueError."""
     from tools.data.hashing import open_regular  # noqa: PLC0415 (as read_npy)
 
     with open_regular(path) as fh:
@@ -224,11 +204,9 @@ def read_json(path: Path | str):
 
 
 def read_npz(path: Path) -> dict[str, np.ndarray]:
-    """Every array of the .npz archive `path`, read through our own file handle (closed also when numpy refuses
-    the file); what is not such an archive raises one of tools.errors.NUMPY_READ_ERRORS (a .npy array: ValueError).
-    The toolkit writes its archives uncompressed (`np.savez`), so an array is read only when the archive holds its
-    every byte: a compressed member, or a header claiming more than its member holds, is refused (ValueError)
-    before anything of the size it claims is made."""
+    """Every array of the .npz archive `path`; otherwise one of tools.errors.NUMPY_READ_ERRORS. The toolkit's
+    archives are uncompressed, so a compressed member, or a header claiming more than its member holds, is refused
+    (ValueError) before anything of the size it claims is made."""
     with open(path, "rb") as fh:
         archive = np.load(fh, allow_pickle=False)
         if not isinstance(archive, np.lib.npyio.NpzFile):
@@ -243,10 +221,8 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
 
 
 def read_npy(source: Path | bytes, mmap: bool = False) -> np.ndarray:
-    """The one .npy array of the file `source` (or of its bytes), read only when the file holds its every byte: an
-    .npz archive, Python objects, or a header claiming more than the file holds are refused (ValueError) before
-    anything of the size it claims is made; the other errors are tools.errors.NUMPY_READ_ERRORS. `mmap`: mapped
-    read-only rather than read (the header alone is then read, for checks that need no values)."""
+    """The one .npy array of the file `source` (or of its bytes), refused as `npy_header` says (ValueError); other
+    errors are tools.errors.NUMPY_READ_ERRORS. `mmap`: mapped read-only rather than read."""
     from tools.data.hashing import open_regular  # noqa: PLC0415 (a FIFO is refused, not waited on)
 
     with (io.BytesIO(source) if isinstance(source, bytes) else open_regular(source)) as fh:
@@ -259,9 +235,8 @@ def read_npy(source: Path | bytes, mmap: bool = False) -> np.ndarray:
 
 
 def npy_header(fh: IO[bytes], size: int) -> tuple[tuple[int, ...], bool, np.dtype]:
-    """Read the .npy header at `fh`'s start (its magic, version 1 or 2, as np.save writes), refusing an .npz archive
-    (a zip), Python objects and an array larger than the `size` bytes the file holds: (shape, Fortran order, dtype),
-    `fh` left at the array's first byte."""
+    """(shape, Fortran order, dtype) of the .npy header at `fh`'s start, `fh` left at the array's first byte; an
+    .npz archive, Python objects and an array larger than the file's `size` bytes are refused."""
     if fh.read(2) == b"PK":
         raise ValueError("an .npz archive (a zip of arrays), not one .npy array")
     fh.seek(0)
@@ -282,10 +257,8 @@ _KINDS = {"b": "booleans", "iu": "integers", "biu": "integers", "f": "floats", "
 
 def checked_array(arrays: Mapping[str, np.ndarray], name: str, shape: tuple, kind: str, low=None, high=None,
                   dtype=None) -> np.ndarray:
-    """`arrays[name]` (an array of a saved state or shard, read with `read_npz`) checked against the run reading it
-    back, as `dtype` (its own when None): `shape` (an entry None: any length), `kind` (numpy kind letters: "b"
-    booleans, "iu" integers, "f" floats), every value within [`low`, `high`] (None: unbounded) and no NaN. A
-    ValueError says what is wrong; a missing array is a KeyError."""
+    """`arrays[name]` as `dtype`, checked: `shape` (None: any length), `kind` (numpy kind letters), values within
+    [`low`, `high`], no NaN; otherwise a ValueError saying what is wrong (missing: KeyError)."""
     value = np.asarray(arrays[name])
     if value.dtype.kind not in kind:
         raise ValueError(f"{name} holds {value.dtype}, not {_KINDS.get(kind, kind)}")
@@ -302,9 +275,8 @@ def checked_array(arrays: Mapping[str, np.ndarray], name: str, shape: tuple, kin
 
 
 class OutputFiles:
-    """A command's output files, written one after another: one that cannot be written does not stop the
-    others, and leaving the `with` block raises one user error that names what failed and what was written,
-    carrying the command's `lines` (its `stdout`), which are printed before it.
+    """A command's output files: one that cannot be written does not stop the others; leaving the block raises one
+    user error naming what failed and what was written, printed after the command's `lines`.
 
         with OutputFiles(resume_hint()) as outputs:
             outputs.write(write_json_atomic, results_file, payload)

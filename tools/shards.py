@@ -1,22 +1,6 @@
-"""Independent shards (`--shard I/N`, no process group: a SLURM array, separate machines) and their merge.
-
-A challenge shard searches the foregrounds I, I+N, I+2N, ... against every background; an in9 shard
-predicts the batches I, I+N, ... of the single run's stream of batches (so every image is predicted in the
-batch one process would put it in). Each writes `challenge-shard-I-of-N.{json,npz}` or
-`in9-shard-I-of-N.json` under its --output-dir. `python -m tools.merge DIR...` (tools.merge) checks that
-the N shards belong to one run and are all there, and writes what one process would have written: the
-in9 results exactly; the challenge's verdicts, counts and --full matrix exactly, while the "first fooling
-background found" of a vulnerable foreground may differ, since each shard learns its search order from its
-own foregrounds only.
-
-A challenge shard is two files, written in order: the arrays (.npz), which carry the run's key, then the
-JSON, which records the arrays' SHA-256. The merge takes the arrays only when both agree with the JSON, so
-a rerun stopped between its two writes (or a file copied in from elsewhere) is refused, never merged.
-
-Neither is believed further than it fits: a shard is the one its file name says (I of N), its arrays are of the
-run's foregrounds and backgrounds, it predicts exactly what shard I of N owns (recomputed: the foregrounds I, I+N,
-...; in9's batches I, I+N, ...), every value is in range, and all shards list the same files. The merge
-(tools.merge) then checks the verdicts against what they rest on.
+"""Independent shards (`--shard I/N`, no process group: a SLURM array, separate machines): writing them, and
+reading them back for the merge, believed only as far as they fit. What a merge guarantees, and why a challenge
+shard's arrays are written before its JSON: docs/how-it-works.md, "Sharded runs".
 """
 
 from __future__ import annotations
@@ -63,8 +47,7 @@ class Shard:
         return np.arange(self.index, items, self.count)
 
     def owns_batches(self, items: int, batch_size: int) -> np.ndarray:
-        """Whether each of `items` stream positions falls to this shard when the stream is cut into batches of
-        `batch_size` dealt out in turn (batch i to shard i mod N): in9's share."""
+        """Whether each of `items` stream positions falls to this shard (batch i to shard i mod N): in9's share."""
         return (np.arange(items) // batch_size) % self.count == self.index
 
 
@@ -81,8 +64,7 @@ def shard_spec(text: str) -> Shard:
 # Writing a shard
 
 def write_challenge_shard(output_dir: Path, shard: Shard, result, files, data_path: Path, num_classes: int) -> Path:
-    """The shard's verdicts (by global foreground index: `files` lists the whole run's) and what the merge needs
-    to rebuild the whole run."""
+    """The shard's verdicts (by global foreground index) and what the merge needs to rebuild the whole run."""
     s = result.state
     stem = Path(output_dir) / CHALLENGE_PATTERN.format(index=shard.index, count=shard.count)
     arrays = {"indices": shard.take(len(files.foregrounds)), "verdict": s.verdict, "fool_bg": s.fool_bg,
@@ -213,8 +195,7 @@ def _challenge_meta_problem(meta: dict) -> str | None:
 
 
 def _in9_meta_problem(meta: dict, shard: Shard) -> str | None:
-    """What in an in9 shard's JSON is not of the form the toolkit writes, or predicts images shard I of N does not
-    own; None when nothing."""
+    """What in an in9 shard's JSON is not of the toolkit's form or not shard I of N's; None when nothing."""
     variations, key = meta["variations"], meta["key"]
     batch_size = key.get("batch_size") if isinstance(key, dict) else None
     if not _is_int(batch_size, 1):
@@ -241,8 +222,8 @@ def _in9_meta_problem(meta: dict, shard: Shard) -> str | None:
 
 
 def read_challenge_arrays(path: Path, meta: dict) -> dict[str, np.ndarray]:
-    """The arrays of the challenge shard whose JSON (`meta`) is `path`, refused unless they are the very file
-    that JSON was written with: they carry the same key, and their SHA-256 is the one the JSON records."""
+    """The arrays of the challenge shard whose JSON is `path`, refused unless they are the very file that JSON was
+    written with (same key, the SHA-256 it records)."""
     npz, shard = path.with_suffix(".npz"), Shard(*meta["shard"])
     if not npz.is_file():
         raise UserError(f"{npz} is missing: the arrays of {path.name}; {_rerun(shard)}")
@@ -266,8 +247,8 @@ def read_challenge_arrays(path: Path, meta: dict) -> dict[str, np.ndarray]:
 
 def _checked_challenge_arrays(arrays: dict[str, np.ndarray], shard: Shard, n_fg: int, n_bg: int,
                               full: bool) -> dict[str, np.ndarray]:
-    """A challenge shard's arrays, checked to be the finished search of the foregrounds shard I of N owns (I, I+N,
-    ...) of a run of `n_fg` foregrounds x `n_bg` backgrounds, every value in range; a ValueError says what is not."""
+    """A challenge shard's arrays, checked to be the finished search of the foregrounds shard I of N owns, every
+    value in range; a ValueError says what is not."""
     mine = shard.take(n_fg)
     n, classes = len(mine), NUM_IN9_CLASSES - 1
     indices = checked_array(arrays, "indices", (None,), "iu", dtype=np.int64)

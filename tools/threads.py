@@ -1,6 +1,5 @@
-"""Work in threads: the default thread count, an ordered map with a progress bar, and imports in the background
-(started by tools.options for the model libraries, finished by tools.errors.optional_module and model building),
-and a run's data work beside its model building (`alongside`)."""
+"""Work in threads: the default thread count, an ordered map with a progress bar, imports in the background, and
+a run's data work beside its model building (`alongside`)."""
 
 from __future__ import annotations
 
@@ -20,19 +19,16 @@ def default_workers() -> int:
 
 
 class ContextThreadPool(concurrent.futures.ThreadPoolExecutor):
-    """A thread pool whose tasks run with the submitting thread's context variables, each in its own copy: what
-    the caller set for its work (the wording of messages, tools.errors.spoken_as) holds in the workers too."""
+    """A thread pool whose tasks run with a copy of the submitting thread's context variables (so
+    tools.errors.spoken_as holds in the workers too)."""
 
     def submit(self, fn, /, *args, **kwargs):
         return super().submit(contextvars.copy_context().run, fn, *args, **kwargs)
 
 
 def map_in_threads(fn: Callable, items: Sequence, workers: int, progress: bool, desc: str) -> Iterator:
-    """fn over items in `workers` threads, results in order, with a progress bar.
-
-    Pillow, NumPy's file reading, hashlib and OpenCV release the GIL, so threads decode, hash and segment
-    in parallel. On an error or an interrupt, work not yet started is cancelled.
-    """
+    """fn over items in `workers` threads, results in order, with a progress bar; on an error or an interrupt,
+    work not yet started is cancelled."""
     pool = ContextThreadPool(max_workers=max(1, workers), thread_name_prefix="work")
     try:
         yield from progress_bar(pool.map(fn, items), total=len(items), desc=desc, disable=not progress, leave=False)
@@ -45,9 +41,8 @@ _forgetting = threading.Lock()
 
 
 def import_in_background(names: Sequence[str]) -> None:
-    """Import modules in a background thread, in order, stopping at the first failure (an import that fails
-    here fails again, with its proper message, where it is needed). Call wait_for_background_imports before
-    importing any of them, or anything that imports them, in another thread."""
+    """Import modules in a background thread, in order, stopping at the first failure (it fails again, with its
+    message, where needed). Call wait_for_background_imports before importing any of them in another thread."""
     def work() -> None:
         for name in names:
             try:
@@ -61,9 +56,8 @@ def import_in_background(names: Sequence[str]) -> None:
 
 
 def wait_for_background_imports() -> None:
-    """Every import_in_background finished. Two threads importing modules that import each other would see
-    each other's half-initialised modules (Python's per-module import locks break the deadlock that way, with
-    a false ImportError), so model building waits for the background imports rather than racing them."""
+    """Every import_in_background finished: two threads importing modules that import each other see half-made
+    modules (a false ImportError), so model building waits rather than racing them."""
     for thread in list(_background):
         if thread is not threading.current_thread():
             thread.join()
@@ -80,23 +74,17 @@ class Stopped(Exception):
 
 
 def stop_point() -> None:
-    """Where data work (hashing, decoding: per file) gives up once the run is interrupted: signals reach only the
-    main thread, so an `alongside` data thread stops here, and the command ends at once."""
+    """Where data work gives up, per file, once the run is interrupted (signals reach only the main thread)."""
     if _stop.is_set():
         raise Stopped("interrupted")
 
 
 def alongside(data: Callable[[], object], model: Callable[[], object],
               imports: Sequence[str] = ()) -> tuple[object, object]:
-    """(data(), model()): `data` in a background thread started first, `model` in this one meanwhile, so a run's
-    data work (listing, hashing, decoding) overlaps its model building. Both have finished when this returns or
-    raises: no thread outlives the call. A data error wins over a model error (the input is at fault first), so a
-    damaged file is still one `error:` line whatever the model did. An interrupt (Ctrl-C, SIGTERM) wins over both:
-    the data work gives up at its next `stop_point`, and the interrupt is raised.
-
-    `imports`: the modules `data` imports on its way (torchvision.io for decoding), imported here first, with the
-    background imports finished: two threads importing torch's modules at once see each other's half-made modules
-    (seen: loading a torch.export program failed with KeyError 'torch._dynamo' while torchvision was imported)."""
+    """(data(), model()): `data` in a background thread, `model` in this one meanwhile; no thread outlives the
+    call. A data error wins over a model error (the input is at fault first); an interrupt wins over both.
+    `imports`: the modules `data` imports on its way, imported here first (two threads importing torch's modules
+    at once see half-made ones: loading a torch.export program failed with KeyError 'torch._dynamo')."""
     wait_for_background_imports()
     for name in imports:
         importlib.import_module(name)

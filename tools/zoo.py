@@ -12,12 +12,9 @@ Model specs:
   state dict.
 These are the names --arch takes in the scripts and train.py (one grammar: tools.models.spec).
 
-Each model writes OUTPUT/models/<name>.json when both of its runs are done; a model whose file is of the
-same data content, model (its identity: every input of its loader, `tools.models.record`) and settings is
-skipped, and one whose data or model changed runs again. Its runs keep their resumable state in
-OUTPUT/runs/<name>/; state of other data, models or settings is set aside. A model that fails (in any process
-under torchrun) is reported in one line and the others go on; the exit code is 0 when all succeeded, 1 when some
-failed, 2 for bad input to the command itself.
+Each model writes OUTPUT/models/<name>.json when both runs are done, and is skipped while its data content, model
+and settings are unchanged; its runs resume from OUTPUT/runs/<name>/. A model that fails is reported in one line
+and the others go on; exit code 0 when all succeeded, 1 when some failed, 2 for bad input to the command itself.
 """
 
 from __future__ import annotations
@@ -116,10 +113,8 @@ class ZooSettings:
                        self.challenge, self.workers, self.cache, progress, self.allow_inexact_device)
 
     def fingerprint(self, runtime: Runtime) -> dict:
-        """The settings that change a model's numbers (the batch size too: another batch shape may change the last
-        bits) and the toolkit's version; with the data's and the weights' hashes, a result's identity. Where the
-        runs were made (the device model, torch's version, the JPEG decoder) is not a setting: a finished result says
-        it in its provenance, and the leaderboard groups rows by it."""
+        """The settings that change a model's numbers (the batch size too) and the toolkit's version. Where the runs
+        were made is not a setting: the provenance says it and the leaderboard groups rows by it."""
         return {"precision": runtime.precision.value, "compile": runtime.compile,
                 "channels_last": runtime.channels_last, "criterion": self.challenge.criterion.value,
                 "recheck_margin": runtime.recheck_margin(self.challenge.recheck_margin),
@@ -128,8 +123,7 @@ class ZooSettings:
 
 
 def identity(data: EvaluationData, model_identity: str | None, settings: dict) -> dict:
-    """What a result (and its runs' saved state) is of: the data's content, the model (its record's digest), the
-    settings."""
+    """What a result (and its runs' saved state) is of."""
     return {"data_sha256": data.sha256, "model": model_identity, "settings": settings}
 
 
@@ -167,11 +161,8 @@ FIXED_FILES = {"checkpoint", "weights"}
 
 
 def recorded_model_unchanged(payload: dict) -> bool | None:
-    """Whether the model a results file was made of is still that model, told without building it, from the record
-    in its provenance: each file it names hashes as recorded and each library has the recorded version. None where
-    only building the model can tell: a record of an older file or not its identity's, a file other than those
-    `FIXED_FILES` names, a file of a hub cache (a moved refs/main loads another), or a part computed at load time
-    (CLIP's text head, seeded random weights)."""
+    """Whether a results file's model is still that model, told from its recorded files and versions without
+    building it; None where only building can tell (docs/zoo.md: a hub cache's file, a part computed at load)."""
     described = ((payload.get("in9") or {}).get("provenance") or {}).get("model_record")
     if not isinstance(described, dict) or ModelRecord.digest_of(described) != payload["identity"].get("model"):
         return None
@@ -189,8 +180,7 @@ def recorded_model_unchanged(payload: dict) -> bool | None:
 def reusable_result(path: Path, spec: ModelSpec, data: EvaluationData, settings: dict, trust: bool = False,
                     runtime: Runtime | None = None, progress: bool = False, trust_remote_code: bool = False,
                     cache: DecodedCache | None = None) -> tuple[dict | None, LoadedModel | None]:
-    """(the results file's contents if they are of this data, this model and these settings, else None; the
-    model when it had to be loaded to learn its identity). A results file of other settings is refused."""
+    """(the results file's contents if of this data, model and settings, else None; the model if loaded)."""
     if not path.is_file():
         return None, None
     payload = _read_json(path)
@@ -221,9 +211,7 @@ def reusable_result(path: Path, spec: ModelSpec, data: EvaluationData, settings:
 
 
 def set_aside_other_state(state_dir: Path, wanted: dict) -> None:
-    """Keep a model's resumable state only for the identity it was made for: a folder holding another's (other
-    data, model, settings, or the start-up device check's verdict) is renamed to NAME.stale-N with one log line,
-    and `wanted` recorded in its place."""
+    """Set a model's state folder aside (NAME.stale-N, one log line) unless it is of `wanted`; record `wanted`."""
     record = state_dir / RUN_IDENTITY_FILE
     if state_dir.is_dir() and any(state_dir.iterdir()) and _read_json(record) != wanted:
         aside = next(path for path in (state_dir.with_name(f"{state_dir.name}.stale-{n}") for n in itertools.count(1))
@@ -236,9 +224,8 @@ def set_aside_other_state(state_dir: Path, wanted: dict) -> None:
 
 def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, runtime: Runtime,
                    data: EvaluationData, output_dir: Path) -> dict:
-    """Both runs for one model (each resuming from OUTPUT/runs/<name>/), as the results file's contents.
-
-    Under torchrun, the processes leave each run together when one of them fails (`distributed.agree`)."""
+    """Both runs for one model (resuming from OUTPUT/runs/<name>/), as the results file's contents; torchrun's
+    processes leave together when one fails."""
     state_dir = Path(output_dir) / RUNS_FOLDER / spec.slug
     # the scripts' start-up device check; refused, it fails this model alone (one line, `run_zoo`)
     prepared = prepare(data.request, runtime, lambda: loaded, data)
@@ -265,10 +252,8 @@ def evaluate_model(loaded: LoadedModel, spec: ModelSpec, settings: ZooSettings, 
 
 def run_zoo(specs: list[ModelSpec], settings: ZooSettings, runtime: Runtime, output_dir: Path,
             progress: bool = True) -> list[Outcome]:
-    """Every model in turn; done ones are skipped, a failing one is logged in one line and the rest go on.
-
-    A model is done when its results file is of the same data content, weights and settings. Under torchrun
-    every process reaches each decision with the others: which models to skip, and that a model failed."""
+    """Every model in turn; done ones are skipped, a failing one is logged in one line and the rest go on. Under
+    torchrun every process takes each decision with the others."""
     device = runtime.device
     with distributed.agree(runtime.group, device):
         data = list_data(settings.request(progress), hold=True)  # decoded for the first model, held for the rest

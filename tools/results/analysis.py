@@ -1,13 +1,5 @@
-"""Which backgrounds fool a model, redone from the challenge's saved prediction matrix without the model.
-
-Run as `python -m tools.results.analysis OUTPUT_DIR` on the --output-dir of `challenge_eval.py --full`.
-Definitions, over the matrix `predictions[i, j]` (`tools.results.matrix`):
-
-- ASR (attack success rate) of background j of class c: among foregrounds of classes other than c, the
-  fraction whose composite with j is predicted c.
-- Fool rate of class c: among foregrounds of classes other than c, the fraction for which at least one
-  background of class c makes the prediction c.
-"""
+"""Which backgrounds fool a model (ASR per background, fool rate per class: docs/results.md, "Background
+analysis"), redone from the saved matrix of `challenge_eval.py --full` without the model."""
 
 from __future__ import annotations
 
@@ -54,10 +46,7 @@ ROUND = 6
 # The quantities
 
 def asr_counts(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per background j: (foregrounds of another class predicted as j's class, foregrounds of another class).
-
-    The ASR of j is the first divided by the second.
-    """
+    """Per background j: (foregrounds of another class predicted as j's class, foregrounds of another class)."""
     other = fg_labels[:, None] != bg_labels[None, :]
     fooled = other & (predictions == bg_labels[None, :])
     return fooled.sum(axis=0), other.sum(axis=0)
@@ -65,8 +54,7 @@ def asr_counts(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.nda
 
 def fool_counts(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.ndarray,
                 num_classes: int = NUM_IN9_CLASSES) -> tuple[np.ndarray, np.ndarray]:
-    """Per class c: (foregrounds of another class that some background of class c turns into c,
-    foregrounds of another class). The fool rate of c is the first divided by the second."""
+    """Per class c: (foregrounds of another class some background of class c turns into c, all of another class)."""
     turned = predictions == bg_labels[None, :]  # the composite is predicted as the background's class
     fooled = np.zeros(num_classes, dtype=np.int64)
     others = np.zeros(num_classes, dtype=np.int64)
@@ -79,10 +67,8 @@ def fool_counts(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.nd
 
 def top_backgrounds(fooled: np.ndarray, bg_labels: np.ndarray, k: int,
                     num_classes: int = NUM_IN9_CLASSES) -> list[np.ndarray]:
-    """Per class, the indices of its k backgrounds with the highest ASR; ties go to the lower index.
-
-    Every background of a class has the same ASR denominator, so ranking by the fooled count is ranking by ASR.
-    """
+    """Per class, the indices of its k backgrounds with the highest ASR (one denominator per class, so ranked by
+    the fooled count); ties go to the lower index."""
     out = []
     for c in range(num_classes):
         members = np.flatnonzero(bg_labels == c)
@@ -113,9 +99,8 @@ def fooled_into_background_class(predictions: np.ndarray, fg_labels: np.ndarray,
 
 def fooling_confusion(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.ndarray,
                       backgrounds: np.ndarray, num_classes: int = NUM_IN9_CLASSES) -> np.ndarray:
-    """(num_classes, num_classes + 1) counts of composites: row the foreground's class, column the predicted class
-    (the last column: outside IN-9), over every foreground pasted on each of `backgrounds` (indices) of another
-    class than its own."""
+    """(num_classes, num_classes + 1) counts of composites (foreground class, predicted class or outside IN-9) over
+    every foreground pasted on each of `backgrounds` of another class."""
     counts = np.zeros((num_classes, num_classes + 1), dtype=np.int64)
     chosen = predictions[:, backgrounds]
     other = fg_labels[:, None] != bg_labels[None, backgrounds]
@@ -127,9 +112,8 @@ def fooling_confusion(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels:
 def fooling_examples(predictions: np.ndarray, fg_labels: np.ndarray, bg_labels: np.ndarray, fooled: np.ndarray,
                      per_class: int, criterion: str = "any",
                      num_classes: int = NUM_IN9_CLASSES) -> list[tuple[int, int]]:
-    """Per foreground class, its first `per_class` foregrounds (in index order) that are vulnerable under the run's
-    `criterion` (`tools.challenge.scheduler.fooling`), each as (foreground, background): of the backgrounds that
-    fool it, the one that fools the most foregrounds (`fooled`, per background; ties go to the lower index)."""
+    """Per foreground class, its first `per_class` vulnerable foregrounds under `criterion`, each with the fooling
+    background that fools the most foregrounds (ties: the lower index)."""
     from tools.challenge.config import Criterion  # noqa: PLC0415 (the challenge's own definition of being fooled)
     from tools.challenge.scheduler import fooling  # noqa: PLC0415
 
@@ -230,8 +214,8 @@ class FigureLayout:
 
 
 def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str) -> FigureLayout:
-    """Draw the figure to `path` (PNG), its images read from the data folder `data_path` (only files inside it:
-    `DataImages`); an image missing or refused becomes a grey placeholder and one warning."""
+    """Draw the figure to `path` (PNG), its images read only from inside `data_path`; one missing or refused is a
+    grey placeholder and one warning."""
     names = class_names()
     # as many columns as the longest list holds: --top-k beyond a class's backgrounds draws no empty columns
     k = max(1, min(summary["top_k"], max(len(info["top_backgrounds"]) for info in summary["per_class"].values())))
@@ -279,12 +263,8 @@ def draw_top_backgrounds(summary: dict, data_path: Path | None, path: Path | str
 
 def write_analysis(output_dir: Path | str, data_path: Path | str | None = None, top_k: int = DEFAULT_TOP_K,
                    matrix: ChallengeMatrix | None = None) -> dict:
-    """Analyse `matrix` (None: the one saved in `output_dir`) and write asr.csv, top_backgrounds.csv,
-    asr_histogram.csv, analysis.json and top_backgrounds.png to `output_dir`; returns the summary (analysis.json).
-
-    `data_path` is the data folder the figure's background images are read from, only from inside it (None: no
-    images, grey placeholders); never the folder the saved files name, which are results anyone may have edited.
-    """
+    """Analyse `matrix` (None: the one saved in `output_dir`), write the analysis files there, return the summary;
+    the figure's images come from `data_path` only, never from the folder the (editable) saved files name."""
     output_dir = Path(output_dir)
     matrix = load_matrix(output_dir) if matrix is None else require_two_classes(matrix, output_dir)
     summary, fooled, eligible = analyze(matrix, top_k)

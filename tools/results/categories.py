@@ -84,12 +84,8 @@ def _counts_entry(codes: np.ndarray) -> dict:
 
 
 def prediction_categories(full: PredictionsLike, foreground: PredictionsLike, background: PredictionsLike) -> dict:
-    """Count each image's prediction category, overall and per class (of the image's label).
-
-    The three results are normally original, mixed_rand and only_bg_t; images are matched by file stem.
-    "Right" means the IN-9 prediction equals the label, so -1 is always wrong; a background prediction of
-    -1 never counts as "the same prediction as the full image" (it stands for 630 different classes).
-    """
+    """Count each image's prediction category, overall and per class, images matched by file stem. -1 is always
+    wrong, and a background's -1 never counts as the full image's prediction (it stands for 630 classes)."""
     maps = [_by_stem(r) for r in (full, foreground, background)]
     stems = sorted(maps[0])
     for other, result in zip(maps[1:], (foreground, background)):

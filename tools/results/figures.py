@@ -1,9 +1,5 @@
-"""Pillow drawing for the toolkit's figures, in one place: the canvas, the default font at a size, text placed by
-an anchor, labels moved clear of each other, thumbnails of the data's images (read only from inside the data folder:
-`DataImages`), the atomic PNG write, and the colours the figures share.
-
-The figures are drawn beside their data with these: `analysis.draw_top_backgrounds` and `leaderboard.draw_plot`.
-"""
+"""Pillow drawing for the toolkit's figures, in one place: canvas, fonts, text placement, thumbnails of the data's
+images (read only from inside the data folder: `DataImages`), the atomic PNG write, the shared colours."""
 
 from __future__ import annotations
 
@@ -47,8 +43,8 @@ def new_canvas(size: tuple[int, int]) -> tuple[Image.Image, ImageDraw.ImageDraw]
 
 
 def text_box(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str) -> tuple:
-    """The (x, y) to draw `text` at so that its box sits at `at` as `anchor` says (l/m/r then t/m/b, like
-    Pillow's anchors, which bitmap fonts lack), and that box."""
+    """The (x, y) to draw `text` at so its box sits at `at` as `anchor` (l/m/r, t/m/b) says, and that box (bitmap
+    fonts lack Pillow's anchors)."""
     left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
     w, h = right - left, bottom - top
     x = at[0] - {"l": 0, "m": w / 2, "r": w}[anchor[0]] - left
@@ -63,15 +59,13 @@ def draw_text(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, fon
 
 
 def centered_text(draw: ImageDraw.ImageDraw, box: Box, text: str, font, fill: tuple[int, int, int] = TEXT) -> None:
-    """`text` centred in `box`."""
     x0, y0, x1, y1 = box
     draw_text(draw, ((x0 + x1) / 2, (y0 + y1) / 2), text, font, "mm", fill)
 
 
 def free_text_position(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font, anchor: str,
                        taken: list[Box]) -> tuple[float, float]:
-    """Where to draw a label near `at` so that it overlaps none in `taken`: moved up or down in steps if need be;
-    its box is added to `taken`."""
+    """Where to draw a label near `at` so it overlaps none in `taken` (its box is added to `taken`)."""
     for step in range(LABEL_TRIES):
         shifted = (at[0], at[1] + LABEL_STEP * ((step + 1) // 2) * (1 if step % 2 else -1))
         position, box = text_box(draw, shifted, text, font, anchor)
@@ -82,8 +76,7 @@ def free_text_position(draw: ImageDraw.ImageDraw, at: tuple[float, float], text:
 
 
 def paste_vertical_text(canvas: Image.Image, at: tuple[int, int], size: tuple[int, int], text: str, font) -> None:
-    """`text` centred in a white strip of `size` (length, thickness), turned a quarter anticlockwise so that it
-    reads upwards, pasted with its top-left corner at `at`."""
+    """`text` reading upwards in a white strip of `size` (length, thickness), its top-left corner at `at`."""
     strip, draw = new_canvas(size)
     draw_text(draw, (size[0] / 2, size[1] / 2), text, font, "mm")
     canvas.paste(strip.rotate(90, expand=True), at)
@@ -95,9 +88,8 @@ def square(image: Image.Image, size: int) -> Image.Image:
 
 
 class DataImages:
-    """The data folder's files a figure or report shows, as its results files name them (relative to the data root):
-    each read only when it is a regular file inside `root`, the data folder the command was given, once every link
-    is resolved (`tools.data.layout.data_file`); the refused ones are warned about once (`warn`)."""
+    """The data files a figure or report shows, named relative to `root` (the data folder the command was given),
+    each read only when a regular file inside it once links are resolved; the refused ones warned about once."""
 
     def __init__(self, root: Path | str | None):
         self.root = None if root is None else Path(root)

@@ -1,9 +1,5 @@
-"""The HTML report: one self-contained page (thumbnails as data URIs, inline SVG charts, no network, a few lines
-of script to sort tables) holding what the Markdown report holds, in pictures beside their numbers.
-
-The numbers come from `tools.results.report`'s pieces, each picture beside a table of the same numbers. Numeric
-cells carry their exact value in `data-value` (for sorting, and for reading back).
-"""
+"""The HTML report: one self-contained page (data-URI thumbnails, inline SVG, a little script to sort tables) with
+the Markdown report's numbers (from `tools.results.report`'s pieces), pictures beside their tables."""
 
 from __future__ import annotations
 
@@ -76,8 +72,7 @@ def bar_chart(items: list[tuple[str, float | None]], title: str, unit: str = "%"
 
 
 def line_chart(points: list[tuple[float, float]], title: str, label: str) -> str:
-    """One line through (x, y) points as inline SVG, its axes' ranges written at the ends; points that are not
-    finite (a NaN loss) are left out and counted beneath."""
+    """One line through (x, y) points as inline SVG; points that are not finite are left out and counted beneath."""
     width, height, pad = 480, 160, 40
     finite = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
     left_out = len(points) - len(finite)
@@ -167,8 +162,7 @@ def challenge_section(challenge: dict | None) -> str:
 
 
 def _composite(images: DataImages, fg_image: str, fg_mask: str, bg_image: str, arithmetic: str) -> Image.Image:
-    """The composite the model saw, as a thumbnail: the byte cut-out of a 0/1 mask, or under the original's mask
-    arithmetic (`arithmetic` "original") its float blend, rounded back to bytes."""
+    """The composite the model saw, as a thumbnail, under the run's mask `arithmetic`."""
     import torch  # only a --full report composes images  # noqa: PLC0415
 
     from tools.data.compositing import MaskArithmetic, blend  # noqa: PLC0415
@@ -186,8 +180,7 @@ def _composite(images: DataImages, fg_image: str, fg_mask: str, bg_image: str, a
 
 
 def analysis_section(analysis: dict | None, data_path: Path | None = None) -> str:
-    """The analysis with its pictures: the images are read from `data_path`, the data folder the command was given
-    (never a folder the results files name), and only files inside it."""
+    """The analysis with its pictures, read only from inside `data_path` (never a folder the results name)."""
     title = "Adversarial backgrounds"
     if not analysis:
         return _not_run(title)
@@ -342,8 +335,7 @@ WARNING = ' class="warning"'
 
 
 def leaderboard_section(output_dir: Path | None) -> str:
-    """The zoo's leaderboard as a sortable table beside its scatter plot: the columns, cells and caveat notes of
-    leaderboard.md (`leaderboard.leaderboard_table`), the published rows gated as there."""
+    """The zoo's leaderboard as leaderboard.md has it (`leaderboard.leaderboard_table`), beside its scatter plot."""
     if output_dir is None:
         return ""
     from tools.results import leaderboard  # only a zoo report reads the zoo's results  # noqa: PLC0415
@@ -379,8 +371,7 @@ STEP_KEYS = ("step", "epoch", "loss", "accuracy", "lr")  # what a step's line of
 
 
 def _step_record(line: str) -> dict | None:
-    """A step's record from a line of train_log.jsonl; None for events and for a line cut short (a run stopped
-    while writing it), which the training loop also drops."""
+    """A step's record from a line of train_log.jsonl; None for events and for a line cut short."""
     try:
         record = json.loads(line)
     except (ValueError, RecursionError):
@@ -390,10 +381,8 @@ def _step_record(line: str) -> dict | None:
 
 
 def training_section(output_dir: Path | None, results: tuple[dict, dict | None] | None = None) -> str:
-    """A train.py --eval-data run: its loss and accuracy curves and the starting point against the trained model.
-
-    `results`: the run's (trained, starting point or None) evaluations, each {'in9', 'challenge'}, as train.py
-    just made them; without them they are read from the run's folder."""
+    """A train.py --eval-data run: its curves and the starting point against the trained model. `results`: the
+    evaluations train.py just made, else read from the run's folder."""
     if output_dir is None:
         return ""
     output_dir = Path(output_dir)
@@ -443,10 +432,8 @@ def render_html(in9: dict | None = None, challenge: dict | None = None, analysis
                 categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None,
                 training: Path | None = None, training_results: tuple[dict, dict | None] | None = None,
                 data_path: Path | None = None) -> str:
-    """The report as one HTML page; `leaderboard` is a zoo --output-dir to add its leaderboard, `training` a
-    train.py --output-dir (of a run with --eval-data) to add its curves and before/after table (from
-    `training_results`, see `training_section`, when given); `data_path` the data folder the analysis's pictures
-    are read from (only files inside it; None: no pictures)."""
+    """The report as one HTML page; `leaderboard`: a zoo --output-dir, `training`: a train.py --output-dir,
+    `data_path`: the data folder the analysis's pictures are read from (None: no pictures)."""
     parts = [f"<p>Written by bg-challenge-toolkit {__version__} from its results files. IN-9 classes: "
              f"{esc(', '.join(class_names()))}.</p>"]
     parts += [f'<p class="warning">Warning: {esc(w)}.</p>' for w in warnings]
@@ -463,7 +450,6 @@ def write_html(path: Path | str, in9: dict | None = None, challenge: dict | None
                categories: dict | None = None, warnings: Sequence[str] = (), leaderboard: Path | None = None,
                training: Path | None = None, training_results: tuple[dict, dict | None] | None = None,
                data_path: Path | None = None) -> str:
-    """Write the HTML report to `path` (atomically) and return its text (`render_html`)."""
     text = render_html(in9, challenge, analysis, categories, warnings, leaderboard, training, training_results,
                        data_path)
     write_text_atomic(Path(path), text)

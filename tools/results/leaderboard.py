@@ -1,17 +1,6 @@
-"""The leaderboard: one row per model from the zoo's results files, plus the published rows, as Markdown,
-CSV and a PNG plot of BG-gap against challenge accuracy (drawn with `tools.results.figures`).
-
-Rows (`Row`) are sorted by challenge accuracy, best first; rows without one come last. Published rows
-(tools/resources/published.json) are quoted from their sources and marked `published`; rows computed
-from results files are `measured`.
-
-One table model (`leaderboard_table`: intro, tables, caveat notes) feeds both leaderboard.md and the HTML
-report's leaderboard, so both say when rows are not comparable (9- against 1000-class, another criterion, other
-data). Rows are ranked only beside rows made alike: the measured rows are grouped by their runs' settings that can
-change a number (`run_settings`), each group is its own table under a caption that says how its rows were made,
-with a warning when there are several. The published rows, measured on the release, are added (to each table)
-only where every measured row used the release's test set (`used_release`, as the report's published table).
-"""
+"""The leaderboard: one row per model from the zoo's results files, plus the published rows, as Markdown, CSV and
+a PNG plot of BG-gap against challenge accuracy. One table model (`leaderboard_table`) feeds leaderboard.md and the
+HTML report; rows are ranked only beside rows made alike (docs/zoo.md, "The leaderboard")."""
 
 from __future__ import annotations
 
@@ -100,7 +89,6 @@ def _weights_hash(payload: dict) -> str | None:
 
 
 def measured_row(payload: dict) -> Row:
-    """The leaderboard row of one zoo results file."""
     in9, challenge = payload.get("in9") or {}, payload.get("challenge") or {}
     provenance = in9.get("provenance") or challenge.get("provenance") or {}
     data = provenance.get("data") or {}
@@ -136,8 +124,7 @@ def read_results(output_dir: Path) -> list[dict]:
 
 
 def used_release(in9: dict) -> bool:
-    """Whether an IN-9 run evaluated the whole test release: in every variation it ran, every class has the
-    release's count of images. Only such a run compares with the published rows."""
+    """Whether an IN-9 run evaluated the whole test release (only such a run compares with the published rows)."""
     ran = [in9[name] for name in VARIATIONS if in9.get(name)]
     return bool(ran) and all(
         isinstance(result.get("per_class"), dict) and len(result["per_class"]) == NUM_IN9_CLASSES
@@ -147,8 +134,7 @@ def used_release(in9: dict) -> bool:
 
 
 def leaderboard_rows(output_dir: Path | str, include_published: bool = True) -> tuple[list[Row], bool]:
-    """The sorted rows of a zoo output folder, and whether the published rows were withheld: they are added
-    only where every measured row used the release's test set (`used_release`)."""
+    """The sorted rows of a zoo output folder, and whether the published rows were withheld (`used_release`)."""
     payloads = read_results(Path(output_dir))
     rows = [measured_row(payload) for payload in payloads]
     withheld = include_published and not all(used_release(p.get("in9") or {}) for p in payloads)
@@ -192,8 +178,7 @@ class Table:
 
 @dataclass(frozen=True)
 class Leaderboard:
-    """The leaderboard as both renderings show it: intro, one table per settings group, notes (Markdown and HTML
-    alike)."""
+    """The leaderboard as both renderings show it: intro, one table per settings group, notes."""
     intro: str
     tables: list[Table]
     notes: list[Note]
@@ -250,8 +235,7 @@ INTRO = ("Accuracies in percent on the IN-9 variations and the challenge (under 
 
 
 def settings_groups(rows: list[Row]) -> list[list[Row]]:
-    """The rows by how they were made: one group per distinct `settings` of the measured rows (in the order the
-    sorted rows first give them), each with the published rows, which are quoted and compared with every group."""
+    """One group per distinct `settings` of the measured rows, in first-seen order, each with the published rows."""
     settings = list(dict.fromkeys(row.settings for row in rows if row.kind == MEASURED))
     if len(settings) <= 1:
         return [rows]
@@ -265,9 +249,7 @@ def _caption(settings: str | None, several: bool) -> str:
 
 
 def leaderboard_table(rows: list[Row], published_withheld: bool = False) -> Leaderboard:
-    """The leaderboard's tables (one per group of rows made alike, `settings_groups`), cells and caveats, built
-    once for leaderboard.md and the HTML report; `published_withheld`: the published rows were left out because
-    the measured rows are not on the release."""
+    """The leaderboard's tables, cells and caveats, built once for leaderboard.md and the HTML report."""
     marks, tables = note_marks(rows), []
     groups = settings_groups(rows)
     for group in groups:

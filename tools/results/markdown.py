@@ -1,10 +1,6 @@
-"""Markdown as every Markdown file the toolkit writes sets it (the report, the leaderboard, train.py's report):
-tables, and text that comes from outside the toolkit (model, file, class and run names read from results files or
-given on the command line) escaped so that it shows as typed and adds no markup, as `html.escape` does for the
-HTML report. Such text goes through `escape` (running text, table cells) or `code` (a code span); the toolkit's
-own wording may carry Markdown of its own. `inline_html` renders the little inline Markdown these files use
-(code spans, backslash escapes) as HTML, for the pieces the HTML report shares with the Markdown one.
-"""
+"""Markdown as every Markdown file the toolkit writes sets it: tables, and text from outside the toolkit (names
+from results files or the command line) passed through `escape` or `code` so it shows as typed and adds no markup.
+`inline_html` renders the little inline Markdown these files use as HTML, for the pieces the HTML report shares."""
 
 from __future__ import annotations
 
@@ -51,8 +47,7 @@ def code(value) -> str:
 
 
 def destination(target) -> str:
-    """A link's or image's destination that is read as the one path it is: as it is when it holds no space,
-    parenthesis, angle bracket or backslash, else in angle brackets with those escaped."""
+    """A link's or image's destination read as the one path it is (in angle brackets where needed)."""
     target = _one_line(target)
     if re.fullmatch(r"[^\s()<>\\]+", target):
         return target
@@ -60,14 +55,12 @@ def destination(target) -> str:
 
 
 def _cell(value) -> str:
-    """A table cell: every pipe escaped, as GitHub's tables read it (a `\\|` is a pipe inside the cell, in code spans
-    too, and the backslash before it is dropped before the cell's own Markdown is read)."""
+    """A table cell, every pipe escaped (GitHub's tables read `\\|` as a pipe, in code spans too)."""
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
 def markdown_table(header: list[str], rows: list[list], align: str) -> list[str]:
-    """A Markdown table of Markdown cells (text from outside the toolkit passed through `escape` or `code`);
-    `align` holds one character per column, l or r."""
+    """A Markdown table of Markdown cells; `align` holds l or r per column."""
     rule = ["---:" if a == "r" else "---" for a in align]
     return ["| " + " | ".join(_cell(h) for h in header) + " |", "| " + " | ".join(rule) + " |",
             *("| " + " | ".join(_cell(v) for v in row) + " |" for row in rows)]

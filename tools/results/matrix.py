@@ -1,10 +1,5 @@
-"""The saved prediction matrix of `challenge_eval.py --full`, which the analysis reads: its files, written from a
-finished challenge and read back, checked, without the model.
-
-`predictions.npy` holds `predictions[i, j]`, the IN-9 prediction for foreground i pasted on background j (-1 is
-an ImageNet class outside IN-9); `foregrounds.csv` and `backgrounds.csv` say what its rows and columns stand
-for, `challenge_meta.json` where the data was and how the run was made.
-"""
+"""The saved prediction matrix of `challenge_eval.py --full` (files: docs/results.md, "Files under --output-dir"),
+written from a finished challenge and read back, checked, without the model."""
 
 from __future__ import annotations
 
@@ -48,9 +43,8 @@ class ChallengeMatrix:
 
 def write_matrix(output_dir: Path | str, result: ChallengeResult, data_path: Path | str,
                  num_classes: int) -> ChallengeMatrix:
-    """Write the prediction matrix of a --full challenge `result` and its index files under `output_dir`; returns
-    what they hold, for the analysis. `data_path` is the data root the run read (where the analysis finds the
-    background images)."""
+    """Write a --full challenge `result`'s matrix and index files under `output_dir`; returns what they hold.
+    `data_path`: the data root the run read."""
     output_dir = Path(output_dir)
     fgs, bgs = result.data.foregrounds, result.data.backgrounds
     meta = {"data_path": str(Path(data_path).resolve()), "criterion": result.criterion.value,

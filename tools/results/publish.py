@@ -1,10 +1,5 @@
-"""What a finished run writes and prints, composed for the commands (both scripts and `tools.merge`): the results
-JSON, and on request the challenge's per-foreground CSV and --full matrix, the prediction categories, the
-background analysis and the reports (Markdown and HTML).
-
-The evaluation returns its results (`In9Run`, `ChallengeResult`) and knows nothing of this package; the
-commands put the two together here.
-"""
+"""What a finished run writes and prints, composed for the commands (both scripts and `tools.merge`); the
+evaluation returns its results and knows nothing of this package."""
 
 from __future__ import annotations
 
@@ -25,10 +20,8 @@ if TYPE_CHECKING:
 
 def publish_in9(run: In9Run, categories: bool = False, results_file: Path | None = None, report: Path | None = None,
                 rerun_hint: str | None = None, html: Path | None = None) -> list[str]:
-    """Write what in9_eval.py writes (and tools.merge for shards); returns the lines to print.
-
-    A file that cannot be written does not stop the other; the failure is then one user error
-    (`rerun_hint` says how to go on; default `resume_hint()`)."""
+    """Write what in9_eval.py writes; returns the lines to print. A failed file does not stop the other (one user
+    error ending in `rerun_hint`)."""
     lines = run.lines()
     payload = run.to_json()
     if categories:
@@ -49,10 +42,8 @@ def publish_challenge(result: ChallengeResult, output_dir: Path, data_path: Path
                       analysis: bool = False, top_k: int = DEFAULT_TOP_K, per_foreground_csv: Path | None = None,
                       results_file: Path | None = None, report: Path | None = None,
                       rerun_hint: str | None = None, html: Path | None = None) -> list[str]:
-    """Write what challenge_eval.py writes (and tools.merge for shards); returns the lines to print.
-
-    The results file comes first; a file that cannot be written does not stop the others, and the failure
-    is then one user error (`rerun_hint` says how to go on; default `resume_hint()`)."""
+    """Write what challenge_eval.py writes, the results file first; returns the lines to print. A failed file does
+    not stop the others (one user error ending in `rerun_hint`)."""
     lines = result.lines()
     summary = None
     with OutputFiles(rerun_hint or resume_hint(), lines) as outputs:

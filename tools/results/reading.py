@@ -1,5 +1,4 @@
-"""Reading results files back for the report: which kind of results a JSON file holds, checked to hold what its
-section needs, and whether several of them belong together (one model, one data set)."""
+"""Reading results files back for the report: their kind, checked complete, and whether they belong together."""
 
 from __future__ import annotations
 
@@ -131,8 +130,7 @@ def read_results_payload(payload: dict, path: Path, kind: str) -> dict:
 
 def load_inputs(in9: Path | None = None, challenge: Path | None = None, analysis_dir: Path | None = None,
                 categories: Path | None = None, allow_none: bool = False) -> dict:
-    """Read the results files named on the command line into write_report's keyword arguments; none at all is
-    a user error unless `allow_none` (another input, such as a leaderboard, fills the report)."""
+    """The results files named on the command line as write_report's keyword arguments."""
     if not any((in9, challenge, analysis_dir, categories)) and not allow_none:
         raise UserError("nothing to report: pass at least one of --in9, --challenge, --analysis-dir, --categories")
     inputs: dict = {"in9": None, "challenge": None, "analysis": None, "categories": None}
@@ -162,8 +160,7 @@ MODEL_KEYS = ("arch", "weights", "identity", "sha256", "num_classes", "normaliza
 
 
 def _data_difference(a: dict, b: dict) -> list[str] | None:
-    """The folders whose content differs between two data fingerprints; None when they cannot be compared
-    (no folder they both read, or files written before fingerprints had folders)."""
+    """The folders whose content differs between two data fingerprints; None when they cannot be compared."""
     if a.get("sha256") is not None and a.get("sha256") == b.get("sha256"):
         return []
     folders_a, folders_b = a.get("folders") or {}, b.get("folders") or {}
@@ -174,8 +171,7 @@ def _data_difference(a: dict, b: dict) -> list[str] | None:
 
 
 def mixing_problems(inputs: dict) -> list[str]:
-    """Why the inputs do not belong together (results of different models, or of different data where they
-    read the same folders); pairs that cannot be compared are only logged."""
+    """Why the inputs do not belong together (other models, other data); pairs that cannot be compared are logged."""
     provenances = [(name, (inputs.get(name) or {}).get("provenance")) for name in LABELS]
     provenances = [(name, prov) for name, prov in provenances if prov]
     problems = []
@@ -193,8 +189,7 @@ def mixing_problems(inputs: dict) -> list[str]:
 
 
 def check_inputs_belong_together(inputs: dict, allow_mixed: bool) -> list[str]:
-    """The warnings for the report's top: none when the inputs belong together; with `allow_mixed` the reasons
-    they do not; otherwise those reasons are a user error."""
+    """Why the inputs do not belong together, as warnings for the report's top (without `allow_mixed`: an error)."""
     problems = mixing_problems(inputs)
     if problems and not allow_mixed:
         raise UserError(f"{'; '.join(problems)}; pass the results of one model on one data set, or add "

@@ -55,9 +55,8 @@ MPS_FALLBACK_VARIABLE = "PYTORCH_ENABLE_MPS_FALLBACK"  # set to 1: torch runs th
 
 def check_antialias(device: torch.device, mode: str, used_by: str, version: str | None = None,
                     cpu_fallback: bool | None = None) -> None:
-    """At start-up, refuse in one `error:` line a run on a device whose torch (default: this one) lacks the
-    anti-aliased `mode` resize that `used_by` needs; with torch's CPU fallback for MPS switched on (default:
-    as the environment says), say in one line that the resize will run on the CPU instead."""
+    """Refuse at start-up a device whose torch lacks the anti-aliased `mode` resize `used_by` needs (with MPS's
+    CPU fallback on, only warn)."""
     version = torch.__version__ if version is None else version
     since = MPS_ANTIALIAS_SINCE[mode] if device.type == "mps" else None
     if since is None or torch_release(version) >= since:
@@ -75,8 +74,7 @@ def check_antialias(device: torch.device, mode: str, used_by: str, version: str 
 
 
 def autocast_refusal(device_type: str, dtype: torch.dtype) -> str | None:
-    """None when `torch.autocast(device_type, dtype)` really turns autocast on here; else torch's reason (where it
-    cannot, torch warns and leaves autocast off, so asking it is exact)."""
+    """None when `torch.autocast(device_type, dtype)` really turns autocast on here; else torch's reason."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -120,9 +118,8 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 def device_model(device: torch.device) -> str:
-    """What decides a computation's last bits on `device` besides its inputs and shapes: the GPU model and its
-    compute capability with torch's and CUDA's versions; the CPU's instruction set (torch picks its kernels by it)
-    with torch's version; else the device type with torch's version."""
+    """What decides a computation's last bits on `device` besides its inputs and shapes (GPU model and capability,
+    or the CPU's instruction set, with torch's and CUDA's versions)."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return (f"{torch.cuda.get_device_name(device)} (sm_{major}{minor}), torch {torch.__version__}, "
@@ -139,25 +136,17 @@ def seed_everything(seed: int) -> None:
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device`, without waiting only where that is safe.
-
-    A copy from the CPU to a CUDA device goes through pinned memory (a no-op for a loader's pinned batch) and
-    does not wait, so the host prepares the next batch while the device works. The pinned copy is fresh for
-    each call: when it is freed, PyTorch's caching host allocator hands its block out again only after the
-    copy that reads it has finished (it records an event on the stream), where a staging buffer reused by
-    hand could be overwritten under a copy still queued. Every other copy blocks: on MPS a non-blocking copy
-    from ordinary memory may read the source after it is freed (pytorch/pytorch#139550, #189690)."""
+    """`tensor` on `device`, without waiting only from fresh pinned memory to CUDA; every other copy blocks (MPS:
+    pytorch/pytorch#139550). Why: docs/how-it-works.md, "Copies to the device wait unless waiting is provably
+    unneeded"."""
     if device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
 
 
 def to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
-    """The tensors copied to host memory, and the event to wait for before reading them (None: ready now). From
-    a CUDA device the copies go into pinned memory without waiting, so the host launches more work meanwhile;
-    every other copy blocks (see `to_device` for MPS). The copies are queued on the current stream of the
-    tensors' own device (cuda:N, not the process's current device), and the event is recorded on that stream,
-    so it passes only once they have landed."""
+    """The tensors copied to host memory, and the event to wait for before reading them (None: ready now); from
+    CUDA the copies do not wait, and the event is on the tensors' own device's stream."""
     devices = {t.device for t in tensors}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return [t.cpu() for t in tensors], None  # no single CUDA stream to wait on: copy blocking
@@ -172,8 +161,7 @@ def to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Even
 
 @dataclass
 class Runtime:
-    """Where and how the model runs: device, precision (an autocast context), memory format, and the process
-    group it shares the work with (a single process unless under torchrun)."""
+    """Where and how the model runs: device, precision, memory format, compilation, and the torchrun group."""
 
     device: torch.device
     precision: Precision = Precision.FP32
@@ -199,16 +187,12 @@ class Runtime:
         return self.precision is Precision.FP32 and not self.compile
 
     def recheck_margin(self, margin: float) -> float:
-        """The near-tie re-check margin that applies here: `margin` in a speed mode, none when exact (fp32 eager has
-        no near ties to re-check)."""
+        """The near-tie re-check margin that applies here: `margin` in a speed mode, 0 when exact."""
         return 0.0 if self.exact else margin
 
     def arithmetic(self) -> dict:
-        """What decides the model's logits here besides the model, its inputs and the batch shape: the device model
-        (`device_model`, the same for every process of one kind of device), the precision, compilation, the
-        memory format and on the CPU the intra-op thread count (oneDNN and the matmuls split their sums by thread;
-        none on a GPU). Saved states, shards and the zoo's results are keyed by it, so that a prediction made under
-        one is never reused under another (a compiled run's, say, under an exact run's `exact: true`)."""
+        """What decides the model's logits here besides the model, its inputs and the batch shape; saved states,
+        shards and the zoo's results are keyed by it."""
         return {"device": device_model(self.device), "precision": self.precision.value, "compile": self.compile,
                 "channels_last": self.channels_last,
                 "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None}
@@ -224,16 +208,14 @@ class Runtime:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def math(self):
-        """An evaluation's math around each forward pass: the precision's autocast, or when exact `fp32_math` (fp32's
-        flags set again for the block, so one changed since the runtime was made cannot reach the run, and the
-        exact kernels), the same math the device check runs."""
+        """The math around each forward pass: the precision's autocast, or when exact `fp32_math` (so a flag
+        changed since the runtime was made cannot reach the run)."""
         return self.fp32_math() if self.exact else self.autocast()
 
     @contextlib.contextmanager
     def fp32_math(self):
-        """The exact mode's math inside the block whatever the precision: autocast off, fp32's flags (no
-        TF32 nor bf16 anywhere, no autotuning, deterministic cuDNN) and the exact kernels (`exact_kernels`); the
-        runtime's flags are restored afterwards. The reduced-precision re-check runs under it."""
+        """The exact mode's math inside the block whatever the precision (autocast off, fp32's flags, the exact
+        kernels); the runtime's flags are restored afterwards. The fp32 re-check runs under it."""
         with math_flags_kept():
             set_math_flags(Precision.FP32)
             # autocast switched off only where it is on: torch warns on entering a context for a device type whose
@@ -244,25 +226,22 @@ class Runtime:
                 yield
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model on the device, in eval mode and the memory format: the eager module, which the fp32
-        re-check runs (`compiled` gives what the batches in the runtime's precision run)."""
+        """The eager model on the device, in eval mode and the memory format (the fp32 re-check runs it)."""
         model = model.to(self.device).eval()
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
         return model
 
     def compiled(self, model: Callable) -> Callable:
-        """`model` compiled with --compile (else as it is): static shapes (`dynamic=False`), since `Forward` runs
-        one batch shape, so one graph per process (`Runtime.release` forgets it before the next model)."""
+        """`model` compiled with --compile (else as it is), for the one batch shape `Forward` runs."""
         return torch.compile(model, dynamic=False) if self.compile else model
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         return to_device(batch, self.device).contiguous(memory_format=self.memory_format)
 
     def release(self) -> None:
-        """Forget the last model before the next: torch.compile's caches, then the memory it held. Compiled code
-        is kept per Python function (`PixelModel.forward` for every model), and past torch's recompile limit
-        compilation stops without error, so a later model would run uncompiled."""
+        """Forget the last model before the next: torch.compile's caches (else past torch's recompile limit a later
+        model runs uncompiled), then its memory."""
         if self.compile:
             torch.compiler.reset()
         gc.collect()
@@ -270,8 +249,7 @@ class Runtime:
             torch.cuda.empty_cache()
 
     def batch_size(self, requested: int | None) -> int:
-        """The batch size asked for (one whose images cannot fit in the device's memory refused in one line),
-        else the default on this runtime's device (`default_batch_size`)."""
+        """The batch size asked for (refused if its images alone exceed the device's memory), else the default."""
         if requested is None:
             return default_batch_size(self.device)
         memory = device_memory(self.device)
@@ -300,8 +278,7 @@ IMAGE_BYTES = 3 * IMAGE_SIZE * IMAGE_SIZE * 4  # one image as the models take it
 
 
 def device_memory(device: torch.device) -> int | None:
-    """The most memory one batch on `device` could take: a CUDA GPU's, else the machine's (the CPU's, and MPS's
-    unified memory); None where the system does not say."""
+    """A CUDA GPU's memory, else the machine's (MPS's is unified); None where the system does not say."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     try:
@@ -321,14 +298,8 @@ def default_batch_size(device: torch.device) -> int:
 
 @functools.cache
 def tune_cpu_allocator() -> None:
-    """Keep freed memory in the process on Linux/glibc: called by the command lines only (cli.run_main), never by
-    the library, since glibc cannot give a caller's process its dynamic thresholds back.
-
-    By default glibc returns every large block (activations, batches) to the system when it is freed and
-    asks for it again on the next forward pass, so a CPU run spends much of its time in page faults
-    (measured: half of EfficientNet-Lite0's time on a 2-core VM). Raising the mmap and trim thresholds keeps
-    those blocks for reuse; results are unchanged. Elsewhere this does nothing.
-    """
+    """Keep freed memory in the process on Linux/glibc (command lines only: glibc cannot give a library caller's
+    process its dynamic thresholds back). See docs/how-it-works.md, "Batch size, threads and the CPU allocator"."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return
     try:
@@ -341,7 +312,7 @@ def tune_cpu_allocator() -> None:
 
 
 def _is_oom(exc: BaseException) -> bool:
-    """Out of memory: a GPU's, or the CPU allocator's refusal ("can't allocate memory")."""
+    """A GPU's out-of-memory, or the CPU allocator's refusal."""
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     text = str(exc).lower()
@@ -349,20 +320,10 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 class Forward:
-    """Runs a model over a batch in chunks of `chunk` rows, halving the chunk on out-of-memory until it fits,
-    and saying so in one line (naming the chunk as `what`); later batches keep the size that fitted.
-
-    One batch shape: a shorter chunk (a stream's tail, a round's last batch, a re-checked subset) is padded with
-    copies of its last row to `chunk` rows and the copies' outputs are dropped. A backend may give other last bits
-    at another batch size (the CPU's 1x1 convolutions and linear layers pick kernels by it, cuDNN its algorithms by
-    shape); at one shape a row's logits do not depend on the rows beside it, so `--full`, the early-stopping
-    search, `--shard` and torchrun agree bit for bit (on the CPU at one intra-op thread count), and the speed modes
-    tune or compile for one shape only. A chunk halved after out-of-memory is another shape (said in the notice
-    and in `provenance`); under torchrun each process halves on its own.
-
-    With `runtime.compile` every chunk goes through one static buffer made outside inference mode: one graph.
-    `exact` runs in true fp32 (`Runtime.fp32_math`), with a chunk of its own; `pad=False` runs every chunk as it
-    is (a one-off pass such as CLIP's text head)."""
+    """Runs a model over a batch in chunks of `chunk` rows, halving the chunk on out-of-memory (one notice naming
+    it `what`). One batch shape: a short chunk is padded with copies of its last row (docs/how-it-works.md, "One
+    batch shape"); compiled, through one static buffer made outside inference mode. `exact`: true fp32, a chunk of
+    its own; `pad=False`: chunks as they are (a one-off pass such as CLIP's text head)."""
 
     def __init__(self, model: Callable, runtime: Runtime, chunk: int, exact: bool = False, what: str = "batch size",
                  pad: bool = True):
@@ -403,7 +364,7 @@ class Forward:
         return self.first_chunk if self.chunk != self.first_chunk else None
 
     def provenance(self) -> dict:
-        """The batch size as it runs now, and the one it was lowered from, if it was (for a results file)."""
+        """The batch size as it runs now, and the one it was lowered from, if it was."""
         lowered = {} if self.lowered_from is None else {"batch_size_lowered_from": self.lowered_from}
         return {"batch_size": self.chunk, **lowered}
 

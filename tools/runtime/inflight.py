@@ -1,6 +1,5 @@
-"""Batches in flight without waiting for the device: results copied back asynchronously and waited for a few
-batches later, near ties of reduced precision held and re-checked in full fp32 batches at points fixed by the data
-alone. Shared by the challenge's search and in9's stream of batches."""
+"""Batches in flight without waiting for the device, near ties held and re-checked in fp32 at points fixed by the
+data alone; shared by the challenge's search and in9's stream (docs/how-it-works.md, "The device loop")."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ IN_FLIGHT = 2  # batches launched and not yet waited for
 
 @dataclass
 class Launched:
-    """A batch on its way: its keys (the challenge's pairs, in9's stream positions), and its predictions and
-    margins (None in fp32) copying into host memory until `event` (None on the CPU, where the copy is done) has
-    passed."""
+    """A batch on its way: its keys, and its predictions and margins (None in fp32) copying to the host until
+    `event` (None: done) has passed."""
 
     keys: np.ndarray
     preds: torch.Tensor
@@ -42,24 +40,21 @@ def launch(keys: np.ndarray, preds: torch.Tensor, margins: torch.Tensor | None) 
 
 
 def top_two_margins(logits: torch.Tensor) -> torch.Tensor:
-    """Per row, the top logit minus the second, in fp32, on the logits' device; 0 where that is NaN (NaN logits, or
-    two infinite ones, as reduced precision's overflow leaves them), so such a row is a near tie, never a sure
-    prediction."""
+    """Per row, the top logit minus the second, in fp32; 0 where that is NaN (overflowed logits), so such a row is a
+    near tie, never a sure prediction."""
     top2 = logits.float().topk(2, dim=1).values
     return (top2[:, 0] - top2[:, 1]).nan_to_num(nan=0.0, posinf=torch.inf)
 
 
 def near_ties(margins: np.ndarray | None, margin: float) -> np.ndarray:
-    """Which rows to re-check in fp32: margins below `margin` (none in fp32, where margins are None, or with
-    `margin` 0)."""
+    """Which rows to re-check in fp32: margins below `margin` (none in fp32 or with `margin` 0)."""
     if margins is None or margin <= 0:
         return np.zeros(0 if margins is None else len(margins), bool)
     return margins < margin
 
 
 class Predicts(Protocol):
-    """What a `Pipeline` drives: launching a batch, finding its near ties, re-checking them in fp32 (a `Forward`
-    as `recheck`, whose chunk sets when held ties are re-checked)."""
+    """What a `Pipeline` drives; `recheck` is a `Forward` whose chunk sets when held ties are re-checked."""
 
     recheck: object
 
@@ -75,14 +70,10 @@ class Predicts(Protocol):
 
 
 class Pipeline:
-    """Batches (of pairs, of stream positions) launched `IN_FLIGHT` ahead of the one being recorded, so the host never
-    waits for the device while it has work queued.
-
-    A batch with near ties (reduced precision) is held, with every batch after it, until its ties are re-checked:
-    the ties of the held batches are re-checked in full fp32 batches once a batch's worth of them has gathered,
-    and at every `drain` (a round's end, the end of the work); then the held batches are recorded in launch order.
-    So the points where re-checks run depend on the data alone, results are recorded in the order the pairs were
-    planned, and at one batch shape (`Forward`) no prediction depends on where a run was stopped and resumed."""
+    """Batches launched `IN_FLIGHT` ahead of the one being recorded. A batch with near ties (reduced precision) is
+    held, with every batch after it, until a batch's worth of ties has gathered or `drain`; the ties are re-checked
+    in full fp32 batches, then the held batches recorded in launch order, so at one batch shape no prediction
+    depends on where a run was stopped and resumed."""
 
     def __init__(self, predictor: Predicts, record: Callable[[np.ndarray, np.ndarray, np.ndarray | None], None]):
         self.predictor, self.record = predictor, record

@@ -1,6 +1,5 @@
-"""Precision and the process-wide math it sets: torch's fp32 precision leaves (and the legacy flags beside them),
-cuDNN's autotuning and determinism, and the exact kernels (math attention, no fused MultiheadAttention, no
-TorchScript fuser) that make fp32 IEEE fp32 on every device. `tools.runtime.Runtime` applies them."""
+"""Precision and the process-wide math it sets (torch's fp32 precision flags, cuDNN's autotuning and determinism,
+the exact kernels) so that fp32 is IEEE fp32 on every device."""
 
 from __future__ import annotations
 
@@ -40,8 +39,8 @@ def precision_api() -> bool:
 
 
 def math_flags_for(precision: Precision) -> dict:
-    """Every process-wide math flag `precision` sets: the legacy two, then the leaves if any (fp32: all "ieee", oneDNN's
-    too, where "medium" would multiply in bf16; tf32: "tf32" on CUDA's); fp32: deterministic cuDNN, no autotuning."""
+    """Every process-wide math flag `precision` sets, the legacy two first (fp32: oneDNN's leaf "ieee" too, where
+    "medium" would multiply in bf16)."""
     tf32, exact = precision is Precision.TF32, precision is Precision.FP32
     flags = {"float32_matmul_precision": "high" if tf32 else "highest", "cudnn.allow_tf32": tf32}
     if precision_api():
@@ -95,8 +94,7 @@ def math_flags_kept():
 
 
 def set_math_flags(precision: Precision) -> None:
-    """Set every process-wide math flag for `precision` (`math_flags_for`: all of them, so no earlier runtime's
-    setting survives; fp32's give the same logits bit for bit on one device)."""
+    """Set every process-wide math flag for `precision`, so no earlier runtime's setting survives."""
     _write_math_flags(math_flags_for(precision))
 
 
@@ -110,9 +108,8 @@ EXACT_SWITCHES = {"mha_fastpath": (torch.backends.mha.get_fastpath_enabled, torc
 
 @contextlib.contextmanager
 def exact_kernels():
-    """The exact mode's kernels inside the block, restored afterwards: `scaled_dot_product_attention`'s math
-    backend on every device (the fused kernels sum in other orders; CUDA's memory-efficient one multiplies in
-    3xTF32 whatever the flags), `EXACT_SWITCHES` off, and TorchScript without graph optimisation."""
+    """The exact kernels inside the block: SDPA's math backend (the fused ones sum in other orders; CUDA's
+    memory-efficient one multiplies in 3xTF32 whatever the flags), `EXACT_SWITCHES` off, TorchScript unoptimised."""
     from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415 (needed only around a forward pass)
     saved = {name: get() for name, (get, _) in EXACT_SWITCHES.items()}
     try:

@@ -1,9 +1,5 @@
-"""Which weights train: every one, the head alone (linear probe), or peft LoRA/OFT adapters plus the head; and
-the model being trained, whose frozen modules run as at evaluation.
-
-Adapters come from the optional `peft` package and are merged into plain weights before saving, after a
-check that the merged model computes what the adapted one did.
-"""
+"""Which weights train (all, the head alone, or peft LoRA/OFT adapters plus the head) and the model being trained,
+whose frozen modules run as at evaluation. Adapters are merged before saving, checked to compute the same."""
 
 from __future__ import annotations
 
@@ -25,16 +21,14 @@ ADAPTABLE = (nn.Conv2d, nn.Linear)
 
 
 def frozen_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules that hold parameters, none of which trains: the backbone of a linear probe, the base model's
-    modules around adapters. Modules without parameters (dropout, activations) belong to the module they sit in."""
+    """The modules that hold parameters, none of which trains (parameterless ones belong to their parent)."""
     return [module for module in model.modules()
             if (params := list(module.parameters())) and not any(p.requires_grad for p in params)]
 
 
 class TrainingModel(PixelModel):
-    """The PixelModel being trained. Its frozen modules stay in evaluation mode whatever `train()` is called on
-    (this model, or DDP or SWA's AveragedModel around it): their BatchNorm statistics stay the starting
-    point's and dropout inside them stays off, so a frozen part computes exactly what it computed before."""
+    """The PixelModel being trained; its frozen modules stay in eval mode whatever `train()` is called on (DDP,
+    AveragedModel), so a frozen part computes exactly what it did before."""
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -67,8 +61,7 @@ def match_modules(model: nn.Module, patterns: list[str], head: list[str]) -> lis
 
 def attach(model: nn.Module, config: TrainConfig, head_keys: list[str],
            input_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)) -> nn.Module:
-    """The model to train: with frozen backbone, or wrapped with adapters (checked on probe images of its
-    `input_size`), or as it is."""
+    """The model to train: with a frozen backbone, wrapped with adapters, or as it is."""
     head = sorted({key.rsplit(".", 1)[0] for key in head_keys})  # the modules that own the head's parameters
     if config.freeze is Freeze.BACKBONE:
         for name, param in model.named_parameters():

@@ -1,9 +1,5 @@
-"""Files a training run writes: the trained checkpoint the evaluation scripts load, and the resume state.
-
-Both are written to a temporary file and renamed into place, so a kill at any moment leaves either the
-previous file or the new one, never half of one. The periodic resume state is written by one background thread
-(BackgroundSaver) from a CPU copy taken at the save, so training goes on while the file is written and synced.
-"""
+"""Files a training run writes, atomically: the trained checkpoint the evaluation scripts load, and the resume
+state (written by a background thread from a CPU copy, so training goes on meanwhile)."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ def save_atomic(payload, path: Path) -> None:
 
 
 def cpu_snapshot(payload):
-    """`payload` with every tensor copied to the CPU (a copy even of a CPU tensor) and every container rebuilt:
-    what a background write may read while training goes on changing the model and optimiser in place."""
+    """`payload` with every tensor copied to the CPU and every container rebuilt: training changes the originals."""
     if isinstance(payload, torch.Tensor):
         return payload.detach().to("cpu", copy=True)
     if isinstance(payload, dict):
@@ -50,8 +45,8 @@ def cpu_snapshot(payload):
 
 
 class BackgroundSaver:
-    """Writes payloads with save_atomic in one background thread, at most one write in flight: a save first
-    waits for the write before it. An error of a write is raised, once, by the next save or by `wait`."""
+    """Writes payloads with save_atomic in one background thread, one write in flight at most; a write's error is
+    raised, once, by the next save or `wait`."""
 
     def __init__(self):
         self._thread: threading.Thread | None = None
@@ -83,8 +78,7 @@ class BackgroundSaver:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        """Wait for the write in flight, so the last state is complete on disk. After another error (Ctrl-C
-        included) an error of the write is logged rather than raised, so the first error is the one reported."""
+        """Wait for the write in flight; after another error (Ctrl-C too) the write's error is only logged."""
         if exc_type is None:
             self.wait()
             return
@@ -96,23 +90,21 @@ class BackgroundSaver:
 
 @dataclass(frozen=True)
 class NetworkInput:
-    """How a network is rebuilt and fed besides its architecture's name: the builder's other arguments
-    (`build_architecture`), its input size, and the interpolation that resizes the 224x224 images to it (None: 224)."""
+    """How a network is rebuilt and fed besides its architecture's name (interpolation None: it takes 224x224)."""
 
     arch_args: dict = field(default_factory=dict)
     input_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)
     interpolation: str | None = None
 
     def in_front(self, network: nn.Module) -> nn.Module:
-        """The network behind the resize to its input size, as the evaluation feeds it (`fit_input_size`)."""
+        """The network behind the resize to its input size, as the evaluation feeds it."""
         return network if self.interpolation is None else InputResize(network, self.input_size, self.interpolation)
 
 
 def trained_checkpoint(classifier: nn.Module, arch: str, mean, std, method: str, data: dict, train_args: dict,
                        precision: Precision, network: NetworkInput = NetworkInput()) -> dict:
-    """The toolkit's checkpoint format: a 9-class state dict of the network itself with what is needed to rebuild,
-    feed and normalise it, and the precision training ran in (train_args holds --precision as given, None for the
-    device's default)."""
+    """The toolkit's checkpoint format: the 9-class network's state dict with what rebuilds, feeds and normalises
+    it, and the precision training ran in."""
     return {"format": TRAINED_FORMAT, "arch": arch, "num_classes": NUM_IN9_CLASSES,
             "arch_args": dict(network.arch_args), "input_size": [int(v) for v in network.input_size],
             "interpolation": network.interpolation,
@@ -123,8 +115,7 @@ def trained_checkpoint(classifier: nn.Module, arch: str, mean, std, method: str,
 
 
 def load_resume_state(output_dir: Path, run_key: dict, earlier_keys: Sequence[dict] = ()) -> dict | None:
-    """The saved state of an interrupted run with the same settings, or None when there is none. `earlier_keys`:
-    the same settings as earlier versions keyed them, accepted too."""
+    """The saved state of an interrupted run with the same settings (or `earlier_keys`), or None."""
     path = Path(output_dir) / STATE_NAME
     if not path.is_file():
         log.warning("--resume: no saved state in %s, starting afresh", output_dir)
@@ -147,8 +138,7 @@ def load_resume_state(output_dir: Path, run_key: dict, earlier_keys: Sequence[di
 
 
 def _tensors_problem(saved, wanted: dict, what: str) -> str | None:
-    """Why the tensors `saved` are not a state dict of the module whose own is `wanted` (the same names, each of
-    the same shape and dtype); None when they are."""
+    """Why `saved` is not a state dict like `wanted` (names, shapes, dtypes); None when it is."""
     if not isinstance(saved, dict) or saved.keys() != wanted.keys():
         names = sorted(set(saved) ^ set(wanted)) if isinstance(saved, dict) else []
         return f"its {what} has other weights than this run's" + (f" ({', '.join(names[:3])})" if names else "")
@@ -170,9 +160,8 @@ SCHEDULE_EARLIER = frozenset({"verbose"})  # what the schedules of earlier torch
 
 
 def _optimizer_problem(saved, optimizer: torch.optim.Optimizer) -> str | None:
-    """Why `saved` is not a state of `optimizer` over this run's parameters: the same groups of the same parameters
-    with the run's settings (numbers for the rates), and each parameter's buffers (momentum, moments) tensors of
-    floats, of its shape or single numbers; None when it is."""
+    """Why `saved` is not a state of `optimizer` over this run's parameters and settings, its buffers floats of
+    their parameter's shape (or single numbers); None when it is."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     groups = optimizer.state_dict()["param_groups"]
     if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)
@@ -199,8 +188,7 @@ def _optimizer_problem(saved, optimizer: torch.optim.Optimizer) -> str | None:
 
 
 def _same_kind(value, made) -> bool:
-    """Whether `value` is of the kind `made` is: a flag, a whole number, a finite number, a list of such of its
-    length."""
+    """Whether `value` is of `made`'s kind: a flag, a whole number, a finite number, a list of such of its length."""
     if isinstance(made, bool) or made is None:
         return type(value) is type(made)
     if isinstance(made, int):
@@ -225,9 +213,8 @@ def _same_value(value, made) -> bool:
 
 
 def _schedule_problem(saved, made: dict, what: str) -> str | None:
-    """Why `saved` is not a state of the schedule whose state when it was made is `made`: a key it does not hold (a
-    method's name, say), a setting other than the run's, or a stepping value (`SCHEDULE_STEPPING`) of another kind;
-    None when it is."""
+    """Why `saved` is not a state of the schedule made as `made` (an unknown key, another setting, a stepping value
+    of another kind); None when it is."""
     if not isinstance(saved, dict):
         return f"its {what} is not a schedule's state"
     for key, value in saved.items():
@@ -242,12 +229,9 @@ def _schedule_problem(saved, made: dict, what: str) -> str | None:
 
 def restore_resume_state(state: dict, output_dir: Path, net: nn.Module, optimizer: torch.optim.Optimizer, schedule,
                          swa, total_steps: int) -> int:
-    """Load a resume state (`load_resume_state`) into the run's model, optimiser, schedule and SWA average (None
-    without --swa), each checked first to fit them: the step one of the run's, every weight (the average's too) of
-    its name, shape and dtype, the optimiser's buffers of their parameters' shapes, the schedule at the step. Returns
-    the step; a state that does not fit is one UserError (the run's files stay as they are). Settings torch's
-    load_state_dict would take as they are (a group's betas or decay, a schedule's base rate, a method's name among
-    a schedule's keys) are checked to be the run's: they failed in training, or trained at other settings."""
+    """Load a resume state into the run's model, optimiser, schedule and SWA average (None without --swa) and return
+    its step. Everything is checked first, the settings torch's load_state_dict would take as they are too; a state
+    that does not fit is one UserError, the run's files untouched."""
     path = Path(output_dir) / STATE_NAME
 
     def refuse(why: str):

@@ -81,7 +81,6 @@ FLAGS = {"methods": "--method", "progress": "--no-progress"}  # settings whose f
 
 
 def flag_of(setting: str) -> str:
-    """The flag that sets a TrainConfig setting."""
     return FLAGS.get(setting, "--" + setting.replace("_", "-"))
 
 
@@ -178,9 +177,7 @@ class TrainConfig:
         self._check_rates()
 
     def _check_arch(self) -> None:
-        """A model of a source that is no architecture (CLIP zero-shot, transformers) cannot be rebuilt and saved
-        as a network: refused from its name, before anything is read or downloaded. (An unknown prefix is the
-        model sources' to name, as in every command.)"""
+        """Refuse from its name, before anything is read, a source that is no architecture (CLIP, transformers)."""
         from tools.models.sources import SOURCES  # noqa: PLC0415 (the sources load for a run, not for -h)
         spec = ModelSpec.parse(self.arch) if self.arch is not None else None
         if spec is not None and spec.model is not None and spec.prefix in set(SOURCES) - set(ARCHITECTURES):
@@ -189,7 +186,6 @@ class TrainConfig:
                             f"or a checkpoint of one; evaluate {spec.model} with in9_eval.py and challenge_eval.py")
 
     def _check_rates(self) -> None:
-        """Rates, decays and the warm-up: finite, not negative, and a warm-up that ends before the schedule does."""
         for name in ("lr", "swa_lr"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
@@ -229,8 +225,7 @@ class TrainConfig:
         return "+".join(parts)
 
     def precision_on(self, device: torch.device) -> Precision:
-        """--precision, else the default on `device`: bf16 autocast on a CUDA GPU that computes bf16 natively,
-        fp32 elsewhere."""
+        """--precision, else bf16 on a CUDA GPU that computes bf16 natively, fp32 elsewhere."""
         if self.precision is not None:
             return self.precision
         if device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) >= BF16_NATIVE_CAPABILITY:
@@ -238,9 +233,8 @@ class TrainConfig:
         return Precision.FP32
 
     def settle(self, device: torch.device) -> str:
-        """Fill in the batch size and learning rate left to their defaults, once the device is known; the run's
-        record (checkpoint, resume key) then holds the values that ran. Returns a line that says what they are
-        and where they come from."""
+        """Fill in the batch size and learning rate left to their defaults (the run's record then holds the values
+        that ran); a line saying what they are and where they come from."""
         batch_origin = "--batch-size" if self.batch_size is not None else f"the default on {device.type}"
         if self.batch_size is None:
             self.batch_size = default_train_batch_size(device)
@@ -436,8 +430,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig the flags describe: a flag left out (None) takes the dataclass's default, and a flag given
-    where it would do nothing is refused (`refuse_idle_flags`). The arguments are left as parsed."""
+    """The TrainConfig the flags describe (a flag left out takes the dataclass's default; an idle one is refused)."""
     names = {f.name for f in fields(TrainConfig)}
     settings = {name: value for name, value in vars(args).items() if name in names}
     settings.update(methods=list(dict.fromkeys(args.methods)) if args.methods is not None else None,

@@ -1,11 +1,6 @@
-"""Training batches: which images, in which order, with which background and crop, all from (seed, epoch, index).
-
-A batch is gathered from the decoded store at once, its random choices taken from the epoch's draws (a row per
-image index, tools.training.draws), so a batch is the same with any number of workers, processes or restarts.
-The device then pastes each swapped foreground on its background (tools.data.compositing, the challenge's
-function) and applies the crop and flip to the composite: the label, the foreground and its mask stay aligned
-because the augmentation sees one finished image.
-"""
+"""Training batches: which images, in which order, with which background and crop, all from (seed, epoch, index),
+so a batch is the same with any number of workers, processes or restarts. The device composites first and
+augments the finished image, so label, foreground and mask stay aligned (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -73,12 +68,9 @@ def list_training_data(config: TrainConfig) -> TrainingData:
 
 
 class StepSampler(Sampler):
-    """Yields, for each step from `start_step` of `epoch` to the end of epoch `end_epoch - 1` (by default the end
-    of `epoch`), this rank's share of the global batch, and seeds the random draws made on it. One sampler over
-    the whole run gives each epoch the batches a sampler of that epoch alone gives.
-
-    The global batch of step s is positions s*B .. (s+1)*B-1 of the epoch's seeded permutation; rank r of W
-    takes every W-th of them from r, so W processes together see exactly the one-process batch."""
+    """This rank's share of each global batch from (`epoch`, `start_step`) to the end of epoch `end_epoch - 1`
+    (default: `epoch`'s end): rank r of W takes every W-th position from r of the global batch, so W processes
+    together see exactly the one-process batch."""
 
     def __init__(self, size: int, batch_size: int, seed: int, epoch: int, start_step: int = 0, rank: int = 0,
                  world_size: int = 1, end_epoch: int | None = None):
@@ -95,13 +87,11 @@ class StepSampler(Sampler):
         return max(0, self.steps_per_epoch(self.size, self.batch_size) * epochs - self.start_step)
 
     def batch_seed(self, step: int) -> int:
-        """The seed of the draws made once per global batch (MixUp or CutMix, λ, the CutMix box): the same in every
-        process, so they are the one-process run's."""
+        """The seed of the draws made once per global batch (MixUp/CutMix), the same in every process."""
         return derived_seed(self.seed, "step", step)
 
     def share_seed(self, step: int) -> int:
-        """The seed of the draws made over this rank's share of the batch (dropout masks): its own in each process,
-        as a one-process run draws them afresh for every image."""
+        """The seed of the draws made over this rank's share (dropout masks), its own in each process."""
         return derived_seed(self.seed, "share", step, self.rank, self.world_size)
 
     def __iter__(self):
@@ -116,9 +106,7 @@ class StepSampler(Sampler):
 
 @dataclass
 class DecodedStore:
-    """The training images (and the bg-swap masks and background pool) decoded once, uint8 NCHW in NHWC storage
-    (channels_last: whole images are contiguous rows, and the CPU's crops take torch's channels-last kernel) and
-    bool NHW, in memory: workers index it instead of decoding each sample every epoch."""
+    """The training images (and bg-swap masks and pool) decoded once: uint8 NCHW in NHWC storage, bool NHW masks."""
 
     images: torch.Tensor
     masks: torch.Tensor | None = None
@@ -127,9 +115,8 @@ class DecodedStore:
 
 def decoded_store(data: TrainingData, fingerprint: dict, workers: int, progress: bool,
                   hashes: dict[str, str] | None = None) -> DecodedStore:
-    """The one place training decodes: tools.data.image_sets's content-keyed cache (key: the files' bytes and the
-    decoder's version), made on the first run and read back by every later run on the same files. `hashes`: the
-    files' SHA-256 by relative path where listing computed them (else they are read again)."""
+    """The one place training decodes, through tools.data.image_sets's content-keyed cache. `hashes`: the files'
+    SHA-256 by relative path where listing computed them."""
     groups = {"images": data.images, **({"backgrounds": data.backgrounds} if data.backgrounds is not None else {})}
     images = image_sets.ImageSet(data.root, fingerprint, hashes, cache=DecodedCache(default_cache_dir()))
     decoded, masks = image_sets.decode_cached(images, groups, data.masks or [], workers=max(1, workers),
@@ -138,8 +125,7 @@ def decoded_store(data: TrainingData, fingerprint: dict, workers: int, progress:
 
 
 class TrainingSet(Dataset):
-    """A batch of items (epoch, index) -> the decoded images (and masks and backgrounds for a swap) gathered from the
-    store at once, plus their random choices from the epoch's draws (made once per epoch, tools.training.draws)."""
+    """A batch of (epoch, index) items -> their decoded images gathered at once, with the epoch's draws for them."""
 
     def __init__(self, data: TrainingData, config: TrainConfig, store: DecodedStore, pin: bool = False):
         self.data, self.config, self.store, self.pin = data, config, store, pin
@@ -180,9 +166,8 @@ class TrainingSet(Dataset):
         return self.__getitems__([item])
 
     def _gather(self, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """source[index], row by row in the source's own memory layout (whole images copied at once), written
-        straight to where the batch goes next: pinned memory with `pin` (the DataLoader's pinning then copies
-        nothing), shared memory in a worker process (its queue then copies nothing)."""
+        """source[index] in the source's memory layout, written straight to where the batch goes next (pinned
+        memory with `pin`, shared memory in a worker), so nothing copies it again."""
         channels_last = source.dim() == 4 and not source.is_contiguous()
         rows = source.permute(0, 2, 3, 1) if channels_last else source  # NHWC storage: contiguous rows
         shape = (len(index), *rows.shape[1:])
@@ -195,7 +180,7 @@ class TrainingSet(Dataset):
 
 
 def whole_batch(batch: dict) -> dict:
-    """The DataLoader's collate function: TrainingSet.__getitems__ returns the batch already stacked."""
+    """The DataLoader's collate function: the batch comes stacked."""
     return batch
 
 
@@ -204,9 +189,8 @@ SHARED_MEMORY = Path("/dev/shm")  # where Linux's shared memory lives: a worker'
 
 
 def loader_workers(requested: int, batch_bytes: int) -> int:
-    """The DataLoader workers to start: `requested`, or none where the shared memory cannot hold the batches they
-    keep in flight (a container's default /dev/shm is 64 MB: the workers would die of a bus error mid-run). The
-    batches do not depend on the workers, so running without them changes nothing but the speed."""
+    """`requested`, or no workers where /dev/shm cannot hold their batches in flight (they would die of a bus
+    error mid-run; a container's default is 64 MB)."""
     if not requested or not SHARED_MEMORY.is_dir():
         return requested
     in_flight = requested * PREFETCH_BATCHES * batch_bytes
@@ -221,9 +205,7 @@ def loader_workers(requested: int, batch_bytes: int) -> int:
 
 def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, pin_memory: bool,
                 store: DecodedStore) -> DataLoader:
-    """The batches of `sampler` (one for the whole run: its workers live as long as the loader, and prefetch across
-    epochs), in pinned memory when `pin_memory` (a CUDA device: tools.runtime.to_device copies them without waiting);
-    without workers the training process gathers each batch straight into pinned memory."""
+    """The batches of `sampler` (one for the whole run: workers prefetch across epochs), pinned if `pin_memory`."""
     share = -(-sampler.batch_size // sampler.world_size)  # the images a worker gathers per batch
     row_bytes = sum(rows[0].numel() * rows.element_size() for rows in (store.images, store.masks, store.backgrounds)
                     if rows is not None)
@@ -239,10 +221,8 @@ def make_loader(data: TrainingData, config: TrainConfig, sampler: StepSampler, p
 
 @functools.cache
 def _mover(device: torch.device):
-    """How a batch's tensors reach `device`: on CUDA through the decoding's side stream (tools.data.image_sets's
-    copies: pinned source, no wait, the consumer's stream waits for the copy), so the next batch's copy overlaps
-    the device's work on this one; elsewhere tools.runtime.to_device, and off the CPU contiguous (torch 2.6-2.7's
-    MPS bitwise kernels mis-order channels-last operands, pytorch#145203, which the composite would scramble)."""
+    """How a batch's tensors reach `device`: on CUDA through the decoding's side stream; off the CPU contiguous
+    (torch 2.6-2.7's MPS bitwise kernels mis-order channels-last operands, pytorch#145203)."""
     if device.type == "cuda":
         return image_sets.DeviceCopies(device)
     if device.type == "cpu":

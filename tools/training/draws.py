@@ -1,11 +1,5 @@
-"""An epoch's random choices for every image at once: background swaps, crop boxes and flips.
-
-One table of uniform numbers per (seed, epoch), a row per image index, drawn by one generator; the choices are
-computed from it for the whole epoch in a few tensor operations (no generator per sample). A row depends on
-(seed, epoch, index) only, so workers, processes and restarts see the same choices for an image. The crop is
-torchvision's RandomResizedCrop.get_params (ten tries of an area share and a log-uniform aspect, the first that
-fits, else the whole image), each try's numbers taken from the row.
-"""
+"""An epoch's random choices for every image at once (background swaps, crop boxes, flips), from one table of
+uniforms per (seed, epoch) whose row i depends on (seed, epoch, i) only; see docs/training.md."""
 
 from __future__ import annotations
 

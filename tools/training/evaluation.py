@@ -1,6 +1,5 @@
-"""After training: the in9 `all` run (and optionally the challenge) for the trained model and its starting
-point, through the evaluation scripts' own functions, and a report comparing the two (Markdown, and HTML with the
-training curves)."""
+"""After training: in9's `all` run (and optionally the challenge) for the trained model and its starting point,
+through the evaluation scripts' own functions, and a report comparing the two."""
 
 from __future__ import annotations
 
@@ -37,17 +36,15 @@ def eval_request(config: TrainConfig) -> Request:
 
 
 def check_eval_data(config: TrainConfig) -> None:
-    """The test data's folders (--eval-data), checked as the evaluation scripts check theirs: before training, so
-    that a run does not end, after hours, on a missing folder."""
+    """Check --eval-data's folders before training, so a run does not end, after hours, on a missing folder."""
     if config.eval_data is not None:
         check_data_root(config.eval_data, "--eval-data")
         check_folders(eval_request(config))
 
 
 def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir: Path) -> dict:
-    """{'in9': in9 payload, 'challenge': challenge payload or None}, also written as JSON under out_dir; through the
-    evaluation scripts' prepared run (`tools.prepared_run`): the start-up device check recorded in both, refused
-    unless --allow-inexact-device."""
+    """{'in9': payload, 'challenge': payload or None}, also written under out_dir, through the scripts' prepared
+    run (so with their start-up device check)."""
     prepared = prepare(eval_request(config), runtime, lambda: loaded)
     in9 = prepared.in9(out_dir).to_json()
     write_json_atomic(out_dir / "in9.json", in9)
@@ -61,8 +58,7 @@ def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir
 
 
 def forget_results(out_dir: Path, names: tuple[str, ...] = ("in9.json", "challenge.json")) -> None:
-    """Remove results an earlier run left under `out_dir` that this run did not make, so that the folder (which
-    `python -m tools.report --training` reads) holds this run's results only."""
+    """Remove results an earlier run left under `out_dir` that this run did not make (the report reads it all)."""
     for name in names:
         if (out_dir / name).is_file():
             log.info("removing %s: an earlier run's result that this run did not make", out_dir / name)
@@ -93,8 +89,7 @@ def render_training_report(config: TrainConfig, result: TrainResult, trained: di
 
 
 def evaluate_and_report(config: TrainConfig, result: TrainResult) -> Path:
-    """Evaluate the saved checkpoint as in9_eval.py loads it, and the starting point; write report.md and
-    report.html."""
+    """Evaluate the saved checkpoint as in9_eval.py loads it, and the starting point; write the reports."""
     runtime = Runtime(resolve_device(config.device))
     out = Path(config.output_dir)
     # a UserError (a refused device check, an unreadable image) keeps the checkpoint: the command says so

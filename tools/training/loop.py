@@ -1,8 +1,5 @@
 """The training loop: starting model, optimiser and schedule, steps, saves for resuming, the final checkpoint.
-
-Every random choice is derived from (seed, epoch, step or sample index), and the resume state holds the
-model, optimiser, schedule, SWA average and step, so a resumed run replays the uninterrupted one exactly.
-"""
+Every random choice derives from (seed, epoch, step or index), so a resumed run replays the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -78,9 +75,7 @@ class TrainResult:
 
 
 def starting_point(config: TrainConfig) -> StartingPoint:
-    """The network to fine-tune, from the evaluation's model sources, without the resize to its input size that the
-    source puts in front of it (training puts it back: `NetworkInput.in_front`); a 1000-class network gets a new
-    9-class head."""
+    """The network to fine-tune, without the source's resize in front; a 1000-class one gets a new 9-class head."""
     if config.weights is not None and config.weights.lower() == RANDOM_INIT:
         if config.checkpoint is not None:
             raise UserError("--weights none (random initialisation) and --checkpoint contradict; pass one of them")
@@ -130,9 +125,8 @@ def warmup_cosine(total_steps: int, warmup_steps: int):
 
 
 def seed_generators(device: torch.device, seed: int) -> None:
-    """Seed the generators a step's random draws come from: on a CPU device the CPU generator alone, which is all
-    that torch.manual_seed changes for it (it also queues a seed for each accelerator runtime, with a stack trace,
-    about 1 ms a call); on an accelerator, all of them."""
+    """Seed the generators a step's draws come from: on the CPU its generator alone (torch.manual_seed also queues
+    a seed for each accelerator runtime, about 1 ms a call)."""
     if device.type == "cpu":
         torch.default_generator.manual_seed(seed)
     else:
@@ -153,10 +147,8 @@ def training_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
 
 @dataclass
 class StepRunner:
-    """One training step from a loader batch: the batch onto the device (swapped and augmented there), mixed,
-    forward, backward, the optimiser's and the learning rate's steps. It reads nothing back from the device, so
-    the host gathers the next batch while the device works (tests/test_training_loop.py runs it on the meta
-    device, where any such read fails); the logged numbers are read in blocks (`StepLog`)."""
+    """One training step from a loader batch. It reads nothing back from the device, so the host gathers the next
+    batch meanwhile (tests/test_training_loop.py runs it on the meta device, where any such read fails)."""
 
     model: nn.Module  # what runs the forward: the DDP or compiled wrapper where there is one
     optimizer: torch.optim.Optimizer
@@ -187,8 +179,7 @@ class StepRunner:
 
 
 def _record_step(line: str, unreadable: int) -> int:
-    """The step a train_log.jsonl line belongs to; `unreadable` for a blank line or one cut short (a kill during
-    the append), so that it is dropped."""
+    """The step a train_log.jsonl line belongs to; `unreadable` for a blank line or one cut short by a kill."""
     try:
         record = json.loads(line)
     except (ValueError, RecursionError):
@@ -217,11 +208,8 @@ class JsonLog:
 
 
 class StepLog:
-    """The logged numbers of each step (loss, accuracy, images), kept on the device and read in blocks.
-
-    Reading a number computed on a GPU waits for the GPU to finish, so the per-step sums stay on the device
-    and are read, added over the processes and written to train_log.jsonl once every LOG_EVERY steps, before
-    each save of the resume state and at each epoch's end: the same lines, written later."""
+    """The logged numbers of each step, kept on the device (a read waits for it) and read, summed over the
+    processes and written every LOG_EVERY steps, before each save and at each epoch's end."""
 
     def __init__(self, journal: JsonLog, bar: ProgressBar, device: torch.device, started: float):
         self.journal, self.bar, self.device, self.started = journal, bar, device, started
@@ -229,8 +217,8 @@ class StepLog:
         self.images_seen, self.last_loss = 0, float("nan")
 
     def add(self, logits: torch.Tensor, loss: torch.Tensor, labels: torch.Tensor, **record) -> None:
-        """One step's numbers, without reading them: the share's mean loss, and its right answers (float32 on the
-        device, as MPS has no float64; both exact: the loss as computed, a count below 2**24)."""
+        """One step's numbers, unread: the share's mean loss and right answers (float32: MPS has no float64; exact
+        for a count below 2**24)."""
         numbers = torch.stack([loss.detach().float(), (logits.argmax(1) == labels).sum().float()])
         self.pending.append(({**record, "time_s": time.perf_counter() - self.started}, numbers, labels.shape[0]))
 

@@ -31,14 +31,13 @@ def batch_mixer(config: TrainConfig):
 
 
 def running_statistics(model: nn.Module) -> list[torch.Tensor]:
-    """The running means and variances of a model's BatchNorm layers."""
     return [statistic for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
             and m.track_running_stats for statistic in (m.running_mean, m.running_var)]
 
 
 class WeightAveraging:
-    """SWA: an AveragedModel updated at each averaged epoch's end; SWALR's learning rate from the first averaged
-    step on (created then, since a scheduler sets the learning rate as soon as it exists)."""
+    """SWA: an AveragedModel updated at each averaged epoch's end; SWALR made at the first averaged step (a
+    scheduler sets the learning rate as soon as it exists)."""
 
     def __init__(self, model: nn.Module, config: TrainConfig, steps_per_epoch: int):
         self.start_epoch = config.swa_start()
@@ -60,16 +59,15 @@ class WeightAveraging:
         return swa_utils.SWALR(optimizer, swa_lr=self.swa_lr, anneal_epochs=self.anneal_steps, anneal_strategy="cos")
 
     def scheduler_made(self, optimizer: torch.optim.Optimizer) -> dict:
-        """What `state_dict` holds of SWALR when it is made on `optimizer`: made on a stand-in of the optimizer's
-        groups (their rates), so that the run's own rates are left as they are."""
+        """SWALR's `state_dict` when made on `optimizer`, made on a stand-in so the run's rates stay as they are."""
         stand_in = torch.optim.SGD([{"params": [torch.zeros(1)], "lr": group["lr"],
                                      "initial_lr": group.get("initial_lr", group["lr"])}
                                     for group in optimizer.param_groups])
         return {key: value for key, value in self._new_scheduler(stand_in).state_dict().items() if not callable(value)}
 
     def state_dict(self) -> dict:
-        """Data only, so that `torch.load(weights_only=True)` reads it: SWALR in torch releases before September
-        2025 keeps its annealing function in its state, which the SWALR built on loading sets again."""
+        """Data only, for `torch.load(weights_only=True)` (SWALR in torch releases before September 2025 keeps its
+        annealing function in its state)."""
         scheduler = None if self.scheduler is None else {
             key: value for key, value in self.scheduler.state_dict().items() if not callable(value)}
         return {"averaged": self.averaged.state_dict(), "scheduler": scheduler}
@@ -84,12 +82,8 @@ class WeightAveraging:
                 group["lr"] = lr
 
     def finish(self, loader_batches, device: torch.device) -> nn.Module:
-        """The averaged model, the statistics of its trained BatchNorm layers recomputed over the training batches;
-        frozen ones (linear probe, adapters) keep the starting point's, as they did in training.
-
-        Under torchrun each process sees its share of every batch; the recomputed statistics are then averaged over
-        the processes, so that they cover all of the data: the running means equal one process's over the whole
-        batches, the running variances are the mean of the shares' variances."""
+        """The averaged model, its trained BatchNorm statistics recomputed over the training batches (frozen ones
+        keep the starting point's); under torchrun averaged over the processes (docs/training.md, `--swa`)."""
         model = self.averaged.module
         frozen = {module for part in frozen_modules(model) for module in part.modules()}
         norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]

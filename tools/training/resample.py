@@ -1,11 +1,5 @@
-"""One batched, antialiased crop-and-resize for a whole batch: a box per image, two batched matmuls.
-
-torch's antialiased bilinear resize (upsample_bilinear2d_aa, what torchvision's resized_crop runs) is separable:
-each output row (column) is a weighted sum of input rows (columns), with a triangle filter whose support is
-stretched by the downscale factor. The weights depend on the box only, so the crops of a batch, each with its
-own box, are one (B, out, in) weight matrix per axis and `rows @ image @ columns^T`: a few kernels for the whole
-batch instead of several per image.
-"""
+"""One batched, antialiased crop-and-resize for a whole batch, a box per image: torch's antialiased bilinear
+resize is separable, so the crops are `rows @ image @ columns^T` with one (B, out, in) weight matrix per axis."""
 
 from __future__ import annotations
 
@@ -22,11 +16,8 @@ def weights_dtype(device: torch.device) -> torch.dtype:
 
 
 def antialias_weights(starts: torch.Tensor, lengths: torch.Tensor, in_size: int, out_size: int) -> torch.Tensor:
-    """(B, out_size, in_size) float32: row i of image b holds the weights of input pixels start..start+length-1
-    for output pixel i, as torch computes them for an antialiased bilinear resize of `length` to `out_size`
-    (align_corners=False): scale = length/out, support = max(scale, 1), center = scale * (i + 0.5), window
-    [trunc(center - support + 0.5), trunc(center + support + 0.5)) within the crop, triangle filter of
-    (j - center + 0.5) / max(scale, 1), normalised to sum 1; computed in `weights_dtype`."""
+    """(B, out_size, in_size) float32: row i of image b holds the input pixels' weights for output pixel i, as
+    torch's antialiased bilinear resize (align_corners=False) of the crop start..start+length-1 computes them."""
     device = starts.device
     dtype = weights_dtype(device)
     lengths = lengths.to(dtype).view(-1, 1, 1)

@@ -1,13 +1,5 @@
-"""A Markdown report of the results files, for a paper appendix or a leaderboard pull request. The package also holds
-its command (tools.results.report.cli, run by `python -m tools.results.report`), which adds the HTML page.
-
-Any subset of the inputs works; a section whose results are absent says "Not run." The inputs are checked
-(`tools.results.reading`) to be what their flags say, complete, and of one model on one data set
-(`--allow-mixed` reports results that are not, with a warning at the top).
-
-    python -m tools.results.report --in9 in9.json --challenge challenge.json --analysis-dir bg_results \\
-        --categories categories.json --output report.md
-"""
+"""A Markdown report of the results files (its command, `python -m tools.results.report`, adds the HTML page). Any
+subset of the inputs works (a section whose results are absent says "Not run.")."""
 
 from __future__ import annotations
 
@@ -123,8 +115,7 @@ CHALLENGE_HEADER = ["Class", "Vulnerable", "Foregrounds", "Challenge accuracy"]
 
 
 def vulnerable_sentence(challenge: dict, markdown: bool = True) -> str:
-    """How many foregrounds are vulnerable, and what that means: as Markdown (the criterion's name as code), or as
-    plain text (`markdown` False)."""
+    """How many foregrounds are vulnerable and what that means, as Markdown or plain text."""
     criterion = challenge.get("criterion", "any")
     text, name = (escape, code) if markdown else (str, str)
     return (f"{text(challenge['vulnerable'])} of {text(challenge['total'])} foregrounds "
@@ -183,9 +174,7 @@ ASR_DEFINITION = ASR_DEFINITION_MARKDOWN.replace("*", "")  # as plain text, for 
 
 
 def before_after(trained: dict, start: dict | None) -> list[tuple[str, float | None, float | None]]:
-    """A training run's comparison rows (label, starting point, trained) from the {'in9', 'challenge'} results of
-    each (`start` None: not evaluated): the variations' accuracies, the BG-gap, and the challenge accuracy when
-    it ran."""
+    """A training run's comparison rows (label, starting point, trained); `start` None: not evaluated."""
     def in9_value(results: dict | None, key: str):
         entry = (results or {}).get("in9", {}).get(key)
         return entry["accuracy"] if isinstance(entry, dict) else entry
@@ -244,8 +233,7 @@ def _provenance_value(key: str, value, markdown: bool = True) -> str:
 
 def provenance_table(sources: list[tuple[str, dict]],
                      markdown: bool = True) -> tuple[list[str], list[list[str]]] | None:
-    """The provenance table's header and rows (one column per distinct provenance), as Markdown cells or, with
-    `markdown` False, plain text; None when none is recorded."""
+    """The provenance table's header and rows (a column per distinct provenance); None when none is recorded."""
     groups: list[tuple[list[str], dict]] = []  # identical provenance from several results shares a column
     for label, prov in sources:
         if not prov:
@@ -284,8 +272,7 @@ def provenance_sources(in9: dict | None, challenge: dict | None, analysis: dict 
 
 def render_report(in9: dict | None = None, challenge: dict | None = None, analysis: dict | None = None,
                   categories: dict | None = None, report_dir: Path | str = ".", warnings: Sequence[str] = ()) -> str:
-    """The report as Markdown text; `report_dir` is where it will live (for the figure's relative link);
-    `warnings` are shown in bold at the top."""
+    """The report as Markdown text; `report_dir`: where it will live (for the figure's relative link)."""
     names = ", ".join(class_names())
     out = ["# Backgrounds Challenge report", "",
            f"Written by bg-challenge-toolkit {__version__} from its results files. IN-9 classes: {names}.", ""]
@@ -300,7 +287,6 @@ def render_report(in9: dict | None = None, challenge: dict | None = None, analys
 
 def write_report(path: Path | str, in9: dict | None = None, challenge: dict | None = None,
                  analysis: dict | None = None, categories: dict | None = None, warnings: Sequence[str] = ()) -> str:
-    """Write the Markdown report to `path` (atomically) and return its text."""
     path = Path(path)
     text = render_report(in9, challenge, analysis, categories, report_dir=path.parent, warnings=warnings)
     write_text_atomic(path, text)
