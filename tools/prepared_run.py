@@ -139,7 +139,9 @@ def prepare(request: Request, runtime: Runtime, load_model: Callable[[], LoadedM
             data: EvaluationData | None = None) -> PreparedRun:
     """The model built (`load_model`) and checked on its device, with its data: `data` listed already (the zoo's,
     for every model), or else listed, hashed and decoded here in a background thread while the model is built,
-    after the folders' check."""
+    after the folders' check. `data` listed for another request is refused: it would run on that one's settings."""
+    if data is not None and data.request != request:
+        raise ValueError("prepare: the data was listed for another request (list_data(request) with this request)")
     if data is None:
         check_folders(request)
         data, model = alongside(lambda: EvaluationData(request).decoded(), load_model, imports=decoders.LAZY_IMPORTS)
