@@ -377,7 +377,7 @@ def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None,
 class In9Config:
     """An in9 run's settings; their defaults are in9_eval.py's (`all` aside: its --eval-dataset names one)."""
 
-    variations: tuple[str, ...] = VARIATIONS  # what to list (`list_in9_files`): a run evaluates what was listed
+    variations: tuple[str, ...] = VARIATIONS  # what is listed (`tools.prepared_run`) and evaluated (`run_in9`)
     batch_size: int | None = None  # None: the runtime's default (`Runtime.batch_size`)
     workers: int = field(default_factory=default_workers)  # image-decoding threads
     progress: bool = True
@@ -392,7 +392,12 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files, config: In9C
     output_dir: where the finished variations are saved for `resume`. shard: predict only that share
     (tools.shards); the others' predictions are NOT_MINE, for tools.merge. device_check: the start-up check's record
     (`device_check.check_run`; None: none, `exact` false), recorded in the provenance, and whether it verified the
-    model in the saved state: a run resumes only predictions made under its own verdict."""
+    model in the saved state: a run resumes only predictions made under its own verdict. It evaluates the
+    variations `config` names, in its order, of those listed (ValueError for one not listed)."""
+    unlisted = [name for name in config.variations if name not in files.listings]
+    if unlisted:
+        raise ValueError(f"run_in9: {', '.join(unlisted)} not listed; list_in9_files lists {', '.join(files.listings)}")
+    files = In9Files({name: files.listings[name] for name in config.variations}, files.image_set)
     images = files.image_set
     key = {"data": images.fingerprint, "decoder": decoder_build(images.decoder.value),
            "model_identity": loaded.identity, "normalization": loaded.normalization, **runtime.arithmetic(),
