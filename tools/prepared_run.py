@@ -1,7 +1,8 @@
 """One prepared run: the order every way into an evaluation follows (in9_eval.py, challenge_eval.py, `benchmark()`,
-the zoo, train.py's evaluation, the GPU bench), decided here once. The data's folders are checked before any model
-is built (a missing folder is said before weights are downloaded); the data is listed, hashed and decoded beside
-the model being built; the start-up device check runs before any image is evaluated; then the runs."""
+the zoo, train.py's evaluation; the GPU bench lists its data here), decided here once. The data's folders are
+checked before any model is built (a missing folder is said before weights are downloaded); the data is listed,
+hashed and decoded beside the model being built; the start-up device check runs before any image is evaluated;
+then the runs."""
 
 from __future__ import annotations
 
