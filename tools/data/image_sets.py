@@ -343,8 +343,9 @@ def decode_cached(images: ImageSet, groups: dict[str, Sequence[str]], masks: Seq
     (and, for masks, the mask arithmetic), decoded and cached otherwise (the challenge's data, and train.py's
     store: tools.training.data.decoded_store). Without the files' hashes (the tests and the bench call
     decoded_store so), they are read in `workers` threads to hash them when there is a cache. Where the set holds
-    what it decodes (`ImageSet.held`), the next call reads it from memory."""
-    key = ("decoded", arithmetic, channels_last, *groups)
+    what it decodes (`ImageSet.held`), the next call for the same files, decoder and settings reads it from memory."""
+    key = ("decoded", images.decoder, arithmetic, channels_last, tuple(masks),
+           *((name, tuple(relpaths)) for name, relpaths in groups.items()))  # all that the decoding depends on
     if images.held is not None and key in images.held:
         return images.held[key]
     if images.cache is not None and images.hashes is None:

@@ -247,7 +247,8 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, files: In9Files, 
             if shard is None and runtime.group.is_main:  # a shard's predictions are the others' NOT_MINE: tools.merge
                 saved.save(name, predictions[lo:hi])
         return {name: results[name] for name in files.listings}, forward.provenance()
-    memory = [images.held.get(name) for name, _, _ in todo] if images.held is not None else []
+    held = [(name, images.decoder, tuple(relpaths)) for name, relpaths, _ in todo]  # what a decoding depends on
+    memory = [images.held.get(key) for key in held] if images.held is not None else []
     kept = torch.empty((len(all_paths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8) \
         if any(m is None for m in memory) else None  # filled on the host for the next runs
     if memory and kept is None:
@@ -274,8 +275,8 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, files: In9Files, 
                 saved.save(name, preds)
                 finished += 1
     if kept is not None:
-        for (name, _, _), lo, hi in zip(todo, bounds[:-1], bounds[1:]):
-            images.held[name] = kept[lo:hi]
+        for key, lo, hi in zip(held, bounds[:-1], bounds[1:]):
+            images.held[key] = kept[lo:hi]
     return {name: results[name] for name in files.listings}, forward.provenance()
 
 
