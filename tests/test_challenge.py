@@ -393,3 +393,14 @@ def test_empty_background_class(data, models, tmp_path, run_cli):
     _assert_one_line_error(run_cli(broken, models["color9"][1], tmp_path), r"03_reptile: no images")
 
 
+
+
+@pytest.mark.parametrize("decoded, asked", [("original", "binary"), ("binary", "original")])
+def test_data_decoded_with_another_mask_arithmetic_is_refused(decoded, asked, data, models, tmp_path):
+    """Decoded data carries its masks' arithmetic: a run asked for the other one would composite with the data's
+    and key its state by it, so it is refused before anything runs."""
+    from tools.data.compositing import MaskArithmetic  # noqa: PLC0415
+    ready = challenge.load_challenge_data(challenge.list_challenge_files(data, 1), 1, False, MaskArithmetic(decoded))
+    config = ChallengeConfig(batch_size=7, progress=False, mask_arithmetic=MaskArithmetic(asked))
+    with pytest.raises(ValueError, match=f"decoded with mask arithmetic {decoded}"):
+        run_challenge(load_model(trust=True, checkpoint=models["color9"][1]), CPU, ready, config, tmp_path)

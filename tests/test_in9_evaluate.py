@@ -478,3 +478,19 @@ def test_kept_variations_are_batched_without_a_copy_of_them_all(batch_size, monk
     assert all(rows <= batch_size for rows in made), made
     inside = [b for s, b in batches if any(lo <= s and s + b.shape[0] <= hi for lo, hi in [(0, 7), (7, 12), (13, 30)])]
     assert all(b.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() for b in inside)
+
+
+def test_a_run_evaluates_the_variations_its_config_names_of_those_listed(dataset, color_ts, one_thread):
+    """Listed once for every variation, a run of In9Config(("mixed_rand", "original")) evaluates those two, in that
+    order, with the predictions a listing of them alone gives; a variation that was not listed is refused."""
+    loaded = load_model(checkpoint=color_ts[9], trust=True)
+    cpu = Runtime(torch.device("cpu"))
+    names = ("mixed_rand", "original")
+    config = In9Config(names, 16, workers=1, progress=False)
+    run = run_in9(loaded, cpu, list_in9_files(dataset.root, VARIATIONS, 1), config)
+    alone = run_in9(loaded, cpu, list_in9_files(dataset.root, names, 1), config)
+    assert list(run.results) == list(names)
+    assert {n: r.predictions.tolist() for n, r in run.results.items()} == \
+        {n: r.predictions.tolist() for n, r in alone.results.items()}
+    with pytest.raises(ValueError, match="only_fg"):
+        run_in9(loaded, cpu, list_in9_files(dataset.root, names, 1), In9Config(("only_fg",), 16, 1, False))

@@ -135,7 +135,10 @@ class PreparedRun:
 def prepare(request: Request, runtime: Runtime, load_model: Callable[[], LoadedModel],
             data: EvaluationData | None = None) -> PreparedRun:
     """The model built and checked on its device, with its data: `data` as given (the zoo's), else listed and
-    decoded in a background thread while the model is built."""
+    decoded in a background thread while the model is built. `data` listed for another request is
+    refused: it would run on that one's settings."""
+    if data is not None and data.request != request:
+        raise ValueError("prepare: the data was listed for another request (list_data(request) with this request)")
     if data is None:
         check_folders(request)
         data, model = alongside(lambda: EvaluationData(request).decoded(), load_model, imports=decoders.LAZY_IMPORTS)

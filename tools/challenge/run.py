@@ -18,6 +18,7 @@ from tools.challenge.predictor import CompositePredictor
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import Scheduler, split_untested, state_problem
 from tools.challenge.state import STATE_NAME, UNKNOWN, SearchState
+from tools.data.compositing import MaskArithmetic
 from tools.errors import UserError, option
 from tools.in9 import UNMAPPED
 from tools.models.boundary import LoadedModel
@@ -263,12 +264,16 @@ def run_challenge(loaded: LoadedModel, runtime: Runtime, data: ChallengeData | C
                   config: ChallengeConfig, output_dir: Path | None = None, resume: bool = False, workers: int = 4,
                   shard: Shard | None = None, device_check: dict | None = None) -> ChallengeResult:
     """The challenge's verdict for every foreground, exactly as an exhaustive search gives it. `data`: decoded
-    (`load_challenge_data`) or listed (decoded here). `shard`: only that share of the foregrounds (tools.shards).
-    `device_check`: the start-up check, recorded in the provenance and saved state (as `run_in9` does)."""
+    (`load_challenge_data`, with `config.mask_arithmetic`: other data is refused) or listed (decoded here).
+    `shard`: only that share of the foregrounds (tools.shards). `device_check`: the start-up check, recorded in the
+    provenance and saved state (as `run_in9` does)."""
     # decoding or predicting may fail in one process: all leave together
     with distributed.agree(runtime.group, runtime.device):
         if not isinstance(data, ChallengeData):
             data = load_challenge_data(data, workers, config.progress, config.mask_arithmetic)
+        if data.arithmetic != config.mask_arithmetic:  # it would composite, and key the state, by the data's
+            raise ValueError(f"run_challenge: the data was decoded with mask arithmetic {data.arithmetic.value}, "
+                             f"the config asks {MaskArithmetic(config.mask_arithmetic).value}")
         key = _run_key(data, loaded, runtime, config)
         saved_as = state_key(key, device_check)
         state_name = STATE_NAME

@@ -320,7 +320,8 @@ def decode_cached(images: ImageSet, groups: dict[str, Sequence[str]], masks: Seq
                   channels_last: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Named groups of `images` as uint8 (N, 3, H, W) tensors and the `masks`, through the set's cache (masks per
     arithmetic); without the files' hashes (tests, bench) they are hashed first when there is a cache."""
-    key = ("decoded", arithmetic, channels_last, *groups)
+    key = ("decoded", images.decoder, arithmetic, channels_last, tuple(masks),
+           *((name, tuple(relpaths)) for name, relpaths in groups.items()))  # all that the decoding depends on
     if images.held is not None and key in images.held:
         return images.held[key]
     if images.cache is not None and images.hashes is None:

@@ -238,7 +238,8 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, files: In9Files, 
             if shard is None and runtime.group.is_main:  # a shard's predictions are the others' NOT_MINE: tools.merge
                 saved.save(name, predictions[lo:hi])
         return {name: results[name] for name in files.listings}, forward.provenance()
-    memory = [images.held.get(name) for name, _, _ in todo] if images.held is not None else []
+    held = [(name, images.decoder, tuple(relpaths)) for name, relpaths, _ in todo]  # what a decoding depends on
+    memory = [images.held.get(key) for key in held] if images.held is not None else []
     kept = torch.empty((len(all_paths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8) \
         if any(m is None for m in memory) else None  # filled on the host for the next runs
     if memory and kept is None:
@@ -265,8 +266,8 @@ def evaluate_variations(loaded: LoadedModel, runtime: Runtime, files: In9Files, 
                 saved.save(name, preds)
                 finished += 1
     if kept is not None:
-        for (name, _, _), lo, hi in zip(todo, bounds[:-1], bounds[1:]):
-            images.held[name] = kept[lo:hi]
+        for key, lo, hi in zip(held, bounds[:-1], bounds[1:]):
+            images.held[key] = kept[lo:hi]
     return {name: results[name] for name in files.listings}, forward.provenance()
 
 
@@ -367,7 +368,7 @@ def list_in9_files(root: Path, names: Sequence[str], workers: int | None = None,
 class In9Config:
     """An in9 run's settings; their defaults are in9_eval.py's (`all` aside: its --eval-dataset names one)."""
 
-    variations: tuple[str, ...] = VARIATIONS  # what to list (`list_in9_files`): a run evaluates what was listed
+    variations: tuple[str, ...] = VARIATIONS  # what is listed (`tools.prepared_run`) and evaluated (`run_in9`)
     batch_size: int | None = None  # None: the runtime's default (`Runtime.batch_size`)
     workers: int = field(default_factory=default_workers)  # image-decoding threads
     progress: bool = True
@@ -380,7 +381,12 @@ def run_in9(loaded: LoadedModel, runtime: Runtime, files: In9Files, config: In9C
     """Evaluate the listed variations and gather the provenance a results file cites. output_dir: where finished
     variations are saved for `resume`. shard: predict only that share (tools.shards; the rest NOT_MINE, for
     tools.merge). device_check: the start-up check's record, recorded in the provenance; a run resumes only
-    predictions made under its own verdict."""
+    predictions made under its own verdict. It evaluates the variations `config` names, in its order, of
+    those listed (ValueError for one not listed)."""
+    unlisted = [name for name in config.variations if name not in files.listings]
+    if unlisted:
+        raise ValueError(f"run_in9: {', '.join(unlisted)} not listed; list_in9_files lists {', '.join(files.listings)}")
+    files = In9Files({name: files.listings[name] for name in config.variations}, files.image_set)
     images = files.image_set
     key = {"data": images.fingerprint, "decoder": decoder_build(images.decoder.value),
            "model_identity": loaded.identity, "normalization": loaded.normalization, **runtime.arithmetic(),

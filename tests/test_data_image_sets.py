@@ -1,0 +1,75 @@
+"""tools.data.image_sets: what a set holds in memory (`ImageSet.held`, the zoo's one decoding) is handed back only
+for the same files, decoder and settings; anything else is decoded afresh."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.helpers import save_torchscript
+from tests.test_in9_evaluate import tiny_cnn
+from tools.challenge.data import list_challenge_files, load_challenge_data
+from tools.data import image_sets, synthetic
+from tools.data.decoders import Decoder
+from tools.in9.evaluate import In9Config, list_in9_files, run_in9
+from tools.models.sources import load_model
+from tools.runtime import Runtime
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return synthetic.generate(tmp_path_factory.mktemp("held") / "bg_challenge", per_class=2, seed=5).root
+
+
+@pytest.fixture
+def decodes(monkeypatch):
+    seen: list[str] = []
+    real = image_sets.decode_bytes
+    monkeypatch.setattr(image_sets, "decode_bytes", lambda data, name, *a, **k: seen.append(str(name)) or
+                        real(data, name, *a, **k))
+    return seen
+
+
+def test_the_challenge_held_is_of_the_files_asked_for(data):
+    """Fewer foregrounds of the same set: their own images and masks, not the whole set's held ones."""
+    files = list_challenge_files(data, 1, hold=True)
+    whole = load_challenge_data(files, 1, progress=False)
+    fewer = dataclasses.replace(files, foregrounds=files.foregrounds[::2])
+    part = load_challenge_data(fewer, 1, progress=False)
+    assert part.fg_images.shape[0] == part.masks.shape[0] == len(fewer.foregrounds)
+    assert torch.equal(part.fg_images, whole.fg_images[::2]) and torch.equal(part.masks, whole.masks[::2])
+
+
+def test_another_decoder_decodes_the_challenge_afresh(data, decodes):
+    """The set's decoder changed after a held decoding: the challenge's images (and in9's variations, below) are
+    decoded again by it, not handed back from the other decoder's."""
+    files = list_challenge_files(data, 1, hold=True)
+    load_challenge_data(files, 1, progress=False)
+    decodes.clear()
+    files.image_set.decoder = _other(files.image_set.decoder)
+    load_challenge_data(files, 1, progress=False)
+    assert len(decodes) == len(files.foregrounds) + len(files.backgrounds)
+
+
+def test_another_decoder_decodes_in9_afresh(data, decodes):
+    listed = list_in9_files(data, ["original"], 1, hold=True)
+    loaded = load_model(trust=True, checkpoint=_model(data))
+    config = In9Config(("original",), 4, 1, progress=False)
+    run_in9(loaded, Runtime(torch.device("cpu")), listed, config)
+    decodes.clear()
+    listed.image_set.decoder = _other(listed.image_set.decoder)
+    run_in9(loaded, Runtime(torch.device("cpu")), listed, config)
+    assert len(decodes) == len(listed.listings["original"])
+
+
+def _model(data):
+    path = data.parent / "cnn.ts"
+    if not path.exists():
+        save_torchscript(tiny_cnn(9, seed=2), path)
+    return path
+
+
+def _other(decoder: Decoder) -> Decoder:
+    return Decoder.PILLOW if decoder is Decoder.TORCHVISION else Decoder.TORCHVISION
