@@ -68,10 +68,14 @@ class EvaluationData:
         self._check_images: torch.Tensor | None = None
 
     def challenge(self) -> ChallengeData:
-        if not isinstance(self._challenge, ChallengeData):
-            self._challenge = load_challenge_data(self._challenge, self.request.workers, self.request.progress,
-                                                  self.request.challenge.mask_arithmetic)
-        return self._challenge
+        """Decoded once: kept here for this run's models, or, listed with `hold`, by the image set itself."""
+        if isinstance(self._challenge, ChallengeData):
+            return self._challenge
+        data = load_challenge_data(self._challenge, self.request.workers, self.request.progress,
+                                   self.request.challenge.mask_arithmetic)
+        if self._challenge.image_set.held is None:
+            self._challenge = data
+        return data
 
     def check_images(self) -> torch.Tensor:
         """The start-up device check's images: the in9 run's first, else the challenge's first backgrounds."""

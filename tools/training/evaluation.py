@@ -13,7 +13,7 @@ from tools.in9 import VARIATIONS
 from tools.in9.evaluate import In9Config
 from tools.models.boundary import LoadedModel
 from tools.models.sources import load_model
-from tools.prepared_run import Request, check_folders, prepare
+from tools.prepared_run import EvaluationData, Request, check_folders, list_data, prepare
 from tools.provenance import START_EVAL_DIR, TRAINED_EVAL_DIR, write_json_atomic, write_text_atomic
 from tools.results.html import write_html
 from tools.results.markdown import code, escape, markdown_table
@@ -42,10 +42,11 @@ def check_eval_data(config: TrainConfig) -> None:
         check_folders(eval_request(config))
 
 
-def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir: Path) -> dict:
+def evaluate(loaded: LoadedModel, config: TrainConfig, runtime: Runtime, out_dir: Path,
+             data: EvaluationData | None = None) -> dict:
     """{'in9': payload, 'challenge': payload or None}, also written under out_dir, through the scripts' prepared
-    run (so with their start-up device check)."""
-    prepared = prepare(eval_request(config), runtime, lambda: loaded)
+    run (so with their start-up device check); `data`: listed already (`list_data(eval_request(config))`)."""
+    prepared = prepare(data.request if data is not None else eval_request(config), runtime, lambda: loaded, data)
     in9 = prepared.in9(out_dir).to_json()
     write_json_atomic(out_dir / "in9.json", in9)
     challenge = None
@@ -92,13 +93,14 @@ def evaluate_and_report(config: TrainConfig, result: TrainResult) -> Path:
     """Evaluate the saved checkpoint as in9_eval.py loads it, and the starting point; write the reports."""
     runtime = Runtime(resolve_device(config.device))
     out = Path(config.output_dir)
+    data = list_data(eval_request(config))  # listed once for both models; the challenge decoded once
     # a UserError (a refused device check, an unreadable image) keeps the checkpoint: the command says so
     trained = evaluate(load_model(checkpoint=result.checkpoint, runtime=runtime), config, runtime,
-                       out / TRAINED_EVAL_DIR)
+                       out / TRAINED_EVAL_DIR, data)
     start = None
     if result.start.source is not None:
         try:
-            start = evaluate(result.start.source, config, runtime, out / START_EVAL_DIR)
+            start = evaluate(result.start.source, config, runtime, out / START_EVAL_DIR, data)
         except UserError as exc:
             log.warning("the starting point could not be evaluated: %s", exc)
     if start is None:
