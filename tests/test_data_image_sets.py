@@ -73,3 +73,33 @@ def _model(data):
 
 def _other(decoder: Decoder) -> Decoder:
     return Decoder.PILLOW if decoder is Decoder.TORCHVISION else Decoder.TORCHVISION
+
+
+def test_a_second_run_on_a_set_decodes_no_file_unnoticed_that_changed_since_listing(tmp_path, caplog):
+    """The first run frees the bytes read when listing; a second model's run on the same listing (train.py's starting
+    point, without a cache) reads the files again and says which changed since their hashes were taken."""
+    root = synthetic.generate(tmp_path / "bg_challenge", per_class=1, seed=6).root
+    listed = list_in9_files(root, ["original"], 1)
+    loaded = load_model(trust=True, checkpoint=_model(root))
+    config = In9Config(("original",), 4, 1, progress=False)
+    run_in9(loaded, Runtime(torch.device("cpu")), listed, config)
+    first, second = (root / r.relpath for r in listed.listings["original"][:2])
+    first.write_bytes(second.read_bytes())
+    with caplog.at_level("WARNING", logger="tools.data.image_sets"):
+        run_in9(loaded, Runtime(torch.device("cpu")), listed, config)
+    assert f"{listed.listings['original'][0].relpath} changed since it was listed" in caplog.text
+
+
+def test_the_challenge_decoded_again_says_which_files_changed_since_listing(tmp_path, caplog):
+    """The same for the challenge's images and masks decoded a second time from one listing (no hold, no cache)."""
+    root = synthetic.generate(tmp_path / "bg_challenge", per_class=1, seed=7).root
+    files = list_challenge_files(root, 1)
+    load_challenge_data(files, 1, progress=False)
+    masks = [root / r.mask_relpath for r in files.foregrounds[:2]]
+    images = [root / r.image_relpath for r in files.foregrounds[:2]]
+    masks[0].write_bytes(masks[1].read_bytes())
+    images[0].write_bytes(images[1].read_bytes())
+    with caplog.at_level("WARNING", logger="tools.data.image_sets"):
+        load_challenge_data(files, 1, progress=False)
+    for changed in (files.foregrounds[0].mask_relpath, files.foregrounds[0].image_relpath):
+        assert f"{changed} changed since it was listed" in caplog.text

@@ -101,13 +101,16 @@ class ImageSet:
 
     def hashed_bytes(self, rel: str) -> tuple[bytes | None, bool]:
         """A file's bytes (None where unreadable: its decoder names the error) and whether they are those hashed
-        when listed: a file rewritten since is decoded as it is now, but its rows are not cached."""
+        when listed (False for a set listed without hashes): a file rewritten since (read again once a run freed
+        the bytes) is decoded as it is now, with a warning, but its rows are not cached."""
         if rel in self.contents:
             return self.contents[rel], True
         try:
             data = (self.root / rel).read_bytes()
         except OSError:
             return None, False
+        if self.hashes is None:
+            return data, False
         if hashlib.sha256(data).hexdigest() != self.hashes[rel]:
             log.warning("%s changed since it was listed; not caching what it decodes to", rel)
             return data, False
@@ -141,9 +144,9 @@ def _decode_into(out: torch.Tensor, images: ImageSet, relpaths: Sequence[str], c
         if rows is not None:
             array[i] = rows[row]
             continue
-        data, same = (images.contents.get(rel), False) if writer is None else images.hashed_bytes(rel)
+        data, same = images.hashed_bytes(rel)
         array[i] = decode_rgb(images.root / rel, decoder=images.decoder, data=data)
-        if same:
+        if same and writer is not None:
             writer.put(row, array[i])
 
 
@@ -353,14 +356,14 @@ def _masks_cached(images: ImageSet, relpaths: Sequence[str], arithmetic: MaskAri
         else [None] * len(relpaths)
     missing = [i for i, hit in enumerate(found) if hit is None]
     names = [relpaths[i] for i in missing]
-    read = {rel: images.hashed_bytes(rel) if hashed else (images.contents.get(rel), False) for rel in names}
+    read = {rel: images.hashed_bytes(rel) for rel in names}
     fresh = as_rows(load_masks(images.root, [(rel, read[rel][0]) for rel in names], arithmetic))
     rows = np.empty((len(relpaths), *packs.row_shape), np.uint8)
     for i, hit in enumerate(found):
         if hit is not None:
             rows[i] = hit[0][hit[1]]
     rows[missing] = fresh
-    same = [k for k, rel in enumerate(names) if read[rel][1]]
+    same = [k for k, rel in enumerate(names) if hashed and read[rel][1]]
     if same:
         writer = packs.writer([hashes[names[k]] for k in same])
         for j, k in enumerate(same):
