@@ -9,7 +9,6 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from tools import data as data_package
 from tools.cli import (
     ArgumentParser,
     add_log_level_argument,
@@ -44,11 +43,26 @@ def _sha256_arg(value: str) -> str:
     return value.lower()
 
 
+# -h's text, its own: the package docstring says what the package owns
+DESCRIPTION = ("Getting, checking and building IN-9 test data: "
+               "`python -m tools.data {fetch,verify,build,provenance,cache}`." """
+
+fetch   downloads the release archive (resuming a partial download), checks its SHA-256 and extracts it
+        safely into --data-path, so that <data-path>/original/val/... exist.
+verify  checks the folder layout both scripts read and prints a variation x class table of counts and
+        every problem found; `quick_check` is the fast form the scripts run before they start.
+build   makes the eight variations and fg_mask from labelled images with one bounding box each,
+        following the paper's Appendix A (resize 256, centre crop 224, four filters, GrabCut masks).
+provenance  finds the only_bg_t image each mixed image was made from, and every mask's box, from the pixels.
+cache   shows what the decoded-data cache holds, and clears it, bounds its size or removes what this
+        version cannot read.""")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--no-progress", action="store_true", help="hide progress bars (default: shown)")
     add_log_level_argument(common)
-    parser = ArgumentParser(description=data_package.__doc__, epilog=examples(
+    parser = ArgumentParser(description=DESCRIPTION, epilog=examples(
         "python -m tools.data fetch", "python -m tools.data verify --data-path data/bg_challenge"))
     commands = parser.add_subparsers(dest="command", required=True, metavar="{fetch,verify,build,provenance,cache}")
 
