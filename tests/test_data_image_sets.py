@@ -3,7 +3,10 @@ for the same files, decoder and settings; anything else is decoded afresh."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import threading
 
 import pytest
 import torch
@@ -13,9 +16,12 @@ from tests.test_in9_evaluate import tiny_cnn
 from tools.challenge.data import list_challenge_files, load_challenge_data
 from tools.data import image_sets, synthetic
 from tools.data.decoders import Decoder
+from tools.data.store import DecodedCache
+from tools.errors import UserError
 from tools.in9.evaluate import In9Config, list_in9_files, run_in9
 from tools.models.sources import load_model
 from tools.runtime import Runtime
+from tools.shards import Shard
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +109,60 @@ def test_the_challenge_decoded_again_says_which_files_changed_since_listing(tmp_
         load_challenge_data(files, 1, progress=False)
     for changed in (files.foregrounds[0].mask_relpath, files.foregrounds[0].image_relpath):
         assert f"{changed} changed since it was listed" in caplog.text
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_file_read_again_that_became_a_fifo_is_refused_not_waited_on(tmp_path):
+    """A file read again after the first run freed its bytes, replaced by a FIFO since listing: one error naming it,
+    never a wait for a writer that does not come (as for a file read the first time: `hashing.open_regular`)."""
+    root = synthetic.generate(tmp_path / "bg_challenge", per_class=1, seed=8).root
+    listed = list_in9_files(root, ["original"], 1)
+    loaded = load_model(trust=True, checkpoint=_model(root))
+    config = In9Config(("original",), 4, 1, progress=False)
+    run_in9(loaded, Runtime(torch.device("cpu")), listed, config)
+    fifo = root / listed.listings["original"][0].relpath
+    fifo.unlink()
+    os.mkfifo(fifo)
+    outcome: list = []
+
+    def second_run():
+        try:
+            run_in9(loaded, Runtime(torch.device("cpu")), listed, config)
+        except UserError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=second_run, daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():  # it waits on the FIFO: give it a writer so the thread ends, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(60)
+        pytest.fail("the second run waited on a FIFO")
+    assert outcome and "not a regular file" in str(outcome[0]) and fifo.name in str(outcome[0])
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_the_cache_spot_check_of_a_second_run_does_not_wait_on_a_fifo(tmp_path):
+    """A shard's second run on one listing takes its rows from the pack the first wrote; the spot check reads files
+    again, and a file replaced by a FIFO is not checked (as one rewritten), never waited on."""
+    root = synthetic.generate(tmp_path / "bg_challenge", per_class=1, seed=9).root
+    listed = list_in9_files(root, ["original"], 1, DecodedCache(tmp_path / "cache"))
+    loaded = load_model(trust=True, checkpoint=_model(root))
+    config = In9Config(("original",), 4, 1, progress=False)
+    first = run_in9(loaded, Runtime(torch.device("cpu")), listed, config, shard=Shard(0, 2))
+    fifos = [root / r.relpath for r in listed.listings["original"]]
+    for path in fifos:
+        path.unlink()
+        os.mkfifo(path)
+    outcome: list = []
+    thread = threading.Thread(target=lambda: outcome.append(
+        run_in9(loaded, Runtime(torch.device("cpu")), listed, config, shard=Shard(0, 2))), daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():  # the spot check waits on a FIFO: give each a writer so the thread ends, then fail
+        for path in fifos:
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(20)
+        pytest.fail("the spot check waited on a FIFO")
+    assert outcome[0].results["original"].predictions.tolist() == first.results["original"].predictions.tolist()

@@ -106,7 +106,8 @@ class ImageSet:
         if rel in self.contents:
             return self.contents[rel], True
         try:
-            data = (self.root / rel).read_bytes()
+            with open_regular(self.root / rel) as fh:  # a FIFO refused, not waited on
+                data = fh.read()
         except OSError:
             return None, False
         if self.hashes is None:
