@@ -287,8 +287,8 @@ def _cache_plan(images: ImageSet, relpaths: Sequence[str], batch_size: int,
         log.info("%d of %d image(s) read from the decoded-data cache", len(mine) - len(missing), len(mine))
 
     def is_pillows(i: int, row: np.ndarray) -> bool:
-        path = images.root / relpaths[missing[i]]
-        return np.array_equal(row, pillow_rgb(images.contents.get(relpaths[missing[i]]) or path.read_bytes(), path))
+        data, _ = images.hashed_bytes(relpaths[missing[i]])
+        return data is not None and np.array_equal(row, pillow_rgb(data, images.root / relpaths[missing[i]]))
 
     return cached, image_packs(cache).writer([hashes[relpaths[p]] for p in missing],
                                              is_pillows if images.decoder is Decoder.TORCHVISION else None)
