@@ -63,8 +63,8 @@ class ChallengeData(ChallengeFiles):
 
 def list_challenge_files(root: Path, workers: int = 4, cache: DecodedCache | None = None,
                          hold: bool = False) -> ChallengeFiles:
-    """List the foregrounds and backgrounds (folders checked first) and hash their content (`cache`, `hold`: as
-    `image_sets.read_image_set`)."""
+    """List the foregrounds and backgrounds (folders checked first: `tools.prepared_run.check_folders`) and hash
+    their content (`cache`, `hold`: as `image_sets.read_image_set`)."""
     foregrounds = layout.list_foregrounds(Path(root))
     backgrounds = layout.list_variation(Path(root), Variation.ONLY_BG_T.value)
     relpaths = [p for r in foregrounds for p in (r.image_relpath, r.mask_relpath)] + [r.relpath for r in backgrounds]
