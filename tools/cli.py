@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from tools import EXIT_INTERRUPTED, interrupted_while_loading
 from tools.errors import UserError, mismatched_torchvision
@@ -247,6 +248,14 @@ MAX_SEED = 2**64 - 1  # the largest seed torch's generator holds (a negative one
 MAX_WORKERS = 256  # threads (or training's loader processes) a command starts at most
 seed_number = whole_number(0, MAX_SEED)
 worker_count = whole_number(1, MAX_WORKERS)
+
+
+def add_report_arguments(group) -> None:
+    """The --report and --html flags of the commands that publish results (in9_eval.py, challenge_eval.py, merge)."""
+    group.add_argument("--report", type=Path, default=None, metavar="PATH",
+                       help="write a Markdown report of the results (default: none)")
+    group.add_argument("--html", type=Path, default=None, metavar="PATH",
+                       help="write the report as one self-contained HTML page with pictures (default: none)")
 
 
 def add_log_level_argument(parser) -> None:

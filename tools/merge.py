@@ -15,7 +15,7 @@ from tools.challenge.data import ChallengeFiles
 from tools.challenge.result import ChallengeResult
 from tools.challenge.scheduler import state_problem
 from tools.challenge.state import SearchState
-from tools.cli import ArgumentParser, add_log_level_argument, examples, run_main, whole_number
+from tools.cli import ArgumentParser, add_log_level_argument, add_report_arguments, examples, run_main, whole_number
 from tools.data import layout
 from tools.data.image_sets import ImageSet
 from tools.data.layout import DATA_ENV, DEFAULT_DATA_ROOT
@@ -112,10 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the --full matrix and analysis go (default: the first DIR)")
     parser.add_argument("--results-file", type=Path, default=None, metavar="PATH",
                         help="write the merged results and their provenance as JSON (default: none)")
-    parser.add_argument("--report", type=Path, default=None, metavar="PATH",
-                        help="write a Markdown report of the results (default: none)")
-    parser.add_argument("--html", type=Path, default=None, metavar="PATH",
-                        help="write the report as one self-contained HTML page with pictures (default: none)")
+    add_report_arguments(parser)
     parser.add_argument("--data-path", type=Path, default=None, metavar="DIR",
                         help=f"challenge with --analysis: the data folder the figure's and the HTML report's pictures "
                              f"are read from; only files inside it are shown (default: ${DATA_ENV} if set, else "

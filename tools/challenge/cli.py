@@ -32,10 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "it)")
     group.add_argument("--top-k", type=cli.whole_number(1), default=DEFAULT_TOP_K, metavar="K",
                        help=f"most fooling backgrounds listed and drawn per class (default: {DEFAULT_TOP_K})")
-    group.add_argument("--report", type=Path, default=None, metavar="PATH",
-                       help="write a Markdown report of the results (default: none)")
-    group.add_argument("--html", type=Path, default=None, metavar="PATH",
-                       help="write the report as one self-contained HTML page with pictures (default: none)")
+    cli.add_report_arguments(group)
     group.add_argument("--per-foreground-csv", type=Path, default=None, metavar="PATH",
                        help="one row per foreground: stem, class, vulnerable, first fooling background found, the "
                             "prediction it caused (default: none)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from tools import cli, options
 from tools.in9 import VARIATIONS
@@ -23,10 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--categories", action="store_true",
                         help="also count the paper's prediction categories (BG Irrelevant, BG Required, ...) from "
                              "original, mixed_rand and only_bg_t, evaluating those three as needed (default: off)")
-    parser.add_argument("--report", type=Path, default=None, metavar="PATH",
-                        help="write a Markdown report of the results (default: none)")
-    parser.add_argument("--html", type=Path, default=None, metavar="PATH",
-                        help="write the report as one self-contained HTML page with pictures (default: none)")
+    cli.add_report_arguments(parser)
     parser.add_argument("--recheck-margin", type=cli.number(0), default=RECHECK_MARGIN, metavar="M",
                         help=f"in bf16/fp16/tf32, re-run every image whose top-two logit margin is below M in true "
                              f"fp32, as the challenge does, so near ties get fp32's prediction (default: "
