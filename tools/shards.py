@@ -84,6 +84,11 @@ def write_challenge_shard(output_dir: Path, shard: Shard, result, files, data_pa
     return stem.with_suffix(".json")
 
 
+def written_line(shard: Shard, path: Path, output_dir: Path) -> str:
+    """What a command prints when it has written its shard."""
+    return f"shard {shard} written to {path}; when all are done: python -m tools.merge {output_dir}"
+
+
 def write_in9_shard(output_dir: Path, shard: Shard, run) -> Path:
     """The shard's predictions (the others' NOT_MINE) for every variation of the run."""
     path = Path(output_dir) / IN9_PATTERN.format(index=shard.index, count=shard.count)

@@ -12,7 +12,7 @@ from tools.errors import UserError
 from tools.prepared_run import Request, prepare
 from tools.results.analysis import DEFAULT_TOP_K
 from tools.results.publish import publish_challenge
-from tools.shards import write_challenge_shard
+from tools.shards import write_challenge_shard, written_line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +54,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.shard is not None:
         path = write_challenge_shard(args.output_dir, args.shard, result, prepared.data.challenge(),
                                      checked.data_path, num_classes)
-        print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")
+        print(written_line(args.shard, path, args.output_dir))
     elif runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
         print("\n".join(publish_challenge(result, args.output_dir, checked.data_path, num_classes, args.analysis,
                                           args.top_k, args.per_foreground_csv, args.results_file, args.report,

@@ -10,7 +10,7 @@ from tools.in9.evaluate import In9Config
 from tools.results.categories import CATEGORY_VARIATIONS
 from tools.results.publish import publish_in9
 from tools.runtime import RECHECK_MARGIN
-from tools.shards import write_in9_shard
+from tools.shards import write_in9_shard, written_line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +48,7 @@ def _main(args: argparse.Namespace) -> int:
     run = prepared.in9(args.output_dir, args.resume, args.shard)
     if args.shard is not None:
         path = write_in9_shard(args.output_dir, args.shard, run)
-        print(f"shard {args.shard} written to {path}; when all are done: python -m tools.merge {args.output_dir}")
+        print(written_line(args.shard, path, args.output_dir))
     elif runtime.group.is_main:  # under torchrun, rank 0 prints and writes what one process would
         print("\n".join(publish_in9(run, args.categories, args.results_file, args.report, html=args.html)))
     return 0
